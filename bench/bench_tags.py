@@ -1,0 +1,105 @@
+"""Pseudo-random tags for 100k leaves: cudarecv's tag map vs stock ``_int_generator``.
+
+Each round runs in a fresh ``sys.executable`` child, so the cudarecv number
+includes importing ``cudarecv._tags`` and building the tag map. The child times
+itself (``child_seconds``); process start-up is not part of it. numpy is
+imported before the timer in both children (a shared dependency, ~70 ms); the
+stock child also imports tensordict (and so torch) before its timer, then times
+``from tensordict.utils import _int_generator`` plus the 100k-call loop.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LEAVES = 100_000
+
+_OURS = f"""
+import hashlib, json, time
+import numpy as np
+t0 = time.perf_counter()
+import cudarecv._tags
+tags = cudarecv._tags.tag_sequence(0, {LEAVES}, pseudo_rand=True)
+t1 = time.perf_counter()
+print(json.dumps({{"seconds": t1 - t0, "sha": hashlib.sha256(np.asarray(tags, np.int64).tobytes()).hexdigest()}}))
+"""
+
+_STOCK = f"""
+import hashlib, json, time
+import numpy as np
+s0 = time.perf_counter()
+import tensordict
+s1 = time.perf_counter()
+t0 = time.perf_counter()
+from tensordict.utils import _int_generator
+tag, tags = -1, []
+for _ in range({LEAVES}):
+    tag = _int_generator(tag + 1)
+    tags.append(tag)
+t1 = time.perf_counter()
+print(json.dumps({{"seconds": t1 - t0, "setup_seconds": s1 - s0,
+                  "sha": hashlib.sha256(np.asarray(tags, np.int64).tobytes()).hexdigest()}}))
+"""
+
+_results: dict[str, dict] = {}
+
+
+def _run_child(code: str) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, f"child failed ({proc.returncode}):\n{proc.stderr}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _extra(benchmark, impl: str, runs: list[dict]) -> float:
+    seconds = statistics.median(r["seconds"] for r in runs)
+    benchmark.extra_info.update(
+        case="tags 100k",
+        impl=impl,
+        mode="pseudo_rand",
+        bytes=0,
+        leaves=LEAVES,
+        child_seconds=seconds,
+        child_seconds_all=[r["seconds"] for r in runs],
+    )
+    return seconds
+
+
+def _report_ratio(benchmark) -> None:
+    if "stock" in _results and "cudarecv" in _results:
+        stock, ours = _results["stock"], _results["cudarecv"]
+        assert stock["sha"] == ours["sha"], "cudarecv tags differ from stock tensordict tags"
+        ratio = stock["seconds"] / ours["seconds"]
+        benchmark.extra_info["speedup_vs_stock"] = ratio
+        print(
+            f"\ntags 100k pseudo_rand, fresh process: stock {stock['seconds'] * 1e3:.1f} ms, "
+            f"cudarecv {ours['seconds'] * 1e3:.2f} ms, ratio {ratio:.0f}x"
+        )
+
+
+def test_tags_100k_stock(benchmark) -> None:
+    runs: list[dict] = []
+    benchmark.pedantic(lambda: runs.append(_run_child(_STOCK)), rounds=1, iterations=1)
+    seconds = _extra(benchmark, "stock", runs)
+    benchmark.extra_info["child_setup_seconds"] = runs[0]["setup_seconds"]
+    _results["stock"] = {"seconds": seconds, "sha": runs[0]["sha"]}
+    _report_ratio(benchmark)
+
+
+def test_tags_100k_cudarecv(benchmark) -> None:
+    runs: list[dict] = []
+    benchmark.pedantic(lambda: runs.append(_run_child(_OURS)), rounds=3, iterations=1)
+    seconds = _extra(benchmark, "cudarecv", runs)
+    assert len({r["sha"] for r in runs}) == 1
+    _results["cudarecv"] = {"seconds": seconds, "sha": runs[0]["sha"]}
+    _report_ratio(benchmark)

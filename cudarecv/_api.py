@@ -1,0 +1,180 @@
+"""``isend``/``irecv``/``send``/``recv``: tensordict's p2p methods, cached and with a fast wire.
+
+The signatures and the wire are those of ``TensorDictBase`` in tensordict
+0.15.3 (a stock peer reads what these send and sends what these read), plus
+``bucket_bytes``, which selects the fast wire on both ends.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tensordict import TensorDictBase
+
+from . import _fast_wire, _stock_wire
+from ._handle import Transfer
+from ._link import Link, resolve
+from ._plan import Plan, plan_for
+from ._walk import unwrap
+
+
+def _check_options(init_tag: object, pseudo_rand: object, consolidated: object,
+                   bucket_bytes: object) -> None:
+    if not isinstance(init_tag, int) or isinstance(init_tag, bool):
+        raise TypeError(f"`init_tag` must be an int, got {type(init_tag).__name__}")
+    if pseudo_rand and init_tag < 0:
+        raise ValueError(
+            f"`init_tag={init_tag}` is negative, but `pseudo_rand=True` seeds numpy with it, "
+            "which takes non-negative seeds only: pass init_tag >= 0"
+        )
+    if bucket_bytes is not None:
+        if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes <= 0:
+            raise ValueError(
+                f"`bucket_bytes` must be a positive int (the bytes per message, e.g. 1 << 20), "
+                f"got {bucket_bytes!r}; pass None for the stock wire"
+            )
+        if not consolidated:
+            _fast_wire.check_init_tag(init_tag, bool(pseudo_rand))
+
+
+def _prepare(td: Any, link: Link, receiving: bool) -> tuple[TensorDictBase, Plan]:
+    inner = unwrap(td)
+    plan = plan_for(inner)
+    plan.check(receiving=receiving, backend=link.backend)
+    if plan.in_flight is not None:
+        # the previous fast-wire transfer of this tensordict still uses its staging
+        # buffer: finish it first (its errors were or will be reported by its owner)
+        previous, plan.in_flight = plan.in_flight, None
+        try:
+            previous.wait()
+        except Exception:
+            pass
+    return inner, plan
+
+
+def _last_tag(plan: Plan, init_tag: int, pseudo_rand: bool) -> int:
+    n = len(plan.tensors)
+    return plan.tags(init_tag, n, pseudo_rand)[-1] if n else init_tag - 1
+
+
+def _start_send(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolidated: bool,
+                bucket_bytes: int | None) -> tuple[Transfer, Plan]:
+    if consolidated:
+        td = unwrap(td)
+        if not td.is_consolidated():
+            td = td.consolidate(metadata=True)  # as stock does: a copy, every call
+    inner, plan = _prepare(td, link, receiving=False)
+    if consolidated and bucket_bytes is None:
+        protocol = _stock_wire.send_storage(link, plan.storage(inner))
+    elif consolidated:
+        protocol = _fast_wire.send(link, plan, plan.chunk_header(inner).with_piece(bucket_bytes),
+                                   plan.chunks(inner, bucket_bytes), init_tag, pseudo_rand)
+    elif bucket_bytes is None:
+        tags = plan.tags(init_tag, len(plan.tensors), pseudo_rand)
+        protocol = _stock_wire.send_leaves(link, plan.tensors, tags)
+    else:
+        plan.pack()
+        protocol = _fast_wire.send(link, plan, plan.bucket_header.with_piece(bucket_bytes),
+                                   plan.pieces(bucket_bytes), init_tag, pseudo_rand)
+    transfer = Transfer(protocol)
+    if bucket_bytes is not None and not consolidated:
+        plan.in_flight = transfer
+    return transfer, plan
+
+
+def _start_recv(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolidated: bool,
+                bucket_bytes: int | None) -> tuple[Transfer, Plan]:
+    inner, plan = _prepare(td, link, receiving=True)
+    if consolidated:
+        storage = plan.storage(inner)  # raises, naming the fix, if td is not consolidated
+        if bucket_bytes is None:
+            protocol = _stock_wire.recv_storage(link, storage, td)
+        else:
+            protocol = _fast_wire.recv(link, plan, plan.chunk_header(inner),
+                                       lambda piece: plan.chunks(inner, piece), lambda: td,
+                                       init_tag, pseudo_rand)
+    elif bucket_bytes is None:
+        tags = plan.tags(init_tag, len(plan.tensors), pseudo_rand)
+        protocol = _stock_wire.recv_leaves(link, plan.tensors, tags, td)
+    else:
+        def finish() -> Any:
+            plan.unpack()
+            return td
+
+        protocol = _fast_wire.recv(link, plan, plan.bucket_header, plan.pieces, finish,
+                                   init_tag, pseudo_rand)
+    transfer = Transfer(protocol)
+    if bucket_bytes is not None and not consolidated:
+        plan.in_flight = transfer
+    return transfer, plan
+
+
+def isend(td: Any, dst: int | None = None, *, group: Any = None, group_dst: int | None = None,
+          init_tag: int = 0, pseudo_rand: bool = False, return_early: bool = False,
+          consolidated: bool = False, bucket_bytes: int | None = None) -> Any:
+    """Send the leaves of ``td`` to ``dst``, all messages posted at once.
+
+    Same arguments, wire and results as ``TensorDictBase.isend`` (tensordict
+    0.15.3), plus ``bucket_bytes``: if given, ``td`` travels on the fast wire in
+    messages of at most that many bytes, after a checked header; the receiver
+    must pass ``bucket_bytes`` too (any value).
+
+    Returns:
+        With ``return_early=True``, a one-element list of :class:`Transfer`.
+        Otherwise the last tag used, or ``None`` when ``consolidated``.
+
+    Example:
+        >>> cudarecv.isend(td, dst=1, bucket_bytes=1 << 20)
+    """
+    link = resolve(dst, group_dst, group, "dst", "group_dst")
+    _check_options(init_tag, pseudo_rand, consolidated, bucket_bytes)
+    transfer, plan = _start_send(td, link, init_tag, pseudo_rand, consolidated, bucket_bytes)
+    if return_early:
+        return [transfer]
+    transfer.wait()
+    return None if consolidated else _last_tag(plan, init_tag, pseudo_rand)
+
+
+def irecv(td: Any, src: int | None = None, *, group: Any = None, group_src: int | None = None,
+          return_premature: bool = False, init_tag: int = 0, pseudo_rand: bool = False,
+          consolidated: bool = False, bucket_bytes: int | None = None) -> Any:
+    """Receive into the leaves of ``td`` in place what :func:`isend` or stock tensordict sends.
+
+    Same arguments, wire and results as ``TensorDictBase.irecv`` (tensordict
+    0.15.3), plus ``bucket_bytes`` (see :func:`isend`). On the fast wire a
+    sender whose tensordict does not match raises
+    :class:`cudarecv.HeaderError` here, with ``td`` untouched.
+
+    Returns:
+        With ``return_premature=True``, a one-element list of :class:`Transfer`
+        whose ``wait()`` returns ``td``. Otherwise ``None``.
+
+    Example:
+        >>> cudarecv.irecv(td, src=0, bucket_bytes=1 << 20)
+    """
+    link = resolve(src, group_src, group, "src", "group_src")
+    _check_options(init_tag, pseudo_rand, consolidated, bucket_bytes)
+    transfer, _ = _start_recv(td, link, init_tag, pseudo_rand, consolidated, bucket_bytes)
+    if return_premature:
+        return [transfer]
+    transfer.wait()
+    return None
+
+
+def send(td: Any, dst: int | None = None, *, group: Any = None, group_dst: int | None = None,
+         init_tag: int = 0, pseudo_rand: bool = False, consolidated: bool = False,
+         bucket_bytes: int | None = None) -> None:
+    """Blocking :func:`isend`; same arguments and wire as ``TensorDictBase.send``."""
+    isend(td, dst, group=group, group_dst=group_dst, init_tag=init_tag, pseudo_rand=pseudo_rand,
+          consolidated=consolidated, bucket_bytes=bucket_bytes)
+
+
+def recv(td: Any, src: int | None = None, *, group: Any = None, group_src: int | None = None,
+         init_tag: int = 0, pseudo_rand: bool = False, consolidated: bool = False,
+         bucket_bytes: int | None = None) -> int | None:
+    """Blocking :func:`irecv`; returns the last tag (``None`` when ``consolidated``), as stock."""
+    link = resolve(src, group_src, group, "src", "group_src")
+    _check_options(init_tag, pseudo_rand, consolidated, bucket_bytes)
+    transfer, plan = _start_recv(td, link, init_tag, pseudo_rand, consolidated, bucket_bytes)
+    transfer.wait()
+    return None if consolidated else _last_tag(plan, init_tag, pseudo_rand)

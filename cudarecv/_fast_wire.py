@@ -1,0 +1,93 @@
+"""The native fast wire (``bucket_bytes=N`` on both ends; stock peers cannot read it).
+
+One transfer is a 64-byte header (:mod:`._header`) then the payload in
+messages of at most N bytes:
+
+- *buckets*: a non-consolidated tensordict's leaves back to back in stock order,
+  packed into a reused staging buffer (large leaves span several messages);
+- *chunks*: a consolidated storage, sent and received in place.
+
+The receiver takes the header first and checks it against its own tensordict.
+On a mismatch it receives the payload into a scratch buffer (so the link stays
+in step), leaves its tensordict untouched and raises :class:`HeaderError`.
+The payload size follows the sender's ``bucket_bytes``; the receiver's only
+selects the fast wire.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._handle import Protocol
+from ._header import KIND_NAMES, SIZE, Header, HeaderError
+from ._link import Link
+from ._plan import Plan
+
+TAG_BASE = 1 << 30  # fast-wire tags live above every stock tag
+MAX_INIT_TAG = 1 << 29
+
+
+def check_init_tag(init_tag: int, pseudo_rand: bool) -> None:
+    """Fast-wire tags are ``TAG_BASE + tag_sequence(init_tag, ...)`` and must fit an int32."""
+    if not pseudo_rand and not 0 <= init_tag < MAX_INIT_TAG:
+        raise ValueError(
+            f"`init_tag={init_tag}` is out of range for the fast wire (bucket_bytes): "
+            f"pass 0 <= init_tag < {MAX_INIT_TAG}"
+        )
+
+
+def _tags(plan: Plan, init_tag: int, pseudo_rand: bool, pieces: int) -> list[int]:
+    return [TAG_BASE + t for t in plan.tags(init_tag, 1 + pieces, pseudo_rand)]
+
+
+def _header_tensor(header: Header) -> Tensor:
+    return torch.frombuffer(bytearray(header.pack()), dtype=torch.uint8)
+
+
+def send(link: Link, plan: Plan, header: Header, payload: list[Tensor],
+         init_tag: int, pseudo_rand: bool) -> Protocol:
+    """Send ``header`` then ``payload`` (the messages, already packed)."""
+    tags = _tags(plan, init_tag, pseudo_rand, len(payload))
+    send, peer = link.pg.send, link.peer
+    works = [send([_header_tensor(header)], peer, tags[0])]
+    works += [send([piece], peer, tag) for piece, tag in zip(payload, tags[1:])]
+    yield works
+
+
+def recv(link: Link, plan: Plan, expected: Header, payload_for, finish,
+         init_tag: int, pseudo_rand: bool) -> Protocol:
+    """Receive a header, check it against ``expected``, then the payload.
+
+    ``payload_for(piece)`` returns the receive buffers for the sender's piece
+    size; ``finish()`` runs once the payload has landed and returns the result.
+    """
+    raw = torch.empty(SIZE, dtype=torch.uint8)
+    recv, peer = link.pg.recv, link.peer
+    yield [recv([raw], peer, _tags(plan, init_tag, pseudo_rand, 0)[0])]
+    header = Header.unpack(raw.numpy().tobytes())
+    tags = _tags(plan, init_tag, pseudo_rand, len(header.pieces()))
+    problem = _mismatch(expected, header)
+    if problem:
+        scratch = torch.empty(min(header.piece, header.total), dtype=torch.uint8)
+        for size, tag in zip(header.pieces(), tags[1:]):
+            yield [recv([scratch[:size]], peer, tag)]
+        raise HeaderError(
+            f"{problem}: the payload was drained and the tensordict left untouched; "
+            "receive into a tensordict with the sender's keys, shapes and dtypes "
+            "(and, consolidated, the same layout)"
+        )
+    yield [recv([piece], peer, tag) for piece, tag in zip(payload_for(header.piece), tags[1:])]
+    return finish()
+
+
+def _mismatch(expected: Header, got: Header) -> str | None:
+    def describe(h: Header) -> str:
+        return f"{KIND_NAMES[h.kind]} of {h.leaves} leaves, {h.total} bytes, schema {h.schema.hex()}"
+
+    if (expected.kind, expected.leaves, expected.total, expected.schema) != (
+        got.kind, got.leaves, got.total, got.schema
+    ):
+        return f"fast-wire mismatch: the sender sends {describe(got)}; this tensordict expects {describe(expected)}"
+    return None
+

@@ -1,0 +1,151 @@
+"""Run functions on N local ranks over loopback, bounded in time.
+
+Used by the tests, the benchmarks and ``python -m cudarecv compare``. The
+parent owns a ``TCPStore`` on 127.0.0.1 (port chosen by the OS, so no port
+races). Each rank is a spawned process that joins it, initializes the default
+group and, on gloo, also a standalone ``ProcessGroupGloo`` built directly on
+the store (never registered with torch.distributed). A :class:`Cluster` keeps
+its ranks for many calls, since starting one costs seconds; each call runs
+``fn(rank, world_size, group, *args)`` on every rank, with ``group`` ``None``
+(the default group) or the standalone group. Every wait is bounded: a rank that
+raises, hangs or dies fails the call with a clear error, and the cluster is
+then shut down, never reused in an unknown state.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+HOST = "127.0.0.1"
+
+
+class RankError(RuntimeError):
+    """A rank raised, died or did not finish in time."""
+
+
+class Cluster:
+    """``world_size`` spawned ranks with their process groups, reused across calls.
+
+    Example:
+        >>> with Cluster(2) as cluster:
+        ...     results = cluster.run(fn, args=(1 << 20,))  # fn(rank, world, group, 1 << 20)
+    """
+
+    def __init__(self, world_size: int = 2, *, pg_timeout: float = 30.0, start_timeout: float = 120.0,
+                 backend: str = "gloo", env: dict[str, str] | None = None) -> None:
+        self.world_size = world_size
+        self._store = dist.TCPStore(HOST, 0, world_size + 1, is_master=True, wait_for_workers=False,
+                                    timeout=timedelta(seconds=start_timeout))
+        ctx = mp.get_context("spawn")
+        self._results = ctx.Queue()
+        self._inboxes = [ctx.Queue() for _ in range(world_size)]
+        self._procs = [
+            ctx.Process(target=_rank_main, daemon=True,
+                        args=(rank, world_size, self._store.port, self._inboxes[rank], self._results,
+                              pg_timeout, backend, env or {}))
+            for rank in range(world_size)
+        ]
+        for p in self._procs:
+            p.start()
+        self._closed = False
+        self._collect(start_timeout, "start")
+
+    def run(self, fn: Callable[..., Any], *, args: tuple = (), timeout: float = 60.0,
+            standalone: bool = False) -> list[Any]:
+        """Call ``fn`` on every rank; return the results in rank order.
+
+        Raises:
+            RankError: with the rank's traceback if one raised, its exit code if it
+                died, or the ranks still running after ``timeout`` seconds; the
+                cluster is closed then.
+        """
+        if self._closed:
+            raise RankError("this cluster was closed after an earlier failure; start a new one")
+        for inbox in self._inboxes:
+            inbox.put((fn, args, standalone))
+        return self._collect(timeout, getattr(fn, "__name__", "fn"))
+
+    def _collect(self, timeout: float, what: str) -> list[Any]:
+        out: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout
+        try:
+            while len(out) < self.world_size:
+                try:
+                    rank, ok, value = self._results.get(timeout=0.2)
+                except queue.Empty:
+                    dead = {r: p.exitcode for r, p in enumerate(self._procs) if r not in out and not p.is_alive()}
+                    if dead:
+                        raise RankError(f"{what}: rank(s) {sorted(dead)} died (exit codes {dead})") from None
+                    if time.monotonic() > deadline:
+                        missing = [r for r in range(self.world_size) if r not in out]
+                        raise RankError(f"{what}: rank(s) {missing} did not finish within {timeout:.0f} s") from None
+                    continue
+                if not ok:
+                    raise RankError(f"{what}: rank {rank} raised:\n{value}")
+                out[rank] = value
+        except BaseException:
+            self.close()
+            raise
+        return [out[r] for r in range(self.world_size)]
+
+    def close(self) -> None:
+        """Stop the ranks (politely, then by force)."""
+        if self._closed:
+            return
+        self._closed = True
+        for inbox, p in zip(self._inboxes, self._procs):
+            if p.is_alive():
+                inbox.put(None)
+        for p in self._procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+    def __enter__(self) -> "Cluster":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def run(fn: Callable[..., Any], world_size: int = 2, *, args: tuple = (), timeout: float = 120.0,
+        pg_timeout: float = 30.0, standalone: bool = False) -> list[Any]:
+    """Start ranks, run ``fn`` once on each, stop them (see :class:`Cluster`)."""
+    with Cluster(world_size, pg_timeout=pg_timeout, start_timeout=timeout) as cluster:
+        return cluster.run(fn, args=args, timeout=timeout, standalone=standalone)
+
+
+def _rank_main(rank: int, world_size: int, port: int, inbox: Any, results: Any,
+               pg_timeout: float, backend: str, env: dict[str, str]) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.update(env)
+    try:
+        timeout = timedelta(seconds=pg_timeout)
+        store = dist.TCPStore(HOST, port, world_size + 1, is_master=False, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        standalone = None
+        if backend == "gloo":
+            standalone = dist.ProcessGroupGloo(dist.PrefixStore("standalone", store), rank, world_size, timeout)
+        results.put((rank, True, None))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+        return
+    while True:
+        job = inbox.get()
+        if job is None:
+            break
+        fn, args, use_standalone = job
+        try:
+            results.put((rank, True, fn(rank, world_size, standalone if use_standalone else None, *args)))
+        except BaseException:
+            results.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()

@@ -1,0 +1,102 @@
+"""Peer and group resolution: which process-group object to call, and the peer's rank in it.
+
+Every check runs before anything is sent, and names the argument and the fix.
+Stock tensordict checks only "one of src/group_src"; a peer outside the group
+segfaults the process there, so the range is checked here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+
+@dataclass(frozen=True)
+class Link:
+    """One end of a point-to-point link: call ``pg.send/recv(..., peer, tag)``."""
+
+    pg: object  # a ProcessGroup or a standalone backend (ProcessGroupGloo/NCCL)
+    peer: int  # the peer's rank in ``pg``
+    registered: bool  # whether torch.distributed knows ``pg`` (P2POp accepts it)
+
+    @property
+    def backend(self) -> str:
+        """``"gloo"``, ``"nccl"``, ... of the group."""
+        return str(self.pg.name()).lower()
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def resolve(peer: int | None, group_peer: int | None, group: object | None,
+            peer_name: str, group_peer_name: str) -> Link:
+    """Check the peer arguments of one call and return its :class:`Link`.
+
+    ``peer_name``/``group_peer_name`` are ``"src"``/``"group_src"`` or
+    ``"dst"``/``"group_dst"``, used in the messages.
+    """
+    if group_peer is not None:
+        if group is None:
+            raise ValueError(
+                f"`{group_peer_name}` requires `group`: pass the process group that "
+                f"`{group_peer_name}={group_peer}` is a rank of"
+            )
+        if peer is not None:
+            raise ValueError(
+                f"`{peer_name}` and `{group_peer_name}` are mutually exclusive: pass "
+                f"`{peer_name}` (a global rank) or `{group_peer_name}` (a rank in `group`), not both"
+            )
+    elif peer is None:
+        raise ValueError(
+            f"Exactly one of `{peer_name}` and `{group_peer_name}` must be provided"
+        )
+    value, name = (peer, peer_name) if peer is not None else (group_peer, group_peer_name)
+    if not _is_int(value):
+        raise TypeError(f"`{name}` must be an int rank, got {type(value).__name__}")
+
+    if group is None:
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is not initialized: call "
+                "torch.distributed.init_process_group(...) first, or pass a standalone "
+                f"`group` with `{group_peer_name}`"
+            )
+        group = c10d._get_default_group()
+    registered = group in c10d._world.pg_map
+    if peer is not None:
+        if not registered:
+            raise ValueError(
+                f"`{peer_name}={peer}` is a global rank, but `group` is a standalone process "
+                "group that torch.distributed does not know: pass "
+                f"`{group_peer_name}=<the peer's rank in group>` instead"
+            )
+        world = dist.get_world_size()
+        if not 0 <= peer < world:
+            raise ValueError(
+                f"`{peer_name}={peer}` is outside the world of {world} ranks: "
+                f"pass a rank in 0..{world - 1}"
+            )
+        ranks = dist.get_process_group_ranks(group)
+        if peer not in ranks:
+            raise ValueError(
+                f"`{peer_name}={peer}` is not a member of `group` (global ranks {ranks}): "
+                f"pass one of them, or `{group_peer_name}` for a rank in the group"
+            )
+        group_rank = ranks.index(peer)
+    else:
+        size = group.size()
+        if not 0 <= group_peer < size:
+            raise ValueError(
+                f"`{group_peer_name}={group_peer}` is outside `group` of {size} ranks: "
+                f"pass a rank in 0..{size - 1}"
+            )
+        group_rank = group_peer
+    if group_rank == group.rank():
+        raise ValueError(
+            f"`{name}={value}` is this process's own rank: a rank cannot send to or "
+            "receive from itself; pass the peer's rank"
+        )
+    return Link(group, group_rank, registered)

@@ -1,0 +1,185 @@
+"""Per-tensordict plans: everything about a transfer that does not depend on the data.
+
+A :class:`Plan` holds the leaf walk, the byte views, the tags, the checks and
+the fast wire's staging buffer and fingerprints of one tensordict. It is
+cached per tensordict object and reused while the tensordict still holds the
+same leaf tensors (same objects, pointers and shapes); any change of structure
+or of a leaf builds a new plan, so a cached plan is never stale.
+"""
+
+from __future__ import annotations
+
+import weakref
+from functools import cached_property
+
+import torch
+from tensordict import TensorDictBase
+from torch import Tensor
+
+from . import _header
+from ._tags import tag_sequence
+from ._walk import Path, format_path, walk
+
+
+class Plan:
+    """The cached, data-independent part of transfers of one tensordict."""
+
+    def __init__(self, paths: list[Path], tensors: list[Tensor]) -> None:
+        self.paths = paths
+        self.tensors = tensors
+        self.signature = _signature(tensors)
+        self.nbytes = [t.numel() * t.element_size() for t in tensors]
+        self.total = sum(self.nbytes)
+        self._tags: dict[tuple[int, int, bool], list[int]] = {}
+        self._checked: set[tuple[bool, str]] = set()
+        self._pieces: dict[int, list[Tensor]] = {}
+        self.in_flight = None  # the handle of a fast-wire transfer still using the staging buffer
+
+    def matches(self, paths: list[Path], tensors: list[Tensor]) -> bool:
+        return (
+            len(tensors) == len(self.tensors)
+            and all(a is b for a, b in zip(tensors, self.tensors))
+            and paths == self.paths
+            and _signature(tensors) == self.signature
+        )
+
+    def tags(self, init_tag: int, count: int, pseudo_rand: bool) -> list[int]:
+        """``count`` tags from ``init_tag`` as stock tensordict draws them (cached)."""
+        key = (init_tag, count, pseudo_rand)
+        tags = self._tags.get(key)
+        if tags is None:
+            tags = self._tags[key] = tag_sequence(init_tag, count, pseudo_rand=pseudo_rand).tolist()
+        return tags
+
+    def check(self, *, receiving: bool, backend: str) -> None:
+        """Raise if a leaf cannot travel on ``backend`` (once per plan, direction and backend)."""
+        key = (receiving, backend)
+        if key in self._checked:
+            return
+        for path, t in zip(self.paths, self.tensors):
+            problem = _leaf_problem(t, receiving=receiving, backend=backend)
+            if problem:
+                raise ValueError(f"leaf {format_path(path)!r} cannot travel: {problem}")
+        self._checked.add(key)
+
+    # -- fast wire, buckets ------------------------------------------------------
+    @cached_property
+    def byte_views(self) -> list[Tensor]:
+        """Each leaf as a flat uint8 view (leaves are contiguous, see :meth:`check`)."""
+        return [t.reshape(-1).view(torch.uint8) for t in self.tensors]
+
+    @cached_property
+    def staging(self) -> Tensor:
+        """One reused buffer holding the leaves back to back, in send order."""
+        return torch.empty(self.total, dtype=torch.uint8)
+
+    @cached_property
+    def staging_parts(self) -> list[Tensor]:
+        return list(self.staging.split(self.nbytes)) if self.tensors else []
+
+    def pieces(self, piece: int) -> list[Tensor]:
+        """The staging buffer cut into messages of at most ``piece`` bytes (cached)."""
+        views = self._pieces.get(piece)
+        if views is None:
+            views = self._pieces[piece] = _cut(self.staging, piece)
+        return views
+
+    @cached_property
+    def bucket_header(self) -> "_header.Header":
+        digest = _header.schema_digest(self.paths, self.tensors)
+        return _header.Header(_header.KIND_BUCKETS, len(self.tensors), self.total, 1, digest)
+
+    def pack(self) -> None:
+        """Copy the leaves into the staging buffer."""
+        if self.tensors:
+            torch.cat(self.byte_views, out=self.staging)
+
+    def unpack(self) -> None:
+        """Copy the staging buffer into the leaves."""
+        if self.tensors:
+            torch._foreach_copy_(self.byte_views, self.staging_parts)
+
+    # -- consolidated ------------------------------------------------------------
+    def storage(self, td: TensorDictBase) -> Tensor:
+        """The consolidated storage of ``td``, checked to hold every leaf (cached)."""
+        storage = getattr(self, "_storage", None)
+        consolidated = getattr(td, "_consolidated", None)
+        current = consolidated.get("storage") if isinstance(consolidated, dict) else None
+        if storage is not None and current is storage:
+            return storage
+        if current is None:
+            raise ValueError(
+                "`consolidated=True` needs a consolidated tensordict: call "
+                "`td = td.consolidate(metadata=True)` once (or build it with "
+                "`TensorDict.from_remote_init`) and receive into that, every step"
+            )
+        start, end = current.data_ptr(), current.data_ptr() + current.numel()
+        offsets = []
+        for path, t, n in zip(self.paths, self.tensors, self.nbytes):
+            ptr = t.data_ptr()
+            if not (start <= ptr and ptr + n <= end):
+                raise ValueError(
+                    f"leaf {format_path(path)!r} is not in the consolidated storage: the "
+                    "tensordict changed after consolidate(); call `td.consolidate(metadata=True)` again"
+                )
+            offsets.append(ptr - start)
+        self._storage = current
+        self._chunk_header = _header.Header(
+            _header.KIND_CHUNKS, len(self.tensors), current.numel(), 1,
+            _header.schema_digest(self.paths, self.tensors, offsets, current.numel()),
+        )
+        self._chunks = {}
+        return current
+
+    def chunk_header(self, td: TensorDictBase) -> "_header.Header":
+        self.storage(td)
+        return self._chunk_header
+
+    def chunks(self, td: TensorDictBase, piece: int) -> list[Tensor]:
+        """The consolidated storage cut into messages of at most ``piece`` bytes (cached)."""
+        storage = self.storage(td)
+        views = self._chunks.get(piece)
+        if views is None:
+            views = self._chunks[piece] = _cut(storage, piece)
+        return views
+
+
+def _cut(buffer: Tensor, piece: int) -> list[Tensor]:
+    sizes = _header.piece_sizes(buffer.numel(), piece)
+    return list(buffer.split(sizes)) if sizes else []
+
+
+def _signature(tensors: list[Tensor]) -> list[tuple]:
+    return [(t.data_ptr(), t.shape) for t in tensors]
+
+
+def _leaf_problem(t: Tensor, *, receiving: bool, backend: str) -> str | None:
+    if t.layout is not torch.strided:
+        return f"its layout is {t.layout}; convert it with `.to_dense()`"
+    if t.is_nested:
+        return "it is a nested tensor; store its components as separate leaves"
+    if t.device.type == "meta":
+        return "it is on the meta device and holds no data; materialize it with `.to_empty(device=...)`"
+    if backend == "gloo" and t.device.type != "cpu":
+        return (
+            f"it is on {t.device}, and gloo moves host memory only; use the nccl backend, "
+            "or keep the tensordict on the CPU"
+        )
+    if receiving and not t.is_contiguous():
+        return "it is not contiguous, so it cannot be written in place; call `td = td.contiguous()` once"
+    return None
+
+
+_PLANS: dict[int, tuple[weakref.ref, Plan]] = {}
+
+
+def plan_for(td: TensorDictBase) -> Plan:
+    """The plan of ``td``, reused while its leaves are unchanged."""
+    paths, tensors = walk(td)
+    key = id(td)
+    entry = _PLANS.get(key)
+    if entry is not None and entry[0]() is td and entry[1].matches(paths, tensors):
+        return entry[1]
+    plan = Plan(paths, tensors)
+    _PLANS[key] = (weakref.ref(td, lambda _, key=key: _PLANS.pop(key, None)), plan)
+    return plan
