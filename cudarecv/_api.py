@@ -126,8 +126,8 @@ def isend(td: Any, dst: int | None = None, *, group: Any = None, group_dst: int 
     Example:
         >>> cudarecv.isend(td, dst=1, bucket_bytes=1 << 20)
     """
-    link = resolve(dst, group_dst, group, "dst", "group_dst")
     _check_options(init_tag, pseudo_rand, consolidated, bucket_bytes)
+    link = resolve(dst, group_dst, group, "dst", "group_dst")
     transfer, plan = _start_send(td, link, init_tag, pseudo_rand, consolidated, bucket_bytes)
     if return_early:
         return [transfer]
@@ -152,8 +152,8 @@ def irecv(td: Any, src: int | None = None, *, group: Any = None, group_src: int 
     Example:
         >>> cudarecv.irecv(td, src=0, bucket_bytes=1 << 20)
     """
-    link = resolve(src, group_src, group, "src", "group_src")
     _check_options(init_tag, pseudo_rand, consolidated, bucket_bytes)
+    link = resolve(src, group_src, group, "src", "group_src")
     transfer, _ = _start_recv(td, link, init_tag, pseudo_rand, consolidated, bucket_bytes)
     if return_premature:
         return [transfer]
@@ -173,8 +173,8 @@ def recv(td: Any, src: int | None = None, *, group: Any = None, group_src: int |
          init_tag: int = 0, pseudo_rand: bool = False, consolidated: bool = False,
          bucket_bytes: int | None = None) -> int | None:
     """Blocking :func:`irecv`; returns the last tag (``None`` when ``consolidated``), as stock."""
-    link = resolve(src, group_src, group, "src", "group_src")
     _check_options(init_tag, pseudo_rand, consolidated, bucket_bytes)
+    link = resolve(src, group_src, group, "src", "group_src")
     transfer, plan = _start_recv(td, link, init_tag, pseudo_rand, consolidated, bucket_bytes)
     transfer.wait()
     return None if consolidated else _last_tag(plan, init_tag, pseudo_rand)

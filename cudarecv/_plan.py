@@ -150,7 +150,8 @@ def _cut(buffer: Tensor, piece: int) -> list[Tensor]:
 
 
 def _signature(tensors: list[Tensor]) -> list[tuple]:
-    return [(t.data_ptr(), t.shape) for t in tensors]
+    # sparse and nested tensors have no data pointer; check() rejects them anyway
+    return [(t.data_ptr() if t.layout is torch.strided else None, t.shape) for t in tensors]
 
 
 def _leaf_problem(t: Tensor, *, receiving: bool, backend: str) -> str | None:

@@ -54,7 +54,12 @@ def compile_ptx(arch: str | None = None, options: tuple[str, ...] = ()) -> str:
     ``arch`` is e.g. ``"compute_90"`` (default: NVRTC's own default). Raises
     :class:`KernelCompileError` with the NVRTC log when compilation fails.
     """
-    from cupy.cuda import nvrtc
+    try:
+        from cupy.cuda import nvrtc
+    except ImportError as exc:
+        raise ImportError(
+            f"compile_ptx needs cupy with NVRTC: pip install 'cudarecv[gpu]' ({exc})"
+        ) from exc
 
     opts = tuple(options) + ((f"-arch={arch}",) if arch else ())
     prog = nvrtc.createProgram(kernel_source(), KERNEL_FILE, (), ())

@@ -7,8 +7,11 @@ job on a machine that lost its GPUs fails loudly instead of skipping
 everything.  GPUs are counted with NVML, never by initializing CUDA, so the
 plugin is fork-safe.  Unmarked tests are untouched.
 
-Loaded through the ``pytest11`` entry point once cudarecv is installed; in a
-source checkout pass ``-p cudarecv.pytest_plugin``.
+Loaded through the ``pytest11`` entry point (named ``cudarecv``) once
+cudarecv is installed.  In a checkout that is not installed, pass
+``-p cudarecv.pytest_plugin``; do not add that when it is installed (pytest
+refuses to register the module twice under two names), or block the entry
+point first: ``-p no:cudarecv -p cudarecv.pytest_plugin``.
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ any of its fixtures are resolved.  So the line below enables ``pytester`` for
 this module alone, with no conftest and no ``-p pytester`` on the command line.
 
 The inner pytest runs happen in a temporary directory, so they load the plugin
-explicitly with ``-p cudarecv.pytest_plugin`` (it is not pip-installed in a
-checkout) and get the repository on ``sys.path`` (in-process runs) and on
+explicitly with ``-p cudarecv.pytest_plugin`` (a checkout need not be
+pip-installed; see ``PLUGIN``) and get the repository on ``sys.path`` (in-process runs) and on
 ``PYTHONPATH`` (subprocess runs).  Most runs are in-process, which is fast and
 lets a test fake the NVML count; one runs in a subprocess to exercise exactly
 what a user types.
@@ -29,7 +29,11 @@ from cudarecv import pytest_plugin
 pytest_plugins = ["pytester"]
 
 REPO = Path(__file__).resolve().parents[1]
-PLUGIN = ("-p", "cudarecv.pytest_plugin")
+# ``-p no:cudarecv`` blocks the ``pytest11`` entry point of an installed
+# cudarecv; without it, loading the same module again under the name
+# ``cudarecv.pytest_plugin`` fails with "Plugin already registered under a
+# different name".  So these runs work installed or not.
+PLUGIN = ("-p", "no:cudarecv", "-p", "cudarecv.pytest_plugin")
 # In-process, the plugin module is already imported (by this module and by
 # earlier runs), so pytest warns that it cannot assert-rewrite it; and the
 # cache plugin would only write .pytest_cache into the temporary directory.

@@ -1,0 +1,425 @@
+"""Timed transfers that run inside the ranks of a :class:`~cudarecv._launch.Cluster` (2 ranks).
+
+Shared by ``bench/bench_transfers.py`` and ``python -m cudarecv compare``. The
+ranks time themselves: the parent's round trip through the cluster's queues is
+far noisier than the transfers.
+
+Rank 0 sends, rank 1 receives. Both build the same tensordict
+deterministically (float32 leaves ``k0000``, ``k0001``, ..., one in ten of them
+in a few nested tensordicts) and keep it between calls, so a workload is built
+once per cluster. Each timed iteration starts with a barrier so that both ends
+start together; the receiver measures from just before its receive call until
+the data has landed (after ``wait`` for an asynchronous call), the sender its
+send call. After the timed iterations, one more transfer checks the values: the
+sender fills its leaves with a pattern stamped with a fresh number, the
+receiver zeroes its own, receives and compares every byte.
+
+A *case* is a dict::
+
+    {"leaves": 2000, "leaf_bytes": 8192,        # or "total_bytes": 256 << 20
+     "impl": "cudarecv", "mode": "buckets 1MiB",
+     "iters": 5, "warmup": 1}
+
+``leaf_bytes`` makes a plain tensordict of equal leaves (its consolidated twin is
+built when a consolidated mode asks for it); ``total_bytes`` makes one
+consolidated tensordict of ``leaves`` leaves totalling that many bytes, which
+every mode of that workload uses. The modes, by ``impl``:
+
+- ``stock`` (tensordict's own methods, called through
+  ``tensordict._base.distributed._Distributed`` so that ``cudarecv.install()``
+  never changes them): ``per-leaf``, ``per-leaf pseudo_rand`` (``isend/irecv``),
+  ``consolidated`` (``isend/irecv(consolidated=True)``);
+- ``cudarecv``: the same three, plus ``buckets <N>`` (``bucket_bytes=N``) and
+  ``chunks <N>`` (``consolidated=True, bucket_bytes=N``);
+- ``raw`` torch.distributed: ``flat recv`` (``dist.send/recv`` of one uint8
+  buffer of the payload's bytes) and ``per-leaf dist.irecv``
+  (``dist.isend/irecv`` of every leaf, tags 0, 1, ...).
+
+``N`` is written ``256KiB``, ``1MiB``, ... or in bytes.
+"""
+
+from __future__ import annotations
+
+import gc
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+SENDER, RECEIVER = 0, 1
+
+MODES: dict[str, tuple[str, ...]] = {
+    "stock": ("per-leaf", "per-leaf pseudo_rand", "consolidated"),
+    "cudarecv": ("per-leaf", "per-leaf pseudo_rand", "consolidated", "buckets <N>", "chunks <N>"),
+    "raw": ("flat recv", "per-leaf dist.irecv"),
+}
+
+_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30,
+          "kb": 1000, "mb": 1000**2, "gb": 1000**3}
+
+
+# --------------------------------------------------------------------------- sizes and modes
+
+
+def parse_size(text: str | int) -> int:
+    """``"1MiB"`` -> 1048576, ``"256KiB"`` -> 262144, ``"4096"`` -> 4096 (also kB/MB/GB)."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        value = text
+    else:
+        m = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", str(text))
+        unit = m.group(2).lower() if m else None
+        if m is None or unit not in _UNITS:
+            raise ValueError(f"not a size: {text!r}; write it like 1MiB, 256KiB or 4096")
+        value = int(m.group(1)) * _UNITS[unit]
+    if value <= 0:
+        raise ValueError(f"a size must be positive, got {text!r}")
+    return value
+
+
+def format_size(n: int) -> str:
+    """1048576 -> ``"1MiB"``, 262144 -> ``"256KiB"``, 1000 -> ``"1000B"`` (binary units, exact only)."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size and n % size == 0:
+            return f"{n // size}{unit}"
+    return f"{n}B"
+
+
+def parse_mode(impl: str, mode: str) -> tuple[str, int | None]:
+    """Check ``impl``/``mode``; return (mode kind, bucket bytes or None).
+
+    Kinds: ``per-leaf``, ``per-leaf pseudo_rand``, ``consolidated``, ``buckets``,
+    ``chunks``, ``flat recv``, ``per-leaf dist.irecv``.
+    """
+    if impl not in MODES:
+        raise ValueError(f"unknown impl {impl!r}; pick one of {sorted(MODES)}")
+    words = mode.split()
+    if len(words) == 2 and words[0] in ("buckets", "chunks"):
+        kind, piece = words[0], parse_size(words[1])
+    else:
+        kind, piece = " ".join(words), None
+    allowed = [m.replace(" <N>", "") for m in MODES[impl]]
+    if kind not in allowed or (piece is None and kind in ("buckets", "chunks")):
+        raise ValueError(f"unknown mode {mode!r} for impl {impl!r}; pick one of {list(MODES[impl])}")
+    return kind, piece
+
+
+def check_case(case: dict) -> None:
+    """Raise ValueError (in the parent, before anything runs) if ``case`` is malformed."""
+    parse_mode(case["impl"], case["mode"])
+    leaves = case.get("leaves")
+    if not isinstance(leaves, int) or leaves <= 0:
+        raise ValueError(f"`leaves` must be a positive int, got {leaves!r}")
+    if ("leaf_bytes" in case) == ("total_bytes" in case):
+        raise ValueError("give exactly one of `leaf_bytes` (plain tensordict) and `total_bytes` (consolidated)")
+    size = case.get("leaf_bytes") or case.get("total_bytes")
+    if not isinstance(size, int) or size <= 0 or size % 4:
+        raise ValueError(f"byte counts must be positive multiples of 4 (float32 leaves), got {size!r}")
+    if "total_bytes" in case and case["total_bytes"] // 4 < leaves:
+        raise ValueError(f"{case['total_bytes']} bytes cannot hold {leaves} non-empty float32 leaves")
+    for key in ("iters", "warmup"):
+        value = case.get(key, 1)
+        if not isinstance(value, int) or value < (1 if key == "iters" else 0):
+            raise ValueError(f"`{key}` must be an int >= {1 if key == 'iters' else 0}, got {value!r}")
+
+
+def payload_bytes(case: dict) -> int:
+    """The bytes of the leaves of the case's tensordict (what GB/s counts)."""
+    return case["total_bytes"] if "total_bytes" in case else case["leaves"] * case["leaf_bytes"]
+
+
+# --------------------------------------------------------------------------- workloads (in the ranks)
+
+
+@dataclass
+class Workload:
+    """The tensordicts and buffers of one workload on one rank."""
+
+    key: tuple
+    plain: Any  # a TensorDict whose leaves are separate tensors, or None
+    cons: Any  # a consolidated TensorDict, built on demand for a plain workload
+    nbytes: int
+    base: torch.Tensor  # float32 pattern, (arange % 251), as long as the longest leaf
+    _flat: torch.Tensor | None = None
+    _flat_base: torch.Tensor | None = None
+
+    def consolidated(self) -> Any:
+        if self.cons is None:
+            self.cons = self.plain.consolidate(metadata=True)
+        return self.cons
+
+    def per_leaf(self) -> Any:
+        return self.plain if self.plain is not None else self.cons
+
+    def flat(self) -> torch.Tensor:
+        if self._flat is None:
+            self._flat = torch.zeros(self.nbytes, dtype=torch.uint8)
+        return self._flat
+
+    def flat_base(self) -> torch.Tensor:
+        if self._flat_base is None:
+            period = torch.arange(251, dtype=torch.uint8)
+            self._flat_base = period.repeat(self.nbytes // 251 + 1)[: self.nbytes].clone()
+        return self._flat_base
+
+
+_WORKLOAD: Workload | None = None
+_STAMP = 0
+
+
+def _leaf_sizes(case: dict) -> list[int]:
+    """float32 element counts of the leaves."""
+    n = case["leaves"]
+    if "leaf_bytes" in case:
+        return [case["leaf_bytes"] // 4] * n
+    total = case["total_bytes"] // 4
+    q, r = divmod(total, n)
+    return [q + (1 if i < r else 0) for i in range(n)]
+
+
+def build_tensordict(case: dict) -> Any:
+    """The case's tensordict (zeros): leaves ``k0000``..., every tenth in nested ``n0``/``n1``/``n2``."""
+    from tensordict import TensorDict
+
+    top: dict[str, Any] = {}
+    nested: dict[str, dict[str, torch.Tensor]] = {}
+    for i, numel in enumerate(_leaf_sizes(case)):
+        shape = (numel // 16, 16) if i % 2 and numel % 16 == 0 else (numel,)
+        t = torch.zeros(shape, dtype=torch.float32)
+        if i % 10 == 9:
+            nested.setdefault(f"n{(i // 10) % 3}", {})[f"k{i:04d}"] = t
+        else:
+            top[f"k{i:04d}"] = t
+    for name, leaves in nested.items():
+        top[name] = TensorDict(leaves, batch_size=[])
+    return TensorDict(top, batch_size=[])
+
+
+def workload(case: dict) -> Workload:
+    """This rank's workload for ``case``, built once and kept until another is asked for."""
+    global _WORKLOAD
+    key = (case["leaves"], case.get("leaf_bytes"), case.get("total_bytes"))
+    if _WORKLOAD is not None and _WORKLOAD.key == key:
+        return _WORKLOAD
+    _WORKLOAD = None
+    gc.collect()  # free the previous workload (and cudarecv's plans of it) first
+    td = build_tensordict(case)
+    base = (torch.arange(max(_leaf_sizes(case))) % 251).to(torch.float32)
+    if "total_bytes" in case:
+        _WORKLOAD = Workload(key, None, td.consolidate(metadata=True), payload_bytes(case), base)
+    else:
+        _WORKLOAD = Workload(key, td, None, payload_bytes(case), base)
+    return _WORKLOAD
+
+
+def _leaves(td: Any) -> list[torch.Tensor]:
+    return list(td.values(include_nested=True, leaves_only=True))
+
+
+# --------------------------------------------------------------------------- one mode
+
+
+@dataclass
+class Op:
+    """What each end calls for one mode, and the memory it moves (for the check)."""
+
+    send: Callable[[], Any]
+    recv: Callable[[], Any]
+    leaves: list[torch.Tensor] = field(default_factory=list)  # float32 leaves, or
+    flat: torch.Tensor | None = None  # one uint8 buffer
+    base: torch.Tensor | None = None  # the check's pattern: float32 for leaves, uint8 for flat
+
+
+def _peers(group: Any) -> tuple[dict, dict]:
+    if group is None:
+        return {"dst": RECEIVER}, {"src": SENDER}
+    return {"group": group, "group_dst": RECEIVER}, {"group": group, "group_src": SENDER}
+
+
+def make_op(case: dict, group: Any) -> Op:
+    """The send and receive calls of ``case`` on this rank's workload."""
+    import cudarecv
+    from tensordict._base.distributed import _Distributed
+
+    kind, piece = parse_mode(case["impl"], case["mode"])
+    impl, w = case["impl"], workload(case)
+    to, frm = _peers(group)
+
+    if impl == "raw" and kind == "flat recv":
+        buf = w.flat()
+        if group is None:
+            return Op(lambda: dist.send(buf, dst=RECEIVER), lambda: dist.recv(buf, src=SENDER),
+                      flat=buf, base=w.flat_base())
+        return Op(lambda: group.send([buf], RECEIVER, 0).wait(), lambda: group.recv([buf], SENDER, 0).wait(),
+                  flat=buf, base=w.flat_base())
+
+    td = w.consolidated() if kind in ("consolidated", "chunks") else w.per_leaf()
+    leaves = _leaves(td)
+    if impl == "raw":  # per-leaf dist.irecv
+        if group is None:
+            def send() -> None:
+                for work in [dist.isend(t, dst=RECEIVER, tag=i) for i, t in enumerate(leaves)]:
+                    work.wait()
+
+            def recv() -> None:
+                for work in [dist.irecv(t, src=SENDER, tag=i) for i, t in enumerate(leaves)]:
+                    work.wait()
+        else:
+            def send() -> None:
+                for work in [group.send([t], RECEIVER, i) for i, t in enumerate(leaves)]:
+                    work.wait()
+
+            def recv() -> None:
+                for work in [group.recv([t], SENDER, i) for i, t in enumerate(leaves)]:
+                    work.wait()
+        return Op(send, recv, leaves, base=w.base)
+
+    options: dict[str, Any] = {}
+    if kind == "per-leaf pseudo_rand":
+        options["pseudo_rand"] = True
+    if kind in ("consolidated", "chunks"):
+        options["consolidated"] = True
+    if piece is not None:
+        options["bucket_bytes"] = piece
+    if impl == "stock":
+        return Op(lambda: _Distributed.isend(td, **to, **options),
+                  lambda: _Distributed.irecv(td, **frm, **options), leaves, base=w.base)
+    return Op(lambda: cudarecv.isend(td, **to, **options), lambda: cudarecv.irecv(td, **frm, **options),
+              leaves, base=w.base)
+
+
+def _sync(group: Any) -> None:
+    if group is None:
+        dist.barrier()
+    else:
+        group.barrier().wait()
+
+
+def _timed(rank: int, op: Op, count: int, group: Any) -> list[float]:
+    """``count`` iterations; this rank's seconds for each."""
+    call = op.recv if rank == RECEIVER else op.send
+    out = []
+    clock = time.perf_counter
+    for _ in range(count):
+        _sync(group)
+        t0 = clock()
+        call()
+        out.append(clock() - t0)
+    return out
+
+
+def _fill(op: Op, stamp: int, zero: bool) -> None:
+    if op.flat is not None:
+        if zero:
+            op.flat.zero_()
+        else:
+            torch.add(op.base, stamp % 256, out=op.flat)
+        return
+    for i, t in enumerate(op.leaves):
+        flat = t.view(-1)
+        if zero:
+            flat.zero_()
+        else:
+            torch.add(op.base[: flat.numel()], float(256 * ((i + stamp) % 4096)), out=flat)
+
+
+def _mismatch(op: Op, stamp: int) -> str | None:
+    """None if the receiver holds the pattern stamped ``stamp``, else what differs."""
+    if op.flat is not None:
+        expected = torch.add(op.base, stamp % 256)
+        if torch.equal(op.flat, expected):
+            return None
+        bad = int((op.flat != expected).nonzero()[0, 0])
+        return f"flat buffer differs from byte {bad} on ({int(op.flat[bad])} != {int(expected[bad])})"
+    for i, t in enumerate(op.leaves):
+        flat = t.view(-1)
+        expected = torch.add(op.base[: flat.numel()], float(256 * ((i + stamp) % 4096)))
+        if not torch.equal(flat, expected):
+            bad = int((flat != expected).nonzero()[0, 0])
+            return (f"leaf {i} of {len(op.leaves)} differs at element {bad} "
+                    f"({float(flat[bad])} != {float(expected[bad])})")
+    return None
+
+
+def _verify(rank: int, op: Op, group: Any) -> str | None:
+    """One checked transfer; the receiver returns None or what was wrong."""
+    global _STAMP
+    _STAMP += 1  # both ranks run the same calls, so their stamps agree
+    _fill(op, _STAMP, zero=rank == RECEIVER)
+    _timed(rank, op, 1, group)
+    if rank != RECEIVER:
+        return None
+    problem = _mismatch(op, _STAMP)
+    _fill(op, 0, zero=True)
+    return problem
+
+
+# --------------------------------------------------------------------------- entry points (run in the ranks)
+
+
+def time_case(rank: int, world_size: int, group: Any, case: dict) -> dict:
+    """Run one case: ``warmup`` + ``iters`` timed iterations, then one checked transfer.
+
+    Returns, on each rank, ``{"rank", "seconds": [per timed iteration], "ok", "error"}``;
+    the receiver's (rank 1) seconds are the ones to report, ``ok``/``error`` are
+    set by the receiver only (the sender's are always ``True``/``None``).
+    """
+    return time_suite(rank, world_size, group, [case], rounds=1)[0]
+
+
+def time_suite(rank: int, world_size: int, group: Any, cases: Sequence[dict], rounds: int = 1) -> list[dict]:
+    """Run several cases of one workload side by side, to beat noise.
+
+    Each case first runs its ``warmup`` iterations; then ``rounds`` rounds each
+    run ``iters`` timed iterations of every case, the order rotated by one case
+    per round (so no case always follows the same one); then each case is
+    checked once. Returns one dict per case, as :func:`time_case` does, with the
+    times of all rounds.
+    """
+    if world_size != 2:
+        raise ValueError(f"transfer timings need exactly 2 ranks, got {world_size}")
+    ops = [make_op(case, group) for case in cases]
+    times: list[list[float]] = [[] for _ in cases]
+    for op, case in zip(ops, cases):
+        _timed(rank, op, case.get("warmup", 1), group)
+    n = len(cases)
+    for r in range(rounds):
+        for j in [(r + k) % n for k in range(n)]:
+            times[j] += _timed(rank, ops[j], cases[j].get("iters", 1), group)
+    out = []
+    for op, t in zip(ops, times):
+        problem = _verify(rank, op, group)
+        out.append({"rank": rank, "seconds": t, "ok": problem is None, "error": problem})
+    return out
+
+
+# --------------------------------------------------------------------------- parent side
+
+
+def summarize(case: dict, per_rank: Sequence[dict]) -> dict:
+    """Merge the two ranks' results of one case into what the reports need.
+
+    Returns ``case`` plus ``bytes``, ``seconds`` (median of the receiver's
+    iterations), ``seconds_min``, ``seconds_all``, ``send_seconds`` (the
+    sender's median), ``ok`` and ``error``.
+    """
+    recv, send = per_rank[RECEIVER], per_rank[SENDER]
+    times = sorted(recv["seconds"])
+    return {
+        **case,
+        "bytes": payload_bytes(case),
+        "seconds": _median(times),
+        "seconds_min": times[0],
+        "seconds_all": list(recv["seconds"]),
+        "send_seconds": _median(sorted(send["seconds"])),
+        "ok": bool(recv["ok"]),
+        "error": recv["error"],
+    }
+
+
+def _median(sorted_values: list[float]) -> float:
+    n = len(sorted_values)
+    mid = n // 2
+    return sorted_values[mid] if n % 2 else (sorted_values[mid - 1] + sorted_values[mid]) / 2

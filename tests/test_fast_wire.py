@@ -1,0 +1,146 @@
+"""The native fast wire: buckets and chunks, the checked header, drain on mismatch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+import cudarecv
+from cudarecv import _header
+from tdfactory import STRUCTURES, make, same
+
+
+def _peer(rank, group):
+    if group is None:
+        return (1 - rank,), {}
+    return (), {"group": group, ("group_dst" if rank == 0 else "group_src"): 1 - rank}
+
+
+def roundtrip(rank, world, group, bucket_bytes, recv_bucket_bytes, consolidated, blocking):
+    args, peer = _peer(rank, group)
+    ok = {}
+    for structure in STRUCTURES:
+        td = make(structure, 5.0 if rank == 0 else 0.0)
+        if consolidated:
+            td = td.consolidate(metadata=True)
+        for step in range(3):  # repeated transfers reuse the cached plan and staging
+            if rank == 0:
+                td = make(structure, 5.0 + step)
+                if consolidated:
+                    td = td.consolidate(metadata=True)
+                if blocking:
+                    cudarecv.send(td, *args, **peer, consolidated=consolidated, bucket_bytes=bucket_bytes)
+                else:
+                    [h] = cudarecv.isend(td, *args, **peer, consolidated=consolidated,
+                                         bucket_bytes=bucket_bytes, return_early=True)
+                    assert h.wait(timeout=10) is None
+            else:
+                if blocking:
+                    cudarecv.recv(td, *args, **peer, consolidated=consolidated, bucket_bytes=recv_bucket_bytes)
+                else:
+                    [h] = cudarecv.irecv(td, *args, **peer, consolidated=consolidated,
+                                         bucket_bytes=recv_bucket_bytes, return_premature=True)
+                    assert h.wait(timeout=10) is td
+                ok[(structure, step)] = same(td, make(structure, 5.0 + step))
+    return ok
+
+
+@pytest.mark.parametrize("consolidated", [False, True], ids=["buckets", "chunks"])
+@pytest.mark.parametrize("bucket_bytes,recv_bucket_bytes", [(7, 7), (64, 1 << 20), (1 << 20, 8)])
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "async"])
+@pytest.mark.parametrize("standalone", [False, True], ids=["default_group", "standalone_group"])
+def test_roundtrip(cluster, bucket_bytes, recv_bucket_bytes, consolidated, blocking, standalone):
+    _, ok = cluster().run(roundtrip, args=(bucket_bytes, recv_bucket_bytes, consolidated, blocking),
+                          standalone=standalone)
+    assert ok and all(ok.values()), [k for k, v in ok.items() if not v]
+
+
+def big_leaves(rank, world, group):
+    """Leaves much larger than a bucket span several messages; a leaf smaller than one shares it."""
+    td = TensorDict(big=torch.full((300_000,), float(rank)), small=torch.full((3,), float(rank) + 1),
+                    mid=torch.arange(5000, dtype=torch.float64) * (rank + 1))
+    if rank == 0:
+        td["big"] = torch.arange(300_000, dtype=torch.float32)
+        cudarecv.send(td, 1, bucket_bytes=100_000, pseudo_rand=True, init_tag=9)
+        return None
+    cudarecv.recv(td, 0, bucket_bytes=100_000, pseudo_rand=True, init_tag=9)
+    return (torch.equal(td["big"], torch.arange(300_000, dtype=torch.float32)),
+            td["small"].tolist(), td["mid"][:3].tolist())
+
+
+def test_leaves_split_across_buckets(cluster):
+    _, (big_ok, small, mid) = cluster().run(big_leaves)
+    assert big_ok and small == [1.0, 1.0, 1.0] and mid == [0.0, 1.0, 2.0]
+
+
+def mismatch_then_ok(rank, world, group, kind):
+    """A mismatched receive raises, leaves the tensordict untouched, and the link still works."""
+    consolidated = kind.startswith("chunks")
+    good = make("nested", 3.0 if rank == 0 else 0.0)
+    if kind == "buckets-shape":
+        bad_sender = good.clone()
+        bad_sender["b"] = torch.zeros(6)  # other shape, other byte count
+    elif kind == "buckets-dtype":
+        bad_sender = good.clone()
+        bad_sender["b"] = good["b"].to(torch.int32)  # same byte count, other dtype
+    elif kind == "buckets-key":
+        bad_sender = good.clone()
+        bad_sender.rename_key_("b", "bb")  # same bytes, other key
+    elif kind == "chunks-layout":
+        bad_sender = make("flat", 3.0)
+    elif kind == "chunks-vs-buckets":
+        bad_sender = good.clone()
+    if consolidated:
+        good = good.consolidate(metadata=True)
+        if kind == "chunks-layout":
+            bad_sender = bad_sender.consolidate(metadata=True)
+    sender_consolidated = consolidated and kind != "chunks-vs-buckets"
+    if rank == 0:
+        cudarecv.send(bad_sender, 1, bucket_bytes=16, consolidated=sender_consolidated)
+        cudarecv.send(good, 1, bucket_bytes=16, consolidated=consolidated)
+        return None
+    before = good.clone()
+    try:
+        cudarecv.recv(good, 0, bucket_bytes=32, consolidated=consolidated)
+    except cudarecv.HeaderError as error:
+        message = str(error)
+    else:
+        message = None
+    untouched = same(good, before)
+    cudarecv.recv(good, 0, bucket_bytes=32, consolidated=consolidated)
+    return message, untouched, same(good, make("nested", 3.0))
+
+
+@pytest.mark.parametrize("kind", ["buckets-shape", "buckets-dtype", "buckets-key", "chunks-layout",
+                                  "chunks-vs-buckets"])
+def test_mismatch_is_rejected_drained_and_link_survives(cluster, kind):
+    _, (message, untouched, next_ok) = cluster().run(mismatch_then_ok, args=(kind,))
+    assert message is not None and "drained" in message and "untouched" in message
+    assert untouched, "the tensordict was written despite the mismatch"
+    assert next_ok, "the next transfer on the same link failed"
+
+
+def test_header_roundtrip_and_corruption():
+    h = _header.Header(_header.KIND_BUCKETS, 3, 1000, 64, bytes(range(16)))
+    raw = h.pack()
+    assert len(raw) == _header.SIZE and _header.Header.unpack(raw) == h
+    assert h.pieces() == [64] * 15 + [40]
+    corrupted = bytearray(raw)
+    corrupted[20] ^= 1
+    with pytest.raises(_header.HeaderError, match="not a cudarecv header"):
+        _header.Header.unpack(bytes(corrupted))
+    with pytest.raises(_header.HeaderError, match="not a cudarecv header"):
+        _header.Header.unpack(bytes(64))
+
+
+def test_schema_digest_sees_keys_dtypes_shapes_offsets():
+    from cudarecv._walk import walk
+
+    base = walk(make("flat", 0.0))
+    digest = _header.schema_digest(*base)
+    assert digest == _header.schema_digest(*walk(make("flat", 9.0)))  # values do not matter
+    other = make("flat", 0.0)
+    other["z"] = torch.zeros(3, dtype=torch.int32)
+    assert _header.schema_digest(*walk(other)) != digest
+    assert _header.schema_digest(*base, offsets=[0, 8, 16], storage_bytes=64) != digest

@@ -1,0 +1,120 @@
+"""Bad input: a clear exception naming the argument and the fix, before anything is sent."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+import cudarecv
+from tdfactory import make, same
+
+# (call, kwargs without the td, expected exception, a regex the message must match)
+BAD_CALLS = [
+    ("irecv", {"src": 1, "group_src": 1}, ValueError, "`group_src` requires `group`"),
+    ("irecv", {}, ValueError, "Exactly one of `src` and `group_src`"),
+    ("isend", {"group_dst": 1}, ValueError, "`group_dst` requires `group`"),
+    ("irecv", {"src": 7}, ValueError, r"`src=7` is outside the world of 2 ranks.*0\.\.1"),
+    ("isend", {"dst": -1}, ValueError, "`dst=-1` is outside the world"),
+    ("isend", {"dst": "SELF"}, ValueError, "own rank"),
+    ("irecv", {"src": 1.0}, TypeError, "`src` must be an int"),
+    ("irecv", {"src": "PEER", "bucket_bytes": 0}, ValueError, "`bucket_bytes` must be a positive int"),
+    ("isend", {"dst": "PEER", "bucket_bytes": -5}, ValueError, "`bucket_bytes` must be a positive int"),
+    ("isend", {"dst": "PEER", "bucket_bytes": True}, ValueError, "`bucket_bytes` must be a positive int"),
+    ("irecv", {"src": "PEER", "pseudo_rand": True, "init_tag": -1}, ValueError,
+     "`init_tag=-1` is negative.*pseudo_rand"),
+    ("irecv", {"src": "PEER", "init_tag": "3"}, TypeError, "`init_tag` must be an int"),
+    ("irecv", {"src": "PEER", "consolidated": True}, ValueError,
+     r"needs a consolidated tensordict.*consolidate\(metadata=True\)"),
+    ("irecv", {"src": "PEER", "bucket_bytes": 8, "init_tag": 1 << 29}, ValueError, "out of range for the fast wire"),
+]
+STANDALONE_BAD = [
+    ("irecv", {"src": "PEER", "group_src": "PEER"}, ValueError, "`src` and `group_src` are mutually exclusive"),
+    ("irecv", {"src": "PEER"}, ValueError, "standalone process group.*pass `group_src="),
+    ("isend", {"group_dst": 2}, ValueError, r"`group_dst=2` is outside `group` of 2 ranks"),
+    ("isend", {"group_dst": "SELF"}, ValueError, "own rank"),
+]
+
+
+def _fill(kwargs, rank):
+    return {k: (1 - rank if v == "PEER" else rank if v == "SELF" else v) for k, v in kwargs.items()}
+
+
+def bad_calls(rank, world, group, calls):
+    """Every rank makes each bad call; then one good transfer proves nothing stray was sent."""
+    out = []
+    td = make("nested", float(rank))
+    snapshot = td.clone()
+    for name, kwargs, _, _ in calls:
+        kwargs = _fill(kwargs, rank)
+        if group is not None:
+            kwargs["group"] = group
+        try:
+            getattr(cudarecv, name)(td, **kwargs)
+        except Exception as error:  # noqa: BLE001 - reported to the parent
+            out.append((type(error).__name__, str(error)))
+        else:
+            out.append(None)
+    untouched = same(td, snapshot)
+    peer = {"group": group, ("group_dst" if rank == 0 else "group_src"): 1 - rank} if group else {
+        ("dst" if rank == 0 else "src"): 1 - rank}
+    if rank == 0:
+        cudarecv.send(td, **peer)
+        return out, untouched, True
+    cudarecv.recv(td, **peer)
+    return out, untouched, same(td, make("nested", 0.0))
+
+
+@pytest.mark.parametrize("standalone", [False, True], ids=["default_group", "standalone_group"])
+def test_bad_input_raises_before_sending(cluster, standalone):
+    calls = STANDALONE_BAD if standalone else BAD_CALLS
+    results = cluster().run(bad_calls, args=(calls,), standalone=standalone)
+    for rank, (out, untouched, link_ok) in enumerate(results):
+        for (name, kwargs, exc, pattern), got in zip(calls, out):
+            assert got is not None, f"rank {rank}: {name}({kwargs}) did not raise"
+            assert got[0] == exc.__name__, f"rank {rank}: {name}({kwargs}) raised {got}"
+            assert re.search(pattern, got[1]), f"{name}({kwargs}): {got[1]!r}"
+        assert untouched and link_ok
+
+
+def leaf_checks(rank, world, group):
+    errors = []
+    for td in (
+        TensorDict(a=torch.zeros(3), b=torch.zeros(4, 4).t()),  # non-contiguous
+        TensorDict(a=torch.zeros(3), s=torch.zeros(4, 4).to_sparse()),
+        TensorDict(a=torch.zeros(3), m=torch.empty(3, device="meta")),
+    ):
+        try:
+            cudarecv.irecv(td, src=1 - rank)
+        except ValueError as error:
+            errors.append(str(error))
+    return errors
+
+
+def test_leaves_that_cannot_travel_are_named(cluster):
+    errors = cluster().run(leaf_checks)[0]
+    assert len(errors) == 3
+    assert "leaf 'b' cannot travel" in errors[0] and "contiguous()" in errors[0]
+    assert "leaf 's' cannot travel" in errors[1] and "to_dense()" in errors[1]
+    assert "leaf 'm' cannot travel" in errors[2] and "meta" in errors[2]
+
+
+def test_not_a_tensordict():
+    with pytest.raises(TypeError, match="`td` must be a TensorDict"):
+        cudarecv._walk.unwrap({"a": torch.zeros(1)})
+
+
+def test_unsupported_leaf_type_names_key():
+    from cudarecv._walk import walk
+
+    td = TensorDict(a=torch.zeros(1))
+    td._tensordict["x"] = object()  # bypass tensordict's own checks
+    with pytest.raises(TypeError, match="leaf 'x' is a object, which cannot travel"):
+        walk(td)
+
+
+def test_no_process_group():
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        cudarecv.irecv(make("flat", 0.0), src=0)
