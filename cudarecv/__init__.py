@@ -10,25 +10,49 @@ Example:
     >>> cudarecv.recv(td, src=0, bucket_bytes=1 << 20)  # fast wire, both ends
     >>> with cudarecv.installed():                      # or make them the methods
     ...     td.recv(src=0)
+
+The names below load their module on first use, so ``import cudarecv`` (and
+the pytest plugin it ships) does not import torch until something needs it.
 """
 
-from ._api import irecv, isend, recv, send
-from ._handle import Transfer
-from ._header import HeaderError
-from ._install import install, installed, is_installed, uninstall
-from ._tags import tag_sequence
+from __future__ import annotations
 
-__all__ = [
-    "HeaderError",
-    "Transfer",
-    "install",
-    "installed",
-    "irecv",
-    "is_installed",
-    "isend",
-    "recv",
-    "send",
-    "tag_sequence",
-    "uninstall",
-]
+import importlib
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "irecv": "._api",
+    "isend": "._api",
+    "recv": "._api",
+    "send": "._api",
+    "Transfer": "._handle",
+    "HeaderError": "._header",
+    "install": "._install",
+    "installed": "._install",
+    "is_installed": "._install",
+    "uninstall": "._install",
+    "tag_sequence": "._tags",
+}
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from ._api import irecv, isend, recv, send
+    from ._handle import Transfer
+    from ._header import HeaderError
+    from ._install import install, installed, is_installed, uninstall
+    from ._tags import tag_sequence
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'cudarecv' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

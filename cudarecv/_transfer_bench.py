@@ -380,6 +380,8 @@ def time_suite(rank: int, world_size: int, group: Any, cases: Sequence[dict], ro
     """
     if world_size != 2:
         raise ValueError(f"transfer timings need exactly 2 ranks, got {world_size}")
+    if len({(c["leaves"], c.get("leaf_bytes"), c.get("total_bytes")) for c in cases}) > 1:
+        raise ValueError("the cases of one suite must share their workload (leaves, leaf_bytes/total_bytes)")
     ops = [make_op(case, group) for case in cases]
     times: list[list[float]] = [[] for _ in cases]
     for op, case in zip(ops, cases):
