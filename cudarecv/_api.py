@@ -73,9 +73,9 @@ def _start_send(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolida
         tags = plan.tags(init_tag, len(plan.tensors), pseudo_rand)
         protocol = _stock_wire.send_leaves(link, plan.tensors, tags)
     else:
-        plan.pack()
         protocol = _fast_wire.send(link, plan, plan.bucket_header.with_piece(bucket_bytes),
-                                   plan.pieces(bucket_bytes), init_tag, pseudo_rand)
+                                   plan.pieces(bucket_bytes), init_tag, pseudo_rand,
+                                   fill=lambda i: plan.pack(bucket_bytes, i))
     transfer = Transfer(protocol)
     if bucket_bytes is not None and not consolidated:
         plan.in_flight = transfer
@@ -91,18 +91,13 @@ def _start_recv(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolida
             protocol = _stock_wire.recv_storage(link, storage, td)
         else:
             protocol = _fast_wire.recv(link, plan, plan.chunk_header(inner),
-                                       lambda piece: plan.chunks(inner, piece), lambda: td,
-                                       init_tag, pseudo_rand)
+                                       lambda piece: plan.chunks(inner, piece), init_tag, pseudo_rand, td)
     elif bucket_bytes is None:
         tags = plan.tags(init_tag, len(plan.tensors), pseudo_rand)
         protocol = _stock_wire.recv_leaves(link, plan.tensors, tags, td)
     else:
-        def finish() -> Any:
-            plan.unpack()
-            return td
-
-        protocol = _fast_wire.recv(link, plan, plan.bucket_header, plan.pieces, finish,
-                                   init_tag, pseudo_rand)
+        protocol = _fast_wire.recv(link, plan, plan.bucket_header, plan.pieces, init_tag, pseudo_rand,
+                                   td, landed=plan.unpack)
     transfer = Transfer(protocol)
     if bucket_bytes is not None and not consolidated:
         plan.in_flight = transfer

@@ -16,6 +16,8 @@ selects the fast wire.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import Tensor
 
@@ -45,22 +47,28 @@ def _header_tensor(header: Header) -> Tensor:
     return torch.frombuffer(bytearray(header.pack()), dtype=torch.uint8)
 
 
-def send(link: Link, plan: Plan, header: Header, payload: list[Tensor],
-         init_tag: int, pseudo_rand: bool) -> Protocol:
-    """Send ``header`` then ``payload`` (the messages, already packed)."""
-    tags = _tags(plan, init_tag, pseudo_rand, len(payload))
+def send(link: Link, plan: Plan, header: Header, pieces: list[Tensor], init_tag: int,
+         pseudo_rand: bool, fill: Callable[[int], None] | None = None) -> Protocol:
+    """Send ``header`` then ``pieces``; ``fill(i)`` (if given) writes piece i just before it goes,
+    so packing piece i+1 overlaps the wire carrying piece i."""
+    tags = _tags(plan, init_tag, pseudo_rand, len(pieces))
     send, peer = link.pg.send, link.peer
     works = [send([_header_tensor(header)], peer, tags[0])]
-    works += [send([piece], peer, tag) for piece, tag in zip(payload, tags[1:])]
+    for i, (piece, tag) in enumerate(zip(pieces, tags[1:])):
+        if fill is not None:
+            fill(i)
+        works.append(send([piece], peer, tag))
     yield works
 
 
-def recv(link: Link, plan: Plan, expected: Header, payload_for, finish,
-         init_tag: int, pseudo_rand: bool) -> Protocol:
+def recv(link: Link, plan: Plan, expected: Header, pieces_for: Callable[[int], list[Tensor]],
+         init_tag: int, pseudo_rand: bool, result: object,
+         landed: Callable[[int, int], None] | None = None) -> Protocol:
     """Receive a header, check it against ``expected``, then the payload.
 
-    ``payload_for(piece)`` returns the receive buffers for the sender's piece
-    size; ``finish()`` runs once the payload has landed and returns the result.
+    ``pieces_for(piece_bytes)`` returns the receive buffers for the sender's
+    message size; ``landed(piece_bytes, i)`` (if given) runs as soon as piece i
+    is in, while the next pieces are still on the wire.
     """
     raw = torch.empty(SIZE, dtype=torch.uint8)
     recv, peer = link.pg.recv, link.peer
@@ -77,8 +85,14 @@ def recv(link: Link, plan: Plan, expected: Header, payload_for, finish,
             "receive into a tensordict with the sender's keys, shapes and dtypes "
             "(and, consolidated, the same layout)"
         )
-    yield [recv([piece], peer, tag) for piece, tag in zip(payload_for(header.piece), tags[1:])]
-    return finish()
+    works = [recv([piece], peer, tag) for piece, tag in zip(pieces_for(header.piece), tags[1:])]
+    if landed is None:
+        yield works
+    else:
+        for i, work in enumerate(works):
+            yield [work]
+            landed(header.piece, i)
+    return result
 
 
 def _mismatch(expected: Header, got: Header) -> str | None:

@@ -10,6 +10,7 @@ or of a leaf builds a new plan, so a cached plan is never stale.
 from __future__ import annotations
 
 import weakref
+from collections import defaultdict
 from functools import cached_property
 
 import torch
@@ -32,7 +33,7 @@ class Plan:
         self.total = sum(self.nbytes)
         self._tags: dict[tuple[int, int, bool], list[int]] = {}
         self._checked: set[tuple[bool, str]] = set()
-        self._pieces: dict[int, list[Tensor]] = {}
+        self._pieces: dict[int, tuple] = {}
         self.in_flight = None  # the handle of a fast-wire transfer still using the staging buffer
 
     def matches(self, paths: list[Path], tensors: list[Tensor]) -> bool:
@@ -73,31 +74,44 @@ class Plan:
         """One reused buffer holding the leaves back to back, in send order."""
         return torch.empty(self.total, dtype=torch.uint8)
 
-    @cached_property
-    def staging_parts(self) -> list[Tensor]:
-        return list(self.staging.split(self.nbytes)) if self.tensors else []
-
     def pieces(self, piece: int) -> list[Tensor]:
         """The staging buffer cut into messages of at most ``piece`` bytes (cached)."""
-        views = self._pieces.get(piece)
-        if views is None:
-            views = self._pieces[piece] = _cut(self.staging, piece)
-        return views
+        return self._bucket_layout(piece)[0]
+
+    def pack(self, piece: int, index: int) -> None:
+        """Copy the leaf bytes of message ``index`` into its piece of the staging buffer."""
+        pieces, leaf_parts, _ = self._bucket_layout(piece)
+        torch.cat(leaf_parts[index], out=pieces[index])
+
+    def unpack(self, piece: int, index: int) -> None:
+        """Copy message ``index`` from the staging buffer into the leaves."""
+        _, leaf_parts, staging_parts = self._bucket_layout(piece)
+        torch._foreach_copy_(leaf_parts[index], staging_parts[index])
+
+    def _bucket_layout(self, piece: int) -> tuple[list[Tensor], list[list[Tensor]], list[list[Tensor]]]:
+        """Per message: its staging slice, and the matching leaf and staging segments."""
+        layout = self._pieces.get(piece)
+        if layout is None:
+            pieces = _cut(self.staging, piece)
+            leaf_parts: list[list[Tensor]] = [[] for _ in pieces]
+            staging_parts: list[list[Tensor]] = [[] for _ in pieces]
+            offset = 0
+            for view, n in zip(self.byte_views, self.nbytes):
+                done = 0
+                while done < n:  # a leaf may span several messages
+                    index, at = divmod(offset + done, piece)
+                    take = min(n - done, piece - at)
+                    leaf_parts[index].append(view[done:done + take])
+                    staging_parts[index].append(pieces[index][at:at + take])
+                    done += take
+                offset += n
+            layout = self._pieces[piece] = (pieces, leaf_parts, staging_parts)
+        return layout
 
     @cached_property
     def bucket_header(self) -> "_header.Header":
         digest = _header.schema_digest(self.paths, self.tensors)
         return _header.Header(_header.KIND_BUCKETS, len(self.tensors), self.total, 1, digest)
-
-    def pack(self) -> None:
-        """Copy the leaves into the staging buffer."""
-        if self.tensors:
-            torch.cat(self.byte_views, out=self.staging)
-
-    def unpack(self) -> None:
-        """Copy the staging buffer into the leaves."""
-        if self.tensors:
-            torch._foreach_copy_(self.byte_views, self.staging_parts)
 
     # -- consolidated ------------------------------------------------------------
     def storage(self, td: TensorDictBase) -> Tensor:
@@ -166,21 +180,41 @@ def _leaf_problem(t: Tensor, *, receiving: bool, backend: str) -> str | None:
             f"it is on {t.device}, and gloo moves host memory only; use the nccl backend, "
             "or keep the tensordict on the CPU"
         )
-    if receiving and not t.is_contiguous():
-        return "it is not contiguous, so it cannot be written in place; call `td = td.contiguous()` once"
+    if not t.is_contiguous():
+        return "it is not contiguous, and messages are contiguous bytes; call `td = td.contiguous()` once"
     return None
 
 
 _PLANS: dict[int, tuple[weakref.ref, Plan]] = {}
 
 
+_LOCKED_KEY = "cudarecv_plan"
+
+
 def plan_for(td: TensorDictBase) -> Plan:
-    """The plan of ``td``, reused while its leaves are unchanged."""
+    """The plan of ``td``, reused while its leaves are unchanged.
+
+    A locked tensordict cannot change structure or swap leaves until it is
+    unlocked, and unlocking erases its ``_cache``: there the plan is kept in
+    that cache and reused without walking the leaves again. An unlocked one is
+    walked each call and its plan reused if the leaves are the same tensors.
+    """
+    locked = td.is_locked
+    if locked:
+        cache = getattr(td, "_cache", None)
+        plan = cache.get(_LOCKED_KEY) if cache is not None else None
+        if plan is not None:
+            return plan
     paths, tensors = walk(td)
     key = id(td)
     entry = _PLANS.get(key)
     if entry is not None and entry[0]() is td and entry[1].matches(paths, tensors):
-        return entry[1]
-    plan = Plan(paths, tensors)
-    _PLANS[key] = (weakref.ref(td, lambda _, key=key: _PLANS.pop(key, None)), plan)
+        plan = entry[1]
+    else:
+        plan = Plan(paths, tensors)
+        _PLANS[key] = (weakref.ref(td, lambda _, key=key: _PLANS.pop(key, None)), plan)
+    if locked:
+        if td._cache is None:
+            td._cache = defaultdict(dict)
+        td._cache[_LOCKED_KEY] = plan
     return plan

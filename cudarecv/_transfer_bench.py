@@ -412,16 +412,17 @@ def summarize(case: dict, per_rank: Sequence[dict]) -> dict:
     return {
         **case,
         "bytes": payload_bytes(case),
-        "seconds": _median(times),
+        "seconds": median(times),
         "seconds_min": times[0],
         "seconds_all": list(recv["seconds"]),
-        "send_seconds": _median(sorted(send["seconds"])),
+        "send_seconds": median(sorted(send["seconds"])),
         "ok": bool(recv["ok"]),
         "error": recv["error"],
     }
 
 
-def _median(sorted_values: list[float]) -> float:
+def median(sorted_values: list[float]) -> float:
+    """The median of an already sorted, non-empty list."""
     n = len(sorted_values)
     mid = n // 2
     return sorted_values[mid] if n % 2 else (sorted_values[mid - 1] + sorted_values[mid]) / 2

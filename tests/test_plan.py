@@ -58,10 +58,24 @@ def test_tags_cached_per_plan():
     assert plan.tags(5, 3, False) == [5, 6, 7]
 
 
-def test_pack_unpack_roundtrip():
-    src, dst = make("nested", 2.0), make("nested", 0.0)
-    p_src, p_dst = plan_for(src), plan_for(dst)
-    p_src.pack()
-    p_dst.staging.copy_(p_src.staging)
-    p_dst.unpack()
-    assert all(torch.equal(a, b) for a, b in zip(walk(src)[1], walk(dst)[1]))
+def test_pack_unpack_roundtrip_any_piece_size():
+    for piece in (1, 3, 8, 13, 1 << 20):
+        src, dst = make("nested", 2.0), make("nested", 0.0)
+        p_src, p_dst = plan_for(src), plan_for(dst)
+        n = len(p_src.pieces(piece))
+        assert n == -(-p_src.total // piece)
+        for i in range(n):
+            p_src.pack(piece, i)
+        p_dst.staging.copy_(p_src.staging)
+        for i in range(n):
+            p_dst.unpack(piece, i)
+        assert all(torch.equal(a, b) for a, b in zip(walk(src)[1], walk(dst)[1])), piece
+
+
+def test_locked_plan_lives_in_the_lock_cache():
+    td = make("nested", 0.0).lock_()
+    plan = plan_for(td)
+    assert plan_for(td) is plan and td._cache["cudarecv_plan"] is plan
+    td.unlock_()  # tensordict erases its cache on unlock
+    td["b"] = torch.ones(4)
+    assert plan_for(td) is not plan

@@ -1,0 +1,230 @@
+"""TensorDict transfers on gloo loopback: stock tensordict vs cudarecv vs raw torch.distributed.
+
+Run with ``pytest bench/ -p no:cacheprovider --benchmark-json BENCH.json``, then
+``python -m cudarecv report BENCH.json``.
+
+Each row of the report is one benchmark here, with ``extra_info`` ``case``,
+``impl``, ``mode``, ``bytes``, ``leaves``, ``backend`` ("gloo"), ``stock_mode``
+where the stock reference has another mode, and ``seconds``: the median of the
+receiver's own per-iteration times (rank 1 times each transfer from just
+before its receive call until the data has landed, after a barrier that starts
+both ends together; see :mod:`cudarecv._transfer_bench`). ``seconds_min``,
+``seconds_all`` (every timed iteration) and ``send_seconds`` (the sender's
+median) are kept too. ``ok`` says the values checked after the timed loop were
+right; a wrong transfer fails its bench.
+
+Design, to beat the noise of a shared 2-core machine: the impls of a case are
+measured side by side in one call into the ranks (:func:`time_suite`). Every
+mode first runs its warm-up iterations; then ``rounds`` rounds each run
+``iters`` timed iterations of every mode, the order rotated by one mode per
+round; the reported time is the median over all rounds. A burst of load thus
+hits all modes of a case alike instead of one bench, and ratios within a case
+compare times taken seconds apart. The first bench of a case runs the whole
+case (its pytest-benchmark ``stats`` are the parent's wall time of that call,
+``suite_seconds``); the others read its results (``stats`` near zero). Read
+``seconds``, not ``stats``: ``python -m cudarecv report`` does.
+
+Cases (all float32 leaves, a tenth of them nested):
+
+- ``2000 x 8KiB``: many small leaves, every mode; targets: cudarecv
+  ``buckets 1MiB`` >= 4x stock ``per-leaf`` (isend/irecv);
+- ``2000 x 8KiB fast wire``: ``bucket_bytes`` 256KiB/1MiB/4MiB, buckets and chunks;
+- ``consolidated 256MiB``: 200 leaves in one consolidated tensordict on both
+  sides; targets: cudarecv ``consolidated`` >= 0.95x raw ``flat recv``,
+  ``chunks 1MiB`` >= 1.3x raw ``flat recv``;
+- ``consolidated 1MiB`` .. ``64MiB``: a size sweep for the report's plot.
+
+The measured target ratios are printed at the end of the pytest run.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from cudarecv import _transfer_bench as tb
+from cudarecv._launch import RankError
+
+pytestmark = pytest.mark.timeout(600)
+
+MiB = 1 << 20
+BACKEND = "gloo"
+
+# name -> workload, rounds, iters, warmup, [(impl, mode, stock_mode)]; "vs raw" is the first raw row
+SUITES: dict[str, dict[str, Any]] = {
+    "2000 x 8KiB": dict(
+        workload=dict(leaves=2000, leaf_bytes=8192), rounds=20, iters=3, warmup=2,
+        modes=[
+            ("stock", "per-leaf", None),
+            ("stock", "per-leaf pseudo_rand", None),
+            ("stock", "consolidated", None),
+            ("raw", "flat recv", None),
+            ("raw", "per-leaf dist.irecv", "per-leaf"),
+            ("cudarecv", "per-leaf", None),
+            ("cudarecv", "per-leaf pseudo_rand", None),
+            ("cudarecv", "consolidated", None),
+            ("cudarecv", "buckets 1MiB", "per-leaf"),
+            ("cudarecv", "chunks 1MiB", "consolidated"),
+        ],
+    ),
+    "2000 x 8KiB fast wire": dict(
+        workload=dict(leaves=2000, leaf_bytes=8192), rounds=15, iters=3, warmup=2,
+        modes=[
+            ("stock", "per-leaf", None),
+            ("stock", "consolidated", None),
+            ("raw", "flat recv", None),
+            *[("cudarecv", f"buckets {s}", "per-leaf") for s in ("256KiB", "1MiB", "4MiB")],
+            *[("cudarecv", f"chunks {s}", "consolidated") for s in ("256KiB", "1MiB", "4MiB")],
+        ],
+    ),
+    "consolidated 256MiB": dict(
+        workload=dict(leaves=200, total_bytes=256 * MiB), rounds=10, iters=2, warmup=1,
+        modes=[
+            ("stock", "consolidated", None),
+            ("raw", "flat recv", "consolidated"),
+            ("cudarecv", "consolidated", None),
+            ("cudarecv", "chunks 1MiB", "consolidated"),
+            ("stock", "per-leaf", None),
+            ("cudarecv", "per-leaf", None),
+        ],
+    ),
+    **{
+        f"consolidated {mib}MiB": dict(
+            workload=dict(leaves=200, total_bytes=mib * MiB), rounds=12, iters=3, warmup=2,
+            modes=[
+                ("stock", "consolidated", None),
+                ("raw", "flat recv", "consolidated"),
+                ("cudarecv", "consolidated", None),
+                ("cudarecv", "chunks 1MiB", "consolidated"),
+            ],
+        )
+        for mib in (1, 4, 16, 64)
+    },
+}
+
+# (label, case, (impl, mode), reference (impl, mode), target ratio = reference time / row time)
+TARGETS = [
+    ("cudarecv per-leaf vs stock per-leaf", "2000 x 8KiB", ("cudarecv", "per-leaf"), ("stock", "per-leaf"), None),
+    ("buckets 1MiB vs stock per-leaf", "2000 x 8KiB", ("cudarecv", "buckets 1MiB"), ("stock", "per-leaf"), 4.0),
+    ("chunks 1MiB vs stock consolidated", "2000 x 8KiB", ("cudarecv", "chunks 1MiB"), ("stock", "consolidated"),
+     None),
+    ("consolidated vs raw flat recv", "consolidated 256MiB", ("cudarecv", "consolidated"), ("raw", "flat recv"),
+     0.95),
+    ("chunks 1MiB vs raw flat recv", "consolidated 256MiB", ("cudarecv", "chunks 1MiB"), ("raw", "flat recv"), 1.3),
+]
+# pseudo_rand cost: time with pseudo_rand / time without (1.0 = free)
+PSEUDO_RAND_COST = [("stock", "2000 x 8KiB"), ("cudarecv", "2000 x 8KiB")]
+
+_results: dict[str, dict[tuple[str, str], dict]] = {}
+_errors: dict[str, str] = {}
+
+
+def _suite_cases(name: str) -> list[dict]:
+    suite = SUITES[name]
+    cases = []
+    for impl, mode, _ in suite["modes"]:
+        case = dict(suite["workload"], impl=impl, mode=mode, iters=suite["iters"], warmup=suite["warmup"])
+        tb.check_case(case)
+        cases.append(case)
+    return cases
+
+
+def _run_suite(holder: Any, name: str, targets: list[str]) -> dict[tuple[str, str], dict]:
+    """The results of case ``name``: run all its modes interleaved, once per session."""
+    if name in _errors:
+        raise RuntimeError(f"case {name!r} failed earlier in this session:\n{_errors[name]}")
+    if name not in _results:
+        cases = _suite_cases(name)
+        t0 = time.perf_counter()
+        try:
+            per_rank = holder.get().run(tb.time_suite, args=(cases, SUITES[name]["rounds"]), timeout=540)
+        except RankError as error:
+            _errors[name] = str(error)
+            raise
+        wall = time.perf_counter() - t0
+        rows = {}
+        for i, case in enumerate(cases):
+            row = tb.summarize(case, [per_rank[0][i], per_rank[1][i]])
+            row["suite_seconds"] = wall
+            rows[(case["impl"], case["mode"])] = row
+        _results[name] = rows
+        targets.extend(_target_lines(name, rows))
+    return _results[name]
+
+
+def _target_lines(name: str, rows: dict[tuple[str, str], dict]) -> list[str]:
+    lines = []
+    for label, case, mine, ref, target in TARGETS:
+        if case == name and mine in rows and ref in rows:
+            ratio = rows[ref]["seconds"] / rows[mine]["seconds"]
+            verdict = "" if target is None else f"  (target >= {target:g}x: {'met' if ratio >= target else 'MISSED'})"
+            lines.append(f"{case}: {label}: {ratio:.2f}x{verdict}")
+    for impl, case in PSEUDO_RAND_COST:
+        plain, rand = rows.get((impl, "per-leaf")), rows.get((impl, "per-leaf pseudo_rand"))
+        if case == name and plain and rand:
+            lines.append(f"{case}: {impl} pseudo_rand cost: {rand['seconds'] / plain['seconds']:.2f}x "
+                         f"the time of per-leaf ({rand['seconds'] * 1e3:.2f} ms vs {plain['seconds'] * 1e3:.2f} ms)")
+    return lines
+
+
+def _bench(benchmark: Any, holder: Any, targets: list[str], name: str, impl: str, mode: str,
+           stock_mode: str | None) -> None:
+    rows = benchmark.pedantic(lambda: _run_suite(holder, name, targets), rounds=1, iterations=1)
+    row = rows[(impl, mode)]
+    info = {
+        "case": name,
+        "impl": impl,
+        "mode": mode,
+        "bytes": row["bytes"],
+        "leaves": row["leaves"],
+        "backend": BACKEND,
+        "seconds": row["seconds"],
+        "seconds_min": row["seconds_min"],
+        "seconds_all": row["seconds_all"],
+        "send_seconds": row["send_seconds"],
+        "rounds": SUITES[name]["rounds"],
+        "iters": SUITES[name]["iters"],
+        "suite_seconds": row["suite_seconds"],
+        "ok": row["ok"],
+    }
+    if stock_mode is not None:
+        info["stock_mode"] = stock_mode
+    benchmark.extra_info.update(info)
+    assert row["ok"], f"{name}: {impl} {mode} delivered wrong data: {row['error']}"
+
+
+def _params(*names: str) -> list[Any]:
+    return [
+        pytest.param(name, impl, mode, stock_mode,
+                     id=f"{name}-{impl}-{mode}".replace(" x ", "x").replace(" ", "_"))
+        for name in names
+        for impl, mode, stock_mode in SUITES[name]["modes"]
+    ]
+
+
+ARGS = "name,impl,mode,stock_mode"
+
+
+@pytest.mark.parametrize(ARGS, _params("2000 x 8KiB"))
+def test_many_small_leaves(benchmark, transfer_cluster, transfer_targets, name, impl, mode, stock_mode):
+    _bench(benchmark, transfer_cluster, transfer_targets, name, impl, mode, stock_mode)
+
+
+@pytest.mark.parametrize(ARGS, _params("2000 x 8KiB fast wire"))
+def test_fast_wire_bucket_bytes(benchmark, transfer_cluster, transfer_targets, name, impl, mode, stock_mode):
+    _bench(benchmark, transfer_cluster, transfer_targets, name, impl, mode, stock_mode)
+
+
+@pytest.mark.parametrize(ARGS, _params("consolidated 256MiB"))
+def test_consolidated_256mib(benchmark, transfer_cluster, transfer_targets, name, impl, mode, stock_mode):
+    _bench(benchmark, transfer_cluster, transfer_targets, name, impl, mode, stock_mode)
+
+
+SWEEP = [n for n in SUITES if n.startswith("consolidated") and n != "consolidated 256MiB"]
+
+
+@pytest.mark.parametrize(ARGS, _params(*SWEEP))
+def test_consolidated_size_sweep(benchmark, transfer_cluster, transfer_targets, name, impl, mode, stock_mode):
+    _bench(benchmark, transfer_cluster, transfer_targets, name, impl, mode, stock_mode)

@@ -1,0 +1,81 @@
+"""pytest configuration of the benchmarks.
+
+Run them with::
+
+    pytest bench/ -p no:cacheprovider --benchmark-json BENCH.json
+    python -m cudarecv report BENCH.json
+
+The project's pytest configuration keeps the default ``python_files``
+(``test_*.py``, for ``tests/``), so this conftest collects the ``bench_*.py``
+files of this folder itself; no ``-o python_files=...`` is needed (and passing
+it, or naming a bench file on the command line, does not collect a file twice).
+
+Fixtures: ``transfer_cluster``, one :class:`cudarecv._launch.Cluster` of 2 ranks
+for the whole session (started when a bench first asks for it), restarted if a
+failure closed it; ``transfer_targets``, a list of lines printed at the end of
+the run (the transfer benches' target ratios).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+_TARGET_LINES: list[str] = []
+
+
+def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Collector | None:
+    if file_path.suffix != ".py" or not fnmatch.fnmatch(file_path.name, "bench_*.py"):
+        return None
+    if parent.session.isinitpath(file_path):
+        return None  # named on the command line: pytest's python plugin collects it
+    if any(fnmatch.fnmatch(file_path.name, p) for p in parent.config.getini("python_files")):
+        return None  # run with -o python_files=bench_*.py: collected by pytest already
+    return pytest.Module.from_parent(parent, path=file_path)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not config.pluginmanager.hasplugin("timeout"):
+        config.addinivalue_line("markers", "timeout(seconds): per-test time limit (pytest-timeout)")
+
+
+class ClusterHolder:
+    """The session's ranks; :meth:`get` starts new ones if a failure closed them."""
+
+    def __init__(self) -> None:
+        self._cluster = None
+
+    def get(self):
+        from cudarecv._launch import Cluster
+
+        if self._cluster is None or getattr(self._cluster, "_closed", False):
+            self._cluster = Cluster(2)
+        return self._cluster
+
+    def close(self) -> None:
+        if self._cluster is not None:
+            self._cluster.close()
+
+
+@pytest.fixture(scope="session")
+def transfer_cluster() -> Iterator[ClusterHolder]:
+    holder = ClusterHolder()
+    try:
+        yield holder
+    finally:
+        holder.close()
+
+
+@pytest.fixture(scope="session")
+def transfer_targets() -> list[str]:
+    return _TARGET_LINES
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    if _TARGET_LINES:
+        terminalreporter.section("cudarecv transfer targets (receiver medians)")
+        for line in _TARGET_LINES:
+            terminalreporter.write_line(line)

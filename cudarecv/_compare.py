@@ -1,0 +1,278 @@
+"""``python -m cudarecv compare``: stock tensordict vs cudarecv vs raw torch.distributed, on two local ranks.
+
+Usage::
+
+    python -m cudarecv compare [--leaves N] [--leaf-bytes SIZE] [--consolidated-mib MIB]
+                               [--bucket-bytes SIZE] [--iters N] [--warmup N] [--rounds N] [--quick]
+
+Starts two local processes on gloo loopback (one :class:`~cudarecv._launch.Cluster`)
+and transfers, from rank 0 to rank 1:
+
+- a model-sized tensordict of ``--leaves`` float32 leaves of ``--leaf-bytes`` each,
+  in every mode: stock, cudarecv and raw per-leaf ``isend/irecv``, per-leaf
+  ``pseudo_rand``, ``consolidated``, cudarecv's fast wire ``buckets`` and
+  ``chunks`` of ``--bucket-bytes``, and raw ``dist.send/recv`` of one flat buffer;
+- one consolidated tensordict of ``--consolidated-mib`` MiB in 200 leaves
+  (0 skips it): consolidated, chunks, flat, and per-leaf for reference.
+
+One line per mode is printed (on stderr) as it completes, then an nccl-tests
+style table (on stdout): the receiver's median time per transfer, GB/s
+(1 GB = 1e9 B), the ratio to stock (same mode, or its stock counterpart) and to
+raw (the flat buffer), and ``check``: whether the values arrived intact, as
+checked after the timed iterations. ``--rounds R`` repeats the whole list of
+modes R times, alternating them, and reports medians over all rounds.
+
+Exit status: 0 if every transfer delivered the right values, 1 if any did not
+(or a rank failed), 2 on bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+from . import _report
+from . import _transfer_bench as tb
+
+BACKEND = "gloo"
+CONSOLIDATED_LEAVES = 200
+DEFAULTS = dict(leaves=2000, leaf_bytes="8KiB", consolidated_mib=256, bucket_bytes="1MiB", iters=5, warmup=1, rounds=1)
+QUICK = dict(leaves=64, leaf_bytes="1KiB", consolidated_mib=1, bucket_bytes="16KiB", iters=2, warmup=1, rounds=1)
+NOTE = "time = median of the receiver's timed transfers; GB/s = bytes / time / 1e9"
+COLUMNS = (*_report.COLUMNS, "check")
+
+
+def leaf_modes(bucket: str) -> list[tuple[str, str, str | None]]:
+    """(impl, mode, stock_mode) of the many-leaves case; the first raw row is the flat buffer."""
+    return [
+        ("stock", "per-leaf", None),
+        ("stock", "per-leaf pseudo_rand", None),
+        ("stock", "consolidated", None),
+        ("raw", "flat recv", None),
+        ("raw", "per-leaf dist.irecv", "per-leaf"),
+        ("cudarecv", "per-leaf", None),
+        ("cudarecv", "per-leaf pseudo_rand", None),
+        ("cudarecv", "consolidated", None),
+        ("cudarecv", f"buckets {bucket}", "per-leaf"),
+        ("cudarecv", f"chunks {bucket}", "consolidated"),
+    ]
+
+
+def consolidated_modes(bucket: str) -> list[tuple[str, str, str | None]]:
+    """(impl, mode, stock_mode) of the consolidated case."""
+    return [
+        ("stock", "consolidated", None),
+        ("raw", "flat recv", "consolidated"),
+        ("cudarecv", "consolidated", None),
+        ("cudarecv", f"chunks {bucket}", "consolidated"),
+        ("stock", "per-leaf", None),
+        ("cudarecv", "per-leaf", None),
+    ]
+
+
+def plan(args: argparse.Namespace) -> list[tuple[str, dict, str | None]]:
+    """The (case name, case dict, stock_mode) to run, in order; raises ValueError on bad options."""
+    base = QUICK if args.quick else DEFAULTS
+    pick = {k: base[k] if getattr(args, k) is None else getattr(args, k) for k in DEFAULTS}
+    leaf_bytes = tb.parse_size(pick["leaf_bytes"])
+    bucket = tb.format_size(tb.parse_size(pick["bucket_bytes"]))
+    timing = dict(iters=pick["iters"], warmup=pick["warmup"])
+    if pick["rounds"] < 1:
+        raise ValueError(f"--rounds must be >= 1, got {pick['rounds']}")
+    out = []
+    name = f"{pick['leaves']} x {tb.format_size(leaf_bytes)}"
+    for impl, mode, stock_mode in leaf_modes(bucket):
+        out.append((name, dict(leaves=pick["leaves"], leaf_bytes=leaf_bytes, impl=impl, mode=mode, **timing),
+                    stock_mode))
+    mib = pick["consolidated_mib"]
+    if mib < 0:
+        raise ValueError(f"--consolidated-mib must be >= 0 (0 skips the case), got {mib}")
+    if mib:
+        total = mib << 20
+        name = f"consolidated {mib}MiB"
+        for impl, mode, stock_mode in consolidated_modes(bucket):
+            out.append((name, dict(leaves=min(CONSOLIDATED_LEAVES, total // 4), total_bytes=total, impl=impl,
+                                   mode=mode, **timing), stock_mode))
+    for _, case, _ in out:
+        tb.check_case(case)
+    return out
+
+
+# --------------------------------------------------------------------------- table
+
+
+def _machine() -> dict[str, Any]:
+    return {
+        "machine_info": {
+            "node": platform.node(),
+            "processor": platform.processor(),
+            "system": platform.system(),
+            "machine": platform.machine(),
+            "python_version": platform.python_version(),
+        },
+        "datetime": datetime.now(timezone.utc).isoformat(),
+    }
+
+
+def _versions() -> str:
+    import tensordict
+    import torch
+
+    from . import __version__
+
+    return f"cudarecv {__version__}, torch {torch.__version__}, tensordict {tensordict.__version__}"
+
+
+def format_table(rows: list[_report.Row], checks: dict[int, str], header: list[str]) -> str:
+    """The report's table (same cells, via :func:`cudarecv._report.row_cells`) plus a check column."""
+    cells = []
+    for r in rows:
+        cell = _report.row_cells(r)
+        if r.seconds <= 0:  # never completed
+            cell.update({"time": "-", "GB/s": "-"})
+        cell["check"] = checks[id(r)]
+        cells.append(cell)
+    widths = {c: max([len(c)] + [len(cell[c]) for cell in cells]) for c in COLUMNS}
+
+    def line(cell: dict[str, str], prefix: str) -> str:
+        padded = (cell[c].ljust(widths[c]) if c in _report.LEFT else cell[c].rjust(widths[c]) for c in COLUMNS)
+        return (prefix + "  ".join(padded)).rstrip()
+
+    out = [f"# {h}" for h in header] + ["#", line({c: c for c in COLUMNS}, "# ")]
+    by_id = {id(r): cell for r, cell in zip(rows, cells)}
+    for case, group in _report.group_cases(rows).items():
+        out.append(f"# case: {case}")
+        out += [line(by_id[id(r)], "  ") for r in group]
+    return "\n".join(out) + "\n"
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def register(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``compare`` subcommand."""
+    p = subparsers.add_parser(
+        "compare",
+        help="time stock tensordict vs cudarecv vs raw torch.distributed transfers on 2 local ranks",
+        description=__doc__.splitlines()[0],
+    )
+    d, q = DEFAULTS, QUICK
+    p.add_argument("--leaves", type=int, metavar="N",
+                   help=f"leaves of the many-leaves tensordict (default {d['leaves']}; --quick {q['leaves']})")
+    p.add_argument("--leaf-bytes", metavar="SIZE",
+                   help=f"bytes per leaf, e.g. 8KiB or 8192 (default {d['leaf_bytes']}; --quick {q['leaf_bytes']})")
+    p.add_argument("--consolidated-mib", type=int, metavar="MIB",
+                   help=f"MiB of the consolidated tensordict, 0 skips it (default {d['consolidated_mib']}; "
+                        f"--quick {q['consolidated_mib']})")
+    p.add_argument("--bucket-bytes", metavar="SIZE",
+                   help=f"fast-wire message size for buckets and chunks (default {d['bucket_bytes']}; "
+                        f"--quick {q['bucket_bytes']})")
+    p.add_argument("--iters", type=int, metavar="N",
+                   help=f"timed transfers per mode and round (default {d['iters']}; --quick {q['iters']})")
+    p.add_argument("--warmup", type=int, metavar="N", help=f"untimed transfers first (default {d['warmup']})")
+    p.add_argument("--rounds", type=int, metavar="N",
+                   help=f"repeat all modes N times, alternating them (default {d['rounds']})")
+    p.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test (a few seconds)")
+    p.set_defaults(func=run)
+    return p
+
+
+def _tail(error: str, lines: int = 8) -> str:
+    """The end of a rank's traceback (where it raised), not all of it."""
+    text = error.strip().splitlines()
+    return "\n".join(text if len(text) <= lines else [text[0], "  ...", *text[-(lines - 2):]])
+
+
+def _progress(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run every mode, print progress then the table; 0 if all checks pass."""
+    from ._launch import Cluster, RankError
+
+    try:
+        todo = plan(args)
+    except ValueError as exc:
+        print(f"cudarecv compare: error: {exc}", file=sys.stderr)
+        return 2
+    rounds = args.rounds or (QUICK if args.quick else DEFAULTS)["rounds"]
+    keys = list(dict.fromkeys((name, case["impl"], case["mode"]) for name, case, _ in todo))
+    times: dict[tuple, list[float]] = {k: [] for k in keys}
+    errors: dict[tuple, list[str]] = {k: [] for k in keys}
+    total, done = rounds * len(todo), 0
+    _progress(f"cudarecv compare: {len(todo)} modes x {rounds} round(s) on 2 local ranks ({BACKEND}), "
+              f"{todo[0][1]['iters']} timed + {todo[0][1]['warmup']} warm-up transfers each")
+    t_start = time.perf_counter()
+    cluster = None
+    try:
+        for _ in range(rounds):
+            for name, case, _ in todo:
+                key = (name, case["impl"], case["mode"])
+                if cluster is None:
+                    try:
+                        cluster = Cluster(2)
+                    except RankError as exc:
+                        print(f"cudarecv compare: error: cannot start the 2 local ranks: {exc}", file=sys.stderr)
+                        return 1
+                try:
+                    result = tb.summarize(case, cluster.run(tb.time_case, args=(case,), timeout=600))
+                except RankError as exc:
+                    cluster = None  # closed by the failure: start fresh ranks for the next mode
+                    errors[key].append(str(exc))
+                    status = f"FAIL: {str(exc).strip().splitlines()[-1]}"
+                else:
+                    times[key] += result["seconds_all"]
+                    if not result["ok"]:
+                        errors[key].append(result["error"])
+                    seconds = result["seconds"]
+                    status = (f"{_report.format_time(seconds):>10}  {result['bytes'] / seconds / 1e9:7.2f} GB/s  "
+                              + ("ok" if result["ok"] else f"FAIL: {result['error']}"))
+                done += 1
+                _progress(f"[{done:>{len(str(total))}}/{total}] {name:<22} {case['impl']:<8} {case['mode']:<22} "
+                          f"{status}")
+    except KeyboardInterrupt:
+        print("cudarecv compare: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        if cluster is not None:
+            cluster.close()
+
+    rows, checks = [], {}
+    stock_modes = {(name, c["impl"], c["mode"]): sm for name, c, sm in todo}
+    cases = {(name, c["impl"], c["mode"]): c for name, c, _ in todo}
+    for key in keys:
+        name, impl, mode = key
+        case, ts = cases[key], sorted(times[key])
+        row = _report.Row(name=f"{name} {impl} {mode}", seconds=tb.median(ts) if ts else 0.0, case=name,
+                          impl=impl, mode=mode, nbytes=tb.payload_bytes(case), leaves=case["leaves"],
+                          stock_mode=stock_modes[key], backend=BACKEND)
+        rows.append(row)
+        checks[id(row)] = "FAIL" if errors[key] else "ok"
+    _report.compute_ratios(rows)
+    it = todo[0][1]
+    header = [
+        _report.header_line(_machine()),
+        f"{_versions()}; 2 local ranks, {BACKEND} loopback; {it['iters'] * rounds} "
+        f"timed transfers per mode ({rounds} round(s) x {it['iters']}, after {it['warmup']} warm-up)",
+        NOTE,
+        _report.RATIO_NOTE,
+        "check = values verified on the receiver after the timed transfers",
+    ]
+    sys.stdout.write(format_table(rows, checks, header))
+    failed = [k for k in keys if errors[k]]
+    if failed:
+        sys.stdout.write(f"# checks: {len(failed)} of {len(keys)} modes FAILED\n")
+        sys.stdout.flush()
+        for name, impl, mode in failed:
+            for error in dict.fromkeys(errors[(name, impl, mode)]):
+                print(f"cudarecv compare: {name}: {impl} {mode}: {_tail(error)}", file=sys.stderr)
+        return 1
+    sys.stdout.write(f"# checks: all {len(keys)} modes delivered the right values "
+                     f"({time.perf_counter() - t_start:.1f} s)\n")
+    sys.stdout.flush()
+    return 0

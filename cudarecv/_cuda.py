@@ -1,0 +1,107 @@
+"""CUDA pieces: cudarecv's dedicated streams, event waits and reused staging buffers.
+
+Nothing here initializes CUDA at import, and every function works (as a no-op
+or a plain CPU allocation) on a machine without CUDA, so the CPU paths share
+the code of the GPU paths.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+_STREAMS: dict[int, "torch.cuda.Stream"] = {}
+
+
+def dedicated_stream(device: torch.device) -> "torch.cuda.Stream":
+    """cudarecv's own stream on ``device``, created once per device and reused.
+
+    Example:
+        >>> s = dedicated_stream(torch.device("cuda", 0))
+        >>> s is dedicated_stream(torch.device("cuda:0"))
+        True
+    """
+    index = _index(device)
+    stream = _STREAMS.get(index)
+    if stream is None:
+        stream = _STREAMS[index] = torch.cuda.Stream(device=index)
+    return stream
+
+
+def transfer_stream(device: torch.device, stream: "torch.cuda.Stream | None") -> "torch.cuda.Stream":
+    """The stream a transfer to/from ``device`` runs on: the caller's ``stream`` or the dedicated one."""
+    if stream is None:
+        return dedicated_stream(device)
+    if _index(stream.device) != _index(device):
+        raise ValueError(
+            f"`stream` is on {stream.device} but the tensordict is on {device}: pass a stream of "
+            f"{device} or None for cudarecv's dedicated stream"
+        )
+    return stream
+
+
+def _index(device: torch.device) -> int:
+    device = torch.device(device)
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+class EventWork:
+    """A recorded CUDA event seen as a ``Work``: ``wait()`` blocks the host until it fires."""
+
+    def __init__(self, event: "torch.cuda.Event") -> None:
+        self.event = event
+
+    def wait(self, timeout: Any = None) -> bool:
+        self.event.synchronize()
+        return True
+
+    def is_completed(self) -> bool:
+        return self.event.query()
+
+
+def record(stream: "torch.cuda.Stream") -> "torch.cuda.Event":
+    """A new event recorded on ``stream``."""
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
+class StagingPool:
+    """Staging buffers allocated once and reused: at most ``depth`` per (place, size).
+
+    ``place`` is ``"pinned"`` (page-locked host memory, for gloo <-> CUDA) or a
+    CUDA device (for NCCL <-> host). The pool never frees a buffer it handed
+    out; the same request returns the same buffers, so steady state allocates
+    nothing. ``allocations`` counts the buffers ever allocated (for tests).
+
+    Example:
+        >>> pool = StagingPool()
+        >>> a = pool.buffers("pinned", 1 << 20)
+        >>> a is pool.buffers("pinned", 1 << 20)
+        True
+    """
+
+    def __init__(self, depth: int = 2) -> None:
+        self.depth = depth
+        self.allocations = 0
+        self._buffers: dict[tuple[str, int], list[torch.Tensor]] = {}
+
+    def buffers(self, place: str | torch.device, nbytes: int, count: int | None = None) -> list[torch.Tensor]:
+        """``min(count, depth)`` uint8 buffers of ``nbytes`` on ``place``, reused across calls."""
+        count = self.depth if count is None else min(count, self.depth)
+        key = (str(place), nbytes)
+        found = self._buffers.setdefault(key, [])
+        while len(found) < count:
+            found.append(_allocate(place, nbytes))
+            self.allocations += 1
+        return found[:count]
+
+
+def _allocate(place: str | torch.device, nbytes: int) -> torch.Tensor:
+    if str(place) == "pinned":
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    return torch.empty(nbytes, dtype=torch.uint8, device=place)
+
+
+POOL = StagingPool()

@@ -1,0 +1,84 @@
+"""Smoke test of ``python -m cudarecv compare --quick`` (cudarecv/_compare.py) in a subprocess."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# --quick: 64 leaves of 1 KiB, a 1 MiB consolidated tensordict, bucket_bytes 16 KiB
+EXPECTED = {
+    "64 x 1KiB": [
+        ("stock", "per-leaf"),
+        ("stock", "per-leaf pseudo_rand"),
+        ("stock", "consolidated"),
+        ("raw", "flat recv"),
+        ("raw", "per-leaf dist.irecv"),
+        ("cudarecv", "per-leaf"),
+        ("cudarecv", "per-leaf pseudo_rand"),
+        ("cudarecv", "consolidated"),
+        ("cudarecv", "buckets 16KiB"),
+        ("cudarecv", "chunks 16KiB"),
+    ],
+    "consolidated 1MiB": [
+        ("stock", "consolidated"),
+        ("raw", "flat recv"),
+        ("cudarecv", "consolidated"),
+        ("cudarecv", "chunks 16KiB"),
+        ("stock", "per-leaf"),
+        ("cudarecv", "per-leaf"),
+    ],
+}
+
+
+def _table(stdout: str) -> tuple[list[str], dict[str, list[dict[str, str]]]]:
+    """The column names and, per case, the rows (cells by column) of the printed table."""
+    columns: list[str] = []
+    cases: dict[str, list[dict[str, str]]] = {}
+    case = None
+    for line in stdout.splitlines():
+        if line.startswith("# size (B)"):
+            columns = re.split(r"\s{2,}", line[2:].strip())
+        elif line.startswith("# case: "):
+            case = line[len("# case: "):].strip()
+            cases[case] = []
+        elif line.strip() and not line.startswith("#"):
+            assert case is not None and columns, f"table row before its header: {line!r}"
+            cells = re.split(r"\s{2,}", line.strip())
+            assert len(cells) == len(columns), f"row {line!r} does not match columns {columns}"
+            cases[case].append(dict(zip(columns, cells)))
+    return columns, cases
+
+
+def test_compare_quick() -> None:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    proc = subprocess.run(
+        [sys.executable, "-m", "cudarecv", "compare", "--quick"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+
+    columns, cases = _table(proc.stdout)
+    for column in ("impl", "mode", "time", "GB/s", "vs stock", "vs raw", "check"):
+        assert column in columns, f"no {column!r} column in {columns}"
+    assert list(cases) == list(EXPECTED), proc.stdout
+    for case, modes in EXPECTED.items():
+        got = [(row["impl"], row["mode"]) for row in cases[case]]
+        assert got == modes, f"{case}: rows {got}, expected {modes}\n{proc.stdout}"
+        for row in cases[case]:
+            assert row["check"] == "ok", f"{case}: {row}\n{proc.stdout}"
+            assert row["time"] != "-" and float(row["GB/s"]) > 0, row
+            assert row["vs raw"].endswith("x"), row
+    raws = [row for rows in cases.values() for row in rows if row["impl"] == "raw" and row["mode"] == "flat recv"]
+    assert all(row["vs raw"] == "1.00x" for row in raws)
+    assert "# checks: all 16 modes delivered the right values" in proc.stdout
+
+    # one progress line per mode, flushed as each completes
+    progress = [line for line in proc.stderr.splitlines() if re.match(r"\[\s*\d+/16\]", line)]
+    assert len(progress) == 16, proc.stderr
+    assert all(line.rstrip().endswith("ok") for line in progress), proc.stderr
