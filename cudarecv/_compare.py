@@ -99,7 +99,32 @@ def plan(args: argparse.Namespace) -> list[tuple[str, dict, str | None]]:
                                    mode=mode, **timing), stock_mode))
     for _, case, _ in out:
         tb.check_case(case)
+    _check_memory(out)
     return out
+
+
+def _available_memory() -> int | None:
+    """Bytes of memory available to new processes (MemAvailable), or None if unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _check_memory(todo: list[tuple[str, dict, str | None]]) -> None:
+    """Refuse sizes whose buffers would not fit: each rank holds the tensordict, its
+    consolidated copy (many-leaves case only), a flat buffer and the check pattern."""
+    need = max(tb.payload_bytes(c) * (4 if "leaf_bytes" in c else 3) * 2 for _, c, _ in todo)
+    available = _available_memory()
+    if available is not None and need > 0.8 * available:
+        raise ValueError(
+            f"these sizes need about {need / 1e9:.1f} GB of memory on the two ranks, but "
+            f"{available / 1e9:.1f} GB is available: lower --leaves, --leaf-bytes or --consolidated-mib"
+        )
 
 
 # --------------------------------------------------------------------------- table
