@@ -74,6 +74,7 @@ def _extra(benchmark, impl: str, runs: list[dict]) -> float:
         mode="pseudo_rand",
         bytes=0,
         leaves=LEAVES,
+        seconds=seconds,
         child_seconds=seconds,
         child_seconds_all=[r["seconds"] for r in runs],
         rounds=len(runs),

@@ -9,6 +9,7 @@ or of a leaf builds a new plan, so a cached plan is never stale.
 
 from __future__ import annotations
 
+import operator
 import weakref
 from collections import defaultdict
 from functools import cached_property
@@ -39,7 +40,7 @@ class Plan:
     def matches(self, paths: list[Path], tensors: list[Tensor]) -> bool:
         return (
             len(tensors) == len(self.tensors)
-            and all(a is b for a, b in zip(tensors, self.tensors))
+            and all(map(operator.is_, tensors, self.tensors))
             and paths == self.paths
             and _signature(tensors) == self.signature
         )
@@ -163,9 +164,12 @@ def _cut(buffer: Tensor, piece: int) -> list[Tensor]:
     return list(buffer.split(sizes)) if sizes else []
 
 
-def _signature(tensors: list[Tensor]) -> list[tuple]:
-    # sparse and nested tensors have no data pointer; check() rejects them anyway
-    return [(t.data_ptr() if t.layout is torch.strided else None, t.shape) for t in tensors]
+def _signature(tensors: list[Tensor]) -> list[int | None]:
+    """The leaves' data pointers: a leaf re-pointed with ``Tensor.set_`` gets a new plan."""
+    try:
+        return list(map(Tensor.data_ptr, tensors))
+    except RuntimeError:  # sparse/nested leaves have no data pointer; check() rejects them
+        return [t.data_ptr() if t.layout is torch.strided and not t.is_nested else None for t in tensors]
 
 
 def _leaf_problem(t: Tensor, *, receiving: bool, backend: str) -> str | None:

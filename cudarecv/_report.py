@@ -26,7 +26,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Sequence
 
-NOTE = "time = median of rounds; GB/s = bytes / time / 1e9"
+NOTE = "time = extra_info seconds if given (timed inside the ranks), else median of rounds; GB/s = bytes / time / 1e9"
 RATIO_NOTE = "vs stock / vs raw = their time / this time (> 1: this row is faster)"
 MATPLOTLIB_HINT = "pip install matplotlib or cudarecv[test]"
 
@@ -331,13 +331,13 @@ def format_markdown(data: dict[str, Any], rows: Sequence[Row]) -> str:
 
 
 def series(rows: Sequence[Row]) -> dict[str, list[tuple[int, float]]]:
-    """(bytes, GB/s) points per 'impl mode [backend]' label, sorted by size; bytes > 0 only."""
+    """(bytes, GB/s) points per 'impl mode, N leaves [backend]' label, sorted by size; bytes > 0 only."""
     out: dict[str, list[tuple[int, float]]] = {}
     for r in rows:
         g = r.gbps
         if not r.categorized or g is None:
             continue
-        label = f"{r.impl} {r.mode}" + (f" ({r.backend})" if r.backend else "")
+        label = f"{r.impl} {r.mode}, {r.leaves} leaves" + (f" ({r.backend})" if r.backend else "")
         out.setdefault(label, []).append((r.nbytes, g))
     return {k: sorted(v) for k, v in out.items()}
 
