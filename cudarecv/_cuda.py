@@ -29,6 +29,18 @@ def dedicated_stream(device: torch.device) -> "torch.cuda.Stream":
     return stream
 
 
+_COPY_STREAMS: dict[int, "torch.cuda.Stream"] = {}
+
+
+def copy_stream(device: torch.device) -> "torch.cuda.Stream":
+    """cudarecv's second stream on ``device``, for staging copies that overlap the wire."""
+    index = _index(device)
+    stream = _COPY_STREAMS.get(index)
+    if stream is None:
+        stream = _COPY_STREAMS[index] = torch.cuda.Stream(device=index)
+    return stream
+
+
 def transfer_stream(device: torch.device, stream: "torch.cuda.Stream | None") -> "torch.cuda.Stream":
     """The stream a transfer to/from ``device`` runs on: the caller's ``stream`` or the dedicated one."""
     if stream is None:
