@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from tensordict import TensorDictBase
 
-from . import _fast_wire, _stock_wire
+from . import _cuda, _fast_wire, _stock_wire
 from ._handle import Transfer
 from ._link import Link, resolve
 from ._plan import Plan, plan_for
+from ._staging import Lane
 from ._walk import unwrap
 
 
@@ -37,10 +39,10 @@ def _check_options(init_tag: object, pseudo_rand: object, consolidated: object,
             _fast_wire.check_init_tag(init_tag, bool(pseudo_rand))
 
 
-def _prepare(td: Any, link: Link, receiving: bool) -> tuple[TensorDictBase, Plan]:
+def _prepare(td: Any) -> tuple[TensorDictBase, Plan]:
     inner = unwrap(td)
     plan = plan_for(inner)
-    plan.check(receiving=receiving, backend=link.backend)
+    plan.check()
     if plan.in_flight is not None:
         # the previous fast-wire transfer of this tensordict still uses its staging
         # buffer: finish it first (its errors were or will be reported by its owner)
@@ -52,53 +54,83 @@ def _prepare(td: Any, link: Link, receiving: bool) -> tuple[TensorDictBase, Plan
     return inner, plan
 
 
+def _lane(link: Link, device: torch.device, stream: Any) -> Lane:
+    """The transfer's lane: a CUDA stream when the memory or the backend is on a GPU."""
+    if device.type != "cuda" and link.backend != "nccl":
+        if stream is not None:
+            raise ValueError(
+                "`stream` was given, but neither the tensordict (on the CPU) nor the "
+                f"{link.backend} backend uses CUDA: pass stream=None"
+            )
+        return Lane(link)
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"the {link.backend} backend with a tensordict on {device} needs CUDA, "
+                           "which this process cannot use")
+    if device.type != "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    lane_stream = _cuda.transfer_stream(device, stream)
+    # what the caller queued on its stream (writes of the values, reads of the
+    # old ones) comes before the transfer; the caller's stream is never blocked
+    lane_stream.wait_stream(torch.cuda.current_stream(device))
+    return Lane(link, lane_stream)
+
+
 def _last_tag(plan: Plan, init_tag: int, pseudo_rand: bool) -> int:
     n = len(plan.tensors)
     return plan.tags(init_tag, n, pseudo_rand)[-1] if n else init_tag - 1
 
 
 def _start_send(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolidated: bool,
-                bucket_bytes: int | None) -> tuple[Transfer, Plan]:
+                bucket_bytes: int | None, stream: Any) -> tuple[Transfer, Plan]:
     if consolidated:
         td = unwrap(td)
         if not td.is_consolidated():
             td = td.consolidate(metadata=True)  # as stock does: a copy, every call
-    inner, plan = _prepare(td, link, receiving=False)
-    if consolidated and bucket_bytes is None:
-        protocol = _stock_wire.send_storage(link, plan.storage(inner))
-    elif consolidated:
-        protocol = _fast_wire.send(link, plan, plan.chunk_header(inner).with_piece(bucket_bytes),
-                                   plan.chunks(inner, bucket_bytes), init_tag, pseudo_rand)
-    elif bucket_bytes is None:
-        tags = plan.tags(init_tag, len(plan.tensors), pseudo_rand)
-        protocol = _stock_wire.send_leaves(link, plan.tensors, tags)
+    inner, plan = _prepare(td)
+    if consolidated:
+        storage = plan.storage(inner)
+        lane = _lane(link, storage.device, stream)
+        if bucket_bytes is None:
+            protocol = _stock_wire.send_storage(lane, storage)
+        else:
+            protocol = _fast_wire.send(lane, plan, plan.chunk_header(inner).with_piece(bucket_bytes),
+                                       plan.chunks(inner, bucket_bytes), init_tag, pseudo_rand)
     else:
-        protocol = _fast_wire.send(link, plan, plan.bucket_header.with_piece(bucket_bytes),
-                                   plan.pieces(bucket_bytes), init_tag, pseudo_rand,
-                                   fill=lambda i: plan.pack(bucket_bytes, i))
-    transfer = Transfer(protocol)
+        lane = _lane(link, plan.device, stream)
+        if bucket_bytes is None:
+            protocol = _stock_wire.send_leaves(lane, plan, plan.tags(init_tag, len(plan.tensors), pseudo_rand))
+        else:
+            place = _fast_wire.staging_place(lane, plan)
+            protocol = _fast_wire.send(lane, plan, plan.bucket_header.with_piece(bucket_bytes),
+                                       plan.pieces(bucket_bytes, place), init_tag, pseudo_rand,
+                                       fill=lambda i: plan.pack(bucket_bytes, i, place))
+    transfer = Transfer(protocol, lane.stream)
     if bucket_bytes is not None and not consolidated:
         plan.in_flight = transfer
     return transfer, plan
 
 
 def _start_recv(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolidated: bool,
-                bucket_bytes: int | None) -> tuple[Transfer, Plan]:
-    inner, plan = _prepare(td, link, receiving=True)
+                bucket_bytes: int | None, stream: Any) -> tuple[Transfer, Plan]:
+    inner, plan = _prepare(td)
     if consolidated:
         storage = plan.storage(inner)  # raises, naming the fix, if td is not consolidated
+        lane = _lane(link, storage.device, stream)
         if bucket_bytes is None:
-            protocol = _stock_wire.recv_storage(link, storage, td)
+            protocol = _stock_wire.recv_storage(lane, storage, td)
         else:
-            protocol = _fast_wire.recv(link, plan, plan.chunk_header(inner),
+            protocol = _fast_wire.recv(lane, plan, plan.chunk_header(inner),
                                        lambda piece: plan.chunks(inner, piece), init_tag, pseudo_rand, td)
-    elif bucket_bytes is None:
-        tags = plan.tags(init_tag, len(plan.tensors), pseudo_rand)
-        protocol = _stock_wire.recv_leaves(link, plan.tensors, tags, td)
     else:
-        protocol = _fast_wire.recv(link, plan, plan.bucket_header, plan.pieces, init_tag, pseudo_rand,
-                                   td, landed=plan.unpack)
-    transfer = Transfer(protocol)
+        lane = _lane(link, plan.device, stream)
+        if bucket_bytes is None:
+            protocol = _stock_wire.recv_leaves(lane, plan, plan.tags(init_tag, len(plan.tensors), pseudo_rand), td)
+        else:
+            place = _fast_wire.staging_place(lane, plan)
+            protocol = _fast_wire.recv(lane, plan, plan.bucket_header, lambda piece: plan.pieces(piece, place),
+                                       init_tag, pseudo_rand, td,
+                                       landed=lambda piece, i: plan.unpack(piece, i, place))
+    transfer = Transfer(protocol, lane.stream)
     if bucket_bytes is not None and not consolidated:
         plan.in_flight = transfer
     return transfer, plan
@@ -106,13 +138,15 @@ def _start_recv(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolida
 
 def isend(td: Any, dst: int | None = None, *, group: Any = None, group_dst: int | None = None,
           init_tag: int = 0, pseudo_rand: bool = False, return_early: bool = False,
-          consolidated: bool = False, bucket_bytes: int | None = None) -> Any:
+          consolidated: bool = False, bucket_bytes: int | None = None, stream: Any = None) -> Any:
     """Send the leaves of ``td`` to ``dst``, all messages posted at once.
 
     Same arguments, wire and results as ``TensorDictBase.isend`` (tensordict
     0.15.3), plus ``bucket_bytes``: if given, ``td`` travels on the fast wire in
     messages of at most that many bytes, after a checked header; the receiver
-    must pass ``bucket_bytes`` too (any value).
+    must pass ``bucket_bytes`` too (any value). ``stream``: the CUDA stream to
+    run the transfer on (default: cudarecv's dedicated stream of the device);
+    the caller's current stream is never blocked by the transfer.
 
     Returns:
         With ``return_early=True``, a one-element list of :class:`Transfer`.
@@ -123,7 +157,7 @@ def isend(td: Any, dst: int | None = None, *, group: Any = None, group_dst: int 
     """
     _check_options(init_tag, pseudo_rand, consolidated, bucket_bytes)
     link = resolve(dst, group_dst, group, "dst", "group_dst")
-    transfer, plan = _start_send(td, link, init_tag, pseudo_rand, consolidated, bucket_bytes)
+    transfer, plan = _start_send(td, link, init_tag, pseudo_rand, consolidated, bucket_bytes, stream)
     if return_early:
         return [transfer]
     transfer.wait()
@@ -132,13 +166,16 @@ def isend(td: Any, dst: int | None = None, *, group: Any = None, group_dst: int 
 
 def irecv(td: Any, src: int | None = None, *, group: Any = None, group_src: int | None = None,
           return_premature: bool = False, init_tag: int = 0, pseudo_rand: bool = False,
-          consolidated: bool = False, bucket_bytes: int | None = None) -> Any:
+          consolidated: bool = False, bucket_bytes: int | None = None, stream: Any = None) -> Any:
     """Receive into the leaves of ``td`` in place what :func:`isend` or stock tensordict sends.
 
     Same arguments, wire and results as ``TensorDictBase.irecv`` (tensordict
     0.15.3), plus ``bucket_bytes`` (see :func:`isend`). On the fast wire a
     sender whose tensordict does not match raises
-    :class:`cudarecv.HeaderError` here, with ``td`` untouched.
+    :class:`cudarecv.HeaderError` here, with ``td`` untouched. ``stream`` as in
+    :func:`isend`. Without ``return_premature`` it returns once the caller's
+    current stream is ordered after the receive (CPU memory: once the bytes are
+    there).
 
     Returns:
         With ``return_premature=True``, a one-element list of :class:`Transfer`
@@ -149,7 +186,7 @@ def irecv(td: Any, src: int | None = None, *, group: Any = None, group_src: int 
     """
     _check_options(init_tag, pseudo_rand, consolidated, bucket_bytes)
     link = resolve(src, group_src, group, "src", "group_src")
-    transfer, _ = _start_recv(td, link, init_tag, pseudo_rand, consolidated, bucket_bytes)
+    transfer, _ = _start_recv(td, link, init_tag, pseudo_rand, consolidated, bucket_bytes, stream)
     if return_premature:
         return [transfer]
     transfer.wait()
@@ -158,18 +195,18 @@ def irecv(td: Any, src: int | None = None, *, group: Any = None, group_src: int 
 
 def send(td: Any, dst: int | None = None, *, group: Any = None, group_dst: int | None = None,
          init_tag: int = 0, pseudo_rand: bool = False, consolidated: bool = False,
-         bucket_bytes: int | None = None) -> None:
+         bucket_bytes: int | None = None, stream: Any = None) -> None:
     """Blocking :func:`isend`; same arguments and wire as ``TensorDictBase.send``."""
     isend(td, dst, group=group, group_dst=group_dst, init_tag=init_tag, pseudo_rand=pseudo_rand,
-          consolidated=consolidated, bucket_bytes=bucket_bytes)
+          consolidated=consolidated, bucket_bytes=bucket_bytes, stream=stream)
 
 
 def recv(td: Any, src: int | None = None, *, group: Any = None, group_src: int | None = None,
          init_tag: int = 0, pseudo_rand: bool = False, consolidated: bool = False,
-         bucket_bytes: int | None = None) -> int | None:
+         bucket_bytes: int | None = None, stream: Any = None) -> int | None:
     """Blocking :func:`irecv`; returns the last tag (``None`` when ``consolidated``), as stock."""
     _check_options(init_tag, pseudo_rand, consolidated, bucket_bytes)
     link = resolve(src, group_src, group, "src", "group_src")
-    transfer, plan = _start_recv(td, link, init_tag, pseudo_rand, consolidated, bucket_bytes)
+    transfer, plan = _start_recv(td, link, init_tag, pseudo_rand, consolidated, bucket_bytes, stream)
     transfer.wait()
     return None if consolidated else _last_tag(plan, init_tag, pseudo_rand)

@@ -16,15 +16,15 @@ selects the fast wire.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
 from ._handle import Protocol
 from ._header import KIND_NAMES, SIZE, Header, HeaderError
-from ._link import Link
 from ._plan import Plan
+from ._staging import Lane, recv_into, send_from
 
 TAG_BASE = 1 << 30  # fast-wire tags live above every stock tag
 MAX_INIT_TAG = 1 << 29
@@ -43,25 +43,39 @@ def _tags(plan: Plan, init_tag: int, pseudo_rand: bool, pieces: int) -> list[int
     return [TAG_BASE + t for t in plan.tags(init_tag, 1 + pieces, pseudo_rand)]
 
 
-def _header_tensor(header: Header) -> Tensor:
-    return torch.frombuffer(bytearray(header.pack()), dtype=torch.uint8)
+def staging_place(lane: Lane, plan: Plan) -> str:
+    """Where the buckets' staging buffer lives: on the wire's side of the link."""
+    if lane.nccl:
+        return str(plan.device) if plan.device.type == "cuda" else str(lane.stream.device)
+    return "pinned" if plan.device.type == "cuda" else "cpu"
 
 
-def send(link: Link, plan: Plan, header: Header, pieces: list[Tensor], init_tag: int,
+def _wire_tensor(lane: Lane, data: bytes) -> Tensor:
+    t = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return t.to(lane.stream.device) if lane.nccl else t
+
+
+def send(lane: Lane, plan: Plan, header: Header, pieces: list[Tensor], init_tag: int,
          pseudo_rand: bool, fill: Callable[[int], None] | None = None) -> Protocol:
     """Send ``header`` then ``pieces``; ``fill(i)`` (if given) writes piece i just before it goes,
     so packing piece i+1 overlaps the wire carrying piece i."""
     tags = _tags(plan, init_tag, pseudo_rand, len(pieces))
-    send, peer = link.pg.send, link.peer
-    works = [send([_header_tensor(header)], peer, tags[0])]
-    for i, (piece, tag) in enumerate(zip(pieces, tags[1:])):
-        if fill is not None:
-            fill(i)
-        works.append(send([piece], peer, tag))
-    yield works
+    head = yield from send_from(lane, [_wire_tensor(lane, header.pack())], tags[:1], defer=True)
+    yield from send_from(lane, pieces, tags[1:], fill=fill)
+    if head:
+        yield head
+    return None
 
 
-def recv(link: Link, plan: Plan, expected: Header, pieces_for: Callable[[int], list[Tensor]],
+def _recv_header(lane: Lane, tag: int) -> Any:
+    raw = torch.empty(SIZE, dtype=torch.uint8, device=lane.stream.device if lane.nccl else "cpu")
+    yield from recv_into(lane, [raw], [tag])
+    with lane.on_stream():
+        data = raw.cpu().numpy().tobytes()  # on NCCL the host waits for these 64 bytes
+    return Header.unpack(data)
+
+
+def recv(lane: Lane, plan: Plan, expected: Header, pieces_for: Callable[[int], list[Tensor]],
          init_tag: int, pseudo_rand: bool, result: object,
          landed: Callable[[int, int], None] | None = None) -> Protocol:
     """Receive a header, check it against ``expected``, then the payload.
@@ -70,28 +84,21 @@ def recv(link: Link, plan: Plan, expected: Header, pieces_for: Callable[[int], l
     message size; ``landed(piece_bytes, i)`` (if given) runs as soon as piece i
     is in, while the next pieces are still on the wire.
     """
-    raw = torch.empty(SIZE, dtype=torch.uint8)
-    recv, peer = link.pg.recv, link.peer
-    yield [recv([raw], peer, _tags(plan, init_tag, pseudo_rand, 0)[0])]
-    header = Header.unpack(raw.numpy().tobytes())
+    header = yield from _recv_header(lane, _tags(plan, init_tag, pseudo_rand, 0)[0])
     tags = _tags(plan, init_tag, pseudo_rand, len(header.pieces()))
     problem = _mismatch(expected, header)
     if problem:
-        scratch = torch.empty(min(header.piece, header.total), dtype=torch.uint8)
+        scratch = torch.empty(min(header.piece, header.total), dtype=torch.uint8,
+                              device=lane.stream.device if lane.nccl else "cpu")
         for size, tag in zip(header.pieces(), tags[1:]):
-            yield [recv([scratch[:size]], peer, tag)]
+            yield from recv_into(lane, [scratch[:size]], [tag])
         raise HeaderError(
             f"{problem}: the payload was drained and the tensordict left untouched; "
             "receive into a tensordict with the sender's keys, shapes and dtypes "
             "(and, consolidated, the same layout)"
         )
-    works = [recv([piece], peer, tag) for piece, tag in zip(pieces_for(header.piece), tags[1:])]
-    if landed is None:
-        yield works
-    else:
-        for i, work in enumerate(works):
-            yield [work]
-            landed(header.piece, i)
+    on_piece = None if landed is None else (lambda i: landed(header.piece, i))
+    yield from recv_into(lane, pieces_for(header.piece), tags[1:], landed=on_piece)
     return result
 
 

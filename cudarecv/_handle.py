@@ -1,10 +1,10 @@
-"""The object an asynchronous call returns: ``wait()`` finishes the transfer.
+"""The object an asynchronous call returns: a ``torch.futures.Future`` backed by CUDA events.
 
 A transfer is written as a generator (a *protocol*) that posts sends or
-receives and yields the list of ``Work`` objects it needs done before it can go
-on; it returns the call's result. :class:`Transfer` drives it: the first step
-runs at once (so the call has posted its first messages when it returns), the
-rest in :meth:`Transfer.wait`.
+receives and yields the ``Work``-like objects the host must see done before it
+can go on; it returns the call's result. :class:`Transfer` drives it: the first
+step runs at once (so the call has posted its first messages when it returns),
+the rest in :meth:`Transfer.wait` or :meth:`Transfer.done`.
 """
 
 from __future__ import annotations
@@ -12,52 +12,65 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any, Generator, Sequence
 
+import torch
+
 Protocol = Generator[Sequence[Any], None, Any]
 
 
-class Transfer:
-    """A transfer in flight, as returned in a list by ``irecv(return_premature=True)``
-    and ``isend(return_early=True)``.
+class Transfer(torch.futures.Future):
+    """A transfer in flight: a ``torch.futures.Future`` whose value is the received tensordict.
+
+    Returned in a list by ``irecv(return_premature=True)`` and
+    ``isend(return_early=True)``. ``wait()`` finishes the transfer; when the
+    tensordict is on a GPU it then makes the caller's current stream wait for
+    the transfer's CUDA :attr:`event` (the host does not wait for the GPU) and
+    returns. ``event`` is ``None`` for transfers that touch no GPU.
 
     Example:
         >>> [transfer] = cudarecv.irecv(td, src=0, return_premature=True)
         >>> ...  # other work while the bytes travel
         >>> td = transfer.wait()  # the received tensordict (``None`` for a send)
+        >>> other_stream.wait_event(transfer.event)  # on a GPU: order another stream too
     """
 
-    def __init__(self, protocol: Protocol) -> None:
+    def __init__(self, protocol: Protocol, stream: Any = None) -> None:
+        super().__init__()
         self._protocol = protocol
-        self._done = False
-        self._error: BaseException | None = None
-        self._result: Any = None
+        self._stream = stream
         self._works: Sequence[Any] = ()
+        self._finished = False
+        self.event: Any = None
         self._advance(first=True)
 
     def _advance(self, first: bool = False) -> None:
         try:
             self._works = next(self._protocol) if first else self._protocol.send(None)
         except StopIteration as stop:
-            self._done, self._result, self._works = True, stop.value, ()
+            self._works, self._finished = (), True
+            if self._stream is not None:
+                self.event = torch.cuda.Event()
+                self.event.record(self._stream)
+            self.set_result(stop.value)
         except BaseException as error:
             self._fail(error)
-            raise
+            if first:
+                raise
 
     def _fail(self, error: BaseException) -> None:
-        self._done, self._error, self._works = True, error, ()
+        self._works, self._finished = (), True
         self._protocol.close()
+        self.set_exception(error)
 
-    def is_completed(self) -> bool:
-        """Whether :meth:`wait` would return without blocking on the wire."""
-        if self._done:
-            return True
-        return all(w.is_completed() for w in self._works) and self._step_if_ready()
+    def done(self) -> bool:
+        """Whether the transfer has finished (advancing it if its pending messages are in)."""
+        while not self._finished and all(w.is_completed() for w in self._works):
+            self._advance()
+        return self._finished
 
-    def _step_if_ready(self) -> bool:
-        self._advance()
-        return self.is_completed()
+    is_completed = done
 
     def wait(self, timeout: float | None = None) -> Any:
-        """Block until the transfer is done and return its result.
+        """Finish the transfer and return its result (the tensordict of a receive).
 
         Args:
             timeout: seconds to wait for each step, on top of the process group's
@@ -67,7 +80,7 @@ class Transfer:
             whatever the transfer raised (a header mismatch, a timeout, a dead peer);
             a failed transfer raises the same error on every ``wait()``.
         """
-        while not self._done:
+        while not self._finished:
             try:
                 for work in self._works:
                     if timeout is None:
@@ -76,8 +89,8 @@ class Transfer:
                         work.wait(timedelta(seconds=timeout))
             except BaseException as error:
                 self._fail(error)
-                raise
+                break
             self._advance()
-        if self._error is not None:
-            raise self._error
-        return self._result
+        if self.event is not None:
+            torch.cuda.current_stream(self._stream.device).wait_event(self.event)
+        return super().wait()

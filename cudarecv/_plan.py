@@ -33,8 +33,9 @@ class Plan:
         self.nbytes = [t.numel() * t.element_size() for t in tensors]
         self.total = sum(self.nbytes)
         self._tags: dict[tuple[int, int, bool], list[int]] = {}
-        self._checked: set[tuple[bool, str]] = set()
-        self._pieces: dict[int, tuple] = {}
+        self._checked = False
+        self._pieces: dict[tuple[int, str], tuple] = {}
+        self._staging: dict[str, Tensor] = {}
         self.in_flight = None  # the handle of a fast-wire transfer still using the staging buffer
 
     def matches(self, paths: list[Path], tensors: list[Tensor]) -> bool:
@@ -53,47 +54,79 @@ class Plan:
             tags = self._tags[key] = tag_sequence(init_tag, count, pseudo_rand=pseudo_rand).tolist()
         return tags
 
-    def check(self, *, receiving: bool, backend: str) -> None:
-        """Raise if a leaf cannot travel on ``backend`` (once per plan, direction and backend)."""
-        key = (receiving, backend)
-        if key in self._checked:
+    def check(self) -> None:
+        """Raise if a leaf cannot travel (once per plan)."""
+        if self._checked:
             return
         for path, t in zip(self.paths, self.tensors):
-            problem = _leaf_problem(t, receiving=receiving, backend=backend)
+            problem = _leaf_problem(t)
             if problem:
                 raise ValueError(f"leaf {format_path(path)!r} cannot travel: {problem}")
-        self._checked.add(key)
+        devices = {t.device for t in self.tensors}
+        if len(devices) > 1:
+            first = {}
+            for path, t in zip(self.paths, self.tensors):
+                first.setdefault(t.device, format_path(path))
+            raise ValueError(
+                "the leaves are on several devices (" + ", ".join(f"{k!r} on {d}" for d, k in first.items())
+                + "): one transfer moves one device's memory; call `td = td.to(device)` once"
+            )
+        self._checked = True
 
-    # -- fast wire, buckets ------------------------------------------------------
+    @cached_property
+    def device(self) -> torch.device:
+        """The device of the leaves (the CPU for a tensordict without leaves)."""
+        return self.tensors[0].device if self.tensors else torch.device("cpu")
+
     @cached_property
     def byte_views(self) -> list[Tensor]:
         """Each leaf as a flat uint8 view (leaves are contiguous, see :meth:`check`)."""
         return [t.reshape(-1).view(torch.uint8) for t in self.tensors]
 
-    @cached_property
-    def staging(self) -> Tensor:
-        """One reused buffer holding the leaves back to back, in send order."""
-        return torch.empty(self.total, dtype=torch.uint8)
+    def staging(self, place: str) -> Tensor:
+        """One reused buffer holding the leaves back to back, in send order.
 
-    def pieces(self, piece: int) -> list[Tensor]:
+        ``place``: ``"cpu"``, ``"pinned"`` (page-locked, for gloo with CUDA leaves)
+        or a CUDA device (for NCCL); allocated once per plan and place.
+        """
+        buffer = self._staging.get(place)
+        if buffer is None:
+            if place == "pinned":
+                buffer = torch.empty(self.total, dtype=torch.uint8, pin_memory=True)
+            else:
+                buffer = torch.empty(self.total, dtype=torch.uint8, device=place)
+            self._staging[place] = buffer
+        return buffer
+
+    def staging_parts(self, place: str) -> list[Tensor]:
+        """The staging buffer split per leaf (for per-leaf messages staged all at once)."""
+        parts = self._pieces.get((0, place))
+        if parts is None:
+            parts = self._pieces[(0, place)] = list(self.staging(place).split(self.nbytes)) if self.tensors else []
+        return parts
+
+    def pieces(self, piece: int, place: str = "cpu") -> list[Tensor]:
         """The staging buffer cut into messages of at most ``piece`` bytes (cached)."""
-        return self._bucket_layout(piece)[0]
+        return self._bucket_layout(piece, place)[0]
 
-    def pack(self, piece: int, index: int) -> None:
+    def pack(self, piece: int, index: int, place: str = "cpu") -> None:
         """Copy the leaf bytes of message ``index`` into its piece of the staging buffer."""
-        pieces, leaf_parts, _ = self._bucket_layout(piece)
-        torch.cat(leaf_parts[index], out=pieces[index])
+        pieces, leaf_parts, staging_parts = self._bucket_layout(piece, place)
+        if place == "cpu" and self.device.type == "cpu":
+            torch.cat(leaf_parts[index], out=pieces[index])
+        else:
+            torch._foreach_copy_(staging_parts[index], leaf_parts[index], non_blocking=True)
 
-    def unpack(self, piece: int, index: int) -> None:
+    def unpack(self, piece: int, index: int, place: str = "cpu") -> None:
         """Copy message ``index`` from the staging buffer into the leaves."""
-        _, leaf_parts, staging_parts = self._bucket_layout(piece)
-        torch._foreach_copy_(leaf_parts[index], staging_parts[index])
+        _, leaf_parts, staging_parts = self._bucket_layout(piece, place)
+        torch._foreach_copy_(leaf_parts[index], staging_parts[index], non_blocking=True)
 
-    def _bucket_layout(self, piece: int) -> tuple[list[Tensor], list[list[Tensor]], list[list[Tensor]]]:
+    def _bucket_layout(self, piece: int, place: str) -> tuple[list[Tensor], list[list[Tensor]], list[list[Tensor]]]:
         """Per message: its staging slice, and the matching leaf and staging segments."""
-        layout = self._pieces.get(piece)
+        layout = self._pieces.get((piece, place))
         if layout is None:
-            pieces = _cut(self.staging, piece)
+            pieces = _cut(self.staging(place), piece)
             leaf_parts: list[list[Tensor]] = [[] for _ in pieces]
             staging_parts: list[list[Tensor]] = [[] for _ in pieces]
             offset = 0
@@ -106,7 +139,7 @@ class Plan:
                     staging_parts[index].append(pieces[index][at:at + take])
                     done += take
                 offset += n
-            layout = self._pieces[piece] = (pieces, leaf_parts, staging_parts)
+            layout = self._pieces[(piece, place)] = (pieces, leaf_parts, staging_parts)
         return layout
 
     @cached_property
@@ -172,18 +205,13 @@ def _signature(tensors: list[Tensor]) -> list[int | None]:
         return [t.data_ptr() if t.layout is torch.strided and not t.is_nested else None for t in tensors]
 
 
-def _leaf_problem(t: Tensor, *, receiving: bool, backend: str) -> str | None:
+def _leaf_problem(t: Tensor) -> str | None:
     if t.layout is not torch.strided:
         return f"its layout is {t.layout}; convert it with `.to_dense()`"
     if t.is_nested:
         return "it is a nested tensor; store its components as separate leaves"
     if t.device.type == "meta":
         return "it is on the meta device and holds no data; materialize it with `.to_empty(device=...)`"
-    if backend == "gloo" and t.device.type != "cpu":
-        return (
-            f"it is on {t.device}, and gloo moves host memory only; use the nccl backend, "
-            "or keep the tensordict on the CPU"
-        )
     if not t.is_contiguous():
         return "it is not contiguous, and messages are contiguous bytes; call `td = td.contiguous()` once"
     return None
@@ -216,7 +244,7 @@ def plan_for(td: TensorDictBase) -> Plan:
         plan = entry[1]
     else:
         plan = Plan(paths, tensors)
-        _PLANS[key] = (weakref.ref(td, lambda _, key=key: _PLANS.pop(key, None)), plan)
+        _PLANS[key] = (weakref.ref(td, lambda _, key=key, plans=_PLANS: plans.pop(key, None)), plan)
     if locked:
         if td._cache is None:
             td._cache = defaultdict(dict)

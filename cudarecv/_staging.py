@@ -149,11 +149,13 @@ def _recv_ring_nccl(lane: Lane, dests, tags, landed) -> Any:
 
 def send_from(lane: Lane, srcs: Sequence[Tensor], tags: Sequence[int],
               staging: Sequence[Tensor] | None = None,
-              fill: Callable[[int], None] | None = None) -> Any:
+              fill: Callable[[int], None] | None = None, defer: bool = False) -> Any:
     """Send ``srcs[i]`` as message i; ``fill(i)`` (if given) writes it just before it goes.
 
     ``fill`` runs on the transfer stream; on gloo, the host waits for it before
-    the bytes go (a device-to-host copy must have landed).
+    the bytes go (a device-to-host copy must have landed). With ``defer``, works
+    posted straight from the wire's memory are returned instead of waited for,
+    so the caller can post more messages first.
     """
     n = len(srcs)
     if _wire_can_touch(lane, srcs):
@@ -172,6 +174,8 @@ def send_from(lane: Lane, srcs: Sequence[Tensor], tags: Sequence[int],
                 if lane.stream is not None:
                     lane.stream.synchronize()
             works += post(lane.link, True, [srcs[i]], [tags[i]])
+        if defer:
+            return works
         yield works
         return
     if lane.nccl:
