@@ -3,8 +3,8 @@
 Used by the tests, the benchmarks and ``python -m cudarecv compare``. The
 parent owns a ``TCPStore`` on 127.0.0.1 (port chosen by the OS, so no port
 races). Each rank is a spawned process that joins it, initializes the default
-group and, on gloo, also a standalone ``ProcessGroupGloo`` built directly on
-the store (never registered with torch.distributed). A :class:`Cluster` keeps
+group and also a standalone ``ProcessGroupGloo`` (or ``ProcessGroupNCCL``)
+built directly on the store (never registered with torch.distributed). A :class:`Cluster` keeps
 its ranks for many calls, since starting one costs seconds; each call runs
 ``fn(rank, world_size, group, *args)`` on every rank, with ``group`` ``None``
 (the default group) or the standalone group. Every wait is bounded: a rank that
@@ -131,10 +131,18 @@ def _rank_main(rank: int, world_size: int, port: int, inbox: Any, results: Any,
     try:
         timeout = timedelta(seconds=pg_timeout)
         store = dist.TCPStore(HOST, port, world_size + 1, is_master=False, timeout=timeout)
+        if backend == "nccl":  # one GPU per rank, or ranks sharing GPUs (NCCL_MULTI_RANK_GPU_ENABLE=1)
+            import torch
+
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-        standalone = None
+        prefix = dist.PrefixStore("standalone", store)
         if backend == "gloo":
-            standalone = dist.ProcessGroupGloo(dist.PrefixStore("standalone", store), rank, world_size, timeout)
+            standalone = dist.ProcessGroupGloo(prefix, rank, world_size, timeout)
+        else:
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            standalone = dist.ProcessGroupNCCL(prefix, rank, world_size, options)
         results.put((rank, True, None))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
