@@ -15,7 +15,10 @@ Only numpy is imported here so that ``import cudarecv._tags`` stays cheap.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import operator
+import os
+import sys
 from collections.abc import Iterable
 
 import numpy as np
@@ -200,13 +203,35 @@ def _int_generator_objects(arr: np.ndarray) -> np.ndarray:
 def tag_map() -> np.ndarray:
     """Read-only int64 array ``M`` with ``M[s] == _int_generator(s)`` for ``s in 0..10000``.
 
-    Computed once per process with the numpy twin (~1 ms). The CUDA kernel
-    (:mod:`cudarecv._tag_kernel`) gives identical output but importing cupy and
-    compiling cost far more than this, so it is not used here.
+    Computed once per process: by the cupy kernel of ``kernels/int_generator.cu``
+    when this process already uses CUDA and cupy is installed (set
+    ``CUDARECV_TAG_KERNEL=0`` to opt out), else by the numpy twin (~1 ms). Both
+    give the same array; a failing kernel falls back to numpy. Whether CUDA is
+    in use is read from torch without initializing anything, so a CPU-only
+    process never pays for cupy.
     """
-    out = int_generator_many(np.arange(MAX_TAG + 1, dtype=np.uint64))
+    out = None
+    if _kernel_wanted():
+        try:
+            from ._tag_kernel import tag_map_gpu
+
+            out = np.asarray(tag_map_gpu(), dtype=np.int64)
+        except Exception:  # noqa: BLE001 - the numpy twin gives the same map
+            out = None
+    if out is None:
+        out = int_generator_many(np.arange(MAX_TAG + 1, dtype=np.uint64))
     out.flags.writeable = False
     return out
+
+
+def _kernel_wanted() -> bool:
+    """cupy installed and CUDA already initialized in this process (checked without side effects)."""
+    if os.environ.get("CUDARECV_TAG_KERNEL", "1") == "0":
+        return False
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return False
+    return importlib.util.find_spec("cupy") is not None
 
 
 def _check_int(name: str, value: object) -> int:

@@ -1,0 +1,231 @@
+"""The GPU path's logic, checked on the CPU.
+
+- a recording process-group backend (a Python ``dist.ProcessGroup`` registered
+  with ``Backend.register_backend``) sees what one call issues: one batch, every
+  leaf in stock order with stock tags;
+- the NCCL coalescing path on a standalone group, against a backend object that
+  records ``_start_coalescing``/``send``/``recv``/``_end_coalescing``;
+- ``Transfer`` is a ``torch.futures.Future``;
+- staging buffers are allocated once and reused;
+- every GPU-only module imports without CUDA or cupy, and asks for CUDA with a
+  clear error instead of failing obscurely.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import _create_work_from_future
+
+import cudarecv
+from cudarecv import _cuda, _transport
+from cudarecv._link import Link
+from tdfactory import make
+
+RECORDS: list[tuple] = []
+
+
+class Recording(dist.ProcessGroup):
+    """Records every send/recv with its peer, tag and byte count; completes at once."""
+
+    def __init__(self, store, rank: int, size: int, timeout=None) -> None:
+        super().__init__(rank, size)
+
+    def _done(self):
+        future = torch.futures.Future()
+        future.set_result(None)
+        return _create_work_from_future(future)
+
+    def send(self, tensors, dst, tag=0):
+        RECORDS.append(("send", dst, tag, tensors[0].numel() * tensors[0].element_size()))
+        return self._done()
+
+    def recv(self, tensors, src, tag=0):
+        RECORDS.append(("recv", src, tag, tensors[0].numel() * tensors[0].element_size()))
+        return self._done()
+
+    def getBackendName(self) -> str:
+        return "recording"
+
+
+@pytest.fixture(scope="module")
+def recording_world():
+    """This process as rank 0 of a world of 2 on the recording backend."""
+    if "recording" not in dist.Backend.backend_list:
+        dist.Backend.register_backend("recording", Recording, devices=["cpu"])
+    dist.init_process_group("recording", store=dist.HashStore(), rank=0, world_size=2)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def spy_post(monkeypatch):
+    calls = []
+    real = _transport.post
+
+    def spy(link, sending, tensors, tags):
+        calls.append((sending, len(tensors)))
+        return real(link, sending, tensors, tags)
+
+    import cudarecv._staging as staging
+
+    monkeypatch.setattr(staging, "post", spy)
+    return calls
+
+
+@pytest.mark.parametrize("structure", ["nested", "lazy", "nested_tensorclass"])
+@pytest.mark.parametrize("pseudo_rand", [False, True])
+def test_one_call_is_one_batch_in_stock_order(recording_world, spy_post, structure, pseudo_rand):
+    from tdfactory import leaves
+
+    td = make(structure, 0.0)
+    RECORDS.clear()
+    cudarecv.irecv(td, src=1, init_tag=5, pseudo_rand=pseudo_rand)
+    expected_tags = cudarecv.tag_sequence(5, len(leaves(td)), pseudo_rand=pseudo_rand).tolist()
+    assert spy_post == [(False, len(leaves(td)))]  # one batch holding every leaf
+    assert [r[2] for r in RECORDS] == expected_tags
+    assert [r[3] for r in RECORDS] == [t.numel() * t.element_size() for t in leaves(td)]
+    assert all(r[:2] == ("recv", 1) for r in RECORDS)
+
+
+def test_stock_sends_the_same_records(recording_world):
+    """Stock tensordict on the recording backend issues exactly what cudarecv issues."""
+    from tensordict._base.distributed import _Distributed as Stock
+
+    td = make("nested", 1.0)
+    RECORDS.clear()
+    Stock.isend(td, dst=1, init_tag=3, pseudo_rand=True)
+    stock = list(RECORDS)
+    RECORDS.clear()
+    cudarecv.isend(td, dst=1, init_tag=3, pseudo_rand=True)
+    assert RECORDS == stock
+
+
+def test_fast_wire_is_one_header_then_buckets(recording_world):
+    td = make("nested", 1.0)
+    RECORDS.clear()
+    cudarecv.isend(td, dst=1, bucket_bytes=16)
+    from cudarecv._plan import plan_for
+
+    total = plan_for(td).total
+    assert RECORDS[0][3] == 64 and RECORDS[0][2] >= 1 << 30
+    assert [r[3] for r in RECORDS[1:]] == [16] * (total // 16) + ([total % 16] if total % 16 else [])
+
+
+def test_transfer_is_a_future(recording_world):
+    td = make("flat", 0.0)
+    [transfer] = cudarecv.irecv(td, src=1, return_premature=True)
+    assert isinstance(transfer, torch.futures.Future)
+    chained = transfer.then(lambda fut: fut.value() is td)
+    assert transfer.wait() is td and transfer.done() and transfer.event is None
+    assert chained.wait() is True
+    [sent] = cudarecv.isend(td, dst=1, return_early=True)
+    assert sent.wait() is None
+
+
+def test_stream_on_cpu_is_refused(recording_world):
+    with pytest.raises(ValueError, match="`stream` was given"):
+        cudarecv.irecv(make("flat", 0.0), src=1, stream=object())
+
+
+class CoalescingBackend:
+    """A standalone backend object with NCCL's coalescing calls, recording them."""
+
+    def __init__(self):
+        self.calls = []
+
+    def name(self):
+        return "nccl"
+
+    def _start_coalescing(self, device):
+        self.calls.append(("start", str(device)))
+
+    def send(self, tensors, peer, tag):
+        self.calls.append(("send", peer, tag))
+
+    def recv(self, tensors, peer, tag):
+        self.calls.append(("recv", peer, tag))
+
+    def _end_coalescing(self, device):
+        self.calls.append(("end", str(device)))
+        return "one-work"
+
+
+def test_standalone_nccl_batch_is_one_coalesced_group():
+    backend = CoalescingBackend()
+    link = Link(backend, 1, registered=False)
+    works = _transport.post(link, False, [torch.zeros(2), torch.zeros(3)], [7, 8])
+    assert works == ["one-work"]
+    assert backend.calls == [("start", "cpu"), ("recv", 1, 7), ("recv", 1, 8), ("end", "cpu")]
+
+
+def test_standalone_group_without_coalescing_is_refused():
+    class NoCoalescing:
+        def name(self):
+            return "nccl"
+
+    with pytest.raises(RuntimeError, match="cannot coalesce"):
+        _transport.post(Link(NoCoalescing(), 1, registered=False), True, [torch.zeros(1)], [0])
+
+
+def test_staging_pool_allocates_once_and_bounds_depth():
+    pool = _cuda.StagingPool()
+    first = pool.buffers("cpu", 1024)
+    assert len(first) == 2 and pool.allocations == 2
+    for _ in range(100):
+        again = pool.buffers("cpu", 1024)
+        assert all(a is b for a, b in zip(again, first))
+    assert pool.buffers("cpu", 1024, count=1)[0] is first[0]
+    assert len(pool.buffers("cpu", 1024, count=50)) == 2  # never more than two per size
+    assert pool.allocations == 2
+
+
+def test_plan_staging_is_reused():
+    from cudarecv._plan import plan_for
+
+    td = make("nested", 0.0)
+    plan = plan_for(td)
+    assert plan.staging("cpu") is plan.staging("cpu")
+    assert plan.pieces(8, "cpu") is plan.pieces(8, "cpu")
+    assert plan.staging_parts("cpu") is plan.staging_parts("cpu")
+
+
+def test_gpu_modules_import_without_cuda_or_cupy():
+    """Block cupy and pynvml: the package, its GPU modules and the plugin still import."""
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('cupy', 'pynvml'):\n"
+        "            raise ImportError('blocked ' + name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import cudarecv, cudarecv._cuda, cudarecv._staging, cudarecv._transport, cudarecv._tag_kernel\n"
+        "import cudarecv._nvml, cudarecv.pytest_plugin\n"
+        "assert cudarecv._nvml.gpu_count() == 0\n"
+        "assert not cudarecv._tag_kernel.gpu_available()\n"
+        "print(cudarecv.tag_sequence(0, 3, pseudo_rand=True).tolist())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[9651, 3450, 3834]"
+
+
+def test_tag_kernel_not_used_without_cuda(monkeypatch):
+    from cudarecv import _tags
+
+    assert not _tags._kernel_wanted()
+    monkeypatch.setenv("CUDARECV_TAG_KERNEL", "0")
+    assert not _tags._kernel_wanted()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_cuda_tensordict_without_cuda_is_a_clear_error(recording_world):
+    link = Link(dist.distributed_c10d._get_default_group(), 1, registered=True)
+    from cudarecv._api import _lane
+
+    with pytest.raises(RuntimeError, match="needs CUDA"):
+        _lane(link, torch.device("cuda", 0), None)
