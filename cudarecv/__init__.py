@@ -34,6 +34,11 @@ _EXPORTS = {
     "is_installed": "._install",
     "uninstall": "._install",
     "tag_sequence": "._tags",
+    "WeightSender": "._weights",
+    "WeightReceiver": "._weights",
+    "ChecksumError": "._weights",
+    "SchemaError": "._weights_wire",
+    "PushHeaderError": "._weights_wire",
 }
 __all__ = sorted(_EXPORTS)
 
@@ -43,6 +48,8 @@ if TYPE_CHECKING:
     from ._header import HeaderError
     from ._install import install, installed, is_installed, uninstall
     from ._tags import tag_sequence
+    from ._weights import ChecksumError, WeightReceiver, WeightSender
+    from ._weights_wire import PushHeaderError, SchemaError
 
 
 def __getattr__(name: str) -> Any:

@@ -7,6 +7,7 @@ the code of the GPU paths.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -65,7 +66,15 @@ class EventWork:
         self.event = event
 
     def wait(self, timeout: Any = None) -> bool:
-        self.event.synchronize()
+        """Block until the event fires; with a ``timedelta`` timeout, poll and raise past it."""
+        if timeout is None:
+            self.event.synchronize()
+            return True
+        deadline = time.monotonic() + timeout.total_seconds()
+        while not self.event.query():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"CUDA work did not finish within {timeout.total_seconds():g} s")
+            time.sleep(50e-6)
         return True
 
     def is_completed(self) -> bool:

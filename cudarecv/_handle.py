@@ -9,8 +9,9 @@ the rest in :meth:`Transfer.wait` or :meth:`Transfer.done`.
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
-from typing import Any, Generator, Sequence
+from typing import Any, Callable, Generator, Sequence
 
 import torch
 
@@ -33,10 +34,12 @@ class Transfer(torch.futures.Future):
         >>> other_stream.wait_event(transfer.event)  # on a GPU: order another stream too
     """
 
-    def __init__(self, protocol: Protocol, stream: Any = None) -> None:
+    def __init__(self, protocol: Protocol, stream: Any = None,
+                 on_error: Callable[[BaseException], BaseException] | None = None) -> None:
         super().__init__()
         self._protocol = protocol
         self._stream = stream
+        self._on_error = on_error
         self._works: Sequence[Any] = ()
         self._finished = False
         self.event: Any = None
@@ -52,14 +55,21 @@ class Transfer(torch.futures.Future):
                 self.event.record(self._stream)
             self.set_result(stop.value)
         except BaseException as error:
-            self._fail(error)
+            error = self._fail(error)
             if first:
-                raise
+                raise error
 
-    def _fail(self, error: BaseException) -> None:
+    def _fail(self, error: BaseException) -> BaseException:
+        """Record the failure (as ``on_error`` rewrites it) and return it."""
+        if self._on_error is not None:
+            rewritten = self._on_error(error)
+            if rewritten is not error:
+                rewritten.__cause__ = error
+            error = rewritten
         self._works, self._finished = (), True
         self._protocol.close()
         self.set_exception(error)
+        return error
 
     def done(self) -> bool:
         """Whether the transfer has finished (advancing it if its pending messages are in)."""
@@ -73,20 +83,24 @@ class Transfer(torch.futures.Future):
         """Finish the transfer and return its result (the tensordict of a receive).
 
         Args:
-            timeout: seconds to wait for each step, on top of the process group's
-                own timeout; ``None`` uses the process group's.
+            timeout: seconds for the whole transfer (each step waits at most what
+                is left); ``None`` leaves it to the process group's own timeout.
 
         Raises:
             whatever the transfer raised (a header mismatch, a timeout, a dead peer);
             a failed transfer raises the same error on every ``wait()``.
         """
+        deadline = None if timeout is None else time.monotonic() + timeout
         while not self._finished:
             try:
                 for work in self._works:
-                    if timeout is None:
+                    if deadline is None:
                         work.wait()
                     else:
-                        work.wait(timedelta(seconds=timeout))
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            raise TimeoutError(f"the transfer did not finish within {timeout:g} s")
+                        work.wait(timedelta(seconds=left))
             except BaseException as error:
                 self._fail(error)
                 break
