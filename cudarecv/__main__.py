@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-_SUBCOMMANDS = ("compare", "report")
+_SUBCOMMANDS = ("compare", "demo", "report")
 
 
 def main(argv: list[str] | None = None) -> int:

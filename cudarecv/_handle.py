@@ -9,6 +9,7 @@ the rest in :meth:`Transfer.wait` or :meth:`Transfer.done`.
 
 from __future__ import annotations
 
+import threading
 import time
 from datetime import timedelta
 from typing import Any, Callable, Generator, Sequence
@@ -42,6 +43,7 @@ class Transfer(torch.futures.Future):
         self._on_error = on_error
         self._works: Sequence[Any] = ()
         self._finished = False
+        self._driving = threading.Lock()  # one thread advances the protocol at a time
         self.event: Any = None
         self._advance(first=True)
 
@@ -72,10 +74,19 @@ class Transfer(torch.futures.Future):
         return error
 
     def done(self) -> bool:
-        """Whether the transfer has finished (advancing it if its pending messages are in)."""
-        while not self._finished and all(w.is_completed() for w in self._works):
-            self._advance()
-        return self._finished
+        """Whether the transfer has finished, advancing it if its pending works report completion.
+
+        gloo's send/recv works report completion only inside ``wait()``, so a
+        multi-step transfer on gloo advances in :meth:`wait` (another thread may
+        call it; see ``WeightReceiver.pull(wait=False)``).
+        """
+        if self._driving.acquire(blocking=False):
+            try:
+                while not self._finished and all(w.is_completed() for w in self._works):
+                    self._advance()
+            finally:
+                self._driving.release()
+        return self._finished and super().done()
 
     is_completed = done
 
@@ -91,6 +102,17 @@ class Transfer(torch.futures.Future):
             a failed transfer raises the same error on every ``wait()``.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._driving.acquire(timeout=-1 if timeout is None else timeout):
+            raise TimeoutError(f"the transfer did not finish within {timeout:g} s")
+        try:
+            self._drive(deadline, timeout)
+        finally:
+            self._driving.release()
+        if self.event is not None:
+            torch.cuda.current_stream(self._stream.device).wait_event(self.event)
+        return super().wait()
+
+    def _drive(self, deadline: float | None, timeout: float | None) -> None:
         while not self._finished:
             try:
                 for work in self._works:
@@ -105,6 +127,3 @@ class Transfer(torch.futures.Future):
                 self._fail(error)
                 break
             self._advance()
-        if self.event is not None:
-            torch.cuda.current_stream(self._stream.device).wait_event(self.event)
-        return super().wait()

@@ -31,6 +31,10 @@ class RankError(RuntimeError):
     """A rank raised, died or did not finish in time."""
 
 
+class RankExit(int):
+    """The exit code of a rank that died where :meth:`Cluster.run` allowed it to."""
+
+
 class Cluster:
     """``world_size`` spawned ranks with their process groups, reused across calls.
 
@@ -59,8 +63,11 @@ class Cluster:
         self._collect(start_timeout, "start")
 
     def run(self, fn: Callable[..., Any], *, args: tuple = (), timeout: float = 60.0,
-            standalone: bool = False) -> list[Any]:
+            standalone: bool = False, may_die: frozenset[int] | set[int] = frozenset()) -> list[Any]:
         """Call ``fn`` on every rank; return the results in rank order.
+
+        A rank in ``may_die`` that dies gives :class:`RankExit` as its result
+        (for tests that kill a peer on purpose); the cluster is closed afterwards.
 
         Raises:
             RankError: with the rank's traceback if one raised, its exit code if it
@@ -71,9 +78,12 @@ class Cluster:
             raise RankError("this cluster was closed after an earlier failure; start a new one")
         for inbox in self._inboxes:
             inbox.put((fn, args, standalone))
-        return self._collect(timeout, getattr(fn, "__name__", "fn"))
+        results = self._collect(timeout, getattr(fn, "__name__", "fn"), frozenset(may_die))
+        if any(isinstance(r, RankExit) for r in results):
+            self.close()
+        return results
 
-    def _collect(self, timeout: float, what: str) -> list[Any]:
+    def _collect(self, timeout: float, what: str, may_die: frozenset[int] = frozenset()) -> list[Any]:
         out: dict[int, Any] = {}
         deadline = time.monotonic() + timeout
         try:
@@ -82,6 +92,8 @@ class Cluster:
                     rank, ok, value = self._results.get(timeout=0.2)
                 except queue.Empty:
                     dead = {r: p.exitcode for r, p in enumerate(self._procs) if r not in out and not p.is_alive()}
+                    for r in [r for r in dead if r in may_die]:
+                        out[r] = RankExit(dead.pop(r))
                     if dead:
                         raise RankError(f"{what}: rank(s) {sorted(dead)} died (exit codes {dead})") from None
                     if time.monotonic() > deadline:

@@ -19,6 +19,7 @@ marked broken: close it and connect a new one).
 from __future__ import annotations
 
 import contextlib
+import queue
 import threading
 import time
 from typing import Any, Iterator
@@ -242,6 +243,33 @@ class WeightSender:
         self.close()
 
 
+class _Driver:
+    """One thread, started once per receiver, that finishes transfers handed to it.
+
+    gloo reports a receive complete only inside ``Work.wait()``, and a pull has
+    steps (header, then payload): ``pull(wait=False)`` hands its transfer here
+    so it progresses while the caller acts.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._jobs: "queue.SimpleQueue[tuple[Transfer, float] | None]" = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, transfer: Transfer, timeout: float) -> None:
+        self._jobs.put((transfer, timeout))
+
+    def _loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            transfer, timeout = job
+            with contextlib.suppress(BaseException):  # the error is on the transfer
+                transfer.wait(timeout)
+
+    def stop(self, timeout: float) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout)
+
+
 class _Slot:
     """One storage the receiver can publish, with its tensordict of views and readers."""
 
@@ -315,6 +343,7 @@ class WeightReceiver:
         self._published: int | None = None
         self._broken: str | None = None
         self._closed = False
+        self._driver = _Driver(f"cudarecv-pull-{link.peer}")
         self.version = 0
 
     @property
@@ -365,7 +394,10 @@ class WeightReceiver:
             if not self._cond.wait_for(lambda: back.readers == 0, timeout=self.timeout):
                 raise TimeoutError(f"a reader held the spare weights buffer for {self.timeout:g} s")
         transfer = Transfer(self._pull(_fresh(self._lane), back), self._lane.stream, on_error=self._on_error)
-        return transfer if not wait else transfer.wait(self.timeout)
+        if wait:
+            return transfer.wait(self.timeout)
+        self._driver.submit(transfer, self.timeout)
+        return transfer
 
     def _on_error(self, error: BaseException) -> BaseException:
         if isinstance(error, (ChecksumError, SchemaError)) or (
@@ -437,8 +469,11 @@ class WeightReceiver:
             return self.version
 
     def close(self) -> None:
-        """Stop receiving. Idempotent; the published version stays readable."""
-        self._closed = True
+        """Stop receiving (a pull in flight gets up to ``timeout`` to end). Idempotent;
+        the published version stays readable."""
+        if not self._closed:
+            self._closed = True
+            self._driver.stop(self.timeout)
 
     def __enter__(self) -> "WeightReceiver":
         return self

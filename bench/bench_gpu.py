@@ -1,0 +1,527 @@
+"""GPU benchmarks: staging through CUDA and pinned memory, stream overlap, NCCL batching, the tag kernel.
+
+Run on a GPU machine (skipped without ``--gpus``, and without CUDA)::
+
+    pytest bench/bench_gpu.py --gpus 1 -p no:cacheprovider --benchmark-json GPU.json
+    python -m cudarecv report GPU.json
+
+The NCCL benches need two ranks on GPUs: they are marked ``gpus(2)``, or
+``gpus(1)`` with ``CUDARECV_NCCL_SHARED_GPU=1``, which runs both ranks on one GPU
+with ``NCCL_MULTI_RANK_GPU_ENABLE=1`` (NCCL >= 2.30; skipped, saying so, with an
+older NCCL). ``bench/gpu_check.sh`` sets it by itself on a one-GPU machine whose
+NCCL is new enough.
+
+Rows carry the ``extra_info`` of ``bench/bench_transfers.py`` (``case``, ``impl``,
+``mode``, ``bytes``, ``leaves``, ``backend``, ``stock_mode``, ``seconds``: the
+receiver's median, timed inside the ranks, a GPU receive until its bytes landed),
+plus ``send_place``/``recv_place``. Modes read ``"<mode> <send place>-><receive
+place>"``, e.g. ``chunks 4MiB cpu->cuda``. The modes of a case run side by side
+in one call into the ranks, in rotated rounds (:mod:`cudarecv._gpu_bench`), and
+each is checked once after its timed rounds. Targets, printed at the end with
+their ratio and met/MISSED:
+
+- ``gloo 256MiB``: gloo into CUDA storage with ``bucket_bytes=4MiB`` >= 0.9x the
+  same receive into pinned storage (no device copy);
+- ``matmul + 1GiB receive (gloo)``: a bf16 matmul loop on the receiver's default
+  stream slows <= 5% while a 1 GiB consolidated receive lands on the dedicated
+  stream (and, with two real GPUs, the same over NCCL);
+- ``tag map``: the cupy kernel computes all 10001 entries in < 100 us;
+- ``nccl consolidated 256MiB``: cudarecv consolidated >= 0.9x raw ``dist.recv``
+  of one flat buffer;
+- ``nccl 2000 x 8KiB``: cudarecv per-leaf (one batched NCCL group call) >= 5x
+  raw per-leaf ``dist.irecv``.
+
+Without pytest-benchmark installed, a minimal ``benchmark`` fixture here runs
+the same benches and, if ``CUDARECV_BENCH_JSON`` names a file, writes the rows
+there in pytest-benchmark's JSON layout (what ``python -m cudarecv report`` reads).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+import pytest
+import torch
+
+from cudarecv import _gpu_bench as gb
+from cudarecv import _transfer_bench as tb
+from cudarecv._launch import Cluster, RankError
+
+HAS_CUDA = torch.cuda.is_available()
+NCCL_SHARED = os.environ.get("CUDARECV_NCCL_SHARED_GPU", "") == "1"
+NCCL_SHARED_MIN = (2, 30)
+
+pytestmark = [
+    pytest.mark.timeout(600),
+    pytest.mark.gpus(1),
+    pytest.mark.skipif(not HAS_CUDA, reason="torch.cuda.is_available() is False: needs a CUDA build of "
+                                            "torch and a visible GPU"),
+]
+nccl_mark = pytest.mark.gpus(1 if NCCL_SHARED else 2)
+
+MiB, GiB = 1 << 20, 1 << 30
+
+# --------------------------------------------------------------------------- without pytest-benchmark
+
+try:
+    import pytest_benchmark  # noqa: F401
+
+    HAVE_PYTEST_BENCHMARK = True
+except ImportError:
+    HAVE_PYTEST_BENCHMARK = False
+
+_FALLBACK_ROWS: list[dict] = []
+
+
+class _FallbackBenchmark:
+    """The part of pytest-benchmark's fixture these benches use: ``pedantic`` and ``extra_info``."""
+
+    def __init__(self) -> None:
+        self.extra_info: dict[str, Any] = {}
+        self.times: list[float] = []
+
+    def pedantic(self, target, args=(), kwargs=None, rounds=1, iterations=1, warmup_rounds=0, setup=None):
+        result = None
+        for _ in range(warmup_rounds):
+            target(*args, **(kwargs or {}))
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            for _ in range(iterations):
+                result = target(*args, **(kwargs or {}))
+            self.times.append((time.perf_counter() - t0) / iterations)
+        return result
+
+
+def _write_fallback_json() -> None:
+    path = os.environ.get("CUDARECV_BENCH_JSON")
+    if not path:
+        return
+    data = {
+        "machine_info": {"node": platform.node(), "system": platform.system(), "machine": platform.machine(),
+                         "python_version": platform.python_version(),
+                         "gpu": torch.cuda.get_device_name() if HAS_CUDA else None},
+        "datetime": datetime.now(timezone.utc).isoformat(),
+        "version": None,
+        "benchmarks": _FALLBACK_ROWS,
+    }
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1, default=str)
+
+
+if not HAVE_PYTEST_BENCHMARK:
+    @pytest.fixture
+    def benchmark(request):
+        """Stand-in for pytest-benchmark's fixture (not installed); rows go to $CUDARECV_BENCH_JSON."""
+        bench = _FallbackBenchmark()
+        yield bench
+        if bench.times:
+            times = sorted(bench.times)
+            _FALLBACK_ROWS.append({
+                "name": request.node.name, "fullname": request.node.nodeid, "extra_info": bench.extra_info,
+                "stats": {"median": statistics.median(times), "min": times[0], "max": times[-1],
+                          "rounds": len(times)},
+            })
+            _write_fallback_json()
+
+
+# --------------------------------------------------------------------------- ranks
+
+
+def nccl_version() -> tuple[int, ...] | None:
+    try:
+        version = torch.cuda.nccl.version()
+    except Exception:  # noqa: BLE001 - no NCCL in this torch build
+        return None
+    if isinstance(version, int):
+        return (version // 10000, version // 100 % 100, version % 100)
+    return tuple(int(v) for v in version)
+
+
+def nccl_skip_reason() -> str | None:
+    import torch.distributed as dist
+
+    if not dist.is_nccl_available():
+        return "torch.distributed has no NCCL backend in this build"
+    count = torch.cuda.device_count()
+    if NCCL_SHARED:
+        version = nccl_version()
+        if version is None or version[:2] < NCCL_SHARED_MIN:
+            return (f"two NCCL ranks on one GPU (CUDARECV_NCCL_SHARED_GPU=1) need NCCL >= "
+                    f"{NCCL_SHARED_MIN[0]}.{NCCL_SHARED_MIN[1]}; this torch has NCCL {version}")
+        return None
+    if count < 2:
+        return (f"needs 2 GPUs (this machine: {count}), or one GPU with NCCL >= 2.30 and "
+                "CUDARECV_NCCL_SHARED_GPU=1")
+    return None
+
+
+class _Ranks:
+    def __init__(self, **kwargs: Any) -> None:
+        self.kwargs = kwargs
+        self.cluster: Cluster | None = None
+
+    def get(self) -> Cluster:
+        if self.cluster is None or self.cluster._closed:
+            self.cluster = Cluster(2, pg_timeout=120.0, **self.kwargs)
+        return self.cluster
+
+    def close(self) -> None:
+        if self.cluster is not None:
+            self.cluster.close()
+
+
+@pytest.fixture(scope="module")
+def gloo_ranks():
+    ranks = _Ranks()
+    yield ranks
+    ranks.close()
+
+
+@pytest.fixture(scope="module")
+def nccl_ranks():
+    reason = nccl_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    ranks = _Ranks(backend="nccl", env={"NCCL_MULTI_RANK_GPU_ENABLE": "1"} if NCCL_SHARED else {})
+    yield ranks
+    ranks.close()
+
+
+# --------------------------------------------------------------------------- transfer suites
+
+# name -> backend, workload, rounds, iters, warmup, [(impl, mode, send place, recv place, stock row's mode)]
+SUITES: dict[str, dict[str, Any]] = {
+    "gloo 256MiB": dict(
+        backend="gloo", workload=dict(leaves=200, total_bytes=256 * MiB), rounds=5, iters=2, warmup=1,
+        modes=[
+            ("raw", "flat recv", "cpu", "pinned", None),
+            ("stock", "consolidated", "cpu", "pinned", None),
+            ("cudarecv", "consolidated", "cpu", "pinned", "consolidated cpu->pinned"),
+            ("cudarecv", "chunks 4MiB", "cpu", "pinned", "consolidated cpu->pinned"),
+            ("cudarecv", "consolidated", "cpu", "cuda", "consolidated cpu->pinned"),
+            ("cudarecv", "chunks 4MiB", "cpu", "cuda", "consolidated cpu->pinned"),
+            ("cudarecv", "chunks 1MiB", "cpu", "cuda", "consolidated cpu->pinned"),
+            ("cudarecv", "chunks 4MiB", "cuda", "cuda", "consolidated cpu->pinned"),
+        ],
+    ),
+    "gloo 2000 x 8KiB": dict(
+        backend="gloo", workload=dict(leaves=2000, leaf_bytes=8192), rounds=5, iters=3, warmup=2,
+        modes=[
+            ("raw", "flat recv", "cpu", "pinned", None),
+            ("stock", "per-leaf", "cpu", "cpu", None),
+            ("cudarecv", "per-leaf", "cpu", "cuda", "per-leaf cpu->cpu"),
+            ("cudarecv", "buckets 1MiB", "cpu", "cuda", "per-leaf cpu->cpu"),
+            ("cudarecv", "buckets 1MiB", "cuda", "cuda", "per-leaf cpu->cpu"),
+            ("cudarecv", "chunks 1MiB", "cpu", "cuda", "per-leaf cpu->cpu"),
+        ],
+    ),
+    "nccl consolidated 256MiB": dict(
+        backend="nccl", workload=dict(leaves=200, total_bytes=256 * MiB), rounds=5, iters=3, warmup=2,
+        modes=[
+            ("raw", "flat recv", "cuda", "cuda", None),
+            ("stock", "consolidated", "cuda", "cuda", None),
+            ("cudarecv", "consolidated", "cuda", "cuda", "consolidated cuda->cuda"),
+            ("cudarecv", "chunks 4MiB", "cuda", "cuda", "consolidated cuda->cuda"),
+            ("cudarecv", "consolidated", "cuda", "pinned", "consolidated cuda->cuda"),
+            ("cudarecv", "chunks 4MiB", "cuda", "pinned", "consolidated cuda->cuda"),
+            ("cudarecv", "consolidated", "pinned", "cuda", "consolidated cuda->cuda"),
+        ],
+    ),
+    "nccl 2000 x 8KiB": dict(
+        backend="nccl", workload=dict(leaves=2000, leaf_bytes=8192), rounds=5, iters=3, warmup=2,
+        modes=[
+            ("raw", "flat recv", "cuda", "cuda", None),
+            ("raw", "per-leaf dist.irecv", "cuda", "cuda", "per-leaf cuda->cuda"),
+            ("stock", "per-leaf", "cuda", "cuda", None),
+            ("cudarecv", "per-leaf", "cuda", "cuda", "per-leaf cuda->cuda"),
+            ("cudarecv", "buckets 1MiB", "cuda", "cuda", "per-leaf cuda->cuda"),
+            ("cudarecv", "consolidated", "cuda", "cuda", "per-leaf cuda->cuda"),
+            ("cudarecv", "chunks 1MiB", "cuda", "cuda", "per-leaf cuda->cuda"),
+        ],
+    ),
+}
+
+# (label, case, (impl, row mode), reference (impl, row mode), target: reference time / row time >= target)
+TARGETS = [
+    ("gloo into CUDA, chunks 4MiB, vs into pinned, chunks 4MiB", "gloo 256MiB",
+     ("cudarecv", "chunks 4MiB cpu->cuda"), ("cudarecv", "chunks 4MiB cpu->pinned"), 0.9),
+    ("gloo into CUDA, chunks 4MiB, vs into pinned, one message", "gloo 256MiB",
+     ("cudarecv", "chunks 4MiB cpu->cuda"), ("cudarecv", "consolidated cpu->pinned"), None),
+    ("gloo into CUDA, one message, vs into pinned, one message", "gloo 256MiB",
+     ("cudarecv", "consolidated cpu->cuda"), ("cudarecv", "consolidated cpu->pinned"), None),
+    ("gloo into CUDA, buckets 1MiB, vs stock per-leaf into host memory", "gloo 2000 x 8KiB",
+     ("cudarecv", "buckets 1MiB cpu->cuda"), ("stock", "per-leaf cpu->cpu"), None),
+    ("nccl consolidated vs raw flat dist.recv", "nccl consolidated 256MiB",
+     ("cudarecv", "consolidated cuda->cuda"), ("raw", "flat recv cuda->cuda"), 0.9),
+    ("nccl chunks 4MiB vs raw flat dist.recv", "nccl consolidated 256MiB",
+     ("cudarecv", "chunks 4MiB cuda->cuda"), ("raw", "flat recv cuda->cuda"), None),
+    ("nccl per-leaf (batched) vs raw per-leaf dist.irecv", "nccl 2000 x 8KiB",
+     ("cudarecv", "per-leaf cuda->cuda"), ("raw", "per-leaf dist.irecv cuda->cuda"), 5.0),
+    ("nccl per-leaf (batched) vs stock per-leaf", "nccl 2000 x 8KiB",
+     ("cudarecv", "per-leaf cuda->cuda"), ("stock", "per-leaf cuda->cuda"), None),
+]
+
+_results: dict[str, dict[tuple[str, str], dict]] = {}
+_errors: dict[str, str] = {}
+
+
+def _suite_cases(name: str) -> list[dict]:
+    suite = SUITES[name]
+    cases = []
+    for impl, mode, send_place, recv_place, _ in suite["modes"]:
+        case = dict(suite["workload"], impl=impl, mode=mode, send_place=send_place, recv_place=recv_place,
+                    iters=suite["iters"], warmup=suite["warmup"])
+        gb.check_gpu_case(case, suite["backend"])
+        cases.append(case)
+    return cases
+
+
+def _verdict(ratio: float, target: float | None, at_least: bool = True) -> str:
+    if target is None:
+        return ""
+    met = ratio >= target if at_least else ratio <= target
+    return f"  (target {'>=' if at_least else '<='} {target:g}x: {'met' if met else 'MISSED'})"
+
+
+def _target_lines(name: str, rows: dict[tuple[str, str], dict]) -> list[str]:
+    lines = []
+    for text, case, mine, ref, target in TARGETS:
+        if case == name and mine in rows and ref in rows:
+            ratio = rows[ref]["seconds"] / rows[mine]["seconds"]
+            lines.append(f"{case}: {text}: {ratio:.2f}x ({rows[mine]['seconds'] * 1e3:.2f} ms vs "
+                         f"{rows[ref]['seconds'] * 1e3:.2f} ms){_verdict(ratio, target)}")
+    return lines
+
+
+def _run_suite(ranks: _Ranks, name: str, targets: list[str]) -> dict[tuple[str, str], dict]:
+    """The rows of suite ``name``, keyed by (impl, row mode): all its modes run once per session."""
+    if name in _errors:
+        raise RuntimeError(f"suite {name!r} failed earlier in this session:\n{_errors[name]}")
+    if name not in _results:
+        cases = _suite_cases(name)
+        t0 = time.perf_counter()
+        try:
+            per_rank = ranks.get().run(gb.time_gpu_suite, args=(cases, SUITES[name]["rounds"]), timeout=540)
+        except RankError as error:
+            _errors[name] = str(error)
+            raise
+        wall = time.perf_counter() - t0
+        rows = {}
+        for i, case in enumerate(cases):
+            row = tb.summarize(case, [per_rank[0][i], per_rank[1][i]])
+            row["suite_seconds"] = wall
+            rows[(case["impl"], gb.label(case))] = row
+        _results[name] = rows
+        targets.extend(_target_lines(name, rows))
+    return _results[name]
+
+
+def _bench(benchmark, ranks: _Ranks, targets: list[str], name: str, impl: str, mode: str, send_place: str,
+           recv_place: str, stock_mode: str | None) -> None:
+    rows = benchmark.pedantic(lambda: _run_suite(ranks, name, targets), rounds=1, iterations=1)
+    case = dict(mode=mode, send_place=send_place, recv_place=recv_place)
+    row = rows[(impl, gb.label(case))]
+    info = {
+        "case": name, "impl": impl, "mode": gb.label(case), "bytes": row["bytes"], "leaves": row["leaves"],
+        "backend": SUITES[name]["backend"], "seconds": row["seconds"], "seconds_min": row["seconds_min"],
+        "seconds_all": row["seconds_all"], "send_seconds": row["send_seconds"],
+        "rounds": SUITES[name]["rounds"], "iters": SUITES[name]["iters"], "suite_seconds": row["suite_seconds"],
+        "send_place": send_place, "recv_place": recv_place, "ok": row["ok"],
+    }
+    if stock_mode is not None:
+        info["stock_mode"] = stock_mode
+    benchmark.extra_info.update(info)
+    assert row["ok"], f"{name}: {impl} {gb.label(case)} delivered wrong data: {row['error']}"
+
+
+def _params(name: str) -> list[Any]:
+    return [
+        pytest.param(name, *mode, id=f"{name}-{mode[0]}-{mode[1]}-{mode[2]}-to-{mode[3]}".replace(" ", "_"))
+        for mode in SUITES[name]["modes"]
+    ]
+
+
+ARGS = "name,impl,mode,send_place,recv_place,stock_mode"
+
+
+# --------------------------------------------------------------------------- the tag kernel (in-process)
+
+_TAGS: dict[str, list[float]] = {}
+TAG_CASE = "tag map 10001 entries"
+TAG_STOCK_MODE = "_int_generator loop"
+
+
+def _tag_rows(benchmark, impl: str, mode: str, seconds: list[float], targets: list[str]) -> None:
+    benchmark.extra_info.update({
+        "case": TAG_CASE, "impl": impl, "mode": mode, "bytes": 0, "leaves": 10_001, "backend": "cuda",
+        "seconds": statistics.median(seconds), "seconds_all": seconds,
+        **({"stock_mode": TAG_STOCK_MODE} if impl != "stock" else {}),
+    })
+    _TAGS[mode] = seconds
+    if "cupy kernel" in _TAGS and mode == "cupy kernel":
+        us = statistics.median(_TAGS["cupy kernel"]) * 1e6
+        targets.append(f"{TAG_CASE}: cupy kernel, GPU time per launch: {us:.1f} us "
+                       f"(target < 100 us: {'met' if us < 100 else 'MISSED'})")
+
+
+def test_tag_map_stock(benchmark, transfer_targets):
+    from tensordict.utils import _int_generator
+
+    seconds: list[float] = []
+
+    def run() -> None:
+        t0 = time.perf_counter()
+        [_int_generator(s) for s in range(10_001)]
+        seconds.append(time.perf_counter() - t0)
+
+    benchmark.pedantic(run, rounds=3, iterations=1)
+    _tag_rows(benchmark, "stock", TAG_STOCK_MODE, seconds, transfer_targets)
+
+
+def test_tag_map_numpy(benchmark, transfer_targets):
+    import numpy as np
+
+    from cudarecv._tags import int_generator_many
+
+    seconds: list[float] = []
+
+    def run() -> None:
+        t0 = time.perf_counter()
+        int_generator_many(np.arange(10_001, dtype=np.uint64))
+        seconds.append(time.perf_counter() - t0)
+
+    benchmark.pedantic(run, rounds=5, iterations=1)
+    _tag_rows(benchmark, "cudarecv", "numpy twin", seconds, transfer_targets)
+
+
+def test_tag_map_kernel(benchmark, transfer_targets):
+    from cudarecv import _tag_kernel
+
+    if not _tag_kernel.gpu_available():
+        pytest.skip("cupy is not installed or sees no CUDA device (pip install 'cudarecv[gpu]')")
+    _tag_kernel.time_tag_map_gpu(10)  # compile and load the kernel
+    seconds: list[float] = []
+    benchmark.pedantic(lambda: seconds.append(_tag_kernel.time_tag_map_gpu(100) * 1e-6), rounds=5, iterations=1)
+    _tag_rows(benchmark, "cudarecv", "cupy kernel", seconds, transfer_targets)
+
+
+# --------------------------------------------------------------------------- gloo
+
+
+@pytest.mark.parametrize(ARGS, _params("gloo 256MiB"))
+def test_gloo_256mib_device_vs_pinned(benchmark, gloo_ranks, transfer_targets, name, impl, mode, send_place,
+                                      recv_place, stock_mode):
+    _bench(benchmark, gloo_ranks, transfer_targets, name, impl, mode, send_place, recv_place, stock_mode)
+
+
+@pytest.mark.parametrize(ARGS, _params("gloo 2000 x 8KiB"))
+def test_gloo_many_leaves_into_cuda(benchmark, gloo_ranks, transfer_targets, name, impl, mode, send_place,
+                                    recv_place, stock_mode):
+    _bench(benchmark, gloo_ranks, transfer_targets, name, impl, mode, send_place, recv_place, stock_mode)
+
+
+# --------------------------------------------------------------------------- matmul while a receive lands
+
+MATMUL: dict[str, dict[str, Any]] = {
+    "matmul + 1GiB receive (gloo)": dict(
+        backend="gloo", leaves=200, total_bytes=GiB, mode="chunks 4MiB", send_place="cpu", recv_place="cuda",
+        rounds=6, n=8192, dtype="bfloat16", fill=0.8, max_matmuls=800),
+    "matmul + 1GiB receive (nccl)": dict(
+        backend="nccl", leaves=200, total_bytes=GiB, mode="consolidated", send_place="cuda", recv_place="cuda",
+        rounds=6, n=8192, dtype="bfloat16", fill=0.8, max_matmuls=800),
+}
+MATMUL_SLOWDOWN = 0.05
+_matmul: dict[str, dict] = {}
+
+
+def _matmul_rows(ranks: _Ranks, name: str, targets: list[str]) -> dict[str, dict]:
+    """Rows of the matmul case ``name`` (run once per session), keyed by row mode."""
+    if name in _errors:
+        raise RuntimeError(f"{name!r} failed earlier in this session:\n{_errors[name]}")
+    if name not in _matmul:
+        cfg = MATMUL[name]
+        case = {k: cfg[k] for k in ("leaves", "total_bytes")}
+        tb.check_case(dict(case, impl="cudarecv", mode=cfg["mode"]))
+        try:
+            per_rank = ranks.get().run(gb.matmul_interference, args=(cfg,), timeout=540)
+        except RankError as error:
+            _errors[name] = str(error)
+            raise
+        r = per_rank[tb.RECEIVER]
+        transfer = gb.label(cfg)
+        med = lambda xs: tb.median(sorted(xs))  # noqa: E731
+        rows = {
+            "matmul loop alone": dict(seconds=med(r["alone"]), all=r["alone"], bytes=0),
+            f"matmul loop during {transfer}": dict(seconds=med(r["during"]), all=r["during"], bytes=0),
+            f"{transfer} alone": dict(seconds=med(r["recv_alone"]), all=r["recv_alone"], bytes=cfg["total_bytes"]),
+            f"{transfer} during matmul": dict(seconds=med(r["recv_during"]), all=r["recv_during"],
+                                              bytes=cfg["total_bytes"]),
+        }
+        for row in rows.values():
+            row.update(ok=r["ok"], error=r["error"], matmuls=r["matmuls"], matmul_seconds=r["matmul_seconds"])
+        _matmul[name] = rows
+        alone, during = rows["matmul loop alone"]["seconds"], rows[f"matmul loop during {transfer}"]["seconds"]
+        slowdown = during / alone - 1
+        recv = rows[f"{transfer} alone"]["seconds"]
+        targets.append(
+            f"{name}: matmul loop ({r['matmuls']} x {cfg['n']}^2 {cfg['dtype']}, {alone * 1e3:.1f} ms alone, "
+            f"{during * 1e3:.1f} ms during a {recv * 1e3:.0f} ms receive): slowdown {slowdown * 100:+.1f}% "
+            f"(target <= {MATMUL_SLOWDOWN * 100:g}%: {'met' if slowdown <= MATMUL_SLOWDOWN else 'MISSED'})")
+    return _matmul[name]
+
+
+def _matmul_bench(benchmark, ranks: _Ranks, targets: list[str], name: str, which: str) -> None:
+    rows = benchmark.pedantic(lambda: _matmul_rows(ranks, name, targets), rounds=1, iterations=1)
+    cfg = MATMUL[name]
+    transfer = gb.label(cfg)
+    mode = {"alone": "matmul loop alone", "during": f"matmul loop during {transfer}",
+            "recv alone": f"{transfer} alone", "recv during": f"{transfer} during matmul"}[which]
+    row = rows[mode]
+    benchmark.extra_info.update({
+        "case": name, "impl": "cudarecv", "mode": mode, "bytes": row["bytes"], "leaves": cfg["leaves"],
+        "backend": cfg["backend"], "seconds": row["seconds"], "seconds_all": row["all"],
+        "matmuls": row["matmuls"], "matmul_seconds": row["matmul_seconds"], "rounds": cfg["rounds"],
+        "send_place": cfg["send_place"], "recv_place": cfg["recv_place"], "ok": row["ok"],
+    })
+    assert row["ok"], f"{name}: the checked transfer delivered wrong data: {row['error']}"
+
+
+WHICH = ["alone", "during", "recv alone", "recv during"]
+
+
+@pytest.mark.parametrize("which", WHICH, ids=[w.replace(" ", "_") for w in WHICH])
+def test_matmul_during_gloo_receive(benchmark, gloo_ranks, transfer_targets, which):
+    _matmul_bench(benchmark, gloo_ranks, transfer_targets, "matmul + 1GiB receive (gloo)", which)
+
+
+# --------------------------------------------------------------------------- NCCL
+
+
+@nccl_mark
+@pytest.mark.parametrize(ARGS, _params("nccl consolidated 256MiB"))
+def test_nccl_consolidated_256mib(benchmark, nccl_ranks, transfer_targets, name, impl, mode, send_place,
+                                  recv_place, stock_mode):
+    _bench(benchmark, nccl_ranks, transfer_targets, name, impl, mode, send_place, recv_place, stock_mode)
+
+
+@nccl_mark
+@pytest.mark.parametrize(ARGS, _params("nccl 2000 x 8KiB"))
+def test_nccl_many_leaves_batched(benchmark, nccl_ranks, transfer_targets, name, impl, mode, send_place,
+                                  recv_place, stock_mode):
+    _bench(benchmark, nccl_ranks, transfer_targets, name, impl, mode, send_place, recv_place, stock_mode)
+
+
+@pytest.mark.gpus(2)
+@pytest.mark.parametrize("which", WHICH, ids=[w.replace(" ", "_") for w in WHICH])
+def test_matmul_during_nccl_receive(benchmark, nccl_ranks, transfer_targets, which):
+    """Two real GPUs only: with both ranks on one GPU the sender's kernels would share the matmul's GPU."""
+    if NCCL_SHARED or torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs: ranks sharing one GPU would put the sender's NCCL kernels on the "
+                    "matmul's GPU")
+    _matmul_bench(benchmark, nccl_ranks, transfer_targets, "matmul + 1GiB receive (nccl)", which)
