@@ -60,7 +60,7 @@ def time_weights(rank: int, world: int, group, total_bytes: int, rounds: int) ->
         order = MODES[step % len(MODES):] + MODES[: step % len(MODES)]
         for impl, mode in order:
             if rank == 0:
-                td.apply_(lambda t: t.fill_(float(step)))
+                td.apply_(lambda t, step=step: t.fill_(float(step)))
             dist.barrier()
             start = time.perf_counter()
             if impl == "cudarecv":

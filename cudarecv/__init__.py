@@ -40,7 +40,11 @@ _EXPORTS = {
     "SchemaError": "._weights_wire",
     "PushHeaderError": "._weights_wire",
 }
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "ChecksumError", "HeaderError", "PushHeaderError", "SchemaError", "Transfer", "WeightReceiver",
+    "WeightSender", "install", "installed", "irecv", "is_installed", "isend", "recv", "send",
+    "tag_sequence", "uninstall",
+]
 
 if TYPE_CHECKING:
     from ._api import irecv, isend, recv, send

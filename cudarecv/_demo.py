@@ -42,14 +42,16 @@ final weights differ from the trainer's; 2 on bad arguments.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import math
 import os
+import re
 import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -103,11 +105,11 @@ class Config:
 class Bandit:
     """Batched contextual bandit: contexts ~ N(0, I); arm ``argmax(tanh(x A) B)`` pays 1, the others 0."""
 
-    def __init__(self, seed: int, device: torch.device) -> None:
-        g = torch.Generator().manual_seed(seed)
+    def __init__(self, seed: int, device: torch.device, stream: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)  # the rule: the same on every rank
         self.a = torch.randn(OBS, RULE_WIDTH, generator=g).to(device)
         self.b = torch.randn(RULE_WIDTH, ARMS, generator=g).to(device)
-        self.gen = torch.Generator(device).manual_seed(seed + 1)
+        self.gen = torch.Generator(device).manual_seed(seed * 1000 + stream + 1)  # the contexts: one stream per rank
 
     def contexts(self, batch: int) -> torch.Tensor:
         return torch.randn(batch, OBS, generator=self.gen, device=self.a.device)
@@ -234,16 +236,64 @@ def _push(sender: Any, meta: Any, store: Any, step: int, last: bool) -> list[Any
     return sender.push(wait=False)
 
 
-def _finish(transfers: list[Any], ranks: list[int], version: int, timeout: float) -> float:
-    """Wait (bounded) for every actor to have the version; return the seconds waited."""
-    start = time.perf_counter()
-    deadline = time.monotonic() + timeout
-    for rank, transfer in zip(ranks, transfers):
+class _Background:
+    """A transfer finished by a helper thread, which notes when it was done.
+
+    ``Transfer.done()`` cannot be polled instead: a gloo point-to-point ``Work``
+    reports ``is_completed()`` False until someone calls its ``wait()``, so on
+    gloo ``done()`` never advances a transfer; and a gloo transfer of CUDA
+    memory copies through staging buffers step by step, which only ``wait()``
+    drives. The thread calls ``finish()`` (whose waits are bounded by
+    ``--timeout``); the caller checks :meth:`done` between episodes or steps, and
+    never touches the transfer until :meth:`result` has joined the thread.
+    """
+
+    def __init__(self, finish: Callable[[], Any], device: torch.device) -> None:
+        self.value: Any = None
+        self.finished = 0.0  # time.time() when finish() returned
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(finish, device), daemon=True,
+                                        name="cudarecv-demo-transfer")
+        self._thread.start()
+
+    def _run(self, finish: Callable[[], Any], device: torch.device) -> None:
         try:
-            transfer.wait(max(deadline - time.monotonic(), 1e-3))
-        except Exception as error:  # noqa: BLE001 - re-raised naming the actor
-            raise RuntimeError(f"trainer: the push of version {version} to actor rank {rank} failed: "
-                               f"{error}") from error
+            if device.type == "cuda":
+                torch.cuda.set_device(device)  # the current device is per thread
+            self.value = finish()
+            self.finished = time.time()
+        except BaseException as error:  # noqa: BLE001 - handed to the caller by result()
+            self.error = error
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def result(self) -> Any:
+        """What ``finish()`` returned; raises what it raised."""
+        self._thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+def _pushing(transfers: list[Any], ranks: list[int], version: int, timeout: float,
+             device: torch.device) -> _Background:
+    """Finish a push to every actor in the background (bounded by ``timeout`` in all)."""
+    def finish() -> None:
+        deadline = time.monotonic() + timeout
+        for rank, transfer in zip(ranks, transfers):
+            try:
+                transfer.wait(max(deadline - time.monotonic(), 1e-3))
+            except Exception as error:  # noqa: BLE001 - re-raised naming the actor
+                raise RuntimeError(f"the push of version {version} to actor rank {rank} failed: "
+                                   f"{error}") from error
+    return _Background(finish, device)
+
+
+def _finish(push: _Background) -> float:
+    """Wait for the push in flight to be out; return the seconds the trainer waited."""
+    start = time.perf_counter()
+    push.result()
     return time.perf_counter() - start
 
 
@@ -262,15 +312,19 @@ def _trainer(cfg: Config, device: torch.device) -> dict[str, Any]:
     rewards: list[float] = []
     waits: list[float] = []
     bar = _Progress(cfg.steps, "trainer")
+    def push(step: int) -> _Background:
+        transfers = _push(sender, meta, store, step=step, last=step == cfg.steps)
+        return _pushing(transfers, ranks, sender.version, cfg.timeout, device)
+
     try:
-        transfers = _push(sender, meta, store, step=0, last=False)  # version 1: the initial weights
+        in_flight = push(0)  # version 1: the initial weights
         for step in range(1, cfg.steps + 1):
-            rewards.append(_train_step(policy, opt, env))
-            waits.append(_finish(transfers, ranks, sender.version, cfg.timeout))
-            transfers = _push(sender, meta, store, step=step, last=step == cfg.steps)
+            rewards.append(_train_step(policy, opt, env))  # the previous push goes on meanwhile
+            waits.append(_finish(in_flight))
+            in_flight = push(step)
             recent = rewards[-max(1, cfg.steps // 10):]
             bar.update(reward=f"{sum(recent) / len(recent):.3f}", version=str(sender.version))
-        waits.append(_finish(transfers, ranks, sender.version, cfg.timeout))
+        waits.append(_finish(in_flight))
     finally:
         bar.close()
         sender.close()
@@ -285,42 +339,6 @@ class _ActorStats:
     rewards: list[float]
     verified: int = 0
     bad: int = 0
-
-
-class _Pull:
-    """A pull in flight, finished by a helper thread that records when it landed.
-
-    ``Transfer.done()`` cannot be polled here: a gloo point-to-point ``Work``
-    reports ``is_completed()`` False until someone calls its ``wait()``, so on
-    gloo ``done()`` would never advance. The thread calls ``wait(timeout)``
-    (bounded) and the actor checks :meth:`done` between episodes; the landing
-    time is taken the moment the version is published.
-    """
-
-    def __init__(self, transfer: Any, timeout: float) -> None:
-        self.version: int | None = None
-        self.landed = 0.0
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._finish, args=(transfer, timeout), daemon=True,
-                                        name="cudarecv-demo-pull")
-        self._thread.start()
-
-    def _finish(self, transfer: Any, timeout: float) -> None:
-        try:
-            self.version = transfer.wait(timeout)
-            self.landed = time.time()
-        except BaseException as error:  # noqa: BLE001 - handed to the actor's thread by result()
-            self.error = error
-
-    def done(self) -> bool:
-        return not self._thread.is_alive()
-
-    def result(self) -> int:
-        """The version that landed; raises what the pull raised."""
-        self._thread.join()
-        if self.error is not None:
-            raise self.error
-        return self.version  # type: ignore[return-value]
 
 
 def _act(policy: nn.Module, params: dict[str, torch.Tensor], env: Bandit) -> float:
@@ -338,12 +356,13 @@ def _actor(rank: int, cfg: Config, device: torch.device) -> dict[str, Any]:
     skeleton = make_policy(cfg.hidden, "meta")  # structure only: the weights are the receiver's views
     receiver = WeightReceiver(src=0, device=device, expect=weights_td(skeleton, _meta("meta")),
                               timeout=cfg.timeout)
-    env = Bandit(cfg.seed + 1000 * rank, device)
+    env = Bandit(cfg.seed, device, stream=rank)
     store = _store()
     stats = _ActorStats([], [], [])
     views: dict[int, tuple[Any, dict[str, torch.Tensor]]] = {}  # per receiver storage: its meta and params
     while True:
-        pull = _Pull(receiver.pull(wait=False), cfg.timeout)
+        transfer = receiver.pull(wait=False)
+        pull = _Background(functools.partial(transfer.wait, cfg.timeout), device)
         while not pull.done() and receiver.version > 0:  # act with what we have until the next version lands
             _episode(receiver, skeleton, env, store, stats, views)
         try:
@@ -353,7 +372,7 @@ def _actor(rank: int, cfg: Config, device: torch.device) -> dict[str, Any]:
             continue
         stats.verified += int(cfg.verify)
         meta = receiver.td["meta"]
-        stats.latencies.append(pull.landed - float(meta["t_push"]))
+        stats.latencies.append(pull.finished - float(meta["t_push"]))
         if cfg.kill_actor == rank and int(meta["step"]) >= cfg.steps // 2:
             os._exit(3)  # --kill-actor: die abruptly, as a crashed actor would
         if int(meta["last"]):
@@ -608,10 +627,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _explain(exc: Exception) -> str:
-    """A rank's failure in a few lines: which role, and the end of its traceback."""
-    text = str(exc)
-    for rank in range(64):
-        if f"rank {rank} raised" in text or f"[{rank}]" in text:
-            role = "the trainer (rank 0)" if rank == 0 else f"actor rank {rank}"
-            return f"{role}: {_tail(text)}"
-    return _tail(text)
+    """A rank's failure: which role, what it raised (last line), then the end of its traceback."""
+    text = str(exc).strip()
+    raised = re.search(r"rank (\d+) raised:", text)
+    if raised is None:  # died or timed out: Cluster's one-line message
+        return f"{text} (rank 0 is the trainer, the others are actors)"
+    rank = int(raised.group(1))
+    role = "the trainer (rank 0)" if rank == 0 else f"actor rank {rank}"
+    tail = "\n".join("    " + line for line in _tail(text, 10).splitlines()[1:-1])
+    return f"{role} raised: {text.splitlines()[-1]}\n{tail}"

@@ -16,7 +16,7 @@ import json
 import struct
 import zlib
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 from torch import Tensor

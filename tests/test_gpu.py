@@ -15,7 +15,7 @@ marks them ``gpus(1)`` and starts both NCCL ranks on GPU 0 with
 
 Transfers run between two spawned ranks (:class:`cudarecv._launch.Cluster`):
 rank 0 sends, rank 1 receives and checks what it got. Every wait is bounded: the
-process groups time out after 60 s and each call into the ranks after 45-90 s,
+process groups time out after 60 s and each call into the ranks after 30-90 s,
 so a hang fails its test (the ranks are then replaced) instead of stalling the run.
 """
 
@@ -809,6 +809,6 @@ def nccl_stock_peer(rank, world, group, sender, receiver):
 def test_nccl_per_leaf_with_a_stock_peer(nccl, sender, receiver):
     """Stock sends each CUDA leaf with its own dist.isend; cudarecv posts a call's leaves as one
     batch. Both must meet on the same NCCL communicator (a mismatch hangs: bounded here)."""
-    _, out = nccl().run(nccl_stock_peer, args=(sender, receiver), timeout=45)
+    _, out = nccl().run(nccl_stock_peer, args=(sender, receiver), timeout=30)
     bad = [k for k, ok in out.items() if not ok]
     assert out and not bad, f"wrong values for (structure, step) {bad}"

@@ -81,3 +81,13 @@ def test_tensorclass_method_is_cudarecv():
     cudarecv.install()
     with pytest.raises(ValueError, match="`bucket_bytes` must be a positive int"):
         tc.irecv(src=0, bucket_bytes=0)  # a stock method would not know bucket_bytes
+
+
+def test_public_api_resolves():
+    import cudarecv as package
+
+    assert sorted(package.__all__) == sorted(package._EXPORTS)
+    for name in package.__all__:
+        assert getattr(package, name) is not None
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        package.nope

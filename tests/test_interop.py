@@ -8,7 +8,6 @@ both). The receiver checks every leaf and the call's return value.
 from __future__ import annotations
 
 import pytest
-import torch
 from tensordict._base.distributed import _Distributed as Stock
 
 import cudarecv
