@@ -54,7 +54,7 @@ def _prepare(td: Any) -> tuple[TensorDictBase, Plan]:
     return inner, plan
 
 
-def _lane(link: Link, device: torch.device, stream: Any) -> Lane:
+def _lane(link: Link, device: torch.device, stream: Any, pool: _cuda.StagingPool) -> Lane:
     """The transfer's lane: a CUDA stream when the memory or the backend is on a GPU."""
     if device.type != "cuda" and link.backend != "nccl":
         if stream is not None:
@@ -62,7 +62,7 @@ def _lane(link: Link, device: torch.device, stream: Any) -> Lane:
                 "`stream` was given, but neither the tensordict (on the CPU) nor the "
                 f"{link.backend} backend uses CUDA: pass stream=None"
             )
-        return Lane(link)
+        return Lane(link, None, pool)
     if not torch.cuda.is_available():
         raise RuntimeError(f"the {link.backend} backend with a tensordict on {device} needs CUDA, "
                            "which this process cannot use")
@@ -72,7 +72,7 @@ def _lane(link: Link, device: torch.device, stream: Any) -> Lane:
     # what the caller queued on its stream (writes of the values, reads of the
     # old ones) comes before the transfer; the caller's stream is never blocked
     lane_stream.wait_stream(torch.cuda.current_stream(device))
-    return Lane(link, lane_stream)
+    return Lane(link, lane_stream, pool)
 
 
 def _last_tag(plan: Plan, init_tag: int, pseudo_rand: bool) -> int:
@@ -89,14 +89,14 @@ def _start_send(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolida
     inner, plan = _prepare(td)
     if consolidated:
         storage = plan.storage(inner)
-        lane = _lane(link, storage.device, stream)
+        lane = _lane(link, storage.device, stream, plan.pool)
         if bucket_bytes is None:
             protocol = _stock_wire.send_storage(lane, storage)
         else:
             protocol = _fast_wire.send(lane, plan, plan.chunk_header(inner).with_piece(bucket_bytes),
                                        plan.chunks(inner, bucket_bytes), init_tag, pseudo_rand)
     else:
-        lane = _lane(link, plan.device, stream)
+        lane = _lane(link, plan.device, stream, plan.pool)
         if bucket_bytes is None:
             protocol = _stock_wire.send_leaves(lane, plan, plan.tags(init_tag, len(plan.tensors), pseudo_rand))
         else:
@@ -105,8 +105,8 @@ def _start_send(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolida
                                        plan.pieces(bucket_bytes, place), init_tag, pseudo_rand,
                                        fill=lambda i: plan.pack(bucket_bytes, i, place))
     transfer = Transfer(protocol, lane.stream)
-    if bucket_bytes is not None and not consolidated:
-        plan.in_flight = transfer
+    if lane.stream is not None or (bucket_bytes is not None and not consolidated):
+        plan.in_flight = transfer  # it uses the plan's staging: the next transfer waits for it
     return transfer, plan
 
 
@@ -115,14 +115,14 @@ def _start_recv(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolida
     inner, plan = _prepare(td)
     if consolidated:
         storage = plan.storage(inner)  # raises, naming the fix, if td is not consolidated
-        lane = _lane(link, storage.device, stream)
+        lane = _lane(link, storage.device, stream, plan.pool)
         if bucket_bytes is None:
             protocol = _stock_wire.recv_storage(lane, storage, td)
         else:
             protocol = _fast_wire.recv(lane, plan, plan.chunk_header(inner),
                                        lambda piece: plan.chunks(inner, piece), init_tag, pseudo_rand, td)
     else:
-        lane = _lane(link, plan.device, stream)
+        lane = _lane(link, plan.device, stream, plan.pool)
         if bucket_bytes is None:
             protocol = _stock_wire.recv_leaves(lane, plan, plan.tags(init_tag, len(plan.tensors), pseudo_rand), td)
         else:
@@ -131,8 +131,8 @@ def _start_recv(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolida
                                        init_tag, pseudo_rand, td,
                                        landed=lambda piece, i: plan.unpack(piece, i, place))
     transfer = Transfer(protocol, lane.stream)
-    if bucket_bytes is not None and not consolidated:
-        plan.in_flight = transfer
+    if lane.stream is not None or (bucket_bytes is not None and not consolidated):
+        plan.in_flight = transfer  # it uses the plan's staging: the next transfer waits for it
     return transfer, plan
 
 

@@ -94,7 +94,10 @@ class StagingPool:
     ``place`` is ``"pinned"`` (page-locked host memory, for gloo <-> CUDA) or a
     CUDA device (for NCCL <-> host). The pool never frees a buffer it handed
     out; the same request returns the same buffers, so steady state allocates
-    nothing. ``allocations`` counts the buffers ever allocated (for tests).
+    nothing. ``allocations`` counts the buffers ever allocated (for tests). Each
+    owner (a tensordict's plan, a weight sender or receiver) has its own pool,
+    used by one transfer at a time; :meth:`fence` is the CUDA event of the last
+    stream copy that touches a buffer (see :mod:`._staging`).
 
     Example:
         >>> pool = StagingPool()
@@ -107,6 +110,7 @@ class StagingPool:
         self.depth = depth
         self.allocations = 0
         self._buffers: dict[tuple[str, int], list[torch.Tensor]] = {}
+        self._fences: dict[int, Any] = {}
 
     def buffers(self, place: str | torch.device, nbytes: int, count: int | None = None) -> list[torch.Tensor]:
         """``min(count, depth)`` uint8 buffers of ``nbytes`` on ``place``, reused across calls."""
@@ -118,11 +122,16 @@ class StagingPool:
             self.allocations += 1
         return found[:count]
 
+    def fence(self, buffer: torch.Tensor) -> Any:
+        """The event of the last stream copy into or out of ``buffer`` (or None)."""
+        return self._fences.get(buffer.data_ptr())
+
+    def set_fence(self, buffer: torch.Tensor, event: Any) -> None:
+        self._fences[buffer.data_ptr()] = event
+
 
 def _allocate(place: str | torch.device, nbytes: int) -> torch.Tensor:
     if str(place) == "pinned":
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     return torch.empty(nbytes, dtype=torch.uint8, device=place)
 
-
-POOL = StagingPool()

@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from . import _cuda
 from ._handle import Protocol
 from ._header import KIND_NAMES, SIZE, Header, HeaderError
 from ._plan import Plan
@@ -50,9 +51,16 @@ def staging_place(lane: Lane, plan: Plan) -> str:
     return "pinned" if plan.device.type == "cuda" else "cpu"
 
 
-def _wire_tensor(lane: Lane, data: bytes) -> Tensor:
-    t = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    return t.to(lane.stream.device) if lane.nccl else t
+def wire_bytes(lane: Lane, data: bytes) -> Tensor:
+    """``data`` as a tensor the wire can send: host memory for gloo; for NCCL a device
+    copy made on the transfer stream (from page-locked memory, so the host does not wait)."""
+    host = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    if not lane.nccl:
+        return host
+    device = torch.empty(len(data), dtype=torch.uint8, device=lane.stream.device)
+    with lane.on_stream():
+        device.copy_(host.pin_memory(), non_blocking=True)
+    return device
 
 
 def send(lane: Lane, plan: Plan, header: Header, pieces: list[Tensor], init_tag: int,
@@ -60,19 +68,32 @@ def send(lane: Lane, plan: Plan, header: Header, pieces: list[Tensor], init_tag:
     """Send ``header`` then ``pieces``; ``fill(i)`` (if given) writes piece i just before it goes,
     so packing piece i+1 overlaps the wire carrying piece i."""
     tags = _tags(plan, init_tag, pseudo_rand, len(pieces))
-    head = yield from send_from(lane, [_wire_tensor(lane, header.pack())], tags[:1], defer=True)
+    head = yield from send_from(lane, [wire_bytes(lane, header.pack())], tags[:1], defer=True)
     yield from send_from(lane, pieces, tags[1:], fill=fill)
     if head:
         yield head
     return None
 
 
-def _recv_header(lane: Lane, tag: int) -> Any:
-    raw = torch.empty(SIZE, dtype=torch.uint8, device=lane.stream.device if lane.nccl else "cpu")
+def read_bytes(lane: Lane, size: int, tag: int) -> Any:
+    """Receive one ``size``-byte message and return its bytes (a sub-protocol).
+
+    On NCCL the message lands in device memory and comes back to the host
+    through page-locked memory on the transfer stream; the host waits for it in
+    a later step, never in the call that posts the receive.
+    """
+    if not lane.nccl:
+        raw = torch.empty(size, dtype=torch.uint8)
+        yield from recv_into(lane, [raw], [tag])
+        return raw.numpy().tobytes()
+    raw = torch.empty(size, dtype=torch.uint8, device=lane.stream.device)
+    host = lane.pool.buffers("pinned", size, count=1)[0]
     yield from recv_into(lane, [raw], [tag])
     with lane.on_stream():
-        data = raw.cpu().numpy().tobytes()  # on NCCL the host waits for these 64 bytes
-    return Header.unpack(data)
+        host.copy_(raw, non_blocking=True)
+        arrived = _cuda.record(lane.stream)
+    yield [_cuda.EventWork(arrived)]
+    return host.numpy().tobytes()
 
 
 def recv(lane: Lane, plan: Plan, expected: Header, pieces_for: Callable[[int], list[Tensor]],
@@ -84,7 +105,7 @@ def recv(lane: Lane, plan: Plan, expected: Header, pieces_for: Callable[[int], l
     message size; ``landed(piece_bytes, i)`` (if given) runs as soon as piece i
     is in, while the next pieces are still on the wire.
     """
-    header = yield from _recv_header(lane, _tags(plan, init_tag, pseudo_rand, 0)[0])
+    header = Header.unpack((yield from read_bytes(lane, SIZE, _tags(plan, init_tag, pseudo_rand, 0)[0])))
     tags = _tags(plan, init_tag, pseudo_rand, len(header.pieces()))
     problem = _mismatch(expected, header)
     if problem:

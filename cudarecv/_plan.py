@@ -18,7 +18,7 @@ import torch
 from tensordict import TensorDictBase
 from torch import Tensor
 
-from . import _header
+from . import _cuda, _header
 from ._tags import tag_sequence
 from ._walk import Path, format_path, walk
 
@@ -36,7 +36,8 @@ class Plan:
         self._checked = False
         self._pieces: dict[tuple[int, str], tuple] = {}
         self._staging: dict[str, Tensor] = {}
-        self.in_flight = None  # the handle of a fast-wire transfer still using the staging buffer
+        self.pool = _cuda.StagingPool()  # staging rings and their fences, for this tensordict alone
+        self.in_flight = None  # the transfer still using the staging buffers, if any
 
     def matches(self, paths: list[Path], tensors: list[Tensor]) -> bool:
         return (

@@ -5,21 +5,27 @@ tensordict lives elsewhere (CUDA storage on gloo, host storage on NCCL), each
 message goes through a staging buffer on the wire's side, with the copy on
 cudarecv's streams:
 
-- *ring* staging (chunks, buckets): two buffers of one message each, from the
-  reused :data:`~cudarecv._cuda.POOL`; the copy of message i overlaps the
-  transfer of message i+1;
-- *full* staging (per-leaf messages, all posted at once): the caller's buffer
-  holding every message (allocated once per plan).
+- *ring* staging (chunks, consolidated messages): two buffers of one message
+  each; the copy of message i overlaps the transfer of message i+1;
+- *full* staging (per-leaf messages, all posted at once; buckets): a buffer
+  holding every message, allocated once per plan.
+
+Staging buffers belong to their owner (a tensordict's plan, a weight sender or
+receiver), whose transfers run one at a time, and carry a *fence*: the CUDA
+event of the last stream copy that reads or writes them. Nothing posts into a
+buffer, or copies into it, before its fence has fired, so a copy still queued
+from the previous transfer can never see the next transfer's bytes.
 
 Sub-protocols here are driven with ``yield from`` inside a transfer protocol
 (:mod:`._handle`): what they yield are ``Work``-like objects the host waits on.
-On NCCL the host never waits: ``Work.wait()`` orders the stream instead.
+On NCCL the host never waits for the wire: ``Work.wait()`` orders the stream.
 """
 
 from __future__ import annotations
 
+import os
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
@@ -32,21 +38,51 @@ from ._transport import post
 
 @dataclass
 class Lane:
-    """One transfer's link and stream (``None`` when neither end touches CUDA)."""
+    """One transfer's link, stream (``None`` when neither end touches CUDA) and staging pool."""
 
     link: Link
     stream: Any = None
+    pool: _cuda.StagingPool = field(default_factory=_cuda.StagingPool)
 
     @property
     def nccl(self) -> bool:
         return self.link.backend == "nccl"
 
+    @property
+    def batched(self) -> bool:
+        """Whether NCCL batches run as one group call (``CUDARECV_NCCL_BATCH=0``: one op each,
+        as stock tensordict issues them; PyTorch runs single and batched NCCL point-to-point
+        ops on different communicators, so a stock peer on NCCL needs this off)."""
+        return os.environ.get("CUDARECV_NCCL_BATCH", "1") != "0"
+
     def on_stream(self) -> Any:
         return torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
 
-    def finish(self) -> Any:
-        """The event the caller's stream waits on (recorded now on the transfer stream)."""
-        return _cuda.record(self.stream) if self.stream is not None else None
+    def post(self, sending: bool, tensors: Sequence[Tensor], tags: Sequence[int]) -> list[Any]:
+        return post(self.link, sending, tensors, tags, batch=self.batched)
+
+
+def _byte(t: Tensor) -> Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _nbytes(t: Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _base(t: Tensor) -> Tensor:
+    return t._base if t._base is not None else t
+
+
+def _wire_can_touch(lane: Lane, tensors: Sequence[Tensor]) -> bool:
+    return not tensors or (tensors[0].device.type == "cuda") == lane.nccl
+
+
+def _host_ready(lane: Lane, buffer: Tensor) -> None:
+    """Block until no queued stream copy still reads or writes host ``buffer``."""
+    event = lane.pool.fence(buffer)
+    if event is not None:
+        event.synchronize()
 
 
 def recv_into(lane: Lane, dests: Sequence[Tensor], tags: Sequence[int],
@@ -54,26 +90,30 @@ def recv_into(lane: Lane, dests: Sequence[Tensor], tags: Sequence[int],
               landed: Callable[[int], None] | None = None) -> Any:
     """Receive message i into ``dests[i]`` (contiguous); ``landed(i)`` once it is there.
 
-    ``staging`` (full staging, one buffer per message on the wire's side) is
-    used when the wire cannot write ``dests``; without it a ring of two buffers.
+    ``landed`` runs on the transfer stream. ``staging`` (full staging, one
+    buffer per message on the wire's side, views of one buffer) is used when
+    the wire cannot write ``dests``; without it a ring of two buffers.
     """
     n = len(dests)
     if _wire_can_touch(lane, dests):
+        copies_from_host = lane.stream is not None and not lane.nccl and landed is not None and n
+        if copies_from_host:
+            _host_ready(lane, _base(dests[0]))  # landed() copies out of these host buffers
         with lane.on_stream():
-            works = post(lane.link, False, dests, tags)
+            works = lane.post(False, dests, tags)
             if lane.nccl:
                 for work in works:
                     work.wait()  # orders the transfer stream; the host goes on
                 for i in range(n if landed else 0):
                     landed(i)
                 return
-        if landed is None:
-            yield works
-            return
         for i, work in enumerate(works):
             yield [work]
-            with lane.on_stream():
-                landed(i)
+            if landed:
+                with lane.on_stream():
+                    landed(i)
+        if copies_from_host:
+            lane.pool.set_fence(_base(dests[0]), _cuda.record(lane.stream))
         return
     if staging is not None:
         yield from _recv_full(lane, dests, tags, staging, landed)
@@ -83,28 +123,26 @@ def recv_into(lane: Lane, dests: Sequence[Tensor], tags: Sequence[int],
         yield from _recv_ring_gloo(lane, dests, tags, landed)
 
 
-def _byte(t: Tensor) -> Tensor:
-    return t.reshape(-1).view(torch.uint8)
-
-
 def _recv_full(lane: Lane, dests, tags, staging, landed) -> Any:
     """gloo into CUDA memory, every message at once through ``staging`` (pinned)."""
-    works = post(lane.link, False, staging, tags)
-    yield works
+    base = _base(staging[0])
+    _host_ready(lane, base)
+    yield lane.post(False, staging, tags)
     with lane.on_stream():
         torch._foreach_copy_([_byte(d) for d in dests], [_byte(s) for s in staging], non_blocking=True)
         for i in range(len(dests) if landed else 0):
             landed(i)
+        lane.pool.set_fence(base, _cuda.record(lane.stream))
 
 
 def _recv_ring_gloo(lane: Lane, dests, tags, landed) -> Any:
     """gloo into CUDA memory: recv into two pinned buffers, H2D copies overlapping the next recv."""
     n = len(dests)
-    size = max(d.numel() * d.element_size() for d in dests)
-    ring = _cuda.POOL.buffers("pinned", size, count=n)
+    ring = lane.pool.buffers("pinned", max(_nbytes(d) for d in dests), count=n)
 
     def start(i: int) -> Any:
-        return post(lane.link, False, [ring[i % 2][: _nbytes(dests[i])]], [tags[i]])[0]
+        _host_ready(lane, ring[i % 2])
+        return lane.post(False, [ring[i % 2][: _nbytes(dests[i])]], [tags[i]])[0]
 
     works = {i: start(i) for i in range(min(2, n))}
     for i in range(n):
@@ -113,37 +151,35 @@ def _recv_ring_gloo(lane: Lane, dests, tags, landed) -> Any:
             _byte(dests[i]).copy_(ring[i % 2][: _nbytes(dests[i])], non_blocking=True)
             if landed:
                 landed(i)
-            copied = _cuda.record(lane.stream)
+            lane.pool.set_fence(ring[i % 2], _cuda.record(lane.stream))
         if i + 2 < n:
-            yield [_cuda.EventWork(copied)]  # the pinned buffer is free again
+            yield [_cuda.EventWork(lane.pool.fence(ring[i % 2]))]  # the pinned buffer is free again
             works[i + 2] = start(i + 2)
 
 
 def _recv_ring_nccl(lane: Lane, dests, tags, landed) -> Any:
     """NCCL into host memory: recv into two device buffers, D2H copies on a second stream."""
-    n = len(dests)
     device = lane.stream.device
-    size = max(_nbytes(d) for d in dests)
-    ring = _cuda.POOL.buffers(device, size, count=n)
+    ring = lane.pool.buffers(device, max(_nbytes(d) for d in dests), count=len(dests))
     copier = _cuda.copy_stream(device)
-    freed: list[Any] = [None, None]
-    for i in range(n):
-        buf = ring[i % 2][: _nbytes(dests[i])]
-        if freed[i % 2] is not None:
-            lane.stream.wait_event(freed[i % 2])
+    for i, dest in enumerate(dests):
+        buf = ring[i % 2][: _nbytes(dest)]
+        freed = lane.pool.fence(ring[i % 2])
+        if freed is not None:
+            lane.stream.wait_event(freed)  # the previous copy out of this buffer is done
         with lane.on_stream():
-            for work in post(lane.link, False, [buf], [tags[i]]):
+            for work in lane.post(False, [buf], [tags[i]]):
                 work.wait()
             arrived = _cuda.record(lane.stream)
         copier.wait_event(arrived)
         with torch.cuda.stream(copier):
-            _byte(dests[i]).copy_(buf, non_blocking=True)
+            _byte(dest).copy_(buf, non_blocking=True)
             if landed:
                 landed(i)
-            freed[i % 2] = _cuda.record(copier)
-    for event in freed:
-        if event is not None:
-            lane.stream.wait_event(event)
+            lane.pool.set_fence(ring[i % 2], _cuda.record(copier))
+    for buffer in ring:
+        if lane.pool.fence(buffer) is not None:
+            lane.stream.wait_event(lane.pool.fence(buffer))
     yield [_cuda.EventWork(_cuda.record(lane.stream))]  # host memory: the host waits for the bytes
 
 
@@ -163,7 +199,7 @@ def send_from(lane: Lane, srcs: Sequence[Tensor], tags: Sequence[int],
             with lane.on_stream():
                 for i in range(n if fill else 0):
                     fill(i)
-                for work in post(lane.link, True, srcs, tags):
+                for work in lane.post(True, srcs, tags):
                     work.wait()
             return
         works = []
@@ -173,7 +209,7 @@ def send_from(lane: Lane, srcs: Sequence[Tensor], tags: Sequence[int],
                     fill(i)
                 if lane.stream is not None:
                     lane.stream.synchronize()
-            works += post(lane.link, True, [srcs[i]], [tags[i]])
+            works += lane.post(True, [srcs[i]], [tags[i]])
         if defer:
             return works
         yield works
@@ -187,9 +223,9 @@ def send_from(lane: Lane, srcs: Sequence[Tensor], tags: Sequence[int],
             torch._foreach_copy_([_byte(s) for s in staging], [_byte(t) for t in srcs], non_blocking=True)
             copied = _cuda.record(lane.stream)
         yield [_cuda.EventWork(copied)]
-        yield post(lane.link, True, staging, tags)
+        yield lane.post(True, staging, tags)
         return
-    ring = _cuda.POOL.buffers("pinned", max(_nbytes(t) for t in srcs), count=n)
+    ring = lane.pool.buffers("pinned", max(_nbytes(t) for t in srcs), count=n)
     sent: list[Any] = [None, None]
     for i in range(n):
         if sent[i % 2] is not None:
@@ -199,37 +235,30 @@ def send_from(lane: Lane, srcs: Sequence[Tensor], tags: Sequence[int],
             buf.copy_(_byte(srcs[i]), non_blocking=True)
             copied = _cuda.record(lane.stream)
         yield [_cuda.EventWork(copied)]
-        sent[i % 2] = post(lane.link, True, [buf], [tags[i]])[0]
+        sent[i % 2] = lane.post(True, [buf], [tags[i]])[0]
     yield [w for w in sent if w is not None]
 
 
-def _wire_can_touch(lane: Lane, tensors: Sequence[Tensor]) -> bool:
-    return not tensors or (tensors[0].device.type == "cuda") == lane.nccl
-
-
 def _send_ring_nccl(lane: Lane, srcs, tags) -> Any:
-    """NCCL from host memory: H2D copies into two device buffers on a second stream, then send."""
-    n = len(srcs)
+    """NCCL from host memory: H2D copies into two device buffers on a second stream, then send.
+
+    Ends when the host memory has been read (the caller may then change it)."""
     device = lane.stream.device
-    size = max(_nbytes(t) for t in srcs)
-    ring = _cuda.POOL.buffers(device, size, count=n)
+    ring = lane.pool.buffers(device, max(_nbytes(t) for t in srcs), count=len(srcs))
     copier = _cuda.copy_stream(device)
-    sent: list[Any] = [None, None]
-    for i in range(n):
-        buf = ring[i % 2][: _nbytes(srcs[i])]
-        if sent[i % 2] is not None:
-            copier.wait_event(sent[i % 2])
+    copied = None
+    for i, src in enumerate(srcs):
+        buf = ring[i % 2][: _nbytes(src)]
+        sent = lane.pool.fence(ring[i % 2])
+        if sent is not None:
+            copier.wait_event(sent)  # the previous send out of this buffer is done
         with torch.cuda.stream(copier):
-            buf.copy_(_byte(srcs[i]), non_blocking=True)
+            buf.copy_(_byte(src), non_blocking=True)
             copied = _cuda.record(copier)
         lane.stream.wait_event(copied)
         with lane.on_stream():
-            for work in post(lane.link, True, [buf], [tags[i]]):
+            for work in lane.post(True, [buf], [tags[i]]):
                 work.wait()
-            sent[i % 2] = _cuda.record(lane.stream)
-    return
-    yield  # a generator, like the other sub-protocols
-
-
-def _nbytes(t: Tensor) -> int:
-    return t.numel() * t.element_size()
+            lane.pool.set_fence(ring[i % 2], _cuda.record(lane.stream))
+    if copied is not None:
+        yield [_cuda.EventWork(copied)]

@@ -1,7 +1,11 @@
 """Posting one call's messages as one batch, on any backend and any kind of group.
 
 - NCCL, registered group: :func:`torch.distributed.batch_isend_irecv`, which
-  NCCL runs as one group call (one ``Work`` for the whole batch).
+  NCCL runs as one group call (one ``Work`` for the whole batch). PyTorch runs
+  batched and single NCCL point-to-point ops on different communicators (the
+  group's, and a two-rank one), so a stock tensordict peer, which sends one op
+  per leaf, needs batching off (``CUDARECV_NCCL_BATCH=0``); single messages
+  (a consolidated storage) always go as single ops.
 - NCCL, standalone group (which ``P2POp`` refuses): the same coalescing done on
   the group object itself (``_start_coalescing`` ... ``_end_coalescing``).
 - Backends without coalescing (gloo): ``batch_isend_irecv`` would issue the ops
@@ -25,11 +29,16 @@ from torch import Tensor
 from ._link import Link
 
 
-def post(link: Link, sending: bool, tensors: Sequence[Tensor], tags: Sequence[int]) -> list[Any]:
-    """Post a send (``sending``) or receive of every tensor with its tag; return the works."""
+def post(link: Link, sending: bool, tensors: Sequence[Tensor], tags: Sequence[int],
+         batch: bool = True) -> list[Any]:
+    """Post a send (``sending``) or receive of every tensor with its tag; return the works.
+
+    On NCCL, two or more messages go as one batch unless ``batch`` is False; a
+    single message always goes as a single op, as stock tensordict sends it.
+    """
     if not tensors:
         return []
-    if link.backend == "nccl":
+    if link.backend == "nccl" and batch and len(tensors) > 1:
         return _coalesced(link, sending, tensors, tags)
     op = link.pg.send if sending else link.pg.recv
     peer = link.peer

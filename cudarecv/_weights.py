@@ -30,6 +30,7 @@ from torch import Tensor
 
 from . import _cuda
 from ._api import _lane
+from ._fast_wire import read_bytes, wire_bytes
 from ._handle import Transfer
 from ._header import piece_sizes
 from ._link import Link, resolve
@@ -38,7 +39,7 @@ from ._staging import Lane, recv_into, send_from
 from ._walk import unwrap
 from ._weights_wire import (
     HEADER_SIZE, STATUS_SIZE, TAG_HEADER, TAG_PAYLOAD, TAG_PREAMBLE, TAG_SCHEMA, TAG_STATUS,
-    PushHeader, PushHeaderError, Schema, SchemaError, as_tensor, checksum, preamble, read_preamble,
+    PushHeader, PushHeaderError, Schema, SchemaError, checksum, preamble, read_preamble,
     read_status, status_message,
 )
 
@@ -96,13 +97,7 @@ def _fresh(lane: Lane) -> Lane:
 
 
 def _send_bytes(lane: Lane, data: bytes, tag: int) -> Any:
-    yield from send_from(lane, [as_tensor(data)], [tag])
-
-
-def _recv_bytes(lane: Lane, size: int, tag: int) -> Any:
-    buf = torch.empty(size, dtype=torch.uint8)
-    yield from recv_into(lane, [buf], [tag])
-    return buf.numpy().tobytes()
+    yield from send_from(lane, [wire_bytes(lane, data)], [tag])
 
 
 class WeightSender:
@@ -150,7 +145,7 @@ class WeightSender:
         self._piece = bucket_bytes or max(self.schema.total, 1)
         self._chunks = _cut(self._storage, self._piece)
         self._verify = bool(verify)
-        self._lanes = [_lane(link, self._device, stream) for link in links]
+        self._lanes = [_lane(link, self._device, stream, _cuda.StagingPool()) for link in links]
         self._in_flight: list[Transfer] = []
         self._closed = False
         self.version = 0
@@ -166,13 +161,13 @@ class WeightSender:
         deadline = time.monotonic() + self.timeout
         for lane in self._lanes:
             def hello(lane: Lane = lane) -> Any:
-                head = yield from send_from(lane, [as_tensor(preamble(len(raw)))], [TAG_PREAMBLE], defer=True)
+                head = yield from send_from(lane, [wire_bytes(lane, preamble(len(raw)))], [TAG_PREAMBLE], defer=True)
                 yield from _send_bytes(lane, raw, TAG_SCHEMA)
                 if head:
                     yield head
             _run(hello(), lane, max(deadline - time.monotonic(), 1e-3), "weight-sync handshake")
         for lane in self._lanes:
-            ok, reason = read_status(_run(_recv_bytes(lane, STATUS_SIZE, TAG_STATUS), lane,
+            ok, reason = read_status(_run(read_bytes(lane, STATUS_SIZE, TAG_STATUS), lane,
                                           max(deadline - time.monotonic(), 1e-3), "weight-sync handshake"))
             if not ok:
                 raise SchemaError(f"receiver rank {lane.link.peer} rejected the weights: {reason}")
@@ -222,7 +217,7 @@ class WeightSender:
         return self.version
 
     def _push(self, lane: Lane, header: PushHeader) -> Any:
-        head = yield from send_from(lane, [as_tensor(header.pack())], [TAG_HEADER], defer=True)
+        head = yield from send_from(lane, [wire_bytes(lane, header.pack())], [TAG_HEADER], defer=True)
         tags = [TAG_PAYLOAD + i for i in range(len(self._chunks))]
         yield from send_from(lane, self._chunks, tags)
         if head:
@@ -325,11 +320,11 @@ class WeightReceiver:
         if pin_memory and self._device.type != "cpu":
             raise ValueError(f"`pin_memory=True` is for host memory, but `device` is {self._device}: drop one")
         link = resolve(src, group_src, group, "src", "group_src")
-        self._lane = _lane(link, self._device, stream)
+        self._lane = _lane(link, self._device, stream, _cuda.StagingPool())
         deadline = time.monotonic() + self.timeout
-        length = read_preamble(_run(_recv_bytes(self._lane, 16, TAG_PREAMBLE), self._lane, self.timeout,
+        length = read_preamble(_run(read_bytes(self._lane, 16, TAG_PREAMBLE), self._lane, self.timeout,
                                     "weight-sync handshake"))
-        self.schema = Schema.from_json(_run(_recv_bytes(self._lane, length, TAG_SCHEMA), self._lane,
+        self.schema = Schema.from_json(_run(read_bytes(self._lane, length, TAG_SCHEMA), self._lane,
                                             max(deadline - time.monotonic(), 1e-3), "weight-sync handshake"))
         problem = None if expect is None else self.schema.first_difference(*_expected(expect))
         answer = status_message(problem is None, problem or "")
@@ -338,7 +333,6 @@ class WeightReceiver:
         if problem:
             raise SchemaError(f"the sender's weights do not match `expect`: {problem}")
         self._slots = [_Slot(self.schema, self._device, pin_memory) for _ in range(2)]
-        self._header = torch.empty(HEADER_SIZE, dtype=torch.uint8)
         self._cond = threading.Condition()
         self._published: int | None = None
         self._broken: str | None = None
@@ -409,8 +403,7 @@ class WeightReceiver:
         return replaced
 
     def _pull(self, lane: Lane, slot: _Slot) -> Any:
-        yield from recv_into(lane, [self._header], [TAG_HEADER])
-        header = PushHeader.unpack(self._header.numpy().tobytes())
+        header = PushHeader.unpack((yield from read_bytes(lane, HEADER_SIZE, TAG_HEADER)))
         problem = None
         if header.total != self.schema.total or header.fingerprint != self.schema.fingerprint:
             problem = (f"a push of {header.total} bytes with fingerprint {header.fingerprint.hex()} does not "

@@ -212,6 +212,3 @@ def read_preamble(raw: bytes) -> int:
     return length
 
 
-def as_tensor(data: bytes) -> Tensor:
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
-

@@ -67,9 +67,9 @@ def spy_post(monkeypatch):
     calls = []
     real = _transport.post
 
-    def spy(link, sending, tensors, tags):
+    def spy(link, sending, tensors, tags, **kwargs):
         calls.append((sending, len(tensors)))
-        return real(link, sending, tensors, tags)
+        return real(link, sending, tensors, tags, **kwargs)
 
     import cudarecv._staging as staging
 
@@ -169,12 +169,33 @@ def test_standalone_group_without_coalescing_is_refused():
             return "nccl"
 
     with pytest.raises(RuntimeError, match="cannot coalesce"):
-        _transport.post(Link(NoCoalescing(), 1, registered=False), True, [torch.zeros(1)], [0])
+        _transport.post(Link(NoCoalescing(), 1, registered=False), True, [torch.zeros(1)] * 2, [0, 1])
+
+
+def test_single_messages_and_unbatched_nccl_go_one_op_each():
+    """A stock NCCL peer sends one op per message: single messages, and CUDARECV_NCCL_BATCH=0, match it."""
+    backend = CoalescingBackend()
+    link = Link(backend, 1, registered=False)
+    _transport.post(link, True, [torch.zeros(2)], [0])
+    _transport.post(link, False, [torch.zeros(2), torch.zeros(3)], [5, 6], batch=False)
+    assert backend.calls == [("send", 1, 0), ("recv", 1, 5), ("recv", 1, 6)]
+
+
+def test_nccl_batching_switch(monkeypatch):
+    from cudarecv._staging import Lane
+
+    lane = Lane(Link(CoalescingBackend(), 1, registered=False))
+    assert lane.batched
+    monkeypatch.setenv("CUDARECV_NCCL_BATCH", "0")
+    assert not lane.batched
 
 
 def test_staging_pool_allocates_once_and_bounds_depth():
     pool = _cuda.StagingPool()
     first = pool.buffers("cpu", 1024)
+    assert pool.fence(first[0]) is None
+    pool.set_fence(first[0], "event")
+    assert pool.fence(first[0]) == "event" and pool.fence(first[1]) is None
     assert len(first) == 2 and pool.allocations == 2
     for _ in range(100):
         again = pool.buffers("cpu", 1024)
@@ -228,4 +249,4 @@ def test_cuda_tensordict_without_cuda_is_a_clear_error(recording_world):
     from cudarecv._api import _lane
 
     with pytest.raises(RuntimeError, match="needs CUDA"):
-        _lane(link, torch.device("cuda", 0), None)
+        _lane(link, torch.device("cuda", 0), None, _cuda.StagingPool())

@@ -678,7 +678,7 @@ def staging_reuse(rank, world, group, mode, count):
     def snapshot():
         torch.cuda.synchronize()
         plan = plan_for(unwrap(td))
-        return {"pool": _cuda.POOL.allocations, "device_bytes": torch.cuda.memory_allocated(),
+        return {"pool": plan.pool.allocations, "device_bytes": torch.cuda.memory_allocated(),
                 "plan": id(plan), "staging": {k: v.data_ptr() for k, v in plan._staging.items()}}
 
     for step in range(2):
