@@ -789,6 +789,7 @@ def test_nccl_back_to_back_sends_from_host_keep_each_value(nccl, mode):
 
 
 def nccl_stock_peer(rank, world, group, sender, receiver):
+    os.environ["CUDARECV_NCCL_BATCH"] = "0"  # one op per leaf, on stock's two-rank communicator
     peer = _peer(rank, group)
     out = {}
     for structure in ("flat", "nested", "big"):
@@ -800,6 +801,7 @@ def nccl_stock_peer(rank, world, group, sender, receiver):
             _call(receiver, "recv", td, **peer)
             out[(structure, step)] = _equal(td, _make(structure, 5.0 + step))
     _finish()
+    del os.environ["CUDARECV_NCCL_BATCH"]
     return out
 
 
@@ -807,8 +809,8 @@ def nccl_stock_peer(rank, world, group, sender, receiver):
 @pytest.mark.parametrize("sender,receiver", [("stock", C), (C, "stock")], ids=["stock-to-cudarecv",
                                                                              "cudarecv-to-stock"])
 def test_nccl_per_leaf_with_a_stock_peer(nccl, sender, receiver):
-    """Stock sends each CUDA leaf with its own dist.isend; cudarecv posts a call's leaves as one
-    batch. Both must meet on the same NCCL communicator (a mismatch hangs: bounded here)."""
+    """Stock sends each CUDA leaf with its own dist.isend (PyTorch's two-rank communicator);
+    with CUDARECV_NCCL_BATCH=0 cudarecv does the same (a mismatch hangs: bounded here)."""
     _, out = nccl().run(nccl_stock_peer, args=(sender, receiver), timeout=30)
     bad = [k for k, ok in out.items() if not ok]
     assert out and not bad, f"wrong values for (structure, step) {bad}"
