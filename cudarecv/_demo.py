@@ -14,21 +14,22 @@ The task needs no data: a contextual bandit written in torch. Each context is
 a random vector; one of a few arms pays 1, chosen by a hidden random rule
 shared by all ranks (the seed), the others 0. The trainer trains a policy MLP
 with REINFORCE on its own batches and, after every optimizer step, pushes the
-weights to all actors with a :class:`~cudarecv.WeightSender` (the push goes on
-while the trainer computes the next step, and is finished before the next
-push). The pushed tensordict is the policy's parameters plus a small ``meta``
-sub-tensordict: the trainer's ``time.time()`` at push start, the step, and a
-``last`` flag.
+weights to all actors with a :class:`~cudarecv.WeightSender` (``push(wait=False)``:
+the push goes on in a helper thread while the trainer computes the next step,
+and is finished before the next push). The pushed tensordict is the policy's
+parameters plus a small ``meta`` sub-tensordict: the version, the step, a
+``last`` flag and the trainer's ``time.time()`` at push start.
 
 Each actor holds a :class:`~cudarecv.WeightReceiver` and always acts with the
-latest version it has: it starts the next pull without blocking and, until it
-has landed, plays episodes with the current weights (zero-copy, through
-``torch.func.functional_call`` on the received views). Per pull it records the
-latency (its ``time.time()`` when the version landed minus the trainer's stamp:
-same host clock; the landing is seen between episodes, so the latency includes
-up to one episode), the version lag while acting (the trainer's latest pushed
-version, read from the default group's store, minus the version acted with),
-and with ``--verify`` whether the checksum held.
+latest version it has: it starts the next pull without blocking
+(``pull(wait=False)``, which the receiver's own thread finishes) and, until
+``done()``, plays episodes with the current weights (zero-copy: under
+``receiver.reading()``, ``torch.func.functional_call`` on the received views).
+Per pull it records the latency (``time.time()`` in a done-callback, which runs
+as the version is published, minus the trainer's stamp: the same host clock),
+the version lag of every episode (the trainer's latest pushed version, which it
+sets in the default group's store before each push, minus the version acted
+with) and, with ``--verify``, whether the checksum held.
 
 At the end the program prints an nccl-tests style table, one row per actor,
 plus the trainer's reward over its first and last 10% of steps (it must go up:
@@ -42,7 +43,6 @@ final weights differ from the trainer's; 2 on bad arguments.
 from __future__ import annotations
 
 import argparse
-import functools
 import hashlib
 import math
 import os
@@ -50,8 +50,9 @@ import re
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -168,6 +169,7 @@ def digest(td: Any) -> str:
 def demo_rank(rank: int, world_size: int, group: Any, cfg: Config) -> dict[str, Any]:
     """The Cluster entry point: rank 0 trains, the others act."""
     torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed * 1000 + rank)  # the actors' sampling (the trainer reseeds)
     device = _device(rank, cfg)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -226,31 +228,52 @@ class _Progress:
             self.bar.close()
 
 
-def _push(sender: Any, meta: Any, store: Any, step: int, last: bool) -> list[Any]:
-    """Stamp and start the push of the next version (the store says which is the trainer's latest)."""
-    meta["version"].fill_(sender.version + 1)
-    meta["step"].fill_(step)
-    meta["last"].fill_(int(last))
-    store.set(VERSION_KEY, str(sender.version + 1))
-    meta["t_push"].fill_(time.time())
-    return sender.push(wait=False)
+class _Pushed:
+    """What the trainer pushes, and how it stamps and starts each version.
+
+    On the CPU the sender reads the policy's parameters themselves (it copies
+    them into its storage inside ``push()``). On a GPU that copy runs later, on
+    the push's stream, while the next optimizer step already writes the
+    parameters on the trainer's stream: there the sender reads a snapshot,
+    refreshed on the trainer's stream once the previous push is out on the GPU.
+    """
+
+    def __init__(self, policy: nn.Module, device: torch.device) -> None:
+        from tensordict import TensorDict
+
+        self.params = TensorDict.from_module(policy)
+        self.meta = _meta(device)
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.td = weights_td(policy, self.meta) if self.stream is None else TensorDict(
+            {"policy": self.params.detach().clone(), "meta": self.meta}, batch_size=[])
+
+    def start(self, sender: Any, store: Any, step: int, last: bool) -> list[Any]:
+        """Stamp and start the push of the next version (the store says it is the trainer's latest)."""
+        version = sender.version + 1
+        if self.stream is not None:
+            torch.cuda.current_stream().wait_stream(self.stream)  # the previous push has read the snapshot
+            with torch.no_grad():
+                self.td["policy"].update_(self.params)
+        self.meta["version"].fill_(version)
+        self.meta["step"].fill_(step)
+        self.meta["last"].fill_(int(last))
+        store.set(VERSION_KEY, str(version))
+        self.meta["t_push"].fill_(time.time())
+        return sender.push(wait=False)
 
 
 class _Background:
-    """A transfer finished by a helper thread, which notes when it was done.
+    """Run ``finish()`` (a push's waits, bounded by ``--timeout``) in a helper thread.
 
-    ``Transfer.done()`` cannot be polled instead: a gloo point-to-point ``Work``
-    reports ``is_completed()`` False until someone calls its ``wait()``, so on
-    gloo ``done()`` never advances a transfer; and a gloo transfer of CUDA
-    memory copies through staging buffers step by step, which only ``wait()``
-    drives. The thread calls ``finish()`` (whose waits are bounded by
-    ``--timeout``); the caller checks :meth:`done` between episodes or steps, and
-    never touches the transfer until :meth:`result` has joined the thread.
+    ``WeightSender.push(wait=False)`` posts what it can and returns; the rest
+    happens inside the transfers' ``wait()``: gloo works report completion only
+    there, and a gloo push of CUDA weights copies through staging buffers step
+    by step. The trainer finishes each push here while it computes the next
+    step, and touches the transfers again only after :meth:`result` has joined.
     """
 
     def __init__(self, finish: Callable[[], Any], device: torch.device) -> None:
         self.value: Any = None
-        self.finished = 0.0  # time.time() when finish() returned
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, args=(finish, device), daemon=True,
                                         name="cudarecv-demo-transfer")
@@ -261,7 +284,6 @@ class _Background:
             if device.type == "cuda":
                 torch.cuda.set_device(device)  # the current device is per thread
             self.value = finish()
-            self.finished = time.time()
         except BaseException as error:  # noqa: BLE001 - handed to the caller by result()
             self.error = error
 
@@ -284,7 +306,7 @@ def _pushing(transfers: list[Any], ranks: list[int], version: int, timeout: floa
         for rank, transfer in zip(ranks, transfers):
             try:
                 transfer.wait(max(deadline - time.monotonic(), 1e-3))
-            except Exception as error:  # noqa: BLE001 - re-raised naming the actor
+            except Exception as error:  # re-raised naming the actor
                 raise RuntimeError(f"the push of version {version} to actor rank {rank} failed: "
                                    f"{error}") from error
     return _Background(finish, device)
@@ -302,18 +324,19 @@ def _trainer(cfg: Config, device: torch.device) -> dict[str, Any]:
 
     torch.manual_seed(cfg.seed)
     policy = make_policy(cfg.hidden, device)
-    meta = _meta(device)
-    td = weights_td(policy, meta)
     opt = torch.optim.Adam(policy.parameters(), lr=cfg.lr)
     env = Bandit(cfg.seed, device)
     store = _store()
     ranks = list(range(1, cfg.world))
-    sender = WeightSender(td, dst=ranks, bucket_bytes=cfg.bucket_bytes, timeout=cfg.timeout, verify=cfg.verify)
+    pushed = _Pushed(policy, device)
+    sender = WeightSender(pushed.td, dst=ranks, bucket_bytes=cfg.bucket_bytes, timeout=cfg.timeout,
+                          verify=cfg.verify, stream=pushed.stream)
     rewards: list[float] = []
     waits: list[float] = []
     bar = _Progress(cfg.steps, "trainer")
+
     def push(step: int) -> _Background:
-        transfers = _push(sender, meta, store, step=step, last=step == cfg.steps)
+        transfers = pushed.start(sender, store, step=step, last=step == cfg.steps)
         return _pushing(transfers, ranks, sender.version, cfg.timeout, device)
 
     try:
@@ -329,7 +352,7 @@ def _trainer(cfg: Config, device: torch.device) -> dict[str, Any]:
         bar.close()
         sender.close()
     return dict(role="trainer", rewards=rewards, waits=waits, versions=sender.version, bytes=sender.schema.total,
-                leaves=len(sender.schema.leaves), digest=digest(td["policy"]))
+                leaves=len(sender.schema.leaves), digest=digest(pushed.params))
 
 
 @dataclass
@@ -360,23 +383,27 @@ def _actor(rank: int, cfg: Config, device: torch.device) -> dict[str, Any]:
     store = _store()
     stats = _ActorStats([], [], [])
     views: dict[int, tuple[Any, dict[str, torch.Tensor]]] = {}  # per receiver storage: its meta and params
-    while True:
-        transfer = receiver.pull(wait=False)
-        pull = _Background(functools.partial(transfer.wait, cfg.timeout), device)
-        while not pull.done() and receiver.version > 0:  # act with what we have until the next version lands
-            _episode(receiver, skeleton, env, store, stats, views)
-        try:
-            pull.result()
-        except ChecksumError:
-            stats.bad += 1
-            continue
-        stats.verified += int(cfg.verify)
-        meta = receiver.td["meta"]
-        stats.latencies.append(pull.finished - float(meta["t_push"]))
-        if cfg.kill_actor == rank and int(meta["step"]) >= cfg.steps // 2:
-            os._exit(3)  # --kill-actor: die abruptly, as a crashed actor would
-        if int(meta["last"]):
-            break
+    try:
+        while True:
+            transfer = receiver.pull(wait=False)  # the receiver's thread finishes it
+            landed: list[float] = []
+            transfer.add_done_callback(lambda _, at=landed: at.append(time.time()))  # runs as it is published
+            while receiver.version > 0 and not transfer.done():  # act with what we have meanwhile
+                _episode(receiver, skeleton, env, store, stats, views)
+            try:
+                transfer.wait(cfg.timeout)
+            except ChecksumError:
+                stats.bad += 1
+                continue
+            stats.verified += int(cfg.verify)
+            meta = receiver.td["meta"]
+            stats.latencies.append(landed[0] - float(meta["t_push"]))
+            if cfg.kill_actor == rank and int(meta["step"]) >= cfg.steps // 2:
+                os._exit(3)  # --kill-actor: die abruptly, as a crashed actor would
+            if int(meta["last"]):
+                break
+    finally:
+        receiver.close()
     return dict(role="actor", rank=rank, device=str(device), pulls=len(stats.latencies) + stats.bad,
                 latencies=stats.latencies, lags=stats.lags, rewards=stats.rewards, verified=stats.verified,
                 bad=stats.bad, version=receiver.version, bytes=receiver.schema.total,
@@ -457,12 +484,12 @@ def format_table(cells: list[dict[str, str]], header: list[str]) -> str:
 def _describe(cfg: Config, trainer: dict[str, Any]) -> list[str]:
     where = "cpu" if cfg.device == "cpu" else f"cuda ({torch.cuda.device_count()} GPU(s))"
     bucket = "one message" if cfg.bucket_bytes is None else f"{_size(cfg.bucket_bytes)} messages"
+    actors = "1 actor (rank 1)" if cfg.actors == 1 else f"{cfg.actors} actors (ranks 1-{cfg.actors})"
     return [
-        f"cudarecv demo: trainer rank 0 -> {cfg.actors} actor(s), ranks 1-{cfg.actors}; {cfg.backend} "
-        f"loopback, weights on {where}",
-        f"policy: MLP {OBS}-{cfg.hidden}-{cfg.hidden}-{ARMS}, {param_count(cfg.hidden):,} float32 params; "
-        f"pushed {_report.human_bytes(trainer['bytes'])} per version ({trainer['leaves']} leaves with meta) in "
-        f"{bucket}; checksums {'on' if cfg.verify else 'off'}; {trainer['versions']} versions",
+        f"cudarecv demo: trainer (rank 0) -> {actors}; {cfg.backend} loopback, weights on {where}",
+        (f"policy: MLP {OBS}-{cfg.hidden}-{cfg.hidden}-{ARMS}, {param_count(cfg.hidden):,} float32 params; "
+         f"pushed {_report.human_bytes(trainer['bytes'])} per version ({trainer['leaves']} leaves with meta) in "
+         f"{bucket}; checksums {'on' if cfg.verify else 'off'}; {trainer['versions']} versions"),
         f"{_versions()}",
         NOTE,
         LAG_NOTE,
@@ -480,10 +507,10 @@ def _summary(cfg: Config, trainer: dict[str, Any]) -> list[str]:
     rewards, waits = trainer["rewards"], trainer["waits"]
     first, last = _tenth(rewards, last=False), _tenth(rewards, last=True)
     return [
-        f"# trainer reward: first 10% {first:.3f} -> last 10% {last:.3f} ({cfg.steps} steps of {BATCH} contexts; "
-        f"random play {1 / ARMS:.3f}, best 1.000)",
-        f"# trainer waited for the previous push: p50 {percentile(waits, 50) * 1e3:.2f} ms, "
-        f"max {max(waits) * 1e3:.2f} ms per step",
+        (f"# trainer reward: first 10% {first:.3f} -> last 10% {last:.3f} ({cfg.steps} steps of {BATCH} contexts; "
+         f"random play {1 / ARMS:.3f}, best 1.000)"),
+        (f"# trainer waited for the previous push: p50 {percentile(waits, 50) * 1e3:.2f} ms, "
+         f"max {max(waits) * 1e3:.2f} ms per step"),
     ]
 
 

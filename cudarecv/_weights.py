@@ -100,6 +100,33 @@ def _send_bytes(lane: Lane, data: bytes, tag: int) -> Any:
     yield from send_from(lane, [wire_bytes(lane, data)], [tag])
 
 
+class _Driver:
+    """One thread, started once per receiver, that finishes transfers handed to it.
+
+    gloo reports a receive complete only inside ``Work.wait()``, and a pull has
+    steps (header, then payload): ``pull(wait=False)`` hands its transfer here
+    so it progresses while the caller acts.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._jobs: "queue.SimpleQueue[tuple[Transfer, float] | None]" = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, transfer: Transfer, timeout: float) -> None:
+        self._jobs.put((transfer, timeout))
+
+    def _loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            transfer, timeout = job
+            with contextlib.suppress(BaseException):  # the error is on the transfer
+                transfer.wait(timeout)
+
+    def stop(self, timeout: float) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout)
+
+
 class WeightSender:
     """Push the values of ``td`` to one or more :class:`WeightReceiver` ranks, every step.
 
@@ -150,6 +177,7 @@ class WeightSender:
         self._closed = False
         self.version = 0
         self._handshake()
+        self._driver = _Driver("cudarecv-push")
 
     @property
     def ranks(self) -> list[int]:
@@ -199,6 +227,8 @@ class WeightSender:
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             torch._foreach_copy_(self._views, plan.tensors, non_blocking=True)
             digest = checksum(self._storage) if self._verify else bytes(16)
+        if stream is not None:  # the caller's next writes (an optimizer step) wait for the copy
+            torch.cuda.current_stream(stream.device).wait_stream(stream)
         header = PushHeader(self.version + 1, self.schema.total, self._piece, self.schema.fingerprint,
                             digest, self._verify)
         for lane in lanes[1:]:
@@ -208,6 +238,8 @@ class WeightSender:
         self.version += 1
         if not wait:
             self._in_flight = transfers
+            for transfer in transfers:
+                self._driver.submit(transfer, self.timeout)
             return transfers
         for lane, transfer in zip(lanes, transfers):
             try:
@@ -230,39 +262,13 @@ class WeightSender:
         self._closed = True
         with contextlib.suppress(Exception):
             self._finish_in_flight()
+        self._driver.stop(self.timeout)
 
     def __enter__(self) -> "WeightSender":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class _Driver:
-    """One thread, started once per receiver, that finishes transfers handed to it.
-
-    gloo reports a receive complete only inside ``Work.wait()``, and a pull has
-    steps (header, then payload): ``pull(wait=False)`` hands its transfer here
-    so it progresses while the caller acts.
-    """
-
-    def __init__(self, name: str) -> None:
-        self._jobs: "queue.SimpleQueue[tuple[Transfer, float] | None]" = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, transfer: Transfer, timeout: float) -> None:
-        self._jobs.put((transfer, timeout))
-
-    def _loop(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            transfer, timeout = job
-            with contextlib.suppress(BaseException):  # the error is on the transfer
-                transfer.wait(timeout)
-
-    def stop(self, timeout: float) -> None:
-        self._jobs.put(None)
-        self._thread.join(timeout)
 
 
 class _Slot:

@@ -177,8 +177,9 @@ def dying_sender(rank, world, group, timeout):
         weights.apply_(lambda t: t.fill_(1.0))
         sender.push()
         weights.apply_(lambda t: t.fill_(2.0))
-        sender.push(wait=False)  # messages posted...
-        os._exit(3)  # ...and the trainer dies in the middle of the push
+        threading.Timer(0.01, os._exit, args=(3,)).start()  # the trainer dies 10 ms into the push
+        sender.push()
+        time.sleep(5)
     receiver = cudarecv.WeightReceiver(src=0, timeout=timeout)
     receiver.pull()
     start = time.monotonic()
@@ -200,7 +201,7 @@ def dying_sender(rank, world, group, timeout):
 def test_sender_killed_mid_push(cluster):
     exit_code, (outcome, took, version, intact, again) = cluster().run(dying_sender, args=(5.0,), may_die={0})
     assert isinstance(exit_code, RankExit) and exit_code == 3
-    assert outcome.startswith(("TimeoutError", "RuntimeError")) and "rank 0" in outcome
+    assert outcome.startswith(("TimeoutError", "RuntimeError")) and "rank 0" in outcome, outcome
     assert took < 5.0 + 2.0
     assert version == 1 and intact, "the last good version was damaged"
     assert "broken" in again and "connect a new one" in again

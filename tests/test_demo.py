@@ -1,0 +1,82 @@
+"""Smoke tests of ``python -m cudarecv demo --quick`` (cudarecv/_demo.py) in a subprocess."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICK_VERSIONS = 41  # --quick: 40 steps, one push each, after the initial weights
+
+
+def _demo(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    return subprocess.run([sys.executable, "-m", "cudarecv", "demo", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _table(stdout: str) -> list[dict[str, str]]:
+    """The rows of the printed table, as cells keyed by column."""
+    columns: list[str] = []
+    rows = []
+    for line in stdout.splitlines():
+        if line.startswith("# actor"):
+            columns = re.split(r"\s{2,}", line[2:].strip())
+        elif line.strip() and not line.startswith("#"):
+            assert columns, f"table row before its header: {line!r}"
+            cells = re.split(r"\s{2,}", line.strip())
+            assert len(cells) == len(columns), f"row {line!r} does not match columns {columns}"
+            rows.append(dict(zip(columns, cells)))
+    return rows
+
+
+def _rewards(stdout: str) -> tuple[float, float]:
+    found = re.search(r"^# trainer reward: first 10% ([\d.]+) -> last 10% ([\d.]+)", stdout, re.M)
+    assert found, stdout
+    return float(found.group(1)), float(found.group(2))
+
+
+def _check_run(proc: subprocess.CompletedProcess, actors: int, checksums: str) -> list[dict[str, str]]:
+    out = f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert proc.returncode == 0, out
+    rows = _table(proc.stdout)
+    assert [row["actor"] for row in rows] == [str(r) for r in range(1, actors + 1)], out
+    for row in rows:
+        assert row["check"] == "ok", out
+        assert row["checksums"] == checksums, out
+        assert int(row["pulls"]) == QUICK_VERSIONS, out
+        assert float(row["p50 (ms)"]) > 0 and float(row["p99 (ms)"]) >= float(row["p50 (ms)"]), out
+        assert float(row["GB/s"]) > 0, out
+        assert row["lag max"] == "-" or int(row["lag max"]) >= 0, out
+    # the task is seeded, and the trainer's batches are its own: it learns every time
+    first, last = _rewards(proc.stdout)
+    assert last > first, out
+    assert f"# checks: all {actors} actor(s) hold the trainer's final weights, version {QUICK_VERSIONS}" in proc.stdout
+    assert "trainer" in proc.stderr, out  # the progress bar (or its plain-line fallback)
+    return rows
+
+
+def test_demo_quick_verified() -> None:
+    _check_run(_demo("--quick", "--verify"), actors=2, checksums=f"{QUICK_VERSIONS}/{QUICK_VERSIONS}")
+
+
+def test_demo_quick_three_actors() -> None:
+    _check_run(_demo("--quick", "--actors", "3"), actors=3, checksums="off")
+
+
+def test_demo_dead_actor_ends_the_run() -> None:
+    proc = _demo("--quick", "--actors", "1", "--kill-actor", "1", "--timeout", "20", timeout=90)
+    out = f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert proc.returncode == 1, out
+    assert "cudarecv demo: FAILED" in proc.stderr, out
+    assert "actor rank 1" in proc.stderr or "rank(s) [1] died" in proc.stderr, out
+    assert not _table(proc.stdout), out
+
+
+def test_demo_bad_option() -> None:
+    proc = _demo("--actors", "0", timeout=60)
+    assert proc.returncode == 2 and "--actors must be >= 1" in proc.stderr, proc.stderr
