@@ -7,6 +7,7 @@ The signatures and the wire are those of ``TensorDictBase`` in tensordict
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -15,13 +16,27 @@ from tensordict import TensorDictBase
 from . import _cuda, _fast_wire, _stock_wire
 from ._handle import Transfer
 from ._link import Link, resolve
-from ._plan import Plan, plan_for
+from ._plan import Plan, forget_plan, plan_for
 from ._staging import Lane
 from ._walk import unwrap
 
 
+def check_bucket_bytes(bucket_bytes: object) -> None:
+    """``bucket_bytes`` is None or a positive int, else a ValueError saying so."""
+    if bucket_bytes is not None and (
+        not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes <= 0
+    ):
+        raise ValueError(
+            f"`bucket_bytes` must be a positive int (the bytes per message, e.g. 1 << 20), "
+            f"got {bucket_bytes!r}; pass None for the stock wire"
+        )
+
+
 def _check_options(init_tag: object, pseudo_rand: object, consolidated: object,
                    bucket_bytes: object) -> None:
+    check_bucket_bytes(bucket_bytes)
+    if consolidated and bucket_bytes is None:
+        return  # one message with tag 0: stock ignores init_tag and pseudo_rand here
     if not isinstance(init_tag, int) or isinstance(init_tag, bool):
         raise TypeError(f"`init_tag` must be an int, got {type(init_tag).__name__}")
     if pseudo_rand and init_tag < 0:
@@ -30,28 +45,35 @@ def _check_options(init_tag: object, pseudo_rand: object, consolidated: object,
             "which takes non-negative seeds only: pass init_tag >= 0"
         )
     if bucket_bytes is not None:
-        if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes <= 0:
-            raise ValueError(
-                f"`bucket_bytes` must be a positive int (the bytes per message, e.g. 1 << 20), "
-                f"got {bucket_bytes!r}; pass None for the stock wire"
-            )
-        if not consolidated:
-            _fast_wire.check_init_tag(init_tag, bool(pseudo_rand))
+        _fast_wire.check_init_tag(init_tag, bool(pseudo_rand))
 
 
 def _prepare(td: Any) -> tuple[TensorDictBase, Plan]:
     inner = unwrap(td)
     plan = plan_for(inner)
     plan.check()
-    if plan.in_flight is not None:
-        # the previous fast-wire transfer of this tensordict still uses its staging
-        # buffer: finish it first (its errors were or will be reported by its owner)
-        previous, plan.in_flight = plan.in_flight, None
-        try:
+    previous = plan.in_flight
+    if previous is not None:
+        # the previous transfer of this tensordict still uses its staging buffers:
+        # finish it first (its error, if any, is its owner's to see)
+        with contextlib.suppress(Exception):
             previous.wait()
-        except Exception:
-            pass
+        if previous.failed:
+            # receives it left posted may still land in its buffers: start afresh
+            plan = forget_plan(inner)
+            plan.check()
     return inner, plan
+
+
+def _track(plan: Plan, transfer: Transfer) -> None:
+    """Mark ``transfer`` as using the plan's staging until it finishes."""
+    plan.in_flight = transfer
+
+    def release(done: Transfer) -> None:
+        if plan.in_flight is done:
+            plan.in_flight = None  # no reference left from the plan cache to the tensordict
+
+    transfer.add_done_callback(release)
 
 
 def _lane(link: Link, device: torch.device, stream: Any, pool: _cuda.StagingPool) -> Lane:
@@ -71,7 +93,7 @@ def _lane(link: Link, device: torch.device, stream: Any, pool: _cuda.StagingPool
     lane_stream = _cuda.transfer_stream(device, stream)
     # what the caller queued on its stream (writes of the values, reads of the
     # old ones) comes before the transfer; the caller's stream is never blocked
-    lane_stream.wait_stream(torch.cuda.current_stream(device))
+    _cuda.follow_caller(lane_stream)
     return Lane(link, lane_stream, pool)
 
 
@@ -106,7 +128,7 @@ def _start_send(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolida
                                        fill=lambda i: plan.pack(bucket_bytes, i, place))
     transfer = Transfer(protocol, lane.stream)
     if lane.stream is not None or (bucket_bytes is not None and not consolidated):
-        plan.in_flight = transfer  # it uses the plan's staging: the next transfer waits for it
+        _track(plan, transfer)  # it uses the plan's staging: the next transfer waits for it
     return transfer, plan
 
 
@@ -132,14 +154,14 @@ def _start_recv(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolida
                                        landed=lambda piece, i: plan.unpack(piece, i, place))
     transfer = Transfer(protocol, lane.stream)
     if lane.stream is not None or (bucket_bytes is not None and not consolidated):
-        plan.in_flight = transfer  # it uses the plan's staging: the next transfer waits for it
+        _track(plan, transfer)  # it uses the plan's staging: the next transfer waits for it
     return transfer, plan
 
 
 def isend(td: Any, dst: int | None = None, *, group: Any = None, group_dst: int | None = None,
           init_tag: int = 0, pseudo_rand: bool = False, return_early: bool = False,
           consolidated: bool = False, bucket_bytes: int | None = None, stream: Any = None) -> Any:
-    """Send the leaves of ``td`` to ``dst``, all messages posted at once.
+    """Send the leaves of ``td`` to ``dst``, a call's messages posted as one batch.
 
     Same arguments, wire and results as ``TensorDictBase.isend`` (tensordict
     0.15.3), plus ``bucket_bytes``: if given, ``td`` travels on the fast wire in
@@ -159,7 +181,7 @@ def isend(td: Any, dst: int | None = None, *, group: Any = None, group_dst: int 
     link = resolve(dst, group_dst, group, "dst", "group_dst")
     transfer, plan = _start_send(td, link, init_tag, pseudo_rand, consolidated, bucket_bytes, stream)
     if return_early:
-        return [transfer]
+        return [transfer] if consolidated or bucket_bytes is not None or plan.tensors else []
     transfer.wait()
     return None if consolidated else _last_tag(plan, init_tag, pseudo_rand)
 
@@ -186,9 +208,9 @@ def irecv(td: Any, src: int | None = None, *, group: Any = None, group_src: int 
     """
     _check_options(init_tag, pseudo_rand, consolidated, bucket_bytes)
     link = resolve(src, group_src, group, "src", "group_src")
-    transfer, _ = _start_recv(td, link, init_tag, pseudo_rand, consolidated, bucket_bytes, stream)
-    if return_premature:
-        return [transfer]
+    transfer, plan = _start_recv(td, link, init_tag, pseudo_rand, consolidated, bucket_bytes, stream)
+    if return_premature:  # stock returns one work per leaf: none for a tensordict without leaves
+        return [transfer] if consolidated or bucket_bytes is not None or plan.tensors else []
     transfer.wait()
     return None
 

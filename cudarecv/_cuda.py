@@ -1,8 +1,8 @@
 """CUDA pieces: cudarecv's dedicated streams, event waits and reused staging buffers.
 
-Nothing here initializes CUDA at import, and every function works (as a no-op
-or a plain CPU allocation) on a machine without CUDA, so the CPU paths share
-the code of the GPU paths.
+Nothing here initializes CUDA at import, so the package imports on a machine
+without CUDA; the functions that create streams or events are called only for
+transfers that touch a GPU.
 """
 
 from __future__ import annotations
@@ -52,6 +52,12 @@ def transfer_stream(device: torch.device, stream: "torch.cuda.Stream | None") ->
             f"{device} or None for cudarecv's dedicated stream"
         )
     return stream
+
+
+def follow_caller(stream: "torch.cuda.Stream") -> None:
+    """Order ``stream`` after the caller's current stream (what it queued comes first),
+    without blocking either the caller's stream or the host."""
+    stream.wait_stream(torch.cuda.current_stream(stream.device))
 
 
 def _index(device: torch.device) -> int:

@@ -25,7 +25,7 @@ from . import _cuda
 from ._handle import Protocol
 from ._header import KIND_NAMES, SIZE, Header, HeaderError
 from ._plan import Plan
-from ._staging import Lane, recv_into, send_from
+from ._staging import Lane, drain, recv_into, send_from
 
 TAG_BASE = 1 << 30  # fast-wire tags live above every stock tag
 MAX_INIT_TAG = 1 << 29
@@ -109,10 +109,7 @@ def recv(lane: Lane, plan: Plan, expected: Header, pieces_for: Callable[[int], l
     tags = _tags(plan, init_tag, pseudo_rand, len(header.pieces()))
     problem = _mismatch(expected, header)
     if problem:
-        scratch = torch.empty(min(header.piece, header.total), dtype=torch.uint8,
-                              device=lane.stream.device if lane.nccl else "cpu")
-        for size, tag in zip(header.pieces(), tags[1:]):
-            yield from recv_into(lane, [scratch[:size]], [tag])
+        yield from drain(lane, header.pieces(), tags[1:])
         raise HeaderError(
             f"{problem}: the payload was drained and the tensordict left untouched; "
             "receive into a tensordict with the sender's keys, shapes and dtypes "

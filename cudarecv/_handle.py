@@ -43,6 +43,7 @@ class Transfer(torch.futures.Future):
         self._on_error = on_error
         self._works: Sequence[Any] = ()
         self._finished = False
+        self.failed = False  # whether the transfer ended in an error
         self._driving = threading.Lock()  # one thread advances the protocol at a time
         self.event: Any = None
         self._advance(first=True)
@@ -68,7 +69,7 @@ class Transfer(torch.futures.Future):
             if rewritten is not error:
                 rewritten.__cause__ = error
             error = rewritten
-        self._works, self._finished = (), True
+        self._works, self._finished, self.failed = (), True, True
         self._protocol.close()
         self.set_exception(error)
         return error
@@ -78,7 +79,9 @@ class Transfer(torch.futures.Future):
 
         gloo's send/recv works report completion only inside ``wait()``, so a
         multi-step transfer on gloo advances in :meth:`wait` (another thread may
-        call it; see ``WeightReceiver.pull(wait=False)``).
+        call it; see ``WeightReceiver.pull(wait=False)``). For the same reason
+        ``torch.futures.wait_all``/``collect_all``/``then`` see the transfer end
+        only once something calls :meth:`wait` or :meth:`done`.
         """
         if self._driving.acquire(blocking=False):
             try:
@@ -86,7 +89,7 @@ class Transfer(torch.futures.Future):
                     self._advance()
             finally:
                 self._driving.release()
-        return self._finished and super().done()
+        return self._finished and super().done() and (self.event is None or self.event.query())
 
     is_completed = done
 

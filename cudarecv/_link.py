@@ -7,6 +7,7 @@ segfaults the process there, so the range is checked here.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -27,8 +28,14 @@ class Link:
         return str(self.pg.name()).lower()
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _as_rank(value: object, name: str) -> int:
+    """An int rank from ``value`` (numpy ints too, as torch.distributed takes them)."""
+    if isinstance(value, bool):
+        raise TypeError(f"`{name}` must be an int rank, got bool")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"`{name}` must be an int rank, got {type(value).__name__}") from None
 
 
 def resolve(peer: int | None, group_peer: int | None, group: object | None,
@@ -53,9 +60,12 @@ def resolve(peer: int | None, group_peer: int | None, group: object | None,
         raise ValueError(
             f"Exactly one of `{peer_name}` and `{group_peer_name}` must be provided"
         )
-    value, name = (peer, peer_name) if peer is not None else (group_peer, group_peer_name)
-    if not _is_int(value):
-        raise TypeError(f"`{name}` must be an int rank, got {type(value).__name__}")
+    if peer is not None:
+        peer = value = _as_rank(peer, peer_name)
+        name = peer_name
+    else:
+        group_peer = value = _as_rank(group_peer, group_peer_name)
+        name = group_peer_name
 
     if group is None:
         if not dist.is_initialized():

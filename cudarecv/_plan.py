@@ -36,6 +36,7 @@ class Plan:
         self._checked = False
         self._pieces: dict[tuple[int, str], tuple] = {}
         self._staging: dict[str, Tensor] = {}
+        self._parts: dict[str, list[Tensor]] = {}
         self.pool = _cuda.StagingPool()  # staging rings and their fences, for this tensordict alone
         self.in_flight = None  # the transfer still using the staging buffers, if any
 
@@ -101,9 +102,9 @@ class Plan:
 
     def staging_parts(self, place: str) -> list[Tensor]:
         """The staging buffer split per leaf (for per-leaf messages staged all at once)."""
-        parts = self._pieces.get((0, place))
+        parts = self._parts.get(place)
         if parts is None:
-            parts = self._pieces[(0, place)] = list(self.staging(place).split(self.nbytes)) if self.tensors else []
+            parts = self._parts[place] = list(self.staging(place).split(self.nbytes)) if self.tensors else []
         return parts
 
     def pieces(self, piece: int, place: str = "cpu") -> list[Tensor]:
@@ -229,15 +230,16 @@ def plan_for(td: TensorDictBase) -> Plan:
 
     A locked tensordict cannot change structure or swap leaves until it is
     unlocked, and unlocking erases its ``_cache``: there the plan is kept in
-    that cache and reused without walking the leaves again. An unlocked one is
+    that cache and reused without walking the leaves again (only their data
+    pointers are compared, which catches ``param.data = x``). An unlocked one is
     walked each call and its plan reused if the leaves are the same tensors.
     """
     locked = td.is_locked
     if locked:
         cache = getattr(td, "_cache", None)
         plan = cache.get(_LOCKED_KEY) if cache is not None else None
-        if plan is not None:
-            return plan
+        if plan is not None and _signature(plan.tensors) == plan.signature:
+            return plan  # (a leaf given new storage, e.g. `param.data = x`, fails the check)
     paths, tensors = walk(td)
     key = id(td)
     entry = _PLANS.get(key)
@@ -251,3 +253,11 @@ def plan_for(td: TensorDictBase) -> Plan:
             td._cache = defaultdict(dict)
         td._cache[_LOCKED_KEY] = plan
     return plan
+
+
+def forget_plan(td: TensorDictBase) -> Plan:
+    """Drop the cached plan of ``td`` (its staging may be written late) and build a new one."""
+    _PLANS.pop(id(td), None)
+    if getattr(td, "_cache", None) is not None:
+        td._cache.pop(_LOCKED_KEY, None)
+    return plan_for(td)

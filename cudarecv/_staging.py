@@ -90,7 +90,8 @@ def recv_into(lane: Lane, dests: Sequence[Tensor], tags: Sequence[int],
               landed: Callable[[int], None] | None = None) -> Any:
     """Receive message i into ``dests[i]`` (contiguous); ``landed(i)`` once it is there.
 
-    ``landed`` runs on the transfer stream. ``staging`` (full staging, one
+    ``landed`` runs on the stream that wrote ``dests[i]`` (the transfer stream, or
+    the copy stream of a ring into host memory). ``staging`` (full staging, one
     buffer per message on the wire's side, views of one buffer) is used when
     the wire cannot write ``dests``; without it a ring of two buffers.
     """
@@ -181,6 +182,14 @@ def _recv_ring_nccl(lane: Lane, dests, tags, landed) -> Any:
         if lane.pool.fence(buffer) is not None:
             lane.stream.wait_event(lane.pool.fence(buffer))
     yield [_cuda.EventWork(_cuda.record(lane.stream))]  # host memory: the host waits for the bytes
+
+
+def drain(lane: Lane, sizes: Sequence[int], tags: Sequence[int]) -> Any:
+    """Receive and drop messages of ``sizes`` bytes (keeps a link in step after a rejected header)."""
+    scratch = torch.empty(max(sizes, default=0), dtype=torch.uint8,
+                          device=lane.stream.device if lane.nccl else "cpu")
+    for size, tag in zip(sizes, tags):
+        yield from recv_into(lane, [scratch[:size]], [tag])
 
 
 def send_from(lane: Lane, srcs: Sequence[Tensor], tags: Sequence[int],

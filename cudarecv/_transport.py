@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -67,11 +66,3 @@ def _coalesced(link: Link, sending: bool, tensors: Sequence[Tensor], tags: Seque
         work = pg._end_coalescing(device)
     return [work]
 
-
-def wire_device(link: Link, like: torch.device) -> torch.device:
-    """Where ``link``'s backend reads and writes: the CPU for gloo, a CUDA device for NCCL."""
-    if link.backend == "nccl":
-        if like.type == "cuda":
-            return like
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

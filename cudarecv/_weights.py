@@ -29,13 +29,13 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from . import _cuda
-from ._api import _lane
+from ._api import _lane, check_bucket_bytes
 from ._fast_wire import read_bytes, wire_bytes
 from ._handle import Transfer
 from ._header import piece_sizes
 from ._link import Link, resolve
 from ._plan import _cut, plan_for
-from ._staging import Lane, recv_into, send_from
+from ._staging import Lane, drain, recv_into, send_from
 from ._walk import unwrap
 from ._weights_wire import (
     HEADER_SIZE, STATUS_SIZE, TAG_HEADER, TAG_PAYLOAD, TAG_PREAMBLE, TAG_SCHEMA, TAG_STATUS,
@@ -52,13 +52,6 @@ def _check_timeout(timeout: object) -> float:
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise ValueError(f"`timeout` must be a positive number of seconds, got {timeout!r}")
     return float(timeout)
-
-
-def _check_bucket_bytes(bucket_bytes: object) -> None:
-    if bucket_bytes is not None and (
-        isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0
-    ):
-        raise ValueError(f"`bucket_bytes` must be a positive int (bytes per message) or None, got {bucket_bytes!r}")
 
 
 def _peers(value: Any, name: str) -> list[int] | None:
@@ -87,13 +80,6 @@ def _peer_error(link: Link, what: str, timeout: float, error: BaseException) -> 
     if isinstance(error, TimeoutError) or "Timed out" in text or "timed out" in text:
         return TimeoutError(f"{what}: rank {link.peer} of the group sent nothing within {timeout:g} s")
     return RuntimeError(f"{what}: the link to rank {link.peer} of the group failed: {text.splitlines()[0] if text else error!r}")
-
-
-def _fresh(lane: Lane) -> Lane:
-    """The lane ordered after the caller's current stream (what it queued comes first)."""
-    if lane.stream is not None:
-        lane.stream.wait_stream(torch.cuda.current_stream(lane.stream.device))
-    return lane
 
 
 def _send_bytes(lane: Lane, data: bytes, tag: int) -> Any:
@@ -156,7 +142,7 @@ class WeightSender:
                  bucket_bytes: int | None = None, timeout: float = 60.0, verify: bool = False,
                  stream: Any = None) -> None:
         self.timeout = _check_timeout(timeout)
-        _check_bucket_bytes(bucket_bytes)
+        check_bucket_bytes(bucket_bytes)
         dsts, group_dsts = _peers(dst, "dst"), _peers(group_dst, "group_dst")
         if (dsts is None) == (group_dsts is None):
             raise ValueError("pass exactly one of `dst` and `group_dst` (a rank or a list of ranks)")
@@ -177,7 +163,7 @@ class WeightSender:
         self._closed = False
         self.version = 0
         self._handshake()
-        self._driver = _Driver("cudarecv-push")
+        self._drivers = [_Driver(f"cudarecv-push-{lane.link.peer}") for lane in self._lanes]
 
     @property
     def ranks(self) -> list[int]:
@@ -200,10 +186,23 @@ class WeightSender:
             if not ok:
                 raise SchemaError(f"receiver rank {lane.link.peer} rejected the weights: {reason}")
 
+    def _finish(self, transfers: list[Transfer], version: int) -> None:
+        """Wait for every receiver's transfer (all of them, even after one fails), then raise
+        the first failure, naming its receiver: the storage is reused only once all are out."""
+        first = None
+        deadline = time.monotonic() + self.timeout
+        for lane, transfer in zip(self._lanes, transfers):
+            try:
+                transfer.wait(max(deadline - time.monotonic(), 1e-3))
+            except Exception as error:  # noqa: BLE001 - the first is re-raised with its peer named
+                first = first or _peer_error(lane.link, f"push of version {version}", self.timeout, error)
+        if first is not None:
+            raise first
+
     def _finish_in_flight(self) -> None:
         pending, self._in_flight = self._in_flight, []
-        for transfer in pending:
-            transfer.wait(self.timeout)
+        if pending:
+            self._finish(pending, self.version)
 
     def push(self, wait: bool = True) -> int | list[Transfer]:
         """Send the current values of ``td`` to every receiver as the next version.
@@ -222,30 +221,24 @@ class WeightSender:
             tuple(t.shape) != l.shape or t.dtype != l.dtype for t, l in zip(plan.tensors, self.schema.leaves)
         ):
             raise SchemaError("the tensordict changed structure since the handshake: build a new WeightSender")
-        lanes = [_fresh(lane) for lane in self._lanes]
-        stream = lanes[0].stream
+        stream = self._lanes[0].stream  # every lane of a sender shares its device's stream
+        if stream is not None:
+            _cuda.follow_caller(stream)
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             torch._foreach_copy_(self._views, plan.tensors, non_blocking=True)
             digest = checksum(self._storage) if self._verify else bytes(16)
         if stream is not None:  # the caller's next writes (an optimizer step) wait for the copy
             torch.cuda.current_stream(stream.device).wait_stream(stream)
-        header = PushHeader(self.version + 1, self.schema.total, self._piece, self.schema.fingerprint,
-                            digest, self._verify)
-        for lane in lanes[1:]:
-            if lane.stream is not None and stream is not None and lane.stream is not stream:
-                lane.stream.wait_stream(stream)
-        transfers = [Transfer(self._push(lane, header), lane.stream) for lane in lanes]
         self.version += 1
+        header = PushHeader(self.version, self.schema.total, self._piece, self.schema.fingerprint,
+                            digest, self._verify)
+        transfers = [Transfer(self._push(lane, header), lane.stream) for lane in self._lanes]
         if not wait:
             self._in_flight = transfers
-            for transfer in transfers:
-                self._driver.submit(transfer, self.timeout)
+            for driver, transfer in zip(self._drivers, transfers):
+                driver.submit(transfer, self.timeout)  # one thread per receiver: none waits for another
             return transfers
-        for lane, transfer in zip(lanes, transfers):
-            try:
-                transfer.wait(self.timeout)
-            except Exception as error:  # noqa: BLE001 - re-raised with the peer named
-                raise _peer_error(lane.link, f"push of version {header.version}", self.timeout, error) from error
+        self._finish(transfers, self.version)
         return self.version
 
     def _push(self, lane: Lane, header: PushHeader) -> Any:
@@ -262,7 +255,8 @@ class WeightSender:
         self._closed = True
         with contextlib.suppress(Exception):
             self._finish_in_flight()
-        self._driver.stop(self.timeout)
+        for driver in self._drivers:
+            driver.stop(self.timeout)
 
     def __enter__(self) -> "WeightSender":
         return self
@@ -332,13 +326,22 @@ class WeightReceiver:
                                     "weight-sync handshake"))
         self.schema = Schema.from_json(_run(read_bytes(self._lane, length, TAG_SCHEMA), self._lane,
                                             max(deadline - time.monotonic(), 1e-3), "weight-sync handshake"))
-        problem = None if expect is None else self.schema.first_difference(*_expected(expect))
-        answer = status_message(problem is None, problem or "")
-        _run(_send_bytes(self._lane, answer, TAG_STATUS), self._lane, max(deadline - time.monotonic(), 1e-3),
-             "weight-sync handshake")
+        problem = None
+        difference = None if expect is None else self.schema.first_difference(*_expected(expect))
+        if difference:
+            problem = f"the sender's weights do not match `expect`: {difference}"
+        slots: list[_Slot] = []
+        if problem is None:
+            try:  # allocate before answering, so that the sender learns if it fails
+                slots = [_Slot(self.schema, self._device, pin_memory) for _ in range(2)]
+            except (RuntimeError, MemoryError) as error:
+                problem = f"the receiver cannot allocate 2 x {self.schema.total} bytes on {self._device}: {error}"
+        _run(_send_bytes(self._lane, status_message(problem is None, problem or ""), TAG_STATUS), self._lane,
+             max(deadline - time.monotonic(), 1e-3), "weight-sync handshake")
         if problem:
-            raise SchemaError(f"the sender's weights do not match `expect`: {problem}")
-        self._slots = [_Slot(self.schema, self._device, pin_memory) for _ in range(2)]
+            raise SchemaError(problem)
+        self._slots = slots
+        self._pending: Transfer | None = None
         self._cond = threading.Condition()
         self._published: int | None = None
         self._broken: str | None = None
@@ -389,20 +392,27 @@ class WeightReceiver:
             raise RuntimeError("this WeightReceiver is closed")
         if self._broken:
             raise RuntimeError(f"this WeightReceiver is broken ({self._broken}): close it and connect a new one")
+        if self._pending is not None:  # one pull at a time: the spare buffer is the next one's
+            with contextlib.suppress(Exception):
+                self._pending.wait(self.timeout)
+            self._pending = None
+            if self._broken:
+                raise RuntimeError(f"this WeightReceiver is broken ({self._broken}): close it and connect a new one")
         back = self._slots[1 if self._published == 0 else 0]
         with self._cond:
             if not self._cond.wait_for(lambda: back.readers == 0, timeout=self.timeout):
                 raise TimeoutError(f"a reader held the spare weights buffer for {self.timeout:g} s")
-        transfer = Transfer(self._pull(_fresh(self._lane), back), self._lane.stream, on_error=self._on_error)
+        if self._lane.stream is not None:
+            _cuda.follow_caller(self._lane.stream)
+        transfer = Transfer(self._pull(self._lane, back), self._lane.stream, on_error=self._on_error)
         if wait:
             return transfer.wait(self.timeout)
+        self._pending = transfer
         self._driver.submit(transfer, self.timeout)
         return transfer
 
     def _on_error(self, error: BaseException) -> BaseException:
-        if isinstance(error, (ChecksumError, SchemaError)) or (
-            isinstance(error, PushHeaderError) and "drained" in str(error)
-        ):
+        if isinstance(error, ChecksumError) or (isinstance(error, PushHeaderError) and "drained" in str(error)):
             return error  # the link is still in step: the next pull works
         replaced = _peer_error(self._lane.link, "pull", self.timeout, error)
         self._broken = str(replaced)
@@ -419,9 +429,7 @@ class WeightReceiver:
         sizes = piece_sizes(header.total, header.piece)
         tags = [TAG_PAYLOAD + i for i in range(len(sizes))]
         if problem:
-            scratch = torch.empty(min(header.piece, header.total), dtype=torch.uint8, device=slot.storage.device)
-            for size, tag in zip(sizes, tags):
-                yield from recv_into(lane, [scratch[:size]], [tag])
+            yield from drain(lane, sizes, tags)
             raise PushHeaderError(f"{problem}: rejected and drained; version {self.version} stays published")
         yield from recv_into(lane, slot.pieces(header.piece), tags)
         if lane.stream is not None:
@@ -465,6 +473,10 @@ class WeightReceiver:
             with torch.no_grad():
                 for tensor, source in pairs:
                     tensor.copy_(source, non_blocking=True)
+            if any(s.device.type == "cpu" and t.device.type == "cuda" for t, s in pairs):
+                # a copy out of host memory may still be queued: finish it before the
+                # next pull may write into that memory
+                torch.cuda.current_stream(next(t for t, _ in pairs if t.device.type == "cuda").device).synchronize()
             return self.version
 
     def close(self) -> None:

@@ -39,6 +39,14 @@ class SchemaError(ValueError):
 
 
 @dataclass(frozen=True)
+class _Shape:
+    """What :meth:`Schema.of` reads of a tensor, to recompute a received layout."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class Leaf:
     key: tuple[str, ...]
     dtype: torch.dtype
@@ -110,8 +118,9 @@ class Schema:
             raise
         except (ValueError, KeyError, TypeError, AttributeError) as error:
             raise SchemaError(f"malformed weight schema: {error!r}") from None
-        if schema.to_json() != raw or schema.fingerprint.hex() != doc["fingerprint"]:
-            raise SchemaError("the weight schema does not check out (offsets, sizes or fingerprint)")
+        expected = cls.of([l.key for l in schema.leaves], [_Shape(l.dtype, l.shape) for l in schema.leaves])
+        if (schema != expected or schema.to_json() != raw or schema.fingerprint.hex() != doc["fingerprint"]):
+            raise SchemaError("the weight schema does not check out (offsets, total bytes or fingerprint)")
         return schema
 
     @property

@@ -250,3 +250,16 @@ def test_cuda_tensordict_without_cuda_is_a_clear_error(recording_world):
 
     with pytest.raises(RuntimeError, match="needs CUDA"):
         _lane(link, torch.device("cuda", 0), None, _cuda.StagingPool())
+
+
+def test_a_finished_transfer_does_not_keep_its_tensordict_alive(recording_world):
+    import gc
+    import weakref
+
+    td = make("nested", 1.0)
+    [transfer] = cudarecv.isend(td, dst=1, bucket_bytes=16, return_early=True)
+    transfer.wait()
+    ref = weakref.ref(td)
+    del td, transfer
+    gc.collect()
+    assert ref() is None, "the plan cache kept a finished transfer's tensordict alive"

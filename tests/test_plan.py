@@ -79,3 +79,10 @@ def test_locked_plan_lives_in_the_lock_cache():
     td.unlock_()  # tensordict erases its cache on unlock
     td["b"] = torch.ones(4)
     assert plan_for(td) is not plan
+
+
+def test_locked_plan_sees_new_storage():
+    td = make("flat", 0.0).lock_()
+    plan = plan_for(td)
+    td["z"].data = torch.ones(3)  # same tensor object, new storage
+    assert plan_for(td) is not plan
