@@ -108,11 +108,12 @@ def recv_into(lane: Lane, dests: Sequence[Tensor], tags: Sequence[int],
                 for i in range(n if landed else 0):
                     landed(i)
                 return
-        for i, work in enumerate(works):
+        if landed is None:
+            yield works  # one step for the whole batch
+        for i, work in enumerate(works if landed else ()):
             yield [work]
-            if landed:
-                with lane.on_stream():
-                    landed(i)
+            with lane.on_stream():
+                landed(i)
         if copies_from_host:
             lane.pool.set_fence(_base(dests[0]), _cuda.record(lane.stream))
         return
