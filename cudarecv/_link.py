@@ -21,11 +21,11 @@ class Link:
     pg: object  # a ProcessGroup or a standalone backend (ProcessGroupGloo/NCCL)
     peer: int  # the peer's rank in ``pg``
     registered: bool  # whether torch.distributed knows ``pg`` (P2POp accepts it)
+    backend: str = ""  # "gloo", "nccl", ... (read from the group when not given)
 
-    @property
-    def backend(self) -> str:
-        """``"gloo"``, ``"nccl"``, ... of the group."""
-        return str(self.pg.name()).lower()
+    def __post_init__(self) -> None:
+        if not self.backend:
+            object.__setattr__(self, "backend", str(self.pg.name()).lower())
 
 
 def _as_rank(value: object, name: str) -> int:

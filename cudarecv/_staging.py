@@ -43,17 +43,14 @@ class Lane:
     link: Link
     stream: Any = None
     pool: _cuda.StagingPool = field(default_factory=_cuda.StagingPool)
+    #: whether NCCL batches run as one group call (``CUDARECV_NCCL_BATCH=0``: one op
+    #: each, as stock tensordict issues them; PyTorch runs single and batched NCCL
+    #: point-to-point ops on different communicators, so a stock peer on NCCL needs it off)
+    batched: bool = field(default_factory=lambda: os.environ.get("CUDARECV_NCCL_BATCH", "1") != "0")
 
     @property
     def nccl(self) -> bool:
         return self.link.backend == "nccl"
-
-    @property
-    def batched(self) -> bool:
-        """Whether NCCL batches run as one group call (``CUDARECV_NCCL_BATCH=0``: one op each,
-        as stock tensordict issues them; PyTorch runs single and batched NCCL point-to-point
-        ops on different communicators, so a stock peer on NCCL needs this off)."""
-        return os.environ.get("CUDARECV_NCCL_BATCH", "1") != "0"
 
     def on_stream(self) -> Any:
         return torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
@@ -212,14 +209,16 @@ def send_from(lane: Lane, srcs: Sequence[Tensor], tags: Sequence[int],
                 for work in lane.post(True, srcs, tags):
                     work.wait()
             return
-        works = []
-        for i in range(n):
-            if fill:
+        if fill is None:
+            works = lane.post(True, srcs, tags)
+        else:  # pack message i, send it, pack i+1 while it travels
+            works = []
+            for i in range(n):
                 with lane.on_stream():
                     fill(i)
                 if lane.stream is not None:
                     lane.stream.synchronize()
-            works += lane.post(True, [srcs[i]], [tags[i]])
+                works += lane.post(True, [srcs[i]], [tags[i]])
         if defer:
             return works
         yield works

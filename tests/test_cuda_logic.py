@@ -184,10 +184,10 @@ def test_single_messages_and_unbatched_nccl_go_one_op_each():
 def test_nccl_batching_switch(monkeypatch):
     from cudarecv._staging import Lane
 
-    lane = Lane(Link(CoalescingBackend(), 1, registered=False))
-    assert lane.batched
+    link = Link(CoalescingBackend(), 1, registered=False)
+    assert Lane(link).batched
     monkeypatch.setenv("CUDARECV_NCCL_BATCH", "0")
-    assert not lane.batched
+    assert not Lane(link).batched  # read when a transfer starts
 
 
 def test_staging_pool_allocates_once_and_bounds_depth():
