@@ -64,12 +64,11 @@ def wire_bytes(lane: Lane, data: bytes) -> Tensor:
 
 
 def send(lane: Lane, plan: Plan, header: Header, pieces: list[Tensor], init_tag: int,
-         pseudo_rand: bool, fill: Callable[[int], None] | None = None) -> Protocol:
-    """Send ``header`` then ``pieces``; ``fill(i)`` (if given) writes piece i just before it goes,
-    so packing piece i+1 overlaps the wire carrying piece i."""
+         pseudo_rand: bool) -> Protocol:
+    """Send ``header`` then ``pieces`` (already written: see :meth:`Plan.pack`)."""
     tags = _tags(plan, init_tag, pseudo_rand, len(pieces))
     head = yield from send_from(lane, [wire_bytes(lane, header.pack())], tags[:1], defer=True)
-    yield from send_from(lane, pieces, tags[1:], fill=fill)
+    yield from send_from(lane, pieces, tags[1:])
     if head:
         yield head
     return None

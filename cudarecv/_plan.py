@@ -111,13 +111,19 @@ class Plan:
         """The staging buffer cut into messages of at most ``piece`` bytes (cached)."""
         return self._bucket_layout(piece, place)[0]
 
-    def pack(self, piece: int, index: int, place: str = "cpu") -> None:
-        """Copy the leaf bytes of message ``index`` into its piece of the staging buffer."""
-        pieces, leaf_parts, staging_parts = self._bucket_layout(piece, place)
+    def pack(self, place: str = "cpu") -> None:
+        """Copy every leaf into the staging buffer on ``place``, in one op.
+
+        (Packing message by message while earlier ones travel loses on gloo,
+        whose sends write to the socket from the caller's thread.) Off the CPU the
+        copies are queued on the current stream.
+        """
+        if not self.tensors:
+            return
         if place == "cpu" and self.device.type == "cpu":
-            torch.cat(leaf_parts[index], out=pieces[index])
+            torch.cat(self.byte_views, out=self.staging(place))
         else:
-            torch._foreach_copy_(staging_parts[index], leaf_parts[index], non_blocking=True)
+            torch._foreach_copy_(self.staging_parts(place), self.byte_views, non_blocking=True)
 
     def unpack(self, piece: int, index: int, place: str = "cpu") -> None:
         """Copy message ``index`` from the staging buffer into the leaves."""

@@ -191,34 +191,20 @@ def drain(lane: Lane, sizes: Sequence[int], tags: Sequence[int]) -> Any:
 
 
 def send_from(lane: Lane, srcs: Sequence[Tensor], tags: Sequence[int],
-              staging: Sequence[Tensor] | None = None,
-              fill: Callable[[int], None] | None = None, defer: bool = False) -> Any:
-    """Send ``srcs[i]`` as message i; ``fill(i)`` (if given) writes it just before it goes.
+              staging: Sequence[Tensor] | None = None, defer: bool = False) -> Any:
+    """Send ``srcs[i]`` as message i.
 
-    ``fill`` runs on the transfer stream; on gloo, the host waits for it before
-    the bytes go (a device-to-host copy must have landed). With ``defer``, works
-    posted straight from the wire's memory are returned instead of waited for,
-    so the caller can post more messages first.
+    With ``defer``, works posted straight from the wire's memory are returned
+    instead of waited for, so the caller can post more messages first.
     """
     n = len(srcs)
     if _wire_can_touch(lane, srcs):
-        if lane.nccl:
-            with lane.on_stream():
-                for i in range(n if fill else 0):
-                    fill(i)
-                for work in lane.post(True, srcs, tags):
-                    work.wait()
-            return
-        if fill is None:
+        with lane.on_stream():
             works = lane.post(True, srcs, tags)
-        else:  # pack message i, send it, pack i+1 while it travels
-            works = []
-            for i in range(n):
-                with lane.on_stream():
-                    fill(i)
-                if lane.stream is not None:
-                    lane.stream.synchronize()
-                works += lane.post(True, [srcs[i]], [tags[i]])
+            if lane.nccl:
+                for work in works:
+                    work.wait()
+                return
         if defer:
             return works
         yield works
