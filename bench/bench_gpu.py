@@ -301,25 +301,9 @@ def _target_lines(name: str, rows: dict[tuple[str, str], dict]) -> list[str]:
 
 def _run_suite(ranks: _Ranks, name: str, targets: list[str]) -> dict[tuple[str, str], dict]:
     """The rows of suite ``name``, keyed by (impl, row mode): all its modes run once per session."""
-    if name in _errors:
-        raise RuntimeError(f"suite {name!r} failed earlier in this session:\n{_errors[name]}")
-    if name not in _results:
-        cases = _suite_cases(name)
-        t0 = time.perf_counter()
-        try:
-            per_rank = ranks.get().run(gb.time_gpu_suite, args=(cases, SUITES[name]["rounds"]), timeout=540)
-        except RankError as error:
-            _errors[name] = str(error)
-            raise
-        wall = time.perf_counter() - t0
-        rows = {}
-        for i, case in enumerate(cases):
-            row = tb.summarize(case, [per_rank[0][i], per_rank[1][i]])
-            row["suite_seconds"] = wall
-            rows[(case["impl"], gb.label(case))] = row
-        _results[name] = rows
-        targets.extend(_target_lines(name, rows))
-    return _results[name]
+    return tb.run_suite_once(ranks, name, targets, rank_fn=gb.time_gpu_suite, cases=_suite_cases,
+                             rounds=SUITES[name]["rounds"], row_mode=gb.label, target_lines=_target_lines,
+                             results=_results, errors=_errors, what="suite")
 
 
 def _bench(benchmark, ranks: _Ranks, targets: list[str], name: str, impl: str, mode: str, send_place: str,

@@ -39,13 +39,11 @@ The measured target ratios are printed at the end of the pytest run.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
 
 from cudarecv import _transfer_bench as tb
-from cudarecv._launch import RankError
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -56,18 +54,7 @@ BACKEND = "gloo"
 SUITES: dict[str, dict[str, Any]] = {
     "2000 x 8KiB": dict(
         workload=dict(leaves=2000, leaf_bytes=8192), rounds=20, iters=3, warmup=2,
-        modes=[
-            ("stock", "per-leaf", None),
-            ("stock", "per-leaf pseudo_rand", None),
-            ("stock", "consolidated", None),
-            ("raw", "flat recv", None),
-            ("raw", "per-leaf dist.irecv", "per-leaf"),
-            ("cudarecv", "per-leaf", None),
-            ("cudarecv", "per-leaf pseudo_rand", None),
-            ("cudarecv", "consolidated", None),
-            ("cudarecv", "buckets 1MiB", "per-leaf"),
-            ("cudarecv", "chunks 1MiB", "consolidated"),
-        ],
+        modes=tb.leaf_modes("1MiB"),
     ),
     "2000 x 8KiB fast wire": dict(
         workload=dict(leaves=2000, leaf_bytes=8192), rounds=15, iters=3, warmup=2,
@@ -81,14 +68,7 @@ SUITES: dict[str, dict[str, Any]] = {
     ),
     "consolidated 256MiB": dict(
         workload=dict(leaves=200, total_bytes=256 * MiB), rounds=10, iters=2, warmup=1,
-        modes=[
-            ("stock", "consolidated", None),
-            ("raw", "flat recv", "consolidated"),
-            ("cudarecv", "consolidated", None),
-            ("cudarecv", "chunks 1MiB", "consolidated"),
-            ("stock", "per-leaf", None),
-            ("cudarecv", "per-leaf", None),
-        ],
+        modes=tb.consolidated_modes("1MiB"),
     ),
     **{
         f"consolidated {mib}MiB": dict(
@@ -133,25 +113,9 @@ def _suite_cases(name: str) -> list[dict]:
 
 def _run_suite(holder: Any, name: str, targets: list[str]) -> dict[tuple[str, str], dict]:
     """The results of case ``name``: run all its modes interleaved, once per session."""
-    if name in _errors:
-        raise RuntimeError(f"case {name!r} failed earlier in this session:\n{_errors[name]}")
-    if name not in _results:
-        cases = _suite_cases(name)
-        t0 = time.perf_counter()
-        try:
-            per_rank = holder.get().run(tb.time_suite, args=(cases, SUITES[name]["rounds"]), timeout=540)
-        except RankError as error:
-            _errors[name] = str(error)
-            raise
-        wall = time.perf_counter() - t0
-        rows = {}
-        for i, case in enumerate(cases):
-            row = tb.summarize(case, [per_rank[0][i], per_rank[1][i]])
-            row["suite_seconds"] = wall
-            rows[(case["impl"], case["mode"])] = row
-        _results[name] = rows
-        targets.extend(_target_lines(name, rows))
-    return _results[name]
+    return tb.run_suite_once(holder, name, targets, rank_fn=tb.time_suite, cases=_suite_cases,
+                             rounds=SUITES[name]["rounds"], row_mode=lambda case: case["mode"],
+                             target_lines=_target_lines, results=_results, errors=_errors)
 
 
 def _target_lines(name: str, rows: dict[tuple[str, str], dict]) -> list[str]:

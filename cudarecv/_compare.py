@@ -46,34 +46,6 @@ NOTE = "time = median of the receiver's timed transfers; GB/s = bytes / time / 1
 COLUMNS = (*_report.COLUMNS, "check")
 
 
-def leaf_modes(bucket: str) -> list[tuple[str, str, str | None]]:
-    """(impl, mode, stock_mode) of the many-leaves case; the first raw row is the flat buffer."""
-    return [
-        ("stock", "per-leaf", None),
-        ("stock", "per-leaf pseudo_rand", None),
-        ("stock", "consolidated", None),
-        ("raw", "flat recv", None),
-        ("raw", "per-leaf dist.irecv", "per-leaf"),
-        ("cudarecv", "per-leaf", None),
-        ("cudarecv", "per-leaf pseudo_rand", None),
-        ("cudarecv", "consolidated", None),
-        ("cudarecv", f"buckets {bucket}", "per-leaf"),
-        ("cudarecv", f"chunks {bucket}", "consolidated"),
-    ]
-
-
-def consolidated_modes(bucket: str) -> list[tuple[str, str, str | None]]:
-    """(impl, mode, stock_mode) of the consolidated case."""
-    return [
-        ("stock", "consolidated", None),
-        ("raw", "flat recv", "consolidated"),
-        ("cudarecv", "consolidated", None),
-        ("cudarecv", f"chunks {bucket}", "consolidated"),
-        ("stock", "per-leaf", None),
-        ("cudarecv", "per-leaf", None),
-    ]
-
-
 def plan(args: argparse.Namespace) -> list[tuple[str, dict, str | None]]:
     """The (case name, case dict, stock_mode) to run, in order; raises ValueError on bad options."""
     base = QUICK if args.quick else DEFAULTS
@@ -85,7 +57,7 @@ def plan(args: argparse.Namespace) -> list[tuple[str, dict, str | None]]:
         raise ValueError(f"--rounds must be >= 1, got {pick['rounds']}")
     out = []
     name = f"{pick['leaves']} x {tb.format_size(leaf_bytes)}"
-    for impl, mode, stock_mode in leaf_modes(bucket):
+    for impl, mode, stock_mode in tb.leaf_modes(bucket):
         out.append((name, dict(leaves=pick["leaves"], leaf_bytes=leaf_bytes, impl=impl, mode=mode, **timing),
                     stock_mode))
     mib = pick["consolidated_mib"]
@@ -94,7 +66,7 @@ def plan(args: argparse.Namespace) -> list[tuple[str, dict, str | None]]:
     if mib:
         total = mib << 20
         name = f"consolidated {mib}MiB"
-        for impl, mode, stock_mode in consolidated_modes(bucket):
+        for impl, mode, stock_mode in tb.consolidated_modes(bucket):
             out.append((name, dict(leaves=min(CONSOLIDATED_LEAVES, total // 4), total_bytes=total, impl=impl,
                                    mode=mode, **timing), stock_mode))
     for _, case, _ in out:

@@ -58,7 +58,7 @@ import torch
 from torch import nn
 
 from . import _report
-from ._compare import _available_memory, _tail, _versions
+from ._compare import _available_memory, _progress, _tail, _versions
 
 DEFAULTS = dict(actors=2, steps=200, model_mib=4.0, bucket_bytes="1MiB", timeout=60.0, seed=0)
 QUICK = dict(steps=40, hidden=64)
@@ -608,10 +608,6 @@ def _run_timeout(cfg: Config) -> float:
     model = param_count(cfg.hidden) * 4
     per_step = 2.0 + model * cfg.actors / 50e6 + model / 20e6  # generous: 50 MB/s pushes, slow training
     return 2 * cfg.timeout + cfg.steps * per_step
-
-
-def _progress(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -21,7 +21,6 @@ Rank 0 sends, rank 1 receives. Rows are labelled with :func:`label`, e.g.
 
 from __future__ import annotations
 
-import gc
 import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -129,23 +128,20 @@ class GpuWorkload:
         return self._flat_base[key]
 
 
-_WORKLOAD: GpuWorkload | None = None
+_WORKLOAD = tb.KeptWorkload()
+
+
+def _build_workload(key: tuple, case: dict) -> GpuWorkload:
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    return GpuWorkload(key, {k: case[k] for k in ("leaves", "leaf_bytes", "total_bytes") if k in case},
+                       tb.payload_bytes(case))
 
 
 def workload(case: dict) -> GpuWorkload:
     """This rank's workload for ``case``, kept until another is asked for."""
-    global _WORKLOAD
-    key = (case["leaves"], case.get("leaf_bytes"), case.get("total_bytes"))
-    if _WORKLOAD is not None and _WORKLOAD.key == key:
-        return _WORKLOAD
-    _WORKLOAD = None
-    gc.collect()
-    if torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-    _WORKLOAD = GpuWorkload(key, {k: case[k] for k in ("leaves", "leaf_bytes", "total_bytes") if k in case},
-                            tb.payload_bytes(case))
-    return _WORKLOAD
+    return _WORKLOAD.get(case, _build_workload)
 
 
 def _backend(group: Any) -> str:
@@ -158,18 +154,6 @@ def _landed() -> None:
 
 def _nothing() -> None:
     pass
-
-
-def options(kind: str, piece: int | None) -> dict:
-    """cudarecv/stock keyword arguments of a mode kind."""
-    out: dict[str, Any] = {}
-    if kind == "per-leaf pseudo_rand":
-        out["pseudo_rand"] = True
-    if kind in ("consolidated", "chunks"):
-        out["consolidated"] = True
-    if piece is not None:
-        out["bucket_bytes"] = piece
-    return out
 
 
 def make_op(rank: int, case: dict, group: Any) -> tb.Op:
@@ -232,7 +216,7 @@ def make_op(rank: int, case: dict, group: Any) -> tb.Op:
                 land()
         return tb.Op(send, recv, leaves, base=base)
 
-    opts = options(kind, piece)
+    opts = tb.mode_options(kind, piece)
     impl = _Distributed if case["impl"] == "stock" else cudarecv
 
     def send() -> None:
@@ -289,7 +273,7 @@ def matmul_interference(rank: int, world_size: int, group: Any, cfg: dict) -> di
     case = {"leaves": cfg["leaves"], "total_bytes": cfg["total_bytes"], "impl": "cudarecv", "mode": cfg["mode"],
             "send_place": cfg["send_place"], "recv_place": cfg["recv_place"], "iters": 1, "warmup": 1}
     kind, piece = tb.parse_mode("cudarecv", cfg["mode"])
-    opts = options(kind, piece)
+    opts = tb.mode_options(kind, piece)
     op = make_op(rank, case, group)
     td = workload(case).td(cfg["recv_place"] if rank == RECEIVER else cfg["send_place"],
                            kind in ("consolidated", "chunks"))

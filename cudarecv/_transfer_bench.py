@@ -49,6 +49,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from ._launch import RankError
+
 SENDER, RECEIVER = 0, 1
 
 MODES: dict[str, tuple[str, ...]] = {
@@ -106,6 +108,18 @@ def parse_mode(impl: str, mode: str) -> tuple[str, int | None]:
     return kind, piece
 
 
+def mode_options(kind: str, piece: int | None) -> dict:
+    """cudarecv/stock keyword arguments of a mode kind (and bucket bytes) from :func:`parse_mode`."""
+    out: dict[str, Any] = {}
+    if kind == "per-leaf pseudo_rand":
+        out["pseudo_rand"] = True
+    if kind in ("consolidated", "chunks"):
+        out["consolidated"] = True
+    if piece is not None:
+        out["bucket_bytes"] = piece
+    return out
+
+
 def check_case(case: dict) -> None:
     """Raise ValueError (in the parent, before anything runs) if ``case`` is malformed."""
     parse_mode(case["impl"], case["mode"])
@@ -128,6 +142,34 @@ def check_case(case: dict) -> None:
 def payload_bytes(case: dict) -> int:
     """The bytes of the leaves of the case's tensordict (what GB/s counts)."""
     return case["total_bytes"] if "total_bytes" in case else case["leaves"] * case["leaf_bytes"]
+
+
+def leaf_modes(bucket: str) -> list[tuple[str, str, str | None]]:
+    """(impl, mode, stock_mode) of the many-leaves case; the first raw row is the flat buffer."""
+    return [
+        ("stock", "per-leaf", None),
+        ("stock", "per-leaf pseudo_rand", None),
+        ("stock", "consolidated", None),
+        ("raw", "flat recv", None),
+        ("raw", "per-leaf dist.irecv", "per-leaf"),
+        ("cudarecv", "per-leaf", None),
+        ("cudarecv", "per-leaf pseudo_rand", None),
+        ("cudarecv", "consolidated", None),
+        ("cudarecv", f"buckets {bucket}", "per-leaf"),
+        ("cudarecv", f"chunks {bucket}", "consolidated"),
+    ]
+
+
+def consolidated_modes(bucket: str) -> list[tuple[str, str, str | None]]:
+    """(impl, mode, stock_mode) of the consolidated case."""
+    return [
+        ("stock", "consolidated", None),
+        ("raw", "flat recv", "consolidated"),
+        ("cudarecv", "consolidated", None),
+        ("cudarecv", f"chunks {bucket}", "consolidated"),
+        ("stock", "per-leaf", None),
+        ("cudarecv", "per-leaf", None),
+    ]
 
 
 # --------------------------------------------------------------------------- workloads (in the ranks)
@@ -165,7 +207,28 @@ class Workload:
         return self._flat_base
 
 
-_WORKLOAD: Workload | None = None
+class KeptWorkload:
+    """A rank's one workload, kept until a case of another size asks for another.
+
+    The old workload is dropped and collected (with cudarecv's plans of it)
+    before the new one is built, so that two never take memory at once.
+    """
+
+    def __init__(self) -> None:
+        self.value: Any = None
+
+    def get(self, case: dict, build: Callable[[tuple, dict], Any]) -> Any:
+        """The kept workload if it is ``case``'s, else ``build(key, case)``'s, kept in its stead."""
+        key = (case["leaves"], case.get("leaf_bytes"), case.get("total_bytes"))
+        if self.value is not None and self.value.key == key:
+            return self.value
+        self.value = None
+        gc.collect()  # free the previous workload (and cudarecv's plans of it) first
+        self.value = build(key, case)
+        return self.value
+
+
+_WORKLOAD = KeptWorkload()
 _STAMP = 0
 
 
@@ -197,21 +260,17 @@ def build_tensordict(case: dict) -> Any:
     return TensorDict(top, batch_size=[])
 
 
-def workload(case: dict) -> Workload:
-    """This rank's workload for ``case``, built once and kept until another is asked for."""
-    global _WORKLOAD
-    key = (case["leaves"], case.get("leaf_bytes"), case.get("total_bytes"))
-    if _WORKLOAD is not None and _WORKLOAD.key == key:
-        return _WORKLOAD
-    _WORKLOAD = None
-    gc.collect()  # free the previous workload (and cudarecv's plans of it) first
+def _build_workload(key: tuple, case: dict) -> Workload:
     td = build_tensordict(case)
     base = (torch.arange(max(_leaf_sizes(case))) % 251).to(torch.float32)
     if "total_bytes" in case:
-        _WORKLOAD = Workload(key, None, td.consolidate(metadata=True), payload_bytes(case), base)
-    else:
-        _WORKLOAD = Workload(key, td, None, payload_bytes(case), base)
-    return _WORKLOAD
+        return Workload(key, None, td.consolidate(metadata=True), payload_bytes(case), base)
+    return Workload(key, td, None, payload_bytes(case), base)
+
+
+def workload(case: dict) -> Workload:
+    """This rank's workload for ``case``, built once and kept until another is asked for."""
+    return _WORKLOAD.get(case, _build_workload)
 
 
 def _leaves(td: Any) -> list[torch.Tensor]:
@@ -276,13 +335,7 @@ def make_op(case: dict, group: Any) -> Op:
                     work.wait()
         return Op(send, recv, leaves, base=w.base)
 
-    options: dict[str, Any] = {}
-    if kind == "per-leaf pseudo_rand":
-        options["pseudo_rand"] = True
-    if kind in ("consolidated", "chunks"):
-        options["consolidated"] = True
-    if piece is not None:
-        options["bucket_bytes"] = piece
+    options = mode_options(kind, piece)
     if impl == "stock":
         return Op(lambda: _Distributed.isend(td, **to, **options),
                   lambda: _Distributed.irecv(td, **frm, **options), leaves, base=w.base)
@@ -419,6 +472,39 @@ def summarize(case: dict, per_rank: Sequence[dict]) -> dict:
         "ok": bool(recv["ok"]),
         "error": recv["error"],
     }
+
+
+def run_suite_once(ranks: Any, name: str, targets: list[str], *, rank_fn: Callable[..., list[dict]],
+                   cases: Callable[[str], list[dict]], rounds: int, row_mode: Callable[[dict], str],
+                   target_lines: Callable[[str, dict], list[str]], results: dict, errors: dict,
+                   what: str = "case") -> dict[tuple[str, str], dict]:
+    """The rows of the bench suite ``name``, keyed by (impl, ``row_mode(case)``): run once per session.
+
+    The first call runs all of ``cases(name)`` interleaved in ``ranks.get()``'s ranks
+    (``rank_fn(cases, rounds)``, e.g. :func:`time_suite`), keeps the rows in
+    ``results`` (each with ``suite_seconds``, the parent's wall time of that call)
+    and adds ``target_lines(name, rows)`` to ``targets``; later calls return the
+    kept rows. A rank failure is kept in ``errors``, and later calls raise it again.
+    """
+    if name in errors:
+        raise RuntimeError(f"{what} {name!r} failed earlier in this session:\n{errors[name]}")
+    if name not in results:
+        todo = cases(name)
+        t0 = time.perf_counter()
+        try:
+            per_rank = ranks.get().run(rank_fn, args=(todo, rounds), timeout=540)
+        except RankError as error:
+            errors[name] = str(error)
+            raise
+        wall = time.perf_counter() - t0
+        rows = {}
+        for i, case in enumerate(todo):
+            row = summarize(case, [per_rank[0][i], per_rank[1][i]])
+            row["suite_seconds"] = wall
+            rows[(case["impl"], row_mode(case))] = row
+        results[name] = rows
+        targets.extend(target_lines(name, rows))
+    return results[name]
 
 
 def median(sorted_values: list[float]) -> float:

@@ -19,29 +19,28 @@ def _peer(rank, group):
 
 def roundtrip(rank, world, group, bucket_bytes, recv_bucket_bytes, consolidated, blocking):
     args, peer = _peer(rank, group)
+    sending = rank == 0
     ok = {}
     for structure in STRUCTURES:
-        td = make(structure, 5.0 if rank == 0 else 0.0)
+        td = make(structure, 5.0 if sending else 0.0)
         if consolidated:
             td = td.consolidate(metadata=True)
         for step in range(3):  # repeated transfers reuse the cached plan and staging
-            if rank == 0:
+            if sending:
                 td = make(structure, 5.0 + step)
                 if consolidated:
                     td = td.consolidate(metadata=True)
-                if blocking:
-                    cudarecv.send(td, *args, **peer, consolidated=consolidated, bucket_bytes=bucket_bytes)
-                else:
-                    [h] = cudarecv.isend(td, *args, **peer, consolidated=consolidated,
-                                         bucket_bytes=bucket_bytes, return_early=True)
-                    assert h.wait(timeout=10) is None
+            kw = {**peer, "consolidated": consolidated,
+                  "bucket_bytes": bucket_bytes if sending else recv_bucket_bytes}
+            if blocking:
+                (cudarecv.send if sending else cudarecv.recv)(td, *args, **kw)
+            elif sending:
+                [h] = cudarecv.isend(td, *args, **kw, return_early=True)
+                assert h.wait(timeout=10) is None
             else:
-                if blocking:
-                    cudarecv.recv(td, *args, **peer, consolidated=consolidated, bucket_bytes=recv_bucket_bytes)
-                else:
-                    [h] = cudarecv.irecv(td, *args, **peer, consolidated=consolidated,
-                                         bucket_bytes=recv_bucket_bytes, return_premature=True)
-                    assert h.wait(timeout=10) is td
+                [h] = cudarecv.irecv(td, *args, **kw, return_premature=True)
+                assert h.wait(timeout=10) is td
+            if not sending:
                 ok[(structure, step)] = same(td, make(structure, 5.0 + step))
     return ok
 
