@@ -814,3 +814,64 @@ def test_nccl_per_leaf_with_a_stock_peer(nccl, sender, receiver):
     _, out = nccl().run(nccl_stock_peer, args=(sender, receiver), timeout=30)
     bad = [k for k, ok in out.items() if not ok]
     assert out and not bad, f"wrong values for (structure, step) {bad}"
+
+
+# --------------------------------------------------------------------------- weight sync on GPUs
+
+
+def weight_sync_on_gpu(rank, world, group, receiver_device, pulls, standalone, verify):
+    """Trainer weights on this rank's GPU; the receiver keeps them on ``receiver_device``.
+
+    Returns, in the receiver, the versions, whether each landed version holds the pushed
+    values, and device memory / staging allocations before and after the steady pulls."""
+    import cudarecv as cr
+
+    device = _device()
+    weights = TensorDict(w=torch.zeros(1 << 20, device=device), b=torch.zeros(1000, device=device))
+    peer = ({"group": group, "group_dst": 1} if rank == 0 else {"group": group, "group_src": 0}) if standalone \
+        else ({"dst": 1} if rank == 0 else {"src": 0})
+    if rank == 0:
+        with cr.WeightSender(weights, **peer, bucket_bytes=1 << 18, timeout=WAIT, verify=verify) as sender:
+            for version in range(1, pulls + 1):
+                weights.apply_(lambda t, v=version: t.fill_(float(v)))
+                sender.push()
+        return None
+    where = device if receiver_device == "cuda" else "cpu"
+    receiver = cr.WeightReceiver(**peer, device=where, pin_memory=receiver_device == "pinned", timeout=WAIT)
+    seen, before = [], None
+    for version in range(1, pulls + 1):
+        got = receiver.pull()
+        with receiver.reading() as td:
+            seen.append((got, bool((td["w"] == float(version)).all() and (td["b"] == float(version)).all())))
+        if version == 3:
+            torch.cuda.synchronize()
+            before = (torch.cuda.memory_allocated(), receiver._lane.pool.allocations)
+    torch.cuda.synchronize()
+    after = (torch.cuda.memory_allocated(), receiver._lane.pool.allocations)
+    receiver.close()
+    return seen, before, after
+
+
+def _check_weight_sync(result, pulls) -> None:
+    seen, before, after = result
+    assert [v for v, _ in seen] == list(range(1, pulls + 1))
+    assert all(ok for _, ok in seen), "a pulled version held other values"
+    assert after[1] == before[1], "staging buffers were allocated in steady state"
+    assert abs(after[0] - before[0]) <= MEMORY_SLACK, f"device memory moved by {after[0] - before[0]} bytes"
+
+
+@pytest.mark.parametrize("receiver_device", ["cuda", "pinned", "cpu"])
+def test_gloo_weight_sync_into_gpu_or_pinned_memory_is_flat(gloo, receiver_device):
+    pulls = 40
+    _, result = gloo().run(weight_sync_on_gpu, args=(receiver_device, pulls, False, True), timeout=RUN_TIMEOUT)
+    _check_weight_sync(result, pulls)
+
+
+@nccl_mark
+@pytest.mark.parametrize("standalone", [False, True], ids=["default_group", "standalone_group"])
+@pytest.mark.parametrize("receiver_device", ["cuda", "pinned"])
+def test_nccl_weight_sync(nccl, receiver_device, standalone):
+    pulls = 40
+    _, result = nccl().run(weight_sync_on_gpu, args=(receiver_device, pulls, standalone, True),
+                           standalone=standalone, timeout=RUN_TIMEOUT)
+    _check_weight_sync(result, pulls)
