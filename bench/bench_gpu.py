@@ -49,13 +49,13 @@ from typing import Any
 import pytest
 import torch
 
+from cudarecv import _cuda
 from cudarecv import _gpu_bench as gb
 from cudarecv import _transfer_bench as tb
 from cudarecv._launch import Cluster, RankError
 
 HAS_CUDA = torch.cuda.is_available()
 NCCL_SHARED = os.environ.get("CUDARECV_NCCL_SHARED_GPU", "") == "1"
-NCCL_SHARED_MIN = (2, 30)
 
 pytestmark = [
     pytest.mark.timeout(600),
@@ -133,32 +133,9 @@ if not HAVE_PYTEST_BENCHMARK:
 # --------------------------------------------------------------------------- ranks
 
 
-def nccl_version() -> tuple[int, ...] | None:
-    try:
-        version = torch.cuda.nccl.version()
-    except Exception:  # noqa: BLE001 - no NCCL in this torch build
-        return None
-    if isinstance(version, int):
-        return (version // 10000, version // 100 % 100, version % 100)
-    return tuple(int(v) for v in version)
-
-
 def nccl_skip_reason() -> str | None:
-    import torch.distributed as dist
-
-    if not dist.is_nccl_available():
-        return "torch.distributed has no NCCL backend in this build"
-    count = torch.cuda.device_count()
-    if NCCL_SHARED:
-        version = nccl_version()
-        if version is None or version[:2] < NCCL_SHARED_MIN:
-            return (f"two NCCL ranks on one GPU (CUDARECV_NCCL_SHARED_GPU=1) need NCCL >= "
-                    f"{NCCL_SHARED_MIN[0]}.{NCCL_SHARED_MIN[1]}; this torch has NCCL {version}")
-        return None
-    if count < 2:
-        return (f"needs 2 GPUs (this machine: {count}), or one GPU with NCCL >= 2.30 and "
-                "CUDARECV_NCCL_SHARED_GPU=1")
-    return None
+    """Why the NCCL ranks cannot run here, or None."""
+    return _cuda.nccl_pair_problem(NCCL_SHARED)
 
 
 class _Ranks:

@@ -263,3 +263,14 @@ def test_a_finished_transfer_does_not_keep_its_tensordict_alive(recording_world)
     del td, transfer
     gc.collect()
     assert ref() is None, "the plan cache kept a finished transfer's tensordict alive"
+
+
+def test_nccl_pair_problem_explains_itself():
+    import torch.distributed as dist
+
+    for shared in (False, True):
+        problem = _cuda.nccl_pair_problem(shared)
+        if not dist.is_nccl_available():
+            assert problem == "torch.distributed has no NCCL backend in this build"
+        elif not shared and torch.cuda.device_count() < 2:
+            assert "2 GPUs" in problem and "CUDARECV_NCCL_SHARED_GPU=1" in problem

@@ -40,7 +40,6 @@ from tdfactory import STRUCTURES, leaves, make
 HAS_CUDA = torch.cuda.is_available()
 NCCL_SHARED = os.environ.get("CUDARECV_NCCL_SHARED_GPU", "") == "1"
 NCCL_GPUS = 1 if NCCL_SHARED else 2
-NCCL_SHARED_MIN = (2, 30)
 PG_TIMEOUT = 60.0
 RUN_TIMEOUT = 90.0
 WAIT = 30.0  # Transfer.wait(timeout=...) inside the ranks
@@ -87,34 +86,9 @@ def gloo():
     ranks.close()
 
 
-def nccl_version() -> tuple[int, ...] | None:
-    try:
-        version = torch.cuda.nccl.version()
-    except Exception:  # noqa: BLE001 - no NCCL in this torch build
-        return None
-    if isinstance(version, int):  # old torch: NCCL_VERSION_CODE
-        return (version // 10000, version // 100 % 100, version % 100)
-    return tuple(int(v) for v in version)
-
-
 def nccl_skip_reason() -> str | None:
-    """Why the NCCL tests cannot run here, or None."""
-    import torch.distributed as dist
-
-    if not dist.is_nccl_available():
-        return "torch.distributed has no NCCL backend in this build"
-    count = torch.cuda.device_count()
-    if NCCL_SHARED:
-        version = nccl_version()
-        if version is None or version[:2] < NCCL_SHARED_MIN:
-            return (f"CUDARECV_NCCL_SHARED_GPU=1 puts both NCCL ranks on one GPU, which needs "
-                    f"NCCL >= {NCCL_SHARED_MIN[0]}.{NCCL_SHARED_MIN[1]} (NCCL_MULTI_RANK_GPU_ENABLE=1); "
-                    f"this torch has NCCL {version}")
-        return None
-    if count < 2:
-        return (f"the NCCL tests need 2 GPUs (this machine: {count}); with one GPU and NCCL >= 2.30 "
-                "set CUDARECV_NCCL_SHARED_GPU=1 to run both ranks on it")
-    return None
+    """Why the NCCL ranks cannot run here, or None."""
+    return _cuda.nccl_pair_problem(NCCL_SHARED)
 
 
 @pytest.fixture(scope="module")
