@@ -52,7 +52,7 @@ import torch
 from cudarecv import _cuda
 from cudarecv import _gpu_bench as gb
 from cudarecv import _transfer_bench as tb
-from cudarecv._launch import Cluster, RankError
+from cudarecv._launch import RankError, Ranks
 
 HAS_CUDA = torch.cuda.is_available()
 NCCL_SHARED = os.environ.get("CUDARECV_NCCL_SHARED_GPU", "") == "1"
@@ -138,24 +138,9 @@ def nccl_skip_reason() -> str | None:
     return _cuda.nccl_pair_problem(NCCL_SHARED)
 
 
-class _Ranks:
-    def __init__(self, **kwargs: Any) -> None:
-        self.kwargs = kwargs
-        self.cluster: Cluster | None = None
-
-    def get(self) -> Cluster:
-        if self.cluster is None or self.cluster._closed:
-            self.cluster = Cluster(2, pg_timeout=120.0, **self.kwargs)
-        return self.cluster
-
-    def close(self) -> None:
-        if self.cluster is not None:
-            self.cluster.close()
-
-
 @pytest.fixture(scope="module")
 def gloo_ranks():
-    ranks = _Ranks()
+    ranks = Ranks(2, pg_timeout=120.0)
     yield ranks
     ranks.close()
 
@@ -165,7 +150,7 @@ def nccl_ranks():
     reason = nccl_skip_reason()
     if reason:
         pytest.skip(reason)
-    ranks = _Ranks(backend="nccl", env={"NCCL_MULTI_RANK_GPU_ENABLE": "1"} if NCCL_SHARED else {})
+    ranks = Ranks(2, pg_timeout=120.0, backend="nccl", env={"NCCL_MULTI_RANK_GPU_ENABLE": "1"} if NCCL_SHARED else {})
     yield ranks
     ranks.close()
 
@@ -276,14 +261,14 @@ def _target_lines(name: str, rows: dict[tuple[str, str], dict]) -> list[str]:
     return lines
 
 
-def _run_suite(ranks: _Ranks, name: str, targets: list[str]) -> dict[tuple[str, str], dict]:
+def _run_suite(ranks: Ranks, name: str, targets: list[str]) -> dict[tuple[str, str], dict]:
     """The rows of suite ``name``, keyed by (impl, row mode): all its modes run once per session."""
     return tb.run_suite_once(ranks, name, targets, rank_fn=gb.time_gpu_suite, cases=_suite_cases,
                              rounds=SUITES[name]["rounds"], row_mode=gb.label, target_lines=_target_lines,
                              results=_results, errors=_errors, what="suite")
 
 
-def _bench(benchmark, ranks: _Ranks, targets: list[str], name: str, impl: str, mode: str, send_place: str,
+def _bench(benchmark, ranks: Ranks, targets: list[str], name: str, impl: str, mode: str, send_place: str,
            recv_place: str, stock_mode: str | None) -> None:
     rows = benchmark.pedantic(lambda: _run_suite(ranks, name, targets), rounds=1, iterations=1)
     case = dict(mode=mode, send_place=send_place, recv_place=recv_place)
@@ -401,7 +386,7 @@ MATMUL_SLOWDOWN = 0.05
 _matmul: dict[str, dict] = {}
 
 
-def _matmul_rows(ranks: _Ranks, name: str, targets: list[str]) -> dict[str, dict]:
+def _matmul_rows(ranks: Ranks, name: str, targets: list[str]) -> dict[str, dict]:
     """Rows of the matmul case ``name`` (run once per session), keyed by row mode."""
     if name in _errors:
         raise RuntimeError(f"{name!r} failed earlier in this session:\n{_errors[name]}")
@@ -437,7 +422,7 @@ def _matmul_rows(ranks: _Ranks, name: str, targets: list[str]) -> dict[str, dict
     return _matmul[name]
 
 
-def _matmul_bench(benchmark, ranks: _Ranks, targets: list[str], name: str, which: str) -> None:
+def _matmul_bench(benchmark, ranks: Ranks, targets: list[str], name: str, which: str) -> None:
     rows = benchmark.pedantic(lambda: _matmul_rows(ranks, name, targets), rounds=1, iterations=1)
     cfg = MATMUL[name]
     transfer = gb.label(cfg)

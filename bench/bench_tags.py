@@ -14,7 +14,6 @@ in any installed package (site-packages already has tensordict's).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import statistics

@@ -10,7 +10,7 @@ The project's pytest configuration keeps the default ``python_files``
 files of this folder itself; no ``-o python_files=...`` is needed (and passing
 it, or naming a bench file on the command line, does not collect a file twice).
 
-Fixtures: ``transfer_cluster``, one :class:`cudarecv._launch.Cluster` of 2 ranks
+Fixtures: ``transfer_cluster``, a :class:`cudarecv._launch.Ranks` of 2 ranks
 for the whole session (started when a bench first asks for it), restarted if a
 failure closed it; ``transfer_targets``, a list of lines printed at the end of
 the run (the transfer benches' target ratios).
@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
+
+from cudarecv._launch import Ranks
 
 _TARGET_LINES: list[str] = []
 
@@ -42,27 +44,9 @@ def pytest_configure(config: pytest.Config) -> None:
         config.addinivalue_line("markers", "timeout(seconds): per-test time limit (pytest-timeout)")
 
 
-class ClusterHolder:
-    """The session's ranks; :meth:`get` starts new ones if a failure closed them."""
-
-    def __init__(self) -> None:
-        self._cluster = None
-
-    def get(self):
-        from cudarecv._launch import Cluster
-
-        if self._cluster is None or getattr(self._cluster, "_closed", False):
-            self._cluster = Cluster(2)
-        return self._cluster
-
-    def close(self) -> None:
-        if self._cluster is not None:
-            self._cluster.close()
-
-
 @pytest.fixture(scope="session")
-def transfer_cluster() -> Iterator[ClusterHolder]:
-    holder = ClusterHolder()
+def transfer_cluster() -> Iterator[Ranks]:
+    holder = Ranks(2)
     try:
         yield holder
     finally:

@@ -129,6 +129,33 @@ class Cluster:
         self.close()
 
 
+class Ranks:
+    """A :class:`Cluster` started on first use and restarted after a failure closed it.
+
+    For test and bench fixtures: ``ranks()`` (or ``ranks.get()``) is a live cluster.
+
+    Example:
+        >>> ranks = Ranks(2, pg_timeout=20.0)
+        >>> ranks().run(fn)
+    """
+
+    def __init__(self, world_size: int = 2, **cluster_kwargs: Any) -> None:
+        self.world_size = world_size
+        self.cluster_kwargs = cluster_kwargs
+        self._cluster: Cluster | None = None
+
+    def get(self) -> Cluster:
+        if self._cluster is None or self._cluster._closed:
+            self._cluster = Cluster(self.world_size, **self.cluster_kwargs)
+        return self._cluster
+
+    __call__ = get
+
+    def close(self) -> None:
+        if self._cluster is not None:
+            self._cluster.close()
+
+
 def run(fn: Callable[..., Any], world_size: int = 2, *, args: tuple = (), timeout: float = 120.0,
         pg_timeout: float = 30.0, standalone: bool = False) -> list[Any]:
     """Start ranks, run ``fn`` once on each, stop them (see :class:`Cluster`)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cudarecv._launch import Cluster
+from cudarecv._launch import Ranks
 
 
 @pytest.fixture(scope="session")
@@ -13,14 +13,6 @@ def cluster():
 
     A failing call closes the cluster; the next test that needs it starts a new one.
     """
-    holder: dict[str, Cluster] = {}
-
-    def get() -> Cluster:
-        current = holder.get("c")
-        if current is None or current._closed:
-            current = holder["c"] = Cluster(2, pg_timeout=20.0)
-        return current
-
-    yield get
-    if "c" in holder:
-        holder["c"].close()
+    ranks = Ranks(2, pg_timeout=20.0)
+    yield ranks
+    ranks.close()

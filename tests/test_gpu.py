@@ -33,7 +33,7 @@ from tensordict._base.distributed import _Distributed as Stock
 
 import cudarecv
 from cudarecv import _cuda
-from cudarecv._launch import Cluster
+from cudarecv._launch import Ranks
 from cudarecv._walk import unwrap
 from tdfactory import STRUCTURES, leaves, make
 
@@ -61,27 +61,10 @@ ALL = STRUCTURES + ("big",)
 # --------------------------------------------------------------------------- parent side: ranks
 
 
-class _Ranks:
-    """Two ranks for the module; replaced when a failure closed them."""
-
-    def __init__(self, **kwargs: Any) -> None:
-        self.kwargs = kwargs
-        self.cluster: Cluster | None = None
-
-    def __call__(self) -> Cluster:
-        if self.cluster is None or self.cluster._closed:
-            self.cluster = Cluster(2, pg_timeout=PG_TIMEOUT, **self.kwargs)
-        return self.cluster
-
-    def close(self) -> None:
-        if self.cluster is not None:
-            self.cluster.close()
-
-
 @pytest.fixture(scope="module")
 def gloo():
     """Two gloo ranks; the tests put their CUDA tensors on GPU 0 in both."""
-    ranks = _Ranks()
+    ranks = Ranks(2, pg_timeout=PG_TIMEOUT)
     yield ranks
     ranks.close()
 
@@ -98,7 +81,7 @@ def nccl():
     if reason:
         pytest.skip(reason)
     env = {"NCCL_MULTI_RANK_GPU_ENABLE": "1"} if NCCL_SHARED else {}
-    ranks = _Ranks(backend="nccl", env=env)
+    ranks = Ranks(2, pg_timeout=PG_TIMEOUT, backend="nccl", env=env)
     yield ranks
     ranks.close()
 

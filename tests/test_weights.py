@@ -17,7 +17,7 @@ from tensordict import TensorDict
 import cudarecv
 from cudarecv import _weights
 from cudarecv._handle import Transfer
-from cudarecv._launch import Cluster, RankExit
+from cudarecv._launch import RankExit, Ranks
 from cudarecv._plan import _cut
 from cudarecv._weights_wire import PushHeader
 
@@ -47,16 +47,9 @@ def holds_version(td_or_model, version: int) -> bool:
 
 @pytest.fixture(scope="module")
 def four():
-    holder = {}
-
-    def get() -> Cluster:
-        if "c" not in holder or holder["c"]._closed:
-            holder["c"] = Cluster(4, pg_timeout=30.0)
-        return holder["c"]
-
-    yield get
-    if "c" in holder:
-        holder["c"].close()
+    ranks = Ranks(4, pg_timeout=30.0)
+    yield ranks
+    ranks.close()
 
 
 def fan_out(rank, world, group, steps, standalone):
