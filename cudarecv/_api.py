@@ -123,12 +123,15 @@ def _start_send(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolida
             protocol = _stock_wire.send_leaves(lane, plan, plan.tags(init_tag, len(plan.tensors), pseudo_rand))
         else:
             place = _fast_wire.staging_place(lane, plan)
-            with lane.on_stream():
-                plan.pack(place)
-            if lane.stream is not None and not lane.nccl:
-                lane.stream.synchronize()  # gloo sends the page-locked copy: it must have landed
+
+            def pack() -> None:
+                with lane.on_stream():
+                    plan.pack(place)
+                if lane.stream is not None and not lane.nccl:
+                    lane.stream.synchronize()  # gloo sends the page-locked copy: it must have landed
+
             protocol = _fast_wire.send(lane, plan, plan.bucket_header.with_piece(bucket_bytes),
-                                       plan.pieces(bucket_bytes, place), init_tag, pseudo_rand)
+                                       plan.pieces(bucket_bytes, place), init_tag, pseudo_rand, pack=pack)
     transfer = Transfer(protocol, lane.stream)
     if lane.stream is not None or (bucket_bytes is not None and not consolidated):
         _track(plan, transfer)  # it uses the plan's staging: the next transfer waits for it

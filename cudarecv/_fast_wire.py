@@ -64,10 +64,16 @@ def wire_bytes(lane: Lane, data: bytes) -> Tensor:
 
 
 def send(lane: Lane, plan: Plan, header: Header, pieces: list[Tensor], init_tag: int,
-         pseudo_rand: bool) -> Protocol:
-    """Send ``header`` then ``pieces`` (already written: see :meth:`Plan.pack`)."""
+         pseudo_rand: bool, pack: Callable[[], None] | None = None) -> Protocol:
+    """Send ``header`` then ``pieces``, all posted in the first step.
+
+    ``pack()`` (if given) writes the pieces; it runs once the header is
+    posted, so the receiver checks the header and posts its receives meanwhile.
+    """
     tags = _tags(plan, init_tag, pseudo_rand, len(pieces))
     head = yield from send_from(lane, [wire_bytes(lane, header.pack())], tags[:1], defer=True)
+    if pack is not None:
+        pack()
     yield from send_from(lane, pieces, tags[1:])
     if head:
         yield head

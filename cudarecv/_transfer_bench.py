@@ -32,8 +32,12 @@ every mode of that workload uses. The modes, by ``impl``:
 - ``cudarecv``: the same three, plus ``buckets <N>`` (``bucket_bytes=N``) and
   ``chunks <N>`` (``consolidated=True, bucket_bytes=N``);
 - ``raw`` torch.distributed: ``flat recv`` (``dist.send/recv`` of one uint8
-  buffer of the payload's bytes) and ``per-leaf dist.irecv``
-  (``dist.isend/irecv`` of every leaf, tags 0, 1, ...).
+  buffer of the payload's bytes), ``per-leaf dist.irecv``
+  (``dist.isend/irecv`` of every leaf, tags 0, 1, ...) and ``buckets <N>``,
+  hand-rolled bucketing: the sender packs every leaf into one buffer
+  (``torch.cat``) and sends it in N-byte pieces, the receiver receives the
+  pieces into one buffer and copies the leaves out (``torch._foreach_copy_``):
+  the same bytes moved as cudarecv's buckets, without the header or any overlap.
 
 ``N`` is written ``256KiB``, ``1MiB``, ... or in bytes.
 """
@@ -56,7 +60,7 @@ SENDER, RECEIVER = 0, 1
 MODES: dict[str, tuple[str, ...]] = {
     "stock": ("per-leaf", "per-leaf pseudo_rand", "consolidated"),
     "cudarecv": ("per-leaf", "per-leaf pseudo_rand", "consolidated", "buckets <N>", "chunks <N>"),
-    "raw": ("flat recv", "per-leaf dist.irecv"),
+    "raw": ("flat recv", "per-leaf dist.irecv", "buckets <N>"),
 }
 
 _UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30,
@@ -93,7 +97,7 @@ def parse_mode(impl: str, mode: str) -> tuple[str, int | None]:
     """Check ``impl``/``mode``; return (mode kind, bucket bytes or None).
 
     Kinds: ``per-leaf``, ``per-leaf pseudo_rand``, ``consolidated``, ``buckets``,
-    ``chunks``, ``flat recv``, ``per-leaf dist.irecv``.
+    ``chunks``, ``flat recv``, ``per-leaf dist.irecv`` (``buckets`` is cudarecv's or raw).
     """
     if impl not in MODES:
         raise ValueError(f"unknown impl {impl!r}; pick one of {sorted(MODES)}")
@@ -152,6 +156,7 @@ def leaf_modes(bucket: str) -> list[tuple[str, str, str | None]]:
         ("stock", "consolidated", None),
         ("raw", "flat recv", None),
         ("raw", "per-leaf dist.irecv", "per-leaf"),
+        ("raw", f"buckets {bucket}", "per-leaf"),
         ("cudarecv", "per-leaf", None),
         ("cudarecv", "per-leaf pseudo_rand", None),
         ("cudarecv", "consolidated", None),
@@ -316,6 +321,8 @@ def make_op(case: dict, group: Any) -> Op:
 
     td = w.consolidated() if kind in ("consolidated", "chunks") else w.per_leaf()
     leaves = _leaves(td)
+    if impl == "raw" and kind == "buckets":
+        return _raw_buckets(leaves, piece, group, w.base)
     if impl == "raw":  # per-leaf dist.irecv
         if group is None:
             def send() -> None:
@@ -341,6 +348,31 @@ def make_op(case: dict, group: Any) -> Op:
                   lambda: _Distributed.irecv(td, **frm, **options), leaves, base=w.base)
     return Op(lambda: cudarecv.isend(td, **to, **options), lambda: cudarecv.irecv(td, **frm, **options),
               leaves, base=w.base)
+
+
+def _raw_buckets(leaves: list[torch.Tensor], piece: int, group: Any, base: torch.Tensor) -> Op:
+    """Hand-rolled bucketing with torch.distributed (see the module docstring)."""
+    views = [t.reshape(-1).view(torch.uint8) for t in leaves]
+    staging = torch.empty(sum(v.numel() for v in views), dtype=torch.uint8)
+    pieces = list(staging.split(piece))
+    parts = list(staging.split([v.numel() for v in views]))
+
+    def post(sending: bool, t: torch.Tensor, tag: int) -> Any:
+        if group is None:
+            return dist.isend(t, dst=RECEIVER, tag=tag) if sending else dist.irecv(t, src=SENDER, tag=tag)
+        return group.send([t], RECEIVER, tag) if sending else group.recv([t], SENDER, tag)
+
+    def send() -> None:
+        torch.cat(views, out=staging)
+        for work in [post(True, p, i) for i, p in enumerate(pieces)]:
+            work.wait()
+
+    def recv() -> None:
+        for work in [post(False, p, i) for i, p in enumerate(pieces)]:
+            work.wait()
+        torch._foreach_copy_(views, parts)
+
+    return Op(send, recv, leaves, base=base)
 
 
 def _sync(group: Any) -> None:

@@ -8,6 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from cudarecv import _transfer_bench as tb
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # --quick: 64 leaves of 1 KiB, a 1 MiB consolidated tensordict, bucket_bytes 16 KiB
@@ -18,6 +22,7 @@ EXPECTED = {
         ("stock", "consolidated"),
         ("raw", "flat recv"),
         ("raw", "per-leaf dist.irecv"),
+        ("raw", "buckets 16KiB"),
         ("cudarecv", "per-leaf"),
         ("cudarecv", "per-leaf pseudo_rand"),
         ("cudarecv", "consolidated"),
@@ -76,9 +81,19 @@ def test_compare_quick() -> None:
             assert row["vs raw"].endswith("x"), row
     raws = [row for rows in cases.values() for row in rows if row["impl"] == "raw" and row["mode"] == "flat recv"]
     assert all(row["vs raw"] == "1.00x" for row in raws)
-    assert "# checks: all 16 modes delivered the right values" in proc.stdout
+    assert "# checks: all 17 modes delivered the right values" in proc.stdout
 
     # one progress line per mode, flushed as each completes
-    progress = [line for line in proc.stderr.splitlines() if re.match(r"\[\s*\d+/16\]", line)]
-    assert len(progress) == 16, proc.stderr
+    progress = [line for line in proc.stderr.splitlines() if re.match(r"\[\s*\d+/17\]", line)]
+    assert len(progress) == 17, proc.stderr
     assert all(line.rstrip().endswith("ok") for line in progress), proc.stderr
+
+
+@pytest.mark.parametrize("standalone", [False, True], ids=["default_group", "standalone_group"])
+def test_raw_buckets_baseline_delivers(cluster, standalone) -> None:
+    """The hand-rolled bucketing baseline moves the right bytes (leaves split across pieces)."""
+    case = dict(leaves=40, leaf_bytes=3000, impl="raw", mode="buckets 7KiB", iters=2, warmup=1)
+    results = cluster().run(tb.time_case, args=(case,), standalone=standalone)
+    receiver = results[1]
+    assert receiver["ok"], receiver["error"]
+    assert len(receiver["seconds"]) == 2
