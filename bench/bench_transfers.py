@@ -27,7 +27,8 @@ case (its pytest-benchmark ``stats`` are the parent's wall time of that call,
 Cases (all float32 leaves, a tenth of them nested):
 
 - ``2000 x 8KiB``: many small leaves, every mode; targets: cudarecv
-  ``buckets 1MiB`` >= 4x stock ``per-leaf`` (isend/irecv);
+  ``buckets 1MiB`` >= 4x stock ``per-leaf`` (isend/irecv); raw ``buckets 1MiB``
+  (hand-rolled: cat, N-byte isend/irecv, copy out) is that wire's floor;
 - ``2000 x 8KiB fast wire``: ``bucket_bytes`` 256KiB/1MiB/4MiB, buckets and chunks;
 - ``consolidated 256MiB``: 200 leaves in one consolidated tensordict on both
   sides; targets: cudarecv ``consolidated`` >= 0.95x raw ``flat recv``,
@@ -88,6 +89,8 @@ SUITES: dict[str, dict[str, Any]] = {
 TARGETS = [
     ("cudarecv per-leaf vs stock per-leaf", "2000 x 8KiB", ("cudarecv", "per-leaf"), ("stock", "per-leaf"), None),
     ("buckets 1MiB vs stock per-leaf", "2000 x 8KiB", ("cudarecv", "buckets 1MiB"), ("stock", "per-leaf"), 4.0),
+    ("buckets 1MiB vs raw hand-rolled buckets 1MiB", "2000 x 8KiB", ("cudarecv", "buckets 1MiB"),
+     ("raw", "buckets 1MiB"), None),
     ("chunks 1MiB vs stock consolidated", "2000 x 8KiB", ("cudarecv", "chunks 1MiB"), ("stock", "consolidated"),
      None),
     ("consolidated vs raw flat recv", "consolidated 256MiB", ("cudarecv", "consolidated"), ("raw", "flat recv"),
