@@ -9,9 +9,11 @@ where the stock reference has another mode, and ``seconds``: the median of the
 receiver's own per-iteration times (rank 1 times each transfer from just
 before its receive call until the data has landed, after a barrier that starts
 both ends together; see :mod:`cudarecv._transfer_bench`). ``seconds_min``,
-``seconds_all`` (every timed iteration) and ``send_seconds`` (the sender's
-median) are kept too. ``ok`` says the values checked after the timed loop were
-right; a wrong transfer fails its bench.
+``seconds_all`` (every timed iteration), ``send_seconds`` (the sender's
+median), and ``cpu_seconds``/``send_cpu_seconds`` (the median CPU time of the
+receiving/sending process per transfer, every thread) are kept too. ``ok``
+says the values checked after the timed loop were right; a wrong transfer
+fails its bench.
 
 Design, to beat the noise of a shared 2-core machine: the impls of a case are
 measured side by side in one call into the ranks (:func:`time_suite`). Every
@@ -97,6 +99,9 @@ TARGETS = [
      0.95),
     ("chunks 1MiB vs raw flat recv", "consolidated 256MiB", ("cudarecv", "chunks 1MiB"), ("raw", "flat recv"), 1.3),
 ]
+# CPU seconds per transfer of both processes (all threads), where the 2 cores are the limit
+CPU_COST = [("2000 x 8KiB", [("cudarecv", "buckets 1MiB"), ("raw", "buckets 1MiB"), ("cudarecv", "chunks 1MiB"),
+                             ("stock", "per-leaf")])]
 # pseudo_rand cost: time with pseudo_rand / time without (1.0 = free)
 PSEUDO_RAND_COST = [("stock", "2000 x 8KiB"), ("cudarecv", "2000 x 8KiB")]
 
@@ -128,6 +133,11 @@ def _target_lines(name: str, rows: dict[tuple[str, str], dict]) -> list[str]:
             ratio = rows[ref]["seconds"] / rows[mine]["seconds"]
             verdict = "" if target is None else f"  (target >= {target:g}x: {'met' if ratio >= target else 'MISSED'})"
             lines.append(f"{case}: {label}: {ratio:.2f}x{verdict}")
+    for case, modes in CPU_COST:
+        if case == name:
+            cost = [f"{impl} {mode} {rows[(impl, mode)]['send_cpu_seconds'] * 1e3:.1f} + "
+                    f"{rows[(impl, mode)]['cpu_seconds'] * 1e3:.1f} ms" for impl, mode in modes if (impl, mode) in rows]
+            lines.append(f"{case}: CPU per transfer, sender + receiver process: " + "; ".join(cost))
     for impl, case in PSEUDO_RAND_COST:
         plain, rand = rows.get((impl, "per-leaf")), rows.get((impl, "per-leaf pseudo_rand"))
         if case == name and plain and rand:
@@ -151,6 +161,8 @@ def _bench(benchmark: Any, holder: Any, targets: list[str], name: str, impl: str
         "seconds_min": row["seconds_min"],
         "seconds_all": row["seconds_all"],
         "send_seconds": row["send_seconds"],
+        "cpu_seconds": row["cpu_seconds"],
+        "send_cpu_seconds": row["send_cpu_seconds"],
         "rounds": SUITES[name]["rounds"],
         "iters": SUITES[name]["iters"],
         "suite_seconds": row["suite_seconds"],

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import gc
 import re
+import resource
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -382,16 +383,25 @@ def _sync(group: Any) -> None:
         group.barrier().wait()
 
 
-def _timed(rank: int, op: Op, count: int, group: Any) -> list[float]:
-    """``count`` iterations; this rank's seconds for each."""
+def _process_cpu() -> float:
+    """CPU seconds of this process so far, every thread (gloo's socket threads too)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _timed(rank: int, op: Op, count: int, group: Any, cpu: list[float] | None = None) -> list[float]:
+    """``count`` iterations; this rank's seconds for each (and, into ``cpu``, its process CPU seconds)."""
     call = op.recv if rank == RECEIVER else op.send
     out = []
     clock = time.perf_counter
     for _ in range(count):
         _sync(group)
+        c0 = _process_cpu()
         t0 = clock()
         call()
         out.append(clock() - t0)
+        if cpu is not None:
+            cpu.append(_process_cpu() - c0)
     return out
 
 
@@ -469,16 +479,17 @@ def time_suite(rank: int, world_size: int, group: Any, cases: Sequence[dict], ro
         raise ValueError("the cases of one suite must share their workload (leaves, leaf_bytes/total_bytes)")
     ops = [make_op(case, group) for case in cases]
     times: list[list[float]] = [[] for _ in cases]
+    cpu: list[list[float]] = [[] for _ in cases]
     for op, case in zip(ops, cases):
         _timed(rank, op, case.get("warmup", 1), group)
     n = len(cases)
     for r in range(rounds):
         for j in [(r + k) % n for k in range(n)]:
-            times[j] += _timed(rank, ops[j], cases[j].get("iters", 1), group)
+            times[j] += _timed(rank, ops[j], cases[j].get("iters", 1), group, cpu[j])
     out = []
-    for op, t in zip(ops, times):
+    for op, t, c in zip(ops, times, cpu):
         problem = _verify(rank, op, group)
-        out.append({"rank": rank, "seconds": t, "ok": problem is None, "error": problem})
+        out.append({"rank": rank, "seconds": t, "cpu_seconds": c, "ok": problem is None, "error": problem})
     return out
 
 
@@ -490,11 +501,13 @@ def summarize(case: dict, per_rank: Sequence[dict]) -> dict:
 
     Returns ``case`` plus ``bytes``, ``seconds`` (median of the receiver's
     iterations), ``seconds_min``, ``seconds_all``, ``send_seconds`` (the
-    sender's median), ``ok`` and ``error``.
+    sender's median), ``ok`` and ``error``; with per-iteration process CPU
+    times (:func:`time_suite`), ``cpu_seconds`` and ``send_cpu_seconds``, the
+    receiver's and the sender's medians (all threads of each process).
     """
     recv, send = per_rank[RECEIVER], per_rank[SENDER]
     times = sorted(recv["seconds"])
-    return {
+    row = {
         **case,
         "bytes": payload_bytes(case),
         "seconds": median(times),
@@ -504,6 +517,10 @@ def summarize(case: dict, per_rank: Sequence[dict]) -> dict:
         "ok": bool(recv["ok"]),
         "error": recv["error"],
     }
+    if recv.get("cpu_seconds") and send.get("cpu_seconds"):
+        row["cpu_seconds"] = median(sorted(recv["cpu_seconds"]))
+        row["send_cpu_seconds"] = median(sorted(send["cpu_seconds"]))
+    return row
 
 
 def run_suite_once(ranks: Any, name: str, targets: list[str], *, rank_fn: Callable[..., list[dict]],
