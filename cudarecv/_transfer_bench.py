@@ -325,22 +325,15 @@ def make_op(case: dict, group: Any) -> Op:
     if impl == "raw" and kind == "buckets":
         return _raw_buckets(leaves, piece, group, w.base)
     if impl == "raw":  # per-leaf dist.irecv
-        if group is None:
-            def send() -> None:
-                for work in [dist.isend(t, dst=RECEIVER, tag=i) for i, t in enumerate(leaves)]:
-                    work.wait()
+        post = _raw_poster(group)
 
-            def recv() -> None:
-                for work in [dist.irecv(t, src=SENDER, tag=i) for i, t in enumerate(leaves)]:
-                    work.wait()
-        else:
-            def send() -> None:
-                for work in [group.send([t], RECEIVER, i) for i, t in enumerate(leaves)]:
-                    work.wait()
+        def send() -> None:
+            for work in [post(True, t, i) for i, t in enumerate(leaves)]:
+                work.wait()
 
-            def recv() -> None:
-                for work in [group.recv([t], SENDER, i) for i, t in enumerate(leaves)]:
-                    work.wait()
+        def recv() -> None:
+            for work in [post(False, t, i) for i, t in enumerate(leaves)]:
+                work.wait()
         return Op(send, recv, leaves, base=w.base)
 
     options = mode_options(kind, piece)
@@ -351,17 +344,22 @@ def make_op(case: dict, group: Any) -> Op:
               leaves, base=w.base)
 
 
+def _raw_poster(group: Any) -> Callable[[bool, torch.Tensor, int], Any]:
+    """``post(sending, tensor, tag)``: one raw send to / receive from the peer, on ``group`` or the default group."""
+    def post(sending: bool, t: torch.Tensor, tag: int) -> Any:
+        if group is None:
+            return dist.isend(t, dst=RECEIVER, tag=tag) if sending else dist.irecv(t, src=SENDER, tag=tag)
+        return group.send([t], RECEIVER, tag) if sending else group.recv([t], SENDER, tag)
+    return post
+
+
 def _raw_buckets(leaves: list[torch.Tensor], piece: int, group: Any, base: torch.Tensor) -> Op:
     """Hand-rolled bucketing with torch.distributed (see the module docstring)."""
     views = [t.reshape(-1).view(torch.uint8) for t in leaves]
     staging = torch.empty(sum(v.numel() for v in views), dtype=torch.uint8)
     pieces = list(staging.split(piece))
     parts = list(staging.split([v.numel() for v in views]))
-
-    def post(sending: bool, t: torch.Tensor, tag: int) -> Any:
-        if group is None:
-            return dist.isend(t, dst=RECEIVER, tag=tag) if sending else dist.irecv(t, src=SENDER, tag=tag)
-        return group.send([t], RECEIVER, tag) if sending else group.recv([t], SENDER, tag)
+    post = _raw_poster(group)
 
     def send() -> None:
         torch.cat(views, out=staging)
