@@ -8,6 +8,7 @@ The signatures and the wire are those of ``TensorDictBase`` in tensordict
 from __future__ import annotations
 
 import contextlib
+import operator
 from typing import Any
 
 import torch
@@ -15,9 +16,11 @@ from tensordict import TensorDictBase
 
 from . import _cuda, _fast_wire, _stock_wire
 from ._handle import Transfer
+from ._header import check_pieces
 from ._link import Link, resolve
 from ._plan import Plan, forget_plan, plan_for
 from ._staging import Lane
+from ._transport import MAX_TAG
 from ._walk import unwrap
 
 
@@ -33,19 +36,34 @@ def check_bucket_bytes(bucket_bytes: object) -> None:
 
 
 def _check_options(init_tag: object, pseudo_rand: object, consolidated: object,
-                   bucket_bytes: object) -> None:
+                   bucket_bytes: object) -> int:
+    """Check the options of a call before anything else; return ``init_tag`` as an int."""
     check_bucket_bytes(bucket_bytes)
     if consolidated and bucket_bytes is None:
-        return  # one message with tag 0: stock ignores init_tag and pseudo_rand here
-    if not isinstance(init_tag, int) or isinstance(init_tag, bool):
-        raise TypeError(f"`init_tag` must be an int, got {type(init_tag).__name__}")
-    if pseudo_rand and init_tag < 0:
-        raise ValueError(
-            f"`init_tag={init_tag}` is negative, but `pseudo_rand=True` seeds numpy with it, "
-            "which takes non-negative seeds only: pass init_tag >= 0"
-        )
+        return 0  # one message with tag 0: stock ignores init_tag and pseudo_rand here
+    if isinstance(init_tag, bool):
+        raise TypeError("`init_tag` must be an int, got bool")
+    try:
+        init_tag = operator.index(init_tag)  # numpy integers too, as stock takes them
+    except TypeError:
+        raise TypeError(f"`init_tag` must be an int, got {type(init_tag).__name__}") from None
+    if init_tag < 0:
+        fix = ("`pseudo_rand=True` seeds numpy with it, which takes non-negative seeds only" if pseudo_rand
+               else "gloo takes tags 0..2**31 - 1")
+        raise ValueError(f"`init_tag={init_tag}` is negative, but {fix}: pass init_tag >= 0")
     if bucket_bytes is not None:
-        _fast_wire.check_init_tag(init_tag, bool(pseudo_rand))
+        _fast_wire.check_init_tag(init_tag)
+    return init_tag
+
+
+def _check_tags(init_tag: int, leaves: int, pseudo_rand: bool) -> None:
+    """The stock wire's tags ``init_tag .. init_tag + leaves - 1`` must all be valid tags
+    (pseudo-random tags are below 10000)."""
+    if not pseudo_rand and leaves and init_tag + leaves - 1 > MAX_TAG:
+        raise ValueError(
+            f"`init_tag={init_tag}` with {leaves} leaves needs tags up to {init_tag + leaves - 1}, past "
+            f"the largest tag 2**31 - 1: pass init_tag <= {MAX_TAG - leaves + 1}"
+        )
 
 
 def _prepare(td: Any) -> tuple[TensorDictBase, Plan]:
@@ -115,9 +133,14 @@ def _start_send(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolida
         if bucket_bytes is None:
             protocol = _stock_wire.send_storage(lane, storage)
         else:
-            protocol = _fast_wire.send(lane, plan, plan.chunk_header(inner).with_piece(bucket_bytes),
-                                       plan.chunks(inner, bucket_bytes), init_tag, pseudo_rand)
+            check_pieces(storage.numel(), bucket_bytes, "consolidated storage")
+            protocol = _fast_wire.send(lane, plan.chunk_header(inner).with_piece(bucket_bytes),
+                                       plan.chunks(inner, bucket_bytes), init_tag)
     else:
+        if bucket_bytes is None:
+            _check_tags(init_tag, len(plan.tensors), pseudo_rand)
+        else:
+            check_pieces(plan.total, bucket_bytes)
         lane = _lane(link, plan.device, stream, plan.pool)
         if bucket_bytes is None:
             protocol = _stock_wire.send_leaves(lane, plan, plan.tags(init_tag, len(plan.tensors), pseudo_rand))
@@ -130,8 +153,8 @@ def _start_send(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolida
                 if lane.stream is not None and not lane.nccl:
                     lane.stream.synchronize()  # gloo sends the page-locked copy: it must have landed
 
-            protocol = _fast_wire.send(lane, plan, plan.bucket_header.with_piece(bucket_bytes),
-                                       plan.pieces(bucket_bytes, place), init_tag, pseudo_rand, pack=pack)
+            protocol = _fast_wire.send(lane, plan.bucket_header.with_piece(bucket_bytes),
+                                       plan.pieces(bucket_bytes, place), init_tag, pack=pack)
     transfer = Transfer(protocol, lane.stream)
     if lane.stream is not None or (bucket_bytes is not None and not consolidated):
         _track(plan, transfer)  # it uses the plan's staging: the next transfer waits for it
@@ -147,17 +170,18 @@ def _start_recv(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolida
         if bucket_bytes is None:
             protocol = _stock_wire.recv_storage(lane, storage, td)
         else:
-            protocol = _fast_wire.recv(lane, plan, plan.chunk_header(inner),
-                                       lambda piece: plan.chunks(inner, piece), init_tag, pseudo_rand, td)
+            protocol = _fast_wire.recv(lane, plan.chunk_header(inner), lambda piece: plan.chunks(inner, piece),
+                                       init_tag, td)
     else:
+        if bucket_bytes is None:
+            _check_tags(init_tag, len(plan.tensors), pseudo_rand)
         lane = _lane(link, plan.device, stream, plan.pool)
         if bucket_bytes is None:
             protocol = _stock_wire.recv_leaves(lane, plan, plan.tags(init_tag, len(plan.tensors), pseudo_rand), td)
         else:
             place = _fast_wire.staging_place(lane, plan)
-            protocol = _fast_wire.recv(lane, plan, plan.bucket_header, lambda piece: plan.pieces(piece, place),
-                                       init_tag, pseudo_rand, td,
-                                       landed=lambda piece, i: plan.unpack(piece, i, place))
+            protocol = _fast_wire.recv(lane, plan.bucket_header, lambda piece: plan.pieces(piece, place),
+                                       init_tag, td, landed=lambda piece, i: plan.unpack(piece, i, place))
     transfer = Transfer(protocol, lane.stream)
     if lane.stream is not None or (bucket_bytes is not None and not consolidated):
         _track(plan, transfer)  # it uses the plan's staging: the next transfer waits for it
@@ -183,7 +207,7 @@ def isend(td: Any, dst: int | None = None, *, group: Any = None, group_dst: int 
     Example:
         >>> cudarecv.isend(td, dst=1, bucket_bytes=1 << 20)
     """
-    _check_options(init_tag, pseudo_rand, consolidated, bucket_bytes)
+    init_tag = _check_options(init_tag, pseudo_rand, consolidated, bucket_bytes)
     link = resolve(dst, group_dst, group, "dst", "group_dst")
     transfer, plan = _start_send(td, link, init_tag, pseudo_rand, consolidated, bucket_bytes, stream)
     if return_early:
@@ -212,7 +236,7 @@ def irecv(td: Any, src: int | None = None, *, group: Any = None, group_src: int 
     Example:
         >>> cudarecv.irecv(td, src=0, bucket_bytes=1 << 20)
     """
-    _check_options(init_tag, pseudo_rand, consolidated, bucket_bytes)
+    init_tag = _check_options(init_tag, pseudo_rand, consolidated, bucket_bytes)
     link = resolve(src, group_src, group, "src", "group_src")
     transfer, plan = _start_recv(td, link, init_tag, pseudo_rand, consolidated, bucket_bytes, stream)
     if return_premature:  # stock returns one work per leaf: none for a tensordict without leaves
@@ -233,7 +257,7 @@ def recv(td: Any, src: int | None = None, *, group: Any = None, group_src: int |
          init_tag: int = 0, pseudo_rand: bool = False, consolidated: bool = False,
          bucket_bytes: int | None = None, stream: Any = None) -> int | None:
     """Blocking :func:`irecv`; returns the last tag (``None`` when ``consolidated``), as stock."""
-    _check_options(init_tag, pseudo_rand, consolidated, bucket_bytes)
+    init_tag = _check_options(init_tag, pseudo_rand, consolidated, bucket_bytes)
     link = resolve(src, group_src, group, "src", "group_src")
     transfer, plan = _start_recv(td, link, init_tag, pseudo_rand, consolidated, bucket_bytes, stream)
     transfer.wait()

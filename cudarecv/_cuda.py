@@ -8,9 +8,12 @@ transfers that touch a GPU.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from typing import Any
 
 import torch
+
+from ._lru import lru_get
 
 _STREAMS: dict[int, "torch.cuda.Stream"] = {}
 
@@ -132,9 +135,11 @@ class StagingPool:
     """Staging buffers allocated once and reused: at most ``depth`` per (place, size).
 
     ``place`` is ``"pinned"`` (page-locked host memory, for gloo <-> CUDA) or a
-    CUDA device (for NCCL <-> host). The pool never frees a buffer it handed
-    out; the same request returns the same buffers, so steady state allocates
-    nothing. ``allocations`` counts the buffers ever allocated (for tests). Each
+    CUDA device (for NCCL <-> host). The same request returns the same buffers,
+    so steady state allocates nothing; at most ``sizes`` distinct (place, size)
+    pairs are kept (message sizes follow the peer's ``bucket_bytes``), the least
+    recently used freed once its fences have fired. ``allocations`` counts the
+    buffers ever allocated (for tests). Each
     owner (a tensordict's plan, a weight sender or receiver) has its own pool,
     used by one transfer at a time; :meth:`fence` is the CUDA event of the last
     stream copy that touches a buffer (see :mod:`._staging`).
@@ -146,17 +151,17 @@ class StagingPool:
         True
     """
 
-    def __init__(self, depth: int = 2) -> None:
+    def __init__(self, depth: int = 2, sizes: int = 4) -> None:
         self.depth = depth
+        self.sizes = sizes
         self.allocations = 0
-        self._buffers: dict[tuple[str, int], list[torch.Tensor]] = {}
+        self._buffers: OrderedDict[tuple[str, int], list[torch.Tensor]] = OrderedDict()
         self._fences: dict[int, Any] = {}
 
     def buffers(self, place: str | torch.device, nbytes: int, count: int | None = None) -> list[torch.Tensor]:
         """``min(count, depth)`` uint8 buffers of ``nbytes`` on ``place``, reused across calls."""
         count = self.depth if count is None else min(count, self.depth)
-        key = (str(place), nbytes)
-        found = self._buffers.setdefault(key, [])
+        found = lru_get(self._buffers, (str(place), nbytes), list, self.sizes, evict=self._retire)
         while len(found) < count:
             found.append(_allocate(place, nbytes))
             self.allocations += 1
@@ -168,6 +173,12 @@ class StagingPool:
 
     def set_fence(self, buffer: torch.Tensor, event: Any) -> None:
         self._fences[buffer.data_ptr()] = event
+
+    def _retire(self, buffers: list[torch.Tensor]) -> None:
+        for buffer in buffers:
+            event = self._fences.pop(buffer.data_ptr(), None)
+            if event is not None:
+                event.synchronize()  # a queued copy may still use it
 
 
 def _allocate(place: str | torch.device, nbytes: int) -> torch.Tensor:

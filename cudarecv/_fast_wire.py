@@ -12,36 +12,47 @@ On a mismatch it receives the payload into a scratch buffer (so the link stays
 in step), leaves its tensordict untouched and raises :class:`HeaderError`.
 The payload size follows the sender's ``bucket_bytes``; the receiver's only
 selects the fast wire.
+
+Tags: the header on ``HEADER_TAGS + init_tag``, every payload message on
+``PIECE_TAGS + init_tag`` (messages with one tag are matched in order). Headers
+and payloads can never take each other's tag, whatever ``init_tag`` and
+``bucket_bytes``; transfers with different ``init_tag`` share no tag at all, so
+they may be in flight on one link at once and be waited in any order.
+``pseudo_rand`` does not change fast-wire tags.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
-import torch
 from torch import Tensor
 
-from . import _cuda
+from ._control import read_bytes, wire_bytes
 from ._handle import Protocol
-from ._header import KIND_NAMES, SIZE, Header, HeaderError
+from ._header import KIND_NAMES, SIZE, Header, HeaderError, drain_limit
 from ._plan import Plan
 from ._staging import Lane, drain, recv_into, send_from
 
-TAG_BASE = 1 << 30  # fast-wire tags live above every stock tag
-MAX_INIT_TAG = 1 << 29
+HEADER_TAGS = 1 << 30  # the header of a transfer with init_tag t has tag HEADER_TAGS + t
+PIECE_TAGS = HEADER_TAGS + (1 << 28)  # all its payload messages have tag PIECE_TAGS + t
+MAX_INIT_TAG = 1 << 28  # so both ranges stay apart and below 2**31 (weight sync uses 2**30 + 2**29 + k)
 
 
-def check_init_tag(init_tag: int, pseudo_rand: bool) -> None:
-    """Fast-wire tags are ``TAG_BASE + tag_sequence(init_tag, ...)`` and must fit an int32."""
-    if not pseudo_rand and not 0 <= init_tag < MAX_INIT_TAG:
+def check_init_tag(init_tag: int) -> None:
+    """Fast-wire tags are ``HEADER_TAGS + init_tag`` and ``PIECE_TAGS + init_tag``."""
+    if not 0 <= init_tag < MAX_INIT_TAG:
         raise ValueError(
             f"`init_tag={init_tag}` is out of range for the fast wire (bucket_bytes): "
             f"pass 0 <= init_tag < {MAX_INIT_TAG}"
         )
 
 
-def _tags(plan: Plan, init_tag: int, pseudo_rand: bool, pieces: int) -> list[int]:
-    return [TAG_BASE + t for t in plan.tags(init_tag, 1 + pieces, pseudo_rand)]
+def header_tag(init_tag: int) -> int:
+    return HEADER_TAGS + init_tag
+
+
+def piece_tag(init_tag: int) -> int:
+    return PIECE_TAGS + init_tag
 
 
 def staging_place(lane: Lane, plan: Plan) -> str:
@@ -51,77 +62,55 @@ def staging_place(lane: Lane, plan: Plan) -> str:
     return "pinned" if plan.device.type == "cuda" else "cpu"
 
 
-def wire_bytes(lane: Lane, data: bytes) -> Tensor:
-    """``data`` as a tensor the wire can send: host memory for gloo; for NCCL a device
-    copy made on the transfer stream (from page-locked memory, so the host does not wait)."""
-    host = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    if not lane.nccl:
-        return host
-    device = torch.empty(len(data), dtype=torch.uint8, device=lane.stream.device)
-    with lane.on_stream():
-        device.copy_(host.pin_memory(), non_blocking=True)
-    return device
-
-
-def send(lane: Lane, plan: Plan, header: Header, pieces: list[Tensor], init_tag: int,
-         pseudo_rand: bool, pack: Callable[[], None] | None = None) -> Protocol:
+def send(lane: Lane, header: Header, pieces: list[Tensor], init_tag: int,
+         pack: Callable[[], None] | None = None) -> Protocol:
     """Send ``header`` then ``pieces``, all posted in the first step.
 
     ``pack()`` (if given) writes the pieces; it runs once the header is
     posted, so the receiver checks the header and posts its receives meanwhile.
     """
-    tags = _tags(plan, init_tag, pseudo_rand, len(pieces))
-    head = yield from send_from(lane, [wire_bytes(lane, header.pack())], tags[:1], defer=True)
+    head = yield from send_from(lane, [wire_bytes(lane, header.pack())], [header_tag(init_tag)], defer=True)
     if pack is not None:
         pack()
-    yield from send_from(lane, pieces, tags[1:])
+    yield from send_from(lane, pieces, [piece_tag(init_tag)] * len(pieces))
     if head:
         yield head
     return None
 
 
-def read_bytes(lane: Lane, size: int, tag: int) -> Any:
-    """Receive one ``size``-byte message and return its bytes (a sub-protocol).
-
-    On NCCL the message lands in device memory and comes back to the host
-    through page-locked memory on the transfer stream; the host waits for it in
-    a later step, never in the call that posts the receive.
-    """
-    if not lane.nccl:
-        raw = torch.empty(size, dtype=torch.uint8)
-        yield from recv_into(lane, [raw], [tag])
-        return raw.numpy().tobytes()
-    raw = torch.empty(size, dtype=torch.uint8, device=lane.stream.device)
-    host = lane.pool.buffers("pinned", size, count=1)[0]
-    yield from recv_into(lane, [raw], [tag])
-    with lane.on_stream():
-        host.copy_(raw, non_blocking=True)
-        arrived = _cuda.record(lane.stream)
-    yield [_cuda.EventWork(arrived)]
-    return host.numpy().tobytes()
+def _too_long(text: str) -> HeaderError:
+    return HeaderError(f"{text} (not drained, the link is out of step)")
 
 
-def recv(lane: Lane, plan: Plan, expected: Header, pieces_for: Callable[[int], list[Tensor]],
-         init_tag: int, pseudo_rand: bool, result: object,
-         landed: Callable[[int, int], None] | None = None) -> Protocol:
+def recv(lane: Lane, expected: Header, pieces_for: Callable[[int], list[Tensor]], init_tag: int,
+         result: object, landed: Callable[[int, int], None] | None = None) -> Protocol:
     """Receive a header, check it against ``expected``, then the payload.
 
     ``pieces_for(piece_bytes)`` returns the receive buffers for the sender's
     message size; ``landed(piece_bytes, i)`` (if given) runs as soon as piece i
-    is in, while the next pieces are still on the wire.
+    is in, while the next pieces are still on the wire. A mismatched payload is
+    drained (the link stays in step) if it is at most :func:`drain_limit` bytes.
     """
-    header = Header.unpack((yield from read_bytes(lane, SIZE, _tags(plan, init_tag, pseudo_rand, 0)[0])))
-    tags = _tags(plan, init_tag, pseudo_rand, len(header.pieces()))
+    raw = yield from read_bytes(lane, SIZE, header_tag(init_tag), "fast-wire header", _too_long)
+    header = Header.unpack(raw)
+    tag = piece_tag(init_tag)
     problem = _mismatch(expected, header)
     if problem:
-        yield from drain(lane, header.pieces(), tags[1:])
+        limit = drain_limit(expected.total)
+        if header.total > limit:
+            raise HeaderError(
+                f"{problem}; its {header.total} bytes are more than this receiver drains ({limit}): "
+                "not drained, the link is out of step; the tensordict was left untouched"
+            )
+        yield from drain(lane, header.total, header.piece, tag)
         raise HeaderError(
             f"{problem}: the payload was drained and the tensordict left untouched; "
             "receive into a tensordict with the sender's keys, shapes and dtypes "
-            "(and, consolidated, the same layout)"
+            "(and, consolidated, the same layout)", drained=True,
         )
+    pieces = pieces_for(header.piece)
     on_piece = None if landed is None else (lambda i: landed(header.piece, i))
-    yield from recv_into(lane, pieces_for(header.piece), tags[1:], landed=on_piece)
+    yield from recv_into(lane, pieces, [tag] * len(pieces), landed=on_piece)
     return result
 
 
@@ -134,4 +123,3 @@ def _mismatch(expected: Header, got: Header) -> str | None:
     ):
         return f"fast-wire mismatch: the sender sends {describe(got)}; this tensordict expects {describe(expected)}"
     return None
-

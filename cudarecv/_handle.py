@@ -4,19 +4,56 @@ A transfer is written as a generator (a *protocol*) that posts sends or
 receives and yields the ``Work``-like objects the host must see done before it
 can go on; it returns the call's result. :class:`Transfer` drives it: the first
 step runs at once (so the call has posted its first messages when it returns),
-the rest in :meth:`Transfer.wait` or :meth:`Transfer.done`.
+the rest in :meth:`Transfer.wait` or :meth:`Transfer.done`, or on a thread that
+drives it to its end.
+
+Two clocks bound a transfer, and only the first can fail it:
+
+- its own ``timeout``, given by its owner (a ``WeightSender`` or
+  ``WeightReceiver``): the transfer is then driven from its start on a background
+  thread (the owner's, or its own) and the deadline is kept by whoever waits for it. When it runs out the transfer
+  fails with ``TimeoutError`` and is never advanced again; its works are left to
+  run out (parked). No gloo wait is ever given a timeout: when one runs out gloo
+  closes *every* link of the process group, not just the late peer's. Without
+  an own timeout the process group's timeout applies, as for stock tensordict.
+- a caller's ``wait(timeout)``: when it runs out first, ``wait`` raises
+  ``TimeoutError`` and the transfer goes on, as in ``concurrent.futures``; wait
+  again, or check :meth:`done`.
+
+A transfer that ran out of its own time leaves its driver thread waiting on gloo
+(nothing can cancel a posted gloo send or receive). Were that wait to return
+while the interpreter shuts down (the peer exiting at the same moment), CPython
+would end the thread inside gloo's C++ frames and the process would abort
+(``SIGABRT``). So at exit, before shutdown, the links of such transfers' groups
+are closed (by one wait of 1 ms, which makes gloo close them) and the waits end
+cleanly.
+
+Every step of a protocol runs under ``torch.no_grad()``: the bytes cudarecv moves
+never join an autograd graph, whatever the leaves require.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import threading
 import time
+from collections import deque
 from datetime import timedelta
 from typing import Any, Callable, Generator, Sequence
 
 import torch
 
+from ._link import Link
+from ._transport import MAX_TAG, park
+
 Protocol = Generator[Sequence[Any], None, Any]
+#: rewrites a transfer's error (e.g. to name the peer); gets the error and the seconds since the start
+ErrorHook = Callable[[BaseException, float], BaseException]
+#: hands a job to a thread its owner keeps (e.g. one per peer)
+Submit = Callable[[Callable[[], None]], None]
+
+_UNBOUNDED = timedelta(days=3650)  # a gloo wait that never runs out (see the module docstring)
 
 
 class Transfer(torch.futures.Future):
@@ -35,55 +72,86 @@ class Transfer(torch.futures.Future):
         >>> other_stream.wait_event(transfer.event)  # on a GPU: order another stream too
     """
 
-    def __init__(self, protocol: Protocol, stream: Any = None,
-                 on_error: Callable[[BaseException], BaseException] | None = None) -> None:
+    def __init__(self, protocol: Protocol, stream: Any = None, on_error: ErrorHook | None = None,
+                 timeout: float | None = None, driver: Submit | None = None, link: Link | None = None,
+                 raise_first: bool = True) -> None:
         super().__init__()
         self._protocol = protocol
+        self._link = link  # the link its works are on (to release an abandoned wait at exit)
         self._stream = stream
         self._on_error = on_error
+        self._driver = driver
         self._works: Sequence[Any] = ()
         self._finished = False
         self.failed = False  # whether the transfer ended in an error
-        self._driving = threading.Lock()  # one thread advances the protocol at a time
+        self._driving = threading.Lock()  # one thread drives (waits on works) at a time
+        self._state = threading.RLock()  # guards every step and the end
+        self._settled = threading.Event()  # set once finished or failed
+        self._helped = False  # whether a background thread was asked to drive it
+        self.started = time.monotonic()
+        #: the transfer's own time budget in seconds (None: the process group's timeout)
+        self.timeout = timeout
         self.event: Any = None
-        self._advance(first=True)
+        self._advance(first=True, raise_error=raise_first)
+        if timeout is not None:
+            self.settle_in_background()  # its clock runs from now: so must its progress
 
-    def _advance(self, first: bool = False) -> None:
-        try:
-            self._works = next(self._protocol) if first else self._protocol.send(None)
-        except StopIteration as stop:
-            self._works, self._finished = (), True
-            if self._stream is not None:
-                self.event = torch.cuda.Event()
-                self.event.record(self._stream)
-            self.set_result(stop.value)
-        except BaseException as error:
-            error = self._fail(error)
-            if first:
-                raise error
+    def _advance(self, first: bool = False, raise_error: bool = False) -> None:
+        with self._state:
+            if self._finished:
+                return  # it ended meanwhile (its own timeout ran out): never step it again
+            try:
+                with torch.no_grad():
+                    self._works = next(self._protocol) if first else self._protocol.send(None)
+            except StopIteration as stop:
+                self._works, self._finished = (), True
+                if self._stream is not None:
+                    self.event = torch.cuda.Event()
+                    self.event.record(self._stream)
+                self.set_result(stop.value)
+                self._settled.set()
+            except BaseException as error:
+                error = self._fail(error)
+                if raise_error:
+                    raise error
 
     def _fail(self, error: BaseException) -> BaseException:
-        """Record the failure (as ``on_error`` rewrites it) and return it."""
-        if self._on_error is not None:
-            rewritten = self._on_error(error)
-            if rewritten is not error:
-                rewritten.__cause__ = error
-            error = rewritten
-        self._works, self._finished, self.failed = (), True, True
-        self._protocol.close()
-        self.set_exception(error)
-        return error
+        """End the transfer with ``error`` (as ``on_error`` rewrites it) and return it."""
+        with self._state:
+            if self._on_error is not None:
+                rewritten = self._on_error(error, time.monotonic() - self.started)
+                if rewritten is not error:
+                    rewritten.__cause__ = error
+                error = rewritten
+            # works still in flight are never dropped (gloo would cancel them mid-stream), nor is the
+            # protocol closed: its frame holds works posted earlier (a deferred header send)
+            park((self._protocol, *self._works))
+            self._works, self._finished, self.failed = (), True, True
+            self.set_exception(error)
+            self._settled.set()
+            return error
+
+    def _expire(self) -> None:
+        """The transfer's own time ran out: fail it (unless it ended just now)."""
+        with self._state:
+            if not self._finished:
+                self._fail(TimeoutError(f"the transfer did not finish within {self.timeout:g} s"))
+                _abandon(self)
 
     def done(self) -> bool:
         """Whether the transfer has finished, advancing it if its pending works report completion.
 
         gloo's send/recv works report completion only inside ``wait()``, so a
-        multi-step transfer on gloo advances in :meth:`wait` (another thread may
-        call it; see ``WeightReceiver.pull(wait=False)``). For the same reason
-        ``torch.futures.wait_all``/``collect_all``/``then`` see the transfer end
-        only once something calls :meth:`wait` or :meth:`done`.
+        multi-step transfer on gloo advances in :meth:`wait` or on a thread that
+        drives it (``WeightReceiver.pull(wait=False)`` does so). For the same
+        reason ``torch.futures.wait_all``/``collect_all``/``then`` see the
+        transfer end only once something waits on it.
         """
-        if self._driving.acquire(blocking=False):
+        if self.timeout is not None and not self._settled.is_set():
+            self.settle_in_background()  # driven there; the deadline is kept here
+            if time.monotonic() >= self.started + self.timeout:
+                self._expire()
+        elif self._driving.acquire(blocking=False):
             try:
                 while not self._finished and all(w.is_completed() for w in self._works):
                     self._advance()
@@ -97,36 +165,87 @@ class Transfer(torch.futures.Future):
         """Finish the transfer and return its result (the tensordict of a receive).
 
         Args:
-            timeout: seconds for the whole transfer (each step waits at most what
-                is left); ``None`` leaves it to the process group's own timeout.
+            timeout: the most seconds this call waits. If it runs out before the
+                transfer ends, ``TimeoutError`` is raised and the transfer goes on
+                (driven to its end in the background); ``None`` waits for the end,
+                which the transfer's own timeout (or the process group's) bounds.
 
         Raises:
-            whatever the transfer raised (a header mismatch, a timeout, a dead peer);
-            a failed transfer raises the same error on every ``wait()``.
+            whatever the transfer raised (a header mismatch, its own timeout, a dead
+            peer); a failed transfer raises the same error on every ``wait()``.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        if not self._driving.acquire(timeout=-1 if timeout is None else timeout):
-            raise TimeoutError(f"the transfer did not finish within {timeout:g} s")
-        try:
-            self._drive(deadline, timeout)
-        finally:
-            self._driving.release()
+        if not self._settled.is_set():
+            if self.timeout is None and timeout is None:
+                self.settle()  # here, bounded by the process group's timeout
+            else:
+                self._wait_settled(timeout)
         if self.event is not None:
             torch.cuda.current_stream(self._stream.device).wait_event(self.event)
         return super().wait()
 
-    def _drive(self, deadline: float | None, timeout: float | None) -> None:
-        while not self._finished:
-            try:
-                for work in self._works:
-                    if deadline is None:
-                        work.wait()
-                    else:
-                        left = deadline - time.monotonic()
-                        if left <= 0:
-                            raise TimeoutError(f"the transfer did not finish within {timeout:g} s")
-                        work.wait(timedelta(seconds=left))
-            except BaseException as error:
-                self._fail(error)
-                break
-            self._advance()
+    def _wait_settled(self, timeout: float | None) -> None:
+        """Wait for the end while a background thread drives; keep the transfer's own deadline."""
+        self.settle_in_background()
+        own_left = None if self.timeout is None else self.started + self.timeout - time.monotonic()
+        if own_left is not None and (timeout is None or own_left <= timeout):
+            if not self._settled.wait(max(own_left, 0.0)):
+                self._expire()
+            return
+        if not self._settled.wait(timeout):
+            raise TimeoutError(
+                f"the transfer has not finished after {timeout:g} s; it goes on (wait again, or check done())"
+            )
+
+    def settle(self) -> None:
+        """Drive the transfer to its end on this thread; never raises (the error is the future's)."""
+        with self._driving:
+            while not self._finished:
+                works = self._works
+                try:
+                    for work in works:
+                        if self.timeout is None:
+                            work.wait()
+                        else:  # the deadline is the waiter's to keep (see the module docstring)
+                            work.wait(_UNBOUNDED)
+                except BaseException as error:
+                    with self._state:
+                        if not self._finished:
+                            self._fail(error)
+                    return
+                self._advance()
+
+    def settle_in_background(self) -> None:
+        """Make sure a thread drives the transfer to its end: the owner's driver if it has
+        one, else a daemon thread of its own. At most one is ever asked."""
+        with self._state:
+            if self._helped or self._finished:
+                return
+            self._helped = True
+        if self._driver is not None:
+            self._driver(self.settle)
+        else:
+            threading.Thread(target=self.settle, name="cudarecv-transfer", daemon=True).start()
+
+
+_ABANDONED: deque = deque(maxlen=256)  # transfers that ran out of time, their driver maybe still waiting
+
+
+def _abandon(transfer: Transfer) -> None:
+    if transfer._link is None or transfer._link.backend != "gloo":
+        return  # only a thread inside gloo's C++ wait aborts the process at shutdown
+    if not _ABANDONED:
+        atexit.register(_release_abandoned)
+    _ABANDONED.append(transfer)
+
+
+def _release_abandoned() -> None:
+    """At exit: end the gloo waits still blocked on abandoned transfers (see the module docstring)."""
+    stuck = [t for t in _ABANDONED if t._driving.locked()]
+    groups = {id(t._link.pg): t._link for t in stuck}
+    for link in groups.values():  # a wait that times out makes gloo close every link of its group
+        with contextlib.suppress(Exception):
+            link.pg.recv([torch.zeros(1, dtype=torch.uint8)], link.peer, MAX_TAG).wait(timedelta(milliseconds=1))
+    deadline = time.monotonic() + 1.0
+    for transfer in stuck:
+        if transfer._driving.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
+            transfer._driving.release()

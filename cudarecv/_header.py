@@ -14,7 +14,10 @@ Layout (little-endian)::
     padding   12x
 
 Nothing read from the wire is ever unpickled: the receiver compares the record
-with the one it computes for its own tensordict.
+with the one it computes for its own tensordict. Nothing is sized from a record
+before it is checked: a piece count above :data:`MAX_MESSAGES` (which senders
+refuse too) is a lie, and a receiver drains a mismatched payload only up to
+:func:`drain_limit` bytes.
 """
 
 from __future__ import annotations
@@ -37,10 +40,39 @@ KIND_NAMES = {KIND_BUCKETS: "buckets (non-consolidated)", KIND_CHUNKS: "chunks (
 _BODY = struct.Struct("<4sHHIIQQ16s")
 _CRC = struct.Struct("<I")
 SIZE = 64
+MAX_MESSAGES = 1 << 16  # payload messages per transfer: a bound both ends enforce
+DRAIN_FLOOR = 1 << 20  # a receiver drains a mismatched payload of up to max(2 x its own size, this)
 
 
 class HeaderError(ValueError):
-    """A fast-wire header that does not match the receiver (its payload was drained)."""
+    """A fast-wire header this receiver refuses; the tensordict is left untouched.
+
+    ``drained``: whether the payload was received and dropped, so the link is in
+    step and the next transfer works. When False (a record that is not a cudarecv
+    header, or one announcing more than this receiver drains) the link is out of
+    step: messages of that transfer may still arrive.
+    """
+
+    def __init__(self, message: str, *, drained: bool = False) -> None:
+        super().__init__(message)
+        self.drained = drained
+
+    def __reduce__(self):
+        return _rebuild, (type(self), str(self), self.drained)
+
+
+def _rebuild(cls: type, message: str, drained: bool) -> "HeaderError":
+    return cls(message, drained=drained)
+
+
+def messages(total: int, piece: int) -> int:
+    """How many messages of at most ``piece`` bytes carry ``total`` bytes."""
+    return -(-total // piece)
+
+
+def drain_limit(own_total: int) -> int:
+    """The most bytes a receiver expecting ``own_total`` drains from a mismatched sender."""
+    return max(2 * own_total, DRAIN_FLOOR)
 
 
 @dataclass(frozen=True)
@@ -63,27 +95,47 @@ class Header:
 
     @classmethod
     def unpack(cls, raw: bytes) -> "Header":
-        """Parse and check a received record; raises :class:`HeaderError` if it is not one."""
+        """Parse and check a received record; raises :class:`HeaderError` if it is not one,
+        or if its lengths are impossible (more than :data:`MAX_MESSAGES` messages)."""
         body, (crc,) = raw[: _BODY.size], _CRC.unpack_from(raw, _BODY.size)
         magic, version, kind, leaves, _, total, piece, schema = _BODY.unpack(body)
+        out_of_step = "not drained, the link is out of step"
         if magic != MAGIC or zlib.crc32(body) != crc:
             raise HeaderError(
                 "the first message is not a cudarecv header (bad magic or checksum): the "
-                "sender does not use the fast wire; pass the same bucket_bytes on both sides"
+                "sender does not use the fast wire; pass the same bucket_bytes on both sides "
+                f"({out_of_step})"
             )
-        if version != VERSION or kind not in KIND_NAMES or piece <= 0:
-            raise HeaderError(f"unsupported cudarecv header (version {version}, kind {kind})")
+        if version != VERSION or kind not in KIND_NAMES:
+            raise HeaderError(f"unsupported cudarecv header (version {version}, kind {kind}; {out_of_step})")
+        if piece <= 0 or messages(total, piece) > MAX_MESSAGES:
+            raise HeaderError(
+                f"the header announces {total} bytes in messages of {piece} bytes, more than the "
+                f"{MAX_MESSAGES} messages a transfer may have: a corrupt or hostile sender ({out_of_step})"
+            )
         return cls(kind, leaves, total, piece, schema)
-
-    def pieces(self) -> list[int]:
-        """The byte count of each payload message."""
-        return piece_sizes(self.total, self.piece)
 
 
 def piece_sizes(total: int, piece: int) -> list[int]:
     """``total`` bytes cut into messages of at most ``piece`` bytes."""
     full, rest = divmod(total, piece)
     return [piece] * full + ([rest] if rest else [])
+
+
+def cut(buffer: torch.Tensor, piece: int) -> list[torch.Tensor]:
+    """``buffer`` as views of at most ``piece`` bytes each, in order."""
+    sizes = piece_sizes(buffer.numel(), piece)
+    return list(buffer.split(sizes)) if sizes else []
+
+
+def check_pieces(total: int, bucket_bytes: int, what: str = "payload") -> None:
+    """A sender's ``bucket_bytes`` must not cut ``total`` bytes into more than :data:`MAX_MESSAGES`."""
+    count = messages(total, bucket_bytes)
+    if count > MAX_MESSAGES:
+        raise ValueError(
+            f"`bucket_bytes={bucket_bytes}` cuts the {total}-byte {what} into {count} messages, more than "
+            f"the {MAX_MESSAGES} a transfer may have: pass bucket_bytes >= {messages(total, MAX_MESSAGES)}"
+        )
 
 
 def schema_digest(paths: Sequence[Path], tensors: Sequence[torch.Tensor],

@@ -11,6 +11,7 @@ import operator
 from dataclasses import dataclass
 
 import torch.distributed as dist
+from torch._C._distributed_c10d import Backend as _C_Backend
 from torch.distributed import distributed_c10d as c10d
 
 
@@ -38,6 +39,15 @@ def _as_rank(value: object, name: str) -> int:
         raise TypeError(f"`{name}` must be an int rank, got {type(value).__name__}") from None
 
 
+def _check_group(group: object) -> None:
+    """``group`` is a process group (registered or standalone) or a backend object built on a store."""
+    if group is not None and not isinstance(group, (dist.ProcessGroup, _C_Backend)):
+        raise TypeError(
+            f"`group` must be a torch.distributed process group (e.g. from dist.new_group(...), or "
+            f"dist.ProcessGroupGloo(store, rank, size)), got {type(group).__name__}; pass None for the default group"
+        )
+
+
 def resolve(peer: int | None, group_peer: int | None, group: object | None,
             peer_name: str, group_peer_name: str) -> Link:
     """Check the peer arguments of one call and return its :class:`Link`.
@@ -45,6 +55,7 @@ def resolve(peer: int | None, group_peer: int | None, group: object | None,
     ``peer_name``/``group_peer_name`` are ``"src"``/``"group_src"`` or
     ``"dst"``/``"group_dst"``, used in the messages.
     """
+    _check_group(group)
     if group_peer is not None:
         if group is None:
             raise ValueError(

@@ -3,22 +3,27 @@
 A :class:`Plan` holds the leaf walk, the byte views, the tags, the checks and
 the fast wire's staging buffer and fingerprints of one tensordict. It is
 cached per tensordict object and reused while the tensordict still holds the
-same leaf tensors (same objects, pointers and shapes); any change of structure
-or of a leaf builds a new plan, so a cached plan is never stale.
+same leaf tensors with the same data pointer (which moves with the storage
+offset), shape, stride and dtype; any change of structure or of a leaf, in place
+included (``resize_``, ``t_``, ``set_``, ``.data = x.view(dtype)``), builds a new
+plan, so a cached plan is never stale. What per-call arguments key (pseudo-random
+tags per ``init_tag``, layouts per piece size) is kept in bounded caches.
 """
 
 from __future__ import annotations
 
 import operator
 import weakref
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from functools import cached_property
+from typing import Sequence
 
 import torch
 from tensordict import TensorDictBase
 from torch import Tensor
 
 from . import _cuda, _header
+from ._lru import lru_get
 from ._tags import tag_sequence
 from ._walk import Path, format_path, walk
 
@@ -32,9 +37,9 @@ class Plan:
         self.signature = _signature(tensors)
         self.nbytes = [t.numel() * t.element_size() for t in tensors]
         self.total = sum(self.nbytes)
-        self._tags: dict[tuple[int, int, bool], list[int]] = {}
+        self._tags: OrderedDict[tuple[int, int], list[int]] = OrderedDict()
         self._checked = False
-        self._pieces: dict[tuple[int, str], tuple] = {}
+        self._pieces: OrderedDict[tuple[int, str], tuple] = OrderedDict()
         self._staging: dict[str, Tensor] = {}
         self._parts: dict[str, list[Tensor]] = {}
         self.pool = _cuda.StagingPool()  # staging rings and their fences, for this tensordict alone
@@ -48,13 +53,16 @@ class Plan:
             and _signature(tensors) == self.signature
         )
 
-    def tags(self, init_tag: int, count: int, pseudo_rand: bool) -> list[int]:
-        """``count`` tags from ``init_tag`` as stock tensordict draws them (cached)."""
-        key = (init_tag, count, pseudo_rand)
-        tags = self._tags.get(key)
-        if tags is None:
-            tags = self._tags[key] = tag_sequence(init_tag, count, pseudo_rand=pseudo_rand).tolist()
-        return tags
+    def tags(self, init_tag: int, count: int, pseudo_rand: bool) -> Sequence[int]:
+        """``count`` tags from ``init_tag`` as stock tensordict draws them.
+
+        Consecutive tags are a ``range`` (nothing stored); pseudo-random ones are
+        kept for the last :data:`CACHED` ``(init_tag, count)`` pairs.
+        """
+        if not pseudo_rand:
+            return range(init_tag, init_tag + count)
+        return lru_get(self._tags, (init_tag, count),
+                       lambda: tag_sequence(init_tag, count, pseudo_rand=True).tolist(), CACHED)
 
     def check(self) -> None:
         """Raise if a leaf cannot travel (once per plan)."""
@@ -79,6 +87,11 @@ class Plan:
     def device(self) -> torch.device:
         """The device of the leaves (the CPU for a tensordict without leaves)."""
         return self.tensors[0].device if self.tensors else torch.device("cpu")
+
+    @cached_property
+    def detached(self) -> list[Tensor]:
+        """The leaves as tensors that never join an autograd graph (same memory)."""
+        return [t.detach() for t in self.tensors]
 
     @cached_property
     def byte_views(self) -> list[Tensor]:
@@ -132,23 +145,23 @@ class Plan:
 
     def _bucket_layout(self, piece: int, place: str) -> tuple[list[Tensor], list[list[Tensor]], list[list[Tensor]]]:
         """Per message: its staging slice, and the matching leaf and staging segments."""
-        layout = self._pieces.get((piece, place))
-        if layout is None:
-            pieces = _cut(self.staging(place), piece)
-            leaf_parts: list[list[Tensor]] = [[] for _ in pieces]
-            staging_parts: list[list[Tensor]] = [[] for _ in pieces]
-            offset = 0
-            for view, n in zip(self.byte_views, self.nbytes):
-                done = 0
-                while done < n:  # a leaf may span several messages
-                    index, at = divmod(offset + done, piece)
-                    take = min(n - done, piece - at)
-                    leaf_parts[index].append(view[done:done + take])
-                    staging_parts[index].append(pieces[index][at:at + take])
-                    done += take
-                offset += n
-            layout = self._pieces[(piece, place)] = (pieces, leaf_parts, staging_parts)
-        return layout
+        return lru_get(self._pieces, (piece, place), lambda: self._build_layout(piece, place), CACHED)
+
+    def _build_layout(self, piece: int, place: str) -> tuple[list[Tensor], list[list[Tensor]], list[list[Tensor]]]:
+        pieces = _header.cut(self.staging(place), piece)
+        leaf_parts: list[list[Tensor]] = [[] for _ in pieces]
+        staging_parts: list[list[Tensor]] = [[] for _ in pieces]
+        offset = 0
+        for view, n in zip(self.byte_views, self.nbytes):
+            done = 0
+            while done < n:  # a leaf may span several messages
+                index, at = divmod(offset + done, piece)
+                take = min(n - done, piece - at)
+                leaf_parts[index].append(view[done:done + take])
+                staging_parts[index].append(pieces[index][at:at + take])
+                done += take
+            offset += n
+        return pieces, leaf_parts, staging_parts
 
     @cached_property
     def bucket_header(self) -> "_header.Header":
@@ -172,6 +185,9 @@ class Plan:
         start, end = current.data_ptr(), current.data_ptr() + current.numel()
         offsets = []
         for path, t, n in zip(self.paths, self.tensors, self.nbytes):
+            if n == 0:  # an empty leaf holds no bytes (and has no data pointer): it is anywhere
+                offsets.append(0)
+                continue
             ptr = t.data_ptr()
             if not (start <= ptr and ptr + n <= end):
                 raise ValueError(
@@ -184,7 +200,7 @@ class Plan:
             _header.KIND_CHUNKS, len(self.tensors), current.numel(), 1,
             _header.schema_digest(self.paths, self.tensors, offsets, current.numel()),
         )
-        self._chunks = {}
+        self._chunks: OrderedDict[int, list[Tensor]] = OrderedDict()
         return current
 
     def chunk_header(self, td: TensorDictBase) -> "_header.Header":
@@ -194,23 +210,24 @@ class Plan:
     def chunks(self, td: TensorDictBase, piece: int) -> list[Tensor]:
         """The consolidated storage cut into messages of at most ``piece`` bytes (cached)."""
         storage = self.storage(td)
-        views = self._chunks.get(piece)
-        if views is None:
-            views = self._chunks[piece] = _cut(storage, piece)
-        return views
+        return lru_get(self._chunks, piece, lambda: _header.cut(storage, piece), CACHED)
 
 
-def _cut(buffer: Tensor, piece: int) -> list[Tensor]:
-    sizes = _header.piece_sizes(buffer.numel(), piece)
-    return list(buffer.split(sizes)) if sizes else []
+_shape = operator.attrgetter("shape")
+_dtype = operator.attrgetter("dtype")
 
 
-def _signature(tensors: list[Tensor]) -> list[int | None]:
-    """The leaves' data pointers: a leaf re-pointed with ``Tensor.set_`` gets a new plan."""
+def _signature(tensors: list[Tensor]) -> tuple[list, ...]:
+    """What a plan depends on in each leaf: data pointer (it moves with ``set_`` and the
+    storage offset), shape, stride and dtype, all of which in-place ops can change on the
+    same tensor object. About 0.4 us per leaf."""
     try:
-        return list(map(Tensor.data_ptr, tensors))
-    except RuntimeError:  # sparse/nested leaves have no data pointer; check() rejects them
-        return [t.data_ptr() if t.layout is torch.strided and not t.is_nested else None for t in tensors]
+        return (list(map(Tensor.data_ptr, tensors)), list(map(_shape, tensors)),
+                list(map(Tensor.stride, tensors)), list(map(_dtype, tensors)))
+    except RuntimeError:  # sparse/nested leaves have no data pointer or strides; check() rejects them
+        plain = [t.layout is torch.strided and not t.is_nested for t in tensors]
+        return ([t.data_ptr() if ok else None for t, ok in zip(tensors, plain)], list(map(_shape, tensors)),
+                [t.stride() if ok else None for t, ok in zip(tensors, plain)], list(map(_dtype, tensors)))
 
 
 def _leaf_problem(t: Tensor) -> str | None:
@@ -224,6 +241,8 @@ def _leaf_problem(t: Tensor) -> str | None:
         return "it is not contiguous, and messages are contiguous bytes; call `td = td.contiguous()` once"
     return None
 
+
+CACHED = 8  # entries per bounded cache of a plan (tags per init_tag, layouts per piece size)
 
 _PLANS: dict[int, tuple[weakref.ref, Plan]] = {}
 

@@ -6,9 +6,10 @@ neither cupy nor a GPU. :func:`compile_ptx` only needs NVRTC (no GPU).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
+
+from . import _kernels
+from ._kernels import KernelCompileError, gpu_available
 
 __all__ = [
     "KERNEL_FILE",
@@ -26,77 +27,20 @@ _MAP_SIZE = 10_001  # seeds 0..10000
 _BLOCK = 256
 
 
-class KernelCompileError(RuntimeError):
-    """NVRTC rejected the kernel source; the message carries the NVRTC log."""
-
-
 def kernel_source() -> str:
-    """Text of ``int_generator.cu``: package data if installed, else the repo's ``kernels/``."""
-    try:
-        from importlib.resources import files
-
-        return files("cudarecv.kernels").joinpath(KERNEL_FILE).read_text(encoding="utf-8")
-    except (ImportError, OSError, TypeError, ValueError):
-        pass
-    path = Path(__file__).resolve().parents[1] / "kernels" / KERNEL_FILE
-    try:
-        return path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise FileNotFoundError(
-            f"cannot find the CUDA source {KERNEL_FILE}: neither package data of cudarecv.kernels "
-            f"nor {path}; reinstall cudarecv (pip install -e .)"
-        ) from exc
+    """Text of ``int_generator.cu`` (see :func:`cudarecv._kernels.kernel_source`)."""
+    return _kernels.kernel_source(KERNEL_FILE)
 
 
 def compile_ptx(arch: str | None = None, options: tuple[str, ...] = ()) -> str:
-    """Compile the kernel to PTX with NVRTC (via ``cupy.cuda.nvrtc``); no GPU needed.
-
-    ``arch`` is e.g. ``"compute_90"`` (default: NVRTC's own default). Raises
-    :class:`KernelCompileError` with the NVRTC log when compilation fails.
-    """
-    try:
-        from cupy.cuda import nvrtc
-    except ImportError as exc:
-        raise ImportError(
-            f"compile_ptx needs cupy with NVRTC: pip install 'cudarecv[gpu]' ({exc})"
-        ) from exc
-
-    opts = tuple(options) + ((f"-arch={arch}",) if arch else ())
-    prog = nvrtc.createProgram(kernel_source(), KERNEL_FILE, (), ())
-    try:
-        try:
-            nvrtc.compileProgram(prog, opts)
-        except nvrtc.NVRTCError as exc:
-            try:
-                log = nvrtc.getProgramLog(prog)
-            except Exception:  # pragma: no cover - log unavailable
-                log = "<no NVRTC log>"
-            raise KernelCompileError(
-                f"NVRTC failed to compile {KERNEL_FILE} with options {list(opts)}: {exc}\n{log}"
-            ) from exc
-        ptx = nvrtc.getPTX(prog)
-    finally:
-        nvrtc.destroyProgram(prog)
-    if isinstance(ptx, bytes):
-        ptx = ptx.decode("utf-8")
-    return ptx.rstrip("\x00")
-
-
-def gpu_available() -> bool:
-    """True when cupy imports and sees at least one CUDA device; never raises."""
-    try:
-        import cupy
-
-        return int(cupy.cuda.runtime.getDeviceCount()) > 0
-    except Exception:
-        return False
+    """Compile the kernel to PTX with NVRTC; no GPU needed (see :func:`cudarecv._kernels.compile_source`)."""
+    return _kernels.compile_source(kernel_source(), KERNEL_FILE, arch, options)
 
 
 def _range_kernel():
     import cupy
 
-    module = cupy.RawModule(code=kernel_source(), backend="nvrtc")
-    return module.get_function(_RANGE_KERNEL)
+    return _kernels.function(KERNEL_FILE, _RANGE_KERNEL, cupy.cuda.runtime.getDevice())
 
 
 def _launch(kernel, out) -> None:

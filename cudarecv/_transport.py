@@ -20,12 +20,15 @@ stream after the batch without blocking the host.
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any, Sequence
 
 import torch.distributed as dist
 from torch import Tensor
 
 from ._link import Link
+
+MAX_TAG = 2**31 - 1  # torch.distributed takes C ints as tags; gloo refuses negative ones
 
 
 def post(link: Link, sending: bool, tensors: Sequence[Tensor], tags: Sequence[int],
@@ -41,7 +44,26 @@ def post(link: Link, sending: bool, tensors: Sequence[Tensor], tags: Sequence[in
         return _coalesced(link, sending, tensors, tags)
     op = link.pg.send if sending else link.pg.recv
     peer = link.peer
-    return [op([t], peer, tag) for t, tag in zip(tensors, tags)]
+    works: list[Any] = []
+    try:
+        for t, tag in zip(tensors, tags):
+            works.append(op([t], peer, tag))
+    except BaseException:
+        park(works)  # posted before the error: let them run out rather than cancel them mid-stream
+        raise
+    return works
+
+
+#: works of failed transfers that may still be in flight. Dropping a pending gloo
+#: ``Work`` cancels it mid-stream and closes the link to its peer; kept here they
+#: run out (or die with a link that is dead anyway). Bounded: the oldest go first.
+_PARKED: deque = deque(maxlen=256)
+
+
+def park(works: Sequence[Any]) -> None:
+    """Keep ``works`` alive until they can no longer matter (see ``_PARKED``)."""
+    if works:
+        _PARKED.append(tuple(works))
 
 
 def _coalesced(link: Link, sending: bool, tensors: Sequence[Tensor], tags: Sequence[int]) -> list[Any]:

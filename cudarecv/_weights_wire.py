@@ -2,7 +2,9 @@
 
 Nothing here is ever unpickled: the schema is JSON, parsed and checked field by
 field (a peer cannot make a receiver run code, unlike ``init_remote``, which
-unpickles); the push header is a fixed 96-byte record.
+unpickles); the push header is a fixed 96-byte record. The handshake opens with
+a fixed preamble: the schema's length and the sender's message size, so every
+push's lengths are known to the receiver before the first push.
 
 Layout of the sender's storage: the leaves in stock send order, each at an
 offset aligned to 16 bytes, in one uint8 buffer. Both ends build their views
@@ -23,7 +25,8 @@ from torch import Tensor
 
 ALIGN = 16
 MAX_SCHEMA_BYTES = 64 << 20
-TAG_BASE = 1 << 29  # weight-sync tags: apart from stock tags and the fast wire's (>= 2**30)
+MAX_BYTES = 1 << 48  # a total or a leaf larger than this is no real model: refused before anything is sized
+TAG_BASE = (1 << 30) + (1 << 29)  # weight-sync tags: past the fast wire's (2**30 .. 2**30 + 2**29)
 TAG_PREAMBLE, TAG_SCHEMA, TAG_STATUS, TAG_HEADER, TAG_PAYLOAD = (TAG_BASE + k for k in range(5))
 STATUS_SIZE = 256
 
@@ -36,6 +39,13 @@ _DTYPES = {str(d).removeprefix("torch."): d for d in (
 
 class SchemaError(ValueError):
     """The two ends disagree on the weights' structure (raised at the handshake)."""
+
+
+def _check_size(value: object, what: str) -> int:
+    """A byte count or dimension read from the wire: an int (not a bool or float) in 0..MAX_BYTES."""
+    if type(value) is not int or not 0 <= value <= MAX_BYTES:
+        raise SchemaError(f"{what} is {value!r}: not an int in 0..2**48")
+    return value
 
 
 @dataclass(frozen=True)
@@ -98,30 +108,56 @@ class Schema:
 
     @classmethod
     def from_json(cls, raw: bytes) -> "Schema":
-        """Parse and check a received schema; raises :class:`SchemaError` on anything off."""
+        """Parse and check a received schema; raises :class:`SchemaError` on anything off.
+
+        Checked before anything is sized from it: strict types, at least one leaf,
+        keys that are unique and none the prefix of another (each leaf is a tensor,
+        not also a nested tensordict), sizes below :data:`MAX_BYTES`, and offsets,
+        total and fingerprint recomputed from keys, dtypes and shapes.
+        """
         try:
-            doc = json.loads(raw.decode())
-            if doc.get("format") != "cudarecv-weights" or doc.get("version") != 1:
-                raise SchemaError(f"not a cudarecv weight schema (format {doc.get('format')!r})")
-            leaves = []
-            for item in doc["leaves"]:
-                key, dtype, shape = item["key"], item["dtype"], item["shape"]
-                if not (isinstance(key, list) and key and all(isinstance(k, str) for k in key)):
-                    raise SchemaError(f"bad key {key!r}")
-                if dtype not in _DTYPES:
-                    raise SchemaError(f"unknown dtype {dtype!r} for {'.'.join(key)!r}")
-                if not (isinstance(shape, list) and all(isinstance(s, int) and s >= 0 for s in shape)):
-                    raise SchemaError(f"bad shape {shape!r} for {'.'.join(key)!r}")
-                leaves.append(Leaf(tuple(key), _DTYPES[dtype], tuple(shape), int(item["offset"])))
-            schema = cls(tuple(leaves), int(doc["total_bytes"]))
+            schema, fingerprint = cls._parse(raw)
         except SchemaError:
             raise
-        except (ValueError, KeyError, TypeError, AttributeError) as error:
-            raise SchemaError(f"malformed weight schema: {error!r}") from None
+        except Exception as error:  # noqa: BLE001 - json and int() raise many kinds (RecursionError too)
+            raise SchemaError(f"malformed weight schema: {type(error).__name__}: {error}"[:200]) from None
         expected = cls.of([l.key for l in schema.leaves], [_Shape(l.dtype, l.shape) for l in schema.leaves])
-        if (schema != expected or schema.to_json() != raw or schema.fingerprint.hex() != doc["fingerprint"]):
+        if schema != expected or schema.to_json() != raw or schema.fingerprint.hex() != fingerprint:
             raise SchemaError("the weight schema does not check out (offsets, total bytes or fingerprint)")
         return schema
+
+    @classmethod
+    def _parse(cls, raw: bytes) -> tuple["Schema", object]:
+        doc = json.loads(raw.decode())
+        if not isinstance(doc, dict) or doc.get("format") != "cudarecv-weights" or doc.get("version") != 1:
+            raise SchemaError("not a cudarecv weight schema")
+        items, total = doc["leaves"], doc["total_bytes"]
+        if not isinstance(items, list) or not items:
+            raise SchemaError("the weight schema has no leaves: weight sync needs at least one tensor")
+        _check_size(total, "total_bytes")
+        leaves, seen = [], set()
+        for item in items:
+            key, dtype, shape = item["key"], item["dtype"], item["shape"]
+            if not (isinstance(key, list) and key and all(isinstance(k, str) and k for k in key)):
+                raise SchemaError(f"bad key {key!r}: a list of non-empty strings")
+            name = ".".join(key)
+            if tuple(key) in seen:
+                raise SchemaError(f"key {name!r} appears twice")
+            seen.add(tuple(key))
+            if dtype not in _DTYPES:
+                raise SchemaError(f"unknown dtype {dtype!r} for {name!r}")
+            if not isinstance(shape, list) or len(shape) > 64:
+                raise SchemaError(f"bad shape {shape!r} for {name!r}")
+            for size in shape:
+                _check_size(size, f"a dimension of {name!r}")
+            leaf = Leaf(tuple(key), _DTYPES[dtype], tuple(shape), _check_size(item["offset"], f"the offset of {name!r}"))
+            _check_size(leaf.nbytes, f"the size of {name!r}")
+            leaves.append(leaf)
+        for key in seen:  # a key that is also the prefix of another would be a tensor and a tensordict
+            for cut in range(1, len(key)):
+                if key[:cut] in seen:
+                    raise SchemaError(f"key {'.'.join(key[:cut])!r} is a leaf and also holds {'.'.join(key)!r}")
+        return cls(tuple(leaves), total), doc["fingerprint"]
 
     @property
     def fingerprint(self) -> bytes:
@@ -137,15 +173,18 @@ class Schema:
 
     def first_difference(self, keys: Sequence[tuple], tensors: Sequence[Tensor]) -> str | None:
         """How ``tensors`` (named by ``keys``) differ from the schema, naming the first differing key."""
-        mine = {".".join(map(str, k)): (t.dtype, tuple(t.shape)) for k, t in zip(keys, tensors)}
-        theirs = {l.name: (l.dtype, l.shape) for l in self.leaves}
-        for name in sorted(set(mine) | set(theirs)):
-            if name not in theirs:
+        mine = {tuple(map(str, k)): (t.dtype, tuple(t.shape)) for k, t in zip(keys, tensors)}
+        theirs = {l.key: (l.dtype, l.shape) for l in self.leaves}
+        if not mine:
+            return "`expect` has no tensors"
+        for key in sorted(set(mine) | set(theirs)):
+            name = ".".join(key)
+            if key not in theirs:
                 return f"key {name!r} is expected but the sender does not send it"
-            if name not in mine:
+            if key not in mine:
                 return f"key {name!r} is sent but not expected"
-            if mine[name] != theirs[name]:
-                (d1, s1), (d2, s2) = theirs[name], mine[name]
+            if mine[key] != theirs[key]:
+                (d1, s1), (d2, s2) = theirs[key], mine[key]
                 return f"key {name!r}: the sender sends {d1} {list(s1)}, expected {d2} {list(s2)}"
         return None
 
@@ -158,7 +197,24 @@ FLAG_VERIFY = 1
 
 
 class PushHeaderError(ValueError):
-    """A push header that does not match the handshake (the payload was drained)."""
+    """A push the receiver refuses; the published version stays as it was.
+
+    ``drained``: whether the payload was received and dropped, so the next pull
+    works (a fingerprint or version that does not match). When False (a message
+    that is not a push header, or lengths other than the handshake's) the link is
+    out of step and the receiver is broken.
+    """
+
+    def __init__(self, message: str, *, drained: bool = False) -> None:
+        super().__init__(message)
+        self.drained = drained
+
+    def __reduce__(self):
+        return _rebuild, (type(self), str(self), self.drained)
+
+
+def _rebuild(cls: type, message: str, drained: bool) -> "PushHeaderError":
+    return cls(message, drained=drained)
 
 
 @dataclass(frozen=True)
@@ -181,26 +237,22 @@ class PushHeader:
         (crc,) = struct.unpack_from("<I", raw, _HEADER.size)
         magic, fmt, flags, _, version, total, piece, fingerprint, checksum = _HEADER.unpack(body)
         if magic != MAGIC or fmt != 1 or zlib.crc32(body) != crc or piece <= 0:
-            raise PushHeaderError("the message is not a cudarecv weight-push header (bad magic or checksum)")
+            raise PushHeaderError("the message is not a cudarecv weight-push header (bad magic or checksum): "
+                                  "not drained, the link is out of step")
         return cls(version, total, piece, fingerprint, checksum, bool(flags & FLAG_VERIFY))
 
 
 def checksum(storage: Tensor) -> bytes:
-    """A 16-byte position-sensitive checksum of ``storage`` (uint8, length a multiple of 16),
-    computed with torch on the storage's own device: detects corruption, not an adversary."""
-    words = storage.view(torch.int64)
-    cols = 256 if words.numel() % 256 == 0 else 2
-    grid = words.view(-1, cols)
-    weights_rows = torch.arange(1, grid.shape[0] + 1, device=storage.device, dtype=torch.int64)
-    weights_cols = torch.arange(1, cols + 1, device=storage.device, dtype=torch.int64)
-    by_row = (grid.sum(1) * weights_rows).sum()
-    by_col = (grid.sum(0) * weights_cols).sum()
-    return struct.pack("<qq", int(by_row), int(by_col))
+    """The 16-byte BLAKE3 digest of ``storage``, computed on its own device (see :mod:`._digest`)."""
+    from ._digest import digest
+
+    return digest(storage)
 
 
 def status_message(ok: bool, text: str = "") -> bytes:
-    """The receiver's answer to the handshake: a flag and a reason, fixed size."""
-    data = (b"\x01" if ok else b"\x00") + text.encode()[: STATUS_SIZE - 1]
+    """The receiver's answer to the handshake: a flag and a reason (UTF-8, cut to fit), fixed size."""
+    reason = text.encode()[: STATUS_SIZE - 1].decode(errors="ignore").encode()
+    data = (b"\x01" if ok else b"\x00") + reason
     return data + bytes(STATUS_SIZE - len(data))
 
 
@@ -208,16 +260,27 @@ def read_status(raw: bytes) -> tuple[bool, str]:
     return raw[0] == 1, raw[1:].rstrip(b"\x00").decode(errors="replace")
 
 
-def preamble(schema_bytes: int) -> bytes:
-    return struct.pack("<4sIQ", b"CDRH", 1, schema_bytes)
+_PREAMBLE = struct.Struct("<4sIQQ")
+PREAMBLE_SIZE = _PREAMBLE.size
 
 
-def read_preamble(raw: bytes) -> int:
-    magic, fmt, length = struct.unpack("<4sIQ", raw)
-    if magic != b"CDRH" or fmt != 1:
-        raise SchemaError("the first message is not a cudarecv weight-sync handshake: is the peer a WeightSender?")
-    if not 0 < length <= MAX_SCHEMA_BYTES:
-        raise SchemaError(f"announced schema of {length} bytes is out of range")
-    return length
+def preamble(schema_bytes: int, piece: int) -> bytes:
+    """The handshake's first message: the schema's length and the bytes per push message."""
+    return _PREAMBLE.pack(b"CDRH", 2, schema_bytes, piece)
 
 
+def read_preamble(raw: bytes) -> tuple[int, int]:
+    """``(schema length, piece bytes)`` of a received preamble; raises :class:`SchemaError` if the
+    peer is no weight sender of this version (the lengths are the receiver's to check)."""
+    magic, fmt, length, piece = _PREAMBLE.unpack(raw)
+    if magic != b"CDRH" or fmt != 2:
+        raise SchemaError("the first message is not a cudarecv weight-sync handshake: is the peer a "
+                          "WeightSender of this cudarecv version?")
+    return length, piece
+
+
+def check_offer(length: int, piece: int) -> None:
+    """The lengths a preamble announces must be plausible before anything is sized from them."""
+    if not 0 < length <= MAX_SCHEMA_BYTES or not 0 < piece <= MAX_BYTES:
+        raise SchemaError(f"the handshake announces a schema of {length} bytes and {piece}-byte messages: "
+                          "out of range")

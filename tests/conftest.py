@@ -16,3 +16,11 @@ def cluster():
     ranks = Ranks(2, pg_timeout=20.0)
     yield ranks
     ranks.close()
+
+
+@pytest.fixture(scope="module")
+def four():
+    """Four spawned ranks (a trainer and three actors), restarted after a failure closed them."""
+    ranks = Ranks(4, pg_timeout=30.0)
+    yield ranks
+    ranks.close()

@@ -47,10 +47,13 @@ def make(structure: str, fill: float):
             a=v(3, salt=6),
             batch_size=[],
         )
+    if structure == "zero_size":  # empty leaves have no storage (data pointer 0) once consolidated
+        return TensorDict(a=v(4), z=v(0, salt=1), e=v(2, 0, 3, salt=2), b=v(3, dtype=torch.int64, salt=3),
+                          batch_size=[])
     raise ValueError(structure)
 
 
-STRUCTURES = ("flat", "nested", "lazy", "tensorclass", "nested_tensorclass")
+STRUCTURES = ("flat", "nested", "lazy", "tensorclass", "nested_tensorclass", "zero_size")
 
 
 def leaves(td) -> list[torch.Tensor]:

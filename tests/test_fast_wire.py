@@ -124,7 +124,7 @@ def test_header_roundtrip_and_corruption():
     h = _header.Header(_header.KIND_BUCKETS, 3, 1000, 64, bytes(range(16)))
     raw = h.pack()
     assert len(raw) == _header.SIZE and _header.Header.unpack(raw) == h
-    assert h.pieces() == [64] * 15 + [40]
+    assert _header.piece_sizes(h.total, h.piece) == [64] * 15 + [40]
     corrupted = bytearray(raw)
     corrupted[20] ^= 1
     with pytest.raises(_header.HeaderError, match="not a cudarecv header"):
@@ -143,3 +143,107 @@ def test_schema_digest_sees_keys_dtypes_shapes_offsets():
     other["z"] = torch.zeros(3, dtype=torch.int32)
     assert _header.schema_digest(*walk(other)) != digest
     assert _header.schema_digest(*base, offsets=[0, 8, 16], storage_bytes=64) != digest
+
+
+# -- what a buggy or hostile sender can put on the wire -----------------------------------
+
+HEADER_TAG_0 = 1 << 30  # the fast wire's header tag for init_tag=0
+
+LYING = {"2e7_bytes_in_1_byte_pieces": (20_000_000, 1), "1e15_bytes": (10**15, 1),
+         "1e15_bytes_in_one_piece": (10**15, 10**15), "2e7_bytes_in_one_piece": (20_000_000, 20_000_000)}
+
+
+def _rss() -> int:
+    import os
+
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def lying_headers(rank, world, group, cases):
+    import time
+
+    from cudarecv._plan import plan_for
+    from rawwire import raw_send
+
+    td = make("nested", float(rank))
+    if rank == 0:
+        plan = plan_for(td)
+        for case in cases:
+            total, piece = LYING[case]
+            lie = _header.Header(_header.KIND_BUCKETS, len(plan.tensors), total, piece, plan.bucket_header.schema)
+            raw_send(group, 1, lie.pack(), HEADER_TAG_0)
+        return None
+    out = []
+    for _ in cases:
+        before, started = _rss(), time.monotonic()
+        try:
+            cudarecv.recv(td, 0, bucket_bytes=64)
+            outcome = "accepted"
+        except cudarecv.HeaderError as error:
+            outcome = str(error)
+        except BaseException as error:  # noqa: BLE001 - anything else is the defect
+            outcome = f"{type(error).__name__}: {error}"
+        out.append((outcome, time.monotonic() - started, _rss() - before))
+    return out
+
+
+def test_a_header_lying_about_lengths_is_refused_before_anything_is_sized(cluster):
+    cases = list(LYING)
+    try:
+        results = cluster().run(lying_headers, args=(cases,), timeout=90)[1]
+    finally:
+        cluster().close()
+    for case, (outcome, took, grown) in zip(cases, results):
+        assert "not drained" in outcome and "out of step" in outcome, f"{case}: {outcome}"
+        assert took < 5 and grown < 32 << 20, f"{case}: {took:.1f} s, +{grown / 2**20:.0f} MiB"
+
+
+def oversize_header(rank, world, group):
+    from cudarecv._plan import plan_for
+    from rawwire import raw_send
+
+    td = make("nested", float(rank))
+    if rank == 0:
+        header = plan_for(td).bucket_header.with_piece(64)
+        raw_send(group, 1, header.pack() + b"\x01" * 40, HEADER_TAG_0)  # a valid header, then more
+        return None
+    try:
+        cudarecv.recv(td, 0, bucket_bytes=64)
+    except cudarecv.HeaderError as error:
+        return str(error)
+    return "accepted"
+
+
+def test_an_oversize_header_is_a_header_error(cluster):
+    try:
+        message = cluster().run(oversize_header)[1]
+    finally:
+        cluster().close()
+    assert "longer than" in message, message
+
+
+def two_in_flight(rank, world, group, order, consolidated, init_tags):
+    """Two fast-wire transfers in flight on one link at once, with other bucket sizes."""
+    a, b = make("nested", 1.0 if rank == 0 else 0.0), make("flat", 2.0 if rank == 0 else 0.0)
+    if consolidated:
+        a, b = a.consolidate(metadata=True), b.consolidate(metadata=True)
+    kw = {"consolidated": consolidated}
+    if rank == 0:
+        [ta] = cudarecv.isend(a, 1, init_tag=init_tags[0], bucket_bytes=8, return_early=True, **kw)
+        [tb] = cudarecv.isend(b, 1, init_tag=init_tags[1], bucket_bytes=24, return_early=True, **kw)
+        ta.wait(20), tb.wait(20)
+        return None
+    [ta] = cudarecv.irecv(a, 0, init_tag=init_tags[0], bucket_bytes=1, return_premature=True, **kw)
+    [tb] = cudarecv.irecv(b, 0, init_tag=init_tags[1], bucket_bytes=1, return_premature=True, **kw)
+    for t in ((ta, tb) if order == "in_order" else (tb, ta)):
+        t.wait(20)
+    return same(a, make("nested", 1.0)), same(b, make("flat", 2.0))
+
+
+@pytest.mark.parametrize("init_tags", [(0, 1), (1, 0), (5, 6)], ids=str)
+@pytest.mark.parametrize("consolidated", [False, True], ids=["buckets", "chunks"])
+@pytest.mark.parametrize("order", ["in_order", "reversed"])
+def test_two_transfers_in_flight_with_neighbouring_init_tags(cluster, order, consolidated, init_tags):
+    _, ok = cluster().run(two_in_flight, args=(order, consolidated, init_tags))
+    assert ok == (True, True)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from tensordict import TensorDict
 
+import cudarecv
 from cudarecv._plan import plan_for
 from cudarecv._walk import format_path, walk
 from tdfactory import make
@@ -55,7 +57,7 @@ def test_tags_cached_per_plan():
     plan = plan_for(make("flat", 0.0))
     tags = plan.tags(0, 3, True)
     assert plan.tags(0, 3, True) is tags and tags == [9651, 3450, 3834]
-    assert plan.tags(5, 3, False) == [5, 6, 7]
+    assert list(plan.tags(5, 3, False)) == [5, 6, 7]
 
 
 def test_pack_unpack_roundtrip_any_piece_size():
@@ -85,3 +87,124 @@ def test_locked_plan_sees_new_storage():
     plan = plan_for(td)
     td["z"].data = torch.ones(3)  # same tensor object, new storage
     assert plan_for(td) is not plan
+
+
+# -- a leaf changed in place (same object, same data pointer) gets a new plan --------------
+
+def test_plan_sees_a_leaf_resized_in_place():
+    td = TensorDict(a=torch.zeros(8), b=torch.zeros(3))
+    plan = plan_for(td)
+    td["a"].resize_(4)  # same tensor object, same data pointer, fewer bytes
+    fresh = plan_for(td)
+    assert fresh is not plan and fresh.nbytes == [16, 12] and fresh.byte_views[0].numel() == 16
+
+
+def test_plan_sees_a_dtype_reinterpretation():
+    td = TensorDict(a=torch.zeros(8), b=torch.zeros(3))
+    plan = plan_for(td)
+    schema = plan.bucket_header.schema
+    leaf = td["a"]
+    leaf.data = leaf.data.view(torch.int32)  # same object, same pointer, other dtype
+    fresh = plan_for(td)
+    assert fresh is not plan and fresh.tensors[0].dtype == torch.int32
+    assert fresh.bucket_header.schema != schema
+
+
+def test_locked_plan_sees_a_leaf_transposed_in_place():
+    td = TensorDict(m=torch.zeros(4, 3), b=torch.zeros(2)).lock_()
+    plan = plan_for(td)
+    plan.check()
+    td["m"].t_()  # now 3 x 4, not contiguous; the td stays locked
+    fresh = plan_for(td)
+    assert fresh is not plan
+    with pytest.raises(ValueError, match="leaf 'm' cannot travel.*not contiguous"):
+        fresh.check()
+
+
+def test_plan_sees_a_new_storage_offset():
+    base = torch.arange(10.0)
+    leaf = base[:4]
+    td = TensorDict(a=leaf)
+    plan = plan_for(td)
+    td["a"].set_(base.untyped_storage(), 2, (4,))  # same object, a view 8 bytes further on
+    assert plan_for(td) is not plan
+
+
+def shrunk_sender(rank, world, group, bucket_bytes):
+    """A sender leaf shrunk in place between two transfers sends its new size, not stale bytes."""
+    td = TensorDict(a=torch.arange(8.0), b=torch.ones(2))
+    if rank == 0:
+        cudarecv.send(td, 1, bucket_bytes=bucket_bytes)
+        td["a"].resize_(4).copy_(torch.tensor([9.0, 8.0, 7.0, 6.0]))
+        cudarecv.send(td, 1, bucket_bytes=bucket_bytes)
+        return None
+    first, second = TensorDict(a=torch.zeros(8), b=torch.zeros(2)), TensorDict(a=torch.zeros(4), b=torch.zeros(2))
+    cudarecv.recv(first, 0, bucket_bytes=bucket_bytes)
+    cudarecv.recv(second, 0, bucket_bytes=bucket_bytes)
+    return first["a"].tolist(), second["a"].tolist()
+
+
+@pytest.mark.parametrize("bucket_bytes", [None, 16], ids=["stock_wire", "fast_wire"])
+def test_a_sender_leaf_shrunk_in_place_sends_its_new_size(cluster, bucket_bytes):
+    _, (first, second) = cluster().run(shrunk_sender, args=(bucket_bytes,))
+    assert first == [float(i) for i in range(8)] and second == [9.0, 8.0, 7.0, 6.0]
+
+
+def changed_receiver(rank, world, group, change):
+    """A receiver leaf changed in place is checked against the sender's header again."""
+    td = TensorDict(a=torch.arange(8.0) + 10 * rank, b=torch.ones(2))
+    if rank == 0:
+        cudarecv.send(td, 1, bucket_bytes=16)
+        cudarecv.send(td, 1, bucket_bytes=16)
+        return None
+    cudarecv.recv(td, 0, bucket_bytes=16)
+    leaf = td["a"]
+    if change == "resize":
+        leaf.resize_(4)
+    else:
+        leaf.data = leaf.data.view(torch.int32)
+    storage = leaf.untyped_storage()
+    before = bytes(storage)
+    try:
+        cudarecv.recv(td, 0, bucket_bytes=16)
+        outcome = "accepted"
+    except cudarecv.HeaderError as error:
+        outcome = str(error)
+    return outcome, bytes(storage) == before
+
+
+@pytest.mark.parametrize("change", ["resize", "dtype_view"])
+def test_a_receiver_leaf_changed_in_place_is_checked_again(cluster, change):
+    _, (outcome, untouched) = cluster().run(changed_receiver, args=(change,))
+    assert "mismatch" in outcome and untouched, outcome
+
+
+# -- caches keyed by per-call arguments stay bounded --------------------------------------
+
+def varying_calls(rank, world, group, calls):
+    import tracemalloc
+
+    td = TensorDict({f"k{i:04d}": torch.full((4,), float(rank)) for i in range(500)})
+    peer = 1 - rank
+    call = cudarecv.send if rank == 0 else cudarecv.recv
+
+    def one(i):
+        call(td, peer, init_tag=7 * i, pseudo_rand=bool(i % 2))
+        call(td, peer, bucket_bytes=(64 + 8 * i) if rank == 0 else 64)  # the sender picks the piece size
+
+    for i in range(4):
+        one(i)
+    tracemalloc.start()
+    before = tracemalloc.take_snapshot()
+    for i in range(4, calls):
+        one(i)
+    grown = sum(s.size_diff for s in tracemalloc.take_snapshot().compare_to(before, "filename"))
+    tracemalloc.stop()
+    plan = plan_for(td)
+    return grown, len(plan._tags), len(plan._pieces)
+
+
+def test_per_call_caches_are_bounded(cluster):
+    for grown, tags, pieces in cluster().run(varying_calls, args=(200,), timeout=120):
+        assert tags <= 8 and pieces <= 8, (tags, pieces)
+        assert grown < 1 << 20, f"Python memory grew by {grown / 2**20:.1f} MiB over 196 calls"

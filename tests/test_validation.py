@@ -29,6 +29,13 @@ BAD_CALLS = [
     ("irecv", {"src": "PEER", "consolidated": True}, ValueError,
      r"needs a consolidated tensordict.*consolidate\(metadata=True\)"),
     ("irecv", {"src": "PEER", "bucket_bytes": 8, "init_tag": 1 << 29}, ValueError, "out of range for the fast wire"),
+    # tags are what gloo takes (0 .. 2**31 - 1) for every leaf, checked before the first is posted
+    ("irecv", {"src": "PEER", "init_tag": 2**31 - 1}, ValueError, r"`init_tag=2147483647`.*5 leaves.*2\*\*31"),
+    ("isend", {"dst": "PEER", "init_tag": 2**31 - 3}, ValueError, r"`init_tag=2147483645`.*5 leaves"),
+    ("isend", {"dst": "PEER", "init_tag": -1}, ValueError, r"`init_tag=-1` is negative"),
+    ("irecv", {"src": "PEER", "group": "str"}, TypeError, r"`group` must be a torch.distributed process group.*str"),
+    ("irecv", {"src": "PEER", "group": []}, TypeError, r"`group` must be a torch.distributed process group.*list"),
+    ("isend", {"dst": "PEER", "group": 0}, TypeError, r"`group` must be a torch.distributed process group.*int"),
 ]
 STANDALONE_BAD = [
     ("irecv", {"src": "PEER", "group_src": "PEER"}, ValueError, "`src` and `group_src` are mutually exclusive"),
@@ -118,3 +125,23 @@ def test_unsupported_leaf_type_names_key():
 def test_no_process_group():
     with pytest.raises(RuntimeError, match="init_process_group"):
         cudarecv.irecv(make("flat", 0.0), src=0)
+
+
+def numpy_init_tag(rank, world, group):
+    import numpy as np
+    from tensordict._base.distributed import _Distributed as Stock
+
+    td = make("nested", 4.0 if rank == 0 else 0.0)
+    if rank == 0:
+        Stock.send(td, 1, init_tag=np.int64(3))
+        return cudarecv.send(td, 1, init_tag=np.int64(3), pseudo_rand=True)
+    ret = cudarecv.recv(td, 0, init_tag=np.int64(3))
+    ok = same(td, make("nested", 4.0))
+    td.zero_()
+    Stock.recv(td, 0, init_tag=np.int64(3), pseudo_rand=True)
+    return ret, ok and same(td, make("nested", 4.0))
+
+
+def test_numpy_integer_init_tag_is_accepted_as_stock_accepts_it(cluster):
+    _, (ret, ok) = cluster().run(numpy_init_tag)
+    assert ok and ret == 3 + 5 - 1

@@ -18,38 +18,8 @@ import cudarecv
 from cudarecv import _weights
 from cudarecv._handle import Transfer
 from cudarecv._launch import RankExit, Ranks
-from cudarecv._plan import _cut
 from cudarecv._weights_wire import PushHeader
-
-
-def policy(hidden: int = 16) -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, hidden), torch.nn.BatchNorm1d(hidden), torch.nn.ReLU(),
-                               torch.nn.Linear(hidden, 4))
-
-
-def set_version(model: torch.nn.Module, version: int) -> None:
-    """Give every parameter and buffer a value that encodes ``version``."""
-    with torch.no_grad():
-        for i, t in enumerate(list(model.parameters()) + list(model.buffers())):
-            t.copy_(torch.full_like(t, version * 1000 + i))
-
-
-def holds_version(td_or_model, version: int) -> bool:
-    if isinstance(td_or_model, torch.nn.Module):
-        tensors = list(td_or_model.parameters()) + list(td_or_model.buffers())
-    else:
-        model = policy()
-        tensors = [td_or_model.get(tuple(n.split("."))) for n, _ in
-                   list(model.named_parameters()) + list(model.named_buffers())]
-    return all(torch.equal(t, torch.full_like(t, version * 1000 + i)) for i, t in enumerate(tensors))
-
-
-@pytest.fixture(scope="module")
-def four():
-    ranks = Ranks(4, pg_timeout=30.0)
-    yield ranks
-    ranks.close()
+from policies import holds_version, policy, set_version
 
 
 def fan_out(rank, world, group, steps, standalone):
@@ -116,21 +86,16 @@ def test_schema_mismatch_at_handshake_names_first_key(cluster):
 
 
 def bad_headers(rank, world, group):
-    """Wrong fingerprint, then a wrong byte count, then a corrupted payload: each rejected, then a good push."""
+    """A wrong fingerprint, then a corrupted payload: each rejected and drained, then a good push."""
     model = policy()
     if rank == 0:
         sender = cudarecv.WeightSender(TensorDict.from_module(model), dst=1, bucket_bytes=128, timeout=20,
                                        verify=True)
         set_version(model, 1)
         sender.push()
-        lane = sender._lanes[0]
+        lane = sender._receivers[0].lane
         wrong = PushHeader(2, sender.schema.total, sender._piece, bytes(16))
         Transfer(sender._push(lane, wrong)).wait(20)
-        chunks = sender._chunks
-        sender._chunks = _cut(torch.zeros(sender.schema.total + 64, dtype=torch.uint8), sender._piece)
-        bigger = PushHeader(2, sender.schema.total + 64, sender._piece, sender.schema.fingerprint)
-        Transfer(sender._push(lane, bigger)).wait(20)
-        sender._chunks = chunks
         real = _weights.checksum
         _weights.checksum = lambda storage: bytes(16)  # what corruption in flight looks like
         set_version(model, 2)
@@ -141,7 +106,7 @@ def bad_headers(rank, world, group):
         return None
     receiver = cudarecv.WeightReceiver(src=0, timeout=20)
     out = [receiver.pull()]
-    for expected in (cudarecv.PushHeaderError, cudarecv.PushHeaderError, cudarecv.ChecksumError):
+    for expected in (cudarecv.PushHeaderError, cudarecv.ChecksumError):
         try:
             receiver.pull()
             out.append("accepted")
@@ -154,11 +119,10 @@ def bad_headers(rank, world, group):
 def test_bad_header_and_corruption_are_rejected_and_next_pull_works(cluster):
     out = cluster().run(bad_headers)[1]
     assert out[0] == 1
-    fingerprint, size, corrupted, last = out[1:]
+    fingerprint, corrupted, last = out[1:]
     assert fingerprint[0] == "PushHeaderError" and "fingerprint" in fingerprint[1] and "drained" in fingerprint[1]
-    assert size[0] == "PushHeaderError" and "bytes" in size[1]
     assert corrupted[0] == "ChecksumError" and "corrupted" in corrupted[1]
-    for _, _, version, intact in (fingerprint, size, corrupted):
+    for _, _, version, intact in (fingerprint, corrupted):
         assert version == 1 and intact, "the last good version was not kept intact"
     assert last == (3, True)
 
@@ -232,12 +196,17 @@ def _rss_bytes() -> int:
 
 
 def soak(rank, world, group, pulls, warmup):
-    model = policy(hidden=256)
+    model = policy(hidden=256)  # parameters that require grad, as a trainer's do
+    assert all(p.requires_grad for p in model.parameters())
     if rank == 0:
         sender = cudarecv.WeightSender(TensorDict.from_module(model), dst=1, bucket_bytes=8192, timeout=30)
-        for _ in range(warmup + pulls):
+        for _ in range(warmup):
             sender.push()
-        return None
+        rss = _rss_bytes()
+        for _ in range(pulls):
+            sender.push()
+        graph = [v.grad_fn for v in sender._views if v.grad_fn is not None]
+        return _rss_bytes() - rss, len(graph), sender._storage.requires_grad
     receiver = cudarecv.WeightReceiver(src=0, timeout=30)
     for _ in range(warmup):
         receiver.pull()
@@ -250,8 +219,11 @@ def soak(rank, world, group, pulls, warmup):
 
 
 def test_soak_1000_pulls_memory_flat(cluster):
-    grown, threads, native, version = cluster().run(soak, args=(1000, 100), timeout=240)[1]
+    (sender_grown, graph_nodes, storage_grad), (grown, threads, native, version) = cluster().run(
+        soak, args=(1000, 100), timeout=240)
     assert version == 1100
+    assert graph_nodes == 0 and not storage_grad, f"{graph_nodes} autograd nodes hang off the sender's storage"
+    assert sender_grown < 4 << 20, f"the sender's resident memory grew by {sender_grown / 2**20:.1f} MiB"
     assert grown < 4 << 20, f"resident memory grew by {grown / 2**20:.1f} MiB over 1000 pulls"
     assert threads == 0 and native == 0
 
@@ -315,3 +287,21 @@ def test_schema_json_roundtrip_and_tampering():
                      b"\x80\x04not json", b'{"format":"cudarecv-weights","version":1}'):
         with pytest.raises(SchemaError):
             Schema.from_json(tampered)
+
+
+def test_checksum_catches_every_single_bit_flip():
+    from cudarecv._weights_wire import checksum
+
+    torch.manual_seed(1)
+    storage = torch.randint(0, 256, (4096,), dtype=torch.uint8)
+    reference = checksum(storage)
+    flat = storage.numpy()
+    missed = []
+    for byte in range(flat.size):
+        for bit in range(8):
+            flat[byte] ^= 1 << bit
+            if checksum(storage) == reference:
+                missed.append((byte, bit))
+            flat[byte] ^= 1 << bit
+    assert checksum(storage) == reference
+    assert not missed, f"{len(missed)} of 32768 single-bit flips pass as verified, e.g. {missed[:3]}"
