@@ -9,7 +9,9 @@
 # Every step is bounded with `timeout` (which signals the step's whole process group, ranks included);
 # a failed step does not stop the next ones, but the script then exits 1. It installs nothing: the
 # package is used from this checkout (PYTHONPATH), with `-p cudarecv.pytest_plugin` when the plugin's
-# entry point is not installed.
+# entry point is not installed. The one dependency a GPU machine may lack, blake3 (verify=True's digest),
+# is installed from ./gpu-wheels/ when that folder holds its wheel (pip download blake3 -d gpu-wheels,
+# then carry gpu-wheels to the machine).
 #
 # Usage (from anywhere):  bash bench/gpu_check.sh [OUT]
 #   OUT                        results folder (default: $OUT, else ./gpu-results)
@@ -49,6 +51,14 @@ step() {
 
 step nvidia-smi 15 nvidia-smi
 
+if ! timeout 20 "$PY" -c "import blake3" 2>/dev/null; then
+    if compgen -G "gpu-wheels/*.whl" > /dev/null; then
+        step blake3-wheel 60 "$PY" -m pip install -q --no-index --no-deps gpu-wheels/*.whl
+    else
+        echo "blake3 is not installed and gpu-wheels/ holds no wheel: the verify=True tests will fail"
+    fi
+fi
+
 step versions 30 "$PY" - <<'PYEOF'
 import importlib, importlib.metadata as md, platform
 import torch
@@ -67,7 +77,7 @@ try:
           "| devices", cupy.cuda.runtime.getDeviceCount())
 except Exception as exc:
     print("cupy: unusable", repr(exc))
-for name in ("tensordict", "numpy", "pytest", "pytest-benchmark", "pytest-timeout", "matplotlib"):
+for name in ("tensordict", "numpy", "blake3", "pytest", "pytest-benchmark", "pytest-timeout", "matplotlib"):
     try:
         print(name, md.version(name))
     except md.PackageNotFoundError:
@@ -105,7 +115,7 @@ export CUDARECV_NCCL_SHARED_GPU
 echo "GPUs visible to torch: $NGPU | pytest --gpus $GPUS | CUDARECV_NCCL_SHARED_GPU=$CUDARECV_NCCL_SHARED_GPU"
 
 step gpu-tests 200 "$PY" -m pytest ${PLUGIN[@]+"${PLUGIN[@]}"} --gpus "$GPUS" -q -p no:cacheprovider \
-    --junitxml "$OUT/gpu-tests.xml" tests/test_gpu.py tests/test_tags.py
+    --junitxml "$OUT/gpu-tests.xml" tests/test_gpu.py tests/test_tags.py tests/test_digest.py
 
 BENCH_JSON="$OUT/gpu-bench.json"
 rm -f "$BENCH_JSON"

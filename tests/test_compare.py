@@ -77,7 +77,7 @@ def test_compare_quick() -> None:
         assert got == modes, f"{case}: rows {got}, expected {modes}\n{proc.stdout}"
         for row in cases[case]:
             assert row["check"] == "ok", f"{case}: {row}\n{proc.stdout}"
-            assert row["time"] != "-" and float(row["GB/s"]) > 0, row
+            assert row["time"] != "-" and float(row["time"].split()[0]) > 0, row  # GB/s may round to 0.00
             assert row["vs raw"].endswith("x"), row
     raws = [row for rows in cases.values() for row in rows if row["impl"] == "raw" and row["mode"] == "flat recv"]
     assert all(row["vs raw"] == "1.00x" for row in raws)
