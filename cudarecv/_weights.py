@@ -132,7 +132,6 @@ class _Receiver:
         self.rank = lane.link.peer
         self.driver = _Driver(f"cudarecv-push-{self.rank}")
         self.gone: str | None = None
-        self.last: Transfer | None = None  # its last push, kept: its works may still be in flight
 
 
 class WeightSender:
@@ -318,7 +317,6 @@ class WeightSender:
             transfer = Transfer(self._push(receiver.lane, header), receiver.lane.stream, timeout=self.timeout,
                                 driver=receiver.driver.submit, link=receiver.lane.link,
                                 on_error=self._drop(receiver, self.version), raise_first=False)
-            receiver.last = transfer
             pushes.append((receiver, transfer))
         if not wait:  # each is driven on its receiver's thread from the start: none waits for another
             self._in_flight = pushes
