@@ -16,7 +16,7 @@ Rows carry the ``extra_info`` of ``bench/bench_transfers.py`` (``case``, ``impl`
 receiver's median, timed inside the ranks, a GPU receive until its bytes landed),
 plus ``send_place``/``recv_place``. Modes read ``"<mode> <send place>-><receive
 place>"``, e.g. ``chunks 4MiB cpu->cuda``. The modes of a case run side by side
-in one call into the ranks, in rotated rounds (:mod:`cudarecv._gpu_bench`), and
+in one call into the ranks, in rotated rounds (:mod:`cudarecv.tools.gpu_ranks`), and
 each is checked once after its timed rounds. Targets, printed at the end with
 their ratio and met/MISSED:
 
@@ -50,9 +50,10 @@ import pytest
 import torch
 
 from cudarecv import _cuda
-from cudarecv import _gpu_bench as gb
-from cudarecv import _transfer_bench as tb
-from cudarecv._launch import RankError, Ranks
+from cudarecv.testing.gpu import nccl_pair_problem
+from cudarecv.tools import gpu_ranks as gb
+from cudarecv.tools import transfer_ranks as tb
+from cudarecv.testing.launch import RankError, Ranks
 
 HAS_CUDA = torch.cuda.is_available()
 NCCL_SHARED = os.environ.get("CUDARECV_NCCL_SHARED_GPU", "") == "1"
@@ -135,7 +136,7 @@ if not HAVE_PYTEST_BENCHMARK:
 
 def nccl_skip_reason() -> str | None:
     """Why the NCCL ranks cannot run here, or None."""
-    return _cuda.nccl_pair_problem(NCCL_SHARED)
+    return nccl_pair_problem(NCCL_SHARED)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ Each row of the report is one benchmark here, with ``extra_info`` ``case``,
 where the stock reference has another mode, and ``seconds``: the median of the
 receiver's own per-iteration times (rank 1 times each transfer from just
 before its receive call until the data has landed, after a barrier that starts
-both ends together; see :mod:`cudarecv._transfer_bench`). ``seconds_min``,
+both ends together; see :mod:`cudarecv.tools.transfer_ranks`). ``seconds_min``,
 ``seconds_all`` (every timed iteration), ``send_seconds`` (the sender's
 median), and ``cpu_seconds``/``send_cpu_seconds`` (the median CPU time of the
 receiving/sending process per transfer, every thread) are kept too. ``ok``
@@ -46,7 +46,7 @@ from typing import Any
 
 import pytest
 
-from cudarecv import _transfer_bench as tb
+from cudarecv.tools import transfer_ranks as tb
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -10,7 +10,7 @@ The project's pytest configuration keeps the default ``python_files``
 files of this folder itself; no ``-o python_files=...`` is needed (and passing
 it, or naming a bench file on the command line, does not collect a file twice).
 
-Fixtures: ``transfer_cluster``, a :class:`cudarecv._launch.Ranks` of 2 ranks
+Fixtures: ``transfer_cluster``, a :class:`cudarecv.testing.launch.Ranks` of 2 ranks
 for the whole session (started when a bench first asks for it), restarted if a
 failure closed it; ``transfer_targets``, a list of lines printed at the end of
 the run (the transfer benches' target ratios).
@@ -24,7 +24,7 @@ from typing import Iterator
 
 import pytest
 
-from cudarecv._launch import Ranks
+from cudarecv.testing.launch import Ranks
 
 _TARGET_LINES: list[str] = []
 

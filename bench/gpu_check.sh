@@ -8,8 +8,7 @@
 #   5. the CPU suite:  pytest tests/ (without test_gpu.py), last, so it never starves the GPU steps.
 # Every step is bounded with `timeout` (which signals the step's whole process group, ranks included);
 # a failed step does not stop the next ones, but the script then exits 1. It installs nothing: the
-# package is used from this checkout (PYTHONPATH), with `-p cudarecv.pytest_plugin` when the plugin's
-# entry point is not installed. The one dependency a GPU machine may lack, blake3 (verify=True's digest),
+# package is used from this checkout (PYTHONPATH); the repository's conftest.py loads the --gpus plugin. The one dependency a GPU machine may lack, blake3 (verify=True's digest),
 # is installed from ./gpu-wheels/ when that folder holds its wheel (pip download blake3 -d gpu-wheels,
 # then carry gpu-wheels to the machine).
 #
@@ -86,14 +85,6 @@ import cudarecv
 print("cudarecv", cudarecv.__version__, "from", cudarecv.__file__)
 PYEOF
 
-# the pytest plugin (--gpus, the gpus(k) marker): its entry point, or loaded by name
-if timeout 20 "$PY" -c "import importlib.metadata as m, sys; sys.exit(0 if any(e.value == 'cudarecv.pytest_plugin' for e in m.entry_points(group='pytest11')) else 1)"; then
-    PLUGIN=()
-else
-    echo "cudarecv's pytest11 entry point is not installed: loading -p cudarecv.pytest_plugin"
-    PLUGIN=(-p cudarecv.pytest_plugin)
-fi
-
 NGPU=$(timeout 30 "$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
 if [ -z "${GPUS:-}" ]; then
     if [ "$NGPU" -ge 2 ]; then GPUS=2; else GPUS=1; fi
@@ -114,7 +105,7 @@ fi
 export CUDARECV_NCCL_SHARED_GPU
 echo "GPUs visible to torch: $NGPU | pytest --gpus $GPUS | CUDARECV_NCCL_SHARED_GPU=$CUDARECV_NCCL_SHARED_GPU"
 
-step gpu-tests 200 "$PY" -m pytest ${PLUGIN[@]+"${PLUGIN[@]}"} --gpus "$GPUS" -q -p no:cacheprovider \
+step gpu-tests 200 "$PY" -m pytest --gpus "$GPUS" -q -p no:cacheprovider \
     --junitxml "$OUT/gpu-tests.xml" tests/test_gpu.py tests/test_tags.py tests/test_digest.py
 
 BENCH_JSON="$OUT/gpu-bench.json"
@@ -126,7 +117,7 @@ else
     export CUDARECV_BENCH_JSON="$BENCH_JSON"
     BENCH_ARGS=()
 fi
-step gpu-benches 140 "$PY" -m pytest ${PLUGIN[@]+"${PLUGIN[@]}"} --gpus "$GPUS" -q -p no:cacheprovider \
+step gpu-benches 140 "$PY" -m pytest --gpus "$GPUS" -q -p no:cacheprovider \
     bench/bench_gpu.py ${BENCH_ARGS[@]+"${BENCH_ARGS[@]}"}
 
 if [ -s "$BENCH_JSON" ]; then
@@ -143,7 +134,7 @@ else
     failed+=("report (no $BENCH_JSON)")
 fi
 
-step cpu-tests 60 "$PY" -m pytest ${PLUGIN[@]+"${PLUGIN[@]}"} -q -p no:cacheprovider \
+step cpu-tests 60 "$PY" -m pytest -q -p no:cacheprovider \
     --junitxml "$OUT/cpu-tests.xml" tests/ --ignore=tests/test_gpu.py
 
 echo "results in $OUT: gpu-check.log, gpu-tests.xml, gpu-bench.json, gpu-report.txt, gpu-report.png, cpu-tests.xml"

@@ -1,4 +1,4 @@
-"""cudarecv's CUDA sources (``kernels/*.cu``): read, compiled with NVRTC, loaded with cupy.
+"""cudarecv's CUDA sources (``cudarecv/kernels/*.cu``): read, compiled with NVRTC, loaded with cupy.
 
 cupy is imported inside the functions: importing this module needs neither
 cupy nor a GPU, and :func:`compile_source` needs NVRTC only (no GPU).
@@ -7,7 +7,6 @@ cupy nor a GPU, and :func:`compile_source` needs NVRTC only (no GPU).
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 from typing import Any
 
 
@@ -16,21 +15,14 @@ class KernelCompileError(RuntimeError):
 
 
 def kernel_source(name: str) -> str:
-    """Text of ``kernels/<name>``: package data if installed, else the repository's ``kernels/``."""
-    try:
-        from importlib.resources import files
+    """Text of ``cudarecv/kernels/<name>`` (package data)."""
+    from importlib.resources import files
 
-        return files("cudarecv.kernels").joinpath(name).read_text(encoding="utf-8")
-    except (ImportError, OSError, TypeError, ValueError):
-        pass
-    path = Path(__file__).resolve().parents[1] / "kernels" / name
     try:
-        return path.read_text(encoding="utf-8")
+        return files("cudarecv.kernels").joinpath(name).read_text(encoding="utf-8")
     except OSError as exc:
-        raise FileNotFoundError(
-            f"cannot find the CUDA source {name}: neither package data of cudarecv.kernels "
-            f"nor {path}; reinstall cudarecv (pip install -e .)"
-        ) from exc
+        raise FileNotFoundError(f"cannot read the CUDA source cudarecv/kernels/{name}: reinstall cudarecv "
+                                f"(pip install -e .)") from exc
 
 
 def compile_source(source: str, name: str, arch: str | None = None, options: tuple[str, ...] = ()) -> str:

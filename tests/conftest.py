@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cudarecv._launch import Ranks
+from cudarecv.testing.launch import Ranks
 
 
 @pytest.fixture(scope="session")

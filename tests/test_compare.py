@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cudarecv import _transfer_bench as tb
+from cudarecv.tools import transfer_ranks as tb
 
 ROOT = Path(__file__).resolve().parents[1]
 

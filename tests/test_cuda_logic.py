@@ -23,6 +23,7 @@ from torch._C._distributed_c10d import _create_work_from_future
 
 import cudarecv
 from cudarecv import _cuda, _transport
+from cudarecv.testing.gpu import nccl_pair_problem
 from cudarecv._link import Link
 from tdfactory import make
 
@@ -225,8 +226,8 @@ def test_gpu_modules_import_without_cuda_or_cupy():
         "            raise ImportError('blocked ' + name)\n"
         "sys.meta_path.insert(0, Block())\n"
         "import cudarecv, cudarecv._cuda, cudarecv._staging, cudarecv._transport, cudarecv._tag_kernel\n"
-        "import cudarecv._nvml, cudarecv.pytest_plugin\n"
-        "assert cudarecv._nvml.gpu_count() == 0\n"
+        "import cudarecv.testing.nvml, cudarecv.testing.pytest_plugin\n"
+        "assert cudarecv.testing.nvml.gpu_count() == 0\n"
         "assert not cudarecv._tag_kernel.gpu_available()\n"
         "print(cudarecv.tag_sequence(0, 3, pseudo_rand=True).tolist())\n"
     )
@@ -269,7 +270,7 @@ def test_nccl_pair_problem_explains_itself():
     import torch.distributed as dist
 
     for shared in (False, True):
-        problem = _cuda.nccl_pair_problem(shared)
+        problem = nccl_pair_problem(shared)
         if not dist.is_nccl_available():
             assert problem == "torch.distributed has no NCCL backend in this build"
         elif not shared and torch.cuda.device_count() < 2:

@@ -1,5 +1,5 @@
 """``verify=True``'s digest: BLAKE3-128, on the host (the ``blake3`` package) and on the GPU
-(``kernels/blake3.cu``, whose logic is built and run on the host here)."""
+(``cudarecv/kernels/blake3.cu``, whose logic is built and run on the host here)."""
 
 from __future__ import annotations
 
@@ -54,12 +54,12 @@ def test_digest_refuses_what_is_not_bytes():
 
 @pytest.fixture(scope="module")
 def host_kernels(tmp_path_factory):
-    """kernels/blake3.cu built for the host (tests/native/blake3_host.cpp replays the launches)."""
+    """cudarecv/kernels/blake3.cu built for the host (tests/native/blake3_host.cpp replays the launches)."""
     compiler = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
     if compiler is None:
         pytest.skip("no C++ compiler (g++ or c++) to build the BLAKE3 kernels for the host")
     out = tmp_path_factory.mktemp("blake3") / "blake3_host.so"
-    subprocess.run([compiler, "-O2", "-shared", "-fPIC", f"-I{ROOT / 'kernels'}", "-o", str(out),
+    subprocess.run([compiler, "-O2", "-shared", "-fPIC", f"-I{ROOT / 'cudarecv' / 'kernels'}", "-o", str(out),
                     str(ROOT / "tests" / "native" / "blake3_host.cpp")], check=True, capture_output=True)
     lib = ctypes.CDLL(str(out))
     lib.blake3_host.argtypes = [ctypes.c_char_p, ctypes.c_uint64, ctypes.c_char_p]

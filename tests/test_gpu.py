@@ -13,7 +13,7 @@ marks them ``gpus(1)`` and starts both NCCL ranks on GPU 0 with
 ``NCCL_MULTI_RANK_GPU_ENABLE=1``, which needs NCCL >= 2.30
 (``torch.cuda.nccl.version()``); with an older NCCL they are skipped, saying so.
 
-Transfers run between two spawned ranks (:class:`cudarecv._launch.Cluster`):
+Transfers run between two spawned ranks (:class:`cudarecv.testing.launch.Cluster`):
 rank 0 sends, rank 1 receives and checks what it got. Every wait is bounded: the
 process groups time out after 60 s and each call into the ranks after 30-90 s,
 so a hang fails its test (the ranks are then replaced) instead of stalling the run.
@@ -33,7 +33,8 @@ from tensordict._base.distributed import _Distributed as Stock
 
 import cudarecv
 from cudarecv import _cuda
-from cudarecv._launch import Ranks
+from cudarecv.testing.gpu import nccl_pair_problem
+from cudarecv.testing.launch import Ranks
 from cudarecv._walk import unwrap
 from tdfactory import STRUCTURES, leaves, make
 
@@ -71,7 +72,7 @@ def gloo():
 
 def nccl_skip_reason() -> str | None:
     """Why the NCCL ranks cannot run here, or None."""
-    return _cuda.nccl_pair_problem(NCCL_SHARED)
+    return nccl_pair_problem(NCCL_SHARED)
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Tests of the ``--gpus`` pytest plugin and of NVML discovery (``cudarecv._nvml``).
+"""Tests of the ``--gpus`` pytest plugin and of NVML discovery (``cudarecv.testing.nvml``).
 
 Enabling ``pytester``: pytest forbids ``pytest_plugins`` only in *non-root
 conftest.py* files (an error since pytest 8); in a test module it is still
@@ -7,9 +7,9 @@ any of its fixtures are resolved.  So the line below enables ``pytester`` for
 this module alone, with no conftest and no ``-p pytester`` on the command line.
 
 The inner pytest runs happen in a temporary directory, so they load the plugin
-explicitly with ``-p cudarecv.pytest_plugin`` (a checkout need not be
-pip-installed; see ``PLUGIN``) and get the repository on ``sys.path`` (in-process runs) and on
-``PYTHONPATH`` (subprocess runs).  Most runs are in-process, which is fast and
+explicitly with ``-p cudarecv.testing.pytest_plugin`` (it is opt-in: installing
+cudarecv registers no entry point) and get the repository on ``sys.path``
+(in-process runs) and on ``PYTHONPATH`` (subprocess runs).  Most runs are in-process, which is fast and
 lets a test fake the NVML count; one runs in a subprocess to exercise exactly
 what a user types.
 """
@@ -23,17 +23,13 @@ from typing import Any, Callable
 
 import pytest
 
-from cudarecv import _nvml
-from cudarecv import pytest_plugin
+from cudarecv.testing import nvml as _nvml
+from cudarecv.testing import pytest_plugin
 
 pytest_plugins = ["pytester"]
 
 REPO = Path(__file__).resolve().parents[1]
-# ``-p no:cudarecv`` blocks the ``pytest11`` entry point of an installed
-# cudarecv; without it, loading the same module again under the name
-# ``cudarecv.pytest_plugin`` fails with "Plugin already registered under a
-# different name".  So these runs work installed or not.
-PLUGIN = ("-p", "no:cudarecv", "-p", "cudarecv.pytest_plugin")
+PLUGIN = ("-p", "cudarecv.testing.pytest_plugin")
 # In-process, the plugin module is already imported (by this module and by
 # earlier runs), so pytest warns that it cannot assert-rewrite it; and the
 # cache plugin would only write .pytest_cache into the temporary directory.
@@ -139,6 +135,23 @@ def test_more_gpus_than_nvml_sees_is_a_usage_error(
             "pass --gpus 0 to skip the tests marked gpus(k) with k above it*"
         ]
     )
+
+
+def test_installing_cudarecv_changes_no_other_project(pytester: pytest.Pytester,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another project's pytest in this environment: no --gpus, no header line, its own gpus marker."""
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    pytester.makeini("[pytest]\nmarkers = gpus: this project's own marker\n")
+    pytester.makepyfile(
+        "import pytest\n"
+        "@pytest.mark.gpus\n"
+        "def test_theirs():\n"
+        "    pass\n"
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.OK
+    assert not any(line.startswith("cudarecv:") for line in result.outlines), result.outlines  # no header line
+    assert pytester.runpytest_subprocess("--gpus", "1").ret == pytest.ExitCode.USAGE_ERROR  # unknown option
 
 
 def test_negative_gpus_is_a_usage_error(pytester: pytest.Pytester, run: Callable[..., Any]) -> None:

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from cudarecv import _report  # noqa: E402
+from cudarecv.tools import report as _report  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 KIB8_BYTES = 2000 * 8192  # 16384000
@@ -288,7 +288,7 @@ def test_matplotlib_lazy_and_missing(bench_json: Path):
         "import sys\n"
         f"sys.path.insert(0, {str(ROOT)!r})\n"
         "import argparse\n"
-        "from cudarecv import _report\n"
+        "from cudarecv.tools import report as _report\n"
         "assert 'matplotlib' not in sys.modules, 'imported at module import'\n"
         "p = argparse.ArgumentParser(); _report.register(p.add_subparsers())\n"
         f"assert _report.run(p.parse_args(['report', {str(bench_json)!r}, '--no-png'])) == 0\n"

@@ -17,7 +17,7 @@ from tensordict import TensorDict
 import cudarecv
 from cudarecv import _weights
 from cudarecv._handle import Transfer
-from cudarecv._launch import RankExit, Ranks
+from cudarecv.testing.launch import RankExit, Ranks
 from cudarecv._weights_wire import PushHeader
 from policies import holds_version, policy, set_version
 

@@ -18,7 +18,7 @@ from tensordict import TensorDict
 
 import cudarecv
 from cudarecv import _weights_wire as wire
-from cudarecv._launch import RankExit
+from cudarecv.testing.launch import RankExit
 from policies import holds_version, policy, set_version
 from rawwire import raw_recv, raw_send, store
 

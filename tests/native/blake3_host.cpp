@@ -1,4 +1,4 @@
-// The BLAKE3 kernels of kernels/blake3.cu run on the host: each "thread" is one
+// The BLAKE3 kernels of cudarecv/kernels/blake3.cu run on the host: each "thread" is one
 // call, the launches of cudarecv._digest replayed in the same order. Built by
 // tests/test_digest.py with the system C++ compiler.
 #include <cstring>

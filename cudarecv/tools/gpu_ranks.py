@@ -1,6 +1,6 @@
-"""Timed GPU transfers inside the ranks of a :class:`~cudarecv._launch.Cluster` (2 ranks).
+"""Timed GPU transfers inside the ranks of a :class:`~cudarecv.testing.launch.Cluster` (2 ranks).
 
-Used by ``bench/bench_gpu.py``. Built on :mod:`cudarecv._transfer_bench`: the
+Used by ``bench/bench_gpu.py``. Built on :mod:`cudarecv.tools.transfer_ranks`: the
 same case dicts (``leaves``, ``leaf_bytes`` or ``total_bytes``, ``impl``,
 ``mode``, ``iters``, ``warmup``), the same modes and tensordicts, the same
 timing (a barrier, then each rank times its own call with ``perf_counter``),
@@ -28,7 +28,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from . import _transfer_bench as tb
+from . import transfer_ranks as tb
 
 SENDER, RECEIVER = tb.SENDER, tb.RECEIVER
 PLACES = ("cpu", "pinned", "cuda")
@@ -117,7 +117,7 @@ class GpuWorkload:
         """The check's float32 pattern on ``device`` (as long as the longest leaf)."""
         key = str(device)
         if key not in self._base:
-            self._base[key] = (torch.arange(max(tb._leaf_sizes(self.case))) % 251).to(torch.float32).to(device)
+            self._base[key] = (torch.arange(max(tb.leaf_sizes(self.case))) % 251).to(torch.float32).to(device)
         return self._base[key]
 
     def flat_base(self, device: torch.device) -> torch.Tensor:
@@ -157,7 +157,7 @@ def _nothing() -> None:
 
 
 def make_op(rank: int, case: dict, group: Any) -> tb.Op:
-    """This rank's call of ``case`` (see :class:`cudarecv._transfer_bench.Op`), on its place."""
+    """This rank's call of ``case`` (see :class:`cudarecv.tools.transfer_ranks.Op`), on its place."""
     import cudarecv
     from tensordict._base.distributed import _Distributed
 
@@ -167,7 +167,7 @@ def make_op(rank: int, case: dict, group: Any) -> tb.Op:
     gpu = place == "cuda" or _backend(group) == "nccl"
     land = _landed if gpu else _nothing
     w = workload(case)
-    to, frm = tb._peers(group)
+    to, frm = tb.peers(group)
 
     if case["impl"] == "raw" and kind == "flat recv":
         buf = w.flat(place)
@@ -191,7 +191,7 @@ def make_op(rank: int, case: dict, group: Any) -> tb.Op:
         return tb.Op(send, recv, flat=buf, base=base)
 
     td = w.td(place, kind in ("consolidated", "chunks"))
-    leaves = tb._leaves(td)
+    leaves = tb.leaves_of(td)
     base = w.base(leaves[0].device)
     if case["impl"] == "raw":  # per-leaf dist.irecv
         if group is None:
@@ -234,24 +234,8 @@ def make_op(rank: int, case: dict, group: Any) -> tb.Op:
 
 
 def time_gpu_suite(rank: int, world_size: int, group: Any, cases: Sequence[dict], rounds: int = 1) -> list[dict]:
-    """:func:`cudarecv._transfer_bench.time_suite` with places: warm-ups, rotated rounds, one check each."""
-    if world_size != 2:
-        raise ValueError(f"transfer timings need exactly 2 ranks, got {world_size}")
-    if len({(c["leaves"], c.get("leaf_bytes"), c.get("total_bytes")) for c in cases}) > 1:
-        raise ValueError("the cases of one suite must share their workload (leaves, leaf_bytes/total_bytes)")
-    ops = [make_op(rank, case, group) for case in cases]
-    times: list[list[float]] = [[] for _ in cases]
-    for op, case in zip(ops, cases):
-        tb._timed(rank, op, case.get("warmup", 1), group)
-    n = len(cases)
-    for r in range(rounds):
-        for j in [(r + k) % n for k in range(n)]:
-            times[j] += tb._timed(rank, ops[j], cases[j].get("iters", 1), group)
-    out = []
-    for op, t in zip(ops, times):
-        problem = tb._verify(rank, op, group)
-        out.append({"rank": rank, "seconds": t, "ok": problem is None, "error": problem})
-    return out
+    """:func:`cudarecv.tools.transfer_ranks.time_suite` with each case on its place (CPU, pinned, GPU)."""
+    return tb.time_suite(rank, world_size, group, cases, rounds, op_for=lambda case: make_op(rank, case, group))
 
 
 def matmul_interference(rank: int, world_size: int, group: Any, cfg: dict) -> dict:
@@ -277,9 +261,9 @@ def matmul_interference(rank: int, world_size: int, group: Any, cfg: dict) -> di
     op = make_op(rank, case, group)
     td = workload(case).td(cfg["recv_place"] if rank == RECEIVER else cfg["send_place"],
                            kind in ("consolidated", "chunks"))
-    _, frm = tb._peers(group)
-    tb._timed(rank, op, 1, group)  # warm-up: plans, staging, streams, communicators
-    recv_alone = tb._timed(rank, op, 3, group)
+    _, frm = tb.peers(group)
+    tb.timed(rank, op, 1, group)  # warm-up: plans, staging, streams, communicators
+    recv_alone = tb.timed(rank, op, 3, group)
 
     out: dict[str, Any] = {"rank": rank, "alone": [], "during": [], "recv_alone": list(recv_alone),
                            "recv_during": []}
@@ -309,7 +293,7 @@ def matmul_interference(rank: int, world_size: int, group: Any, cfg: dict) -> di
 
     for r in range(cfg.get("rounds", 6)):
         for what in (("alone", "during") if r % 2 == 0 else ("during", "alone")):
-            tb._sync(group)
+            tb.sync(group)
             if rank == SENDER:
                 if what == "during":
                     op.send()
@@ -327,6 +311,6 @@ def matmul_interference(rank: int, world_size: int, group: Any, cfg: dict) -> di
             torch.cuda.synchronize()
             out["recv_during"].append(time.perf_counter() - t0)
             out["during"].append(start.elapsed_time(end) / 1e3)
-    problem = tb._verify(rank, op, group)
+    problem = tb.verify(rank, op, group)
     out["ok"], out["error"] = problem is None, problem
     return out

@@ -1,4 +1,4 @@
-"""Timed transfers that run inside the ranks of a :class:`~cudarecv._launch.Cluster` (2 ranks).
+"""Timed transfers that run inside the ranks of a :class:`~cudarecv.testing.launch.Cluster` (2 ranks).
 
 Shared by ``bench/bench_transfers.py`` and ``python -m cudarecv compare``. The
 ranks time themselves: the parent's round trip through the cluster's queues is
@@ -54,7 +54,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from ._launch import RankError
+from ..testing.launch import RankError
 
 SENDER, RECEIVER = 0, 1
 
@@ -238,7 +238,7 @@ _WORKLOAD = KeptWorkload()
 _STAMP = 0
 
 
-def _leaf_sizes(case: dict) -> list[int]:
+def leaf_sizes(case: dict) -> list[int]:
     """float32 element counts of the leaves."""
     n = case["leaves"]
     if "leaf_bytes" in case:
@@ -254,7 +254,7 @@ def build_tensordict(case: dict) -> Any:
 
     top: dict[str, Any] = {}
     nested: dict[str, dict[str, torch.Tensor]] = {}
-    for i, numel in enumerate(_leaf_sizes(case)):
+    for i, numel in enumerate(leaf_sizes(case)):
         shape = (numel // 16, 16) if i % 2 and numel % 16 == 0 else (numel,)
         t = torch.zeros(shape, dtype=torch.float32)
         if i % 10 == 9:
@@ -268,7 +268,7 @@ def build_tensordict(case: dict) -> Any:
 
 def _build_workload(key: tuple, case: dict) -> Workload:
     td = build_tensordict(case)
-    base = (torch.arange(max(_leaf_sizes(case))) % 251).to(torch.float32)
+    base = (torch.arange(max(leaf_sizes(case))) % 251).to(torch.float32)
     if "total_bytes" in case:
         return Workload(key, None, td.consolidate(metadata=True), payload_bytes(case), base)
     return Workload(key, td, None, payload_bytes(case), base)
@@ -279,7 +279,7 @@ def workload(case: dict) -> Workload:
     return _WORKLOAD.get(case, _build_workload)
 
 
-def _leaves(td: Any) -> list[torch.Tensor]:
+def leaves_of(td: Any) -> list[torch.Tensor]:
     return list(td.values(include_nested=True, leaves_only=True))
 
 
@@ -297,7 +297,7 @@ class Op:
     base: torch.Tensor | None = None  # the check's pattern: float32 for leaves, uint8 for flat
 
 
-def _peers(group: Any) -> tuple[dict, dict]:
+def peers(group: Any) -> tuple[dict, dict]:
     if group is None:
         return {"dst": RECEIVER}, {"src": SENDER}
     return {"group": group, "group_dst": RECEIVER}, {"group": group, "group_src": SENDER}
@@ -310,7 +310,7 @@ def make_op(case: dict, group: Any) -> Op:
 
     kind, piece = parse_mode(case["impl"], case["mode"])
     impl, w = case["impl"], workload(case)
-    to, frm = _peers(group)
+    to, frm = peers(group)
 
     if impl == "raw" and kind == "flat recv":
         buf = w.flat()
@@ -321,7 +321,7 @@ def make_op(case: dict, group: Any) -> Op:
                   flat=buf, base=w.flat_base())
 
     td = w.consolidated() if kind in ("consolidated", "chunks") else w.per_leaf()
-    leaves = _leaves(td)
+    leaves = leaves_of(td)
     if impl == "raw" and kind == "buckets":
         return _raw_buckets(leaves, piece, group, w.base)
     if impl == "raw":  # per-leaf dist.irecv
@@ -374,7 +374,7 @@ def _raw_buckets(leaves: list[torch.Tensor], piece: int, group: Any, base: torch
     return Op(send, recv, leaves, base=base)
 
 
-def _sync(group: Any) -> None:
+def sync(group: Any) -> None:
     if group is None:
         dist.barrier()
     else:
@@ -387,13 +387,13 @@ def _process_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _timed(rank: int, op: Op, count: int, group: Any, cpu: list[float] | None = None) -> list[float]:
+def timed(rank: int, op: Op, count: int, group: Any, cpu: list[float] | None = None) -> list[float]:
     """``count`` iterations; this rank's seconds for each (and, into ``cpu``, its process CPU seconds)."""
     call = op.recv if rank == RECEIVER else op.send
     out = []
     clock = time.perf_counter
     for _ in range(count):
-        _sync(group)
+        sync(group)
         c0 = _process_cpu()
         t0 = clock()
         call()
@@ -436,12 +436,12 @@ def _mismatch(op: Op, stamp: int) -> str | None:
     return None
 
 
-def _verify(rank: int, op: Op, group: Any) -> str | None:
+def verify(rank: int, op: Op, group: Any) -> str | None:
     """One checked transfer; the receiver returns None or what was wrong."""
     global _STAMP
     _STAMP += 1  # both ranks run the same calls, so their stamps agree
     _fill(op, _STAMP, zero=rank == RECEIVER)
-    _timed(rank, op, 1, group)
+    timed(rank, op, 1, group)
     if rank != RECEIVER:
         return None
     problem = _mismatch(op, _STAMP)
@@ -462,31 +462,33 @@ def time_case(rank: int, world_size: int, group: Any, case: dict) -> dict:
     return time_suite(rank, world_size, group, [case], rounds=1)[0]
 
 
-def time_suite(rank: int, world_size: int, group: Any, cases: Sequence[dict], rounds: int = 1) -> list[dict]:
-    """Run several cases of one workload side by side, to beat noise.
+def time_suite(rank: int, world_size: int, group: Any, cases: Sequence[dict], rounds: int = 1,
+               op_for: Callable[[dict], Op] | None = None) -> list[dict]:
+    """Run several cases of one workload side by side, to beat noise (the one suite timer).
 
     Each case first runs its ``warmup`` iterations; then ``rounds`` rounds each
     run ``iters`` timed iterations of every case, the order rotated by one case
     per round (so no case always follows the same one); then each case is
     checked once. Returns one dict per case, as :func:`time_case` does, with the
-    times of all rounds.
+    times of all rounds. ``op_for(case)`` builds a case's :class:`Op` (default:
+    :func:`make_op` on this group; the GPU benches pass theirs).
     """
     if world_size != 2:
         raise ValueError(f"transfer timings need exactly 2 ranks, got {world_size}")
     if len({(c["leaves"], c.get("leaf_bytes"), c.get("total_bytes")) for c in cases}) > 1:
         raise ValueError("the cases of one suite must share their workload (leaves, leaf_bytes/total_bytes)")
-    ops = [make_op(case, group) for case in cases]
+    ops = [op_for(case) if op_for is not None else make_op(case, group) for case in cases]
     times: list[list[float]] = [[] for _ in cases]
     cpu: list[list[float]] = [[] for _ in cases]
     for op, case in zip(ops, cases):
-        _timed(rank, op, case.get("warmup", 1), group)
+        timed(rank, op, case.get("warmup", 1), group)
     n = len(cases)
     for r in range(rounds):
         for j in [(r + k) % n for k in range(n)]:
-            times[j] += _timed(rank, ops[j], cases[j].get("iters", 1), group, cpu[j])
+            times[j] += timed(rank, ops[j], cases[j].get("iters", 1), group, cpu[j])
     out = []
     for op, t, c in zip(ops, times, cpu):
-        problem = _verify(rank, op, group)
+        problem = verify(rank, op, group)
         out.append({"rank": rank, "seconds": t, "cpu_seconds": c, "ok": problem is None, "error": problem})
     return out
 

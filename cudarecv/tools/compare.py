@@ -5,7 +5,7 @@ Usage::
     python -m cudarecv compare [--leaves N] [--leaf-bytes SIZE] [--consolidated-mib MIB]
                                [--bucket-bytes SIZE] [--iters N] [--warmup N] [--rounds N] [--quick]
 
-Starts two local processes on gloo loopback (one :class:`~cudarecv._launch.Cluster`)
+Starts two local processes on gloo loopback (one :class:`~cudarecv.testing.launch.Cluster`)
 and transfers, from rank 0 to rank 1:
 
 - a model-sized tensordict of ``--leaves`` float32 leaves of ``--leaf-bytes`` each,
@@ -29,21 +29,21 @@ Exit status: 0 if every transfer delivered the right values, 1 if any did not
 from __future__ import annotations
 
 import argparse
-import platform
 import sys
 import time
-from datetime import datetime, timezone
 from typing import Any
 
-from . import _report
-from . import _transfer_bench as tb
+from ..testing.launch import Cluster, RankError
+from . import report, table
+from . import transfer_ranks as tb
+from .console import available_memory, machine, progress, tail, versions
 
 BACKEND = "gloo"
 CONSOLIDATED_LEAVES = 200
 DEFAULTS = dict(leaves=2000, leaf_bytes="8KiB", consolidated_mib=256, bucket_bytes="1MiB", iters=5, warmup=1, rounds=1)
 QUICK = dict(leaves=64, leaf_bytes="1KiB", consolidated_mib=1, bucket_bytes="16KiB", iters=2, warmup=1, rounds=1)
 NOTE = "time = median of the receiver's timed transfers; GB/s = bytes / time / 1e9"
-COLUMNS = (*_report.COLUMNS, "check")
+COLUMNS = (*report.COLUMNS, "check")
 
 
 def plan(args: argparse.Namespace) -> list[tuple[str, dict, str | None]]:
@@ -75,23 +75,13 @@ def plan(args: argparse.Namespace) -> list[tuple[str, dict, str | None]]:
     return out
 
 
-def _available_memory() -> int | None:
-    """Bytes of memory available to new processes (MemAvailable), or None if unknown."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def _check_memory(todo: list[tuple[str, dict, str | None]]) -> None:
     """Refuse sizes whose buffers would not fit: each rank holds the tensordict, its
     consolidated copy (many-leaves case only), a flat buffer and the check pattern."""
     need = max(tb.payload_bytes(c) * (4 if "leaf_bytes" in c else 3) * 2 for _, c, _ in todo)
-    available = _available_memory()
+    available = available_memory()
     if available is not None and need > 0.8 * available:
         raise ValueError(
             f"these sizes need about {need / 1e9:.1f} GB of memory on the two ranks, but "
@@ -102,49 +92,21 @@ def _check_memory(todo: list[tuple[str, dict, str | None]]) -> None:
 # --------------------------------------------------------------------------- table
 
 
-def _machine() -> dict[str, Any]:
-    return {
-        "machine_info": {
-            "node": platform.node(),
-            "processor": platform.processor(),
-            "system": platform.system(),
-            "machine": platform.machine(),
-            "python_version": platform.python_version(),
-        },
-        "datetime": datetime.now(timezone.utc).isoformat(),
-    }
 
 
-def _versions() -> str:
-    import tensordict
-    import torch
-
-    from . import __version__
-
-    return f"cudarecv {__version__}, torch {torch.__version__}, tensordict {tensordict.__version__}"
 
 
-def format_table(rows: list[_report.Row], checks: dict[int, str], header: list[str]) -> str:
-    """The report's table (same cells, via :func:`cudarecv._report.row_cells`) plus a check column."""
-    cells = []
-    for r in rows:
-        cell = _report.row_cells(r)
+def format_table(rows: list[report.Row], checks: dict[int, str], header: list[str]) -> str:
+    """The report's table (same cells, via :func:`cudarecv.tools.report.row_cells`) plus a check column."""
+    def cells(r: report.Row) -> dict[str, str]:
+        cell = report.row_cells(r)
         if r.seconds <= 0:  # never completed
             cell.update({"time": "-", "GB/s": "-"})
         cell["check"] = checks[id(r)]
-        cells.append(cell)
-    widths = {c: max([len(c)] + [len(cell[c]) for cell in cells]) for c in COLUMNS}
+        return cell
 
-    def line(cell: dict[str, str], prefix: str) -> str:
-        padded = (cell[c].ljust(widths[c]) if c in _report.LEFT else cell[c].rjust(widths[c]) for c in COLUMNS)
-        return (prefix + "  ".join(padded)).rstrip()
-
-    out = [f"# {h}" for h in header] + ["#", line({c: c for c in COLUMNS}, "# ")]
-    by_id = {id(r): cell for r, cell in zip(rows, cells)}
-    for case, group in _report.group_cases(rows).items():
-        out.append(f"# case: {case}")
-        out += [line(by_id[id(r)], "  ") for r in group]
-    return "\n".join(out) + "\n"
+    sections = {case: [cells(r) for r in group] for case, group in report.group_cases(rows).items()}
+    return table.text(COLUMNS, sections, left=report.LEFT, notes=header)
 
 
 # --------------------------------------------------------------------------- CLI
@@ -178,20 +140,12 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
-def _tail(error: str, lines: int = 8) -> str:
-    """The end of a rank's traceback (where it raised), not all of it."""
-    text = error.strip().splitlines()
-    return "\n".join(text if len(text) <= lines else [text[0], "  ...", *text[-(lines - 2):]])
 
 
-def _progress(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run every mode, print progress then the table; 0 if all checks pass."""
-    from ._launch import Cluster, RankError
-
     try:
         todo = plan(args)
     except ValueError as exc:
@@ -202,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
     times: dict[tuple, list[float]] = {k: [] for k in keys}
     errors: dict[tuple, list[str]] = {k: [] for k in keys}
     total, done = rounds * len(todo), 0
-    _progress(f"cudarecv compare: {len(todo)} modes x {rounds} round(s) on 2 local ranks ({BACKEND}), "
+    progress(f"cudarecv compare: {len(todo)} modes x {rounds} round(s) on 2 local ranks ({BACKEND}), "
               f"{todo[0][1]['iters']} timed + {todo[0][1]['warmup']} warm-up transfers each")
     t_start = time.perf_counter()
     cluster = None
@@ -227,10 +181,10 @@ def run(args: argparse.Namespace) -> int:
                     if not result["ok"]:
                         errors[key].append(result["error"])
                     seconds = result["seconds"]
-                    status = (f"{_report.format_time(seconds):>10}  {result['bytes'] / seconds / 1e9:7.2f} GB/s  "
+                    status = (f"{report.format_time(seconds):>10}  {result['bytes'] / seconds / 1e9:7.2f} GB/s  "
                               + ("ok" if result["ok"] else f"FAIL: {result['error']}"))
                 done += 1
-                _progress(f"[{done:>{len(str(total))}}/{total}] {name:<22} {case['impl']:<8} {case['mode']:<22} "
+                progress(f"[{done:>{len(str(total))}}/{total}] {name:<22} {case['impl']:<8} {case['mode']:<22} "
                           f"{status}")
     except KeyboardInterrupt:
         print("cudarecv compare: interrupted", file=sys.stderr)
@@ -245,19 +199,19 @@ def run(args: argparse.Namespace) -> int:
     for key in keys:
         name, impl, mode = key
         case, ts = cases[key], sorted(times[key])
-        row = _report.Row(name=f"{name} {impl} {mode}", seconds=tb.median(ts) if ts else 0.0, case=name,
+        row = report.Row(name=f"{name} {impl} {mode}", seconds=tb.median(ts) if ts else 0.0, case=name,
                           impl=impl, mode=mode, nbytes=tb.payload_bytes(case), leaves=case["leaves"],
                           stock_mode=stock_modes[key], backend=BACKEND)
         rows.append(row)
         checks[id(row)] = "FAIL" if errors[key] else "ok"
-    _report.compute_ratios(rows)
+    report.compute_ratios(rows)
     it = todo[0][1]
     header = [
-        _report.header_line(_machine()),
-        f"{_versions()}; 2 local ranks, {BACKEND} loopback; {it['iters'] * rounds} "
+        report.header_line(machine()),
+        f"{versions()}; 2 local ranks, {BACKEND} loopback; {it['iters'] * rounds} "
         f"timed transfers per mode ({rounds} round(s) x {it['iters']}, after {it['warmup']} warm-up)",
         NOTE,
-        _report.RATIO_NOTE,
+        report.RATIO_NOTE,
         "check = values verified on the receiver after the timed transfers",
     ]
     sys.stdout.write(format_table(rows, checks, header))
@@ -267,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         for name, impl, mode in failed:
             for error in dict.fromkeys(errors[(name, impl, mode)]):
-                print(f"cudarecv compare: {name}: {impl} {mode}: {_tail(error)}", file=sys.stderr)
+                print(f"cudarecv compare: {name}: {impl} {mode}: {tail(error)}", file=sys.stderr)
         return 1
     sys.stdout.write(f"# checks: all {len(keys)} modes delivered the right values "
                      f"({time.perf_counter() - t_start:.1f} s)\n")

@@ -6,7 +6,7 @@ Usage::
                             [--bucket-bytes SIZE] [--verify] [--timeout S] [--seed N] [--quick]
 
 Starts one trainer (rank 0) and ``--actors`` actor processes (ranks 1..N) on
-this machine (one :class:`~cudarecv._launch.Cluster`): gloo on the CPU by
+this machine (one :class:`~cudarecv.testing.launch.Cluster`): gloo on the CPU by
 default; with ``--device cuda``, NCCL when every rank can have a GPU of its
 own, else gloo with each process's weights in CUDA memory.
 
@@ -57,8 +57,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _report
-from ._compare import _available_memory, _progress, _tail, _versions
+import cudarecv
+
+from ..testing.launch import Cluster, RankError
+from . import report, table
+from .console import available_memory, progress, tail, versions
+from .transfer_ranks import format_size, parse_size
 
 DEFAULTS = dict(actors=2, steps=200, model_mib=4.0, bucket_bytes="1MiB", timeout=60.0, seed=0)
 QUICK = dict(steps=40, hidden=64)
@@ -320,8 +324,6 @@ def _finish(push: _Background) -> float:
 
 
 def _trainer(cfg: Config, device: torch.device) -> dict[str, Any]:
-    from ._weights import WeightSender
-
     torch.manual_seed(cfg.seed)
     policy = make_policy(cfg.hidden, device)
     opt = torch.optim.Adam(policy.parameters(), lr=cfg.lr)
@@ -329,7 +331,7 @@ def _trainer(cfg: Config, device: torch.device) -> dict[str, Any]:
     store = _store()
     ranks = list(range(1, cfg.world))
     pushed = _Pushed(policy, device)
-    sender = WeightSender(pushed.td, dst=ranks, bucket_bytes=cfg.bucket_bytes, timeout=cfg.timeout,
+    sender = cudarecv.WeightSender(pushed.td, dst=ranks, bucket_bytes=cfg.bucket_bytes, timeout=cfg.timeout,
                           verify=cfg.verify, stream=pushed.stream)
     rewards: list[float] = []
     waits: list[float] = []
@@ -374,10 +376,8 @@ def _act(policy: nn.Module, params: dict[str, torch.Tensor], env: Bandit) -> flo
 
 
 def _actor(rank: int, cfg: Config, device: torch.device) -> dict[str, Any]:
-    from ._weights import ChecksumError, WeightReceiver
-
     skeleton = make_policy(cfg.hidden, "meta")  # structure only: the weights are the receiver's views
-    receiver = WeightReceiver(src=0, device=device, expect=weights_td(skeleton, _meta("meta")),
+    receiver = cudarecv.WeightReceiver(src=0, device=device, expect=weights_td(skeleton, _meta("meta")),
                               timeout=cfg.timeout)
     env = Bandit(cfg.seed, device, stream=rank)
     store = _store()
@@ -392,7 +392,7 @@ def _actor(rank: int, cfg: Config, device: torch.device) -> dict[str, Any]:
                 _episode(receiver, skeleton, env, store, stats, views)
             try:
                 transfer.wait(cfg.timeout)
-            except ChecksumError:
+            except cudarecv.ChecksumError:
                 stats.bad += 1
                 continue
             stats.verified += int(cfg.verify)
@@ -470,37 +470,23 @@ def actor_cells(actor: dict[str, Any], trainer: dict[str, Any], verify: bool) ->
 
 def format_table(cells: list[dict[str, str]], header: list[str]) -> str:
     """Fixed-width table, comment lines prefixed with '#' (nccl-tests style)."""
-    widths = {c: max([len(c)] + [len(cell[c]) for cell in cells]) for c in COLUMNS}
-
-    def line(cell: dict[str, str], prefix: str) -> str:
-        padded = (cell[c].ljust(widths[c]) if c in LEFT else cell[c].rjust(widths[c]) for c in COLUMNS)
-        return (prefix + "  ".join(padded)).rstrip()
-
-    out = [f"# {h}" for h in header] + ["#", line({c: c for c in COLUMNS}, "# ")]
-    out += [line(cell, "  ") for cell in cells]
-    return "\n".join(out) + "\n"
+    return table.text(COLUMNS, {None: cells}, left=LEFT, notes=header)
 
 
 def _describe(cfg: Config, trainer: dict[str, Any]) -> list[str]:
     where = "cpu" if cfg.device == "cpu" else f"cuda ({torch.cuda.device_count()} GPU(s))"
-    bucket = "one message" if cfg.bucket_bytes is None else f"{_size(cfg.bucket_bytes)} messages"
+    bucket = "one message" if cfg.bucket_bytes is None else f"{format_size(cfg.bucket_bytes)} messages"
     actors = "1 actor (rank 1)" if cfg.actors == 1 else f"{cfg.actors} actors (ranks 1-{cfg.actors})"
     return [
         f"cudarecv demo: trainer (rank 0) -> {actors}; {cfg.backend} loopback, weights on {where}",
         (f"policy: MLP {OBS}-{cfg.hidden}-{cfg.hidden}-{ARMS}, {param_count(cfg.hidden):,} float32 params; "
-         f"pushed {_report.human_bytes(trainer['bytes'])} per version ({trainer['leaves']} leaves with meta) in "
+         f"pushed {report.human_bytes(trainer['bytes'])} per version ({trainer['leaves']} leaves with meta) in "
          f"{bucket}; checksums {'on' if cfg.verify else 'off'}; {trainer['versions']} versions"),
-        f"{_versions()}",
+        f"{versions()}",
         NOTE,
         LAG_NOTE,
         CHECK_NOTE,
     ]
-
-
-def _size(n: int) -> str:
-    from ._transfer_bench import format_size
-
-    return format_size(n)
 
 
 def _summary(cfg: Config, trainer: dict[str, Any]) -> list[str]:
@@ -566,7 +552,7 @@ def make_config(args: argparse.Namespace) -> Config:
         raise ValueError(f"--hidden must be >= 1, got {hidden}")
     if not args.timeout > 0:
         raise ValueError(f"--timeout must be > 0 seconds, got {args.timeout}")
-    bucket = None if str(args.bucket_bytes).strip() == "0" else _parse_size(args.bucket_bytes)
+    bucket = None if str(args.bucket_bytes).strip() == "0" else parse_size(args.bucket_bytes)
     if args.kill_actor is not None and not 1 <= args.kill_actor <= args.actors:
         raise ValueError(f"--kill-actor must be an actor's rank, 1..{args.actors}, got {args.kill_actor}")
     backend = "gloo"
@@ -583,19 +569,13 @@ def make_config(args: argparse.Namespace) -> Config:
     return cfg
 
 
-def _parse_size(text: str) -> int:
-    from ._transfer_bench import parse_size
-
-    return parse_size(text)
-
-
 def _check_memory(cfg: Config) -> None:
     """Refuse models whose copies would not fit: the trainer holds the parameters, their
     gradients, Adam's two moments and the sender's storage; each actor two storages."""
     model = param_count(cfg.hidden) * 4
     on_host = cfg.device == "cpu"
     need = cfg.world * PROCESS_BYTES + (model * (5 + 2 * cfg.actors) if on_host else 4 * model)
-    available = _available_memory()
+    available = available_memory()
     if available is not None and need > 0.8 * available:
         raise ValueError(
             f"a {model / 1e9:.2f} GB policy with {cfg.actors} actor(s) needs about {need / 1e9:.1f} GB of memory, "
@@ -612,16 +592,14 @@ def _run_timeout(cfg: Config) -> float:
 
 def run(args: argparse.Namespace) -> int:
     """Start the ranks, train and sync, print the table; 0 if every check passed."""
-    from ._launch import Cluster, RankError
-
     try:
         cfg = make_config(args)
     except ValueError as exc:
         print(f"cudarecv demo: error: {exc}", file=sys.stderr)
         return 2
     model = param_count(cfg.hidden) * 4
-    _progress(f"cudarecv demo: starting a trainer and {cfg.actors} actor(s) ({cfg.backend}, weights on "
-              f"{cfg.device}); policy hidden {cfg.hidden}, {_report.human_bytes(model)}; {cfg.steps} steps")
+    progress(f"cudarecv demo: starting a trainer and {cfg.actors} actor(s) ({cfg.backend}, weights on "
+              f"{cfg.device}); policy hidden {cfg.hidden}, {report.human_bytes(model)}; {cfg.steps} steps")
     t_start = time.perf_counter()
     try:
         with Cluster(cfg.world, backend=cfg.backend, pg_timeout=cfg.timeout,
@@ -657,5 +635,5 @@ def _explain(exc: Exception) -> str:
         return f"{text} (rank 0 is the trainer, the others are actors)"
     rank = int(raised.group(1))
     role = "the trainer (rank 0)" if rank == 0 else f"actor rank {rank}"
-    tail = "\n".join("    " + line for line in _tail(text, 10).splitlines()[1:-1])
+    tail = "\n".join("    " + line for line in tail(text, 10).splitlines()[1:-1])
     return f"{role} raised: {text.splitlines()[-1]}\n{tail}"

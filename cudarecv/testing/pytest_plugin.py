@@ -9,9 +9,9 @@ plugin is fork-safe.  Unmarked tests are untouched.
 
 Loaded through the ``pytest11`` entry point (named ``cudarecv``) once
 cudarecv is installed.  In a checkout that is not installed, pass
-``-p cudarecv.pytest_plugin``; do not add that when it is installed (pytest
+``-p cudarecv.testing.pytest_plugin``; do not add that when it is installed (pytest
 refuses to register the module twice under two names), or block the entry
-point first: ``-p no:cudarecv -p cudarecv.pytest_plugin``.
+point first: ``-p no:cudarecv -p cudarecv.testing.pytest_plugin``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import os
 
 import pytest
 
-from . import _nvml
+from . import nvml as _nvml
 
 MARKER = "gpus"
 MARKER_HELP = "gpus(k): test needs k GPUs; runs only with --gpus N where k <= N"

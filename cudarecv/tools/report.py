@@ -26,6 +26,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Sequence
 
+from . import table
+
 NOTE = "time = extra_info seconds if given (timed inside the ranks), else median of rounds; GB/s = bytes / time / 1e9"
 RATIO_NOTE = "vs stock / vs raw = their time / this time (> 1: this row is faster)"
 MATPLOTLIB_HINT = "pip install matplotlib or cudarecv[test]"
@@ -275,56 +277,32 @@ def _columns(rows: Sequence[Row]) -> list[str]:
     return cols
 
 
-def _pad(text: str, width: int, col: str) -> str:
-    return text.ljust(width) if col in LEFT else text.rjust(width)
-
-
 def format_text(data: dict[str, Any], rows: Sequence[Row]) -> str:
     """Fixed-width table, one section per case, comment lines prefixed with '#'."""
     cases = group_cases(rows)
-    cols = _columns(rows)
-    cells = [row_cells(r) for group in cases.values() for r in group]
-    widths = {c: max([len(c)] + [len(cell[c]) for cell in cells]) for c in cols}
-    lines = [f"# {header_line(data)}", f"# {NOTE}", f"# {RATIO_NOTE}", "#"]
-    head = "  ".join(_pad(c, widths[c], c) for c in cols)
-    lines.append("# " + head)
-    for case, group in cases.items():
-        lines.append(f"# case: {case}")
-        for r in group:
-            cell = row_cells(r)
-            lines.append("  " + "  ".join(_pad(cell[c], widths[c], c) for c in cols).rstrip())
+    notes = [header_line(data), NOTE, RATIO_NOTE]
+    out = table.text(_columns(rows), {case: [row_cells(r) for r in group] for case, group in cases.items()},
+                     left=LEFT, notes=notes)
     if not cases:
-        lines.append("# (no benchmarks with extra_info case/impl)")
+        out += "# (no benchmarks with extra_info case/impl)\n"
     other = [r for r in rows if not r.categorized]
     if other:
-        width = max(len(r.name) for r in other)
-        lines += ["#", "# other benchmarks (no case/impl extra_info)", f"# {'name'.ljust(width)}  median"]
-        lines += [f"  {r.name.ljust(width)}  {format_time(r.seconds)}" for r in other]
-    return "\n".join(lines) + "\n"
-
-
-def _md(text: str) -> str:
-    return text.replace("|", "\\|")
-
-
-def _md_table(header: list[str], right: list[bool], body: list[list[str]]) -> list[str]:
-    lines = ["| " + " | ".join(_md(h) for h in header) + " |"]
-    lines.append("|" + "|".join("---:" if r else ":---" for r in right) + "|")
-    lines += ["| " + " | ".join(_md(c) for c in row) + " |" for row in body]
-    return lines
+        out += "#\n" + table.text(["name", "median"], {None: [{"name": r.name, "median": format_time(r.seconds)}
+                                                            for r in other]},
+                                   left={"name"}, notes=["other benchmarks (no case/impl extra_info)"])
+    return out
 
 
 def format_markdown(data: dict[str, Any], rows: Sequence[Row]) -> str:
     """GitHub markdown: a note paragraph, then one table with a case column."""
     cols = ["case"] + _columns(rows)
-    body = [[row_cells(r)[c] for c in cols] for g in group_cases(rows).values() for r in g]
-    lines = [f"{header_line(data)}  ", f"{NOTE}; {RATIO_NOTE}", ""]
-    lines += _md_table(cols, [c not in LEFT for c in cols], body)
+    body = [row_cells(r) for g in group_cases(rows).values() for r in g]
+    out = f"{header_line(data)}  \n{NOTE}; {RATIO_NOTE}\n\n" + table.markdown(cols, body, left=LEFT)
     other = [r for r in rows if not r.categorized]
     if other:
-        lines += ["", "Other benchmarks:", ""]
-        lines += _md_table(["name", "median"], [False, True], [[r.name, format_time(r.seconds)] for r in other])
-    return "\n".join(lines) + "\n"
+        out += "\nOther benchmarks:\n\n" + table.markdown(
+            ["name", "median"], [{"name": r.name, "median": format_time(r.seconds)} for r in other], left={"name"})
+    return out
 
 
 # --------------------------------------------------------------------------- plot

@@ -7,7 +7,7 @@ point opens its own NVML session and always closes it. A machine without
 query the driver refuses (old GPU, no NVLink, MIG, ...) yields ``None``/``0``
 for that field instead of failing the whole call.
 
-Run ``python -m cudarecv._nvml`` to print the table.
+Run ``python -m cudarecv.testing.nvml`` to print the table.
 """
 
 from __future__ import annotations
@@ -191,12 +191,12 @@ def format_topology(infos: list[GpuInfo]) -> str:
     """A plain-text table: one row per GPU, then its relation to each GPU."""
     if not infos:
         return "NVML sees no GPUs"
+    from cudarecv.tools import table
+
     indices = [info.index for info in infos]
     header = ["", "name", "mem GiB", "PCIe", "NVLinks", *(f"GPU{j}" for j in indices)]
-    rows = [header, *(_row(info, indices) for info in infos)]
-    widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
-    return "\n".join(lines)
+    rows = [dict(zip(header, _row(info, indices))) for info in infos]
+    return table.text(header, {None: rows}, left=set(header), commented=False).rstrip("\n")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,11 @@
+"""The command line, ``python -m cudarecv``, and the code its ranks run.
+
+- :mod:`~cudarecv.tools.cli`: the entry point (``compare``, ``demo``, ``report``, ``--version``);
+- :mod:`~cudarecv.tools.compare` / :mod:`~cudarecv.tools.demo` / :mod:`~cudarecv.tools.report`: one subcommand each;
+- :mod:`~cudarecv.tools.transfer_ranks` / :mod:`~cudarecv.tools.gpu_ranks`: timed transfers inside
+  benchmark ranks (used by ``compare`` and ``bench/``);
+- :mod:`~cudarecv.tools.table`: the one table renderer; :mod:`~cudarecv.tools.console`: machine,
+  versions, progress lines.
+
+Built on the public API of :mod:`cudarecv` and on :mod:`cudarecv.testing`; the library never imports it.
+"""
