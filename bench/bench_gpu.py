@@ -49,11 +49,10 @@ from typing import Any
 import pytest
 import torch
 
-from cudarecv import _cuda
 from cudarecv.testing.gpu import nccl_pair_problem
+from cudarecv.testing.launch import RankError, Ranks
 from cudarecv.tools import gpu_ranks as gb
 from cudarecv.tools import transfer_ranks as tb
-from cudarecv.testing.launch import RankError, Ranks
 
 HAS_CUDA = torch.cuda.is_available()
 NCCL_SHARED = os.environ.get("CUDARECV_NCCL_SHARED_GPU", "") == "1"

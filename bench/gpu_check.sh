@@ -7,8 +7,9 @@
 #   4. the report:     python -m cudarecv report -> $OUT/gpu-report.txt and $OUT/gpu-report.png;
 #   5. the CPU suite:  pytest tests/ (without test_gpu.py), last, so it never starves the GPU steps.
 # Every step is bounded with `timeout` (which signals the step's whole process group, ranks included);
-# a failed step does not stop the next ones, but the script then exits 1. It installs nothing: the
-# package is used from this checkout (PYTHONPATH); the repository's conftest.py loads the --gpus plugin. The one dependency a GPU machine may lack, blake3 (verify=True's digest),
+# a failed step does not stop the next ones, but the script then exits 1. It installs nothing but blake3: the
+# package is used from this checkout (PYTHONPATH); the repository's conftest.py loads the --gpus plugin.
+# blake3 (verify=True's digest), the one dependency a GPU machine may lack,
 # is installed from ./gpu-wheels/ when that folder holds its wheel (pip download blake3 -d gpu-wheels,
 # then carry gpu-wheels to the machine).
 #

@@ -11,15 +11,14 @@ import contextlib
 import operator
 from typing import Any
 
-import torch
 from tensordict import TensorDictBase
 
-from . import _cuda, _fast_wire, _stock_wire
+from . import _fast_wire, _stock_wire
 from ._handle import Transfer
 from ._header import check_pieces
 from ._link import Link, resolve
 from ._plan import Plan, forget_plan, plan_for
-from ._staging import Lane
+from ._staging import lane_for
 from ._transport import MAX_TAG
 from ._walk import unwrap
 
@@ -94,27 +93,6 @@ def _track(plan: Plan, transfer: Transfer) -> None:
     transfer.add_done_callback(release)
 
 
-def _lane(link: Link, device: torch.device, stream: Any, pool: _cuda.StagingPool) -> Lane:
-    """The transfer's lane: a CUDA stream when the memory or the backend is on a GPU."""
-    if device.type != "cuda" and link.backend != "nccl":
-        if stream is not None:
-            raise ValueError(
-                "`stream` was given, but neither the tensordict (on the CPU) nor the "
-                f"{link.backend} backend uses CUDA: pass stream=None"
-            )
-        return Lane(link, None, pool)
-    if not torch.cuda.is_available():
-        raise RuntimeError(f"the {link.backend} backend with a tensordict on {device} needs CUDA, "
-                           "which this process cannot use")
-    if device.type != "cuda":
-        device = torch.device("cuda", torch.cuda.current_device())
-    lane_stream = _cuda.transfer_stream(device, stream)
-    # what the caller queued on its stream (writes of the values, reads of the
-    # old ones) comes before the transfer; the caller's stream is never blocked
-    _cuda.follow_caller(lane_stream)
-    return Lane(link, lane_stream, pool)
-
-
 def _last_tag(plan: Plan, init_tag: int, pseudo_rand: bool) -> int:
     n = len(plan.tensors)
     return plan.tags(init_tag, n, pseudo_rand)[-1] if n else init_tag - 1
@@ -129,7 +107,7 @@ def _start_send(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolida
     inner, plan = _prepare(td)
     if consolidated:
         storage = plan.storage(inner)
-        lane = _lane(link, storage.device, stream, plan.pool)
+        lane = lane_for(link, storage.device, stream, plan.pool)
         if bucket_bytes is None:
             protocol = _stock_wire.send_storage(lane, storage)
         else:
@@ -141,7 +119,7 @@ def _start_send(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolida
             _check_tags(init_tag, len(plan.tensors), pseudo_rand)
         else:
             check_pieces(plan.total, bucket_bytes)
-        lane = _lane(link, plan.device, stream, plan.pool)
+        lane = lane_for(link, plan.device, stream, plan.pool)
         if bucket_bytes is None:
             protocol = _stock_wire.send_leaves(lane, plan, plan.tags(init_tag, len(plan.tensors), pseudo_rand))
         else:
@@ -166,7 +144,7 @@ def _start_recv(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolida
     inner, plan = _prepare(td)
     if consolidated:
         storage = plan.storage(inner)  # raises, naming the fix, if td is not consolidated
-        lane = _lane(link, storage.device, stream, plan.pool)
+        lane = lane_for(link, storage.device, stream, plan.pool)
         if bucket_bytes is None:
             protocol = _stock_wire.recv_storage(lane, storage, td)
         else:
@@ -175,7 +153,7 @@ def _start_recv(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolida
     else:
         if bucket_bytes is None:
             _check_tags(init_tag, len(plan.tensors), pseudo_rand)
-        lane = _lane(link, plan.device, stream, plan.pool)
+        lane = lane_for(link, plan.device, stream, plan.pool)
         if bucket_bytes is None:
             protocol = _stock_wire.recv_leaves(lane, plan, plan.tags(init_tag, len(plan.tensors), pseudo_rand), td)
         else:

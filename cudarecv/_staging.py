@@ -59,6 +59,27 @@ class Lane:
         return post(self.link, sending, tensors, tags, batch=self.batched)
 
 
+def lane_for(link: Link, device: torch.device, stream: Any, pool: _cuda.StagingPool) -> Lane:
+    """The transfer's lane: a CUDA stream when the memory or the backend is on a GPU."""
+    if device.type != "cuda" and link.backend != "nccl":
+        if stream is not None:
+            raise ValueError(
+                "`stream` was given, but neither the tensordict (on the CPU) nor the "
+                f"{link.backend} backend uses CUDA: pass stream=None"
+            )
+        return Lane(link, None, pool)
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"the {link.backend} backend with a tensordict on {device} needs CUDA, "
+                           "which this process cannot use")
+    if device.type != "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    lane_stream = _cuda.transfer_stream(device, stream)
+    # what the caller queued on its stream (writes of the values, reads of the
+    # old ones) comes before the transfer; the caller's stream is never blocked
+    _cuda.follow_caller(lane_stream)
+    return Lane(link, lane_stream, pool)
+
+
 def _byte(t: Tensor) -> Tensor:
     return t.reshape(-1).view(torch.uint8)
 

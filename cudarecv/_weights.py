@@ -33,19 +33,35 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from . import _cuda
-from ._api import _lane, check_bucket_bytes
+from ._api import check_bucket_bytes
 from ._control import read_bytes, wire_bytes
 from ._handle import Transfer
 from ._header import check_pieces, cut
 from ._link import Link, resolve
 from ._plan import plan_for
-from ._staging import Lane, drain, recv_into, send_from
+from ._staging import Lane, drain, lane_for, recv_into, send_from
 from ._transport import park
 from ._walk import unwrap
 from ._weights_wire import (
-    HEADER_SIZE, MAX_SCHEMA_BYTES, PREAMBLE_SIZE, STATUS_SIZE, TAG_HEADER, TAG_PAYLOAD, TAG_PREAMBLE,
-    TAG_SCHEMA, TAG_STATUS, PushHeader, PushHeaderError, Schema, SchemaError, check_offer, checksum, preamble,
-    read_preamble, read_status, status_message,
+    HEADER_SIZE,
+    MAX_SCHEMA_BYTES,
+    PREAMBLE_SIZE,
+    STATUS_SIZE,
+    TAG_HEADER,
+    TAG_PAYLOAD,
+    TAG_PREAMBLE,
+    TAG_SCHEMA,
+    TAG_STATUS,
+    PushHeader,
+    PushHeaderError,
+    Schema,
+    SchemaError,
+    check_offer,
+    checksum,
+    preamble,
+    read_preamble,
+    read_status,
+    status_message,
 )
 
 
@@ -187,7 +203,7 @@ class WeightSender:
         self._views = self.schema.views(self._storage)
         self._chunks = cut(self._storage, self._piece)
         self._verify = bool(verify)
-        lanes = [_lane(link, self._device, stream, _cuda.StagingPool()) for link in links]
+        lanes = [lane_for(link, self._device, stream, _cuda.StagingPool()) for link in links]
         self._in_flight: list[tuple[_Receiver, Transfer]] = []
         self._torn = False  # a dropped receiver's send may still read the storage: use a new one
         self._closed = False
@@ -221,7 +237,7 @@ class WeightSender:
         offers = [(lane, self._control(hello(lane), lane, what, "took no schema")) for lane in lanes]
         answers = [(lane, self._control(answer(lane), lane, what, "sent no answer")) for lane in lanes]
         try:
-            for lane, transfer in offers + answers:
+            for _, transfer in offers + answers:
                 transfer.wait()  # raises, naming the rank, if the link failed
         except BaseException:
             park([transfer for _, transfer in offers + answers])  # what is still in flight runs out
@@ -401,7 +417,7 @@ class WeightReceiver:
         if pin_memory and self._device.type != "cpu":
             raise ValueError(f"`pin_memory=True` is for host memory, but `device` is {self._device}: drop one")
         link = resolve(src, group_src, group, "src", "group_src")
-        self._lane = _lane(link, self._device, stream, _cuda.StagingPool())
+        self._lane = lane_for(link, self._device, stream, _cuda.StagingPool())
         self.schema, self._piece, self._slots = self._handshake(expect, pin_memory)
         self._pending: Transfer | None = None
         self._cond = threading.Condition()

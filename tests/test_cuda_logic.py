@@ -19,13 +19,13 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
+from tdfactory import make
 from torch._C._distributed_c10d import _create_work_from_future
 
 import cudarecv
 from cudarecv import _cuda, _transport
-from cudarecv.testing.gpu import nccl_pair_problem
 from cudarecv._link import Link
-from tdfactory import make
+from cudarecv.testing.gpu import nccl_pair_problem
 
 RECORDS: list[tuple] = []
 
@@ -247,10 +247,10 @@ def test_tag_kernel_not_used_without_cuda(monkeypatch):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
 def test_cuda_tensordict_without_cuda_is_a_clear_error(recording_world):
     link = Link(dist.distributed_c10d._get_default_group(), 1, registered=True)
-    from cudarecv._api import _lane
+    from cudarecv._staging import lane_for
 
     with pytest.raises(RuntimeError, match="needs CUDA"):
-        _lane(link, torch.device("cuda", 0), None, _cuda.StagingPool())
+        lane_for(link, torch.device("cuda", 0), None, _cuda.StagingPool())
 
 
 def test_a_finished_transfer_does_not_keep_its_tensordict_alive(recording_world):

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tdfactory import STRUCTURES, make, same
 from tensordict import TensorDict
 
 import cudarecv
 from cudarecv import _header
-from tdfactory import STRUCTURES, make, same
 
 
 def _peer(rank, group):
@@ -163,8 +163,9 @@ def _rss() -> int:
 def lying_headers(rank, world, group, cases):
     import time
 
-    from cudarecv._plan import plan_for
     from rawwire import raw_send
+
+    from cudarecv._plan import plan_for
 
     td = make("nested", float(rank))
     if rank == 0:
@@ -200,8 +201,9 @@ def test_a_header_lying_about_lengths_is_refused_before_anything_is_sized(cluste
 
 
 def oversize_header(rank, world, group):
-    from cudarecv._plan import plan_for
     from rawwire import raw_send
+
+    from cudarecv._plan import plan_for
 
     td = make("nested", float(rank))
     if rank == 0:

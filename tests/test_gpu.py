@@ -28,15 +28,15 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from tdfactory import STRUCTURES, leaves, make
 from tensordict import TensorDict
 from tensordict._base.distributed import _Distributed as Stock
 
 import cudarecv
 from cudarecv import _cuda
+from cudarecv._walk import unwrap
 from cudarecv.testing.gpu import nccl_pair_problem
 from cudarecv.testing.launch import Ranks
-from cudarecv._walk import unwrap
-from tdfactory import STRUCTURES, leaves, make
 
 HAS_CUDA = torch.cuda.is_available()
 NCCL_SHARED = os.environ.get("CUDARECV_NCCL_SHARED_GPU", "") == "1"
@@ -733,7 +733,7 @@ def back_to_back(rank, world, group, mode, count, send_place, recv_place, receiv
         _finish()
         return None
     snaps = []
-    for k in range(count):
+    for _ in range(count):
         if receiver_lags:
             time.sleep(0.3)  # the sender's transfers queue up behind this receiver
         else:

@@ -12,14 +12,14 @@ import time
 
 import pytest
 import torch
+from policies import holds_version, policy, set_version
 from tensordict import TensorDict
 
 import cudarecv
 from cudarecv import _weights
 from cudarecv._handle import Transfer
-from cudarecv.testing.launch import RankExit, Ranks
 from cudarecv._weights_wire import PushHeader
-from policies import holds_version, policy, set_version
+from cudarecv.testing.launch import RankExit
 
 
 def fan_out(rank, world, group, steps, standalone):
@@ -277,8 +277,8 @@ def test_bad_arguments():
 
 
 def test_schema_json_roundtrip_and_tampering():
-    from cudarecv._weights_wire import Schema, SchemaError
     from cudarecv._walk import walk
+    from cudarecv._weights_wire import Schema, SchemaError
 
     paths, tensors = walk(TensorDict.from_module(policy()))
     schema = Schema.of(paths, tensors)

@@ -635,5 +635,5 @@ def _explain(exc: Exception) -> str:
         return f"{text} (rank 0 is the trainer, the others are actors)"
     rank = int(raised.group(1))
     role = "the trainer (rank 0)" if rank == 0 else f"actor rank {rank}"
-    tail = "\n".join("    " + line for line in tail(text, 10).splitlines()[1:-1])
-    return f"{role} raised: {text.splitlines()[-1]}\n{tail}"
+    where = "\n".join("    " + line for line in tail(text, 10).splitlines()[1:-1])
+    return f"{role} raised: {text.splitlines()[-1]}\n{where}"

@@ -158,8 +158,9 @@ def _nothing() -> None:
 
 def make_op(rank: int, case: dict, group: Any) -> tb.Op:
     """This rank's call of ``case`` (see :class:`cudarecv.tools.transfer_ranks.Op`), on its place."""
-    import cudarecv
     from tensordict._base.distributed import _Distributed
+
+    import cudarecv
 
     kind, piece = tb.parse_mode(case["impl"], case["mode"])
     send_place, recv_place = places(case)

@@ -305,8 +305,9 @@ def peers(group: Any) -> tuple[dict, dict]:
 
 def make_op(case: dict, group: Any) -> Op:
     """The send and receive calls of ``case`` on this rank's workload."""
-    import cudarecv
     from tensordict._base.distributed import _Distributed
+
+    import cudarecv
 
     kind, piece = parse_mode(case["impl"], case["mode"])
     impl, w = case["impl"], workload(case)
