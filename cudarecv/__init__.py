@@ -28,7 +28,6 @@ _EXPORTS = {
     "recv": "._api",
     "send": "._api",
     "Transfer": "._handle",
-    "HeaderError": "._header",
     "install": "._install",
     "installed": "._install",
     "is_installed": "._install",
@@ -36,25 +35,55 @@ _EXPORTS = {
     "tag_sequence": "._tags",
     "WeightSender": "._weights",
     "WeightReceiver": "._weights",
-    "ChecksumError": "._weights",
-    "SchemaError": "._weights_wire",
-    "PushHeaderError": "._weights_wire",
+    "Error": "._errors",
+    "ArgumentError": "._errors",
+    "ArgumentTypeError": "._errors",
+    "UsageError": "._errors",
+    "WaitTimeout": "._errors",
+    "MismatchError": "._errors",
+    "HeaderError": "._errors",
+    "SchemaError": "._errors",
+    "PushHeaderError": "._errors",
+    "ChecksumError": "._errors",
+    "LinkError": "._errors",
+    "OutOfStepError": "._errors",
+    "PeerError": "._errors",
+    "TransferTimeout": "._errors",
+    "BrokenError": "._errors",
+    "KernelCompileError": "._errors",
 }
 __all__ = [
-    "ChecksumError", "HeaderError", "PushHeaderError", "SchemaError", "Transfer", "WeightReceiver",
-    "WeightSender", "install", "installed", "irecv", "is_installed", "isend", "recv", "send",
-    "tag_sequence", "uninstall",
+    "ArgumentError", "ArgumentTypeError", "BrokenError", "ChecksumError", "Error", "HeaderError",
+    "KernelCompileError", "LinkError", "MismatchError", "OutOfStepError", "PeerError", "PushHeaderError",
+    "SchemaError", "Transfer", "TransferTimeout", "UsageError", "WaitTimeout", "WeightReceiver",
+    "WeightSender", "install", "installed", "irecv", "is_installed", "isend", "recv", "send", "tag_sequence",
+    "uninstall",
 ]
 
 if TYPE_CHECKING:
     from ._api import irecv, isend, recv, send
+    from ._errors import (
+        ArgumentError,
+        ArgumentTypeError,
+        BrokenError,
+        ChecksumError,
+        Error,
+        HeaderError,
+        KernelCompileError,
+        LinkError,
+        MismatchError,
+        OutOfStepError,
+        PeerError,
+        PushHeaderError,
+        SchemaError,
+        TransferTimeout,
+        UsageError,
+        WaitTimeout,
+    )
     from ._handle import Transfer
-    from ._header import HeaderError
     from ._install import install, installed, is_installed, uninstall
     from ._tags import tag_sequence
-    from ._weights import ChecksumError, WeightReceiver, WeightSender
-    from ._weights_wire import PushHeaderError, SchemaError
-
+    from ._weights import WeightReceiver, WeightSender
 
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)

@@ -14,6 +14,7 @@ from typing import Any
 from tensordict import TensorDictBase
 
 from . import _fast_wire, _stock_wire
+from ._errors import ArgumentError, ArgumentTypeError
 from ._handle import Transfer
 from ._header import check_pieces
 from ._link import Link, resolve
@@ -28,7 +29,7 @@ def check_bucket_bytes(bucket_bytes: object) -> None:
     if bucket_bytes is not None and (
         not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes <= 0
     ):
-        raise ValueError(
+        raise ArgumentError(
             f"`bucket_bytes` must be a positive int (the bytes per message, e.g. 1 << 20), "
             f"got {bucket_bytes!r}; pass None for the stock wire"
         )
@@ -41,15 +42,15 @@ def _check_options(init_tag: object, pseudo_rand: object, consolidated: object,
     if consolidated and bucket_bytes is None:
         return 0  # one message with tag 0: stock ignores init_tag and pseudo_rand here
     if isinstance(init_tag, bool):
-        raise TypeError("`init_tag` must be an int, got bool")
+        raise ArgumentTypeError("`init_tag` must be an int, got bool")
     try:
         init_tag = operator.index(init_tag)  # numpy integers too, as stock takes them
     except TypeError:
-        raise TypeError(f"`init_tag` must be an int, got {type(init_tag).__name__}") from None
+        raise ArgumentTypeError(f"`init_tag` must be an int, got {type(init_tag).__name__}") from None
     if init_tag < 0:
         fix = ("`pseudo_rand=True` seeds numpy with it, which takes non-negative seeds only" if pseudo_rand
                else "gloo takes tags 0..2**31 - 1")
-        raise ValueError(f"`init_tag={init_tag}` is negative, but {fix}: pass init_tag >= 0")
+        raise ArgumentError(f"`init_tag={init_tag}` is negative, but {fix}: pass init_tag >= 0")
     if bucket_bytes is not None:
         _fast_wire.check_init_tag(init_tag)
     return init_tag
@@ -59,7 +60,7 @@ def _check_tags(init_tag: int, leaves: int, pseudo_rand: bool) -> None:
     """The stock wire's tags ``init_tag .. init_tag + leaves - 1`` must all be valid tags
     (pseudo-random tags are below 10000)."""
     if not pseudo_rand and leaves and init_tag + leaves - 1 > MAX_TAG:
-        raise ValueError(
+        raise ArgumentError(
             f"`init_tag={init_tag}` with {leaves} leaves needs tags up to {init_tag + leaves - 1}, past "
             f"the largest tag 2**31 - 1: pass init_tag <= {MAX_TAG - leaves + 1}"
         )

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ._errors import ArgumentError, TransferTimeout
 from ._lru import lru_get
 
 _STREAMS: dict[int, "torch.cuda.Stream"] = {}
@@ -50,7 +51,7 @@ def transfer_stream(device: torch.device, stream: "torch.cuda.Stream | None") ->
     if stream is None:
         return dedicated_stream(device)
     if _index(stream.device) != _index(device):
-        raise ValueError(
+        raise ArgumentError(
             f"`stream` is on {stream.device} but the tensordict is on {device}: pass a stream of "
             f"{device} or None for cudarecv's dedicated stream"
         )
@@ -82,7 +83,7 @@ class EventWork:
         deadline = time.monotonic() + timeout.total_seconds()
         while not self.event.query():
             if time.monotonic() > deadline:
-                raise TimeoutError(f"CUDA work did not finish within {timeout.total_seconds():g} s")
+                raise TransferTimeout(f"CUDA work did not finish within {timeout.total_seconds():g} s")
             time.sleep(50e-6)
         return True
 

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from . import _kernels
+from ._errors import ArgumentError
 
 DIGEST_BYTES = 16
 KERNEL_FILE = "blake3.cu"
@@ -31,7 +32,7 @@ _THREADED_FROM = 1 << 20  # below this, one thread hashes faster than several
 def digest(storage: Tensor) -> bytes:
     """The 16-byte BLAKE3 digest of ``storage`` (a contiguous uint8 tensor) on its own device."""
     if storage.dtype != torch.uint8 or storage.dim() != 1 or not storage.is_contiguous():
-        raise ValueError(f"digest() takes a contiguous 1-d uint8 tensor, got {storage.dtype} {list(storage.shape)}")
+        raise ArgumentError(f"digest() takes a contiguous 1-d uint8 tensor, got {storage.dtype} {list(storage.shape)}")
     if storage.device.type == "cuda":
         if _kernels.gpu_available() and storage.data_ptr() % 4 == 0:
             return _digest_on_device(storage)

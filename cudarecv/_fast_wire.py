@@ -28,8 +28,9 @@ from typing import Callable
 from torch import Tensor
 
 from ._control import read_bytes, wire_bytes
+from ._errors import ArgumentError, HeaderError, OutOfStepError
 from ._handle import Protocol
-from ._header import KIND_NAMES, SIZE, Header, HeaderError, drain_limit
+from ._header import KIND_NAMES, SIZE, Header, drain_limit
 from ._plan import Plan
 from ._staging import Lane, drain, recv_into, send_from
 
@@ -41,7 +42,7 @@ MAX_INIT_TAG = 1 << 28  # so both ranges stay apart and below 2**31 (weight sync
 def check_init_tag(init_tag: int) -> None:
     """Fast-wire tags are ``HEADER_TAGS + init_tag`` and ``PIECE_TAGS + init_tag``."""
     if not 0 <= init_tag < MAX_INIT_TAG:
-        raise ValueError(
+        raise ArgumentError(
             f"`init_tag={init_tag}` is out of range for the fast wire (bucket_bytes): "
             f"pass 0 <= init_tag < {MAX_INIT_TAG}"
         )
@@ -78,8 +79,8 @@ def send(lane: Lane, header: Header, pieces: list[Tensor], init_tag: int,
     return None
 
 
-def _too_long(text: str) -> HeaderError:
-    return HeaderError(f"{text} (not drained, the link is out of step)")
+def _too_long(text: str) -> OutOfStepError:
+    return OutOfStepError(f"{text} (not drained, the link is out of step)")
 
 
 def recv(lane: Lane, expected: Header, pieces_for: Callable[[int], list[Tensor]], init_tag: int,
@@ -98,7 +99,7 @@ def recv(lane: Lane, expected: Header, pieces_for: Callable[[int], list[Tensor]]
     if problem:
         limit = drain_limit(expected.total)
         if header.total > limit:
-            raise HeaderError(
+            raise OutOfStepError(
                 f"{problem}; its {header.total} bytes are more than this receiver drains ({limit}): "
                 "not drained, the link is out of step; the tensordict was left untouched"
             )
@@ -106,7 +107,7 @@ def recv(lane: Lane, expected: Header, pieces_for: Callable[[int], list[Tensor]]
         raise HeaderError(
             f"{problem}: the payload was drained and the tensordict left untouched; "
             "receive into a tensordict with the sender's keys, shapes and dtypes "
-            "(and, consolidated, the same layout)", drained=True,
+            "(and, consolidated, the same layout)"
         )
     pieces = pieces_for(header.piece)
     on_piece = None if landed is None else (lambda i: landed(header.piece, i))

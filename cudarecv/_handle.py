@@ -44,6 +44,7 @@ from typing import Any, Callable, Generator, Sequence
 
 import torch
 
+from ._errors import TransferTimeout, WaitTimeout
 from ._link import Link
 from ._transport import MAX_TAG, park
 
@@ -135,7 +136,7 @@ class Transfer(torch.futures.Future):
         """The transfer's own time ran out: fail it (unless it ended just now)."""
         with self._state:
             if not self._finished:
-                self._fail(TimeoutError(f"the transfer did not finish within {self.timeout:g} s"))
+                self._fail(TransferTimeout(f"the transfer did not finish within {self.timeout:g} s"))
                 _abandon(self)
 
     def done(self) -> bool:
@@ -192,7 +193,7 @@ class Transfer(torch.futures.Future):
                 self._expire()
             return
         if not self._settled.wait(timeout):
-            raise TimeoutError(
+            raise WaitTimeout(
                 f"the transfer has not finished after {timeout:g} s; it goes on (wait again, or check done())"
             )
 

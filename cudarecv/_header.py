@@ -30,6 +30,7 @@ from typing import Iterable, Sequence
 
 import torch
 
+from ._errors import ArgumentError, OutOfStepError
 from ._walk import Path
 
 MAGIC = b"CDRV"
@@ -42,27 +43,6 @@ _CRC = struct.Struct("<I")
 SIZE = 64
 MAX_MESSAGES = 1 << 16  # payload messages per transfer: a bound both ends enforce
 DRAIN_FLOOR = 1 << 20  # a receiver drains a mismatched payload of up to max(2 x its own size, this)
-
-
-class HeaderError(ValueError):
-    """A fast-wire header this receiver refuses; the tensordict is left untouched.
-
-    ``drained``: whether the payload was received and dropped, so the link is in
-    step and the next transfer works. When False (a record that is not a cudarecv
-    header, or one announcing more than this receiver drains) the link is out of
-    step: messages of that transfer may still arrive.
-    """
-
-    def __init__(self, message: str, *, drained: bool = False) -> None:
-        super().__init__(message)
-        self.drained = drained
-
-    def __reduce__(self):
-        return _rebuild, (type(self), str(self), self.drained)
-
-
-def _rebuild(cls: type, message: str, drained: bool) -> "HeaderError":
-    return cls(message, drained=drained)
 
 
 def messages(total: int, piece: int) -> int:
@@ -95,21 +75,21 @@ class Header:
 
     @classmethod
     def unpack(cls, raw: bytes) -> "Header":
-        """Parse and check a received record; raises :class:`HeaderError` if it is not one,
+        """Parse and check a received record; raises :class:`OutOfStepError` if it is not one,
         or if its lengths are impossible (more than :data:`MAX_MESSAGES` messages)."""
         body, (crc,) = raw[: _BODY.size], _CRC.unpack_from(raw, _BODY.size)
         magic, version, kind, leaves, _, total, piece, schema = _BODY.unpack(body)
         out_of_step = "not drained, the link is out of step"
         if magic != MAGIC or zlib.crc32(body) != crc:
-            raise HeaderError(
+            raise OutOfStepError(
                 "the first message is not a cudarecv header (bad magic or checksum): the "
                 "sender does not use the fast wire; pass the same bucket_bytes on both sides "
                 f"({out_of_step})"
             )
         if version != VERSION or kind not in KIND_NAMES:
-            raise HeaderError(f"unsupported cudarecv header (version {version}, kind {kind}; {out_of_step})")
+            raise OutOfStepError(f"unsupported cudarecv header (version {version}, kind {kind}; {out_of_step})")
         if piece <= 0 or messages(total, piece) > MAX_MESSAGES:
-            raise HeaderError(
+            raise OutOfStepError(
                 f"the header announces {total} bytes in messages of {piece} bytes, more than the "
                 f"{MAX_MESSAGES} messages a transfer may have: a corrupt or hostile sender ({out_of_step})"
             )
@@ -132,7 +112,7 @@ def check_pieces(total: int, bucket_bytes: int, what: str = "payload") -> None:
     """A sender's ``bucket_bytes`` must not cut ``total`` bytes into more than :data:`MAX_MESSAGES`."""
     count = messages(total, bucket_bytes)
     if count > MAX_MESSAGES:
-        raise ValueError(
+        raise ArgumentError(
             f"`bucket_bytes={bucket_bytes}` cuts the {total}-byte {what} into {count} messages, more than "
             f"the {MAX_MESSAGES} a transfer may have: pass bucket_bytes >= {messages(total, MAX_MESSAGES)}"
         )

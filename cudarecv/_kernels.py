@@ -9,9 +9,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-
-class KernelCompileError(RuntimeError):
-    """NVRTC rejected a kernel source; the message carries the NVRTC log."""
+from ._errors import KernelCompileError, UsageError
 
 
 def kernel_source(name: str) -> str:
@@ -21,7 +19,7 @@ def kernel_source(name: str) -> str:
     try:
         return files("cudarecv.kernels").joinpath(name).read_text(encoding="utf-8")
     except OSError as exc:
-        raise FileNotFoundError(f"cannot read the CUDA source cudarecv/kernels/{name}: reinstall cudarecv "
+        raise UsageError(f"cannot read the CUDA source cudarecv/kernels/{name}: reinstall cudarecv "
                                 f"(pip install -e .)") from exc
 
 
@@ -37,7 +35,7 @@ def compile_source(source: str, name: str, arch: str | None = None, options: tup
     try:
         from cupy.cuda import nvrtc
     except ImportError as exc:
-        raise ImportError(f"compiling {name} needs cupy with NVRTC: pip install 'cudarecv[gpu]' ({exc})") from exc
+        raise UsageError(f"compiling {name} needs cupy with NVRTC: pip install 'cudarecv[gpu]' ({exc})") from exc
 
     opts = tuple(options) + ((f"-arch={arch}",) if arch else ())
     prog = nvrtc.createProgram(source, name, (), ())

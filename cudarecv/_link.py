@@ -14,6 +14,8 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Backend as _C_Backend
 from torch.distributed import distributed_c10d as c10d
 
+from ._errors import ArgumentError, ArgumentTypeError, UsageError
+
 
 @dataclass(frozen=True)
 class Link:
@@ -32,17 +34,17 @@ class Link:
 def _as_rank(value: object, name: str) -> int:
     """An int rank from ``value`` (numpy ints too, as torch.distributed takes them)."""
     if isinstance(value, bool):
-        raise TypeError(f"`{name}` must be an int rank, got bool")
+        raise ArgumentTypeError(f"`{name}` must be an int rank, got bool")
     try:
         return operator.index(value)
     except TypeError:
-        raise TypeError(f"`{name}` must be an int rank, got {type(value).__name__}") from None
+        raise ArgumentTypeError(f"`{name}` must be an int rank, got {type(value).__name__}") from None
 
 
 def _check_group(group: object) -> None:
     """``group`` is a process group (registered or standalone) or a backend object built on a store."""
     if group is not None and not isinstance(group, (dist.ProcessGroup, _C_Backend)):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"`group` must be a torch.distributed process group (e.g. from dist.new_group(...), or "
             f"dist.ProcessGroupGloo(store, rank, size)), got {type(group).__name__}; pass None for the default group"
         )
@@ -58,17 +60,17 @@ def resolve(peer: int | None, group_peer: int | None, group: object | None,
     _check_group(group)
     if group_peer is not None:
         if group is None:
-            raise ValueError(
+            raise ArgumentError(
                 f"`{group_peer_name}` requires `group`: pass the process group that "
                 f"`{group_peer_name}={group_peer}` is a rank of"
             )
         if peer is not None:
-            raise ValueError(
+            raise ArgumentError(
                 f"`{peer_name}` and `{group_peer_name}` are mutually exclusive: pass "
                 f"`{peer_name}` (a global rank) or `{group_peer_name}` (a rank in `group`), not both"
             )
     elif peer is None:
-        raise ValueError(
+        raise ArgumentError(
             f"Exactly one of `{peer_name}` and `{group_peer_name}` must be provided"
         )
     if peer is not None:
@@ -80,7 +82,7 @@ def resolve(peer: int | None, group_peer: int | None, group: object | None,
 
     if group is None:
         if not dist.is_initialized():
-            raise RuntimeError(
+            raise UsageError(
                 "torch.distributed is not initialized: call "
                 "torch.distributed.init_process_group(...) first, or pass a standalone "
                 f"`group` with `{group_peer_name}`"
@@ -89,20 +91,20 @@ def resolve(peer: int | None, group_peer: int | None, group: object | None,
     registered = group in c10d._world.pg_map
     if peer is not None:
         if not registered:
-            raise ValueError(
+            raise ArgumentError(
                 f"`{peer_name}={peer}` is a global rank, but `group` is a standalone process "
                 "group that torch.distributed does not know: pass "
                 f"`{group_peer_name}=<the peer's rank in group>` instead"
             )
         world = dist.get_world_size()
         if not 0 <= peer < world:
-            raise ValueError(
+            raise ArgumentError(
                 f"`{peer_name}={peer}` is outside the world of {world} ranks: "
                 f"pass a rank in 0..{world - 1}"
             )
         ranks = dist.get_process_group_ranks(group)
         if peer not in ranks:
-            raise ValueError(
+            raise ArgumentError(
                 f"`{peer_name}={peer}` is not a member of `group` (global ranks {ranks}): "
                 f"pass one of them, or `{group_peer_name}` for a rank in the group"
             )
@@ -110,13 +112,13 @@ def resolve(peer: int | None, group_peer: int | None, group: object | None,
     else:
         size = group.size()
         if not 0 <= group_peer < size:
-            raise ValueError(
+            raise ArgumentError(
                 f"`{group_peer_name}={group_peer}` is outside `group` of {size} ranks: "
                 f"pass a rank in 0..{size - 1}"
             )
         group_rank = group_peer
     if group_rank == group.rank():
-        raise ValueError(
+        raise ArgumentError(
             f"`{name}={value}` is this process's own rank: a rank cannot send to or "
             "receive from itself; pass the peer's rank"
         )

@@ -23,6 +23,7 @@ from tensordict import TensorDictBase
 from torch import Tensor
 
 from . import _cuda, _header
+from ._errors import ArgumentError
 from ._lru import lru_get
 from ._tags import tag_sequence
 from ._walk import Path, format_path, walk
@@ -71,13 +72,13 @@ class Plan:
         for path, t in zip(self.paths, self.tensors):
             problem = _leaf_problem(t)
             if problem:
-                raise ValueError(f"leaf {format_path(path)!r} cannot travel: {problem}")
+                raise ArgumentError(f"leaf {format_path(path)!r} cannot travel: {problem}")
         devices = {t.device for t in self.tensors}
         if len(devices) > 1:
             first = {}
             for path, t in zip(self.paths, self.tensors):
                 first.setdefault(t.device, format_path(path))
-            raise ValueError(
+            raise ArgumentError(
                 "the leaves are on several devices (" + ", ".join(f"{k!r} on {d}" for d, k in first.items())
                 + "): one transfer moves one device's memory; call `td = td.to(device)` once"
             )
@@ -177,7 +178,7 @@ class Plan:
         if storage is not None and current is storage:
             return storage
         if current is None:
-            raise ValueError(
+            raise ArgumentError(
                 "`consolidated=True` needs a consolidated tensordict: call "
                 "`td = td.consolidate(metadata=True)` once (or build it with "
                 "`TensorDict.from_remote_init`) and receive into that, every step"
@@ -190,7 +191,7 @@ class Plan:
                 continue
             ptr = t.data_ptr()
             if not (start <= ptr and ptr + n <= end):
-                raise ValueError(
+                raise ArgumentError(
                     f"leaf {format_path(path)!r} is not in the consolidated storage: the "
                     "tensordict changed after consolidate(); call `td.consolidate(metadata=True)` again"
                 )

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from . import _cuda
+from ._errors import ArgumentError, UsageError
 from ._link import Link
 from ._transport import post
 
@@ -63,13 +64,13 @@ def lane_for(link: Link, device: torch.device, stream: Any, pool: _cuda.StagingP
     """The transfer's lane: a CUDA stream when the memory or the backend is on a GPU."""
     if device.type != "cuda" and link.backend != "nccl":
         if stream is not None:
-            raise ValueError(
+            raise ArgumentError(
                 "`stream` was given, but neither the tensordict (on the CPU) nor the "
                 f"{link.backend} backend uses CUDA: pass stream=None"
             )
         return Lane(link, None, pool)
     if not torch.cuda.is_available():
-        raise RuntimeError(f"the {link.backend} backend with a tensordict on {device} needs CUDA, "
+        raise UsageError(f"the {link.backend} backend with a tensordict on {device} needs CUDA, "
                            "which this process cannot use")
     if device.type != "cuda":
         device = torch.device("cuda", torch.cuda.current_device())

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _kernels
+from ._errors import ArgumentError
 from ._kernels import KernelCompileError, gpu_available
 
 __all__ = [
@@ -62,7 +63,7 @@ def time_tag_map_gpu(repeats: int = 100) -> float:
     import cupy
 
     if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
+        raise ArgumentError(f"repeats must be >= 1, got {repeats}")
     kernel = _range_kernel()
     out = cupy.empty(_MAP_SIZE, dtype=cupy.int64)
     _launch(kernel, out)

@@ -23,6 +23,8 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from ._errors import ArgumentError, ArgumentTypeError
+
 __all__ = ["MAX_TAG", "int_generator_many", "tag_map", "tag_sequence"]
 
 #: ``_int_generator`` returns values in ``0 .. MAX_TAG - 1``.
@@ -161,7 +163,7 @@ def int_generator_many(seeds: Iterable[int] | np.ndarray) -> np.ndarray:
     if isinstance(seeds, np.ndarray):
         arr = seeds.reshape(-1)
         if arr.dtype == np.bool_ or not (np.issubdtype(arr.dtype, np.integer) or arr.dtype == object):
-            raise TypeError(f"seeds must be non-negative integers, got an array of dtype {arr.dtype}")
+            raise ArgumentTypeError(f"seeds must be non-negative integers, got an array of dtype {arr.dtype}")
     else:
         values = list(seeds)
         arr = np.array(values)
@@ -173,7 +175,7 @@ def int_generator_many(seeds: Iterable[int] | np.ndarray) -> np.ndarray:
         return np.zeros(0, dtype=np.int64)
     if np.issubdtype(arr.dtype, np.integer):
         if np.issubdtype(arr.dtype, np.signedinteger) and (arr < 0).any():
-            raise ValueError("seeds must be non-negative: numpy's SeedSequence rejects negative ints")
+            raise ArgumentError("seeds must be non-negative: numpy's SeedSequence rejects negative ints")
         # Seeds below 2**128 all hash like 4 words (missing words hash as 0).
         return _tags_from_words(_words_of_uint64(arr))
     return _int_generator_objects(arr)
@@ -184,10 +186,10 @@ def _int_generator_objects(arr: np.ndarray) -> np.ndarray:
     values = []
     for v in arr.tolist():
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-            raise TypeError(f"seeds must be non-negative integers, got {type(v).__name__}")
+            raise ArgumentTypeError(f"seeds must be non-negative integers, got {type(v).__name__}")
         v = operator.index(v)
         if v < 0:
-            raise ValueError("seeds must be non-negative: numpy's SeedSequence rejects negative ints")
+            raise ArgumentError("seeds must be non-negative: numpy's SeedSequence rejects negative ints")
         values.append(v)
     n_words = np.array([max(_POOL_SIZE, (v.bit_length() + 31) // 32) for v in values])
     out = np.empty(len(values), dtype=np.int64)
@@ -236,7 +238,7 @@ def _kernel_wanted() -> bool:
 
 def _check_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r}); pass e.g. {name}=0")
+        raise ArgumentTypeError(f"{name} must be an int, got {type(value).__name__} ({value!r}); pass e.g. {name}=0")
     return int(value)
 
 
@@ -258,17 +260,17 @@ def tag_sequence(init_tag: int, n: int, *, pseudo_rand: bool = False) -> np.ndar
     init_tag = _check_int("init_tag", init_tag)
     n = _check_int("n", n)
     if n < 0:
-        raise ValueError(f"n must be >= 0 (the number of leaves), got {n}")
+        raise ArgumentError(f"n must be >= 0 (the number of leaves), got {n}")
     if not isinstance(pseudo_rand, (bool, np.bool_)):
-        raise TypeError(f"pseudo_rand must be a bool, got {type(pseudo_rand).__name__}")
+        raise ArgumentTypeError(f"pseudo_rand must be a bool, got {type(pseudo_rand).__name__}")
     if not pseudo_rand:
         if n and not (-(2**63) <= init_tag and init_tag + n - 1 < 2**63):
-            raise ValueError(
+            raise ArgumentError(
                 f"init_tag={init_tag} with n={n} gives tags outside int64; pass a smaller init_tag"
             )
         return np.arange(init_tag, init_tag + n, dtype=np.int64) if n else np.zeros(0, dtype=np.int64)
     if init_tag < 0:
-        raise ValueError(
+        raise ArgumentError(
             f"init_tag must be >= 0 with pseudo_rand=True: numpy seeds are non-negative; "
             f"got init_tag={init_tag}, pass init_tag >= 0 or pseudo_rand=False"
         )

@@ -26,6 +26,7 @@ from typing import Any, Sequence
 import torch.distributed as dist
 from torch import Tensor
 
+from ._errors import UsageError
 from ._link import Link
 
 MAX_TAG = 2**31 - 1  # torch.distributed takes C ints as tags; gloo refuses negative ones
@@ -75,7 +76,7 @@ def _coalesced(link: Link, sending: bool, tensors: Sequence[Tensor], tags: Seque
         )
     pg = link.pg
     if not hasattr(pg, "_start_coalescing"):
-        raise RuntimeError(
+        raise UsageError(
             f"the standalone group {type(pg).__name__} cannot coalesce point-to-point ops; "
             "build it as ProcessGroupNCCL, or register it with torch.distributed.new_group"
         )

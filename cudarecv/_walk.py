@@ -14,6 +14,8 @@ from tensordict.base import NO_DEFAULT
 from tensordict.utils import _is_tensorclass
 from torch import Tensor
 
+from ._errors import ArgumentTypeError
+
 Path = tuple  # a leaf's key path; lazy-stack members appear as int indices
 
 def unwrap(td: Any) -> TensorDictBase:
@@ -22,7 +24,7 @@ def unwrap(td: Any) -> TensorDictBase:
         return td._tensordict
     if isinstance(td, TensorDictBase):
         return td
-    raise TypeError(
+    raise ArgumentTypeError(
         f"`td` must be a TensorDict, a LazyStackedTensorDict or a tensorclass instance, "
         f"got {type(td).__name__}"
     )
@@ -67,7 +69,7 @@ def _walk_into(td: Any, prefix: Path, paths: list[Path], tensors: list[Tensor]) 
         elif isinstance(value, TensorDictBase) or _is_tensorclass(type(value)):
             _walk_into(value, path, paths, tensors)
         else:
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"leaf {format_path(path)!r} is a {type(value).__name__}, which cannot travel: "
                 "only tensors, tensordicts, tensorclasses and non-tensor data are supported"
             )

@@ -16,7 +16,7 @@ other, which is never published after such a failure (the receiver is then
 marked broken: close it and connect a new one).
 
 A receiver of a fan-out that fails (dies, or takes longer than ``timeout``) is
-named in the push's ``TimeoutError``/``RuntimeError`` and dropped; every other
+named in the push's :class:`TransferTimeout`/:class:`PeerError` and dropped; every other
 receiver keeps getting every version, and ``sender.ranks`` shows who is left.
 """
 
@@ -35,6 +35,21 @@ from torch import Tensor
 from . import _cuda
 from ._api import check_bucket_bytes
 from ._control import read_bytes, wire_bytes
+from ._errors import (
+    ArgumentError,
+    BrokenError,
+    ChecksumError,
+    Error,
+    LinkError,
+    MismatchError,
+    OutOfStepError,
+    PeerError,
+    PushHeaderError,
+    SchemaError,
+    TransferTimeout,
+    UsageError,
+    WaitTimeout,
+)
 from ._handle import Transfer
 from ._header import check_pieces, cut
 from ._link import Link, resolve
@@ -53,9 +68,7 @@ from ._weights_wire import (
     TAG_SCHEMA,
     TAG_STATUS,
     PushHeader,
-    PushHeaderError,
     Schema,
-    SchemaError,
     check_offer,
     checksum,
     preamble,
@@ -65,13 +78,9 @@ from ._weights_wire import (
 )
 
 
-class ChecksumError(ValueError):
-    """A pushed payload whose digest does not match its header (rejected, last version kept)."""
-
-
 def _check_timeout(timeout: object) -> float:
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ValueError(f"`timeout` must be a positive number of seconds, got {timeout!r}")
+        raise ArgumentError(f"`timeout` must be a positive number of seconds, got {timeout!r}")
     return float(timeout)
 
 
@@ -80,28 +89,28 @@ def _peers(value: Any, name: str) -> list[int] | None:
         return None
     peers = list(value) if isinstance(value, (list, tuple)) else [value]
     if not peers:
-        raise ValueError(f"`{name}` is empty: pass at least one rank")
+        raise ArgumentError(f"`{name}` is empty: pass at least one rank")
     if len(set(peers)) != len(peers):
-        raise ValueError(f"`{name}` names a rank twice: {peers}")
+        raise ArgumentError(f"`{name}` names a rank twice: {peers}")
     return peers
 
 
-def _link_error(link: Link, what: str, error: BaseException, seconds: float, silent: str) -> Exception:
-    """``error`` on the link to ``link.peer`` as a TimeoutError or RuntimeError naming the peer.
+def _link_error(link: Link, what: str, error: BaseException, seconds: float, silent: str) -> LinkError:
+    """``error`` on the link to ``link.peer`` as a :class:`TransferTimeout` or :class:`PeerError` naming the peer.
 
     ``seconds``: the time that ran out (a timeout) or that had passed (a failure);
     ``silent`` says what the peer did not do, e.g. ``"sent nothing"``.
     """
     if isinstance(error, TimeoutError):
-        return TimeoutError(f"{what}: rank {link.peer} of the group {silent} within {seconds:g} s")
+        return TransferTimeout(f"{what}: rank {link.peer} of the group {silent} within {seconds:g} s")
     text = str(error).splitlines()[0] if str(error) else repr(error)
-    return RuntimeError(f"{what}: the link to rank {link.peer} of the group failed after {seconds:.3g} s: {text}")
+    return PeerError(f"{what}: the link to rank {link.peer} of the group failed after {seconds:.3g} s: {text}")
 
 
 def _run(protocol: Any, lane: Lane, timeout: float, what: str, silent: str = "sent nothing") -> Any:
     """Drive a control-message protocol to its end within ``timeout`` seconds."""
     def named(error: BaseException, elapsed: float) -> BaseException:
-        if isinstance(error, SchemaError):
+        if isinstance(error, (MismatchError, OutOfStepError)):
             return error
         return _link_error(lane.link, what, error, timeout if isinstance(error, TimeoutError) else elapsed, silent)
 
@@ -183,18 +192,18 @@ class WeightSender:
         check_bucket_bytes(bucket_bytes)
         dsts, group_dsts = _peers(dst, "dst"), _peers(group_dst, "group_dst")
         if (dsts is None) == (group_dsts is None):
-            raise ValueError("pass exactly one of `dst` and `group_dst` (a rank or a list of ranks)")
+            raise ArgumentError("pass exactly one of `dst` and `group_dst` (a rank or a list of ranks)")
         links = [resolve(d, None, group, "dst", "group_dst") for d in dsts] if dsts is not None else [
             resolve(None, d, group, "dst", "group_dst") for d in group_dsts]
         self._td = unwrap(td)
         plan = plan_for(self._td)
         plan.check()
         if not plan.tensors:
-            raise ValueError("`td` has no tensors: weight sync needs at least one leaf to send")
+            raise ArgumentError("`td` has no tensors: weight sync needs at least one leaf to send")
         self.schema = Schema.of(plan.paths, plan.tensors)
         raw = self.schema.to_json()
         if len(raw) > MAX_SCHEMA_BYTES:
-            raise ValueError(f"the schema of `td` takes {len(raw)} bytes of JSON, more than {MAX_SCHEMA_BYTES}: "
+            raise ArgumentError(f"the schema of `td` takes {len(raw)} bytes of JSON, more than {MAX_SCHEMA_BYTES}: "
                              "send fewer, larger leaves")
         self._piece = bucket_bytes or max(self.schema.total, 1)
         check_pieces(self.schema.total, self._piece, "weights")
@@ -249,7 +258,7 @@ class WeightSender:
 
     def _control(self, protocol: Any, lane: Lane, what: str, silent: str) -> Transfer:
         def named(error: BaseException, elapsed: float) -> BaseException:
-            if isinstance(error, SchemaError):
+            if isinstance(error, (MismatchError, OutOfStepError)):
                 return error
             seconds = self.timeout if isinstance(error, TimeoutError) else elapsed
             return _link_error(lane.link, what, error, seconds, silent)
@@ -297,16 +306,16 @@ class WeightSender:
         :class:`~cudarecv.Transfer` per receiver (their ``wait()`` returns ``None``).
 
         Raises:
-            TimeoutError or RuntimeError naming the receiver whose link failed: it is
+            TransferTimeout or PeerError naming the receiver whose link failed: it is
                 dropped (the others got the version, and get the next ones);
-                RuntimeError if no receiver is left.
+                PeerError if no receiver is left.
         """
         if self._closed:
-            raise RuntimeError("this WeightSender is closed")
+            raise UsageError("this WeightSender is closed")
         self._finish_in_flight()  # the storage is reused: the previous push must be out
         live = [r for r in self._receivers if r.gone is None]
         if not live:
-            raise RuntimeError(f"every receiver of this WeightSender was dropped ({self.dropped}): "
+            raise PeerError(f"every receiver of this WeightSender was dropped ({self.dropped}): "
                                "connect new receivers with a new WeightSender")
         plan = plan_for(self._td)
         if [tuple(map(str, p)) for p in plan.paths] != [l.key for l in self.schema.leaves] or any(
@@ -415,7 +424,7 @@ class WeightReceiver:
         self.timeout = _check_timeout(timeout)
         self._device = torch.device(device if device is not None else "cpu")
         if pin_memory and self._device.type != "cpu":
-            raise ValueError(f"`pin_memory=True` is for host memory, but `device` is {self._device}: drop one")
+            raise ArgumentError(f"`pin_memory=True` is for host memory, but `device` is {self._device}: drop one")
         link = resolve(src, group_src, group, "src", "group_src")
         self._lane = lane_for(link, self._device, stream, _cuda.StagingPool())
         self.schema, self._piece, self._slots = self._handshake(expect, pin_memory)
@@ -469,7 +478,7 @@ class WeightReceiver:
     def td(self) -> TensorDict:
         """The latest complete, verified version (a locked tensordict of views)."""
         if self._published is None:
-            raise RuntimeError("no version has landed yet: call pull() first")
+            raise UsageError("no version has landed yet: call pull() first")
         return self._slots[self._published].td
 
     @contextlib.contextmanager
@@ -482,7 +491,7 @@ class WeightReceiver:
         """
         with self._cond:
             if self._published is None:
-                raise RuntimeError("no version has landed yet: call pull() first")
+                raise UsageError("no version has landed yet: call pull() first")
             slot = self._slots[self._published]
             slot.readers += 1
         try:
@@ -500,27 +509,28 @@ class WeightReceiver:
         and a ``wait(t)`` that runs out never fails it (the pull goes on).
 
         Raises:
-            PushHeaderError / ChecksumError: the push was rejected; if ``drained``
-                (a ChecksumError always is) the last version stays published and
-                the next pull works, else the receiver is broken.
-            TimeoutError / RuntimeError: nothing complete arrived within ``timeout``
-                or the sender died; the receiver is then broken: close it and
-                connect a new one.
+            PushHeaderError / ChecksumError: the push was rejected and drained; the
+                last version stays published and the next pull works.
+            OutOfStepError: a message that is no push of this handshake (lengths,
+                not a header); TransferTimeout / PeerError: nothing complete arrived
+                within ``timeout``, or the sender died. After these the receiver is
+                broken (:class:`BrokenError` from then on): close it and connect a
+                new one.
         """
         if self._closed:
-            raise RuntimeError("this WeightReceiver is closed")
+            raise UsageError("this WeightReceiver is closed")
         if self._broken:
-            raise RuntimeError(f"this WeightReceiver is broken ({self._broken}): close it and connect a new one")
+            raise BrokenError(f"this WeightReceiver is broken ({self._broken}): close it and connect a new one")
         if self._pending is not None:  # one pull at a time: the spare buffer is the next one's
             with contextlib.suppress(Exception):
                 self._pending.wait()  # bounded by its own timeout
             self._pending = None
             if self._broken:
-                raise RuntimeError(f"this WeightReceiver is broken ({self._broken}): close it and connect a new one")
+                raise BrokenError(f"this WeightReceiver is broken ({self._broken}): close it and connect a new one")
         back = self._slots[1 if self._published == 0 else 0]
         with self._cond:
             if not self._cond.wait_for(lambda: back.readers == 0, timeout=self.timeout):
-                raise TimeoutError(f"a reader held the spare weights buffer for {self.timeout:g} s")
+                raise WaitTimeout(f"a reader held the spare weights buffer for {self.timeout:g} s")
         if self._lane.stream is not None:
             _cuda.follow_caller(self._lane.stream)
         transfer = Transfer(self._pull(self._lane, back), self._lane.stream, on_error=self._on_error,
@@ -531,9 +541,9 @@ class WeightReceiver:
         return transfer
 
     def _on_error(self, error: BaseException, elapsed: float) -> BaseException:
-        if isinstance(error, ChecksumError) or getattr(error, "drained", False):
-            return error  # the link is still in step: the next pull works
-        if isinstance(error, PushHeaderError):
+        if isinstance(error, Error) and error.link_usable:
+            return error  # drained, the link in step: the next pull works
+        if isinstance(error, OutOfStepError):
             self._broken = str(error)
             return error
         seconds = self.timeout if isinstance(error, TimeoutError) else elapsed
@@ -546,7 +556,7 @@ class WeightReceiver:
         header = PushHeader.unpack(raw)
         total, piece = self.schema.total, self._piece
         if (header.total, header.piece) != (total, piece):  # never sized from the header
-            raise PushHeaderError(
+            raise OutOfStepError(
                 f"a push of {header.total} bytes in {header.piece}-byte messages does not match the handshake "
                 f"({total} bytes in {piece}-byte messages): not drained, the link is out of step"
             )
@@ -558,8 +568,7 @@ class WeightReceiver:
             problem = f"version {header.version} is not newer than the current {self.version}"
         if problem:
             yield from drain(lane, total, piece, TAG_PAYLOAD)
-            raise PushHeaderError(f"{problem}: rejected and drained; version {self.version} stays published",
-                                  drained=True)
+            raise PushHeaderError(f"{problem}: rejected and drained; version {self.version} stays published")
         yield from recv_into(lane, slot.pieces, [TAG_PAYLOAD] * len(slot.pieces))
         if lane.stream is not None:
             yield [_cuda.EventWork(_cuda.record(lane.stream))]  # verify and publish landed bytes only
@@ -622,5 +631,5 @@ class WeightReceiver:
         self.close()
 
 
-def _header_too_long(text: str) -> PushHeaderError:
-    return PushHeaderError(f"{text} (not drained, the link is out of step)")
+def _header_too_long(text: str) -> OutOfStepError:
+    return OutOfStepError(f"{text} (not drained, the link is out of step)")

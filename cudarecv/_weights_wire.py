@@ -23,6 +23,8 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from ._errors import OutOfStepError, SchemaError
+
 ALIGN = 16
 MAX_SCHEMA_BYTES = 64 << 20
 MAX_BYTES = 1 << 48  # a total or a leaf larger than this is no real model: refused before anything is sized
@@ -35,10 +37,6 @@ _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
     torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint32, torch.uint64,
 )}
-
-
-class SchemaError(ValueError):
-    """The two ends disagree on the weights' structure (raised at the handshake)."""
 
 
 def _check_size(value: object, what: str) -> int:
@@ -196,27 +194,6 @@ MAGIC = b"CDRS"
 FLAG_VERIFY = 1
 
 
-class PushHeaderError(ValueError):
-    """A push the receiver refuses; the published version stays as it was.
-
-    ``drained``: whether the payload was received and dropped, so the next pull
-    works (a fingerprint or version that does not match). When False (a message
-    that is not a push header, or lengths other than the handshake's) the link is
-    out of step and the receiver is broken.
-    """
-
-    def __init__(self, message: str, *, drained: bool = False) -> None:
-        super().__init__(message)
-        self.drained = drained
-
-    def __reduce__(self):
-        return _rebuild, (type(self), str(self), self.drained)
-
-
-def _rebuild(cls: type, message: str, drained: bool) -> "PushHeaderError":
-    return cls(message, drained=drained)
-
-
 @dataclass(frozen=True)
 class PushHeader:
     version: int
@@ -237,7 +214,7 @@ class PushHeader:
         (crc,) = struct.unpack_from("<I", raw, _HEADER.size)
         magic, fmt, flags, _, version, total, piece, fingerprint, checksum = _HEADER.unpack(body)
         if magic != MAGIC or fmt != 1 or zlib.crc32(body) != crc or piece <= 0:
-            raise PushHeaderError("the message is not a cudarecv weight-push header (bad magic or checksum): "
+            raise OutOfStepError("the message is not a cudarecv weight-push header (bad magic or checksum): "
                                   "not drained, the link is out of step")
         return cls(version, total, piece, fingerprint, checksum, bool(flags & FLAG_VERIFY))
 
@@ -274,7 +251,7 @@ def read_preamble(raw: bytes) -> tuple[int, int]:
     peer is no weight sender of this version (the lengths are the receiver's to check)."""
     magic, fmt, length, piece = _PREAMBLE.unpack(raw)
     if magic != b"CDRH" or fmt != 2:
-        raise SchemaError("the first message is not a cudarecv weight-sync handshake: is the peer a "
+        raise OutOfStepError("the first message is not a cudarecv weight-sync handshake: is the peer a "
                           "WeightSender of this cudarecv version?")
     return length, piece
 

@@ -127,9 +127,9 @@ def test_header_roundtrip_and_corruption():
     assert _header.piece_sizes(h.total, h.piece) == [64] * 15 + [40]
     corrupted = bytearray(raw)
     corrupted[20] ^= 1
-    with pytest.raises(_header.HeaderError, match="not a cudarecv header"):
+    with pytest.raises(cudarecv.OutOfStepError, match="not a cudarecv header"):
         _header.Header.unpack(bytes(corrupted))
-    with pytest.raises(_header.HeaderError, match="not a cudarecv header"):
+    with pytest.raises(cudarecv.OutOfStepError, match="not a cudarecv header"):
         _header.Header.unpack(bytes(64))
 
 
@@ -181,7 +181,7 @@ def lying_headers(rank, world, group, cases):
         try:
             cudarecv.recv(td, 0, bucket_bytes=64)
             outcome = "accepted"
-        except cudarecv.HeaderError as error:
+        except cudarecv.OutOfStepError as error:
             outcome = str(error)
         except BaseException as error:  # noqa: BLE001 - anything else is the defect
             outcome = f"{type(error).__name__}: {error}"
@@ -212,7 +212,7 @@ def oversize_header(rank, world, group):
         return None
     try:
         cudarecv.recv(td, 0, bucket_bytes=64)
-    except cudarecv.HeaderError as error:
+    except cudarecv.OutOfStepError as error:
         return str(error)
     return "accepted"
 

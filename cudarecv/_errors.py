@@ -1,0 +1,107 @@
+"""Every exception cudarecv raises: one family under :class:`Error`.
+
+Each class keeps the builtin base callers expect (``ValueError`` for bad
+arguments, ``TimeoutError`` for timeouts, ...) and says, as a class property,
+whether the link it happened on (the peer pair and process group) still works:
+``link_usable``. Nothing is classified by its message.
+
+::
+
+    Error
+    ├── ArgumentError (ValueError), ArgumentTypeError (TypeError)   bad input, raised before anything is sent
+    ├── UsageError (RuntimeError)             a call that cannot run now (no process group, no CUDA, closed)
+    ├── WaitTimeout (TimeoutError)            a caller's wait ran out; the transfer goes on
+    ├── MismatchError (ValueError)            the peer's message does not match; drained, nothing written
+    │   ├── HeaderError                       fast wire
+    │   ├── SchemaError                       weight-sync handshake (refused on both sides)
+    │   ├── PushHeaderError, ChecksumError    weight-sync push (the last version stays published)
+    ├── LinkError (RuntimeError)              link_usable = False: use new process groups
+    │   ├── OutOfStepError                    a message of another protocol, or lengths past the bounds
+    │   ├── PeerError                         the peer died or the connection broke
+    │   ├── TransferTimeout (TimeoutError)    the transfer's own time ran out
+    │   └── BrokenError                       a weight receiver after one of the above
+    └── KernelCompileError (RuntimeError)     NVRTC rejected a kernel
+
+Example:
+    >>> try:
+    ...     cudarecv.recv(td, src=0, bucket_bytes=1 << 20, timeout=5.0)
+    ... except cudarecv.Error as error:
+    ...     if not error.link_usable:
+    ...         ...  # build new process groups
+"""
+
+from __future__ import annotations
+
+
+class Error(Exception):
+    """The base of every exception cudarecv raises.
+
+    ``link_usable``: whether the link (peer pair and process group) still works
+    after this error, so the next transfer on it can go ahead.
+    """
+
+    link_usable: bool = True
+
+
+class ArgumentError(Error, ValueError):
+    """A bad argument value, named with its fix; raised before anything is sent or written."""
+
+
+class ArgumentTypeError(Error, TypeError):
+    """An argument of the wrong type, named with its fix; raised before anything is sent or written."""
+
+
+class UsageError(Error, RuntimeError):
+    """A call that cannot run in this state (no process group, no CUDA, closed, nothing received yet)."""
+
+
+class WaitTimeout(Error, TimeoutError):
+    """A caller's ``wait(timeout)`` ran out before the transfer ended; the transfer goes on."""
+
+
+class MismatchError(Error, ValueError):
+    """The peer's message does not match this side; it was drained and nothing was written."""
+
+
+class HeaderError(MismatchError):
+    """A fast-wire header that does not match the receiver's tensordict (payload drained)."""
+
+
+class SchemaError(MismatchError):
+    """The two ends of a weight sync disagree on the weights' structure (both sides raise)."""
+
+
+class PushHeaderError(MismatchError):
+    """A weight-sync push refused (wrong fingerprint or version; drained, last version kept)."""
+
+
+class ChecksumError(MismatchError):
+    """A weight-sync push whose BLAKE3 digest does not match its header (last version kept)."""
+
+
+class LinkError(Error, RuntimeError):
+    """The link failed or is out of step: messages may still arrive for what was posted; use new
+    process groups (gloo cannot take back a posted receive)."""
+
+    link_usable = False
+
+
+class OutOfStepError(LinkError):
+    """A message that is not what this protocol expects (another protocol or version, or lengths
+    past the bounds): refused before anything is sized from it, not drained."""
+
+
+class PeerError(LinkError):
+    """The peer died or the connection to it broke."""
+
+
+class TransferTimeout(LinkError, TimeoutError):
+    """The transfer's own time (its ``timeout``, or the process group's) ran out."""
+
+
+class BrokenError(LinkError):
+    """A weight receiver that failed before (a timeout, a dead sender, a lie): close it."""
+
+
+class KernelCompileError(Error, RuntimeError):
+    """NVRTC rejected a kernel source; the message carries the NVRTC log."""
