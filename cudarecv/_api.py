@@ -13,8 +13,8 @@ from typing import Any
 
 from tensordict import TensorDictBase
 
-from . import _fast_wire, _stock_wire
-from ._errors import ArgumentError, ArgumentTypeError
+from . import _fast_wire, _stock_wire, _stuck
+from ._errors import ArgumentError, ArgumentTypeError, Error, PeerError, TransferTimeout
 from ._handle import Transfer
 from ._header import check_pieces
 from ._link import Link, resolve
@@ -66,8 +66,61 @@ def _check_tags(init_tag: int, leaves: int, pseudo_rand: bool) -> None:
         )
 
 
-def _prepare(td: Any) -> tuple[TensorDictBase, Plan]:
+def _check_timeout(timeout: object) -> float | None:
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ArgumentError(f"`timeout` must be a positive number of seconds or None (the process group's), "
+                            f"got {timeout!r}")
+    return float(timeout)
+
+
+def _explain(td: TensorDictBase, link: Link, timeout: float | None, waited_for: str, cause: str) -> Any:
+    """The error hook of one call: name the peer, what was waited for and the likely cause; a
+    link left with messages in flight is refused for ``td`` from then on (:mod:`._stuck`)."""
+    def explain(error: BaseException, elapsed: float) -> BaseException:
+        if isinstance(error, Error) and not isinstance(error, TransferTimeout):
+            if not error.link_usable:
+                _stuck.mark(td, link, type(error).__name__)
+            return error  # ours: a mismatch (drained), a lie (out of step)
+        group = link.group_timeout()
+        if isinstance(error, TransferTimeout):  # the call's own timeout=
+            seconds, gloo = timeout, ""
+        elif group is not None and elapsed >= group - 0.05:  # the process group's timeout ran out in gloo
+            seconds, gloo = group, "; gloo then closed every link of the process group"
+        else:
+            _stuck.mark(td, link, "the link failed")
+            text = str(error).splitlines()[0] if str(error) else repr(error)
+            return PeerError(f"{waited_for}: the link to rank {link.peer} failed after {elapsed:.3g} s: {text}")
+        _stuck.mark(td, link, f"it timed out after {seconds:g} s")
+        return TransferTimeout(
+            f"{waited_for}: rank {link.peer} did not answer within {seconds:g} s ({cause}){gloo}; gloo cannot take "
+            "back what was posted, so this tensordict is refused on this link from now on"
+        )
+
+    return explain
+
+
+def _what(sending: bool, plan: Plan, init_tag: int, pseudo_rand: bool, consolidated: bool,
+          bucket_bytes: int | None) -> tuple[str, str]:
+    """What a call waits for, and the likely cause if it never comes, for its timeout message."""
+    verb = "send" if sending else "receive"
+    peer = "the receiver post the matching receive" if sending else "the sender send"
+    if bucket_bytes is not None:
+        what = f"{verb} of the fast-wire header (tag {_fast_wire.header_tag(init_tag)})"
+        return what, f"does {peer} on the fast wire too (bucket_bytes on both ends), with init_tag={init_tag}?"
+    if consolidated:
+        return f"{verb} of the consolidated storage (tag 0)", f"does {peer} with consolidated=True, no bucket_bytes?"
+    n = len(plan.tensors)
+    tags = (f"pseudo-random tags from init_tag={init_tag}" if pseudo_rand
+            else f"tags {init_tag}..{init_tag + n - 1}")
+    return (f"{verb} of {n} leaves ({tags})",
+            f"does {peer} on the stock wire (no bucket_bytes) with init_tag={init_tag}, pseudo_rand={pseudo_rand}?")
+
+
+def _prepare(td: Any, link: Link, user: TensorDictBase | None = None) -> tuple[TensorDictBase, Plan]:
     inner = unwrap(td)
+    _stuck.check(user if user is not None else inner, link)
     plan = plan_for(inner)
     plan.check()
     previous = plan.in_flight
@@ -100,12 +153,11 @@ def _last_tag(plan: Plan, init_tag: int, pseudo_rand: bool) -> int:
 
 
 def _start_send(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolidated: bool,
-                bucket_bytes: int | None, stream: Any) -> tuple[Transfer, Plan]:
-    if consolidated:
-        td = unwrap(td)
-        if not td.is_consolidated():
-            td = td.consolidate(metadata=True)  # as stock does: a copy, every call
-    inner, plan = _prepare(td)
+                bucket_bytes: int | None, stream: Any, timeout: float | None) -> tuple[Transfer, Plan]:
+    user = unwrap(td)  # what a failure is recorded against (a consolidated copy is new every call)
+    if consolidated and not user.is_consolidated():
+        td = user.consolidate(metadata=True)  # as stock does: a copy, every call
+    inner, plan = _prepare(td, link, user)
     if consolidated:
         storage = plan.storage(inner)
         lane = lane_for(link, storage.device, stream, plan.pool)
@@ -134,15 +186,17 @@ def _start_send(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolida
 
             protocol = _fast_wire.send(lane, plan.bucket_header.with_piece(bucket_bytes),
                                        plan.pieces(bucket_bytes, place), init_tag, pack=pack)
-    transfer = Transfer(protocol, lane.stream)
+    what, cause = _what(True, plan, init_tag, pseudo_rand, consolidated, bucket_bytes)
+    transfer = Transfer(protocol, lane.stream, on_error=_explain(user, link, timeout, what, cause), timeout=timeout,
+                        link=link)
     if lane.stream is not None or (bucket_bytes is not None and not consolidated):
         _track(plan, transfer)  # it uses the plan's staging: the next transfer waits for it
     return transfer, plan
 
 
 def _start_recv(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolidated: bool,
-                bucket_bytes: int | None, stream: Any) -> tuple[Transfer, Plan]:
-    inner, plan = _prepare(td)
+                bucket_bytes: int | None, stream: Any, timeout: float | None) -> tuple[Transfer, Plan]:
+    inner, plan = _prepare(td, link)
     if consolidated:
         storage = plan.storage(inner)  # raises, naming the fix, if td is not consolidated
         lane = lane_for(link, storage.device, stream, plan.pool)
@@ -161,7 +215,9 @@ def _start_recv(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolida
             place = _fast_wire.staging_place(lane, plan)
             protocol = _fast_wire.recv(lane, plan.bucket_header, lambda piece: plan.pieces(piece, place),
                                        init_tag, td, landed=lambda piece, i: plan.unpack(piece, i, place))
-    transfer = Transfer(protocol, lane.stream)
+    what, cause = _what(False, plan, init_tag, pseudo_rand, consolidated, bucket_bytes)
+    transfer = Transfer(protocol, lane.stream, on_error=_explain(inner, link, timeout, what, cause), timeout=timeout,
+                        link=link)
     if lane.stream is not None or (bucket_bytes is not None and not consolidated):
         _track(plan, transfer)  # it uses the plan's staging: the next transfer waits for it
     return transfer, plan
@@ -169,7 +225,8 @@ def _start_recv(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolida
 
 def isend(td: Any, dst: int | None = None, *, group: Any = None, group_dst: int | None = None,
           init_tag: int = 0, pseudo_rand: bool = False, return_early: bool = False,
-          consolidated: bool = False, bucket_bytes: int | None = None, stream: Any = None) -> Any:
+          consolidated: bool = False, bucket_bytes: int | None = None, stream: Any = None,
+          timeout: float | None = None) -> Any:
     """Send the leaves of ``td`` to ``dst``, a call's messages posted as one batch.
 
     Same arguments, wire and results as ``TensorDictBase.isend`` (tensordict
@@ -177,7 +234,13 @@ def isend(td: Any, dst: int | None = None, *, group: Any = None, group_dst: int 
     messages of at most that many bytes, after a checked header; the receiver
     must pass ``bucket_bytes`` too (any value). ``stream``: the CUDA stream to
     run the transfer on (default: cudarecv's dedicated stream of the device);
-    the caller's current stream is never blocked by the transfer.
+    the caller's current stream is never blocked by the transfer. ``timeout``:
+    seconds the transfer may take (default: the process group's timeout); past
+    it :class:`cudarecv.TransferTimeout` names the peer, what was waited for and
+    the likely cause, and ``td`` is refused on this link from then on (gloo
+    cannot take back what was posted). With ``timeout`` the transfer is driven
+    on a thread of its own, and no gloo wait is ever given a timeout (one that
+    runs out closes every link of the group).
 
     Returns:
         With ``return_early=True``, a one-element list of :class:`Transfer`.
@@ -187,8 +250,9 @@ def isend(td: Any, dst: int | None = None, *, group: Any = None, group_dst: int 
         >>> cudarecv.isend(td, dst=1, bucket_bytes=1 << 20)
     """
     init_tag = _check_options(init_tag, pseudo_rand, consolidated, bucket_bytes)
+    timeout = _check_timeout(timeout)
     link = resolve(dst, group_dst, group, "dst", "group_dst")
-    transfer, plan = _start_send(td, link, init_tag, pseudo_rand, consolidated, bucket_bytes, stream)
+    transfer, plan = _start_send(td, link, init_tag, pseudo_rand, consolidated, bucket_bytes, stream, timeout)
     if return_early:
         return [transfer] if consolidated or bucket_bytes is not None or plan.tensors else []
     transfer.wait()
@@ -197,14 +261,15 @@ def isend(td: Any, dst: int | None = None, *, group: Any = None, group_dst: int 
 
 def irecv(td: Any, src: int | None = None, *, group: Any = None, group_src: int | None = None,
           return_premature: bool = False, init_tag: int = 0, pseudo_rand: bool = False,
-          consolidated: bool = False, bucket_bytes: int | None = None, stream: Any = None) -> Any:
+          consolidated: bool = False, bucket_bytes: int | None = None, stream: Any = None,
+          timeout: float | None = None) -> Any:
     """Receive into the leaves of ``td`` in place what :func:`isend` or stock tensordict sends.
 
     Same arguments, wire and results as ``TensorDictBase.irecv`` (tensordict
     0.15.3), plus ``bucket_bytes`` (see :func:`isend`). On the fast wire a
     sender whose tensordict does not match raises
-    :class:`cudarecv.HeaderError` here, with ``td`` untouched. ``stream`` as in
-    :func:`isend`. Without ``return_premature`` it returns once the caller's
+    :class:`cudarecv.HeaderError` here, with ``td`` untouched. ``stream`` and
+    ``timeout`` as in :func:`isend`. Without ``return_premature`` it returns once the caller's
     current stream is ordered after the receive (CPU memory: once the bytes are
     there).
 
@@ -216,8 +281,9 @@ def irecv(td: Any, src: int | None = None, *, group: Any = None, group_src: int 
         >>> cudarecv.irecv(td, src=0, bucket_bytes=1 << 20)
     """
     init_tag = _check_options(init_tag, pseudo_rand, consolidated, bucket_bytes)
+    timeout = _check_timeout(timeout)
     link = resolve(src, group_src, group, "src", "group_src")
-    transfer, plan = _start_recv(td, link, init_tag, pseudo_rand, consolidated, bucket_bytes, stream)
+    transfer, plan = _start_recv(td, link, init_tag, pseudo_rand, consolidated, bucket_bytes, stream, timeout)
     if return_premature:  # stock returns one work per leaf: none for a tensordict without leaves
         return [transfer] if consolidated or bucket_bytes is not None or plan.tensors else []
     transfer.wait()
@@ -226,18 +292,19 @@ def irecv(td: Any, src: int | None = None, *, group: Any = None, group_src: int 
 
 def send(td: Any, dst: int | None = None, *, group: Any = None, group_dst: int | None = None,
          init_tag: int = 0, pseudo_rand: bool = False, consolidated: bool = False,
-         bucket_bytes: int | None = None, stream: Any = None) -> None:
+         bucket_bytes: int | None = None, stream: Any = None, timeout: float | None = None) -> None:
     """Blocking :func:`isend`; same arguments and wire as ``TensorDictBase.send``."""
     isend(td, dst, group=group, group_dst=group_dst, init_tag=init_tag, pseudo_rand=pseudo_rand,
-          consolidated=consolidated, bucket_bytes=bucket_bytes, stream=stream)
+          consolidated=consolidated, bucket_bytes=bucket_bytes, stream=stream, timeout=timeout)
 
 
 def recv(td: Any, src: int | None = None, *, group: Any = None, group_src: int | None = None,
          init_tag: int = 0, pseudo_rand: bool = False, consolidated: bool = False,
-         bucket_bytes: int | None = None, stream: Any = None) -> int | None:
+         bucket_bytes: int | None = None, stream: Any = None, timeout: float | None = None) -> int | None:
     """Blocking :func:`irecv`; returns the last tag (``None`` when ``consolidated``), as stock."""
     init_tag = _check_options(init_tag, pseudo_rand, consolidated, bucket_bytes)
+    timeout = _check_timeout(timeout)
     link = resolve(src, group_src, group, "src", "group_src")
-    transfer, plan = _start_recv(td, link, init_tag, pseudo_rand, consolidated, bucket_bytes, stream)
+    transfer, plan = _start_recv(td, link, init_tag, pseudo_rand, consolidated, bucket_bytes, stream, timeout)
     transfer.wait()
     return None if consolidated else _last_tag(plan, init_tag, pseudo_rand)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import Backend as _C_Backend
 from torch.distributed import distributed_c10d as c10d
@@ -29,6 +30,18 @@ class Link:
     def __post_init__(self) -> None:
         if not self.backend:
             object.__setattr__(self, "backend", str(self.pg.name()).lower())
+
+    def group_timeout(self) -> float | None:
+        """The process group's own timeout in seconds (what bounds a wait without ``timeout=``), if readable."""
+        pg = self.pg
+        getters = [lambda: pg.options._timeout]
+        getters += [lambda d=d: pg._get_backend(torch.device(d)).options._timeout for d in ("cpu", "cuda")]
+        for get in getters:
+            try:
+                return get().total_seconds()
+            except Exception:  # noqa: BLE001 - not this kind of group
+                continue
+        return None
 
 
 def _as_rank(value: object, name: str) -> int:

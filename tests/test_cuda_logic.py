@@ -19,13 +19,13 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-from tdfactory import make
 from torch._C._distributed_c10d import _create_work_from_future
 
 import cudarecv
 from cudarecv import _cuda, _transport
 from cudarecv._link import Link
 from cudarecv.testing.gpu import nccl_pair_problem
+from tdfactory import make
 
 RECORDS: list[tuple] = []
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tdfactory import STRUCTURES, make, same
 from tensordict import TensorDict
 
 import cudarecv
 from cudarecv import _header
+from tdfactory import STRUCTURES, make, same
 
 
 def _peer(rank, group):
@@ -163,9 +163,8 @@ def _rss() -> int:
 def lying_headers(rank, world, group, cases):
     import time
 
-    from rawwire import raw_send
-
     from cudarecv._plan import plan_for
+    from rawwire import raw_send
 
     td = make("nested", float(rank))
     if rank == 0:
@@ -177,6 +176,7 @@ def lying_headers(rank, world, group, cases):
         return None
     out = []
     for _ in cases:
+        td = make("nested", 0.0)  # a tensordict that met a lie is refused on this link afterwards
         before, started = _rss(), time.monotonic()
         try:
             cudarecv.recv(td, 0, bucket_bytes=64)
@@ -186,24 +186,29 @@ def lying_headers(rank, world, group, cases):
         except BaseException as error:  # noqa: BLE001 - anything else is the defect
             outcome = f"{type(error).__name__}: {error}"
         out.append((outcome, time.monotonic() - started, _rss() - before))
-    return out
+    try:
+        cudarecv.recv(td, 0, bucket_bytes=64)
+        refused = "accepted"
+    except cudarecv.LinkError as error:
+        refused = str(error)
+    return out, refused
 
 
 def test_a_header_lying_about_lengths_is_refused_before_anything_is_sized(cluster):
     cases = list(LYING)
     try:
-        results = cluster().run(lying_headers, args=(cases,), timeout=90)[1]
+        results, refused = cluster().run(lying_headers, args=(cases,), timeout=90)[1]
     finally:
         cluster().close()
+    assert "an earlier transfer of this tensordict" in refused, refused
     for case, (outcome, took, grown) in zip(cases, results):
         assert "not drained" in outcome and "out of step" in outcome, f"{case}: {outcome}"
         assert took < 5 and grown < 32 << 20, f"{case}: {took:.1f} s, +{grown / 2**20:.0f} MiB"
 
 
 def oversize_header(rank, world, group):
-    from rawwire import raw_send
-
     from cudarecv._plan import plan_for
+    from rawwire import raw_send
 
     td = make("nested", float(rank))
     if rank == 0:

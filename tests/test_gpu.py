@@ -28,7 +28,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from tdfactory import STRUCTURES, leaves, make
 from tensordict import TensorDict
 from tensordict._base.distributed import _Distributed as Stock
 
@@ -37,6 +36,7 @@ from cudarecv import _cuda
 from cudarecv._walk import unwrap
 from cudarecv.testing.gpu import nccl_pair_problem
 from cudarecv.testing.launch import Ranks
+from tdfactory import STRUCTURES, leaves, make
 
 HAS_CUDA = torch.cuda.is_available()
 NCCL_SHARED = os.environ.get("CUDARECV_NCCL_SHARED_GPU", "") == "1"

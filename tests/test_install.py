@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tdfactory import STRUCTURES, make, same
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 from tensordict._base.distributed import _Distributed as Stock
 
 import cudarecv
+from tdfactory import STRUCTURES, make, same
 
 NAMES = ("isend", "irecv", "send", "recv")
 

@@ -8,10 +8,10 @@ both). The receiver checks every leaf and the call's return value.
 from __future__ import annotations
 
 import pytest
-from tdfactory import STRUCTURES, leaves, make, same
 from tensordict._base.distributed import _Distributed as Stock
 
 import cudarecv
+from tdfactory import STRUCTURES, leaves, make, same
 
 MODES = {
     "plain": {},

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tdfactory import make
 from tensordict import TensorDict
 
 import cudarecv
 from cudarecv._plan import plan_for
 from cudarecv._walk import format_path, walk
+from tdfactory import make
 
 
 def test_walk_order_is_stock_order():

@@ -6,10 +6,10 @@ import re
 
 import pytest
 import torch
-from tdfactory import make, same
 from tensordict import TensorDict
 
 import cudarecv
+from tdfactory import make, same
 
 # (call, kwargs without the td, expected exception, a regex the message must match)
 BAD_CALLS = [

@@ -12,7 +12,6 @@ import time
 
 import pytest
 import torch
-from policies import holds_version, policy, set_version
 from tensordict import TensorDict
 
 import cudarecv
@@ -20,6 +19,7 @@ from cudarecv import _weights
 from cudarecv._handle import Transfer
 from cudarecv._weights_wire import PushHeader
 from cudarecv.testing.launch import RankExit
+from policies import holds_version, policy, set_version
 
 
 def fan_out(rank, world, group, steps, standalone):

@@ -14,13 +14,13 @@ import time
 
 import pytest
 import torch
-from policies import holds_version, policy, set_version
-from rawwire import raw_recv, raw_send, store
 from tensordict import TensorDict
 
 import cudarecv
 from cudarecv import _weights_wire as wire
 from cudarecv.testing.launch import RankExit
+from policies import holds_version, policy, set_version
+from rawwire import raw_recv, raw_send, store
 
 STEPS = 6
 

@@ -1,0 +1,140 @@
+"""Nothing waits unbounded: ``timeout=`` on every call, the process group's timeout by default,
+and errors that name the peer, what was waited for and the likely cause.
+
+Each case pairs two real ranks over gloo that disagree (a stock sender facing a
+fast-wire receiver, another ``init_tag``, a receiver that never receives), then
+shows the link still serves other tensordicts while the one that timed out is
+refused on it.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+from tensordict._base.distributed import _Distributed as Stock
+
+import cudarecv
+from rawwire import store
+from tdfactory import make, same
+
+
+def _attempt(call, *args, **kwargs):
+    started = time.monotonic()
+    try:
+        call(*args, **kwargs)
+        return "returned", time.monotonic() - started
+    except cudarecv.Error as error:
+        return (type(error).__name__, str(error), error.link_usable), time.monotonic() - started
+
+
+def mismatched_peers(rank, world, group, case):
+    """Rank 0 sends on the stock wire; rank 1 waits for something else, with timeout=1.5."""
+    signals = store()
+    td = make("nested", 3.0 if rank == 0 else 0.0)
+    if rank == 0:
+        works = Stock.isend(td, 1, return_early=True)  # stock: one message per leaf, tags 0..4
+        signals.wait([f"{case}_done"])
+        for work in works:
+            work.wait()
+        return None
+    if case == "fast_wire_receiver":
+        outcome = _attempt(cudarecv.recv, td, 0, bucket_bytes=1 << 20, timeout=1.5)
+    else:  # another init_tag
+        outcome = _attempt(cudarecv.recv, td, 0, init_tag=5, timeout=1.5)
+    again = _attempt(cudarecv.recv, td, 0, timeout=1.5)  # the same tensordict on that link: refused at once
+    other = make("nested", 0.0)
+    cudarecv.recv(other, 0, timeout=20)  # the link itself still works: this takes the stock messages
+    signals.set(f"{case}_done", "1")
+    return outcome, again, same(other, make("nested", 3.0))
+
+
+@pytest.mark.parametrize("case", ["fast_wire_receiver", "other_init_tag"])
+def test_a_mismatched_peer_times_out_naming_it_and_the_cause(cluster, case):
+    try:
+        _, ((outcome, took), (again, again_took), other_ok) = cluster().run(mismatched_peers, args=(case,))
+    finally:
+        cluster().close()  # the abandoned receive stays posted on this link
+    kind, message, usable = outcome
+    assert kind == "TransferTimeout" and not usable, outcome
+    assert "rank 0" in message and "1.5 s" in message and took >= 1.5, outcome
+    if case == "fast_wire_receiver":
+        assert "fast-wire header" in message and "bucket_bytes on both ends" in message
+    else:
+        assert "tags 5..9" in message and "init_tag=5" in message
+    assert again[0] == "LinkError" and "rank 0" in again[1] and "new process groups" in again[1], again
+    assert again_took < 1.0
+    assert other_ok, "another tensordict on the same link did not get the stock sender's values"
+
+
+def unanswered_send(rank, world, group):
+    signals = store()
+    td = make("flat", 4.0 if rank == 0 else 0.0)
+    if rank == 0:
+        outcome = _attempt(cudarecv.send, td, 1, bucket_bytes=64, timeout=1.0)
+        signals.set("unanswered_send", "1")
+        return outcome
+    signals.wait(["unanswered_send"])
+    late = make("flat", 0.0)
+    cudarecv.recv(late, 0, bucket_bytes=64, timeout=20)  # the send still in flight lands here, whole
+    return same(late, make("flat", 4.0))
+
+
+def test_a_send_nobody_receives_times_out(cluster):
+    try:
+        (outcome, took), late_ok = cluster().run(unanswered_send)
+    finally:
+        cluster().close()
+    kind, message, _ = outcome
+    assert kind == "TransferTimeout" and "send of the fast-wire header" in message and "rank 1" in message
+    assert took >= 1.0
+    assert late_ok
+
+
+def group_timeout(rank, world, group):
+    """No timeout=: the process group's own (2 s here) bounds the wait, and the error says so."""
+    short = dist.ProcessGroupGloo(dist.PrefixStore("short-timeout", store()), rank, world, timedelta(seconds=2))
+    td = TensorDict(a=torch.zeros(3))
+    if rank == 0:
+        time.sleep(4)
+        return None
+    return _attempt(cudarecv.recv, td, group=short, group_src=0)
+
+
+def test_without_timeout_the_group_timeout_bounds_the_wait(cluster):
+    _, (outcome, took) = cluster().run(group_timeout)
+    kind, message, _ = outcome
+    assert kind == "TransferTimeout" and "2 s" in message and "closed every link" in message, outcome
+    assert 2.0 <= took < 10
+
+
+def short_caller_wait(rank, world, group):
+    signals = store()
+    td = make("flat", 6.0 if rank == 0 else 0.0)
+    if rank == 0:
+        signals.wait(["short_caller_wait"])
+        cudarecv.send(td, 1)
+        return None
+    [transfer] = cudarecv.irecv(td, 0, return_premature=True)
+    waited = _attempt(transfer.wait, 0.3)
+    signals.set("short_caller_wait", "1")
+    transfer.wait()
+    return waited, same(td, make("flat", 6.0))
+
+
+def test_a_short_wait_raises_wait_timeout_and_the_transfer_goes_on(cluster):
+    _, ((outcome, took), ok) = cluster().run(short_caller_wait)
+    kind, message, usable = outcome
+    assert kind == "WaitTimeout" and usable and "0.3 s" in message and "goes on" in message, outcome
+    assert took >= 0.3 and ok
+
+
+def test_bad_timeouts_are_refused():
+    td = make("flat", 0.0)
+    for bad in (0, -1, "1", True):
+        with pytest.raises(cudarecv.ArgumentError, match="`timeout` must be a positive number"):
+            cudarecv.recv(td, 0, timeout=bad)
