@@ -37,3 +37,34 @@ def test_dockerfile_cuda_runs_the_gpu_suite():
     text = (ROOT / "Dockerfile.cuda").read_text()
     assert "pytest --gpus" in text and "GPUS" in text
     assert "cupy-cuda12x" in text and ".[gpu,test]" in text
+
+
+def _imports(path: Path) -> list[tuple[str, str, int]]:
+    """(module, name, level) of every ``from module import name`` in ``path``."""
+    import ast
+
+    tree = ast.parse(path.read_text(), filename=str(path))
+    return [(node.module or "", alias.name, node.level) for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) for alias in node.names]
+
+
+def test_no_private_name_crosses_modules():
+    """What two modules share gets a module of its own: no ``from .x import _private``."""
+    found = []
+    for path in sorted((ROOT / "cudarecv").rglob("*.py")):
+        for module, name, level in _imports(path):
+            if (level or module.startswith("cudarecv")) and module and name.startswith("_") and name != "__version__":
+                found.append(f"{path.relative_to(ROOT)}: from {'.' * level}{module} import {name}")
+    assert not found, "\n".join(found)
+
+
+def test_the_library_never_imports_its_tools():
+    """cudarecv/ (the library) imports neither cudarecv.tools nor cudarecv.testing (``__main__``, the
+    command line's entry, is the tools')."""
+    found = []
+    for path in sorted(p for p in (ROOT / "cudarecv").glob("*.py") if p.name != "__main__.py"):
+        for module, name, level in _imports(path):
+            target = module if level == 0 else f"cudarecv.{module}" if module else f"cudarecv.{name}"
+            if target.startswith(("cudarecv.tools", "cudarecv.testing")):
+                found.append(f"{path.relative_to(ROOT)}: {target}")
+    assert not found, "\n".join(found)
