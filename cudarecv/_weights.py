@@ -266,10 +266,10 @@ class WeightSender:
         return Transfer(protocol, lane.stream, on_error=named, timeout=self.timeout, link=lane.link,
                         raise_first=False)
 
-    def _drop(self, receiver: _Receiver, version: int) -> Callable[[BaseException, float], BaseException]:
+    def _drop(self, receiver: _Receiver, version: int, timeout: float) -> Callable[[BaseException, float], BaseException]:
         """The error hook of ``receiver``'s push of ``version``: name it, and drop it."""
         def dropped(error: BaseException, elapsed: float) -> BaseException:
-            seconds = self.timeout if isinstance(error, TimeoutError) else elapsed
+            seconds = timeout if isinstance(error, TimeoutError) else elapsed
             failure = _link_error(receiver.lane.link, f"push of version {version}", error, seconds,
                                   f"did not take version {version}")
             receiver.gone = str(failure)
@@ -299,11 +299,12 @@ class WeightSender:
             with contextlib.suppress(Exception):
                 transfer.wait()
 
-    def push(self, wait: bool = True) -> int | list[Transfer]:
+    def push(self, wait: bool = True, timeout: float | None = None) -> int | list[Transfer]:
         """Send the current values of ``td`` to every receiver still served, as the next version.
 
         Returns the new version number, or with ``wait=False`` one
         :class:`~cudarecv.Transfer` per receiver (their ``wait()`` returns ``None``).
+        ``timeout``: seconds each receiver may take (default: the sender's ``timeout``).
 
         Raises:
             TransferTimeout or PeerError naming the receiver whose link failed: it is
@@ -312,6 +313,7 @@ class WeightSender:
         """
         if self._closed:
             raise UsageError("this WeightSender is closed")
+        limit = self.timeout if timeout is None else _check_timeout(timeout)
         self._finish_in_flight()  # the storage is reused: the previous push must be out
         live = [r for r in self._receivers if r.gone is None]
         if not live:
@@ -339,9 +341,9 @@ class WeightSender:
                             digest, self._verify)
         pushes = []
         for receiver in live:  # each posted on its own: one failing never keeps the others from theirs
-            transfer = Transfer(self._push(receiver.lane, header), receiver.lane.stream, timeout=self.timeout,
+            transfer = Transfer(self._push(receiver.lane, header), receiver.lane.stream, timeout=limit,
                                 driver=receiver.driver.submit, link=receiver.lane.link,
-                                on_error=self._drop(receiver, self.version), raise_first=False)
+                                on_error=self._drop(receiver, self.version, limit), raise_first=False)
             pushes.append((receiver, transfer))
         if not wait:  # each is driven on its receiver's thread from the start: none waits for another
             self._in_flight = pushes
@@ -501,8 +503,10 @@ class WeightReceiver:
                 slot.readers -= 1
                 self._cond.notify_all()
 
-    def pull(self, wait: bool = True) -> int | Transfer:
+    def pull(self, wait: bool = True, timeout: float | None = None) -> int | Transfer:
         """Receive the next version; return its number once it has landed and been verified.
+
+        ``timeout``: seconds this pull may take (default: the receiver's ``timeout``).
 
         With ``wait=False``, return a :class:`~cudarecv.Transfer` whose ``wait()``
         returns the version; it is driven to its end on the receiver's own thread,
@@ -519,6 +523,7 @@ class WeightReceiver:
         """
         if self._closed:
             raise UsageError("this WeightReceiver is closed")
+        limit = self.timeout if timeout is None else _check_timeout(timeout)
         if self._broken:
             raise BrokenError(f"this WeightReceiver is broken ({self._broken}): close it and connect a new one")
         if self._pending is not None:  # one pull at a time: the spare buffer is the next one's
@@ -529,24 +534,25 @@ class WeightReceiver:
                 raise BrokenError(f"this WeightReceiver is broken ({self._broken}): close it and connect a new one")
         back = self._slots[1 if self._published == 0 else 0]
         with self._cond:
-            if not self._cond.wait_for(lambda: back.readers == 0, timeout=self.timeout):
-                raise WaitTimeout(f"a reader held the spare weights buffer for {self.timeout:g} s")
+            if not self._cond.wait_for(lambda: back.readers == 0, timeout=limit):
+                raise WaitTimeout(f"a reader held the spare weights buffer for {limit:g} s")
         if self._lane.stream is not None:
             _cuda.follow_caller(self._lane.stream)
-        transfer = Transfer(self._pull(self._lane, back), self._lane.stream, on_error=self._on_error,
-                            timeout=self.timeout, driver=self._driver.submit, link=self._lane.link)
+        transfer = Transfer(self._pull(self._lane, back), self._lane.stream,
+                            on_error=lambda error, elapsed: self._on_error(error, elapsed, limit),
+                            timeout=limit, driver=self._driver.submit, link=self._lane.link)
         if wait:
             return transfer.wait()
         self._pending = transfer  # driven on the receiver's thread from the start
         return transfer
 
-    def _on_error(self, error: BaseException, elapsed: float) -> BaseException:
+    def _on_error(self, error: BaseException, elapsed: float, timeout: float) -> BaseException:
         if isinstance(error, Error) and error.link_usable:
             return error  # drained, the link in step: the next pull works
         if isinstance(error, OutOfStepError):
             self._broken = str(error)
             return error
-        seconds = self.timeout if isinstance(error, TimeoutError) else elapsed
+        seconds = timeout if isinstance(error, TimeoutError) else elapsed
         replaced = _link_error(self._lane.link, "pull", error, seconds, "sent nothing complete")
         self._broken = str(replaced)
         return replaced
