@@ -11,10 +11,14 @@ with ``NCCL_MULTI_RANK_GPU_ENABLE=1`` (NCCL >= 2.30; skipped, saying so, with an
 older NCCL). ``bench/gpu_check.sh`` sets it by itself on a one-GPU machine whose
 NCCL is new enough.
 
-Rows carry the ``extra_info`` of ``bench/bench_transfers.py`` (``case``, ``impl``,
-``mode``, ``bytes``, ``leaves``, ``backend``, ``stock_mode``, ``seconds``: the
-receiver's median, timed inside the ranks, a GPU receive until its bytes landed),
-plus ``send_place``/``recv_place``. Modes read ``"<mode> <send place>-><receive
+As in ``bench/bench_transfers.py``, each bench times the mode it names: its
+pytest-benchmark rounds are that mode's per-iteration times as the receiver
+measured them inside the ranks (a GPU receive until its bytes landed; the tag
+kernel's GPU time per launch, CUDA events), replayed through a virtual clock
+(``tb.VirtualClock``, ``tb.replay``), so ``stats.median`` is what ``python -m
+cudarecv report`` shows. Rows carry the ``extra_info`` of the CPU benches
+(``case``, ``impl``, ``mode``, ``bytes``, ``leaves``, ``backend``, ``stock_mode``,
+``ok``), plus ``send_place``/``recv_place``. Modes read ``"<mode> <send place>-><receive
 place>"``, e.g. ``chunks 4MiB cpu->cuda``. The modes of a case run side by side
 in one call into the ranks, in rotated rounds (:mod:`cudarecv.tools.gpu_ranks`), and
 each is checked once after its timed rounds. Targets, printed at the end with
@@ -32,8 +36,9 @@ their ratio and met/MISSED:
   raw per-leaf ``dist.irecv``.
 
 Without pytest-benchmark installed, a minimal ``benchmark`` fixture here runs
-the same benches and, if ``CUDARECV_BENCH_JSON`` names a file, writes the rows
-there in pytest-benchmark's JSON layout (what ``python -m cudarecv report`` reads).
+the same benches (timed by the same virtual clock) and, if ``CUDARECV_BENCH_JSON``
+names a file, writes the rows there in pytest-benchmark's JSON layout (what
+``python -m cudarecv report`` reads).
 """
 
 from __future__ import annotations
@@ -57,8 +62,11 @@ from cudarecv.tools import transfer_ranks as tb
 HAS_CUDA = torch.cuda.is_available()
 NCCL_SHARED = os.environ.get("CUDARECV_NCCL_SHARED_GPU", "") == "1"
 
+# every bench here reports times measured elsewhere (ranks, CUDA events), replayed through this clock
+CLOCK = tb.VirtualClock("receiver_clock")
 pytestmark = [
     pytest.mark.timeout(600),
+    pytest.mark.benchmark(timer=CLOCK),
     pytest.mark.gpus(1),
     pytest.mark.skipif(not HAS_CUDA, reason="torch.cuda.is_available() is False: needs a CUDA build of "
                                             "torch and a visible GPU"),
@@ -80,21 +88,32 @@ _FALLBACK_ROWS: list[dict] = []
 
 
 class _FallbackBenchmark:
-    """The part of pytest-benchmark's fixture these benches use: ``pedantic`` and ``extra_info``."""
+    """The part of pytest-benchmark's fixture these benches use: ``pedantic`` and ``extra_info``.
 
-    def __init__(self) -> None:
+    As pytest-benchmark's, it reads its timer (the ``benchmark(timer=...)`` marker's, else
+    ``time.perf_counter``) only just before and just after each round's calls of the target.
+    """
+
+    def __init__(self, name: str, timer: Any = time.perf_counter) -> None:
+        self.name = name
         self.extra_info: dict[str, Any] = {}
         self.times: list[float] = []
+        self._timer = timer
 
-    def pedantic(self, target, args=(), kwargs=None, rounds=1, iterations=1, warmup_rounds=0, setup=None):
+    def pedantic(self, target, args=(), kwargs=None, setup=None, teardown=None, rounds=1, warmup_rounds=0,
+                 iterations=1):
         result = None
         for _ in range(warmup_rounds):
             target(*args, **(kwargs or {}))
         for _ in range(rounds):
-            t0 = time.perf_counter()
+            if setup is not None:
+                setup()
+            t0 = self._timer()
             for _ in range(iterations):
                 result = target(*args, **(kwargs or {}))
-            self.times.append((time.perf_counter() - t0) / iterations)
+            self.times.append((self._timer() - t0) / iterations)
+            if teardown is not None:
+                teardown()
         return result
 
 
@@ -118,14 +137,15 @@ if not HAVE_PYTEST_BENCHMARK:
     @pytest.fixture
     def benchmark(request):
         """Stand-in for pytest-benchmark's fixture (not installed); rows go to $CUDARECV_BENCH_JSON."""
-        bench = _FallbackBenchmark()
+        marker = request.node.get_closest_marker("benchmark")
+        bench = _FallbackBenchmark(request.node.name, (marker.kwargs if marker else {}).get("timer", time.perf_counter))
         yield bench
         if bench.times:
             times = sorted(bench.times)
             _FALLBACK_ROWS.append({
                 "name": request.node.name, "fullname": request.node.nodeid, "extra_info": bench.extra_info,
                 "stats": {"median": statistics.median(times), "min": times[0], "max": times[-1],
-                          "rounds": len(times)},
+                          "mean": statistics.mean(times), "rounds": len(times), "data": list(bench.times)},
             })
             _write_fallback_json()
 
@@ -270,19 +290,19 @@ def _run_suite(ranks: Ranks, name: str, targets: list[str]) -> dict[tuple[str, s
 
 def _bench(benchmark, ranks: Ranks, targets: list[str], name: str, impl: str, mode: str, send_place: str,
            recv_place: str, stock_mode: str | None) -> None:
-    rows = benchmark.pedantic(lambda: _run_suite(ranks, name, targets), rounds=1, iterations=1)
+    rows = _run_suite(ranks, name, targets)
     case = dict(mode=mode, send_place=send_place, recv_place=recv_place)
     row = rows[(impl, gb.label(case))]
     info = {
         "case": name, "impl": impl, "mode": gb.label(case), "bytes": row["bytes"], "leaves": row["leaves"],
-        "backend": SUITES[name]["backend"], "seconds": row["seconds"], "seconds_min": row["seconds_min"],
-        "seconds_all": row["seconds_all"], "send_seconds": row["send_seconds"],
-        "rounds": SUITES[name]["rounds"], "iters": SUITES[name]["iters"], "suite_seconds": row["suite_seconds"],
+        "backend": SUITES[name]["backend"], "send_seconds": row["send_seconds"],
+        "suite_rounds": SUITES[name]["rounds"], "iters": SUITES[name]["iters"], "suite_seconds": row["suite_seconds"],
         "send_place": send_place, "recv_place": recv_place, "ok": row["ok"],
     }
     if stock_mode is not None:
         info["stock_mode"] = stock_mode
     benchmark.extra_info.update(info)
+    tb.replay(benchmark, CLOCK, row["seconds_all"])  # the stats: every timed iteration of this mode
     assert row["ok"], f"{name}: {impl} {gb.label(case)} delivered wrong data: {row['error']}"
 
 
@@ -303,30 +323,41 @@ TAG_CASE = "tag map 10001 entries"
 TAG_STOCK_MODE = "_int_generator loop"
 
 
-def _tag_rows(benchmark, impl: str, mode: str, seconds: list[float], targets: list[str]) -> None:
+def _stock_tag_map() -> list[int]:
+    """The reference: stock ``_int_generator`` of every seed, 0..10000."""
+    from tensordict.utils import _int_generator
+
+    return [_int_generator(s) for s in range(10_001)]
+
+
+def _tag_rows(benchmark, impl: str, mode: str, seconds: list[float], targets: list[str],
+              ok: bool | None = None) -> None:
     benchmark.extra_info.update({
         "case": TAG_CASE, "impl": impl, "mode": mode, "bytes": 0, "leaves": 10_001, "backend": "cuda",
-        "seconds": statistics.median(seconds), "seconds_all": seconds,
         **({"stock_mode": TAG_STOCK_MODE} if impl != "stock" else {}),
+        **({"ok": ok} if ok is not None else {}),
     })
+    tb.replay(benchmark, CLOCK, seconds)
     _TAGS[mode] = seconds
     if "cupy kernel" in _TAGS and mode == "cupy kernel":
         us = statistics.median(_TAGS["cupy kernel"]) * 1e6
         targets.append(f"{TAG_CASE}: cupy kernel, GPU time per launch: {us:.1f} us "
                        f"(target < 100 us: {'met' if us < 100 else 'MISSED'})")
+    assert ok is not False, f"{TAG_CASE}: {mode} differs from stock _int_generator"
+
+
+def _times(run, rounds: int) -> list[float]:
+    """``perf_counter`` seconds of each of ``rounds`` calls of ``run``."""
+    seconds = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        run()
+        seconds.append(time.perf_counter() - t0)
+    return seconds
 
 
 def test_tag_map_stock(benchmark, transfer_targets):
-    from tensordict.utils import _int_generator
-
-    seconds: list[float] = []
-
-    def run() -> None:
-        t0 = time.perf_counter()
-        [_int_generator(s) for s in range(10_001)]
-        seconds.append(time.perf_counter() - t0)
-
-    benchmark.pedantic(run, rounds=3, iterations=1)
+    seconds = _times(_stock_tag_map, 3)
     _tag_rows(benchmark, "stock", TAG_STOCK_MODE, seconds, transfer_targets)
 
 
@@ -335,15 +366,10 @@ def test_tag_map_numpy(benchmark, transfer_targets):
 
     from cudarecv._tags import int_generator_many
 
-    seconds: list[float] = []
-
-    def run() -> None:
-        t0 = time.perf_counter()
-        int_generator_many(np.arange(10_001, dtype=np.uint64))
-        seconds.append(time.perf_counter() - t0)
-
-    benchmark.pedantic(run, rounds=5, iterations=1)
-    _tag_rows(benchmark, "cudarecv", "numpy twin", seconds, transfer_targets)
+    seeds = np.arange(10_001, dtype=np.uint64)
+    seconds = _times(lambda: int_generator_many(seeds), 5)
+    ok = int_generator_many(seeds).tolist() == _stock_tag_map()
+    _tag_rows(benchmark, "cudarecv", "numpy twin", seconds, transfer_targets, ok)
 
 
 def test_tag_map_kernel(benchmark, transfer_targets):
@@ -352,9 +378,9 @@ def test_tag_map_kernel(benchmark, transfer_targets):
     if not _tag_kernel.gpu_available():
         pytest.skip("cupy is not installed or sees no CUDA device (pip install 'cudarecv[gpu]')")
     _tag_kernel.time_tag_map_gpu(10)  # compile and load the kernel
-    seconds: list[float] = []
-    benchmark.pedantic(lambda: seconds.append(_tag_kernel.time_tag_map_gpu(100) * 1e-6), rounds=5, iterations=1)
-    _tag_rows(benchmark, "cudarecv", "cupy kernel", seconds, transfer_targets)
+    seconds = [_tag_kernel.time_tag_map_gpu(100) * 1e-6 for _ in range(5)]  # GPU time per launch (CUDA events)
+    ok = _tag_kernel.tag_map_gpu().tolist() == _stock_tag_map()
+    _tag_rows(benchmark, "cudarecv", "cupy kernel", seconds, transfer_targets, ok)
 
 
 # --------------------------------------------------------------------------- gloo
@@ -423,7 +449,7 @@ def _matmul_rows(ranks: Ranks, name: str, targets: list[str]) -> dict[str, dict]
 
 
 def _matmul_bench(benchmark, ranks: Ranks, targets: list[str], name: str, which: str) -> None:
-    rows = benchmark.pedantic(lambda: _matmul_rows(ranks, name, targets), rounds=1, iterations=1)
+    rows = _matmul_rows(ranks, name, targets)
     cfg = MATMUL[name]
     transfer = gb.label(cfg)
     mode = {"alone": "matmul loop alone", "during": f"matmul loop during {transfer}",
@@ -431,10 +457,11 @@ def _matmul_bench(benchmark, ranks: Ranks, targets: list[str], name: str, which:
     row = rows[mode]
     benchmark.extra_info.update({
         "case": name, "impl": "cudarecv", "mode": mode, "bytes": row["bytes"], "leaves": cfg["leaves"],
-        "backend": cfg["backend"], "seconds": row["seconds"], "seconds_all": row["all"],
-        "matmuls": row["matmuls"], "matmul_seconds": row["matmul_seconds"], "rounds": cfg["rounds"],
-        "send_place": cfg["send_place"], "recv_place": cfg["recv_place"], "ok": row["ok"],
+        "backend": cfg["backend"], "matmuls": row["matmuls"], "matmul_seconds": row["matmul_seconds"],
+        "suite_rounds": cfg["rounds"], "send_place": cfg["send_place"], "recv_place": cfg["recv_place"],
+        "ok": row["ok"],
     })
+    tb.replay(benchmark, CLOCK, row["all"])  # the loop's GPU seconds (CUDA events) or the receive's, per round
     assert row["ok"], f"{name}: the checked transfer delivered wrong data: {row['error']}"
 
 

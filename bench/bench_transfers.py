@@ -3,28 +3,29 @@
 Run with ``pytest bench/ -p no:cacheprovider --benchmark-json BENCH.json``, then
 ``python -m cudarecv report BENCH.json``.
 
-Each row of the report is one benchmark here, with ``extra_info`` ``case``,
-``impl``, ``mode``, ``bytes``, ``leaves``, ``backend`` ("gloo"), ``stock_mode``
-where the stock reference has another mode, and ``seconds``: the median of the
-receiver's own per-iteration times (rank 1 times each transfer from just
-before its receive call until the data has landed, after a barrier that starts
-both ends together; see :mod:`cudarecv.tools.transfer_ranks`). ``seconds_min``,
-``seconds_all`` (every timed iteration), ``send_seconds`` (the sender's
-median), and ``cpu_seconds``/``send_cpu_seconds`` (the median CPU time of the
-receiving/sending process per transfer, every thread) are kept too. ``ok``
-says the values checked after the timed loop were right; a wrong transfer
-fails its bench.
+Each benchmark here times the mode it names: its pytest-benchmark rounds are
+the receiver's own per-iteration times of that mode (rank 1 times each transfer
+from just before its receive call until the data has landed, after a barrier
+that starts both ends together; see :mod:`cudarecv.tools.transfer_ranks`),
+handed to pytest-benchmark through a virtual clock (``tb.VirtualClock``,
+``tb.replay``). So the table pytest-benchmark prints, its JSON ``stats`` and
+``--benchmark-compare`` are those times, and ``python -m cudarecv report``
+reads ``stats.median``. ``extra_info`` carries ``case``, ``impl``, ``mode``,
+``bytes``, ``leaves``, ``backend`` ("gloo"), ``stock_mode`` where the stock
+reference has another mode, ``ok`` (the values checked after the timed loop
+were right; a wrong transfer also fails its bench), ``send_seconds`` (the
+sender's median), ``cpu_seconds``/``send_cpu_seconds`` (the median CPU time of
+the receiving/sending process per transfer, every thread), ``suite_rounds``,
+``iters`` and ``suite_seconds`` (the parent's wall time of the whole case).
 
 Design, to beat the noise of a shared 2-core machine: the impls of a case are
 measured side by side in one call into the ranks (:func:`time_suite`). Every
-mode first runs its warm-up iterations; then ``rounds`` rounds each run
+mode first runs its warm-up iterations; then ``suite_rounds`` rounds each run
 ``iters`` timed iterations of every mode, the order rotated by one mode per
-round; the reported time is the median over all rounds. A burst of load thus
-hits all modes of a case alike instead of one bench, and ratios within a case
-compare times taken seconds apart. The first bench of a case runs the whole
-case (its pytest-benchmark ``stats`` are the parent's wall time of that call,
-``suite_seconds``); the others read its results (``stats`` near zero). Read
-``seconds``, not ``stats``: ``python -m cudarecv report`` does.
+round (so each bench has ``suite_rounds * iters`` pytest-benchmark rounds). A
+burst of load thus hits all modes of a case alike instead of one bench, and
+ratios within a case compare times taken seconds apart. The first bench of a
+case runs the whole case; the others replay its results.
 
 Cases (all float32 leaves, a tenth of them nested):
 
@@ -48,7 +49,9 @@ import pytest
 
 from cudarecv.tools import transfer_ranks as tb
 
-pytestmark = pytest.mark.timeout(600)
+# every bench here reports times measured in the ranks, replayed through this clock (tb.replay)
+CLOCK = tb.VirtualClock("receiver_clock")
+pytestmark = [pytest.mark.timeout(600), pytest.mark.benchmark(timer=CLOCK)]
 
 MiB = 1 << 20
 BACKEND = "gloo"
@@ -148,8 +151,7 @@ def _target_lines(name: str, rows: dict[tuple[str, str], dict]) -> list[str]:
 
 def _bench(benchmark: Any, holder: Any, targets: list[str], name: str, impl: str, mode: str,
            stock_mode: str | None) -> None:
-    rows = benchmark.pedantic(lambda: _run_suite(holder, name, targets), rounds=1, iterations=1)
-    row = rows[(impl, mode)]
+    row = _run_suite(holder, name, targets)[(impl, mode)]
     info = {
         "case": name,
         "impl": impl,
@@ -157,13 +159,10 @@ def _bench(benchmark: Any, holder: Any, targets: list[str], name: str, impl: str
         "bytes": row["bytes"],
         "leaves": row["leaves"],
         "backend": BACKEND,
-        "seconds": row["seconds"],
-        "seconds_min": row["seconds_min"],
-        "seconds_all": row["seconds_all"],
         "send_seconds": row["send_seconds"],
         "cpu_seconds": row["cpu_seconds"],
         "send_cpu_seconds": row["send_cpu_seconds"],
-        "rounds": SUITES[name]["rounds"],
+        "suite_rounds": SUITES[name]["rounds"],
         "iters": SUITES[name]["iters"],
         "suite_seconds": row["suite_seconds"],
         "ok": row["ok"],
@@ -171,6 +170,7 @@ def _bench(benchmark: Any, holder: Any, targets: list[str], name: str, impl: str
     if stock_mode is not None:
         info["stock_mode"] = stock_mode
     benchmark.extra_info.update(info)
+    tb.replay(benchmark, CLOCK, row["seconds_all"])  # the stats: every timed iteration of this mode
     assert row["ok"], f"{name}: {impl} {mode} delivered wrong data: {row['error']}"
 
 

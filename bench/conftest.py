@@ -10,6 +10,14 @@ The project's pytest configuration keeps the default ``python_files``
 files of this folder itself; no ``-o python_files=...`` is needed (and passing
 it, or naming a bench file on the command line, does not collect a file twice).
 
+Timing: the benches that measure inside ranks or child processes hand those
+times to pytest-benchmark through a virtual clock
+(:class:`cudarecv.tools.transfer_ranks.VirtualClock`, set per module with
+``pytest.mark.benchmark(timer=CLOCK)``, fed by ``tb.replay``), so the table
+pytest-benchmark prints and its JSON ``stats`` are the measured times of the
+mode each bench names; ``bench_plan.py`` times its lookup in this process
+with pytest-benchmark's own clock.
+
 Fixtures: ``transfer_cluster``, a :class:`cudarecv.testing.launch.Ranks` of 2 ranks
 for the whole session (started when a bench first asks for it), restarted if a
 failure closed it; ``transfer_targets``, a list of lines printed at the end of
@@ -42,6 +50,8 @@ def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Col
 def pytest_configure(config: pytest.Config) -> None:
     if not config.pluginmanager.hasplugin("timeout"):
         config.addinivalue_line("markers", "timeout(seconds): per-test time limit (pytest-timeout)")
+    if not config.pluginmanager.hasplugin("benchmark"):  # bench_gpu.py's stand-in fixture reads it
+        config.addinivalue_line("markers", "benchmark(timer=...): the bench's clock (pytest-benchmark)")
 
 
 @pytest.fixture(scope="session")

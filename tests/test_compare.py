@@ -1,4 +1,5 @@
-"""Smoke test of ``python -m cudarecv compare --quick`` (cudarecv/_compare.py) in a subprocess."""
+"""``python -m cudarecv compare`` (cudarecv/tools/compare.py): a ``--quick`` smoke test in a subprocess, its
+option errors, and the raw bucketing baseline."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from cudarecv.tools import cli
 from cudarecv.tools import transfer_ranks as tb
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,6 +89,48 @@ def test_compare_quick() -> None:
     progress = [line for line in proc.stderr.splitlines() if re.match(r"\[\s*\d+/17\]", line)]
     assert len(progress) == 17, proc.stderr
     assert all(line.rstrip().endswith("ok") for line in progress), proc.stderr
+
+
+def _main(capsys, *argv: str) -> tuple[int, str]:
+    """Exit status and stderr of ``python -m cudarecv compare ARGV``, in this process (bad options start no rank)."""
+    try:
+        code = cli.main(["compare", *argv])
+    except SystemExit as exc:
+        code = exc.code
+    captured = capsys.readouterr()
+    assert captured.out == "", captured.out
+    return code, captured.err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--bucket-bytes", "abc"], "argument --bucket-bytes: not a size: 'abc'; write it like 1MiB, 256KiB or 4096"),
+    (["--bucket-bytes", "0"], "argument --bucket-bytes: a size must be positive, got '0'"),
+    (["--leaf-bytes", "8 KB s"], "argument --leaf-bytes: not a size: '8 KB s'; write it like 1MiB, 256KiB or 4096"),
+    (["--leaf-bytes", "1001"], "argument --leaf-bytes: must be a multiple of 4 bytes (float32 leaves), got 1001"),
+    (["--leaves", "0"], "argument --leaves: must be >= 1, got 0"),
+    (["--leaves", "many"], "argument --leaves: not an integer: 'many'"),
+    (["--consolidated-mib", "-1"], "argument --consolidated-mib: must be >= 0, got -1"),
+    (["--iters", "0"], "argument --iters: must be >= 1, got 0"),
+    (["--warmup", "-1"], "argument --warmup: must be >= 0, got -1"),
+    (["--rounds", "0"], "argument --rounds: must be >= 1, got 0"),
+    (["--quick", "--bogus"], "unrecognized arguments: --bogus"),
+])
+def test_compare_bad_option(capsys, argv, message) -> None:
+    code, err = _main(capsys, *argv)
+    assert code == 2, err
+    assert err.strip().splitlines()[-1] == f"cudarecv compare: error: {message}"
+    assert "Traceback" not in err
+
+
+def test_compare_bad_option_subprocess() -> None:
+    """The real command line: exit status 2, argparse's usage, then the one error line."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    proc = subprocess.run([sys.executable, "-m", "cudarecv", "compare", "--bucket-bytes", "abc"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    assert proc.stderr.startswith("usage: cudarecv compare")
+    assert proc.stderr.strip().splitlines()[-1].startswith("cudarecv compare: error: argument --bucket-bytes: ")
 
 
 @pytest.mark.parametrize("standalone", [False, True], ids=["default_group", "standalone_group"])

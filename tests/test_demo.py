@@ -1,4 +1,5 @@
-"""Smoke tests of ``python -m cudarecv demo --quick`` (cudarecv/_demo.py) in a subprocess."""
+"""``python -m cudarecv demo`` (cudarecv/tools/demo.py): ``--quick`` smoke tests in a subprocess, and its
+option errors."""
 
 from __future__ import annotations
 
@@ -7,6 +8,11 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+import torch
+
+from cudarecv.tools import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK_VERSIONS = 41  # --quick: 40 steps, one push each, after the initial weights
@@ -72,11 +78,48 @@ def test_demo_dead_actor_ends_the_run() -> None:
     proc = _demo("--quick", "--actors", "1", "--kill-actor", "1", "--timeout", "20", timeout=90)
     out = f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     assert proc.returncode == 1, out
-    assert "cudarecv demo: FAILED" in proc.stderr, out
+    assert "cudarecv demo: error: " in proc.stderr, out
     assert "actor rank 1" in proc.stderr or "rank(s) [1] died" in proc.stderr, out
     assert not _table(proc.stdout), out
 
 
 def test_demo_bad_option() -> None:
+    """The real command line: exit status 2 and the one error line, naming the flag."""
     proc = _demo("--actors", "0", timeout=60)
-    assert proc.returncode == 2 and "--actors must be >= 1" in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == "cudarecv demo: error: argument --actors: must be >= 1, got 0"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--bucket-bytes", "abc"], "argument --bucket-bytes: not a size: 'abc'; write it like 1MiB, 256KiB or 4096"),
+    (["--bucket-bytes", "1.5MiB"],
+     "argument --bucket-bytes: not a size: '1.5MiB'; write it like 1MiB, 256KiB or 4096"),
+    (["--steps", "0"], "argument --steps: must be >= 1, got 0"),
+    (["--hidden", "-3"], "argument --hidden: must be >= 1, got -3"),
+    (["--model-mib", "0"], "argument --model-mib: must be a number > 0, got '0'"),
+    (["--model-mib", "nan"], "argument --model-mib: must be a number > 0, got 'nan'"),
+    (["--timeout", "soon"], "argument --timeout: not a number: 'soon'"),
+    (["--seed", "x"], "argument --seed: invalid int value: 'x'"),
+    (["--device", "tpu"], "argument --device: invalid choice: 'tpu' (choose from "),  # quoting: Python's
+    (["--hidden", "8", "--model-mib", "1"], "argument --model-mib: not allowed with argument --hidden"),
+    (["--actors", "2", "--kill-actor", "3"], "argument --kill-actor: must be an actor's rank, 1..2 (--actors 2), got 3"),
+    (["--quick", "extra"], "unrecognized arguments: extra"),
+])
+def test_demo_bad_option_names_its_flag(capsys, argv, message) -> None:
+    """In this process: every bad option is refused before any rank starts."""
+    try:
+        code = cli.main(["demo", *argv])
+    except SystemExit as exc:
+        code = exc.code
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == "", captured
+    last = captured.err.strip().splitlines()[-1]
+    assert last == f"cudarecv demo: error: {message}" or message.endswith("(choose from ") and \
+        last.startswith(f"cudarecv demo: error: {message}"), captured.err
+
+
+@pytest.mark.skipif(torch.cuda.device_count() > 0, reason="a GPU is visible: --device cuda would run")
+def test_demo_cuda_without_gpu(capsys) -> None:
+    assert cli.main(["demo", "--device", "cuda"]) == 2
+    assert capsys.readouterr().err.strip() == \
+        "cudarecv demo: error: argument --device: cuda, but no CUDA device is visible: use --device cpu"

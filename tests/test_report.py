@@ -1,4 +1,4 @@
-"""Tests for ``python -m cudarecv report`` (cudarecv/_report.py)."""
+"""Tests for ``python -m cudarecv report`` (cudarecv/tools/report.py) and the benches' virtual clock."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -62,19 +63,37 @@ def _sample() -> dict:
     c1 = dict(case="2000 x 8KiB", bytes=KIB8_BYTES, leaves=2000)
     c2 = dict(case="consolidated 256MiB", bytes=MIB256_BYTES, leaves=1)
     return _doc([
-        _bench("test_stock_per_leaf", 0.010, impl="stock", mode="per-leaf", **c1),
-        _bench("test_cudarecv_per_leaf", 0.004, impl="cudarecv", mode="per-leaf", **c1),
-        _bench("test_raw_flat", 0.005, impl="raw", mode="flat recv", **c1),
+        _bench("test_stock_per_leaf", 0.010, impl="stock", mode="per-leaf", ok=True, **c1),
+        _bench("test_cudarecv_per_leaf", 0.004, impl="cudarecv", mode="per-leaf", ok=True, **c1),
+        _bench("test_raw_flat", 0.005, impl="raw", mode="flat recv", ok=True, **c1),
         _bench("test_raw_chunks", 0.001, impl="raw", mode="chunks 1MiB", **c1),
+        # the fastest cudarecv row of its case, but its checked transfer was wrong
         _bench("test_cudarecv_pseudo_rand", 0.0025, impl="cudarecv", mode="per-leaf pseudo_rand",
-               stock_mode="per-leaf", **c1),
+               stock_mode="per-leaf", ok=False, **c1),
         _bench("test_stock_consolidated", 0.2, impl="stock", mode="consolidated", **c2),
-        # timed in a child process: `seconds` (50 ms) wins over stats.median (100 ms)
+        # an older JSON's row: extra_info.seconds (50 ms) wins over its stats.median (100 ms)
         _bench("test_cudarecv_consolidated", 0.1, impl="cudarecv", mode="consolidated", seconds=0.05,
-               backend="gloo", **c2),
+               backend="gloo", ok=True, **c2),
         _bench("test_tags", 0.0000123, case="tags 100k", impl="cudarecv", mode="tags", bytes=0, leaves=0),
         _bench("test_plain", 0.0000005),
     ])
+
+
+def _sweep() -> dict:
+    """A size sweep (one family: three cases), a single-size case and a row without bytes."""
+    benches = []
+    for mib, stock, ours in ((1, 0.001, 0.002), (4, 0.003, 0.004), (16, 0.010, 0.008)):
+        common = dict(case=f"consolidated {mib}MiB", bytes=mib << 20, leaves=200, backend="gloo")
+        benches += [_bench(f"stock-{mib}", stock, impl="stock", mode="consolidated", ok=True, **common),
+                    _bench(f"raw-{mib}", stock * 0.9, impl="raw", mode="flat recv", ok=True, **common),
+                    _bench(f"ours-{mib}", ours, impl="cudarecv", mode="chunks 1MiB", stock_mode="consolidated",
+                           ok=mib != 4, **common)]
+    one = dict(case="2000 x 8KiB", bytes=KIB8_BYTES, leaves=2000, backend="gloo")
+    benches += [_bench("stock-leaf", 0.05, impl="stock", mode="per-leaf", **one),
+                _bench("ours-leaf", 0.04, impl="cudarecv", mode="per-leaf", **one),
+                _bench("ours-buckets", 0.015, impl="cudarecv", mode="buckets 1MiB", stock_mode="per-leaf", **one),
+                _bench("tags", 0.001, case="tags 100k", impl="cudarecv", mode="tags", bytes=0, leaves=0)]
+    return _doc(benches)
 
 
 @pytest.fixture
@@ -95,6 +114,13 @@ def _line(text: str, *needles: str) -> str:
     found = [ln for ln in text.splitlines() if all(n in ln for n in needles)]
     assert len(found) == 1, (needles, found, text)
     return found[0]
+
+
+def _summary(text: str) -> list[str]:
+    """The summary: the comment lines after the last table row."""
+    lines = text.splitlines()
+    last_row = max(i for i, ln in enumerate(lines) if ln.startswith("  "))
+    return [ln[2:] for ln in lines[last_row + 1:] if ln.startswith("# ")]
 
 
 def _row(text: str, impl: str, mode: str) -> list[str]:
@@ -153,8 +179,11 @@ def test_parse_rows_and_ratios():
     assert by["test_raw_flat"].vs_raw == pytest.approx(1.0)
     assert by["test_stock_per_leaf"].vs_stock == pytest.approx(1.0)
 
+    assert by["test_stock_per_leaf"].ok is True and by["test_cudarecv_pseudo_rand"].ok is False
+    assert by["test_raw_chunks"].ok is None and not by["test_raw_chunks"].legacy
+    assert by["test_cudarecv_per_leaf"].seconds == 0.004  # stats.median
     cons = by["test_cudarecv_consolidated"]
-    assert cons.seconds == 0.05 and cons.backend == "gloo"
+    assert cons.seconds == 0.05 and cons.legacy and cons.backend == "gloo"
     assert cons.vs_stock == pytest.approx(4.0)
     assert cons.vs_raw is None
 
@@ -164,14 +193,60 @@ def test_parse_rows_and_ratios():
     assert list(_report.group_cases(rows)) == ["2000 x 8KiB", "consolidated 256MiB", "tags 100k"]
 
 
-def test_series_only_transfer_rows():
+def test_panels_group_size_families():
+    rows = _report.parse_rows(_sweep())
+    panels = _report.panels(rows)
+    assert [(p.kind, len(p.rows)) for p in panels] == [("sizes", 9), ("modes", 3)]  # tags: no bytes, no panel
+    sizes, modes = panels
+    assert sizes.title == "consolidated N (200 leaves, gloo)\nN = 1MiB, 4MiB, 16MiB"
+    assert modes.title == "2000 x 8KiB\n(16.4 MB, 2000 leaves, gloo)"
+    # one case of one size is a "modes" panel, even when its name holds a size
+    sample = _report.panels(_report.parse_rows(_sample()))
+    assert [(p.kind, len(p.rows)) for p in sample] == [("modes", 5), ("modes", 2)]
+    assert not any(r.case == "tags 100k" for p in sample for r in p.rows)
+
+
+def test_plot_figure_panels_colours_legends():
+    pytest.importorskip("matplotlib")
+    rows = _report.parse_rows(_sweep())
+    fig = _report.plot_figure(_sweep(), rows)
+    assert len(fig.axes) == 2
+    sizes_ax, modes_ax = fig.axes
+    assert sizes_ax.get_title().startswith("consolidated N")
+    assert sizes_ax.get_xscale() == "log"
+    lines = {line.get_label(): line for line in sizes_ax.get_lines()}
+    assert set(lines) == {"stock consolidated", "raw flat recv", "cudarecv chunks 1MiB"}
+    for label, line in lines.items():
+        assert line.get_color() == _report.IMPL_COLORS[label.split()[0]]  # colour = impl
+        assert len(line.get_xdata()) == 3
+    assert len({line.get_marker() for line in lines.values()}) == 3  # marker = mode
+    legend = [t.get_text() for t in sizes_ax.get_legend().get_texts()]
+    assert set(legend) == set(lines) | {"WRONG values"}  # the 4MiB cudarecv row was checked WRONG
+    bars = modes_ax.patches
+    assert len(bars) == 3
+    assert [b.get_width() for b in bars] == pytest.approx([KIB8_BYTES / t / 1e9 for t in (0.05, 0.04, 0.015)])
+    from matplotlib.colors import to_hex
+    assert [to_hex(b.get_facecolor()) for b in bars] == \
+        [_report.IMPL_COLORS[i] for i in ("stock", "cudarecv", "cudarecv")]
+    assert [t.get_text() for t in modes_ax.get_legend().get_texts()] == ["stock", "cudarecv"]
+    assert [t.get_text() for t in modes_ax.get_yticklabels()] == \
+        ["stock per-leaf", "cudarecv per-leaf", "cudarecv buckets 1MiB"]
+    assert _report.plot_figure(_doc([_bench("x", 1.0)]), _report.parse_rows(_doc([_bench("x", 1.0)]))) is None
+
+
+def test_summary_checks_and_best_ratio():
     rows = _report.parse_rows(_sample())
-    s = _report.series(rows)
-    assert not any(k.startswith("cudarecv tags") for k in s)
-    assert s["cudarecv consolidated, 1 leaves (gloo)"] == [(MIB256_BYTES, pytest.approx(MIB256_BYTES / 0.05 / 1e9))]
-    assert set(s) == {"stock per-leaf, 2000 leaves", "cudarecv per-leaf, 2000 leaves", "raw flat recv, 2000 leaves",
-                      "raw chunks 1MiB, 2000 leaves", "cudarecv per-leaf pseudo_rand, 2000 leaves",
-                      "stock consolidated, 1 leaves", "cudarecv consolidated, 1 leaves (gloo)"}
+    _report.compute_ratios(rows)
+    lines = _report.summary(rows)
+    assert lines[0] == "rows: 8 in 3 case(s) (+1 other); checked: 4 ok, 1 WRONG, 3 not checked"
+    assert lines[1] == "WRONG values: 2000 x 8KiB: cudarecv per-leaf pseudo_rand"
+    assert lines[2].startswith("best cudarecv vs stock per case")
+    # pseudo_rand (4.00x) was WRONG: the best right row is per-leaf; tags have no stock row
+    assert lines[3:] == ["  2000 x 8KiB: 2.50x per-leaf (vs stock per-leaf)",
+                         "  consolidated 256MiB: 4.00x consolidated (vs stock consolidated)"]
+    none = _report.parse_rows(_doc([_bench("a", 1.0, case="c", impl="cudarecv", mode="m", bytes=1)]))
+    _report.compute_ratios(none)
+    assert _report.summary(none)[-1].startswith("best cudarecv vs stock: -")
 
 
 def test_format_markdown_structure():
@@ -179,11 +254,17 @@ def test_format_markdown_structure():
     _report.compute_ratios(rows)
     md = _report.format_markdown(_sample(), rows)
     table = [ln for ln in md.splitlines() if ln.startswith("|")]
-    assert table[0].startswith("| case | size (B) | size | leaves | impl | mode | backend | time | GB/s |")
+    assert table[0] == ("| case | size (B) | size | leaves | impl | mode | backend | time | GB/s | vs stock | vs raw "
+                        "| check |")
     assert set(table[1]) <= set("|-:")
     assert all(ln.count("|") == table[0].count("|") for ln in table[:10])
-    assert "| 2000 x 8KiB | 16384000 | 16.4 MB | 2000 | cudarecv | per-leaf | - | 4.00 ms | 4.10 | 2.50x | 1.25x |" in md
+    assert ("| 2000 x 8KiB | 16384000 | 16.4 MB | 2000 | cudarecv | per-leaf | - | 4.00 ms | 4.10 | 2.50x | 1.25x "
+            "| ok |") in md
+    assert "| per-leaf pseudo_rand | - | 2.50 ms | 6.55 | 4.00x | 2.00x | WRONG |" in md
     assert "| test_plain | 0.50 us |" in md
+    assert "rows: 8 in 3 case(s) (+1 other); checked: 4 ok, 1 WRONG, 3 not checked  \n" in md
+    assert "- 2000 x 8KiB: 2.50x per-leaf (vs stock per-leaf)\n" in md
+    assert _report.LEGACY_NOTE.format(n=1) in md
 
 
 @pytest.mark.parametrize("content, needle", [
@@ -192,6 +273,9 @@ def test_format_markdown_structure():
     ('{"machine_info": {}}', "no 'benchmarks' list"),
     ("[1, 2]", "no 'benchmarks' list"),
     ('{"benchmarks": [{"name": "x", "stats": {}}]}', "stats.median"),
+    ('{"benchmarks": [{"name": "x", "stats": {"median": 1}, "extra_info": {"ok": "yes"}}]}', "extra_info.ok"),
+    ('{"benchmarks": [{"name": "x", "stats": {"median": 1}, "extra_info": {"seconds": "1"}}]}',
+     "extra_info.seconds"),
 ])
 def test_load_errors(tmp_path: Path, content, needle):
     path = tmp_path / "b.json"
@@ -216,18 +300,21 @@ def test_cli_text_table_and_png(bench_json: Path):
     out = proc.stdout
     assert _line(out, "machine:").startswith("# machine: gpubox")
     assert "# " + _report.NOTE in out
+    assert "# " + _report.CHECK_NOTE in out
+    assert "# " + _report.LEGACY_NOTE.format(n=1) in out
 
-    # cells: size (B), size, leaves, impl, mode, backend, time, GB/s, vs stock, vs raw
+    # cells: size (B), size, leaves, impl, mode, backend, time, GB/s, vs stock, vs raw, check
     assert _row(out, "cudarecv", "per-leaf") == \
-        ["16384000", "16.4 MB", "2000", "cudarecv", "per-leaf", "-", "4.00 ms", "4.10", "2.50x", "1.25x"]
-    assert _row(out, "stock", "per-leaf")[-4:] == ["10.00 ms", "1.64", "1.00x", "0.50x"]
-    assert _row(out, "cudarecv", "per-leaf pseudo_rand")[-3:] == ["6.55", "4.00x", "2.00x"]
-    assert _row(out, "raw", "flat recv")[-3:] == ["3.28", "-", "1.00x"]
-    assert _row(out, "raw", "chunks 1MiB")[-3:] == ["16.38", "-", "5.00x"]
+        ["16384000", "16.4 MB", "2000", "cudarecv", "per-leaf", "-", "4.00 ms", "4.10", "2.50x", "1.25x", "ok"]
+    assert _row(out, "stock", "per-leaf")[-5:] == ["10.00 ms", "1.64", "1.00x", "0.50x", "ok"]
+    assert _row(out, "cudarecv", "per-leaf pseudo_rand")[-4:] == ["6.55", "4.00x", "2.00x", "WRONG"]
+    assert _row(out, "raw", "flat recv")[-4:] == ["3.28", "-", "1.00x", "ok"]
+    assert _row(out, "raw", "chunks 1MiB")[-4:] == ["16.38", "-", "5.00x", "-"]
     assert _row(out, "cudarecv", "consolidated") == \
-        ["268435456", "268.4 MB", "1", "cudarecv", "consolidated", "gloo", "50.00 ms", "5.37", "4.00x", "-"]
-    assert _row(out, "stock", "consolidated")[-4:] == ["200.00 ms", "1.34", "1.00x", "-"]
-    assert _row(out, "cudarecv", "tags") == ["0", "0 B", "0", "cudarecv", "tags", "-", "12.3 us", "-", "-", "-"]
+        ["268435456", "268.4 MB", "1", "cudarecv", "consolidated", "gloo", "50.00 ms", "5.37", "4.00x", "-", "ok"]
+    assert _row(out, "stock", "consolidated")[-5:] == ["200.00 ms", "1.34", "1.00x", "-", "-"]
+    assert _row(out, "cudarecv", "tags") == \
+        ["0", "0 B", "0", "cudarecv", "tags", "-", "12.3 us", "-", "-", "-", "-"]
     assert _line(out, "test_plain").split() == ["test_plain", "0.50", "us"]
 
     # cases appear in input order, and the fixed-width columns line up
@@ -238,6 +325,12 @@ def test_cli_text_table_and_png(bench_json: Path):
     col_end = header.index("GB/s") + len("GB/s")
     assert all(ln[col_end - 1] != " " and ln[col_end] == " " for ln in data_lines)
 
+    # the summary closes the text output, after the other benchmarks
+    rows = _report.parse_rows(_sample())
+    _report.compute_ratios(rows)
+    assert _summary(out) == _report.summary(rows)
+    assert out.rstrip().splitlines()[-1] == "#   consolidated 256MiB: 4.00x consolidated (vs stock consolidated)"
+
     png = bench_json.with_suffix(".png")
     assert png.stat().st_size > 1000
     assert png.read_bytes()[:8] == PNG_MAGIC
@@ -247,8 +340,8 @@ def test_cli_markdown_explicit_png(bench_json: Path, tmp_path: Path):
     out_png = tmp_path / "plot.png"
     proc = _cli(str(bench_json), "--markdown", "--png", str(out_png))
     assert proc.returncode == 0, proc.stderr
-    assert "| consolidated 256MiB | 268435456 | 268.4 MB | 1 | cudarecv | consolidated | gloo | 50.00 ms | 5.37 | 4.00x | - |" \
-        in proc.stdout
+    assert ("| consolidated 256MiB | 268435456 | 268.4 MB | 1 | cudarecv | consolidated | gloo | 50.00 ms | 5.37 "
+            "| 4.00x | - | ok |") in proc.stdout
     assert _report.NOTE in proc.stdout
     assert out_png.read_bytes()[:8] == PNG_MAGIC
     assert not bench_json.with_suffix(".png").exists()
@@ -270,7 +363,32 @@ def test_cli_bad_input_exit_2(tmp_path: Path, content):
     assert proc.returncode == 2
     assert proc.stdout == ""
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
-    assert "Traceback" not in proc.stderr and "bad.json" in proc.stderr
+    assert proc.stderr.startswith("cudarecv report: error: ") and "bad.json" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("argv, needle", [
+    ([], "the following arguments are required: BENCH.json"),
+    (["B.json", "--png", "x.png", "--no-png"], "argument --no-png: not allowed with argument --png"),
+    (["B.json", "--bogus"], "unrecognized arguments: --bogus"),
+])
+def test_cli_bad_options_exit_2(capsys, argv, needle):
+    from cudarecv.tools import cli
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["report", *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == f"cudarecv report: error: {needle}"
+
+
+def test_cli_plot_cannot_be_written_exit_1(bench_json: Path, tmp_path: Path, capsys):
+    pytest.importorskip("matplotlib")
+    target = tmp_path / "no such folder" / "plot.png"
+    assert _run_inprocess(str(bench_json), "--png", str(target)) == 1
+    captured = capsys.readouterr()
+    assert "# case: 2000 x 8KiB" in captured.out  # the table came out first
+    assert captured.err.strip() == f"cudarecv report: error: cannot write {target}: No such file or directory"
 
 
 def test_inprocess_run_no_transfer_rows(tmp_path: Path, capsys):
@@ -332,3 +450,64 @@ def test_real_pytest_benchmark_json(tmp_path: Path):
     text = _report.format_text(data, rows)
     assert "# case: tiny" in text and "test_bare" in text
     assert "pytest-benchmark" in _report.header_line(data)
+
+
+REPLAYED = [0.003, 0.001, 0.002, 0.0045, 0.0025]  # seconds "measured in the ranks"
+
+
+def test_virtual_clock_makes_pytest_benchmark_stats_the_measured_times(tmp_path: Path):
+    """The benches' design: replayed through the virtual clock, pytest-benchmark's own stats (its table,
+    its JSON) are exactly the times measured elsewhere, and the report reads the same median."""
+    pytest.importorskip("pytest_benchmark")
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    (tmp_path / "test_replay.py").write_text(
+        "import pytest\n"
+        "from cudarecv.tools import transfer_ranks as tb\n"
+        "CLOCK = tb.VirtualClock('receiver_clock')\n"
+        "@pytest.mark.benchmark(timer=CLOCK)\n"
+        "def test_replayed(benchmark):\n"
+        "    benchmark.extra_info.update(case='c', impl='cudarecv', mode='buckets 1MiB', bytes=4000000, leaves=2,\n"
+        "                                ok=True)\n"
+        f"    tb.replay(benchmark, CLOCK, {REPLAYED!r})\n"
+        "def test_unmarked_is_refused(benchmark):\n"
+        "    with pytest.raises(RuntimeError, match='mark it @pytest.mark.benchmark'):\n"
+        "        tb.replay(benchmark, CLOCK, [1.0])\n"
+        "    with pytest.raises(ValueError):\n"
+        "        tb.replay(benchmark, CLOCK, [])\n"
+    )
+    out = tmp_path / "replay.json"
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:cudarecv", "-W",
+         "ignore::pytest_benchmark.logger.PytestBenchmarkWarning", "--rootdir", str(tmp_path),
+         "--benchmark-json", str(out), "--benchmark-columns=min,median,mean,rounds", "test_replay.py"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out.read_text())
+    [bench] = data["benchmarks"]  # the refused replay recorded nothing
+    stats = bench["stats"]
+    assert stats["data"] == REPLAYED  # exactly, float for float
+    assert stats["rounds"] == len(REPLAYED) and stats["iterations"] == 1
+    assert stats["min"] == 0.001 and stats["max"] == 0.0045
+    assert stats["median"] == statistics.median(REPLAYED) == 0.0025
+    assert stats["mean"] == statistics.mean(REPLAYED)
+    assert bench["options"]["timer"] == "receiver_clock"
+    # pytest-benchmark's own table (ms): min 1.0000, median 2.5000, mean 2.6000, 5 rounds
+    [line] = [ln for ln in proc.stdout.splitlines() if ln.startswith("test_replayed")]
+    assert line.split()[1:] == ["1.0000", "2.5000", "2.6000", "5"], line
+    _, rows = _report.load_rows(out)
+    assert rows[0].seconds == 0.0025 and not rows[0].legacy and rows[0].ok is True
+
+
+def test_virtual_clock_moves_only_when_told():
+    from cudarecv.tools import transfer_ranks as tb
+
+    clock = tb.VirtualClock("c")
+    assert clock() == 0.0 and clock() == 0.0
+    clock.advance(0.25)
+    assert clock() == 0.25
+    clock.restart()
+    assert clock() == 0.0
+    assert clock.__name__ == "c" and repr(clock) == "VirtualClock('c')"

@@ -24,10 +24,12 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
+from cudarecv import Error
+
 HOST = "127.0.0.1"
 
 
-class RankError(RuntimeError):
+class RankError(Error, RuntimeError):
     """A rank raised, died or did not finish in time."""
 
 

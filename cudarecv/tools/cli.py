@@ -2,25 +2,99 @@
 
 Each subcommand lives in its own module of :mod:`cudarecv.tools`, which exposes
 ``register(subparsers)`` adding its parser with ``set_defaults(func=...)``;
-``func(args)`` returns the process exit status. Errors print as ``cudarecv <subcommand>: error: ...``
-(argparse's form) and exit 2 for bad options, 1 for a failed run.
+``func(args)`` returns the process exit status.
+
+Errors: everything the command line reports as an error is one line on stderr,
+``cudarecv <subcommand>: error: <what>`` (argparse's form; for a bad option
+argparse prints its usage line first). A bad option exits 2 and its error names
+the flag and the value: option values are parsed by the ``type=`` functions
+here (argparse then writes ``argument --bucket-bytes: not a size: 'abc' ...``),
+and a check that needs more than one option raises :class:`OptionError`, which
+names its flag the same way. A failed run exits 1, an interrupted one 130.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import math
+import sys
+from typing import Callable
 
+from cudarecv import ArgumentError
+
+PROG = "cudarecv"
 SUBCOMMANDS = ("compare", "demo", "report")
+
+
+class OptionError(ArgumentError):
+    """A bad option found after parsing; ``str()`` names the flag as argparse does."""
+
+    def __init__(self, message: str, flag: str | None = None) -> None:
+        super().__init__(f"argument {flag}: {message}" if flag else message)
+        self.flag = flag
+
+
+def error(command: str, message: str) -> None:
+    """Print ``cudarecv <command>: error: <message>`` on stderr (the one error form of the tools)."""
+    print(f"{PROG} {command}: error: {message}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- option types (argparse names the flag)
+
+
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse ``type``: an integer >= ``minimum``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
+
+
+def positive_float(text: str) -> float:
+    """An argparse ``type``: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
+    return value
+
+
+def size(text: str) -> int:
+    """An argparse ``type``: a positive byte count, ``1MiB``, ``256KiB``, ``4096``, ``1MB``..."""
+    from .transfer_ranks import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def size_or_zero(text: str) -> int:
+    """:func:`size`, or 0."""
+    return 0 if str(text).strip() == "0" else size(text)
+
+
+# --------------------------------------------------------------------------- entry point
 
 
 def main(argv: list[str] | None = None) -> int:
     from cudarecv import __version__
 
-    parser = argparse.ArgumentParser(prog="cudarecv", description=__doc__.splitlines()[0])
-    parser.add_argument("--version", action="version", version=f"cudarecv {__version__}")
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True)
-    for name in SUBCOMMANDS:
-        importlib.import_module(f"cudarecv.tools.{name}").register(subparsers)
-    args = parser.parse_args(argv)
+    commands = {name: importlib.import_module(f"cudarecv.tools.{name}").register(subparsers) for name in SUBCOMMANDS}
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # argparse would report them as the top-level parser's: say which subcommand refused them
+        commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     return int(args.func(args) or 0)

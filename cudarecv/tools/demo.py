@@ -37,7 +37,9 @@ random play scores 1/arms), and checks that every actor ended with exactly the
 trainer's final weights.
 
 Exit status: 0 on success; 1 if a rank failed, a checksum failed or an actor's
-final weights differ from the trainer's; 2 on bad arguments.
+final weights differ from the trainer's; 2 on bad arguments. Errors print as
+``cudarecv demo: error: ...`` (see :mod:`cudarecv.tools.cli`); a bad option's
+names its flag.
 """
 
 from __future__ import annotations
@@ -61,8 +63,9 @@ import cudarecv
 
 from ..testing.launch import Cluster, RankError
 from . import report, table
+from .cli import OptionError, error, int_at_least, positive_float, size_or_zero
 from .console import available_memory, progress, tail, versions
-from .transfer_ranks import format_size, parse_size
+from .transfer_ranks import format_size
 
 DEFAULTS = dict(actors=2, steps=200, model_mib=4.0, bucket_bytes="1MiB", timeout=60.0, seed=0)
 QUICK = dict(steps=40, hidden=64)
@@ -510,20 +513,21 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         description=__doc__.splitlines()[0],
     )
     d, q = DEFAULTS, QUICK
-    p.add_argument("--actors", type=int, metavar="N", default=d["actors"],
+    p.add_argument("--actors", type=int_at_least(1), metavar="N", default=d["actors"],
                    help=f"actor processes (default {d['actors']})")
-    p.add_argument("--steps", type=int, metavar="N",
+    p.add_argument("--steps", type=int_at_least(1), metavar="N",
                    help=f"training steps, one push each (default {d['steps']}; --quick {q['steps']})")
     size = p.add_mutually_exclusive_group()
-    size.add_argument("--hidden", type=int, metavar="N", help=f"hidden width of the policy MLP (--quick {q['hidden']})")
-    size.add_argument("--model-mib", type=float, metavar="X",
+    size.add_argument("--hidden", type=int_at_least(1), metavar="N",
+                      help=f"hidden width of the policy MLP (--quick {q['hidden']})")
+    size.add_argument("--model-mib", type=positive_float, metavar="X",
                       help=f"policy size: about X MiB of float32 parameters (default {d['model_mib']:g})")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where the weights live (cuda: NCCL if every rank gets its own GPU, else gloo)")
-    p.add_argument("--bucket-bytes", metavar="SIZE", default=d["bucket_bytes"],
+    p.add_argument("--bucket-bytes", type=size_or_zero, metavar="SIZE", default=d["bucket_bytes"],
                    help=f"bytes per message, e.g. 1MiB; 0 = one message (default {d['bucket_bytes']})")
     p.add_argument("--verify", action="store_true", help="send and check a checksum with every push")
-    p.add_argument("--timeout", type=float, metavar="S", default=d["timeout"],
+    p.add_argument("--timeout", type=positive_float, metavar="S", default=d["timeout"],
                    help=f"seconds any wait may take before the demo gives up (default {d['timeout']:g})")
     p.add_argument("--seed", type=int, default=d["seed"], help=f"seed of the task and the policy (default {d['seed']})")
     p.add_argument("--quick", action="store_true", help="tiny and fast (a few seconds), for a smoke test")
@@ -534,32 +538,23 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def make_config(args: argparse.Namespace) -> Config:
-    """Check the options; raises ValueError naming the bad one."""
-    if args.actors < 1:
-        raise ValueError(f"--actors must be >= 1, got {args.actors}")
+    """Check the options across each other (argparse checked each alone); raises OptionError naming the flag."""
     steps = args.steps if args.steps is not None else (QUICK if args.quick else DEFAULTS)["steps"]
-    if steps < 1:
-        raise ValueError(f"--steps must be >= 1, got {steps}")
     if args.hidden is not None:
         hidden = args.hidden
     elif args.model_mib is not None:
-        if not args.model_mib > 0:
-            raise ValueError(f"--model-mib must be > 0, got {args.model_mib}")
         hidden = hidden_for(args.model_mib)
     else:
         hidden = QUICK["hidden"] if args.quick else hidden_for(DEFAULTS["model_mib"])
-    if hidden < 1:
-        raise ValueError(f"--hidden must be >= 1, got {hidden}")
-    if not args.timeout > 0:
-        raise ValueError(f"--timeout must be > 0 seconds, got {args.timeout}")
-    bucket = None if str(args.bucket_bytes).strip() == "0" else parse_size(args.bucket_bytes)
+    bucket = args.bucket_bytes or None  # 0: one message
     if args.kill_actor is not None and not 1 <= args.kill_actor <= args.actors:
-        raise ValueError(f"--kill-actor must be an actor's rank, 1..{args.actors}, got {args.kill_actor}")
+        raise OptionError(f"must be an actor's rank, 1..{args.actors} (--actors {args.actors}), "
+                          f"got {args.kill_actor}", "--kill-actor")
     backend = "gloo"
     if args.device == "cuda":
         gpus = torch.cuda.device_count()
         if gpus == 0:
-            raise ValueError("--device cuda, but no CUDA device is visible: use --device cpu")
+            raise OptionError("cuda, but no CUDA device is visible: use --device cpu", "--device")
         backend = "nccl" if gpus >= args.actors + 1 else "gloo"
     threads = max(1, (os.cpu_count() or 1) // (args.actors + 1))
     cfg = Config(actors=args.actors, steps=steps, hidden=hidden, device=args.device, backend=backend,
@@ -577,7 +572,7 @@ def _check_memory(cfg: Config) -> None:
     need = cfg.world * PROCESS_BYTES + (model * (5 + 2 * cfg.actors) if on_host else 4 * model)
     available = available_memory()
     if available is not None and need > 0.8 * available:
-        raise ValueError(
+        raise OptionError(
             f"a {model / 1e9:.2f} GB policy with {cfg.actors} actor(s) needs about {need / 1e9:.1f} GB of memory, "
             f"but {available / 1e9:.1f} GB is available: lower --model-mib / --hidden or --actors"
         )
@@ -594,8 +589,8 @@ def run(args: argparse.Namespace) -> int:
     """Start the ranks, train and sync, print the table; 0 if every check passed."""
     try:
         cfg = make_config(args)
-    except ValueError as exc:
-        print(f"cudarecv demo: error: {exc}", file=sys.stderr)
+    except OptionError as exc:
+        error("demo", str(exc))
         return 2
     model = param_count(cfg.hidden) * 4
     progress(f"cudarecv demo: starting a trainer and {cfg.actors} actor(s) ({cfg.backend}, weights on "
@@ -606,10 +601,10 @@ def run(args: argparse.Namespace) -> int:
                      start_timeout=max(120.0, cfg.timeout)) as cluster:
             results = cluster.run(demo_rank, args=(cfg,), timeout=_run_timeout(cfg))
     except RankError as exc:
-        print(f"cudarecv demo: FAILED: {_explain(exc)}", file=sys.stderr)
+        error("demo", _explain(exc))
         return 1
     except KeyboardInterrupt:
-        print("cudarecv demo: interrupted", file=sys.stderr)
+        error("demo", "interrupted")
         return 130
     trainer, actors = results[0], results[1:]
     cells = [actor_cells(a, trainer, cfg.verify) for a in actors]

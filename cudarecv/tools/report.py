@@ -5,13 +5,29 @@ Usage::
     pytest bench/ --benchmark-json BENCH.json
     python -m cudarecv report BENCH.json [--markdown] [--png OUT.png | --no-png]
 
-Each of our benchmarks carries ``extra_info`` with ``case``, ``impl`` ("cudarecv",
-"stock" or "raw"), ``mode``, ``bytes`` and ``leaves``, and optionally
-``stock_mode``, ``seconds`` (reported instead of the median) and ``backend``.
-Rows are grouped by case (input order); ``vs stock`` / ``vs raw`` are the
-reference time divided by this row's time, so > 1 means this row is faster.
+A row's time is its benchmark's ``stats.median``: the benches in ``bench/`` feed
+pytest-benchmark the receiver's own per-iteration times through a virtual clock,
+so the median pytest-benchmark prints is the one reported here. Each of our
+benchmarks carries ``extra_info`` with ``case``, ``impl`` ("cudarecv", "stock" or
+"raw"), ``mode``, ``bytes`` and ``leaves``, and optionally ``stock_mode``,
+``backend`` and ``ok`` (the values of a checked transfer were right: the
+``check`` column). Rows are grouped by case (input order); ``vs stock`` / ``vs
+raw`` are the reference time divided by this row's time, so > 1 means this row
+is faster. The text table ends with a summary: the rows, how many were checked
+and wrong, and per case the best cudarecv ratio vs stock among its right rows.
 
-This module imports no other cudarecv module, and matplotlib only when plotting.
+Older JSON files (before the virtual clock, e.g. ``docs/bench-cpu-gloo.json``)
+timed something else in ``stats`` and carry the receiver's median in
+``extra_info.seconds``: where a row has it, it is reported instead, and a note
+says how many rows did.
+
+The plot has one panel per family of cases that differ only in a size in their
+name (``consolidated 1MiB`` .. ``256MiB``: GB/s vs payload size, one line per
+impl and mode) and one panel per other case (one bar per impl and mode); colour
+is the impl, marker and line style the mode, and each panel has its legend.
+
+This module imports no other cudarecv module but the error family and the tools' table and CLI helpers, and
+matplotlib only when plotting.
 """
 
 from __future__ import annotations
@@ -19,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 import textwrap
 from dataclasses import dataclass
@@ -26,20 +43,27 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Sequence
 
-from . import table
+from cudarecv import ArgumentError
 
-NOTE = "time = extra_info seconds if given (timed inside the ranks), else median of rounds; GB/s = bytes / time / 1e9"
+from . import table
+from .cli import error
+
+NOTE = ("time = median of the bench's rounds (stats.median; bench/'s rounds are the receiver's own timed "
+        "transfers); GB/s = bytes / time / 1e9")
 RATIO_NOTE = "vs stock / vs raw = their time / this time (> 1: this row is faster)"
+CHECK_NOTE = "check = the checked transfer's values: ok, WRONG, or - (not checked)"
+LEGACY_NOTE = ("{n} row(s) from an older bench JSON: time = their extra_info.seconds (the receiver's median; "
+               "their stats timed something else)")
 MATPLOTLIB_HINT = "pip install matplotlib or cudarecv[test]"
 
 
-class ReportError(Exception):
+class ReportError(ArgumentError):
     """Bad input: reported as one line on stderr, exit status 2."""
 
 
 @dataclass
 class Row:
-    """One benchmark, with the time to report (``seconds`` override or median)."""
+    """One benchmark, with the time to report (``stats.median``, or a legacy ``extra_info.seconds``)."""
 
     name: str
     seconds: float
@@ -50,6 +74,8 @@ class Row:
     leaves: int | None = None
     stock_mode: str | None = None
     backend: str | None = None
+    ok: bool | None = None  # extra_info ok: the checked transfer's values were right (None: not checked)
+    legacy: bool = False  # seconds came from an older JSON's extra_info.seconds
     vs_stock: float | None = None
     vs_raw: float | None = None
 
@@ -109,13 +135,17 @@ def parse_rows(data: dict[str, Any]) -> list[Row]:
         extra = bench.get("extra_info") or {}
         if not isinstance(extra, dict):
             extra = {}
-        if extra.get("seconds") is not None:
+        legacy = extra.get("seconds") is not None  # written before the benches timed through a virtual clock
+        if legacy:
             seconds = _number(extra["seconds"], "extra_info.seconds", name)
         else:
             stats = bench.get("stats")
             median = stats.get("median") if isinstance(stats, dict) else None
             seconds = _number(median, "stats.median", name)
         leaves = extra.get("leaves")
+        ok = extra.get("ok")
+        if ok is not None and not isinstance(ok, bool):
+            raise ReportError(f"benchmark {name!r}: extra_info.ok is not true or false: {ok!r}")
         rows.append(
             Row(
                 name=name,
@@ -127,6 +157,8 @@ def parse_rows(data: dict[str, Any]) -> list[Row]:
                 leaves=None if leaves is None else int(_number(leaves, "extra_info.leaves", name)),
                 stock_mode=_opt_str(extra.get("stock_mode")),
                 backend=_opt_str(extra.get("backend")),
+                ok=ok,
+                legacy=legacy,
             )
         )
     return rows
@@ -249,8 +281,13 @@ def header_line(data: dict[str, Any]) -> str:
     return "machine: " + (" | ".join(parts) if parts else "unknown")
 
 
-COLUMNS = ("size (B)", "size", "leaves", "impl", "mode", "backend", "time", "GB/s", "vs stock", "vs raw")
-LEFT = {"impl", "mode", "backend", "case"}
+COLUMNS = ("size (B)", "size", "leaves", "impl", "mode", "backend", "time", "GB/s", "vs stock", "vs raw", "check")
+LEFT = {"impl", "mode", "backend", "case", "check"}
+
+
+def format_check(ok: bool | None) -> str:
+    """The check cell: 'ok', 'WRONG' (the checked transfer delivered wrong values) or '-' (not checked)."""
+    return "-" if ok is None else "ok" if ok else "WRONG"
 
 
 def row_cells(row: Row) -> dict[str, str]:
@@ -267,6 +304,7 @@ def row_cells(row: Row) -> dict[str, str]:
         "GB/s": format_gbps(row),
         "vs stock": format_ratio(row.vs_stock),
         "vs raw": format_ratio(row.vs_raw),
+        "check": format_check(row.ok),
     }
 
 
@@ -277,12 +315,51 @@ def _columns(rows: Sequence[Row]) -> list[str]:
     return cols
 
 
-def format_text(data: dict[str, Any], rows: Sequence[Row]) -> str:
-    """Fixed-width table, one section per case, comment lines prefixed with '#'."""
+def notes(data: dict[str, Any], rows: Sequence[Row]) -> list[str]:
+    """The lines above the table: machine, how times, ratios and checks read, and any legacy rows."""
+    out = [header_line(data), NOTE, RATIO_NOTE, CHECK_NOTE]
+    legacy = sum(r.legacy for r in rows)
+    if legacy:
+        out.append(LEGACY_NOTE.format(n=legacy))
+    return out
+
+
+def best_vs_stock(rows: Sequence[Row]) -> dict[str, Row]:
+    """Per case, its cudarecv row with the highest ``vs stock`` among the rows not checked WRONG."""
+    out = {}
+    for case, group in group_cases(rows).items():
+        candidates = [r for r in group if r.impl == "cudarecv" and r.vs_stock is not None and r.ok is not False]
+        if candidates:
+            out[case] = max(candidates, key=lambda r: r.vs_stock)  # type: ignore[arg-type, return-value]
+    return out
+
+
+def summary(rows: Sequence[Row]) -> list[str]:
+    """The closing lines: rows and checks, the wrong rows by name, the best cudarecv ratio vs stock per case."""
+    categorized = [r for r in rows if r.categorized]
     cases = group_cases(rows)
-    notes = [header_line(data), NOTE, RATIO_NOTE]
+    other = len(rows) - len(categorized)
+    wrong = [r for r in categorized if r.ok is False]
+    ok = sum(r.ok is True for r in categorized)
+    lines = [f"rows: {len(categorized)} in {len(cases)} case(s)" + (f" (+{other} other)" if other else "")
+             + f"; checked: {ok} ok, {len(wrong)} WRONG, {len(categorized) - ok - len(wrong)} not checked"]
+    if wrong:
+        lines.append("WRONG values: " + "; ".join(f"{r.case}: {r.impl} {r.mode}" for r in wrong))
+    best = best_vs_stock(rows)
+    if best:
+        lines.append("best cudarecv vs stock per case (stock's time / cudarecv's; WRONG rows excluded):")
+        lines += [f"  {case}: {format_ratio(r.vs_stock)} {r.mode} (vs stock {r.stock_mode or r.mode})"
+                  for case, r in best.items()]
+    else:
+        lines.append("best cudarecv vs stock: - (no case has a cudarecv row with a stock reference)")
+    return lines
+
+
+def format_text(data: dict[str, Any], rows: Sequence[Row]) -> str:
+    """Fixed-width table, one section per case, comment lines prefixed with '#', then the summary."""
+    cases = group_cases(rows)
     out = table.text(_columns(rows), {case: [row_cells(r) for r in group] for case, group in cases.items()},
-                     left=LEFT, notes=notes)
+                     left=LEFT, notes=notes(data, rows))
     if not cases:
         out += "# (no benchmarks with extra_info case/impl)\n"
     other = [r for r in rows if not r.categorized]
@@ -290,70 +367,177 @@ def format_text(data: dict[str, Any], rows: Sequence[Row]) -> str:
         out += "#\n" + table.text(["name", "median"], {None: [{"name": r.name, "median": format_time(r.seconds)}
                                                             for r in other]},
                                    left={"name"}, notes=["other benchmarks (no case/impl extra_info)"])
-    return out
+    return out + "#\n" + "".join(f"# {line}\n" for line in summary(rows))
 
 
 def format_markdown(data: dict[str, Any], rows: Sequence[Row]) -> str:
-    """GitHub markdown: a note paragraph, then one table with a case column."""
+    """GitHub markdown: a note paragraph, one table with a case column, the summary."""
     cols = ["case"] + _columns(rows)
     body = [row_cells(r) for g in group_cases(rows).values() for r in g]
-    out = f"{header_line(data)}  \n{NOTE}; {RATIO_NOTE}\n\n" + table.markdown(cols, body, left=LEFT)
+    head = notes(data, rows)
+    out = f"{head[0]}  \n" + "; ".join(head[1:]) + "\n\n" + table.markdown(cols, body, left=LEFT)
     other = [r for r in rows if not r.categorized]
     if other:
         out += "\nOther benchmarks:\n\n" + table.markdown(
             ["name", "median"], [{"name": r.name, "median": format_time(r.seconds)} for r in other], left={"name"})
+    lines = summary(rows)
+    out += "\n" + "  \n".join(line for line in lines if not line.startswith("  ")) + "\n"
+    per_case = [line.strip() for line in lines if line.startswith("  ")]
+    if per_case:
+        out += "\n" + "".join(f"- {line}\n" for line in per_case)
     return out
 
 
 # --------------------------------------------------------------------------- plot
 
+IMPL_COLORS = {"stock": "#1f77b4", "cudarecv": "#ff7f0e", "raw": "#7f7f7f"}
+OTHER_COLORS = ("#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf")
+MARKERS = "os^vD<>pP*hX"
+LINESTYLES = ("-", "--", "-.", ":")
+# a size in a case's name: "256MiB", "1GB", "8KiB" (not "2000" or "100k")
+SIZE_IN_NAME = re.compile(r"(?<![\w.])\d+(?:\.\d+)?\s?(?:[KMGTP]i?B|kB|B)(?!\w)")
 
-def series(rows: Sequence[Row]) -> dict[str, list[tuple[int, float]]]:
-    """(bytes, GB/s) points per 'impl mode, N leaves [backend]' label, sorted by size; bytes > 0 only."""
-    out: dict[str, list[tuple[int, float]]] = {}
+
+@dataclass
+class Panel:
+    """One subplot: ``kind`` "sizes" (GB/s vs payload size, a line per impl and mode, the cases of
+    one family) or "modes" (one case of one size, a bar per row)."""
+
+    title: str
+    kind: str
+    rows: list[Row]
+
+
+def impl_color(impl: str | None, others: list[str]) -> str:
+    """stock, cudarecv and raw keep their colours in every panel; other impls take the next free one."""
+    if impl in IMPL_COLORS:
+        return IMPL_COLORS[impl]
+    if impl not in others:
+        others.append(impl)  # type: ignore[arg-type]
+    return OTHER_COLORS[others.index(impl) % len(OTHER_COLORS)]  # type: ignore[arg-type]
+
+
+def panels(rows: Sequence[Row]) -> list[Panel]:
+    """The plot's panels, in input order, from the categorized rows that move bytes.
+
+    Cases whose names differ only in a size (``consolidated 1MiB``, ``consolidated 4MiB``...)
+    form a family; a family of two sizes or more is one "sizes" panel, every other case
+    one "modes" panel.
+    """
+    families: dict[str, list[Row]] = {}
     for r in rows:
-        g = r.gbps
-        if not r.categorized or g is None:
-            continue
-        label = f"{r.impl} {r.mode}, {r.leaves} leaves" + (f" ({r.backend})" if r.backend else "")
-        out.setdefault(label, []).append((r.nbytes, g))
-    return {k: sorted(v) for k, v in out.items()}
+        if r.categorized and r.gbps is not None:
+            families.setdefault(SIZE_IN_NAME.sub("{size}", r.case), []).append(r)  # type: ignore[arg-type]
+    out = []
+    for template, family in families.items():
+        cases = group_cases(family)
+        if len({r.nbytes for r in family}) > 1:
+            names = sorted(cases, key=lambda c: cases[c][0].nbytes)
+            tokens = [m.group(0) for m in (SIZE_IN_NAME.search(c) for c in names) if m]
+            title = f"{template.replace('{size}', 'N')} ({_where(family)})\nN = {', '.join(tokens)}"
+            out.append(Panel(title, "sizes", family))
+        else:
+            for case, group in cases.items():
+                out.append(Panel(f"{case}\n({human_bytes(group[0].nbytes)}, {_where(group)})", "modes", group))
+    return out
+
+
+def _where(rows: Sequence[Row]) -> str:
+    """'200 leaves, gloo': the leaves and backends of a panel's rows."""
+    leaves = sorted({r.leaves for r in rows if r.leaves is not None})
+    parts = [f"{leaves[0]} leaves" if len(leaves) == 1 else f"{leaves[0]}-{leaves[-1]} leaves"] if leaves else []
+    return ", ".join(parts + [b for b in dict.fromkeys(r.backend for r in rows) if b])
+
+
+def _size_panel(ax: Any, panel: Panel, others: list[str]) -> None:
+    lines: dict[tuple[str | None, str | None], list[Row]] = {}
+    for r in panel.rows:
+        lines.setdefault((r.impl, r.mode), []).append(r)
+    modes = list(dict.fromkeys(r.mode for r in panel.rows))
+    wrong_label = "WRONG values"
+    for (impl, mode), points in lines.items():
+        points = sorted(points, key=lambda r: r.nbytes)
+        i = modes.index(mode)
+        ax.plot([r.nbytes for r in points], [r.gbps for r in points], color=impl_color(impl, others),
+                marker=MARKERS[i % len(MARKERS)], linestyle=LINESTYLES[i % len(LINESTYLES)], label=f"{impl} {mode}")
+        bad = [r for r in points if r.ok is False]
+        if bad:
+            ax.scatter([r.nbytes for r in bad], [r.gbps for r in bad], marker="x", s=90, color="red", zorder=5,
+                       label=wrong_label)
+            wrong_label = "_nolegend_"
+    sizes = sorted({r.nbytes for r in panel.rows})
+    ax.set_xscale("log")
+    ax.set_xticks(sizes, [human_bytes(n) for n in sizes])
+    ax.minorticks_off()
+    values = [r.gbps for r in panel.rows]
+    if min(values) > 0 and max(values) / min(values) > 100:  # type: ignore[operator]
+        ax.set_yscale("log")
+    else:
+        ax.set_ylim(bottom=0)  # a linear axis from 0: heights compare as ratios
+    ax.set_xlabel("payload per transfer (1 MB = 1e6 bytes)")
+    ax.set_ylabel("GB/s")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+
+
+def _mode_panel(ax: Any, panel: Panel, others: list[str]) -> None:
+    from matplotlib.patches import Patch
+
+    rows = panel.rows
+    ys = list(range(len(rows)))[::-1]  # input order, top to bottom
+    values = [r.gbps for r in rows]
+    ax.barh(ys, values, color=[impl_color(r.impl, others) for r in rows], height=0.7)
+    ax.set_yticks(ys, [f"{r.impl} {r.mode}" for r in rows], fontsize=7)
+    top = max(values)  # type: ignore[type-var]
+    for y, r in zip(ys, rows):
+        wrong = r.ok is False
+        ax.text(r.gbps + top * 0.01, y, f"{r.gbps:.2f}" + ("  WRONG" if wrong else ""), va="center", fontsize=7,
+                color="red" if wrong else "black")
+    ax.set_xlim(0, top * 1.2)
+    ax.set_ylim(-0.6, len(rows) - 0.4)
+    ax.set_xlabel("GB/s")
+    ax.grid(True, axis="x", alpha=0.3)
+    impls = list(dict.fromkeys(r.impl for r in rows))
+    ax.legend(handles=[Patch(color=impl_color(i, others), label=i) for i in impls], fontsize=7, loc="upper left",
+              bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+
+
+def plot_figure(data: dict[str, Any], rows: Sequence[Row]) -> Any:
+    """The plot as a matplotlib Figure (Agg canvas), one axes per :func:`panels` entry; None if no row
+    moves bytes. Raises ImportError when matplotlib is missing."""
+    todo = panels(rows)
+    if not todo:
+        return None
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    ncols = 1 if len(todo) == 1 else 2
+    nrows = math.ceil(len(todo) / ncols)
+    heights = [max(3.4 if p.kind == "sizes" else 1.4 + 0.28 * len(p.rows) for p in todo[i * ncols:(i + 1) * ncols])
+               for i in range(nrows)]
+    fig = Figure(figsize=(8.5 * ncols, sum(heights) + 1.0), layout="constrained")
+    FigureCanvasAgg(fig)
+    grid = fig.add_gridspec(nrows, ncols, height_ratios=heights)
+    others: list[str] = []
+    for i, panel in enumerate(todo):
+        ax = fig.add_subplot(grid[i // ncols, i % ncols])
+        (_size_panel if panel.kind == "sizes" else _mode_panel)(ax, panel, others)
+        ax.set_title(panel.title, fontsize=9)
+    subtitle = "\n".join(textwrap.wrap(header_line(data), 150))
+    fig.suptitle(f"cudarecv benchmarks: GB/s = bytes / time / 1e9, time = median of the bench's rounds "
+                 f"(colour: impl; marker and line style: mode)\n{subtitle}", fontsize=9)
+    return fig
 
 
 def plot_png(data: dict[str, Any], rows: Sequence[Row], out: Path) -> bool:
-    """Write GB/s vs payload size (log x; log y too when values span > 100x).
+    """Write :func:`plot_figure` to ``out``; False (writing nothing) when no row moves bytes.
 
-    Returns False (writing nothing) when no row moves bytes. Raises ImportError
-    when matplotlib is missing.
+    Raises ImportError when matplotlib is missing.
     """
-    lines = series(rows)
-    if not lines:
+    fig = plot_figure(data, rows)
+    if fig is None:
         return False
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
-
-    fig = Figure(figsize=(9, 5.5), layout="constrained")
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    markers = "os^vD<>pP*hX"
-    for i, (label, points) in enumerate(lines.items()):
-        xs, ys = zip(*points)
-        ax.plot(xs, ys, marker=markers[i % len(markers)], label=label)
-    ax.set_xscale("log")
-    values = [y for pts in lines.values() for _, y in pts]
-    if min(values) > 0 and max(values) / min(values) > 100:
-        ax.set_yscale("log")
-    ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _pos: human_bytes(int(round(x)))))
-    ax.xaxis.set_minor_formatter(NullFormatter())
-    ax.set_xlabel("payload size per round (1 MB = 1e6 bytes)")
-    ax.set_ylabel("GB/s (bytes / time / 1e9)")
-    subtitle = "\n".join(textwrap.wrap(header_line(data), 110))
-    ax.set_title(f"cudarecv benchmarks: bandwidth vs payload size\n{subtitle}", fontsize=9)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.savefig(out, format="png", dpi=120)
+    fig.savefig(out, format="png", dpi=110)
     return True
 
 
@@ -381,7 +565,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         data, rows = load_rows(args.bench_json)
     except ReportError as exc:
-        print(f"cudarecv report: error: {exc}", file=sys.stderr)
+        error("report", str(exc))
         return 2
     sys.stdout.write(format_markdown(data, rows) if args.markdown else format_text(data, rows))
     sys.stdout.flush()
@@ -391,11 +575,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         wrote = plot_png(data, rows, out)
     except ImportError:
-        print(f"cudarecv report: error: matplotlib is needed for the plot: {MATPLOTLIB_HINT} "
-              "(or pass --no-png)", file=sys.stderr)
+        error("report", f"matplotlib is needed for the plot: {MATPLOTLIB_HINT} (or pass --no-png)")
         return 1
     except OSError as exc:
-        print(f"cudarecv report: error: cannot write {out}: {exc.strerror or exc}", file=sys.stderr)
+        error("report", f"cannot write {out}: {exc.strerror or exc}")
         return 1
     if wrote:
         print(f"plot written to {out}", file=sys.stderr)

@@ -2,7 +2,8 @@
 
 Shared by ``bench/bench_transfers.py`` and ``python -m cudarecv compare``. The
 ranks time themselves: the parent's round trip through the cluster's queues is
-far noisier than the transfers.
+far noisier than the transfers. :class:`VirtualClock` and :func:`replay` hand
+those times to pytest-benchmark, so that its stats are the receiver's.
 
 Rank 0 sends, rank 1 receives. Both build the same tensordict
 deterministically (float32 leaves ``k0000``, ``k0001``, ..., one in ten of them
@@ -45,6 +46,7 @@ every mode of that workload uses. The modes, by ``impl``:
 from __future__ import annotations
 
 import gc
+import math
 import re
 import resource
 import time
@@ -555,6 +557,59 @@ def run_suite_once(ranks: Any, name: str, targets: list[str], *, rank_fn: Callab
         results[name] = rows
         targets.extend(target_lines(name, rows))
     return results[name]
+
+
+# --------------------------------------------------------------------------- pytest-benchmark (parent side)
+
+
+class VirtualClock:
+    """A pytest-benchmark timer whose value only moves when told: ``clock.advance(seconds)``.
+
+    The benches measure inside the ranks (or a child process), where the
+    parent's round trip cannot add its noise; this clock hands those times to
+    pytest-benchmark. Mark a bench ``@pytest.mark.benchmark(timer=clock)`` and
+    call :func:`replay`: in pedantic mode pytest-benchmark reads its timer only
+    just before and just after each call of the target, so each round lasts
+    exactly the seconds that call advanced the clock, and the table it prints,
+    its JSON ``stats`` (``data``, ``min``, ``median``, ``mean``, ``rounds``...)
+    and ``--benchmark-compare`` are the measured times.
+    """
+
+    def __init__(self, name: str = "virtual_clock") -> None:
+        self.__name__ = name  # pytest-benchmark writes it as the JSON's options.timer
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+    def restart(self) -> None:
+        """Back to 0.0: the next round then lasts ``seconds - 0.0 == seconds``, no rounding from a running sum."""
+        self.now = 0.0
+
+    def __repr__(self) -> str:
+        return f"VirtualClock({self.__name__!r})"
+
+
+def replay(benchmark: Any, clock: VirtualClock, seconds: Sequence[float]) -> None:
+    """Record ``seconds`` (one measured iteration each) as ``benchmark``'s rounds, exactly.
+
+    ``benchmark`` must be timed by ``clock`` (``@pytest.mark.benchmark(timer=clock)``):
+    with pytest-benchmark's default clock the rounds would time the replay itself.
+    """
+    times = [float(s) for s in seconds]
+    if not times or not all(math.isfinite(t) and t >= 0 for t in times):
+        raise ValueError(f"replay needs finite, non-negative times, got {times!r}")
+    timer = getattr(benchmark, "_timer", clock)  # pytest-benchmark's fixture keeps its timer there
+    if timer is not clock:
+        raise RuntimeError(f"{getattr(benchmark, 'name', 'this bench')} is timed by {timer!r}, not by {clock!r}: "
+                           "mark it @pytest.mark.benchmark(timer=clock)")
+    pending = iter(times)
+    # after the rounds, --benchmark-cprofile calls the target again (profiled, not timed): 0.0 then
+    benchmark.pedantic(lambda: clock.advance(next(pending, 0.0)), setup=clock.restart, rounds=len(times),
+                       iterations=1)
 
 
 def median(sorted_values: list[float]) -> float:
