@@ -118,10 +118,12 @@ def _what(sending: bool, plan: Plan, init_tag: int, pseudo_rand: bool, consolida
             f"does {peer} on the stock wire (no bucket_bytes) with init_tag={init_tag}, pseudo_rand={pseudo_rand}?")
 
 
-def _prepare(td: Any, link: Link, user: TensorDictBase | None = None) -> tuple[TensorDictBase, Plan]:
+def _prepare(td: Any, link: Link, fast_wire: bool, user: TensorDictBase | None = None) -> tuple[TensorDictBase, Plan]:
     inner = unwrap(td)
     _stuck.check(user if user is not None else inner, link)
-    plan = plan_for(inner)
+    plan = plan_for(inner, layout=fast_wire)  # the stock wire posts the leaves themselves
+    if not fast_wire and plan.device.type == "cuda":
+        plan = plan_for(inner)  # staged through host memory: the byte layout is used
     plan.check()
     previous = plan.in_flight
     if previous is not None:
@@ -157,7 +159,7 @@ def _start_send(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolida
     user = unwrap(td)  # what a failure is recorded against (a consolidated copy is new every call)
     if consolidated and not user.is_consolidated():
         td = user.consolidate(metadata=True)  # as stock does: a copy, every call
-    inner, plan = _prepare(td, link, user)
+    inner, plan = _prepare(td, link, bucket_bytes is not None, user)
     if consolidated:
         storage = plan.storage(inner)
         lane = lane_for(link, storage.device, stream, plan.pool)
@@ -196,7 +198,7 @@ def _start_send(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolida
 
 def _start_recv(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolidated: bool,
                 bucket_bytes: int | None, stream: Any, timeout: float | None) -> tuple[Transfer, Plan]:
-    inner, plan = _prepare(td, link)
+    inner, plan = _prepare(td, link, bucket_bytes is not None)
     if consolidated:
         storage = plan.storage(inner)  # raises, naming the fix, if td is not consolidated
         lane = lane_for(link, storage.device, stream, plan.pool)
