@@ -33,8 +33,8 @@ _EXPORTS = {
     "is_installed": "._install",
     "uninstall": "._install",
     "tag_sequence": "._tags",
-    "WeightSender": "._weights",
-    "WeightReceiver": "._weights",
+    "WeightSender": "._weight_sender",
+    "WeightReceiver": "._weight_receiver",
     "Error": "._errors",
     "ArgumentError": "._errors",
     "ArgumentTypeError": "._errors",
@@ -51,11 +51,13 @@ _EXPORTS = {
     "TransferTimeout": "._errors",
     "BrokenError": "._errors",
     "KernelCompileError": "._errors",
+    "SenderClosed": "._errors",
+    "ReceiverFailed": "._errors",
 }
 __all__ = [
     "ArgumentError", "ArgumentTypeError", "BrokenError", "ChecksumError", "Error", "HeaderError",
     "KernelCompileError", "LinkError", "MismatchError", "OutOfStepError", "PeerError", "PushHeaderError",
-    "SchemaError", "Transfer", "TransferTimeout", "UsageError", "WaitTimeout", "WeightReceiver",
+    "ReceiverFailed", "SchemaError", "SenderClosed", "Transfer", "TransferTimeout", "UsageError", "WaitTimeout", "WeightReceiver",
     "WeightSender", "install", "installed", "irecv", "is_installed", "isend", "recv", "send", "tag_sequence",
     "uninstall",
 ]
@@ -75,7 +77,9 @@ if TYPE_CHECKING:
         OutOfStepError,
         PeerError,
         PushHeaderError,
+        ReceiverFailed,
         SchemaError,
+        SenderClosed,
         TransferTimeout,
         UsageError,
         WaitTimeout,
@@ -83,7 +87,8 @@ if TYPE_CHECKING:
     from ._handle import Transfer
     from ._install import install, installed, is_installed, uninstall
     from ._tags import tag_sequence
-    from ._weights import WeightReceiver, WeightSender
+    from ._weight_receiver import WeightReceiver
+    from ._weight_sender import WeightSender
 
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)

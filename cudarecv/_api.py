@@ -190,7 +190,7 @@ def _start_send(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolida
                                        plan.pieces(bucket_bytes, place), init_tag, pack=pack)
     what, cause = _what(True, plan, init_tag, pseudo_rand, consolidated, bucket_bytes)
     transfer = Transfer(protocol, lane.stream, on_error=_explain(user, link, timeout, what, cause), timeout=timeout,
-                        link=link)
+                        link=link, what=f"{what} to rank {link.peer} ({cause})")
     if lane.stream is not None or (bucket_bytes is not None and not consolidated):
         _track(plan, transfer)  # it uses the plan's staging: the next transfer waits for it
     return transfer, plan
@@ -219,7 +219,7 @@ def _start_recv(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolida
                                        init_tag, td, landed=lambda piece, i: plan.unpack(piece, i, place))
     what, cause = _what(False, plan, init_tag, pseudo_rand, consolidated, bucket_bytes)
     transfer = Transfer(protocol, lane.stream, on_error=_explain(inner, link, timeout, what, cause), timeout=timeout,
-                        link=link)
+                        link=link, what=f"{what} from rank {link.peer} ({cause})")
     if lane.stream is not None or (bucket_bytes is not None and not consolidated):
         _track(plan, transfer)  # it uses the plan's staging: the next transfer waits for it
     return transfer, plan

@@ -10,6 +10,8 @@ whether the link it happened on (the peer pair and process group) still works:
     Error
     ├── ArgumentError (ValueError), ArgumentTypeError (TypeError)   bad input, raised before anything is sent
     ├── UsageError (RuntimeError)             a call that cannot run now (no process group, no CUDA, closed)
+    │   └── SenderClosed                      a weight sender closed: no version comes any more
+    ├── ReceiverFailed (RuntimeError)         a weight receiver could not start, and said why
     ├── WaitTimeout (TimeoutError)            a caller's wait ran out; the transfer goes on
     ├── MismatchError (ValueError)            the peer's message does not match; drained, nothing written
     │   ├── HeaderError                       fast wire
@@ -53,6 +55,16 @@ class ArgumentTypeError(Error, TypeError):
 
 class UsageError(Error, RuntimeError):
     """A call that cannot run in this state (no process group, no CUDA, closed, nothing received yet)."""
+
+
+class SenderClosed(UsageError):
+    """The :class:`~cudarecv.WeightSender` closed: no version comes any more; the last one
+    received stays readable in ``receiver.td``."""
+
+
+class ReceiverFailed(Error, RuntimeError):
+    """A weight receiver could not start (no CUDA, no memory, a bad argument...) and answered
+    the handshake with its reason; both sides raise. The link is in step."""
 
 
 class WaitTimeout(Error, TimeoutError):

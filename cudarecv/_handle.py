@@ -16,6 +16,11 @@ Two clocks bound a transfer, and only the first can fail it:
   run out (parked). No gloo wait is ever given a timeout: when one runs out gloo
   closes *every* link of the process group, not just the late peer's. Without
   an own timeout the process group's timeout applies, as for stock tensordict.
+  ``timeout=math.inf`` drives it in the background the same way with no own
+  deadline (a standing receive that may wait for as long as the peer likes). A
+  protocol may also start its own clock late by yielding :class:`StartClock`
+  among its works: a pull waits for a new version for as long as its caller
+  likes, and its clock runs from the moment the version starts to arrive.
 - a caller's ``wait(timeout)``: when it runs out first, ``wait`` raises
   ``TimeoutError`` and the transfer goes on, as in ``concurrent.futures``; wait
   again, or check :meth:`done`.
@@ -26,7 +31,7 @@ while the interpreter shuts down (the peer exiting at the same moment), CPython
 would end the thread inside gloo's C++ frames and the process would abort
 (``SIGABRT``). So at exit, before shutdown, the links of such transfers' groups
 are closed (by one wait of 1 ms, which makes gloo close them) and the waits end
-cleanly.
+cleanly. The same holds for standing receives (:meth:`Transfer.release_at_exit`).
 
 Every step of a protocol runs under ``torch.no_grad()``: the bytes cudarecv moves
 never join an autograd graph, whatever the leaves require.
@@ -36,9 +41,9 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import math
 import threading
 import time
-from collections import deque
 from datetime import timedelta
 from typing import Any, Callable, Generator, Sequence
 
@@ -55,6 +60,27 @@ ErrorHook = Callable[[BaseException, float], BaseException]
 Submit = Callable[[Callable[[], None]], None]
 
 _UNBOUNDED = timedelta(days=3650)  # a gloo wait that never runs out (see the module docstring)
+_SLICE = 0.1  # seconds between looks at a deadline that may start late (StartClock)
+
+
+class StartClock:
+    """A work a protocol yields to start its transfer's own clock now, with ``seconds``.
+
+    Until then a transfer created with ``timeout=math.inf`` has no deadline of its own.
+
+    Example:
+        >>> header = yield from read_bytes(...)      # may wait for as long as the caller likes
+        >>> yield [StartClock(timeout)]              # the payload must come within timeout
+    """
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
 
 
 class Transfer(torch.futures.Future):
@@ -75,8 +101,10 @@ class Transfer(torch.futures.Future):
 
     def __init__(self, protocol: Protocol, stream: Any = None, on_error: ErrorHook | None = None,
                  timeout: float | None = None, driver: Submit | None = None, link: Link | None = None,
-                 raise_first: bool = True) -> None:
+                 raise_first: bool = True, what: str | None = None) -> None:
         super().__init__()
+        #: what the transfer does, for a caller's :class:`WaitTimeout` (e.g. ``"pull from rank 0"``)
+        self.what = what or "the transfer" + (f" with rank {link.peer}" if link is not None else "")
         self._protocol = protocol
         self._link = link  # the link its works are on (to release an abandoned wait at exit)
         self._stream = stream
@@ -104,6 +132,9 @@ class Transfer(torch.futures.Future):
             try:
                 with torch.no_grad():
                     self._works = next(self._protocol) if first else self._protocol.send(None)
+                for work in self._works:
+                    if isinstance(work, StartClock):
+                        self.started, self.timeout = time.monotonic(), work.seconds
             except StopIteration as stop:
                 self._works, self._finished = (), True
                 if self._stream is not None:
@@ -135,7 +166,7 @@ class Transfer(torch.futures.Future):
     def _expire(self) -> None:
         """The transfer's own time ran out: fail it (unless it ended just now)."""
         with self._state:
-            if not self._finished:
+            if not self._finished and time.monotonic() >= self.started + self.timeout:
                 self._fail(TransferTimeout(f"the transfer did not finish within {self.timeout:g} s"))
                 _abandon(self)
 
@@ -185,20 +216,47 @@ class Transfer(torch.futures.Future):
         return super().wait()
 
     def _wait_settled(self, timeout: float | None) -> None:
-        """Wait for the end while a background thread drives; keep the transfer's own deadline."""
+        """Wait for the end while a background thread drives; keep the transfer's own deadline
+        (looked at again every :data:`_SLICE` s while it may still start: :class:`StartClock`)."""
         self.settle_in_background()
-        own_left = None if self.timeout is None else self.started + self.timeout - time.monotonic()
-        if own_left is not None and (timeout is None or own_left <= timeout):
-            if not self._settled.wait(max(own_left, 0.0)):
+        mine = math.inf if timeout is None else time.monotonic() + timeout
+        while True:
+            own = math.inf if self.timeout is None else self.started + self.timeout
+            step = min(own, mine) - time.monotonic()
+            if self.timeout == math.inf:
+                step = min(step, _SLICE)
+            if self._settled.wait(max(step, 0.0)):
+                return
+            now = time.monotonic()
+            if self.timeout is not None and now >= self.started + self.timeout:
                 self._expire()
-            return
-        if not self._settled.wait(timeout):
-            raise WaitTimeout(
-                f"the transfer has not finished after {timeout:g} s; it goes on (wait again, or check done())"
-            )
+                return
+            if now >= mine:
+                raise WaitTimeout(f"{self.what} has not finished after {timeout:g} s; it goes on "
+                                  "(wait again, or check done())")
+
+    @property
+    def settled(self) -> bool:
+        """Whether the transfer has ended (finished or failed), without advancing it."""
+        return self._settled.is_set()
+
+    def ended(self) -> "Ended":
+        """A work that completes when this transfer ends, for another protocol to yield."""
+        return Ended(self)
+
+    def release_at_exit(self) -> None:
+        """Have the exit hook end this transfer's gloo wait if it still blocks at interpreter exit
+        (a standing receive: see the module docstring)."""
+        _abandon(self)
 
     def settle(self) -> None:
         """Drive the transfer to its end on this thread; never raises (the error is the future's)."""
+        try:
+            self._settle()
+        finally:
+            _ABANDONED.discard(self)
+
+    def _settle(self) -> None:
         with self._driving:
             while not self._finished:
                 works = self._works
@@ -228,20 +286,53 @@ class Transfer(torch.futures.Future):
             threading.Thread(target=self.settle, name="cudarecv-transfer", daemon=True).start()
 
 
-_ABANDONED: deque = deque(maxlen=256)  # transfers that ran out of time, their driver maybe still waiting
+class Ended:
+    """A work that completes when ``transfer`` ends (see :meth:`Transfer.ended`)."""
+
+    def __init__(self, transfer: Transfer) -> None:
+        self.transfer = transfer
+
+    def is_completed(self) -> bool:
+        return self.transfer.settled
+
+    def wait(self, timeout: Any = None) -> bool:
+        self.transfer.settle()  # drives it here if its own driver has not yet (it may be queued behind us)
+        return True
+
+
+def run_standing(protocol: Protocol, link: Link, stream: Any = None, on_error: ErrorHook | None = None) -> Any:
+    """Drive ``protocol`` to its end on this thread with no deadline (a receive that may wait
+    for as long as the peer likes) and return its result; raises its error.
+
+    Its gloo waits never time out (see the module docstring) and are released at exit.
+    """
+    transfer = Transfer(protocol, stream, on_error=on_error, timeout=math.inf, driver=_here, link=link,
+                        raise_first=False)
+    transfer.release_at_exit()
+    transfer.settle()
+    return transfer.wait()
+
+
+def _here(job: Callable[[], None]) -> None:
+    """The driver of :func:`run_standing`'s transfers: none, the caller drives them itself."""
+
+
+_ABANDONED: set = set()  # transfers whose driver may still wait in gloo at exit (removed once settled)
+_HOOKED = threading.Event()
 
 
 def _abandon(transfer: Transfer) -> None:
-    if transfer._link is None or transfer._link.backend != "gloo":
+    if transfer._link is None or transfer._link.backend != "gloo" or transfer._settled.is_set():
         return  # only a thread inside gloo's C++ wait aborts the process at shutdown
-    if not _ABANDONED:
+    if not _HOOKED.is_set():
+        _HOOKED.set()
         atexit.register(_release_abandoned)
-    _ABANDONED.append(transfer)
+    _ABANDONED.add(transfer)
 
 
 def _release_abandoned() -> None:
     """At exit: end the gloo waits still blocked on abandoned transfers (see the module docstring)."""
-    stuck = [t for t in _ABANDONED if t._driving.locked()]
+    stuck = [t for t in list(_ABANDONED) if t._driving.locked()]
     groups = {id(t._link.pg): t._link for t in stuck}
     for link in groups.values():  # a wait that times out makes gloo close every link of its group
         with contextlib.suppress(Exception):

@@ -3,8 +3,22 @@
 Nothing here is ever unpickled: the schema is JSON, parsed and checked field by
 field (a peer cannot make a receiver run code, unlike ``init_remote``, which
 unpickles); the push header is a fixed 96-byte record. The handshake opens with
-a fixed preamble: the schema's length and the sender's message size, so every
-push's lengths are known to the receiver before the first push.
+a fixed preamble: the schema's length, the sender's message size and its mode
+(``sync`` or ``latest``), so every push's lengths are known to the receiver
+before the first push.
+
+After the handshake the receiver always has one header receive posted, so the
+sender can end the link at any time:
+
+- the sender's headers (:class:`PushHeader`) are of three kinds: a push (the
+  payload follows), ``CLOSED`` (the sender closed) or ``RELEASED`` (the answer
+  to the receiver's ``BYE``);
+- the receiver's messages (:func:`ask_message`) are ``ASK`` (latest mode: "send
+  me a version newer than v") and ``BYE`` (the receiver closes). The sender
+  always has one receive posted for them.
+
+Each side sends its last message once: the receiver one ``BYE``, the sender one
+of ``CLOSED`` and ``RELEASED``; once both are through, nothing is left posted.
 
 Layout of the sender's storage: the leaves in stock send order, each at an
 offset aligned to 16 bytes, in one uint8 buffer. Both ends build their views
@@ -29,8 +43,29 @@ ALIGN = 16
 MAX_SCHEMA_BYTES = 64 << 20
 MAX_BYTES = 1 << 48  # a total or a leaf larger than this is no real model: refused before anything is sized
 TAG_BASE = (1 << 30) + (1 << 29)  # weight-sync tags: past the fast wire's (2**30 .. 2**30 + 2**29)
-TAG_PREAMBLE, TAG_SCHEMA, TAG_STATUS, TAG_HEADER, TAG_PAYLOAD = (TAG_BASE + k for k in range(5))
+TAG_PREAMBLE, TAG_SCHEMA, TAG_STATUS = (TAG_BASE + k for k in range(3))  # the handshake
+SESSIONS = 1 << 26  # a sender's session: random, in the preamble; 4 tags each, up to 2**31 - 1
+_SESSION_BASE = TAG_BASE + 64
+
+
+@dataclass(frozen=True)
+class SessionTags:
+    """The tags of one sender-receiver session after the handshake.
+
+    Each session has its own, so a receive left posted by an earlier session on the
+    same group (a receiver never closed) cannot take this session's messages.
+    """
+
+    header: int
+    payload: int
+    ask: int
+
+    @classmethod
+    def of(cls, session: int) -> "SessionTags":
+        base = _SESSION_BASE + 4 * session
+        return cls(base, base + 1, base + 2)
 STATUS_SIZE = 256
+MODES = ("sync", "latest")
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
@@ -192,6 +227,7 @@ _HEADER = struct.Struct("<4sHHIQQQ16s16s")
 HEADER_SIZE = 96
 MAGIC = b"CDRS"
 FLAG_VERIFY = 1
+PUSH, CLOSED, RELEASED = 0, 1, 2  # header kinds: a version follows; the sender closed; the answer to BYE
 
 
 @dataclass(frozen=True)
@@ -202,9 +238,10 @@ class PushHeader:
     fingerprint: bytes
     checksum: bytes = bytes(16)
     verify: bool = False
+    kind: int = PUSH
 
     def pack(self) -> bytes:
-        body = _HEADER.pack(MAGIC, 1, FLAG_VERIFY if self.verify else 0, 0, self.version, self.total,
+        body = _HEADER.pack(MAGIC, 1, FLAG_VERIFY if self.verify else 0, self.kind, self.version, self.total,
                             self.piece, self.fingerprint, self.checksum)
         return body + struct.pack("<I", zlib.crc32(body)) + bytes(HEADER_SIZE - _HEADER.size - 4)
 
@@ -212,11 +249,32 @@ class PushHeader:
     def unpack(cls, raw: bytes) -> "PushHeader":
         body = raw[: _HEADER.size]
         (crc,) = struct.unpack_from("<I", raw, _HEADER.size)
-        magic, fmt, flags, _, version, total, piece, fingerprint, checksum = _HEADER.unpack(body)
-        if magic != MAGIC or fmt != 1 or zlib.crc32(body) != crc or piece <= 0:
+        magic, fmt, flags, kind, version, total, piece, fingerprint, checksum = _HEADER.unpack(body)
+        if magic != MAGIC or fmt != 1 or zlib.crc32(body) != crc or piece <= 0 or kind not in (PUSH, CLOSED, RELEASED):
             raise OutOfStepError("the message is not a cudarecv weight-push header (bad magic or checksum): "
                                   "not drained, the link is out of step")
-        return cls(version, total, piece, fingerprint, checksum, bool(flags & FLAG_VERIFY))
+        return cls(version, total, piece, fingerprint, checksum, bool(flags & FLAG_VERIFY), kind)
+
+
+# -- the receiver's messages -----------------------------------------------------------
+_ASK = struct.Struct("<4sIQ")
+ASK_SIZE = 32
+ASK, BYE = 0, 1
+
+
+def ask_message(kind: int, version: int = 0) -> bytes:
+    """``ASK`` for a version newer than ``version`` (latest mode), or ``BYE`` (the receiver closes)."""
+    body = _ASK.pack(b"CDRA", kind, version)
+    return body + struct.pack("<I", zlib.crc32(body)) + bytes(ASK_SIZE - _ASK.size - 4)
+
+
+def read_ask(raw: bytes) -> tuple[int, int]:
+    """``(kind, version)`` of a receiver's message; raises :class:`OutOfStepError` if it is none."""
+    magic, kind, version = _ASK.unpack_from(raw)
+    (crc,) = struct.unpack_from("<I", raw, _ASK.size)
+    if magic != b"CDRA" or kind not in (ASK, BYE) or zlib.crc32(raw[: _ASK.size]) != crc:
+        raise OutOfStepError("a message from the receiver is no cudarecv ask: the link is out of step")
+    return kind, version
 
 
 def checksum(storage: Tensor) -> bytes:
@@ -226,34 +284,47 @@ def checksum(storage: Tensor) -> bytes:
     return digest(storage)
 
 
-def status_message(ok: bool, text: str = "") -> bytes:
-    """The receiver's answer to the handshake: a flag and a reason (UTF-8, cut to fit), fixed size."""
+ACCEPTED, REFUSED, FAILED = 1, 0, 2  # handshake answers: ok; the weights do not match; the receiver failed
+
+
+def status_message(status: int, text: str = "") -> bytes:
+    """The receiver's answer to the handshake: a status and a reason (UTF-8, cut to fit), fixed size."""
     reason = text.encode()[: STATUS_SIZE - 1].decode(errors="ignore").encode()
-    data = (b"\x01" if ok else b"\x00") + reason
+    data = bytes([status]) + reason
     return data + bytes(STATUS_SIZE - len(data))
 
 
-def read_status(raw: bytes) -> tuple[bool, str]:
-    return raw[0] == 1, raw[1:].rstrip(b"\x00").decode(errors="replace")
+def read_status(raw: bytes) -> tuple[int, str]:
+    return raw[0], raw[1:].rstrip(b"\x00").decode(errors="replace")
 
 
-_PREAMBLE = struct.Struct("<4sIQQ")
+_PREAMBLE = struct.Struct("<4sIQQII")
 PREAMBLE_SIZE = _PREAMBLE.size
 
 
-def preamble(schema_bytes: int, piece: int) -> bytes:
-    """The handshake's first message: the schema's length and the bytes per push message."""
-    return _PREAMBLE.pack(b"CDRH", 2, schema_bytes, piece)
+@dataclass(frozen=True)
+class Offer:
+    """What a preamble announces: the schema's length, the bytes per push message, the mode, the session."""
+
+    length: int
+    piece: int
+    mode: str
+    session: int
 
 
-def read_preamble(raw: bytes) -> tuple[int, int]:
-    """``(schema length, piece bytes)`` of a received preamble; raises :class:`SchemaError` if the
-    peer is no weight sender of this version (the lengths are the receiver's to check)."""
-    magic, fmt, length, piece = _PREAMBLE.unpack(raw)
-    if magic != b"CDRH" or fmt != 2:
+def preamble(schema_bytes: int, piece: int, mode: str, session: int = 0) -> bytes:
+    """The handshake's first message (see :class:`Offer`)."""
+    return _PREAMBLE.pack(b"CDRH", 3, schema_bytes, piece, MODES.index(mode), session)
+
+
+def read_preamble(raw: bytes) -> Offer:
+    """The :class:`Offer` of a received preamble; raises :class:`OutOfStepError` if the peer is no
+    weight sender of this version (the lengths are the receiver's to check)."""
+    magic, fmt, length, piece, mode, session = _PREAMBLE.unpack(raw)
+    if magic != b"CDRH" or fmt != 3 or mode >= len(MODES) or session >= SESSIONS:
         raise OutOfStepError("the first message is not a cudarecv weight-sync handshake: is the peer a "
                           "WeightSender of this cudarecv version?")
-    return length, piece
+    return Offer(length, piece, MODES[mode], session)
 
 
 def check_offer(length: int, piece: int) -> None:

@@ -15,7 +15,7 @@ import torch
 from tensordict import TensorDict
 
 import cudarecv
-from cudarecv import _weights
+from cudarecv import _weight_sender
 from cudarecv._handle import Transfer
 from cudarecv._weights_wire import PushHeader
 from cudarecv.testing.launch import RankExit
@@ -94,13 +94,14 @@ def bad_headers(rank, world, group):
         set_version(model, 1)
         sender.push()
         lane = sender._receivers[0].lane
-        wrong = PushHeader(2, sender.schema.total, sender._piece, bytes(16))
-        Transfer(sender._push(lane, wrong)).wait(20)
-        real = _weights.checksum
-        _weights.checksum = lambda storage: bytes(16)  # what corruption in flight looks like
+        snapshot = sender._snapshots[0]
+        snapshot.header = PushHeader(2, sender.schema.total, sender._piece, bytes(16))  # a wrong fingerprint
+        Transfer(sender._send(lane, snapshot)).wait(20)
+        real = _weight_sender.checksum
+        _weight_sender.checksum = lambda storage: bytes(16)  # what corruption in flight looks like
         set_version(model, 2)
         sender.push()
-        _weights.checksum = real
+        _weight_sender.checksum = real
         set_version(model, 3)
         sender.push()
         return None
@@ -205,8 +206,8 @@ def soak(rank, world, group, pulls, warmup):
         rss = _rss_bytes()
         for _ in range(pulls):
             sender.push()
-        graph = [v.grad_fn for v in sender._views if v.grad_fn is not None]
-        return _rss_bytes() - rss, len(graph), sender._storage.requires_grad
+        graph = [v.grad_fn for v in sender._snapshots[0].views if v.grad_fn is not None]
+        return _rss_bytes() - rss, len(graph), sender._snapshots[0].storage.requires_grad
     receiver = cudarecv.WeightReceiver(src=0, timeout=30)
     for _ in range(warmup):
         receiver.pull()

@@ -117,7 +117,7 @@ def test_slow_receiver_is_dropped_after_its_timeout_and_the_others_go_on(four):
         assert [v for v, _ in seen] == list(range(1, STEPS + 1)), seen
         assert all(ok for _, ok in seen)
     outcome, got = slow
-    assert outcome in ("TransferTimeout", "PeerError")
+    assert outcome in ("WaitTimeout", "TransferTimeout", "PeerError")  # nothing more comes: it waits, bounded
     assert [v for v, _ in got] in ([], [2]) and all(ok for _, ok in got), f"the dropped receiver got {got}"
 
 
@@ -153,7 +153,7 @@ def bad_handshakes(rank, world, group, cases):
         answers = []
         for case in cases:
             raw = BAD_SCHEMAS[case]()
-            raw_send(group, 1, wire.preamble(len(raw), 64), wire.TAG_PREAMBLE)
+            raw_send(group, 1, wire.preamble(len(raw), 64, "sync"), wire.TAG_PREAMBLE)
             raw_send(group, 1, raw, wire.TAG_SCHEMA)
             answers.append(wire.read_status(raw_recv(group, 1, 4096, wire.TAG_STATUS)))
         return answers
@@ -171,8 +171,8 @@ def bad_handshakes(rank, world, group, cases):
 def test_every_schema_rejection_is_answered(cluster):
     cases = list(BAD_SCHEMAS)
     answers, errors = cluster().run(bad_handshakes, args=(cases,), timeout=90)
-    for case, (ok, reason), error in zip(cases, answers, errors):
-        assert not ok and reason, f"{case}: the sender got {ok, reason}"
+    for case, (status, reason), error in zip(cases, answers, errors):
+        assert status == wire.REFUSED and reason, f"{case}: the sender got {status, reason}"
         assert error is not None, f"{case}: the receiver accepted the schema"
         assert reason in error[0], f"{case}: the sender was told {reason!r}, the receiver raised {error[0]!r}"
         assert error[1] < 10, f"{case}: the receiver took {error[1]:.1f} s"
@@ -246,7 +246,7 @@ def lying_push_headers(rank, world, group, cases):
             total, piece = LYING[case]
             sender = cudarecv.WeightSender(TensorDict.from_module(model), dst=1, timeout=20)
             lie = wire.PushHeader(1, total, piece, sender.schema.fingerprint)
-            raw_send(group, 1, lie.pack(), wire.TAG_HEADER)
+            raw_send(group, 1, lie.pack(), sender._tags.header)
         return None
     out = []
     for _ in cases:
@@ -287,7 +287,7 @@ def oversize_push_header(rank, world, group):
     if rank == 0:
         sender = cudarecv.WeightSender(TensorDict.from_module(model), dst=1, timeout=20)
         header = wire.PushHeader(1, sender.schema.total, sender.schema.total, sender.schema.fingerprint)
-        raw_send(group, 1, header.pack() + b"\x01" * 40, wire.TAG_HEADER)  # a valid header, then more
+        raw_send(group, 1, header.pack() + b"\x01" * 40, sender._tags.header)  # a valid header, then more
         return None
     receiver = cudarecv.WeightReceiver(src=0, timeout=10)
     try:

@@ -1,0 +1,496 @@
+"""The actor's end of a weight sync: :class:`WeightReceiver`.
+
+The receiver keeps two storages: the published one (``receiver.td``, the last
+complete, verified version) and the one the next pull lands in. A pull that
+fails (timeout, wrong header, digest mismatch, dead sender) never touches the
+published one; a late write from an abandoned transfer can only land in the
+other, which is never published after such a failure (the receiver is then
+marked broken: close it and connect a new one).
+
+On gloo the receiver always has the next header receive posted (on its own
+thread), so a sender that closes is heard at once, even between pulls, and a
+pull waits for a version as long as its caller likes without breaking the
+link: only once a version starts to arrive does the pull's own clock run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+import time
+from typing import Any, Iterator
+
+import torch
+from tensordict import TensorDict
+from torch import Tensor
+
+from . import _cuda
+from ._control import read_bytes, wire_bytes
+from ._errors import (
+    ArgumentError,
+    BrokenError,
+    ChecksumError,
+    Error,
+    OutOfStepError,
+    PushHeaderError,
+    ReceiverFailed,
+    SchemaError,
+    SenderClosed,
+    UsageError,
+    WaitTimeout,
+)
+from ._handle import StartClock, Transfer
+from ._header import check_pieces, cut
+from ._link import Link, resolve
+from ._staging import Lane, drain, lane_for, recv_into, send_from
+from ._walk import unwrap, walk
+from ._weights_link import Driver, check_timeout, link_error, naming, post_and_forget, run, send_bytes
+from ._weights_wire import (
+    ACCEPTED,
+    ASK,
+    BYE,
+    CLOSED,
+    FAILED,
+    HEADER_SIZE,
+    PREAMBLE_SIZE,
+    PUSH,
+    REFUSED,
+    RELEASED,
+    TAG_PREAMBLE,
+    TAG_SCHEMA,
+    TAG_STATUS,
+    Offer,
+    PushHeader,
+    Schema,
+    SessionTags,
+    ask_message,
+    check_offer,
+    checksum,
+    read_preamble,
+    status_message,
+)
+
+
+class _Slot:
+    """One storage the receiver can publish, with its tensordict of views and readers."""
+
+    def __init__(self, schema: Schema, piece: int, device: torch.device, pin_memory: bool) -> None:
+        self.storage = torch.zeros(schema.total, dtype=torch.uint8, device=device, pin_memory=pin_memory)
+        views = schema.views(self.storage)
+        self.td = TensorDict({l.key: v for l, v in zip(schema.leaves, views)}, batch_size=[]).lock_()
+        if len(self.td.keys(True, True)) != len(schema.leaves):
+            raise SchemaError("the schema's keys do not make one leaf each")
+        self.pieces = cut(self.storage, piece)
+        self.readers = 0
+
+
+def _expected(expect: Any) -> tuple[list[tuple], list[Tensor]]:
+    if isinstance(expect, torch.nn.Module):
+        named = list(expect.named_parameters()) + list(expect.named_buffers())
+        return [tuple(n.split(".")) for n, _ in named], [t for _, t in named]
+    paths, tensors = walk(unwrap(expect))
+    return [tuple(map(str, p)) for p in paths], tensors
+
+
+def _header_too_long(text: str) -> OutOfStepError:
+    return OutOfStepError(f"{text} (not drained, the link is out of step)")
+
+
+def _answer_lane(link: Link) -> Lane | None:
+    """A lane to answer the handshake on when the receiver's own could not be built."""
+    if link.backend != "nccl":
+        return Lane(link)
+    if not torch.cuda.is_available():
+        return None  # NCCL without CUDA cannot carry an answer: the sender's timeout tells it
+    return lane_for(link, torch.device("cuda", torch.cuda.current_device()), None, _cuda.StagingPool())
+
+
+class WeightReceiver:
+    """Receive the versions a :class:`WeightSender` pushes; ``td`` is the latest complete one.
+
+    Keyword Args:
+        src / group_src: the sender's rank (global, or in ``group``); exactly one.
+        group: the process group (a standalone one with ``group_src``).
+        device: where the weights live (``"cpu"`` default, or a CUDA device).
+        pin_memory: page-locked host storage (CPU only).
+        expect: a tensordict or an ``nn.Module`` the weights must match (keys,
+            shapes, dtypes); a mismatch raises :class:`SchemaError` naming the
+            first differing key, and the sender's construction fails too.
+        timeout: seconds any wait may take.
+        stream: the CUDA stream for GPU weights (default: cudarecv's dedicated stream).
+
+    Whatever makes the construction fail once the link is resolved (a bad
+    argument, no CUDA, no memory, ``expect`` not matching, a malformed schema)
+    is sent back as the handshake's answer, so the sender fails at once too,
+    with this receiver's reason. The sender's mode (``sync`` or ``latest``)
+    comes with the handshake (:attr:`mode`); the receiver's API is the same.
+
+    Example:
+        >>> receiver = WeightReceiver(src=0, device="cuda:0", expect=policy)
+        >>> receiver.pull()              # blocks until a new version has landed
+        >>> receiver.load_into(policy)   # or read receiver.td
+    """
+
+    def __init__(self, src: int | None = None, *, group: Any = None, group_src: int | None = None,
+                 device: Any = None, pin_memory: bool = False, expect: Any = None, timeout: float = 60.0,
+                 stream: Any = None) -> None:
+        self.timeout = 60.0  # until checked: the time given to answer the sender
+        try:
+            self.timeout = check_timeout(timeout)
+            try:
+                self._device = torch.device(device if device is not None else "cpu")
+            except (RuntimeError, TypeError) as error:
+                raise ArgumentError(f"`device` must name a device (\"cpu\", \"cuda:0\"), got {device!r}: "
+                                    f"{error}") from None
+            if pin_memory and self._device.type != "cpu":
+                raise ArgumentError(f"`pin_memory=True` is for host memory, but `device` is {self._device}: "
+                                    "drop one")
+            problem = None
+        except Exception as error:  # noqa: BLE001 - raised below, after the sender is told
+            problem = error
+        try:
+            link = resolve(src, group_src, group, "src", "group_src")  # before this, nobody to answer
+        except Exception:
+            if problem is not None:
+                raise problem from None
+            raise
+        try:
+            if problem is not None:
+                raise problem
+            self._lane = lane_for(link, self._device, stream, _cuda.StagingPool())
+        except Exception as error:
+            _refuse(link, self.timeout, error)
+            raise
+        self.schema, self._piece, offer, self._slots = _handshake(
+            self._lane, self.timeout, expect,
+            lambda schema, piece: [_Slot(schema, piece, self._device, pin_memory) for _ in range(2)])
+        #: the sender's mode, learnt in the handshake: ``"sync"`` or ``"latest"``
+        self.mode = offer.mode
+        self._tags = SessionTags.of(offer.session)
+        self._cond = threading.Condition()
+        self._published: int | None = None
+        self._pending: Transfer | None = None  # the pull under way (one at a time)
+        self._broken: str | None = None
+        self._closed = False
+        self._sender_closed: str | None = None
+        self._released = False  # the sender answered our BYE
+        self._bye = False  # BYE sent (once)
+        self._driver = Driver(f"cudarecv-pull-{link.peer}")  # drives every receive (the caller keeps the time)
+        self.version = 0
+        # gloo: the next header receive is always posted, so the sender's CLOSED is heard at once. NCCL runs a
+        # pair's sends and receives in order on one stream: there a pull posts its header receive itself.
+        self._standing = self._listen() if link.backend != "nccl" else None
+
+    # -- reading ------------------------------------------------------------------------
+    @property
+    def td(self) -> TensorDict:
+        """The latest complete, verified version (a locked tensordict of views).
+
+        Readable from the first successful pull on, also after :meth:`close`, after the
+        sender closed and after a failed pull; :meth:`reading` holds it against the next pull.
+        """
+        if self._published is None:
+            raise UsageError("no version has landed yet: call pull() first")
+        return self._slots[self._published].td
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[TensorDict]:
+        """Hold the latest version while reading it: no pull writes into it meanwhile.
+
+        Example:
+            >>> with receiver.reading() as td:
+            ...     action = policy_from(td)(obs)
+        """
+        with self._cond:
+            if self._published is None:
+                raise UsageError("no version has landed yet: call pull() first")
+            slot = self._slots[self._published]
+            slot.readers += 1
+        try:
+            yield slot.td
+        finally:
+            with self._cond:
+                slot.readers -= 1
+                self._cond.notify_all()
+
+    # -- pulling ------------------------------------------------------------------------
+    def pull(self, wait: bool = True, timeout: float | None = None) -> int | Transfer:
+        """Receive a version newer than the one held; return its number once it has landed
+        and been verified.
+
+        In ``sync`` mode that is the next version pushed; in ``latest`` mode the
+        newest one complete when the pull asks (the ones missed are skipped), and the
+        pull waits only while the receiver already holds the newest.
+
+        ``timeout``: seconds this pull may take (default: the receiver's ``timeout``).
+        While no version has started to arrive, running out raises
+        :class:`WaitTimeout` and the pull goes on: the next ``pull()`` carries on with
+        it. Once a version arrives, it must land within ``timeout``.
+
+        With ``wait=False``, return a :class:`~cudarecv.Transfer` whose ``wait()``
+        returns the version; it is driven to its end on the receiver's own thread,
+        and a ``wait(t)`` that runs out never fails it (the pull goes on).
+
+        Raises:
+            SenderClosed: the sender closed (at once, also between pulls); the last
+                version stays readable.
+            PushHeaderError / ChecksumError: the push was rejected and drained; the
+                last version stays published and the next pull works.
+            OutOfStepError: a message that is no push of this handshake (lengths,
+                not a header); TransferTimeout / PeerError: a version did not land
+                within ``timeout``, or the sender died. After these the receiver is
+                broken (:class:`BrokenError` from then on): close it and connect a
+                new one.
+        """
+        if self._closed:
+            raise UsageError("this WeightReceiver is closed")
+        limit = self.timeout if timeout is None else check_timeout(timeout)
+        if self._broken:
+            raise BrokenError(f"this WeightReceiver is broken ({self._broken}): close it and connect a new one")
+        transfer = self._pending
+        if transfer is None or transfer.settled:  # else: a pull under way (wait=False, or a wait that ran out)
+            transfer = self._pending = self._start_pull(limit)
+        if not wait:
+            return transfer
+        try:
+            return transfer.wait(limit)
+        except WaitTimeout:
+            if transfer.timeout != math.inf:  # a version is arriving: its own clock bounds the rest
+                return transfer.wait()
+            raise WaitTimeout(self._waited(limit)) from None
+
+    def _waited(self, limit: float) -> str:
+        hint = ("the sender has pushed nothing newer yet" if self.mode == "latest"
+                else "the sender pushed nothing: is it still pushing, to this rank?")
+        return (f"pull from rank {self._lane.link.peer}: no version newer than {self.version} began to arrive "
+                f"within {limit:g} s ({hint}); the pull goes on: the next pull() carries on waiting")
+
+    def _start_pull(self, limit: float) -> Transfer:
+        if self._sender_closed:
+            raise SenderClosed(f"{self._sender_closed}; version {self.version} stays readable in receiver.td")
+        back = self._slots[1 if self._published == 0 else 0]
+        with self._cond:
+            if not self._cond.wait_for(lambda: back.readers == 0, timeout=limit):
+                raise WaitTimeout(f"a reader held the spare weights buffer for {limit:g} s")
+        if self._lane.stream is not None:
+            _cuda.follow_caller(self._lane.stream)
+        return Transfer(self._pull(back, limit), self._lane.stream, timeout=math.inf, driver=self._driver.submit,
+                        on_error=lambda error, elapsed: self._on_error(error, elapsed, limit),
+                        link=self._lane.link, raise_first=False,
+                        what=f"pull of a version newer than {self.version} from rank {self._lane.link.peer}")
+
+    def _on_error(self, error: BaseException, elapsed: float, timeout: float) -> BaseException:
+        if isinstance(error, Error) and error.link_usable:
+            return error  # drained, the link in step (or the sender closed): the next pull is told
+        if isinstance(error, OutOfStepError):
+            self._broken = str(error)
+            return error
+        seconds = timeout if isinstance(error, TimeoutError) else elapsed
+        replaced = error if isinstance(error, Error) and not isinstance(error, TimeoutError) else link_error(
+            self._lane.link, "pull", error, seconds, "sent no complete version")
+        self._broken = str(replaced)
+        return replaced
+
+    def _listen(self) -> Transfer:
+        """Post the next header receive; its transfer waits as long as the sender likes."""
+        transfer = Transfer(self._next_header(), self._lane.stream, timeout=math.inf, driver=self._driver.submit,
+                            link=self._lane.link, raise_first=False,
+                            on_error=naming(self._lane.link, "weight sync", math.inf, "sent nothing"),
+                            what=f"the next weight-sync header from rank {self._lane.link.peer}")
+        transfer.release_at_exit()
+        return transfer
+
+    def _next_header(self) -> Any:
+        raw = yield from read_bytes(self._lane, HEADER_SIZE, self._tags.header, "weight-push header", _header_too_long)
+        header = PushHeader.unpack(raw)
+        if header.kind == CLOSED:
+            self._sender_closed = f"the sender (rank {self._lane.link.peer}) closed after version {header.version}"
+            if self._claim_bye():
+                post_and_forget(self._lane, ask_message(BYE), self._tags.ask)  # its listener ends
+        elif header.kind == RELEASED:
+            self._released = True
+        return header
+
+    def _claim_bye(self) -> bool:
+        with self._cond:
+            first, self._bye = not self._bye, True
+            return first
+
+    def _header(self) -> Any:
+        """A sub-protocol: the next header (the standing receive's, or one posted now on NCCL)."""
+        if self._standing is None:
+            raw = yield from read_bytes(self._lane, HEADER_SIZE, self._tags.header, "weight-push header", _header_too_long)
+            return PushHeader.unpack(raw)
+        standing = self._standing
+        yield [standing.ended()]
+        header = standing.wait()  # raises what the standing receive met (a dead sender, a lie)
+        if header.kind == PUSH:
+            self._standing = self._listen()  # the next one, already
+        return header
+
+    def _pull(self, slot: _Slot, limit: float) -> Any:
+        lane = self._lane
+        if self.mode == "latest":  # ask for a version newer than ours
+            asked = yield from send_from(lane, [wire_bytes(lane, ask_message(ASK, self.version))], [self._tags.ask],
+                                         defer=True)
+            if asked:
+                yield asked
+        header = yield from self._header()
+        if header.kind == CLOSED:
+            raise SenderClosed(f"{self._sender_closed}; version {self.version} stays readable in receiver.td")
+        if header.kind == RELEASED:
+            raise UsageError("this WeightReceiver closed while the pull waited")
+        yield [StartClock(limit)]  # a version is arriving: it must land within the pull's timeout
+        total, piece = self.schema.total, self._piece
+        if (header.total, header.piece) != (total, piece):  # never sized from the header
+            raise OutOfStepError(
+                f"a push of {header.total} bytes in {header.piece}-byte messages does not match the handshake "
+                f"({total} bytes in {piece}-byte messages): not drained, the link is out of step"
+            )
+        problem = None
+        if header.fingerprint != self.schema.fingerprint:
+            problem = (f"a push with fingerprint {header.fingerprint.hex()} does not match the handshake "
+                       f"({self.schema.fingerprint.hex()})")
+        elif header.version <= self.version:
+            problem = f"version {header.version} is not newer than the current {self.version}"
+        if problem:
+            yield from drain(lane, total, piece, self._tags.payload)
+            raise PushHeaderError(f"{problem}: rejected and drained; version {self.version} stays published")
+        yield from recv_into(lane, slot.pieces, [self._tags.payload] * len(slot.pieces))
+        if lane.stream is not None:
+            yield [_cuda.EventWork(_cuda.record(lane.stream))]  # verify and publish landed bytes only
+        if header.verify:
+            with torch.cuda.stream(lane.stream) if lane.stream is not None else contextlib.nullcontext():
+                got = checksum(slot.storage)
+            if got != header.checksum:
+                raise ChecksumError(
+                    f"version {header.version} arrived corrupted (BLAKE3 {got.hex()} != {header.checksum.hex()}): "
+                    f"rejected; version {self.version} stays published"
+                )
+        with self._cond:
+            self._published = self._slots.index(slot)
+            self.version = header.version
+            self._cond.notify_all()
+        return header.version
+
+    # -- copying out --------------------------------------------------------------------
+    def load_into(self, module: torch.nn.Module, strict: bool = True) -> int:
+        """Copy the latest version into ``module``'s parameters and buffers, in place.
+
+        Every name is matched and checked before anything is written; returns the
+        version copied. With ``strict=False``, names missing on either side are skipped.
+        """
+        named = list(module.named_parameters()) + list(module.named_buffers())
+        with self.reading() as td:
+            pairs, missing = [], []
+            for name, tensor in named:
+                source = td.get(tuple(name.split(".")), None)
+                if source is None:
+                    missing.append(name)
+                    continue
+                if source.shape != tensor.shape or source.dtype != tensor.dtype:
+                    raise SchemaError(f"{name!r}: received {source.dtype} {list(source.shape)}, "
+                                      f"module has {tensor.dtype} {list(tensor.shape)}")
+                pairs.append((tensor, source))
+            extra = len(td.keys(True, True)) - len(pairs)
+            if strict and (missing or extra):
+                raise SchemaError(f"load_into: module names not received: {missing}; "
+                                  f"{extra} received leaves not in the module (pass strict=False to skip)")
+            with torch.no_grad():
+                for tensor, source in pairs:
+                    tensor.copy_(source, non_blocking=True)
+            if any(s.device.type == "cpu" and t.device.type == "cuda" for t, s in pairs):
+                # a copy out of host memory may still be queued: finish it before the
+                # next pull may write into that memory
+                torch.cuda.current_stream(next(t for t, _ in pairs if t.device.type == "cuda").device).synchronize()
+            return self.version
+
+    # -- ending -------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop receiving and tell the sender, which stops sending to this rank. Idempotent.
+
+        What the sender still has in flight to this rank is taken and dropped, until
+        the sender's answer (all within ``timeout``); the published version stays
+        readable. A pull still under way ends with :class:`UsageError`.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        deadline = time.monotonic() + self.timeout
+        if self._standing is not None and not self._broken and not self._sender_closed and self._claim_bye():
+            post_and_forget(self._lane, ask_message(BYE), self._tags.ask)
+            with contextlib.suppress(Exception):
+                Transfer(self._farewell(), self._lane.stream, timeout=self.timeout, driver=self._driver.submit,
+                         link=self._lane.link, raise_first=False).wait()
+        self._driver.stop(0.0 if self._broken else max(deadline - time.monotonic(), 0.0))
+
+    def _farewell(self) -> Any:
+        """Take what the sender still sends (a push in flight: drained) until its answer to BYE."""
+        if self._pending is not None and not self._pending.settled:
+            yield [self._pending.ended()]
+        while not (self._released or self._sender_closed or self._broken):
+            header = yield from self._header()
+            if header.kind == PUSH:
+                yield from drain(self._lane, self.schema.total, self._piece, self._tags.payload)
+
+    def __enter__(self) -> "WeightReceiver":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _refuse(link: Link, timeout: float, failure: BaseException) -> None:
+    """Answer the sender's handshake with the reason this receiver could not start."""
+    lane = _answer_lane(link)
+    if lane is not None:
+        with contextlib.suppress(Error):  # the reason is this side's error, which the caller raises
+            _handshake(lane, timeout, None, lambda schema, piece: [], failure=failure)
+
+
+def _handshake(lane: Lane, timeout: float, expect: Any, allocate: Any,
+               failure: BaseException | None = None) -> tuple[Schema, int, Offer, list[_Slot]]:
+    """Read the sender's offer, check it and allocate; answer the sender either way.
+
+    With ``failure`` (this receiver could not start), answer with it and raise it.
+    """
+    what = "weight-sync handshake"
+    started = time.monotonic()
+
+    def left() -> float:
+        return max(timeout - (time.monotonic() - started), 1e-3)
+
+    def answer(status: int, text: str = "") -> None:
+        run(send_bytes(lane, status_message(status, text), TAG_STATUS), lane, left(), what, "took no answer")
+
+    offer = read_preamble(run(read_bytes(lane, PREAMBLE_SIZE, TAG_PREAMBLE, "handshake preamble", SchemaError),
+                              lane, timeout, what))
+    length, piece = offer.length, offer.piece
+    try:
+        check_offer(length, piece)
+    except SchemaError as error:  # the schema itself cannot be received: refuse at once
+        answer(REFUSED if failure is None else FAILED, str(error if failure is None else failure))
+        raise
+    raw = run(read_bytes(lane, length, TAG_SCHEMA, "weight schema", SchemaError), lane, left(), what)
+    if failure is not None:
+        answer(FAILED, f"{type(failure).__name__}: {failure}")
+        raise ReceiverFailed(str(failure))
+    try:
+        schema = Schema.from_json(raw)
+        check_pieces(schema.total, piece, "weights")
+        difference = None if expect is None else schema.first_difference(*_expected(expect))
+        if difference:
+            raise SchemaError(f"the sender's weights do not match `expect`: {difference}")
+    except Exception as error:  # noqa: BLE001 - every reason to refuse goes back to the sender
+        problem = str(error) if isinstance(error, SchemaError) else f"{type(error).__name__}: {error}"
+        answer(REFUSED, problem)
+        raise SchemaError(problem) from error
+    try:  # allocate before answering, so that the sender learns if it fails
+        slots = allocate(schema, piece)
+    except Exception as error:  # noqa: BLE001 - the sender learns every reason
+        problem = f"the receiver cannot allocate 2 x {schema.total} bytes: {type(error).__name__}: {error}"
+        answer(FAILED, problem)
+        raise ReceiverFailed(problem) from error
+    answer(ACCEPTED)
+    return schema, piece, offer, slots

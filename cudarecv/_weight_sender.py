@@ -1,0 +1,473 @@
+"""The trainer's end of a weight sync: :class:`WeightSender`.
+
+A trainer holds a :class:`WeightSender` and pushes its policy's weights every
+step; each actor holds a :class:`~cudarecv.WeightReceiver`. The structure travels
+once, at construction (a JSON schema, never pickle, after a preamble with its
+length, the push message size and the mode); every version is then one transfer
+of a storage (in ``bucket_bytes`` chunks) into memory the receiver allocated at
+the handshake, after a small header (version, byte count, fingerprint, optional
+BLAKE3 digest).
+
+Two modes:
+
+- ``sync`` (the default): ``push()`` sends the version to every receiver and
+  (with ``wait=True``) returns once each has it; every receiver gets every
+  version, in lockstep with the trainer.
+- ``latest``: ``push()`` copies the weights into a free snapshot buffer and
+  returns at once. Each receiver's ``pull()`` asks for a version newer than the
+  one it holds and gets the newest complete one, skipping those it missed; a
+  slow or stopped receiver delays nobody. The sender keeps a fixed number of
+  snapshot buffers (``buffers``, default: receivers + 2, enough that a push
+  never waits).
+
+A receiver that fails (dies, or takes longer than ``timeout``) is named in the
+error and dropped; every other receiver carries on, and ``sender.ranks`` shows
+who is left. ``close()`` on either side tells the other (on gloo links).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+
+from . import _cuda
+from ._api import check_bucket_bytes
+from ._control import read_bytes, wire_bytes
+from ._errors import (
+    ArgumentError,
+    OutOfStepError,
+    PeerError,
+    ReceiverFailed,
+    SchemaError,
+    UsageError,
+    WaitTimeout,
+)
+from ._handle import Transfer, run_standing
+from ._header import check_pieces, cut
+from ._link import resolve
+from ._plan import plan_for
+from ._staging import Lane, lane_for, send_from
+from ._transport import park
+from ._walk import unwrap
+from ._weights_link import Driver, check_peers, check_timeout, link_error, naming, run, send_bytes
+from ._weights_wire import (
+    ACCEPTED,
+    ASK,
+    ASK_SIZE,
+    BYE,
+    CLOSED,
+    MAX_SCHEMA_BYTES,
+    MODES,
+    REFUSED,
+    RELEASED,
+    SESSIONS,
+    STATUS_SIZE,
+    TAG_PREAMBLE,
+    TAG_SCHEMA,
+    TAG_STATUS,
+    PushHeader,
+    Schema,
+    SessionTags,
+    checksum,
+    preamble,
+    read_ask,
+    read_status,
+)
+
+
+class _Snapshot:
+    """One sender-side storage of the weights, with the version it holds and its readers."""
+
+    def __init__(self, schema: Schema, piece: int, device: torch.device) -> None:
+        self.storage = torch.zeros(schema.total, dtype=torch.uint8, device=device)
+        self.views = schema.views(self.storage)
+        self.chunks = cut(self.storage, piece)
+        self.header: PushHeader | None = None
+        self.readers = 0  # replies in flight that send from it
+        self.writing = False
+
+
+class _Receiver:
+    """The sender's view of one receiver: its lane, its driver, and why it is gone (if it is)."""
+
+    def __init__(self, lane: Lane) -> None:
+        self.lane = lane
+        self.rank = lane.link.peer
+        self.driver = Driver(f"cudarecv-push-{self.rank}")
+        self.gone: str | None = None  # why it is no longer served
+        self.leaving = False  # it said BYE: nothing new is sent to it
+        self.asked: int | None = None  # latest mode: it wants a version newer than this
+        self.replying = False
+        self.said_last = False  # CLOSED or RELEASED sent (once)
+        self.listener: threading.Thread | None = None
+
+    @property
+    def served(self) -> bool:
+        return self.gone is None and not self.leaving
+
+
+def _out_of_step(text: str) -> OutOfStepError:
+    return OutOfStepError(f"{text} (the link is out of step)")
+
+
+class WeightSender:
+    """Push the values of ``td`` to one or more :class:`WeightReceiver` ranks, every step.
+
+    Args:
+        td: the weights (a tensordict or tensorclass; ``TensorDict.from_module(model)``
+            shares the model's parameters, so each push sends their current values).
+        dst: a global rank or a list of them. Exclusive with ``group_dst``.
+
+    Keyword Args:
+        group: the process group (a standalone one with ``group_dst``).
+        group_dst: a rank or ranks in ``group``.
+        bucket_bytes: bytes per payload message (default: the whole storage at once).
+        timeout: seconds any wait may take (handshake, each receiver's transfer).
+        verify: send a BLAKE3 digest with every push; receivers reject a corrupted payload.
+        stream: the CUDA stream for GPU weights (default: cudarecv's dedicated stream).
+        mode: ``"sync"`` (every receiver gets every version; a blocking push waits for
+            them) or ``"latest"`` (push never waits; each pull gets the newest version).
+        buffers: ``latest`` mode: snapshot buffers kept (default: receivers + 2, so that
+            a push never waits; fewer bound memory, and a push then may wait for a
+            transfer in flight, never for a receiver between pulls).
+
+    Construction performs the handshake with every receiver and raises if one
+    rejects the schema (:class:`SchemaError`, naming it and the first differing
+    key) or could not start (:class:`ReceiverFailed`, with its reason).
+
+    Example:
+        >>> sender = WeightSender(TensorDict.from_module(policy), dst=[1, 2], bucket_bytes=1 << 20)
+        >>> version = sender.push()      # blocks until every receiver has the bytes
+        >>> async_sender = WeightSender(TensorDict.from_module(policy), dst=[1, 2], mode="latest")
+        >>> version = async_sender.push()  # returns at once; actors pull the newest when ready
+    """
+
+    def __init__(self, td: Any, dst: Any = None, *, group: Any = None, group_dst: Any = None,
+                 bucket_bytes: int | None = None, timeout: float = 60.0, verify: bool = False,
+                 stream: Any = None, mode: str = "sync", buffers: int | None = None) -> None:
+        self.timeout = check_timeout(timeout)
+        check_bucket_bytes(bucket_bytes)
+        if mode not in MODES:
+            raise ArgumentError(f"`mode` must be one of {MODES}, got {mode!r}")
+        if buffers is not None and (mode != "latest" or isinstance(buffers, bool) or not isinstance(buffers, int)
+                                    or buffers < 2):
+            raise ArgumentError(f"`buffers` is for mode='latest', an int >= 2; got {buffers!r} with mode={mode!r}")
+        dsts, group_dsts = check_peers(dst, "dst"), check_peers(group_dst, "group_dst")
+        if (dsts is None) == (group_dsts is None):
+            raise ArgumentError("pass exactly one of `dst` and `group_dst` (a rank or a list of ranks)")
+        links = [resolve(d, None, group, "dst", "group_dst") for d in dsts] if dsts is not None else [
+            resolve(None, d, group, "dst", "group_dst") for d in group_dsts]
+        if mode == "latest" and any(link.backend == "nccl" for link in links):
+            raise UsageError("mode='latest' needs a gloo link (NCCL runs a pair's sends and receives in order on "
+                             "one stream, so a receiver's ask could not pass a posted receive): use a gloo group "
+                             "for weight sync (GPU weights are staged through page-locked memory)")
+        self.mode = mode
+        self._td = unwrap(td)
+        plan = plan_for(self._td)
+        plan.check()
+        if not plan.tensors:
+            raise ArgumentError("`td` has no tensors: weight sync needs at least one leaf to send")
+        self.schema = Schema.of(plan.paths, plan.tensors)
+        raw = self.schema.to_json()
+        if len(raw) > MAX_SCHEMA_BYTES:
+            raise ArgumentError(f"the schema of `td` takes {len(raw)} bytes of JSON, more than {MAX_SCHEMA_BYTES}: "
+                                "send fewer, larger leaves")
+        self._piece = bucket_bytes or max(self.schema.total, 1)
+        check_pieces(self.schema.total, self._piece, "weights")
+        self._device = plan.device
+        count = 1 if mode == "sync" else (buffers or len(links) + 2)
+        self._snapshots = [self._snapshot() for _ in range(count)]
+        self._latest: _Snapshot | None = None
+        self._verify = bool(verify)
+        lanes = [lane_for(link, self._device, stream, _cuda.StagingPool()) for link in links]
+        self._cond = threading.Condition()
+        self._in_flight: list[tuple[_Receiver, Transfer]] = []
+        self._torn = False  # sync: a dropped receiver's send may still read the storage: use a new one
+        self._closed = False
+        self.version = 0
+        self._session = int.from_bytes(os.urandom(4), "little") % SESSIONS
+        self._tags = SessionTags.of(self._session)
+        self._handshake(lanes, raw)
+        self._receivers = [_Receiver(lane) for lane in lanes]
+        for receiver in self._receivers:
+            if receiver.lane.link.backend != "nccl":  # the receiver's asks and BYE (see _weights_wire)
+                receiver.listener = threading.Thread(target=self._listen, args=(receiver,), daemon=True,
+                                                     name=f"cudarecv-listen-{receiver.rank}")
+                receiver.listener.start()
+
+    def _snapshot(self) -> _Snapshot:
+        return _Snapshot(self.schema, self._piece, self._device)
+
+    @property
+    def ranks(self) -> list[int]:
+        """The ranks (in the group) of the receivers still served."""
+        return [r.rank for r in self._receivers if r.served]
+
+    @property
+    def dropped(self) -> dict[int, str]:
+        """The receivers no longer served, and why (a failure named, or ``"closed by its receiver"``)."""
+        return {r.rank: r.gone if r.gone is not None else "closed by its receiver"
+                for r in self._receivers if not r.served}
+
+    # -- handshake ----------------------------------------------------------------------
+    def _handshake(self, lanes: list[Lane], raw: bytes) -> None:
+        """Offer the schema to every receiver at once, then read every answer."""
+        def hello(lane: Lane) -> Any:
+            head = yield from send_from(lane, [wire_bytes(lane, preamble(len(raw), self._piece, self.mode,
+                                                                       self._session))],
+                                        [TAG_PREAMBLE], defer=True)
+            yield from send_bytes(lane, raw, TAG_SCHEMA)
+            if head:
+                yield head
+
+        def answer(lane: Lane) -> Any:
+            return (yield from read_bytes(lane, STATUS_SIZE, TAG_STATUS, "handshake answer", SchemaError))
+
+        what = "weight-sync handshake"
+        offers = [(lane, self._control(hello(lane), lane, what, "took no schema")) for lane in lanes]
+        answers = [(lane, self._control(answer(lane), lane, what, "sent no answer")) for lane in lanes]
+        try:
+            for _, transfer in offers + answers:
+                transfer.wait()  # raises, naming the rank, if the link failed
+        except BaseException:
+            park([transfer for _, transfer in offers + answers])  # what is still in flight runs out
+            raise
+        for lane, transfer in answers:
+            status, reason = read_status(transfer.wait())
+            if status == REFUSED:
+                raise SchemaError(f"receiver rank {lane.link.peer} rejected the weights: {reason}")
+            if status != ACCEPTED:
+                raise ReceiverFailed(f"receiver rank {lane.link.peer} could not start: {reason}")
+
+    def _control(self, protocol: Any, lane: Lane, what: str, silent: str) -> Transfer:
+        return Transfer(protocol, lane.stream, on_error=naming(lane.link, what, self.timeout, silent),
+                        timeout=self.timeout, link=lane.link, raise_first=False,
+                        what=f"{what} with rank {lane.link.peer}")
+
+    # -- pushing ------------------------------------------------------------------------
+    def push(self, wait: bool = True, timeout: float | None = None) -> int | list[Transfer]:
+        """Send the current values of ``td`` to every receiver still served, as the next version.
+
+        ``sync`` mode: returns the new version number once every receiver has it, or
+        with ``wait=False`` one :class:`~cudarecv.Transfer` per receiver (their
+        ``wait()`` returns ``None``). ``latest`` mode: copies the weights into a free
+        snapshot buffer and returns the version at once (``wait`` changes nothing);
+        receivers get it when they next pull.
+        ``timeout``: seconds each receiver may take (default: the sender's ``timeout``).
+
+        Raises:
+            TransferTimeout or PeerError naming the receiver whose link failed: it is
+                dropped (the others got the version, and get the next ones);
+                PeerError if no receiver is left.
+        """
+        if self._closed:
+            raise UsageError("this WeightSender is closed")
+        limit = self.timeout if timeout is None else check_timeout(timeout)
+        self._finish_in_flight()  # sync: the storage is reused, the previous push must be out
+        live = [r for r in self._receivers if r.served]
+        if not live:
+            raise PeerError(f"no receiver of this WeightSender is left ({self.dropped}): "
+                            "connect new receivers with a new WeightSender")
+        plan = plan_for(self._td)
+        if [tuple(map(str, p)) for p in plan.paths] != [l.key for l in self.schema.leaves] or any(
+            tuple(t.shape) != l.shape or t.dtype != l.dtype for t, l in zip(plan.tensors, self.schema.leaves)
+        ):
+            raise SchemaError("the tensordict changed structure since the handshake: build a new WeightSender")
+        if self.mode == "latest":
+            return self._snapshot_latest(plan, live, limit)
+        if self._torn:  # the old storage stays with the parked sends of the dropped receiver
+            self._snapshots[0] = self._snapshot()
+            self._torn = False
+        target = self._snapshots[0]
+        self._copy(plan, target, live[0].lane.stream)
+        pushes = []
+        for receiver in live:  # each posted on its own: one failing never keeps the others from theirs
+            transfer = Transfer(self._send(receiver.lane, target), receiver.lane.stream, timeout=limit,
+                                driver=receiver.driver.submit, link=receiver.lane.link,
+                                on_error=self._drop(receiver, self.version, limit), raise_first=False,
+                                what=f"push of version {self.version} to rank {receiver.rank}")
+            pushes.append((receiver, transfer))
+        if not wait:  # each is driven on its receiver's thread from the start: none waits for another
+            self._in_flight = pushes
+            return [transfer for _, transfer in pushes]
+        self._finish(pushes, self.version)
+        return self.version
+
+    def _copy(self, plan: Any, target: _Snapshot, stream: Any) -> None:
+        """Copy the weights into ``target`` as the next version (on ``stream`` for GPU weights)."""
+        if stream is not None:
+            _cuda.follow_caller(stream)
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext(), torch.no_grad():
+            torch._foreach_copy_(target.views, plan.detached, non_blocking=True)  # never an autograd node
+            digest = checksum(target.storage) if self._verify else bytes(16)
+        if stream is not None:  # the caller's next writes (an optimizer step) wait for the copy
+            torch.cuda.current_stream(stream.device).wait_stream(stream)
+        self.version += 1
+        target.header = PushHeader(self.version, self.schema.total, self._piece, self.schema.fingerprint,
+                                   digest, self._verify)
+
+    def _snapshot_latest(self, plan: Any, live: list[_Receiver], limit: float) -> int:
+        with self._cond:
+            free = lambda: next((s for s in self._snapshots  # noqa: E731
+                                 if s is not self._latest and s.readers == 0 and not s.writing), None)
+            if not self._cond.wait_for(lambda: free() is not None, timeout=limit):
+                raise WaitTimeout(f"every one of the {len(self._snapshots)} snapshot buffers was being sent for "
+                                  f"{limit:g} s: pass a larger `buffers`")
+            target = free()
+            target.writing = True
+        try:
+            self._copy(plan, target, live[0].lane.stream)
+        finally:
+            with self._cond:
+                target.writing = False
+        with self._cond:
+            self._latest = target
+            for receiver in live:
+                self._serve(receiver)
+        return self.version
+
+    def _serve(self, receiver: _Receiver) -> None:
+        """Latest mode, under the lock: start a reply if ``receiver`` asked and a newer version exists."""
+        latest = self._latest
+        if (receiver.served and not receiver.replying and receiver.asked is not None and latest is not None
+                and latest.header.version > receiver.asked and not self._closed):
+            receiver.replying = True
+            receiver.driver.submit(lambda: self._reply(receiver))
+
+    def _reply(self, receiver: _Receiver) -> None:
+        """Latest mode, on the receiver's driver: send it the newest snapshot."""
+        with self._cond:
+            snapshot = self._latest
+            snapshot.readers += 1
+            receiver.asked = None
+        version = snapshot.header.version
+        transfer = Transfer(self._send(receiver.lane, snapshot), receiver.lane.stream, timeout=self.timeout,
+                            link=receiver.lane.link, on_error=self._drop(receiver, version, self.timeout),
+                            raise_first=False, what=f"version {version} to rank {receiver.rank}")
+        with contextlib.suppress(Exception):  # a failure drops the receiver (its hook)
+            transfer.wait()
+        with self._cond:
+            snapshot.readers -= 1
+            if transfer.failed:  # its parked send may still read the buffer: never write it again
+                self._snapshots[self._snapshots.index(snapshot)] = fresh = self._snapshot()
+                if self._latest is snapshot:
+                    fresh.storage.copy_(snapshot.storage)
+                    fresh.header = snapshot.header
+                    self._latest = fresh
+            receiver.replying = False
+            self._serve(receiver)  # it may have asked again meanwhile
+            self._cond.notify_all()
+
+    def _send(self, lane: Lane, snapshot: _Snapshot) -> Any:
+        head = yield from send_from(lane, [wire_bytes(lane, snapshot.header.pack())], [self._tags.header], defer=True)
+        yield from send_from(lane, snapshot.chunks, [self._tags.payload] * len(snapshot.chunks))
+        if head:
+            yield head
+
+    def _drop(self, receiver: _Receiver, version: int, timeout: float) -> Callable[[BaseException, float], BaseException]:
+        """The error hook of a transfer of ``version`` to ``receiver``: name it, and drop it."""
+        def dropped(error: BaseException, elapsed: float) -> BaseException:
+            seconds = timeout if isinstance(error, TimeoutError) else elapsed
+            failure = link_error(receiver.lane.link, f"push of version {version}", error, seconds,
+                                 f"did not take version {version}")
+            receiver.gone = str(failure)
+            self._torn = True  # its send may still be reading the storage, long after this
+            return type(failure)(f"{failure}; rank {receiver.rank} is dropped from this sender")
+
+        return dropped
+
+    def _finish(self, pushes: list[tuple[_Receiver, Transfer]], version: int) -> None:
+        """Wait for every receiver's transfer (each bounded by its own timeout, all running at
+        once); then raise the first failure, naming its receiver and who got the version."""
+        errors = []
+        for _, transfer in pushes:
+            try:
+                transfer.wait()
+            except Exception as error:  # noqa: BLE001 - re-raised below, with the ranks reached
+                errors.append(error)
+        if errors:
+            reached = [r.rank for r, t in pushes if not t.failed]
+            raise type(errors[0])(f"{errors[0]} (version {version} reached ranks {reached})") from errors[0]
+
+    def _finish_in_flight(self) -> None:
+        """The push in flight must be out before the storage is reused; its failures were
+        reported on its futures (and their receivers dropped)."""
+        pending, self._in_flight = self._in_flight, []
+        for _, transfer in pending:
+            with contextlib.suppress(Exception):
+                transfer.wait()
+
+    # -- the receivers' messages and the last words -------------------------------------
+    def _listen(self, receiver: _Receiver) -> None:
+        """The receiver's asks (latest mode) and its BYE, for as long as it is connected."""
+        lane = receiver.lane
+        while True:
+            try:
+                kind, version = read_ask(run_standing(
+                    read_bytes(lane, ASK_SIZE, self._tags.ask, "receiver message", _out_of_step), lane.link, lane.stream,
+                    on_error=naming(lane.link, "weight sync", math.inf, "sent nothing")))
+                if kind == ASK and self.mode != "latest":
+                    raise OutOfStepError("the receiver asked for a version of a sync sender: out of step")
+            except Exception as error:  # noqa: BLE001 - a dead or lying receiver is dropped
+                with self._cond:
+                    if receiver.gone is None and not receiver.said_last:
+                        receiver.gone = f"{error}; rank {receiver.rank} is dropped from this sender"
+                    self._cond.notify_all()
+                return
+            if kind == BYE:
+                with self._cond:
+                    receiver.leaving = True
+                    self._cond.notify_all()
+                receiver.driver.submit(lambda: self._last_word(receiver, RELEASED))  # after what is in flight
+                return
+            with self._cond:
+                receiver.asked = version
+                self._serve(receiver)
+
+    def _last_word(self, receiver: _Receiver, kind: int) -> None:
+        """Send ``receiver`` the sender's last header (CLOSED or RELEASED), once."""
+        with self._cond:
+            if receiver.said_last or receiver.gone is not None:
+                return
+            receiver.said_last = True
+        header = PushHeader(self.version, self.schema.total, self._piece, self.schema.fingerprint, kind=kind)
+        with contextlib.suppress(Exception):  # a receiver gone meanwhile: nothing left to tell
+            run(send_bytes(receiver.lane, header.pack(), self._tags.header), receiver.lane, self.timeout, "weight-sync close",
+                "took no close message")
+        if kind == RELEASED:
+            with self._cond:
+                receiver.gone = receiver.gone or "closed by its receiver"
+                self._cond.notify_all()
+
+    def close(self) -> None:
+        """Finish what is in flight, tell every receiver, and stop (within ``timeout``). Idempotent.
+
+        A receiver's pending or next ``pull()`` then raises :class:`SenderClosed` at once
+        (on gloo links); its last version stays readable.
+        """
+        if self._closed:
+            return
+        self._finish_in_flight()
+        with self._cond:
+            self._closed = True
+        for receiver in self._receivers:
+            if receiver.listener is not None and receiver.gone is None:
+                receiver.driver.submit(lambda r=receiver: self._last_word(r, CLOSED))
+        deadline = time.monotonic() + self.timeout
+        for receiver in self._receivers:  # a dropped receiver's thread may wait on it forever: no join
+            receiver.driver.stop(max(deadline - time.monotonic(), 0.0) if receiver.gone is None else 0.0)
+        for receiver in self._receivers:  # each listener ends with its receiver's BYE
+            if receiver.listener is not None and receiver.gone is None:
+                receiver.listener.join(max(deadline - time.monotonic(), 0.0))
+
+    def __enter__(self) -> "WeightSender":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

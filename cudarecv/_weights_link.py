@@ -1,0 +1,110 @@
+"""What both ends of a weight sync share: argument checks, the per-peer driver thread,
+control-message runs and errors that name the peer.
+
+The protocol itself (messages, tags, the handshake) is described in
+:mod:`._weights_wire`; the two ends are :mod:`._weight_sender` and
+:mod:`._weight_receiver`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+from typing import Any, Callable
+
+from ._control import wire_bytes
+from ._errors import ArgumentError, LinkError, MismatchError, OutOfStepError, PeerError, TransferTimeout
+from ._handle import Transfer
+from ._link import Link
+from ._staging import Lane, send_from
+from ._transport import park
+
+
+def check_timeout(timeout: object) -> float:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ArgumentError(f"`timeout` must be a positive number of seconds, got {timeout!r}")
+    return float(timeout)
+
+
+def check_peers(value: Any, name: str) -> list[int] | None:
+    if value is None:
+        return None
+    peers = list(value) if isinstance(value, (list, tuple)) else [value]
+    if not peers:
+        raise ArgumentError(f"`{name}` is empty: pass at least one rank")
+    if len(set(peers)) != len(peers):
+        raise ArgumentError(f"`{name}` names a rank twice: {peers}")
+    return peers
+
+
+def link_error(link: Link, what: str, error: BaseException, seconds: float, silent: str) -> LinkError:
+    """``error`` on the link to ``link.peer`` as a :class:`TransferTimeout` or :class:`PeerError` naming the peer.
+
+    ``seconds``: the time that ran out (a timeout) or that had passed (a failure);
+    ``silent`` says what the peer did not do, e.g. ``"sent nothing"``.
+    """
+    if isinstance(error, TimeoutError):
+        return TransferTimeout(f"{what}: rank {link.peer} of the group {silent} within {seconds:g} s")
+    text = str(error).splitlines()[0] if str(error) else repr(error)
+    return PeerError(f"{what}: the link to rank {link.peer} of the group failed after {seconds:.3g} s "
+                     f"(did its process die?): {text}")
+
+
+def naming(link: Link, what: str, timeout: float, silent: str) -> Callable[[BaseException, float], BaseException]:
+    """An error hook that names the peer (ours: a mismatch or a lie, stays as it is)."""
+    def named(error: BaseException, elapsed: float) -> BaseException:
+        if isinstance(error, (MismatchError, OutOfStepError)):
+            return error
+        return link_error(link, what, error, timeout if isinstance(error, TimeoutError) else elapsed, silent)
+
+    return named
+
+
+def run(protocol: Any, lane: Lane, timeout: float, what: str, silent: str = "sent nothing") -> Any:
+    """Drive a control-message protocol to its end within ``timeout`` seconds."""
+    return Transfer(protocol, lane.stream, on_error=naming(lane.link, what, timeout, silent), timeout=timeout,
+                    link=lane.link, what=f"{what} with rank {lane.link.peer}").wait()
+
+
+def send_bytes(lane: Lane, data: bytes, tag: int) -> Any:
+    """A protocol that sends ``data`` as one message on ``tag``."""
+    yield from send_from(lane, [wire_bytes(lane, data)], [tag])
+
+
+def post_and_forget(lane: Lane, data: bytes, tag: int) -> None:
+    """Post ``data`` on ``tag`` and keep its work alive without waiting for it (a last word to a
+    peer that may be gone already: it completes when the peer takes it, or dies with the link)."""
+    protocol = send_from(lane, [wire_bytes(lane, data)], [tag], defer=True)
+    try:
+        next(protocol)
+    except StopIteration as posted:
+        park(posted.value or ())
+
+
+class Driver:
+    """One thread, started once per peer, that runs what is handed to it, in order.
+
+    gloo reports a receive complete only inside ``Work.wait()``, and a pull has
+    steps (header, then payload): a pull hands its transfer here so it progresses
+    while the caller acts; a fan-out push hands each receiver's transfer to that
+    receiver's driver, so none waits for another.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._jobs: "queue.SimpleQueue[Callable[[], None] | None]" = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self._jobs.put(job)
+
+    def _loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            with contextlib.suppress(BaseException):  # a transfer keeps its own error
+                job()
+
+    def stop(self, timeout: float) -> None:
+        """Let the thread end after what it runs now (waiting up to ``timeout`` s for it)."""
+        self._jobs.put(None)
+        self._thread.join(timeout)

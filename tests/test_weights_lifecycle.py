@@ -1,0 +1,269 @@
+"""Weight sync for asynchronous RL: latest-wins mode, shutdown both ways, failures that reach
+the other side.
+
+Every case runs on real spawned ranks over gloo. No assertion is on speed: a trainer that
+waited for a stopped actor would never finish its pushes, and the test would fail on its
+bounded wait instead.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+import cudarecv
+from policies import holds_version, policy, set_version
+from rawwire import store
+
+PUSHES = 40
+
+
+def _key(name: str) -> str:
+    return f"lifecycle_{name}_{time.monotonic_ns()}"
+
+
+def latest_with_a_stopped_actor(rank, world, group, key):
+    """Rank 2 takes one version and then stops until the trainer is done; rank 1 pulls on."""
+    model = policy()
+    signals = store()
+    if rank == 0:
+        with cudarecv.WeightSender(TensorDict.from_module(model), dst=[1, 2], mode="latest",
+                                   bucket_bytes=512, timeout=30) as sender:
+            set_version(model, 1)
+            sender.push()
+            signals.wait([f"{key}_stopped"])  # rank 2 holds version 1 and pulls no more
+            for version in range(2, PUSHES + 1):
+                set_version(model, version)
+                assert sender.push() == version  # never waits for rank 2: else this never ends
+                time.sleep(0.002)  # a training step
+            ranks = sender.ranks  # both still served
+            signals.set(f"{key}_trained", "1")
+            signals.wait([f"{key}_fast_done", f"{key}_slow_done"])
+            return ranks, len(sender._snapshots)
+    with cudarecv.WeightReceiver(src=0, expect=model, timeout=30) as receiver:
+        assert receiver.mode == "latest"
+        seen = [(receiver.pull(), holds_version(receiver.td, receiver.version))]
+        if rank == 2:
+            signals.set(f"{key}_stopped", "1")
+            signals.wait([f"{key}_trained"])  # stopped for the whole of the training
+            seen.append((receiver.pull(), holds_version(receiver.td, receiver.version)))
+            signals.set(f"{key}_slow_done", "1")
+            return seen
+        while receiver.version < PUSHES:
+            version = receiver.pull()
+            seen.append((version, holds_version(receiver.td, version)))
+        signals.set(f"{key}_fast_done", "1")
+        return seen
+
+
+@pytest.fixture(scope="module")
+def three():
+    from cudarecv.testing.launch import Ranks
+
+    ranks = Ranks(3, pg_timeout=30.0)
+    yield ranks
+    ranks.close()
+
+
+def test_latest_mode_a_stopped_actor_never_holds_up_the_trainer_and_gets_the_newest(three):
+    (ranks, buffers), fast, slow = three().run(latest_with_a_stopped_actor, args=(_key("latest"),), timeout=120)
+    assert ranks == [1, 2] and buffers == 4  # receivers + 2: fixed, never one per push
+    assert slow == [(1, True), (PUSHES, True)], f"the stopped actor got {slow}: not the newest, or a mix"
+    versions = [v for v, _ in fast]
+    assert all(ok for _, ok in fast), "the fast actor saw a mix of two versions"
+    assert versions == sorted(set(versions)) and versions[0] == 1 and versions[-1] == PUSHES, versions
+
+
+def latest_pull_waits_for_newer(rank, world, group, key):
+    model = policy()
+    signals = store()
+    if rank == 0:
+        with cudarecv.WeightSender(TensorDict.from_module(model), dst=1, mode="latest", timeout=30) as sender:
+            set_version(model, 1)
+            sender.push()
+            signals.wait([f"{key}_waited"])
+            set_version(model, 2)
+            sender.push()
+            set_version(model, 3)
+            sender.push()
+            signals.wait([f"{key}_done"])
+        return None
+    with cudarecv.WeightReceiver(src=0, timeout=30) as receiver:
+        out = [receiver.pull()]
+        for call in ("wait", "future"):  # it holds the newest: each waits, and the pull goes on
+            started = time.monotonic()
+            try:
+                if call == "wait":
+                    receiver.pull(timeout=0.3)
+                else:
+                    receiver.pull(wait=False).wait(0.3)
+                out.append("returned")
+            except cudarecv.WaitTimeout as error:
+                out.append((str(error), time.monotonic() - started))
+        signals.set(f"{key}_waited", "1")
+        got = receiver.pull()  # carries on with the pull under way: version 2 or 3, whichever was newest
+        out.append((got, holds_version(receiver.td, got)))
+        if got < 3:
+            out.append((receiver.pull(), holds_version(receiver.td, 3)))
+        signals.set(f"{key}_done", "1")
+        return out
+
+
+def test_latest_pull_waits_only_until_a_newer_version_exists(cluster):
+    out = cluster().run(latest_pull_waits_for_newer, args=(_key("newer"),), timeout=90)[1]
+    assert out[0] == 1
+    for message, took in out[1:3]:
+        assert took >= 0.3 and "rank 0" in message and "newer than 1" in message, message
+        assert "pull goes on" in message or "goes on" in message
+    assert out[-1][1] and out[-1][0] == 3, out
+
+
+def sender_closes(rank, world, group, key, mode):
+    """The sender pushes 2 versions and closes; rank 1 has a pull under way, rank 2 is between pulls."""
+    model = policy()
+    signals = store()
+    if rank == 0:
+        sender = cudarecv.WeightSender(TensorDict.from_module(model), dst=[1, 2], mode=mode, timeout=60)
+        for version in (1, 2):
+            set_version(model, version)
+            sender.push()
+        signals.wait([f"{key}_ready_1", f"{key}_ready_2"])
+        started = time.monotonic()
+        sender.close()
+        took = time.monotonic() - started
+        signals.set(f"{key}_closed", "1")
+        return took
+    receiver = cudarecv.WeightReceiver(src=0, expect=model, timeout=60)
+    while receiver.version < 2:
+        receiver.pull()
+    pending = receiver.pull(wait=False) if rank == 1 else None
+    signals.set(f"{key}_ready_{rank}", "1")
+    started = time.monotonic()
+    try:
+        if pending is not None:
+            pending.wait(60)
+        else:
+            signals.wait([f"{key}_closed"])
+            time.sleep(0.5)  # the sender's process may be gone by now: the close was heard anyway
+            receiver.pull()
+        outcome = "no error"
+    except cudarecv.SenderClosed as error:
+        outcome = str(error)
+    took = time.monotonic() - started
+    try:
+        receiver.pull()
+        again = "no error"
+    except cudarecv.SenderClosed as error:
+        again = type(error).__name__
+    receiver.close()
+    return outcome, took, again, receiver.version, holds_version(receiver.td, 2)
+
+
+@pytest.mark.parametrize("mode", ["sync", "latest"])
+def test_sender_close_reaches_every_receiver_at_once(three, mode):
+    close_took, pending, later = three().run(sender_closes, args=(_key(f"close_{mode}"), mode), timeout=120)
+    assert close_took < 30, f"close took {close_took:.1f} s of its 60 s"  # the receivers answered, no timeout
+    for outcome, took, again, version, intact in (pending, later):
+        assert "closed" in outcome and "rank 0" in outcome and "version 2" in outcome, outcome
+        assert took < 30, f"told after {took:.1f} s: that is the 60 s timeout, not the close"
+        assert again == "SenderClosed"
+        assert version == 2 and intact, "the last version is no longer readable"
+
+
+def receiver_leaves(rank, world, group, key, mode):
+    """Rank 2 takes a version or two and closes; the sender pushes on to rank 1, who gets what it asks for."""
+    model = policy()
+    signals = store()
+    steps = 8
+    if rank == 0:
+        with cudarecv.WeightSender(TensorDict.from_module(model), dst=[1, 2], mode=mode, timeout=60) as sender:
+            errors = []
+            for version in range(1, steps + 1):
+                set_version(model, version)
+                try:
+                    sender.push()
+                except cudarecv.Error as error:
+                    errors.append(f"{type(error).__name__}: {error}")
+                if version == 3:
+                    signals.wait([f"{key}_left"])  # rank 2 closed: the next pushes go to rank 1 only
+            deadline = time.monotonic() + 30
+            while 2 in sender.ranks and time.monotonic() < deadline:
+                time.sleep(0.01)
+            ranks, dropped = sender.ranks, sender.dropped
+            signals.wait([f"{key}_fast_done"])
+        return errors, ranks, dropped
+    with cudarecv.WeightReceiver(src=0, expect=model, timeout=60) as receiver:
+        if rank == 2:
+            for _ in range(2 if mode == "sync" else 1):  # latest: a second pull would wait for version 4
+                receiver.pull()
+            receiver.close()  # the sender may have version 3 in flight to it: taken, then told
+            signals.set(f"{key}_left", "1")
+            try:
+                receiver.pull()
+                after = "no error"
+            except cudarecv.UsageError as error:
+                after = str(error)
+            return after, receiver.version, holds_version(receiver.td, receiver.version)
+        seen = []
+        while receiver.version < steps:
+            version = receiver.pull()
+            seen.append((version, holds_version(receiver.td, version)))
+        signals.set(f"{key}_fast_done", "1")
+        return seen
+
+
+@pytest.mark.parametrize("mode", ["sync", "latest"])
+def test_receiver_close_reaches_the_sender_which_goes_on_with_the_others(three, mode):
+    (errors, ranks, dropped), seen, (after, version, intact) = three().run(
+        receiver_leaves, args=(_key(f"leave_{mode}"), mode), timeout=120)
+    assert errors == [], errors  # a push in flight to the closing receiver ended cleanly
+    assert ranks == [1] and dropped == {2: "closed by its receiver"}, (ranks, dropped)
+    assert all(ok for _, ok in seen)
+    versions = [v for v, _ in seen]
+    if mode == "sync":
+        assert versions == list(range(1, 9)), versions
+    else:
+        assert versions == sorted(set(versions)) and versions[-1] == 8, versions
+    assert "closed" in after and version == (2 if mode == "sync" else version) and 1 <= version <= 3 and intact
+
+
+def receiver_cannot_start(rank, world, group, why):
+    model = policy()
+    if rank == 0:
+        started = time.monotonic()
+        try:
+            cudarecv.WeightSender(TensorDict.from_module(model), dst=1, timeout=60)
+            return "no error"
+        except cudarecv.Error as error:
+            return type(error).__name__, str(error), time.monotonic() - started
+    kwargs = {"cuda": {"device": "cuda:0"}, "timeout": {"timeout": -1}, "device": {"device": "no-such"},
+              "pin_memory": {"device": "meta", "pin_memory": True}}[why]
+    try:
+        cudarecv.WeightReceiver(src=0, **kwargs)
+        return "no error"
+    except cudarecv.Error as error:
+        return type(error).__name__, str(error)
+
+
+@pytest.mark.parametrize("why", ["cuda", "timeout", "device", "pin_memory"])
+def test_a_receiver_that_cannot_start_tells_the_sender_at_once(cluster, why):
+    if why == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: device='cuda:0' works here")
+    (kind, message, took), (receiver_kind, receiver_message) = cluster().run(
+        receiver_cannot_start, args=(why,), timeout=90)
+    assert kind == "ReceiverFailed" and "rank 1" in message, (kind, message)
+    assert receiver_message in message or receiver_message[:60] in message, (message, receiver_message)
+    assert receiver_kind in ("UsageError", "ArgumentError")
+    assert took < 30, f"the sender learnt it after {took:.1f} s: its 60 s timeout, not the answer"
+
+
+def test_latest_mode_arguments():
+    with pytest.raises(ValueError, match="`mode` must be one of"):
+        cudarecv.WeightSender(TensorDict(a=torch.zeros(1)), dst=1, mode="newest")
+    with pytest.raises(ValueError, match="`buffers` is for mode='latest'"):
+        cudarecv.WeightSender(TensorDict(a=torch.zeros(1)), dst=1, buffers=3)
+    with pytest.raises(ValueError, match="`buffers` is for mode='latest', an int >= 2"):
+        cudarecv.WeightSender(TensorDict(a=torch.zeros(1)), dst=1, mode="latest", buffers=1)
