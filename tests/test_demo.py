@@ -25,45 +25,47 @@ def _demo(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=timeout)
 
 
-def _table(stdout: str) -> list[dict[str, str]]:
-    """The rows of the printed table, as cells keyed by column."""
+def _tables(stdout: str) -> list[list[dict[str, str]]]:
+    """The printed tables (the trainer's, then the actors'), each as rows of cells keyed by column."""
+    tables: list[list[dict[str, str]]] = []
     columns: list[str] = []
-    rows = []
     for line in stdout.splitlines():
-        if line.startswith("# actor"):
+        if line.startswith("# impl"):
             columns = re.split(r"\s{2,}", line[2:].strip())
+            tables.append([])
         elif line.strip() and not line.startswith("#"):
             assert columns, f"table row before its header: {line!r}"
             cells = re.split(r"\s{2,}", line.strip())
             assert len(cells) == len(columns), f"row {line!r} does not match columns {columns}"
-            rows.append(dict(zip(columns, cells)))
-    return rows
+            tables[-1].append(dict(zip(columns, cells)))
+    return tables
 
 
-def _rewards(stdout: str) -> tuple[float, float]:
-    found = re.search(r"^# trainer reward: first 10% ([\d.]+) -> last 10% ([\d.]+)", stdout, re.M)
-    assert found, stdout
-    return float(found.group(1)), float(found.group(2))
-
-
-def _check_run(proc: subprocess.CompletedProcess, actors: int, checksums: str) -> list[dict[str, str]]:
+def _check_run(proc: subprocess.CompletedProcess, actors: int, checksums: str,
+               mode: str = "sync") -> list[list[dict[str, str]]]:
     out = f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     assert proc.returncode == 0, out
-    rows = _table(proc.stdout)
-    assert [row["actor"] for row in rows] == [str(r) for r in range(1, actors + 1)], out
-    for row in rows:
-        assert row["check"] == "ok", out
-        assert row["checksums"] == checksums, out
-        assert int(row["pulls"]) == QUICK_VERSIONS, out
-        assert float(row["p50 (ms)"]) > 0 and float(row["p99 (ms)"]) >= float(row["p50 (ms)"]), out
-        assert float(row["GB/s"]) > 0, out
-        assert row["lag max"] == "-" or int(row["lag max"]) >= 0, out
-    # the task is seeded, and the trainer's batches are its own: it learns every time
-    first, last = _rewards(proc.stdout)
-    assert last > first, out
-    assert f"# checks: all {actors} actor(s) hold the trainer's final weights, version {QUICK_VERSIONS}" in proc.stdout
-    assert "trainer" in proc.stderr, out  # the progress bar (or its plain-line fallback)
-    return rows
+    trainers, rows = _tables(proc.stdout)
+    assert [t["impl"] for t in trainers] == [f"cudarecv {mode}", "stock"], out
+    for trainer in trainers:  # the task is seeded, and the trainer's batches are its own: it learns every time
+        assert float(trainer["reward last"]) > float(trainer["reward first"]), out
+        assert float(trainer["steps/s"]) > 0 and float(trainer["push p99 ms"]) >= float(trainer["push p50 ms"]), out
+    for impl in (f"cudarecv {mode}", "stock"):
+        mine = [row for row in rows if row["impl"] == impl]
+        assert [row["actor"].rstrip("*") for row in mine] == [str(r) for r in range(1, actors + 1)], out
+        for row in mine:
+            assert row["check"] == "ok", out
+            assert row["checksum"] == (checksums if impl != "stock" else "-"), out
+            if mode == "sync" or impl == "stock":
+                assert int(row["pulls"]) == QUICK_VERSIONS, out  # every version
+            else:
+                assert 1 <= int(row["pulls"]) <= QUICK_VERSIONS, out  # the newest, when ready
+            assert float(row["p99 ms"]) >= float(row["p50 ms"]) >= 0, out
+            assert row["lag max"] == "-" or int(row["lag max"]) >= 0, out
+    assert f"# checks: every actor holds the trainer's final weights, version {QUICK_VERSIONS}" in proc.stdout
+    assert all(len(line) <= 100 for line in proc.stdout.splitlines()), out
+    assert "trainer (cudarecv" in proc.stderr and "trainer (stock)" in proc.stderr, out  # the progress bars
+    return [trainers, rows]
 
 
 def test_demo_quick_verified() -> None:
@@ -74,13 +76,22 @@ def test_demo_quick_three_actors() -> None:
     _check_run(_demo("--quick", "--actors", "3"), actors=3, checksums="off")
 
 
+def test_demo_latest_mode_with_a_slow_actor() -> None:
+    """The slow actor takes few versions in latest mode, and every one of them in lockstep (stock)."""
+    proc = _demo("--quick", "--mode", "latest", "--slow-actor", "2", "--slow-seconds", "0.2", timeout=180)
+    _, rows = _check_run(proc, actors=2, checksums="off", mode="latest")
+    slow = {row["impl"]: row for row in rows if row["actor"] == "2*"}
+    assert set(slow) == {"cudarecv latest", "stock"}, rows
+    assert int(slow["stock"]["pulls"]) == QUICK_VERSIONS
+
+
 def test_demo_dead_actor_ends_the_run() -> None:
     proc = _demo("--quick", "--actors", "1", "--kill-actor", "1", "--timeout", "20", timeout=90)
     out = f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     assert proc.returncode == 1, out
     assert "cudarecv demo: error: " in proc.stderr, out
     assert "actor rank 1" in proc.stderr or "rank(s) [1] died" in proc.stderr, out
-    assert not _table(proc.stdout), out
+    assert not _tables(proc.stdout), out
 
 
 def test_demo_bad_option() -> None:
@@ -103,6 +114,9 @@ def test_demo_bad_option() -> None:
     (["--device", "tpu"], "argument --device: invalid choice: 'tpu' (choose from "),  # quoting: Python's
     (["--hidden", "8", "--model-mib", "1"], "argument --model-mib: not allowed with argument --hidden"),
     (["--actors", "2", "--kill-actor", "3"], "argument --kill-actor: must be an actor's rank, 1..2 (--actors 2), got 3"),
+    (["--slow-actor", "0"], "argument --slow-actor: must be an actor's rank, 1..2 (--actors 2), got 0"),
+    (["--mode", "async"], "argument --mode: invalid choice: 'async' (choose from "),
+    (["--slow-seconds", "-1"], "argument --slow-seconds: must be a number > 0, got '-1'"),
     (["--quick", "extra"], "unrecognized arguments: extra"),
 ])
 def test_demo_bad_option_names_its_flag(capsys, argv, message) -> None:

@@ -129,6 +129,7 @@ def test_a_short_wait_raises_wait_timeout_and_the_transfer_goes_on(cluster):
     _, ((outcome, took), ok) = cluster().run(short_caller_wait)
     kind, message, usable = outcome
     assert kind == "WaitTimeout" and usable and "0.3 s" in message and "goes on" in message, outcome
+    assert "from rank 0" in message and "receive of" in message, outcome  # the peer, and what it waited for
     assert took >= 0.3 and ok
 
 

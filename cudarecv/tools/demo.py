@@ -1,40 +1,39 @@
-"""``python -m cudarecv demo``: RL weight sync, a trainer pushing a policy to actors every step.
+"""``python -m cudarecv demo``: RL weight sync, a trainer pushing its policy to actors, with
+cudarecv and with stock tensordict, side by side.
 
 Usage::
 
     python -m cudarecv demo [--actors N] [--steps N] [--hidden N | --model-mib X] [--device cpu|cuda]
+                            [--mode sync|latest] [--slow-actor RANK] [--slow-seconds S]
                             [--bucket-bytes SIZE] [--verify] [--timeout S] [--seed N] [--quick]
 
 Starts one trainer (rank 0) and ``--actors`` actor processes (ranks 1..N) on
 this machine (one :class:`~cudarecv.testing.launch.Cluster`): gloo on the CPU by
-default; with ``--device cuda``, NCCL when every rank can have a GPU of its
-own, else gloo with each process's weights in CUDA memory.
+default; with ``--device cuda``, NCCL when every rank can have a GPU of its own
+(and ``--mode sync``), else gloo with each process's weights in CUDA memory.
+The same training runs twice on the same ranks:
 
-The task needs no data: a contextual bandit written in torch. Each context is
-a random vector; one of a few arms pays 1, chosen by a hidden random rule
-shared by all ranks (the seed), the others 0. The trainer trains a policy MLP
-with REINFORCE on its own batches and, after every optimizer step, pushes the
-weights to all actors with a :class:`~cudarecv.WeightSender` (``push(wait=False)``:
-the push goes on in a helper thread while the trainer computes the next step,
-and is finished before the next push). The pushed tensordict is the policy's
-parameters plus a small ``meta`` sub-tensordict: the version, the step, a
-``last`` flag and the trainer's ``time.time()`` at push start.
+- **cudarecv**: a :class:`~cudarecv.WeightSender` and one
+  :class:`~cudarecv.WeightReceiver` per actor. ``--mode sync``: every version
+  reaches every actor; the trainer starts each push (``push(wait=False)``) and
+  finishes it while it computes the next step. ``--mode latest``: ``push()``
+  snapshots the weights and returns; each actor takes the newest version when it
+  is ready.
+- **stock**: tensordict's own way: ``init_remote`` once, then
+  ``send(consolidated=True)`` to each actor after every step, and
+  ``recv(consolidated=True)`` on the actors (every version, in lockstep).
 
-Each actor holds a :class:`~cudarecv.WeightReceiver` and always acts with the
-latest version it has: it starts the next pull without blocking
-(``pull(wait=False)``, which the receiver's own thread finishes) and, until
-``done()``, plays episodes with the current weights (zero-copy: under
-``receiver.reading()``, ``torch.func.functional_call`` on the received views).
-Per pull it records the latency (``time.time()`` in a done-callback, which runs
-as the version is published, minus the trainer's stamp: the same host clock),
-the version lag of every episode (the trainer's latest pushed version, which it
-sets in the default group's store before each push, minus the version acted
-with) and, with ``--verify``, whether the checksum held.
+The task needs no data: a contextual bandit written in torch (one of a few arms
+pays 1, chosen by a hidden rule shared by all ranks). The trainer trains a policy
+MLP with REINFORCE; actors play episodes with the latest weights they hold.
+``--slow-actor RANK`` makes that actor sleep ``--slow-seconds`` after every
+version it takes (an actor busy elsewhere): in latest mode the trainer does not
+notice; in lockstep it waits for it every step.
 
-At the end the program prints an nccl-tests style table, one row per actor,
-plus the trainer's reward over its first and last 10% of steps (it must go up:
-random play scores 1/arms), and checks that every actor ended with exactly the
-trainer's final weights.
+At the end two tables: the trainer's (steps per second, push times, reward) and
+the actors' (pull latency, version lag, episodes, reward, checks), one row per
+implementation, every column explained below them. Every actor must end with
+exactly the trainer's final weights.
 
 Exit status: 0 on success; 1 if a rank failed, a checksum failed or an actor's
 final weights differ from the trainer's; 2 on bad arguments. Errors print as
@@ -53,7 +52,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -67,19 +66,37 @@ from .cli import OptionError, error, int_at_least, positive_float, size_or_zero
 from .console import available_memory, progress, tail, versions
 from .transfer_ranks import format_size
 
-DEFAULTS = dict(actors=2, steps=200, model_mib=4.0, bucket_bytes="1MiB", timeout=60.0, seed=0)
+DEFAULTS = dict(actors=2, steps=200, model_mib=4.0, bucket_bytes="1MiB", timeout=60.0, seed=0, slow_seconds=2.0)
 QUICK = dict(steps=40, hidden=64)
+IMPLS = ("cudarecv", "stock")
 OBS, ARMS, RULE_WIDTH = 16, 8, 32  # context size, arms, width of the hidden rule
 BATCH, ACTOR_BATCH = 256, 64  # contexts per training step / per actor episode
 VERSION_KEY = "cudarecv_demo/version"
 PROCESS_BYTES = 400 << 20  # a rank's own footprint (torch imported, gloo), roughly
-NOTE = ("latency = actor's time.time() when a version landed - trainer's time.time() at push start; "
-        "GB/s = pushed bytes / p50 latency / 1e9")
-LAG_NOTE = "lag = trainer's latest pushed version - the version the actor acted with, per episode"
-CHECK_NOTE = "check = final weights identical to the trainer's, and no checksum failure (checksums: with --verify)"
-COLUMNS = ("actor", "device", "pulls", "episodes", "p50 (ms)", "p99 (ms)", "GB/s", "lag mean", "lag max",
-           "checksums", "reward", "last 10%", "check")
-LEFT = {"device", "check"}
+DONE_KEY = "cudarecv_demo/done"
+TICK = 1.0  # seconds between progress refreshes: the demo is never silent for long
+TRAINER_COLUMNS = ("impl", "steps/s", "push p50 ms", "push p99 ms", "push max ms", "reward first", "reward last")
+ACTOR_COLUMNS = ("impl", "actor", "pulls", "episodes", "p50 ms", "p99 ms", "lag avg", "lag max", "reward",
+                 "checksum", "check")
+LEFT = {"impl", "check"}
+TRAINER_NOTES = (
+    "steps/s: training steps per second of wall time, pushes included",
+    "push: what one step spent on weight sync (cudarecv sync: finishing the previous push and starting",
+    "  this one; latest: the snapshot; stock: the send to every actor, one after the other)",
+    "reward first / last: the trainer's mean reward over its first and last 10% of steps",
+    f"  (random play {1 / ARMS:.3f}, best 1.000)",
+)
+ACTOR_NOTES = (
+    "actor: its rank (* the --slow-actor); pulls: versions it took; episodes: batches of contexts",
+    "  it played (cudarecv: while the next version travels; stock: one per version)",
+    "p50 / p99 ms: pull latency, from when the version existed and the actor asked (whichever came",
+    "  later) to when it landed in the actor's memory",
+    "lag avg / max: versions the trainer was ahead at each episode (its latest push minus the one",
+    "  played with)",
+    "reward: the actor's mean reward per episode",
+    "checksum: versions whose BLAKE3 checksum was verified, of all taken (--verify; stock has none)",
+    "check: ok = final weights identical to the trainer's, and no checksum failed",
+)
 
 
 @dataclass(frozen=True)
@@ -96,6 +113,10 @@ class Config:
     timeout: float
     seed: int
     threads: int
+    mode: str = "sync"  # cudarecv's mode: "sync" or "latest"
+    impl: str = "cudarecv"  # which implementation this pass runs: "cudarecv" or "stock"
+    slow_actor: int | None = None
+    slow_seconds: float = 2.0
     kill_actor: int | None = None
 
     @property
@@ -208,35 +229,35 @@ def _train_step(policy: nn.Module, opt: torch.optim.Optimizer, env: Bandit) -> f
     return float(r.mean())
 
 
-class _Progress:
-    """A tqdm bar on stderr, or a line every 10% when tqdm is not installed."""
+class _Bar:
+    """The trainer's tqdm bar on stderr, refreshed every :data:`TICK` s by a thread of its own, so
+    its clock moves even while a step waits (a lockstep send to a slow actor)."""
 
     def __init__(self, total: int, desc: str) -> None:
-        self.total, self.done, self.desc = total, 0, desc
-        try:
-            from tqdm import tqdm
-        except ImportError:
-            self.bar = None
-        else:
-            self.bar = tqdm(total=total, desc=desc, unit="step", file=sys.stderr, mininterval=0.5,
-                            dynamic_ncols=True, leave=True)
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, desc=desc, unit="step", file=sys.stderr, mininterval=TICK,
+                        dynamic_ncols=True, leave=True)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._tick, daemon=True, name="cudarecv-demo-bar")
+        self._thread.start()
+
+    def _tick(self) -> None:
+        while not self._stop.wait(TICK):
+            self.bar.refresh()
 
     def update(self, **postfix: str) -> None:
-        self.done += 1
-        if self.bar is not None:
-            self.bar.set_postfix(postfix, refresh=False)
-            self.bar.update(1)
-        elif self.done == self.total or self.done % max(1, self.total // 10) == 0:
-            info = " ".join(f"{k}={v}" for k, v in postfix.items())
-            print(f"{self.desc}: {self.done}/{self.total} {info}", file=sys.stderr, flush=True)
+        self.bar.set_postfix(postfix, refresh=False)
+        self.bar.update(1)
 
     def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
+        self._stop.set()
+        self._thread.join()
+        self.bar.close()
 
 
 class _Pushed:
-    """What the trainer pushes, and how it stamps and starts each version.
+    """What the trainer pushes, and how it stamps each version.
 
     On the CPU the sender reads the policy's parameters themselves (it copies
     them into its storage inside ``push()``). On a GPU that copy runs later, on
@@ -245,18 +266,18 @@ class _Pushed:
     refreshed on the trainer's stream once the previous push is out on the GPU.
     """
 
-    def __init__(self, policy: nn.Module, device: torch.device) -> None:
+    def __init__(self, policy: nn.Module, device: torch.device, key: str) -> None:
         from tensordict import TensorDict
 
+        self.key = key
         self.params = TensorDict.from_module(policy)
         self.meta = _meta(device)
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.td = weights_td(policy, self.meta) if self.stream is None else TensorDict(
             {"policy": self.params.detach().clone(), "meta": self.meta}, batch_size=[])
 
-    def start(self, sender: Any, store: Any, step: int, last: bool) -> list[Any]:
-        """Stamp and start the push of the next version (the store says it is the trainer's latest)."""
-        version = sender.version + 1
+    def stamp(self, store: Any, version: int, step: int, last: bool) -> None:
+        """Stamp the next version (the store says it is the trainer's latest)."""
         if self.stream is not None:
             torch.cuda.current_stream().wait_stream(self.stream)  # the previous push has read the snapshot
             with torch.no_grad():
@@ -264,9 +285,100 @@ class _Pushed:
         self.meta["version"].fill_(version)
         self.meta["step"].fill_(step)
         self.meta["last"].fill_(int(last))
-        store.set(VERSION_KEY, str(version))
+        store.set(self.key, str(version))
         self.meta["t_push"].fill_(time.time())
-        return sender.push(wait=False)
+
+
+class _CudarecvPush:
+    """Weight sync with cudarecv: sync (start a push, finish it during the next step) or latest."""
+
+    def __init__(self, cfg: Config, policy: nn.Module, device: torch.device, ranks: list[int]) -> None:
+        self.cfg, self.device, self.ranks = cfg, device, ranks
+        self.pushed = _Pushed(policy, device, _version_key(cfg))
+        self.sender = cudarecv.WeightSender(self.pushed.td, dst=ranks, bucket_bytes=cfg.bucket_bytes,
+                                            timeout=cfg.timeout, verify=cfg.verify, stream=self.pushed.stream,
+                                            mode=cfg.mode)
+        self.in_flight: _Background | None = None
+        self.bytes, self.leaves = self.sender.schema.total, len(self.sender.schema.leaves)
+
+    def push(self, store: Any, step: int, last: bool) -> float:
+        """Push the next version; return the seconds the trainer spent on it."""
+        start = time.perf_counter()
+        if self.in_flight is not None:
+            self.in_flight.result()  # the previous push must be out before the storage is reused
+        version = self.sender.version + 1
+        self.pushed.stamp(store, version, step, last)
+        if self.cfg.mode == "latest":
+            self.sender.push()  # a snapshot: the actors take it when they are ready
+        else:
+            transfers = self.sender.push(wait=False)
+            self.in_flight = _pushing(transfers, self.ranks, version, self.cfg.timeout, self.device)
+        return time.perf_counter() - start
+
+    def finish(self, store: Any) -> None:
+        if self.in_flight is not None:
+            self.in_flight.result()
+        _wait_done(store, self.cfg, len(self.ranks))  # latest: the actors take the last version first
+        self.sender.close()
+
+    @property
+    def version(self) -> int:
+        return self.sender.version
+
+
+class _StockPush:
+    """Weight sync as stock tensordict does it: init_remote once, then send(consolidated=True)."""
+
+    def __init__(self, cfg: Config, policy: nn.Module, device: torch.device, ranks: list[int]) -> None:
+        self.ranks, self.cfg = ranks, cfg
+        self.params = TensorDict_from_module(policy)
+        self.td = weights_td(policy, _meta(device)).consolidate(metadata=True)  # a copy: stamped and refreshed
+        for rank in ranks:
+            self.td.init_remote(dst=rank)
+        self.version = 0
+        self.bytes, self.leaves = self.td._consolidated["storage"].numel(), len(list(self.td.keys(True, True)))
+
+    def push(self, store: Any, step: int, last: bool) -> float:
+        start = time.perf_counter()
+        self.version += 1
+        with torch.no_grad():
+            self.td["policy"].update_(self.params)
+        meta = self.td["meta"]
+        meta["version"].fill_(self.version)
+        meta["step"].fill_(step)
+        meta["last"].fill_(int(last))
+        store.set(_version_key(self.cfg), str(self.version))
+        meta["t_push"].fill_(time.time())
+        for rank in self.ranks:  # every actor, in turn: each send waits for its receiver
+            self.td.send(dst=rank, consolidated=True)
+        return time.perf_counter() - start
+
+    def finish(self, store: Any) -> None:
+        _wait_done(store, self.cfg, len(self.ranks))
+
+
+def TensorDict_from_module(policy: nn.Module) -> Any:  # noqa: N802 - the tensordict constructor it wraps
+    from tensordict import TensorDict
+
+    return TensorDict.from_module(policy)
+
+
+def _done_key(cfg: Config) -> str:
+    return f"{DONE_KEY}/{cfg.impl}/{cfg.mode}"
+
+
+def _version_key(cfg: Config) -> str:
+    """Where the trainer keeps the version it pushed last (this pass's own key)."""
+    return f"{VERSION_KEY}/{cfg.impl}/{cfg.mode}"
+
+
+def _wait_done(store: Any, cfg: Config, actors: int) -> None:
+    """Wait (bounded by ``--timeout``) until every actor holds the last version."""
+    deadline = time.monotonic() + cfg.timeout
+    while store.add(_done_key(cfg), 0) < actors:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the actors did not all take the last version within {cfg.timeout:g} s")
+        time.sleep(0.01)
 
 
 class _Background:
@@ -274,13 +386,11 @@ class _Background:
 
     ``WeightSender.push(wait=False)`` posts what it can and returns; the rest
     happens inside the transfers' ``wait()``: gloo works report completion only
-    there, and a gloo push of CUDA weights copies through staging buffers step
-    by step. The trainer finishes each push here while it computes the next
-    step, and touches the transfers again only after :meth:`result` has joined.
+    there. The trainer finishes each push here while it computes the next step,
+    and touches the transfers again only after :meth:`result` has joined.
     """
 
     def __init__(self, finish: Callable[[], Any], device: torch.device) -> None:
-        self.value: Any = None
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, args=(finish, device), daemon=True,
                                         name="cudarecv-demo-transfer")
@@ -290,19 +400,15 @@ class _Background:
         try:
             if device.type == "cuda":
                 torch.cuda.set_device(device)  # the current device is per thread
-            self.value = finish()
+            finish()
         except BaseException as error:  # noqa: BLE001 - handed to the caller by result()
             self.error = error
 
-    def done(self) -> bool:
-        return not self._thread.is_alive()
-
-    def result(self) -> Any:
-        """What ``finish()`` returned; raises what it raised."""
+    def result(self) -> None:
+        """Wait for ``finish()``; raises what it raised."""
         self._thread.join()
         if self.error is not None:
             raise self.error
-        return self.value
 
 
 def _pushing(transfers: list[Any], ranks: list[int], version: int, timeout: float,
@@ -319,45 +425,33 @@ def _pushing(transfers: list[Any], ranks: list[int], version: int, timeout: floa
     return _Background(finish, device)
 
 
-def _finish(push: _Background) -> float:
-    """Wait for the push in flight to be out; return the seconds the trainer waited."""
-    start = time.perf_counter()
-    push.result()
-    return time.perf_counter() - start
-
-
 def _trainer(cfg: Config, device: torch.device) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
     policy = make_policy(cfg.hidden, device)
     opt = torch.optim.Adam(policy.parameters(), lr=cfg.lr)
     env = Bandit(cfg.seed, device)
     store = _store()
+    store.set(_version_key(cfg), "0")  # the actors read it from their first episode on
     ranks = list(range(1, cfg.world))
-    pushed = _Pushed(policy, device)
-    sender = cudarecv.WeightSender(pushed.td, dst=ranks, bucket_bytes=cfg.bucket_bytes, timeout=cfg.timeout,
-                          verify=cfg.verify, stream=pushed.stream)
     rewards: list[float] = []
-    waits: list[float] = []
-    bar = _Progress(cfg.steps, "trainer")
-
-    def push(step: int) -> _Background:
-        transfers = pushed.start(sender, store, step=step, last=step == cfg.steps)
-        return _pushing(transfers, ranks, sender.version, cfg.timeout, device)
-
+    pushes: list[float] = []
+    bar = _Bar(cfg.steps, f"trainer ({_label(cfg, cfg.impl)})")  # ticking from the handshake on
     try:
-        in_flight = push(0)  # version 1: the initial weights
+        sync = (_CudarecvPush if cfg.impl == "cudarecv" else _StockPush)(cfg, policy, device, ranks)
+        started = time.perf_counter()
+        pushes.append(sync.push(store, step=0, last=False))  # version 1: the initial weights
         for step in range(1, cfg.steps + 1):
-            rewards.append(_train_step(policy, opt, env))  # the previous push goes on meanwhile
-            waits.append(_finish(in_flight))
-            in_flight = push(step)
+            rewards.append(_train_step(policy, opt, env))
+            pushes.append(sync.push(store, step=step, last=step == cfg.steps))
             recent = rewards[-max(1, cfg.steps // 10):]
-            bar.update(reward=f"{sum(recent) / len(recent):.3f}", version=str(sender.version))
-        waits.append(_finish(in_flight))
+            bar.update(reward=f"{sum(recent) / len(recent):.3f}", version=str(sync.version))
+        seconds = time.perf_counter() - started
+        sync.finish(store)
     finally:
         bar.close()
-        sender.close()
-    return dict(role="trainer", rewards=rewards, waits=waits, versions=sender.version, bytes=sender.schema.total,
-                leaves=len(sender.schema.leaves), digest=digest(pushed.params))
+    return dict(role="trainer", impl=cfg.impl, rewards=rewards, pushes=pushes, seconds=seconds,
+                versions=sync.version, bytes=sync.bytes, leaves=sync.leaves,
+                digest=digest(TensorDict_from_module(policy)))
 
 
 @dataclass
@@ -379,20 +473,38 @@ def _act(policy: nn.Module, params: dict[str, torch.Tensor], env: Bandit) -> flo
 
 
 def _actor(rank: int, cfg: Config, device: torch.device) -> dict[str, Any]:
-    skeleton = make_policy(cfg.hidden, "meta")  # structure only: the weights are the receiver's views
-    receiver = cudarecv.WeightReceiver(src=0, device=device, expect=weights_td(skeleton, _meta("meta")),
-                              timeout=cfg.timeout)
+    skeleton = make_policy(cfg.hidden, "meta")  # structure only: the weights are the received views
     env = Bandit(cfg.seed, device, stream=rank)
     store = _store()
     stats = _ActorStats([], [], [])
+    run = _cudarecv_actor if cfg.impl == "cudarecv" else _stock_actor
+    version, nbytes, final = run(rank, cfg, device, skeleton, env, store, stats)
+    store.add(_done_key(cfg), 1)
+    return dict(role="actor", impl=cfg.impl, rank=rank, device=str(device), pulls=len(stats.latencies) + stats.bad,
+                latencies=stats.latencies, lags=stats.lags, rewards=stats.rewards, verified=stats.verified,
+                bad=stats.bad, version=version, bytes=nbytes, digest=final)
+
+
+def _between_pulls(rank: int, cfg: Config, meta: Any) -> None:
+    if cfg.kill_actor == rank and int(meta["step"]) >= cfg.steps // 2:
+        os._exit(3)  # --kill-actor: die abruptly, as a crashed actor would
+    if cfg.slow_actor == rank:
+        time.sleep(cfg.slow_seconds)  # --slow-actor: busy elsewhere between pulls
+
+
+def _cudarecv_actor(rank: int, cfg: Config, device: torch.device, skeleton: nn.Module, env: Bandit, store: Any,
+                    stats: _ActorStats) -> tuple[int, int, str]:
+    receiver = cudarecv.WeightReceiver(src=0, device=device, expect=weights_td(skeleton, _meta("meta")),
+                                       timeout=cfg.timeout)
     views: dict[int, tuple[Any, dict[str, torch.Tensor]]] = {}  # per receiver storage: its meta and params
     try:
         while True:
+            asked = time.time()
             transfer = receiver.pull(wait=False)  # the receiver's thread finishes it
             landed: list[float] = []
             transfer.add_done_callback(lambda _, at=landed: at.append(time.time()))  # runs as it is published
             while receiver.version > 0 and not transfer.done():  # act with what we have meanwhile
-                _episode(receiver, skeleton, env, store, stats, views)
+                _episode(receiver, skeleton, env, store, _version_key(cfg), stats, views)
             try:
                 transfer.wait(cfg.timeout)
             except cudarecv.ChecksumError:
@@ -400,20 +512,35 @@ def _actor(rank: int, cfg: Config, device: torch.device) -> dict[str, Any]:
                 continue
             stats.verified += int(cfg.verify)
             meta = receiver.td["meta"]
-            stats.latencies.append(landed[0] - float(meta["t_push"]))
-            if cfg.kill_actor == rank and int(meta["step"]) >= cfg.steps // 2:
-                os._exit(3)  # --kill-actor: die abruptly, as a crashed actor would
+            stats.latencies.append(landed[0] - max(float(meta["t_push"]), asked))
             if int(meta["last"]):
                 break
+            _between_pulls(rank, cfg, meta)
     finally:
         receiver.close()
-    return dict(role="actor", rank=rank, device=str(device), pulls=len(stats.latencies) + stats.bad,
-                latencies=stats.latencies, lags=stats.lags, rewards=stats.rewards, verified=stats.verified,
-                bad=stats.bad, version=receiver.version, bytes=receiver.schema.total,
-                digest=digest(receiver.td["policy"]))
+    return receiver.version, receiver.schema.total, digest(receiver.td["policy"])
 
 
-def _episode(receiver: Any, skeleton: nn.Module, env: Bandit, store: Any, stats: _ActorStats,
+def _stock_actor(rank: int, cfg: Config, device: torch.device, skeleton: nn.Module, env: Bandit, store: Any,
+                 stats: _ActorStats) -> tuple[int, int, str]:
+    from tensordict import TensorDict
+
+    td = TensorDict.from_remote_init(src=0, device=device)
+    params = td["policy"].flatten_keys(".").to_dict()  # version 0 came with init_remote
+    while True:
+        meta = td["meta"]
+        if int(meta["last"]):
+            break
+        _between_pulls(rank, cfg, meta)
+        stats.rewards.append(_act(skeleton, params, env))  # one episode per version: recv blocks
+        stats.lags.append(int(store.get(_version_key(cfg))) - int(meta["version"]))
+        asked = time.time()
+        td.recv(src=0, consolidated=True)
+        stats.latencies.append(time.time() - max(float(td["meta", "t_push"]), asked))
+    return int(td["meta", "version"]), td._consolidated["storage"].numel(), digest(td["policy"])
+
+
+def _episode(receiver: Any, skeleton: nn.Module, env: Bandit, store: Any, key: str, stats: _ActorStats,
              views: dict[int, tuple[Any, dict[str, torch.Tensor]]]) -> None:
     """Play one episode with the latest version; record its reward and version lag."""
     with receiver.reading() as td:  # the version acted with stays put meanwhile
@@ -421,7 +548,7 @@ def _episode(receiver: Any, skeleton: nn.Module, env: Bandit, store: Any, stats:
             views[id(td)] = (td["meta"], td["policy"].flatten_keys(".").to_dict())
         meta, params = views[id(td)]
         acted = int(meta["version"])
-        lag = int(store.get(VERSION_KEY)) - acted  # the trainer sets it before pushing: never negative
+        lag = int(store.get(key)) - acted  # the trainer sets it before pushing: never negative
         reward = _act(skeleton, params, env)
     stats.lags.append(lag)
     stats.rewards.append(reward)
@@ -449,58 +576,69 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def actor_cells(actor: dict[str, Any], trainer: dict[str, Any], verify: bool) -> dict[str, str]:
-    """One table row: cells keyed by column."""
-    lat = actor["latencies"]
-    p50 = percentile(lat, 50) if lat else None
-    ok = actor["bad"] == 0 and actor["digest"] == trainer["digest"] and actor["version"] == trainer["versions"]
+def _label(cfg: Config, impl: str) -> str:
+    return "stock" if impl == "stock" else f"cudarecv {cfg.mode}"
+
+
+def trainer_cells(cfg: Config, trainer: dict[str, Any]) -> dict[str, str]:
+    pushes = trainer["pushes"]
     return {
-        "actor": str(actor["rank"]),
-        "device": actor["device"],
-        "pulls": str(actor["pulls"]),
-        "episodes": str(len(actor["rewards"])),
-        "p50 (ms)": _fmt(None if p50 is None else p50 * 1e3, ".2f"),
-        "p99 (ms)": _fmt(percentile(lat, 99) * 1e3 if lat else None, ".2f"),
-        "GB/s": _fmt(actor["bytes"] / p50 / 1e9 if p50 and p50 > 0 else None, ".3f"),
-        "lag mean": _fmt(_mean(actor["lags"]), ".2f"),
-        "lag max": str(max(actor["lags"])) if actor["lags"] else "-",
-        "checksums": f"{actor['verified']}/{actor['pulls']}" if verify else "off",
-        "reward": _fmt(_mean(actor["rewards"]), ".3f"),
-        "last 10%": _fmt(_tenth(actor["rewards"], last=True), ".3f"),
-        "check": "ok" if ok else ("FAIL: checksum" if actor["bad"] else "FAIL: weights differ"),
+        "impl": _label(cfg, trainer["impl"]),
+        "steps/s": _fmt(cfg.steps / trainer["seconds"], ".1f"),
+        "push p50 ms": _fmt(percentile(pushes, 50) * 1e3, ".2f"),
+        "push p99 ms": _fmt(percentile(pushes, 99) * 1e3, ".2f"),
+        "push max ms": _fmt(max(pushes) * 1e3, ".2f"),
+        "reward first": _fmt(_tenth(trainer["rewards"], last=False), ".3f"),
+        "reward last": _fmt(_tenth(trainer["rewards"], last=True), ".3f"),
     }
 
 
-def format_table(cells: list[dict[str, str]], header: list[str]) -> str:
-    """Fixed-width table, comment lines prefixed with '#' (nccl-tests style)."""
-    return table.text(COLUMNS, {None: cells}, left=LEFT, notes=header)
+def actor_cells(cfg: Config, actor: dict[str, Any], trainer: dict[str, Any]) -> dict[str, str]:
+    """One row of the actors' table: cells keyed by column."""
+    lat = actor["latencies"]
+    ok = actor["bad"] == 0 and actor["digest"] == trainer["digest"] and actor["version"] == trainer["versions"]
+    checked = f"{actor['verified']}/{actor['pulls']}" if cfg.verify and actor["impl"] == "cudarecv" else "off"
+    return {
+        "impl": _label(cfg, actor["impl"]),
+        "actor": str(actor["rank"]) + ("*" if cfg.slow_actor == actor["rank"] else ""),
+        "pulls": str(actor["pulls"]),
+        "episodes": str(len(actor["rewards"])),
+        "p50 ms": _fmt(percentile(lat, 50) * 1e3 if lat else None, ".2f"),
+        "p99 ms": _fmt(percentile(lat, 99) * 1e3 if lat else None, ".2f"),
+        "lag avg": _fmt(_mean(actor["lags"]), ".2f"),
+        "lag max": str(max(actor["lags"])) if actor["lags"] else "-",
+        "reward": _fmt(_mean(actor["rewards"]), ".3f"),
+        "checksum": checked if actor["impl"] == "cudarecv" else "-",
+        "check": "ok" if ok else ("FAIL: checksum" if actor["bad"] else "FAIL: weights differ"),
+    }
 
 
 def _describe(cfg: Config, trainer: dict[str, Any]) -> list[str]:
     where = "cpu" if cfg.device == "cpu" else f"cuda ({torch.cuda.device_count()} GPU(s))"
     bucket = "one message" if cfg.bucket_bytes is None else f"{format_size(cfg.bucket_bytes)} messages"
     actors = "1 actor (rank 1)" if cfg.actors == 1 else f"{cfg.actors} actors (ranks 1-{cfg.actors})"
+    slow = [] if cfg.slow_actor is None else [f"slow actor: rank {cfg.slow_actor} sleeps {cfg.slow_seconds:g} s "
+                                              "after every version it takes"]
     return [
         f"cudarecv demo: trainer (rank 0) -> {actors}; {cfg.backend} loopback, weights on {where}",
-        (f"policy: MLP {OBS}-{cfg.hidden}-{cfg.hidden}-{ARMS}, {param_count(cfg.hidden):,} float32 params; "
-         f"pushed {report.human_bytes(trainer['bytes'])} per version ({trainer['leaves']} leaves with meta) in "
-         f"{bucket}; checksums {'on' if cfg.verify else 'off'}; {trainer['versions']} versions"),
-        f"{versions()}",
-        NOTE,
-        LAG_NOTE,
-        CHECK_NOTE,
+        *slow,
+        (f"policy: MLP {OBS}-{cfg.hidden}-{cfg.hidden}-{ARMS}, {param_count(cfg.hidden):,} float32 params, "
+         f"{report.human_bytes(trainer['bytes'])} per version"),
+        f"cudarecv: mode {cfg.mode}, {bucket}, checksums {'on' if cfg.verify else 'off'}",
+        f"stock: init_remote, then send/recv(consolidated=True); {trainer['versions']} versions each",
+        versions(),
     ]
 
 
-def _summary(cfg: Config, trainer: dict[str, Any]) -> list[str]:
-    rewards, waits = trainer["rewards"], trainer["waits"]
-    first, last = _tenth(rewards, last=False), _tenth(rewards, last=True)
-    return [
-        (f"# trainer reward: first 10% {first:.3f} -> last 10% {last:.3f} ({cfg.steps} steps of {BATCH} contexts; "
-         f"random play {1 / ARMS:.3f}, best 1.000)"),
-        (f"# trainer waited for the previous push: p50 {percentile(waits, 50) * 1e3:.2f} ms, "
-         f"max {max(waits) * 1e3:.2f} ms per step"),
-    ]
+def report_text(cfg: Config, trainers: list[dict[str, Any]], actors: list[dict[str, Any]]) -> str:
+    """Both tables with their notes, every line within 100 columns."""
+    by_impl = {t["impl"]: t for t in trainers}
+    out = table.text(TRAINER_COLUMNS, {None: [trainer_cells(cfg, t) for t in trainers]}, left=LEFT,
+                     notes=_describe(cfg, trainers[0]))
+    out += "#\n" + "".join(f"# {note}\n" for note in TRAINER_NOTES)
+    out += table.text(ACTOR_COLUMNS, {None: [actor_cells(cfg, a, by_impl[a["impl"]]) for a in actors]}, left=LEFT)
+    out += "#\n" + "".join(f"# {note}\n" for note in ACTOR_NOTES)
+    return out
 
 
 # --------------------------------------------------------------------------- CLI
@@ -509,7 +647,7 @@ def _summary(cfg: Config, trainer: dict[str, Any]) -> list[str]:
 def register(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``demo`` subcommand."""
     p = subparsers.add_parser(
-        "demo", help="RL weight sync: a trainer pushes its policy to local actors every step",
+        "demo", help="RL weight sync: a trainer pushes its policy to local actors, cudarecv vs stock",
         description=__doc__.splitlines()[0],
     )
     d, q = DEFAULTS, QUICK
@@ -524,6 +662,11 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                       help=f"policy size: about X MiB of float32 parameters (default {d['model_mib']:g})")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where the weights live (cuda: NCCL if every rank gets its own GPU, else gloo)")
+    p.add_argument("--mode", choices=("sync", "latest"), default="sync",
+                   help="cudarecv's mode: every version to every actor, or the newest when each is ready")
+    p.add_argument("--slow-actor", type=int, metavar="RANK", help="make that actor sleep after every pull")
+    p.add_argument("--slow-seconds", type=positive_float, metavar="S", default=d["slow_seconds"],
+                   help=f"how long --slow-actor sleeps after each pull (default {d['slow_seconds']:g})")
     p.add_argument("--bucket-bytes", type=size_or_zero, metavar="SIZE", default=d["bucket_bytes"],
                    help=f"bytes per message, e.g. 1MiB; 0 = one message (default {d['bucket_bytes']})")
     p.add_argument("--verify", action="store_true", help="send and check a checksum with every push")
@@ -537,6 +680,11 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
+def _actor_rank(value: int | None, actors: int, flag: str) -> None:
+    if value is not None and not 1 <= value <= actors:
+        raise OptionError(f"must be an actor's rank, 1..{actors} (--actors {actors}), got {value}", flag)
+
+
 def make_config(args: argparse.Namespace) -> Config:
     """Check the options across each other (argparse checked each alone); raises OptionError naming the flag."""
     steps = args.steps if args.steps is not None else (QUICK if args.quick else DEFAULTS)["steps"]
@@ -547,29 +695,31 @@ def make_config(args: argparse.Namespace) -> Config:
     else:
         hidden = QUICK["hidden"] if args.quick else hidden_for(DEFAULTS["model_mib"])
     bucket = args.bucket_bytes or None  # 0: one message
-    if args.kill_actor is not None and not 1 <= args.kill_actor <= args.actors:
-        raise OptionError(f"must be an actor's rank, 1..{args.actors} (--actors {args.actors}), "
-                          f"got {args.kill_actor}", "--kill-actor")
+    _actor_rank(args.kill_actor, args.actors, "--kill-actor")
+    _actor_rank(args.slow_actor, args.actors, "--slow-actor")
     backend = "gloo"
     if args.device == "cuda":
         gpus = torch.cuda.device_count()
         if gpus == 0:
             raise OptionError("cuda, but no CUDA device is visible: use --device cpu", "--device")
-        backend = "nccl" if gpus >= args.actors + 1 else "gloo"
+        backend = "nccl" if gpus >= args.actors + 1 and args.mode == "sync" else "gloo"
     threads = max(1, (os.cpu_count() or 1) // (args.actors + 1))
     cfg = Config(actors=args.actors, steps=steps, hidden=hidden, device=args.device, backend=backend,
                  bucket_bytes=bucket, verify=args.verify, timeout=float(args.timeout), seed=args.seed,
-                 threads=threads, kill_actor=args.kill_actor)
+                 threads=threads, mode=args.mode, slow_actor=args.slow_actor,
+                 slow_seconds=float(args.slow_seconds), kill_actor=args.kill_actor)
     _check_memory(cfg)
     return cfg
 
 
 def _check_memory(cfg: Config) -> None:
     """Refuse models whose copies would not fit: the trainer holds the parameters, their
-    gradients, Adam's two moments and the sender's storage; each actor two storages."""
+    gradients, Adam's two moments, the sender's storages and stock's consolidated copy; each
+    actor two storages."""
     model = param_count(cfg.hidden) * 4
     on_host = cfg.device == "cpu"
-    need = cfg.world * PROCESS_BYTES + (model * (5 + 2 * cfg.actors) if on_host else 4 * model)
+    snapshots = 1 if cfg.mode == "sync" else cfg.actors + 2
+    need = cfg.world * PROCESS_BYTES + (model * (5 + snapshots + 2 * cfg.actors) if on_host else 5 * model)
     available = available_memory()
     if available is not None and need > 0.8 * available:
         raise OptionError(
@@ -579,45 +729,76 @@ def _check_memory(cfg: Config) -> None:
 
 
 def _run_timeout(cfg: Config) -> float:
-    """A bound on the whole run (each wait inside is bounded by ``--timeout`` already)."""
+    """A bound on one pass (each wait inside is bounded by ``--timeout`` already)."""
     model = param_count(cfg.hidden) * 4
     per_step = 2.0 + model * cfg.actors / 50e6 + model / 20e6  # generous: 50 MB/s pushes, slow training
+    if cfg.slow_actor is not None:
+        per_step += cfg.slow_seconds  # lockstep waits for the slow actor every step
     return 2 * cfg.timeout + cfg.steps * per_step
 
 
+class _Heartbeat:
+    """A progress line now, and another every 2 s while ``what`` lasts (never a silent stretch)."""
+
+    def __init__(self, what: str) -> None:
+        self.what, self.started = what, time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, daemon=True, name="cudarecv-demo-heartbeat")
+
+    def _beat(self) -> None:
+        while not self._stop.wait(2.0):
+            progress(f"cudarecv demo: {self.what} ({time.monotonic() - self.started:.0f} s)")
+
+    def __enter__(self) -> "_Heartbeat":
+        progress(f"cudarecv demo: {self.what}")
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def run(args: argparse.Namespace) -> int:
-    """Start the ranks, train and sync, print the table; 0 if every check passed."""
+    """Start the ranks, train and sync with each implementation, print the tables; 0 if every check passed."""
     try:
         cfg = make_config(args)
     except OptionError as exc:
         error("demo", str(exc))
         return 2
     model = param_count(cfg.hidden) * 4
-    progress(f"cudarecv demo: starting a trainer and {cfg.actors} actor(s) ({cfg.backend}, weights on "
-              f"{cfg.device}); policy hidden {cfg.hidden}, {report.human_bytes(model)}; {cfg.steps} steps")
     t_start = time.perf_counter()
+    trainers, actors = [], []
     try:
-        with Cluster(cfg.world, backend=cfg.backend, pg_timeout=cfg.timeout,
-                     start_timeout=max(120.0, cfg.timeout)) as cluster:
-            results = cluster.run(demo_rank, args=(cfg,), timeout=_run_timeout(cfg))
+        with _Heartbeat(f"starting a trainer and {cfg.actors} actor(s) ({cfg.backend}, weights on {cfg.device}; "
+                        f"policy {report.human_bytes(model)}, {cfg.steps} steps)"):
+            cluster = Cluster(cfg.world, backend=cfg.backend, pg_timeout=cfg.timeout,
+                              start_timeout=max(120.0, cfg.timeout))
+        try:
+            for impl in IMPLS:
+                progress(f"cudarecv demo: training with {_label(cfg, impl)}")
+                results = cluster.run(demo_rank, args=(replace(cfg, impl=impl),), timeout=_run_timeout(cfg))
+                trainers.append(results[0])
+                actors += results[1:]
+        finally:
+            with _Heartbeat("stopping the ranks"):
+                cluster.close()
     except RankError as exc:
         error("demo", _explain(exc))
         return 1
     except KeyboardInterrupt:
         error("demo", "interrupted")
         return 130
-    trainer, actors = results[0], results[1:]
-    cells = [actor_cells(a, trainer, cfg.verify) for a in actors]
-    sys.stdout.write(format_table(cells, _describe(cfg, trainer)))
-    lines = _summary(cfg, trainer)
-    failed = [c["actor"] for c in cells if c["check"] != "ok"]
+    text = report_text(cfg, trainers, actors)
+    rows = [actor_cells(cfg, a, {t["impl"]: t for t in trainers}[a["impl"]]) for a in actors]
+    failed = [f"{r['impl']} actor {r['actor']}" for r in rows if r["check"] != "ok"]
     elapsed = time.perf_counter() - t_start
     if failed:
-        lines.append(f"# checks: actor(s) {', '.join(failed)} FAILED ({elapsed:.1f} s)")
+        text += f"# checks: {', '.join(failed)} FAILED ({elapsed:.1f} s)\n"
     else:
-        lines.append(f"# checks: all {cfg.actors} actor(s) hold the trainer's final weights, version "
-                     f"{trainer['versions']} ({elapsed:.1f} s)")
-    sys.stdout.write("\n".join(lines) + "\n")
+        text += (f"# checks: every actor holds the trainer's final weights, version {trainers[0]['versions']}, "
+                 f"with both ({elapsed:.1f} s)\n")
+    sys.stdout.write(text)
     sys.stdout.flush()
     return 1 if failed else 0
 
