@@ -36,7 +36,7 @@ def main(rank: int, world: int, port: int) -> None:
             assert (td["net", "w"] == 2).all()
             with cudarecv.installed():
                 td.recv(src=0)
-            print(f"rank 1 received 3 transfers; obs[0, 0] = {td['obs'][0, 0].item():g}")
+            print(f"rank 1 received 3 transfers; obs[0, 0] = {td['obs'][0, 0].item():g}", flush=True)
     finally:
         dist.destroy_process_group()
 

@@ -33,7 +33,7 @@ def trainer(mode: str) -> None:
             loss.backward()
             opt.step()
             sender.push()  # sync: returns once both actors have it; latest: at once
-        print(f"trainer ({mode}): pushed {sender.version} versions to ranks {sender.ranks}")
+        print(f"trainer ({mode}): pushed {sender.version} versions to ranks {sender.ranks}", flush=True)
         dist.barrier()  # the actors hold the final version: close after them
 
 
@@ -48,7 +48,7 @@ def actor(rank: int, mode: str) -> None:
             if rank == 2:
                 time.sleep(0.05)  # a slow actor: in latest mode the trainer does not wait for it
         dist.barrier()
-        print(f"actor {rank} ({receiver.mode}): {pulls} pulls, holds version {receiver.version}")
+        print(f"actor {rank} ({receiver.mode}): {pulls} pulls, holds version {receiver.version}", flush=True)
 
 
 def main(rank: int, world: int, port: int, mode: str) -> None:
