@@ -71,6 +71,7 @@ QUICK = dict(steps=40, hidden=64)
 IMPLS = ("cudarecv", "stock")
 OBS, ARMS, RULE_WIDTH = 16, 8, 32  # context size, arms, width of the hidden rule
 BATCH, ACTOR_BATCH = 256, 64  # contexts per training step / per actor episode
+ENV_SECONDS = 0.01  # what an episode waits for its environment, besides the policy's compute
 VERSION_KEY = "cudarecv_demo/version"
 PROCESS_BYTES = 400 << 20  # a rank's own footprint (torch imported, gloo), roughly
 DONE_KEY = "cudarecv_demo/done"
@@ -88,7 +89,8 @@ TRAINER_NOTES = (
 )
 ACTOR_NOTES = (
     "actor: its rank (* the --slow-actor); pulls: versions it took; episodes: batches of contexts",
-    "  it played (cudarecv: while the next version travels; stock: one per version)",
+    f"  it played, {ENV_SECONDS * 1e3:g} ms each at least (cudarecv: while the next version travels;",
+    "  stock: one per version)",
     "p50 / p99 ms: pull latency, from when the version existed and the actor asked (whichever came",
     "  later) to when it landed in the actor's memory",
     "lag avg / max: versions the trainer was ahead at each episode (its latest push minus the one",
@@ -464,11 +466,14 @@ class _ActorStats:
 
 
 def _act(policy: nn.Module, params: dict[str, torch.Tensor], env: Bandit) -> float:
-    """One episode (a batch of contexts) with the given weights; its mean reward."""
+    """One episode (a batch of contexts) with the given weights; its mean reward. The episode
+    also waits :data:`ENV_SECONDS`, for an environment's own time: actors that played flat out
+    would take the CPU from a trainer on the same machine."""
     x = env.contexts(ACTOR_BATCH)
     with torch.no_grad():
         logits = torch.func.functional_call(policy, params, (x,))
     arms = torch.distributions.Categorical(logits=logits).sample()
+    time.sleep(ENV_SECONDS)
     return float(env.rewards(x, arms).mean())
 
 
