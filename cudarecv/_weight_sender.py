@@ -314,12 +314,10 @@ class WeightSender:
 
     def _snapshot_latest(self, plan: Any, live: list[_Receiver], limit: float) -> int:
         with self._cond:
-            free = lambda: next((s for s in self._snapshots  # noqa: E731
-                                 if s is not self._latest and s.readers == 0 and not s.writing), None)
-            if not self._cond.wait_for(lambda: free() is not None, timeout=limit):
+            if not self._cond.wait_for(lambda: self._free_snapshot() is not None, timeout=limit):
                 raise WaitTimeout(f"every one of the {len(self._snapshots)} snapshot buffers was being sent for "
                                   f"{limit:g} s: pass a larger `buffers`")
-            target = free()
+            target = self._free_snapshot()
             target.writing = True
         try:
             self._copy(plan, target, live[0].lane.stream)
@@ -331,6 +329,11 @@ class WeightSender:
             for receiver in live:
                 self._serve(receiver)
         return self.version
+
+    def _free_snapshot(self) -> _Snapshot | None:
+        """Under the lock: a snapshot buffer that is neither the latest nor being sent or written."""
+        return next((s for s in self._snapshots if s is not self._latest and s.readers == 0 and not s.writing),
+                    None)
 
     def _serve(self, receiver: _Receiver) -> None:
         """Latest mode, under the lock: start a reply if ``receiver`` asked and a newer version exists."""
