@@ -68,12 +68,9 @@ def _check_run(proc: subprocess.CompletedProcess, actors: int, checksums: str,
     return [trainers, rows]
 
 
-def test_demo_quick_verified() -> None:
-    _check_run(_demo("--quick", "--verify"), actors=2, checksums=f"{QUICK_VERSIONS}/{QUICK_VERSIONS}")
-
-
-def test_demo_quick_three_actors() -> None:
-    _check_run(_demo("--quick", "--actors", "3"), actors=3, checksums="off")
+def test_demo_quick_verified_three_actors() -> None:
+    _check_run(_demo("--quick", "--verify", "--actors", "3"), actors=3,
+               checksums=f"{QUICK_VERSIONS}/{QUICK_VERSIONS}")
 
 
 def test_demo_latest_mode_with_a_slow_actor() -> None:
