@@ -117,6 +117,7 @@ class Transfer(torch.futures.Future):
         self._state = threading.RLock()  # guards every step and the end
         self._settled = threading.Event()  # set once finished or failed
         self._helped = False  # whether a background thread was asked to drive it
+        self._helper: threading.Thread | None = None  # the transfer's own thread, if it has one
         self.started = time.monotonic()
         #: the transfer's own time budget in seconds (None: the process group's timeout)
         self.timeout = timeout
@@ -211,6 +212,11 @@ class Transfer(torch.futures.Future):
                 self.settle()  # here, bounded by the process group's timeout
             else:
                 self._wait_settled(timeout)
+        helper = self._helper
+        if helper is not None and helper is not threading.current_thread() and self not in _ABANDONED:
+            # its last steps (after the result is set) run in torch's C++ code: a daemon thread still
+            # there when the interpreter exits aborts the process, so it ends before wait() returns
+            helper.join(1.0)
         if self.event is not None:
             torch.cuda.current_stream(self._stream.device).wait_event(self.event)
         return super().wait()
@@ -283,7 +289,8 @@ class Transfer(torch.futures.Future):
         if self._driver is not None:
             self._driver(self.settle)
         else:
-            threading.Thread(target=self.settle, name="cudarecv-transfer", daemon=True).start()
+            self._helper = threading.Thread(target=self.settle, name="cudarecv-transfer", daemon=True)
+            self._helper.start()
 
 
 class Ended:

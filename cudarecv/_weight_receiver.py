@@ -275,12 +275,13 @@ class WeightReceiver:
                 raise WaitTimeout(f"a reader held the spare weights buffer for {limit:g} s")
         if self._lane.stream is not None:
             _cuda.follow_caller(self._lane.stream)
+        link = self._lane.link
         return Transfer(self._pull(back, limit), self._lane.stream, timeout=math.inf, driver=self._driver.submit,
-                        on_error=lambda error, elapsed: self._on_error(error, elapsed, limit),
+                        on_error=lambda error, elapsed: self._on_error(error, elapsed, limit, link),
                         link=self._lane.link, raise_first=False,
                         what=f"pull of a version newer than {self.version} from rank {self._lane.link.peer}")
 
-    def _on_error(self, error: BaseException, elapsed: float, timeout: float) -> BaseException:
+    def _on_error(self, error: BaseException, elapsed: float, timeout: float, link: Link) -> BaseException:
         if isinstance(error, Error) and error.link_usable:
             return error  # drained, the link in step (or the sender closed): the next pull is told
         if isinstance(error, OutOfStepError):
@@ -288,7 +289,7 @@ class WeightReceiver:
             return error
         seconds = timeout if isinstance(error, TimeoutError) else elapsed
         replaced = error if isinstance(error, Error) and not isinstance(error, TimeoutError) else link_error(
-            self._lane.link, "pull", error, seconds, "sent no complete version")
+            link, "pull", error, seconds, "sent no complete version")
         self._broken = str(replaced)
         return replaced
 
@@ -302,12 +303,13 @@ class WeightReceiver:
         return transfer
 
     def _next_header(self) -> Any:
-        raw = yield from read_bytes(self._lane, HEADER_SIZE, self._tags.header, "weight-push header", _header_too_long)
+        lane = self._lane  # bound now: close() lets go of it
+        raw = yield from read_bytes(lane, HEADER_SIZE, self._tags.header, "weight-push header", _header_too_long)
         header = PushHeader.unpack(raw)
         if header.kind == CLOSED:
-            self._sender_closed = f"the sender (rank {self._lane.link.peer}) closed after version {header.version}"
+            self._sender_closed = f"the sender (rank {lane.link.peer}) closed after version {header.version}"
             if self._claim_bye():
-                post_and_forget(self._lane, ask_message(BYE), self._tags.ask)  # its listener ends
+                post_and_forget(lane, ask_message(BYE), self._tags.ask)  # its listener ends
         elif header.kind == RELEASED:
             self._released = True
         return header
@@ -424,15 +426,19 @@ class WeightReceiver:
                 Transfer(self._farewell(), self._lane.stream, timeout=self.timeout, driver=self._driver.submit,
                          link=self._lane.link, raise_first=False).wait()
         self._driver.stop(0.0 if self._broken else max(deadline - time.monotonic(), 0.0))
+        # let go of the process group: a group kept alive past destroy_process_group() by objects in
+        # reference cycles is destroyed at interpreter exit, where gloo aborts the process
+        self._standing = self._pending = self._lane = None
 
     def _farewell(self) -> Any:
         """Take what the sender still sends (a push in flight: drained) until its answer to BYE."""
+        lane = self._lane  # bound now: close() lets go of it
         if self._pending is not None and not self._pending.settled:
             yield [self._pending.ended()]
         while not (self._released or self._sender_closed or self._broken):
             header = yield from self._header()
             if header.kind == PUSH:
-                yield from drain(self._lane, self.schema.total, self._piece, self._tags.payload)
+                yield from drain(lane, self.schema.total, self._piece, self._tags.payload)
 
     def __enter__(self) -> "WeightReceiver":
         return self

@@ -465,9 +465,13 @@ class WeightSender:
         deadline = time.monotonic() + self.timeout
         for receiver in self._receivers:  # a dropped receiver's thread may wait on it forever: no join
             receiver.driver.stop(max(deadline - time.monotonic(), 0.0) if receiver.gone is None else 0.0)
-        for receiver in self._receivers:  # each listener ends with its receiver's BYE
-            if receiver.listener is not None and receiver.gone is None:
+        for receiver in self._receivers:  # each listener ends with its receiver's BYE (a dropped one may never)
+            if receiver.listener is not None and (receiver.gone is None or receiver.said_last):
                 receiver.listener.join(max(deadline - time.monotonic(), 0.0))
+        # let go of the process group: a group kept alive past destroy_process_group() by objects in
+        # reference cycles is destroyed at interpreter exit, where gloo aborts the process
+        for receiver in self._receivers:
+            receiver.lane = None
 
     def __enter__(self) -> "WeightSender":
         return self
