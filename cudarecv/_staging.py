@@ -93,7 +93,8 @@ def _base(t: Tensor) -> Tensor:
     return t._base if t._base is not None else t
 
 
-def _wire_can_touch(lane: Lane, tensors: Sequence[Tensor]) -> bool:
+def wire_can_touch(lane: Lane, tensors: Sequence[Tensor]) -> bool:
+    """Whether the wire reads and writes ``tensors`` in place (host memory on gloo, device memory on NCCL)."""
     return not tensors or (tensors[0].device.type == "cuda") == lane.nccl
 
 
@@ -115,7 +116,7 @@ def recv_into(lane: Lane, dests: Sequence[Tensor], tags: Sequence[int],
     the wire cannot write ``dests``; without it a ring of two buffers.
     """
     n = len(dests)
-    if _wire_can_touch(lane, dests):
+    if wire_can_touch(lane, dests):
         copies_from_host = lane.stream is not None and not lane.nccl and landed is not None and n
         if copies_from_host:
             _host_ready(lane, _base(dests[0]))  # landed() copies out of these host buffers
@@ -220,7 +221,7 @@ def send_from(lane: Lane, srcs: Sequence[Tensor], tags: Sequence[int],
     instead of waited for, so the caller can post more messages first.
     """
     n = len(srcs)
-    if _wire_can_touch(lane, srcs):
+    if wire_can_touch(lane, srcs):
         with lane.on_stream():
             works = lane.post(True, srcs, tags)
             if lane.nccl:

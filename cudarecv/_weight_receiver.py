@@ -11,6 +11,11 @@ On gloo the receiver always has the next header receive posted (on its own
 thread), so a sender that closes is heard at once, even between pulls, and a
 pull waits for a version as long as its caller likes without breaking the
 link: only once a version starts to arrive does the pull's own clock run.
+
+With a relay sender (``fanout="relay"``) the payload comes from the receiver
+before this one in the chain, and is forwarded to the one after it as it lands
+(:mod:`._relay`); the API is the same, and a version is published only once it
+fully landed here and passed this receiver's own checks.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from ._errors import (
     ChecksumError,
     Error,
     OutOfStepError,
+    PeerError,
     PushHeaderError,
     ReceiverFailed,
     SchemaError,
@@ -43,23 +49,30 @@ from ._errors import (
 from ._handle import StartClock, Transfer
 from ._header import check_pieces, cut
 from ._link import Link, resolve
-from ._staging import Lane, drain, lane_for, recv_into, send_from
+from ._relay import Relay
+from ._staging import Lane, drain, lane_for, recv_into, send_from, wire_can_touch
 from ._walk import unwrap, walk
 from ._weights_link import Driver, check_timeout, link_error, naming, post_and_forget, run, send_bytes
 from ._weights_wire import (
     ACCEPTED,
     ASK,
+    BROKEN,
     BYE,
     CLOSED,
     FAILED,
+    GOT,
     HEADER_SIZE,
+    LANDED,
+    LOST,
     PREAMBLE_SIZE,
     PUSH,
     REFUSED,
+    REJECTED,
     RELEASED,
     TAG_PREAMBLE,
     TAG_SCHEMA,
     TAG_STATUS,
+    TRAILER_SIZE,
     Offer,
     PushHeader,
     Schema,
@@ -68,6 +81,7 @@ from ._weights_wire import (
     check_offer,
     checksum,
     read_preamble,
+    read_trailer,
     status_message,
 )
 
@@ -165,8 +179,8 @@ class WeightReceiver:
         self.schema, self._piece, offer, self._slots = _handshake(
             self._lane, self.timeout, expect,
             lambda schema, piece: [_Slot(schema, piece, self._device, pin_memory) for _ in range(2)])
-        #: the sender's mode, learnt in the handshake: ``"sync"`` or ``"latest"``
-        self.mode = offer.mode
+        #: the sender's mode and fan-out, learnt in the handshake: ``"sync"`` or ``"latest"``; ``"star"`` or ``"relay"``
+        self.mode, self.fanout = offer.mode, offer.fanout
         self._tags = SessionTags.of(offer.session)
         self._cond = threading.Condition()
         self._published: int | None = None
@@ -177,6 +191,13 @@ class WeightReceiver:
         self._released = False  # the sender answered our BYE
         self._bye = False  # BYE sent (once)
         self._driver = Driver(f"cudarecv-pull-{link.peer}")  # drives every receive (the caller keeps the time)
+        # relay fan-out: lanes to the other receivers, a forwarding thread per next hop, and per slot the
+        # forward that may still read it; while a relayed payload arrives: its relay and upstream link
+        self._peers: dict[int, Lane] = {}
+        self._forwarders: dict[int, Driver] = {}
+        self._forwards: dict[int, Transfer] = {}
+        self._relaying: tuple[Relay | None, Link, int] | None = None
+        self._lost_at: int | None = None
         self.version = 0
         # gloo: the next header receive is always posted, so the sender's CLOSED is heard at once. NCCL runs a
         # pair's sends and receives in order on one stream: there a pull posts its header receive itself.
@@ -269,7 +290,15 @@ class WeightReceiver:
     def _start_pull(self, limit: float) -> Transfer:
         if self._sender_closed:
             raise SenderClosed(f"{self._sender_closed}; version {self.version} stays readable in receiver.td")
-        back = self._slots[1 if self._published == 0 else 0]
+        index = 1 if self._published == 0 else 0
+        forward = self._forwards.pop(index, None)
+        if forward is not None:  # relay: the forward of an earlier version may still read this slot
+            with contextlib.suppress(Exception):
+                forward.wait()  # bounded by its own timeout
+            if forward.failed:  # a parked send may read it for as long as it likes: never write it again
+                self._slots[index] = _Slot(self.schema, self._piece, self._device,
+                                           self._slots[index].storage.is_pinned())
+        back = self._slots[index]
         with self._cond:
             if not self._cond.wait_for(lambda: back.readers == 0, timeout=limit):
                 raise WaitTimeout(f"a reader held the spare weights buffer for {limit:g} s")
@@ -282,6 +311,14 @@ class WeightReceiver:
                         what=f"pull of a version newer than {self.version} from rank {self._lane.link.peer}")
 
     def _on_error(self, error: BaseException, elapsed: float, timeout: float, link: Link) -> BaseException:
+        relaying, self._relaying = self._relaying, None
+        if relaying is not None:  # the relayed payload did not come: tell the next hop and the sender who failed
+            relay, link, version = relaying  # the error is the upstream link's
+            lost = self._lost_at if self._lost_at is not None else link.peer
+            if relay is not None:
+                relay.end(broken=lost)
+            with contextlib.suppress(Exception):
+                post_and_forget(self._lane, ask_message(GOT, version, LOST, lost), self._tags.ask)
         if isinstance(error, Error) and error.link_usable:
             return error  # drained, the link in step (or the sender closed): the next pull is told
         if isinstance(error, OutOfStepError):
@@ -356,16 +393,22 @@ class WeightReceiver:
                        f"({self.schema.fingerprint.hex()})")
         elif header.version <= self.version:
             problem = f"version {header.version} is not newer than the current {self.version}"
-        if problem:
+        if self.fanout == "relay":
+            yield from self._relayed(header, slot, limit)  # forwarded on, whether or not it is published here
+        elif problem:
             yield from drain(lane, total, piece, self._tags.payload)
+        else:
+            yield from recv_into(lane, slot.pieces, [self._tags.payload] * len(slot.pieces))
+        if problem:
+            self._tell(header.version, REJECTED)
             raise PushHeaderError(f"{problem}: rejected and drained; version {self.version} stays published")
-        yield from recv_into(lane, slot.pieces, [self._tags.payload] * len(slot.pieces))
         if lane.stream is not None:
             yield [_cuda.EventWork(_cuda.record(lane.stream))]  # verify and publish landed bytes only
         if header.verify:
             with torch.cuda.stream(lane.stream) if lane.stream is not None else contextlib.nullcontext():
                 got = checksum(slot.storage)
             if got != header.checksum:
+                self._tell(header.version, REJECTED)
                 raise ChecksumError(
                     f"version {header.version} arrived corrupted (BLAKE3 {got.hex()} != {header.checksum.hex()}): "
                     f"rejected; version {self.version} stays published"
@@ -374,7 +417,70 @@ class WeightReceiver:
             self._published = self._slots.index(slot)
             self.version = header.version
             self._cond.notify_all()
+        self._tell(header.version, LANDED)
         return header.version
+
+    def _tell(self, version: int, status: int) -> None:
+        """Relay fan-out: tell the sender what became of ``version`` (its blocking push waits for every word)."""
+        if self.fanout == "relay":
+            post_and_forget(self._lane, ask_message(GOT, version, status), self._tags.ask)
+
+    # -- relay fan-out ------------------------------------------------------------------
+    def _relayed(self, header: PushHeader, slot: _Slot, limit: float) -> Any:
+        """A sub-protocol: receive the payload from the hop before this one into ``slot`` and forward
+        each chunk to the hop after it as it lands; raises :class:`PeerError` naming the rank that
+        failed upstream if the push broke there."""
+        up = self._peer(header.up, "the hop before this receiver")
+        relay = None
+        if header.down >= 0:
+            if header.down == header.up:
+                raise OutOfStepError(f"a relay header names rank {header.up} as both hops: the link is out of step")
+            down = self._peer(header.down, "the hop after this receiver")
+            relay = Relay(down, slot.pieces, self._tags.payload, self._tags.trailer, header.version)
+            self._forwards[self._slots.index(slot)] = Transfer(
+                relay.forward(), down.stream, timeout=limit, driver=self._forwarder(header.down).submit,
+                link=down.link, raise_first=False, what=f"forward of version {header.version} to rank {header.down}")
+        self._relaying, self._lost_at = (relay, up.link, header.version), None
+        tags = [self._tags.payload] * len(slot.pieces)
+        if relay is not None and up.nccl and wire_can_touch(up, slot.pieces):  # one chunk at a time: each forwarded
+            for i, piece in enumerate(slot.pieces):                              # once its receive is on the stream
+                yield from recv_into(up, [piece], tags[:1], landed=lambda _, i=i: relay.landed(i))
+        else:
+            yield from recv_into(up, slot.pieces, tags, landed=relay.landed if relay is not None else None)
+        status, version, rank = read_trailer((yield from read_bytes(up, TRAILER_SIZE, self._tags.trailer,
+                                                                    "relay trailer", _header_too_long)))
+        if version != header.version:
+            raise OutOfStepError(f"the relay trailer is for version {version}, not {header.version}: out of step")
+        if status == BROKEN:
+            self._lost_at = rank
+            raise PeerError(f"pull of version {header.version}: rank {rank} before this receiver in the relay chain "
+                            f"failed during the push (did its process die?): version {self.version} stays published")
+        self._relaying = None
+        if relay is not None:
+            relay.end()
+
+    def _peer(self, rank: int, what: str) -> Lane:
+        """The lane to another rank of this receiver's group (the sender's own for the sender)."""
+        link = self._lane.link
+        if rank == link.peer:
+            return self._lane
+        if not 0 <= rank < link.pg.size() or rank == link.pg.rank():
+            raise OutOfStepError(f"a relay header names rank {rank} as {what}, in a group of {link.pg.size()} "
+                                 f"where this is rank {link.pg.rank()}: the link is out of step")
+        lane = self._peers.get(rank)
+        if lane is None:
+            peer = Link(link.pg, rank, link.registered, link.backend)
+            stream = None
+            if self._lane.stream is not None:  # forwards run on a stream of their own, next to the receives
+                stream = torch.cuda.Stream(device=self._lane.stream.device)
+            lane = self._peers[rank] = lane_for(peer, self._device, stream, _cuda.StagingPool())
+        return lane
+
+    def _forwarder(self, rank: int) -> Driver:
+        driver = self._forwarders.get(rank)
+        if driver is None:
+            driver = self._forwarders[rank] = Driver(f"cudarecv-forward-{rank}")
+        return driver
 
     # -- copying out --------------------------------------------------------------------
     def load_into(self, module: torch.nn.Module, strict: bool = True) -> int:
@@ -425,10 +531,18 @@ class WeightReceiver:
             with contextlib.suppress(Exception):
                 Transfer(self._farewell(), self._lane.stream, timeout=self.timeout, driver=self._driver.submit,
                          link=self._lane.link, raise_first=False).wait()
+            if self._relaying is not None and self._relaying[0] is not None:  # a relay cut short: say so downstream
+                self._relaying[0].end(broken=self._relaying[1].peer)
         self._driver.stop(0.0 if self._broken else max(deadline - time.monotonic(), 0.0))
+        for forward in self._forwards.values():  # the hops after this one get what is on its way
+            with contextlib.suppress(Exception):
+                forward.wait(max(deadline - time.monotonic(), 0.0))
+        for driver in self._forwarders.values():
+            driver.stop(max(deadline - time.monotonic(), 0.0))
         # let go of the process group: a group kept alive past destroy_process_group() by objects in
         # reference cycles is destroyed at interpreter exit, where gloo aborts the process
         self._standing = self._pending = self._lane = None
+        self._peers, self._forwards = {}, {}
 
     def _farewell(self) -> Any:
         """Take what the sender still sends (a push in flight: drained) until its answer to BYE."""
@@ -437,7 +551,9 @@ class WeightReceiver:
             yield [self._pending.ended()]
         while not (self._released or self._sender_closed or self._broken):
             header = yield from self._header()
-            if header.kind == PUSH:
+            if header.kind == PUSH and self.fanout == "relay":  # the hops after this one still need it
+                yield from self._relayed(header, self._slots[1 if self._published == 0 else 0], self.timeout)
+            elif header.kind == PUSH:
                 yield from drain(lane, self.schema.total, self._piece, self._tags.payload)
 
     def __enter__(self) -> "WeightReceiver":

@@ -20,14 +20,27 @@ Two modes:
   snapshot buffers (``buffers``, default: receivers + 2, enough that a push
   never waits).
 
+Two fan-outs (``sync`` mode):
+
+- ``star`` (the default): the sender sends every push to each receiver itself,
+  all at once: K receivers cost K times the bytes on the trainer's link.
+- ``relay``: the sender sends each push's payload to the first receiver only,
+  and every receiver forwards each chunk to the next while it receives the
+  following one (:mod:`._relay`), so every host's link carries the model about
+  once and the push time stays about flat in K. A blocking ``push()`` returns
+  once every receiver of the chain has published the version.
+
 A receiver that fails (dies, or takes longer than ``timeout``) is named in the
 error and dropped; every other receiver carries on, and ``sender.ranks`` shows
-who is left. ``close()`` on either side tells the other (on gloo links).
+who is left (in a relay chain, the receivers after a dead one lose that push
+too: they are dropped, and the error names the dead rank). ``close()`` on
+either side tells the other (on gloo links).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import threading
@@ -41,10 +54,12 @@ from ._api import check_bucket_bytes
 from ._control import read_bytes, wire_bytes
 from ._errors import (
     ArgumentError,
+    Error,
     OutOfStepError,
     PeerError,
     ReceiverFailed,
     SchemaError,
+    TransferTimeout,
     UsageError,
     WaitTimeout,
 )
@@ -62,6 +77,9 @@ from ._weights_wire import (
     ASK_SIZE,
     BYE,
     CLOSED,
+    FANOUTS,
+    GOT,
+    LOST,
     MAX_SCHEMA_BYTES,
     MODES,
     REFUSED,
@@ -71,6 +89,7 @@ from ._weights_wire import (
     TAG_PREAMBLE,
     TAG_SCHEMA,
     TAG_STATUS,
+    Ask,
     PushHeader,
     Schema,
     SessionTags,
@@ -78,7 +97,12 @@ from ._weights_wire import (
     preamble,
     read_ask,
     read_status,
+    trailer_message,
 )
+
+#: relay fan-out's chunk when ``bucket_bytes`` is None: small enough that filling the chain costs
+#: little (each hop adds one chunk's time), large enough that per-message costs stay negligible
+RELAY_CHUNK = 1 << 20
 
 
 class _Snapshot:
@@ -106,6 +130,7 @@ class _Receiver:
         self.replying = False
         self.said_last = False  # CLOSED or RELEASED sent (once)
         self.listener: threading.Thread | None = None
+        self.got: Ask | None = None  # relay: the receiver's last word on a version (GOT)
 
     @property
     def served(self) -> bool:
@@ -136,6 +161,9 @@ class WeightSender:
         buffers: ``latest`` mode: snapshot buffers kept (default: receivers + 2, so that
             a push never waits; fewer bound memory, and a push then may wait for a
             transfer in flight, never for a receiver between pulls).
+        fanout: ``"star"`` (the sender sends to every receiver) or ``"relay"`` (``sync``
+            mode: through a chain of the receivers in the order given, each forwarding
+            the chunks it receives; ``bucket_bytes`` is the chunk, default 1 MiB).
 
     Construction performs the handshake with every receiver and raises if one
     rejects the schema (:class:`SchemaError`, naming it and the first differing
@@ -150,7 +178,7 @@ class WeightSender:
 
     def __init__(self, td: Any, dst: Any = None, *, group: Any = None, group_dst: Any = None,
                  bucket_bytes: int | None = None, timeout: float = 60.0, verify: bool = False,
-                 stream: Any = None, mode: str = "sync", buffers: int | None = None) -> None:
+                 stream: Any = None, mode: str = "sync", buffers: int | None = None, fanout: str = "star") -> None:
         self.timeout = check_timeout(timeout)
         check_bucket_bytes(bucket_bytes)
         if mode not in MODES:
@@ -158,6 +186,11 @@ class WeightSender:
         if buffers is not None and (mode != "latest" or isinstance(buffers, bool) or not isinstance(buffers, int)
                                     or buffers < 2):
             raise ArgumentError(f"`buffers` is for mode='latest', an int >= 2; got {buffers!r} with mode={mode!r}")
+        if fanout not in FANOUTS:
+            raise ArgumentError(f"`fanout` must be one of {FANOUTS}, got {fanout!r}")
+        if fanout == "relay" and mode != "sync":
+            raise ArgumentError("fanout='relay' is for mode='sync': in 'latest' mode each receiver pulls at its own "
+                                "pace, and a chain would make each wait for the one before it; use fanout='star'")
         dsts, group_dsts = check_peers(dst, "dst"), check_peers(group_dst, "group_dst")
         if (dsts is None) == (group_dsts is None):
             raise ArgumentError("pass exactly one of `dst` and `group_dst` (a rank or a list of ranks)")
@@ -167,7 +200,7 @@ class WeightSender:
             raise UsageError("mode='latest' needs a gloo link (NCCL runs a pair's sends and receives in order on "
                              "one stream, so a receiver's ask could not pass a posted receive): use a gloo group "
                              "for weight sync (GPU weights are staged through page-locked memory)")
-        self.mode = mode
+        self.mode, self.fanout = mode, fanout
         self._td = unwrap(td)
         plan = plan_for(self._td)
         plan.check()
@@ -178,7 +211,7 @@ class WeightSender:
         if len(raw) > MAX_SCHEMA_BYTES:
             raise ArgumentError(f"the schema of `td` takes {len(raw)} bytes of JSON, more than {MAX_SCHEMA_BYTES}: "
                                 "send fewer, larger leaves")
-        self._piece = bucket_bytes or max(self.schema.total, 1)
+        self._piece = bucket_bytes or max(min(self.schema.total, RELAY_CHUNK if fanout == "relay" else math.inf), 1)
         check_pieces(self.schema.total, self._piece, "weights")
         self._device = plan.device
         count = 1 if mode == "sync" else (buffers or len(links) + 2)
@@ -220,7 +253,7 @@ class WeightSender:
         """Offer the schema to every receiver at once, then read every answer."""
         def hello(lane: Lane) -> Any:
             head = yield from send_from(lane, [wire_bytes(lane, preamble(len(raw), self._piece, self.mode,
-                                                                       self._session))],
+                                                                       self._session, self.fanout))],
                                         [TAG_PREAMBLE], defer=True)
             yield from send_bytes(lane, raw, TAG_SCHEMA)
             if head:
@@ -287,8 +320,12 @@ class WeightSender:
         target = self._snapshots[0]
         self._copy(plan, target, live[0].lane.stream)
         pushes = []
-        for receiver in live:  # each posted on its own: one failing never keeps the others from theirs
-            transfer = Transfer(self._send(receiver.lane, target), receiver.lane.stream, timeout=limit,
+        for i, receiver in enumerate(live):  # each posted on its own: one failing never keeps the others from theirs
+            if self.fanout == "relay":
+                protocol = self._send_relayed(live, i, target, limit)
+            else:
+                protocol = self._send(receiver.lane, target)
+            transfer = Transfer(protocol, receiver.lane.stream, timeout=limit,
                                 driver=receiver.driver.submit, link=receiver.lane.link,
                                 on_error=self._drop(receiver, self.version, limit), raise_first=False,
                                 what=f"push of version {self.version} to rank {receiver.rank}")
@@ -373,15 +410,41 @@ class WeightSender:
         if head:
             yield head
 
+    def _send_relayed(self, chain: list[_Receiver], i: int, snapshot: _Snapshot, limit: float) -> Any:
+        """Relay fan-out, to ``chain[i]``: its header (naming its hops); the payload and the
+        trailer to the head of the chain only; then the receiver's word that it has the version."""
+        receiver, lane = chain[i], chain[i].lane
+        header = dataclasses.replace(snapshot.header, up=lane.link.pg.rank() if i == 0 else chain[i - 1].rank,
+                                     down=chain[i + 1].rank if i + 1 < len(chain) else -1)
+        head = yield from send_from(lane, [wire_bytes(lane, header.pack())], [self._tags.header], defer=True)
+        if i == 0:
+            yield from send_from(lane, snapshot.chunks, [self._tags.payload] * len(snapshot.chunks))
+            yield from send_bytes(lane, trailer_message(header.version), self._tags.trailer)
+        if head:
+            yield head
+        if lane.nccl:  # no listener on NCCL: the word comes here, in order on the pair's stream
+            ask = read_ask((yield from read_bytes(lane, ASK_SIZE, self._tags.ask, "relay acknowledgement",
+                                                  _out_of_step)))
+            if ask.kind != GOT:
+                raise _out_of_step("a relay receiver sent no acknowledgement")
+            receiver.got = ask
+        yield [_Got(self, receiver, header.version, time.monotonic() + limit + 1.0)]
+
     def _drop(self, receiver: _Receiver, version: int, timeout: float) -> Callable[[BaseException, float], BaseException]:
         """The error hook of a transfer of ``version`` to ``receiver``: name it, and drop it."""
         def dropped(error: BaseException, elapsed: float) -> BaseException:
             seconds = timeout if isinstance(error, TimeoutError) else elapsed
-            failure = link_error(receiver.lane.link, f"push of version {version}", error, seconds,
-                                 f"did not take version {version}")
-            receiver.gone = str(failure)
+            if isinstance(error, Error) and not isinstance(error, TimeoutError):
+                failure = error  # it names the rank already (a dead one, or one upstream in a relay chain)
+            else:
+                failure = link_error(receiver.lane.link, f"push of version {version}", error, seconds,
+                                     f"did not take version {version}")
+            text = str(failure)
+            if "is dropped from this sender" not in text:
+                text += f"; rank {receiver.rank} is dropped from this sender"
+            receiver.gone = text
             self._torn = True  # its send may still be reading the storage, long after this
-            return type(failure)(f"{failure}; rank {receiver.rank} is dropped from this sender")
+            return type(failure)(text)
 
         return dropped
 
@@ -412,11 +475,13 @@ class WeightSender:
         lane = receiver.lane
         while True:
             try:
-                kind, version = read_ask(run_standing(
+                ask = read_ask(run_standing(
                     read_bytes(lane, ASK_SIZE, self._tags.ask, "receiver message", _out_of_step), lane.link, lane.stream,
                     on_error=naming(lane.link, "weight sync", math.inf, "sent nothing")))
-                if kind == ASK and self.mode != "latest":
-                    raise OutOfStepError("the receiver asked for a version of a sync sender: out of step")
+                kind, version = ask.kind, ask.version
+                if (kind == ASK and self.mode != "latest") or (kind == GOT and self.fanout != "relay"):
+                    raise OutOfStepError(f"the receiver sent a message this {self.mode} {self.fanout} sender "
+                                         "never asks for: out of step")
             except Exception as error:  # noqa: BLE001 - a dead or lying receiver is dropped
                 with self._cond:
                     if receiver.gone is None and not receiver.said_last:
@@ -429,6 +494,11 @@ class WeightSender:
                     self._cond.notify_all()
                 receiver.driver.submit(lambda: self._last_word(receiver, RELEASED))  # after what is in flight
                 return
+            if kind == GOT:
+                with self._cond:
+                    receiver.got = ask
+                    self._cond.notify_all()
+                continue
             with self._cond:
                 receiver.asked = version
                 self._serve(receiver)
@@ -478,3 +548,34 @@ class WeightSender:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _Got:
+    """Relay fan-out: a work that completes when ``receiver`` has said what became of ``version``
+    (or left, or is gone); ``wait`` raises if it did not publish it, naming the rank that failed."""
+
+    def __init__(self, sender: WeightSender, receiver: _Receiver, version: int, deadline: float) -> None:
+        self.sender, self.receiver, self.version, self.deadline = sender, receiver, version, deadline
+
+    def _said(self) -> bool:
+        r = self.receiver
+        return r.gone is not None or r.leaving or (r.got is not None and r.got.version >= self.version)
+
+    def is_completed(self) -> bool:
+        with self.sender._cond:
+            return self._said()
+
+    def wait(self, timeout: Any = None) -> bool:
+        r = self.receiver
+        with self.sender._cond:
+            if not self.sender._cond.wait_for(self._said, timeout=max(self.deadline - time.monotonic(), 0.0)):
+                raise TransferTimeout(f"rank {r.rank} did not confirm version {self.version}")
+            gone, got, leaving = r.gone, r.got, r.leaving
+        if got is not None and got.version >= self.version:
+            if got.version == self.version and got.status == LOST:
+                raise PeerError(f"push of version {self.version}: rank {r.rank} did not get it: rank {got.rank} "
+                                "before it in the relay chain failed during the push")
+            return True
+        if gone is not None and not leaving:
+            raise PeerError(gone)
+        return True

@@ -59,13 +59,17 @@ class SessionTags:
     header: int
     payload: int
     ask: int
+    trailer: int  # relay fan-out: what follows a push's chunks from the previous hop
 
     @classmethod
     def of(cls, session: int) -> "SessionTags":
         base = _SESSION_BASE + 4 * session
-        return cls(base, base + 1, base + 2)
+        return cls(base, base + 1, base + 2, base + 3)
+
+
 STATUS_SIZE = 256
 MODES = ("sync", "latest")
+FANOUTS = ("star", "relay")
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
@@ -223,7 +227,7 @@ class Schema:
 
 
 # -- per-push header ---------------------------------------------------------------
-_HEADER = struct.Struct("<4sHHIQQQ16s16s")
+_HEADER = struct.Struct("<4sHHIQQQ16s16sii")
 HEADER_SIZE = 96
 MAGIC = b"CDRS"
 FLAG_VERIFY = 1
@@ -239,42 +243,79 @@ class PushHeader:
     checksum: bytes = bytes(16)
     verify: bool = False
     kind: int = PUSH
+    #: relay fan-out: the rank (in the group) the payload comes from, and the one to forward it to (-1: none)
+    up: int = -1
+    down: int = -1
 
     def pack(self) -> bytes:
-        body = _HEADER.pack(MAGIC, 1, FLAG_VERIFY if self.verify else 0, self.kind, self.version, self.total,
-                            self.piece, self.fingerprint, self.checksum)
+        body = _HEADER.pack(MAGIC, 2, FLAG_VERIFY if self.verify else 0, self.kind, self.version, self.total,
+                            self.piece, self.fingerprint, self.checksum, self.up, self.down)
         return body + struct.pack("<I", zlib.crc32(body)) + bytes(HEADER_SIZE - _HEADER.size - 4)
 
     @classmethod
     def unpack(cls, raw: bytes) -> "PushHeader":
         body = raw[: _HEADER.size]
         (crc,) = struct.unpack_from("<I", raw, _HEADER.size)
-        magic, fmt, flags, kind, version, total, piece, fingerprint, checksum = _HEADER.unpack(body)
-        if magic != MAGIC or fmt != 1 or zlib.crc32(body) != crc or piece <= 0 or kind not in (PUSH, CLOSED, RELEASED):
+        magic, fmt, flags, kind, version, total, piece, fingerprint, checksum, up, down = _HEADER.unpack(body)
+        if magic != MAGIC or fmt != 2 or zlib.crc32(body) != crc or piece <= 0 or kind not in (PUSH, CLOSED, RELEASED):
             raise OutOfStepError("the message is not a cudarecv weight-push header (bad magic or checksum): "
                                   "not drained, the link is out of step")
-        return cls(version, total, piece, fingerprint, checksum, bool(flags & FLAG_VERIFY), kind)
+        return cls(version, total, piece, fingerprint, checksum, bool(flags & FLAG_VERIFY), kind, up, down)
 
 
 # -- the receiver's messages -----------------------------------------------------------
-_ASK = struct.Struct("<4sIQ")
+_ASK = struct.Struct("<4sIQii")
 ASK_SIZE = 32
-ASK, BYE = 0, 1
+ASK, BYE, GOT = 0, 1, 2  # latest mode's ask; the receiver closes; relay fan-out: what became of a version
+LANDED, REJECTED, LOST = 0, 1, 2  # a GOT's status: published; rejected (drained, still in step); lost upstream
 
 
-def ask_message(kind: int, version: int = 0) -> bytes:
-    """``ASK`` for a version newer than ``version`` (latest mode), or ``BYE`` (the receiver closes)."""
-    body = _ASK.pack(b"CDRA", kind, version)
+@dataclass(frozen=True)
+class Ask:
+    """A receiver's message: ``kind``, a ``version``, and for ``GOT`` a ``status`` and the rank it names."""
+
+    kind: int
+    version: int = 0
+    status: int = LANDED
+    rank: int = -1
+
+
+def ask_message(kind: int, version: int = 0, status: int = LANDED, rank: int = -1) -> bytes:
+    """``ASK`` for a version newer than ``version`` (latest mode), ``BYE`` (the receiver closes), or
+    ``GOT`` (relay fan-out: ``version`` landed, was rejected, or was lost because ``rank`` upstream failed)."""
+    body = _ASK.pack(b"CDRA", kind, version, status, rank)
     return body + struct.pack("<I", zlib.crc32(body)) + bytes(ASK_SIZE - _ASK.size - 4)
 
 
-def read_ask(raw: bytes) -> tuple[int, int]:
-    """``(kind, version)`` of a receiver's message; raises :class:`OutOfStepError` if it is none."""
-    magic, kind, version = _ASK.unpack_from(raw)
+def read_ask(raw: bytes) -> Ask:
+    """The :class:`Ask` of a receiver's message; raises :class:`OutOfStepError` if it is none."""
+    magic, kind, version, status, rank = _ASK.unpack_from(raw)
     (crc,) = struct.unpack_from("<I", raw, _ASK.size)
-    if magic != b"CDRA" or kind not in (ASK, BYE) or zlib.crc32(raw[: _ASK.size]) != crc:
+    if (magic != b"CDRA" or kind not in (ASK, BYE, GOT) or status not in (LANDED, REJECTED, LOST)
+            or zlib.crc32(raw[: _ASK.size]) != crc):
         raise OutOfStepError("a message from the receiver is no cudarecv ask: the link is out of step")
-    return kind, version
+    return Ask(kind, version, status, rank)
+
+
+# -- relay fan-out: what follows a push's chunks on each hop ---------------------------
+_TRAILER = struct.Struct("<4sIQi")
+TRAILER_SIZE = 32
+INTACT, BROKEN = 0, 1  # the chunks before it are the version's; they are not (``rank`` upstream failed)
+
+
+def trailer_message(version: int, status: int = INTACT, rank: int = -1) -> bytes:
+    """The last message of a push on a relay hop: whether the chunks before it are intact."""
+    body = _TRAILER.pack(b"CDRT", status, version, rank)
+    return body + struct.pack("<I", zlib.crc32(body)) + bytes(TRAILER_SIZE - _TRAILER.size - 4)
+
+
+def read_trailer(raw: bytes) -> tuple[int, int, int]:
+    """``(status, version, rank)`` of a relay trailer; raises :class:`OutOfStepError` if it is none."""
+    magic, status, version, rank = _TRAILER.unpack_from(raw)
+    (crc,) = struct.unpack_from("<I", raw, _TRAILER.size)
+    if magic != b"CDRT" or status not in (INTACT, BROKEN) or zlib.crc32(raw[: _TRAILER.size]) != crc:
+        raise OutOfStepError("the message after a relayed push is no cudarecv trailer: the link is out of step")
+    return status, version, rank
 
 
 def checksum(storage: Tensor) -> bytes:
@@ -298,33 +339,36 @@ def read_status(raw: bytes) -> tuple[int, str]:
     return raw[0], raw[1:].rstrip(b"\x00").decode(errors="replace")
 
 
-_PREAMBLE = struct.Struct("<4sIQQII")
+_PREAMBLE = struct.Struct("<4sIQQIII")
 PREAMBLE_SIZE = _PREAMBLE.size
 
 
 @dataclass(frozen=True)
 class Offer:
-    """What a preamble announces: the schema's length, the bytes per push message, the mode, the session."""
+    """What a preamble announces: the schema's length, the bytes per push message, the mode, the
+    session and the fan-out (``star``: every push comes from the sender; ``relay``: through a chain
+    of receivers, each push's header naming the hop before and after this receiver)."""
 
     length: int
     piece: int
     mode: str
     session: int
+    fanout: str = "star"
 
 
-def preamble(schema_bytes: int, piece: int, mode: str, session: int = 0) -> bytes:
+def preamble(schema_bytes: int, piece: int, mode: str, session: int = 0, fanout: str = "star") -> bytes:
     """The handshake's first message (see :class:`Offer`)."""
-    return _PREAMBLE.pack(b"CDRH", 3, schema_bytes, piece, MODES.index(mode), session)
+    return _PREAMBLE.pack(b"CDRH", 4, schema_bytes, piece, MODES.index(mode), session, FANOUTS.index(fanout))
 
 
 def read_preamble(raw: bytes) -> Offer:
     """The :class:`Offer` of a received preamble; raises :class:`OutOfStepError` if the peer is no
     weight sender of this version (the lengths are the receiver's to check)."""
-    magic, fmt, length, piece, mode, session = _PREAMBLE.unpack(raw)
-    if magic != b"CDRH" or fmt != 3 or mode >= len(MODES) or session >= SESSIONS:
+    magic, fmt, length, piece, mode, session, fanout = _PREAMBLE.unpack(raw)
+    if magic != b"CDRH" or fmt != 4 or mode >= len(MODES) or session >= SESSIONS or fanout >= len(FANOUTS):
         raise OutOfStepError("the first message is not a cudarecv weight-sync handshake: is the peer a "
                           "WeightSender of this cudarecv version?")
-    return Offer(length, piece, MODES[mode], session)
+    return Offer(length, piece, MODES[mode], session, FANOUTS[fanout])
 
 
 def check_offer(length: int, piece: int) -> None:

@@ -22,11 +22,12 @@ from cudarecv.testing.launch import RankExit
 from policies import holds_version, policy, set_version
 
 
-def fan_out(rank, world, group, steps, standalone):
+def fan_out(rank, world, group, steps, standalone, fanout):
     model = policy()
     if rank == 0:
         peers = {"group": group, "group_dst": [1, 2, 3]} if standalone else {"dst": [1, 2, 3]}
-        with cudarecv.WeightSender(TensorDict.from_module(model), **peers, bucket_bytes=256, timeout=20) as sender:
+        with cudarecv.WeightSender(TensorDict.from_module(model), **peers, bucket_bytes=256, timeout=20,
+                                   fanout=fanout, verify=fanout == "relay") as sender:
             for version in range(1, steps + 1):
                 set_version(model, version)
                 if version % 2:
@@ -37,6 +38,7 @@ def fan_out(rank, world, group, steps, standalone):
         return None
     peer = {"group": group, "group_src": 0} if standalone else {"src": 0}
     with cudarecv.WeightReceiver(**peer, expect=model, timeout=20, pin_memory=False) as receiver:
+        assert receiver.fanout == fanout
         seen = []
         for _ in range(steps):
             if rank == 3:
@@ -54,9 +56,12 @@ def fan_out(rank, world, group, steps, standalone):
         return seen, holds_version(local, steps)
 
 
+@pytest.mark.parametrize("fanout", ["star", "relay"])
 @pytest.mark.parametrize("standalone", [False, True], ids=["default_group", "standalone_group"])
-def test_fan_out_to_three_receivers(four, standalone):
-    results = four().run(fan_out, args=(6, standalone), standalone=standalone, timeout=90)
+def test_fan_out_to_three_receivers(four, standalone, fanout):
+    """Star and relay: every receiver gets every version whole (relay: through the chain 1 -> 2 -> 3,
+    forwarding while rank 3 is slow and rank 2 pulls with wait=False)."""
+    results = four().run(fan_out, args=(6, standalone, fanout), standalone=standalone, timeout=90)
     for rank in (1, 2, 3):
         seen, loaded = results[rank]
         assert [v for v, _ in seen] == list(range(1, 7))
