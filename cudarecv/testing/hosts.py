@@ -159,25 +159,30 @@ class SimulatedHosts:
         return proc
 
     def torchrun_command(self, host: int, script: str, args: Sequence[str] = (), *, nproc_per_node: int = 1,
-                         run_id: str | None = None) -> list[str]:
+                         nnodes: int | None = None, run_id: str | None = None) -> list[str]:
         """The torchrun command host ``host`` runs: c10d rendezvous at host 0. On real nodes it is the
         same with their addresses (``--local-addr`` is needed here only because a namespace's
         hostname does not resolve to its address)."""
-        return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(self.n),
+        return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes or self.n),
                 "--nproc-per-node", str(nproc_per_node), "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", f"{address(0)}:{MASTER_PORT}", "--rdzv-id", run_id or uuid.uuid4().hex[:12],
                 "--local-addr", address(host), "--max-restarts", "0", script, *args]
 
-    def torchrun(self, script: str, args: Sequence[str] = (), *, nproc_per_node: int = 1,
+    def torchrun(self, script: str, args: Sequence[str] = (), *, nproc_per_node: int = 1, hosts: int | None = None,
                  env: dict[str, str] | None = None, log_dir: str | None = None) -> list[subprocess.Popen]:
-        """Start ``script`` on every host with torchrun; each rank sees ``CUDARECV_HOST`` (its host).
+        """Start ``script`` with torchrun on every host (or the first ``hosts``); each rank sees
+        ``CUDARECV_HOST`` (its host's index).
 
         With ``log_dir``, host i's output goes to ``log_dir/host<i>.log``; else it is inherited.
         """
+        count = self.n if hosts is None else hosts
+        if not 1 <= count <= self.n:
+            raise HostsError(f"`hosts` must be in 1..{self.n}, got {hosts!r}")
         run_id = uuid.uuid4().hex[:12]
         procs = []
-        for i in range(self.n):
-            command = self.torchrun_command(i, script, args, nproc_per_node=nproc_per_node, run_id=run_id)
+        for i in range(count):
+            command = self.torchrun_command(i, script, args, nproc_per_node=nproc_per_node, nnodes=count,
+                                            run_id=run_id)
             out = open(os.path.join(log_dir, f"host{i}.log"), "wb") if log_dir else None  # noqa: SIM115
             try:
                 procs.append(self.popen(i, command, {**(env or {}), "CUDARECV_HOST": str(i)},

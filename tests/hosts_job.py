@@ -1,0 +1,134 @@
+"""The rank program of the cross-host tests (``test_hosts.py``), launched with torchrun on each simulated host.
+
+``python hosts_job.py OUT cross_section``: a cross-section of the suite between ranks on different
+hosts: stock <-> cudarecv interop, the fast wire with a mismatched header, weight sync with star
+and relay fan-out. ``python hosts_job.py OUT kill``: a relay chain 1 -> 2 -> 3 whose middle
+receiver's process is killed mid-push, then a new sender over the survivors on a new group.
+Each rank writes what it saw to ``OUT/rank<r>.json``; the test asserts on it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+
+import cudarecv
+from policies import holds_version, policy, set_version
+from test_fast_wire import mismatch_then_ok
+from test_interop import MODES, PAIRS, transfer
+from test_weights import fan_out
+
+TIMEOUT = 20.0
+VICTIM = 2
+
+
+def cross_section(rank: int, world: int) -> dict:
+    out: dict = {"host": os.environ["CUDARECV_HOST"]}
+    if rank < 2:  # ranks 0 and 1 are on different hosts
+        out["interop"] = {f"{s}->{r}:{mode}": transfer(rank, 2, None, s, r, True, MODES[mode])
+                          for s, r in PAIRS for mode in ("plain", "consolidated")}
+        out["mismatch"] = mismatch_then_ok(rank, 2, None, "buckets-shape")
+    dist.barrier()
+    for fanout in ("star", "relay"):
+        out[f"weights_{fanout}"] = fan_out(rank, world, None, 4, False, fanout)
+        dist.barrier()
+    return out
+
+
+def _big_model() -> TensorDict:
+    return TensorDict({f"w{i}": torch.zeros(1 << 19) for i in range(4)}, batch_size=[])  # 8 MiB
+
+
+def _fill(td: TensorDict, version: int) -> None:
+    for value in td.values():
+        value.fill_(version)
+
+
+def _holds(td: TensorDict, version: int) -> bool:
+    return all(bool((v == version).all()) for v in td.values())
+
+
+def kill(rank: int, world: int) -> dict:
+    """Trainer 0 pushes through the chain 1 -> 2 -> 3 -> 4 until a push fails; rank 2 dies mid-push:
+    rank 3's link to it fails, rank 4 hears of it in band (the trailer rank 3 still sends it)."""
+    out: dict = {"host": os.environ["CUDARECV_HOST"]}
+    td = _big_model()
+    if rank == 0:
+        sender = cudarecv.WeightSender(td, dst=list(range(1, world)), fanout="relay", bucket_bytes=256 << 10, timeout=TIMEOUT,
+                                       verify=True)
+        for version in range(1, 60):
+            _fill(td, version)
+            try:
+                sender.push()
+            except cudarecv.Error as error:
+                out.update(failed_version=version, error=f"{type(error).__name__}: {error}", failed_at=time.time(),
+                           ranks_left=sender.ranks)
+                break
+        _fill(td, sender.version + 1)
+        out["after"] = sender.push()  # the survivors upstream of the dead rank still get versions
+        sender.close()
+    else:
+        receiver = cudarecv.WeightReceiver(src=0, expect=td, timeout=TIMEOUT)
+        seen = []
+        if rank == VICTIM:
+            receiver.pull()
+            threading.Timer(0.15, _die).start()  # mid-way through the next push
+        while True:
+            try:
+                version = receiver.pull()
+            except cudarecv.SenderClosed:
+                break
+            except cudarecv.Error as error:
+                out.update(error=f"{type(error).__name__}: {error}", failed_at=time.time())
+                break
+            seen.append([version, _holds(receiver.td, version)])
+        out.update(seen=seen, kept=[receiver.version, receiver.version > 0 and _holds(receiver.td, receiver.version)])
+        receiver.close()
+    # the survivors start again on a new group, built on the default store (a collective over the
+    # default group would wait for the dead rank)
+    survivors = [r for r in range(world) if r != VICTIM]
+    store = dist.PrefixStore("survivors", dist.distributed_c10d._get_default_store())
+    group = dist.ProcessGroupGloo(store, survivors.index(rank), len(survivors), timedelta(seconds=TIMEOUT))
+    if rank == 0:
+        _fill(td, 200)
+        with cudarecv.WeightSender(td, group=group, group_dst=list(range(1, len(survivors))), fanout="relay",
+                                   timeout=TIMEOUT) as sender:
+            out["rebuilt"] = sender.push()
+    else:
+        with cudarecv.WeightReceiver(group=group, group_src=0, expect=td, timeout=TIMEOUT) as receiver:
+            out["rebuilt"] = [receiver.pull(), _holds(receiver.td, 200)]
+    return out
+
+
+def _die() -> None:
+    with open(os.path.join(sys.argv[1], f"rank{VICTIM}.json"), "w") as f:
+        json.dump({"host": os.environ["CUDARECV_HOST"], "killed_at": time.time()}, f)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main() -> None:
+    out_dir, scenario = sys.argv[1], sys.argv[2]
+    rank = int(os.environ["RANK"])
+    if scenario == "kill" and rank == VICTIM and os.fork():
+        os.wait()  # the rank runs in the child, which is killed: torchrun sees its worker end normally
+        os._exit(0)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    result = (cross_section if scenario == "cross_section" else kill)(rank, dist.get_world_size())
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    if scenario == "kill":  # the default group has a dead member: leave without tearing it down
+        os._exit(0)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""Across simulated hosts: a cross-section of the suite between ranks on different hosts.
+
+Five hosts (network namespaces on a bridge, 127.100.0.x, 200 Mbit/s links each way; see
+:mod:`cudarecv.testing.hosts`); every job is launched with torchrun and c10d rendezvous on each
+host, as on real nodes, running ``hosts_job.py``. Skipped where namespaces cannot be created.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from cudarecv.testing import hosts as sim
+
+REASON = sim.unavailable()
+pytestmark = [pytest.mark.skipif(REASON is not None, reason=f"simulated hosts: {REASON}"), pytest.mark.timeout(400)]
+JOB = os.path.join(os.path.dirname(__file__), "hosts_job.py")
+TIMEOUT = 20.0  # hosts_job.TIMEOUT: every weight-sync wait
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with sim.SimulatedHosts(5, rate="200mbit") as hosts:
+        yield hosts
+
+
+def _launch(hosts, tmp_path, scenario, count):
+    procs = hosts.torchrun(JOB, args=[str(tmp_path), scenario], hosts=count, log_dir=str(tmp_path),
+                           env={"PYTHONPATH": os.path.dirname(__file__)})
+    hosts.wait(procs, timeout=300, log_dir=str(tmp_path))
+    results = []
+    for rank in range(count):
+        with open(tmp_path / f"rank{rank}.json") as f:
+            results.append(json.load(f))
+    assert len({r["host"] for r in results}) == count, "two ranks ran on one host"
+    return results
+
+
+@pytest.fixture(scope="module")
+def cross_section(cluster, tmp_path_factory):
+    return _launch(cluster, tmp_path_factory.mktemp("cross"), "cross_section", 4)
+
+
+def test_interop_with_a_stock_peer_on_another_host(cross_section):
+    received = cross_section[1]["interop"]
+    assert len(received) == 6
+    for case, structures in received.items():
+        for structure, (ok, _) in structures.items():
+            assert ok, f"{case} {structure}: wrong values across hosts"
+
+
+def test_fast_wire_mismatch_across_hosts_is_drained_and_the_link_survives(cross_section):
+    message, untouched, next_ok = cross_section[1]["mismatch"]
+    assert message is not None and "drained" in message
+    assert untouched and next_ok
+
+
+@pytest.mark.parametrize("fanout", ["star", "relay"])
+def test_weight_sync_fan_out_across_hosts(cross_section, fanout):
+    for rank in (1, 2, 3):
+        seen, loaded = cross_section[rank][f"weights_{fanout}"]
+        assert [v for v, _ in seen] == [1, 2, 3, 4]
+        assert all(ok for _, ok in seen) and loaded, f"rank {rank} saw a mixed version"
+
+
+def test_a_receiver_killed_mid_push_in_a_relay_chain(cluster, tmp_path):
+    """Chain 1 -> 2 -> 3 -> 4, rank 2 killed: the push and ranks 3 and 4 name it within timeout + 10 s;
+    rank 1 keeps its versions and gets the next; the survivors then sync on a new group."""
+    trainer, up, victim, down, last = _launch(cluster, tmp_path, "kill", 5)
+    killed = victim["killed_at"]
+    assert "rank 2" in trainer["error"] and trainer["ranks_left"] == [1]
+    assert trainer["failed_at"] - killed < TIMEOUT + 10
+    for rank, result in ((3, down), (4, last)):
+        assert "rank 2" in result["error"], f"rank {rank}: {result['error']}"
+        assert result["failed_at"] - killed < TIMEOUT + 10
+        version, whole = result["kept"]
+        assert version >= 1 and whole, f"rank {rank} lost its last good version"
+    assert "in the relay chain" in last["error"]  # heard in band from rank 3, whose link to 2 failed
+    assert all(ok for _, ok in up["seen"]) and up["seen"][-1][0] == trainer["after"]
+    assert up["kept"] == [trainer["after"], True]
+    assert trainer["rebuilt"] == 1
+    for result in (up, down, last):
+        assert result["rebuilt"] == [1, True]
