@@ -80,6 +80,7 @@ from ._weights_wire import (
     ask_message,
     check_offer,
     checksum,
+    host_id,
     read_preamble,
     read_trailer,
     status_message,
@@ -179,8 +180,8 @@ class WeightReceiver:
         self.schema, self._piece, offer, self._slots = _handshake(
             self._lane, self.timeout, expect,
             lambda schema, piece: [_Slot(schema, piece, self._device, pin_memory) for _ in range(2)])
-        #: the sender's mode and fan-out, learnt in the handshake: ``"sync"`` or ``"latest"``; ``"star"`` or ``"relay"``
-        self.mode, self.fanout = offer.mode, offer.fanout
+        #: the sender's mode, learnt in the handshake: ``"sync"`` or ``"latest"``
+        self.mode = offer.mode
         self._tags = SessionTags.of(offer.session)
         self._cond = threading.Condition()
         self._published: int | None = None
@@ -393,14 +394,14 @@ class WeightReceiver:
                        f"({self.schema.fingerprint.hex()})")
         elif header.version <= self.version:
             problem = f"version {header.version} is not newer than the current {self.version}"
-        if self.fanout == "relay":
+        if header.relayed:
             yield from self._relayed(header, slot, limit)  # forwarded on, whether or not it is published here
         elif problem:
             yield from drain(lane, total, piece, self._tags.payload)
         else:
             yield from recv_into(lane, slot.pieces, [self._tags.payload] * len(slot.pieces))
         if problem:
-            self._tell(header.version, REJECTED)
+            self._tell(header, REJECTED)
             raise PushHeaderError(f"{problem}: rejected and drained; version {self.version} stays published")
         if lane.stream is not None:
             yield [_cuda.EventWork(_cuda.record(lane.stream))]  # verify and publish landed bytes only
@@ -408,7 +409,7 @@ class WeightReceiver:
             with torch.cuda.stream(lane.stream) if lane.stream is not None else contextlib.nullcontext():
                 got = checksum(slot.storage)
             if got != header.checksum:
-                self._tell(header.version, REJECTED)
+                self._tell(header, REJECTED)
                 raise ChecksumError(
                     f"version {header.version} arrived corrupted (BLAKE3 {got.hex()} != {header.checksum.hex()}): "
                     f"rejected; version {self.version} stays published"
@@ -417,13 +418,13 @@ class WeightReceiver:
             self._published = self._slots.index(slot)
             self.version = header.version
             self._cond.notify_all()
-        self._tell(header.version, LANDED)
+        self._tell(header, LANDED)
         return header.version
 
-    def _tell(self, version: int, status: int) -> None:
-        """Relay fan-out: tell the sender what became of ``version`` (its blocking push waits for every word)."""
-        if self.fanout == "relay":
-            post_and_forget(self._lane, ask_message(GOT, version, status), self._tags.ask)
+    def _tell(self, header: PushHeader, status: int) -> None:
+        """Relay fan-out: tell the sender what became of the push (its blocking push waits for every word)."""
+        if header.relayed:
+            post_and_forget(self._lane, ask_message(GOT, header.version, status), self._tags.ask)
 
     # -- relay fan-out ------------------------------------------------------------------
     def _relayed(self, header: PushHeader, slot: _Slot, limit: float) -> Any:
@@ -551,7 +552,7 @@ class WeightReceiver:
             yield [self._pending.ended()]
         while not (self._released or self._sender_closed or self._broken):
             header = yield from self._header()
-            if header.kind == PUSH and self.fanout == "relay":  # the hops after this one still need it
+            if header.kind == PUSH and header.relayed:  # the hops after this one still need it
                 yield from self._relayed(header, self._slots[1 if self._published == 0 else 0], self.timeout)
             elif header.kind == PUSH:
                 yield from drain(lane, self.schema.total, self._piece, self._tags.payload)
@@ -614,5 +615,5 @@ def _handshake(lane: Lane, timeout: float, expect: Any, allocate: Any,
         problem = f"the receiver cannot allocate 2 x {schema.total} bytes: {type(error).__name__}: {error}"
         answer(FAILED, problem)
         raise ReceiverFailed(problem) from error
-    answer(ACCEPTED)
+    answer(ACCEPTED, host_id())
     return schema, piece, offer, slots

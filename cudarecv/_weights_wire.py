@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import socket
 import struct
 import zlib
 from dataclasses import dataclass
@@ -69,7 +71,7 @@ class SessionTags:
 
 STATUS_SIZE = 256
 MODES = ("sync", "latest")
-FANOUTS = ("star", "relay")
+FANOUTS = ("auto", "star", "relay")
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
@@ -230,7 +232,7 @@ class Schema:
 _HEADER = struct.Struct("<4sHHIQQQ16s16sii")
 HEADER_SIZE = 96
 MAGIC = b"CDRS"
-FLAG_VERIFY = 1
+FLAG_VERIFY, FLAG_RELAY = 1, 2
 PUSH, CLOSED, RELEASED = 0, 1, 2  # header kinds: a version follows; the sender closed; the answer to BYE
 
 
@@ -243,12 +245,15 @@ class PushHeader:
     checksum: bytes = bytes(16)
     verify: bool = False
     kind: int = PUSH
-    #: relay fan-out: the rank (in the group) the payload comes from, and the one to forward it to (-1: none)
+    #: relay fan-out: the payload comes from rank ``up`` (in the group), is forwarded to ``down`` (-1: none),
+    #: and ends with a trailer on each hop; the receiver then tells the sender what became of it
+    relayed: bool = False
     up: int = -1
     down: int = -1
 
     def pack(self) -> bytes:
-        body = _HEADER.pack(MAGIC, 2, FLAG_VERIFY if self.verify else 0, self.kind, self.version, self.total,
+        flags = (FLAG_VERIFY if self.verify else 0) | (FLAG_RELAY if self.relayed else 0)
+        body = _HEADER.pack(MAGIC, 2, flags, self.kind, self.version, self.total,
                             self.piece, self.fingerprint, self.checksum, self.up, self.down)
         return body + struct.pack("<I", zlib.crc32(body)) + bytes(HEADER_SIZE - _HEADER.size - 4)
 
@@ -260,7 +265,8 @@ class PushHeader:
         if magic != MAGIC or fmt != 2 or zlib.crc32(body) != crc or piece <= 0 or kind not in (PUSH, CLOSED, RELEASED):
             raise OutOfStepError("the message is not a cudarecv weight-push header (bad magic or checksum): "
                                   "not drained, the link is out of step")
-        return cls(version, total, piece, fingerprint, checksum, bool(flags & FLAG_VERIFY), kind, up, down)
+        return cls(version, total, piece, fingerprint, checksum, bool(flags & FLAG_VERIFY), kind,
+                   bool(flags & FLAG_RELAY), up, down)
 
 
 # -- the receiver's messages -----------------------------------------------------------
@@ -336,39 +342,47 @@ def status_message(status: int, text: str = "") -> bytes:
 
 
 def read_status(raw: bytes) -> tuple[int, str]:
+    """``(status, text)``: the reason of a refusal or failure; for ``ACCEPTED``, the receiver's :func:`host_id`."""
     return raw[0], raw[1:].rstrip(b"\x00").decode(errors="replace")
 
 
-_PREAMBLE = struct.Struct("<4sIQQIII")
+def host_id() -> str:
+    """Which network host this process is on: the hostname and the network namespace (two
+    namespaces on one machine are two hosts to the network: their traffic crosses links)."""
+    try:
+        net = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        net = 0
+    return f"{socket.gethostname()}/{net}"
+
+
+_PREAMBLE = struct.Struct("<4sIQQII")
 PREAMBLE_SIZE = _PREAMBLE.size
 
 
 @dataclass(frozen=True)
 class Offer:
-    """What a preamble announces: the schema's length, the bytes per push message, the mode, the
-    session and the fan-out (``star``: every push comes from the sender; ``relay``: through a chain
-    of receivers, each push's header naming the hop before and after this receiver)."""
+    """What a preamble announces: the schema's length, the bytes per push message, the mode, the session."""
 
     length: int
     piece: int
     mode: str
     session: int
-    fanout: str = "star"
 
 
-def preamble(schema_bytes: int, piece: int, mode: str, session: int = 0, fanout: str = "star") -> bytes:
+def preamble(schema_bytes: int, piece: int, mode: str, session: int = 0) -> bytes:
     """The handshake's first message (see :class:`Offer`)."""
-    return _PREAMBLE.pack(b"CDRH", 4, schema_bytes, piece, MODES.index(mode), session, FANOUTS.index(fanout))
+    return _PREAMBLE.pack(b"CDRH", 3, schema_bytes, piece, MODES.index(mode), session)
 
 
 def read_preamble(raw: bytes) -> Offer:
     """The :class:`Offer` of a received preamble; raises :class:`OutOfStepError` if the peer is no
     weight sender of this version (the lengths are the receiver's to check)."""
-    magic, fmt, length, piece, mode, session, fanout = _PREAMBLE.unpack(raw)
-    if magic != b"CDRH" or fmt != 4 or mode >= len(MODES) or session >= SESSIONS or fanout >= len(FANOUTS):
+    magic, fmt, length, piece, mode, session = _PREAMBLE.unpack(raw)
+    if magic != b"CDRH" or fmt != 3 or mode >= len(MODES) or session >= SESSIONS:
         raise OutOfStepError("the first message is not a cudarecv weight-sync handshake: is the peer a "
                           "WeightSender of this cudarecv version?")
-    return Offer(length, piece, MODES[mode], session, FANOUTS[fanout])
+    return Offer(length, piece, MODES[mode], session)
 
 
 def check_offer(length: int, piece: int) -> None:

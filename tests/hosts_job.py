@@ -20,12 +20,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
-
-import cudarecv
-from policies import holds_version, policy, set_version
 from test_fast_wire import mismatch_then_ok
 from test_interop import MODES, PAIRS, transfer
 from test_weights import fan_out
+
+import cudarecv
 
 TIMEOUT = 20.0
 VICTIM = 2

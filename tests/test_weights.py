@@ -35,10 +35,9 @@ def fan_out(rank, world, group, steps, standalone, fanout):
                 else:
                     for transfer in sender.push(wait=False):
                         transfer.wait(20)
-        return None
+        return sender.fanout
     peer = {"group": group, "group_src": 0} if standalone else {"src": 0}
     with cudarecv.WeightReceiver(**peer, expect=model, timeout=20, pin_memory=False) as receiver:
-        assert receiver.fanout == fanout
         seen = []
         for _ in range(steps):
             if rank == 3:
@@ -62,6 +61,7 @@ def test_fan_out_to_three_receivers(four, standalone, fanout):
     """Star and relay: every receiver gets every version whole (relay: through the chain 1 -> 2 -> 3,
     forwarding while rank 3 is slow and rank 2 pulls with wait=False)."""
     results = four().run(fan_out, args=(6, standalone, fanout), standalone=standalone, timeout=90)
+    assert results[0] == fanout
     for rank in (1, 2, 3):
         seen, loaded = results[rank]
         assert [v for v, _ in seen] == list(range(1, 7))
