@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from cudarecv.testing import hosts
 from cudarecv.tools import cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,6 +93,27 @@ def test_demo_dead_actor_ends_the_run() -> None:
     assert not _tables(proc.stdout), out
 
 
+@pytest.mark.skipif(hosts.unavailable() is not None, reason=f"simulated hosts: {hosts.unavailable()}")
+def test_demo_across_simulated_hosts() -> None:
+    """--hosts 3: the same run under torchrun on three simulated hosts; cudarecv relays (auto fan-out)."""
+    proc = _demo("--quick", "--hosts", "3", timeout=240)
+    _check_run(proc, actors=2, checksums="off")
+    assert "# ranks: 3 simulated hosts (1gbit links), launched with torchrun" in proc.stdout, proc.stdout
+    assert "fan-out relay" in proc.stdout, proc.stdout
+
+
+def test_simulated_hosts_need_root() -> None:
+    """As an unprivileged user (a real one, via setpriv), namespaces are refused with the reason."""
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        pytest.skip("needs root and setpriv to run as another user")
+    probe = "from cudarecv.testing.hosts import unavailable; print(unavailable())"
+    done = subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", sys.executable, "-c",
+                           probe], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr
+    assert "need root or CAP_NET_ADMIN" in done.stdout, done.stdout
+
+
 def test_demo_bad_option() -> None:
     """The real command line: exit status 2 and the one error line, naming the flag."""
     proc = _demo("--actors", "0", timeout=60)
@@ -115,6 +138,11 @@ def test_demo_bad_option() -> None:
     (["--mode", "async"], "argument --mode: invalid choice: 'async' (choose from "),
     (["--slow-seconds", "-1"], "argument --slow-seconds: must be a number > 0, got '-1'"),
     (["--quick", "extra"], "unrecognized arguments: extra"),
+    (["--hosts", "1"], "argument --hosts: must be >= 2, got 1"),
+    (["--hosts", "3", "--actors", "3"],
+     "argument --hosts: 3 actors and a trainer are 4 ranks, which 3 hosts cannot share evenly"),
+    (["--hosts", "2", "--link", "fast"],
+     "argument --link: not a link rate: 'fast'; write it as tc does, like 1gbit or 100mbit"),
 ])
 def test_demo_bad_option_names_its_flag(capsys, argv, message) -> None:
     """In this process: every bad option is refused before any rank starts."""

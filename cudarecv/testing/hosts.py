@@ -53,6 +53,11 @@ def address(host: int) -> str:
     return f"127.100.0.{host + 1}"
 
 
+def is_rate(text: str) -> bool:
+    """Whether ``text`` is a link rate as ``tc`` writes it (``"1gbit"``, ``"100mbit"``)."""
+    return bool(_RATE.match(text))
+
+
 def unavailable() -> str | None:
     """Why simulated hosts cannot be built here (``None`` if they can): not root, no ``ip``/``tc``,
     or no CAP_NET_ADMIN (namespace creation is tried once)."""
@@ -100,7 +105,7 @@ class SimulatedHosts:
     def __init__(self, n: int, *, rate: str | None = "1gbit", delay: str | None = None) -> None:
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 200:
             raise HostsError(f"`n` must be an int in 1..200, got {n!r}")
-        if rate is not None and not _RATE.match(rate):
+        if rate is not None and not is_rate(rate):
             raise HostsError(f"`rate` must be a tc rate such as '1gbit' or '100mbit', got {rate!r}")
         if delay is not None and not re.match(r"^\d+(\.\d+)?(us|ms|s)$", delay):
             raise HostsError(f"`delay` must be a tc time such as '1ms', got {delay!r}")

@@ -6,6 +6,7 @@ Usage::
     python -m cudarecv demo [--actors N] [--steps N] [--hidden N | --model-mib X] [--device cpu|cuda]
                             [--mode sync|latest] [--slow-actor RANK] [--slow-seconds S]
                             [--bucket-bytes SIZE] [--verify] [--timeout S] [--seed N] [--quick]
+                            [--hosts N [--link RATE]]
 
 Starts one trainer (rank 0) and ``--actors`` actor processes (ranks 1..N) on
 this machine (one :class:`~cudarecv.testing.launch.Cluster`): gloo on the CPU by
@@ -22,6 +23,16 @@ The same training runs twice on the same ranks:
 - **stock**: tensordict's own way: ``init_remote`` once, then
   ``send(consolidated=True)`` to each actor after every step, and
   ``recv(consolidated=True)`` on the actors (every version, in lockstep).
+
+``--hosts N`` runs the trainer and the actors on N simulated hosts instead
+(network namespaces with a ``--link`` each, default 1 Gbit/s: see
+:mod:`cudarecv.testing.hosts`), launched there with torchrun and c10d
+rendezvous; ``--actors`` is then N - 1 unless given (a multiple of N ranks).
+Where namespaces cannot be made (not root) it says why and runs on this host.
+Under torchrun (on real nodes: the same command each simulated host runs,
+``torchrun --nnodes N --nproc-per-node P --rdzv-backend c10d --rdzv-endpoint
+HOST0:29500 --rdzv-id demo -m cudarecv demo``) the demo is one rank of the
+run; rank 0 prints the tables.
 
 The task needs no data: a contextual bandit written in torch (one of a few arms
 pays 1, chosen by a hidden rule shared by all ranks). The trainer trains a policy
@@ -60,6 +71,7 @@ from torch import nn
 
 import cudarecv
 
+from ..testing import hosts as sim
 from ..testing.launch import Cluster, RankError
 from . import report, table
 from .cli import OptionError, error, int_at_least, positive_float, size_or_zero
@@ -120,6 +132,7 @@ class Config:
     slow_actor: int | None = None
     slow_seconds: float = 2.0
     kill_actor: int | None = None
+    network: str = "loopback"  # where the ranks run, for the tables
 
     @property
     def world(self) -> int:
@@ -302,6 +315,7 @@ class _CudarecvPush:
                                             mode=cfg.mode)
         self.in_flight: _Background | None = None
         self.bytes, self.leaves = self.sender.schema.total, len(self.sender.schema.leaves)
+        self.fanout = self.sender.fanout
 
     def push(self, store: Any, step: int, last: bool) -> float:
         """Push the next version; return the seconds the trainer spent on it."""
@@ -339,6 +353,7 @@ class _StockPush:
             self.td.init_remote(dst=rank)
         self.version = 0
         self.bytes, self.leaves = self.td._consolidated["storage"].numel(), len(list(self.td.keys(True, True)))
+        self.fanout = "star"  # one send per actor, in turn
 
     def push(self, store: Any, step: int, last: bool) -> float:
         start = time.perf_counter()
@@ -452,7 +467,7 @@ def _trainer(cfg: Config, device: torch.device) -> dict[str, Any]:
     finally:
         bar.close()
     return dict(role="trainer", impl=cfg.impl, rewards=rewards, pushes=pushes, seconds=seconds,
-                versions=sync.version, bytes=sync.bytes, leaves=sync.leaves,
+                versions=sync.version, bytes=sync.bytes, leaves=sync.leaves, fanout=sync.fanout,
                 digest=digest(TensorDict_from_module(policy)))
 
 
@@ -625,11 +640,14 @@ def _describe(cfg: Config, trainer: dict[str, Any]) -> list[str]:
     slow = [] if cfg.slow_actor is None else [f"slow actor: rank {cfg.slow_actor} sleeps {cfg.slow_seconds:g} s "
                                               "after every version it takes"]
     return [
-        f"cudarecv demo: trainer (rank 0) -> {actors}; {cfg.backend} loopback, weights on {where}",
+        f"cudarecv demo: trainer (rank 0) -> {actors}; {cfg.backend} {cfg.network}, weights on {where}"
+        if cfg.network == "loopback" else f"cudarecv demo: trainer (rank 0) -> {actors}; {cfg.backend}, weights on {where}",
+        *([] if cfg.network == "loopback" else [f"ranks: {cfg.network}"]),
         *slow,
         (f"policy: MLP {OBS}-{cfg.hidden}-{cfg.hidden}-{ARMS}, {param_count(cfg.hidden):,} float32 params, "
          f"{report.human_bytes(trainer['bytes'])} per version"),
-        f"cudarecv: mode {cfg.mode}, {bucket}, checksums {'on' if cfg.verify else 'off'}",
+        f"cudarecv: mode {cfg.mode}, fan-out {trainer.get('fanout', 'star')}, {bucket}, "
+        f"checksums {'on' if cfg.verify else 'off'}",
         f"stock: init_remote, then send/recv(consolidated=True); {trainer['versions']} versions each",
         versions(),
     ]
@@ -656,8 +674,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         description=__doc__.splitlines()[0],
     )
     d, q = DEFAULTS, QUICK
-    p.add_argument("--actors", type=int_at_least(1), metavar="N", default=d["actors"],
-                   help=f"actor processes (default {d['actors']})")
+    p.add_argument("--actors", type=int_at_least(1), metavar="N",
+                   help=f"actor processes (default {d['actors']}; with --hosts N or under torchrun: the ranks - 1)")
     p.add_argument("--steps", type=int_at_least(1), metavar="N",
                    help=f"training steps, one push each (default {d['steps']}; --quick {q['steps']})")
     size = p.add_mutually_exclusive_group()
@@ -681,8 +699,18 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="tiny and fast (a few seconds), for a smoke test")
     p.add_argument("--kill-actor", type=int, metavar="RANK",
                    help="make that actor die abruptly halfway through (shows how a failure ends the demo)")
+    p.add_argument("--hosts", type=int_at_least(2), metavar="N",
+                   help="run the ranks on N simulated hosts (network namespaces, torchrun; needs root)")
+    p.add_argument("--link", metavar="RATE", default="1gbit", type=_link,
+                   help="with --hosts: each host's link speed each way, as tc writes it (default 1gbit)")
     p.set_defaults(func=run)
     return p
+
+
+def _link(text: str) -> str:
+    if not sim.is_rate(text):
+        raise argparse.ArgumentTypeError(f"not a link rate: {text!r}; write it as tc does, like 1gbit or 100mbit")
+    return text
 
 
 def _actor_rank(value: int | None, actors: int, flag: str) -> None:
@@ -693,6 +721,21 @@ def _actor_rank(value: int | None, actors: int, flag: str) -> None:
 def make_config(args: argparse.Namespace) -> Config:
     """Check the options across each other (argparse checked each alone); raises OptionError naming the flag."""
     steps = args.steps if args.steps is not None else (QUICK if args.quick else DEFAULTS)["steps"]
+    world = _torchrun_world()
+    if world is not None or args.hosts is not None:
+        ranks = world if world is not None else args.hosts
+        if args.actors is None:
+            args.actors = ranks - 1
+        if (args.actors + 1) % ranks if world is None else args.actors + 1 != ranks:
+            flag = "--hosts" if world is None else "--actors"
+            raise OptionError(f"{args.actors} actors and a trainer are {args.actors + 1} ranks, which "
+                              + (f"{ranks} hosts cannot share evenly" if world is None else
+                                 f"is not this torchrun run's {ranks}"), flag)
+        if args.device != "cpu" and args.hosts is not None:
+            raise OptionError("simulated hosts are for the CPU path: on GPU nodes run the demo under torchrun",
+                              "--device")
+    elif args.actors is None:
+        args.actors = DEFAULTS["actors"]
     if args.hidden is not None:
         hidden = args.hidden
     elif args.model_mib is not None:
@@ -709,10 +752,15 @@ def make_config(args: argparse.Namespace) -> Config:
             raise OptionError("cuda, but no CUDA device is visible: use --device cpu", "--device")
         backend = "nccl" if gpus >= args.actors + 1 and args.mode == "sync" else "gloo"
     threads = max(1, (os.cpu_count() or 1) // (args.actors + 1))
+    network = "loopback"
+    if world is not None:
+        nodes = os.environ.get("GROUP_WORLD_SIZE", "?")
+        link = os.environ.get("CUDARECV_LINK")
+        network = (f"{nodes} simulated hosts ({link} links)" if link else f"{nodes} nodes") + ", launched with torchrun"
     cfg = Config(actors=args.actors, steps=steps, hidden=hidden, device=args.device, backend=backend,
                  bucket_bytes=bucket, verify=args.verify, timeout=float(args.timeout), seed=args.seed,
                  threads=threads, mode=args.mode, slow_actor=args.slow_actor,
-                 slow_seconds=float(args.slow_seconds), kill_actor=args.kill_actor)
+                 slow_seconds=float(args.slow_seconds), kill_actor=args.kill_actor, network=network)
     _check_memory(cfg)
     return cfg
 
@@ -764,13 +812,34 @@ class _Heartbeat:
         self._thread.join()
 
 
+def _torchrun_world() -> int | None:
+    """The world size when this process is a rank that torchrun started, else None."""
+    if "TORCHELASTIC_RUN_ID" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     """Start the ranks, train and sync with each implementation, print the tables; 0 if every check passed."""
+    if args.hosts is not None and _torchrun_world() is None:
+        try:
+            cfg = make_config(args)  # also sets --actors from --hosts
+        except OptionError as exc:
+            error("demo", str(exc))
+            return 2
+        reason = sim.unavailable()
+        if reason is None:
+            return _run_hosts(args, cfg)
+        progress(f"cudarecv demo: --hosts {args.hosts} needs network namespaces ({reason}); "
+                 "running every rank on this host instead")
+        args.hosts = None
     try:
         cfg = make_config(args)
     except OptionError as exc:
         error("demo", str(exc))
         return 2
+    if _torchrun_world() is not None:
+        return _run_rank(cfg)
     model = param_count(cfg.hidden) * 4
     t_start = time.perf_counter()
     trainers, actors = [], []
@@ -794,10 +863,14 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         error("demo", "interrupted")
         return 130
+    return _finish(cfg, trainers, actors, time.perf_counter() - t_start)
+
+
+def _finish(cfg: Config, trainers: list[dict], actors: list[dict], elapsed: float) -> int:
+    """Print the tables and the checks line; 1 if a check failed."""
     text = report_text(cfg, trainers, actors)
     rows = [actor_cells(cfg, a, {t["impl"]: t for t in trainers}[a["impl"]]) for a in actors]
     failed = [f"{r['impl']} actor {r['actor']}" for r in rows if r["check"] != "ok"]
-    elapsed = time.perf_counter() - t_start
     if failed:
         text += f"# checks: {', '.join(failed)} FAILED ({elapsed:.1f} s)\n"
     else:
@@ -806,6 +879,65 @@ def run(args: argparse.Namespace) -> int:
     sys.stdout.write(text)
     sys.stdout.flush()
     return 1 if failed else 0
+
+
+def _run_rank(cfg: Config) -> int:
+    """Under torchrun: this process is one rank; rank 0 gathers every rank's results and prints the tables."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    started = time.perf_counter()
+    dist.init_process_group("gloo", timeout=timedelta(seconds=max(cfg.timeout, 60.0)))
+    rank = dist.get_rank()
+    if rank == 0:
+        progress(f"cudarecv demo: a trainer and {cfg.actors} actor(s) under torchrun, {cfg.world} ranks")
+    mine = []
+    for impl in IMPLS:
+        if rank == 0:
+            progress(f"cudarecv demo: training with {_label(cfg, impl)}")
+        mine.append(demo_rank(rank, cfg.world, None, replace(cfg, impl=impl)))
+        dist.barrier()
+    every: list[Any] = [None] * cfg.world if rank == 0 else []
+    dist.gather_object(mine, every if rank == 0 else None, dst=0)
+    dist.destroy_process_group()
+    if rank != 0:
+        return 0
+    trainers = [every[0][i] for i in range(len(IMPLS))]
+    actors = [every[r][i] for i in range(len(IMPLS)) for r in range(1, cfg.world)]
+    return _finish(cfg, trainers, actors, time.perf_counter() - started)
+
+
+def _run_hosts(args: argparse.Namespace, cfg: Config) -> int:
+    """``--hosts N``: the same demo under torchrun on N simulated hosts (this process only launches)."""
+    try:
+        hosts = sim.SimulatedHosts(args.hosts, rate=args.link)
+    except sim.HostsError as exc:
+        error("demo", f"--hosts: {exc}")
+        return 1
+    argv = ["cudarecv", "demo", "--actors", str(cfg.actors), "--steps", str(cfg.steps), "--hidden", str(cfg.hidden),
+            "--mode", cfg.mode, "--bucket-bytes", str(cfg.bucket_bytes or 0), "--timeout", str(cfg.timeout),
+            "--seed", str(cfg.seed), "--slow-seconds", str(cfg.slow_seconds)]
+    argv += ["--verify"] if cfg.verify else []
+    for flag, value in (("--slow-actor", cfg.slow_actor), ("--kill-actor", cfg.kill_actor)):
+        argv += [flag, str(value)] if value is not None else []
+    with hosts:
+        progress(f"cudarecv demo: {args.hosts} simulated hosts ({args.link} links, 127.100.0.1-{args.hosts}), "
+                 f"{cfg.world // args.hosts} rank(s) each, launched with torchrun")
+        procs = hosts.torchrun("-m", argv, nproc_per_node=cfg.world // args.hosts,
+                               env={"TORCH_CPP_LOG_LEVEL": "ERROR", "CUDARECV_LINK": args.link})
+        try:
+            codes = hosts.wait(procs, timeout=2 * _run_timeout(cfg) + 120, may_fail=range(args.hosts))
+        except sim.HostsError as exc:
+            error("demo", str(exc))
+            return 1
+        except KeyboardInterrupt:
+            error("demo", "interrupted")
+            return 130
+    if any(codes):
+        error("demo", f"the run failed on host(s) {[i for i, c in enumerate(codes) if c]} (exit codes {codes})")
+        return 1
+    return 0
 
 
 def _explain(exc: Exception) -> str:
