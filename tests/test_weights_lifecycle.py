@@ -193,6 +193,7 @@ def receiver_leaves(rank, world, group, key, mode):
             while 2 in sender.ranks and time.monotonic() < deadline:
                 time.sleep(0.01)
             ranks, dropped = sender.ranks, sender.dropped
+            signals.set(f"{key}_read", "1")  # rank 1 may close now: it is no longer counted
             signals.wait([f"{key}_fast_done"])
         return errors, ranks, dropped
     with cudarecv.WeightReceiver(src=0, expect=model, timeout=60) as receiver:
@@ -212,6 +213,7 @@ def receiver_leaves(rank, world, group, key, mode):
             version = receiver.pull()
             seen.append((version, holds_version(receiver.td, version)))
         signals.set(f"{key}_fast_done", "1")
+        signals.wait([f"{key}_read"])  # stay served until the sender has looked
         return seen
 
 

@@ -1,0 +1,109 @@
+"""Relay fan-out on one machine: the chain heals when a receiver leaves, ``auto`` chooses star on one
+host, the arguments, and the relay's own messages (trailer, GOT).
+
+The cross-host cases (relay across simulated hosts, a receiver killed mid-push) are in
+``test_hosts.py``; the plain relay fan-out is in ``test_weights.py``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+import cudarecv
+from cudarecv import _weights_wire as wire
+from policies import holds_version, policy, set_version
+from rawwire import store
+
+STEPS = 6
+
+
+def _key(name: str) -> str:
+    return f"relay_{name}_{time.monotonic_ns()}"
+
+
+def middle_leaves(rank, world, group, key):
+    """Chain 1 -> 2 -> 3; rank 2 takes two versions and closes: ranks 1 and 3 get every version."""
+    model = policy()
+    signals = store()
+    if rank == 0:
+        with cudarecv.WeightSender(TensorDict.from_module(model), dst=[1, 2, 3], fanout="relay", bucket_bytes=512,
+                                   timeout=30, verify=True) as sender:
+            errors = []
+            for version in range(1, STEPS + 1):
+                set_version(model, version)
+                try:
+                    sender.push()
+                except cudarecv.Error as error:
+                    errors.append(f"{type(error).__name__}: {error}")
+                if version == 2:
+                    signals.wait([f"{key}_left"])
+            ranks = sender.ranks
+            signals.set(f"{key}_read", "1")  # ranks 1 and 3 may close now
+            signals.wait([f"{key}_done_1", f"{key}_done_3"])
+        return errors, ranks
+    with cudarecv.WeightReceiver(src=0, expect=model, timeout=30) as receiver:
+        if rank == 2:
+            for _ in range(2):
+                receiver.pull()
+            receiver.close()  # version 3 may be on its way through it: relayed on, then it leaves
+            signals.set(f"{key}_left", "1")
+            return receiver.version, holds_version(receiver.td, receiver.version)
+        seen = []
+        while receiver.version < STEPS:
+            version = receiver.pull()
+            seen.append((version, holds_version(receiver.td, version)))
+        signals.set(f"{key}_done_{rank}", "1")
+        signals.wait([f"{key}_read"])  # stay served until the sender has looked
+        return seen
+
+
+def test_a_receiver_leaving_mid_chain_is_bridged(four):
+    (errors, ranks), first, (left_at, intact), last = four().run(middle_leaves, args=(_key("leave"),), timeout=120)
+    assert errors == [] and ranks == [1, 3], (errors, ranks)
+    for seen in (first, last):
+        assert [v for v, _ in seen] == list(range(1, STEPS + 1)) and all(ok for _, ok in seen), seen
+    assert left_at == 2 and intact
+
+
+def auto_fanout(rank, world, group):
+    model = policy()
+    if rank == 0:
+        with cudarecv.WeightSender(TensorDict.from_module(model), dst=1, timeout=30) as sender:
+            set_version(model, 1)
+            sender.push()
+            return sender.fanout, sender._piece
+    with cudarecv.WeightReceiver(src=0, expect=model, timeout=30) as receiver:
+        receiver.pull()
+        return holds_version(receiver.td, 1)
+
+
+def test_auto_fanout_is_star_on_one_host(cluster):
+    (fanout, _), ok = cluster().run(auto_fanout)
+    assert fanout == "star" and ok
+
+
+def test_fanout_arguments():
+    td = TensorDict(a=torch.zeros(1))
+    with pytest.raises(ValueError, match="`fanout` must be one of"):
+        cudarecv.WeightSender(td, dst=1, fanout="ring")
+    with pytest.raises(ValueError, match="fanout='relay' is for mode='sync'"):
+        cudarecv.WeightSender(td, dst=[1, 2], fanout="relay", mode="latest")
+
+
+def test_relay_messages_roundtrip_and_corruption():
+    trailer = wire.trailer_message(7, wire.BROKEN, 3)
+    assert wire.read_trailer(trailer) == (wire.BROKEN, 7, 3)
+    assert wire.read_trailer(wire.trailer_message(8)) == (wire.INTACT, 8, -1)
+    ask = wire.ask_message(wire.GOT, 5, wire.LOST, 2)
+    assert wire.read_ask(ask) == wire.Ask(wire.GOT, 5, wire.LOST, 2)
+    header = wire.PushHeader(4, 1024, 256, bytes(16), relayed=True, up=1, down=3)
+    assert wire.PushHeader.unpack(header.pack()) == header
+    for message, read in ((trailer, wire.read_trailer), (ask, wire.read_ask), (header.pack(), wire.PushHeader.unpack)):
+        flipped = bytearray(message)
+        flipped[9] ^= 1
+        with pytest.raises(cudarecv.OutOfStepError):
+            read(bytes(flipped))
