@@ -498,3 +498,38 @@ def test_matmul_during_nccl_receive(benchmark, nccl_ranks, transfer_targets, whi
         pytest.skip("needs two GPUs: ranks sharing one GPU would put the sender's NCCL kernels on the "
                     "matmul's GPU")
     _matmul_bench(benchmark, nccl_ranks, transfer_targets, "matmul + 1GiB receive (nccl)", which)
+
+
+# --------------------------------------------------------------------------- fan-out over NCCL
+
+FANOUT_GPUS = 1 if NCCL_SHARED else 3
+FANOUT_BYTES = 256 * MiB
+_FANOUT: dict[str, dict] = {}
+
+
+@pytest.fixture(scope="module")
+def nccl_three():
+    reason = nccl_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    ranks = Ranks(3, pg_timeout=120.0, backend="nccl", env={"NCCL_MULTI_RANK_GPU_ENABLE": "1"} if NCCL_SHARED else {})
+    yield ranks
+    ranks.close()
+
+
+@pytest.mark.gpus(FANOUT_GPUS)
+@pytest.mark.parametrize("method", ["relay", "star", "broadcast"])
+def test_nccl_fanout_to_two(benchmark, nccl_three, transfer_targets, method):
+    """256 MiB from rank 0's GPU to two receivers' GPUs: relay (p2p chain, 4 MiB chunks) vs star vs
+    NCCL's own broadcast. Which of relay and broadcast a GPU user should run is this bench's answer."""
+    if not _FANOUT:
+        _FANOUT.update(nccl_three.get().run(gb.fanout_on_gpu, args=(FANOUT_BYTES, 5), timeout=600)[0])
+        med = {m: statistics.median(v) for m, v in _FANOUT["seconds"].items()}
+        transfer_targets.append(f"nccl fan-out 256MiB to 2: relay {med['star'] / med['relay']:.2f}x star, "
+                                f"{med['broadcast'] / med['relay']:.2f}x NCCL broadcast")
+    impl, mode = {"relay": ("cudarecv", "relay"), "star": ("cudarecv", "star"),
+                  "broadcast": ("raw", "nccl broadcast")}[method]
+    benchmark.extra_info.update(case="nccl fan-out 256MiB to 2", impl=impl, mode=mode, bytes=FANOUT_BYTES,
+                                backend="nccl", ok=_FANOUT["ok"][method], send_place="cuda", recv_place="cuda")
+    tb.replay(benchmark, CLOCK, _FANOUT["seconds"][method])
+    assert _FANOUT["ok"][method], f"{method}: a receiver holds wrong values"

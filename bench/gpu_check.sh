@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# GPU check of cudarecv on one machine, within 8 minutes (sized for one H200; the step limits
-# add up to 465 s, plus a few seconds of version probes):
+# GPU check of cudarecv on one machine, within 9 minutes (sized for one H200; the step limits
+# add up to 525 s, plus a few seconds of version probes):
 #   1. nvidia-smi and the versions of torch, CUDA, NCCL, cupy, tensordict, pytest plugins;
-#   2. the GPU tests:  pytest --gpus N tests/test_gpu.py tests/test_tags.py;
-#   3. the GPU benches: pytest --gpus N bench/bench_gpu.py --benchmark-json $OUT/gpu-bench.json;
+#   2. the GPU tests:  pytest --gpus N tests/test_gpu.py tests/test_tags.py (relay fan-out over NCCL
+#      and over gloo from GPU memory included: test_nccl_relay, test_gloo_relay_of_gpu_weights);
+#   3. the GPU benches: pytest --gpus N bench/bench_gpu.py --benchmark-json $OUT/gpu-bench.json
+#      (test_nccl_fanout_to_two: relay vs star vs NCCL's broadcast, 256 MiB to two GPUs);
 #   4. the report:     python -m cudarecv report -> $OUT/gpu-report.txt and $OUT/gpu-report.png;
 #   5. the CPU suite:  pytest tests/ (without test_gpu.py), last, so it never starves the GPU steps.
 # Every step is bounded with `timeout` (which signals the step's whole process group, ranks included);
@@ -106,7 +108,7 @@ fi
 export CUDARECV_NCCL_SHARED_GPU
 echo "GPUs visible to torch: $NGPU | pytest --gpus $GPUS | CUDARECV_NCCL_SHARED_GPU=$CUDARECV_NCCL_SHARED_GPU"
 
-step gpu-tests 200 "$PY" -m pytest --gpus "$GPUS" -q -p no:cacheprovider \
+step gpu-tests 230 "$PY" -m pytest --gpus "$GPUS" -q -p no:cacheprovider \
     --junitxml "$OUT/gpu-tests.xml" tests/test_gpu.py tests/test_tags.py tests/test_digest.py
 
 BENCH_JSON="$OUT/gpu-bench.json"
@@ -118,7 +120,7 @@ else
     export CUDARECV_BENCH_JSON="$BENCH_JSON"
     BENCH_ARGS=()
 fi
-step gpu-benches 140 "$PY" -m pytest --gpus "$GPUS" -q -p no:cacheprovider \
+step gpu-benches 170 "$PY" -m pytest --gpus "$GPUS" -q -p no:cacheprovider \
     bench/bench_gpu.py ${BENCH_ARGS[@]+"${BENCH_ARGS[@]}"}
 
 if [ -s "$BENCH_JSON" ]; then

@@ -857,3 +857,71 @@ def test_nccl_weight_sync(nccl, receiver_device, standalone):
     _, result = nccl().run(weight_sync_on_gpu, args=(receiver_device, pulls, standalone, True),
                            standalone=standalone, timeout=RUN_TIMEOUT)
     _check_weight_sync(result, pulls)
+
+
+# --------------------------------------------------------------------------- relay fan-out on GPUs
+
+RELAY_GPUS = 1 if NCCL_SHARED else 3
+
+
+@pytest.fixture(scope="module")
+def gloo3():
+    """Three gloo ranks with their CUDA tensors on GPU 0 (relay through staged memory)."""
+    ranks = Ranks(3, pg_timeout=PG_TIMEOUT)
+    yield ranks
+    ranks.close()
+
+
+@pytest.fixture(scope="module")
+def nccl3():
+    """Three NCCL ranks (a GPU each, or all on GPU 0 with CUDARECV_NCCL_SHARED_GPU=1)."""
+    reason = nccl_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    env = {"NCCL_MULTI_RANK_GPU_ENABLE": "1"} if NCCL_SHARED else {}
+    ranks = Ranks(3, pg_timeout=PG_TIMEOUT, backend="nccl", env=env)
+    yield ranks
+    ranks.close()
+
+
+def relay_on_gpu(rank, world, group, receiver_device, pushes):
+    """Trainer 0 relays GPU weights through the chain 1 -> 2; each receiver checks every version."""
+    import cudarecv as cr
+
+    device = _device()
+    weights = TensorDict(w=torch.zeros(1 << 20, device=device), b=torch.zeros(1000, device=device))
+    if rank == 0:
+        with cr.WeightSender(weights, dst=[1, 2], fanout="relay", bucket_bytes=1 << 18, timeout=WAIT,
+                             verify=True) as sender:
+            for version in range(1, pushes + 1):
+                weights.apply_(lambda t, v=version: t.fill_(float(v)))
+                sender.push()
+            return sender.fanout
+    where = device if receiver_device == "cuda" else "cpu"
+    with cr.WeightReceiver(src=0, device=where, pin_memory=receiver_device == "pinned", timeout=WAIT) as receiver:
+        seen = []
+        for version in range(1, pushes + 1):
+            got = receiver.pull()
+            with receiver.reading() as td:
+                seen.append((got, bool((td["w"] == float(version)).all() and (td["b"] == float(version)).all())))
+        return seen
+
+
+def _check_relay(results, pushes) -> None:
+    assert results[0] == "relay"
+    for seen in results[1:]:
+        assert [v for v, _ in seen] == list(range(1, pushes + 1))
+        assert all(ok for _, ok in seen), "a relayed version held other values"
+
+
+@pytest.mark.parametrize("receiver_device", ["cuda", "pinned"])
+def test_gloo_relay_of_gpu_weights(gloo3, receiver_device):
+    _check_relay(gloo3().run(relay_on_gpu, args=(receiver_device, 20), timeout=RUN_TIMEOUT), 20)
+
+
+@pytest.mark.gpus(RELAY_GPUS)
+@pytest.mark.parametrize("receiver_device", ["cuda", "pinned"])
+def test_nccl_relay(nccl3, receiver_device):
+    """The relay over NCCL point-to-point: each hop forwards chunk i on its own stream while chunk
+    i + 1 arrives; every receiver verifies (BLAKE3 on the GPU) what it publishes."""
+    _check_relay(nccl3().run(relay_on_gpu, args=(receiver_device, 20), timeout=RUN_TIMEOUT), 20)

@@ -315,3 +315,59 @@ def matmul_interference(rank: int, world_size: int, group: Any, cfg: dict) -> di
     problem = tb.verify(rank, op, group)
     out["ok"], out["error"] = problem is None, problem
     return out
+
+
+def fanout_on_gpu(rank: int, world_size: int, group: Any, total_bytes: int, rounds: int) -> dict:
+    """Rank 0 gets its GPU weights to ranks 1..N-1 (their GPUs) by relay, by star, and by NCCL's
+    ``dist.broadcast`` of one flat buffer; each round from a barrier until the last receiver holds
+    the bytes (its stream synchronized). Rank 0 returns ``{method: [seconds per round]}`` and checks."""
+    import cudarecv
+
+    device = _device()
+    weights = {"w": torch.zeros(total_bytes // 4, device=device)}
+    from tensordict import TensorDict
+
+    td = TensorDict(weights, batch_size=[])
+    flat = torch.zeros(total_bytes, dtype=torch.uint8, device=device)
+    dsts = list(range(1, world_size))
+    seconds: dict[str, list[float]] = {m: [] for m in ("relay", "star", "broadcast")}
+    ok: dict[str, bool] = {}
+    for method in seconds:
+        sender = receiver = None
+        if method != "broadcast":
+            if rank == 0:
+                sender = cudarecv.WeightSender(td, dst=dsts, fanout=method, bucket_bytes=4 << 20, timeout=120)
+            else:
+                receiver = cudarecv.WeightReceiver(src=0, device=device, timeout=120)
+        for step in range(1, rounds + 1):
+            if rank == 0:
+                td["w"].fill_(float(step))
+                flat.fill_(step % 256)
+                torch.cuda.synchronize()
+            dist.barrier()
+            start = time.perf_counter()
+            if method == "broadcast":
+                dist.broadcast(flat, src=0)
+            elif rank == 0:
+                sender.push()
+            else:
+                receiver.pull()
+            torch.cuda.synchronize()
+            stamp = torch.tensor([start if rank == 0 else time.perf_counter()], dtype=torch.float64, device=device)
+            every = [torch.zeros(1, dtype=torch.float64, device=device) for _ in range(world_size)]
+            dist.all_gather(every, stamp)
+            if rank == 0:
+                seconds[method].append(max(e.item() for e in every[1:]) - every[0].item())
+        if rank > 0:
+            got = flat if method == "broadcast" else receiver.td["w"]
+            good = bool((got == (rounds % 256 if method == "broadcast" else float(rounds))).all())
+        else:
+            good = True
+        flags = torch.tensor([int(good)], device=device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+        ok[method] = bool(flags.item())
+        if sender is not None:
+            sender.close()
+        if receiver is not None:
+            receiver.close()
+    return {"seconds": seconds, "ok": ok}
