@@ -51,7 +51,8 @@ def _nic_bytes() -> tuple[int, int]:
 class _Case:
     """One method to K receivers on the subgroup ``group``: set up once, then ``round(fill)``."""
 
-    def __init__(self, method: str, k: int, group: Any, td: TensorDict, timeout: float) -> None:
+    def __init__(self, method: str, k: int, group: Any, td: TensorDict, timeout: float,
+                 bucket_bytes: int | None = None) -> None:
         self.method, self.k, self.group, self.td = method, k, group, td
         rank = dist.get_rank()
         self.flat = torch.zeros(sum(v.numel() for v in td.values()), dtype=torch.float32)
@@ -59,7 +60,7 @@ class _Case:
         if method in ("relay", "star"):
             if rank == 0:
                 self.sender = cudarecv.WeightSender(td, group=group, group_dst=list(range(1, k + 1)), fanout=method,
-                                                    timeout=timeout)
+                                                    timeout=timeout, bucket_bytes=bucket_bytes)
             else:
                 self.receiver = cudarecv.WeightReceiver(group=group, group_src=0, timeout=timeout)
         elif method == "stock":
@@ -99,7 +100,8 @@ class _Case:
             self.receiver.close()
 
 
-def run(out: str, ks: list[int], mib: float, rounds: int, timeout: float = 120.0) -> None:
+def run(out: str, ks: list[int], mib: float, rounds: int, timeout: float = 120.0,
+        methods: tuple[str, ...] = METHODS, bucket_bytes: int | None = None) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
     if max(ks) >= world:
@@ -109,9 +111,9 @@ def run(out: str, ks: list[int], mib: float, rounds: int, timeout: float = 120.0
     groups = {k: dist.new_group(list(range(k + 1))) for k in ks}  # collectives: every rank creates every one
     results: dict[str, Any] = {"bytes": total, "rounds": rounds, "cases": []}
     for k in ks:
-        for method in METHODS:
+        for method in methods:
             member = rank <= k
-            case = _Case(method, k, groups[k], td, timeout) if member else None
+            case = _Case(method, k, groups[k], td, timeout, bucket_bytes) if member else None
             seconds, checks = [], True
             before = _nic_bytes()
             busy = 0.0
@@ -157,8 +159,14 @@ def main() -> None:
     parser.add_argument("--ks", default="1,2,4", help="receiver counts, e.g. 1,2,4,6")
     parser.add_argument("--mib", type=float, default=64.0, help="model size in MiB")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--methods", default=",".join(METHODS), help=f"a subset of {','.join(METHODS)}")
+    parser.add_argument("--bucket-bytes", type=int, help="relay and star: bytes per message (default: cudarecv's)")
     args = parser.parse_args()
-    run(args.out, [int(k) for k in args.ks.split(",")], args.mib, args.rounds)
+    methods = tuple(args.methods.split(","))
+    if not set(methods) <= set(METHODS):
+        parser.error(f"--methods: choose among {','.join(METHODS)}, got {args.methods}")
+    run(args.out, [int(k) for k in args.ks.split(",")], args.mib, args.rounds, methods=methods,
+        bucket_bytes=args.bucket_bytes)
 
 
 if __name__ == "__main__":
