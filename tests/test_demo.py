@@ -94,6 +94,7 @@ def test_demo_dead_actor_ends_the_run() -> None:
 
 
 @pytest.mark.skipif(hosts.unavailable() is not None, reason=f"simulated hosts: {hosts.unavailable()}")
+@pytest.mark.timeout(300)
 def test_demo_across_simulated_hosts() -> None:
     """--hosts 3: the same run under torchrun on three simulated hosts; cudarecv relays (auto fan-out)."""
     proc = _demo("--quick", "--hosts", "3", timeout=240)
