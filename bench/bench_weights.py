@@ -52,7 +52,7 @@ def time_weights(rank: int, world: int, group, total_bytes: int, rounds: int) ->
         if impl == "cudarecv":
             bucket = 1 << 20 if "chunks" in mode else None
             if rank == 0:
-                senders[mode] = cudarecv.WeightSender(td, dst=1, bucket_bytes=bucket, timeout=120)
+                senders[mode] = cudarecv.WeightSender(td, dst=1, bucket_bytes=bucket, timeout=120, fanout="star")
             else:
                 receivers[mode] = cudarecv.WeightReceiver(src=0, timeout=120)
         elif impl == "stock":

@@ -159,7 +159,9 @@ class WeightSender:
     Keyword Args:
         group: the process group (a standalone one with ``group_dst``).
         group_dst: a rank or ranks in ``group``.
-        bucket_bytes: bytes per payload message (default: the whole storage at once).
+        bucket_bytes: bytes per payload message (default: 1 MiB in ``sync`` mode unless
+            ``fanout="star"``, the relay's chunk and faster than one message over loopback
+            too; else the whole storage at once). :attr:`bucket_bytes` is the one used.
         timeout: seconds any wait may take (handshake, each receiver's transfer).
         verify: send a BLAKE3 digest with every push; receivers reject a corrupted payload.
         stream: the CUDA stream for GPU weights (default: cudarecv's dedicated stream).
@@ -249,6 +251,11 @@ class WeightSender:
 
     def _snapshot(self) -> _Snapshot:
         return _Snapshot(self.schema, self._piece, self._device)
+
+    @property
+    def bucket_bytes(self) -> int:
+        """Bytes per payload message (the last message of a push may be shorter)."""
+        return self._piece
 
     @property
     def ranks(self) -> list[int]:

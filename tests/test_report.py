@@ -511,3 +511,22 @@ def test_virtual_clock_moves_only_when_told():
     clock.restart()
     assert clock() == 0.0
     assert clock.__name__ == "c" and repr(clock) == "VirtualClock('c')"
+
+
+def test_link_column_only_for_rows_that_measured_their_links():
+    case = dict(case="fan-out 64 MiB to K=4", bytes=64 << 20, backend="gloo", ok=True,
+                stock_mode="init_remote + consolidated")
+    data = _doc([_bench("relay", 0.66, impl="cudarecv", mode="relay", link_utilisation=0.821, **case),
+                 _bench("stock", 2.65, impl="stock", mode="init_remote + consolidated", link_utilisation=0.83,
+                        **case)])
+    rows = _report.parse_rows(data)
+    _report.compute_ratios(rows)
+    text = _report.format_text(data, rows)
+    header = next(line for line in text.splitlines() if line.startswith("# size (B)"))
+    assert re.split(r"\s{2,}", header[2:].strip())[-2:] == ["link", "check"]
+    relay = next(line for line in text.splitlines() if " relay " in line and not line.startswith("#"))
+    assert re.split(r"\s{2,}", relay.strip())[-2:] == ["82%", "ok"], relay
+    assert _report.LINK_NOTE in text
+    plain = _report.parse_rows(_sample())
+    _report.compute_ratios(plain)
+    assert "link" not in _report._columns(plain) and _report.LINK_NOTE not in _report.format_text(_sample(), plain)

@@ -315,7 +315,7 @@ class _CudarecvPush:
                                             mode=cfg.mode)
         self.in_flight: _Background | None = None
         self.bytes, self.leaves = self.sender.schema.total, len(self.sender.schema.leaves)
-        self.fanout = self.sender.fanout
+        self.fanout, self.bucket_bytes = self.sender.fanout, self.sender.bucket_bytes
 
     def push(self, store: Any, step: int, last: bool) -> float:
         """Push the next version; return the seconds the trainer spent on it."""
@@ -353,7 +353,7 @@ class _StockPush:
             self.td.init_remote(dst=rank)
         self.version = 0
         self.bytes, self.leaves = self.td._consolidated["storage"].numel(), len(list(self.td.keys(True, True)))
-        self.fanout = "star"  # one send per actor, in turn
+        self.fanout, self.bucket_bytes = "star", None  # one send per actor, in turn, of one message
 
     def push(self, store: Any, step: int, last: bool) -> float:
         start = time.perf_counter()
@@ -468,6 +468,7 @@ def _trainer(cfg: Config, device: torch.device) -> dict[str, Any]:
         bar.close()
     return dict(role="trainer", impl=cfg.impl, rewards=rewards, pushes=pushes, seconds=seconds,
                 versions=sync.version, bytes=sync.bytes, leaves=sync.leaves, fanout=sync.fanout,
+                bucket_bytes=sync.bucket_bytes,
                 digest=digest(TensorDict_from_module(policy)))
 
 
@@ -635,7 +636,8 @@ def actor_cells(cfg: Config, actor: dict[str, Any], trainer: dict[str, Any]) -> 
 
 def _describe(cfg: Config, trainer: dict[str, Any]) -> list[str]:
     where = "cpu" if cfg.device == "cpu" else f"cuda ({torch.cuda.device_count()} GPU(s))"
-    bucket = "one message" if cfg.bucket_bytes is None else f"{format_size(cfg.bucket_bytes)} messages"
+    piece = trainer.get("bucket_bytes", cfg.bucket_bytes)
+    bucket = "one message" if piece is None or piece >= trainer["bytes"] else f"{format_size(piece)} messages"
     actors = "1 actor (rank 1)" if cfg.actors == 1 else f"{cfg.actors} actors (ranks 1-{cfg.actors})"
     slow = [] if cfg.slow_actor is None else [f"slow actor: rank {cfg.slow_actor} sleeps {cfg.slow_seconds:g} s "
                                               "after every version it takes"]
@@ -691,7 +693,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--slow-seconds", type=positive_float, metavar="S", default=d["slow_seconds"],
                    help=f"how long --slow-actor sleeps after each pull (default {d['slow_seconds']:g})")
     p.add_argument("--bucket-bytes", type=size_or_zero, metavar="SIZE", default=d["bucket_bytes"],
-                   help=f"bytes per message, e.g. 1MiB; 0 = one message (default {d['bucket_bytes']})")
+                   help=f"bytes per message, e.g. 1MiB; 0 = cudarecv's default (default {d['bucket_bytes']})")
     p.add_argument("--verify", action="store_true", help="send and check a checksum with every push")
     p.add_argument("--timeout", type=positive_float, metavar="S", default=d["timeout"],
                    help=f"seconds any wait may take before the demo gives up (default {d['timeout']:g})")
@@ -742,7 +744,7 @@ def make_config(args: argparse.Namespace) -> Config:
         hidden = hidden_for(args.model_mib)
     else:
         hidden = QUICK["hidden"] if args.quick else hidden_for(DEFAULTS["model_mib"])
-    bucket = args.bucket_bytes or None  # 0: one message
+    bucket = args.bucket_bytes or None  # 0: the WeightSender's default
     _actor_rank(args.kill_actor, args.actors, "--kill-actor")
     _actor_rank(args.slow_actor, args.actors, "--slow-actor")
     backend = "gloo"

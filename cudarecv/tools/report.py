@@ -52,6 +52,7 @@ NOTE = ("time = median of the bench's rounds (stats.median; bench/'s rounds are 
         "transfers); GB/s = bytes / time / 1e9")
 RATIO_NOTE = "vs stock / vs raw = their time / this time (> 1: this row is faster)"
 CHECK_NOTE = "check = the checked transfer's values: ok, WRONG, or - (not checked)"
+LINK_NOTE = "link = the busiest host link's bytes (its NIC counters) / the rounds' time / the link rate"
 LEGACY_NOTE = ("{n} row(s) from an older bench JSON: time = their extra_info.seconds (the receiver's median; "
                "their stats timed something else)")
 MATPLOTLIB_HINT = "pip install matplotlib or cudarecv[test]"
@@ -76,6 +77,7 @@ class Row:
     backend: str | None = None
     ok: bool | None = None  # extra_info ok: the checked transfer's values were right (None: not checked)
     legacy: bool = False  # seconds came from an older JSON's extra_info.seconds
+    link_util: float | None = None  # extra_info link_utilisation (fan-out across hosts): busiest link's share
     vs_stock: float | None = None
     vs_raw: float | None = None
 
@@ -144,6 +146,7 @@ def parse_rows(data: dict[str, Any]) -> list[Row]:
             seconds = _number(median, "stats.median", name)
         leaves = extra.get("leaves")
         ok = extra.get("ok")
+        util = extra.get("link_utilisation")
         if ok is not None and not isinstance(ok, bool):
             raise ReportError(f"benchmark {name!r}: extra_info.ok is not true or false: {ok!r}")
         rows.append(
@@ -159,6 +162,7 @@ def parse_rows(data: dict[str, Any]) -> list[Row]:
                 backend=_opt_str(extra.get("backend")),
                 ok=ok,
                 legacy=legacy,
+                link_util=None if util is None else _number(util, "extra_info.link_utilisation", name),
             )
         )
     return rows
@@ -281,7 +285,8 @@ def header_line(data: dict[str, Any]) -> str:
     return "machine: " + (" | ".join(parts) if parts else "unknown")
 
 
-COLUMNS = ("size (B)", "size", "leaves", "impl", "mode", "backend", "time", "GB/s", "vs stock", "vs raw", "check")
+COLUMNS = ("size (B)", "size", "leaves", "impl", "mode", "backend", "time", "GB/s", "vs stock", "vs raw", "link",
+           "check")
 LEFT = {"impl", "mode", "backend", "case", "check"}
 
 
@@ -304,6 +309,7 @@ def row_cells(row: Row) -> dict[str, str]:
         "GB/s": format_gbps(row),
         "vs stock": format_ratio(row.vs_stock),
         "vs raw": format_ratio(row.vs_raw),
+        "link": "-" if row.link_util is None else f"{row.link_util:.0%}",
         "check": format_check(row.ok),
     }
 
@@ -312,12 +318,16 @@ def _columns(rows: Sequence[Row]) -> list[str]:
     cols = list(COLUMNS)
     if not any(r.backend for r in rows if r.categorized):
         cols.remove("backend")
+    if all(r.link_util is None for r in rows if r.categorized):
+        cols.remove("link")  # only the fan-out benches across hosts measure their links
     return cols
 
 
 def notes(data: dict[str, Any], rows: Sequence[Row]) -> list[str]:
     """The lines above the table: machine, how times, ratios and checks read, and any legacy rows."""
     out = [header_line(data), NOTE, RATIO_NOTE, CHECK_NOTE]
+    if any(r.link_util is not None for r in rows):
+        out.append(LINK_NOTE)
     legacy = sum(r.legacy for r in rows)
     if legacy:
         out.append(LEGACY_NOTE.format(n=legacy))
