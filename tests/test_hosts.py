@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -83,3 +85,46 @@ def test_a_receiver_killed_mid_push_in_a_relay_chain(cluster, tmp_path):
     assert trainer["rebuilt"] == 1
     for result in (up, down, last):
         assert result["rebuilt"] == [1, True]
+
+
+def _namespaces() -> set[str]:
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    return {line.split()[0] for line in listed.splitlines() if line.strip()}
+
+
+def test_hosts_are_shaped_and_always_torn_down():
+    before = _namespaces()
+    try:
+        delayed = sim.SimulatedHosts(2, rate="100mbit", delay="1ms")
+    except sim.HostsError as error:  # this machine's kernel has no netem: said so, nothing left behind
+        assert "sch_netem" in str(error) and _namespaces() == before, str(error)
+    else:
+        with delayed:
+            uplink = subprocess.run(["ip", "netns", "exec", delayed.hosts[0], "tc", "qdisc", "show", "dev", sim.NIC],
+                                    capture_output=True, text=True, check=True).stdout
+            assert "netem" in uplink and "delay 1ms" in uplink, uplink
+    with sim.SimulatedHosts(2, rate="100mbit") as hosts:
+        assert set(hosts.hosts) | {hosts.switch} <= _namespaces()
+        for ns, dev in ((hosts.hosts[0], sim.NIC), (hosts.switch, "p0")):  # uplink and downlink
+            shaped = subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "show", "dev", dev],
+                                    capture_output=True, text=True, check=True).stdout
+            assert "tbf" in shaped and "rate 100Mbit" in shaped, shaped
+        addr = subprocess.run(["ip", "-n", hosts.hosts[1], "addr", "show", sim.NIC], capture_output=True, text=True,
+                              check=True).stdout
+        assert f"inet {sim.address(1)}/24" in addr, addr
+        names = set(hosts.hosts) | {hosts.switch}
+    assert not names & _namespaces(), "namespaces left after close()"
+
+
+def test_namespaces_of_a_killed_run_are_swept_at_the_next_start():
+    """A run killed with SIGKILL cannot clean up: the next SimulatedHosts deletes what it left."""
+    code = ("import os, signal; from cudarecv.testing.hosts import SimulatedHosts; h = SimulatedHosts(2, rate=None); "
+            "print(' '.join(h.hosts + [h.switch]), flush=True); os.kill(os.getpid(), signal.SIGKILL)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          cwd=os.path.dirname(os.path.dirname(__file__)))
+    left = set(done.stdout.split())
+    assert len(left) == 3 and left <= _namespaces(), (done.stdout, done.stderr)
+    with sim.SimulatedHosts(1, rate=None):
+        assert not left & _namespaces()
+    with pytest.raises(sim.HostsError, match="`rate` must be a tc rate"):
+        sim.SimulatedHosts(2, rate="fast")

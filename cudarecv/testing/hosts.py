@@ -5,7 +5,7 @@ NIC (``eth0``, a veth whose other end is on a bridge in a switch namespace),
 an address in the loopback range (``127.100.0.1`` for host 0, ``.2`` for host
 1, ...; never a private range) and its own link: ``rate`` each way (``tc
 tbf`` on both ends of the veth: the host's uplink and downlink) and ``delay``
-one way (``tc netem``). Ranks start inside the hosts with **torchrun** and c10d
+one way (``tc netem``, where the kernel has it). Ranks start inside the hosts with **torchrun** and c10d
 rendezvous at host 0, exactly the command a real cluster runs
 (:meth:`SimulatedHosts.torchrun_command`), so a job script runs on real nodes
 unchanged.
@@ -146,8 +146,14 @@ class SimulatedHosts:
     def _shape(self, ns: str, dev: str, delay: str | None) -> None:
         parent = ["root"]
         if delay is not None:
-            _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem",
-                "delay", delay, "limit", "100000")
+            try:
+                _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem",
+                    "delay", delay, "limit", "100000")
+            except HostsError as error:
+                if "unknown" in str(error).lower():
+                    raise HostsError("`delay` needs tc's netem qdisc (kernel module sch_netem), which this kernel "
+                                     "does not have: pass delay=None") from None
+                raise
             parent = ["parent", "1:"]
         if self.rate is not None:
             _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, *parent, "tbf", "rate", self.rate,
