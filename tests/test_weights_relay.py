@@ -107,3 +107,76 @@ def test_relay_messages_roundtrip_and_corruption():
         flipped[9] ^= 1
         with pytest.raises(cudarecv.OutOfStepError):
             read(bytes(flipped))
+
+
+def corrupted_in_the_chain(rank, world, group, key):
+    """Version 2 arrives corrupted (its digest does not match): every receiver of the chain rejects it
+    and keeps version 1, the chain stays in step, and version 3 lands everywhere."""
+    from cudarecv import _weight_sender
+
+    model = policy()
+    signals = store()
+    if rank == 0:
+        with cudarecv.WeightSender(TensorDict.from_module(model), dst=[1, 2, 3], fanout="relay", bucket_bytes=256,
+                                   timeout=30, verify=True) as sender:
+            set_version(model, 1)
+            sender.push()
+            real = _weight_sender.checksum
+            _weight_sender.checksum = lambda storage: bytes(16)  # what corruption in flight looks like
+            try:
+                set_version(model, 2)
+                sender.push()  # every receiver answers (rejected): the push ends, nobody is dropped
+            finally:
+                _weight_sender.checksum = real
+            set_version(model, 3)
+            sender.push()
+            ranks = sender.ranks
+            signals.set(f"{key}_read", "1")  # the receivers may close now
+            return ranks
+    with cudarecv.WeightReceiver(src=0, expect=model, timeout=30) as receiver:
+        out = [receiver.pull()]
+        try:
+            receiver.pull()
+            out.append("accepted")
+        except cudarecv.ChecksumError:
+            out.append((receiver.version, holds_version(receiver.td, 1)))
+        out.append((receiver.pull(), holds_version(receiver.td, 3)))
+        signals.wait([f"{key}_read"])  # stay served until the sender has looked
+        return out
+
+
+def test_a_corrupted_version_is_rejected_along_the_chain(four):
+    ranks, *receivers = four().run(corrupted_in_the_chain, args=(_key("corrupt"),), timeout=120)
+    assert ranks == [1, 2, 3]
+    for out in receivers:
+        assert out == [1, (1, True), (3, True)], out
+
+
+def collective_while_forwarding(rank, world, group):
+    """After each pull, the actors all-reduce among themselves: rank 1's pull returns once its own copy
+    landed, and it enters the collective while ranks 2 and 3 still need the chunks it forwards. The
+    collective can end only if forwarding goes on without rank 1's caller."""
+    import torch.distributed as dist
+
+    actors = dist.new_group([1, 2, 3])  # every rank creates it (a collective over the world)
+    weights = TensorDict(w=torch.zeros(1 << 20))  # 4 MiB in 64 KiB chunks: rank 1 forwards for a while
+    if rank == 0:
+        with cudarecv.WeightSender(weights, dst=[1, 2, 3], fanout="relay", bucket_bytes=64 << 10, timeout=30) as sender:
+            for version in range(1, 4):
+                weights["w"].fill_(version)
+                sender.push()
+        return None
+    with cudarecv.WeightReceiver(src=0, timeout=30) as receiver:
+        sums = []
+        for _ in range(3):
+            version = receiver.pull()
+            total = torch.tensor([float(receiver.td["w"][-1])])
+            dist.all_reduce(total, group=actors)
+            sums.append((version, total.item()))
+        dist.barrier(group=actors)  # the others are done with rank 1's forwards before anyone closes
+        return sums
+
+
+def test_forwarding_goes_on_while_the_caller_is_in_a_collective(four):
+    for sums in four().run(collective_while_forwarding, timeout=120)[1:]:
+        assert sums == [(1, 3.0), (2, 6.0), (3, 9.0)], sums
