@@ -5,8 +5,8 @@ NIC (``eth0``, a veth whose other end is on a bridge in a switch namespace),
 an address in the loopback range (``127.100.0.1`` for host 0, ``.2`` for host
 1, ...; never a private range) and its own link: ``rate`` each way (``tc
 tbf`` on both ends of the veth: the host's uplink and downlink) and ``delay``
-one way (``tc netem``, where the kernel has it). Ranks start inside the hosts with **torchrun** and c10d
-rendezvous at host 0, exactly the command a real cluster runs
+one way (``tc netem``, where the kernel has it). Ranks start inside the hosts
+with **torchrun** and c10d rendezvous at host 0, exactly the command a real cluster runs
 (:meth:`SimulatedHosts.torchrun_command`), so a job script runs on real nodes
 unchanged.
 
@@ -24,6 +24,7 @@ Example:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import os
 import re
@@ -39,6 +40,7 @@ from cudarecv import Error
 PREFIX = "cdr"
 NIC = "eth0"  # every host's one network interface, as on a real node
 MASTER_PORT = 29500  # ports are per namespace: the same on every run
+_SECONDS = 30  # the most any one ``ip``/``tc`` command may take
 _COUNTER = itertools.count()
 _LIVE: set["SimulatedHosts"] = set()
 _RATE = re.compile(r"^\d+(\.\d+)?(bit|kbit|mbit|gbit|tbit)$")
@@ -69,27 +71,30 @@ def unavailable() -> str | None:
     if os.geteuid() != 0:
         return "network namespaces need root or CAP_NET_ADMIN (running as uid %d)" % os.geteuid()
     name = f"{PREFIX}{os.getpid()}probe"
-    made = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
-    subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    made = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True, timeout=_SECONDS)
+    subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=_SECONDS)
     if made.returncode != 0:
         return f"`ip netns add` failed: {made.stderr.strip() or made.returncode}"
     return None
 
 
 def _sh(*argv: str) -> None:
-    done = subprocess.run(argv, capture_output=True, text=True)
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=_SECONDS)
+    except subprocess.TimeoutExpired:
+        raise HostsError(f"`{' '.join(argv)}` did not finish within {_SECONDS} s") from None
     if done.returncode != 0:
         raise HostsError(f"`{' '.join(argv)}` failed: {done.stderr.strip()}")
 
 
 def _sweep_stale() -> None:
     """Delete namespaces left by runs whose process is gone (killed before teardown)."""
-    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=_SECONDS).stdout
     for line in listed.splitlines():
         name = line.split()[0] if line.split() else ""
         found = re.match(rf"^{PREFIX}(\d+)x\d+-", name)
         if found and not os.path.exists(f"/proc/{found.group(1)}"):
-            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=_SECONDS)
 
 
 class SimulatedHosts:
@@ -253,7 +258,8 @@ class SimulatedHosts:
         _LIVE.discard(self)
         self.kill()
         for ns in [*self.hosts, self.switch]:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+            with contextlib.suppress(subprocess.TimeoutExpired):  # the next start sweeps what is left
+                subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=_SECONDS)
 
     def __enter__(self) -> "SimulatedHosts":
         return self
