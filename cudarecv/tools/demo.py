@@ -890,7 +890,9 @@ def _run_rank(cfg: Config) -> NoReturn:
     import torch.distributed as dist
 
     started = time.perf_counter()
-    dist.init_process_group("gloo", timeout=timedelta(seconds=max(cfg.timeout, 60.0)))
+    if cfg.backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(cfg.backend, timeout=timedelta(seconds=max(cfg.timeout, 60.0)))
     rank = dist.get_rank()
     if rank == 0:
         progress(f"cudarecv demo: a trainer and {cfg.actors} actor(s) under torchrun, {cfg.world} ranks")
