@@ -165,14 +165,20 @@ def gloo_ranks():
     ranks.close()
 
 
-@pytest.fixture(scope="module")
-def nccl_ranks():
+def _nccl(world: int):
+    """``world`` NCCL ranks for a module (skipped, saying why, where NCCL ranks cannot run)."""
     reason = nccl_skip_reason()
     if reason:
         pytest.skip(reason)
-    ranks = Ranks(2, pg_timeout=120.0, backend="nccl", env={"NCCL_MULTI_RANK_GPU_ENABLE": "1"} if NCCL_SHARED else {})
+    ranks = Ranks(world, pg_timeout=120.0, backend="nccl",
+                  env={"NCCL_MULTI_RANK_GPU_ENABLE": "1"} if NCCL_SHARED else {})
     yield ranks
     ranks.close()
+
+
+@pytest.fixture(scope="module")
+def nccl_ranks():
+    yield from _nccl(2)
 
 
 # --------------------------------------------------------------------------- transfer suites
@@ -509,12 +515,7 @@ _FANOUT: dict[str, dict] = {}
 
 @pytest.fixture(scope="module")
 def nccl_three():
-    reason = nccl_skip_reason()
-    if reason:
-        pytest.skip(reason)
-    ranks = Ranks(3, pg_timeout=120.0, backend="nccl", env={"NCCL_MULTI_RANK_GPU_ENABLE": "1"} if NCCL_SHARED else {})
-    yield ranks
-    ranks.close()
+    yield from _nccl(3)
 
 
 @pytest.mark.gpus(FANOUT_GPUS)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 
 import torch
@@ -23,6 +24,11 @@ def raw_recv(group, peer: int, size: int, tag: int, timeout: float = 10.0) -> by
     buf = torch.zeros(size, dtype=torch.uint8)
     _pg(group).recv([buf], peer, tag).wait(timedelta(seconds=timeout))
     return buf.numpy().tobytes()
+
+
+def unique_key(name: str) -> str:
+    """A store key no earlier test (or run of this one) on the same ranks has used."""
+    return f"{name}_{time.monotonic_ns()}"
 
 
 def store():

@@ -75,16 +75,21 @@ def nccl_skip_reason() -> str | None:
     return nccl_pair_problem(NCCL_SHARED)
 
 
-@pytest.fixture(scope="module")
-def nccl():
-    """Two NCCL ranks (one GPU each, or both on GPU 0 with CUDARECV_NCCL_SHARED_GPU=1)."""
+def _nccl(world: int):
+    """``world`` NCCL ranks (a GPU each, or all on GPU 0 with CUDARECV_NCCL_SHARED_GPU=1)."""
     reason = nccl_skip_reason()
     if reason:
         pytest.skip(reason)
     env = {"NCCL_MULTI_RANK_GPU_ENABLE": "1"} if NCCL_SHARED else {}
-    ranks = Ranks(2, pg_timeout=PG_TIMEOUT, backend="nccl", env=env)
+    ranks = Ranks(world, pg_timeout=PG_TIMEOUT, backend="nccl", env=env)
     yield ranks
     ranks.close()
+
+
+@pytest.fixture(scope="module")
+def nccl():
+    """Two NCCL ranks (one GPU each, or both on GPU 0 with CUDARECV_NCCL_SHARED_GPU=1)."""
+    yield from _nccl(2)
 
 
 # --------------------------------------------------------------------------- rank side: helpers
@@ -875,13 +880,7 @@ def gloo3():
 @pytest.fixture(scope="module")
 def nccl3():
     """Three NCCL ranks (a GPU each, or all on GPU 0 with CUDARECV_NCCL_SHARED_GPU=1)."""
-    reason = nccl_skip_reason()
-    if reason:
-        pytest.skip(reason)
-    env = {"NCCL_MULTI_RANK_GPU_ENABLE": "1"} if NCCL_SHARED else {}
-    ranks = Ranks(3, pg_timeout=PG_TIMEOUT, backend="nccl", env=env)
-    yield ranks
-    ranks.close()
+    yield from _nccl(3)
 
 
 def relay_on_gpu(rank, world, group, receiver_device, pushes):

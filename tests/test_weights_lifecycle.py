@@ -16,13 +16,9 @@ from tensordict import TensorDict
 
 import cudarecv
 from policies import holds_version, policy, set_version
-from rawwire import store
+from rawwire import store, unique_key
 
 PUSHES = 40
-
-
-def _key(name: str) -> str:
-    return f"lifecycle_{name}_{time.monotonic_ns()}"
 
 
 def latest_with_a_stopped_actor(rank, world, group, key):
@@ -69,7 +65,8 @@ def three():
 
 
 def test_latest_mode_a_stopped_actor_never_holds_up_the_trainer_and_gets_the_newest(three):
-    (ranks, buffers), fast, slow = three().run(latest_with_a_stopped_actor, args=(_key("latest"),), timeout=120)
+    (ranks, buffers), fast, slow = three().run(latest_with_a_stopped_actor,
+                                                 args=(unique_key("lifecycle_latest"),), timeout=120)
     assert ranks == [1, 2] and buffers == 4  # receivers + 2: fixed, never one per push
     assert slow == [(1, True), (PUSHES, True)], f"the stopped actor got {slow}: not the newest, or a mix"
     versions = [v for v, _ in fast]
@@ -113,7 +110,7 @@ def latest_pull_waits_for_newer(rank, world, group, key):
 
 
 def test_latest_pull_waits_only_until_a_newer_version_exists(cluster):
-    out = cluster().run(latest_pull_waits_for_newer, args=(_key("newer"),), timeout=90)[1]
+    out = cluster().run(latest_pull_waits_for_newer, args=(unique_key("lifecycle_newer"),), timeout=90)[1]
     assert out[0] == 1
     for message, took in out[1:3]:
         assert took >= 0.3 and "rank 0" in message and "newer than 1" in message, message
@@ -164,7 +161,8 @@ def sender_closes(rank, world, group, key, mode):
 
 @pytest.mark.parametrize("mode", ["sync", "latest"])
 def test_sender_close_reaches_every_receiver_at_once(three, mode):
-    close_took, pending, later = three().run(sender_closes, args=(_key(f"close_{mode}"), mode), timeout=120)
+    close_took, pending, later = three().run(sender_closes, args=(unique_key(f"lifecycle_close_{mode}"), mode),
+                                              timeout=120)
     assert close_took < 30, f"close took {close_took:.1f} s of its 60 s"  # the receivers answered, no timeout
     for outcome, took, again, version, intact in (pending, later):
         assert "closed" in outcome and "rank 0" in outcome and "version 2" in outcome, outcome
@@ -220,7 +218,7 @@ def receiver_leaves(rank, world, group, key, mode):
 @pytest.mark.parametrize("mode", ["sync", "latest"])
 def test_receiver_close_reaches_the_sender_which_goes_on_with_the_others(three, mode):
     (errors, ranks, dropped), seen, (after, version, intact) = three().run(
-        receiver_leaves, args=(_key(f"leave_{mode}"), mode), timeout=120)
+        receiver_leaves, args=(unique_key(f"lifecycle_leave_{mode}"), mode), timeout=120)
     assert errors == [], errors  # a push in flight to the closing receiver ended cleanly
     assert ranks == [1] and dropped == {2: "closed by its receiver"}, (ranks, dropped)
     assert all(ok for _, ok in seen)

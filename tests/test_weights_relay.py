@@ -7,8 +7,6 @@ The cross-host cases (relay across simulated hosts, a receiver killed mid-push) 
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 from tensordict import TensorDict
@@ -16,13 +14,9 @@ from tensordict import TensorDict
 import cudarecv
 from cudarecv import _weights_wire as wire
 from policies import holds_version, policy, set_version
-from rawwire import store
+from rawwire import store, unique_key
 
 STEPS = 6
-
-
-def _key(name: str) -> str:
-    return f"relay_{name}_{time.monotonic_ns()}"
 
 
 def middle_leaves(rank, world, group, key):
@@ -62,7 +56,8 @@ def middle_leaves(rank, world, group, key):
 
 
 def test_a_receiver_leaving_mid_chain_is_bridged(four):
-    (errors, ranks), first, (left_at, intact), last = four().run(middle_leaves, args=(_key("leave"),), timeout=120)
+    (errors, ranks), first, (left_at, intact), last = four().run(middle_leaves, args=(unique_key("relay_leave"),),
+                                                                  timeout=120)
     assert errors == [] and ranks == [1, 3], (errors, ranks)
     for seen in (first, last):
         assert [v for v, _ in seen] == list(range(1, STEPS + 1)) and all(ok for _, ok in seen), seen
@@ -146,7 +141,7 @@ def corrupted_in_the_chain(rank, world, group, key):
 
 
 def test_a_corrupted_version_is_rejected_along_the_chain(four):
-    ranks, *receivers = four().run(corrupted_in_the_chain, args=(_key("corrupt"),), timeout=120)
+    ranks, *receivers = four().run(corrupted_in_the_chain, args=(unique_key("relay_corrupt"),), timeout=120)
     assert ranks == [1, 2, 3]
     for out in receivers:
         assert out == [1, (1, True), (3, True)], out
