@@ -13,12 +13,15 @@ from typing import Any
 
 from tensordict import TensorDictBase
 
-from . import _fast_wire, _stock_wire, _stuck
+from torch import Tensor
+
+from . import _fast_wire, _same_host, _stock_wire, _stuck
 from ._errors import ArgumentError, ArgumentTypeError, Error, PeerError, TransferTimeout
 from ._handle import Transfer
 from ._header import check_pieces
 from ._link import Link, resolve
 from ._plan import Plan, forget_plan, plan_for
+from ._same_host import check_transport
 from ._staging import lane_for
 from ._transport import MAX_TAG
 from ._walk import unwrap
@@ -155,26 +158,38 @@ def _last_tag(plan: Plan, init_tag: int, pseudo_rand: bool) -> int:
 
 
 def _start_send(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolidated: bool,
-                bucket_bytes: int | None, stream: Any, timeout: float | None) -> tuple[Transfer, Plan]:
+                bucket_bytes: int | None, stream: Any, timeout: float | None,
+                transport: str = "auto") -> tuple[Transfer, Plan]:
     user = unwrap(td)  # what a failure is recorded against (a consolidated copy is new every call)
+    route = _same_host.Route()
     if consolidated and not user.is_consolidated():
         td = user.consolidate(metadata=True)  # as stock does: a copy, every call
     inner, plan = _prepare(td, link, bucket_bytes is not None, user)
     if consolidated:
         storage = plan.storage(inner)
         lane = lane_for(link, storage.device, stream, plan.pool)
+        side = None if bucket_bytes is None else _same_host.sending_side(link, transport, storage.device)
         if bucket_bytes is None:
             protocol = _stock_wire.send_storage(lane, storage)
         else:
             check_pieces(storage.numel(), bucket_bytes, "consolidated storage")
-            protocol = _fast_wire.send(lane, plan.chunk_header(inner).with_piece(bucket_bytes),
-                                       plan.chunks(inner, bucket_bytes), init_tag)
+            header, chunks = plan.chunk_header(inner).with_piece(bucket_bytes), plan.chunks(inner, bucket_bytes)
+
+            def fill(data: Tensor, i: int, offset: int, length: int) -> None:
+                data[offset:offset + length].copy_(chunks[i])
+
+            def wire(head: Any, offer: bytes | None) -> Any:
+                return _fast_wire.send(lane, head, chunks, init_tag, offer=offer)
+
+            protocol = wire(header, None) if side is None else side.send(
+                lane, header, init_tag, fill, wire, _same_host.allowed(transport), route)
     else:
         if bucket_bytes is None:
             _check_tags(init_tag, len(plan.tensors), pseudo_rand)
         else:
             check_pieces(plan.total, bucket_bytes)
         lane = lane_for(link, plan.device, stream, plan.pool)
+        side = None if bucket_bytes is None else _same_host.sending_side(link, transport, plan.device)
         if bucket_bytes is None:
             protocol = _stock_wire.send_leaves(lane, plan, plan.tags(init_tag, len(plan.tensors), pseudo_rand))
         else:
@@ -186,27 +201,47 @@ def _start_send(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolida
                 if lane.stream is not None and not lane.nccl:
                     lane.stream.synchronize()  # gloo sends the page-locked copy: it must have landed
 
-            protocol = _fast_wire.send(lane, plan.bucket_header.with_piece(bucket_bytes),
-                                       plan.pieces(bucket_bytes, place), init_tag, pack=pack)
+            def fill(data: Tensor, i: int, offset: int, length: int) -> None:
+                segment = f"shared:{id(data)}"
+                plan.adopt(segment, data)
+                plan.pack_piece(bucket_bytes, i, segment)
+
+            def wire(head: Any, offer: bytes | None) -> Any:
+                return _fast_wire.send(lane, head, plan.pieces(bucket_bytes, place), init_tag, pack=pack, offer=offer)
+
+            header = plan.bucket_header.with_piece(bucket_bytes)
+            protocol = wire(header, None) if side is None else side.send(
+                lane, header, init_tag, fill, wire, _same_host.allowed(transport), route)
     what, cause = _what(True, plan, init_tag, pseudo_rand, consolidated, bucket_bytes)
     transfer = Transfer(protocol, lane.stream, on_error=_explain(user, link, timeout, what, cause), timeout=timeout,
-                        link=link, what=f"{what} to rank {link.peer} ({cause})")
+                        link=link, what=f"{what} to rank {link.peer} ({cause})", route=route,
+                        driver=None if side is None else side.driver.submit)
+    if side is not None:
+        transfer.settle_in_background()  # on the link's thread, in call order
     if lane.stream is not None or (bucket_bytes is not None and not consolidated):
         _track(plan, transfer)  # it uses the plan's staging: the next transfer waits for it
     return transfer, plan
 
 
 def _start_recv(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolidated: bool,
-                bucket_bytes: int | None, stream: Any, timeout: float | None) -> tuple[Transfer, Plan]:
+                bucket_bytes: int | None, stream: Any, timeout: float | None,
+                transport: str = "auto") -> tuple[Transfer, Plan]:
     inner, plan = _prepare(td, link, bucket_bytes is not None)
+    route = _same_host.Route()
+    side = None if bucket_bytes is None else _same_host.receiving_side(link)
+    shared = dict(side=side, allow=_same_host.allowed(transport), route=route)
     if consolidated:
         storage = plan.storage(inner)  # raises, naming the fix, if td is not consolidated
         lane = lane_for(link, storage.device, stream, plan.pool)
         if bucket_bytes is None:
             protocol = _stock_wire.recv_storage(lane, storage, td)
         else:
+            def copy(data: Tensor, i: int, offset: int, length: int, piece: int) -> None:
+                with lane.on_stream():
+                    storage[offset:offset + length].copy_(data[offset:offset + length])
+
             protocol = _fast_wire.recv(lane, plan.chunk_header(inner), lambda piece: plan.chunks(inner, piece),
-                                       init_tag, td)
+                                       init_tag, td, copy_shared=copy, **shared)
     else:
         if bucket_bytes is None:
             _check_tags(init_tag, len(plan.tensors), pseudo_rand)
@@ -215,11 +250,24 @@ def _start_recv(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolida
             protocol = _stock_wire.recv_leaves(lane, plan, plan.tags(init_tag, len(plan.tensors), pseudo_rand), td)
         else:
             place = _fast_wire.staging_place(lane, plan)
+
+            def copy(data: Tensor, i: int, offset: int, length: int, piece: int) -> None:
+                segment = f"shared:{id(data)}"
+                plan.adopt(segment, data)
+                with lane.on_stream():
+                    plan.unpack(piece, i, segment)
+
             protocol = _fast_wire.recv(lane, plan.bucket_header, lambda piece: plan.pieces(piece, place),
-                                       init_tag, td, landed=lambda piece, i: plan.unpack(piece, i, place))
+                                       init_tag, td, landed=lambda piece, i: plan.unpack(piece, i, place),
+                                       copy_shared=copy, **shared)
     what, cause = _what(False, plan, init_tag, pseudo_rand, consolidated, bucket_bytes)
+    driven = side is not None and side.driven  # the sender may wait for its DONE: it must not wait for our wait()
     transfer = Transfer(protocol, lane.stream, on_error=_explain(inner, link, timeout, what, cause), timeout=timeout,
-                        link=link, what=f"{what} from rank {link.peer} ({cause})")
+                        link=link, what=f"{what} from rank {link.peer} ({cause})", route=route,
+                        driver=side.submit if driven else None)
+    if driven:
+        transfer.add_done_callback(side.ended)
+        transfer.settle_in_background()
     if lane.stream is not None or (bucket_bytes is not None and not consolidated):
         _track(plan, transfer)  # it uses the plan's staging: the next transfer waits for it
     return transfer, plan
@@ -228,7 +276,7 @@ def _start_recv(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolida
 def isend(td: Any, dst: int | None = None, *, group: Any = None, group_dst: int | None = None,
           init_tag: int = 0, pseudo_rand: bool = False, return_early: bool = False,
           consolidated: bool = False, bucket_bytes: int | None = None, stream: Any = None,
-          timeout: float | None = None) -> Any:
+          timeout: float | None = None, transport: str = "auto") -> Any:
     """Send the leaves of ``td`` to ``dst``, a call's messages posted as one batch.
 
     Same arguments, wire and results as ``TensorDictBase.isend`` (tensordict
@@ -242,7 +290,11 @@ def isend(td: Any, dst: int | None = None, *, group: Any = None, group_dst: int 
     the likely cause, and ``td`` is refused on this link from then on (gloo
     cannot take back what was posted). With ``timeout`` the transfer is driven
     on a thread of its own, and no gloo wait is ever given a timeout (one that
-    runs out closes every link of the group).
+    runs out closes every link of the group). ``transport`` (fast wire only):
+    ``"auto"`` sends the payload through shared memory when the receiver is a
+    cudarecv process on this machine (negotiated once per link; see the README),
+    ``"wire"`` always on the process group's wire; ``Transfer.transport`` says
+    which ran. ``CUDARECV_TRANSPORT=wire`` in the environment forces the wire.
 
     Returns:
         With ``return_early=True``, a one-element list of :class:`Transfer`.
@@ -253,8 +305,10 @@ def isend(td: Any, dst: int | None = None, *, group: Any = None, group_dst: int 
     """
     init_tag = _check_options(init_tag, pseudo_rand, consolidated, bucket_bytes)
     timeout = _check_timeout(timeout)
+    check_transport(transport)
     link = resolve(dst, group_dst, group, "dst", "group_dst")
-    transfer, plan = _start_send(td, link, init_tag, pseudo_rand, consolidated, bucket_bytes, stream, timeout)
+    transfer, plan = _start_send(td, link, init_tag, pseudo_rand, consolidated, bucket_bytes, stream, timeout,
+                                 transport)
     if return_early:
         return [transfer] if consolidated or bucket_bytes is not None or plan.tensors else []
     transfer.wait()
@@ -264,14 +318,14 @@ def isend(td: Any, dst: int | None = None, *, group: Any = None, group_dst: int 
 def irecv(td: Any, src: int | None = None, *, group: Any = None, group_src: int | None = None,
           return_premature: bool = False, init_tag: int = 0, pseudo_rand: bool = False,
           consolidated: bool = False, bucket_bytes: int | None = None, stream: Any = None,
-          timeout: float | None = None) -> Any:
+          timeout: float | None = None, transport: str = "auto") -> Any:
     """Receive into the leaves of ``td`` in place what :func:`isend` or stock tensordict sends.
 
     Same arguments, wire and results as ``TensorDictBase.irecv`` (tensordict
     0.15.3), plus ``bucket_bytes`` (see :func:`isend`). On the fast wire a
     sender whose tensordict does not match raises
     :class:`cudarecv.HeaderError` here, with ``td`` untouched. ``stream`` and
-    ``timeout`` as in :func:`isend`. Without ``return_premature`` it returns once the caller's
+    ``timeout`` and ``transport`` as in :func:`isend`. Without ``return_premature`` it returns once the caller's
     current stream is ordered after the receive (CPU memory: once the bytes are
     there).
 
@@ -284,8 +338,10 @@ def irecv(td: Any, src: int | None = None, *, group: Any = None, group_src: int 
     """
     init_tag = _check_options(init_tag, pseudo_rand, consolidated, bucket_bytes)
     timeout = _check_timeout(timeout)
+    check_transport(transport)
     link = resolve(src, group_src, group, "src", "group_src")
-    transfer, plan = _start_recv(td, link, init_tag, pseudo_rand, consolidated, bucket_bytes, stream, timeout)
+    transfer, plan = _start_recv(td, link, init_tag, pseudo_rand, consolidated, bucket_bytes, stream, timeout,
+                                 transport)
     if return_premature:  # stock returns one work per leaf: none for a tensordict without leaves
         return [transfer] if consolidated or bucket_bytes is not None or plan.tensors else []
     transfer.wait()
@@ -294,19 +350,23 @@ def irecv(td: Any, src: int | None = None, *, group: Any = None, group_src: int 
 
 def send(td: Any, dst: int | None = None, *, group: Any = None, group_dst: int | None = None,
          init_tag: int = 0, pseudo_rand: bool = False, consolidated: bool = False,
-         bucket_bytes: int | None = None, stream: Any = None, timeout: float | None = None) -> None:
+         bucket_bytes: int | None = None, stream: Any = None, timeout: float | None = None,
+         transport: str = "auto") -> None:
     """Blocking :func:`isend`; same arguments and wire as ``TensorDictBase.send``."""
     isend(td, dst, group=group, group_dst=group_dst, init_tag=init_tag, pseudo_rand=pseudo_rand,
-          consolidated=consolidated, bucket_bytes=bucket_bytes, stream=stream, timeout=timeout)
+          consolidated=consolidated, bucket_bytes=bucket_bytes, stream=stream, timeout=timeout, transport=transport)
 
 
 def recv(td: Any, src: int | None = None, *, group: Any = None, group_src: int | None = None,
          init_tag: int = 0, pseudo_rand: bool = False, consolidated: bool = False,
-         bucket_bytes: int | None = None, stream: Any = None, timeout: float | None = None) -> int | None:
+         bucket_bytes: int | None = None, stream: Any = None, timeout: float | None = None,
+         transport: str = "auto") -> int | None:
     """Blocking :func:`irecv`; returns the last tag (``None`` when ``consolidated``), as stock."""
     init_tag = _check_options(init_tag, pseudo_rand, consolidated, bucket_bytes)
     timeout = _check_timeout(timeout)
+    check_transport(transport)
     link = resolve(src, group_src, group, "src", "group_src")
-    transfer, plan = _start_recv(td, link, init_tag, pseudo_rand, consolidated, bucket_bytes, stream, timeout)
+    transfer, plan = _start_recv(td, link, init_tag, pseudo_rand, consolidated, bucket_bytes, stream, timeout,
+                                 transport)
     transfer.wait()
     return None if consolidated else _last_tag(plan, init_tag, pseudo_rand)

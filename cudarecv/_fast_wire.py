@@ -23,7 +23,7 @@ they may be in flight on one link at once and be waited in any order.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 from torch import Tensor
 
@@ -37,6 +37,8 @@ from ._staging import Lane, drain, recv_into, send_from
 HEADER_TAGS = 1 << 30  # the header of a transfer with init_tag t has tag HEADER_TAGS + t
 PIECE_TAGS = HEADER_TAGS + (1 << 28)  # all its payload messages have tag PIECE_TAGS + t
 MAX_INIT_TAG = 1 << 28  # so both ranges stay apart and below 2**31 (weight sync uses 2**30 + 2**29 + k)
+OFFER_SIZE = 160  # a same-host offer (:mod:`._same_host`), which may follow a header on its tag
+SHARED_MEMORY = "shared memory"
 
 
 def check_init_tag(init_tag: int) -> None:
@@ -64,13 +66,16 @@ def staging_place(lane: Lane, plan: Plan) -> str:
 
 
 def send(lane: Lane, header: Header, pieces: list[Tensor], init_tag: int,
-         pack: Callable[[], None] | None = None) -> Protocol:
+         pack: Callable[[], None] | None = None, offer: bytes | None = None) -> Protocol:
     """Send ``header`` then ``pieces``, all posted in the first step.
 
     ``pack()`` (if given) writes the pieces; it runs once the header is
     posted, so the receiver checks the header and posts its receives meanwhile.
+    ``offer`` (a same-host offer, :mod:`._same_host`) goes right after the header.
     """
-    head = yield from send_from(lane, [wire_bytes(lane, header.pack())], [header_tag(init_tag)], defer=True)
+    messages = [header.pack()] + ([offer] if offer is not None else [])
+    head = yield from send_from(lane, [wire_bytes(lane, m) for m in messages], [header_tag(init_tag)] * len(messages),
+                                defer=True)
     if pack is not None:
         pack()
     yield from send_from(lane, pieces, [piece_tag(init_tag)] * len(pieces))
@@ -84,18 +89,39 @@ def _too_long(text: str) -> OutOfStepError:
 
 
 def recv(lane: Lane, expected: Header, pieces_for: Callable[[int], list[Tensor]], init_tag: int,
-         result: object, landed: Callable[[int, int], None] | None = None) -> Protocol:
+         result: object, landed: Callable[[int, int], None] | None = None, side: Any = None,
+         allow: bool = False, copy_shared: Callable[..., None] | None = None, route: Any = None) -> Protocol:
     """Receive a header, check it against ``expected``, then the payload.
 
     ``pieces_for(piece_bytes)`` returns the receive buffers for the sender's
     message size; ``landed(piece_bytes, i)`` (if given) runs as soon as piece i
     is in, while the next pieces are still on the wire. A mismatched payload is
     drained (the link stays in step) if it is at most :func:`drain_limit` bytes.
+
+    Same-host transport (:mod:`._same_host`): ``side`` is the link's receiving
+    side, which takes an offer that follows a header (accepting it if ``allow``)
+    and a payload that comes through a shared segment (``copy_shared`` copies it
+    out); ``route.transport`` then says so.
     """
     raw = yield from read_bytes(lane, SIZE, header_tag(init_tag), "fast-wire header", _too_long)
     header = Header.unpack(raw)
     tag = piece_tag(init_tag)
     problem = _mismatch(expected, header)
+    if header.offer:
+        if side is None:
+            raise OutOfStepError("the sender offers shared memory on a link that cannot take it: out of step")
+        offer = yield from read_bytes(lane, OFFER_SIZE, header_tag(init_tag), "same-host offer", _too_long)
+        side.take_offer(lane, offer, allow)
+    if header.transport:
+        if side is None:
+            raise OutOfStepError("the payload comes through shared memory on a link that has none: out of step")
+        route.transport = SHARED_MEMORY
+        yield from side.receive(lane, header, init_tag, copy_shared, problem)
+        if problem:
+            raise HeaderError(f"{problem}: the tensordict was left untouched and the link stays in step; "
+                              "receive into a tensordict with the sender's keys, shapes and dtypes "
+                              "(and, consolidated, the same layout)")
+        return result
     if problem:
         limit = drain_limit(expected.total)
         if header.total > limit:

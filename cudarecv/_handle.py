@@ -101,8 +101,9 @@ class Transfer(torch.futures.Future):
 
     def __init__(self, protocol: Protocol, stream: Any = None, on_error: ErrorHook | None = None,
                  timeout: float | None = None, driver: Submit | None = None, link: Link | None = None,
-                 raise_first: bool = True, what: str | None = None) -> None:
+                 raise_first: bool = True, what: str | None = None, route: Any = None) -> None:
         super().__init__()
+        self._route = route  # where the payload went, if a same-host transport may take it (:mod:`._same_host`)
         #: what the transfer does, for a caller's :class:`WaitTimeout` (e.g. ``"pull from rank 0"``)
         self.what = what or "the transfer" + (f" with rank {link.peer}" if link is not None else "")
         self._protocol = protocol
@@ -170,6 +171,12 @@ class Transfer(torch.futures.Future):
             if not self._finished and time.monotonic() >= self.started + self.timeout:
                 self._fail(TransferTimeout(f"the transfer did not finish within {self.timeout:g} s"))
                 _abandon(self)
+
+    @property
+    def transport(self) -> str:
+        """What carried the payload: ``"wire"`` (the process group's sockets or NCCL), ``"shared memory"``
+        or ``"cuda ipc"`` (same-host transports); decided as the transfer runs (final once it ended)."""
+        return "wire" if self._route is None else self._route.transport
 
     def done(self) -> bool:
         """Whether the transfer has finished, advancing it if its pending works report completion.

@@ -3,15 +3,17 @@
 Layout (little-endian)::
 
     magic     4s   b"CDRV"
-    version   u16  1
+    version   u16  2
     kind      u16  1 = buckets (non-consolidated), 2 = chunks (consolidated storage)
     leaves    u32  number of leaves
-    reserved  u32  0
+    route     u32  where the payload is: byte 0 the transport (0 the wire, 1 a shared
+                   segment: :mod:`._same_host`), byte 1 the segment, bit 16 an offer follows
     total     u64  payload bytes
     piece     u64  bytes per payload message (the sender's bucket_bytes)
     schema    16s  blake2b-128 of the schema (keys, dtypes, shapes, byte counts, offsets)
-    crc       u32  crc32 of the 52 bytes above
-    padding   12x
+    seq       u64  the sender's transfer number on this link (shared segments)
+    crc       u32  crc32 of the 56 bytes above
+    padding   4x
 
 Nothing read from the wire is ever unpickled: the receiver compares the record
 with the one it computes for its own tensordict. Nothing is sized from a record
@@ -34,11 +36,11 @@ from ._errors import ArgumentError, OutOfStepError
 from ._walk import Path
 
 MAGIC = b"CDRV"
-VERSION = 1
+VERSION = 2
 KIND_BUCKETS = 1
 KIND_CHUNKS = 2
 KIND_NAMES = {KIND_BUCKETS: "buckets (non-consolidated)", KIND_CHUNKS: "chunks (consolidated)"}
-_BODY = struct.Struct("<4sHHIIQQ16s")
+_BODY = struct.Struct("<4sHHIIQQ16sQ")
 _CRC = struct.Struct("<I")
 SIZE = 64
 MAX_MESSAGES = 1 << 16  # payload messages per transfer: a bound both ends enforce
@@ -64,13 +66,19 @@ class Header:
     total: int
     piece: int
     schema: bytes
+    transport: int = 0  #: 0: the payload follows on the wire; 1: in shared segment ``segment``
+    segment: int = 0
+    offer: bool = False  #: an offer of shared segments follows the header (:mod:`._same_host`)
+    seq: int = 0
 
     def with_piece(self, piece: int) -> "Header":
         """This header for messages of ``piece`` bytes."""
         return replace(self, piece=piece)
 
     def pack(self) -> bytes:
-        body = _BODY.pack(MAGIC, VERSION, self.kind, self.leaves, 0, self.total, self.piece, self.schema)
+        route = self.transport | self.segment << 8 | int(self.offer) << 16
+        body = _BODY.pack(MAGIC, VERSION, self.kind, self.leaves, route, self.total, self.piece, self.schema,
+                          self.seq)
         return body + _CRC.pack(zlib.crc32(body)) + bytes(SIZE - len(body) - _CRC.size)
 
     @classmethod
@@ -78,7 +86,7 @@ class Header:
         """Parse and check a received record; raises :class:`OutOfStepError` if it is not one,
         or if its lengths are impossible (more than :data:`MAX_MESSAGES` messages)."""
         body, (crc,) = raw[: _BODY.size], _CRC.unpack_from(raw, _BODY.size)
-        magic, version, kind, leaves, _, total, piece, schema = _BODY.unpack(body)
+        magic, version, kind, leaves, route, total, piece, schema, seq = _BODY.unpack(body)
         out_of_step = "not drained, the link is out of step"
         if magic != MAGIC or zlib.crc32(body) != crc:
             raise OutOfStepError(
@@ -93,7 +101,10 @@ class Header:
                 f"the header announces {total} bytes in messages of {piece} bytes, more than the "
                 f"{MAX_MESSAGES} messages a transfer may have: a corrupt or hostile sender ({out_of_step})"
             )
-        return cls(kind, leaves, total, piece, schema)
+        transport, segment, offer = route & 0xFF, route >> 8 & 0xFF, bool(route >> 16 & 1)
+        if transport > 1 or segment > 1 or route >> 17:
+            raise OutOfStepError(f"the header names an unknown payload route {route:#x} ({out_of_step})")
+        return cls(kind, leaves, total, piece, schema, transport, segment, offer, seq)
 
 
 def piece_sizes(total: int, piece: int) -> list[int]:

@@ -46,6 +46,7 @@ class Plan:
         self._pieces: OrderedDict[tuple[int, str], tuple] = OrderedDict()
         self._staging: dict[str, Tensor] = {}
         self._parts: dict[str, list[Tensor]] = {}
+        self._adopted: dict[str, Tensor] = {}  # places whose staging is a buffer given to the plan
         self.pool = _cuda.StagingPool()  # staging rings and their fences, for this tensordict alone
         self.in_flight = None  # the transfer still using the staging buffers, if any
 
@@ -117,6 +118,15 @@ class Plan:
             self._staging[place] = buffer
         return buffer
 
+    def adopt(self, place: str, buffer: Tensor) -> None:
+        """Use ``buffer`` (at least :attr:`total` bytes, e.g. a shared segment) as the staging of ``place``."""
+        if self._adopted.get(place) is not buffer:
+            self._adopted[place] = buffer
+            self._staging[place] = buffer[:self.total]
+            self._parts.pop(place, None)
+            for key in [k for k in self._pieces if k[1] == place]:
+                del self._pieces[key]
+
     def staging_parts(self, place: str) -> list[Tensor]:
         """The staging buffer split per leaf (for per-leaf messages staged all at once)."""
         parts = self._parts.get(place)
@@ -141,6 +151,11 @@ class Plan:
             torch.cat(self.byte_views, out=self.staging(place))
         else:
             torch._foreach_copy_(self.staging_parts(place), self.byte_views, non_blocking=True)
+
+    def pack_piece(self, piece: int, index: int, place: str) -> None:
+        """Copy the leaves' bytes of message ``index`` into the staging buffer (one message at a time)."""
+        _, leaf_parts, staging_parts = self._bucket_layout(piece, place)
+        torch._foreach_copy_(staging_parts[index], leaf_parts[index], non_blocking=True)
 
     def unpack(self, piece: int, index: int, place: str = "cpu") -> None:
         """Copy message ``index`` from the staging buffer into the leaves."""

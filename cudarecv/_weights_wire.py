@@ -48,6 +48,7 @@ TAG_BASE = (1 << 30) + (1 << 29)  # weight-sync tags: past the fast wire's (2**3
 TAG_PREAMBLE, TAG_SCHEMA, TAG_STATUS = (TAG_BASE + k for k in range(3))  # the handshake
 SESSIONS = 1 << 26  # a sender's session: random, in the preamble; 4 tags each, up to 2**31 - 1
 _SESSION_BASE = TAG_BASE + 64
+TAG_END = _SESSION_BASE + 4 * SESSIONS  # past every weight-sync tag (same-host transports use the next ones)
 
 
 @dataclass(frozen=True)

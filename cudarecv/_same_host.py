@@ -1,0 +1,337 @@
+"""The same-host transport beneath the fast wire: payloads through shared memory, control on the group.
+
+When both ends of a fast-wire link (``bucket_bytes``, host memory, gloo) are
+cudarecv processes on one machine, the payload need not cross a socket (two
+kernel copies, both cores). It goes through two shared segments
+(:mod:`._shared_memory`) the sender owns and the receiver maps read-only: the
+sender writes each message straight into a segment, the receiver copies it
+straight into its tensordict; one copy on each side.
+
+Negotiation, once per link direction (a group, a peer, who sends): the
+sender's first fast-wire transfer with ``transport="auto"`` creates two segments
+sized for it and sends an *offer* right after its header (its machine key,
+pid, the segments' descriptors and nonces); that transfer's payload still goes
+on the wire. The receiver accepts if its machine key is the same (boot, host
+name, network namespace, user), its own ``transport`` allows it, and it can
+open both segments and read their nonces; it answers on the link's back tag.
+The sender reads the answer before its next transfer on the link: from then on
+payloads go through the segments, or on the wire for good.
+
+A transfer through a segment (double buffered: the sender's n-th uses segment
+n % 2) after its header (which names the segment and the transfer's number):
+
+- the sender waits for the receiver's ``DONE`` of the segment's previous
+  transfer, then writes message i into the segment and sends a 48-byte
+  ``READY`` (its offset and length) on the piece tag, message by message, so the
+  receiver copies message i while the sender writes i + 1;
+- the receiver checks each ``READY`` against its own plan before it reads a byte
+  (a peer cannot make it read outside the segment or write outside its
+  tensordict), copies the message out, then sends ``DONE`` on the segment's back
+  tag. On a header mismatch it takes the ``READY`` messages, sends ``DONE`` and
+  raises :class:`HeaderError`: the link stays in step, the tensordict untouched.
+
+Headers, ``READY`` and ``DONE`` stay on the process group, so timeouts, the
+header check and a dead peer are detected as on the wire. A transfer larger
+than the segments goes once on the wire with an offer of segments of its size.
+
+Order: once a link direction has negotiated, its fast-wire transfers (whatever
+their route) are driven in call order by one thread on each side, so they go on
+while their callers do other things. With two segments, a third transfer in
+flight waits for the receiver to take the first: a receiver must post its
+receives in the order of the sender's sends once more than two are in flight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import struct
+import threading
+import weakref
+import zlib
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from ._control import ROOM, wire_bytes
+from ._errors import ArgumentError, OutOfStepError, PeerError
+from ._fast_wire import OFFER_SIZE, SHARED_MEMORY, header_tag, piece_tag
+from ._header import Header, piece_sizes
+from ._link import Link
+from ._shared_memory import Mapping, MappingError, Segment, available, machine_key
+from ._staging import Lane, recv_into
+from ._transport import park
+from ._weights_link import Driver
+from ._weights_wire import TAG_END
+
+TRANSPORTS = ("auto", "wire")
+#: ``CUDARECV_TRANSPORT=wire`` turns every same-host transport off (the default, ``auto``, allows them)
+ENV = "CUDARECV_TRANSPORT"
+WIRE, CUDA_IPC = "wire", "cuda ipc"  # what ran (``Transfer.transport``), with SHARED_MEMORY
+BACK_TAGS = TAG_END  # the receiver's ANSWER and DONE for segment k travel on BACK_TAGS + k (k = 0, 1)
+
+
+def check_transport(transport: object) -> str:
+    if transport not in TRANSPORTS:
+        raise ArgumentError(
+            f"`transport` must be one of {TRANSPORTS} (\"auto\": shared memory with a cudarecv peer on this "
+            f"machine, else the wire; \"wire\": always the socket or NCCL), got {transport!r}"
+        )
+    return transport
+
+
+def allowed(transport: str) -> bool:
+    """Whether ``transport`` and the environment (:data:`ENV`) allow a same-host transport."""
+    env = os.environ.get(ENV, "auto")
+    if env not in TRANSPORTS:
+        raise ArgumentError(f"the environment variable {ENV}={env!r} must be one of {TRANSPORTS}")
+    return transport == "auto" and env == "auto"
+
+
+class Route:
+    """Which transport a transfer's payload took (decided as it runs); read as ``Transfer.transport``."""
+
+    def __init__(self) -> None:
+        self.transport = WIRE
+
+
+# -- records -----------------------------------------------------------------------------
+def _sealed(body: bytes, size: int) -> bytes:
+    return body + struct.pack("<I", zlib.crc32(body)) + bytes(size - len(body) - 4)
+
+
+def _open(raw: bytes, record: struct.Struct, magic: bytes, what: str) -> tuple:
+    (crc,) = struct.unpack_from("<I", raw, record.size)
+    fields = record.unpack_from(raw)
+    if fields[0] != magic or zlib.crc32(raw[:record.size]) != crc:
+        raise OutOfStepError(f"the message is no cudarecv {what} (bad magic or checksum): the link is out of step")
+    return fields[1:]
+
+
+_OFFER = struct.Struct("<4sHH32sI" + "iQ16s" * 2)  # magic, version, kind, machine key, pid, 2 x (fd, bytes, nonce)
+HOST_SEGMENTS = 1
+_BACK = struct.Struct("<4sHHQ")  # magic, kind, status, the transfer number it is about
+BACK_SIZE = 32
+ANSWER, DONE = 0, 1
+OK, NO = 0, 1
+_READY = struct.Struct("<4sIQQQ")  # magic, message index, transfer number, offset, length
+READY_SIZE = 48
+
+
+def _back(kind: int, status: int, seq: int) -> bytes:
+    return _sealed(_BACK.pack(b"CDRB", kind, status, seq), BACK_SIZE)
+
+
+# -- the two ends of a link direction ------------------------------------------------------
+_SIDES: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+_LOCK = threading.Lock()
+
+
+def _side(link: Link, role: str, make: Callable[[], Any] | None) -> Any:
+    with _LOCK:
+        sides = _SIDES.setdefault(link.pg, {})
+        side = sides.get((link.peer, role))
+        if side is None and make is not None:
+            side = sides[(link.peer, role)] = make()
+        return side
+
+
+def sending_side(link: Link, transport: str, device: torch.device) -> "SendSide | None":
+    """The link's sending side when this transfer goes through it (on its thread; perhaps through
+    shared memory), else None: the transfer goes on the wire as it always did."""
+    if link.backend != "gloo" or device.type != "cpu":
+        return _side(link, "send", None)  # host memory on gloo only; a side made earlier keeps the order
+    make = (lambda: SendSide(link.peer)) if allowed(transport) and available() is None else None
+    return _side(link, "send", make)
+
+
+def receiving_side(link: Link) -> "RecvSide | None":
+    """The link's receiving side (its thread, its mappings); None on links that cannot share memory."""
+    if link.backend != "gloo" or available() is not None:
+        return None
+    return _side(link, "recv", lambda: RecvSide(link.peer))
+
+
+def _post(lane: Lane, data: bytes, tag: int) -> list[Any]:
+    return lane.post(True, [wire_bytes(lane, data)], [tag])
+
+
+class SendSide:
+    """The sender's end of a link direction: its state, segments and thread.
+
+    States: ``new`` (nothing offered yet), ``offered`` (an answer is on its way),
+    ``shared`` (payloads go through the segments), ``wire`` (the receiver declined).
+    """
+
+    def __init__(self, peer: int) -> None:
+        self.state = "new"
+        self.segments: list[Segment] = []
+        self.fences: list[tuple[Any, Tensor, int] | None] = [None, None]  # the back receive posted per segment
+        self.held: list[list[Any]] = [[], []]  # a segment's header and READY sends, kept until its DONE
+        self.seq = 0
+        self.next = 0
+        self.broken: str | None = None
+        self.driver = Driver(f"cudarecv-send-{peer}")
+
+    def send(self, lane: Lane, header: Header, init_tag: int, fill: Callable[[Tensor, int, int, int], None],
+             wire: Callable[[Header, bytes | None], Any], allow: bool, route: Route) -> Any:
+        """The protocol of one fast-wire send on this link (run on :attr:`driver`).
+
+        ``fill(data, i, offset, length)`` writes message i into a segment's ``data``;
+        ``wire(header, offer)`` is the wire protocol (with ``offer`` sent after the header).
+        """
+        yield ()  # nothing before the link's earlier transfers: the rest runs on the link's thread, in order
+        if self.broken:
+            raise PeerError(f"an earlier transfer on this link failed ({self.broken}); the link cannot be trusted")
+        try:
+            if self.state == "offered":
+                yield from self._answer(lane)
+            offer = None
+            if allow and self.state == "shared" and header.total <= self.segments[0].capacity:
+                route.transport = SHARED_MEMORY
+                yield from self._shared(lane, header, init_tag, fill)
+                return None
+            if allow and self.state in ("new", "shared"):
+                yield from self._quiet(lane)  # the old segments are free before new ones are offered
+                offer = self._offer(header.total)
+                header = dataclasses.replace(header, offer=True)
+            result = yield from wire(header, offer)
+            if offer is not None:
+                self.fences[0] = self._expect(lane, 0, 0)
+                self.state = "offered"
+            return result
+        except BaseException as error:
+            self.broken = f"{type(error).__name__}: {error}".splitlines()[0]
+            raise
+
+    def _offer(self, total: int) -> bytes:
+        self.segments = [Segment(max(total, 1)) for _ in range(2)]
+        self.next = 0
+        described = [v for s in self.segments for v in (s.fd, s.capacity, s.nonce)]
+        return _sealed(_OFFER.pack(b"CDRO", 1, HOST_SEGMENTS, machine_key(), os.getpid(), *described), OFFER_SIZE)
+
+    def _expect(self, lane: Lane, k: int, seq: int) -> tuple[Any, Tensor, int]:
+        buffer = torch.zeros(BACK_SIZE, dtype=torch.uint8)
+        return lane.post(False, [buffer], [BACK_TAGS + k])[0], buffer, seq
+
+    def _take(self, k: int, kind: int) -> Any:
+        work, buffer, seq = self.fences[k]
+        yield [work]
+        self.fences[k] = None
+        got_kind, status, got_seq = _open(buffer.numpy().tobytes(), _BACK, b"CDRB", "same-host answer")
+        if (got_kind, got_seq) != (kind, seq):
+            raise OutOfStepError(f"the receiver's same-host message is kind {got_kind} for transfer {got_seq}, "
+                                 f"expected kind {kind} for {seq}: the link is out of step")
+        self.held[k] = []
+        return status
+
+    def _answer(self, lane: Lane) -> Any:
+        status = yield from self._take(0, ANSWER)
+        if status == OK:
+            self.state = "shared"
+            for segment in self.segments:
+                segment.close_fd()  # the receiver has them mapped: nothing names them now
+        else:
+            self.state, self.segments = "wire", []
+
+    def _quiet(self, lane: Lane) -> Any:
+        for k in (0, 1):
+            if self.fences[k] is not None:
+                yield from self._take(k, DONE)
+
+    def _shared(self, lane: Lane, header: Header, init_tag: int, fill: Callable[[Tensor, int, int, int], None]) -> Any:
+        k = self.next
+        self.next ^= 1
+        if self.fences[k] is not None:
+            yield from self._take(k, DONE)  # the receiver is done reading this segment
+        self.seq += 1
+        seq, data = self.seq, self.segments[k].data
+        held = _post(lane, dataclasses.replace(header, transport=1, segment=k, seq=seq).pack(), header_tag(init_tag))
+        offset = 0
+        for i, length in enumerate(piece_sizes(header.total, header.piece)):
+            fill(data, i, offset, length)
+            held += _post(lane, _sealed(_READY.pack(b"CDRP", i, seq, offset, length), READY_SIZE),
+                          piece_tag(init_tag))
+            offset += length
+        self.held[k] = held  # completes once the receiver has taken them (before its DONE)
+        self.fences[k] = self._expect(lane, k, seq)
+
+
+class RecvSide:
+    """The receiver's end of a link direction: its thread and its read-only mappings of the sender's
+    segments. States: ``new``, ``shared`` (mapped), ``wire`` (an offer was declined)."""
+
+    def __init__(self, peer: int) -> None:
+        self.state = "new"
+        self.mappings: list[Mapping] = []
+        self.declined: str | None = None  # why the last offer was declined
+        self.driver_name = f"cudarecv-recv-{peer}"
+        self.driver = Driver(self.driver_name)
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self.driver.submit(job)
+
+    def ended(self, transfer: Any) -> None:
+        """A driven receive ended; if it failed, its thread may be stuck in gloo for good (a receive
+        that timed out): later receives get a thread of their own."""
+        if transfer.failed:
+            self.driver = Driver(self.driver_name)
+
+    @property
+    def driven(self) -> bool:
+        """Whether this link's receives run on :attr:`driver` (the sender's may wait for their DONE)."""
+        return self.state != "wire"
+
+    def take_offer(self, lane: Lane, raw: bytes, allow: bool) -> None:
+        """Map the offered segments if this end may and can; answer the sender either way."""
+        version, kind, key, pid, *described = _open(raw, _OFFER, b"CDRO", "same-host offer")
+        reason, mappings = None, []
+        if version != 1 or kind != HOST_SEGMENTS:
+            reason = f"unknown offer (version {version}, kind {kind})"
+        elif not allow:
+            reason = f"this receiver's transport is \"wire\" (the call's `transport` or {ENV})"
+        elif available() is not None:
+            reason = available()
+        elif key != machine_key():
+            reason = "the sender is on another machine, boot, network namespace or user"
+        else:
+            try:
+                for fd, capacity, nonce in zip(described[0::3], described[1::3], described[2::3]):
+                    mappings.append(Mapping(pid, fd, capacity, nonce))
+            except (MappingError, OverflowError, ValueError) as error:
+                reason = str(error)
+        self.declined = reason
+        self.state, self.mappings = ("shared", mappings) if reason is None else ("wire", [])
+        park(_post(lane, _back(ANSWER, OK if reason is None else NO, 0), BACK_TAGS))
+
+    def receive(self, lane: Lane, header: Header, init_tag: int, copy: Callable[[Tensor, int, int, int, int], None],
+                problem: str | None) -> Any:
+        """A sub-protocol: take the header's READY messages, checking each against the header and the
+        segment before copying it out with ``copy(data, i, offset, length, piece)`` (not when ``problem``:
+        a mismatched header), then say DONE."""
+        if self.state != "shared" or header.segment >= len(self.mappings):
+            raise OutOfStepError(f"the header names shared segment {header.segment}, which this receiver never "
+                                 "mapped: the link is out of step")
+        mapping = self.mappings[header.segment]
+        if header.total > mapping.capacity:
+            raise OutOfStepError(f"the header announces {header.total} bytes in a segment of {mapping.capacity}: "
+                                 "the link is out of step")
+        sizes = piece_sizes(header.total, header.piece)
+        stride = READY_SIZE + ROOM
+        slots = list(torch.zeros(len(sizes) * stride, dtype=torch.uint8).split(stride)) if sizes else []
+
+        def landed(i: int) -> None:
+            raw = slots[i].numpy()
+            if raw[READY_SIZE:].any():
+                raise OutOfStepError("a READY message is longer than its 48 bytes: the link is out of step")
+            got = _open(raw[:READY_SIZE].tobytes(), _READY, b"CDRP", "READY message")
+            want = (i, header.seq, i * header.piece, sizes[i])
+            if tuple(got) != want:
+                raise OutOfStepError(f"READY message {i} names (index, transfer, offset, length) {tuple(got)}, "
+                                     f"the plan {want}: not read; the link is out of step")
+            if problem is None:
+                copy(mapping.data, i, want[2], want[3], header.piece)
+
+        yield from recv_into(lane, slots, [piece_tag(init_tag)] * len(slots), landed=landed)
+        park(_post(lane, _back(DONE, OK, header.seq), BACK_TAGS + header.segment))
