@@ -29,7 +29,7 @@ from torch import Tensor
 
 from ._control import read_bytes, wire_bytes
 from ._errors import ArgumentError, HeaderError, OutOfStepError
-from ._handle import Protocol
+from ._handle import SHARED_MEMORY, Protocol
 from ._header import KIND_NAMES, SIZE, Header, drain_limit
 from ._plan import Plan
 from ._staging import Lane, drain, recv_into, send_from
@@ -38,7 +38,6 @@ HEADER_TAGS = 1 << 30  # the header of a transfer with init_tag t has tag HEADER
 PIECE_TAGS = HEADER_TAGS + (1 << 28)  # all its payload messages have tag PIECE_TAGS + t
 MAX_INIT_TAG = 1 << 28  # so both ranges stay apart and below 2**31 (weight sync uses 2**30 + 2**29 + k)
 OFFER_SIZE = 160  # a same-host offer (:mod:`._same_host`), which may follow a header on its tag
-SHARED_MEMORY = "shared memory"
 
 
 def check_init_tag(init_tag: int) -> None:
@@ -118,9 +117,7 @@ def recv(lane: Lane, expected: Header, pieces_for: Callable[[int], list[Tensor]]
         route.transport = SHARED_MEMORY
         yield from side.receive(lane, header, init_tag, copy_shared, problem)
         if problem:
-            raise HeaderError(f"{problem}: the tensordict was left untouched and the link stays in step; "
-                              "receive into a tensordict with the sender's keys, shapes and dtypes "
-                              "(and, consolidated, the same layout)")
+            raise _rejected(problem)
         return result
     if problem:
         limit = drain_limit(expected.total)
@@ -130,15 +127,17 @@ def recv(lane: Lane, expected: Header, pieces_for: Callable[[int], list[Tensor]]
                 "not drained, the link is out of step; the tensordict was left untouched"
             )
         yield from drain(lane, header.total, header.piece, tag)
-        raise HeaderError(
-            f"{problem}: the payload was drained and the tensordict left untouched; "
-            "receive into a tensordict with the sender's keys, shapes and dtypes "
-            "(and, consolidated, the same layout)"
-        )
+        raise _rejected(problem)
     pieces = pieces_for(header.piece)
     on_piece = None if landed is None else (lambda i: landed(header.piece, i))
     yield from recv_into(lane, pieces, [tag] * len(pieces), landed=on_piece)
     return result
+
+
+def _rejected(problem: str) -> HeaderError:
+    return HeaderError(f"{problem}: the payload was drained and the tensordict left untouched; "
+                       "receive into a tensordict with the sender's keys, shapes and dtypes "
+                       "(and, consolidated, the same layout)")
 
 
 def _mismatch(expected: Header, got: Header) -> str | None:

@@ -59,6 +59,7 @@ ErrorHook = Callable[[BaseException, float], BaseException]
 #: hands a job to a thread its owner keeps (e.g. one per peer)
 Submit = Callable[[Callable[[], None]], None]
 
+WIRE, SHARED_MEMORY, CUDA_IPC = "wire", "shared memory", "cuda ipc"  # what carried a payload (Transfer.transport)
 _UNBOUNDED = timedelta(days=3650)  # a gloo wait that never runs out (see the module docstring)
 _SLICE = 0.1  # seconds between looks at a deadline that may start late (StartClock)
 
@@ -176,7 +177,7 @@ class Transfer(torch.futures.Future):
     def transport(self) -> str:
         """What carried the payload: ``"wire"`` (the process group's sockets or NCCL), ``"shared memory"``
         or ``"cuda ipc"`` (same-host transports); decided as the transfer runs (final once it ended)."""
-        return "wire" if self._route is None else self._route.transport
+        return WIRE if self._route is None else self._route.transport
 
     def done(self) -> bool:
         """Whether the transfer has finished, advancing it if its pending works report completion.

@@ -56,10 +56,11 @@ from torch import Tensor
 
 from ._control import ROOM, wire_bytes
 from ._errors import ArgumentError, OutOfStepError, PeerError
-from ._fast_wire import OFFER_SIZE, SHARED_MEMORY, header_tag, piece_tag
+from ._fast_wire import OFFER_SIZE, header_tag, piece_tag
+from ._handle import SHARED_MEMORY, WIRE
 from ._header import Header, piece_sizes
 from ._link import Link
-from ._shared_memory import Mapping, MappingError, Segment, available, machine_key
+from ._shared_memory import Mapping, MappingError, Segment, available, map_offer, offer, offer_size
 from ._staging import Lane, recv_into
 from ._transport import park
 from ._weights_link import Driver
@@ -68,7 +69,7 @@ from ._weights_wire import TAG_END
 TRANSPORTS = ("auto", "wire")
 #: ``CUDARECV_TRANSPORT=wire`` turns every same-host transport off (the default, ``auto``, allows them)
 ENV = "CUDARECV_TRANSPORT"
-WIRE, CUDA_IPC = "wire", "cuda ipc"  # what ran (``Transfer.transport``), with SHARED_MEMORY
+MAX_SEGMENT_BYTES = 1 << 48
 BACK_TAGS = TAG_END  # the receiver's ANSWER and DONE for segment k travel on BACK_TAGS + k (k = 0, 1)
 
 
@@ -109,8 +110,6 @@ def _open(raw: bytes, record: struct.Struct, magic: bytes, what: str) -> tuple:
     return fields[1:]
 
 
-_OFFER = struct.Struct("<4sHH32sI" + "iQ16s" * 2)  # magic, version, kind, machine key, pid, 2 x (fd, bytes, nonce)
-HOST_SEGMENTS = 1
 _BACK = struct.Struct("<4sHHQ")  # magic, kind, status, the transfer number it is about
 BACK_SIZE = 32
 ANSWER, DONE = 0, 1
@@ -208,8 +207,8 @@ class SendSide:
     def _offer(self, total: int) -> bytes:
         self.segments = [Segment(max(total, 1)) for _ in range(2)]
         self.next = 0
-        described = [v for s in self.segments for v in (s.fd, s.capacity, s.nonce)]
-        return _sealed(_OFFER.pack(b"CDRO", 1, HOST_SEGMENTS, machine_key(), os.getpid(), *described), OFFER_SIZE)
+        raw = offer(self.segments)
+        return raw + bytes(OFFER_SIZE - len(raw))
 
     def _expect(self, lane: Lane, k: int, seq: int) -> tuple[Any, Tensor, int]:
         buffer = torch.zeros(BACK_SIZE, dtype=torch.uint8)
@@ -285,21 +284,13 @@ class RecvSide:
 
     def take_offer(self, lane: Lane, raw: bytes, allow: bool) -> None:
         """Map the offered segments if this end may and can; answer the sender either way."""
-        version, kind, key, pid, *described = _open(raw, _OFFER, b"CDRO", "same-host offer")
         reason, mappings = None, []
-        if version != 1 or kind != HOST_SEGMENTS:
-            reason = f"unknown offer (version {version}, kind {kind})"
-        elif not allow:
+        if not allow:
             reason = f"this receiver's transport is \"wire\" (the call's `transport` or {ENV})"
-        elif available() is not None:
-            reason = available()
-        elif key != machine_key():
-            reason = "the sender is on another machine, boot, network namespace or user"
         else:
             try:
-                for fd, capacity, nonce in zip(described[0::3], described[1::3], described[2::3]):
-                    mappings.append(Mapping(pid, fd, capacity, nonce))
-            except (MappingError, OverflowError, ValueError) as error:
+                mappings = map_offer(raw[:offer_size(2)], MAX_SEGMENT_BYTES)
+            except MappingError as error:
                 reason = str(error)
         self.declined = reason
         self.state, self.mappings = ("shared", mappings) if reason is None else ("wire", [])

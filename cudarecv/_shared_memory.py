@@ -23,7 +23,9 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
+import struct
 import warnings
+import zlib
 
 import torch
 from torch import Tensor
@@ -113,3 +115,46 @@ class Mapping:
             whole = torch.frombuffer(self._map, dtype=torch.uint8)
         #: the payload bytes, read-only (never write: the pages are mapped PROT_READ)
         self.data: Tensor = whole[DATA_OFFSET:DATA_OFFSET + capacity]
+
+
+_HEAD = struct.Struct("<4sHH32sII")  # magic, version, kind (1: host segments), machine key, pid, count
+_EACH = struct.Struct("<iQ16s")  # fd, payload bytes, nonce
+MAX_SEGMENTS = 1024
+
+
+def offer_size(count: int) -> int:
+    """The bytes of an offer of ``count`` segments."""
+    return _HEAD.size + count * _EACH.size + 4
+
+
+def offer(segments: list[Segment]) -> bytes:
+    """What a reader needs to map ``segments`` (no secret: only a process that may inspect this one
+    can open them, and it must read the right nonce in each)."""
+    body = _HEAD.pack(b"CDRO", 1, 1, machine_key(), os.getpid(), len(segments))
+    body += b"".join(_EACH.pack(s.fd, s.capacity, s.nonce) for s in segments)
+    return body + struct.pack("<I", zlib.crc32(body))
+
+
+def map_offer(raw: bytes, most_bytes: int) -> list[Mapping]:
+    """Map every segment of an offer read-only; raises :class:`MappingError` with the reason this
+    process cannot (another machine or user, a segment larger than ``most_bytes``, ...)."""
+    if len(raw) < _HEAD.size + 4:
+        raise MappingError("the offer is too short")
+    magic, version, kind, key, pid, count = _HEAD.unpack_from(raw)
+    size = offer_size(count) if count <= MAX_SEGMENTS else -1
+    if magic != b"CDRO" or size != len(raw) or struct.unpack_from("<I", raw, size - 4)[0] != zlib.crc32(raw[:size - 4]):
+        raise MappingError("the offer is malformed (bad magic, length or checksum)")
+    if version != 1 or kind != 1:
+        raise MappingError(f"unknown offer (version {version}, kind {kind})")
+    problem = available()
+    if problem:
+        raise MappingError(problem)
+    if key != machine_key():
+        raise MappingError("the peer is on another machine, boot, network namespace or user")
+    mappings = []
+    for i in range(count):
+        fd, capacity, nonce = _EACH.unpack_from(raw, _HEAD.size + i * _EACH.size)
+        if not 0 < capacity <= most_bytes:
+            raise MappingError(f"an offered segment of {capacity} bytes is out of range (at most {most_bytes})")
+        mappings.append(Mapping(pid, fd, capacity, nonce))
+    return mappings

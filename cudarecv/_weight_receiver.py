@@ -46,7 +46,9 @@ from ._errors import (
     UsageError,
     WaitTimeout,
 )
-from ._handle import StartClock, Transfer
+from ._handle import SHARED_MEMORY, WIRE, StartClock, Transfer
+from ._same_host import allowed, check_transport
+from ._shared_memory import MAX_SEGMENTS, Mapping, MappingError, map_offer, offer_size
 from ._header import check_pieces, cut
 from ._link import Link, resolve
 from ._relay import Relay
@@ -149,10 +151,11 @@ class WeightReceiver:
 
     def __init__(self, src: int | None = None, *, group: Any = None, group_src: int | None = None,
                  device: Any = None, pin_memory: bool = False, expect: Any = None, timeout: float = 60.0,
-                 stream: Any = None) -> None:
+                 stream: Any = None, transport: str = "auto") -> None:
         self.timeout = 60.0  # until checked: the time given to answer the sender
         try:
             self.timeout = check_timeout(timeout)
+            check_transport(transport)
             try:
                 self._device = torch.device(device if device is not None else "cpu")
             except (RuntimeError, TypeError) as error:
@@ -177,9 +180,13 @@ class WeightReceiver:
         except Exception as error:
             _refuse(link, self.timeout, error)
             raise
-        self.schema, self._piece, offer, self._slots = _handshake(
+        self.schema, self._piece, offer, self._slots, self._mappings = _handshake(
             self._lane, self.timeout, expect,
-            lambda schema, piece: [_Slot(schema, piece, self._device, pin_memory) for _ in range(2)])
+            lambda schema, piece: [_Slot(schema, piece, self._device, pin_memory) for _ in range(2)],
+            allow=allowed(transport))
+        #: what carries the versions: ``"shared memory"`` (the sender's snapshots, mapped read-only: this
+        #: receiver is on the sender's machine) or ``"wire"``
+        self.transport = SHARED_MEMORY if self._mappings else WIRE
         #: the sender's mode, learnt in the handshake: ``"sync"`` or ``"latest"``
         self.mode = offer.mode
         self._tags = SessionTags.of(offer.session)
@@ -394,7 +401,14 @@ class WeightReceiver:
                        f"({self.schema.fingerprint.hex()})")
         elif header.version <= self.version:
             problem = f"version {header.version} is not newer than the current {self.version}"
-        if header.relayed:
+        if header.shared:
+            if not 0 <= header.segment < len(self._mappings):
+                raise OutOfStepError(f"a push names shared segment {header.segment}, but the handshake mapped "
+                                     f"{len(self._mappings)}: the link is out of step")
+            if not problem:  # one copy, straight out of the sender's snapshot (nothing else travels)
+                with lane.on_stream():
+                    slot.storage.copy_(self._mappings[header.segment].data[:total], non_blocking=True)
+        elif header.relayed:
             yield from self._relayed(header, slot, limit)  # forwarded on, whether or not it is published here
         elif problem:
             yield from drain(lane, total, piece, self._tags.payload)
@@ -422,8 +436,9 @@ class WeightReceiver:
         return header.version
 
     def _tell(self, header: PushHeader, status: int) -> None:
-        """Relay fan-out: tell the sender what became of the push (its blocking push waits for every word)."""
-        if header.relayed:
+        """Relay fan-out or shared memory: tell the sender what became of the push (its blocking push waits
+        for every word; a shared snapshot is not written again before it)."""
+        if header.relayed or header.shared:
             post_and_forget(self._lane, ask_message(GOT, header.version, status), self._tags.ask)
 
     # -- relay fan-out ------------------------------------------------------------------
@@ -554,7 +569,7 @@ class WeightReceiver:
             header = yield from self._header()
             if header.kind == PUSH and header.relayed:  # the hops after this one still need it
                 yield from self._relayed(header, self._slots[1 if self._published == 0 else 0], self.timeout)
-            elif header.kind == PUSH:
+            elif header.kind == PUSH and not header.shared:  # (a shared push sends nothing more)
                 yield from drain(lane, self.schema.total, self._piece, self._tags.payload)
 
     def __enter__(self) -> "WeightReceiver":
@@ -572,11 +587,12 @@ def _refuse(link: Link, timeout: float, failure: BaseException) -> None:
             _handshake(lane, timeout, None, lambda schema, piece: [], failure=failure)
 
 
-def _handshake(lane: Lane, timeout: float, expect: Any, allocate: Any,
-               failure: BaseException | None = None) -> tuple[Schema, int, Offer, list[_Slot]]:
+def _handshake(lane: Lane, timeout: float, expect: Any, allocate: Any, failure: BaseException | None = None,
+               allow: bool = False) -> tuple[Schema, int, Offer, list[_Slot], list[Mapping]]:
     """Read the sender's offer, check it and allocate; answer the sender either way.
 
-    With ``failure`` (this receiver could not start), answer with it and raise it.
+    With ``failure`` (this receiver could not start), answer with it and raise it. With ``allow``
+    the shared segments the sender offers (same host) are mapped if this process can.
     """
     what = "weight-sync handshake"
     started = time.monotonic()
@@ -596,6 +612,12 @@ def _handshake(lane: Lane, timeout: float, expect: Any, allocate: Any,
         answer(REFUSED if failure is None else FAILED, str(error if failure is None else failure))
         raise
     raw = run(read_bytes(lane, length, TAG_SCHEMA, "weight schema", SchemaError), lane, left(), what)
+    shared = b""
+    if 0 < offer.shared <= offer_size(MAX_SEGMENTS):
+        shared = run(read_bytes(lane, offer.shared, TAG_SCHEMA, "same-host offer", SchemaError), lane, left(), what)
+    elif offer.shared:
+        answer(REFUSED if failure is None else FAILED, f"a same-host offer of {offer.shared} bytes is out of range")
+        raise SchemaError(f"the handshake announces a same-host offer of {offer.shared} bytes: out of range")
     if failure is not None:
         answer(FAILED, f"{type(failure).__name__}: {failure}")
         raise ReceiverFailed(str(failure))
@@ -615,5 +637,13 @@ def _handshake(lane: Lane, timeout: float, expect: Any, allocate: Any,
         problem = f"the receiver cannot allocate 2 x {schema.total} bytes: {type(error).__name__}: {error}"
         answer(FAILED, problem)
         raise ReceiverFailed(problem) from error
-    answer(ACCEPTED, host_id())
-    return schema, piece, offer, slots
+    mappings, route = [], "wire"
+    if shared and allow:
+        try:
+            mappings, route = map_offer(shared, schema.total), "shared"
+            if any(m.capacity != schema.total for m in mappings):
+                mappings, route = [], "wire: the offered segments do not hold the weights' bytes"
+        except MappingError as error:
+            route = f"wire: {error}"
+    answer(ACCEPTED, f"{host_id()}\n{route}")
+    return schema, piece, offer, slots, mappings

@@ -69,7 +69,9 @@ from ._errors import (
     UsageError,
     WaitTimeout,
 )
-from ._handle import Transfer, run_standing
+from ._handle import SHARED_MEMORY, Transfer, run_standing
+from ._same_host import allowed, check_transport
+from ._shared_memory import Segment, available, offer
 from ._header import check_pieces, cut
 from ._link import resolve
 from ._plan import plan_for
@@ -113,10 +115,15 @@ RELAY_CHUNK = 1 << 20
 
 
 class _Snapshot:
-    """One sender-side storage of the weights, with the version it holds and its readers."""
+    """One sender-side storage of the weights, with the version it holds and its readers; in a
+    shared segment (index ``segment`` of the handshake's offer) when receivers may map it."""
 
-    def __init__(self, schema: Schema, piece: int, device: torch.device) -> None:
-        self.storage = torch.zeros(schema.total, dtype=torch.uint8, device=device)
+    def __init__(self, schema: Schema, piece: int, device: torch.device, shared: tuple[int, Segment] | None = None) -> None:
+        self.segment, self._shared = (shared[0], shared[1]) if shared is not None else (None, None)
+        if shared is not None:
+            self.storage = shared[1].data
+        else:
+            self.storage = torch.zeros(schema.total, dtype=torch.uint8, device=device)
         self.views = schema.views(self.storage)
         self.chunks = cut(self.storage, piece)
         self.header: PushHeader | None = None
@@ -137,7 +144,8 @@ class _Receiver:
         self.replying = False
         self.said_last = False  # CLOSED or RELEASED sent (once)
         self.listener: threading.Thread | None = None
-        self.got: Ask | None = None  # relay: the receiver's last word on a version (GOT)
+        self.got: Ask | None = None  # relay, shared memory: the receiver's last word on a version (GOT)
+        self.shared = False  # it maps the sender's shared segments (same host): pushes send only headers
 
     @property
     def served(self) -> bool:
@@ -189,8 +197,10 @@ class WeightSender:
 
     def __init__(self, td: Any, dst: Any = None, *, group: Any = None, group_dst: Any = None,
                  bucket_bytes: int | None = None, timeout: float = 60.0, verify: bool = False,
-                 stream: Any = None, mode: str = "sync", buffers: int | None = None, fanout: str = "auto") -> None:
+                 stream: Any = None, mode: str = "sync", buffers: int | None = None, fanout: str = "auto",
+                 transport: str = "auto") -> None:
         self.timeout = check_timeout(timeout)
+        check_transport(transport)
         check_bucket_bytes(bucket_bytes)
         if mode not in MODES:
             raise ArgumentError(f"`mode` must be one of {MODES}, got {mode!r}")
@@ -228,7 +238,12 @@ class WeightSender:
         check_pieces(self.schema.total, self._piece, "weights")
         self._device = plan.device
         count = 1 if mode == "sync" else (buffers or len(links) + 2)
-        self._snapshots = [self._snapshot() for _ in range(count)]
+        # same host: the snapshots are shared segments that receivers on this machine map read-only
+        sharing = (allowed(transport) and available() is None and plan.device.type == "cpu"
+                   and fanout != "relay" and any(link.backend == "gloo" for link in links))
+        segments = [Segment(self.schema.total) for _ in range(count)] if sharing else []
+        self._snapshots = [_Snapshot(self.schema, self._piece, self._device, (i, segment) if sharing else None)
+                           for i, segment in enumerate(segments or [None] * count)]
         self._latest: _Snapshot | None = None
         self._verify = bool(verify)
         lanes = [lane_for(link, self._device, stream, _cuda.StagingPool()) for link in links]
@@ -239,10 +254,14 @@ class WeightSender:
         self.version = 0
         self._session = int.from_bytes(os.urandom(4), "little") % SESSIONS
         self._tags = SessionTags.of(self._session)
-        hosts = self._handshake(lanes, raw)
+        answers = self._handshake(lanes, raw, offer(segments) if sharing else b"")
+        for segment in segments:
+            segment.close_fd()  # every receiver that could map them has: nothing names them now
         if fanout == "auto":
-            self.fanout = "relay" if mode == "sync" and any(h != host_id() for h in hosts) else "star"
+            self.fanout = "relay" if mode == "sync" and any(h != host_id() for h, _ in answers) else "star"
         self._receivers = [_Receiver(lane) for lane in lanes]
+        for receiver, (_, shared) in zip(self._receivers, answers):
+            receiver.shared = shared and self.fanout == "star"
         for receiver in self._receivers:
             if receiver.lane.link.backend != "nccl":  # the receiver's asks and BYE (see _weights_wire)
                 receiver.listener = threading.Thread(target=self._listen, args=(receiver,), daemon=True,
@@ -250,7 +269,14 @@ class WeightSender:
                 receiver.listener.start()
 
     def _snapshot(self) -> _Snapshot:
+        """A storage of the sender's own (a replacement: receivers get what it holds on the wire)."""
         return _Snapshot(self.schema, self._piece, self._device)
+
+    @property
+    def transports(self) -> dict[int, str]:
+        """What carries the pushes to each receiver still served: ``"shared memory"`` (a receiver on this
+        machine mapping the sender's snapshots) or ``"wire"``."""
+        return {r.rank: SHARED_MEMORY if r.shared else "wire" for r in self._receivers if r.served}
 
     @property
     def bucket_bytes(self) -> int:
@@ -269,13 +295,17 @@ class WeightSender:
                 for r in self._receivers if not r.served}
 
     # -- handshake ----------------------------------------------------------------------
-    def _handshake(self, lanes: list[Lane], raw: bytes) -> list[str]:
-        """Offer the schema to every receiver at once, then read every answer; return their hosts."""
+    def _handshake(self, lanes: list[Lane], raw: bytes, shared: bytes) -> list[tuple[str, bool]]:
+        """Offer the schema (and on gloo links the shared segments) to every receiver at once, then read
+        every answer; return each receiver's host and whether it mapped the segments."""
         def hello(lane: Lane) -> Any:
+            extra = shared if lane.link.backend == "gloo" else b""
             head = yield from send_from(lane, [wire_bytes(lane, preamble(len(raw), self._piece, self.mode,
-                                                                       self._session))],
+                                                                       self._session, len(extra)))],
                                         [TAG_PREAMBLE], defer=True)
             yield from send_bytes(lane, raw, TAG_SCHEMA)
+            if extra:
+                yield from send_bytes(lane, extra, TAG_SCHEMA)
             if head:
                 yield head
 
@@ -298,7 +328,8 @@ class WeightSender:
                 raise SchemaError(f"receiver rank {lane.link.peer} rejected the weights: {reason}")
             if status != ACCEPTED:
                 raise ReceiverFailed(f"receiver rank {lane.link.peer} could not start: {reason}")
-            hosts.append(reason)
+            host, _, route = reason.partition("\n")
+            hosts.append((host, route == "shared"))
         return hosts
 
     def _control(self, protocol: Any, lane: Lane, what: str, silent: str) -> Transfer:
@@ -347,7 +378,7 @@ class WeightSender:
             if self.fanout == "relay":
                 protocol = self._send_relayed(live, i, target, limit)
             else:
-                protocol = self._send(receiver.lane, target)
+                protocol = self._send(receiver, target, limit)
             transfer = Transfer(protocol, receiver.lane.stream, timeout=limit,
                                 driver=receiver.driver.submit, link=receiver.lane.link,
                                 on_error=self._drop(receiver, self.version, limit), raise_first=False,
@@ -410,14 +441,15 @@ class WeightSender:
             snapshot.readers += 1
             receiver.asked = None
         version = snapshot.header.version
-        transfer = Transfer(self._send(receiver.lane, snapshot), receiver.lane.stream, timeout=self.timeout,
+        transfer = Transfer(self._send(receiver, snapshot, self.timeout), receiver.lane.stream, timeout=self.timeout,
                             link=receiver.lane.link, on_error=self._drop(receiver, version, self.timeout),
                             raise_first=False, what=f"version {version} to rank {receiver.rank}")
         with contextlib.suppress(Exception):  # a failure drops the receiver (its hook)
             transfer.wait()
         with self._cond:
             snapshot.readers -= 1
-            if transfer.failed:  # its parked send may still read the buffer: never write it again
+            if transfer.failed and not self._through_segment(receiver, snapshot):
+                # its parked send may still read the buffer: never write it again
                 self._snapshots[self._snapshots.index(snapshot)] = fresh = self._snapshot()
                 if self._latest is snapshot:
                     fresh.storage.copy_(snapshot.storage)
@@ -427,7 +459,17 @@ class WeightSender:
             self._serve(receiver)  # it may have asked again meanwhile
             self._cond.notify_all()
 
-    def _send(self, lane: Lane, snapshot: _Snapshot) -> Any:
+    @staticmethod
+    def _through_segment(receiver: _Receiver, snapshot: _Snapshot) -> bool:
+        return receiver.shared and snapshot.segment is not None
+
+    def _send(self, receiver: _Receiver, snapshot: _Snapshot, limit: float) -> Any:
+        lane = receiver.lane
+        if self._through_segment(receiver, snapshot):  # the header only; the receiver copies the version out
+            header = dataclasses.replace(snapshot.header, shared=True, segment=snapshot.segment)
+            yield from send_from(lane, [wire_bytes(lane, header.pack())], [self._tags.header])
+            yield [_Got(self, receiver, header.version, time.monotonic() + limit + 1.0)]
+            return
         head = yield from send_from(lane, [wire_bytes(lane, snapshot.header.pack())], [self._tags.header], defer=True)
         yield from send_from(lane, snapshot.chunks, [self._tags.payload] * len(snapshot.chunks))
         if head:
@@ -467,7 +509,8 @@ class WeightSender:
             if "is dropped from this sender" not in text:
                 text += f"; rank {receiver.rank} is dropped from this sender"
             receiver.gone = text
-            self._torn = True  # its send may still be reading the storage, long after this
+            if not receiver.shared:
+                self._torn = True  # its send may still be reading the storage, long after this
             return type(failure)(text)
 
         return dropped
@@ -503,7 +546,8 @@ class WeightSender:
                     read_bytes(lane, ASK_SIZE, self._tags.ask, "receiver message", _out_of_step), lane.link, lane.stream,
                     on_error=naming(lane.link, "weight sync", math.inf, "sent nothing")))
                 kind, version = ask.kind, ask.version
-                if (kind == ASK and self.mode != "latest") or (kind == GOT and self.fanout != "relay"):
+                if (kind == ASK and self.mode != "latest") or (kind == GOT and self.fanout != "relay"
+                                                                and not receiver.shared):
                     raise OutOfStepError(f"the receiver sent a message this {self.mode} {self.fanout} sender "
                                          "never asks for: out of step")
             except Exception as error:  # noqa: BLE001 - a dead or lying receiver is dropped

@@ -230,10 +230,10 @@ class Schema:
 
 
 # -- per-push header ---------------------------------------------------------------
-_HEADER = struct.Struct("<4sHHIQQQ16s16sii")
+_HEADER = struct.Struct("<4sHHIQQQ16s16siii")
 HEADER_SIZE = 96
 MAGIC = b"CDRS"
-FLAG_VERIFY, FLAG_RELAY = 1, 2
+FLAG_VERIFY, FLAG_RELAY, FLAG_SHARED = 1, 2, 4
 PUSH, CLOSED, RELEASED = 0, 1, 2  # header kinds: a version follows; the sender closed; the answer to BYE
 
 
@@ -251,23 +251,27 @@ class PushHeader:
     relayed: bool = False
     up: int = -1
     down: int = -1
+    #: same-host transport: the version is in the sender's shared segment ``segment`` (nothing follows)
+    shared: bool = False
+    segment: int = -1
 
     def pack(self) -> bytes:
-        flags = (FLAG_VERIFY if self.verify else 0) | (FLAG_RELAY if self.relayed else 0)
-        body = _HEADER.pack(MAGIC, 2, flags, self.kind, self.version, self.total,
-                            self.piece, self.fingerprint, self.checksum, self.up, self.down)
+        flags = ((FLAG_VERIFY if self.verify else 0) | (FLAG_RELAY if self.relayed else 0)
+                 | (FLAG_SHARED if self.shared else 0))
+        body = _HEADER.pack(MAGIC, 3, flags, self.kind, self.version, self.total,
+                            self.piece, self.fingerprint, self.checksum, self.up, self.down, self.segment)
         return body + struct.pack("<I", zlib.crc32(body)) + bytes(HEADER_SIZE - _HEADER.size - 4)
 
     @classmethod
     def unpack(cls, raw: bytes) -> "PushHeader":
         body = raw[: _HEADER.size]
         (crc,) = struct.unpack_from("<I", raw, _HEADER.size)
-        magic, fmt, flags, kind, version, total, piece, fingerprint, checksum, up, down = _HEADER.unpack(body)
-        if magic != MAGIC or fmt != 2 or zlib.crc32(body) != crc or piece <= 0 or kind not in (PUSH, CLOSED, RELEASED):
+        magic, fmt, flags, kind, version, total, piece, fingerprint, checksum, up, down, segment = _HEADER.unpack(body)
+        if magic != MAGIC or fmt != 3 or zlib.crc32(body) != crc or piece <= 0 or kind not in (PUSH, CLOSED, RELEASED):
             raise OutOfStepError("the message is not a cudarecv weight-push header (bad magic or checksum): "
                                   "not drained, the link is out of step")
         return cls(version, total, piece, fingerprint, checksum, bool(flags & FLAG_VERIFY), kind,
-                   bool(flags & FLAG_RELAY), up, down)
+                   bool(flags & FLAG_RELAY), up, down, bool(flags & FLAG_SHARED), segment)
 
 
 # -- the receiver's messages -----------------------------------------------------------
@@ -357,33 +361,35 @@ def host_id() -> str:
     return f"{socket.gethostname()}/{net}"
 
 
-_PREAMBLE = struct.Struct("<4sIQQII")
+_PREAMBLE = struct.Struct("<4sIQQIII")
 PREAMBLE_SIZE = _PREAMBLE.size
 
 
 @dataclass(frozen=True)
 class Offer:
-    """What a preamble announces: the schema's length, the bytes per push message, the mode, the session."""
+    """What a preamble announces: the schema's length, the bytes per push message, the mode, the session,
+    and the length of the same-host offer that follows the schema (0: none; :mod:`._shared_memory`)."""
 
     length: int
     piece: int
     mode: str
     session: int
+    shared: int = 0
 
 
-def preamble(schema_bytes: int, piece: int, mode: str, session: int = 0) -> bytes:
+def preamble(schema_bytes: int, piece: int, mode: str, session: int = 0, shared: int = 0) -> bytes:
     """The handshake's first message (see :class:`Offer`)."""
-    return _PREAMBLE.pack(b"CDRH", 3, schema_bytes, piece, MODES.index(mode), session)
+    return _PREAMBLE.pack(b"CDRH", 4, schema_bytes, piece, MODES.index(mode), session, shared)
 
 
 def read_preamble(raw: bytes) -> Offer:
     """The :class:`Offer` of a received preamble; raises :class:`OutOfStepError` if the peer is no
     weight sender of this version (the lengths are the receiver's to check)."""
-    magic, fmt, length, piece, mode, session = _PREAMBLE.unpack(raw)
-    if magic != b"CDRH" or fmt != 3 or mode >= len(MODES) or session >= SESSIONS:
+    magic, fmt, length, piece, mode, session, shared = _PREAMBLE.unpack(raw)
+    if magic != b"CDRH" or fmt != 4 or mode >= len(MODES) or session >= SESSIONS:
         raise OutOfStepError("the first message is not a cudarecv weight-sync handshake: is the peer a "
                           "WeightSender of this cudarecv version?")
-    return Offer(length, piece, MODES[mode], session)
+    return Offer(length, piece, MODES[mode], session, shared)
 
 
 def check_offer(length: int, piece: int) -> None:
