@@ -29,7 +29,7 @@ from torch import Tensor
 
 from ._control import read_bytes, wire_bytes
 from ._errors import ArgumentError, HeaderError, OutOfStepError
-from ._handle import SHARED_MEMORY, Protocol
+from ._handle import Protocol
 from ._header import KIND_NAMES, SIZE, Header, drain_limit
 from ._plan import Plan
 from ._staging import Lane, drain, recv_into, send_from
@@ -37,7 +37,7 @@ from ._staging import Lane, drain, recv_into, send_from
 HEADER_TAGS = 1 << 30  # the header of a transfer with init_tag t has tag HEADER_TAGS + t
 PIECE_TAGS = HEADER_TAGS + (1 << 28)  # all its payload messages have tag PIECE_TAGS + t
 MAX_INIT_TAG = 1 << 28  # so both ranges stay apart and below 2**31 (weight sync uses 2**30 + 2**29 + k)
-OFFER_SIZE = 160  # a same-host offer (:mod:`._same_host`), which may follow a header on its tag
+OFFER_SIZE = 512  # a same-host offer (:mod:`._same_host`), which may follow a header on its tag
 
 
 def check_init_tag(init_tag: int) -> None:
@@ -114,8 +114,7 @@ def recv(lane: Lane, expected: Header, pieces_for: Callable[[int], list[Tensor]]
     if header.transport:
         if side is None:
             raise OutOfStepError("the payload comes through shared memory on a link that has none: out of step")
-        route.transport = SHARED_MEMORY
-        yield from side.receive(lane, header, init_tag, copy_shared, problem)
+        yield from side.receive(lane, header, init_tag, copy_shared, problem, route)
         if problem:
             raise _rejected(problem)
         return result

@@ -57,7 +57,9 @@ from torch import Tensor
 from ._control import ROOM, wire_bytes
 from ._errors import ArgumentError, OutOfStepError, PeerError
 from ._fast_wire import OFFER_SIZE, header_tag, piece_tag
-from ._handle import SHARED_MEMORY, WIRE
+from . import _cuda_ipc as cuda_ipc
+from ._cuda import EventWork, record
+from ._handle import CUDA_IPC, SHARED_MEMORY, WIRE
 from ._header import Header, piece_sizes
 from ._link import Link
 from ._shared_memory import Mapping, MappingError, Segment, available, map_offer, offer, offer_size
@@ -138,11 +140,12 @@ def _side(link: Link, role: str, make: Callable[[], Any] | None) -> Any:
 
 def sending_side(link: Link, transport: str, device: torch.device) -> "SendSide | None":
     """The link's sending side when this transfer goes through it (on its thread; perhaps through
-    shared memory), else None: the transfer goes on the wire as it always did."""
-    if link.backend != "gloo" or device.type != "cpu":
-        return _side(link, "send", None)  # host memory on gloo only; a side made earlier keeps the order
-    make = (lambda: SendSide(link.peer)) if allowed(transport) and available() is None else None
-    return _side(link, "send", make)
+    shared memory or CUDA IPC), else None: the transfer goes on the wire as it always did."""
+    if link.backend != "gloo":  # NCCL's own intra-node path is peer to peer already
+        return None
+    problem = available() if device.type == "cpu" else cuda_ipc.available(device)
+    make = (lambda: SendSide(link.peer, device)) if allowed(transport) and problem is None else None
+    return _side(link, "send", make)  # a side made earlier is kept (it keeps the order of the link's sends)
 
 
 def receiving_side(link: Link) -> "RecvSide | None":
@@ -163,9 +166,10 @@ class SendSide:
     ``shared`` (payloads go through the segments), ``wire`` (the receiver declined).
     """
 
-    def __init__(self, peer: int) -> None:
+    def __init__(self, peer: int, device: torch.device) -> None:
         self.state = "new"
-        self.segments: list[Segment] = []
+        self.device = device  # where its segments live: host memory, or a GPU (CUDA IPC)
+        self.segments: list[Any] = []
         self.fences: list[tuple[Any, Tensor, int] | None] = [None, None]  # the back receive posted per segment
         self.held: list[list[Any]] = [[], []]  # a segment's header and READY sends, kept until its DONE
         self.seq = 0
@@ -183,12 +187,13 @@ class SendSide:
         yield ()  # nothing before the link's earlier transfers: the rest runs on the link's thread, in order
         if self.broken:
             raise PeerError(f"an earlier transfer on this link failed ({self.broken}); the link cannot be trusted")
+        allow = allow and lane.device == self.device  # a side shares one kind of memory
         try:
             if self.state == "offered":
                 yield from self._answer(lane)
             offer = None
             if allow and self.state == "shared" and header.total <= self.segments[0].capacity:
-                route.transport = SHARED_MEMORY
+                route.transport = SHARED_MEMORY if self.device.type == "cpu" else CUDA_IPC
                 yield from self._shared(lane, header, init_tag, fill)
                 return None
             if allow and self.state in ("new", "shared"):
@@ -205,9 +210,13 @@ class SendSide:
             raise
 
     def _offer(self, total: int) -> bytes:
-        self.segments = [Segment(max(total, 1)) for _ in range(2)]
         self.next = 0
-        raw = offer(self.segments)
+        if self.device.type == "cpu":
+            self.segments = [Segment(max(total, 1)) for _ in range(2)]
+            raw = offer(self.segments)
+        else:
+            self.segments = [cuda_ipc.DeviceSegment(max(total, 1), self.device) for _ in range(2)]
+            raw = cuda_ipc.offer(self.segments)
         return raw + bytes(OFFER_SIZE - len(raw))
 
     def _expect(self, lane: Lane, k: int, seq: int) -> tuple[Any, Tensor, int]:
@@ -245,11 +254,14 @@ class SendSide:
         if self.fences[k] is not None:
             yield from self._take(k, DONE)  # the receiver is done reading this segment
         self.seq += 1
-        seq, data = self.seq, self.segments[k].data
+        seq, segment = self.seq, self.segments[k]
         held = _post(lane, dataclasses.replace(header, transport=1, segment=k, seq=seq).pack(), header_tag(init_tag))
         offset = 0
         for i, length in enumerate(piece_sizes(header.total, header.piece)):
-            fill(data, i, offset, length)
+            with lane.on_stream():
+                fill(segment.data, i, offset, length)
+            if lane.stream is not None:
+                segment.written.record(lane.stream)  # before its READY: the reader's copy waits for it
             held += _post(lane, _sealed(_READY.pack(b"CDRP", i, seq, offset, length), READY_SIZE),
                           piece_tag(init_tag))
             offset += length
@@ -283,13 +295,17 @@ class RecvSide:
         return self.state != "wire"
 
     def take_offer(self, lane: Lane, raw: bytes, allow: bool) -> None:
-        """Map the offered segments if this end may and can; answer the sender either way."""
+        """Map the offered segments (host memory, or CUDA IPC onto the lane's GPU) if this end may and
+        can; answer the sender either way."""
         reason, mappings = None, []
         if not allow:
             reason = f"this receiver's transport is \"wire\" (the call's `transport` or {ENV})"
         else:
             try:
-                mappings = map_offer(raw[:offer_size(2)], MAX_SEGMENT_BYTES)
+                if cuda_ipc.is_device_offer(raw):
+                    mappings = cuda_ipc.map_offer(raw[:cuda_ipc.offer_size(2)], MAX_SEGMENT_BYTES, lane.device)
+                else:
+                    mappings = map_offer(raw[:offer_size(2)], MAX_SEGMENT_BYTES)
             except MappingError as error:
                 reason = str(error)
         self.declined = reason
@@ -297,7 +313,7 @@ class RecvSide:
         park(_post(lane, _back(ANSWER, OK if reason is None else NO, 0), BACK_TAGS))
 
     def receive(self, lane: Lane, header: Header, init_tag: int, copy: Callable[[Tensor, int, int, int, int], None],
-                problem: str | None) -> Any:
+                problem: str | None, route: Route) -> Any:
         """A sub-protocol: take the header's READY messages, checking each against the header and the
         segment before copying it out with ``copy(data, i, offset, length, piece)`` (not when ``problem``:
         a mismatched header), then say DONE."""
@@ -322,7 +338,13 @@ class RecvSide:
                 raise OutOfStepError(f"READY message {i} names (index, transfer, offset, length) {tuple(got)}, "
                                      f"the plan {want}: not read; the link is out of step")
             if problem is None:
+                if device:
+                    mapping.before_read(lane.stream)
                 copy(mapping.data, i, want[2], want[3], header.piece)
 
+        device = isinstance(mapping, cuda_ipc.DeviceMapping)
+        route.transport = CUDA_IPC if device else SHARED_MEMORY
         yield from recv_into(lane, slots, [piece_tag(init_tag)] * len(slots), landed=landed)
+        if lane.stream is not None:  # the copies out of the segment are over before the sender may write it
+            yield [EventWork(record(lane.stream))]
         park(_post(lane, _back(DONE, OK, header.seq), BACK_TAGS + header.segment))

@@ -11,6 +11,11 @@ mapped the writer closes its descriptor: from then on nothing names the memory,
 which the kernel frees when the last mapping goes, so a process killed with
 ``SIGKILL`` leaves nothing behind.
 
+Two version stamps in the segment's first bytes make a reader's copy checkable
+(a sequence lock): the writer stamps *writing v* before its first byte changes
+and *written v* after its last; a reader that copied version v reads *written*
+before and *writing* after its copy, and the copy is whole only if both are v.
+
 Example:
     >>> seg = Segment(1 << 20)                       # the writer
     >>> seg.data[:4].copy_(torch.arange(4, dtype=torch.uint8))
@@ -31,7 +36,9 @@ import torch
 from torch import Tensor
 
 NONCE = 16
-DATA_OFFSET = 64  # the nonce, then the payload from this offset (cache-line aligned)
+WRITING, WRITTEN = 16, 24  # two u64 stamps after the nonce: the version being written, the last one written
+DATA_OFFSET = 64  # the nonce and stamps, then the payload from this offset (cache-line aligned)
+_STAMP = struct.Struct("<Q")
 PAGE = 4096
 
 
@@ -81,6 +88,14 @@ class Segment:
         #: the payload bytes, writable
         self.data: Tensor = whole[DATA_OFFSET:DATA_OFFSET + capacity]
 
+    def begin_write(self, version: int) -> None:
+        """Stamp the segment as being overwritten with ``version`` (before the first byte changes)."""
+        _STAMP.pack_into(self._map, WRITING, version)
+
+    def end_write(self, version: int) -> None:
+        """Stamp ``version`` as wholly written (after the last byte)."""
+        _STAMP.pack_into(self._map, WRITTEN, version)
+
     def close_fd(self) -> None:
         """Let go of the descriptor (the reader has it mapped): nothing names the memory any more."""
         if self.fd is not None:
@@ -115,6 +130,15 @@ class Mapping:
             whole = torch.frombuffer(self._map, dtype=torch.uint8)
         #: the payload bytes, read-only (never write: the pages are mapped PROT_READ)
         self.data: Tensor = whole[DATA_OFFSET:DATA_OFFSET + capacity]
+
+    def written(self) -> int:
+        """The last version the writer stamped as wholly written (read before copying it out)."""
+        return _STAMP.unpack_from(self._map, WRITTEN)[0]
+
+    def writing(self) -> int:
+        """The version the writer is writing or last wrote (read after copying: if it is still the one
+        copied, no write overlapped the copy)."""
+        return _STAMP.unpack_from(self._map, WRITING)[0]
 
 
 _HEAD = struct.Struct("<4sHH32sII")  # magic, version, kind (1: host segments), machine key, pid, count

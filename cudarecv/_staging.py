@@ -53,6 +53,11 @@ class Lane:
     def nccl(self) -> bool:
         return self.link.backend == "nccl"
 
+    @property
+    def device(self) -> torch.device:
+        """The device whose memory the transfer touches (its stream's; the CPU without one)."""
+        return self.stream.device if self.stream is not None else torch.device("cpu")
+
     def on_stream(self) -> Any:
         return torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
 

@@ -43,12 +43,14 @@ from ._errors import (
     ReceiverFailed,
     SchemaError,
     SenderClosed,
+    TransferTimeout,
     UsageError,
     WaitTimeout,
 )
-from ._handle import SHARED_MEMORY, WIRE, StartClock, Transfer
+from . import _cuda_ipc as cuda_ipc
+from ._handle import CUDA_IPC, SHARED_MEMORY, WIRE, StartClock, Transfer
 from ._same_host import allowed, check_transport
-from ._shared_memory import MAX_SEGMENTS, Mapping, MappingError, map_offer, offer_size
+from ._shared_memory import MAX_SEGMENTS, MappingError, map_offer, offer_size
 from ._header import check_pieces, cut
 from ._link import Link, resolve
 from ._relay import Relay
@@ -183,10 +185,11 @@ class WeightReceiver:
         self.schema, self._piece, offer, self._slots, self._mappings = _handshake(
             self._lane, self.timeout, expect,
             lambda schema, piece: [_Slot(schema, piece, self._device, pin_memory) for _ in range(2)],
-            allow=allowed(transport))
+            allow=allowed(transport), device=self._device)
         #: what carries the versions: ``"shared memory"`` (the sender's snapshots, mapped read-only: this
         #: receiver is on the sender's machine) or ``"wire"``
-        self.transport = SHARED_MEMORY if self._mappings else WIRE
+        self.transport = WIRE if not self._mappings else (
+            CUDA_IPC if isinstance(self._mappings[0], cuda_ipc.DeviceMapping) else SHARED_MEMORY)
         #: the sender's mode, learnt in the handshake: ``"sync"`` or ``"latest"``
         self.mode = offer.mode
         self._tags = SessionTags.of(offer.session)
@@ -406,8 +409,20 @@ class WeightReceiver:
                 raise OutOfStepError(f"a push names shared segment {header.segment}, but the handshake mapped "
                                      f"{len(self._mappings)}: the link is out of step")
             if not problem:  # one copy, straight out of the sender's snapshot (nothing else travels)
+                mapping = self._mappings[header.segment]
+                device = isinstance(mapping, cuda_ipc.DeviceMapping)
+                if device:
+                    mapping.before_read(lane.stream)
+                before = None if device else mapping.written()
                 with lane.on_stream():
-                    slot.storage.copy_(self._mappings[header.segment].data[:total], non_blocking=True)
+                    slot.storage.copy_(mapping.data[:total], non_blocking=True)
+                if not device and lane.stream is not None:
+                    lane.stream.synchronize()  # the copy out of the segment is over before its stamp is read
+                if not device and not before == mapping.writing() == header.version:
+                    raise TransferTimeout(
+                        f"version {header.version} was overwritten in the sender's shared snapshot before this "
+                        "receiver had copied it (the sender stopped waiting for this receiver: it was too slow); "
+                        f"version {self.version} stays published")
         elif header.relayed:
             yield from self._relayed(header, slot, limit)  # forwarded on, whether or not it is published here
         elif problem:
@@ -588,7 +603,7 @@ def _refuse(link: Link, timeout: float, failure: BaseException) -> None:
 
 
 def _handshake(lane: Lane, timeout: float, expect: Any, allocate: Any, failure: BaseException | None = None,
-               allow: bool = False) -> tuple[Schema, int, Offer, list[_Slot], list[Mapping]]:
+               allow: bool = False, device: torch.device | None = None) -> tuple[Schema, int, Offer, list[_Slot], list]:
     """Read the sender's offer, check it and allocate; answer the sender either way.
 
     With ``failure`` (this receiver could not start), answer with it and raise it. With ``allow``
@@ -613,7 +628,7 @@ def _handshake(lane: Lane, timeout: float, expect: Any, allocate: Any, failure: 
         raise
     raw = run(read_bytes(lane, length, TAG_SCHEMA, "weight schema", SchemaError), lane, left(), what)
     shared = b""
-    if 0 < offer.shared <= offer_size(MAX_SEGMENTS):
+    if 0 < offer.shared <= max(offer_size(MAX_SEGMENTS), cuda_ipc.offer_size(cuda_ipc.MAX_SEGMENTS)):
         shared = run(read_bytes(lane, offer.shared, TAG_SCHEMA, "same-host offer", SchemaError), lane, left(), what)
     elif offer.shared:
         answer(REFUSED if failure is None else FAILED, f"a same-host offer of {offer.shared} bytes is out of range")
@@ -640,7 +655,11 @@ def _handshake(lane: Lane, timeout: float, expect: Any, allocate: Any, failure: 
     mappings, route = [], "wire"
     if shared and allow:
         try:
-            mappings, route = map_offer(shared, schema.total), "shared"
+            if cuda_ipc.is_device_offer(shared):
+                mappings = cuda_ipc.map_offer(shared, schema.total, device)
+            else:
+                mappings = map_offer(shared, schema.total)
+            route = "shared"
             if any(m.capacity != schema.total for m in mappings):
                 mappings, route = [], "wire: the offered segments do not hold the weights' bytes"
         except MappingError as error:

@@ -69,7 +69,8 @@ from ._errors import (
     UsageError,
     WaitTimeout,
 )
-from ._handle import SHARED_MEMORY, Transfer, run_standing
+from . import _cuda_ipc as cuda_ipc
+from ._handle import CUDA_IPC, SHARED_MEMORY, WIRE, Transfer, run_standing
 from ._same_host import allowed, check_transport
 from ._shared_memory import Segment, available, offer
 from ._header import check_pieces, cut
@@ -239,9 +240,16 @@ class WeightSender:
         self._device = plan.device
         count = 1 if mode == "sync" else (buffers or len(links) + 2)
         # same host: the snapshots are shared segments that receivers on this machine map read-only
-        sharing = (allowed(transport) and available() is None and plan.device.type == "cpu"
-                   and fanout != "relay" and any(link.backend == "gloo" for link in links))
-        segments = [Segment(self.schema.total) for _ in range(count)] if sharing else []
+        sharing = allowed(transport) and fanout != "relay" and (
+            cuda_ipc.available(plan.device) is None if plan.device.type == "cuda"
+            else available() is None and any(link.backend == "gloo" for link in links))
+        self._shared_kind = (CUDA_IPC if plan.device.type == "cuda" else SHARED_MEMORY) if sharing else WIRE
+        if self._shared_kind == CUDA_IPC:
+            segments = [cuda_ipc.DeviceSegment(self.schema.total, plan.device) for _ in range(count)]
+            shared_offer = cuda_ipc.offer(segments)
+        else:
+            segments = [Segment(self.schema.total) for _ in range(count)] if sharing else []
+            shared_offer = offer(segments) if sharing else b""
         self._snapshots = [_Snapshot(self.schema, self._piece, self._device, (i, segment) if sharing else None)
                            for i, segment in enumerate(segments or [None] * count)]
         self._latest: _Snapshot | None = None
@@ -254,7 +262,7 @@ class WeightSender:
         self.version = 0
         self._session = int.from_bytes(os.urandom(4), "little") % SESSIONS
         self._tags = SessionTags.of(self._session)
-        answers = self._handshake(lanes, raw, offer(segments) if sharing else b"")
+        answers = self._handshake(lanes, raw, shared_offer)
         for segment in segments:
             segment.close_fd()  # every receiver that could map them has: nothing names them now
         if fanout == "auto":
@@ -275,8 +283,9 @@ class WeightSender:
     @property
     def transports(self) -> dict[int, str]:
         """What carries the pushes to each receiver still served: ``"shared memory"`` (a receiver on this
-        machine mapping the sender's snapshots) or ``"wire"``."""
-        return {r.rank: SHARED_MEMORY if r.shared else "wire" for r in self._receivers if r.served}
+        machine mapping the sender's host snapshots), ``"cuda ipc"`` (the sender's GPU snapshots, opened
+        once by a receiver on this node) or ``"wire"``."""
+        return {r.rank: self._shared_kind if r.shared else WIRE for r in self._receivers if r.served}
 
     @property
     def bucket_bytes(self) -> int:
@@ -299,7 +308,7 @@ class WeightSender:
         """Offer the schema (and on gloo links the shared segments) to every receiver at once, then read
         every answer; return each receiver's host and whether it mapped the segments."""
         def hello(lane: Lane) -> Any:
-            extra = shared if lane.link.backend == "gloo" else b""
+            extra = shared if lane.link.backend == "gloo" or self._shared_kind == CUDA_IPC else b""
             head = yield from send_from(lane, [wire_bytes(lane, preamble(len(raw), self._piece, self.mode,
                                                                        self._session, len(extra)))],
                                         [TAG_PREAMBLE], defer=True)
@@ -395,8 +404,15 @@ class WeightSender:
         if stream is not None:
             _cuda.follow_caller(stream)
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext(), torch.no_grad():
+            host = isinstance(target._shared, Segment)
+            if host:  # a receiver dropped while it copies sees that its version was overwritten
+                target._shared.begin_write(self.version + 1)
             torch._foreach_copy_(target.views, plan.detached, non_blocking=True)  # never an autograd node
             digest = checksum(target.storage) if self._verify else bytes(16)
+            if host:
+                target._shared.end_write(self.version + 1)
+            elif target._shared is not None:
+                target._shared.written.record(stream)  # receivers' copies wait for it (CUDA IPC)
         if stream is not None:  # the caller's next writes (an optimizer step) wait for the copy
             torch.cuda.current_stream(stream.device).wait_stream(stream)
         self.version += 1
@@ -448,7 +464,7 @@ class WeightSender:
             transfer.wait()
         with self._cond:
             snapshot.readers -= 1
-            if transfer.failed and not self._through_segment(receiver, snapshot):
+            if transfer.failed and not (self._through_segment(receiver, snapshot) and self._shared_kind == SHARED_MEMORY):
                 # its parked send may still read the buffer: never write it again
                 self._snapshots[self._snapshots.index(snapshot)] = fresh = self._snapshot()
                 if self._latest is snapshot:
@@ -468,7 +484,7 @@ class WeightSender:
         if self._through_segment(receiver, snapshot):  # the header only; the receiver copies the version out
             header = dataclasses.replace(snapshot.header, shared=True, segment=snapshot.segment)
             yield from send_from(lane, [wire_bytes(lane, header.pack())], [self._tags.header])
-            yield [_Got(self, receiver, header.version, time.monotonic() + limit + 1.0)]
+            yield from self._confirmed(receiver, header.version, limit)
             return
         head = yield from send_from(lane, [wire_bytes(lane, snapshot.header.pack())], [self._tags.header], defer=True)
         yield from send_from(lane, snapshot.chunks, [self._tags.payload] * len(snapshot.chunks))
@@ -488,13 +504,17 @@ class WeightSender:
             yield from send_bytes(lane, trailer_message(header.version), self._tags.trailer)
         if head:
             yield head
-        if lane.nccl:  # no listener on NCCL: the word comes here, in order on the pair's stream
-            ask = read_ask((yield from read_bytes(lane, ASK_SIZE, self._tags.ask, "relay acknowledgement",
+        yield from self._confirmed(receiver, header.version, limit)
+
+    def _confirmed(self, receiver: _Receiver, version: int, limit: float) -> Any:
+        """Wait for the receiver's word on ``version`` (relay, shared memory): raises if it did not publish it."""
+        if receiver.lane.nccl:  # no listener on NCCL: the word comes here, in order on the pair's stream
+            ask = read_ask((yield from read_bytes(receiver.lane, ASK_SIZE, self._tags.ask, "acknowledgement",
                                                   _out_of_step)))
             if ask.kind != GOT:
-                raise _out_of_step("a relay receiver sent no acknowledgement")
+                raise _out_of_step("the receiver sent no acknowledgement")
             receiver.got = ask
-        yield [_Got(self, receiver, header.version, time.monotonic() + limit + 1.0)]
+        yield [_Got(self, receiver, version, time.monotonic() + limit + 1.0)]
 
     def _drop(self, receiver: _Receiver, version: int, timeout: float) -> Callable[[BaseException, float], BaseException]:
         """The error hook of a transfer of ``version`` to ``receiver``: name it, and drop it."""
@@ -509,8 +529,10 @@ class WeightSender:
             if "is dropped from this sender" not in text:
                 text += f"; rank {receiver.rank} is dropped from this sender"
             receiver.gone = text
-            if not receiver.shared:
-                self._torn = True  # its send may still be reading the storage, long after this
+            if not receiver.shared or self._shared_kind == CUDA_IPC:
+                # its send (or, CUDA IPC, its copy) may still read the storage, long after this; a receiver of
+                # host segments checks their stamps instead (a copy overtaken by a write is never published)
+                self._torn = True
             return type(failure)(text)
 
         return dropped

@@ -90,24 +90,25 @@ def test_schema_mismatch_at_handshake_names_first_key(cluster):
     assert sender_error and "receiver rank 1 rejected" in sender_error and "'0.bias'" in receiver_error
 
 
-def bad_headers(rank, world, group):
+def bad_headers(rank, world, group, transport):
     """A wrong fingerprint, then a corrupted payload: each rejected and drained, then a good push."""
     model = policy()
     if rank == 0:
         sender = cudarecv.WeightSender(TensorDict.from_module(model), dst=1, bucket_bytes=128, timeout=20,
-                                       verify=True)
+                                       verify=True, transport=transport)
+        assert sender.transports == {1: "shared memory" if transport == "auto" else "wire"}
         set_version(model, 1)
         sender.push()
-        lane = sender._receivers[0].lane
         snapshot = sender._snapshots[0]
         snapshot.header = PushHeader(2, sender.schema.total, sender._piece, bytes(16))  # a wrong fingerprint
-        Transfer(sender._send(lane, snapshot)).wait(20)
+        Transfer(sender._send(sender._receivers[0], snapshot, 20)).wait(20)
+        sender.version = 2  # (that was version 2)
         real = _weight_sender.checksum
         _weight_sender.checksum = lambda storage: bytes(16)  # what corruption in flight looks like
-        set_version(model, 2)
+        set_version(model, 3)
         sender.push()
         _weight_sender.checksum = real
-        set_version(model, 3)
+        set_version(model, 4)
         sender.push()
         return None
     receiver = cudarecv.WeightReceiver(src=0, timeout=20)
@@ -118,19 +119,20 @@ def bad_headers(rank, world, group):
             out.append("accepted")
         except expected as error:
             out.append((type(error).__name__, str(error), receiver.version, holds_version(receiver.td, 1)))
-    out.append((receiver.pull(), holds_version(receiver.td, 3)))
+    out.append((receiver.pull(), holds_version(receiver.td, 4)))
     return out
 
 
-def test_bad_header_and_corruption_are_rejected_and_next_pull_works(cluster):
-    out = cluster().run(bad_headers)[1]
+@pytest.mark.parametrize("transport", ["auto", "wire"])
+def test_bad_header_and_corruption_are_rejected_and_next_pull_works(cluster, transport):
+    out = cluster().run(bad_headers, args=(transport,))[1]
     assert out[0] == 1
     fingerprint, corrupted, last = out[1:]
     assert fingerprint[0] == "PushHeaderError" and "fingerprint" in fingerprint[1] and "drained" in fingerprint[1]
     assert corrupted[0] == "ChecksumError" and "corrupted" in corrupted[1]
     for _, _, version, intact in (fingerprint, corrupted):
         assert version == 1 and intact, "the last good version was not kept intact"
-    assert last == (3, True)
+    assert last == (4, True)
 
 
 def dying_sender(rank, world, group, timeout):

@@ -1,0 +1,161 @@
+"""GPU memory shared by two processes of one node: CUDA IPC, exported once and opened once.
+
+A :class:`DeviceSegment` is a device buffer its writer allocates with
+``cudaMalloc`` (through cupy's runtime bindings, outside PyTorch's caching
+allocator, so its IPC handle is of this allocation alone and nothing in the
+allocator's pools ever moves or is exported per sync) together with an
+interprocess CUDA event. The reader opens both once (:class:`DeviceMapping`:
+``cudaIpcOpenMemHandle`` with lazy peer access, so a reader on another GPU of
+the node copies over NVLink/PCIe) and keeps them for every later sync: memory
+never grows per sync, which is the most reported bug of per-sync IPC handles.
+
+Order: the writer records its event on the stream that wrote the buffer, then
+sends the header (host order); the reader's stream waits on that event before
+its copy, so it never reads bytes still being written. The reader tells the
+writer it is done only once its copy has landed (its host waits for it), so the
+writer's next write never overtakes the read.
+
+Needs cupy (the ``gpu`` extra) and a GPU; :func:`available` says why not.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ._shared_memory import MappingError, machine_key
+
+_HEAD = struct.Struct("<4sHH32sII")  # magic, version, kind (2: device segments), machine key, pid, count
+_EACH = struct.Struct("<64s64sQI")  # memory handle, event handle, bytes, the writer's device ordinal
+KIND = 2
+MAX_SEGMENTS = 1024
+
+
+def available(device: torch.device) -> str | None:
+    """Why ``device`` memory cannot be shared over CUDA IPC here, or None."""
+    if device.type != "cuda":
+        return f"{device} is not a CUDA device"
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        return "cupy is not installed (pip install 'cudarecv[gpu]')"
+    return None
+
+
+class _Pointer:
+    """A raw device pointer as a ``__cuda_array_interface__`` (for a zero-copy torch view)."""
+
+    def __init__(self, ptr: int, nbytes: int, owner: Any) -> None:
+        self.owner = owner  # keeps the allocation or the opened handle alive as long as the view
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3}
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+class DeviceSegment:
+    """``capacity`` bytes of ``device`` memory and an interprocess event, exported once."""
+
+    def __init__(self, capacity: int, device: torch.device) -> None:
+        from cupy.cuda import runtime
+
+        self.device = torch.device("cuda", _index(device))
+        self.capacity = capacity
+        with torch.cuda.device(self.device):
+            self._ptr = runtime.malloc(max(capacity, 1))
+            self.handle = bytes(runtime.ipcGetMemHandle(self._ptr))
+            self.written = torch.cuda.Event(interprocess=True)
+            self.written.record()  # the event exists (and has completed) before anyone opens it
+            self.event_handle = bytes(self.written.ipc_handle())
+        #: the payload bytes, writable
+        self.data: Tensor = torch.as_tensor(_Pointer(self._ptr, capacity, self), device=self.device)
+
+    def close_fd(self) -> None:
+        """(Nothing names a device segment but its handle, which readers opened once.)"""
+
+    def __del__(self) -> None:
+        try:
+            from cupy.cuda import runtime
+
+            with torch.cuda.device(self.device):
+                runtime.free(self._ptr)
+        except Exception:  # noqa: BLE001 - at interpreter exit CUDA may be gone already
+            pass
+
+
+class DeviceMapping:
+    """The reader's view of another process's :class:`DeviceSegment`, opened once."""
+
+    def __init__(self, handle: bytes, event_handle: bytes, capacity: int, device: torch.device) -> None:
+        from cupy.cuda import runtime
+
+        self.device = torch.device("cuda", _index(device))
+        self.capacity = capacity
+        with torch.cuda.device(self.device):
+            try:
+                self._ptr = runtime.ipcOpenMemHandle(handle, runtime.cudaIpcMemLazyEnablePeerAccess)
+            except Exception as error:  # noqa: BLE001 - cupy's CUDARuntimeError
+                raise MappingError(f"cannot open the peer's CUDA IPC handle: {error}") from None
+            self.written = torch.cuda.Event.from_ipc_handle(self.device, event_handle)
+        #: the payload bytes (read them only)
+        self.data: Tensor = torch.as_tensor(_Pointer(self._ptr, capacity, self), device=self.device)
+
+    def before_read(self, stream: Any) -> None:
+        """Make ``stream`` wait for the writer's last write (recorded before its header was sent)."""
+        stream.wait_event(self.written)
+
+    def __del__(self) -> None:
+        try:
+            from cupy.cuda import runtime
+
+            with torch.cuda.device(self.device):
+                runtime.ipcCloseMemHandle(self._ptr)
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def offer(segments: list[DeviceSegment]) -> bytes:
+    """What a reader needs to open ``segments``."""
+    import os
+
+    body = _HEAD.pack(b"CDRO", 1, KIND, machine_key(), os.getpid(), len(segments))
+    body += b"".join(_EACH.pack(s.handle, s.event_handle, s.capacity, s.device.index) for s in segments)
+    return body + struct.pack("<I", zlib.crc32(body))
+
+
+def offer_size(count: int) -> int:
+    return _HEAD.size + count * _EACH.size + 4
+
+
+def is_device_offer(raw: bytes) -> bool:
+    return len(raw) >= _HEAD.size and _HEAD.unpack_from(raw)[2] == KIND
+
+
+def map_offer(raw: bytes, most_bytes: int, device: torch.device) -> list[DeviceMapping]:
+    """Open every segment of a device offer on ``device``; raises :class:`MappingError` with the reason
+    this process cannot (another machine, no CUDA or cupy, a bad handle, ...)."""
+    magic, version, kind, key, _, count = _HEAD.unpack_from(raw)
+    size = offer_size(count) if count <= MAX_SEGMENTS else -1
+    if magic != b"CDRO" or size != len(raw) or struct.unpack_from("<I", raw, size - 4)[0] != zlib.crc32(raw[:size - 4]):
+        raise MappingError("the offer is malformed (bad magic, length or checksum)")
+    if version != 1 or kind != KIND:
+        raise MappingError(f"unknown offer (version {version}, kind {kind})")
+    problem = available(device)
+    if problem:
+        raise MappingError(problem)
+    if key != machine_key():
+        raise MappingError("the peer is on another machine, boot, network namespace or user")
+    mappings = []
+    for i in range(count):
+        handle, event_handle, capacity, _ = _EACH.unpack_from(raw, _HEAD.size + i * _EACH.size)
+        if not 0 < capacity <= most_bytes:
+            raise MappingError(f"an offered segment of {capacity} bytes is out of range (at most {most_bytes})")
+        mappings.append(DeviceMapping(handle, event_handle, capacity, device))
+    return mappings
