@@ -202,6 +202,10 @@ class SendSide:
                 header = dataclasses.replace(header, offer=True)
             result = yield from wire(header, offer)
             if offer is not None:
+                # the receiver took the offer (and mapped the segments, or not) before it posted the receives
+                # of the payload, which the sends just completed into: nothing need name the segments now
+                for segment in self.segments:
+                    segment.close_fd()
                 self.fences[0] = self._expect(lane, 0, 0)
                 self.state = "offered"
             return result
@@ -238,8 +242,6 @@ class SendSide:
         status = yield from self._take(0, ANSWER)
         if status == OK:
             self.state = "shared"
-            for segment in self.segments:
-                segment.close_fd()  # the receiver has them mapped: nothing names them now
         else:
             self.state, self.segments = "wire", []
 

@@ -25,11 +25,12 @@ Example:
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import mmap
 import os
 import struct
-import warnings
+import weakref
 import zlib
 
 import torch
@@ -68,6 +69,24 @@ def _round_up(n: int) -> int:
     return -(-n // PAGE) * PAGE
 
 
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+
+
+def _map(fd: int, size: int, writable: bool) -> ctypes.Array:
+    """Map ``fd`` shared, as a byte array unmapped when the last reference goes (Python's ``mmap``
+    would keep a duplicate of the descriptor open for as long as the mapping lives)."""
+    prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+    ptr = _libc.mmap(None, size, prot, mmap.MAP_SHARED, fd, 0)
+    if ptr in (None, ctypes.c_void_p(-1).value):
+        raise OSError(ctypes.get_errno(), f"mmap: {os.strerror(ctypes.get_errno())}")
+    array = (ctypes.c_uint8 * size).from_address(ptr)
+    weakref.finalize(array, _libc.munmap, ptr, size)
+    return array
+
+
 class Segment:
     """An anonymous shared segment of ``capacity`` payload bytes, mapped read-write by its writer."""
 
@@ -79,11 +98,11 @@ class Segment:
         try:
             os.fchmod(self.fd, 0o600)
             os.ftruncate(self.fd, size)
-            self._map = mmap.mmap(self.fd, size)
+            self._map = _map(self.fd, size, writable=True)
         except BaseException:
             self.close_fd()
             raise
-        self._map[:NONCE] = self.nonce
+        ctypes.memmove(self._map, self.nonce, NONCE)
         whole = torch.frombuffer(self._map, dtype=torch.uint8)
         #: the payload bytes, writable
         self.data: Tensor = whole[DATA_OFFSET:DATA_OFFSET + capacity]
@@ -119,15 +138,13 @@ class Mapping:
         try:
             if os.fstat(own).st_size < size:
                 raise MappingError("the peer's segment is smaller than announced")
-            self._map = mmap.mmap(own, size, prot=mmap.PROT_READ)
+            self._map = _map(own, size, writable=False)
         finally:
             os.close(own)  # the mapping keeps the memory
-        if self._map[:NONCE] != nonce:
+        if ctypes.string_at(self._map, NONCE) != nonce:
             raise MappingError("the peer's segment does not hold the nonce it announced")
         self.capacity = capacity
-        with warnings.catch_warnings():  # read-only memory: nothing here ever writes it
-            warnings.simplefilter("ignore")
-            whole = torch.frombuffer(self._map, dtype=torch.uint8)
+        whole = torch.frombuffer(self._map, dtype=torch.uint8)  # read-only pages: nothing here writes them
         #: the payload bytes, read-only (never write: the pages are mapped PROT_READ)
         self.data: Tensor = whole[DATA_OFFSET:DATA_OFFSET + capacity]
 

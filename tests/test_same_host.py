@@ -1,0 +1,305 @@
+"""Same-host transports: the fast wire and weight sync through shared memory between two real processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+import cudarecv
+from cudarecv import _fast_wire, _same_host
+from cudarecv._header import Header
+from cudarecv._shared_memory import Mapping, Segment, map_offer, offer
+from cudarecv.testing.launch import Cluster, RankExit
+from rawwire import raw_send, store, unique_key
+from tdfactory import STRUCTURES, make, same
+
+
+def _memfds() -> int:
+    """How many memfd segments this process still holds a descriptor of."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += "memfd:cudarecv" in os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            pass
+    return count
+
+
+def transfers(rank, world, group, consolidated, transports):
+    """Every structure, several steps each: values exact, and which transport carried each."""
+    sending = rank == 0
+    peer = {"group": group, ("group_dst" if sending else "group_src"): 1 - rank} if group is not None else {}
+    args = () if group is not None else (1 - rank,)
+    seen, ok = [], {}
+    for structure in STRUCTURES:
+        for step in range(3):
+            td = make(structure, 5.0 + step if sending else 0.0)
+            if consolidated:
+                td = td.consolidate(metadata=True)
+            kw = dict(peer, bucket_bytes=64, consolidated=consolidated, transport=transports[rank])
+            if sending:
+                [t] = cudarecv.isend(td, *args, **kw, return_early=True)
+                assert t.wait(timeout=20) is None
+            else:
+                [t] = cudarecv.irecv(td, *args, **kw, return_premature=True)
+                assert t.wait(timeout=20) is td
+                ok[(structure, step)] = same(td, make(structure, 5.0 + step))
+            seen.append(t.transport)
+    return seen, ok, _memfds()
+
+
+@pytest.mark.parametrize("consolidated", [False, True], ids=["buckets", "chunks"])
+@pytest.mark.parametrize("standalone", [False, True], ids=["default_group", "standalone_group"])
+def test_fast_wire_goes_through_shared_memory_after_one_offer(cluster, consolidated, standalone):
+    (sent, _, held), (received, ok, _) = cluster().run(transfers, args=(consolidated, ("auto", "auto")),
+                                                       standalone=standalone)
+    assert ok and all(ok.values()), [k for k, v in ok.items() if not v]
+    assert sent == received, "both ends must agree on what carried each transfer"
+    # the link was negotiated by an earlier test or by this one's first transfer (whose payload is on the wire);
+    # a larger tensordict than the segments hold goes once on the wire with a new offer
+    assert sent.count("shared memory") >= len(sent) - len(STRUCTURES), sent
+    assert held == 0, "the sender still holds descriptors of segments the receiver has mapped"
+
+
+@pytest.mark.parametrize("who", ["sender", "receiver"])
+def test_transport_wire_keeps_the_payload_on_the_wire(cluster, who):
+    transports = ("wire", "auto") if who == "sender" else ("auto", "wire")
+    # a new group per run: a link that agreed on shared memory before stays so (the sender's "wire" would
+    # still force the wire; a receiver's "wire" only declines offers)
+    (sent, _, _), (received, ok, _) = cluster().run(fresh_link, args=(transports, unique_key("fresh")))
+    assert all(ok.values())
+    assert set(sent) == set(received) == {"wire"}, (sent, received)
+
+
+def _group(rank, world, key):
+    """A new gloo group of the ranks (on a prefix of the default store that both ranks are given)."""
+    import torch.distributed as dist
+
+    return dist.ProcessGroupGloo(dist.PrefixStore(key, store()), rank, world, timedelta(seconds=20))
+
+
+def fresh_link(rank, world, group, transports, key):
+    pg = _group(rank, world, key)
+    return transfers(rank, world, pg, False, transports)
+
+
+def test_environment_variable_turns_it_off():
+    with Cluster(2, pg_timeout=20.0, env={_same_host.ENV: "wire"}) as ranks:
+        (sent, _, _), (received, ok, _) = ranks.run(transfers, args=(False, ("auto", "auto")))
+    assert all(ok.values()) and set(sent) == set(received) == {"wire"}
+
+
+def mismatch_on_shared_route(rank, world, group):
+    """Once shared: a mismatched header is rejected (its READYs taken), the tensordict untouched, the link in step."""
+    good = make("nested", 3.0 if rank == 0 else 0.0)
+    bad = good.clone()
+    bad["b"] = good["b"].to(torch.int32)  # same bytes (fits the segments), another dtype
+    if rank == 0:
+        routes = []
+        for td in (good, good, bad, good):
+            [t] = cudarecv.isend(td, 1, bucket_bytes=32, return_early=True)
+            t.wait(20)
+            routes.append(t.transport)
+        return routes
+    cudarecv.recv(good, 0, bucket_bytes=32)
+    cudarecv.recv(good, 0, bucket_bytes=32)
+    before = good.clone()
+    with pytest.raises(cudarecv.HeaderError, match="drained") as error:
+        cudarecv.recv(good, 0, bucket_bytes=32)
+    untouched = same(good, before)
+    cudarecv.recv(good, 0, bucket_bytes=32)
+    return str(error.value), untouched, same(good, make("nested", 3.0))
+
+
+def test_mismatch_through_shared_memory_is_rejected_and_the_link_survives(cluster):
+    routes, (message, untouched, next_ok) = cluster().run(mismatch_on_shared_route)
+    assert routes[2:] == ["shared memory", "shared memory"], routes
+    assert "fast-wire mismatch" in message and untouched and next_ok
+
+
+def any_order(rank, world, group):
+    """Two transfers with different init_tags in flight at once, waited in the other order."""
+    a, b = (torch.full((5000,), float(rank + k)) for k in (10, 20))
+    tds = [TensorDict(x=a), TensorDict(x=b)]
+    if rank == 0:
+        for _ in range(2):  # the first round may negotiate
+            hs = [cudarecv.isend(td, 1, bucket_bytes=4096, init_tag=k, return_early=True)[0] for k, td in enumerate(tds)]
+            for h in reversed(hs):
+                h.wait(20)
+        return [h.transport for h in hs]
+    out = []
+    for _ in range(2):
+        for td in tds:
+            td["x"].zero_()
+        hs = [cudarecv.irecv(td, 0, bucket_bytes=4096, init_tag=k, return_premature=True)[0] for k, td in enumerate(tds)]
+        for h in reversed(hs):
+            h.wait(20)
+        out.append((bool((tds[0]["x"] == 10).all()), bool((tds[1]["x"] == 20).all())))
+    return out
+
+
+def test_two_transfers_in_flight_are_waited_in_any_order(cluster):
+    routes, got = cluster().run(any_order)
+    assert routes == ["shared memory"] * 2 and got == [(True, True)] * 2
+
+
+# -- safety ---------------------------------------------------------------------------------
+def test_segments_are_anonymous_owner_only_and_mapped_read_only():
+    before = set(os.listdir("/dev/shm"))
+    segment = Segment(1 << 16)
+    assert os.fstat(segment.fd).st_mode & 0o777 == 0o600
+    assert os.readlink(f"/proc/self/fd/{segment.fd}").startswith("/memfd:cudarecv")  # no name in any directory
+    [mapping] = map_offer(offer([segment]), 1 << 20)
+    segment.data[:3] = torch.tensor([1, 2, 3], dtype=torch.uint8)
+    assert mapping.data[:3].tolist() == [1, 2, 3]
+    start = mapping.data.data_ptr()
+    with open("/proc/self/maps") as maps:
+        perms = [line.split()[1] for line in maps
+                 if int(line.split("-")[0], 16) <= start < int(line.split()[0].split("-")[1], 16)]
+    assert perms == ["r--s"], perms  # the reader can never write the writer's memory
+    with pytest.raises(OSError, match="nonce"):
+        Mapping(os.getpid(), segment.fd, segment.capacity, bytes(16))  # not the segment it was offered
+    segment.close_fd()
+    assert set(os.listdir("/dev/shm")) == before
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="switching to another user needs root")
+def test_another_user_cannot_open_a_segment():
+    segment = Segment(4096)
+    path = f"/proc/{os.getpid()}/fd/{segment.fd}"
+    code = f"import os\ntry:\n    os.open({path!r}, os.O_RDONLY)\nexcept PermissionError:\n    print('denied')\n"
+    out = subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", sys.executable,
+                          "-I", "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "denied", (out.stdout, out.stderr)
+
+
+def forged_ready(rank, world, group, lie, key):
+    """A sender whose READY names bytes outside the plan, or a segment that does not exist: refused
+    before anything is read (on a group of its own: the link is out of step afterwards)."""
+    pg = _group(rank, world, key)
+    td = TensorDict(x=torch.full((1000,), 7.0 if rank == 0 else 0.0))
+    if rank == 0:
+        for _ in range(2):  # negotiate, then one through the segment
+            cudarecv.send(td, group=pg, group_dst=1, bucket_bytes=1024)
+        schema = cudarecv._plan.plan_for(td).bucket_header.schema
+        if lie == "segment":
+            route = Header(1, 1, 4000, 1024, schema, transport=1, segment=1, seq=99).pack()
+            raw = bytearray(route)
+            raw[13] = 7  # segment 7 (the crc is recomputed below)
+            import struct
+            import zlib
+            struct.pack_into("<I", raw, 56, zlib.crc32(bytes(raw[:56])))
+            raw_send(pg, 1, bytes(raw), _fast_wire.header_tag(0))
+            return None
+        raw_send(pg, 1, Header(1, 1, 4000, 1024, schema, transport=1, segment=0, seq=99).pack(),
+                 _fast_wire.header_tag(0))
+        offset, length = (1 << 40, 1024) if lie == "offset" else (0, 1 << 20)
+        ready = _same_host._sealed(_same_host._READY.pack(b"CDRP", 0, 99, offset, length), _same_host.READY_SIZE)
+        raw_send(pg, 1, ready, _fast_wire.piece_tag(0))
+        return None
+    for _ in range(2):
+        cudarecv.recv(td, group=pg, group_src=0, bucket_bytes=1024)
+    td["x"].zero_()
+    with pytest.raises(cudarecv.OutOfStepError) as error:
+        cudarecv.recv(td, group=pg, group_src=0, bucket_bytes=1024, timeout=20)
+    return str(error.value), bool((td["x"] == 0).all())
+
+
+@pytest.mark.parametrize("lie", ["offset", "length", "segment"])
+def test_a_lying_peer_cannot_make_the_receiver_read_outside_its_segment(cluster, lie):
+    _, (message, untouched) = cluster().run(forged_ready, args=(lie, unique_key("forged")))
+    assert untouched
+    if lie == "segment":
+        assert "unknown payload route" in message
+    else:
+        assert "READY message 0 names" in message and "not read" in message
+
+
+def killed_mid_stream(rank, world, group, victim, key):
+    """The victim SIGKILLs itself after three transfers; the survivor's next ones fail, bounded."""
+    td = TensorDict(x=torch.zeros(1 << 18))
+    op = cudarecv.send if rank == 0 else cudarecv.recv
+    peer = 1 - rank
+    for _ in range(3):
+        op(td, peer, bucket_bytes=1 << 16)
+    if rank == 1:
+        store().set(key, "1")  # (a send ends before its receiver has the bytes: the sender waits for this)
+    if rank == victim:
+        if rank == 0:
+            store().wait([key])
+        os.kill(os.getpid(), signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(cudarecv.LinkError) as error:
+        for _ in range(10):  # a sender learns it at its next wait for the receiver's DONE
+            op(td, peer, bucket_bytes=1 << 16, timeout=15)
+    return type(error.value).__name__, str(error.value), time.monotonic() - started
+
+
+@pytest.mark.parametrize("victim", [0, 1], ids=["sender_killed", "receiver_killed"])
+def test_a_peer_killed_with_sigkill_leaves_nothing_and_fails_bounded(victim):
+    before = set(os.listdir("/dev/shm"))
+    with Cluster(2, pg_timeout=20.0) as ranks:
+        results = ranks.run(killed_mid_stream, args=(victim, unique_key("killed")), may_die={victim}, timeout=90)
+    assert isinstance(results[victim], RankExit)
+    kind, message, took = results[1 - victim]
+    assert kind in ("PeerError", "TransferTimeout") and f"rank {victim}" in message and took < 40, results
+    left = {name for name in set(os.listdir("/dev/shm")) - before if not name.startswith("sem.mp-")}
+    assert not left, f"left in /dev/shm: {left}"  # (sem.mp-*: multiprocessing's own, of the killed rank)
+
+
+# -- weight sync -------------------------------------------------------------------------------
+def shared_weights(rank, world, group, mode, transports, pulls, key):
+    td = TensorDict(w=torch.zeros(100_000), b=TensorDict(c=torch.zeros(10, dtype=torch.int64)))
+    if rank == 0:
+        sender = cudarecv.WeightSender(td, dst=list(range(1, world)), mode=mode, timeout=20,
+                                       transport=transports[0])
+        seen = sender.transports
+        for version in range(1, pulls + 1):
+            td["w"].fill_(version)
+            td["b", "c"].fill_(version)
+            sender.push()
+            if mode == "latest":  # every receiver pulls every version (else it would skip to the newest)
+                store().wait([f"{key}_{r}_{version}" for r in range(1, world)])
+        store().wait([f"{key}_read"])
+        sender.close()
+        return seen, _memfds()
+    receiver = cudarecv.WeightReceiver(src=0, timeout=20, transport=transports[rank])
+    ok, rss = True, []
+    for version in range(1, pulls + 1):
+        got = receiver.pull()
+        ok &= got == version and bool((receiver.td["w"] == version).all() and (receiver.td["b", "c"] == version).all())
+        if mode == "latest":
+            store().set(f"{key}_{rank}_{version}", "1")
+        if version in (pulls // 10, pulls):
+            with open("/proc/self/statm") as f:
+                rss.append(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"))
+    if rank == 1:
+        store().set(f"{key}_read", "1")
+    transport = receiver.transport
+    receiver.close()
+    return transport, ok, rss
+
+
+@pytest.mark.parametrize("mode", ["sync", "latest"])
+def test_weight_sync_through_shared_memory(four, mode):
+    (seen, held), *actors = four().run(shared_weights, args=(mode, ("auto", "auto", "wire", "auto"), 30, unique_key("w")),
+                                      timeout=120)
+    assert seen == {1: "shared memory", 2: "wire", 3: "shared memory"}
+    assert [a[0] for a in actors] == ["shared memory", "wire", "shared memory"]
+    assert all(a[1] for a in actors), "a receiver got a wrong version"
+    assert held == 0
+
+
+def test_steady_state_pulls_allocate_nothing(cluster):
+    _, (transport, ok, (early, late)) = cluster().run(shared_weights, args=("sync", ("auto", "auto"), 1000, unique_key("w")),
+                                                     timeout=300)
+    assert transport == "shared memory" and ok
+    assert late - early < 2 << 20, f"resident memory grew by {(late - early) / 1e6:.1f} MB over 900 pulls"
