@@ -12,7 +12,6 @@ import operator
 from typing import Any
 
 from tensordict import TensorDictBase
-
 from torch import Tensor
 
 from . import _fast_wire, _same_host, _stock_wire, _stuck

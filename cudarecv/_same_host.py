@@ -54,11 +54,11 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from . import _cuda_ipc as cuda_ipc
 from ._control import ROOM, wire_bytes
+from ._cuda import EventWork, record
 from ._errors import ArgumentError, OutOfStepError, PeerError
 from ._fast_wire import OFFER_SIZE, header_tag, piece_tag
-from . import _cuda_ipc as cuda_ipc
-from ._cuda import EventWork, record
 from ._handle import CUDA_IPC, SHARED_MEMORY, WIRE
 from ._header import Header, piece_sizes
 from ._link import Link

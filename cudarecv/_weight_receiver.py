@@ -31,6 +31,7 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from . import _cuda
+from . import _cuda_ipc as cuda_ipc
 from ._control import read_bytes, wire_bytes
 from ._errors import (
     ArgumentError,
@@ -47,13 +48,12 @@ from ._errors import (
     UsageError,
     WaitTimeout,
 )
-from . import _cuda_ipc as cuda_ipc
 from ._handle import CUDA_IPC, SHARED_MEMORY, WIRE, StartClock, Transfer
-from ._same_host import allowed, check_transport
-from ._shared_memory import MAX_SEGMENTS, MappingError, map_offer, offer_size
 from ._header import check_pieces, cut
 from ._link import Link, resolve
 from ._relay import Relay
+from ._same_host import allowed, check_transport
+from ._shared_memory import MAX_SEGMENTS, MappingError, map_offer, offer_size
 from ._staging import Lane, drain, lane_for, recv_into, send_from, wire_can_touch
 from ._walk import unwrap, walk
 from ._weights_link import Driver, check_timeout, link_error, naming, post_and_forget, run, send_bytes

@@ -56,6 +56,7 @@ from typing import Any, Callable
 import torch
 
 from . import _cuda
+from . import _cuda_ipc as cuda_ipc
 from ._api import check_bucket_bytes
 from ._control import read_bytes, wire_bytes
 from ._errors import (
@@ -69,13 +70,12 @@ from ._errors import (
     UsageError,
     WaitTimeout,
 )
-from . import _cuda_ipc as cuda_ipc
 from ._handle import CUDA_IPC, SHARED_MEMORY, WIRE, Transfer, run_standing
-from ._same_host import allowed, check_transport
-from ._shared_memory import Segment, available, offer
 from ._header import check_pieces, cut
 from ._link import resolve
 from ._plan import plan_for
+from ._same_host import allowed, check_transport
+from ._shared_memory import Segment, available, offer
 from ._staging import Lane, lane_for, send_from
 from ._transport import park
 from ._walk import unwrap
