@@ -30,12 +30,14 @@ case runs the whole case; the others replay its results.
 Cases (all float32 leaves, a tenth of them nested):
 
 - ``2000 x 8KiB``: many small leaves, every mode; targets: cudarecv
-  ``buckets 1MiB`` >= 4x stock ``per-leaf`` (isend/irecv); raw ``buckets 1MiB``
+  ``buckets 1MiB`` (through shared memory: both ranks are cudarecv on this
+  machine) >= 8x stock ``per-leaf`` (isend/irecv), ``buckets 1MiB wire``
+  (``transport="wire"``: the gloo socket) >= 4x; raw ``buckets 1MiB``
   (hand-rolled: cat, N-byte isend/irecv, copy out) is that wire's floor;
 - ``2000 x 8KiB fast wire``: ``bucket_bytes`` 256KiB/1MiB/4MiB, buckets and chunks;
 - ``consolidated 256MiB``: 200 leaves in one consolidated tensordict on both
   sides; targets: cudarecv ``consolidated`` >= 0.95x raw ``flat recv``,
-  ``chunks 1MiB`` >= 1.3x raw ``flat recv``;
+  ``chunks 1MiB`` (shared memory) >= 2.5x and ``chunks 1MiB wire`` >= 1.3x raw ``flat recv``;
 - ``consolidated 1MiB`` .. ``64MiB``: a size sweep for the report's plot.
 
 The measured target ratios are printed at the end of the pytest run.
@@ -70,6 +72,8 @@ SUITES: dict[str, dict[str, Any]] = {
             ("raw", "flat recv", None),
             *[("cudarecv", f"buckets {s}", "per-leaf") for s in ("256KiB", "1MiB", "4MiB")],
             *[("cudarecv", f"chunks {s}", "consolidated") for s in ("256KiB", "1MiB", "4MiB")],
+            ("cudarecv", "buckets 1MiB wire", "per-leaf"),
+            ("cudarecv", "chunks 1MiB wire", "consolidated"),
         ],
     ),
     "consolidated 256MiB": dict(
@@ -93,18 +97,26 @@ SUITES: dict[str, dict[str, Any]] = {
 # (label, case, (impl, mode), reference (impl, mode), target ratio = reference time / row time)
 TARGETS = [
     ("cudarecv per-leaf vs stock per-leaf", "2000 x 8KiB", ("cudarecv", "per-leaf"), ("stock", "per-leaf"), None),
-    ("buckets 1MiB vs stock per-leaf", "2000 x 8KiB", ("cudarecv", "buckets 1MiB"), ("stock", "per-leaf"), 4.0),
-    ("buckets 1MiB vs raw hand-rolled buckets 1MiB", "2000 x 8KiB", ("cudarecv", "buckets 1MiB"),
+    ("buckets 1MiB (shared memory) vs stock per-leaf", "2000 x 8KiB", ("cudarecv", "buckets 1MiB"),
+     ("stock", "per-leaf"), 8.0),
+    ("buckets 1MiB wire vs stock per-leaf", "2000 x 8KiB", ("cudarecv", "buckets 1MiB wire"), ("stock", "per-leaf"),
+     4.0),
+    ("buckets 1MiB wire vs raw hand-rolled buckets 1MiB", "2000 x 8KiB", ("cudarecv", "buckets 1MiB wire"),
      ("raw", "buckets 1MiB"), None),
+    ("buckets 1MiB (shared memory) vs buckets 1MiB wire", "2000 x 8KiB", ("cudarecv", "buckets 1MiB"),
+     ("cudarecv", "buckets 1MiB wire"), None),
     ("chunks 1MiB vs stock consolidated", "2000 x 8KiB", ("cudarecv", "chunks 1MiB"), ("stock", "consolidated"),
      None),
     ("consolidated vs raw flat recv", "consolidated 256MiB", ("cudarecv", "consolidated"), ("raw", "flat recv"),
      0.95),
-    ("chunks 1MiB vs raw flat recv", "consolidated 256MiB", ("cudarecv", "chunks 1MiB"), ("raw", "flat recv"), 1.3),
+    ("chunks 1MiB (shared memory) vs raw flat recv", "consolidated 256MiB", ("cudarecv", "chunks 1MiB"),
+     ("raw", "flat recv"), 2.5),
+    ("chunks 1MiB wire vs raw flat recv", "consolidated 256MiB", ("cudarecv", "chunks 1MiB wire"),
+     ("raw", "flat recv"), 1.3),
 ]
 # CPU seconds per transfer of both processes (all threads), where the 2 cores are the limit
-CPU_COST = [("2000 x 8KiB", [("cudarecv", "buckets 1MiB"), ("raw", "buckets 1MiB"), ("cudarecv", "chunks 1MiB"),
-                             ("stock", "per-leaf")])]
+CPU_COST = [("2000 x 8KiB", [("cudarecv", "buckets 1MiB"), ("cudarecv", "buckets 1MiB wire"), ("raw", "buckets 1MiB"),
+                             ("cudarecv", "chunks 1MiB"), ("stock", "per-leaf")])]
 # pseudo_rand cost: time with pseudo_rand / time without (1.0 = free)
 PSEUDO_RAND_COST = [("stock", "2000 x 8KiB"), ("cudarecv", "2000 x 8KiB")]
 
@@ -166,6 +178,7 @@ def _bench(benchmark: Any, holder: Any, targets: list[str], name: str, impl: str
         "iters": SUITES[name]["iters"],
         "suite_seconds": row["suite_seconds"],
         "ok": row["ok"],
+        "transport": row["transport"] if impl == "cudarecv" else "wire",
     }
     if stock_mode is not None:
         info["stock_mode"] = stock_mode

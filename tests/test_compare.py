@@ -30,12 +30,15 @@ EXPECTED = {
         ("cudarecv", "consolidated"),
         ("cudarecv", "buckets 16KiB"),
         ("cudarecv", "chunks 16KiB"),
+        ("cudarecv", "buckets 16KiB wire"),
+        ("cudarecv", "chunks 16KiB wire"),
     ],
     "consolidated 1MiB": [
         ("stock", "consolidated"),
         ("raw", "flat recv"),
         ("cudarecv", "consolidated"),
         ("cudarecv", "chunks 16KiB"),
+        ("cudarecv", "chunks 16KiB wire"),
         ("stock", "per-leaf"),
         ("cudarecv", "per-leaf"),
     ],
@@ -71,7 +74,7 @@ def test_compare_quick() -> None:
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
 
     columns, cases = _table(proc.stdout)
-    for column in ("impl", "mode", "time", "GB/s", "vs stock", "vs raw", "check"):
+    for column in ("impl", "mode", "transport", "time", "GB/s", "vs stock", "vs raw", "check"):
         assert column in columns, f"no {column!r} column in {columns}"
     assert list(cases) == list(EXPECTED), proc.stdout
     for case, modes in EXPECTED.items():
@@ -81,13 +84,16 @@ def test_compare_quick() -> None:
             assert row["check"] == "ok", f"{case}: {row}\n{proc.stdout}"
             assert row["time"] != "-" and float(row["time"].split()[0]) > 0, row  # GB/s may round to 0.00
             assert row["vs raw"].endswith("x"), row
+            fast = row["impl"] == "cudarecv" and row["mode"].startswith(("buckets", "chunks"))
+            shared = fast and not row["mode"].endswith("wire")  # both ranks are cudarecv on this machine
+            assert row["transport"] == ("shared memory" if shared else "wire"), row
     raws = [row for rows in cases.values() for row in rows if row["impl"] == "raw" and row["mode"] == "flat recv"]
     assert all(row["vs raw"] == "1.00x" for row in raws)
-    assert "# checks: all 17 modes delivered the right values" in proc.stdout
+    assert "# checks: all 20 modes delivered the right values" in proc.stdout
 
     # one progress line per mode, flushed as each completes
-    progress = [line for line in proc.stderr.splitlines() if re.match(r"\[\s*\d+/17\]", line)]
-    assert len(progress) == 17, proc.stderr
+    progress = [line for line in proc.stderr.splitlines() if re.match(r"\[\s*\d+/20\]", line)]
+    assert len(progress) == 20, proc.stderr
     assert all(line.rstrip().endswith("ok") for line in progress), proc.stderr
 
 

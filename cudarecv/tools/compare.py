@@ -154,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
     keys = list(dict.fromkeys((name, case["impl"], case["mode"]) for name, case, _ in todo))
     times: dict[tuple, list[float]] = {k: [] for k in keys}
     errors: dict[tuple, list[str]] = {k: [] for k in keys}
+    transports: dict[tuple, str] = {}  # what carried each mode's payload (cudarecv: shared memory on one machine)
     crashed: set[tuple] = set()  # modes whose ranks failed (else an error is a wrong value)
     total, done = rounds * len(todo), 0
     progress(f"cudarecv compare: {len(todo)} modes x {rounds} round(s) on 2 local ranks ({BACKEND}), "
@@ -179,6 +180,7 @@ def run(args: argparse.Namespace) -> int:
                     status = f"FAIL: {str(exc).strip().splitlines()[-1]}"
                 else:
                     times[key] += result["seconds_all"]
+                    transports[key] = result["transport"] if case["impl"] == "cudarecv" else "wire"
                     if not result["ok"]:
                         errors[key].append(result["error"])
                     seconds = result["seconds"]
@@ -202,7 +204,8 @@ def run(args: argparse.Namespace) -> int:
         case, ts = cases[key], sorted(times[key])
         row = report.Row(name=f"{name} {impl} {mode}", seconds=tb.median(ts) if ts else 0.0, case=name,
                           impl=impl, mode=mode, nbytes=tb.payload_bytes(case), leaves=case["leaves"],
-                          stock_mode=stock_modes[key], backend=BACKEND, ok=not errors[key])
+                          stock_mode=stock_modes[key], backend=BACKEND, ok=not errors[key],
+                          transport=transports.get(key))
         rows.append(row)
         if key in crashed:
             crashed_rows.add(id(row))

@@ -78,6 +78,7 @@ class Row:
     ok: bool | None = None  # extra_info ok: the checked transfer's values were right (None: not checked)
     legacy: bool = False  # seconds came from an older JSON's extra_info.seconds
     link_util: float | None = None  # extra_info link_utilisation (fan-out across hosts): busiest link's share
+    transport: str | None = None  # extra_info transport: what carried cudarecv's payload (wire, shared memory, ...)
     vs_stock: float | None = None
     vs_raw: float | None = None
 
@@ -163,6 +164,7 @@ def parse_rows(data: dict[str, Any]) -> list[Row]:
                 ok=ok,
                 legacy=legacy,
                 link_util=None if util is None else _number(util, "extra_info.link_utilisation", name),
+                transport=_opt_str(extra.get("transport")),
             )
         )
     return rows
@@ -285,9 +287,9 @@ def header_line(data: dict[str, Any]) -> str:
     return "machine: " + (" | ".join(parts) if parts else "unknown")
 
 
-COLUMNS = ("size (B)", "size", "leaves", "impl", "mode", "backend", "time", "GB/s", "vs stock", "vs raw", "link",
-           "check")
-LEFT = {"impl", "mode", "backend", "case", "check"}
+COLUMNS = ("size (B)", "size", "leaves", "impl", "mode", "backend", "transport", "time", "GB/s", "vs stock",
+           "vs raw", "link", "check")
+LEFT = {"impl", "mode", "backend", "transport", "case", "check"}
 
 
 def format_check(ok: bool | None) -> str:
@@ -305,6 +307,7 @@ def row_cells(row: Row) -> dict[str, str]:
         "impl": row.impl or "",
         "mode": row.mode or "-",
         "backend": row.backend or "-",
+        "transport": row.transport or "-",
         "time": format_time(row.seconds),
         "GB/s": format_gbps(row),
         "vs stock": format_ratio(row.vs_stock),
@@ -318,6 +321,8 @@ def _columns(rows: Sequence[Row]) -> list[str]:
     cols = list(COLUMNS)
     if not any(r.backend for r in rows if r.categorized):
         cols.remove("backend")
+    if not any(r.transport for r in rows if r.categorized):
+        cols.remove("transport")  # (JSON written before the same-host transports)
     if all(r.link_util is None for r in rows if r.categorized):
         cols.remove("link")  # only the fan-out benches across hosts measure their links
     return cols

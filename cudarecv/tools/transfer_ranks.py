@@ -31,7 +31,9 @@ every mode of that workload uses. The modes, by ``impl``:
   never changes them): ``per-leaf``, ``per-leaf pseudo_rand`` (``isend/irecv``),
   ``consolidated`` (``isend/irecv(consolidated=True)``);
 - ``cudarecv``: the same three, plus ``buckets <N>`` (``bucket_bytes=N``) and
-  ``chunks <N>`` (``consolidated=True, bucket_bytes=N``);
+  ``chunks <N>`` (``consolidated=True, bucket_bytes=N``), through shared memory
+  (the two ranks are cudarecv processes on one machine), and the same with
+  ``wire`` after them (``transport="wire"``: the gloo socket);
 - ``raw`` torch.distributed: ``flat recv`` (``dist.send/recv`` of one uint8
   buffer of the payload's bytes), ``per-leaf dist.irecv``
   (``dist.isend/irecv`` of every leaf, tags 0, 1, ...) and ``buckets <N>``,
@@ -62,7 +64,8 @@ SENDER, RECEIVER = 0, 1
 
 MODES: dict[str, tuple[str, ...]] = {
     "stock": ("per-leaf", "per-leaf pseudo_rand", "consolidated"),
-    "cudarecv": ("per-leaf", "per-leaf pseudo_rand", "consolidated", "buckets <N>", "chunks <N>"),
+    "cudarecv": ("per-leaf", "per-leaf pseudo_rand", "consolidated", "buckets <N>", "chunks <N>",
+                 "buckets <N> wire", "chunks <N> wire"),
     "raw": ("flat recv", "per-leaf dist.irecv", "buckets <N>"),
 }
 
@@ -105,19 +108,23 @@ def parse_mode(impl: str, mode: str) -> tuple[str, int | None]:
     if impl not in MODES:
         raise ValueError(f"unknown impl {impl!r}; pick one of {sorted(MODES)}")
     words = mode.split()
-    if len(words) == 2 and words[0] in ("buckets", "chunks"):
+    wire = len(words) == 3 and words[2] == "wire"
+    if len(words) in (2, 3) and words[0] in ("buckets", "chunks") and (len(words) == 2 or wire):
         kind, piece = words[0], parse_size(words[1])
     else:
         kind, piece = " ".join(words), None
-    allowed = [m.replace(" <N>", "") for m in MODES[impl]]
+    allowed = [m.replace(" <N>", "").removesuffix(" wire") for m in MODES[impl] if m.endswith("wire") == wire]
     if kind not in allowed or (piece is None and kind in ("buckets", "chunks")):
         raise ValueError(f"unknown mode {mode!r} for impl {impl!r}; pick one of {list(MODES[impl])}")
     return kind, piece
 
 
-def mode_options(kind: str, piece: int | None) -> dict:
-    """cudarecv/stock keyword arguments of a mode kind (and bucket bytes) from :func:`parse_mode`."""
+def mode_options(kind: str, piece: int | None, mode: str = "") -> dict:
+    """cudarecv/stock keyword arguments of a mode kind (and bucket bytes) from :func:`parse_mode`
+    (``mode``: the mode's name, whose ``wire`` suffix forces the wire)."""
     out: dict[str, Any] = {}
+    if mode.endswith(" wire"):
+        out["transport"] = "wire"
     if kind == "per-leaf pseudo_rand":
         out["pseudo_rand"] = True
     if kind in ("consolidated", "chunks"):
@@ -165,6 +172,8 @@ def leaf_modes(bucket: str) -> list[tuple[str, str, str | None]]:
         ("cudarecv", "consolidated", None),
         ("cudarecv", f"buckets {bucket}", "per-leaf"),
         ("cudarecv", f"chunks {bucket}", "consolidated"),
+        ("cudarecv", f"buckets {bucket} wire", "per-leaf"),
+        ("cudarecv", f"chunks {bucket} wire", "consolidated"),
     ]
 
 
@@ -175,6 +184,7 @@ def consolidated_modes(bucket: str) -> list[tuple[str, str, str | None]]:
         ("raw", "flat recv", "consolidated"),
         ("cudarecv", "consolidated", None),
         ("cudarecv", f"chunks {bucket}", "consolidated"),
+        ("cudarecv", f"chunks {bucket} wire", "consolidated"),
         ("stock", "per-leaf", None),
         ("cudarecv", "per-leaf", None),
     ]
@@ -297,6 +307,7 @@ class Op:
     leaves: list[torch.Tensor] = field(default_factory=list)  # float32 leaves, or
     flat: torch.Tensor | None = None  # one uint8 buffer
     base: torch.Tensor | None = None  # the check's pattern: float32 for leaves, uint8 for flat
+    transport: list[str] = field(default_factory=lambda: ["wire"])  # what carried the last receive (cudarecv)
 
 
 def peers(group: Any) -> tuple[dict, dict]:
@@ -339,12 +350,18 @@ def make_op(case: dict, group: Any) -> Op:
                 work.wait()
         return Op(send, recv, leaves, base=w.base)
 
-    options = mode_options(kind, piece)
+    options = mode_options(kind, piece, case["mode"])
     if impl == "stock":
         return Op(lambda: _Distributed.isend(td, **to, **options),
                   lambda: _Distributed.irecv(td, **frm, **options), leaves, base=w.base)
-    return Op(lambda: cudarecv.isend(td, **to, **options), lambda: cudarecv.irecv(td, **frm, **options),
-              leaves, base=w.base)
+    op = Op(lambda: cudarecv.isend(td, **to, **options), None, leaves, base=w.base)
+
+    def recv() -> None:
+        for transfer in cudarecv.irecv(td, **frm, **options, return_premature=True):
+            transfer.wait()
+            op.transport[0] = transfer.transport
+    op.recv = recv
+    return op
 
 
 def _raw_poster(group: Any) -> Callable[[bool, torch.Tensor, int], Any]:
@@ -492,7 +509,8 @@ def time_suite(rank: int, world_size: int, group: Any, cases: Sequence[dict], ro
     out = []
     for op, t, c in zip(ops, times, cpu):
         problem = verify(rank, op, group)
-        out.append({"rank": rank, "seconds": t, "cpu_seconds": c, "ok": problem is None, "error": problem})
+        out.append({"rank": rank, "seconds": t, "cpu_seconds": c, "ok": problem is None, "error": problem,
+                    "transport": op.transport[0]})
     return out
 
 
@@ -519,6 +537,7 @@ def summarize(case: dict, per_rank: Sequence[dict]) -> dict:
         "send_seconds": median(sorted(send["seconds"])),
         "ok": bool(recv["ok"]),
         "error": recv["error"],
+        "transport": recv.get("transport", "wire"),
     }
     if recv.get("cpu_seconds") and send.get("cpu_seconds"):
         row["cpu_seconds"] = median(sorted(recv["cpu_seconds"]))
