@@ -20,8 +20,10 @@ a wrong one fails its bench).
 
 from __future__ import annotations
 
+import ctypes
 import statistics
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -30,10 +32,11 @@ from tensordict import TensorDict
 from tensordict._base.distributed import _Distributed as Stock
 
 import cudarecv
+from cudarecv.testing.launch import Ranks
 from cudarecv.tools import transfer_ranks as tb
 
-MODES = [("cudarecv", "push/pull"), ("cudarecv", "push/pull chunks 1MiB"), ("stock", "init_remote + consolidated"),
-         ("raw", "flat recv")]
+MODES = [("cudarecv", "push/pull"), ("cudarecv", "push/pull chunks 1MiB"), ("cudarecv", "push/pull wire"),
+         ("stock", "init_remote + consolidated"), ("raw", "flat recv")]
 
 CLOCK = tb.VirtualClock("receiver_clock")
 pytestmark = [pytest.mark.timeout(600), pytest.mark.benchmark(timer=CLOCK)]
@@ -51,10 +54,12 @@ def time_weights(rank: int, world: int, group, total_bytes: int, rounds: int) ->
     for impl, mode in MODES:  # the one-time setup of each mode (not timed)
         if impl == "cudarecv":
             bucket = 1 << 20 if "chunks" in mode else None
+            transport = "wire" if mode.endswith("wire") else "auto"
             if rank == 0:
-                senders[mode] = cudarecv.WeightSender(td, dst=1, bucket_bytes=bucket, timeout=120, fanout="star")
+                senders[mode] = cudarecv.WeightSender(td, dst=1, bucket_bytes=bucket, timeout=120, fanout="star",
+                                                      transport=transport)
             else:
-                receivers[mode] = cudarecv.WeightReceiver(src=0, timeout=120)
+                receivers[mode] = cudarecv.WeightReceiver(src=0, timeout=120, transport=transport)
         elif impl == "stock":
             if rank == 0:
                 td.init_remote(dst=1)
@@ -92,12 +97,13 @@ def time_weights(rank: int, world: int, group, total_bytes: int, rounds: int) ->
                     checks[mode] = bool((flat == step % 256).all())
                 else:
                     checks[mode] = all(bool((t == float(step)).all()) for t in got.values(True, True))
+    transports = {mode: r.transport for mode, r in receivers.items() if isinstance(r, cudarecv.WeightReceiver)}
     for sender in senders.values():
         sender.close()
     for receiver in receivers.values():
         if isinstance(receiver, cudarecv.WeightReceiver):
             receiver.close()
-    return {"seconds": seconds, "checks": checks}
+    return {"seconds": seconds, "checks": checks, "transports": transports}
 
 
 SIZES = {"100MB": 100_000_000, "1GB": 1_000_000_000}
@@ -113,7 +119,7 @@ def test_weight_sync(benchmark, transfer_cluster, transfer_targets, size, impl, 
         _RESULTS[size] = transfer_cluster.get().run(time_weights, args=(total, rounds), timeout=540)[1]
         result = _RESULTS[size]
         med = {m: statistics.median(v) for m, v in result["seconds"].items()}
-        for m in ("push/pull", "push/pull chunks 1MiB"):
+        for m in ("push/pull", "push/pull chunks 1MiB", "push/pull wire"):
             transfer_targets.append(f"weights {size}: cudarecv {m} vs stock init_remote+recv: "
                                     f"{med['init_remote + consolidated'] / med[m]:.2f}x, vs raw: "
                                     f"{med['flat recv'] / med[m]:.2f}x ({med[m] * 1e3:.1f} ms, "
@@ -122,6 +128,97 @@ def test_weight_sync(benchmark, transfer_cluster, transfer_targets, size, impl, 
     ok = result["checks"][mode]
     benchmark.extra_info.update(case=f"weight sync {size}", impl=impl, mode=mode, bytes=total, leaves=100,
                                 backend="gloo", suite_rounds=len(result["seconds"][mode]), ok=ok,
-                                stock_mode="init_remote + consolidated")
+                                stock_mode="init_remote + consolidated",
+                                transport=result["transports"].get(mode, "wire"))
     tb.replay(benchmark, CLOCK, result["seconds"][mode])
     assert ok, f"{mode}: the receiver holds wrong values"
+
+
+# -- three receivers on this host: push-to-pull latency against one memcpy of the model ------------------
+FAN_OUT = [("cudarecv", "shared memory"), ("cudarecv", "wire"), ("raw", "memcpy"), ("raw", "torch copy_")]
+FAN_OUT_BYTES = 100_000_000
+
+
+def time_fan_out(rank: int, world: int, group, total_bytes: int, rounds: int) -> dict:
+    """Weight sync to ``world - 1`` receivers on this machine, through shared memory and on the wire, and one
+    ``copy_`` of the model's bytes on the trainer, alternating. Latency: from the trainer's push to the last
+    receiver holding the version (one monotonic clock: the ranks share this machine's)."""
+    td = _model(total_bytes, 0.0)
+    actors = list(range(1, world))
+    ends = {}
+    for impl, mode in FAN_OUT:
+        if impl != "cudarecv":
+            continue
+        transport = "auto" if mode == "shared memory" else "wire"
+        if rank == 0:
+            ends[mode] = cudarecv.WeightSender(td, dst=actors, timeout=120, fanout="star", transport=transport)
+        else:
+            ends[mode] = cudarecv.WeightReceiver(src=0, timeout=120, transport=transport)
+    src, dst = torch.ones(total_bytes, dtype=torch.uint8), torch.zeros(total_bytes, dtype=torch.uint8)
+    clock = torch.zeros(world, dtype=torch.float64)
+    seconds: dict[str, list[float]] = {mode: [] for _, mode in FAN_OUT}
+    checks, rss = {}, []
+    for step in range(1, rounds + 1):
+        for impl, mode in FAN_OUT[step % len(FAN_OUT):] + FAN_OUT[: step % len(FAN_OUT)]:
+            if rank == 0 and impl == "cudarecv":
+                td.apply_(lambda t, step=step: t.fill_(float(step)))
+            dist.barrier()
+            start = time.monotonic()
+            if impl == "raw":
+                if rank == 0 and mode == "memcpy":  # one libc memcpy of the model's bytes
+                    ctypes.memmove(dst.data_ptr(), src.data_ptr(), total_bytes)
+                elif rank == 0:  # torch's copy_, on as many threads as torch uses here
+                    dst.copy_(src)
+            elif rank == 0:
+                ends[mode].push()
+            else:
+                ends[mode].pull()
+            end = time.monotonic()
+            clock.zero_()
+            clock[rank] = end if rank else start
+            dist.all_reduce(clock)  # the trainer's start and each receiver's end
+            if rank == 0:
+                seconds[mode].append(clock[1:].max().item() - start if impl == "cudarecv" else end - start)
+            elif impl == "cudarecv":
+                checks[mode] = all(bool((t == float(step)).all()) for t in ends[mode].td.values(True, True))
+        if rank == 1:
+            with open("/proc/self/statm") as f:
+                rss.append(int(f.read().split()[1]) * 4096)
+    transports = {mode: end.transport for mode, end in ends.items()} if rank else {}
+    for end in ends.values():
+        end.close()
+    return {"seconds": seconds, "checks": checks, "transports": transports, "rss": rss}
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    ranks = Ranks(4, pg_timeout=120.0)
+    yield ranks
+    ranks.close()
+
+
+_FAN_OUT: dict[str, Any] = {}
+
+
+@pytest.mark.parametrize("impl,mode", FAN_OUT, ids=[m.replace(" ", "_") for _, m in FAN_OUT])
+def test_weight_sync_to_three_receivers_on_this_host(benchmark, four_ranks, transfer_targets, impl, mode):
+    if not _FAN_OUT:
+        out = four_ranks.get().run(time_fan_out, args=(FAN_OUT_BYTES, 15), timeout=540)
+        _FAN_OUT.update(seconds=out[0]["seconds"], checks={m: all(o["checks"][m] for o in out[1:])
+                                                           for _, m in FAN_OUT if _ == "cudarecv"},
+                        transports=out[1]["transports"], rss=out[1]["rss"])
+        med = {m: statistics.median(v) for m, v in _FAN_OUT["seconds"].items()}
+        rss = _FAN_OUT["rss"]
+        transfer_targets.append(
+            f"weights 100MB to 3 receivers on this host: shared memory {med['shared memory'] * 1e3:.1f} ms = "
+            f"{med['shared memory'] / med['memcpy']:.2f}x one 100 MB memcpy ({med['memcpy'] * 1e3:.1f} ms; target "
+            f"<= 3x: {'met' if med['shared memory'] <= 3 * med['memcpy'] else 'MISSED'}); wire "
+            f"{med['wire'] * 1e3:.1f} ms ({med['wire'] / med['shared memory']:.2f}x shared memory); a receiver's "
+            f"resident memory {rss[0] / 1e6:.0f} -> {rss[-1] / 1e6:.0f} MB over the rounds")
+    seconds = _FAN_OUT["seconds"][mode]
+    ok = _FAN_OUT["checks"].get(mode)
+    benchmark.extra_info.update(case="weight sync 100MB to 3 receivers", impl=impl, mode=mode, bytes=FAN_OUT_BYTES,
+                                leaves=100, backend="gloo", suite_rounds=len(seconds), ok=ok,
+                                transport=_FAN_OUT["transports"].get(mode, "-"))
+    tb.replay(benchmark, CLOCK, seconds)
+    assert ok is not False, f"{mode}: a receiver holds wrong values"

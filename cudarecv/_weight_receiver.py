@@ -21,6 +21,7 @@ fully landed here and passed this receiver's own checks.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import math
 import threading
 import time
@@ -405,24 +406,7 @@ class WeightReceiver:
         elif header.version <= self.version:
             problem = f"version {header.version} is not newer than the current {self.version}"
         if header.shared:
-            if not 0 <= header.segment < len(self._mappings):
-                raise OutOfStepError(f"a push names shared segment {header.segment}, but the handshake mapped "
-                                     f"{len(self._mappings)}: the link is out of step")
-            if not problem:  # one copy, straight out of the sender's snapshot (nothing else travels)
-                mapping = self._mappings[header.segment]
-                device = isinstance(mapping, cuda_ipc.DeviceMapping)
-                if device:
-                    mapping.before_read(lane.stream)
-                before = None if device else mapping.written()
-                with lane.on_stream():
-                    slot.storage.copy_(mapping.data[:total], non_blocking=True)
-                if not device and lane.stream is not None:
-                    lane.stream.synchronize()  # the copy out of the segment is over before its stamp is read
-                if not device and not before == mapping.writing() == header.version:
-                    raise TransferTimeout(
-                        f"version {header.version} was overwritten in the sender's shared snapshot before this "
-                        "receiver had copied it (the sender stopped waiting for this receiver: it was too slow); "
-                        f"version {self.version} stays published")
+            yield from self._copy_shared(header, slot, problem)
         elif header.relayed:
             yield from self._relayed(header, slot, limit)  # forwarded on, whether or not it is published here
         elif problem:
@@ -449,6 +433,35 @@ class WeightReceiver:
             self._cond.notify_all()
         self._tell(header, LANDED)
         return header.version
+
+    def _copy_shared(self, header: PushHeader, slot: _Slot, problem: str | None) -> Any:
+        """A sub-protocol: copy a shared push's version out of the sender's snapshot (the segment the header
+        names, checked against the handshake; not when ``problem``: a rejected push). Raises if a write of a
+        newer version overtook the copy (the stamps of :mod:`._shared_memory`)."""
+        lane, total = self._lane, self.schema.total
+        if not 0 <= header.segment < len(self._mappings):
+            raise OutOfStepError(f"a push names shared segment {header.segment}, but the handshake mapped "
+                                 f"{len(self._mappings)}: the link is out of step")
+        if problem is not None:
+            return
+        mapping = self._mappings[header.segment]  # (its capacity is the schema's total: checked at the handshake)
+        if isinstance(mapping, cuda_ipc.DeviceMapping):
+            mapping.before_read(lane.stream)
+            with lane.on_stream():
+                slot.storage.copy_(mapping.data[:total], non_blocking=True)
+            return
+        written = mapping.written()
+        if lane.stream is None:  # one thread's memcpy: actors on this machine share its cores with the trainer
+            ctypes.memmove(slot.storage.data_ptr(), mapping.data.data_ptr(), total)
+        else:
+            with lane.on_stream():
+                slot.storage.copy_(mapping.data[:total], non_blocking=True)
+            yield [_cuda.EventWork(_cuda.record(lane.stream))]  # over before the stamp is read
+        if not written == mapping.writing() == header.version:
+            raise TransferTimeout(
+                f"version {header.version} was overwritten in the sender's shared snapshot before this receiver "
+                f"had copied it (the sender stopped waiting for this receiver: it was too slow); version "
+                f"{self.version} stays published")
 
     def _tell(self, header: PushHeader, status: int) -> None:
         """Relay fan-out or shared memory: tell the sender what became of the push (its blocking push waits
