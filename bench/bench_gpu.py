@@ -53,6 +53,7 @@ from typing import Any
 
 import pytest
 import torch
+from tensordict import TensorDict
 
 from cudarecv.testing.gpu import nccl_pair_problem
 from cudarecv.testing.launch import RankError, Ranks
@@ -195,7 +196,8 @@ SUITES: dict[str, dict[str, Any]] = {
             ("cudarecv", "consolidated", "cpu", "cuda", "consolidated cpu->pinned"),
             ("cudarecv", "chunks 4MiB", "cpu", "cuda", "consolidated cpu->pinned"),
             ("cudarecv", "chunks 1MiB", "cpu", "cuda", "consolidated cpu->pinned"),
-            ("cudarecv", "chunks 4MiB", "cuda", "cuda", "consolidated cpu->pinned"),
+            ("cudarecv", "chunks 4MiB", "cuda", "cuda", "consolidated cpu->pinned"),  # CUDA IPC (same host)
+            ("cudarecv", "chunks 4MiB wire", "cuda", "cuda", "consolidated cpu->pinned"),  # staged on the socket
         ],
     ),
     "gloo 2000 x 8KiB": dict(
@@ -534,3 +536,65 @@ def test_nccl_fanout_to_two(benchmark, nccl_three, transfer_targets, method):
                                 backend="nccl", ok=_FANOUT["ok"][method], send_place="cuda", recv_place="cuda")
     tb.replay(benchmark, CLOCK, _FANOUT["seconds"][method])
     assert _FANOUT["ok"][method], f"{method}: a receiver holds wrong values"
+
+
+# --------------------------------------------------------------------------- weight sync through CUDA IPC
+
+IPC_BYTES = 256 * MiB
+IPC_MODES = ["cuda ipc", "wire"]
+_IPC: dict[str, Any] = {}
+
+
+def time_ipc_weight_sync(rank: int, world: int, group: Any, total_bytes: int, rounds: int) -> dict:
+    """GPU weights to a GPU receiver on GPU 0 of both ranks: through CUDA IPC (auto) and on the gloo wire
+    (staged through page-locked memory), alternating; push-to-pull latency as the receiver measures it from the
+    step's barrier, and device memory before and after."""
+    import torch.distributed as dist
+
+    import cudarecv
+
+    device = torch.device("cuda", 0)
+    td = TensorDict({f"w{i:02d}": torch.zeros(total_bytes // 64 // 4, device=device) for i in range(64)})
+    ends = {}
+    for mode in IPC_MODES:
+        transport = "wire" if mode == "wire" else "auto"
+        ends[mode] = (cudarecv.WeightSender(td, dst=1, timeout=120, transport=transport) if rank == 0 else
+                      cudarecv.WeightReceiver(src=0, device=device, timeout=120, transport=transport))
+    seconds = {mode: [] for mode in IPC_MODES}
+    memory, ok = [], True
+    for step in range(1, rounds + 1):
+        for mode in IPC_MODES[step % 2:] + IPC_MODES[:step % 2]:
+            if rank == 0:
+                td.apply_(lambda t, v=step: t.fill_(float(v)))
+                torch.cuda.synchronize()
+            dist.barrier()
+            start = time.perf_counter()
+            if rank == 0:
+                ends[mode].push()
+            else:
+                ends[mode].pull()
+                torch.cuda.current_stream().synchronize()
+                seconds[mode].append(time.perf_counter() - start)
+                ok &= all(bool((t == float(step)).all()) for t in ends[mode].td.values())
+        if step in (2, rounds):
+            memory.append((torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)))
+    transports = {mode: (end.transports[1] if rank == 0 else end.transport) for mode, end in ends.items()}
+    for end in ends.values():
+        end.close()
+    return {"seconds": seconds, "ok": ok, "memory": memory, "transports": transports}
+
+
+@pytest.mark.parametrize("mode", IPC_MODES, ids=[m.replace(" ", "_") for m in IPC_MODES])
+def test_cuda_ipc_weight_sync_256mib(benchmark, gloo_ranks, transfer_targets, mode):
+    if not _IPC:
+        out = gloo_ranks.get().run(time_ipc_weight_sync, args=(IPC_BYTES, 10), timeout=540)
+        _IPC.update(out[tb.RECEIVER], sent_memory=out[0]["memory"])
+        med = {m: tb.median(sorted(v)) for m, v in _IPC["seconds"].items()}
+        transfer_targets.append(
+            f"weight sync 256MiB GPU -> GPU (one GPU, two processes): CUDA IPC {med['cuda ipc'] * 1e3:.2f} ms, "
+            f"wire {med['wire'] * 1e3:.2f} ms ({med['wire'] / med['cuda ipc']:.1f}x); device memory (allocated, "
+            f"reserved) sender {_IPC['sent_memory']}, receiver {_IPC['memory']} (round 2 -> last)")
+    benchmark.extra_info.update(case="weight sync 256MiB GPU->GPU", impl="cudarecv", mode=mode, bytes=IPC_BYTES,
+                                leaves=64, backend="gloo", ok=_IPC["ok"], transport=_IPC["transports"][mode])
+    tb.replay(benchmark, CLOCK, _IPC["seconds"][mode])
+    assert _IPC["ok"], "a version arrived with other values"

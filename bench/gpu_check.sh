@@ -3,9 +3,12 @@
 # add up to 525 s, plus a few seconds of version probes):
 #   1. nvidia-smi and the versions of torch, CUDA, NCCL, cupy, tensordict, pytest plugins;
 #   2. the GPU tests:  pytest --gpus N tests/test_gpu.py tests/test_tags.py (relay fan-out over NCCL
-#      and over gloo from GPU memory included: test_nccl_relay, test_gloo_relay_of_gpu_weights);
+#      and over gloo from GPU memory included: test_nccl_relay, test_gloo_relay_of_gpu_weights; CUDA IPC,
+#      one GPU with two processes and two GPUs, values exact and device memory flat over 200 syncs:
+#      test_cuda_ipc_weight_sync_exact_and_memory_flat, test_cuda_ipc_fast_wire_exact_and_memory_flat);
 #   3. the GPU benches: pytest --gpus N bench/bench_gpu.py --benchmark-json $OUT/gpu-bench.json
-#      (test_nccl_fanout_to_two: relay vs star vs NCCL's broadcast, 256 MiB to two GPUs);
+#      (test_nccl_fanout_to_two: relay vs star vs NCCL's broadcast, 256 MiB to two GPUs;
+#      test_cuda_ipc_weight_sync_256mib: CUDA IPC vs the staged gloo wire, GPU to GPU);
 #   4. the report:     python -m cudarecv report -> $OUT/gpu-report.txt and $OUT/gpu-report.png;
 #   5. the CPU suite:  pytest tests/ (without test_gpu.py), last, so it never starves the GPU steps.
 # Every step is bounded with `timeout` (which signals the step's whole process group, ranks included);

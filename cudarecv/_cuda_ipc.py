@@ -21,6 +21,7 @@ Needs cupy (the ``gpu`` extra) and a GPU; :func:`available` says why not.
 from __future__ import annotations
 
 import struct
+import weakref
 import zlib
 from typing import Any
 
@@ -49,11 +50,20 @@ def available(device: torch.device) -> str | None:
 
 
 class _Pointer:
-    """A raw device pointer as a ``__cuda_array_interface__`` (for a zero-copy torch view)."""
+    """A raw device pointer as a ``__cuda_array_interface__``, for a zero-copy torch view that keeps it alive:
+    ``release(ptr)`` (free, or close the opened handle) runs on ``device`` once the last view is gone."""
 
-    def __init__(self, ptr: int, nbytes: int, owner: Any) -> None:
-        self.owner = owner  # keeps the allocation or the opened handle alive as long as the view
+    def __init__(self, ptr: int, nbytes: int, device: torch.device, release: Any) -> None:
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3}
+        weakref.finalize(self, _release, release, ptr, device)
+
+
+def _release(release: Any, ptr: int, device: torch.device) -> None:
+    try:
+        with torch.cuda.device(device):
+            release(ptr)
+    except Exception:  # noqa: BLE001 - at interpreter exit CUDA may be gone already
+        pass
 
 
 def _index(device: torch.device) -> int:
@@ -74,20 +84,11 @@ class DeviceSegment:
             self.written = torch.cuda.Event(interprocess=True)
             self.written.record()  # the event exists (and has completed) before anyone opens it
             self.event_handle = bytes(self.written.ipc_handle())
-        #: the payload bytes, writable
-        self.data: Tensor = torch.as_tensor(_Pointer(self._ptr, capacity, self), device=self.device)
+        #: the payload bytes, writable (the allocation is freed with the last view of it)
+        self.data: Tensor = torch.as_tensor(_Pointer(self._ptr, capacity, self.device, runtime.free), device=self.device)
 
     def close_fd(self) -> None:
         """(Nothing names a device segment but its handle, which readers opened once.)"""
-
-    def __del__(self) -> None:
-        try:
-            from cupy.cuda import runtime
-
-            with torch.cuda.device(self.device):
-                runtime.free(self._ptr)
-        except Exception:  # noqa: BLE001 - at interpreter exit CUDA may be gone already
-            pass
 
 
 class DeviceMapping:
@@ -104,21 +105,17 @@ class DeviceMapping:
             except Exception as error:  # noqa: BLE001 - cupy's CUDARuntimeError
                 raise MappingError(f"cannot open the peer's CUDA IPC handle: {error}") from None
             self.written = torch.cuda.Event.from_ipc_handle(self.device, event_handle)
-        #: the payload bytes (read them only)
-        self.data: Tensor = torch.as_tensor(_Pointer(self._ptr, capacity, self), device=self.device)
+        #: the payload bytes (read them only; the handle is closed with the last view of it)
+        self.data: Tensor = torch.as_tensor(_Pointer(self._ptr, capacity, self.device, runtime.ipcCloseMemHandle),
+                                            device=self.device)
 
     def before_read(self, stream: Any) -> None:
-        """Make ``stream`` wait for the writer's last write (recorded before its header was sent)."""
-        stream.wait_event(self.written)
-
-    def __del__(self) -> None:
-        try:
-            from cupy.cuda import runtime
-
-            with torch.cuda.device(self.device):
-                runtime.ipcCloseMemHandle(self._ptr)
-        except Exception:  # noqa: BLE001
-            pass
+        """Make ``stream`` wait for the writer's last write (recorded before its header was sent); with no
+        stream (host memory receiving), the host waits."""
+        if stream is None:
+            self.written.synchronize()
+        else:
+            stream.wait_event(self.written)
 
 
 def offer(segments: list[DeviceSegment]) -> bytes:

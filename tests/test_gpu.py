@@ -21,6 +21,7 @@ so a hang fails its test (the ranks are then replaced) instead of stalling the r
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from typing import Any
@@ -924,3 +925,104 @@ def test_nccl_relay(nccl3, receiver_device):
     """The relay over NCCL point-to-point: each hop forwards chunk i on its own stream while chunk
     i + 1 arrives; every receiver verifies (BLAKE3 on the GPU) what it publishes."""
     _check_relay(nccl3().run(relay_on_gpu, args=(receiver_device, 20), timeout=RUN_TIMEOUT), 20)
+
+
+# --------------------------------------------------------------------------- CUDA IPC (same-host transport)
+
+
+@contextlib.contextmanager
+def _ipc_gpu(rank: int, gpus: str):
+    """Both ranks on GPU 0 (colocated), or rank r on GPU r (peer GPUs of one node), as the current device;
+    the ranks' device is GPU 0 again afterwards (where the other tests put their tensors)."""
+    index = rank if gpus == "two_gpus" else 0
+    with torch.cuda.device(index):
+        yield torch.device("cuda", index)
+
+
+def _memory(device: torch.device) -> tuple[int, int]:
+    torch.cuda.synchronize(device)
+    return torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
+
+
+def ipc_weight_sync(rank, world, group, gpus, syncs):
+    """GPU weights to a GPU receiver through CUDA IPC: exported once, opened once; every version exact and
+    neither end's device memory growing over ``syncs`` syncs."""
+    with _ipc_gpu(rank, gpus) as device:
+        return _ipc_weight_sync(rank, device, syncs)
+
+
+def _ipc_weight_sync(rank, device, syncs):
+    import cudarecv as cr
+
+    weights = TensorDict(w=torch.zeros(1 << 20, device=device), b=torch.zeros(1000, device=device))
+    memory = []
+    if rank == 0:
+        with cr.WeightSender(weights, dst=1, timeout=WAIT) as sender:
+            transports = sender.transports
+            for version in range(1, syncs + 1):
+                weights.apply_(lambda t, v=version: t.fill_(float(v)))
+                sender.push()
+                if version in (10, syncs):
+                    memory.append(_memory(device))
+        return transports, memory
+    with cr.WeightReceiver(src=0, device=device, timeout=WAIT) as receiver:
+        exact = True
+        for version in range(1, syncs + 1):
+            got = receiver.pull()
+            with receiver.reading() as td:
+                exact &= got == version and bool((td["w"] == version).all() and (td["b"] == version).all())
+            if version in (10, syncs):
+                memory.append(_memory(device))
+        return receiver.transport, exact, memory
+
+
+def ipc_fast_wire(rank, world, group, gpus, transfers, consolidated):
+    """CUDA tensordicts on the fast wire over gloo: through CUDA IPC once negotiated, values exact, memory flat."""
+    with _ipc_gpu(rank, gpus) as device:
+        return _ipc_fast_wire(rank, device, transfers, consolidated)
+
+
+def _ipc_fast_wire(rank, device, transfers, consolidated):
+    td = TensorDict(a=torch.zeros(300_000, device=device), b=torch.zeros(77, device=device))
+    if consolidated:
+        td = td.consolidate(metadata=True)
+    routes, exact, memory = [], True, []
+    for step in range(1, transfers + 1):
+        if rank == 0:
+            td["a"].fill_(step)
+            td["b"].fill_(-step)
+            [t] = cudarecv.isend(td, 1, bucket_bytes=1 << 18, consolidated=consolidated, return_early=True)
+        else:
+            [t] = cudarecv.irecv(td, 0, bucket_bytes=1 << 18, consolidated=consolidated, return_premature=True)
+        t.wait(WAIT)
+        routes.append(t.transport)
+        if rank == 1:
+            exact &= bool((td["a"] == step).all() and (td["b"] == -step).all())
+        if step in (10, transfers):
+            memory.append(_memory(device))
+    return routes, exact, memory
+
+
+IPC_GPUS = [pytest.param("one_gpu", id="one_gpu_two_processes"),
+            pytest.param("two_gpus", id="two_gpus", marks=pytest.mark.gpus(2))]
+
+
+@pytest.mark.parametrize("gpus", IPC_GPUS)
+def test_cuda_ipc_weight_sync_exact_and_memory_flat(gloo, gpus):
+    (transports, sent_memory), (transport, exact, received_memory) = gloo().run(
+        ipc_weight_sync, args=(gpus, 200), timeout=RUN_TIMEOUT)
+    assert transports == {1: "cuda ipc"} and transport == "cuda ipc"
+    assert exact, "a version arrived with other values"
+    for early, late in (sent_memory, received_memory):
+        assert late == early, f"device memory (allocated, reserved) grew over 190 syncs: {early} -> {late}"
+
+
+@pytest.mark.parametrize("consolidated", [False, True], ids=["buckets", "chunks"])
+@pytest.mark.parametrize("gpus", IPC_GPUS)
+def test_cuda_ipc_fast_wire_exact_and_memory_flat(gloo, gpus, consolidated):
+    (routes, _, sent_memory), (received, exact, received_memory) = gloo().run(
+        ipc_fast_wire, args=(gpus, 200, consolidated), timeout=RUN_TIMEOUT)
+    assert routes == received and set(routes[1:]) == {"cuda ipc"}, routes[:5]
+    assert exact
+    for early, late in (sent_memory, received_memory):
+        assert late[0] - early[0] <= MEMORY_SLACK and late[1] == early[1], f"device memory grew: {early} -> {late}"

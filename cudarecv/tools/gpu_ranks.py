@@ -217,7 +217,7 @@ def make_op(rank: int, case: dict, group: Any) -> tb.Op:
                 land()
         return tb.Op(send, recv, leaves, base=base)
 
-    opts = tb.mode_options(kind, piece)
+    opts = tb.mode_options(kind, piece, case["mode"])
     impl = _Distributed if case["impl"] == "stock" else cudarecv
 
     def send() -> None:
@@ -258,7 +258,7 @@ def matmul_interference(rank: int, world_size: int, group: Any, cfg: dict) -> di
     case = {"leaves": cfg["leaves"], "total_bytes": cfg["total_bytes"], "impl": "cudarecv", "mode": cfg["mode"],
             "send_place": cfg["send_place"], "recv_place": cfg["recv_place"], "iters": 1, "warmup": 1}
     kind, piece = tb.parse_mode("cudarecv", cfg["mode"])
-    opts = tb.mode_options(kind, piece)
+    opts = tb.mode_options(kind, piece, cfg["mode"])
     op = make_op(rank, case, group)
     td = workload(case).td(cfg["recv_place"] if rank == RECEIVER else cfg["send_place"],
                            kind in ("consolidated", "chunks"))
