@@ -55,7 +55,7 @@ class _Pointer:
 
     def __init__(self, ptr: int, nbytes: int, device: torch.device, release: Any) -> None:
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3}
-        weakref.finalize(self, _release, release, ptr, device)
+        weakref.finalize(self, _release, release, ptr, device).atexit = False  # (the process's end frees it)
 
 
 def _release(release: Any, ptr: int, device: torch.device) -> None:

@@ -83,7 +83,8 @@ def _map(fd: int, size: int, writable: bool) -> ctypes.Array:
     if ptr in (None, ctypes.c_void_p(-1).value):
         raise OSError(ctypes.get_errno(), f"mmap: {os.strerror(ctypes.get_errno())}")
     array = (ctypes.c_uint8 * size).from_address(ptr)
-    weakref.finalize(array, _libc.munmap, ptr, size)
+    # not at exit: a thread may still copy out of it then; the process's end unmaps it anyway
+    weakref.finalize(array, _libc.munmap, ptr, size).atexit = False
     return array
 
 

@@ -383,16 +383,18 @@ class WeightSender:
         target = self._snapshots[0]
         self._copy(plan, target, live[0].lane.stream)
         pushes = []
-        for i, receiver in enumerate(live):  # each posted on its own: one failing never keeps the others from theirs
-            if self.fanout == "relay":
-                protocol = self._send_relayed(live, i, target, limit)
-            else:
-                protocol = self._send(receiver, target, limit)
-            transfer = Transfer(protocol, receiver.lane.stream, timeout=limit,
-                                driver=receiver.driver.submit, link=receiver.lane.link,
-                                on_error=self._drop(receiver, self.version, limit), raise_first=False,
-                                what=f"push of version {self.version} to rank {receiver.rank}")
-            pushes.append((receiver, transfer))
+        with self._cond:  # (a receiver's BYE, and its RELEASED queued after what is in flight, wait for this)
+            live = [r for r in live if r.served]  # one that said BYE meanwhile may be released already: skip it
+            for i, receiver in enumerate(live):  # each posted on its own: one failing never keeps the others from theirs
+                if self.fanout == "relay":
+                    protocol = self._send_relayed(live, i, target, limit)
+                else:
+                    protocol = self._send(receiver, target, limit)
+                transfer = Transfer(protocol, receiver.lane.stream, timeout=limit,
+                                    driver=receiver.driver.submit, link=receiver.lane.link,
+                                    on_error=self._drop(receiver, self.version, limit), raise_first=False,
+                                    what=f"push of version {self.version} to rank {receiver.rank}")
+                pushes.append((receiver, transfer))
         if not wait:  # each is driven on its receiver's thread from the start: none waits for another
             self._in_flight = pushes
             return [transfer for _, transfer in pushes]
@@ -579,10 +581,10 @@ class WeightSender:
                     self._cond.notify_all()
                 return
             if kind == BYE:
-                with self._cond:
+                with self._cond:  # (atomic with a push posting to the receivers still served)
                     receiver.leaving = True
                     self._cond.notify_all()
-                receiver.driver.submit(lambda: self._last_word(receiver, RELEASED))  # after what is in flight
+                    receiver.driver.submit(lambda: self._last_word(receiver, RELEASED))  # after what is in flight
                 return
             if kind == GOT:
                 with self._cond:
