@@ -21,6 +21,7 @@ from ._header import check_pieces
 from ._link import Link, resolve
 from ._plan import Plan, forget_plan, plan_for
 from ._same_host import check_transport
+from ._shared_memory import copy_bytes
 from ._staging import lane_for
 from ._transport import MAX_TAG
 from ._walk import unwrap
@@ -175,7 +176,7 @@ def _start_send(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolida
             header, chunks = plan.chunk_header(inner).with_piece(bucket_bytes), plan.chunks(inner, bucket_bytes)
 
             def fill(data: Tensor, i: int, offset: int, length: int) -> None:
-                data[offset:offset + length].copy_(chunks[i], non_blocking=True)
+                copy_bytes(data[offset:offset + length], chunks[i])
 
             def wire(head: Any, offer: bytes | None) -> Any:
                 return _fast_wire.send(lane, head, chunks, init_tag, offer=offer)
@@ -237,7 +238,7 @@ def _start_recv(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolida
         else:
             def copy(data: Tensor, i: int, offset: int, length: int, piece: int) -> None:
                 with lane.on_stream():
-                    storage[offset:offset + length].copy_(data[offset:offset + length], non_blocking=True)
+                    copy_bytes(storage[offset:offset + length], data[offset:offset + length])
 
             protocol = _fast_wire.recv(lane, plan.chunk_header(inner), lambda piece: plan.chunks(inner, piece),
                                        init_tag, td, copy_shared=copy, **shared)

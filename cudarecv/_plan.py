@@ -153,9 +153,13 @@ class Plan:
             torch._foreach_copy_(self.staging_parts(place), self.byte_views, non_blocking=True)
 
     def pack_piece(self, piece: int, index: int, place: str) -> None:
-        """Copy the leaves' bytes of message ``index`` into the staging buffer (one message at a time)."""
-        _, leaf_parts, staging_parts = self._bucket_layout(piece, place)
-        torch._foreach_copy_(staging_parts[index], leaf_parts[index], non_blocking=True)
+        """Copy the leaves' bytes of message ``index`` into the staging buffer (one message at a time;
+        in host memory one ``cat``, about half the time of a copy per leaf)."""
+        pieces, leaf_parts, staging_parts = self._bucket_layout(piece, place)
+        if self.device.type == "cpu" and pieces[index].device.type == "cpu":
+            torch.cat(leaf_parts[index], out=pieces[index])
+        else:
+            torch._foreach_copy_(staging_parts[index], leaf_parts[index], non_blocking=True)
 
     def unpack(self, piece: int, index: int, place: str = "cpu") -> None:
         """Copy message ``index`` from the staging buffer into the leaves."""

@@ -120,6 +120,17 @@ _READY = struct.Struct("<4sIQQQ")  # magic, message index, transfer number, offs
 READY_SIZE = 48
 
 
+#: a READY covers the messages of at least this many bytes (one READY per message costs a gloo message each,
+#: more than the overlap gains on small messages)
+READY_SPAN = 4 << 20
+
+
+def ready_spans(total: int, piece: int) -> list[range]:
+    """The messages (of ``piece`` bytes) each READY of a ``total``-byte transfer covers."""
+    count, per = len(piece_sizes(total, piece)), max(1, READY_SPAN // piece)
+    return [range(i, min(i + per, count)) for i in range(0, count, per)]
+
+
 def _back(kind: int, status: int, seq: int) -> bytes:
     return _sealed(_BACK.pack(b"CDRB", kind, status, seq), BACK_SIZE)
 
@@ -259,14 +270,17 @@ class SendSide:
         seq, segment = self.seq, self.segments[k]
         held = _post(lane, dataclasses.replace(header, transport=1, segment=k, seq=seq).pack(), header_tag(init_tag))
         offset = 0
-        for i, length in enumerate(piece_sizes(header.total, header.piece)):
-            with lane.on_stream():
-                fill(segment.data, i, offset, length)
+        for r, span in enumerate(ready_spans(header.total, header.piece)):
+            start = offset
+            for i in span:
+                length = min(header.piece, header.total - offset)
+                with lane.on_stream():
+                    fill(segment.data, i, offset, length)
+                offset += length
             if lane.stream is not None:
                 segment.written.record(lane.stream)  # before its READY: the reader's copy waits for it
-            held += _post(lane, _sealed(_READY.pack(b"CDRP", i, seq, offset, length), READY_SIZE),
+            held += _post(lane, _sealed(_READY.pack(b"CDRP", r, seq, start, offset - start), READY_SIZE),
                           piece_tag(init_tag))
-            offset += length
         self.held[k] = held  # completes once the receiver has taken them (before its DONE)
         self.fences[k] = self._expect(lane, k, seq)
 
@@ -326,23 +340,25 @@ class RecvSide:
         if header.total > mapping.capacity:
             raise OutOfStepError(f"the header announces {header.total} bytes in a segment of {mapping.capacity}: "
                                  "the link is out of step")
-        sizes = piece_sizes(header.total, header.piece)
+        spans, piece, total = ready_spans(header.total, header.piece), header.piece, header.total
         stride = READY_SIZE + ROOM
-        slots = list(torch.zeros(len(sizes) * stride, dtype=torch.uint8).split(stride)) if sizes else []
+        slots = list(torch.zeros(len(spans) * stride, dtype=torch.uint8).split(stride)) if spans else []
 
-        def landed(i: int) -> None:
-            raw = slots[i].numpy()
+        def landed(r: int) -> None:
+            raw = slots[r].numpy()
             if raw[READY_SIZE:].any():
                 raise OutOfStepError("a READY message is longer than its 48 bytes: the link is out of step")
             got = _open(raw[:READY_SIZE].tobytes(), _READY, b"CDRP", "READY message")
-            want = (i, header.seq, i * header.piece, sizes[i])
+            start, end = spans[r][0] * piece, min(spans[r][-1] * piece + piece, total)
+            want = (r, header.seq, start, end - start)
             if tuple(got) != want:
-                raise OutOfStepError(f"READY message {i} names (index, transfer, offset, length) {tuple(got)}, "
+                raise OutOfStepError(f"READY message {r} names (index, transfer, offset, length) {tuple(got)}, "
                                      f"the plan {want}: not read; the link is out of step")
             if problem is None:
                 if device:
                     mapping.before_read(lane.stream)
-                copy(mapping.data, i, want[2], want[3], header.piece)
+                for i in spans[r]:
+                    copy(mapping.data, i, i * piece, min(piece, total - i * piece), piece)
 
         device = isinstance(mapping, cuda_ipc.DeviceMapping)
         route.transport = CUDA_IPC if device else SHARED_MEMORY

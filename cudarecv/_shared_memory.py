@@ -88,6 +88,15 @@ def _map(fd: int, size: int, writable: bool) -> ctypes.Array:
     return array
 
 
+def copy_bytes(dst: Tensor, src: Tensor) -> None:
+    """``dst.copy_(src)`` of contiguous bytes; between host buffers one thread's ``memmove``: torch's copy
+    of a megabyte wakes its OpenMP threads, whose spinning starves the peer process on the same cores."""
+    if dst.device.type == "cpu" and src.device.type == "cpu":
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size())
+    else:
+        dst.copy_(src, non_blocking=True)
+
+
 class Segment:
     """An anonymous shared segment of ``capacity`` payload bytes, mapped read-write by its writer."""
 

@@ -21,7 +21,6 @@ fully landed here and passed this receiver's own checks.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import math
 import threading
 import time
@@ -54,7 +53,7 @@ from ._header import check_pieces, cut
 from ._link import Link, resolve
 from ._relay import Relay
 from ._same_host import allowed, check_transport
-from ._shared_memory import MAX_SEGMENTS, MappingError, map_offer, offer_size
+from ._shared_memory import MAX_SEGMENTS, MappingError, copy_bytes, map_offer, offer_size
 from ._staging import Lane, drain, lane_for, recv_into, send_from, wire_can_touch
 from ._walk import unwrap, walk
 from ._weights_link import Driver, check_timeout, link_error, naming, post_and_forget, run, send_bytes
@@ -452,7 +451,7 @@ class WeightReceiver:
             return
         written = mapping.written()
         if lane.stream is None:  # one thread's memcpy: actors on this machine share its cores with the trainer
-            ctypes.memmove(slot.storage.data_ptr(), mapping.data.data_ptr(), total)
+            copy_bytes(slot.storage, mapping.data[:total])
         else:
             with lane.on_stream():
                 slot.storage.copy_(mapping.data[:total], non_blocking=True)

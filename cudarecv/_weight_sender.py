@@ -75,7 +75,7 @@ from ._header import check_pieces, cut
 from ._link import resolve
 from ._plan import plan_for
 from ._same_host import allowed, check_transport
-from ._shared_memory import Segment, available, offer
+from ._shared_memory import Segment, available, copy_bytes, offer
 from ._staging import Lane, lane_for, send_from
 from ._transport import park
 from ._walk import unwrap
@@ -409,7 +409,11 @@ class WeightSender:
             host = isinstance(target._shared, Segment)
             if host:  # a receiver dropped while it copies sees that its version was overwritten
                 target._shared.begin_write(self.version + 1)
-            torch._foreach_copy_(target.views, plan.detached, non_blocking=True)  # never an autograd node
+            if host and plan.device.type == "cpu":  # (one thread: the receivers' copies share the cores)
+                for view, leaf in zip(target.views, plan.detached):
+                    copy_bytes(view, leaf)
+            else:
+                torch._foreach_copy_(target.views, plan.detached, non_blocking=True)  # never an autograd node
             digest = checksum(target.storage) if self._verify else bytes(16)
             if host:
                 target._shared.end_write(self.version + 1)

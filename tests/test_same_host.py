@@ -303,3 +303,21 @@ def test_steady_state_pulls_allocate_nothing(cluster):
                                                      timeout=300)
     assert transport == "shared memory" and ok
     assert late - early < 2 << 20, f"resident memory grew by {(late - early) / 1e6:.1f} MB over 900 pulls"
+
+
+def test_bad_transport_is_refused_before_anything_is_sent(monkeypatch):
+    td = TensorDict(x=torch.zeros(3))
+    for call in (cudarecv.isend, cudarecv.send):
+        with pytest.raises(cudarecv.ArgumentError, match="`transport` must be one of"):
+            call(td, 1, bucket_bytes=64, transport="shm")  # (no process group: the argument is checked first)
+    with pytest.raises(cudarecv.ArgumentError, match="`transport` must be one of"):
+        cudarecv.WeightSender(td, dst=1, transport="ipc")
+    with pytest.raises(cudarecv.ArgumentError, match="`transport` must be one of"):
+        cudarecv.WeightReceiver(src=0, transport=None)
+    monkeypatch.setenv(_same_host.ENV, "off")
+    with pytest.raises(cudarecv.ArgumentError, match="CUDARECV_TRANSPORT='off' must be one of"):
+        _same_host.allowed("auto")
+    monkeypatch.setenv(_same_host.ENV, "wire")
+    assert not _same_host.allowed("auto") and not _same_host.allowed("wire")
+    monkeypatch.delenv(_same_host.ENV)
+    assert _same_host.allowed("auto") and not _same_host.allowed("wire")
