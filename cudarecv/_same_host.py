@@ -21,9 +21,10 @@ A transfer through a segment (double buffered: the sender's n-th uses segment
 n % 2) after its header (which names the segment and the transfer's number):
 
 - the sender waits for the receiver's ``DONE`` of the segment's previous
-  transfer, then writes message i into the segment and sends a 48-byte
-  ``READY`` (its offset and length) on the piece tag, message by message, so the
-  receiver copies message i while the sender writes i + 1;
+  transfer, then writes the messages into the segment and sends a 48-byte
+  ``READY`` (offset and length) on the piece tag for every 4 MiB of them
+  (:data:`READY_SPAN`), so the receiver copies those while the sender writes the
+  next ones;
 - the receiver checks each ``READY`` against its own plan before it reads a byte
   (a peer cannot make it read outside the segment or write outside its
   tensordict), copies the message out, then sends ``DONE`` on the segment's back
@@ -57,7 +58,7 @@ from torch import Tensor
 from . import _cuda_ipc as cuda_ipc
 from ._control import ROOM, wire_bytes
 from ._cuda import EventWork, record
-from ._errors import ArgumentError, OutOfStepError, PeerError
+from ._errors import ArgumentError, OutOfStepError
 from ._fast_wire import OFFER_SIZE, header_tag, piece_tag
 from ._handle import CUDA_IPC, SHARED_MEMORY, WIRE
 from ._header import Header, piece_sizes
@@ -174,7 +175,8 @@ class SendSide:
     """The sender's end of a link direction: its state, segments and thread.
 
     States: ``new`` (nothing offered yet), ``offered`` (an answer is on its way),
-    ``shared`` (payloads go through the segments), ``wire`` (the receiver declined).
+    ``shared`` (payloads go through the segments), ``wire`` (the receiver declined, or a
+    transfer failed: its posted messages may never complete, so the segments are left alone).
     """
 
     def __init__(self, peer: int, device: torch.device) -> None:
@@ -185,7 +187,7 @@ class SendSide:
         self.held: list[list[Any]] = [[], []]  # a segment's header and READY sends, kept until its DONE
         self.seq = 0
         self.next = 0
-        self.broken: str | None = None
+        self.failed: str | None = None  # why the link left shared memory for the wire, after a failure
         self.driver = Driver(f"cudarecv-send-{peer}")
 
     def send(self, lane: Lane, header: Header, init_tag: int, fill: Callable[[Tensor, int, int, int], None],
@@ -196,8 +198,6 @@ class SendSide:
         ``wire(header, offer)`` is the wire protocol (with ``offer`` sent after the header).
         """
         yield ()  # nothing before the link's earlier transfers: the rest runs on the link's thread, in order
-        if self.broken:
-            raise PeerError(f"an earlier transfer on this link failed ({self.broken}); the link cannot be trusted")
         allow = allow and lane.device == self.device  # a side shares one kind of memory
         try:
             if self.state == "offered":
@@ -221,7 +221,11 @@ class SendSide:
                 self.state = "offered"
             return result
         except BaseException as error:
-            self.broken = f"{type(error).__name__}: {error}".splitlines()[0]
+            # what was posted for the segments may never complete (a DONE that never comes): never touch them or
+            # the back tags again; the link's later transfers go on the wire (the failed one's error is its own)
+            park([fence[0] for fence in self.fences if fence is not None] + self.held[0] + self.held[1])
+            self.state, self.segments, self.fences = "wire", [], [None, None]
+            self.failed = f"{type(error).__name__}: {error}".splitlines()[0]
             raise
 
     def _offer(self, total: int) -> bytes:
@@ -235,14 +239,17 @@ class SendSide:
         return raw + bytes(OFFER_SIZE - len(raw))
 
     def _expect(self, lane: Lane, k: int, seq: int) -> tuple[Any, Tensor, int]:
-        buffer = torch.zeros(BACK_SIZE, dtype=torch.uint8)
+        buffer = torch.zeros(BACK_SIZE + ROOM, dtype=torch.uint8)  # (room: gloo aborts on a longer message)
         return lane.post(False, [buffer], [BACK_TAGS + k])[0], buffer, seq
 
     def _take(self, k: int, kind: int) -> Any:
         work, buffer, seq = self.fences[k]
         yield [work]
         self.fences[k] = None
-        got_kind, status, got_seq = _open(buffer.numpy().tobytes(), _BACK, b"CDRB", "same-host answer")
+        raw = buffer.numpy()
+        if raw[BACK_SIZE:].any():
+            raise OutOfStepError("the receiver's same-host message is longer than its 32 bytes: out of step")
+        got_kind, status, got_seq = _open(raw[:BACK_SIZE].tobytes(), _BACK, b"CDRB", "same-host answer")
         if (got_kind, got_seq) != (kind, seq):
             raise OutOfStepError(f"the receiver's same-host message is kind {got_kind} for transfer {got_seq}, "
                                  f"expected kind {kind} for {seq}: the link is out of step")
