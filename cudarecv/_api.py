@@ -229,7 +229,7 @@ def _start_recv(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolida
     inner, plan = _prepare(td, link, bucket_bytes is not None)
     route = _same_host.Route()
     side = None if bucket_bytes is None else _same_host.receiving_side(link)
-    shared = dict(side=side, allow=_same_host.allowed(transport), route=route)
+    shared = dict(side=side, allow=side is not None and _same_host.allowed(transport), route=route)
     if consolidated:
         storage = plan.storage(inner)  # raises, naming the fix, if td is not consolidated
         lane = lane_for(link, storage.device, stream, plan.pool)
