@@ -329,8 +329,8 @@ class RecvSide:
                     mappings = cuda_ipc.map_offer(raw[:cuda_ipc.offer_size(2)], MAX_SEGMENT_BYTES, lane.device)
                 else:
                     mappings = map_offer(raw[:offer_size(2)], MAX_SEGMENT_BYTES)
-            except MappingError as error:
-                reason = str(error)
+            except Exception as error:  # noqa: BLE001 - whatever stops the mapping (a CUDA error too): decline
+                reason = str(error) if isinstance(error, MappingError) else f"{type(error).__name__}: {error}"
         self.declined = reason
         self.state, self.mappings = ("shared", mappings) if reason is None else ("wire", [])
         park(_post(lane, _back(ANSWER, OK if reason is None else NO, 0), BACK_TAGS))

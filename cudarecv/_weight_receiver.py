@@ -187,7 +187,7 @@ class WeightReceiver:
             lambda schema, piece: [_Slot(schema, piece, self._device, pin_memory) for _ in range(2)],
             allow=allowed(transport), device=self._device)
         #: what carries the versions: ``"shared memory"`` (the sender's snapshots, mapped read-only: this
-        #: receiver is on the sender's machine) or ``"wire"``
+        #: receiver is on the sender's machine), ``"cuda ipc"`` (its GPU snapshots, opened once) or ``"wire"``
         self.transport = WIRE if not self._mappings else (
             CUDA_IPC if isinstance(self._mappings[0], cuda_ipc.DeviceMapping) else SHARED_MEMORY)
         #: the sender's mode, learnt in the handshake: ``"sync"`` or ``"latest"``
@@ -674,7 +674,7 @@ def _handshake(lane: Lane, timeout: float, expect: Any, allocate: Any, failure: 
             route = "shared"
             if any(m.capacity != schema.total for m in mappings):
                 mappings, route = [], "wire: the offered segments do not hold the weights' bytes"
-        except MappingError as error:
-            route = f"wire: {error}"
+        except Exception as error:  # noqa: BLE001 - whatever stops the mapping (a CUDA error too): the wire
+            route = f"wire: {error}" if isinstance(error, MappingError) else f"wire: {type(error).__name__}: {error}"
     answer(ACCEPTED, f"{host_id()}\n{route}")
     return schema, piece, offer, slots, mappings
