@@ -138,6 +138,8 @@ class WeightReceiver:
             first differing key, and the sender's construction fails too.
         timeout: seconds any wait may take.
         stream: the CUDA stream for GPU weights (default: cudarecv's dedicated stream).
+        transport: ``"auto"`` (map a same-host sender's snapshots if offered) or ``"wire"``;
+            :attr:`transport` says which was taken.
 
     Whatever makes the construction fail once the link is resolved (a bad
     argument, no CUDA, no memory, ``expect`` not matching, a malformed schema)

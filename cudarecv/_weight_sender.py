@@ -184,6 +184,9 @@ class WeightSender:
             the chunks it receives; ``bucket_bytes`` is the chunk, default 1 MiB), or
             ``"auto"`` (relay when a receiver is on another host; see the module docs).
             :attr:`fanout` is the one chosen.
+        transport: ``"auto"`` (receivers on this machine map the sender's snapshots: shared memory for host
+            weights, CUDA IPC for GPU weights; a push then sends them only its header) or ``"wire"``;
+            :attr:`transports` says which each receiver got. ``CUDARECV_TRANSPORT=wire`` forces the wire.
 
     Construction performs the handshake with every receiver and raises if one
     rejects the schema (:class:`SchemaError`, naming it and the first differing
