@@ -36,6 +36,11 @@ Two fan-outs (``sync`` mode), chosen by ``fanout``:
   fast at 1; on one machine, where every transfer shares the same CPUs and
   memory, star is about 1.3x faster at 3 receivers.
 
+Same host (``transport="auto"``, the default): the snapshot buffers are shared
+segments (:mod:`._shared_memory`, :mod:`._cuda_ipc`) offered in the handshake; a
+receiver on this machine that maps them gets each push as its header alone and
+copies the version out itself (star fan-out; a relay chain uses the wire).
+
 A receiver that fails (dies, or takes longer than ``timeout``) is named in the
 error and dropped; every other receiver carries on, and ``sender.ranks`` shows
 who is left (in a relay chain, the receivers after a dead one lose that push
