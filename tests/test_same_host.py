@@ -321,3 +321,35 @@ def test_bad_transport_is_refused_before_anything_is_sent(monkeypatch):
     assert not _same_host.allowed("auto") and not _same_host.allowed("wire")
     monkeypatch.delenv(_same_host.ENV)
     assert _same_host.allowed("auto") and not _same_host.allowed("wire")
+
+
+def third_send_times_out(rank, world, group, key):
+    """Both segments in use and the receiver not receiving: the third send waits for the first's DONE and times
+    out (bounded); once the receiver takes the first two, the link goes on."""
+    pg = _group(rank, world, key)
+    tds = [TensorDict(x=torch.full((4096,), float(k if rank == 0 else -1))) for k in range(6)]
+    if rank == 0:
+        for k in (0, 1):  # negotiate, then one through a segment
+            cudarecv.send(tds[k], group=pg, group_dst=1, bucket_bytes=4096)
+        a, b = (cudarecv.isend(tds[k], group=pg, group_dst=1, bucket_bytes=4096, return_early=True)[0] for k in (2, 3))
+        started = time.monotonic()
+        with pytest.raises(cudarecv.TransferTimeout) as error:
+            cudarecv.send(tds[4], group=pg, group_dst=1, bucket_bytes=4096, timeout=2)
+        took = time.monotonic() - started
+        store().set(key, "1")  # now the receiver takes the first two
+        a.wait(20), b.wait(20)
+        [last] = cudarecv.isend(tds[5], group=pg, group_dst=1, bucket_bytes=4096, return_early=True)
+        last.wait(20)
+        return str(error.value), took, [a.transport, b.transport, last.transport]
+    for k in (0, 1):
+        cudarecv.recv(tds[k], group=pg, group_src=0, bucket_bytes=4096)
+    store().wait([key])
+    for k in (2, 3, 5):
+        cudarecv.recv(tds[k], group=pg, group_src=0, bucket_bytes=4096, timeout=20)
+    return [bool((tds[k]["x"] == k).all()) for k in (2, 3, 5)]
+
+
+def test_a_send_waiting_for_a_segment_times_out_bounded_and_the_link_goes_on(cluster):
+    (message, took, routes), exact = cluster().run(third_send_times_out, args=(unique_key("third"),), timeout=90)
+    assert "did not answer within 2 s" in message and took < 10, (message, took)
+    assert exact == [True, True, True] and routes == ["shared memory"] * 3, (exact, routes)
