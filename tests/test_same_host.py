@@ -307,7 +307,7 @@ def test_steady_state_pulls_allocate_nothing(cluster):
 
 def test_bad_transport_is_refused_before_anything_is_sent(monkeypatch):
     td = TensorDict(x=torch.zeros(3))
-    for call in (cudarecv.isend, cudarecv.send):
+    for call in (cudarecv.isend, cudarecv.send, cudarecv.irecv, cudarecv.recv):
         with pytest.raises(cudarecv.ArgumentError, match="`transport` must be one of"):
             call(td, 1, bucket_bytes=64, transport="shm")  # (no process group: the argument is checked first)
     with pytest.raises(cudarecv.ArgumentError, match="`transport` must be one of"):
