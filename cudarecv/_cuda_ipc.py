@@ -22,18 +22,16 @@ from __future__ import annotations
 
 import struct
 import weakref
-import zlib
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from ._shared_memory import MappingError, machine_key
+from ._shared_memory import MappingError, offer_kind, open_offer, seal_offer
+from ._shared_memory import offer_size as shared_offer_size
 
-_HEAD = struct.Struct("<4sHH32sII")  # magic, version, kind (2: device segments), machine key, pid, count
 _EACH = struct.Struct("<64s64sQI")  # memory handle, event handle, bytes, the writer's device ordinal
 KIND = 2
-MAX_SEGMENTS = 1024
 
 
 def available(device: torch.device) -> str | None:
@@ -120,39 +118,19 @@ class DeviceMapping:
 
 def offer(segments: list[DeviceSegment]) -> bytes:
     """What a reader needs to open ``segments``."""
-    import os
-
-    body = _HEAD.pack(b"CDRO", 1, KIND, machine_key(), os.getpid(), len(segments))
-    body += b"".join(_EACH.pack(s.handle, s.event_handle, s.capacity, s.device.index) for s in segments)
-    return body + struct.pack("<I", zlib.crc32(body))
+    return seal_offer(KIND, [_EACH.pack(s.handle, s.event_handle, s.capacity, s.device.index) for s in segments])
 
 
 def offer_size(count: int) -> int:
-    return _HEAD.size + count * _EACH.size + 4
+    return shared_offer_size(count, _EACH)
 
 
 def is_device_offer(raw: bytes) -> bool:
-    return len(raw) >= _HEAD.size and _HEAD.unpack_from(raw)[2] == KIND
+    return offer_kind(raw) == KIND
 
 
 def map_offer(raw: bytes, most_bytes: int, device: torch.device) -> list[DeviceMapping]:
     """Open every segment of a device offer on ``device``; raises :class:`MappingError` with the reason
     this process cannot (another machine, no CUDA or cupy, a bad handle, ...)."""
-    magic, version, kind, key, _, count = _HEAD.unpack_from(raw)
-    size = offer_size(count) if count <= MAX_SEGMENTS else -1
-    if magic != b"CDRO" or size != len(raw) or struct.unpack_from("<I", raw, size - 4)[0] != zlib.crc32(raw[:size - 4]):
-        raise MappingError("the offer is malformed (bad magic, length or checksum)")
-    if version != 1 or kind != KIND:
-        raise MappingError(f"unknown offer (version {version}, kind {kind})")
-    problem = available(device)
-    if problem:
-        raise MappingError(problem)
-    if key != machine_key():
-        raise MappingError("the peer is on another machine, boot, network namespace or user")
-    mappings = []
-    for i in range(count):
-        handle, event_handle, capacity, _ = _EACH.unpack_from(raw, _HEAD.size + i * _EACH.size)
-        if not 0 < capacity <= most_bytes:
-            raise MappingError(f"an offered segment of {capacity} bytes is out of range (at most {most_bytes})")
-        mappings.append(DeviceMapping(handle, event_handle, capacity, device))
-    return mappings
+    _, entries = open_offer(raw, KIND, _EACH, 2, available(device), most_bytes)
+    return [DeviceMapping(handle, event_handle, capacity, device) for handle, event_handle, capacity, _ in entries]

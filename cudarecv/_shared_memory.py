@@ -26,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import mmap
 import os
@@ -56,8 +57,9 @@ def machine_key() -> bytes:
     return hashlib.sha256(f"{boot}|{host_id()}|{os.getuid()}".encode()).digest()
 
 
+@functools.cache
 def available() -> str | None:
-    """Why segments cannot be made here, or None."""
+    """Why segments cannot be made here, or None (asked once: every fast-wire receive asks)."""
     if not hasattr(os, "memfd_create"):
         return "this platform has no memfd_create"
     if not os.path.isdir(f"/proc/{os.getpid()}/fd"):
@@ -168,44 +170,61 @@ class Mapping:
         return _STAMP.unpack_from(self._map, WRITING)[0]
 
 
-_HEAD = struct.Struct("<4sHH32sII")  # magic, version, kind (1: host segments), machine key, pid, count
-_EACH = struct.Struct("<iQ16s")  # fd, payload bytes, nonce
+_HEAD = struct.Struct("<4sHH32sII")  # magic, version, kind, machine key, pid, count; then the segments; a crc32
+_EACH = struct.Struct("<iQ16s")  # host segments: fd, payload bytes, nonce
+HOST = 1  # the kind of an offer of host segments (CUDA IPC offers are kind 2: :mod:`._cuda_ipc`)
 MAX_SEGMENTS = 1024
 
 
-def offer_size(count: int) -> int:
-    """The bytes of an offer of ``count`` segments."""
-    return _HEAD.size + count * _EACH.size + 4
+def offer_size(count: int, each: struct.Struct = _EACH) -> int:
+    """The bytes of an offer of ``count`` segments described by ``each``."""
+    return _HEAD.size + count * each.size + 4
+
+
+def seal_offer(kind: int, entries: list[bytes]) -> bytes:
+    """An offer of ``kind``: this process's machine key and pid, then one packed entry per segment."""
+    body = _HEAD.pack(b"CDRO", 1, kind, machine_key(), os.getpid(), len(entries)) + b"".join(entries)
+    return body + struct.pack("<I", zlib.crc32(body))
+
+
+def offer_kind(raw: bytes) -> int | None:
+    return _HEAD.unpack_from(raw)[2] if len(raw) >= _HEAD.size else None
+
+
+def open_offer(raw: bytes, kind: int, each: struct.Struct, capacity_at: int, problem: str | None,
+               most_bytes: int) -> tuple[int, list[tuple]]:
+    """Check an offer (form, checksum, kind, this process's ``problem`` with such segments, the machine, each
+    segment's bytes, field ``capacity_at`` of its entry, within ``most_bytes``); return the peer's pid and the
+    entries.
+    Raises :class:`MappingError` with the reason this process cannot map them."""
+    if len(raw) < _HEAD.size + 4:
+        raise MappingError("the offer is too short")
+    magic, version, got, key, pid, count = _HEAD.unpack_from(raw)
+    size = offer_size(count, each) if count <= MAX_SEGMENTS else -1
+    if magic != b"CDRO" or size != len(raw) or struct.unpack_from("<I", raw, size - 4)[0] != zlib.crc32(raw[:size - 4]):
+        raise MappingError("the offer is malformed (bad magic, length or checksum)")
+    if version != 1 or got != kind:
+        raise MappingError(f"unknown offer (version {version}, kind {got})")
+    if problem:
+        raise MappingError(problem)
+    if key != machine_key():
+        raise MappingError("the peer is on another machine, boot, network namespace or user")
+    entries = [each.unpack_from(raw, _HEAD.size + i * each.size) for i in range(count)]
+    for entry in entries:
+        capacity = entry[capacity_at]
+        if not 0 < capacity <= most_bytes:
+            raise MappingError(f"an offered segment of {capacity} bytes is out of range (at most {most_bytes})")
+    return pid, entries
 
 
 def offer(segments: list[Segment]) -> bytes:
     """What a reader needs to map ``segments`` (no secret: only a process that may inspect this one
     can open them, and it must read the right nonce in each)."""
-    body = _HEAD.pack(b"CDRO", 1, 1, machine_key(), os.getpid(), len(segments))
-    body += b"".join(_EACH.pack(s.fd, s.capacity, s.nonce) for s in segments)
-    return body + struct.pack("<I", zlib.crc32(body))
+    return seal_offer(HOST, [_EACH.pack(s.fd, s.capacity, s.nonce) for s in segments])
 
 
 def map_offer(raw: bytes, most_bytes: int) -> list[Mapping]:
     """Map every segment of an offer read-only; raises :class:`MappingError` with the reason this
     process cannot (another machine or user, a segment larger than ``most_bytes``, ...)."""
-    if len(raw) < _HEAD.size + 4:
-        raise MappingError("the offer is too short")
-    magic, version, kind, key, pid, count = _HEAD.unpack_from(raw)
-    size = offer_size(count) if count <= MAX_SEGMENTS else -1
-    if magic != b"CDRO" or size != len(raw) or struct.unpack_from("<I", raw, size - 4)[0] != zlib.crc32(raw[:size - 4]):
-        raise MappingError("the offer is malformed (bad magic, length or checksum)")
-    if version != 1 or kind != 1:
-        raise MappingError(f"unknown offer (version {version}, kind {kind})")
-    problem = available()
-    if problem:
-        raise MappingError(problem)
-    if key != machine_key():
-        raise MappingError("the peer is on another machine, boot, network namespace or user")
-    mappings = []
-    for i in range(count):
-        fd, capacity, nonce = _EACH.unpack_from(raw, _HEAD.size + i * _EACH.size)
-        if not 0 < capacity <= most_bytes:
-            raise MappingError(f"an offered segment of {capacity} bytes is out of range (at most {most_bytes})")
-        mappings.append(Mapping(pid, fd, capacity, nonce))
-    return mappings
+    pid, entries = open_offer(raw, HOST, _EACH, 1, available(), most_bytes)
+    return [Mapping(pid, fd, capacity, nonce) for fd, capacity, nonce in entries]

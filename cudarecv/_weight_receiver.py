@@ -642,7 +642,7 @@ def _handshake(lane: Lane, timeout: float, expect: Any, allocate: Any, failure: 
         raise
     raw = run(read_bytes(lane, length, TAG_SCHEMA, "weight schema", SchemaError), lane, left(), what)
     shared = b""
-    if 0 < offer.shared <= max(offer_size(MAX_SEGMENTS), cuda_ipc.offer_size(cuda_ipc.MAX_SEGMENTS)):
+    if 0 < offer.shared <= max(offer_size(MAX_SEGMENTS), cuda_ipc.offer_size(MAX_SEGMENTS)):
         shared = run(read_bytes(lane, offer.shared, TAG_SCHEMA, "same-host offer", SchemaError), lane, left(), what)
     elif offer.shared:
         answer(REFUSED if failure is None else FAILED, f"a same-host offer of {offer.shared} bytes is out of range")
