@@ -18,10 +18,10 @@ from . import _fast_wire, _same_host, _stock_wire, _stuck
 from ._errors import ArgumentError, ArgumentTypeError, Error, PeerError, TransferTimeout
 from ._handle import Transfer
 from ._header import check_pieces
+from ._host_copy import copy_bytes
 from ._link import Link, resolve
 from ._plan import Plan, forget_plan, plan_for
 from ._same_host import check_transport
-from ._shared_memory import copy_bytes
 from ._staging import lane_for
 from ._transport import MAX_TAG
 from ._walk import unwrap
@@ -182,7 +182,7 @@ def _start_send(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolida
                 return _fast_wire.send(lane, head, chunks, init_tag, offer=offer)
 
             protocol = wire(header, None) if side is None else side.send(
-                lane, header, init_tag, fill, wire, _same_host.allowed(transport), route)
+                lane, header, init_tag, fill, wire, _same_host.allowed(transport), route, storage=storage, chunks=chunks)
     else:
         if bucket_bytes is None:
             _check_tags(init_tag, len(plan.tensors), pseudo_rand)

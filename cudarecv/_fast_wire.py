@@ -110,14 +110,15 @@ def recv(lane: Lane, expected: Header, pieces_for: Callable[[int], list[Tensor]]
         if side is None:
             raise OutOfStepError("the sender offers shared memory on a link that cannot take it: out of step")
         offer = yield from read_bytes(lane, OFFER_SIZE, header_tag(init_tag), "same-host offer", _too_long)
-        side.take_offer(lane, offer, allow)
+        side.take_offer(lane, offer, allow, header)
     if header.transport:
         if side is None:
             raise OutOfStepError("the payload comes through shared memory on a link that has none: out of step")
-        yield from side.receive(lane, header, init_tag, copy_shared, problem, route)
-        if problem:
-            raise _rejected(problem)
-        return result
+        took = yield from side.receive(lane, header, init_tag, copy_shared, problem, route)
+        if took:
+            if problem:
+                raise _rejected(problem)
+            return result
     if problem:
         limit = drain_limit(expected.total)
         if header.total > limit:

@@ -7,7 +7,8 @@ Layout (little-endian)::
     kind      u16  1 = buckets (non-consolidated), 2 = chunks (consolidated storage)
     leaves    u32  number of leaves
     route     u32  where the payload is: byte 0 the transport (0 the wire, 1 a shared
-                   segment: :mod:`._same_host`), byte 1 the segment, bit 16 an offer follows
+                   segment, 2 the sender's storage in shared memory: :mod:`._same_host`),
+                   byte 1 the segment or storage slot, bit 16 an offer follows
     total     u64  payload bytes
     piece     u64  bytes per payload message (the sender's bucket_bytes)
     schema    16s  blake2b-128 of the schema (keys, dtypes, shapes, byte counts, offsets)
@@ -44,6 +45,7 @@ _BODY = struct.Struct("<4sHHIIQQ16sQ")
 _CRC = struct.Struct("<I")
 SIZE = 64
 MAX_MESSAGES = 1 << 16  # payload messages per transfer: a bound both ends enforce
+STORAGE_SLOTS = 4  # senders' storages a fast-wire link keeps mapped at once (route 2)
 DRAIN_FLOOR = 1 << 20  # a receiver drains a mismatched payload of up to max(2 x its own size, this)
 
 
@@ -66,7 +68,7 @@ class Header:
     total: int
     piece: int
     schema: bytes
-    transport: int = 0  #: 0: the payload follows on the wire; 1: in shared segment ``segment``
+    transport: int = 0  #: 0: the payload follows on the wire; 1: in shared segment ``segment``; 2: in storage slot ``segment``
     segment: int = 0
     offer: bool = False  #: an offer of shared segments follows the header (:mod:`._same_host`)
     seq: int = 0
@@ -102,7 +104,7 @@ class Header:
                 f"{MAX_MESSAGES} messages a transfer may have: a corrupt or hostile sender ({out_of_step})"
             )
         transport, segment, offer = route & 0xFF, route >> 8 & 0xFF, bool(route >> 16 & 1)
-        if transport > 1 or segment > 1 or route >> 17:
+        if transport > 2 or segment >= (STORAGE_SLOTS if transport == 2 else 2) or route >> 17:
             raise OutOfStepError(f"the header names an unknown payload route {route:#x} ({out_of_step})")
         return cls(kind, leaves, total, piece, schema, transport, segment, offer, seq)
 

@@ -50,6 +50,7 @@ import struct
 import threading
 import weakref
 import zlib
+from collections import OrderedDict
 from typing import Any, Callable
 
 import torch
@@ -61,10 +62,24 @@ from ._cuda import EventWork, record
 from ._errors import ArgumentError, OutOfStepError
 from ._fast_wire import OFFER_SIZE, header_tag, piece_tag
 from ._handle import CUDA_IPC, SHARED_MEMORY, WIRE
-from ._header import Header, piece_sizes
+from ._header import KIND_CHUNKS, KIND_NAMES, STORAGE_SLOTS, Header, piece_sizes
 from ._link import Link
-from ._shared_memory import Mapping, MappingError, Segment, available, map_offer, offer, offer_size
-from ._staging import Lane, recv_into
+from ._shared_memory import (
+    STORAGE,
+    STORAGE_OFFER_SIZE,
+    Mapping,
+    MappingError,
+    Segment,
+    StorageMapping,
+    available,
+    map_offer,
+    offer,
+    offer_kind,
+    offer_size,
+    shared_storage,
+    storage_offer,
+)
+from ._staging import Lane, send_from
 from ._transport import park
 from ._weights_link import Driver
 from ._weights_wire import TAG_END
@@ -74,6 +89,8 @@ TRANSPORTS = ("auto", "wire")
 ENV = "CUDARECV_TRANSPORT"
 MAX_SEGMENT_BYTES = 1 << 48
 BACK_TAGS = TAG_END  # the receiver's ANSWER and DONE for segment k travel on BACK_TAGS + k (k = 0, 1)
+STORAGE_BACK = 2  # ... and its DONE of a storage-route transfer on BACK_TAGS + 2
+DECLINED = 64  # storages a sender remembers the receiver could not map
 
 
 def check_transport(transport: object) -> str:
@@ -124,11 +141,14 @@ READY_SIZE = 48
 #: a READY covers the messages of at least this many bytes (one READY per message costs a gloo message each,
 #: more than the overlap gains on small messages)
 READY_SPAN = 4 << 20
+MAX_READY = 4
+READY_AHEAD = 2  # READY receives posted before the one waited for
 
 
 def ready_spans(total: int, piece: int) -> list[range]:
     """The messages (of ``piece`` bytes) each READY of a ``total``-byte transfer covers."""
-    count, per = len(piece_sizes(total, piece)), max(1, READY_SPAN // piece)
+    count = len(piece_sizes(total, piece))
+    per = max(1, READY_SPAN // piece, -(-count // MAX_READY))
     return [range(i, min(i + per, count)) for i in range(0, count, per)]
 
 
@@ -183,19 +203,25 @@ class SendSide:
         self.state = "new"
         self.device = device  # where its segments live: host memory, or a GPU (CUDA IPC)
         self.segments: list[Any] = []
-        self.fences: list[tuple[Any, Tensor, int] | None] = [None, None]  # the back receive posted per segment
-        self.held: list[list[Any]] = [[], []]  # a segment's header and READY sends, kept until its DONE
+        # the back receive posted per segment, and for the storage route (index STORAGE_BACK)
+        self.fences: list[tuple[Any, Tensor, int] | None] = [None, None, None]
+        self.held: list[list[Any]] = [[], [], []]  # a segment's header and READY sends, kept until its DONE
+        self.slots: OrderedDict[tuple[int, int, int], int] = OrderedDict()  # storages offered: their slot
+        self.declined: OrderedDict[tuple[int, int, int], None] = OrderedDict()  # storages the receiver cannot map
         self.seq = 0
         self.next = 0
         self.failed: str | None = None  # why the link left shared memory for the wire, after a failure
         self.driver = Driver(f"cudarecv-send-{peer}")
 
     def send(self, lane: Lane, header: Header, init_tag: int, fill: Callable[[Tensor, int, int, int], None],
-             wire: Callable[[Header, bytes | None], Any], allow: bool, route: Route) -> Any:
+             wire: Callable[[Header, bytes | None], Any], allow: bool, route: Route,
+             storage: Tensor | None = None, chunks: list[Tensor] | None = None) -> Any:
         """The protocol of one fast-wire send on this link (run on :attr:`driver`).
 
         ``fill(data, i, offset, length)`` writes message i into a segment's ``data``;
         ``wire(header, offer)`` is the wire protocol (with ``offer`` sent after the header).
+        A consolidated ``storage`` (cut into ``chunks``) that torch keeps in shared memory is read by
+        the receiver where it lies, if it can map it.
         """
         yield ()  # nothing before the link's earlier transfers: the rest runs on the link's thread, in order
         allow = allow and lane.device == self.device  # a side shares one kind of memory
@@ -203,6 +229,11 @@ class SendSide:
             if self.state == "offered":
                 yield from self._answer(lane)
             offer = None
+            where = None if storage is None or not (allow and self.state == "shared") else shared_storage(storage)
+            if where is not None and (where[1], where[2], where[4]) not in self.declined:
+                route.transport = SHARED_MEMORY
+                yield from self._from_storage(lane, header, init_tag, where, chunks or [])
+                return None
             if allow and self.state == "shared" and header.total <= self.segments[0].capacity:
                 route.transport = SHARED_MEMORY if self.device.type == "cpu" else CUDA_IPC
                 yield from self._shared(lane, header, init_tag, fill)
@@ -223,8 +254,8 @@ class SendSide:
         except BaseException as error:
             # what was posted for the segments may never complete (a DONE that never comes): never touch them or
             # the back tags again; the link's later transfers go on the wire (the failed one's error is its own)
-            park([fence[0] for fence in self.fences if fence is not None] + self.held[0] + self.held[1])
-            self.state, self.segments, self.fences = "wire", [], [None, None]
+            park([fence[0] for fence in self.fences if fence is not None] + [w for held in self.held for w in held])
+            self.state, self.segments, self.fences = "wire", [], [None, None, None]
             self.failed = f"{type(error).__name__}: {error}".splitlines()[0]
             raise
 
@@ -292,6 +323,33 @@ class SendSide:
         self.fences[k] = self._expect(lane, k, seq)
 
 
+    def _from_storage(self, lane: Lane, header: Header, init_tag: int, where: tuple[int, int, int, int, int],
+                      chunks: list[Tensor]) -> Any:
+        """The storage route: the header names the storage's slot (after an offer the first time); the receiver
+        copies the bytes straight out of this process's storage and says DONE, or NO (it cannot map it: then the
+        chunks follow on the wire and the storage never takes this route again). Ends once the receiver is done."""
+        key = (where[1], where[2], where[4])  # the file (device, inode: never reused while it lives) and offset
+        slot, offer = self.slots.get(key), None
+        if slot is None:
+            slot = len(self.slots) if len(self.slots) < STORAGE_SLOTS else self.slots.popitem(last=False)[1]
+            offer = storage_offer(where)
+        self.slots[key] = slot
+        self.slots.move_to_end(key)
+        self.seq += 1
+        head = dataclasses.replace(header, transport=2, segment=slot, offer=offer is not None, seq=self.seq)
+        self.held[STORAGE_BACK] = _post(lane, head.pack(), header_tag(init_tag))
+        if offer is not None:
+            self.held[STORAGE_BACK] += _post(lane, offer + bytes(OFFER_SIZE - len(offer)), header_tag(init_tag))
+        self.fences[STORAGE_BACK] = self._expect(lane, STORAGE_BACK, self.seq)
+        status = yield from self._take(STORAGE_BACK, DONE)
+        if status != OK:
+            del self.slots[key]
+            self.declined[key] = None
+            if len(self.declined) > DECLINED:
+                self.declined.popitem(last=False)
+            yield from send_from(lane, chunks, [piece_tag(init_tag)] * len(chunks))
+
+
 class RecvSide:
     """The receiver's end of a link direction: its thread and its read-only mappings of the sender's
     segments. States: ``new``, ``shared`` (mapped), ``wire`` (an offer was declined)."""
@@ -299,6 +357,7 @@ class RecvSide:
     def __init__(self, peer: int) -> None:
         self.state = "new"
         self.mappings: list[Mapping] = []
+        self.storages: dict[int, StorageMapping | None] = {}  # the sender's storages per slot (None: not mappable)
         self.declined: str | None = None  # why the last offer was declined
         self.driver_name = f"cudarecv-recv-{peer}"
         self.driver = Driver(self.driver_name)
@@ -317,9 +376,15 @@ class RecvSide:
         """Whether this link's receives run on :attr:`driver` (the sender's may wait for their DONE)."""
         return self.state != "wire"
 
-    def take_offer(self, lane: Lane, raw: bytes, allow: bool) -> None:
+    def take_offer(self, lane: Lane, raw: bytes, allow: bool, header: Header) -> None:
         """Map the offered segments (host memory, or CUDA IPC onto the lane's GPU) if this end may and
-        can; answer the sender either way."""
+        can; answer the sender either way. A storage offer (the storage route: ``header`` names its slot)
+        is answered by the transfer's DONE instead."""
+        if (offer_kind(raw) == STORAGE) != (header.transport == 2):
+            raise OutOfStepError("the offer does not go with the header's route: the link is out of step")
+        if header.transport == 2:
+            self.storages[header.segment] = self._map_storage(raw, allow)
+            return
         reason, mappings = None, []
         if not allow:
             reason = f"this receiver's transport is \"wire\" (the call's `transport` or {ENV})"
@@ -335,11 +400,24 @@ class RecvSide:
         self.state, self.mappings = ("shared", mappings) if reason is None else ("wire", [])
         park(_post(lane, _back(ANSWER, OK if reason is None else NO, 0), BACK_TAGS))
 
+    def _map_storage(self, raw: bytes, allow: bool) -> StorageMapping | None:
+        if not allow:
+            self.declined = f"this receiver's transport is \"wire\" (the call's `transport` or {ENV})"
+            return None
+        try:
+            return StorageMapping(raw[:STORAGE_OFFER_SIZE], MAX_SEGMENT_BYTES)
+        except Exception as error:  # noqa: BLE001 - whatever stops the mapping: the payload comes on the wire
+            self.declined = str(error) if isinstance(error, MappingError) else f"{type(error).__name__}: {error}"
+            return None
+
     def receive(self, lane: Lane, header: Header, init_tag: int, copy: Callable[[Tensor, int, int, int, int], None],
                 problem: str | None, route: Route) -> Any:
         """A sub-protocol: take the header's READY messages, checking each against the header and the
         segment before copying it out with ``copy(data, i, offset, length, piece)`` (not when ``problem``:
-        a mismatched header), then say DONE."""
+        a mismatched header), then say DONE. Returns whether the payload was taken (False: a storage
+        this receiver could not map, whose payload follows on the wire)."""
+        if header.transport == 2:
+            return (yield from self._from_storage(lane, header, copy, problem, route))
         if self.state != "shared" or header.segment >= len(self.mappings):
             raise OutOfStepError(f"the header names shared segment {header.segment}, which this receiver never "
                                  "mapped: the link is out of step")
@@ -369,7 +447,38 @@ class RecvSide:
 
         device = isinstance(mapping, cuda_ipc.DeviceMapping)
         route.transport = CUDA_IPC if device else SHARED_MEMORY
-        yield from recv_into(lane, slots, [piece_tag(init_tag)] * len(slots), landed=landed)
+        # a few READY receives posted ahead, not all: posting one costs about 0.1 ms, and posting
+        # 64 before waiting for the first (a 256 MiB transfer) would hold the copies back by 6 ms
+        tag, works = piece_tag(init_tag), []
+        for r in range(len(slots)):
+            ahead = slots[len(works):r + READY_AHEAD]
+            works += lane.post(False, ahead, [tag] * len(ahead))
+            yield [works[r]]
+            with lane.on_stream():
+                landed(r)
         if lane.stream is not None:  # the copies out of the segment are over before the sender may write it
             yield [EventWork(record(lane.stream))]
         park(_post(lane, _back(DONE, OK, header.seq), BACK_TAGS + header.segment))
+        return True
+
+    def _from_storage(self, lane: Lane, header: Header, copy: Callable[[Tensor, int, int, int, int], None],
+                      problem: str | None, route: Route) -> Any:
+        """The storage route: one copy straight out of the sender's storage (checked against the mapping),
+        then DONE; or NO if it could not be mapped."""
+        if self.state != "shared" or header.kind != KIND_CHUNKS or header.segment not in self.storages:
+            raise OutOfStepError(f"the header names storage slot {header.segment} of a {KIND_NAMES[header.kind]} "
+                                 "transfer, which this receiver never mapped: the link is out of step")
+        mapping, back = self.storages[header.segment], BACK_TAGS + STORAGE_BACK
+        if mapping is None:
+            park(_post(lane, _back(DONE, NO, header.seq), back))
+            return False
+        if header.total > mapping.capacity:
+            raise OutOfStepError(f"the header announces {header.total} bytes in a storage of {mapping.capacity}: "
+                                 "the link is out of step")
+        route.transport = SHARED_MEMORY
+        if problem is None:
+            copy(mapping.data, 0, 0, header.total, header.total)
+        if lane.stream is not None:  # the copy has landed before the sender may write its storage again
+            yield [EventWork(record(lane.stream))]
+        park(_post(lane, _back(DONE, OK, header.seq), back))
+        return True

@@ -16,6 +16,12 @@ Two version stamps in the segment's first bytes make a reader's copy checkable
 and *written v* after its last; a reader that copied version v reads *written*
 before and *writing* after its copy, and the copy is whole only if both are v.
 
+A tensor storage that torch already put in shared memory (``share_memory_()``,
+``consolidate(share_memory=True)``, a tensor sent through ``torch.multiprocessing``)
+is an anonymous file of the same kind, held open by torch: a reader maps it the
+same way (:class:`StorageMapping`, read-only, checked by the file's device and
+inode instead of a nonce) and copies straight out of the sender's own memory.
+
 Example:
     >>> seg = Segment(1 << 20)                       # the writer
     >>> seg.data[:4].copy_(torch.arange(4, dtype=torch.uint8))
@@ -88,15 +94,6 @@ def _map(fd: int, size: int, writable: bool) -> ctypes.Array:
     # not at exit: a thread may still copy out of it then; the process's end unmaps it anyway
     weakref.finalize(array, _libc.munmap, ptr, size).atexit = False
     return array
-
-
-def copy_bytes(dst: Tensor, src: Tensor) -> None:
-    """``dst.copy_(src)`` of contiguous bytes; between host buffers one thread's ``memmove``: torch's copy
-    of a megabyte wakes its OpenMP threads, whose spinning starves the peer process on the same cores."""
-    if dst.device.type == "cpu" and src.device.type == "cpu":
-        ctypes.memmove(dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size())
-    else:
-        dst.copy_(src, non_blocking=True)
 
 
 class Segment:
@@ -228,3 +225,55 @@ def map_offer(raw: bytes, most_bytes: int) -> list[Mapping]:
     process cannot (another machine or user, a segment larger than ``most_bytes``, ...)."""
     pid, entries = open_offer(raw, HOST, _EACH, 1, available(), most_bytes)
     return [Mapping(pid, fd, capacity, nonce) for fd, capacity, nonce in entries]
+
+
+_STORAGE_ENTRY = struct.Struct("<iQQQQ")  # fd, the file's device and inode, its bytes, the payload's offset in it
+STORAGE = 3  # the kind of an offer of a tensor storage in torch's shared memory
+STORAGE_OFFER_SIZE = offer_size(1, _STORAGE_ENTRY)
+
+
+def shared_storage(tensor: Tensor) -> tuple[int, int, int, int, int] | None:
+    """Where the bytes of host ``tensor`` lie if torch shares its storage by file descriptor (its default
+    on Linux): (fd, device, inode, file bytes, offset of the tensor's first byte); else None.
+
+    Never moves the storage (``_share_fd_cpu_`` would, for one shared by file name)."""
+    if tensor.device.type != "cpu":
+        return None
+    whole = tensor.untyped_storage()
+    try:
+        fd = whole._get_shared_fd()
+    except RuntimeError:  # not in shared memory, or shared by file name
+        return None
+    st = os.fstat(fd)
+    return fd, st.st_dev, st.st_ino, st.st_size, tensor.data_ptr() - whole.data_ptr()
+
+
+def storage_offer(where: tuple[int, int, int, int, int]) -> bytes:
+    """What a reader needs to map a storage :func:`shared_storage` found."""
+    return seal_offer(STORAGE, [_STORAGE_ENTRY.pack(*where)])
+
+
+class StorageMapping:
+    """The reader's read-only view of another process's shared storage, from its offset on."""
+
+    def __init__(self, raw: bytes, most_bytes: int) -> None:
+        pid, entries = open_offer(raw, STORAGE, _STORAGE_ENTRY, 3, available(), most_bytes)
+        if len(entries) != 1:
+            raise MappingError(f"a storage offer names {len(entries)} storages, not one")
+        fd, dev, ino, size, offset = entries[0]
+        if offset >= size:
+            raise MappingError(f"the offered storage starts at byte {offset} of a {size}-byte file")
+        try:
+            own = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as error:
+            raise MappingError(f"cannot open the peer's storage: {error.strerror}") from None
+        try:
+            st = os.fstat(own)
+            if (st.st_dev, st.st_ino) != (dev, ino) or st.st_size < size:
+                raise MappingError("the peer's descriptor is not the storage it announced")
+            self._map = _map(own, size, writable=False)
+        finally:
+            os.close(own)  # the mapping keeps the memory
+        self.capacity = size - offset
+        #: the storage's bytes from the offset on, read-only (never write: the pages are mapped PROT_READ)
+        self.data: Tensor = torch.frombuffer(self._map, dtype=torch.uint8)[offset:]

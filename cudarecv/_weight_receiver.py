@@ -50,10 +50,11 @@ from ._errors import (
 )
 from ._handle import CUDA_IPC, SHARED_MEMORY, WIRE, StartClock, Transfer
 from ._header import check_pieces, cut
+from ._host_copy import copy_bytes
 from ._link import Link, resolve
 from ._relay import Relay
 from ._same_host import allowed, check_transport
-from ._shared_memory import MAX_SEGMENTS, MappingError, copy_bytes, map_offer, offer_size
+from ._shared_memory import MAX_SEGMENTS, MappingError, map_offer, offer_size
 from ._staging import Lane, drain, lane_for, recv_into, send_from, wire_can_touch
 from ._walk import unwrap, walk
 from ._weights_link import Driver, check_timeout, link_error, naming, post_and_forget, run, send_bytes

@@ -77,10 +77,11 @@ from ._errors import (
 )
 from ._handle import CUDA_IPC, SHARED_MEMORY, WIRE, Transfer, run_standing
 from ._header import check_pieces, cut
+from ._host_copy import copy_bytes
 from ._link import resolve
 from ._plan import plan_for
 from ._same_host import allowed, check_transport
-from ._shared_memory import Segment, available, copy_bytes, offer
+from ._shared_memory import Segment, available, offer
 from ._staging import Lane, lane_for, send_from
 from ._transport import park
 from ._walk import unwrap

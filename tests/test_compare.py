@@ -39,6 +39,7 @@ EXPECTED = {
         ("cudarecv", "consolidated"),
         ("cudarecv", "chunks 16KiB"),
         ("cudarecv", "chunks 16KiB wire"),
+        ("cudarecv", "chunks 16KiB shared"),
         ("stock", "per-leaf"),
         ("cudarecv", "per-leaf"),
     ],
@@ -89,11 +90,11 @@ def test_compare_quick() -> None:
             assert row["transport"] == ("shared memory" if shared else "wire"), row
     raws = [row for rows in cases.values() for row in rows if row["impl"] == "raw" and row["mode"] == "flat recv"]
     assert all(row["vs raw"] == "1.00x" for row in raws)
-    assert "# checks: all 20 modes delivered the right values" in proc.stdout
+    assert "# checks: all 21 modes delivered the right values" in proc.stdout
 
     # one progress line per mode, flushed as each completes
-    progress = [line for line in proc.stderr.splitlines() if re.match(r"\[\s*\d+/20\]", line)]
-    assert len(progress) == 20, proc.stderr
+    progress = [line for line in proc.stderr.splitlines() if re.match(r"\[\s*\d+/21\]", line)]
+    assert len(progress) == 21, proc.stderr
     assert all(line.rstrip().endswith("ok") for line in progress), proc.stderr
 
 

@@ -33,7 +33,9 @@ every mode of that workload uses. The modes, by ``impl``:
 - ``cudarecv``: the same three, plus ``buckets <N>`` (``bucket_bytes=N``) and
   ``chunks <N>`` (``consolidated=True, bucket_bytes=N``), through shared memory
   (the two ranks are cudarecv processes on one machine), and the same with
-  ``wire`` after them (``transport="wire"``: the gloo socket);
+  ``wire`` after them (``transport="wire"``: the gloo socket); ``chunks <N> shared``
+  sends a tensordict consolidated into shared memory
+  (``consolidate(share_memory=True)``), which the receiver copies straight out of;
 - ``raw`` torch.distributed: ``flat recv`` (``dist.send/recv`` of one uint8
   buffer of the payload's bytes), ``per-leaf dist.irecv``
   (``dist.isend/irecv`` of every leaf, tags 0, 1, ...) and ``buckets <N>``,
@@ -65,10 +67,11 @@ SENDER, RECEIVER = 0, 1
 MODES: dict[str, tuple[str, ...]] = {
     "stock": ("per-leaf", "per-leaf pseudo_rand", "consolidated"),
     "cudarecv": ("per-leaf", "per-leaf pseudo_rand", "consolidated", "buckets <N>", "chunks <N>",
-                 "buckets <N> wire", "chunks <N> wire"),
+                 "buckets <N> wire", "chunks <N> wire", "chunks <N> shared"),
     "raw": ("flat recv", "per-leaf dist.irecv", "buckets <N>"),
 }
 
+_SUFFIXES = ("wire", "shared")  # after ``buckets <N>``/``chunks <N>``: transport="wire"; a shared-memory storage
 _UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30,
           "kb": 1000, "mb": 1000**2, "gb": 1000**3}
 
@@ -108,12 +111,13 @@ def parse_mode(impl: str, mode: str) -> tuple[str, int | None]:
     if impl not in MODES:
         raise ValueError(f"unknown impl {impl!r}; pick one of {sorted(MODES)}")
     words = mode.split()
-    wire = len(words) == 3 and words[2] == "wire"
-    if len(words) in (2, 3) and words[0] in ("buckets", "chunks") and (len(words) == 2 or wire):
+    suffix = words[2] if len(words) == 3 and words[2] in _SUFFIXES else ""
+    if len(words) in (2, 3) and words[0] in ("buckets", "chunks") and (len(words) == 2 or suffix):
         kind, piece = words[0], parse_size(words[1])
     else:
         kind, piece = " ".join(words), None
-    allowed = [m.replace(" <N>", "").removesuffix(" wire") for m in MODES[impl] if m.endswith("wire") == wire]
+    allowed = [m.replace(" <N>", "").removesuffix(f" {suffix}") for m in MODES[impl]
+               if (m.split()[-1] if m.split()[-1] in _SUFFIXES else "") == suffix]
     if kind not in allowed or (piece is None and kind in ("buckets", "chunks")):
         raise ValueError(f"unknown mode {mode!r} for impl {impl!r}; pick one of {list(MODES[impl])}")
     return kind, piece
@@ -185,6 +189,7 @@ def consolidated_modes(bucket: str) -> list[tuple[str, str, str | None]]:
         ("cudarecv", "consolidated", None),
         ("cudarecv", f"chunks {bucket}", "consolidated"),
         ("cudarecv", f"chunks {bucket} wire", "consolidated"),
+        ("cudarecv", f"chunks {bucket} shared", "consolidated"),
         ("stock", "per-leaf", None),
         ("cudarecv", "per-leaf", None),
     ]
@@ -203,12 +208,20 @@ class Workload:
     nbytes: int
     base: torch.Tensor  # float32 pattern, (arange % 251), as long as the longest leaf
     _flat: torch.Tensor | None = None
+    _cons_shared: Any = None
     _flat_base: torch.Tensor | None = None
 
     def consolidated(self) -> Any:
         if self.cons is None:
             self.cons = self.plain.consolidate(metadata=True)
         return self.cons
+
+    def consolidated_shared(self) -> Any:
+        """The tensordict consolidated into shared memory (``consolidate(share_memory=True)``), apart from
+        :meth:`consolidated` (moving that one would change every other mode)."""
+        if self._cons_shared is None:
+            self._cons_shared = self.per_leaf().contiguous().consolidate(metadata=True, share_memory=True)
+        return self._cons_shared
 
     def per_leaf(self) -> Any:
         return self.plain if self.plain is not None else self.cons
@@ -334,7 +347,10 @@ def make_op(case: dict, group: Any) -> Op:
         return Op(lambda: group.send([buf], RECEIVER, 0).wait(), lambda: group.recv([buf], SENDER, 0).wait(),
                   flat=buf, base=w.flat_base())
 
-    td = w.consolidated() if kind in ("consolidated", "chunks") else w.per_leaf()
+    if case["mode"].endswith(" shared"):
+        td = w.consolidated_shared()
+    else:
+        td = w.consolidated() if kind in ("consolidated", "chunks") else w.per_leaf()
     leaves = leaves_of(td)
     if impl == "raw" and kind == "buckets":
         return _raw_buckets(leaves, piece, group, w.base)

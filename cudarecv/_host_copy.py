@@ -1,0 +1,80 @@
+"""Copies between host buffers on one thread: the native streaming copy (``native/host_copy.c``,
+built at install where a C compiler is), else ``memmove``.
+
+One thread because torch's ``copy_`` of a megabyte wakes its OpenMP threads, whose spinning starves
+the peer process on the same cores; streaming stores because two processes copying at once (the
+sender into a segment, the receiver out of it) otherwise share the memory bus at half speed.
+
+Example:
+    >>> a, b = torch.arange(4.0), torch.zeros(4)
+    >>> copy_bytes(b, a); b
+    tensor([0., 1., 2., 3.])
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+from typing import Sequence
+
+import numpy as np
+from torch import Tensor
+
+
+def _load() -> tuple[ctypes.CDLL | None, str | None]:
+    spec = importlib.util.find_spec("cudarecv._host_copy_native")
+    if spec is None or spec.origin is None:
+        return None, "cudarecv was installed without a C compiler: host copies use memmove"
+    lib = ctypes.CDLL(spec.origin)
+    lib.cudarecv_copy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    lib.cudarecv_copy.restype = None
+    lib.cudarecv_copy_many.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    lib.cudarecv_copy_many.restype = None
+    return lib, None
+
+
+_LIB, WHY_NOT_NATIVE = _load()
+NATIVE = _LIB is not None  # whether the native copies were built
+
+
+def copy(dst: int, src: int, n: int) -> None:
+    """Copy ``n`` bytes from address ``src`` to ``dst`` (the two do not overlap); the GIL is released."""
+    if _LIB is not None:
+        _LIB.cudarecv_copy(dst, src, n)
+    else:
+        ctypes.memmove(dst, src, n)
+
+
+def copy_bytes(dst: Tensor, src: Tensor) -> None:
+    """``dst.copy_(src)`` of contiguous bytes; between host buffers one thread's :func:`copy`."""
+    if dst.device.type == "cpu" and src.device.type == "cpu":
+        copy(dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size())
+    else:
+        dst.copy_(src, non_blocking=True)
+
+
+class CopyTable:
+    """Many host copies, rows of (destination address, source address, bytes), done a run of rows at a
+    time in one call: e.g. the leaves of each message of a layout gathered into a segment or scattered
+    out of one.
+
+    The memory must outlive the table and stay where it is (a :class:`~cudarecv._plan.Plan` is rebuilt
+    when a leaf's data pointer moves).
+    """
+
+    def __init__(self, rows: Sequence[tuple[int, int, int]]) -> None:
+        self._table = np.array(rows, dtype=np.uint64).reshape(-1, 3)
+
+    def reversed(self) -> "CopyTable":
+        """The same copies the other way (sources and destinations swapped)."""
+        table = CopyTable(())
+        table._table = np.ascontiguousarray(self._table[:, [1, 0, 2]])
+        return table
+
+    def run(self, start: int, stop: int) -> None:
+        """Do the copies of rows ``start`` to ``stop`` (excluded)."""
+        if _LIB is not None:
+            _LIB.cudarecv_copy_many(self._table.ctypes.data + start * self._table.strides[0], stop - start)
+        else:
+            for dst, src, n in self._table[start:stop].tolist():
+                ctypes.memmove(dst, src, n)

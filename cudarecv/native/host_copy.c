@@ -1,0 +1,88 @@
+/* Host memory copies of the same-host transport (cudarecv._host_copy loads this with ctypes).
+ *
+ * A large copy streams its stores past the caches (non-temporal stores), four
+ * pages at a time as glibc does for copies larger than its threshold: at about
+ * 1 MiB a piece, glibc's memcpy keeps ordinary stores, which read every line
+ * they write and, with two processes copying at once (a sender filling a
+ * segment, a receiver emptying one), share the memory bus at half the speed.
+ * Every copy ends with a store fence, so a later store (a version stamp, a
+ * READY message) is never seen before the bytes.
+ */
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#define PAGE 4096
+#define LINE 64
+/* below this a copy takes ordinary stores: its bytes stay in the caches for whoever reads them next */
+#define STREAM_MIN (256 * 1024)
+
+#if defined(__x86_64__)
+/* n >= 4 * PAGE; d aligned to LINE; copies the largest multiple of 4 * PAGE, returns it */
+static size_t stream_sse2(char *d, const char *s, size_t n) {
+    size_t done = 0;
+    for (; n - done >= 4 * PAGE; done += 4 * PAGE)
+        for (size_t off = 0; off < PAGE; off += LINE)
+            for (int p = 0; p < 4; p++) {
+                const char *from = s + done + p * PAGE + off;
+                char *to = d + done + p * PAGE + off;
+                __m128i a = _mm_loadu_si128((const __m128i *)from);
+                __m128i b = _mm_loadu_si128((const __m128i *)(from + 16));
+                __m128i c = _mm_loadu_si128((const __m128i *)(from + 32));
+                __m128i e = _mm_loadu_si128((const __m128i *)(from + 48));
+                _mm_stream_si128((__m128i *)to, a);
+                _mm_stream_si128((__m128i *)(to + 16), b);
+                _mm_stream_si128((__m128i *)(to + 32), c);
+                _mm_stream_si128((__m128i *)(to + 48), e);
+            }
+    return done;
+}
+
+__attribute__((target("avx2"))) static size_t stream_avx2(char *d, const char *s, size_t n) {
+    size_t done = 0;
+    for (; n - done >= 4 * PAGE; done += 4 * PAGE)
+        for (size_t off = 0; off < PAGE; off += LINE)
+            for (int p = 0; p < 4; p++) {
+                const char *from = s + done + p * PAGE + off;
+                char *to = d + done + p * PAGE + off;
+                __builtin_prefetch(from + 4 * LINE);
+                __m256i a = _mm256_loadu_si256((const __m256i *)from);
+                __m256i b = _mm256_loadu_si256((const __m256i *)(from + 32));
+                _mm256_stream_si256((__m256i *)to, a);
+                _mm256_stream_si256((__m256i *)(to + 32), b);
+            }
+    return done;
+}
+
+static int avx2 = -1;
+#endif
+
+/* memcpy(dst, src, n) for buffers that do not overlap */
+void cudarecv_copy(void *dst, const void *src, size_t n) {
+#if defined(__x86_64__)
+    if (n >= STREAM_MIN) {
+        char *d = dst;
+        const char *s = src;
+        size_t head = (LINE - ((uintptr_t)d & (LINE - 1))) & (LINE - 1);
+        memcpy(d, s, head);
+        d += head, s += head, n -= head;
+        if (avx2 < 0)
+            avx2 = __builtin_cpu_supports("avx2") ? 1 : 0;
+        size_t done = avx2 ? stream_avx2(d, s, n) : stream_sse2(d, s, n);
+        memcpy(d + done, s + done, n - done);
+        _mm_sfence();
+        return;
+    }
+#endif
+    memcpy(dst, src, n);
+}
+
+/* count copies, each three words of table: destination, source, length */
+void cudarecv_copy_many(const uint64_t *table, size_t count) {
+    for (size_t i = 0; i < count; i++)
+        cudarecv_copy((void *)(uintptr_t)table[3 * i], (const void *)(uintptr_t)table[3 * i + 1],
+                      (size_t)table[3 * i + 2]);
+}
