@@ -45,7 +45,9 @@ _BODY = struct.Struct("<4sHHIIQQ16sQ")
 _CRC = struct.Struct("<I")
 SIZE = 64
 MAX_MESSAGES = 1 << 16  # payload messages per transfer: a bound both ends enforce
-STORAGE_SLOTS = 4  # senders' storages a fast-wire link keeps mapped at once (route 2)
+#: senders' storages a fast-wire link keeps mapped at once (route 2); a receiver keeps the memory of each
+#: mapped, even once the sender has let go of it, until another storage takes its slot
+STORAGE_SLOTS = 2
 DRAIN_FLOOR = 1 << 20  # a receiver drains a mismatched payload of up to max(2 x its own size, this)
 
 

@@ -231,8 +231,7 @@ class SendSide:
             offer = None
             where = None if storage is None or not (allow and self.state == "shared") else shared_storage(storage)
             if where is not None and (where[1], where[2], where[4]) not in self.declined:
-                route.transport = SHARED_MEMORY
-                yield from self._from_storage(lane, header, init_tag, where, chunks or [])
+                yield from self._from_storage(lane, header, init_tag, where, chunks or [], route)
                 return None
             if allow and self.state == "shared" and header.total <= self.segments[0].capacity:
                 route.transport = SHARED_MEMORY if self.device.type == "cpu" else CUDA_IPC
@@ -322,9 +321,8 @@ class SendSide:
         self.held[k] = held  # completes once the receiver has taken them (before its DONE)
         self.fences[k] = self._expect(lane, k, seq)
 
-
     def _from_storage(self, lane: Lane, header: Header, init_tag: int, where: tuple[int, int, int, int, int],
-                      chunks: list[Tensor]) -> Any:
+                      chunks: list[Tensor], route: Route) -> Any:
         """The storage route: the header names the storage's slot (after an offer the first time); the receiver
         copies the bytes straight out of this process's storage and says DONE, or NO (it cannot map it: then the
         chunks follow on the wire and the storage never takes this route again). Ends once the receiver is done."""
@@ -342,7 +340,9 @@ class SendSide:
             self.held[STORAGE_BACK] += _post(lane, offer + bytes(OFFER_SIZE - len(offer)), header_tag(init_tag))
         self.fences[STORAGE_BACK] = self._expect(lane, STORAGE_BACK, self.seq)
         status = yield from self._take(STORAGE_BACK, DONE)
-        if status != OK:
+        if status == OK:
+            route.transport = SHARED_MEMORY
+        else:
             del self.slots[key]
             self.declined[key] = None
             if len(self.declined) > DECLINED:

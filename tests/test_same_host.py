@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 import signal
 import subprocess
@@ -14,12 +16,12 @@ import torch
 from tensordict import TensorDict
 
 import cudarecv
-from cudarecv import _fast_wire, _same_host
-from cudarecv._header import Header
+from cudarecv import _fast_wire, _same_host, _shared_memory
+from cudarecv._header import STORAGE_SLOTS, Header
 from cudarecv._shared_memory import Mapping, Segment, map_offer, offer
 from cudarecv.testing.launch import Cluster, RankExit
 from rawwire import raw_send, store, unique_key
-from tdfactory import STRUCTURES, make, same
+from tdfactory import STRUCTURES, leaves, make, same
 
 
 def _memfds() -> int:
@@ -223,10 +225,13 @@ def test_a_lying_peer_cannot_make_the_receiver_read_outside_its_segment(cluster,
         assert "READY message 0 names" in message and "not read" in message
 
 
-def killed_mid_stream(rank, world, group, victim, key):
-    """The victim SIGKILLs itself after three transfers; the survivor's next ones fail, bounded."""
+def killed_mid_stream(rank, world, group, victim, key, storage):
+    """The victim SIGKILLs itself after three transfers; the survivor's next ones fail, bounded. With
+    ``storage`` the sender's tensordict is consolidated into shared memory (the storage route)."""
     td = TensorDict(x=torch.zeros(1 << 18))
-    op = cudarecv.send if rank == 0 else cudarecv.recv
+    if storage:
+        td = td.consolidate(metadata=True, share_memory=rank == 0)
+    op = functools.partial(cudarecv.send if rank == 0 else cudarecv.recv, consolidated=storage)
     peer = 1 - rank
     for _ in range(3):
         op(td, peer, bucket_bytes=1 << 16)
@@ -243,11 +248,13 @@ def killed_mid_stream(rank, world, group, victim, key):
     return type(error.value).__name__, str(error.value), time.monotonic() - started
 
 
+@pytest.mark.parametrize("storage", [False, True], ids=["segments", "storage"])
 @pytest.mark.parametrize("victim", [0, 1], ids=["sender_killed", "receiver_killed"])
-def test_a_peer_killed_with_sigkill_leaves_nothing_and_fails_bounded(victim):
+def test_a_peer_killed_with_sigkill_leaves_nothing_and_fails_bounded(victim, storage):
     before = set(os.listdir("/dev/shm"))
     with Cluster(2, pg_timeout=20.0) as ranks:
-        results = ranks.run(killed_mid_stream, args=(victim, unique_key("killed")), may_die={victim}, timeout=90)
+        results = ranks.run(killed_mid_stream, args=(victim, unique_key("killed"), storage), may_die={victim},
+                            timeout=90)
     assert isinstance(results[victim], RankExit)
     kind, message, took = results[1 - victim]
     assert kind in ("PeerError", "TransferTimeout") and f"rank {victim}" in message and took < 40, results
@@ -353,3 +360,114 @@ def test_a_send_waiting_for_a_segment_times_out_bounded_and_the_link_goes_on(clu
     (message, took, routes), exact = cluster().run(third_send_times_out, args=(unique_key("third"),), timeout=90)
     assert "did not answer within 2 s" in message and took < 10, (message, took)
     assert exact == [True, True, True] and routes == ["shared memory"] * 3, (exact, routes)
+
+
+# -- the storage route: a consolidated storage torch keeps in shared memory, read where it lies ----------------
+def _maps_of(ptr: int) -> list[tuple[str, str]]:
+    """(permissions, path) of this process's mappings holding address ``ptr``."""
+    with open("/proc/self/maps") as maps:
+        return [(line.split()[1], " ".join(line.split()[5:])) for line in maps
+                if int(line.split("-")[0], 16) <= ptr < int(line.split()[0].split("-")[1], 16)]
+
+
+def storage_route(rank, world, group, rounds, key):
+    """Every structure consolidated into shared memory on the sender, in turn for ``rounds`` rounds (more storages
+    than a link keeps mapped: slots are taken over and offered again), its values changed in place each time."""
+    pg, sending, seen, ok = _group(rank, world, key), rank == 0, [], {}
+    kept = {s: make(s, 0.0).consolidate(metadata=True, share_memory=sending) for s in STRUCTURES}
+    for step in range(rounds):
+        for structure, td in kept.items():
+            kw = dict(bucket_bytes=64, consolidated=True)
+            if sending:
+                for mine, value in zip(leaves(td), leaves(make(structure, 5.0 + step))):
+                    mine.copy_(value)  # in place: the storage stays where it is
+                [t] = cudarecv.isend(td, group=pg, group_dst=1, **kw, return_early=True)
+                assert t.wait(timeout=20) is None
+            else:
+                for mine in leaves(td):
+                    mine.zero_()
+                [t] = cudarecv.irecv(td, group=pg, group_src=0, **kw, return_premature=True)
+                assert t.wait(timeout=20) is td
+                ok[(structure, step)] = same(td, make(structure, 5.0 + step))
+            seen.append(t.transport)
+    if sending:
+        return seen, None
+    side = _same_host._SIDES[pg][(0, "recv")]
+    mapped = [m for m in side.storages.values() if m is not None]
+    return seen, (ok, [_maps_of(m.data.data_ptr()) for m in mapped])
+
+
+def test_a_storage_in_shared_memory_is_read_where_it_lies(cluster):
+    (sent, _), (received, (ok, maps)) = cluster().run(storage_route, args=(3, unique_key("storage")))
+    assert all(ok.values()) and len(ok) == 3 * len(STRUCTURES), ok
+    assert sent == received and set(sent[1:]) == {"shared memory"}, sent  # after the first (the link's offer)
+    assert len(maps) == STORAGE_SLOTS
+    for found in maps:  # read-only views of torch's (unlinked) shared-memory files
+        assert len(found) == 1 and found[0][0] == "r--s" and "/torch_" in found[0][1], found
+
+
+def storage_unmappable(rank, world, group, key):
+    """A receiver that cannot map the sender's storage: that transfer's payload comes on the wire, the later ones
+    through the segments; every value exact."""
+    td = TensorDict(x=torch.zeros(50_000), y=torch.zeros(3, dtype=torch.int64)).consolidate(
+        metadata=True, share_memory=rank == 0)
+    def refuse(raw, most_bytes):
+        raise _shared_memory.MappingError("no mapping in this test")
+
+    pg, seen, ok = _group(rank, world, key), [], []
+    with pytest.MonkeyPatch.context() as patch:
+        if rank == 1:
+            patch.setattr(_same_host, "StorageMapping", refuse)  # fault injection: this process alone
+        for step in range(4):
+            if rank == 0:
+                td["x"].fill_(step + 1.5)
+                td["y"].fill_(step)
+                cudarecv.send(td, group=pg, group_dst=1, bucket_bytes=1 << 14, consolidated=True, timeout=20)
+            else:
+                [t] = cudarecv.irecv(td, group=pg, group_src=0, bucket_bytes=1 << 14, consolidated=True,
+                                     return_premature=True)
+                t.wait(timeout=20)
+                seen.append(t.transport)
+                ok.append(bool((td["x"] == step + 1.5).all() and (td["y"] == step).all()))
+    return seen, ok
+
+
+def test_a_storage_the_receiver_cannot_map_comes_on_the_wire_then_through_the_segments(cluster):
+    _, (seen, ok) = cluster().run(storage_unmappable, args=(unique_key("unmappable"),))
+    assert all(ok), ok
+    assert seen == ["wire", "wire", "shared memory", "shared memory"], seen
+
+
+def forged_storage(rank, world, group, lie, key):
+    """A sender that names a storage slot it never offered, or offers a storage smaller than its header says:
+    refused before a byte is read."""
+    pg = _group(rank, world, key)
+    td = TensorDict(x=torch.full((1000,), 7.0 if rank == 0 else 0.0)).consolidate(metadata=True)
+    if rank == 0:
+        for _ in range(2):  # negotiate, then one through a segment
+            cudarecv.send(td, group=pg, group_dst=1, bucket_bytes=1024, consolidated=True)
+        plan = cudarecv._plan.plan_for(td)
+        head = plan.chunk_header(td).with_piece(1024)
+        if lie == "slot":
+            raw_send(pg, 1, dataclasses.replace(head, transport=2, segment=1, seq=99).pack(), _fast_wire.header_tag(0))
+            return None
+        small = torch.zeros(100, dtype=torch.uint8).share_memory_()
+        offered = _shared_memory.storage_offer(_shared_memory.shared_storage(small))
+        raw_send(pg, 1, dataclasses.replace(head, transport=2, segment=0, offer=True, seq=99).pack(),
+                 _fast_wire.header_tag(0))
+        raw_send(pg, 1, offered + bytes(_fast_wire.OFFER_SIZE - len(offered)), _fast_wire.header_tag(0))
+        time.sleep(2)  # (the receiver maps it before this process, and its storage, go)
+        return None
+    for _ in range(2):
+        cudarecv.recv(td, group=pg, group_src=0, bucket_bytes=1024, consolidated=True)
+    td["x"].zero_()
+    with pytest.raises(cudarecv.OutOfStepError) as error:
+        cudarecv.recv(td, group=pg, group_src=0, bucket_bytes=1024, consolidated=True, timeout=20)
+    return str(error.value), bool((td["x"] == 0).all())
+
+
+@pytest.mark.parametrize("lie", ["slot", "size"])
+def test_a_lying_peer_cannot_make_the_receiver_read_outside_a_storage(cluster, lie):
+    _, (message, untouched) = cluster().run(forged_storage, args=(lie, unique_key("forged-storage")))
+    assert untouched
+    assert ("never mapped" if lie == "slot" else "in a storage of 100") in message, message

@@ -1,0 +1,65 @@
+"""Host copies (cudarecv._host_copy): the native streaming copy and its memmove fallback give the same bytes."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from cudarecv import _host_copy
+from cudarecv._host_copy import CopyTable, copy, copy_bytes
+
+# around the streaming threshold (256 KiB), its 64-byte alignment and its 16 KiB blocks
+SIZES = [0, 1, 63, 64, 4095, (256 << 10) - 1, 256 << 10, (256 << 10) + 1, (1 << 20) + 16385, 3 << 20]
+
+
+@pytest.fixture(params=["native", "memmove"])
+def implementation(request, monkeypatch):
+    if request.param == "native":
+        if not _host_copy.NATIVE:
+            pytest.skip(_host_copy.WHY_NOT_NATIVE)
+    else:
+        monkeypatch.setattr(_host_copy, "_LIB", None)
+    return request.param
+
+
+@pytest.mark.parametrize("shift", [0, 1, 37])
+@pytest.mark.parametrize("size", SIZES)
+def test_copy_gives_the_same_bytes_and_nothing_past_them(implementation, size, shift):
+    src = torch.randint(0, 256, (size + 128,), dtype=torch.uint8)
+    dst = torch.full((size + 128,), 0xAB, dtype=torch.uint8)
+    copy(dst.data_ptr() + 3, src.data_ptr() + shift, size)
+    assert torch.equal(dst[3:3 + size], src[shift:shift + size])
+    assert bool((dst[:3] == 0xAB).all() and (dst[3 + size:] == 0xAB).all())  # nothing outside is written
+
+
+def test_copy_bytes_between_tensors(implementation):
+    src = torch.arange(300_000, dtype=torch.float32)
+    dst = torch.zeros_like(src)
+    copy_bytes(dst, src)
+    assert torch.equal(dst, src)
+
+
+def test_a_table_copies_its_runs_of_rows_both_ways(implementation):
+    leaves = [torch.randint(1, 256, (n,), dtype=torch.uint8) for n in (5, 8192, 300_000, 1, 70_000)]
+    staging = torch.zeros(sum(t.numel() for t in leaves), dtype=torch.uint8)
+    rows, at = [], 0
+    for t in leaves:
+        rows.append((staging.data_ptr() + at, t.data_ptr(), t.numel()))
+        at += t.numel()
+    pack = CopyTable(rows)
+    pack.run(0, 2)
+    pack.run(2, len(rows))
+    assert torch.equal(staging, torch.cat(leaves))
+    originals = [t.clone() for t in leaves]
+    for t in leaves:
+        t.zero_()
+    pack.reversed().run(1, 4)  # rows 1..3 only, back into the leaves
+    assert [torch.equal(t, o) for t, o in zip(leaves, originals)] == [False, True, True, True, False]
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler on this machine")
+def test_native_copies_are_built_where_a_compiler_is():
+    assert _host_copy.NATIVE, _host_copy.WHY_NOT_NATIVE
