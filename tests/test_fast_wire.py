@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from tensordict import TensorDict
@@ -131,6 +133,18 @@ def test_header_roundtrip_and_corruption():
         _header.Header.unpack(bytes(corrupted))
     with pytest.raises(cudarecv.OutOfStepError, match="not a cudarecv header"):
         _header.Header.unpack(bytes(64))
+
+
+@pytest.mark.parametrize("transport,slots", [(1, 2), (2, _header.STORAGE_SLOTS)], ids=["segment", "storage"])
+def test_header_routes_name_only_segments_and_storage_slots_that_exist(transport, slots):
+    h = _header.Header(_header.KIND_CHUNKS, 3, 1000, 64, bytes(16), transport=transport, offer=True, seq=5)
+    for k in range(slots):
+        same = dataclasses.replace(h, segment=k)
+        assert _header.Header.unpack(same.pack()) == same
+    with pytest.raises(cudarecv.OutOfStepError, match="unknown payload route"):
+        _header.Header.unpack(dataclasses.replace(h, segment=slots).pack())
+    with pytest.raises(cudarecv.OutOfStepError, match="unknown payload route"):
+        _header.Header.unpack(dataclasses.replace(h, transport=3).pack())
 
 
 def test_schema_digest_sees_keys_dtypes_shapes_offsets():
