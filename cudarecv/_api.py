@@ -210,8 +210,9 @@ def _start_send(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolida
                 return _fast_wire.send(lane, head, plan.pieces(bucket_bytes, place), init_tag, pack=pack, offer=offer)
 
             header = plan.bucket_header.with_piece(bucket_bytes)
+            table = plan.address_bytes if plan.device.type == "cpu" else None
             protocol = wire(header, None) if side is None else side.send(
-                lane, header, init_tag, fill, wire, _same_host.allowed(transport), route)
+                lane, header, init_tag, fill, wire, _same_host.allowed(transport), route, table=table)
     what, cause = _what(True, plan, init_tag, pseudo_rand, consolidated, bucket_bytes)
     transfer = Transfer(protocol, lane.stream, on_error=_explain(user, link, timeout, what, cause), timeout=timeout,
                         link=link, what=f"{what} to rank {link.peer} ({cause})", route=route,
@@ -259,7 +260,8 @@ def _start_recv(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolida
 
             protocol = _fast_wire.recv(lane, plan.bucket_header, lambda piece: plan.pieces(piece, place),
                                        init_tag, td, landed=lambda piece, i: plan.unpack(piece, i, place),
-                                       copy_shared=copy, **shared)
+                                       copy_shared=copy, table=plan.address_table if plan.device.type == "cpu" else None,
+                                       **shared)
     what, cause = _what(False, plan, init_tag, pseudo_rand, consolidated, bucket_bytes)
     driven = side is not None and side.driven  # the sender may wait for its DONE: it must not wait for our wait()
     transfer = Transfer(protocol, lane.stream, on_error=_explain(inner, link, timeout, what, cause), timeout=timeout,

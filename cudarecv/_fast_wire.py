@@ -89,7 +89,8 @@ def _too_long(text: str) -> OutOfStepError:
 
 def recv(lane: Lane, expected: Header, pieces_for: Callable[[int], list[Tensor]], init_tag: int,
          result: object, landed: Callable[[int, int], None] | None = None, side: Any = None,
-         allow: bool = False, copy_shared: Callable[..., None] | None = None, route: Any = None) -> Protocol:
+         allow: bool = False, copy_shared: Callable[..., None] | None = None, route: Any = None,
+         table: Any = None) -> Protocol:
     """Receive a header, check it against ``expected``, then the payload.
 
     ``pieces_for(piece_bytes)`` returns the receive buffers for the sender's
@@ -100,7 +101,7 @@ def recv(lane: Lane, expected: Header, pieces_for: Callable[[int], list[Tensor]]
     Same-host transport (:mod:`._same_host`): ``side`` is the link's receiving
     side, which takes an offer that follows a header (accepting it if ``allow``)
     and a payload that comes through a shared segment (``copy_shared`` copies it
-    out); ``route.transport`` then says so.
+    out, or the leaves of ``table`` are read straight from the sender); ``route.transport`` then says so.
     """
     raw = yield from read_bytes(lane, SIZE, header_tag(init_tag), "fast-wire header", _too_long)
     header = Header.unpack(raw)
@@ -114,7 +115,7 @@ def recv(lane: Lane, expected: Header, pieces_for: Callable[[int], list[Tensor]]
     if header.transport:
         if side is None:
             raise OutOfStepError("the payload comes through shared memory on a link that has none: out of step")
-        took = yield from side.receive(lane, header, init_tag, copy_shared, problem, route)
+        took = yield from side.receive(lane, header, init_tag, copy_shared, problem, route, table)
         if took:
             if problem:
                 raise _rejected(problem)

@@ -7,7 +7,8 @@ Layout (little-endian)::
     kind      u16  1 = buckets (non-consolidated), 2 = chunks (consolidated storage)
     leaves    u32  number of leaves
     route     u32  where the payload is: byte 0 the transport (0 the wire, 1 a shared
-                   segment, 2 the sender's storage in shared memory: :mod:`._same_host`),
+                   segment, 2 the sender's storage in shared memory, 3 the sender's leaves,
+                   read directly: :mod:`._same_host`),
                    byte 1 the segment or storage slot, bit 16 an offer follows
     total     u64  payload bytes
     piece     u64  bytes per payload message (the sender's bucket_bytes)
@@ -70,7 +71,9 @@ class Header:
     total: int
     piece: int
     schema: bytes
-    transport: int = 0  #: 0: the payload follows on the wire; 1: in shared segment ``segment``; 2: in storage slot ``segment``
+    #: 0: the payload follows on the wire; 1: in shared segment ``segment``; 2: in storage slot ``segment``;
+    #: 3: in the sender's leaves, read directly
+    transport: int = 0
     segment: int = 0
     offer: bool = False  #: an offer of shared segments follows the header (:mod:`._same_host`)
     seq: int = 0
@@ -106,7 +109,7 @@ class Header:
                 f"{MAX_MESSAGES} messages a transfer may have: a corrupt or hostile sender ({out_of_step})"
             )
         transport, segment, offer = route & 0xFF, route >> 8 & 0xFF, bool(route >> 16 & 1)
-        if transport > 2 or segment >= (STORAGE_SLOTS if transport == 2 else 2) or route >> 17:
+        if transport > 3 or segment >= {2: STORAGE_SLOTS, 3: 1}.get(transport, 2) or route >> 17:
             raise OutOfStepError(f"the header names an unknown payload route {route:#x} ({out_of_step})")
         return cls(kind, leaves, total, piece, schema, transport, segment, offer, seq)
 

@@ -22,6 +22,7 @@ from collections import OrderedDict, defaultdict
 from functools import cached_property
 from typing import Sequence
 
+import numpy as np
 import torch
 from tensordict import TensorDictBase
 from torch import Tensor
@@ -173,6 +174,18 @@ class Plan:
 
     def _bucket_layout(self, piece: int, place: str) -> "_Layout":
         return lru_get(self._pieces, (piece, place), lambda: _Layout(self, piece, place), CACHED)
+
+    @cached_property
+    def address_table(self) -> np.ndarray:
+        """(address, bytes) of each leaf in send order, as ``struct iovec`` rows (host leaves: what a peer on this
+        machine reads straight out of this process, :mod:`._same_host`)."""
+        return np.array([(t.data_ptr(), n) for t, n in zip(self.byte_views, self.nbytes)],
+                        dtype=np.uint64).reshape(-1, 2)
+
+    @cached_property
+    def address_bytes(self) -> Tensor:
+        """:attr:`address_table` as the bytes of one message."""
+        return torch.from_numpy(self.address_table.view(np.uint8).reshape(-1))
 
     @cached_property
     def bucket_header(self) -> "_header.Header":

@@ -53,6 +53,7 @@ import zlib
 from collections import OrderedDict
 from typing import Any, Callable
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -62,7 +63,8 @@ from ._cuda import EventWork, record
 from ._errors import ArgumentError, OutOfStepError
 from ._fast_wire import OFFER_SIZE, header_tag, piece_tag
 from ._handle import CUDA_IPC, SHARED_MEMORY, WIRE
-from ._header import KIND_CHUNKS, KIND_NAMES, STORAGE_SLOTS, Header, piece_sizes
+from ._header import KIND_BUCKETS, KIND_CHUNKS, KIND_NAMES, STORAGE_SLOTS, Header, drain_limit, piece_sizes
+from ._host_copy import may_read_process, read_process
 from ._link import Link
 from ._shared_memory import (
     STORAGE,
@@ -89,7 +91,7 @@ TRANSPORTS = ("auto", "wire")
 ENV = "CUDARECV_TRANSPORT"
 MAX_SEGMENT_BYTES = 1 << 48
 BACK_TAGS = TAG_END  # the receiver's ANSWER and DONE for segment k travel on BACK_TAGS + k (k = 0, 1)
-STORAGE_BACK = 2  # ... and its DONE of a storage-route transfer on BACK_TAGS + 2
+STORAGE_BACK = 2  # ... and its DONE of a storage-route or direct transfer on BACK_TAGS + 2
 DECLINED = 64  # storages a sender remembers the receiver could not map
 
 
@@ -133,7 +135,7 @@ def _open(raw: bytes, record: struct.Struct, magic: bytes, what: str) -> tuple:
 _BACK = struct.Struct("<4sHHQ")  # magic, kind, status, the transfer number it is about
 BACK_SIZE = 32
 ANSWER, DONE = 0, 1
-OK, NO = 0, 1
+OK, NO, DIRECT = 0, 1, 2  # DIRECT: an ANSWER's OK, and the receiver may read the sender's memory itself
 _READY = struct.Struct("<4sIQQQ")  # magic, message index, transfer number, offset, length
 READY_SIZE = 48
 
@@ -206,6 +208,7 @@ class SendSide:
         # the back receive posted per segment, and for the storage route (index STORAGE_BACK)
         self.fences: list[tuple[Any, Tensor, int] | None] = [None, None, None]
         self.held: list[list[Any]] = [[], [], []]  # a segment's header and READY sends, kept until its DONE
+        self.direct = False  # whether the receiver reads host leaves straight out of this process
         self.slots: OrderedDict[tuple[int, int, int], int] = OrderedDict()  # storages offered: their slot
         self.declined: OrderedDict[tuple[int, int, int], None] = OrderedDict()  # storages the receiver cannot map
         self.seq = 0
@@ -215,13 +218,15 @@ class SendSide:
 
     def send(self, lane: Lane, header: Header, init_tag: int, fill: Callable[[Tensor, int, int, int], None],
              wire: Callable[[Header, bytes | None], Any], allow: bool, route: Route,
-             storage: Tensor | None = None, chunks: list[Tensor] | None = None) -> Any:
+             storage: Tensor | None = None, chunks: list[Tensor] | None = None,
+             table: Tensor | None = None) -> Any:
         """The protocol of one fast-wire send on this link (run on :attr:`driver`).
 
         ``fill(data, i, offset, length)`` writes message i into a segment's ``data``;
         ``wire(header, offer)`` is the wire protocol (with ``offer`` sent after the header).
         A consolidated ``storage`` (cut into ``chunks``) that torch keeps in shared memory is read by
-        the receiver where it lies, if it can map it.
+        the receiver where it lies, if it can map it; host leaves (their ``table`` of addresses and
+        sizes, as bytes) are read straight out of this process by a receiver allowed to.
         """
         yield ()  # nothing before the link's earlier transfers: the rest runs on the link's thread, in order
         allow = allow and lane.device == self.device  # a side shares one kind of memory
@@ -232,6 +237,9 @@ class SendSide:
             where = None if storage is None or not (allow and self.state == "shared") else shared_storage(storage)
             if where is not None and (where[1], where[2], where[4]) not in self.declined:
                 yield from self._from_storage(lane, header, init_tag, where, chunks or [], route)
+                return None
+            if allow and self.state == "shared" and self.direct and table is not None:
+                yield from self._direct(lane, header, init_tag, table, route)
                 return None
             if allow and self.state == "shared" and header.total <= self.segments[0].capacity:
                 route.transport = SHARED_MEMORY if self.device.type == "cpu" else CUDA_IPC
@@ -288,8 +296,8 @@ class SendSide:
 
     def _answer(self, lane: Lane) -> Any:
         status = yield from self._take(0, ANSWER)
-        if status == OK:
-            self.state = "shared"
+        if status in (OK, DIRECT):
+            self.state, self.direct = "shared", status == DIRECT
         else:
             self.state, self.segments = "wire", []
 
@@ -350,6 +358,20 @@ class SendSide:
             yield from send_from(lane, chunks, [piece_tag(init_tag)] * len(chunks))
 
 
+    def _direct(self, lane: Lane, header: Header, init_tag: int, table: Tensor, route: Route) -> Any:
+        """The direct route: the header, then the leaves' addresses and sizes; the receiver reads them straight out
+        of this process (one copy in all, by the kernel) and says DONE. Ends once it is done."""
+        self.seq += 1
+        head = dataclasses.replace(header, transport=3, segment=0, seq=self.seq)
+        self.held[STORAGE_BACK] = _post(lane, head.pack(), header_tag(init_tag))
+        self.held[STORAGE_BACK] += lane.post(True, [table], [piece_tag(init_tag)])
+        self.fences[STORAGE_BACK] = self._expect(lane, STORAGE_BACK, self.seq)
+        if (yield from self._take(STORAGE_BACK, DONE)) != OK:
+            raise OutOfStepError("the receiver could not read this process's leaves (a region was not mapped): "
+                                 "its tensordict may be partly written")
+        route.transport = SHARED_MEMORY
+
+
 class RecvSide:
     """The receiver's end of a link direction: its thread and its read-only mappings of the sender's
     segments. States: ``new``, ``shared`` (mapped), ``wire`` (an offer was declined)."""
@@ -358,6 +380,7 @@ class RecvSide:
         self.state = "new"
         self.mappings: list[Mapping] = []
         self.storages: dict[int, StorageMapping | None] = {}  # the sender's storages per slot (None: not mappable)
+        self.direct: int | None = None  # the sender's pid, if this process may read its memory itself
         self.declined: str | None = None  # why the last offer was declined
         self.driver_name = f"cudarecv-recv-{peer}"
         self.driver = Driver(self.driver_name)
@@ -398,7 +421,10 @@ class RecvSide:
                 reason = str(error) if isinstance(error, MappingError) else f"{type(error).__name__}: {error}"
         self.declined = reason
         self.state, self.mappings = ("shared", mappings) if reason is None else ("wire", [])
-        park(_post(lane, _back(ANSWER, OK if reason is None else NO, 0), BACK_TAGS))
+        host = reason is None and isinstance(mappings[0], Mapping)
+        self.direct = mappings[0].pid if host and may_read_process(mappings[0].pid) is None else None
+        status = NO if reason is not None else DIRECT if self.direct is not None else OK
+        park(_post(lane, _back(ANSWER, status, 0), BACK_TAGS))
 
     def _map_storage(self, raw: bytes, allow: bool) -> StorageMapping | None:
         if not allow:
@@ -411,13 +437,16 @@ class RecvSide:
             return None
 
     def receive(self, lane: Lane, header: Header, init_tag: int, copy: Callable[[Tensor, int, int, int, int], None],
-                problem: str | None, route: Route) -> Any:
+                problem: str | None, route: Route, table: np.ndarray | None = None) -> Any:
         """A sub-protocol: take the header's READY messages, checking each against the header and the
         segment before copying it out with ``copy(data, i, offset, length, piece)`` (not when ``problem``:
-        a mismatched header), then say DONE. Returns whether the payload was taken (False: a storage
-        this receiver could not map, whose payload follows on the wire)."""
+        a mismatched header), then say DONE; or read the sender's leaves into those of ``table`` (their
+        addresses and sizes). Returns whether the payload was taken (False: a storage this receiver could
+        not map, whose payload follows on the wire)."""
         if header.transport == 2:
             return (yield from self._from_storage(lane, header, copy, problem, route))
+        if header.transport == 3:
+            return (yield from self._read_direct(lane, header, init_tag, table, copy, problem, route))
         if self.state != "shared" or header.segment >= len(self.mappings):
             raise OutOfStepError(f"the header names shared segment {header.segment}, which this receiver never "
                                  "mapped: the link is out of step")
@@ -459,6 +488,46 @@ class RecvSide:
         if lane.stream is not None:  # the copies out of the segment are over before the sender may write it
             yield [EventWork(record(lane.stream))]
         park(_post(lane, _back(DONE, OK, header.seq), BACK_TAGS + header.segment))
+        return True
+
+    def _read_direct(self, lane: Lane, header: Header, init_tag: int, table: np.ndarray | None,
+                     copy: Callable[[Tensor, int, int, int, int], None], problem: str | None, route: Route) -> Any:
+        """The direct route: take the sender's table of leaves (checked against this tensordict's ``table``: the
+        same sizes) and read them straight into the leaves, then DONE (NO if the read fell short). Leaves off
+        the host (no ``table``) are read into a host buffer, then copied out of it as out of a segment."""
+        if self.state != "shared" or self.direct is None or header.kind != KIND_BUCKETS:
+            raise OutOfStepError("the sender names its leaves for a direct read this receiver never agreed to: "
+                                 "the link is out of step")
+        size = 16 * header.leaves
+        if problem is not None and size > drain_limit(0 if table is None else 16 * len(table)):
+            raise OutOfStepError(f"{problem}; its table of {header.leaves} leaves is more than this receiver drains: "
+                                 "not drained, the link is out of step; the tensordict was left untouched")
+        buffer = torch.zeros(size + ROOM, dtype=torch.uint8)
+        yield lane.post(False, [buffer], [piece_tag(init_tag)])
+        raw = buffer.numpy()
+        if raw[size:].any():
+            raise OutOfStepError("the sender's table of leaves is longer than its header says: out of step")
+        status = OK
+        if problem is None:
+            remote = raw[:size].view(np.uint64).reshape(-1, 2)
+            staging = None if table is not None else torch.empty(header.total, dtype=torch.uint8)
+            local = table if staging is None else np.array([[staging.data_ptr(), header.total]], dtype=np.uint64)
+            sizes = remote[:, 1] if staging is None else remote[:, 1].sum(keepdims=True)
+            if not np.array_equal(sizes, local[:, 1]):
+                raise OutOfStepError("the sender's table of leaves names other sizes than this tensordict's leaves: "
+                                     "not read; the link is out of step")
+            route.transport = SHARED_MEMORY
+            status = OK if read_process(self.direct, local, remote) == header.total else NO
+            if staging is not None and status == OK:
+                for i, n in enumerate(piece_sizes(header.total, header.piece)):
+                    with lane.on_stream():
+                        copy(staging, i, i * header.piece, n, header.piece)
+                if lane.stream is not None:  # the copies out of the buffer have landed
+                    yield [EventWork(record(lane.stream))]
+        park(_post(lane, _back(DONE, status, header.seq), BACK_TAGS + STORAGE_BACK))
+        if status != OK:
+            raise OutOfStepError("the sender's table of leaves names memory it does not have: the tensordict is "
+                                 "partly written; the link is out of step")
         return True
 
     def _from_storage(self, lane: Lane, header: Header, copy: Callable[[Tensor, int, int, int, int], None],

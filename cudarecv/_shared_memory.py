@@ -152,6 +152,7 @@ class Mapping:
             os.close(own)  # the mapping keeps the memory
         if ctypes.string_at(self._map, NONCE) != nonce:
             raise MappingError("the peer's segment does not hold the nonce it announced")
+        self.pid = pid
         self.capacity = capacity
         whole = torch.frombuffer(self._map, dtype=torch.uint8)  # read-only pages: nothing here writes them
         #: the payload bytes, read-only (never write: the pages are mapped PROT_READ)
