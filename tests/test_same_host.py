@@ -471,3 +471,39 @@ def test_a_lying_peer_cannot_make_the_receiver_read_outside_a_storage(cluster, l
     _, (message, untouched) = cluster().run(forged_storage, args=(lie, unique_key("forged-storage")))
     assert untouched
     assert ("never mapped" if lie == "slot" else "in a storage of 100") in message, message
+
+
+def forged_table(rank, world, group, lie, key):
+    """A sender whose table of leaves (the direct route) names other sizes, or memory it does not have."""
+    pg = _group(rank, world, key)
+    td = TensorDict(x=torch.full((1000,), 7.0 if rank == 0 else 0.0), y=torch.ones(10))
+    if rank == 0:
+        for _ in range(2):  # negotiate, then one read directly
+            cudarecv.send(td, group=pg, group_dst=1, bucket_bytes=1024)
+        plan = cudarecv._plan.plan_for(td)
+        table = plan.address_table.copy()
+        if lie == "sizes":
+            table[0, 1], table[1, 1] = 40, 4000  # the same total, other leaves
+        else:
+            table[1, 0] = 8  # an address this process has not mapped
+        head = dataclasses.replace(plan.bucket_header.with_piece(1024), transport=3, seq=99)
+        raw_send(pg, 1, head.pack(), _fast_wire.header_tag(0))
+        raw_send(pg, 1, table.tobytes(), _fast_wire.piece_tag(0))
+        return None
+    for _ in range(2):
+        [t] = cudarecv.irecv(td, group=pg, group_src=0, bucket_bytes=1024, return_premature=True)
+        t.wait(timeout=20)
+    assert t.transport == "shared memory"
+    td["x"].zero_()
+    with pytest.raises(cudarecv.OutOfStepError) as error:
+        cudarecv.recv(td, group=pg, group_src=0, bucket_bytes=1024, timeout=20)
+    return str(error.value), bool((td["x"] == 0).all())
+
+
+@pytest.mark.parametrize("lie", ["sizes", "address"])
+def test_a_lying_peer_cannot_misplace_bytes_through_the_direct_route(cluster, lie):
+    _, (message, untouched) = cluster().run(forged_table, args=(lie, unique_key("forged-table")))
+    if lie == "sizes":
+        assert "other sizes" in message and "not read" in message and untouched, message
+    else:
+        assert "partly written" in message, message  # (leaf x, read before the bad address, may be written)
