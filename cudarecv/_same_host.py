@@ -31,6 +31,19 @@ n % 2) after its header (which names the segment and the transfer's number):
   tag. On a header mismatch it takes the ``READY`` messages, sends ``DONE`` and
   raises :class:`HeaderError`: the link stays in step, the tensordict untouched.
 
+Two routes skip the segments, and the sender's copy with them (one copy in
+all); the sender's transfer then ends with the receiver's ``DONE``, as the
+receiver reads its live memory:
+
+- *storage*: a consolidated storage that torch keeps in shared memory is
+  offered once (its fd, device and inode, in one of ``STORAGE_SLOTS`` slots),
+  mapped read-only and copied straight out of; a receiver that cannot map it
+  answers ``NO`` and takes that payload on the wire;
+- *direct*: if the receiver may read the sender's memory (``process_vm_readv``,
+  probed when it takes the link's offer; its ``ANSWER`` says ``DIRECT``), the
+  sender sends its host leaves' addresses and sizes, and the receiver checks the
+  sizes against its own leaves and reads them into them.
+
 Headers, ``READY`` and ``DONE`` stay on the process group, so timeouts, the
 header check and a dead peer are detected as on the wire. A transfer larger
 than the segments goes once on the wire with an offer of segments of its size.
@@ -205,7 +218,7 @@ class SendSide:
         self.state = "new"
         self.device = device  # where its segments live: host memory, or a GPU (CUDA IPC)
         self.segments: list[Any] = []
-        # the back receive posted per segment, and for the storage route (index STORAGE_BACK)
+        # the back receive posted per segment, and for the storage and direct routes (index STORAGE_BACK)
         self.fences: list[tuple[Any, Tensor, int] | None] = [None, None, None]
         self.held: list[list[Any]] = [[], [], []]  # a segment's header and READY sends, kept until its DONE
         self.direct = False  # whether the receiver reads host leaves straight out of this process
@@ -356,7 +369,6 @@ class SendSide:
             if len(self.declined) > DECLINED:
                 self.declined.popitem(last=False)
             yield from send_from(lane, chunks, [piece_tag(init_tag)] * len(chunks))
-
 
     def _direct(self, lane: Lane, header: Header, init_tag: int, table: Tensor, route: Route) -> Any:
         """The direct route: the header, then the leaves' addresses and sizes; the receiver reads them straight out
