@@ -63,14 +63,12 @@ class CopyTable:
     when a leaf's data pointer moves).
     """
 
-    def __init__(self, rows: Sequence[tuple[int, int, int]]) -> None:
-        self._table = np.array(rows, dtype=np.uint64).reshape(-1, 3)
+    def __init__(self, rows: Sequence[tuple[int, int, int]] | np.ndarray) -> None:
+        self._table = np.array(rows, dtype=np.uint64, order="C").reshape(-1, 3)  # a copy, rows contiguous
 
     def reversed(self) -> "CopyTable":
         """The same copies the other way (sources and destinations swapped)."""
-        table = CopyTable(())
-        table._table = np.ascontiguousarray(self._table[:, [1, 0, 2]])
-        return table
+        return CopyTable(self._table[:, [1, 0, 2]])
 
     def run(self, start: int, stop: int) -> None:
         """Do the copies of rows ``start`` to ``stop`` (excluded)."""

@@ -21,26 +21,7 @@
 #define STREAM_MIN (256 * 1024)
 
 #if defined(__x86_64__)
-/* n >= 4 * PAGE; d aligned to LINE; copies the largest multiple of 4 * PAGE, returns it */
-static size_t stream_sse2(char *d, const char *s, size_t n) {
-    size_t done = 0;
-    for (; n - done >= 4 * PAGE; done += 4 * PAGE)
-        for (size_t off = 0; off < PAGE; off += LINE)
-            for (int p = 0; p < 4; p++) {
-                const char *from = s + done + p * PAGE + off;
-                char *to = d + done + p * PAGE + off;
-                __m128i a = _mm_loadu_si128((const __m128i *)from);
-                __m128i b = _mm_loadu_si128((const __m128i *)(from + 16));
-                __m128i c = _mm_loadu_si128((const __m128i *)(from + 32));
-                __m128i e = _mm_loadu_si128((const __m128i *)(from + 48));
-                _mm_stream_si128((__m128i *)to, a);
-                _mm_stream_si128((__m128i *)(to + 16), b);
-                _mm_stream_si128((__m128i *)(to + 32), c);
-                _mm_stream_si128((__m128i *)(to + 48), e);
-            }
-    return done;
-}
-
+/* d aligned to LINE; copies the largest multiple of 4 * PAGE of n bytes, returns it */
 __attribute__((target("avx2"))) static size_t stream_avx2(char *d, const char *s, size_t n) {
     size_t done = 0;
     for (; n - done >= 4 * PAGE; done += 4 * PAGE)
@@ -63,15 +44,15 @@ static int avx2 = -1;
 /* memcpy(dst, src, n) for buffers that do not overlap */
 void cudarecv_copy(void *dst, const void *src, size_t n) {
 #if defined(__x86_64__)
-    if (n >= STREAM_MIN) {
+    if (avx2 < 0)
+        avx2 = __builtin_cpu_supports("avx2") ? 1 : 0;
+    if (n >= STREAM_MIN && avx2) { /* (without AVX2, glibc's memcpy) */
         char *d = dst;
         const char *s = src;
         size_t head = (LINE - ((uintptr_t)d & (LINE - 1))) & (LINE - 1);
         memcpy(d, s, head);
         d += head, s += head, n -= head;
-        if (avx2 < 0)
-            avx2 = __builtin_cpu_supports("avx2") ? 1 : 0;
-        size_t done = avx2 ? stream_avx2(d, s, n) : stream_sse2(d, s, n);
+        size_t done = stream_avx2(d, s, n);
         memcpy(d + done, s + done, n - done);
         _mm_sfence();
         return;
