@@ -333,7 +333,7 @@ TAG_STOCK_MODE = "_int_generator loop"
 
 def _stock_tag_map() -> list[int]:
     """The reference: stock ``_int_generator`` of every seed, 0..10000."""
-    from tensordict.utils import _int_generator
+    from cudarecv._stock import int_generator as _int_generator
 
     return [_int_generator(s) for s in range(10_001)]
 

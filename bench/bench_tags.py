@@ -55,7 +55,7 @@ s0 = time.perf_counter()
 import tensordict
 s1 = time.perf_counter()
 t0 = time.perf_counter()
-from tensordict.utils import _int_generator
+from cudarecv._stock import int_generator as _int_generator
 tag, tags = -1, []
 for _ in range({LEAVES}):
     tag = _int_generator(tag + 1)

@@ -20,9 +20,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
-from tensordict._base.distributed import _Distributed as Stock
 
 import cudarecv
+from cudarecv._stock import Stock
 from cudarecv.tools import transfer_ranks as tb
 
 LEAVES, LEAF_BYTES, STREAM, ROUNDS = 2000, 8192, 8, 5

@@ -29,9 +29,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
-from tensordict._base.distributed import _Distributed as Stock
 
 import cudarecv
+from cudarecv._stock import Stock
 from cudarecv.testing.launch import Ranks
 from cudarecv.tools import transfer_ranks as tb
 

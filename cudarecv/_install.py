@@ -33,6 +33,7 @@ def _as_method(name: str, function: Callable[..., Any], stock: Callable[..., Any
         return function(self, *args, **kwargs)
 
     method.__cudarecv__ = True
+    method.__stock__ = stock  # what it replaced (cudarecv._stock reads it)
     return method
 
 

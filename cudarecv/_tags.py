@@ -156,7 +156,7 @@ def int_generator_many(seeds: Iterable[int] | np.ndarray) -> np.ndarray:
     ``seeds`` are non-negative integers of any size (Python ints or an integer
     array). Returns an int64 array of the same length with values in ``0..9999``.
 
-    >>> from tensordict.utils import _int_generator
+    >>> from cudarecv._stock import int_generator as _int_generator
     >>> int_generator_many([10, 2**70]).tolist() == [_int_generator(10), _int_generator(2**70)]
     True
     """
@@ -252,7 +252,7 @@ def tag_sequence(init_tag: int, n: int, *, pseudo_rand: bool = False) -> np.ndar
 
     >>> tag_sequence(5, 3).tolist()
     [5, 6, 7]
-    >>> from tensordict.utils import _int_generator
+    >>> from cudarecv._stock import int_generator as _int_generator
     >>> tag_sequence(10, 2, pseudo_rand=True).tolist() == [
     ...     _int_generator(10), _int_generator(_int_generator(10) + 1)]
     True

@@ -95,7 +95,7 @@ def test_one_call_is_one_batch_in_stock_order(recording_world, spy_post, structu
 
 def test_stock_sends_the_same_records(recording_world):
     """Stock tensordict on the recording backend issues exactly what cudarecv issues."""
-    from tensordict._base.distributed import _Distributed as Stock
+    from cudarecv._stock import Stock
 
     td = make("nested", 1.0)
     RECORDS.clear()

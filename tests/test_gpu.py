@@ -30,10 +30,10 @@ import numpy as np
 import pytest
 import torch
 from tensordict import TensorDict
-from tensordict._base.distributed import _Distributed as Stock
 
 import cudarecv
 from cudarecv import _cuda
+from cudarecv._stock import Stock
 from cudarecv._walk import unwrap
 from cudarecv.testing.gpu import nccl_pair_problem
 from cudarecv.testing.launch import Ranks
@@ -216,9 +216,8 @@ def test_dedicated_stream_is_cached_and_not_the_default_stream():
 
 
 def test_tag_kernel_matches_numpy_and_stock_and_is_fast():
-    from tensordict.utils import _int_generator
-
     from cudarecv import _tag_kernel
+    from cudarecv._stock import int_generator as _int_generator
     from cudarecv._tags import MAX_TAG, int_generator_many, tag_map
 
     if not _tag_kernel.gpu_available():

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
-from tensordict._base.distributed import _Distributed as Stock
 
 import cudarecv
+from cudarecv._stock import Stock
 from tdfactory import STRUCTURES, make, same
 
 NAMES = ("isend", "irecv", "send", "recv")
@@ -35,6 +35,13 @@ def test_install_is_idempotent_and_reversible():
     assert {n: vars(TensorDictBase).get(n) for n in NAMES} == before
     for name in NAMES:
         assert getattr(TensorDict, name) is getattr(Stock, name)
+
+
+def test_stock_stays_stock_while_installed():
+    with cudarecv.installed():
+        for name in NAMES:
+            assert not getattr(getattr(Stock, name), "__cudarecv__", False), name
+            assert getattr(TensorDict, name).__stock__ is getattr(Stock, name)
 
 
 def test_installed_context_manager_restores_previous_state():

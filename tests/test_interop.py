@@ -1,4 +1,4 @@
-"""Wire compatibility with stock tensordict 0.15.3, both directions, every mode, both group kinds.
+"""Wire compatibility with stock tensordict (0.15.3, and 0.14.3 in the second CI environment), both directions, every mode, both group kinds.
 
 Each case runs on two real spawned ranks over gloo: rank 0 sends, rank 1
 receives, with stock tensordict on one end and cudarecv on the other (or on
@@ -8,9 +8,9 @@ both). The receiver checks every leaf and the call's return value.
 from __future__ import annotations
 
 import pytest
-from tensordict._base.distributed import _Distributed as Stock
 
 import cudarecv
+from cudarecv._stock import STOCK_CONSOLIDATED_ISEND, Stock
 from tdfactory import STRUCTURES, leaves, make, same
 
 MODES = {
@@ -70,6 +70,8 @@ PAIRS = [("stock", "cudarecv"), ("cudarecv", "stock"), ("cudarecv", "cudarecv")]
 @pytest.mark.parametrize("sender,receiver", PAIRS, ids=[f"{s}->{r}" for s, r in PAIRS])
 def test_wire_compatible(cluster, sender, receiver, mode, blocking, standalone):
     opts = MODES[mode]
+    if opts.get("consolidated") and not blocking and "stock" in (sender, receiver) and not STOCK_CONSOLIDATED_ISEND:
+        pytest.skip("this tensordict's isend/irecv have no consolidated= (0.14): its send/recv are the stock peer")
     _, results = cluster().run(transfer, args=(sender, receiver, blocking, opts), standalone=standalone)
     for structure, (ok, ret) in results.items():
         assert ok, f"{structure}: received values differ from the sent ones"
@@ -86,12 +88,17 @@ def stock_return_values(rank, world, group):
     for impl in ("stock", "cudarecv"):
         td = make("nested", float(rank))
         if rank == 0:
-            out.append((_call(impl, "isend", td, 1), _call(impl, "send", td, 1),
-                        _call(impl, "isend", td, 1, consolidated=True)))
+            calls = [_call(impl, "isend", td, 1), _call(impl, "send", td, 1),
+                     _call(impl, "send", td, 1, consolidated=True)]
+            if STOCK_CONSOLIDATED_ISEND:
+                calls.append(_call(impl, "isend", td, 1, consolidated=True))
         else:
             cons = make("nested", 0.0).consolidate(metadata=True)
-            out.append((_call(impl, "irecv", td, 0), _call(impl, "recv", td, 0),
-                        _call(impl, "irecv", cons, 0, consolidated=True)))
+            calls = [_call(impl, "irecv", td, 0), _call(impl, "recv", td, 0),
+                     _call(impl, "recv", cons, 0, consolidated=True)]
+            if STOCK_CONSOLIDATED_ISEND:
+                calls.append(_call(impl, "irecv", cons, 0, consolidated=True))
+        out.append(calls)
     return out
 
 

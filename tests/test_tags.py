@@ -7,7 +7,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tensordict.utils import _int_generator
+
+from cudarecv._stock import int_generator as _int_generator
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # source checkout without pip install

@@ -16,9 +16,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
-from tensordict._base.distributed import _Distributed as Stock
 
 import cudarecv
+from cudarecv._stock import Stock
 from rawwire import store
 from tdfactory import make, same
 

@@ -129,7 +129,8 @@ def test_no_process_group():
 
 def numpy_init_tag(rank, world, group):
     import numpy as np
-    from tensordict._base.distributed import _Distributed as Stock
+
+    from cudarecv._stock import Stock
 
     td = make("nested", 4.0 if rank == 0 else 0.0)
     if rank == 0:

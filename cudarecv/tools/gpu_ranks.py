@@ -158,9 +158,9 @@ def _nothing() -> None:
 
 def make_op(rank: int, case: dict, group: Any) -> tb.Op:
     """This rank's call of ``case`` (see :class:`cudarecv.tools.transfer_ranks.Op`), on its place."""
-    from tensordict._base.distributed import _Distributed
-
     import cudarecv
+
+    from .._stock import Stock
 
     kind, piece = tb.parse_mode(case["impl"], case["mode"])
     send_place, recv_place = places(case)
@@ -218,7 +218,7 @@ def make_op(rank: int, case: dict, group: Any) -> tb.Op:
         return tb.Op(send, recv, leaves, base=base)
 
     opts = tb.mode_options(kind, piece, case["mode"])
-    impl = _Distributed if case["impl"] == "stock" else cudarecv
+    impl = Stock if case["impl"] == "stock" else cudarecv
 
     def send() -> None:
         impl.isend(td, **to, **opts)

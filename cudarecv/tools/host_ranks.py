@@ -28,9 +28,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
-from tensordict._base.distributed import _Distributed as Stock
 
 import cudarecv
+
+from .._stock import Stock
 
 METHODS = ("relay", "star", "broadcast", "stock")
 LEAVES = 16

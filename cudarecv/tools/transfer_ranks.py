@@ -27,7 +27,7 @@ consolidated tensordict of ``leaves`` leaves totalling that many bytes, which
 every mode of that workload uses. The modes, by ``impl``:
 
 - ``stock`` (tensordict's own methods, called through
-  ``tensordict._base.distributed._Distributed`` so that ``cudarecv.install()``
+  ``cudarecv._stock.Stock`` so that ``cudarecv.install()``
   never changes them): ``per-leaf``, ``per-leaf pseudo_rand`` (``isend/irecv``),
   ``consolidated`` (``isend/irecv(consolidated=True)``);
 - ``cudarecv``: the same three, plus ``buckets <N>`` (``bucket_bytes=N``) and
@@ -331,9 +331,9 @@ def peers(group: Any) -> tuple[dict, dict]:
 
 def make_op(case: dict, group: Any) -> Op:
     """The send and receive calls of ``case`` on this rank's workload."""
-    from tensordict._base.distributed import _Distributed
-
     import cudarecv
+
+    from .._stock import STOCK_CONSOLIDATED_ISEND, Stock
 
     kind, piece = parse_mode(case["impl"], case["mode"])
     impl, w = case["impl"], workload(case)
@@ -367,9 +367,10 @@ def make_op(case: dict, group: Any) -> Op:
         return Op(send, recv, leaves, base=w.base)
 
     options = mode_options(kind, piece, case["mode"])
-    if impl == "stock":
-        return Op(lambda: _Distributed.isend(td, **to, **options),
-                  lambda: _Distributed.irecv(td, **frm, **options), leaves, base=w.base)
+    if impl == "stock":  # tensordict 0.14 has consolidated= on send/recv only: the same one message
+        send, recv = ((Stock.isend, Stock.irecv) if STOCK_CONSOLIDATED_ISEND or not options.get("consolidated")
+                      else (Stock.send, Stock.recv))
+        return Op(lambda: send(td, **to, **options), lambda: recv(td, **frm, **options), leaves, base=w.base)
     op = Op(lambda: cudarecv.isend(td, **to, **options), None, leaves, base=w.base)
 
     def recv() -> None:
