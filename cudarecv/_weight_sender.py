@@ -356,7 +356,7 @@ class WeightSender:
                         what=f"{what} with rank {lane.link.peer}")
 
     # -- pushing ------------------------------------------------------------------------
-    def push(self, wait: bool = True, timeout: float | None = None) -> int | list[Transfer]:
+    def push(self, wait: bool = True, timeout: float | None = None, values: Any = None) -> int | list[Transfer]:
         """Send the current values of ``td`` to every receiver still served, as the next version.
 
         ``sync`` mode: returns the new version number once every receiver has it, or
@@ -365,6 +365,8 @@ class WeightSender:
         snapshot buffer and returns the version at once (``wait`` changes nothing);
         receivers get it when they next pull.
         ``timeout``: seconds each receiver may take (default: the sender's ``timeout``).
+        ``values``: send these instead of ``td``'s (a tensordict with ``td``'s keys, shapes,
+        dtypes and device; ``td`` is left as it is).
 
         Raises:
             TransferTimeout or PeerError naming the receiver whose link failed: it is
@@ -379,11 +381,17 @@ class WeightSender:
         if not live:
             raise PeerError(f"no receiver of this WeightSender is left ({self.dropped}): "
                             "connect new receivers with a new WeightSender")
-        plan = plan_for(self._td)
+        plan = plan_for(self._td if values is None else unwrap(values))
         if [tuple(map(str, p)) for p in plan.paths] != [l.key for l in self.schema.leaves] or any(
             tuple(t.shape) != l.shape or t.dtype != l.dtype for t, l in zip(plan.tensors, self.schema.leaves)
         ):
+            if values is not None:
+                raise ArgumentError("`values` must have the keys, shapes and dtypes of the sender's `td` "
+                                    f"({len(self.schema.leaves)} leaves, {self.schema.total} bytes)")
             raise SchemaError("the tensordict changed structure since the handshake: build a new WeightSender")
+        if plan.device != self._device:
+            raise ArgumentError(f"`values` are on {plan.device}, the sender's `td` on {self._device}: "
+                                f"pass them on {self._device}")
         if self.mode == "latest":
             return self._snapshot_latest(plan, live, limit)
         if self._torn:  # the old storage stays with the parked sends of the dropped receiver

@@ -1,0 +1,67 @@
+"""A TorchRL policy whose every action says which weights computed it, and the environment it acts in.
+
+Weight-sync tests and benchmarks of TorchRL collectors need to know, from the
+collected batches alone, which version each worker acted with, and whether any
+action saw half of one. :func:`marker_policy` maps every observation to
+``bias + big[-1] - big[0]``: with :func:`set_marker` giving all its weights one
+value ``v``, every action is ``v``, and an action computed while the weights
+were half overwritten is none of the values sent. Its ``stamp`` output is the
+monotonic clock (system-wide on Linux) when the action was computed.
+
+Example:
+    >>> policy = marker_policy(4_000_000)   # about 4 MB of weights
+    >>> set_marker(policy, 0.5)
+    >>> collector.update_policy_weights_()
+    >>> markers(next(iter(collector)))     # {0.5}
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from tensordict import TensorDictBase
+from tensordict.nn import TensorDictModule
+from torch import nn
+from torchrl.envs import PendulumEnv
+
+__all__ = ["make_env", "marker_policy", "markers", "set_marker", "stamps"]
+
+
+class _Marker(nn.Module):
+    def __init__(self, floats: int) -> None:
+        super().__init__()
+        self.bias = nn.Parameter(torch.zeros(1))
+        self.big = nn.Parameter(torch.zeros(max(floats, 2)))
+
+    def forward(self, th: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        action = (self.bias + self.big[-1] - self.big[0]).expand(*th.shape, 1)
+        return action, torch.full(th.shape, time.monotonic(), dtype=torch.float64)
+
+
+def make_env() -> PendulumEnv:
+    """The environment of the tests (pure torch, nothing to download)."""
+    return PendulumEnv()
+
+
+def marker_policy(nbytes: int = 4096) -> TensorDictModule:
+    """A policy of about ``nbytes`` bytes of float32 weights (``th`` in, ``action`` and ``stamp`` out)."""
+    return TensorDictModule(_Marker(nbytes // 4), in_keys=["th"], out_keys=["action", "stamp"])
+
+
+def set_marker(policy: TensorDictModule, value: float) -> None:
+    """Give every weight of ``policy`` the value ``value``: its actions are then ``value``."""
+    with torch.no_grad():
+        for weight in policy.parameters():
+            weight.fill_(value)
+
+
+def markers(batch: TensorDictBase) -> set[float]:
+    """The values the actions of ``batch`` were computed with (rounded to float32's precision)."""
+    return {round(v, 5) for v in batch["action"].flatten().tolist()}
+
+
+def stamps(batch: TensorDictBase, value: float) -> list[float]:
+    """When each action of ``batch`` computed with ``value`` was computed (``time.monotonic()``)."""
+    action, stamp = batch["action"].flatten(), batch["stamp"].flatten()
+    return stamp[(action - value).abs() < 1e-5].tolist()

@@ -1,0 +1,150 @@
+"""The cudarecv weight-sync scheme in real TorchRL collectors (the torchrl extra, tensordict 0.14).
+
+Every test runs a real collector over two ``PendulumEnv`` worker processes.
+The policy's actions encode its weights (:mod:`cudarecv.testing.rl`), so the
+batches show which version each worker acted with, and whether any action saw
+half of one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("torchrl", reason="the torchrl extra is not installed (pip install 'cudarecv[torchrl]')")
+
+import torch  # noqa: E402
+from tensordict import TensorDict  # noqa: E402
+from torchrl.collectors import MultiAsyncCollector, MultiSyncCollector  # noqa: E402
+from torchrl.weight_update.weight_sync_schemes import WeightSyncScheme  # noqa: E402
+
+import cudarecv  # noqa: E402
+from cudarecv.testing.rl import make_env, marker_policy, markers, set_marker  # noqa: E402
+from cudarecv.torchrl import BACKEND, CudarecvWeightSyncScheme  # noqa: E402
+
+pytestmark = pytest.mark.timeout(240)
+WORKERS = 2
+
+
+@contextlib.contextmanager
+def collector(cls, policy, scheme, frames=20):
+    coll = cls([make_env] * WORKERS, policy, frames_per_batch=frames, total_frames=-1, device="cpu",
+               weight_sync_schemes={"policy": scheme})
+    try:
+        yield coll
+    finally:
+        done = threading.Thread(target=coll.shutdown, daemon=True)
+        done.start()
+        done.join(60)
+        for proc in getattr(coll, "procs", []):  # a shutdown that waited on a dead worker: end it
+            if proc.is_alive():
+                proc.kill()
+
+
+def update(coll, policy, value, **kwargs):
+    set_marker(policy, value)
+    coll.update_policy_weights_(**kwargs)
+
+
+def test_backend_is_registered_and_arguments_checked():
+    scheme = WeightSyncScheme.from_backend(BACKEND, timeout=5.0, sync=False)
+    assert isinstance(scheme, CudarecvWeightSyncScheme) and scheme.timeout == 5.0 and not scheme.sync
+    for kwargs, name in [({"strategy": "state_dict"}, "strategy"), ({"sync": 1}, "sync"), ({"timeout": 0}, "timeout"),
+                         ({"transport": "carrier pigeon"}, "transport"), ({"bucket_bytes": -1}, "bucket_bytes"),
+                         ({"host": ""}, "host"), ({"device": "warp drive"}, "device")]:
+        with pytest.raises(cudarecv.ArgumentError, match=f"`{name}`"):
+            CudarecvWeightSyncScheme(**kwargs)
+
+
+def test_travels_to_workers_without_its_connections():
+    class Context:
+        num_workers = 3
+
+    class NoWorkers:
+        pass
+
+    scheme = CudarecvWeightSyncScheme(timeout=5.0)
+    scheme.init_on_sender(model_id="policy", context=Context(), ctx=None)
+    copy = pickle.loads(pickle.dumps(scheme))
+    assert copy._store is None and copy._port == scheme._port and copy._workers == 3
+    assert copy._session == scheme._session and not copy.initialized_on_sender
+    with pytest.raises(cudarecv.UsageError, match="not connected"):
+        scheme.send()
+    with pytest.raises(cudarecv.ArgumentError, match="number of workers"):
+        CudarecvWeightSyncScheme().init_on_sender(model_id="policy", context=NoWorkers())
+
+
+def test_multisync_workers_act_with_every_version():
+    policy = marker_policy(1 << 20)
+    with collector(MultiSyncCollector, policy, CudarecvWeightSyncScheme(timeout=30.0)) as coll:
+        batches = iter(coll)
+        assert markers(next(batches)) == {0.0}
+        for i in range(1, 16):
+            update(coll, policy, i / 4)
+            batch = next(batches)
+            for worker in range(WORKERS):  # dim 0 is the worker
+                assert markers(batch[worker]) == {i / 4}, (i, worker, markers(batch[worker]))
+        # explicit weights: sent as they are, the trainer's policy untouched
+        other = TensorDict.from_module(marker_policy(1 << 20)).data.clone().apply(lambda t: t.fill_(9.5))
+        coll.update_policy_weights_(other)
+        assert markers(next(batches)) == {9.5} and policy.module.bias.item() == 15 / 4
+        with pytest.raises(cudarecv.ArgumentError, match="worker_ids"):
+            coll.update_policy_weights_(worker_ids=[0])
+        with pytest.raises(cudarecv.ArgumentError, match="keys, shapes and dtypes"):
+            coll.update_policy_weights_(TensorDict({"bias": torch.zeros(1)}, []))
+        update(coll, policy, 20.0)  # the refused calls sent nothing: the link is in step
+        assert markers(next(batches)) == {20.0}
+
+
+def test_multiasync_actions_never_see_half_a_version():
+    policy = marker_policy(4 << 20)  # 4 MB: a switch that copied in place would be caught in the middle
+    sent = [0.0]
+    with collector(MultiAsyncCollector, policy, CudarecvWeightSyncScheme(timeout=30.0)) as coll:
+        batches = iter(coll)
+        next(batches)
+        for i in range(1, 21):
+            sent.append(float(i))
+            update(coll, policy, float(i))
+            seen = set()
+            for _ in range(WORKERS + 1):  # batches collected before the update may still be queued
+                seen |= markers(next(batches))
+                assert seen <= set(sent), f"actions computed with no version that was sent: {seen - set(sent)}"
+                if float(i) in seen:
+                    break
+            assert float(i) in seen, f"version {i} not acted with in {WORKERS + 1} batches after the update"
+
+
+def test_latest_mode_never_waits_and_workers_catch_up():
+    policy = marker_policy(1 << 20)
+    with collector(MultiSyncCollector, policy, CudarecvWeightSyncScheme(sync=False, timeout=30.0)) as coll:
+        batches = iter(coll)
+        next(batches)
+        for i in range(1, 6):
+            update(coll, policy, float(i))
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # each worker switches as soon as the version has landed
+            seen = markers(next(batches))
+            assert seen <= {0.0, 1.0, 2.0, 3.0, 4.0, 5.0}
+            if seen == {5.0}:
+                break
+        assert seen == {5.0}
+
+
+def test_dead_worker_is_named_within_the_timeout():
+    policy = marker_policy(1 << 16)
+    timeout = 10.0
+    with collector(MultiSyncCollector, policy, CudarecvWeightSyncScheme(timeout=timeout)) as coll:
+        batches = iter(coll)
+        next(batches)
+        update(coll, policy, 1.0)
+        coll.procs[1].kill()
+        coll.procs[1].join(10)
+        start = time.monotonic()
+        with pytest.raises(cudarecv.Error, match=r"worker") as info:
+            update(coll, policy, 2.0)
+        assert time.monotonic() - start < timeout + 5, "the dead worker was not reported within the timeout"
+        assert isinstance(info.value, (cudarecv.PeerError, cudarecv.TransferTimeout, cudarecv.ReceiverFailed))
