@@ -1,9 +1,13 @@
-"""Copies between host buffers on one thread: the native streaming copy (``native/host_copy.c``,
-built at install where a C compiler is), else ``memmove``.
+"""Copies between host buffers on one thread: the native copy (``native/host_copy.c``, built at
+install where a C compiler is), else ``memmove``.
 
 One thread because torch's ``copy_`` of a megabyte wakes its OpenMP threads, whose spinning starves
-the peer process on the same cores; streaming stores because two processes copying at once (the
-sender into a segment, the receiver out of it) otherwise share the memory bus at half speed.
+the peer process on the same cores. The native copy streams large copies past the caches where that
+is faster: on some machines two processes copying at once (the sender into a segment, the receiver
+out of it) otherwise share the memory bus at half speed; on others glibc's memcpy is faster at every
+size. The first large copy measures both on 64 MiB (about 0.1 s, once per process) and keeps the
+faster; ``CUDARECV_HOST_COPY=stream`` or ``=memcpy`` chooses without measuring (:data:`STREAMING`
+says what was chosen, once a large copy ran).
 
 Example:
     >>> a, b = torch.arange(4.0), torch.zeros(4)
@@ -15,11 +19,15 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import math
 import os
+import time
 from typing import Sequence
 
 import numpy as np
 from torch import Tensor
+
+from ._errors import ArgumentError
 
 
 def _load() -> tuple[ctypes.CDLL | None, str | None]:
@@ -31,19 +39,48 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     lib.cudarecv_copy.restype = None
     lib.cudarecv_copy_many.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     lib.cudarecv_copy_many.restype = None
+    lib.cudarecv_copy_streaming.argtypes = [ctypes.c_int]
+    lib.cudarecv_copy_streaming.restype = ctypes.c_int
     return lib, None
 
 
 _LIB, WHY_NOT_NATIVE = _load()
 NATIVE = _LIB is not None  # whether the native copies were built
+ENV = "CUDARECV_HOST_COPY"  # "stream", "memcpy", or "auto" (measure at the first large copy; the default)
+STREAM_MIN = 256 * 1024  # below this no copy streams (native/host_copy.c)
+_PROBE = 64 << 20  # larger than the last-level caches of today's servers
+#: whether large native copies stream (None until the first large copy chose)
+STREAMING: bool | None = None
+
+
+def _choose() -> bool:
+    """Set the native copy's streaming as ``CUDARECV_HOST_COPY`` says, else to the faster one here."""
+    global STREAMING
+    choice = os.environ.get(ENV, "auto")
+    if choice not in ("auto", "stream", "memcpy"):
+        raise ArgumentError(f"the environment variable {ENV}={choice!r} must be one of auto, stream, memcpy")
+    if choice != "auto":
+        STREAMING = bool(_LIB.cudarecv_copy_streaming(choice == "stream"))
+        return STREAMING
+    src, dst = np.ones(_PROBE, dtype=np.uint8), np.zeros(_PROBE, dtype=np.uint8)  # (pages touched)
+    best = {}
+    for on in (0, 1, 0, 1):
+        _LIB.cudarecv_copy_streaming(on)
+        start = time.perf_counter()
+        _LIB.cudarecv_copy(dst.ctypes.data, src.ctypes.data, _PROBE)
+        best[on] = min(best.get(on, math.inf), time.perf_counter() - start)
+    STREAMING = bool(_LIB.cudarecv_copy_streaming(int(best[1] < best[0])))
+    return STREAMING
 
 
 def copy(dst: int, src: int, n: int) -> None:
     """Copy ``n`` bytes from address ``src`` to ``dst`` (the two do not overlap); the GIL is released."""
-    if _LIB is not None:
-        _LIB.cudarecv_copy(dst, src, n)
-    else:
+    if _LIB is None:
         ctypes.memmove(dst, src, n)
+        return
+    if STREAMING is None and n >= STREAM_MIN:
+        _choose()
+    _LIB.cudarecv_copy(dst, src, n)
 
 
 def copy_bytes(dst: Tensor, src: Tensor) -> None:
@@ -73,6 +110,8 @@ class CopyTable:
     def run(self, start: int, stop: int) -> None:
         """Do the copies of rows ``start`` to ``stop`` (excluded)."""
         if _LIB is not None:
+            if STREAMING is None:
+                _choose()
             _LIB.cudarecv_copy_many(self._table.ctypes.data + start * self._table.strides[0], stop - start)
         else:
             for dst, src, n in self._table[start:stop].tolist():

@@ -1,4 +1,4 @@
-"""Host copies (cudarecv._host_copy): the native streaming copy and its memmove fallback give the same bytes."""
+"""Host copies (cudarecv._host_copy): the native copy (streaming or not) and its memmove fallback give the same bytes."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import shutil
 import pytest
 import torch
 
+import cudarecv
 from cudarecv import _host_copy
 from cudarecv._host_copy import CopyTable, copy, copy_bytes
 
@@ -15,14 +16,19 @@ from cudarecv._host_copy import CopyTable, copy, copy_bytes
 SIZES = [0, 1, 63, 64, 4095, (256 << 10) - 1, 256 << 10, (256 << 10) + 1, (1 << 20) + 16385, 3 << 20]
 
 
-@pytest.fixture(params=["native", "memmove"])
+@pytest.fixture(params=["native stream", "native memcpy", "memmove"])
 def implementation(request, monkeypatch):
-    if request.param == "native":
+    if request.param.startswith("native"):
         if not _host_copy.NATIVE:
             pytest.skip(_host_copy.WHY_NOT_NATIVE)
+        monkeypatch.setenv(_host_copy.ENV, request.param.split()[1])
+        monkeypatch.setattr(_host_copy, "STREAMING", None)  # chosen again at the next large copy, as told
+        yield request.param
+        _host_copy._LIB.cudarecv_copy_streaming(0)
+        _host_copy.STREAMING = None
     else:
         monkeypatch.setattr(_host_copy, "_LIB", None)
-    return request.param
+        yield request.param
 
 
 @pytest.mark.parametrize("shift", [0, 1, 37])
@@ -58,6 +64,32 @@ def test_a_table_copies_its_runs_of_rows_both_ways(implementation):
         t.zero_()
     pack.reversed().run(1, 4)  # rows 1..3 only, back into the leaves
     assert [torch.equal(t, o) for t, o in zip(leaves, originals)] == [False, True, True, True, False]
+
+
+def test_streaming_is_chosen_once_as_told_or_measured(monkeypatch):
+    if not _host_copy.NATIVE:
+        pytest.skip(_host_copy.WHY_NOT_NATIVE)
+    src, dst = torch.ones(1 << 20, dtype=torch.uint8), torch.zeros(1 << 20, dtype=torch.uint8)
+    with open("/proc/cpuinfo") as f:
+        avx2 = " avx2 " in f.read().replace("\n", " ")  # streaming is for AVX2 machines only
+    try:
+        for told, expect in [("stream", avx2), ("memcpy", False), ("auto", None)]:
+            monkeypatch.setenv(_host_copy.ENV, told)
+            monkeypatch.setattr(_host_copy, "STREAMING", None)
+            copy_bytes(dst[:100], src[:100])  # a small copy chooses nothing
+            assert _host_copy.STREAMING is None
+            copy_bytes(dst, src)
+            assert torch.equal(dst, src) and isinstance(_host_copy.STREAMING, bool)
+            if expect is not None:
+                assert _host_copy.STREAMING is expect
+            dst.zero_()
+        monkeypatch.setenv(_host_copy.ENV, "fastest")
+        monkeypatch.setattr(_host_copy, "STREAMING", None)
+        with pytest.raises(cudarecv.ArgumentError, match="CUDARECV_HOST_COPY"):
+            copy_bytes(dst, src)
+    finally:
+        _host_copy._LIB.cudarecv_copy_streaming(0)
+        _host_copy.STREAMING = None
 
 
 @pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler on this machine")

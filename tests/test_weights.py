@@ -69,6 +69,37 @@ def test_fan_out_to_three_receivers(four, standalone, fanout):
         assert loaded
 
 
+def push_values(rank, world, group, transport):
+    model = policy()
+    set_version(model, 1)
+    if rank == 0:
+        with cudarecv.WeightSender(TensorDict.from_module(model), dst=1, timeout=20, transport=transport) as sender:
+            other = policy()
+            set_version(other, 7)
+            version = sender.push(values=TensorDict.from_module(other))
+            refused = []
+            for bad in (TensorDict({"0": {"weight": torch.zeros(3)}}, []),  # another schema
+                        TensorDict.from_module(other).data.to(torch.float64)):  # another dtype
+                with pytest.raises(cudarecv.ArgumentError, match="`values`") as info:
+                    sender.push(values=bad)
+                refused.append(str(info.value))
+            after = sender.push()  # nothing of the refused ones was sent: the link is in step
+            return version, after, holds_version(model, 1), refused
+    with cudarecv.WeightReceiver(src=0, expect=model, timeout=20, transport=transport) as receiver:
+        first = receiver.pull(), holds_version(receiver.td, 7)
+        second = receiver.pull(), holds_version(receiver.td, 1)
+        return first, second
+
+
+@pytest.mark.parametrize("transport", ["auto", "wire"])
+def test_push_values_sends_other_weights_and_leaves_td(cluster, transport):
+    sent, received = cluster().run(push_values, args=(transport,))
+    version, after, untouched, refused = sent
+    assert (version, after, untouched) == (1, 2, True)
+    assert len(refused) == 2
+    assert received == ((1, True), (2, True))
+
+
 def schema_mismatch(rank, world, group):
     model = policy()
     if rank == 0:

@@ -1,12 +1,14 @@
 /* Host memory copies of the same-host transport (cudarecv._host_copy loads this with ctypes).
  *
- * A large copy streams its stores past the caches (non-temporal stores), four
- * pages at a time as glibc does for copies larger than its threshold: at about
- * 1 MiB a piece, glibc's memcpy keeps ordinary stores, which read every line
- * they write and, with two processes copying at once (a sender filling a
- * segment, a receiver emptying one), share the memory bus at half the speed.
- * Every copy ends with a store fence, so a later store (a version stamp, a
- * READY message) is never seen before the bytes.
+ * With streaming on (cudarecv_copy_streaming(1), which _host_copy chooses where it
+ * measures faster), a large copy streams its stores past the caches
+ * (non-temporal stores), four pages at a time as glibc does for copies larger
+ * than its threshold: at about 1 MiB a piece, glibc's memcpy keeps ordinary
+ * stores, which on some machines read every line they write and, with two
+ * processes copying at once (a sender filling a segment, a receiver emptying
+ * one), share the memory bus at half the speed. On others glibc is faster at
+ * every size. A streamed copy ends with a store fence, so a later store (a
+ * version stamp, a READY message) is never seen before the bytes.
  */
 #include <stddef.h>
 #include <stdint.h>
@@ -40,13 +42,24 @@ __attribute__((target("avx2"))) static size_t stream_avx2(char *d, const char *s
 
 static int avx2 = -1;
 #endif
+static int streaming = 0;
+
+/* stream large copies (1) or leave every copy to glibc (0); returns whether streaming is on (AVX2 only) */
+int cudarecv_copy_streaming(int on) {
+#if defined(__x86_64__)
+    if (avx2 < 0)
+        avx2 = __builtin_cpu_supports("avx2") ? 1 : 0;
+    streaming = on && avx2;
+#else
+    streaming = 0;
+#endif
+    return streaming;
+}
 
 /* memcpy(dst, src, n) for buffers that do not overlap */
 void cudarecv_copy(void *dst, const void *src, size_t n) {
 #if defined(__x86_64__)
-    if (avx2 < 0)
-        avx2 = __builtin_cpu_supports("avx2") ? 1 : 0;
-    if (n >= STREAM_MIN && avx2) { /* (without AVX2, glibc's memcpy) */
+    if (n >= STREAM_MIN && streaming) { /* (set only with AVX2) */
         char *d = dst;
         const char *s = src;
         size_t head = (LINE - ((uintptr_t)d & (LINE - 1))) & (LINE - 1);

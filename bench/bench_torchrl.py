@@ -1,0 +1,153 @@
+"""TorchRL weight sync: ``update_policy_weights_()`` with cudarecv's scheme vs TorchRL's own, in one run.
+
+Two ``PendulumEnv`` workers, a policy of about 4 MB and 100 MB
+(:func:`cudarecv.testing.rl.marker_policy`: its actions say which weights
+computed them). Every case runs a real collector:
+
+- ``MultiSyncCollector`` with cudarecv's scheme (``sync=True``, and ``sync=False``:
+  the call returns at once), TorchRL's ``MultiProcessWeightSyncScheme`` and
+  ``SharedMemWeightSyncScheme``;
+- ``DistributedCollector`` (``launcher="mp"``, gloo) with cudarecv's scheme and
+  TorchRL's ``DistributedWeightSyncScheme`` (the one collector it runs in).
+
+Each round changes every weight, then times the trainer's call (pytest-benchmark's
+median), then collects until a frame acted with the new weights appears: ``act_ms``
+in ``extra_info`` (median) is from the call's start to that frame's action
+(``time.monotonic()``, system-wide). ``torn`` counts frames acted with weights
+that were never sent (half of one version and half of another).
+
+Run: ``pytest bench/bench_torchrl.py -p no:cacheprovider --benchmark-json T.json``
+(needs the torchrl extra); ``python bench/bench_torchrl.py T.json`` prints the table.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import statistics
+import sys
+import time
+from typing import Any
+
+import pytest
+
+ROUNDS = 15
+SIZES = {"4MB": 4_000_000, "100MB": 100_000_000}
+CASES = [("MultiSync", "cudarecv sync"), ("MultiSync", "cudarecv latest"), ("MultiSync", "MultiProcess"),
+         ("MultiSync", "SharedMem"), ("Distributed", "cudarecv sync"), ("Distributed", "Distributed")]
+pytestmark = pytest.mark.timeout(900)
+
+
+def _scheme(name: str) -> Any:
+    from torchrl.weight_update import (DistributedWeightSyncScheme, MultiProcessWeightSyncScheme,
+                                       SharedMemWeightSyncScheme)
+
+    from cudarecv.torchrl import CudarecvWeightSyncScheme
+
+    return {"cudarecv sync": lambda: CudarecvWeightSyncScheme(timeout=120.0),
+            "cudarecv latest": lambda: CudarecvWeightSyncScheme(sync=False, timeout=120.0),
+            "MultiProcess": MultiProcessWeightSyncScheme, "SharedMem": SharedMemWeightSyncScheme,
+            "Distributed": lambda: DistributedWeightSyncScheme(backend="gloo", sync=True)}[name]()
+
+
+def _free_ports(count: int) -> int:
+    """A port p with p .. p + count - 1 free on 127.0.0.1 (DistributedCollector takes three in a row)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + count > 65535:
+            continue
+        try:
+            for p in range(base, base + count):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError("no three free ports in a row")
+
+
+def _collector(kind: str, policy: Any, scheme: Any) -> Any:
+    from torchrl.collectors import MultiSyncCollector
+    from torchrl.collectors.distributed import DistributedCollector
+
+    from cudarecv.testing.rl import make_env
+
+    if kind == "MultiSync":
+        return MultiSyncCollector([make_env] * 2, policy, frames_per_batch=20, total_frames=-1, device="cpu",
+                                  weight_sync_schemes={"policy": scheme})
+    return DistributedCollector([make_env] * 2, policy, frames_per_batch=20, total_frames=10**12, launcher="mp",
+                                backend="gloo", sync=True, tcp_port=_free_ports(3),
+                                weight_sync_schemes={"policy": scheme})
+
+
+@pytest.mark.parametrize("size", list(SIZES))
+@pytest.mark.parametrize("kind,scheme", CASES, ids=[f"{k}-{s}" for k, s in CASES])
+def test_update_policy_weights(benchmark, kind, scheme, size):
+    pytest.importorskip("torchrl", reason="the torchrl extra is not installed")
+    from cudarecv.testing.rl import marker_policy, markers, set_marker, stamps
+
+    policy = marker_policy(SIZES[size])
+    collector = _collector(kind, policy, _scheme(scheme))
+    batches = iter(collector)
+    next(batches)
+    state = {"value": 0.0, "start": None}
+    sent, acts, torn = {0.0}, [], 0
+
+    def observe() -> None:  # the previous round's version: when did a worker first act with it
+        nonlocal torn
+        for _ in range(50):
+            batch = next(batches)
+            torn += len(markers(batch) - sent)
+            when = stamps(batch, state["value"])
+            if when:
+                acts.append(min(when) - state["start"])
+                return
+        raise AssertionError(f"no worker acted with version {state['value']} in 50 batches")
+
+    def setup() -> None:
+        if state["start"] is not None:
+            observe()
+        state["value"] += 1.0
+        sent.add(state["value"])
+        set_marker(policy, state["value"])
+
+    def update() -> None:
+        state["start"] = time.monotonic()
+        collector.update_policy_weights_()
+
+    try:
+        benchmark.pedantic(update, setup=setup, rounds=ROUNDS, warmup_rounds=1)
+        observe()
+    finally:
+        collector.shutdown()
+    benchmark.extra_info.update(collector=kind, scheme=scheme, bytes=SIZES[size], size=size,
+                                act_ms=statistics.median(acts) * 1e3, torn=torn)
+    assert torn == 0 or "cudarecv" not in scheme, f"{torn} frames acted with half of a version"
+
+
+def table(path: str) -> str:
+    """A markdown table of a run: call and act medians per case, and cudarecv's ratio to each TorchRL scheme."""
+    rows = [b for b in json.load(open(path))["benchmarks"] if "act_ms" in b["extra_info"]]
+    out = ["| size | collector | scheme | call (ms) | acts after (ms) | torn frames |", "|:--|:--|:--|--:|--:|--:|"]
+    for b in rows:
+        e = b["extra_info"]
+        out.append(f"| {e['size']} | {e['collector']} | {e['scheme']} | {b['stats']['median'] * 1e3:.2f} | "
+                   f"{e['act_ms']:.2f} | {e['torn']} |")
+    for size in SIZES:
+        of = {(b["extra_info"]["collector"], b["extra_info"]["scheme"]): b for b in rows
+              if b["extra_info"]["size"] == size}
+        for kind, ours, theirs in [("MultiSync", "cudarecv sync", "MultiProcess"),
+                                   ("MultiSync", "cudarecv sync", "SharedMem"),
+                                   ("Distributed", "cudarecv sync", "Distributed")]:
+            if (kind, ours) in of and (kind, theirs) in of:
+                a, b = of[(kind, ours)], of[(kind, theirs)]
+                out.append(f"\n{size} {kind}: {theirs} / cudarecv = call "
+                           f"{b['stats']['median'] / a['stats']['median']:.2f}x, acts after "
+                           f"{b['extra_info']['act_ms'] / a['extra_info']['act_ms']:.2f}x")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    print(table(sys.argv[1]))
