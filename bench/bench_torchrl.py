@@ -23,7 +23,6 @@ Run: ``pytest bench/bench_torchrl.py -p no:cacheprovider --benchmark-json T.json
 from __future__ import annotations
 
 import json
-import socket
 import statistics
 import sys
 import time
@@ -39,8 +38,11 @@ pytestmark = pytest.mark.timeout(900)
 
 
 def _scheme(name: str) -> Any:
-    from torchrl.weight_update import (DistributedWeightSyncScheme, MultiProcessWeightSyncScheme,
-                                       SharedMemWeightSyncScheme)
+    from torchrl.weight_update import (
+        DistributedWeightSyncScheme,
+        MultiProcessWeightSyncScheme,
+        SharedMemWeightSyncScheme,
+    )
 
     from cudarecv.torchrl import CudarecvWeightSyncScheme
 
@@ -50,35 +52,17 @@ def _scheme(name: str) -> Any:
             "Distributed": lambda: DistributedWeightSyncScheme(backend="gloo", sync=True)}[name]()
 
 
-def _free_ports(count: int) -> int:
-    """A port p with p .. p + count - 1 free on 127.0.0.1 (DistributedCollector takes three in a row)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + count > 65535:
-            continue
-        try:
-            for p in range(base, base + count):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no three free ports in a row")
-
-
 def _collector(kind: str, policy: Any, scheme: Any) -> Any:
     from torchrl.collectors import MultiSyncCollector
     from torchrl.collectors.distributed import DistributedCollector
 
-    from cudarecv.testing.rl import make_env
+    from cudarecv.testing.rl import free_ports, make_env
 
     if kind == "MultiSync":
         return MultiSyncCollector([make_env] * 2, policy, frames_per_batch=20, total_frames=-1, device="cpu",
                                   weight_sync_schemes={"policy": scheme})
     return DistributedCollector([make_env] * 2, policy, frames_per_batch=20, total_frames=10**12, launcher="mp",
-                                backend="gloo", sync=True, tcp_port=_free_ports(3),
+                                backend="gloo", sync=True, tcp_port=free_ports(3),
                                 weight_sync_schemes={"policy": scheme})
 
 

@@ -21,9 +21,9 @@ from ._staging import Lane, send_from
 from ._transport import park
 
 
-def check_timeout(timeout: object) -> float:
+def check_timeout(timeout: object, name: str = "timeout") -> float:
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ArgumentError(f"`timeout` must be a positive number of seconds, got {timeout!r}")
+        raise ArgumentError(f"`{name}` must be a positive number of seconds, got {timeout!r}")
     return float(timeout)
 
 

@@ -51,7 +51,16 @@ from torch import nn
 from torchrl.weight_update.weight_sync_schemes import WeightSyncScheme, register_weight_sync_backend
 
 from ._api import check_bucket_bytes
-from ._errors import ArgumentError, Error, PeerError, ReceiverFailed, SenderClosed, TransferTimeout, UsageError, WaitTimeout
+from ._errors import (
+    ArgumentError,
+    Error,
+    PeerError,
+    ReceiverFailed,
+    SenderClosed,
+    TransferTimeout,
+    UsageError,
+    WaitTimeout,
+)
 from ._same_host import check_transport
 from ._weight_receiver import WeightReceiver
 from ._weight_sender import WeightSender
@@ -80,8 +89,10 @@ class CudarecvWeightSyncScheme(WeightSyncScheme):
     Keyword Args:
         sync: ``True``: ``update_policy_weights_()`` returns once every worker acts with the
             new version. ``False``: it returns at once and workers take the newest version.
-        timeout: seconds any wait may take (the workers joining, a transfer, a worker
-            switching to a version).
+        timeout: seconds any wait may take once the workers have joined (a transfer, a
+            worker switching to a version).
+        connect_timeout: seconds the trainer waits for every worker to join when the
+            collector starts (worker processes start and import TorchRL meanwhile).
         host: the address of the trainer's store, which workers connect to (``127.0.0.1``
             for workers on this machine; the trainer's address for workers on other hosts).
         transport: ``"auto"`` (shared memory with workers on the trainer's machine) or
@@ -98,8 +109,8 @@ class CudarecvWeightSyncScheme(WeightSyncScheme):
     """
 
     def __init__(self, strategy: str = "tensordict", *, sync: bool = True, timeout: float = 60.0,
-                 host: str = "127.0.0.1", transport: str = "auto", bucket_bytes: int | None = None,
-                 verify: bool = False, device: Any = None) -> None:
+                 connect_timeout: float = 120.0, host: str = "127.0.0.1", transport: str = "auto",
+                 bucket_bytes: int | None = None, verify: bool = False, device: Any = None) -> None:
         if strategy != "tensordict":
             raise ArgumentError(f"`strategy` must be \"tensordict\" for the cudarecv scheme (the weights travel as "
                                 f"one consolidated tensordict), got {strategy!r}")
@@ -114,6 +125,7 @@ class CudarecvWeightSyncScheme(WeightSyncScheme):
         super().__init__(strategy)
         self.sync = sync
         self.timeout = check_timeout(timeout)
+        self.connect_timeout = check_timeout(connect_timeout, "connect_timeout")
         self.host = host
         self.transport = check_transport(transport)
         check_bucket_bytes(bucket_bytes)
@@ -167,14 +179,14 @@ class CudarecvWeightSyncScheme(WeightSyncScheme):
     def _connect_group(self, rank: int) -> Any:
         prefix = dist.PrefixStore(self._key("group"), self._store)
         try:
-            return dist.ProcessGroupGloo(prefix, rank, self._workers + 1, _seconds(self.timeout))
+            return dist.ProcessGroupGloo(prefix, rank, self._workers + 1, _seconds(self.connect_timeout))
         except RuntimeError as error:
             if rank == 0:
                 joined = int(self._store.add(self._key("joined"), 0))
                 raise TransferTimeout(f"weight sync of {self.model_id!r}: {joined} of {self._workers} workers "
-                                      f"joined within {self.timeout:g} s ({error})") from None
+                                      f"joined within {self.connect_timeout:g} s ({error})") from None
             raise TransferTimeout(f"weight sync of {self.model_id!r}: worker {self._worker_id} could not join the "
-                                  f"trainer's group within {self.timeout:g} s ({error})") from None
+                                  f"trainer's group within {self.connect_timeout:g} s ({error})") from None
 
     # -- the trainer --------------------------------------------------------------------
     def _init_on_sender_impl(self, *, model_id: str, context: Any = None, num_workers: int | None = None,
@@ -192,7 +204,7 @@ class CudarecvWeightSyncScheme(WeightSyncScheme):
         self._workers = workers
         self._initial = weights
         self._store = dist.TCPStore(self.host, 0, workers + 1, is_master=True, wait_for_workers=False,
-                                    timeout=_seconds(self.timeout))
+                                    timeout=_seconds(self.connect_timeout))
         self._port = self._store.port
 
     def _setup_connection_and_weights_on_sender_impl(self, *, worker_idx: Any = None, weights: Any = None) -> None:
@@ -318,7 +330,7 @@ class CudarecvWeightSyncScheme(WeightSyncScheme):
         if worker_idx is not None:
             self._worker_id = worker_idx
         self._store = dist.TCPStore(self.host, self._port, self._workers + 1, is_master=False,
-                                    timeout=_seconds(self.timeout))
+                                    timeout=_seconds(self.connect_timeout))
         self._rank = int(self._store.add(self._key("joined"), 1))  # 1..workers, whatever the collector numbers
         self._store.set(self._key("worker", self._rank), str(self._worker_id))
         self._group = self._connect_group(self._rank)

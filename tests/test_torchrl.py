@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import pickle
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -54,6 +57,7 @@ def test_backend_is_registered_and_arguments_checked():
     scheme = WeightSyncScheme.from_backend(BACKEND, timeout=5.0, sync=False)
     assert isinstance(scheme, CudarecvWeightSyncScheme) and scheme.timeout == 5.0 and not scheme.sync
     for kwargs, name in [({"strategy": "state_dict"}, "strategy"), ({"sync": 1}, "sync"), ({"timeout": 0}, "timeout"),
+                         ({"connect_timeout": -1}, "connect_timeout"),
                          ({"transport": "carrier pigeon"}, "transport"), ({"bucket_bytes": -1}, "bucket_bytes"),
                          ({"host": ""}, "host"), ({"device": "warp drive"}, "device")]:
         with pytest.raises(cudarecv.ArgumentError, match=f"`{name}`"):
@@ -148,3 +152,31 @@ def test_dead_worker_is_named_within_the_timeout():
             update(coll, policy, 2.0)
         assert time.monotonic() - start < timeout + 5, "the dead worker was not reported within the timeout"
         assert isinstance(info.value, (cudarecv.PeerError, cudarecv.TransferTimeout, cudarecv.ReceiverFailed))
+
+
+def test_readme_example_runs():
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "examples/torchrl_collector.py"], cwd=root, capture_output=True, text=True,
+                          timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    for k in range(5):
+        assert f"batch {k} collected with weights [{float(k)}]" in proc.stdout, proc.stdout
+
+
+def test_distributed_collector_syncs_through_cudarecv():
+    from torchrl.collectors.distributed import DistributedCollector
+
+    from cudarecv.testing.rl import free_ports
+
+    policy = marker_policy(1 << 20)
+    coll = DistributedCollector([make_env] * WORKERS, policy, frames_per_batch=20, total_frames=10**12, launcher="mp",
+                                backend="gloo", sync=True, tcp_port=free_ports(3),
+                                weight_sync_schemes={"policy": CudarecvWeightSyncScheme(timeout=30.0)})
+    try:
+        batches = iter(coll)
+        assert markers(next(batches)) == {0.0}
+        for i in range(1, 6):
+            update(coll, policy, float(i))
+            assert markers(next(batches)) == {float(i)}
+    finally:
+        coll.shutdown()

@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import socket
 import time
 
 import torch
@@ -25,7 +26,7 @@ from tensordict.nn import TensorDictModule
 from torch import nn
 from torchrl.envs import PendulumEnv
 
-__all__ = ["make_env", "marker_policy", "markers", "set_marker", "stamps"]
+__all__ = ["free_ports", "make_env", "marker_policy", "markers", "set_marker", "stamps"]
 
 
 class _Marker(nn.Module):
@@ -65,3 +66,21 @@ def stamps(batch: TensorDictBase, value: float) -> list[float]:
     """When each action of ``batch`` computed with ``value`` was computed (``time.monotonic()``)."""
     action, stamp = batch["action"].flatten(), batch["stamp"].flatten()
     return stamp[(action - value).abs() < 1e-5].tolist()
+
+
+def free_ports(count: int) -> int:
+    """A port p with p .. p + count - 1 free on 127.0.0.1 (``DistributedCollector(tcp_port=p)`` takes three in a row)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + count > 65535:
+            continue
+        try:
+            for p in range(base, base + count):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError(f"no {count} free ports in a row on 127.0.0.1")
