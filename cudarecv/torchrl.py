@@ -154,13 +154,15 @@ class CudarecvWeightSyncScheme(WeightSyncScheme):
         self._reading: Any = None  # the hold on the version the worker's policy uses
         self._rank: int | None = None
         self._failure: str | None = None
+        self._reported: set[int] = set()  # trainer: the failed ranks already named
+        self._reported_dead: set[int] = set()  # trainer: the collector's exited worker processes already named
         #: the version this process holds: the last one sent (trainer) or the one its policy acts with (worker)
         self.version = 0
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         for key in ("_store", "_group", "_sender", "_receiver", "_thread", "_stopping", "_gate", "_hooks",
-                    "_wrapped", "_reading", "_rank", "_failure", "version"):
+                    "_wrapped", "_reading", "_rank", "_failure", "_reported", "_reported_dead", "version"):
             state.pop(key, None)
         state["_initial"] = None
         return state
@@ -257,17 +259,30 @@ class CudarecvWeightSyncScheme(WeightSyncScheme):
     def _push(self, values: TensorDictBase | None) -> None:
         dropped = dict(self._sender.dropped)
         try:
-            version = self._sender.push(values=values)
+            pushed = self._sender.push(wait=False, values=values)  # sync: one transfer per worker, under way
+            ranks = self._sender.ranks
         except Error as error:
-            raise type(error)(f"weight sync of {self.model_id!r}: {self._name_ranks(error, dropped)}") from error
-        self.version = version
+            raise self._named(error, dropped) from error
+        self.version = version = self._sender.version
         if self.sync:
-            self._wait_switched(version)
+            self._wait_switched(version, pushed, ranks, dropped)
+        # who was lost since the last call, though every worker left has the version (said once each)
+        named = [f"worker {self._worker_of(r)} (rank {r}): {why}" for r, why in self._sender.dropped.items()
+                 if r not in dropped] + self._failures(self._sender.ranks, once=True)
+        dead = [i for i in self._dead_workers() if i not in self._reported_dead]
+        self._reported_dead.update(dead)
+        if dead:
+            named.append(f"worker process(es) {dead} of the collector exited")
+        if named:
+            raise PeerError(f"weight sync of {self.model_id!r}, version {version} (every worker left has it): "
+                            + "; ".join(named))
 
-    def _name_ranks(self, error: BaseException, before: dict[int, str]) -> str:
+    def _named(self, error: Error, before: dict[int, str]) -> Error:
+        """``error`` with the workers dropped since ``before`` named."""
         lost = [rank for rank in self._sender.dropped if rank not in before]
         names = ", ".join(f"worker {self._worker_of(rank)} (rank {rank})" for rank in lost)
-        return f"{names} dropped: {error}" if names else str(error)
+        text = f"{names} dropped: {error}" if names else str(error)
+        return type(error)(f"weight sync of {self.model_id!r}: {text}")
 
     def _worker_of(self, rank: int) -> str:
         try:
@@ -275,9 +290,20 @@ class CudarecvWeightSyncScheme(WeightSyncScheme):
         except Exception:  # noqa: BLE001 - a name for an error message only
             return "?"
 
-    def _wait_switched(self, version: int) -> None:
-        """Wait until every worker still served acts with ``version``; name those that fail or never do."""
-        ranks = self._sender.ranks
+    def _failures(self, ranks: list[int], once: bool = False) -> list[str]:
+        """What the workers of ``ranks`` that failed said (``once``: those not said before)."""
+        out = []
+        for rank in ranks:
+            if (once and rank in self._reported) or not self._store.check([self._key("failed", rank)]):
+                continue
+            self._reported.add(rank)
+            out.append(f"worker {self._worker_of(rank)} (rank {rank}): "
+                       f"{self._store.get(self._key('failed', rank)).decode()}")
+        return out
+
+    def _wait_switched(self, version: int, pushed: list[Any], ranks: list[int], dropped: dict[int, str]) -> None:
+        """Wait until every worker of ``ranks`` (``pushed`` to) acts with ``version``; name those that fail or
+        never do."""
         keys = {rank: self._key("switched", rank, version) for rank in ranks}
         deadline = time.monotonic() + self.timeout
         while True:
@@ -286,21 +312,27 @@ class CudarecvWeightSyncScheme(WeightSyncScheme):
                 break
             except Exception:  # noqa: BLE001 - the store's timeout: look for failures, then wait on
                 pass
-            failed = [rank for rank in ranks if self._store.check([self._key("failed", rank)])]
+            if any(transfer.settled and transfer.failed for transfer in pushed):
+                break  # raised below, naming the worker
+            failed = self._failures(ranks)
             if failed:
-                reasons = "; ".join(f"worker {self._worker_of(r)} (rank {r}): "
-                                    f"{self._store.get(self._key('failed', r)).decode()}" for r in failed)
-                raise ReceiverFailed(f"weight sync of {self.model_id!r}, version {version}: {reasons}")
-            dead = self._dead_workers()
+                raise ReceiverFailed(f"weight sync of {self.model_id!r}, version {version}: " + "; ".join(failed))
+            dead = [i for i in self._dead_workers() if i not in self._reported_dead]
             if time.monotonic() > deadline or dead:
                 missing = [r for r, key in keys.items() if not self._store.check([key])]
                 named = ", ".join(f"worker {self._worker_of(r)} (rank {r})" for r in missing)
                 if dead:
+                    self._reported_dead.update(dead)
                     raise PeerError(f"weight sync of {self.model_id!r}, version {version}: worker process(es) "
                                     f"{dead} died; {named} did not switch to it")
                 raise TransferTimeout(f"weight sync of {self.model_id!r}: {named} did not switch to version "
                                       f"{version} within {self.timeout:g} s (its policy's forward held it, or "
                                       "it stopped)")
+        for transfer in pushed:  # over already, or failed: the worker's transfer says why
+            try:
+                transfer.wait()
+            except Error as error:
+                raise self._named(error, dropped) from error
         for key in keys.values():
             self._store.delete_key(key)
 

@@ -180,3 +180,23 @@ def test_distributed_collector_syncs_through_cudarecv():
             assert markers(next(batches)) == {float(i)}
     finally:
         coll.shutdown()
+
+
+def test_latest_mode_names_a_dead_worker_once_and_goes_on():
+    policy = marker_policy(1 << 16)
+    timeout = 10.0
+    with collector(MultiSyncCollector, policy, CudarecvWeightSyncScheme(sync=False, timeout=timeout)) as coll:
+        next(iter(coll))
+        scheme = coll._weight_sync_schemes["policy"]
+        coll.procs[1].kill()
+        coll.procs[1].join(10)
+        start, raised = time.monotonic(), None
+        while raised is None and time.monotonic() - start < timeout:
+            try:
+                update(coll, policy, 1.0)  # never waits: the loss is named by a later call
+            except cudarecv.PeerError as error:
+                raised = error
+            time.sleep(0.05)
+        assert raised is not None and "worker" in str(raised), "the dead worker was not named within the timeout"
+        update(coll, policy, 2.0)  # named once; the live worker keeps getting versions
+        assert scheme.version >= 2 and len(scheme._sender.ranks) == 1
