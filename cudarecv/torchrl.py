@@ -154,7 +154,6 @@ class CudarecvWeightSyncScheme(WeightSyncScheme):
         self._reading: Any = None  # the hold on the version the worker's policy uses
         self._rank: int | None = None
         self._failure: str | None = None
-        self._reported: set[int] = set()  # trainer: the failed ranks already named
         self._reported_dead: set[int] = set()  # trainer: the collector's exited worker processes already named
         #: the version this process holds: the last one sent (trainer) or the one its policy acts with (worker)
         self.version = 0
@@ -162,7 +161,7 @@ class CudarecvWeightSyncScheme(WeightSyncScheme):
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         for key in ("_store", "_group", "_sender", "_receiver", "_thread", "_stopping", "_gate", "_hooks",
-                    "_wrapped", "_reading", "_rank", "_failure", "_reported", "_reported_dead", "version"):
+                    "_wrapped", "_reading", "_rank", "_failure", "_reported_dead", "version"):
             state.pop(key, None)
         state["_initial"] = None
         return state
@@ -266,9 +265,10 @@ class CudarecvWeightSyncScheme(WeightSyncScheme):
         self.version = version = self._sender.version
         if self.sync:
             self._wait_switched(version, pushed, ranks, dropped)
-        # who was lost since the last call, though every worker left has the version (said once each)
-        named = [f"worker {self._worker_of(r)} (rank {r}): {why}" for r, why in self._sender.dropped.items()
-                 if r not in dropped] + self._failures(self._sender.ranks, once=True)
+        # who was lost since the last call, though every worker left has the version (said once each; a
+        # worker whose thread failed closes its receiver, so it is dropped too, its reason on the store)
+        named = [f"worker {self._worker_of(r)} (rank {r}): {self._said(r) or why}"
+                 for r, why in self._sender.dropped.items() if r not in dropped]
         dead = [i for i in self._dead_workers() if i not in self._reported_dead]
         self._reported_dead.update(dead)
         if dead:
@@ -290,16 +290,15 @@ class CudarecvWeightSyncScheme(WeightSyncScheme):
         except Exception:  # noqa: BLE001 - a name for an error message only
             return "?"
 
-    def _failures(self, ranks: list[int], once: bool = False) -> list[str]:
-        """What the workers of ``ranks`` that failed said (``once``: those not said before)."""
-        out = []
-        for rank in ranks:
-            if (once and rank in self._reported) or not self._store.check([self._key("failed", rank)]):
-                continue
-            self._reported.add(rank)
-            out.append(f"worker {self._worker_of(rank)} (rank {rank}): "
-                       f"{self._store.get(self._key('failed', rank)).decode()}")
-        return out
+    def _said(self, rank: int) -> str | None:
+        """Why the worker of ``rank`` stopped taking versions, if it said so."""
+        key = self._key("failed", rank)
+        return self._store.get(key).decode() if self._store.check([key]) else None
+
+    def _failures(self, ranks: list[int]) -> list[str]:
+        """What the workers of ``ranks`` that failed said."""
+        said = {rank: self._said(rank) for rank in ranks}
+        return [f"worker {self._worker_of(r)} (rank {r}): {why}" for r, why in said.items() if why is not None]
 
     def _wait_switched(self, version: int, pushed: list[Any], ranks: list[int], dropped: dict[int, str]) -> None:
         """Wait until every worker of ``ranks`` (``pushed`` to) acts with ``version``; name those that fail or
@@ -401,9 +400,11 @@ class CudarecvWeightSyncScheme(WeightSyncScheme):
                 return
 
     def _fail(self, reason: str) -> None:
+        """Tell the trainer why this worker takes no more versions, then leave (its sender drops it)."""
         self._failure = reason
         try:
             self._store.set(self._key("failed", self._rank), reason)
+            self._receiver.close()
         except Exception:  # noqa: BLE001 - the trainer is gone: nobody to tell
             pass
 
