@@ -235,11 +235,11 @@ def killed_mid_stream(rank, world, group, victim, key, storage):
     peer = 1 - rank
     for _ in range(3):
         op(td, peer, bucket_bytes=1 << 16)
-    if rank == 1:
-        store().set(key, "1")  # (a send ends before its receiver has the bytes: the sender waits for this)
+    # each waits until the other is done with its three: a send may end before its receiver has the bytes,
+    # and a receive before its DONE has left (the sender's third send would fail, not a later one)
+    store().set(f"{key}_{rank}", "1")
     if rank == victim:
-        if rank == 0:
-            store().wait([key])
+        store().wait([f"{key}_{peer}"])
         os.kill(os.getpid(), signal.SIGKILL)
     started = time.monotonic()
     with pytest.raises(cudarecv.LinkError) as error:
