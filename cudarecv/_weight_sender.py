@@ -389,7 +389,7 @@ class WeightSender:
                 raise ArgumentError("`values` must have the keys, shapes and dtypes of the sender's `td` "
                                     f"({len(self.schema.leaves)} leaves, {self.schema.total} bytes)")
             raise SchemaError("the tensordict changed structure since the handshake: build a new WeightSender")
-        if plan.device != self._device:
+        if values is not None and plan.device != self._device:
             raise ArgumentError(f"`values` are on {plan.device}, the sender's `td` on {self._device}: "
                                 f"pass them on {self._device}")
         if self.mode == "latest":
