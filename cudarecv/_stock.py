@@ -16,7 +16,6 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable
 
-import tensordict
 from tensordict import TensorDictBase
 
 try:  # tensordict >= 0.15
@@ -24,9 +23,7 @@ try:  # tensordict >= 0.15
 except ImportError:  # tensordict 0.14
     from tensordict.utils import int_generator
 
-__all__ = ["STOCK_CONSOLIDATED_ISEND", "Stock", "VERSION", "int_generator"]
-
-VERSION: tuple[int, ...] = tuple(int(p) for p in tensordict.__version__.split("+")[0].split(".")[:3] if p.isdigit())
+__all__ = ["STOCK_CONSOLIDATED_ISEND", "Stock", "int_generator"]
 
 try:  # tensordict >= 0.15: the methods live on a mixin that installing never touches
     from tensordict._base.distributed import _Distributed as _holder
