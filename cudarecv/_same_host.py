@@ -77,7 +77,7 @@ from ._errors import ArgumentError, OutOfStepError
 from ._fast_wire import OFFER_SIZE, header_tag, piece_tag
 from ._handle import CUDA_IPC, SHARED_MEMORY, WIRE
 from ._header import KIND_BUCKETS, KIND_CHUNKS, KIND_NAMES, STORAGE_SLOTS, Header, drain_limit, piece_sizes
-from ._host_copy import may_read_process, read_process
+from ._host_copy import direct_read_pays, direct_read_setting, may_read_process, read_process
 from ._link import Link
 from ._shared_memory import (
     STORAGE,
@@ -118,10 +118,12 @@ def check_transport(transport: object) -> str:
 
 
 def allowed(transport: str) -> bool:
-    """Whether ``transport`` and the environment (:data:`ENV`) allow a same-host transport."""
+    """Whether ``transport`` and the environment (:data:`ENV`) allow a same-host transport (the direct
+    route's variable, ``CUDARECV_DIRECT_READ``, is checked here too: before anything is sent)."""
     env = os.environ.get(ENV, "auto")
     if env not in TRANSPORTS:
         raise ArgumentError(f"the environment variable {ENV}={env!r} must be one of {TRANSPORTS}")
+    direct_read_setting()
     return transport == "auto" and env == "auto"
 
 
@@ -434,7 +436,8 @@ class RecvSide:
         self.declined = reason
         self.state, self.mappings = ("shared", mappings) if reason is None else ("wire", [])
         host = reason is None and isinstance(mappings[0], Mapping)
-        self.direct = mappings[0].pid if host and may_read_process(mappings[0].pid) is None else None
+        direct = host and may_read_process(mappings[0].pid) is None and direct_read_pays()
+        self.direct = mappings[0].pid if direct else None
         status = NO if reason is not None else DIRECT if self.direct is not None else OK
         park(_post(lane, _back(ANSWER, status, 0), BACK_TAGS))
 

@@ -92,6 +92,24 @@ def test_streaming_is_chosen_once_as_told_or_measured(monkeypatch):
         _host_copy.STREAMING = None
 
 
+def test_the_direct_read_is_chosen_as_told_or_measured_once(monkeypatch):
+    if _host_copy.may_read_process(os.getpid()) is not None:
+        pytest.skip(_host_copy.may_read_process(os.getpid()))
+    monkeypatch.setattr(_host_copy, "DIRECT_PAYS", None)
+    for told, expect in [("on", True), ("off", False)]:
+        monkeypatch.setenv(_host_copy.DIRECT_ENV, told)
+        assert _host_copy.direct_read_pays() is expect
+        assert _host_copy.DIRECT_PAYS is None  # told: nothing measured
+    monkeypatch.delenv(_host_copy.DIRECT_ENV)
+    measured = _host_copy.direct_read_pays()
+    assert isinstance(measured, bool) and _host_copy.DIRECT_PAYS is measured
+    monkeypatch.setattr(_host_copy, "DIRECT_PAYS", not measured)  # kept, never measured again
+    assert _host_copy.direct_read_pays() is (not measured)
+    monkeypatch.setenv(_host_copy.DIRECT_ENV, "always")
+    with pytest.raises(cudarecv.ArgumentError, match="CUDARECV_DIRECT_READ"):
+        cudarecv._same_host.allowed("auto")  # checked before a transfer sends anything
+
+
 @pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler on this machine")
 def test_native_copies_are_built_where_a_compiler_is():
     assert _host_copy.NATIVE, _host_copy.WHY_NOT_NATIVE

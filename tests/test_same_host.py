@@ -16,7 +16,7 @@ import torch
 from tensordict import TensorDict
 
 import cudarecv
-from cudarecv import _fast_wire, _same_host, _shared_memory
+from cudarecv import _fast_wire, _host_copy, _same_host, _shared_memory
 from cudarecv._header import STORAGE_SLOTS, Header
 from cudarecv._shared_memory import Mapping, Segment, map_offer, offer
 from cudarecv.testing.launch import Cluster, RankExit
@@ -474,25 +474,35 @@ def test_a_lying_peer_cannot_make_the_receiver_read_outside_a_storage(cluster, l
 
 
 def forged_table(rank, world, group, lie, key):
-    """A sender whose table of leaves (the direct route) names other sizes, or memory it does not have."""
+    """A sender whose table of leaves (the direct route) names other sizes, or memory it does not have, or
+    that uses the direct route with a receiver that did not agree to it (``CUDARECV_DIRECT_READ=off``)."""
     pg = _group(rank, world, key)
     td = TensorDict(x=torch.full((1000,), 7.0 if rank == 0 else 0.0), y=torch.ones(10))
     if rank == 0:
-        for _ in range(2):  # negotiate, then one read directly
+        for _ in range(2):  # negotiate, then one transfer in shared memory
             cudarecv.send(td, group=pg, group_dst=1, bucket_bytes=1024)
         plan = cudarecv._plan.plan_for(td)
         table = plan.address_table.copy()
         if lie == "sizes":
             table[0, 1], table[1, 1] = 40, 4000  # the same total, other leaves
-        else:
+        elif lie == "address":
             table[1, 0] = 8  # an address this process has not mapped
         head = dataclasses.replace(plan.bucket_header.with_piece(1024), transport=3, seq=99)
         raw_send(pg, 1, head.pack(), _fast_wire.header_tag(0))
-        raw_send(pg, 1, table.tobytes(), _fast_wire.piece_tag(0))
+        if lie != "not agreed":  # (refused at the header: the table is never taken)
+            raw_send(pg, 1, table.tobytes(), _fast_wire.piece_tag(0))
         return None
-    for _ in range(2):
-        [t] = cudarecv.irecv(td, group=pg, group_src=0, bucket_bytes=1024, return_premature=True)
-        t.wait(timeout=20)
+    before = os.environ.get(_host_copy.DIRECT_ENV)
+    os.environ[_host_copy.DIRECT_ENV] = "off" if lie == "not agreed" else "on"  # read when the offer is taken
+    try:
+        for _ in range(2):
+            [t] = cudarecv.irecv(td, group=pg, group_src=0, bucket_bytes=1024, return_premature=True)
+            t.wait(timeout=20)
+    finally:
+        if before is None:
+            del os.environ[_host_copy.DIRECT_ENV]
+        else:
+            os.environ[_host_copy.DIRECT_ENV] = before
     assert t.transport == "shared memory"
     td["x"].zero_()
     with pytest.raises(cudarecv.OutOfStepError) as error:
@@ -500,10 +510,12 @@ def forged_table(rank, world, group, lie, key):
     return str(error.value), bool((td["x"] == 0).all())
 
 
-@pytest.mark.parametrize("lie", ["sizes", "address"])
+@pytest.mark.parametrize("lie", ["sizes", "address", "not agreed"])
 def test_a_lying_peer_cannot_misplace_bytes_through_the_direct_route(cluster, lie):
     _, (message, untouched) = cluster().run(forged_table, args=(lie, unique_key("forged-table")))
     if lie == "sizes":
         assert "other sizes" in message and "not read" in message and untouched, message
+    elif lie == "not agreed":
+        assert "never agreed to" in message and untouched, message
     else:
         assert "partly written" in message, message  # (leaf x, read before the bad address, may be written)
