@@ -32,7 +32,7 @@ from ._errors import ArgumentError
 from ._host_copy import CopyTable
 from ._lru import lru_get
 from ._tags import tag_sequence
-from ._walk import Path, format_path, walk
+from ._walk import Path, Skeleton, format_path, walk
 
 
 class Plan:
@@ -52,6 +52,7 @@ class Plan:
         self._adopted: dict[str, Tensor] = {}  # places whose staging is a buffer given to the plan
         self.pool = _cuda.StagingPool()  # staging rings and their fences, for this tensordict alone
         self.in_flight = None  # the transfer still using the staging buffers, if any
+        self.skeleton: Skeleton | None = None  # an unlocked tensordict's dicts as last walked (see plan_for)
 
     def matches(self, paths: list[Path], tensors: list[Tensor], layout: bool) -> bool:
         return (
@@ -324,7 +325,9 @@ def plan_for(td: TensorDictBase, layout: bool = True) -> Plan:
     unlocked, and unlocking erases its ``_cache``: there the plan is kept in
     that cache and reused without walking the leaves again (only the leaves'
     signatures are compared, which catches ``param.data = x``). An unlocked one
-    is walked each call and its plan reused if the leaves are the same tensors.
+    made of plain tensordicts is checked against the :class:`~._walk.Skeleton` of
+    its last walk (the same dicts, keys and leaf tensors) and the signatures; any
+    other is walked each call, and its plan reused if the leaves are the same tensors.
     ``layout=False`` (a call that posts the leaves themselves) skips comparing
     dtypes and shapes.
     """
@@ -334,14 +337,20 @@ def plan_for(td: TensorDictBase, layout: bool = True) -> Plan:
         plan = cache.get(_LOCKED_KEY) if cache is not None else None
         if plan is not None and _unchanged(plan.tensors, plan.signature, layout):
             return plan  # (a leaf given new storage, e.g. `param.data = x`, fails the check)
-    paths, tensors = walk(td)
     key = id(td)
     entry = _PLANS.get(key)
+    if entry is not None and entry[0]() is td:
+        skeleton = entry[1].skeleton
+        if skeleton is not None and skeleton.unchanged(td) and _unchanged(entry[1].tensors, entry[1].signature, layout):
+            return entry[1]  # the same dicts, keys and leaf tensors: the walk would find the same leaves
+    paths, tensors = walk(td)
     if entry is not None and entry[0]() is td and entry[1].matches(paths, tensors, layout):
         plan = entry[1]
     else:
         plan = Plan(paths, tensors)
         _PLANS[key] = (weakref.ref(td, lambda _, key=key, plans=_PLANS: plans.pop(key, None)), plan)
+    if not locked:
+        plan.skeleton = Skeleton.of(td)
     if locked:
         if td._cache is None:
             td._cache = defaultdict(dict)

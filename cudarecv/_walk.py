@@ -7,6 +7,8 @@ tensorclasses; a ``LazyStackedTensorDict`` member by member; non-tensor data
 
 from __future__ import annotations
 
+import operator
+import weakref
 from typing import Any
 
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
@@ -73,6 +75,48 @@ def _walk_into(td: Any, prefix: Path, paths: list[Path], tensors: list[Tensor]) 
                 f"leaf {format_path(path)!r} is a {type(value).__name__}, which cannot travel: "
                 "only tensors, tensordicts, tensorclasses and non-tensor data are supported"
             )
+
+
+class Skeleton:
+    """What a walk of plain (not lazy-stacked, not tensorclass) tensordicts saw: each one's dict of
+    entries, its keys in order and its values, to tell without walking again that nothing moved
+    (``unchanged``: about 0.1 ms for 2000 leaves, a walk about 1.5 ms).
+
+    The tensordicts themselves are held weakly (a plan cache entry must not keep them alive).
+    """
+
+    def __init__(self, nodes: list[tuple[weakref.ref, dict, list, list]]) -> None:
+        self._nodes = nodes
+
+    @classmethod
+    def of(cls, td: TensorDictBase) -> "Skeleton | None":
+        """The skeleton of ``td``, or None if it holds anything but plain tensordicts and tensors."""
+        nodes: list[tuple[weakref.ref, dict, list, list]] = []
+        pending = [td]
+        while pending:
+            node = pending.pop()
+            if type(node) is not TensorDict:
+                return None
+            items = node._tensordict
+            values = list(items.values())
+            for value in values:
+                if isinstance(value, TensorDictBase) or _is_tensorclass(type(value)):
+                    pending.append(value)
+                elif not isinstance(value, Tensor):
+                    return None
+            nodes.append((weakref.ref(node), items, list(items), values))
+        return cls(nodes)
+
+    def unchanged(self, td: TensorDictBase) -> bool:
+        """Whether ``td`` (the root this was made of) still holds the same keys and values, in the same order."""
+        if self._nodes[0][0]() is not td:
+            return False
+        for ref, items, keys, values in self._nodes:
+            node = ref()
+            if (node is None or node._tensordict is not items or len(items) != len(keys) or list(items) != keys
+                    or not all(map(operator.is_, items.values(), values))):
+                return False
+        return True
 
 
 def format_path(path: Path) -> str:

@@ -39,6 +39,37 @@ def test_plan_is_cached_and_invalidated():
     assert fresh is not plan and ("new",) in fresh.paths
 
 
+def test_an_unchanged_plain_tensordict_is_not_walked_again(monkeypatch):
+    from cudarecv import _plan
+
+    td = TensorDict(a=TensorDict(x=torch.zeros(3), y=torch.ones(2)), b=torch.zeros(4))
+    plan = plan_for(td)
+    assert plan.skeleton is not None
+    walks = []
+    monkeypatch.setattr(_plan, "walk", lambda t: walks.append(t) or walk(t))
+    assert plan_for(td) is plan and walks == []  # the skeleton said: the same dicts, keys and leaves
+
+    def changed(change, expect_paths):
+        fresh = plan_for(td)
+        assert walks and fresh.paths == expect_paths, change
+        walks.clear()
+        assert plan_for(td) is fresh and walks == [], change  # and the new skeleton holds from then on
+        return fresh
+
+    td["a", "x"] = torch.ones(3)  # a nested leaf replaced under its key
+    assert changed("nested leaf", [("a", "x"), ("a", "y"), ("b",)]) is not plan
+    td["a"] = TensorDict(x=torch.zeros(3), y=torch.ones(2))  # a nested tensordict replaced
+    changed("nested tensordict", [("a", "x"), ("a", "y"), ("b",)])
+    td.rename_key_("b", "c")  # the same leaf under another key
+    changed("renamed", [("a", "x"), ("a", "y"), ("c",)])
+    del td["a", "y"]
+    changed("deleted", [("a", "x"), ("c",)])
+    td["a", "z"] = torch.zeros(1)
+    changed("added", [("a", "x"), ("a", "z"), ("c",)])
+    td["c"].resize_(2)  # in place, under the same key: the leaves' signatures catch it
+    assert plan_for(td).nbytes[-1] == 8
+
+
 def test_plan_is_dropped_with_its_tensordict():
     import gc
 
