@@ -4,8 +4,8 @@ Two ``PendulumEnv`` workers, a policy of about 4 MB and 100 MB
 (:func:`cudarecv.testing.rl.marker_policy`: its actions say which weights
 computed them). Every case runs a real collector:
 
-- ``MultiSyncCollector`` with cudarecv's scheme (``sync=True``, and ``sync=False``:
-  the call returns at once), TorchRL's ``MultiProcessWeightSyncScheme`` and
+- ``MultiSyncCollector`` with cudarecv's scheme (``sync=True``; ``sync=False``: the call
+  returns at once; ``zero_copy=True``: workers act where the trainer's snapshot lies), TorchRL's ``MultiProcessWeightSyncScheme`` and
   ``SharedMemWeightSyncScheme``;
 - ``DistributedCollector`` (``launcher="mp"``, gloo) with cudarecv's scheme and
   TorchRL's ``DistributedWeightSyncScheme`` (the one collector it runs in).
@@ -32,8 +32,9 @@ import pytest
 
 ROUNDS = 15
 SIZES = {"4MB": 4_000_000, "100MB": 100_000_000}
-CASES = [("MultiSync", "cudarecv sync"), ("MultiSync", "cudarecv latest"), ("MultiSync", "MultiProcess"),
-         ("MultiSync", "SharedMem"), ("Distributed", "cudarecv sync"), ("Distributed", "Distributed")]
+CASES = [("MultiSync", "cudarecv sync"), ("MultiSync", "cudarecv sync zero-copy"), ("MultiSync", "cudarecv latest"),
+         ("MultiSync", "cudarecv latest zero-copy"), ("MultiSync", "MultiProcess"), ("MultiSync", "SharedMem"),
+         ("Distributed", "cudarecv sync"), ("Distributed", "Distributed")]
 pytestmark = pytest.mark.timeout(900)
 
 
@@ -47,7 +48,9 @@ def _scheme(name: str) -> Any:
     from cudarecv.torchrl import CudarecvWeightSyncScheme
 
     return {"cudarecv sync": lambda: CudarecvWeightSyncScheme(timeout=120.0),
+            "cudarecv sync zero-copy": lambda: CudarecvWeightSyncScheme(timeout=120.0, zero_copy=True),
             "cudarecv latest": lambda: CudarecvWeightSyncScheme(sync=False, timeout=120.0),
+            "cudarecv latest zero-copy": lambda: CudarecvWeightSyncScheme(sync=False, timeout=120.0, zero_copy=True),
             "MultiProcess": MultiProcessWeightSyncScheme, "SharedMem": SharedMemWeightSyncScheme,
             "Distributed": lambda: DistributedWeightSyncScheme(backend="gloo", sync=True)}[name]()
 
@@ -124,10 +127,12 @@ def table(path: str) -> str:
               if b["extra_info"]["size"] == size}
         for kind, ours, theirs in [("MultiSync", "cudarecv sync", "MultiProcess"),
                                    ("MultiSync", "cudarecv sync", "SharedMem"),
+                                   ("MultiSync", "cudarecv sync zero-copy", "MultiProcess"),
+                                   ("MultiSync", "cudarecv sync zero-copy", "SharedMem"),
                                    ("Distributed", "cudarecv sync", "Distributed")]:
             if (kind, ours) in of and (kind, theirs) in of:
                 a, b = of[(kind, ours)], of[(kind, theirs)]
-                out.append(f"\n{size} {kind}: {theirs} / cudarecv = call "
+                out.append(f"\n{size} {kind}: {theirs} / {ours} = call "
                            f"{b['stats']['median'] / a['stats']['median']:.2f}x, acts after "
                            f"{b['extra_info']['act_ms'] / a['extra_info']['act_ms']:.2f}x")
     return "\n".join(out)

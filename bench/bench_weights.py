@@ -3,7 +3,7 @@
 For a 100 MB and a 1 GB model (100 float32 leaves), two ranks over gloo:
 
 - ``cudarecv``: ``WeightSender.push()`` -> ``WeightReceiver.pull()`` (handshake once), one
-  message and 1 MiB chunks;
+  message and 1 MiB chunks, and ``WeightReceiver(zero_copy=True)`` (shared memory: no copy out);
 - ``stock``: ``td.init_remote(dst)`` / ``TensorDict.from_remote_init(src)`` once, then
   ``td.send(dst, consolidated=True)`` -> ``td.recv(src, consolidated=True)`` every step
   (the stock way of doing the same; the sender consolidates, i.e. copies, each step, as
@@ -35,8 +35,8 @@ from cudarecv._stock import Stock
 from cudarecv.testing.launch import Ranks
 from cudarecv.tools import transfer_ranks as tb
 
-MODES = [("cudarecv", "push/pull"), ("cudarecv", "push/pull chunks 1MiB"), ("cudarecv", "push/pull wire"),
-         ("stock", "init_remote + consolidated"), ("raw", "flat recv")]
+MODES = [("cudarecv", "push/pull"), ("cudarecv", "push/pull chunks 1MiB"), ("cudarecv", "push/pull zero-copy"),
+         ("cudarecv", "push/pull wire"), ("stock", "init_remote + consolidated"), ("raw", "flat recv")]
 
 CLOCK = tb.VirtualClock("receiver_clock")
 pytestmark = [pytest.mark.timeout(600), pytest.mark.benchmark(timer=CLOCK)]
@@ -59,7 +59,8 @@ def time_weights(rank: int, world: int, group, total_bytes: int, rounds: int) ->
                 senders[mode] = cudarecv.WeightSender(td, dst=1, bucket_bytes=bucket, timeout=120, fanout="star",
                                                       transport=transport)
             else:
-                receivers[mode] = cudarecv.WeightReceiver(src=0, timeout=120, transport=transport)
+                receivers[mode] = cudarecv.WeightReceiver(src=0, timeout=120, transport=transport,
+                                                          zero_copy=mode.endswith("zero-copy"))
         elif impl == "stock":
             if rank == 0:
                 td.init_remote(dst=1)
@@ -119,7 +120,7 @@ def test_weight_sync(benchmark, transfer_cluster, transfer_targets, size, impl, 
         _RESULTS[size] = transfer_cluster.get().run(time_weights, args=(total, rounds), timeout=540)[1]
         result = _RESULTS[size]
         med = {m: statistics.median(v) for m, v in result["seconds"].items()}
-        for m in ("push/pull", "push/pull chunks 1MiB", "push/pull wire"):
+        for m in ("push/pull", "push/pull chunks 1MiB", "push/pull zero-copy", "push/pull wire"):
             transfer_targets.append(f"weights {size}: cudarecv {m} vs stock init_remote+recv: "
                                     f"{med['init_remote + consolidated'] / med[m]:.2f}x, vs raw: "
                                     f"{med['flat recv'] / med[m]:.2f}x ({med[m] * 1e3:.1f} ms, "
@@ -135,7 +136,8 @@ def test_weight_sync(benchmark, transfer_cluster, transfer_targets, size, impl, 
 
 
 # -- three receivers on this host: push-to-pull latency against one memcpy of the model ------------------
-FAN_OUT = [("cudarecv", "shared memory"), ("cudarecv", "wire"), ("raw", "memcpy"), ("raw", "torch copy_")]
+FAN_OUT = [("cudarecv", "shared memory"), ("cudarecv", "shared memory zero-copy"), ("cudarecv", "wire"),
+           ("raw", "memcpy"), ("raw", "torch copy_")]
 FAN_OUT_BYTES = 100_000_000
 
 
@@ -149,11 +151,12 @@ def time_fan_out(rank: int, world: int, group, total_bytes: int, rounds: int) ->
     for impl, mode in FAN_OUT:
         if impl != "cudarecv":
             continue
-        transport = "auto" if mode == "shared memory" else "wire"
+        transport = "auto" if mode.startswith("shared memory") else "wire"
         if rank == 0:
             ends[mode] = cudarecv.WeightSender(td, dst=actors, timeout=120, fanout="star", transport=transport)
         else:
-            ends[mode] = cudarecv.WeightReceiver(src=0, timeout=120, transport=transport)
+            ends[mode] = cudarecv.WeightReceiver(src=0, timeout=120, transport=transport,
+                                                 zero_copy=mode.endswith("zero-copy"))
     src, dst = torch.ones(total_bytes, dtype=torch.uint8), torch.zeros(total_bytes, dtype=torch.uint8)
     clock = torch.zeros(world, dtype=torch.float64)
     seconds: dict[str, list[float]] = {mode: [] for _, mode in FAN_OUT}
@@ -212,7 +215,8 @@ def test_weight_sync_to_three_receivers_on_this_host(benchmark, four_ranks, tran
         transfer_targets.append(
             f"weights 100MB to 3 receivers on this host: shared memory {med['shared memory'] * 1e3:.1f} ms = "
             f"{med['shared memory'] / med['memcpy']:.2f}x one 100 MB memcpy ({med['memcpy'] * 1e3:.1f} ms; target "
-            f"<= 3x: {'met' if med['shared memory'] <= 3 * med['memcpy'] else 'MISSED'}); wire "
+            f"<= 3x: {'met' if med['shared memory'] <= 3 * med['memcpy'] else 'MISSED'}); zero-copy "
+            f"{med['shared memory zero-copy'] * 1e3:.1f} ms = {med['shared memory zero-copy'] / med['memcpy']:.2f}x; wire "
             f"{med['wire'] * 1e3:.1f} ms ({med['wire'] / med['shared memory']:.2f}x shared memory); a receiver's "
             f"resident memory {rss[0] / 1e6:.0f} -> {rss[-1] / 1e6:.0f} MB over the rounds")
     seconds = _FAN_OUT["seconds"][mode]

@@ -7,6 +7,11 @@ published one; a late write from an abandoned transfer can only land in the
 other, which is never published after such a failure (the receiver is then
 marked broken: close it and connect a new one).
 
+With ``zero_copy=True`` and a sender on this machine (host weights), a version
+is published where it lies in the sender's shared snapshot (mapped read-only) and
+nothing is copied: the sender writes that snapshot again only once this receiver
+has said ``FREED`` (a newer version published, no reader left on the old one).
+
 On gloo the receiver always has the next header receive posted (on its own
 thread), so a sender that closes is heard at once, even between pulls, and a
 pull waits for a version as long as its caller likes without breaking the
@@ -65,6 +70,7 @@ from ._weights_wire import (
     BYE,
     CLOSED,
     FAILED,
+    FREED,
     GOT,
     HEADER_SIZE,
     LANDED,
@@ -93,10 +99,16 @@ from ._weights_wire import (
 
 
 class _Slot:
-    """One storage the receiver can publish, with its tensordict of views and readers."""
+    """One storage the receiver can publish, with its tensordict of views and readers: its own, or
+    (``storage`` given, zero-copy) the sender's shared snapshot, mapped read-only."""
 
-    def __init__(self, schema: Schema, piece: int, device: torch.device, pin_memory: bool) -> None:
-        self.storage = torch.zeros(schema.total, dtype=torch.uint8, device=device, pin_memory=pin_memory)
+    def __init__(self, schema: Schema, piece: int, device: torch.device, pin_memory: bool,
+                 storage: Tensor | None = None) -> None:
+        self.alias = storage is not None
+        if storage is None:
+            storage = torch.zeros(schema.total, dtype=torch.uint8, device=device, pin_memory=pin_memory)
+        self.storage = storage
+        self.version: int | None = None  # an alias: the version it holds, until the sender is told it is FREED
         views = schema.views(self.storage)
         self.td = TensorDict({l.key: v for l, v in zip(schema.leaves, views)}, batch_size=[]).lock_()
         if len(self.td.keys(True, True)) != len(schema.leaves):
@@ -141,6 +153,13 @@ class WeightReceiver:
         stream: the CUDA stream for GPU weights (default: cudarecv's dedicated stream).
         transport: ``"auto"`` (map a same-host sender's snapshots if offered) or ``"wire"``;
             :attr:`transport` says which was taken.
+        zero_copy: through shared memory (host weights, a sender on this machine), publish each
+            version where the sender's snapshot lies instead of copying it out: a pull costs no
+            copy at all, and :attr:`td`'s tensors are views of memory mapped *read-only* (writing to
+            them kills the process with SIGSEGV: copy what you must change, or use :meth:`load_into`).
+            The sender writes a snapshot again only once this receiver let go of it (a newer version
+            published and no :meth:`reading` left on it). :attr:`zero_copy` says whether it is in use
+            (on other transports versions are copied as without it).
 
     Whatever makes the construction fail once the link is resolved (a bad
     argument, no CUDA, no memory, ``expect`` not matching, a malformed schema)
@@ -156,11 +175,16 @@ class WeightReceiver:
 
     def __init__(self, src: int | None = None, *, group: Any = None, group_src: int | None = None,
                  device: Any = None, pin_memory: bool = False, expect: Any = None, timeout: float = 60.0,
-                 stream: Any = None, transport: str = "auto") -> None:
+                 stream: Any = None, transport: str = "auto", zero_copy: bool = False) -> None:
         self.timeout = 60.0  # until checked: the time given to answer the sender
         try:
             self.timeout = check_timeout(timeout)
             check_transport(transport)
+            if not isinstance(zero_copy, bool):
+                raise ArgumentError(f"`zero_copy` must be True or False, got {zero_copy!r}")
+            if zero_copy and pin_memory:
+                raise ArgumentError("`zero_copy=True` publishes the sender's shared snapshots, which are not "
+                                    "page-locked: drop `pin_memory=True` or `zero_copy`")
             try:
                 self._device = torch.device(device if device is not None else "cpu")
             except (RuntimeError, TypeError) as error:
@@ -188,16 +212,20 @@ class WeightReceiver:
         self.schema, self._piece, offer, self._slots, self._mappings = _handshake(
             self._lane, self.timeout, expect,
             lambda schema, piece: [_Slot(schema, piece, self._device, pin_memory) for _ in range(2)],
-            allow=allowed(transport), device=self._device)
+            allow=allowed(transport), device=self._device, zero_copy=zero_copy and self._device.type == "cpu")
         #: what carries the versions: ``"shared memory"`` (the sender's snapshots, mapped read-only: this
         #: receiver is on the sender's machine), ``"cuda ipc"`` (its GPU snapshots, opened once) or ``"wire"``
         self.transport = WIRE if not self._mappings else (
             CUDA_IPC if isinstance(self._mappings[0], cuda_ipc.DeviceMapping) else SHARED_MEMORY)
+        #: whether versions are published where they lie in the sender's shared snapshots (no copy; see ``zero_copy``)
+        self.zero_copy = zero_copy and self.transport == SHARED_MEMORY and self._device.type == "cpu"
+        self._aliases = [_Slot(self.schema, self._piece, self._device, False, m.data[:self.schema.total])
+                         for m in self._mappings] if self.zero_copy else []
         #: the sender's mode, learnt in the handshake: ``"sync"`` or ``"latest"``
         self.mode = offer.mode
         self._tags = SessionTags.of(offer.session)
         self._cond = threading.Condition()
-        self._published: int | None = None
+        self._published: _Slot | None = None
         self._pending: Transfer | None = None  # the pull under way (one at a time)
         self._broken: str | None = None
         self._closed = False
@@ -227,7 +255,7 @@ class WeightReceiver:
         """
         if self._published is None:
             raise UsageError("no version has landed yet: call pull() first")
-        return self._slots[self._published].td
+        return self._published.td
 
     @contextlib.contextmanager
     def reading(self) -> Iterator[TensorDict]:
@@ -240,13 +268,15 @@ class WeightReceiver:
         with self._cond:
             if self._published is None:
                 raise UsageError("no version has landed yet: call pull() first")
-            slot = self._slots[self._published]
+            slot = self._published
             slot.readers += 1
         try:
             yield slot.td
         finally:
             with self._cond:
                 slot.readers -= 1
+                if slot.alias and slot.readers == 0 and slot is not self._published:
+                    self._free(slot)
                 self._cond.notify_all()
 
     # -- pulling ------------------------------------------------------------------------
@@ -304,7 +334,7 @@ class WeightReceiver:
     def _start_pull(self, limit: float) -> Transfer:
         if self._sender_closed:
             raise SenderClosed(f"{self._sender_closed}; version {self.version} stays readable in receiver.td")
-        index = 1 if self._published == 0 else 0
+        index = 1 if self._published is self._slots[0] else 0
         forward = self._forwards.pop(index, None)
         if forward is not None:  # relay: the forward of an earlier version may still read this slot
             with contextlib.suppress(Exception):
@@ -408,7 +438,7 @@ class WeightReceiver:
         elif header.version <= self.version:
             problem = f"version {header.version} is not newer than the current {self.version}"
         if header.shared:
-            yield from self._copy_shared(header, slot, problem)
+            slot = yield from self._take_shared(header, slot, problem)
         elif header.relayed:
             yield from self._relayed(header, slot, limit)  # forwarded on, whether or not it is published here
         elif problem:
@@ -429,29 +459,56 @@ class WeightReceiver:
                     f"version {header.version} arrived corrupted (BLAKE3 {got.hex()} != {header.checksum.hex()}): "
                     f"rejected; version {self.version} stays published"
                 )
-        with self._cond:
-            self._published = self._slots.index(slot)
-            self.version = header.version
-            self._cond.notify_all()
+        self._publish(slot, header.version)
         self._tell(header, LANDED)
         return header.version
 
-    def _copy_shared(self, header: PushHeader, slot: _Slot, problem: str | None) -> Any:
-        """A sub-protocol: copy a shared push's version out of the sender's snapshot (the segment the header
-        names, checked against the handshake; not when ``problem``: a rejected push). Raises if a write of a
-        newer version overtook the copy (the stamps of :mod:`._shared_memory`)."""
+    def _publish(self, slot: _Slot, version: int) -> None:
+        """Make ``slot`` the published version; a zero-copy snapshot published before is let go of
+        (the sender may write it again) unless a reader still holds it (then once the last one leaves)."""
+        with self._cond:
+            previous, self._published = self._published, slot
+            slot.version, self.version = version, version
+            if previous is not None and previous is not slot and previous.alias and previous.readers == 0:
+                self._free(previous)
+            self._cond.notify_all()
+
+    def _free(self, alias: _Slot) -> None:
+        """Under the lock: tell the sender that this receiver no longer reads ``alias`` (its snapshot)."""
+        version, alias.version = alias.version, None
+        if version is not None and self._lane is not None:
+            with contextlib.suppress(Exception):  # a sender gone: nothing is written there any more
+                post_and_forget(self._lane, ask_message(FREED, version), self._tags.ask)
+
+    def _take_shared(self, header: PushHeader, slot: _Slot, problem: str | None) -> Any:
+        """A sub-protocol: take a shared push's version from the sender's snapshot (the segment the header
+        names, checked against the handshake; not when ``problem``: a rejected push) and return the slot to
+        publish: ``slot`` with the version copied into it, or (zero-copy) the snapshot itself. Raises if a
+        write of a newer version overtook the copy, or overwrote the snapshot (the stamps of :mod:`._shared_memory`)."""
         lane, total = self._lane, self.schema.total
         if not 0 <= header.segment < len(self._mappings):
             raise OutOfStepError(f"a push names shared segment {header.segment}, but the handshake mapped "
                                  f"{len(self._mappings)}: the link is out of step")
         if problem is not None:
-            return
+            return slot
         mapping = self._mappings[header.segment]  # (its capacity is the schema's total: checked at the handshake)
         if isinstance(mapping, cuda_ipc.DeviceMapping):
             mapping.before_read(lane.stream)
             with lane.on_stream():
                 slot.storage.copy_(mapping.data[:total], non_blocking=True)
-            return
+            return slot
+        if self.zero_copy:
+            alias = self._aliases[header.segment]
+            with self._cond:
+                if alias.version is not None or alias.readers:
+                    raise OutOfStepError(f"a push of version {header.version} names shared segment "
+                                         f"{header.segment}, which this zero-copy receiver still holds (version "
+                                         f"{alias.version}): the link is out of step")
+            if not mapping.written() == mapping.writing() == header.version:
+                raise TransferTimeout(f"the sender's shared snapshot does not hold version {header.version} "
+                                      f"whole (the sender stopped waiting for this receiver: it was too slow); "
+                                      f"version {self.version} stays published")
+            return alias
         written = mapping.written()
         if lane.stream is None:  # one thread's memcpy: actors on this machine share its cores with the trainer
             copy_bytes(slot.storage, mapping.data[:total])
@@ -464,6 +521,7 @@ class WeightReceiver:
                 f"version {header.version} was overwritten in the sender's shared snapshot before this receiver "
                 f"had copied it (the sender stopped waiting for this receiver: it was too slow); version "
                 f"{self.version} stays published")
+        return slot
 
     def _tell(self, header: PushHeader, status: int) -> None:
         """Relay fan-out or shared memory: tell the sender what became of the push (its blocking push waits
@@ -572,6 +630,7 @@ class WeightReceiver:
             return
         self._closed = True
         deadline = time.monotonic() + self.timeout
+        self._keep_own_copy()
         if self._standing is not None and not self._broken and not self._sender_closed and self._claim_bye():
             post_and_forget(self._lane, ask_message(BYE), self._tags.ask)
             with contextlib.suppress(Exception):
@@ -590,6 +649,19 @@ class WeightReceiver:
         self._standing = self._pending = self._lane = None
         self._peers, self._forwards = {}, {}
 
+    def _keep_own_copy(self) -> None:
+        """Zero-copy, on close: copy the published version out of the sender's snapshot into this receiver's
+        own memory and let go of the snapshot (unless a reader holds it: the sender then never writes it again)."""
+        with self._cond:
+            alias = self._published
+            if alias is None or not alias.alias or alias.readers or self._pending is not None and not self._pending.settled:
+                return
+            own = self._slots[0]
+            if own.readers:
+                return
+            copy_bytes(own.storage, alias.storage)
+        self._publish(own, alias.version)
+
     def _farewell(self) -> Any:
         """Take what the sender still sends (a push in flight: drained) until its answer to BYE."""
         lane = self._lane  # bound now: close() lets go of it
@@ -598,7 +670,8 @@ class WeightReceiver:
         while not (self._released or self._sender_closed or self._broken):
             header = yield from self._header()
             if header.kind == PUSH and header.relayed:  # the hops after this one still need it
-                yield from self._relayed(header, self._slots[1 if self._published == 0 else 0], self.timeout)
+                yield from self._relayed(header, self._slots[1 if self._published is self._slots[0] else 0],
+                                         self.timeout)
             elif header.kind == PUSH and not header.shared:  # (a shared push sends nothing more)
                 yield from drain(lane, self.schema.total, self._piece, self._tags.payload)
 
@@ -618,11 +691,13 @@ def _refuse(link: Link, timeout: float, failure: BaseException) -> None:
 
 
 def _handshake(lane: Lane, timeout: float, expect: Any, allocate: Any, failure: BaseException | None = None,
-               allow: bool = False, device: torch.device | None = None) -> tuple[Schema, int, Offer, list[_Slot], list]:
+               allow: bool = False, device: torch.device | None = None,
+               zero_copy: bool = False) -> tuple[Schema, int, Offer, list[_Slot], list]:
     """Read the sender's offer, check it and allocate; answer the sender either way.
 
     With ``failure`` (this receiver could not start), answer with it and raise it. With ``allow``
-    the shared segments the sender offers (same host) are mapped if this process can.
+    the shared segments the sender offers (same host) are mapped if this process can; the answer
+    says whether they were, and (``zero_copy``, host segments) that versions are read where they lie.
     """
     what = "weight-sync handshake"
     started = time.monotonic()
@@ -674,7 +749,7 @@ def _handshake(lane: Lane, timeout: float, expect: Any, allocate: Any, failure: 
                 mappings = cuda_ipc.map_offer(shared, schema.total, device)
             else:
                 mappings = map_offer(shared, schema.total)
-            route = "shared"
+            route = "shared zero-copy" if zero_copy and not cuda_ipc.is_device_offer(shared) else "shared"
             if any(m.capacity != schema.total for m in mappings):
                 mappings, route = [], "wire: the offered segments do not hold the weights' bytes"
         except Exception as error:  # noqa: BLE001 - whatever stops the mapping (a CUDA error too): the wire

@@ -39,7 +39,10 @@ Two fan-outs (``sync`` mode), chosen by ``fanout``:
 Same host (``transport="auto"``, the default): the snapshot buffers are shared
 segments (:mod:`._shared_memory`, :mod:`._cuda_ipc`) offered in the handshake; a
 receiver on this machine that maps them gets each push as its header alone and
-copies the version out itself (star fan-out; a relay chain uses the wire).
+copies the version out itself (star fan-out; a relay chain uses the wire), or with
+``zero_copy=True`` publishes it where it lies: such a receiver holds a snapshot until
+it says ``FREED``, a push takes a snapshot no receiver holds (sync mode keeps three),
+and the snapshots a receiver that left may still read are never written again.
 
 A receiver that fails (dies, or takes longer than ``timeout``) is named in the
 error and dropped; every other receiver carries on, and ``sender.ranks`` shows
@@ -93,7 +96,9 @@ from ._weights_wire import (
     BYE,
     CLOSED,
     FANOUTS,
+    FREED,
     GOT,
+    LANDED,
     LOST,
     MAX_SCHEMA_BYTES,
     MODES,
@@ -119,6 +124,9 @@ from ._weights_wire import (
 #: relay fan-out's chunk when ``bucket_bytes`` is None: small enough that filling the chain costs
 #: little (each hop adds one chunk's time), large enough that per-message costs stay negligible
 RELAY_CHUNK = 1 << 20
+#: sync mode's snapshots in host shared memory: the version zero-copy receivers publish, the one a reader
+#: may still hold, and the next one
+SYNC_SHARED = 3
 
 
 class _Snapshot:
@@ -136,6 +144,8 @@ class _Snapshot:
         self.header: PushHeader | None = None
         self.readers = 0  # replies in flight that send from it
         self.writing = False
+        self.holders = 0  # zero-copy receivers that may read it where it lies (sent to them, not yet FREED)
+        self.retired = False  # a zero-copy receiver that held it is gone: it may read it still, never write it again
 
 
 class _Receiver:
@@ -153,6 +163,8 @@ class _Receiver:
         self.listener: threading.Thread | None = None
         self.got: Ask | None = None  # relay, shared memory: the receiver's last word on a version (GOT)
         self.shared = False  # it maps the sender's shared segments (same host): pushes send only headers
+        self.alias = False  # zero-copy: it publishes the versions where they lie in the segments
+        self.holding: dict[int, _Snapshot] = {}  # zero-copy: the snapshot of each version it may still read
 
     @property
     def served(self) -> bool:
@@ -247,12 +259,16 @@ class WeightSender:
         self._piece = bucket_bytes or max(min(self.schema.total, chunk), 1)
         check_pieces(self.schema.total, self._piece, "weights")
         self._device = plan.device
-        count = 1 if mode == "sync" else (buffers or len(links) + 2)
         # same host: the snapshots are shared segments that receivers on this machine map read-only
         sharing = allowed(transport) and fanout != "relay" and (
             cuda_ipc.available(plan.device) is None if plan.device.type == "cuda"
             else available() is None and any(link.backend == "gloo" for link in links))
         self._shared_kind = (CUDA_IPC if plan.device.type == "cuda" else SHARED_MEMORY) if sharing else WIRE
+        # sync: one snapshot, rewritten by every push; three in host memory, which a zero-copy receiver
+        # publishes where they lie (each push then takes one that no such receiver holds: their pages are
+        # touched only once used)
+        count = (SYNC_SHARED if self._shared_kind == SHARED_MEMORY else 1) if mode == "sync" else (
+            buffers or len(links) + 2)
         if self._shared_kind == CUDA_IPC:
             segments = [cuda_ipc.DeviceSegment(self.schema.total, plan.device) for _ in range(count)]
             shared_offer = cuda_ipc.offer(segments)
@@ -275,10 +291,11 @@ class WeightSender:
         for segment in segments:
             segment.close_fd()  # every receiver that could map them has: nothing names them now
         if fanout == "auto":
-            self.fanout = "relay" if mode == "sync" and any(h != host_id() for h, _ in answers) else "star"
+            self.fanout = "relay" if mode == "sync" and any(h != host_id() for h, *_ in answers) else "star"
         self._receivers = [_Receiver(lane) for lane in lanes]
-        for receiver, (_, shared) in zip(self._receivers, answers):
+        for receiver, (_, shared, alias) in zip(self._receivers, answers):
             receiver.shared = shared and self.fanout == "star"
+            receiver.alias = receiver.shared and alias and self._shared_kind == SHARED_MEMORY
         for receiver in self._receivers:
             if receiver.lane.link.backend != "nccl":  # the receiver's asks and BYE (see _weights_wire)
                 receiver.listener = threading.Thread(target=self._listen, args=(receiver,), daemon=True,
@@ -313,9 +330,10 @@ class WeightSender:
                 for r in self._receivers if not r.served}
 
     # -- handshake ----------------------------------------------------------------------
-    def _handshake(self, lanes: list[Lane], raw: bytes, shared: bytes) -> list[tuple[str, bool]]:
+    def _handshake(self, lanes: list[Lane], raw: bytes, shared: bytes) -> list[tuple[str, bool, bool]]:
         """Offer the schema (and on gloo links the shared segments) to every receiver at once, then read
-        every answer; return each receiver's host and whether it mapped the segments."""
+        every answer; return each receiver's host, whether it mapped the segments and whether it reads
+        the versions where they lie (zero-copy)."""
         def hello(lane: Lane) -> Any:
             extra = shared if lane.link.backend == "gloo" or self._shared_kind == CUDA_IPC else b""
             head = yield from send_from(lane, [wire_bytes(lane, preamble(len(raw), self._piece, self.mode,
@@ -347,7 +365,7 @@ class WeightSender:
             if status != ACCEPTED:
                 raise ReceiverFailed(f"receiver rank {lane.link.peer} could not start: {reason}")
             host, _, route = reason.partition("\n")
-            hosts.append((host, route == "shared"))
+            hosts.append((host, route in ("shared", "shared zero-copy"), route == "shared zero-copy"))
         return hosts
 
     def _control(self, protocol: Any, lane: Lane, what: str, silent: str) -> Transfer:
@@ -394,10 +412,10 @@ class WeightSender:
                                 f"pass them on {self._device}")
         if self.mode == "latest":
             return self._snapshot_latest(plan, live, limit)
-        if self._torn:  # the old storage stays with the parked sends of the dropped receiver
-            self._snapshots[0] = self._snapshot()
+        if self._torn:  # the old storages stay with the parked sends of the dropped receiver
+            self._snapshots = [self._snapshot()]
             self._torn = False
-        target = self._snapshots[0]
+        target = self._sync_target(limit)
         self._copy(plan, target, live[0].lane.stream)
         pushes = []
         with self._cond:  # (a receiver's BYE, and its RELEASED queued after what is in flight, wait for this)
@@ -417,6 +435,43 @@ class WeightSender:
             return [transfer for _, transfer in pushes]
         self._finish(pushes, self.version)
         return self.version
+
+    def _sync_target(self, limit: float) -> _Snapshot:
+        """Sync mode: the snapshot the next version goes in, the first that no zero-copy receiver holds
+        (waiting up to ``limit`` s for one to let go of one)."""
+        with self._cond:
+            self._replenish()
+            if not self._cond.wait_for(lambda: self._unheld() is not None, timeout=limit):
+                held = sorted({(r.rank, v) for r in self._receivers for v in r.holding})
+                raise WaitTimeout(f"zero-copy receivers held every shared snapshot for {limit:g} s "
+                                  f"((rank, version): {held}; a reading() kept across pushes?)")
+            return self._unheld()
+
+    def _unheld(self) -> _Snapshot | None:
+        return next((s for s in self._snapshots if s.holders == 0 and not s.retired), None)
+
+    def _replenish(self) -> None:
+        """Under the lock: keep two snapshots that can be written once zero-copy receivers that left hold
+        others forever (new ones are the sender's own, sent on the wire)."""
+        while any(s.retired for s in self._snapshots) and sum(not s.retired for s in self._snapshots) < 2:
+            self._snapshots.append(self._snapshot())
+
+    def _retire(self, receiver: _Receiver) -> None:
+        """``receiver`` is gone: the snapshots it may still read where they lie are never written again."""
+        with self._cond:
+            for snapshot in receiver.holding.values():
+                snapshot.retired = True
+            receiver.holding.clear()
+            self._cond.notify_all()
+
+    def _let_go(self, receiver: _Receiver, version: int) -> bool:
+        """Under the lock: ``receiver`` no longer reads the snapshot of ``version``; False if it held none."""
+        snapshot = receiver.holding.pop(version, None)
+        if snapshot is None:
+            return False
+        snapshot.holders -= 1
+        self._cond.notify_all()
+        return True
 
     def _copy(self, plan: Any, target: _Snapshot, stream: Any) -> None:
         """Copy the weights into ``target`` as the next version (on ``stream`` for GPU weights)."""
@@ -461,9 +516,10 @@ class WeightSender:
         return self.version
 
     def _free_snapshot(self) -> _Snapshot | None:
-        """Under the lock: a snapshot buffer that is neither the latest nor being sent or written."""
-        return next((s for s in self._snapshots if s is not self._latest and s.readers == 0 and not s.writing),
-                    None)
+        """Under the lock: a snapshot buffer that is neither the latest nor being sent, written or held."""
+        self._replenish()
+        return next((s for s in self._snapshots if s is not self._latest and s.readers == 0 and not s.writing
+                     and s.holders == 0 and not s.retired), None)
 
     def _serve(self, receiver: _Receiver) -> None:
         """Latest mode, under the lock: start a reply if ``receiver`` asked and a newer version exists."""
@@ -506,6 +562,10 @@ class WeightSender:
         lane = receiver.lane
         if self._through_segment(receiver, snapshot):  # the header only; the receiver copies the version out
             header = dataclasses.replace(snapshot.header, shared=True, segment=snapshot.segment)
+            if receiver.alias:  # (or publishes it where it lies: held until it says FREED)
+                with self._cond:
+                    snapshot.holders += 1
+                    receiver.holding[header.version] = snapshot
             yield from send_from(lane, [wire_bytes(lane, header.pack())], [self._tags.header])
             yield from self._confirmed(receiver, header.version, limit)
             return
@@ -552,6 +612,7 @@ class WeightSender:
             if "is dropped from this sender" not in text:
                 text += f"; rank {receiver.rank} is dropped from this sender"
             receiver.gone = text
+            self._retire(receiver)
             if not receiver.shared or self._shared_kind == CUDA_IPC:
                 # its send (or, CUDA IPC, its copy) may still read the storage, long after this; a receiver of
                 # host segments checks their stamps instead (a copy overtaken by a write is never published)
@@ -592,13 +653,21 @@ class WeightSender:
                     on_error=naming(lane.link, "weight sync", math.inf, "sent nothing")))
                 kind, version = ask.kind, ask.version
                 if (kind == ASK and self.mode != "latest") or (kind == GOT and self.fanout != "relay"
-                                                                and not receiver.shared):
+                                                                and not receiver.shared) or (
+                        kind == FREED and not receiver.alias):
                     raise OutOfStepError(f"the receiver sent a message this {self.mode} {self.fanout} sender "
                                          "never asks for: out of step")
+                if kind == FREED:
+                    with self._cond:
+                        if not self._let_go(receiver, version):
+                            raise OutOfStepError(f"the receiver let go of version {version}, which it does not "
+                                                 "hold: out of step")
+                    continue
             except Exception as error:  # noqa: BLE001 - a dead or lying receiver is dropped
                 with self._cond:
                     if receiver.gone is None and not receiver.said_last:
                         receiver.gone = f"{error}; rank {receiver.rank} is dropped from this sender"
+                    self._retire(receiver)
                     self._cond.notify_all()
                 return
             if kind == BYE:
@@ -610,6 +679,8 @@ class WeightSender:
             if kind == GOT:
                 with self._cond:
                     receiver.got = ask
+                    if ask.status != LANDED:  # a zero-copy receiver did not publish it: it holds nothing of it
+                        self._let_go(receiver, version)
                     self._cond.notify_all()
                 continue
             with self._cond:
@@ -629,6 +700,7 @@ class WeightSender:
         if kind == RELEASED:
             with self._cond:
                 receiver.gone = receiver.gone or "closed by its receiver"
+                self._retire(receiver)  # its published version stays readable: where it lies, never written again
                 self._cond.notify_all()
 
     def close(self) -> None:

@@ -277,7 +277,8 @@ class PushHeader:
 # -- the receiver's messages -----------------------------------------------------------
 _ASK = struct.Struct("<4sIQii")
 ASK_SIZE = 32
-ASK, BYE, GOT = 0, 1, 2  # latest mode's ask; the receiver closes; relay fan-out: what became of a version
+ASK, BYE, GOT, FREED = 0, 1, 2, 3  # latest mode's ask; the receiver closes; relay fan-out and shared
+# memory: what became of a version; zero-copy: the receiver no longer reads the snapshot of a version
 LANDED, REJECTED, LOST = 0, 1, 2  # a GOT's status: published; rejected (drained, still in step); lost upstream
 
 
@@ -292,8 +293,9 @@ class Ask:
 
 
 def ask_message(kind: int, version: int = 0, status: int = LANDED, rank: int = -1) -> bytes:
-    """``ASK`` for a version newer than ``version`` (latest mode), ``BYE`` (the receiver closes), or
-    ``GOT`` (relay fan-out: ``version`` landed, was rejected, or was lost because ``rank`` upstream failed)."""
+    """``ASK`` for a version newer than ``version`` (latest mode), ``BYE`` (the receiver closes),
+    ``GOT`` (relay fan-out, shared memory: ``version`` landed, was rejected, or was lost because ``rank``
+    upstream failed) or ``FREED`` (a zero-copy receiver let go of the shared snapshot of ``version``)."""
     body = _ASK.pack(b"CDRA", kind, version, status, rank)
     return body + struct.pack("<I", zlib.crc32(body)) + bytes(ASK_SIZE - _ASK.size - 4)
 
@@ -302,7 +304,7 @@ def read_ask(raw: bytes) -> Ask:
     """The :class:`Ask` of a receiver's message; raises :class:`OutOfStepError` if it is none."""
     magic, kind, version, status, rank = _ASK.unpack_from(raw)
     (crc,) = struct.unpack_from("<I", raw, _ASK.size)
-    if (magic != b"CDRA" or kind not in (ASK, BYE, GOT) or status not in (LANDED, REJECTED, LOST)
+    if (magic != b"CDRA" or kind not in (ASK, BYE, GOT, FREED) or status not in (LANDED, REJECTED, LOST)
             or zlib.crc32(raw[: _ASK.size]) != crc):
         raise OutOfStepError("a message from the receiver is no cudarecv ask: the link is out of step")
     return Ask(kind, version, status, rank)

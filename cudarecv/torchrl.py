@@ -101,6 +101,11 @@ class CudarecvWeightSyncScheme(WeightSyncScheme):
         verify: send a BLAKE3 digest with every version; workers reject a corrupted one.
         device: where workers receive the weights (default: the CPU). A worker whose policy
             lives elsewhere copies each version into it (still between two forward calls).
+        zero_copy: workers on the trainer's machine act with each version where it lies in the
+            trainer's shared snapshot (mapped read-only: no copy at all; see
+            :class:`~cudarecv.WeightReceiver`). Only for policies whose forward writes none of their
+            tensors in place (no ``BatchNorm`` running statistics in training mode): such a write
+            kills the worker (SIGSEGV), which the trainer then names.
 
     Example:
         >>> scheme = WeightSyncScheme.from_backend("cudarecv", timeout=30.0)
@@ -110,12 +115,15 @@ class CudarecvWeightSyncScheme(WeightSyncScheme):
 
     def __init__(self, strategy: str = "tensordict", *, sync: bool = True, timeout: float = 60.0,
                  connect_timeout: float = 120.0, host: str = "127.0.0.1", transport: str = "auto",
-                 bucket_bytes: int | None = None, verify: bool = False, device: Any = None) -> None:
+                 bucket_bytes: int | None = None, verify: bool = False, device: Any = None,
+                 zero_copy: bool = False) -> None:
         if strategy != "tensordict":
             raise ArgumentError(f"`strategy` must be \"tensordict\" for the cudarecv scheme (the weights travel as "
                                 f"one consolidated tensordict), got {strategy!r}")
         if not isinstance(sync, bool):
             raise ArgumentError(f"`sync` must be True or False, got {sync!r}")
+        if not isinstance(zero_copy, bool):
+            raise ArgumentError(f"`zero_copy` must be True or False, got {zero_copy!r}")
         if not isinstance(host, str) or not host:
             raise ArgumentError(f"`host` must be the address of the trainer's machine, got {host!r}")
         try:
@@ -132,6 +140,7 @@ class CudarecvWeightSyncScheme(WeightSyncScheme):
         self.bucket_bytes = bucket_bytes
         self.verify = bool(verify)
         self.device = device
+        self.zero_copy = zero_copy
         self._session = os.urandom(6).hex()  # the store's keys of this scheme's group and acknowledgements
         self._port: int | None = None
         self._workers: int | None = None
@@ -367,7 +376,7 @@ class CudarecvWeightSyncScheme(WeightSyncScheme):
         self._group = self._connect_group(self._rank)
         model = self._policy()
         self._receiver = WeightReceiver(group=self._group, group_src=0, device=self.device, expect=model,
-                                        timeout=self.timeout, transport=self.transport)
+                                        timeout=self.timeout, transport=self.transport, zero_copy=self.zero_copy)
         self._switch(self._receiver.pull())
         self._thread = threading.Thread(target=self._take_versions, daemon=True,
                                         name=f"cudarecv-torchrl-{self.model_id}-{self._worker_id}")
@@ -445,8 +454,8 @@ class CudarecvWeightSyncScheme(WeightSyncScheme):
             view = td.get(path)
             wrapped.set(path, nn.Parameter(view, requires_grad=held.requires_grad)
                         if isinstance(held, nn.Parameter) else view)
-        if len(self._wrapped) >= 2:  # the receiver's two buffers take turns; a third replaced one
-            self._wrapped.clear()
+        if len(self._wrapped) >= 2 + len(self._receiver._aliases):  # its two buffers and (zero-copy) the
+            self._wrapped.clear()                                    # sender's snapshots take turns; one more replaced one
         self._wrapped[id(td)] = (td, wrapped)
         return wrapped
 

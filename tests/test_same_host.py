@@ -263,7 +263,7 @@ def test_a_peer_killed_with_sigkill_leaves_nothing_and_fails_bounded(victim, sto
 
 
 # -- weight sync -------------------------------------------------------------------------------
-def shared_weights(rank, world, group, mode, transports, pulls, key):
+def shared_weights(rank, world, group, mode, transports, pulls, key, zero_copy=False):
     td = TensorDict(w=torch.zeros(100_000), b=TensorDict(c=torch.zeros(10, dtype=torch.int64)))
     if rank == 0:
         sender = cudarecv.WeightSender(td, dst=list(range(1, world)), mode=mode, timeout=20,
@@ -278,7 +278,7 @@ def shared_weights(rank, world, group, mode, transports, pulls, key):
         store().wait([f"{key}_read"])
         sender.close()
         return seen, _memfds()
-    receiver = cudarecv.WeightReceiver(src=0, timeout=20, transport=transports[rank])
+    receiver = cudarecv.WeightReceiver(src=0, timeout=20, transport=transports[rank], zero_copy=zero_copy)
     ok, rss = True, []
     for version in range(1, pulls + 1):
         got = receiver.pull()
@@ -305,11 +305,142 @@ def test_weight_sync_through_shared_memory(four, mode):
     assert held == 0
 
 
-def test_steady_state_pulls_allocate_nothing(cluster):
-    _, (transport, ok, (early, late)) = cluster().run(shared_weights, args=("sync", ("auto", "auto"), 1000, unique_key("w")),
-                                                     timeout=300)
+@pytest.mark.parametrize("zero_copy", [False, True], ids=["copy", "zero_copy"])
+def test_steady_state_pulls_allocate_nothing(cluster, zero_copy):
+    _, (transport, ok, (early, late)) = cluster().run(
+        shared_weights, args=("sync", ("auto", "auto"), 1000, unique_key("w"), zero_copy), timeout=300)
     assert transport == "shared memory" and ok
     assert late - early < 2 << 20, f"resident memory grew by {(late - early) / 1e6:.1f} MB over 900 pulls"
+
+
+def _in_mappings(receiver, tensor) -> bool:
+    """Whether ``tensor`` lies in one of the sender's segments as ``receiver`` mapped them."""
+    ptr = tensor.data_ptr()
+    return any(m.data.data_ptr() <= ptr < m.data.data_ptr() + m.capacity for m in receiver._mappings)
+
+
+def zero_copy_weights(rank, world, group, mode, key):
+    """Rank 1 publishes the sender's snapshots (zero-copy), rank 2 copies: every version exact on both; a
+    version rank 1 holds with reading() stays whole while the sender pushes on (it writes other snapshots)."""
+    td = TensorDict(w=torch.zeros(100_000), b=TensorDict(c=torch.zeros(10, dtype=torch.int64)))
+    pulls = 30
+    if rank == 0:
+        sender = cudarecv.WeightSender(td, dst=[1, 2], mode=mode, timeout=20)
+        aliases = [r.alias for r in sender._receivers]
+        for version in range(1, pulls + 1):
+            td["w"].fill_(version)
+            td["b", "c"].fill_(version)
+            sender.push()
+            store().wait([f"{key}_{r}_{version}" for r in (1, 2)])  # each takes every version
+        store().wait([f"{key}_closed"])
+        retired = [s.retired for s in sender._snapshots]
+        sender.close()
+        return aliases, retired
+    receiver = cudarecv.WeightReceiver(src=0, timeout=20, zero_copy=rank == 1)
+    ok, where, hold = True, True, None
+    for version in range(1, pulls + 1):
+        got = receiver.pull()
+        ok &= got == version and bool((receiver.td["w"] == version).all() and (receiver.td["b", "c"] == version).all())
+        where &= _in_mappings(receiver, receiver.td["w"]) == receiver.zero_copy
+        if version == 5 and receiver.zero_copy:
+            hold = receiver.reading()
+            held = hold.__enter__()
+        store().set(f"{key}_{rank}_{version}", "1")
+    held_whole = None
+    if hold is not None:
+        held_whole = bool((held["w"] == 5).all() and (held["b", "c"] == 5).all())  # 25 pushes later
+        hold.__exit__(None, None, None)
+    zero_copy = receiver.zero_copy
+    receiver.close()
+    last = bool((receiver.td["w"] == pulls).all())  # readable after close (rank 1: in its own memory again)
+    own = not _in_mappings(receiver, receiver.td["w"])
+    if rank == 1:
+        store().set(f"{key}_closed", "1")
+    return zero_copy, ok, where, held_whole, last, own
+
+
+@pytest.mark.parametrize("mode", ["sync", "latest"])
+def test_zero_copy_receivers_publish_the_senders_snapshots(mode):
+    with Cluster(3, pg_timeout=30.0) as ranks:
+        (aliases, retired), zero, copy = ranks.run(zero_copy_weights, args=(mode, unique_key("zc")), timeout=120)
+    assert aliases == [True, False]
+    assert zero == (True, True, True, True, True, True), zero  # published where they lie, one held whole
+    assert copy[:3] == (False, True, True) and copy[4:] == (True, True), copy
+    assert not any(retired)  # rank 1 let go of every snapshot: it copied its last version out when it closed
+
+
+def zero_copy_receiver_dropped(rank, world, group, key):
+    """A zero-copy receiver that stops pulling is dropped; the snapshots it may still read are never written
+    again (the sender goes on with the others, and with its own storage on the wire once too few are left)."""
+    td = TensorDict(w=torch.zeros(50_000))
+    if rank == 0:
+        sender = cudarecv.WeightSender(td, dst=[1, 2], timeout=20)
+        for version in (1, 2):
+            td["w"].fill_(version)
+            sender.push()
+        td["w"].fill_(3)
+        with pytest.raises(cudarecv.TransferTimeout, match="rank 1"):
+            sender.push(timeout=2)  # rank 1 does not take it
+        for version in range(4, 14):
+            td["w"].fill_(version)
+            sender.push()
+        store().set(f"{key}_pushed", "1")
+        return sender.ranks, [(s.segment, s.retired) for s in sender._snapshots]
+    receiver = cudarecv.WeightReceiver(src=0, timeout=20, zero_copy=True)
+    if rank == 1:
+        for _ in (1, 2):
+            receiver.pull()
+        store().wait([f"{key}_pushed"])
+        return bool((receiver.td["w"] == 2).all()), receiver.version, _in_mappings(receiver, receiver.td["w"])
+    versions = [receiver.pull() for _ in range(13)]
+    ok = bool((receiver.td["w"] == 13).all())
+    receiver.close()
+    return versions, ok
+
+
+def test_a_dropped_zero_copy_receiver_keeps_its_version_whole():
+    with Cluster(3, pg_timeout=30.0) as ranks:
+        (left, snapshots), dropped, other = ranks.run(zero_copy_receiver_dropped, args=(unique_key("zcd"),),
+                                                      timeout=120)
+    assert left == [2]
+    assert dropped == (True, 2, True), dropped  # its version 2, where it lies, untouched by 11 more pushes
+    assert other == (list(range(1, 14)), True)
+    assert [r for _, r in snapshots].count(True) == 2 and snapshots[-1][0] is None  # version 2's and 3's; one added
+
+
+def lying_sender_rewrites_a_held_snapshot(rank, world, group, key):
+    """A sender that writes a snapshot the zero-copy receiver still publishes (its bookkeeping forged): the
+    receiver refuses the push as out of step instead of publishing it."""
+    pg = _group(rank, world, key)
+    td = TensorDict(w=torch.zeros(1000))
+    if rank == 0:
+        sender = cudarecv.WeightSender(td, group=pg, group_dst=1, timeout=20)
+        sender.push()
+        with sender._cond:
+            for snapshot in sender._snapshots:
+                snapshot.holders = 0  # as if the receiver had let go of version 1
+            sender._receivers[0].holding.clear()
+        assert sender._unheld() is sender._snapshots[0]  # the next push takes version 1's
+        with pytest.raises(cudarecv.Error):
+            sender.push(timeout=5)
+        return None
+    receiver = cudarecv.WeightReceiver(group=pg, group_src=0, timeout=20, zero_copy=True)
+    receiver.pull()
+    with pytest.raises(cudarecv.OutOfStepError, match="still holds") as error:
+        receiver.pull()
+    return str(error.value), receiver.version
+
+
+def test_a_push_into_a_snapshot_the_receiver_holds_is_refused(cluster):
+    _, (message, version) = cluster().run(lying_sender_rewrites_a_held_snapshot, args=(unique_key("zcl"),))
+    assert "zero-copy receiver still holds" in message and version == 1, message
+
+
+def test_zero_copy_arguments_are_checked_before_anything_is_sent():
+    with pytest.raises(cudarecv.ArgumentError, match="`zero_copy` must be True or False"):
+        cudarecv.WeightReceiver(src=0, zero_copy="yes")  # (no process group: the argument is checked first)
+    with pytest.raises(cudarecv.ArgumentError, match="drop `pin_memory=True` or `zero_copy`"):
+        cudarecv.WeightReceiver(src=0, zero_copy=True, pin_memory=True)
 
 
 def test_bad_transport_is_refused_before_anything_is_sent(monkeypatch):

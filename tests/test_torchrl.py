@@ -59,7 +59,7 @@ def test_backend_is_registered_and_arguments_checked():
     for kwargs, name in [({"strategy": "state_dict"}, "strategy"), ({"sync": 1}, "sync"), ({"timeout": 0}, "timeout"),
                          ({"connect_timeout": -1}, "connect_timeout"),
                          ({"transport": "carrier pigeon"}, "transport"), ({"bucket_bytes": -1}, "bucket_bytes"),
-                         ({"host": ""}, "host"), ({"device": "warp drive"}, "device")]:
+                         ({"host": ""}, "host"), ({"device": "warp drive"}, "device"), ({"zero_copy": 1}, "zero_copy")]:
         with pytest.raises(cudarecv.ArgumentError, match=f"`{name}`"):
             CudarecvWeightSyncScheme(**kwargs)
 
@@ -82,11 +82,15 @@ def test_travels_to_workers_without_its_connections():
         CudarecvWeightSyncScheme().init_on_sender(model_id="policy", context=NoWorkers())
 
 
-def test_multisync_workers_act_with_every_version():
+@pytest.mark.parametrize("zero_copy", [False, True], ids=["copy", "zero_copy"])
+def test_multisync_workers_act_with_every_version(zero_copy):
     policy = marker_policy(1 << 20)
-    with collector(MultiSyncCollector, policy, CudarecvWeightSyncScheme(timeout=30.0)) as coll:
+    scheme = CudarecvWeightSyncScheme(timeout=30.0, zero_copy=zero_copy)
+    with collector(MultiSyncCollector, policy, scheme) as coll:
         batches = iter(coll)
         assert markers(next(batches)) == {0.0}
+        # (the workers told the trainer in the handshake whether they act where the snapshots lie)
+        assert [r.alias for r in scheme._sender._receivers] == [zero_copy] * WORKERS
         for i in range(1, 16):
             update(coll, policy, i / 4)
             batch = next(batches)
@@ -104,10 +108,11 @@ def test_multisync_workers_act_with_every_version():
         assert markers(next(batches)) == {20.0}
 
 
-def test_multiasync_actions_never_see_half_a_version():
+@pytest.mark.parametrize("zero_copy", [False, True], ids=["copy", "zero_copy"])
+def test_multiasync_actions_never_see_half_a_version(zero_copy):
     policy = marker_policy(4 << 20)  # 4 MB: a switch that copied in place would be caught in the middle
     sent = [0.0]
-    with collector(MultiAsyncCollector, policy, CudarecvWeightSyncScheme(timeout=30.0)) as coll:
+    with collector(MultiAsyncCollector, policy, CudarecvWeightSyncScheme(timeout=30.0, zero_copy=zero_copy)) as coll:
         batches = iter(coll)
         next(batches)
         for i in range(1, 21):
