@@ -384,8 +384,9 @@ def zero_copy_receiver_dropped(rank, world, group, key):
         for version in range(4, 14):
             td["w"].fill_(version)
             sender.push()
+        served, snapshots = sender.ranks, [(s.segment, s.retired) for s in sender._snapshots]
         store().set(f"{key}_pushed", "1")
-        return sender.ranks, [(s.segment, s.retired) for s in sender._snapshots]
+        return served, snapshots
     receiver = cudarecv.WeightReceiver(src=0, timeout=20, zero_copy=True)
     if rank == 1:
         for _ in (1, 2):
@@ -394,6 +395,7 @@ def zero_copy_receiver_dropped(rank, world, group, key):
         return bool((receiver.td["w"] == 2).all()), receiver.version, _in_mappings(receiver, receiver.td["w"])
     versions = [receiver.pull() for _ in range(13)]
     ok = bool((receiver.td["w"] == 13).all())
+    store().wait([f"{key}_pushed"])  # not closed before the sender looked at who it serves
     receiver.close()
     return versions, ok
 

@@ -52,6 +52,7 @@ def latest_with_a_stopped_actor(rank, world, group, key):
             version = receiver.pull()
             seen.append((version, holds_version(receiver.td, version)))
         signals.set(f"{key}_fast_done", "1")
+        signals.wait([f"{key}_trained"])  # not closed before the trainer looked at who it serves
         return seen
 
 
