@@ -296,6 +296,11 @@ class WeightSender:
         for receiver, (_, shared, alias) in zip(self._receivers, answers):
             receiver.shared = shared and self.fanout == "star"
             receiver.alias = receiver.shared and alias and self._shared_kind == SHARED_MEMORY
+        if mode == "sync" and any(r.shared for r in self._receivers) and self._shared_kind == SHARED_MEMORY:
+            # the first push would pay for allocating its snapshot's pages (about 0.7 s per GB): here, once; and
+            # for the second snapshot, which zero-copy pushes take turns with
+            for segment in segments[:2 if any(r.alias for r in self._receivers) else 1]:
+                segment.populate()
         for receiver in self._receivers:
             if receiver.lane.link.backend != "nccl":  # the receiver's asks and BYE (see _weights_wire)
                 receiver.listener = threading.Thread(target=self._listen, args=(receiver,), daemon=True,

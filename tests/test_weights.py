@@ -15,7 +15,7 @@ import torch
 from tensordict import TensorDict
 
 import cudarecv
-from cudarecv import _weight_sender
+from cudarecv import _staging, _weight_sender
 from cudarecv._handle import Transfer
 from cudarecv._weights_wire import PushHeader
 from cudarecv.testing.launch import RankExit
@@ -166,14 +166,35 @@ def test_bad_header_and_corruption_are_rejected_and_next_pull_works(cluster, tra
     assert last == (4, True)
 
 
-def dying_sender(rank, world, group, timeout):
-    weights = TensorDict(w=torch.zeros(32 << 20), b=torch.zeros(1000))  # 128 MB: the push takes a while
+def dying_sender(rank, world, group, timeout, transport):
+    """The trainer dies during its second push: on the wire while the payload flows (once it has posted 8 of
+    the 128 chunks); through shared memory while it writes the snapshot (after its first leaf: the push is
+    its header alone, so a death after it delivers the version)."""
+    weights = TensorDict(w=torch.zeros(32 << 20), b=torch.zeros(1000))  # 128 MB
     if rank == 0:
-        sender = cudarecv.WeightSender(weights, dst=1, bucket_bytes=1 << 20, timeout=20)
+        sender = cudarecv.WeightSender(weights, dst=1, bucket_bytes=1 << 20, timeout=20, transport=transport)
         weights.apply_(lambda t: t.fill_(1.0))
         sender.push()
         weights.apply_(lambda t: t.fill_(2.0))
-        threading.Timer(0.01, os._exit, args=(3,)).start()  # the trainer dies 10 ms into the push
+        if transport == "wire":
+            post, posted = _staging.Lane.post, []
+
+            def post_then_die(lane, sending, tensors, tags):
+                works = post(lane, sending, tensors, tags)
+                posted.extend(t for t in tensors if sending and t.numel() == 1 << 20)
+                if len(posted) >= 8:
+                    os._exit(3)  # the trainer is killed with 8 of the push's 128 chunks posted
+                return works
+
+            _staging.Lane.post = post_then_die
+        else:
+            copy = _weight_sender.copy_bytes
+
+            def copy_then_die(dst, src):
+                copy(dst, src)
+                os._exit(3)  # the trainer is killed with one leaf of the snapshot written
+
+            _weight_sender.copy_bytes = copy_then_die
         sender.push()
         time.sleep(5)
     receiver = cudarecv.WeightReceiver(src=0, timeout=timeout)
@@ -191,12 +212,15 @@ def dying_sender(rank, world, group, timeout):
         again = "no error"
     except RuntimeError as error:
         again = str(error)
-    return outcome, took, receiver.version, intact, again
+    return outcome, took, receiver.version, intact, again, receiver.transport
 
 
-def test_sender_killed_mid_push(cluster):
-    exit_code, (outcome, took, version, intact, again) = cluster().run(dying_sender, args=(5.0,), may_die={0})
+@pytest.mark.parametrize("transport", ["wire", "auto"])
+def test_sender_killed_mid_push(cluster, transport):
+    exit_code, (outcome, took, version, intact, again, route) = cluster().run(dying_sender, args=(5.0, transport),
+                                                                             may_die={0})
     assert isinstance(exit_code, RankExit) and exit_code == 3
+    assert route == ("wire" if transport == "wire" else "shared memory")
     assert outcome.startswith(("TransferTimeout", "PeerError")) and "rank 0" in outcome, outcome
     assert took < 5.0 + 10.0  # the receiver's timeout, with room for a loaded machine
     assert version == 1 and intact, "the last good version was damaged"
