@@ -241,8 +241,9 @@ def _start_recv(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolida
                 with lane.on_stream():
                     copy_bytes(storage[offset:offset + length], data[offset:offset + length])
 
+            table = _same_host.storage_table(storage) if storage.device.type == "cpu" else None  # (direct route)
             protocol = _fast_wire.recv(lane, plan.chunk_header(inner), lambda piece: plan.chunks(inner, piece),
-                                       init_tag, td, copy_shared=copy, **shared)
+                                       init_tag, td, copy_shared=copy, table=table, **shared)
     else:
         if bucket_bytes is None:
             _check_tags(init_tag, len(plan.tensors), pseudo_rand)

@@ -40,9 +40,11 @@ receiver reads its live memory:
   mapped read-only and copied straight out of; a receiver that cannot map it
   answers ``NO`` and takes that payload on the wire;
 - *direct*: if the receiver may read the sender's memory (``process_vm_readv``,
-  probed when it takes the link's offer; its ``ANSWER`` says ``DIRECT``), the
-  sender sends its host leaves' addresses and sizes, and the receiver checks the
-  sizes against its own leaves and reads them into them.
+  probed when it takes the link's offer) and that read measured faster than the
+  segments (:func:`~._host_copy.direct_read_pays`; its ``ANSWER`` says ``DIRECT``,
+  or ``DIRECT_STORAGES`` for consolidated storages only), the sender sends its host
+  leaves' (or its private consolidated storage's) addresses and sizes, and the
+  receiver checks the sizes against its own and reads them into them.
 
 Headers, ``READY`` and ``DONE`` stay on the process group, so timeouts, the
 header check and a dead peer are detected as on the wire. A transfer larger
@@ -150,7 +152,9 @@ def _open(raw: bytes, record: struct.Struct, magic: bytes, what: str) -> tuple:
 _BACK = struct.Struct("<4sHHQ")  # magic, kind, status, the transfer number it is about
 BACK_SIZE = 32
 ANSWER, DONE = 0, 1
-OK, NO, DIRECT = 0, 1, 2  # DIRECT: an ANSWER's OK, and the receiver may read the sender's memory itself
+# an ANSWER's OK with DIRECT: the receiver reads the sender's host leaves and storages itself; with
+# DIRECT_STORAGES: its consolidated storages only (the kernel's read of small regions is slow on its machine)
+OK, NO, DIRECT, DIRECT_STORAGES = 0, 1, 2, 3
 _READY = struct.Struct("<4sIQQQ")  # magic, message index, transfer number, offset, length
 READY_SIZE = 48
 
@@ -204,6 +208,11 @@ def receiving_side(link: Link) -> "RecvSide | None":
     return _side(link, "recv", lambda: RecvSide(link.peer))
 
 
+def storage_table(storage: Tensor) -> np.ndarray:
+    """A consolidated host storage's (address, bytes) as the one ``struct iovec`` row of a direct read."""
+    return np.array([[storage.data_ptr(), storage.numel()]], dtype=np.uint64)
+
+
 def _post(lane: Lane, data: bytes, tag: int) -> list[Any]:
     return lane.post(True, [wire_bytes(lane, data)], [tag])
 
@@ -224,6 +233,7 @@ class SendSide:
         self.fences: list[tuple[Any, Tensor, int] | None] = [None, None, None]
         self.held: list[list[Any]] = [[], [], []]  # a segment's header and READY sends, kept until its DONE
         self.direct = False  # whether the receiver reads host leaves straight out of this process
+        self.direct_storages = False  # ... and consolidated host storages
         self.slots: OrderedDict[tuple[int, int, int], int] = OrderedDict()  # storages offered: their slot
         self.declined: OrderedDict[tuple[int, int, int], None] = OrderedDict()  # storages the receiver cannot map
         self.seq = 0
@@ -255,6 +265,11 @@ class SendSide:
                 return None
             if allow and self.state == "shared" and self.direct and table is not None:
                 yield from self._direct(lane, header, init_tag, table, route)
+                return None
+            if (allow and self.state == "shared" and self.direct_storages and storage is not None
+                    and storage.device.type == "cpu" and storage.numel()):
+                row = torch.from_numpy(storage_table(storage).view(np.uint8).reshape(-1))
+                yield from self._direct(lane, header, init_tag, row, route)
                 return None
             if allow and self.state == "shared" and header.total <= self.segments[0].capacity:
                 route.transport = SHARED_MEMORY if self.device.type == "cpu" else CUDA_IPC
@@ -311,8 +326,9 @@ class SendSide:
 
     def _answer(self, lane: Lane) -> Any:
         status = yield from self._take(0, ANSWER)
-        if status in (OK, DIRECT):
+        if status in (OK, DIRECT, DIRECT_STORAGES):
             self.state, self.direct = "shared", status == DIRECT
+            self.direct_storages = status in (DIRECT, DIRECT_STORAGES)
         else:
             self.state, self.segments = "wire", []
 
@@ -373,15 +389,16 @@ class SendSide:
             yield from send_from(lane, chunks, [piece_tag(init_tag)] * len(chunks))
 
     def _direct(self, lane: Lane, header: Header, init_tag: int, table: Tensor, route: Route) -> Any:
-        """The direct route: the header, then the leaves' addresses and sizes; the receiver reads them straight out
-        of this process (one copy in all, by the kernel) and says DONE. Ends once it is done."""
+        """The direct route: the header, then the leaves' (or the consolidated storage's) addresses and sizes; the
+        receiver reads them straight out of this process (one copy in all, by the kernel) and says DONE. Ends once
+        it is done."""
         self.seq += 1
         head = dataclasses.replace(header, transport=3, segment=0, seq=self.seq)
         self.held[STORAGE_BACK] = _post(lane, head.pack(), header_tag(init_tag))
         self.held[STORAGE_BACK] += lane.post(True, [table], [piece_tag(init_tag)])
         self.fences[STORAGE_BACK] = self._expect(lane, STORAGE_BACK, self.seq)
         if (yield from self._take(STORAGE_BACK, DONE)) != OK:
-            raise OutOfStepError("the receiver could not read this process's leaves (a region was not mapped): "
+            raise OutOfStepError("the receiver could not read this process's memory (a region was not mapped): "
                                  "its tensordict may be partly written")
         route.transport = SHARED_MEMORY
 
@@ -394,7 +411,8 @@ class RecvSide:
         self.state = "new"
         self.mappings: list[Mapping] = []
         self.storages: dict[int, StorageMapping | None] = {}  # the sender's storages per slot (None: not mappable)
-        self.direct: int | None = None  # the sender's pid, if this process may read its memory itself
+        self.direct: int | None = None  # the sender's pid, if this process reads its storages itself
+        self.direct_leaves = False  # ... and its leaves
         self.declined: str | None = None  # why the last offer was declined
         self.driver_name = f"cudarecv-recv-{peer}"
         self.driver = Driver(self.driver_name)
@@ -436,9 +454,11 @@ class RecvSide:
         self.declined = reason
         self.state, self.mappings = ("shared", mappings) if reason is None else ("wire", [])
         host = reason is None and isinstance(mappings[0], Mapping)
-        direct = host and may_read_process(mappings[0].pid) is None and direct_read_pays()
-        self.direct = mappings[0].pid if direct else None
-        status = NO if reason is not None else DIRECT if self.direct is not None else OK
+        pays = direct_read_pays() if host and may_read_process(mappings[0].pid) is None else None
+        self.direct = mappings[0].pid if pays is not None and pays.storages else None
+        self.direct_leaves = pays is not None and pays.leaves
+        status = (NO if reason is not None else DIRECT if self.direct_leaves
+                  else DIRECT_STORAGES if self.direct is not None else OK)
         park(_post(lane, _back(ANSWER, status, 0), BACK_TAGS))
 
     def _map_storage(self, raw: bytes, allow: bool) -> StorageMapping | None:
@@ -507,13 +527,17 @@ class RecvSide:
 
     def _read_direct(self, lane: Lane, header: Header, init_tag: int, table: np.ndarray | None,
                      copy: Callable[[Tensor, int, int, int, int], None], problem: str | None, route: Route) -> Any:
-        """The direct route: take the sender's table of leaves (checked against this tensordict's ``table``: the
-        same sizes) and read them straight into the leaves, then DONE (NO if the read fell short). Leaves off
-        the host (no ``table``) are read into a host buffer, then copied out of it as out of a segment."""
-        if self.state != "shared" or self.direct is None or header.kind != KIND_BUCKETS:
-            raise OutOfStepError("the sender names its leaves for a direct read this receiver never agreed to: "
+        """The direct route: take the sender's table of leaves, or of its one consolidated storage (checked
+        against this tensordict's ``table``: the same sizes), and read them straight into the leaves or storage,
+        then DONE (NO if the read fell short). Off the host (no ``table``) they are read into a host buffer,
+        then copied out of it as out of a segment."""
+        leaves = header.kind == KIND_BUCKETS
+        what = "leaves" if leaves else "storage"
+        if self.state != "shared" or self.direct is None or not (self.direct_leaves if leaves else
+                                                                 header.kind == KIND_CHUNKS):
+            raise OutOfStepError(f"the sender names its {what} for a direct read this receiver never agreed to: "
                                  "the link is out of step")
-        size = 16 * header.leaves
+        size = 16 * (header.leaves if leaves else 1)
         if problem is not None and size > drain_limit(0 if table is None else 16 * len(table)):
             raise OutOfStepError(f"{problem}; its table of {header.leaves} leaves is more than this receiver drains: "
                                  "not drained, the link is out of step; the tensordict was left untouched")
@@ -521,7 +545,7 @@ class RecvSide:
         yield lane.post(False, [buffer], [piece_tag(init_tag)])
         raw = buffer.numpy()
         if raw[size:].any():
-            raise OutOfStepError("the sender's table of leaves is longer than its header says: out of step")
+            raise OutOfStepError(f"the sender's table of its {what} is longer than its header says: out of step")
         status = OK
         if problem is None:
             remote = raw[:size].view(np.uint64).reshape(-1, 2)
@@ -529,8 +553,8 @@ class RecvSide:
             local = table if staging is None else np.array([[staging.data_ptr(), header.total]], dtype=np.uint64)
             sizes = remote[:, 1] if staging is None else remote[:, 1].sum(keepdims=True)
             if not np.array_equal(sizes, local[:, 1]):
-                raise OutOfStepError("the sender's table of leaves names other sizes than this tensordict's leaves: "
-                                     "not read; the link is out of step")
+                raise OutOfStepError(f"the sender's table of its {what} names other sizes than this tensordict's "
+                                     f"{what}: not read; the link is out of step")
             route.transport = SHARED_MEMORY
             status = OK if read_process(self.direct, local, remote) == header.total else NO
             if staging is not None and status == OK:
@@ -541,8 +565,8 @@ class RecvSide:
                     yield [EventWork(record(lane.stream))]
         park(_post(lane, _back(DONE, status, header.seq), BACK_TAGS + STORAGE_BACK))
         if status != OK:
-            raise OutOfStepError("the sender's table of leaves names memory it does not have: the tensordict is "
-                                 "partly written; the link is out of step")
+            raise OutOfStepError(f"the sender's table of its {what} names memory it does not have: the tensordict "
+                                 "is partly written; the link is out of step")
         return True
 
     def _from_storage(self, lane: Lane, header: Header, copy: Callable[[Tensor, int, int, int, int], None],

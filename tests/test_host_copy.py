@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
@@ -98,16 +99,30 @@ def test_the_direct_read_is_chosen_as_told_or_measured_once(monkeypatch):
     monkeypatch.setattr(_host_copy, "DIRECT_PAYS", None)
     for told, expect in [("on", True), ("off", False)]:
         monkeypatch.setenv(_host_copy.DIRECT_ENV, told)
-        assert _host_copy.direct_read_pays() is expect
+        assert _host_copy.direct_read_pays() == _host_copy.DirectRead(leaves=expect, storages=expect)
         assert _host_copy.DIRECT_PAYS is None  # told: nothing measured
     monkeypatch.delenv(_host_copy.DIRECT_ENV)
     measured = _host_copy.direct_read_pays()
-    assert isinstance(measured, bool) and _host_copy.DIRECT_PAYS is measured
-    monkeypatch.setattr(_host_copy, "DIRECT_PAYS", not measured)  # kept, never measured again
-    assert _host_copy.direct_read_pays() is (not measured)
+    assert isinstance(measured, _host_copy.DirectRead) and _host_copy.DIRECT_PAYS is measured
+    assert measured.storages or not measured.leaves  # reading many small regions never pays where one does not
+    other = _host_copy.DirectRead(not measured.leaves, True)
+    monkeypatch.setattr(_host_copy, "DIRECT_PAYS", other)  # kept, never measured again
+    assert _host_copy.direct_read_pays() is other
     monkeypatch.setenv(_host_copy.DIRECT_ENV, "always")
     with pytest.raises(cudarecv.ArgumentError, match="CUDARECV_DIRECT_READ"):
         cudarecv._same_host.allowed("auto")  # checked before a transfer sends anything
+
+
+def test_a_direct_read_stops_at_the_first_region_not_mapped():
+    if _host_copy.may_read_process(os.getpid()) is not None:
+        pytest.skip(_host_copy.may_read_process(os.getpid()))
+    src, dst = torch.arange(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)
+    local = np.array([[dst.data_ptr(), 32], [dst.data_ptr() + 32, 32]], dtype=np.uint64)
+    remote = np.array([[src.data_ptr(), 32], [8, 32]], dtype=np.uint64)  # (address 8: never mapped)
+    assert _host_copy.read_process(os.getpid(), local, remote) == 32
+    assert dst[:32].equal(src[:32]) and not dst[32:].any()
+    remote[0, 0] = 8  # the first region: no bytes at all, not an error
+    assert _host_copy.read_process(os.getpid(), local, remote) == 0
 
 
 @pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler on this machine")

@@ -71,6 +71,25 @@ def test_fast_wire_goes_through_shared_memory_after_one_offer(cluster, consolida
     assert held == 0, "the sender still holds descriptors of segments the receiver has mapped"
 
 
+def direct_transfers(rank, world, group, consolidated):
+    """:func:`transfers`, and what the sending side was told it may send by the direct route."""
+    seen, ok, held = transfers(rank, world, group, consolidated, ("auto", "auto"))
+    sides = [side for sides in _same_host._SIDES.values() for (_, role), side in sides.items() if role == "send"]
+    return seen, ok, held, [(side.direct, side.direct_storages) for side in sides]
+
+
+@pytest.mark.parametrize("consolidated", [False, True], ids=["leaves", "storages"])
+@pytest.mark.parametrize("told", ["on", "off"])
+def test_the_direct_route_carries_leaves_and_private_storages_exactly(consolidated, told):
+    """Whatever this machine's probe would choose: the direct route (the receiver reads the sender's
+    leaves, or its private consolidated storage, straight out of it) and the segments, every structure."""
+    with Cluster(2, pg_timeout=20.0, env={_host_copy.DIRECT_ENV: told}) as ranks:
+        (sent, _, _, agreed), (received, ok, _, _) = ranks.run(direct_transfers, args=(consolidated,))
+    assert ok and all(ok.values()), [k for k, v in ok.items() if not v]
+    assert sent == received and sent.count("shared memory") >= len(sent) - len(STRUCTURES), sent
+    assert agreed == [(told == "on", told == "on")], agreed
+
+
 @pytest.mark.parametrize("who", ["sender", "receiver"])
 def test_transport_wire_keeps_the_payload_on_the_wire(cluster, who):
     transports = ("wire", "auto") if who == "sender" else ("auto", "wire")
@@ -606,21 +625,30 @@ def test_a_lying_peer_cannot_make_the_receiver_read_outside_a_storage(cluster, l
     assert ("never mapped" if lie == "slot" else "in a storage of 100") in message, message
 
 
-def forged_table(rank, world, group, lie, key):
-    """A sender whose table of leaves (the direct route) names other sizes, or memory it does not have, or
-    that uses the direct route with a receiver that did not agree to it (``CUDARECV_DIRECT_READ=off``)."""
+def forged_table(rank, world, group, lie, consolidated, key):
+    """A sender whose table of leaves, or of its private consolidated storage (the direct route), names other
+    sizes, or memory it does not have, or that uses the direct route with a receiver that did not agree to it
+    (``CUDARECV_DIRECT_READ=off``)."""
     pg = _group(rank, world, key)
     td = TensorDict(x=torch.full((1000,), 7.0 if rank == 0 else 0.0), y=torch.ones(10))
+    if consolidated:
+        td = td.consolidate(metadata=True)
+    kw = dict(bucket_bytes=1024, consolidated=consolidated)
     if rank == 0:
         for _ in range(2):  # negotiate, then one transfer in shared memory
-            cudarecv.send(td, group=pg, group_dst=1, bucket_bytes=1024)
+            cudarecv.send(td, group=pg, group_dst=1, **kw)
         plan = cudarecv._plan.plan_for(td)
-        table = plan.address_table.copy()
+        if consolidated:
+            table, head = _same_host.storage_table(plan.storage(td)), plan.chunk_header(td)
+        else:
+            table, head = plan.address_table.copy(), plan.bucket_header
         if lie == "sizes":
-            table[0, 1], table[1, 1] = 40, 4000  # the same total, other leaves
+            table[0, 1] -= 8  # (with leaves: the same total, other leaves)
+            if not consolidated:
+                table[1, 1] += 8
         elif lie == "address":
-            table[1, 0] = 8  # an address this process has not mapped
-        head = dataclasses.replace(plan.bucket_header.with_piece(1024), transport=3, seq=99)
+            table[-1, 0] = 8  # an address this process has not mapped
+        head = dataclasses.replace(head.with_piece(1024), transport=3, seq=99)
         raw_send(pg, 1, head.pack(), _fast_wire.header_tag(0))
         if lie != "not agreed":  # (refused at the header: the table is never taken)
             raw_send(pg, 1, table.tobytes(), _fast_wire.piece_tag(0))
@@ -629,7 +657,7 @@ def forged_table(rank, world, group, lie, key):
     os.environ[_host_copy.DIRECT_ENV] = "off" if lie == "not agreed" else "on"  # read when the offer is taken
     try:
         for _ in range(2):
-            [t] = cudarecv.irecv(td, group=pg, group_src=0, bucket_bytes=1024, return_premature=True)
+            [t] = cudarecv.irecv(td, group=pg, group_src=0, **kw, return_premature=True)
             t.wait(timeout=20)
     finally:
         if before is None:
@@ -639,16 +667,18 @@ def forged_table(rank, world, group, lie, key):
     assert t.transport == "shared memory"
     td["x"].zero_()
     with pytest.raises(cudarecv.OutOfStepError) as error:
-        cudarecv.recv(td, group=pg, group_src=0, bucket_bytes=1024, timeout=20)
+        cudarecv.recv(td, group=pg, group_src=0, **kw, timeout=20)
     return str(error.value), bool((td["x"] == 0).all())
 
 
+@pytest.mark.parametrize("consolidated", [False, True], ids=["leaves", "storage"])
 @pytest.mark.parametrize("lie", ["sizes", "address", "not agreed"])
-def test_a_lying_peer_cannot_misplace_bytes_through_the_direct_route(cluster, lie):
-    _, (message, untouched) = cluster().run(forged_table, args=(lie, unique_key("forged-table")))
+def test_a_lying_peer_cannot_misplace_bytes_through_the_direct_route(cluster, lie, consolidated):
+    _, (message, untouched) = cluster().run(forged_table, args=(lie, consolidated, unique_key("forged-table")))
+    what = "storage" if consolidated else "leaves"
     if lie == "sizes":
-        assert "other sizes" in message and "not read" in message and untouched, message
+        assert f"other sizes than this tensordict's {what}" in message and "not read" in message and untouched, message
     elif lie == "not agreed":
-        assert "never agreed to" in message and untouched, message
+        assert f"names its {what} for a direct read this receiver never agreed to" in message and untouched, message
     else:
         assert "partly written" in message, message  # (leaf x, read before the bad address, may be written)
