@@ -141,6 +141,14 @@ FAN_OUT = [("cudarecv", "shared memory"), ("cudarecv", "shared memory zero-copy"
 FAN_OUT_BYTES = 100_000_000
 
 
+def _resident() -> tuple[int, int]:
+    """This process's resident bytes: its own (anonymous) memory, and the shared memory it maps (a zero-copy
+    receiver's view of the sender's snapshots, which counts once a snapshot's pages are first read)."""
+    with open("/proc/self/status") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return tuple(int(fields[key].split()[0]) * 1024 for key in ("RssAnon", "RssShmem"))
+
+
 def time_fan_out(rank: int, world: int, group, total_bytes: int, rounds: int) -> dict:
     """Weight sync to ``world - 1`` receivers on this machine, through shared memory and on the wire, and one
     ``copy_`` of the model's bytes on the trainer, alternating. Latency: from the trainer's push to the last
@@ -185,8 +193,7 @@ def time_fan_out(rank: int, world: int, group, total_bytes: int, rounds: int) ->
             elif impl == "cudarecv":
                 checks[mode] = all(bool((t == float(step)).all()) for t in ends[mode].td.values(True, True))
         if rank == 1:
-            with open("/proc/self/statm") as f:
-                rss.append(int(f.read().split()[1]) * 4096)
+            rss.append(_resident())
     transports = {mode: end.transport for mode, end in ends.items()} if rank else {}
     for end in ends.values():
         end.close()
@@ -217,8 +224,9 @@ def test_weight_sync_to_three_receivers_on_this_host(benchmark, four_ranks, tran
             f"{med['shared memory'] / med['memcpy']:.2f}x one 100 MB memcpy ({med['memcpy'] * 1e3:.1f} ms; target "
             f"<= 3x: {'met' if med['shared memory'] <= 3 * med['memcpy'] else 'MISSED'}); zero-copy "
             f"{med['shared memory zero-copy'] * 1e3:.1f} ms = {med['shared memory zero-copy'] / med['memcpy']:.2f}x; wire "
-            f"{med['wire'] * 1e3:.1f} ms ({med['wire'] / med['shared memory']:.2f}x shared memory); a receiver's "
-            f"resident memory {rss[0] / 1e6:.0f} -> {rss[-1] / 1e6:.0f} MB over the rounds")
+            f"{med['wire'] * 1e3:.1f} ms ({med['wire'] / med['shared memory']:.2f}x shared memory); a receiver "
+            f"process's own resident memory {rss[0][0] / 1e6:.0f} -> {rss[-1][0] / 1e6:.0f} MB over the rounds (shared "
+            f"memory it maps {rss[0][1] / 1e6:.0f} -> {rss[-1][1] / 1e6:.0f} MB)")
     seconds = _FAN_OUT["seconds"][mode]
     ok = _FAN_OUT["checks"].get(mode)
     benchmark.extra_info.update(case="weight sync 100MB to 3 receivers", impl=impl, mode=mode, bytes=FAN_OUT_BYTES,
