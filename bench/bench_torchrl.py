@@ -14,7 +14,12 @@ Each round changes every weight, then times the trainer's call (pytest-benchmark
 median), then collects until a frame acted with the new weights appears: ``act_ms``
 in ``extra_info`` (median) is from the call's start to that frame's action
 (``time.monotonic()``, system-wide). ``torn`` counts frames acted with weights
-that were never sent (half of one version and half of another).
+that were never sent (half of one version and half of another). Last, the trainer
+changes its weights without an update: ``unsent`` says whether the workers acted
+with them anyway (they alias the trainer's live parameters: TorchRL's
+``MultiProcess`` and ``SharedMem`` schemes in ``MultiSyncCollector`` do, which is
+why their call copies nothing; an optimizer step then changes the weights under a
+worker's forward).
 
 Run: ``pytest bench/bench_torchrl.py -p no:cacheprovider --benchmark-json T.json``
 (needs the torchrl extra); ``python bench/bench_torchrl.py T.json`` prints the table.
@@ -107,21 +112,28 @@ def test_update_policy_weights(benchmark, kind, scheme, size):
     try:
         benchmark.pedantic(update, setup=setup, rounds=ROUNDS, warmup_rounds=1)
         observe()
+        # the trainer changes its weights and sends nothing: do workers act with them anyway (aliasing its
+        # live parameters, which an optimizer step then changes under a worker's forward)?
+        set_marker(policy, -1.0)
+        unsent = any(-1.0 in markers(next(batches)) for _ in range(3))
     finally:
         collector.shutdown()
     benchmark.extra_info.update(collector=kind, scheme=scheme, bytes=SIZES[size], size=size,
-                                act_ms=statistics.median(acts) * 1e3, torn=torn)
+                                act_ms=statistics.median(acts) * 1e3, torn=torn, unsent=unsent)
     assert torn == 0 or "cudarecv" not in scheme, f"{torn} frames acted with half of a version"
+    assert not unsent or "cudarecv" not in scheme, "workers acted with weights the trainer never sent"
 
 
 def table(path: str) -> str:
     """A markdown table of a run: call and act medians per case, and cudarecv's ratio to each TorchRL scheme."""
     rows = [b for b in json.load(open(path))["benchmarks"] if "act_ms" in b["extra_info"]]
-    out = ["| size | collector | scheme | call (ms) | acts after (ms) | torn frames |", "|:--|:--|:--|--:|--:|--:|"]
+    out = ["| size | collector | scheme | call (ms) | acts after (ms) | torn frames | acts with unsent weights |",
+           "|:--|:--|:--|--:|--:|--:|:--|"]
     for b in rows:
         e = b["extra_info"]
+        unsent = {True: "yes", False: "no"}.get(e.get("unsent"), "-")
         out.append(f"| {e['size']} | {e['collector']} | {e['scheme']} | {b['stats']['median'] * 1e3:.2f} | "
-                   f"{e['act_ms']:.2f} | {e['torn']} |")
+                   f"{e['act_ms']:.2f} | {e['torn']} | {unsent} |")
     for size in SIZES:
         of = {(b["extra_info"]["collector"], b["extra_info"]["scheme"]): b for b in rows
               if b["extra_info"]["size"] == size}

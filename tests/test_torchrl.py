@@ -106,6 +106,8 @@ def test_multisync_workers_act_with_every_version(zero_copy):
             coll.update_policy_weights_(TensorDict({"bias": torch.zeros(1)}, []))
         update(coll, policy, 20.0)  # the refused calls sent nothing: the link is in step
         assert markers(next(batches)) == {20.0}
+        set_marker(policy, 33.0)  # changed, not sent: workers act with what was sent (no alias of the trainer's)
+        assert markers(next(batches)) | markers(next(batches)) == {20.0}
 
 
 @pytest.mark.parametrize("zero_copy", [False, True], ids=["copy", "zero_copy"])
