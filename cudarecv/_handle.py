@@ -272,20 +272,26 @@ class Transfer(torch.futures.Future):
 
     def _settle(self) -> None:
         with self._driving:
-            while not self._finished:
-                works = self._works
-                try:
-                    for work in works:
-                        if self.timeout is None:
-                            work.wait()
-                        else:  # the deadline is the waiter's to keep (see the module docstring)
-                            work.wait(_UNBOUNDED)
-                except BaseException as error:
-                    with self._state:
-                        if not self._finished:
-                            self._fail(error)
-                    return
+            while not self._finished and self._waited():
+                # no frame of this thread holds a work now: the last step sets the result, the waiter
+                # may return and the interpreter exit, and a gloo work freed on a daemon thread after
+                # that re-takes the GIL during shutdown, which aborts the process (SIGABRT)
                 self._advance()
+
+    def _waited(self) -> bool:
+        """Wait for the pending works; False if one failed (the transfer then failed with its error)."""
+        try:
+            for work in self._works:
+                if self.timeout is None:
+                    work.wait()
+                else:  # the deadline is the waiter's to keep (see the module docstring)
+                    work.wait(_UNBOUNDED)
+        except BaseException as error:
+            with self._state:
+                if not self._finished:
+                    self._fail(error)
+            return False
+        return True
 
     def settle_in_background(self) -> None:
         """Make sure a thread drives the transfer to its end: the owner's driver if it has

@@ -682,3 +682,46 @@ def test_a_lying_peer_cannot_misplace_bytes_through_the_direct_route(cluster, li
         assert f"names its {what} for a direct read this receiver never agreed to" in message and untouched, message
     else:
         assert "partly written" in message, message  # (leaf x, read before the bad address, may be written)
+
+
+def works_on_the_drivers_stack(rank, world, group, key):
+    """Where each receive's result is set (its done callback runs there): which thread, and which of its frames
+    still hold a gloo work at that moment."""
+    import threading
+
+    from torch._C._distributed_c10d import Work
+
+    pg = _group(rank, world, key)
+    td = make("nested", 2.0 if rank == 0 else 0.0)
+    if rank == 0:
+        for _ in range(3):  # the first on the wire with the offer, then through the segments
+            time.sleep(0.5)  # (the receiver has posted and registered its callback)
+            cudarecv.send(td, group=pg, group_dst=1, bucket_bytes=64)
+        return None
+    seen = []
+
+    def look(_: object) -> None:
+        holding, frame = [], sys._getframe()
+        while frame is not None:
+            for value in list(frame.f_locals.values()):
+                if any(isinstance(v, Work) for v in (value if isinstance(value, (list, tuple)) else (value,))):
+                    holding.append(frame.f_code.co_name)
+            frame = frame.f_back
+        seen.append((threading.current_thread().name, holding))
+
+    for _ in range(3):
+        [t] = cudarecv.irecv(td, group=pg, group_src=0, bucket_bytes=64, return_premature=True)
+        t.add_done_callback(look)
+        t.wait(timeout=20)
+    return seen, same(td, make("nested", 2.0))
+
+
+def test_no_work_is_left_on_a_drivers_stack_when_its_transfer_ends(cluster):
+    """A link's thread sets a receive's result with no gloo work left in its frames: the waiter may return and
+    the interpreter exit at once, and a work freed on a daemon thread after that aborts the process (SIGABRT,
+    "terminate called without an active exception": seen 3 times in 40 runs of a script that exits right after
+    its last receive)."""
+    _, (seen, ok) = cluster().run(works_on_the_drivers_stack, args=(unique_key("stack"),))
+    assert ok and len(seen) == 3, seen
+    assert all(name.startswith("cudarecv-recv-") for name, _ in seen), seen  # (set on the link's thread)
+    assert all(not holding for _, holding in seen), seen
