@@ -7,6 +7,9 @@ computed them). Every case runs a real collector:
 - ``MultiSyncCollector`` with cudarecv's scheme (``sync=True``; ``sync=False``: the call
   returns at once; ``zero_copy=True``: workers act where the trainer's snapshot lies), TorchRL's ``MultiProcessWeightSyncScheme`` and
   ``SharedMemWeightSyncScheme``;
+- ``MultiAsyncCollector`` with cudarecv's ``sync=True`` scheme (copying and zero-copy) and TorchRL's
+  ``MultiProcess`` and ``SharedMem``: its workers go on acting while the call runs, so a scheme
+  that writes into the weights the workers act with shows torn frames here;
 - ``DistributedCollector`` (``launcher="mp"``, gloo) with cudarecv's scheme and
   TorchRL's ``DistributedWeightSyncScheme`` (the one collector it runs in).
 
@@ -52,7 +55,8 @@ SIZES = {"4MB": 4_000_000, "100MB": 100_000_000}
 SOURCES = ["policy", "trainer copy"]  # update_policy_weights_() / update_policy_weights_(a module of the trainer's)
 CASES = [("MultiSync", "cudarecv sync"), ("MultiSync", "cudarecv sync zero-copy"), ("MultiSync", "cudarecv latest"),
          ("MultiSync", "cudarecv latest zero-copy"), ("MultiSync", "MultiProcess"), ("MultiSync", "SharedMem"),
-         ("Distributed", "cudarecv sync"), ("Distributed", "Distributed")]
+         ("MultiAsync", "cudarecv sync"), ("MultiAsync", "cudarecv sync zero-copy"), ("MultiAsync", "MultiProcess"),
+         ("MultiAsync", "SharedMem"), ("Distributed", "cudarecv sync"), ("Distributed", "Distributed")]
 pytestmark = pytest.mark.timeout(900)
 
 
@@ -74,14 +78,15 @@ def _scheme(name: str) -> Any:
 
 
 def _collector(kind: str, policy: Any, scheme: Any) -> Any:
-    from torchrl.collectors import MultiSyncCollector
+    from torchrl.collectors import MultiAsyncCollector, MultiSyncCollector
     from torchrl.collectors.distributed import DistributedCollector
 
     from cudarecv.testing.rl import free_ports, make_env
 
-    if kind == "MultiSync":
-        return MultiSyncCollector([make_env] * 2, policy, frames_per_batch=20, total_frames=-1, device="cpu",
-                                  weight_sync_schemes={"policy": scheme})
+    if kind in ("MultiSync", "MultiAsync"):  # (MultiAsync's workers act on while the trainer's call runs)
+        cls = MultiSyncCollector if kind == "MultiSync" else MultiAsyncCollector
+        return cls([make_env] * 2, policy, frames_per_batch=20, total_frames=-1, device="cpu",
+                   weight_sync_schemes={"policy": scheme})
     return DistributedCollector([make_env] * 2, policy, frames_per_batch=20, total_frames=10**12, launcher="mp",
                                 backend="gloo", sync=True, tcp_port=free_ports(3),
                                 weight_sync_schemes={"policy": scheme})
@@ -158,7 +163,9 @@ def table(path: str) -> str:
              b["extra_info"]["scheme"]): b["stats"]["median"] for b in rows}
     targets = [("MultiSync", "MultiProcess", "faster than", 1.0, SIZES),
                ("Distributed", "Distributed", "faster than", 1.0, SIZES),
-               ("MultiSync", "SharedMem", "within 1.5x of", 1.5, ["100MB"])]
+               ("MultiSync", "SharedMem", "within 1.5x of", 1.5, ["100MB"]),
+               ("MultiAsync", "MultiProcess", "faster than", 1.0, SIZES),
+               ("MultiAsync", "SharedMem", "within 1.5x of", 1.5, ["100MB"])]
     for source in SOURCES:
         for size in SIZES:
             for kind, theirs, verb, bound, sizes in targets:

@@ -3,10 +3,13 @@
 Weight-sync tests and benchmarks of TorchRL collectors need to know, from the
 collected batches alone, which version each worker acted with, and whether any
 action saw half of one. :func:`marker_policy` maps every observation to
-``bias + big[-1] - big[0]``: with :func:`set_marker` giving all its weights one
-value ``v``, every action is ``v``, and an action computed while the weights
-were half overwritten is none of the values sent. Its ``stamp`` output is the
-monotonic clock (system-wide on Linux) when the action was computed.
+``bias + 1000.7071 (big[0] - big[-1]) + 0.3183 (bias - big[0])``: with
+:func:`set_marker` giving all its weights one value ``v``, every action is ``v``,
+and an action computed while the weights were half overwritten (``bias``,
+``big[0]`` and ``big[-1]`` not all of one version, whichever order a copy writes
+them in) is none of the values sent (for values a multiple of 0.25 apart, up to
+100 apart: the coefficients make every mix land off that grid). Its ``stamp`` output is the monotonic clock (system-wide
+on Linux) when the action was computed.
 
 Example:
     >>> policy = marker_policy(4_000_000)   # about 4 MB of weights
@@ -36,7 +39,8 @@ class _Marker(nn.Module):
         self.big = nn.Parameter(torch.zeros(max(floats, 2)))
 
     def forward(self, th: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        action = (self.bias + self.big[-1] - self.big[0]).expand(*th.shape, 1)
+        first, last = self.big[0], self.big[-1]  # a copy in place writes big front to back, bias before or after
+        action = (self.bias + 1000.7071 * (first - last) + 0.3183 * (self.bias - first)).expand(*th.shape, 1)
         return action, torch.full(th.shape, time.monotonic(), dtype=torch.float64)
 
 
