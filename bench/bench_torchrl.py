@@ -152,13 +152,22 @@ def table(path: str) -> str:
     cudarecv's ``sync=True`` call faster than ``MultiProcess``'s and ``Distributed``'s, and at 100 MB within
     1.5x of ``SharedMem``'s (each cudarecv ``sync=True`` row's ratio, ``zero_copy`` too; the best one decides)."""
     rows = [b for b in json.load(open(path))["benchmarks"] if "act_ms" in b["extra_info"]]
-    out = ["| source | size | collector | scheme | call (ms) | acts after (ms) | torn frames | acts with unsent weights |",
-           "|:--|:--|:--|:--|--:|--:|--:|:--|"]
+    cases: dict[tuple[str, str], dict[tuple[str, str], Any]] = {}
     for b in rows:
         e = b["extra_info"]
-        unsent = {True: "yes", False: "no"}.get(e.get("unsent"), "-")
-        out.append(f"| {e.get('source', 'policy')} | {e['size']} | {e['collector']} | {e['scheme']} | "
-                   f"{b['stats']['median'] * 1e3:.2f} | {e['act_ms']:.2f} | {e['torn']} | {unsent} |")
+        cases.setdefault((e["collector"], e["scheme"]), {})[(e.get("source", "policy"), e["size"])] = b
+    columns = [(source, size) for source in SOURCES for size in SIZES]
+    out = ["| collector | scheme | " + " | ".join(f"{source} {size} (ms)" for source, size in columns)
+           + " | torn frames | acts with unsent weights (" + " / ".join(SOURCES) + ") |",
+           "|:--|:--|" + "--:|" * len(columns) + "--:|:--|"]
+    for (kind, scheme), of in cases.items():
+        cells = [f"{of[c]['stats']['median'] * 1e3:.2f} / {of[c]['extra_info']['act_ms']:.2f}" if c in of else "-"
+                 for c in columns]
+        torn = sum(b["extra_info"]["torn"] for b in of.values())
+        unsent = " / ".join("yes" if any(b["extra_info"].get("unsent") for (source, _), b in of.items() if source == s)
+                            else "no" for s in SOURCES)
+        out.append(f"| {kind} | {scheme} | " + " | ".join(cells) + f" | {torn} | {unsent} |")
+    out.append("\n(each cell: the trainer's call / until a worker acts with the new weights, medians)")
     call = {(b["extra_info"].get("source", "policy"), b["extra_info"]["size"], b["extra_info"]["collector"],
              b["extra_info"]["scheme"]): b["stats"]["median"] for b in rows}
     targets = [("MultiSync", "MultiProcess", "faster than", 1.0, SIZES),
