@@ -42,6 +42,10 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     lib.cudarecv_copy_many.restype = None
     lib.cudarecv_copy_streaming.argtypes = [ctypes.c_int]
     lib.cudarecv_copy_streaming.restype = ctypes.c_int
+    lib.cudarecv_publish.argtypes = [ctypes.c_void_p, ctypes.c_uint64]
+    lib.cudarecv_publish.restype = None
+    lib.cudarecv_observe.argtypes = [ctypes.c_void_p]
+    lib.cudarecv_observe.restype = ctypes.c_uint64
     return lib, None
 
 
@@ -82,6 +86,17 @@ def copy(dst: int, src: int, n: int) -> None:
     if STREAMING is None and n >= STREAM_MIN:
         _choose()
     _LIB.cudarecv_copy(dst, src, n)
+
+
+def publish(address: int, value: int) -> None:
+    """Store ``value`` in the 8-byte word at ``address``, ordered after every store before it: a reader that
+    loads it with :func:`observe` sees them. Needs the native build (:data:`NATIVE`)."""
+    _LIB.cudarecv_publish(address, value)
+
+
+def observe(address: int) -> int:
+    """Load the 8-byte word at ``address``, ordered before every load after it. Needs :data:`NATIVE`."""
+    return _LIB.cudarecv_observe(address)
 
 
 def copy_bytes(dst: Tensor, src: Tensor) -> None:

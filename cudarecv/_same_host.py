@@ -21,15 +21,22 @@ A transfer through a segment (double buffered: the sender's n-th uses segment
 n % 2) after its header (which names the segment and the transfer's number):
 
 - the sender waits for the receiver's ``DONE`` of the segment's previous
-  transfer, then writes the messages into the segment and sends a 48-byte
-  ``READY`` (offset and length) on the piece tag for every 4 MiB of them
-  (:data:`READY_SPAN`), so the receiver copies those while the sender writes the
-  next ones;
-- the receiver checks each ``READY`` against its own plan before it reads a byte
-  (a peer cannot make it read outside the segment or write outside its
-  tensordict), copies the message out, then sends ``DONE`` on the segment's back
-  tag. On a header mismatch it takes the ``READY`` messages, sends ``DONE`` and
-  raises :class:`HeaderError`: the link stays in step, the tensordict untouched.
+  transfer, stamps the segment's progress word with the transfer's number,
+  sends the header, then writes the messages into the segment, publishing after
+  each how many bytes are in (:meth:`~._shared_memory.Segment.advance`, ordered
+  after them), and sends a 48-byte ``READY`` (offset and length) on the piece tag
+  for every 4 MiB of them (:data:`READY_SPAN`, at most four);
+- the receiver copies each message out as soon as the progress word says it is
+  written, a message behind the sender rather than a ``READY`` span behind
+  (where it reads and writes comes from its own plan alone: a peer cannot make
+  it read outside the segment or write outside its tensordict); it takes each
+  ``READY`` as it comes and checks it against its plan (one that does not match
+  fails the transfer as out of step); once the word stops moving for
+  :data:`FOLLOW_SPIN` it waits for the next ``READY`` instead (a dead sender's
+  never comes: the process group says so), copies what it covers, and ends with
+  ``DONE`` on the segment's back tag. On a header mismatch it copies nothing,
+  takes the ``READY`` messages, sends ``DONE`` and raises
+  :class:`HeaderError`: the link stays in step, the tensordict untouched.
 
 Two routes skip the segments, and the sender's copy with them (one copy in
 all); the sender's transfer then ends with the receiver's ``DONE``, as the
@@ -63,6 +70,7 @@ import dataclasses
 import os
 import struct
 import threading
+import time
 import weakref
 import zlib
 from collections import OrderedDict
@@ -164,6 +172,9 @@ READY_SIZE = 48
 READY_SPAN = 4 << 20
 MAX_READY = 4
 READY_AHEAD = 2  # READY receives posted before the one waited for
+#: seconds a receiver polls a progress word that stopped moving before it waits for the READY on the process
+#: group instead (which also tells a dead sender)
+FOLLOW_SPIN = 0.002
 
 
 def ready_spans(total: int, piece: int) -> list[range]:
@@ -344,6 +355,9 @@ class SendSide:
             yield from self._take(k, DONE)  # the receiver is done reading this segment
         self.seq += 1
         seq, segment = self.seq, self.segments[k]
+        progress = isinstance(segment, Segment) and lane.stream is None  # (host bytes, written as fill returns)
+        if progress:
+            segment.start(seq)  # before the header: a receiver that has the header sees this transfer's word
         held = _post(lane, dataclasses.replace(header, transport=1, segment=k, seq=seq).pack(), header_tag(init_tag))
         offset = 0
         for r, span in enumerate(ready_spans(header.total, header.piece)):
@@ -353,6 +367,8 @@ class SendSide:
                 with lane.on_stream():
                     fill(segment.data, i, offset, length)
                 offset += length
+                if progress:
+                    segment.advance(offset)  # the receiver may copy up to here before the READY comes
             if lane.stream is not None:
                 segment.written.record(lane.stream)  # before its READY: the reader's copy waits for it
             held += _post(lane, _sealed(_READY.pack(b"CDRP", r, seq, start, offset - start), READY_SIZE),
@@ -492,6 +508,29 @@ class RecvSide:
         spans, piece, total = ready_spans(header.total, header.piece), header.piece, header.total
         stride = READY_SIZE + ROOM
         slots = list(torch.zeros(len(spans) * stride, dtype=torch.uint8).split(stride)) if spans else []
+        count, done = len(piece_sizes(total, piece)), 0  # messages, and how many are copied out
+
+        def follow() -> None:
+            """Copy out the messages the sender's progress word says are written, in order, without waiting
+            for their READY (its check comes when it lands); back to the READYs once the word stops moving."""
+            nonlocal done
+            seen, since = -1, time.monotonic()
+            while done < count:
+                written = mapping.progress(header.seq)
+                if written is None:
+                    return  # the sender publishes no progress (built without the native copies)
+                end = min((done + 1) * piece, total)  # (the receiver's own plan: never past its buffers)
+                if written >= end:
+                    with lane.on_stream():
+                        copy(mapping.data, done, done * piece, end - done * piece, piece)
+                    done += 1
+                    continue
+                now = time.monotonic()
+                if written != seen:
+                    seen, since = written, now
+                elif now - since > FOLLOW_SPIN:
+                    return
+                os.sched_yield()
 
         def landed(r: int) -> None:
             raw = slots[r].numpy()
@@ -507,7 +546,8 @@ class RecvSide:
                 if device:
                     mapping.before_read(lane.stream)
                 for i in spans[r]:
-                    copy(mapping.data, i, i * piece, min(piece, total - i * piece), piece)
+                    if i >= done:
+                        copy(mapping.data, i, i * piece, min(piece, total - i * piece), piece)
 
         device = isinstance(mapping, cuda_ipc.DeviceMapping)
         route.transport = CUDA_IPC if device else SHARED_MEMORY
@@ -517,6 +557,8 @@ class RecvSide:
         for r in range(len(slots)):
             ahead = slots[len(works):r + READY_AHEAD]
             works += lane.post(False, ahead, [tag] * len(ahead))
+            if problem is None and not device:
+                follow()
             yield [works[r]]
             with lane.on_stream():
                 landed(r)

@@ -15,6 +15,10 @@ Two version stamps in the segment's first bytes make a reader's copy checkable
 (a sequence lock): the writer stamps *writing v* before its first byte changes
 and *written v* after its last; a reader that copied version v reads *written*
 before and *writing* after its copy, and the copy is whole only if both are v.
+Two more words say how far a fast-wire transfer's writer got (its number, and
+how many of its bytes are in), stored after the bytes they count and loaded
+before them (the native build's ordered stores and loads), so a reader can copy
+each message as soon as it is written.
 
 A tensor storage that torch already put in shared memory (``share_memory_()``,
 ``consolidate(share_memory=True)``, a tensor sent through ``torch.multiprocessing``)
@@ -43,8 +47,13 @@ import zlib
 import torch
 from torch import Tensor
 
+from ._host_copy import NATIVE, observe, publish
+
 NONCE = 16
 WRITING, WRITTEN = 16, 24  # two u64 stamps after the nonce: the version being written, the last one written
+# the fast wire's progress words (written with the native build only): the transfer being written, how many
+# of its payload bytes are in
+PROGRESS_SEQ, PROGRESS_BYTES = 32, 40
 DATA_OFFSET = 64  # the nonce and stamps, then the payload from this offset (cache-line aligned)
 _STAMP = struct.Struct("<Q")
 PAGE = 4096
@@ -132,6 +141,19 @@ class Segment:
         """Stamp ``version`` as wholly written (after the last byte)."""
         _STAMP.pack_into(self._map, WRITTEN, version)
 
+    def start(self, seq: int) -> None:
+        """Say that fast-wire transfer ``seq`` is being written, none of its bytes yet (before its header is
+        sent; no-op without the native build, whose ordered stores the reader needs)."""
+        if NATIVE:
+            base = ctypes.addressof(self._map)
+            publish(base + PROGRESS_BYTES, 0)
+            publish(base + PROGRESS_SEQ, seq)
+
+    def advance(self, nbytes: int) -> None:
+        """Say that the first ``nbytes`` payload bytes of the transfer are in (after they are)."""
+        if NATIVE:
+            publish(ctypes.addressof(self._map) + PROGRESS_BYTES, nbytes)
+
     def close_fd(self) -> None:
         """Let go of the descriptor (the reader has it mapped): nothing names the memory any more."""
         if self.fd is not None:
@@ -169,6 +191,16 @@ class Mapping:
     def written(self) -> int:
         """The last version the writer stamped as wholly written (read before copying it out)."""
         return _STAMP.unpack_from(self._map, WRITTEN)[0]
+
+    def progress(self, seq: int) -> int | None:
+        """How many payload bytes of fast-wire transfer ``seq`` the writer says are in the segment (read them
+        after this), or None if it says nothing of that transfer (no native build on either side)."""
+        if not NATIVE:
+            return None
+        base = ctypes.addressof(self._map)
+        if observe(base + PROGRESS_SEQ) != seq:
+            return None
+        return observe(base + PROGRESS_BYTES)
 
     def writing(self) -> int:
         """The version the writer is writing or last wrote (read after copying: if it is still the one

@@ -192,6 +192,20 @@ def test_segments_are_anonymous_owner_only_and_mapped_read_only():
     assert set(os.listdir("/dev/shm")) == before
 
 
+@pytest.mark.skipif(not _host_copy.NATIVE, reason=_host_copy.WHY_NOT_NATIVE or "")
+def test_the_progress_word_names_its_transfer():
+    segment = Segment(1 << 16)
+    [mapping] = map_offer(offer([segment]), 1 << 20)
+    segment.close_fd()
+    assert mapping.progress(1) is None  # nothing published yet: the reader waits for READYs
+    segment.start(7)
+    assert mapping.progress(7) == 0 and mapping.progress(6) is None  # another transfer's word is not this one's
+    segment.advance(4096)
+    assert mapping.progress(7) == 4096
+    segment.start(8)  # the next transfer on this segment starts from nothing
+    assert mapping.progress(8) == 0 and mapping.progress(7) is None
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="switching to another user needs root")
 def test_another_user_cannot_open_a_segment():
     segment = Segment(4096)
@@ -279,6 +293,42 @@ def test_a_peer_killed_with_sigkill_leaves_nothing_and_fails_bounded(victim, sto
     assert kind in ("PeerError", "TransferTimeout") and f"rank {victim}" in message and took < 40, results
     left = {name for name in set(os.listdir("/dev/shm")) - before if not name.startswith("sem.mp-")}
     assert not left, f"left in /dev/shm: {left}"  # (sem.mp-*: multiprocessing's own, of the killed rank)
+
+
+def killed_mid_transfer(rank, world, group, key):
+    """The sender SIGKILLs itself halfway through its third transfer, once the receiver may have copied half
+    of it (its progress word said so): the receiver's transfer fails, bounded, naming it."""
+    td = TensorDict(x=torch.zeros(1 << 22)).consolidate(metadata=True)  # 16 MiB: four READY spans
+    if rank == 0:
+        for _ in range(2):  # the offer, then one through the segments
+            cudarecv.send(td, 1, bucket_bytes=1 << 20, consolidated=True)
+        advance = Segment.advance
+
+        def dies_halfway(segment, nbytes):
+            advance(segment, nbytes)
+            if nbytes >= 8 << 20:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        Segment.advance = dies_halfway
+        cudarecv.send(td, 1, bucket_bytes=1 << 20, consolidated=True)
+        return None
+    for _ in range(2):
+        cudarecv.recv(td, 0, bucket_bytes=1 << 20, consolidated=True)
+    started = time.monotonic()
+    with pytest.raises(cudarecv.LinkError) as error:
+        cudarecv.recv(td, 0, bucket_bytes=1 << 20, consolidated=True, timeout=15)
+    return type(error.value).__name__, str(error.value), time.monotonic() - started
+
+
+def test_a_sender_killed_mid_transfer_fails_the_receiver_bounded():
+    before = set(os.listdir("/dev/shm"))
+    with Cluster(2, pg_timeout=20.0) as ranks:
+        results = ranks.run(killed_mid_transfer, args=(unique_key("halfway"),), may_die={0}, timeout=90)
+    assert isinstance(results[0], RankExit)
+    kind, message, took = results[1]
+    assert kind in ("PeerError", "TransferTimeout") and "rank 0" in message and took < 40, results
+    left = {name for name in set(os.listdir("/dev/shm")) - before if not name.startswith("sem.mp-")}
+    assert not left, f"left in /dev/shm: {left}"
 
 
 # -- weight sync -------------------------------------------------------------------------------

@@ -9,6 +9,10 @@
  * one), share the memory bus at half the speed. On others glibc is faster at
  * every size. A streamed copy ends with a store fence, so a later store (a
  * version stamp, a READY message) is never seen before the bytes.
+ *
+ * A progress word in a segment says how many of a transfer's bytes are in it:
+ * the writer publishes it (a release store) after the bytes it counts, the reader
+ * observes it (an acquire load) before it reads them.
  */
 #include <stddef.h>
 #include <stdint.h>
@@ -79,4 +83,14 @@ void cudarecv_copy_many(const uint64_t *table, size_t count) {
     for (size_t i = 0; i < count; i++)
         cudarecv_copy((void *)(uintptr_t)table[3 * i], (const void *)(uintptr_t)table[3 * i + 1],
                       (size_t)table[3 * i + 2]);
+}
+
+/* the writer's store of a progress word, after the bytes it counts (release: ordered after them) */
+void cudarecv_publish(uint64_t *word, uint64_t value) {
+    __atomic_store_n(word, value, __ATOMIC_RELEASE);
+}
+
+/* the reader's load of a progress word, before the bytes it counts (acquire: ordered before them) */
+uint64_t cudarecv_observe(const uint64_t *word) {
+    return __atomic_load_n(word, __ATOMIC_ACQUIRE);
 }
