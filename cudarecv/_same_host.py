@@ -24,19 +24,23 @@ n % 2) after its header (which names the segment and the transfer's number):
   transfer, stamps the segment's progress word with the transfer's number,
   sends the header, then writes the messages into the segment, publishing after
   each how many bytes are in (:meth:`~._shared_memory.Segment.advance`, ordered
-  after them), and sends a 48-byte ``READY`` (offset and length) on the piece tag
-  for every 4 MiB of them (:data:`READY_SPAN`, at most four);
+  after them), then sends a 48-byte ``READY`` (offset and length: all of them)
+  on the piece tag;
 - the receiver copies each message out as soon as the progress word says it is
-  written, a message behind the sender rather than a ``READY`` span behind
-  (where it reads and writes comes from its own plan alone: a peer cannot make
-  it read outside the segment or write outside its tensordict); it takes each
-  ``READY`` as it comes and checks it against its plan (one that does not match
-  fails the transfer as out of step); once the word stops moving for
-  :data:`FOLLOW_SPIN` it waits for the next ``READY`` instead (a dead sender's
-  never comes: the process group says so), copies what it covers, and ends with
-  ``DONE`` on the segment's back tag. On a header mismatch it copies nothing,
-  takes the ``READY`` messages, sends ``DONE`` and raises
-  :class:`HeaderError`: the link stays in step, the tensordict untouched.
+  written, a message behind the sender (where it reads and writes comes from its
+  own plan alone: a peer cannot make it read outside the segment or write
+  outside its tensordict); it checks the ``READY`` against its plan when it
+  comes (one that does not match fails the transfer as out of step); once the
+  word stops moving for :data:`FOLLOW_SPIN` it waits for the ``READY`` instead (a
+  dead sender's never comes: the process group says so), copies the rest, and
+  ends with ``DONE`` on the segment's back tag. On a header mismatch it copies
+  nothing, takes the ``READY``, sends ``DONE`` and raises :class:`HeaderError`:
+  the link stays in step, the tensordict untouched.
+
+One ``READY`` per transfer: more (one per 4 MiB was tried), each a message on the
+process group, measured slower once the receiver follows the word. A sender
+built without the native copies publishes no progress; its receiver copies
+everything once the ``READY`` came.
 
 Two routes skip the segments, and the sender's copy with them (one copy in
 all); the sender's transfer then ends with the receiver's ``DONE``, as the
@@ -167,21 +171,9 @@ _READY = struct.Struct("<4sIQQQ")  # magic, message index, transfer number, offs
 READY_SIZE = 48
 
 
-#: a READY covers the messages of at least this many bytes (one READY per message costs a gloo message each,
-#: more than the overlap gains on small messages)
-READY_SPAN = 4 << 20
-MAX_READY = 4
-READY_AHEAD = 2  # READY receives posted before the one waited for
 #: seconds a receiver polls a progress word that stopped moving before it waits for the READY on the process
 #: group instead (which also tells a dead sender)
 FOLLOW_SPIN = 0.002
-
-
-def ready_spans(total: int, piece: int) -> list[range]:
-    """The messages (of ``piece`` bytes) each READY of a ``total``-byte transfer covers."""
-    count = len(piece_sizes(total, piece))
-    per = max(1, READY_SPAN // piece, -(-count // MAX_READY))
-    return [range(i, min(i + per, count)) for i in range(0, count, per)]
 
 
 def _back(kind: int, status: int, seq: int) -> bytes:
@@ -360,19 +352,15 @@ class SendSide:
             segment.start(seq)  # before the header: a receiver that has the header sees this transfer's word
         held = _post(lane, dataclasses.replace(header, transport=1, segment=k, seq=seq).pack(), header_tag(init_tag))
         offset = 0
-        for r, span in enumerate(ready_spans(header.total, header.piece)):
-            start = offset
-            for i in span:
-                length = min(header.piece, header.total - offset)
-                with lane.on_stream():
-                    fill(segment.data, i, offset, length)
-                offset += length
-                if progress:
-                    segment.advance(offset)  # the receiver may copy up to here before the READY comes
-            if lane.stream is not None:
-                segment.written.record(lane.stream)  # before its READY: the reader's copy waits for it
-            held += _post(lane, _sealed(_READY.pack(b"CDRP", r, seq, start, offset - start), READY_SIZE),
-                          piece_tag(init_tag))
+        for i, length in enumerate(piece_sizes(header.total, header.piece)):
+            with lane.on_stream():
+                fill(segment.data, i, offset, length)
+            offset += length
+            if progress:
+                segment.advance(offset)  # the receiver may copy up to here before the READY comes
+        if lane.stream is not None:
+            segment.written.record(lane.stream)  # before the READY: the reader's copies wait for it
+        held += _post(lane, _sealed(_READY.pack(b"CDRP", 0, seq, 0, header.total), READY_SIZE), piece_tag(init_tag))
         self.held[k] = held  # completes once the receiver has taken them (before its DONE)
         self.fences[k] = self._expect(lane, k, seq)
 
@@ -505,14 +493,14 @@ class RecvSide:
         if header.total > mapping.capacity:
             raise OutOfStepError(f"the header announces {header.total} bytes in a segment of {mapping.capacity}: "
                                  "the link is out of step")
-        spans, piece, total = ready_spans(header.total, header.piece), header.piece, header.total
-        stride = READY_SIZE + ROOM
-        slots = list(torch.zeros(len(spans) * stride, dtype=torch.uint8).split(stride)) if spans else []
+        piece, total = header.piece, header.total
         count, done = len(piece_sizes(total, piece)), 0  # messages, and how many are copied out
+        device = isinstance(mapping, cuda_ipc.DeviceMapping)
+        route.transport = CUDA_IPC if device else SHARED_MEMORY
 
         def follow() -> None:
             """Copy out the messages the sender's progress word says are written, in order, without waiting
-            for their READY (its check comes when it lands); back to the READYs once the word stops moving."""
+            for the READY (its check comes when it lands); back to the READY once the word stops moving."""
             nonlocal done
             seen, since = -1, time.monotonic()
             while done < count:
@@ -532,36 +520,25 @@ class RecvSide:
                     return
                 os.sched_yield()
 
-        def landed(r: int) -> None:
-            raw = slots[r].numpy()
-            if raw[READY_SIZE:].any():
-                raise OutOfStepError("a READY message is longer than its 48 bytes: the link is out of step")
-            got = _open(raw[:READY_SIZE].tobytes(), _READY, b"CDRP", "READY message")
-            start, end = spans[r][0] * piece, min(spans[r][-1] * piece + piece, total)
-            want = (r, header.seq, start, end - start)
-            if tuple(got) != want:
-                raise OutOfStepError(f"READY message {r} names (index, transfer, offset, length) {tuple(got)}, "
-                                     f"the plan {want}: not read; the link is out of step")
-            if problem is None:
+        slot = torch.zeros(READY_SIZE + ROOM, dtype=torch.uint8)
+        [ready] = lane.post(False, [slot], [piece_tag(init_tag)])
+        if problem is None and not device:
+            follow()
+        yield [ready]
+        raw = slot.numpy()
+        if raw[READY_SIZE:].any():
+            raise OutOfStepError("a READY message is longer than its 48 bytes: the link is out of step")
+        got = _open(raw[:READY_SIZE].tobytes(), _READY, b"CDRP", "READY message")
+        want = (0, header.seq, 0, total)
+        if tuple(got) != want:
+            raise OutOfStepError(f"READY message 0 names (index, transfer, offset, length) {tuple(got)}, "
+                                 f"the plan {want}: not read; the link is out of step")
+        if problem is None:
+            with lane.on_stream():
                 if device:
                     mapping.before_read(lane.stream)
-                for i in spans[r]:
-                    if i >= done:
-                        copy(mapping.data, i, i * piece, min(piece, total - i * piece), piece)
-
-        device = isinstance(mapping, cuda_ipc.DeviceMapping)
-        route.transport = CUDA_IPC if device else SHARED_MEMORY
-        # a few READY receives posted ahead, not all: posting one costs about 0.1 ms, and posting
-        # 64 before waiting for the first (a 256 MiB transfer) would hold the copies back by 6 ms
-        tag, works = piece_tag(init_tag), []
-        for r in range(len(slots)):
-            ahead = slots[len(works):r + READY_AHEAD]
-            works += lane.post(False, ahead, [tag] * len(ahead))
-            if problem is None and not device:
-                follow()
-            yield [works[r]]
-            with lane.on_stream():
-                landed(r)
+                for i in range(done, count):
+                    copy(mapping.data, i, i * piece, min(piece, total - i * piece), piece)
         if lane.stream is not None:  # the copies out of the segment are over before the sender may write it
             yield [EventWork(record(lane.stream))]
         park(_post(lane, _back(DONE, OK, header.seq), BACK_TAGS + header.segment))
