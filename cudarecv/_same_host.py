@@ -477,11 +477,11 @@ class RecvSide:
 
     def receive(self, lane: Lane, header: Header, init_tag: int, copy: Callable[[Tensor, int, int, int, int], None],
                 problem: str | None, route: Route, table: np.ndarray | None = None) -> Any:
-        """A sub-protocol: take the header's READY messages, checking each against the header and the
-        segment before copying it out with ``copy(data, i, offset, length, piece)`` (not when ``problem``:
-        a mismatched header), then say DONE; or read the sender's leaves into those of ``table`` (their
-        addresses and sizes). Returns whether the payload was taken (False: a storage this receiver could
-        not map, whose payload follows on the wire)."""
+        """A sub-protocol: copy the segment's messages out with ``copy(data, i, offset, length, piece)`` as the
+        sender's progress word says they are in, take its READY (checked against the header and the segment)
+        and copy what is left (nothing when ``problem``: a mismatched header), then say DONE; or read the
+        sender's leaves into those of ``table`` (their addresses and sizes). Returns whether the payload was
+        taken (False: a storage this receiver could not map, whose payload follows on the wire)."""
         if header.transport == 2:
             return (yield from self._from_storage(lane, header, copy, problem, route))
         if header.transport == 3:
