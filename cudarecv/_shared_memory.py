@@ -123,6 +123,7 @@ class Segment:
             self.close_fd()
             raise
         ctypes.memmove(self._map, self.nonce, NONCE)
+        self._words = ctypes.addressof(self._map)  # where the progress words are (PROGRESS_SEQ, PROGRESS_BYTES)
         whole = torch.frombuffer(self._map, dtype=torch.uint8)
         #: the payload bytes, writable
         self.data: Tensor = whole[DATA_OFFSET:DATA_OFFSET + capacity]
@@ -145,14 +146,13 @@ class Segment:
         """Say that fast-wire transfer ``seq`` is being written, none of its bytes yet (before its header is
         sent; no-op without the native build, whose ordered stores the reader needs)."""
         if NATIVE:
-            base = ctypes.addressof(self._map)
-            publish(base + PROGRESS_BYTES, 0)
-            publish(base + PROGRESS_SEQ, seq)
+            publish(self._words + PROGRESS_BYTES, 0)
+            publish(self._words + PROGRESS_SEQ, seq)
 
     def advance(self, nbytes: int) -> None:
         """Say that the first ``nbytes`` payload bytes of the transfer are in (after they are)."""
         if NATIVE:
-            publish(ctypes.addressof(self._map) + PROGRESS_BYTES, nbytes)
+            publish(self._words + PROGRESS_BYTES, nbytes)
 
     def close_fd(self) -> None:
         """Let go of the descriptor (the reader has it mapped): nothing names the memory any more."""
@@ -182,6 +182,7 @@ class Mapping:
             os.close(own)  # the mapping keeps the memory
         if ctypes.string_at(self._map, NONCE) != nonce:
             raise MappingError("the peer's segment does not hold the nonce it announced")
+        self._words = ctypes.addressof(self._map)  # where the progress words are (PROGRESS_SEQ, PROGRESS_BYTES)
         self.pid = pid
         self.capacity = capacity
         whole = torch.frombuffer(self._map, dtype=torch.uint8)  # read-only pages: nothing here writes them
@@ -197,10 +198,9 @@ class Mapping:
         after this), or None if it says nothing of that transfer (no native build on either side)."""
         if not NATIVE:
             return None
-        base = ctypes.addressof(self._map)
-        if observe(base + PROGRESS_SEQ) != seq:
+        if observe(self._words + PROGRESS_SEQ) != seq:
             return None
-        return observe(base + PROGRESS_BYTES)
+        return observe(self._words + PROGRESS_BYTES)
 
     def writing(self) -> int:
         """The version the writer is writing or last wrote (read after copying: if it is still the one

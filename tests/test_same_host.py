@@ -295,10 +295,10 @@ def test_a_peer_killed_with_sigkill_leaves_nothing_and_fails_bounded(victim, sto
     assert not left, f"left in /dev/shm: {left}"  # (sem.mp-*: multiprocessing's own, of the killed rank)
 
 
-def killed_mid_transfer(rank, world, group, key):
+def killed_mid_transfer(rank, world, group):
     """The sender SIGKILLs itself halfway through its third transfer, once the receiver may have copied half
     of it (its progress word said so): the receiver's transfer fails, bounded, naming it."""
-    td = TensorDict(x=torch.zeros(1 << 22)).consolidate(metadata=True)  # 16 MiB: four READY spans
+    td = TensorDict(x=torch.zeros(1 << 22)).consolidate(metadata=True)  # 16 MiB in 16 messages
     if rank == 0:
         for _ in range(2):  # the offer, then one through the segments
             cudarecv.send(td, 1, bucket_bytes=1 << 20, consolidated=True)
@@ -323,7 +323,7 @@ def killed_mid_transfer(rank, world, group, key):
 def test_a_sender_killed_mid_transfer_fails_the_receiver_bounded():
     before = set(os.listdir("/dev/shm"))
     with Cluster(2, pg_timeout=20.0) as ranks:
-        results = ranks.run(killed_mid_transfer, args=(unique_key("halfway"),), may_die={0}, timeout=90)
+        results = ranks.run(killed_mid_transfer, may_die={0}, timeout=90)
     assert isinstance(results[0], RankExit)
     kind, message, took = results[1]
     assert kind in ("PeerError", "TransferTimeout") and "rank 0" in message and took < 40, results

@@ -8,8 +8,8 @@ action saw half of one. :func:`marker_policy` maps every observation to
 and an action computed while the weights were half overwritten (``bias``,
 ``big[0]`` and ``big[-1]`` not all of one version, whichever order a copy writes
 them in) is none of the values sent (for values a multiple of 0.25 apart, up to
-100 apart: the coefficients make every mix land off that grid). Its ``stamp`` output is the monotonic clock (system-wide
-on Linux) when the action was computed.
+100 apart: the coefficients make every mix land off that grid). Its ``stamp``
+output is the monotonic clock (system-wide on Linux) when the action was computed.
 
 Example:
     >>> policy = marker_policy(4_000_000)   # about 4 MB of weights
