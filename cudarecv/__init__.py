@@ -18,7 +18,11 @@ the pytest plugin it ships) does not import torch until something needs it.
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import TYPE_CHECKING, Any
+
+# the library's logger stays silent unless the application configures it (see cudarecv._log)
+logging.getLogger("cudarecv").addHandler(logging.NullHandler())
 
 __version__ = "0.1.0"
 
