@@ -9,7 +9,9 @@ its ranks for many calls, since starting one costs seconds; each call runs
 ``fn(rank, world_size, group, *args)`` on every rank, with ``group`` ``None``
 (the default group) or the standalone group. Every wait is bounded: a rank that
 raises, hangs or dies fails the call with a clear error, and the cluster is
-then shut down, never reused in an unknown state.
+then shut down, never reused in an unknown state. Every rank must also exit
+normally: :meth:`Cluster.close` fails naming each rank that exited with a
+signal (an abort at interpreter shutdown is SIGABRT) or another non-zero code.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import signal
 import time
 import traceback
 from datetime import timedelta
@@ -27,6 +30,7 @@ import torch.distributed as dist
 from cudarecv import Error
 
 HOST = "127.0.0.1"
+GRACE = 5.0  # seconds a rank still busy in a failed call gets to leave before it is killed
 
 
 class RankError(Error, RuntimeError):
@@ -46,8 +50,10 @@ class Cluster:
     """
 
     def __init__(self, world_size: int = 2, *, pg_timeout: float = 30.0, start_timeout: float = 120.0,
-                 backend: str = "gloo", env: dict[str, str] | None = None) -> None:
+                 backend: str = "gloo", env: dict[str, str] | None = None, exit_timeout: float = 30.0) -> None:
         self.world_size = world_size
+        self.exit_timeout = exit_timeout
+        self._died: set[int] = set()  # ranks that died where run() allowed it: their exit code is theirs
         self._store = dist.TCPStore(HOST, 0, world_size + 1, is_master=True, wait_for_workers=False,
                                     timeout=timedelta(seconds=start_timeout))
         ctx = mp.get_context("spawn")
@@ -69,12 +75,13 @@ class Cluster:
         """Call ``fn`` on every rank; return the results in rank order.
 
         A rank in ``may_die`` that dies gives :class:`RankExit` as its result
-        (for tests that kill a peer on purpose); the cluster is closed afterwards.
+        (for tests that kill a peer on purpose); the cluster is closed afterwards
+        (see :meth:`close`: the other ranks must still exit normally).
 
         Raises:
             RankError: with the rank's traceback if one raised, its exit code if it
                 died, or the ranks still running after ``timeout`` seconds; the
-                cluster is closed then.
+                cluster is closed then, and how each rank exited is added as a note.
         """
         if self._closed:
             raise RankError("this cluster was closed after an earlier failure; start a new one")
@@ -87,6 +94,7 @@ class Cluster:
 
     def _collect(self, timeout: float, what: str, may_die: frozenset[int] = frozenset()) -> list[Any]:
         out: dict[int, Any] = {}
+        raised: set[int] = set()  # back in their loop, like the ranks in ``out``
         deadline = time.monotonic() + timeout
         try:
             while len(out) < self.world_size:
@@ -96,6 +104,7 @@ class Cluster:
                     dead = {r: p.exitcode for r, p in enumerate(self._procs) if r not in out and not p.is_alive()}
                     for r in [r for r in dead if r in may_die]:
                         out[r] = RankExit(dead.pop(r))
+                        self._died.add(r)
                     if dead:
                         raise RankError(f"{what}: rank(s) {sorted(dead)} died (exit codes {dead})") from None
                     if time.monotonic() > deadline:
@@ -103,26 +112,49 @@ class Cluster:
                         raise RankError(f"{what}: rank(s) {missing} did not finish within {timeout:.0f} s") from None
                     continue
                 if not ok:
+                    raised.add(rank)
                     raise RankError(f"{what}: rank {rank} raised:\n{value}")
                 out[rank] = value
-        except BaseException:
-            self.close()
+        except BaseException as exc:
+            if not self._closed:
+                self._closed = True
+                for failure in self._stop(busy=set(range(self.world_size)) - raised - set(out)):
+                    exc.add_note(f"at exit: {failure}")
             raise
         return [out[r] for r in range(self.world_size)]
 
     def close(self) -> None:
-        """Stop the ranks (politely, then by force)."""
+        """Stop the ranks: each is asked to leave and must exit with code 0 within ``exit_timeout`` s.
+
+        Raises:
+            RankError: naming each rank that exited with a signal (an abort at exit:
+                SIGABRT), with another non-zero code, or not in time (then killed).
+        """
         if self._closed:
             return
         self._closed = True
+        failures = self._stop(busy=set())
+        if failures:
+            raise RankError(f"{len(failures)} rank(s) did not exit normally: " + "; ".join(failures))
+
+    def _stop(self, busy: set[int]) -> list[str]:
+        """Ask every rank to leave; kill those that do not in time. Ranks in ``busy`` (still in a
+        failed call) get :data:`GRACE` s and may be killed unreported. Returns what went wrong."""
         for inbox, p in zip(self._inboxes, self._procs):
             if p.is_alive():
                 inbox.put(None)
-        for p in self._procs:
-            p.join(5)
+        deadline = time.monotonic() + self.exit_timeout
+        failures = []
+        for rank, p in enumerate(self._procs):
+            p.join(GRACE if rank in busy else max(deadline - time.monotonic(), 0.0))
             if p.is_alive():
                 p.kill()
                 p.join(5)
+                if rank not in busy:
+                    failures.append(f"rank {rank} did not exit within {self.exit_timeout:g} s (killed)")
+            elif rank not in busy | self._died and p.exitcode != 0:
+                failures.append(f"rank {rank} {_exit_status(p.exitcode)}")
+        return failures
 
     def __enter__(self) -> "Cluster":
         return self
@@ -156,6 +188,17 @@ class Ranks:
     def close(self) -> None:
         if self._cluster is not None:
             self._cluster.close()
+
+
+def _exit_status(code: int | None) -> str:
+    """How a process ended, in words: ``killed by SIGABRT (signal 6)``, ``exited with code 3``."""
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = "an unknown signal"
+        return f"was killed by {name} (signal {-code})"
+    return f"exited with code {code}"
 
 
 def run(fn: Callable[..., Any], world_size: int = 2, *, args: tuple = (), timeout: float = 120.0,
