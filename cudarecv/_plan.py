@@ -277,11 +277,13 @@ _dtype = operator.attrgetter("dtype")
 def _signature(tensors: list[Tensor]) -> tuple[list, ...]:
     """What a plan depends on in each leaf: data pointer (it moves with ``set_`` and the
     storage offset) and contiguity, then dtype and shape (for a contiguous leaf, the
-    shape fixes the strides), all of which in-place ops can change on the same tensor."""
+    shape fixes the strides), all of which in-place ops can change on the same tensor.
+    A leaf that is not plain (sparse, nested: refused by :meth:`Plan.check`) has None for
+    all but its dtype: a strided nested tensor has no shape at all."""
     plain = [t.layout is torch.strided and not t.is_nested for t in tensors]
     return ([t.data_ptr() if ok else None for t, ok in zip(tensors, plain)],
             [t.is_contiguous() if ok else None for t, ok in zip(tensors, plain)],
-            list(map(_dtype, tensors)), list(map(_shape, tensors)))
+            list(map(_dtype, tensors)), [t.shape if ok else None for t, ok in zip(tensors, plain)])
 
 
 def _unchanged(tensors: list[Tensor], signature: tuple[list, ...], layout: bool) -> bool:
@@ -299,10 +301,10 @@ def _unchanged(tensors: list[Tensor], signature: tuple[list, ...], layout: bool)
 
 
 def _leaf_problem(t: Tensor) -> str | None:
+    if t.is_nested:  # (strided or jagged)
+        return "it is a nested tensor; store its components as separate leaves"
     if t.layout is not torch.strided:
         return f"its layout is {t.layout}; convert it with `.to_dense()`"
-    if t.is_nested:
-        return "it is a nested tensor; store its components as separate leaves"
     if t.device.type == "meta":
         return "it is on the meta device and holds no data; materialize it with `.to_empty(device=...)`"
     if not t.is_contiguous():

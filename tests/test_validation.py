@@ -86,26 +86,47 @@ def test_bad_input_raises_before_sending(cluster, standalone):
         assert untouched and link_ok
 
 
+def _bad_leaves():
+    """(key, tensordict with that leaf, what the error must say)."""
+    import warnings
+
+    warnings.filterwarnings("ignore", "The PyTorch API of nested tensors is in prototype stage")
+    nested = [torch.zeros(2), torch.zeros(3)]
+    return [
+        ("b", TensorDict(a=torch.zeros(3), b=torch.zeros(4, 4).t()), "contiguous()"),
+        ("s", TensorDict(a=torch.zeros(3), s=torch.zeros(4, 4).to_sparse()), "to_dense()"),
+        ("m", TensorDict(a=torch.zeros(3), m=torch.empty(3, device="meta")), "meta"),
+        ("n", TensorDict(a=torch.zeros(3), n=torch.nested.nested_tensor(nested)), "nested tensor"),
+        ("j", TensorDict(a=torch.zeros(3), j=torch.nested.nested_tensor(nested, layout=torch.jagged)), "nested tensor"),
+    ]
+
+
 def leaf_checks(rank, world, group):
+    """Each bad leaf through isend, irecv and WeightSender: (key, call, exception class, message)."""
+    calls = {
+        "irecv": lambda td: cudarecv.irecv(td, src=1 - rank),
+        "isend": lambda td: cudarecv.isend(td, dst=1 - rank),
+        "WeightSender": lambda td: cudarecv.WeightSender(td, dst=1 - rank, timeout=2.0),
+    }
     errors = []
-    for td in (
-        TensorDict(a=torch.zeros(3), b=torch.zeros(4, 4).t()),  # non-contiguous
-        TensorDict(a=torch.zeros(3), s=torch.zeros(4, 4).to_sparse()),
-        TensorDict(a=torch.zeros(3), m=torch.empty(3, device="meta")),
-    ):
-        try:
-            cudarecv.irecv(td, src=1 - rank)
-        except ValueError as error:
-            errors.append(str(error))
+    for key, td, _ in _bad_leaves():
+        for name, call in calls.items():
+            try:
+                call(td)
+            except Exception as error:  # noqa: BLE001 - reported to the parent
+                errors.append((key, name, type(error).__name__, str(error)))
+            else:
+                errors.append((key, name, None, ""))
     return errors
 
 
 def test_leaves_that_cannot_travel_are_named(cluster):
     errors = cluster().run(leaf_checks)[0]
-    assert len(errors) == 3
-    assert "leaf 'b' cannot travel" in errors[0] and "contiguous()" in errors[0]
-    assert "leaf 's' cannot travel" in errors[1] and "to_dense()" in errors[1]
-    assert "leaf 'm' cannot travel" in errors[2] and "meta" in errors[2]
+    expected = {key: fix for key, _, fix in _bad_leaves()}
+    assert len(errors) == 3 * len(expected)
+    for key, name, kind, message in errors:
+        assert kind == "ArgumentError", (key, name, kind, message)
+        assert f"leaf {key!r} cannot travel" in message and expected[key] in message, (key, name, message)
 
 
 def test_not_a_tensordict():
