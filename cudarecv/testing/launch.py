@@ -81,7 +81,8 @@ class Cluster:
         Raises:
             RankError: with the rank's traceback if one raised, its exit code if it
                 died, or the ranks still running after ``timeout`` seconds; the
-                cluster is closed then, and how each rank exited is added as a note.
+                cluster is closed then; a rank that then exits abnormally is named
+                on the message's last line (``at exit: ...``).
         """
         if self._closed:
             raise RankError("this cluster was closed after an earlier failure; start a new one")
@@ -118,8 +119,9 @@ class Cluster:
         except BaseException as exc:
             if not self._closed:
                 self._closed = True
-                for failure in self._stop(busy=set(range(self.world_size)) - raised - set(out)):
-                    exc.add_note(f"at exit: {failure}")
+                failures = self._stop(busy=set(range(self.world_size)) - raised - set(out))
+                if failures and isinstance(exc, RankError):
+                    raise RankError(f"{exc}\nat exit: {'; '.join(failures)}") from None
             raise
         return [out[r] for r in range(self.world_size)]
 
