@@ -5,9 +5,10 @@ One thread because torch's ``copy_`` of a megabyte wakes its OpenMP threads, who
 the peer process on the same cores. The native copy streams large copies past the caches where that
 is faster: on some machines two processes copying at once (the sender into a segment, the receiver
 out of it) otherwise share the memory bus at half speed; on others glibc's memcpy is faster at every
-size. The first large copy measures both on 64 MiB (about 0.1 s, once per process) and keeps the
-faster; ``CUDARECV_HOST_COPY=stream`` or ``=memcpy`` chooses without measuring (:data:`STREAMING`
-says what was chosen, once a large copy ran).
+size. Nothing is measured in a transfer: ``CUDARECV_HOST_COPY=stream`` or ``=memcpy`` chooses, else
+what ``python -m cudarecv tune`` kept for this machine (:mod:`._tuned`), else streaming (the faster
+on the 2-core AMD EPYC VM this was measured on). The choice is made once, at the first large copy,
+and logged (:data:`STREAMING` says it).
 
 Example:
     >>> a, b = torch.arange(4.0), torch.zeros(4)
@@ -19,16 +20,16 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
-import math
 import os
-import time
+import threading
 from typing import NamedTuple, Sequence
 
 import numpy as np
-import torch
 from torch import Tensor
 
+from . import _tuned
 from ._errors import ArgumentError
+from ._log import logger
 
 
 def _load() -> tuple[ctypes.CDLL | None, str | None]:
@@ -51,30 +52,63 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
 
 _LIB, WHY_NOT_NATIVE = _load()
 NATIVE = _LIB is not None  # whether the native copies were built
-ENV = "CUDARECV_HOST_COPY"  # "stream", "memcpy", or "auto" (measure at the first large copy; the default)
+ENV = "CUDARECV_HOST_COPY"  # "stream", "memcpy", or "auto" (as tuned, else DEFAULT_HOST_COPY; the default)
+HOST_COPIES = ("stream", "memcpy")
+DEFAULT_HOST_COPY = "stream"
 STREAM_MIN = 256 * 1024  # below this no copy streams (native/host_copy.c)
-_PROBE = 64 << 20  # larger than the last-level caches of today's servers
 #: whether large native copies stream (None until the first large copy chose)
 STREAMING: bool | None = None
+_choosing = threading.Lock()  # one thread sets a setting (and logs it) at its first use
+_said: set[str] = set()  # what the logger was told, once each
+
+
+def _say(text: str) -> None:
+    if text not in _said:
+        _said.add(text)
+        logger.info(text)
+
+
+def _setting(env: str, allowed: tuple[str, ...]) -> str:
+    """The environment variable ``env``, checked: one of ``allowed`` or ``"auto"`` (unset)."""
+    choice = os.environ.get(env, "auto")
+    if choice != "auto" and choice not in allowed:
+        raise ArgumentError(f"the environment variable {env}={choice!r} must be one of auto, {', '.join(allowed)}")
+    return choice
+
+
+def host_copy_setting() -> tuple[str, str]:
+    """The host copy in effect, ``"stream"`` or ``"memcpy"``, and why: :data:`ENV`, else ``tune``'s choice,
+    else :data:`DEFAULT_HOST_COPY`; a bad value of either raises :class:`ArgumentError`."""
+    choice = _setting(ENV, HOST_COPIES)
+    if choice != "auto":
+        return choice, f"{ENV}={choice}"
+    kept = _tuned.tuned("host_copy")
+    if kept is None:
+        return DEFAULT_HOST_COPY, "the default; `python -m cudarecv tune` measures this machine"
+    if kept[0] not in HOST_COPIES:
+        raise _tuned.refused(f"host_copy={kept[0]!r} must be one of {', '.join(HOST_COPIES)}")
+    return kept
 
 
 def _choose() -> bool:
-    """Set the native copy's streaming as ``CUDARECV_HOST_COPY`` says, else to the faster one here."""
+    """Set the native copy's streaming as :func:`host_copy_setting` says (once; logged)."""
     global STREAMING
-    choice = os.environ.get(ENV, "auto")
-    if choice not in ("auto", "stream", "memcpy"):
-        raise ArgumentError(f"the environment variable {ENV}={choice!r} must be one of auto, stream, memcpy")
-    if choice != "auto":
-        STREAMING = bool(_LIB.cudarecv_copy_streaming(choice == "stream"))
-        return STREAMING
-    src, dst = np.ones(_PROBE, dtype=np.uint8), np.zeros(_PROBE, dtype=np.uint8)  # (pages touched)
-    best = {}
-    for on in (0, 1, 0, 1):
-        _LIB.cudarecv_copy_streaming(on)
-        start = time.perf_counter()
-        _LIB.cudarecv_copy(dst.ctypes.data, src.ctypes.data, _PROBE)
-        best[on] = min(best.get(on, math.inf), time.perf_counter() - start)
-    STREAMING = bool(_LIB.cudarecv_copy_streaming(int(best[1] < best[0])))
+    with _choosing:
+        if STREAMING is None:
+            choice, why = host_copy_setting()
+            on = bool(_LIB.cudarecv_copy_streaming(choice == "stream"))
+            _say(f"host copies: {'streaming' if on else 'memcpy'} ({why}"
+                 f"{'' if on or choice == 'memcpy' else '; this CPU has no AVX2'})")
+            STREAMING = on
+    return STREAMING
+
+
+def set_streaming(on: bool) -> bool:
+    """Stream large native copies or not, from now on, whatever was chosen (``tune`` measures both);
+    returns whether streaming is on (AVX2 only). Needs :data:`NATIVE`."""
+    global STREAMING
+    with _choosing:
+        STREAMING = bool(_LIB.cudarecv_copy_streaming(int(on)))
     return STREAMING
 
 
@@ -179,8 +213,7 @@ def read_process(pid: int, local: np.ndarray, remote: np.ndarray) -> int:
     return got
 
 
-DIRECT_ENV = "CUDARECV_DIRECT_READ"  # "on", "off", or "auto" (measure once whether it pays; the default)
-_DIRECT_PROBE, _DIRECT_PIECE = 16 << 20, 8 << 10
+DIRECT_ENV = "CUDARECV_DIRECT_READ"  # "on", "off", or "auto" (as tuned, else DEFAULT_DIRECT_READ; the default)
 #: how much slower than one copy a direct read may be and still beat the segments' two copies, which run
 #: at once on the two processes' cores (each ~one copy's time) plus filling the pipeline and its messages
 DIRECT_SLACK = 1.5
@@ -193,36 +226,41 @@ class DirectRead(NamedTuple):
     leaves: bool
     storages: bool
 
+    def describe(self) -> str:
+        """``"leaves on, storages off"``..."""
+        return f"leaves {'on' if self.leaves else 'off'}, storages {'on' if self.storages else 'off'}"
 
-#: what reading a peer's memory directly beat (None until first asked with ``auto``)
+
+DEFAULT_DIRECT_READ = DirectRead(leaves=False, storages=False)
+#: what reading a peer's memory directly beats as tuned or by default (None until first asked with ``auto``)
 DIRECT_PAYS: DirectRead | None = None
 
 
 def direct_read_setting() -> str:
-    """``CUDARECV_DIRECT_READ``, checked: ``"auto"`` (unset), ``"on"`` or ``"off"``."""
-    choice = os.environ.get(DIRECT_ENV, "auto")
-    if choice not in ("auto", "on", "off"):
-        raise ArgumentError(f"the environment variable {DIRECT_ENV}={choice!r} must be one of auto, on, off")
+    """``CUDARECV_DIRECT_READ``, checked: ``"auto"`` (unset), ``"on"`` or ``"off"``. Checks the other host
+    settings too (``CUDARECV_HOST_COPY``, the ``tune`` file), so that a bad one is refused before a
+    transfer sends anything rather than at its first large copy."""
+    choice = _setting(DIRECT_ENV, ("on", "off"))
+    host_copy_setting()
+    if choice == "auto" and DIRECT_PAYS is None:
+        direct_read_choice()
     return choice
 
 
-def _read_vs_copy(dst: Tensor, src: Tensor, piece: int) -> tuple[bool, float, float]:
-    """Whether this process reads all of ``src`` into ``dst`` (in regions of ``piece`` bytes) with
-    ``process_vm_readv``, and the best of 3 times of that read and of the same copies by :class:`CopyTable`."""
-    starts = np.arange(0, src.numel(), piece, dtype=np.uint64)
-    sizes = np.full_like(starts, piece)
-    local = np.stack([dst.data_ptr() + starts, sizes], axis=1)
-    remote = np.stack([src.data_ptr() + starts, sizes], axis=1)
-    table = CopyTable(np.stack([local[:, 0], remote[:, 0], sizes], axis=1))
-    table.run(0, len(starts))  # (and the copy's own choice, once)
-    whole, read, copied = True, math.inf, math.inf
-    for _ in range(3):
-        start = time.perf_counter()
-        whole = whole and read_process(os.getpid(), local, remote) == src.numel()
-        middle = time.perf_counter()
-        table.run(0, len(starts))
-        read, copied = min(read, middle - start), min(copied, time.perf_counter() - middle)
-    return whole, read, copied
+def direct_read_choice() -> tuple[DirectRead, str]:
+    """What reading a same-host peer's memory directly is for, and why: ``CUDARECV_DIRECT_READ``, else
+    ``tune``'s choice, else :data:`DEFAULT_DIRECT_READ`; a bad value of either raises :class:`ArgumentError`."""
+    choice = _setting(DIRECT_ENV, ("on", "off"))
+    if choice != "auto":
+        return DirectRead(choice == "on", choice == "on"), f"{DIRECT_ENV}={choice}"
+    kept = _tuned.tuned("direct_read")
+    if kept is None:
+        return DEFAULT_DIRECT_READ, "the default; `python -m cudarecv tune` measures this machine"
+    value, why = kept
+    if not (isinstance(value, dict) and set(value) == set(DirectRead._fields)
+            and all(isinstance(v, bool) for v in value.values())):
+        raise _tuned.refused(f"direct_read={value!r} must be {{\"leaves\": bool, \"storages\": bool}}")
+    return DirectRead(**value), why
 
 
 def direct_read_pays() -> DirectRead:
@@ -230,25 +268,23 @@ def direct_read_pays() -> DirectRead:
     (``process_vm_readv``: one copy, by the kernel) rather than take it through shared segments
     (the sender's copy in, this process's copy out, overlapping): for leaves, and for storages.
 
-    ``CUDARECV_DIRECT_READ=on`` or ``=off`` decides both; ``auto`` (the default) measures once per
-    process (about 0.1 s), on 16 MiB of torch's memory read from this process itself, in 8 KiB regions
-    (leaves) and in one (a storage). On some machines the kernel's read is as fast as a copy (direct
-    wins); on others it is slower (the segments win): on this 2-core AMD EPYC VM 3-4x in 8 KiB regions
-    and 2x in one, where 2000 x 8 KiB leaves took 6.1 ms through segments and 8.9 ms directly.
+    ``CUDARECV_DIRECT_READ=on`` or ``=off`` decides both; ``auto`` (the default) takes what
+    ``python -m cudarecv tune`` measured on this machine, else :data:`DEFAULT_DIRECT_READ`: the
+    segments, never much slower than the direct read and on this 2-core AMD EPYC VM faster (the kernel's
+    read is 3-4x a copy in 8 KiB regions, 2x in one: 2000 x 8 KiB leaves took 6.1 ms through segments,
+    8.9 ms directly). Nothing is measured here; the choice is logged once.
 
     Example:
-        >>> direct_read_pays()  # on that VM
+        >>> direct_read_pays()  # untuned, or tuned on that VM
         DirectRead(leaves=False, storages=False)
     """
     global DIRECT_PAYS
-    choice = direct_read_setting()
-    if choice != "auto":
-        return DirectRead(choice == "on", choice == "on")
-    if DIRECT_PAYS is None:
-        # torch's memory, as what is read: numpy's large arrays may sit on huge pages, which the kernel reads
-        # 2.4x faster than torch's (256 MiB on this VM: 18.7 vs 45.0 ms)
-        src, dst = torch.ones(_DIRECT_PROBE, dtype=torch.uint8), torch.zeros(_DIRECT_PROBE, dtype=torch.uint8)
-        pays = [whole and read <= DIRECT_SLACK * copied
-                for whole, read, copied in (_read_vs_copy(dst, src, piece) for piece in (_DIRECT_PIECE, _DIRECT_PROBE))]
-        DIRECT_PAYS = DirectRead(leaves=pays[0], storages=pays[0] or pays[1])
+    if direct_read_setting() != "auto":  # (the environment may change between transfers: read each time)
+        pays, why = direct_read_choice()
+        _say(f"direct reads of same-host peers: {pays.describe()} ({why})")
+        return pays
+    with _choosing:
+        if DIRECT_PAYS is None:
+            DIRECT_PAYS, why = direct_read_choice()
+            _say(f"direct reads of same-host peers: {DIRECT_PAYS.describe()} ({why})")
     return DIRECT_PAYS

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import cudarecv
-from cudarecv import _host_copy
+from cudarecv import _host_copy, _same_host, _tuned
 from cudarecv._host_copy import CopyTable, copy, copy_bytes
 
 # around the streaming threshold (256 KiB), its 64-byte alignment and its 16 KiB blocks
@@ -67,22 +67,27 @@ def test_a_table_copies_its_runs_of_rows_both_ways(implementation):
     assert [torch.equal(t, o) for t, o in zip(leaves, originals)] == [False, True, True, True, False]
 
 
-def test_streaming_is_chosen_once_as_told_or_measured(monkeypatch):
+@pytest.fixture
+def untuned(tmp_path, monkeypatch):
+    """No tune file (an empty cache directory), read afresh."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(_tuned, "_entry", None)
+
+
+def test_streaming_is_chosen_once_as_told_or_by_default(monkeypatch, untuned):
     if not _host_copy.NATIVE:
         pytest.skip(_host_copy.WHY_NOT_NATIVE)
     src, dst = torch.ones(1 << 20, dtype=torch.uint8), torch.zeros(1 << 20, dtype=torch.uint8)
     with open("/proc/cpuinfo") as f:
         avx2 = " avx2 " in f.read().replace("\n", " ")  # streaming is for AVX2 machines only
     try:
-        for told, expect in [("stream", avx2), ("memcpy", False), ("auto", None)]:
+        for told, expect in [("stream", avx2), ("memcpy", False), ("auto", avx2)]:  # auto, untuned: the default
             monkeypatch.setenv(_host_copy.ENV, told)
             monkeypatch.setattr(_host_copy, "STREAMING", None)
             copy_bytes(dst[:100], src[:100])  # a small copy chooses nothing
             assert _host_copy.STREAMING is None
             copy_bytes(dst, src)
-            assert torch.equal(dst, src) and isinstance(_host_copy.STREAMING, bool)
-            if expect is not None:
-                assert _host_copy.STREAMING is expect
+            assert torch.equal(dst, src) and _host_copy.STREAMING is expect
             dst.zero_()
         monkeypatch.setenv(_host_copy.ENV, "fastest")
         monkeypatch.setattr(_host_copy, "STREAMING", None)
@@ -93,24 +98,20 @@ def test_streaming_is_chosen_once_as_told_or_measured(monkeypatch):
         _host_copy.STREAMING = None
 
 
-def test_the_direct_read_is_chosen_as_told_or_measured_once(monkeypatch):
-    if _host_copy.may_read_process(os.getpid()) is not None:
-        pytest.skip(_host_copy.may_read_process(os.getpid()))
+def test_the_direct_read_is_chosen_as_told_or_by_default(monkeypatch, untuned):
     monkeypatch.setattr(_host_copy, "DIRECT_PAYS", None)
     for told, expect in [("on", True), ("off", False)]:
         monkeypatch.setenv(_host_copy.DIRECT_ENV, told)
         assert _host_copy.direct_read_pays() == _host_copy.DirectRead(leaves=expect, storages=expect)
-        assert _host_copy.DIRECT_PAYS is None  # told: nothing measured
+        assert _host_copy.DIRECT_PAYS is None  # told: read again at each offer
     monkeypatch.delenv(_host_copy.DIRECT_ENV)
-    measured = _host_copy.direct_read_pays()
-    assert isinstance(measured, _host_copy.DirectRead) and _host_copy.DIRECT_PAYS is measured
-    assert measured.storages or not measured.leaves  # reading many small regions never pays where one does not
-    other = _host_copy.DirectRead(not measured.leaves, True)
-    monkeypatch.setattr(_host_copy, "DIRECT_PAYS", other)  # kept, never measured again
+    assert _host_copy.direct_read_pays() is _host_copy.DIRECT_PAYS == _host_copy.DEFAULT_DIRECT_READ
+    other = _host_copy.DirectRead(True, True)
+    monkeypatch.setattr(_host_copy, "DIRECT_PAYS", other)  # kept, never chosen again
     assert _host_copy.direct_read_pays() is other
     monkeypatch.setenv(_host_copy.DIRECT_ENV, "always")
     with pytest.raises(cudarecv.ArgumentError, match="CUDARECV_DIRECT_READ"):
-        cudarecv._same_host.allowed("auto")  # checked before a transfer sends anything
+        _same_host.allowed("auto")  # checked before a transfer sends anything
 
 
 def test_a_direct_read_stops_at_the_first_region_not_mapped():

@@ -1,8 +1,12 @@
-"""Command line: ``python -m cudarecv <subcommand>`` (``--version`` prints the version).
+"""cudarecv's command line: ``python -m cudarecv <subcommand> [options]``, where
+``python -m cudarecv <subcommand> --help`` describes each subcommand and its options
+(``--version`` prints the version).
 
 Each subcommand lives in its own module of :mod:`cudarecv.tools`, which exposes
 ``register(subparsers)`` adding its parser with ``set_defaults(func=...)``;
-``func(args)`` returns the process exit status.
+``func(args)`` returns the process exit status. A parser's description, its
+``--help`` text, is the first paragraph of its module's docstring as plain text
+(:func:`plain`: no reStructuredText markup).
 
 Errors: everything the command line reports as an error is one line on stderr,
 ``cudarecv <subcommand>: error: <what>`` (argparse's form; for a bad option
@@ -18,13 +22,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import math
+import re
 import sys
 from typing import Callable
 
 from cudarecv import ArgumentError
 
 PROG = "cudarecv"
-SUBCOMMANDS = ("compare", "demo", "report")
+SUBCOMMANDS = ("compare", "demo", "report", "tune")
 
 
 class OptionError(ArgumentError):
@@ -86,14 +91,34 @@ def size_or_zero(text: str) -> int:
 
 # --------------------------------------------------------------------------- entry point
 
+_ROLE = re.compile(r":[a-z]+:`(~?)([^`]*)`")  # :func:`x.f` -> x.f, :func:`~x.f` -> f
+_MARKUP = re.compile(r"(``|\*\*)(.+?)\1")  # ``literal``, **strong**
+
+
+def plain(doc: str) -> str:
+    """The first paragraph of docstring ``doc`` as plain text: its lines joined, and reStructuredText's
+    roles, literals and emphasis unmarked.
+
+    Example:
+        >>> plain("Run ``tune`` (:mod:`~cudarecv.tools.tune`) **once**.\\n\\nMore.")
+        'Run tune (tune) once.'
+    """
+    text = " ".join(doc.strip().split("\n\n")[0].split())
+    text = _ROLE.sub(lambda m: m.group(2).rsplit(".", 1)[-1] if m.group(1) else m.group(2), text)
+    return _MARKUP.sub(r"\2", text)
+
 
 def main(argv: list[str] | None = None) -> int:
     from cudarecv import __version__
 
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=PROG, description=plain(__doc__))
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
-    subparsers = parser.add_subparsers(dest="command", required=True)
-    commands = {name: importlib.import_module(f"cudarecv.tools.{name}").register(subparsers) for name in SUBCOMMANDS}
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="<subcommand>")
+    commands = {}
+    for name in SUBCOMMANDS:
+        module = importlib.import_module(f"cudarecv.tools.{name}")
+        commands[name] = module.register(subparsers)
+        commands[name].description = plain(module.__doc__)
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # argparse would report them as the top-level parser's: say which subcommand refused them
         commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")

@@ -1,0 +1,192 @@
+"""Host settings: nothing is measured in a transfer; ``python -m cudarecv tune`` measures and keeps a choice that
+later processes read; environment variables override it; bad values are refused by name."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+import cudarecv
+from cudarecv import _host_copy, _same_host, _tuned
+from cudarecv.testing.launch import Cluster
+
+ENVS = (_host_copy.ENV, _host_copy.DIRECT_ENV, "XDG_CACHE_HOME")
+
+
+class _Spy:
+    """``_host_copy._LIB`` that records each choice of streaming and each copy of 16 MiB or more (a probe's)."""
+
+    def __init__(self, lib) -> None:
+        self.lib, self.streaming, self.large = lib, [], []
+
+    def cudarecv_copy_streaming(self, on):
+        self.streaming.append(on)
+        return self.lib.cudarecv_copy_streaming(on)
+
+    def cudarecv_copy(self, dst, src, n):
+        if n >= 16 << 20:
+            self.large.append(n)
+        return self.lib.cudarecv_copy(dst, src, n)
+
+    def __getattr__(self, name):
+        return getattr(self.lib, name)
+
+
+def spied_transfers(rank, world, group):
+    """Same-host transfers of large leaves (buckets, then a consolidated storage), with the native library and
+    ``process_vm_readv`` spied on: what chose streaming, which processes were read, and what carried each."""
+    lib, readv, read = _Spy(_host_copy._LIB), _host_copy._readv, []
+
+    def spy_readv(pid, *args):
+        read.append(pid)
+        return readv(pid, *args)
+
+    _host_copy._LIB, _host_copy._readv = lib, spy_readv
+    try:
+        seen, ok = [], True
+        for consolidated in (False, True):
+            td = TensorDict(a=torch.full((1 << 18,), float(rank)), b=torch.full((3 << 18,), float(rank)))
+            if consolidated:
+                td = td.consolidate(metadata=True)
+            kw = dict(bucket_bytes=1 << 20, consolidated=consolidated, timeout=20.0)
+            for _ in range(2):  # the first negotiates the link (its payload on the wire), the second is in memory
+                if rank == 0:
+                    [t] = cudarecv.isend(td, dst=1, return_early=True, **kw)
+                else:
+                    [t] = cudarecv.irecv(td, src=0, return_premature=True, **kw)
+                t.wait(timeout=20.0)
+                seen.append(t.transport)
+                ok = ok and bool((td["a"] == 0).all() and (td["b"] == 0).all())
+        return {"streaming": lib.streaming, "large": lib.large, "read_self": os.getpid() in read,
+                "transports": seen, "ok": ok, "chosen": (_host_copy.STREAMING, _host_copy.DIRECT_PAYS)}
+    finally:
+        _host_copy._LIB, _host_copy._readv = lib.lib, readv
+
+
+@pytest.mark.skipif(not _host_copy.NATIVE, reason=_host_copy.WHY_NOT_NATIVE or "")
+def test_no_probe_runs_in_a_transfer(tmp_path):
+    """A process's first large host copy and first same-host offer measure nothing: streaming is set once, to
+    the default, no copy of a probe's size runs, and no process reads its own memory."""
+    with Cluster(2, pg_timeout=20.0, env={"XDG_CACHE_HOME": str(tmp_path)}) as ranks:
+        results = ranks.run(spied_transfers)
+    for rank, got in enumerate(results):
+        assert got["transports"][1::2] == ["shared memory"] * 2, (rank, got["transports"])
+        assert got["ok"], rank
+        assert got["streaming"] == [1], (rank, got["streaming"])  # once, as the default says: no probe
+        assert got["large"] == [] and not got["read_self"], (rank, got)
+    assert results[1]["chosen"] == (True, _host_copy.DEFAULT_DIRECT_READ)  # the receiver took an offer
+    assert not (tmp_path / "cudarecv").exists()  # nothing tuned, nothing written
+
+
+def _python(code: str, cache, **env: str) -> subprocess.CompletedProcess:
+    """Run ``code`` in a new interpreter with ``XDG_CACHE_HOME=cache`` and ``env``, the host settings' other
+    variables unset; bounded."""
+    environ = {k: v for k, v in os.environ.items() if k not in ENVS}
+    environ.update(XDG_CACHE_HOME=str(cache), **env)
+    return subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True, text=True, timeout=120)
+
+
+CHOICES = """
+import logging, sys
+logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(name)s: %(message)s")
+import torch
+from cudarecv import _host_copy
+a, b = torch.ones(1 << 20, dtype=torch.uint8), torch.zeros(1 << 20, dtype=torch.uint8)
+_host_copy.copy_bytes(b, a)  # the first large copy chooses
+print("CHOSEN", _host_copy.STREAMING, _host_copy.direct_read_pays().describe())
+"""
+
+
+def _chosen(out: subprocess.CompletedProcess) -> str:
+    assert out.returncode == 0, out.stderr
+    return next(line for line in out.stdout.splitlines() if line.startswith("CHOSEN")).removeprefix("CHOSEN ")
+
+
+@pytest.mark.skipif(not _host_copy.NATIVE, reason=_host_copy.WHY_NOT_NATIVE or "")
+def test_tune_keeps_a_choice_that_a_later_process_reads(tmp_path):
+    tune = _python("import sys; from cudarecv.tools.cli import main; sys.exit(main(['tune', '--rounds', '1']))",
+                   tmp_path)
+    assert tune.returncode == 0, tune.stderr
+    where = tmp_path / "cudarecv" / "tune.json"
+    assert f"kept in {where}" in tune.stdout
+    kept = json.loads(where.read_text())["machines"][_tuned.machine()]
+    settings = kept["settings"]
+    assert settings["host_copy"] in ("stream", "memcpy") and set(kept["measured"]) == {"host_copy", "direct_read"}
+    pays = _host_copy.DirectRead(**settings["direct_read"])
+    later = _python(CHOICES, tmp_path)
+    assert _chosen(later) == f"{settings['host_copy'] == 'stream'} {pays.describe()}"
+    assert f"cudarecv: host copies: {'streaming' if settings['host_copy'] == 'stream' else 'memcpy'} (tuned" \
+        in later.stdout  # the choice is logged, with where it came from
+
+    # whatever this machine measured: the other choices, kept by hand, are read too, and the variables override
+    settings.update(host_copy="memcpy" if settings["host_copy"] == "stream" else "stream",
+                    direct_read={"leaves": not pays.leaves, "storages": True})
+    where.write_text(json.dumps({"format": _tuned.FORMAT, "machines": {_tuned.machine(): kept}}))
+    other = _host_copy.DirectRead(**settings["direct_read"])
+    assert _chosen(_python(CHOICES, tmp_path)) == f"{settings['host_copy'] == 'stream'} {other.describe()}"
+    told = _python(CHOICES, tmp_path, CUDARECV_HOST_COPY="memcpy", CUDARECV_DIRECT_READ="off")
+    assert _chosen(told) == "False leaves off, storages off"
+    assert "host copies: memcpy (CUDARECV_HOST_COPY=memcpy)" in told.stdout
+    shown = _python("from cudarecv.tools.cli import main; main(['tune', '--show'])", tmp_path)
+    assert f"host copies: {settings['host_copy']} (tuned" in shown.stdout, shown.stdout
+    assert f"direct reads: {other.describe()} (tuned" in shown.stdout, shown.stdout
+
+
+@pytest.mark.parametrize("bad, pattern", [
+    ({_host_copy.ENV: "fastest"}, "CUDARECV_HOST_COPY='fastest' must be one of auto, stream, memcpy"),
+    ({_host_copy.DIRECT_ENV: "always"}, "CUDARECV_DIRECT_READ='always' must be one of auto, on, off"),
+    ("{not json", r"tune\.json: not JSON .*run `python -m cudarecv tune` again, or delete the file"),
+    ({"format": 99, "machines": {}}, "not a cudarecv tune file of format 1"),
+    ({"host_copy": "fast"}, r"host_copy='fast' must be one of stream, memcpy; run `python -m cudarecv tune`"),
+    ({"direct_read": "on"}, r"direct_read='on' must be \{\"leaves\": bool, \"storages\": bool\}"),
+], ids=["host copy variable", "direct read variable", "not json", "format", "host copy kept", "direct read kept"])
+def test_bad_settings_are_refused_before_a_transfer_sends(tmp_path, monkeypatch, bad, pattern):
+    """A bad variable or tune file raises ArgumentError naming it and the fix, from the check a transfer makes
+    before it sends anything (``_same_host.allowed``), and ``tune --show`` says the same."""
+    for name in ENVS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(_tuned, "_entry", None)  # read again, from tmp_path
+    monkeypatch.setattr(_host_copy, "DIRECT_PAYS", None)
+    where = _tuned.path()
+    where.parent.mkdir(parents=True)
+    if isinstance(bad, dict) and all(k.startswith("CUDARECV_") for k in bad):
+        for name, value in bad.items():
+            monkeypatch.setenv(name, value)
+    elif isinstance(bad, dict) and "format" in bad:
+        where.write_text(json.dumps(bad))
+    elif isinstance(bad, dict):
+        where.write_text(json.dumps({"format": _tuned.FORMAT, "machines": {_tuned.machine(): {"settings": bad}}}))
+    else:
+        where.write_text(bad)
+    with pytest.raises(cudarecv.ArgumentError, match=pattern):
+        _same_host.allowed("auto")
+    from cudarecv.tools.cli import main
+
+    monkeypatch.setattr(_tuned, "_entry", None)
+    assert main(["tune", "--show"]) == 2
+
+
+def test_tune_replaces_a_bad_file(tmp_path, monkeypatch):
+    """The fix the errors name works: ``tune`` over a bad file writes a good one (other machines' entries
+    of a good file stay)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(_tuned, "_entry", None)
+    _tuned.path().parent.mkdir(parents=True)
+    _tuned.path().write_text("{not json")
+    _tuned.save({"host_copy": "memcpy"}, {}, "then")
+    _tuned.save({"host_copy": "stream"}, {}, "now")
+    data = json.loads(_tuned.path().read_text())
+    assert data["machines"] == {_tuned.machine(): {"settings": {"host_copy": "stream"}, "measured": {}, "at": "now"}}
+    data["machines"]["elsewhere"] = {"settings": {"host_copy": "memcpy"}}
+    _tuned.path().write_text(json.dumps(data))
+    _tuned.save({"host_copy": "memcpy"}, {}, "later")
+    machines = json.loads(_tuned.path().read_text())["machines"]
+    assert machines["elsewhere"] == {"settings": {"host_copy": "memcpy"}} and len(machines) == 2
+    assert _tuned.tuned("host_copy") == ("memcpy", f"tuned later in {_tuned.path()}")
