@@ -407,6 +407,7 @@ class WeightReceiver:
             return PushHeader.unpack(raw)
         standing = self._standing
         yield [standing.ended()]
+        yield ()  # (a failed transfer keeps its last works: not the standing receive, nor its group)
         header = standing.wait()  # raises what the standing receive met (a dead sender, a lie)
         if header.kind == PUSH:
             self._standing = self._listen()  # the next one, already

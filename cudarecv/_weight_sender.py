@@ -170,6 +170,11 @@ class _Receiver:
     def served(self) -> bool:
         return self.gone is None and not self.leaving
 
+    @property
+    def failed(self) -> bool:
+        """Dropped for a failure (not told the sender's last word): its threads may wait on its link for good."""
+        return self.gone is not None and not self.said_last
+
 
 def _out_of_step(text: str) -> OutOfStepError:
     return OutOfStepError(f"{text} (the link is out of step)")
@@ -287,9 +292,11 @@ class WeightSender:
         self.version = 0
         self._session = int.from_bytes(os.urandom(4), "little") % SESSIONS
         self._tags = SessionTags.of(self._session)
-        answers = self._handshake(lanes, raw, shared_offer)
-        for segment in segments:
-            segment.close_fd()  # every receiver that could map them has: nothing names them now
+        try:
+            answers = self._handshake(lanes, raw, shared_offer)
+        finally:  # every receiver that could map them has (or none will): nothing names them now
+            for segment in segments:
+                segment.close_fd()
         if fanout == "auto":
             self.fanout = "relay" if mode == "sync" and any(h != host_id() for h, *_ in answers) else "star"
         self._receivers = [_Receiver(lane) for lane in lanes]
@@ -723,13 +730,19 @@ class WeightSender:
             if receiver.listener is not None and receiver.gone is None:
                 receiver.driver.submit(lambda r=receiver: self._last_word(r, CLOSED))
         deadline = time.monotonic() + self.timeout
-        for receiver in self._receivers:  # a dropped receiver's thread may wait on it forever: no join
-            receiver.driver.stop(max(deadline - time.monotonic(), 0.0) if receiver.gone is None else 0.0)
-        for receiver in self._receivers:  # each listener ends with its receiver's BYE (a dropped one may never)
-            if receiver.listener is not None and (receiver.gone is None or receiver.said_last):
-                receiver.listener.join(max(deadline - time.monotonic(), 0.0))
-        # let go of the process group: a group kept alive past destroy_process_group() by objects in
-        # reference cycles is destroyed at interpreter exit, where gloo aborts the process
+
+        def left() -> float:
+            return max(deadline - time.monotonic(), 0.0)
+
+        for receiver in self._receivers:  # a failed receiver's thread may wait on its link for good: not joined
+            receiver.driver.stop(0.0 if receiver.failed else left())
+        for receiver in self._receivers:  # each listener ends with its receiver's BYE (a failed one may never)
+            if receiver.listener is not None and not receiver.failed:
+                receiver.listener.join(left())
+        # let go of the weights, the snapshots and the process group (a group kept alive past
+        # destroy_process_group() by objects in reference cycles is destroyed at interpreter exit,
+        # where gloo aborts the process)
+        self._td, self._snapshots, self._latest = None, [], None
         for receiver in self._receivers:
             receiver.lane = None
 

@@ -100,25 +100,38 @@ def test_push_values_sends_other_weights_and_leaves_td(cluster, transport):
     assert received == ((1, True), (2, True))
 
 
+def _memfds() -> int:
+    """cudarecv's shared segments this process still has a descriptor of."""
+    names = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            names.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:  # (the listing's own descriptor, closed by now)
+            pass
+    return sum(name.startswith("/memfd:cudarecv") for name in names)
+
+
 def schema_mismatch(rank, world, group):
     model = policy()
-    if rank == 0:
+    errors = []
+    for _ in range(3):  # every refused handshake closes its segments' descriptors
         try:
-            cudarecv.WeightSender(TensorDict.from_module(model), dst=1, timeout=20)
+            if rank == 0:
+                cudarecv.WeightSender(TensorDict.from_module(model), dst=1, timeout=20)
+            else:
+                cudarecv.WeightReceiver(src=0, expect=policy(hidden=32), timeout=20)
+            errors.append(None)
         except cudarecv.SchemaError as error:
-            return str(error)
-        return None
-    try:
-        cudarecv.WeightReceiver(src=0, expect=policy(hidden=32), timeout=20)
-    except cudarecv.SchemaError as error:
-        return str(error)
-    return None
+            errors.append(str(error))
+    assert len(set(errors)) == 1, errors
+    return errors[0], _memfds()
 
 
 def test_schema_mismatch_at_handshake_names_first_key(cluster):
-    sender_error, receiver_error = cluster().run(schema_mismatch)
+    (sender_error, sender_fds), (receiver_error, receiver_fds) = cluster().run(schema_mismatch)
     assert receiver_error and "'0.bias'" in receiver_error and "[16]" in receiver_error and "[32]" in receiver_error
     assert sender_error and "receiver rank 1 rejected" in sender_error and "'0.bias'" in receiver_error
+    assert (sender_fds, receiver_fds) == (0, 0), "refused handshakes left shared segments' descriptors open"
 
 
 def bad_headers(rank, world, group, transport):

@@ -8,10 +8,14 @@ bounded wait instead.
 
 from __future__ import annotations
 
+import gc
+import threading
 import time
+import weakref
 
 import pytest
 import torch
+import torch.distributed as dist
 from tensordict import TensorDict
 
 import cudarecv
@@ -268,3 +272,58 @@ def test_latest_mode_arguments():
         cudarecv.WeightSender(TensorDict(a=torch.zeros(1)), dst=1, buffers=3)
     with pytest.raises(ValueError, match="`buffers` is for mode='latest', an int >= 2"):
         cudarecv.WeightSender(TensorDict(a=torch.zeros(1)), dst=1, mode="latest", buffers=1)
+
+
+def _cudarecv_threads() -> set[str]:
+    """cudarecv's threads alive now, but the process-wide one that keeps transfers' deadlines."""
+    return {t.name for t in threading.enumerate() if t.name.startswith("cudarecv-") and t.name != "cudarecv-deadlines"}
+
+
+def close_and_collect(rank, world, group, key, mode, fanout):
+    """Three versions (the last left in flight, sync), then rank 2 closes, the sender closes and rank 1
+    closes after it; each rank then destroys the group and keeps its closed sender or receiver."""
+    signals = store()
+    before = _cudarecv_threads()
+    group = dist.new_group(list(range(world)))
+    model = policy()
+    td = TensorDict.from_module(model) if rank == 0 else TensorDict.from_module(policy()).clone()
+    if rank == 0:
+        end = cudarecv.WeightSender(td, group=group, group_dst=[1, 2], mode=mode, fanout=fanout, timeout=10)
+        for version in (1, 2):
+            set_version(model, version)
+            end.push()
+        set_version(model, 3)
+        end.push(wait=False)
+        signals.wait([f"{key}_left"])
+        end.close()
+        signals.set(f"{key}_closed", "1")
+        outcome = end.version
+    else:
+        end = cudarecv.WeightReceiver(group=group, group_src=0, expect=td, timeout=10)
+        while end.version < 3:
+            end.pull()
+        if rank == 2:
+            end.close()
+            signals.set(f"{key}_left", "1")
+        else:
+            signals.wait([f"{key}_closed"])
+            end.close()
+        outcome = holds_version(end.td, 3)  # readable after close
+    threads = _cudarecv_threads() - before
+    refs = [weakref.ref(td), weakref.ref(group)]
+    dist.destroy_process_group(group)
+    del td, group, model
+    gc.collect()
+    alive = [name for name, ref in zip(("td", "group"), refs) if ref() is not None]
+    del end
+    return outcome, sorted(threads), alive
+
+
+@pytest.mark.parametrize("mode, fanout", [("sync", "star"), ("latest", "star"), ("sync", "relay")])
+def test_close_stops_every_thread_and_lets_go_of_the_weights_and_the_group(three, mode, fanout):
+    results = three().run(close_and_collect, args=(unique_key(f"lifecycle_collect_{mode}_{fanout}"), mode, fanout),
+                          timeout=120)
+    assert [outcome for outcome, _, _ in results] == [3, True, True], results
+    for rank, (_, threads, alive) in enumerate(results):
+        assert threads == [], f"rank {rank}: threads still running after close(): {threads}"
+        assert alive == [], f"rank {rank}: still held after close(), destroy_process_group() and gc: {alive}"
