@@ -6,9 +6,12 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -20,10 +23,14 @@ ROOT = Path(__file__).resolve().parents[1]
 QUICK_VERSIONS = 41  # --quick: 40 steps, one push each, after the initial weights
 
 
-def _demo(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def _env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    return subprocess.run([sys.executable, "-m", "cudarecv", "demo", *args], cwd=ROOT, env=env,
+    return env
+
+
+def _demo(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cudarecv", "demo", *args], cwd=ROOT, env=_env(),
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -101,6 +108,69 @@ def test_demo_across_simulated_hosts() -> None:
     _check_run(proc, actors=2, checksums="off")
     assert "# ranks: 3 simulated hosts (1gbit links), launched with torchrun" in proc.stdout, proc.stdout
     assert "fan-out relay" in proc.stdout, proc.stdout
+
+
+def _reader(stream: Any, into: list[str], seen: threading.Event | None = None,
+            pattern: re.Pattern | None = None) -> threading.Thread:
+    """A thread that keeps what ``stream`` says until its EOF, and sets ``seen`` once ``pattern`` appears."""
+    def read() -> None:
+        for chunk in iter(lambda: stream.read1(4096), b""):
+            into.append(chunk.decode(errors="replace"))
+            if seen is not None and pattern.search("".join(into)):
+                seen.set()
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    return thread
+
+
+def _rank_pids(demo_pid: int) -> list[int]:
+    """Every process on the simulated hosts of the demo ``demo_pid`` (torchrun and its workers)."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    names = [line.split()[0] for line in listed.splitlines() if line.startswith(f"{hosts.PREFIX}{demo_pid}x")]
+    return [int(pid) for name in names for pid in subprocess.run(["ip", "netns", "pids", name], capture_output=True,
+                                                                 text=True, check=True).stdout.split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(hosts.unavailable() is not None, reason=f"simulated hosts: {hosts.unavailable()}")
+@pytest.mark.timeout(300)
+def test_ctrl_c_stops_every_rank_of_demo_hosts_quietly() -> None:
+    """Ctrl-C (SIGINT to the demo's process group, as a terminal sends it) once the trainer has done a
+    step: the demo returns 130, every process on every host is gone within seconds (the output pipes,
+    which they all hold, reach EOF), and nothing traceback-like is printed."""
+    demo = subprocess.Popen([sys.executable, "-m", "cudarecv", "demo", "--hosts", "3", "--hidden", "64",
+                             "--steps", "100000"], cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    out: list[str] = []
+    err: list[str] = []
+    stepped = threading.Event()
+    readers = [_reader(demo.stdout, out),
+               _reader(demo.stderr, err, stepped, re.compile(r"trainer \(cudarecv sync\):.*\| *[1-9]\d*/100000"))]
+    try:
+        assert stepped.wait(240), f"no step within 240 s:\n{''.join(err)}"
+        ranks = _rank_pids(demo.pid)
+        assert len(ranks) >= 6, ranks  # torchrun and a worker on each of the 3 hosts
+        os.killpg(demo.pid, signal.SIGINT)
+        code = demo.wait(20)
+        for reader in readers:
+            reader.join(20)
+        text = "".join(out) + "".join(err)
+        assert not any(reader.is_alive() for reader in readers), f"a process still holds the demo's output:\n{text}"
+        assert not [pid for pid in ranks if _alive(pid)], text
+        assert code == 130, text
+        assert "".join(err).endswith("\ncudarecv demo: error: interrupted\n"), text  # below the ranks' bar
+        assert not re.search(r"Traceback|Error|terminate called|Aborted", text), text
+    finally:
+        if demo.poll() is None:
+            os.killpg(demo.pid, signal.SIGKILL)
+            demo.wait(10)
 
 
 def test_simulated_hosts_need_root() -> None:

@@ -29,6 +29,7 @@ import itertools
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -121,7 +122,7 @@ class SimulatedHosts:
         self.run_id = f"{PREFIX}{os.getpid()}x{next(_COUNTER)}"
         self.switch = f"{self.run_id}-sw"
         self.hosts = [f"{self.run_id}-h{i}" for i in range(n)]
-        self._procs: list[subprocess.Popen] = []
+        self._procs: dict[subprocess.Popen, int] = {}  # every job started here, and its host
         _sweep_stale()
         _LIVE.add(self)
         try:
@@ -171,7 +172,7 @@ class SimulatedHosts:
         full_env = {**os.environ, "GLOO_SOCKET_IFNAME": NIC, **(env or {})}
         proc = subprocess.Popen(["ip", "netns", "exec", self.hosts[host], *argv], env=full_env,
                                 start_new_session=True, **kwargs)
-        self._procs.append(proc)
+        self._procs[proc] = host
         return proc
 
     def torchrun_command(self, host: int, script: str, args: Sequence[str] = (), *, nproc_per_node: int = 1,
@@ -239,27 +240,59 @@ class SimulatedHosts:
         return [int(c) for c in codes]
 
     def kill(self, procs: Sequence[subprocess.Popen] | None = None) -> None:
-        """Kill jobs (default: every one started here) and their children."""
-        for proc in list(procs if procs is not None else self._procs):
+        """Kill jobs (default: every one started here) and every process on their hosts, quietly.
+
+        torchrun starts each worker in a session of its own, so workers are found by their
+        host's namespace, not their process group. All are stopped (SIGSTOP) before any is
+        killed: a rank that saw a peer or its torchrun vanish would print a traceback.
+
+        Raises:
+            HostsError: a process of those hosts was still there 10 s after its SIGKILL.
+        """
+        chosen = list(procs if procs is not None else self._procs)
+        hosts = sorted({self._procs[proc] for proc in chosen if proc in self._procs})
+        for pid in self._stop_all(hosts):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10.0
+        while left := [pid for host in hosts for pid in self._pids(host)]:
+            if time.monotonic() > deadline:
+                raise HostsError(f"processes {left} on hosts {hosts} outlived SIGKILL for 10 s")
+            time.sleep(0.05)
+        for proc in chosen:
             if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, 9)
-                except (ProcessLookupError, PermissionError):
-                    proc.kill()
-            try:
+                proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(5)
-            except subprocess.TimeoutExpired:
-                pass
+
+    def _stop_all(self, hosts: Sequence[int]) -> set[int]:
+        """SIGSTOP every process on ``hosts`` until no running one is left (a stopped process
+        starts none); returns them."""
+        stopped: set[int] = set()
+        while new := {pid for host in hosts for pid in self._pids(host)} - stopped:
+            for pid in new:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGSTOP)
+            stopped |= new
+        return stopped
+
+    def _pids(self, host: int) -> list[int]:
+        """The processes in host ``host``'s network namespace, wherever they were started from."""
+        listed = subprocess.run(["ip", "netns", "pids", self.hosts[host]], capture_output=True, text=True,
+                                timeout=_SECONDS)
+        return [int(pid) for pid in listed.stdout.split()]
 
     def close(self) -> None:
-        """Kill every job started here and delete the namespaces. Idempotent."""
+        """Kill every job started here and every process on the hosts, and delete the namespaces. Idempotent."""
         if self not in _LIVE:
             return
         _LIVE.discard(self)
-        self.kill()
-        for ns in [*self.hosts, self.switch]:
-            with contextlib.suppress(subprocess.TimeoutExpired):  # the next start sweeps what is left
-                subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=_SECONDS)
+        try:
+            self.kill()
+        finally:
+            for ns in [*self.hosts, self.switch]:
+                with contextlib.suppress(subprocess.TimeoutExpired):  # the next start sweeps what is left
+                    subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=_SECONDS)
 
     def __enter__(self) -> "SimulatedHosts":
         return self

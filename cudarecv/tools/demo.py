@@ -59,12 +59,14 @@ import hashlib
 import math
 import os
 import re
+import signal
 import sys
 import threading
 import time
 from collections.abc import Callable
+from contextlib import closing
 from dataclasses import dataclass, replace
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 from torch import nn
@@ -335,6 +337,11 @@ class _CudarecvPush:
         if self.in_flight is not None:
             self.in_flight.result()
         _wait_done(store, self.cfg, len(self.ranks))  # latest: the actors take the last version first
+
+    def close(self) -> None:
+        """Close the sender (after the push in flight, if any, has ended: each of its waits is bounded)."""
+        if self.in_flight is not None:
+            self.in_flight.join()
         self.sender.close()
 
     @property
@@ -372,6 +379,9 @@ class _StockPush:
 
     def finish(self, store: Any) -> None:
         _wait_done(store, self.cfg, len(self.ranks))
+
+    def close(self) -> None:
+        """Nothing to release: stock's sends end before they return."""
 
 
 def TensorDict_from_module(policy: nn.Module) -> Any:  # noqa: N802 - the tensordict constructor it wraps
@@ -421,9 +431,13 @@ class _Background:
         except BaseException as error:  # noqa: BLE001 - handed to the caller by result()
             self.error = error
 
+    def join(self) -> None:
+        """Wait for ``finish()`` (bounded: its waits are)."""
+        self._thread.join()
+
     def result(self) -> None:
         """Wait for ``finish()``; raises what it raised."""
-        self._thread.join()
+        self.join()
         if self.error is not None:
             raise self.error
 
@@ -452,9 +466,10 @@ def _trainer(cfg: Config, device: torch.device) -> dict[str, Any]:
     ranks = list(range(1, cfg.world))
     rewards: list[float] = []
     pushes: list[float] = []
-    bar = _Bar(cfg.steps, f"trainer ({_label(cfg, cfg.impl)})")  # ticking from the handshake on
-    try:
-        sync = (_CudarecvPush if cfg.impl == "cudarecv" else _StockPush)(cfg, policy, device, ranks)
+    push = _CudarecvPush if cfg.impl == "cudarecv" else _StockPush
+    # the bar first: it ticks from the handshake on
+    with closing(_Bar(cfg.steps, f"trainer ({_label(cfg, cfg.impl)})")) as bar, \
+            closing(push(cfg, policy, device, ranks)) as sync:
         started = time.perf_counter()
         pushes.append(sync.push(store, step=0, last=False))  # version 1: the initial weights
         for step in range(1, cfg.steps + 1):
@@ -464,8 +479,6 @@ def _trainer(cfg: Config, device: torch.device) -> dict[str, Any]:
             bar.update(reward=f"{sum(recent) / len(recent):.3f}", version=str(sync.version))
         seconds = time.perf_counter() - started
         sync.finish(store)
-    finally:
-        bar.close()
     return dict(role="trainer", impl=cfg.impl, rewards=rewards, pushes=pushes, seconds=seconds,
                 versions=sync.version, bytes=sync.bytes, leaves=sync.leaves, fanout=sync.fanout,
                 bucket_bytes=sync.bucket_bytes,
@@ -508,7 +521,7 @@ def _actor(rank: int, cfg: Config, device: torch.device) -> dict[str, Any]:
 
 def _between_pulls(rank: int, cfg: Config, meta: Any) -> None:
     if cfg.kill_actor == rank and int(meta["step"]) >= cfg.steps // 2:
-        os._exit(3)  # --kill-actor: die abruptly, as a crashed actor would
+        os.kill(os.getpid(), signal.SIGKILL)  # --kill-actor: die abruptly, as a crashed actor would
     if cfg.slow_actor == rank:
         time.sleep(cfg.slow_seconds)  # --slow-actor: busy elsewhere between pulls
 
@@ -671,10 +684,8 @@ def report_text(cfg: Config, trainers: list[dict[str, Any]], actors: list[dict[s
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``demo`` subcommand."""
-    p = subparsers.add_parser(
-        "demo", help="RL weight sync: a trainer pushes its policy to local actors, cudarecv vs stock",
-        description=__doc__.splitlines()[0],
-    )
+    p = subparsers.add_parser(  # its description: cli.main's, from this module's docstring
+        "demo", help="RL weight sync: a trainer pushes its policy to local actors, cudarecv vs stock")
     d, q = DEFAULTS, QUICK
     p.add_argument("--actors", type=int_at_least(1), metavar="N",
                    help=f"actor processes (default {d['actors']}; with --hosts N or under torchrun: the ranks - 1)")
@@ -883,7 +894,7 @@ def _finish(cfg: Config, trainers: list[dict], actors: list[dict], elapsed: floa
     return 1 if failed else 0
 
 
-def _run_rank(cfg: Config) -> NoReturn:
+def _run_rank(cfg: Config) -> int:
     """Under torchrun: this process is one rank; rank 0 gathers every rank's results and prints the tables."""
     from datetime import timedelta
 
@@ -893,57 +904,50 @@ def _run_rank(cfg: Config) -> NoReturn:
     if cfg.backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(cfg.backend, timeout=timedelta(seconds=max(cfg.timeout, 60.0)))
-    rank = dist.get_rank()
-    if rank == 0:
-        progress(f"cudarecv demo: a trainer and {cfg.actors} actor(s) under torchrun, {cfg.world} ranks")
-    mine = []
-    for impl in IMPLS:
+    try:
+        rank = dist.get_rank()
         if rank == 0:
-            progress(f"cudarecv demo: training with {_label(cfg, impl)}")
-        mine.append(demo_rank(rank, cfg.world, None, replace(cfg, impl=impl)))
-        dist.barrier()
-    every: list[Any] = [None] * cfg.world if rank == 0 else []
-    dist.gather_object(mine, every if rank == 0 else None, dst=0)
-    dist.destroy_process_group()
-    code = 0
-    if rank == 0:
-        trainers = [every[0][i] for i in range(len(IMPLS))]
-        actors = [every[r][i] for i in range(len(IMPLS)) for r in range(1, cfg.world)]
-        code = _finish(cfg, trainers, actors, time.perf_counter() - started)
-    # all is said and the group is gone: leave without interpreter finalization, where the trainer's
-    # rank aborted once in about ten runs (SIGABRT, "terminate called without an active exception")
-    # after its tables were out; torchrun needs only the exit code
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+            progress(f"cudarecv demo: a trainer and {cfg.actors} actor(s) under torchrun, {cfg.world} ranks")
+        mine = []
+        for impl in IMPLS:
+            if rank == 0:
+                progress(f"cudarecv demo: training with {_label(cfg, impl)}")
+            mine.append(demo_rank(rank, cfg.world, None, replace(cfg, impl=impl)))
+            dist.barrier()
+        every: list[Any] = [None] * cfg.world if rank == 0 else []
+        dist.gather_object(mine, every if rank == 0 else None, dst=0)
+    finally:
+        dist.destroy_process_group()
+    if rank != 0:
+        return 0
+    trainers = [every[0][i] for i in range(len(IMPLS))]
+    actors = [every[r][i] for i in range(len(IMPLS)) for r in range(1, cfg.world)]
+    return _finish(cfg, trainers, actors, time.perf_counter() - started)
 
 
 def _run_hosts(args: argparse.Namespace, cfg: Config) -> int:
-    """``--hosts N``: the same demo under torchrun on N simulated hosts (this process only launches)."""
-    try:
-        hosts = sim.SimulatedHosts(args.hosts, rate=args.link)
-    except sim.HostsError as exc:
-        error("demo", f"--hosts: {exc}")
-        return 1
+    """``--hosts N``: the same demo under torchrun on N simulated hosts (this process only launches).
+    Ctrl-C stops every rank on every host at once (they print nothing more), then returns 130."""
     argv = ["cudarecv", "demo", "--actors", str(cfg.actors), "--steps", str(cfg.steps), "--hidden", str(cfg.hidden),
             "--mode", cfg.mode, "--bucket-bytes", str(cfg.bucket_bytes or 0), "--timeout", str(cfg.timeout),
             "--seed", str(cfg.seed), "--slow-seconds", str(cfg.slow_seconds)]
     argv += ["--verify"] if cfg.verify else []
     for flag, value in (("--slow-actor", cfg.slow_actor), ("--kill-actor", cfg.kill_actor)):
         argv += [flag, str(value)] if value is not None else []
-    with hosts:
-        progress(f"cudarecv demo: {args.hosts} simulated hosts ({args.link} links, 127.100.0.1-{args.hosts}), "
-                 f"{cfg.world // args.hosts} rank(s) each, launched with torchrun")
-        procs = hosts.torchrun("-m", argv, nproc_per_node=cfg.world // args.hosts,
-                               env={"TORCH_CPP_LOG_LEVEL": "ERROR", "CUDARECV_LINK": args.link})
-        try:
+    try:
+        with sim.SimulatedHosts(args.hosts, rate=args.link) as hosts:
+            progress(f"cudarecv demo: {args.hosts} simulated hosts ({args.link} links, 127.100.0.1-{args.hosts}), "
+                     f"{cfg.world // args.hosts} rank(s) each, launched with torchrun")
+            procs = hosts.torchrun("-m", argv, nproc_per_node=cfg.world // args.hosts,
+                                   env={"TORCH_CPP_LOG_LEVEL": "ERROR", "CUDARECV_LINK": args.link})
             codes = hosts.wait(procs, timeout=2 * _run_timeout(cfg) + 120, may_fail=range(args.hosts))
-        except sim.HostsError as exc:
-            error("demo", str(exc))
-            return 1
-        except KeyboardInterrupt:
-            error("demo", "interrupted")
-            return 130
+    except sim.HostsError as exc:
+        error("demo", f"--hosts: {exc}")
+        return 1
+    except KeyboardInterrupt:  # the hosts are closed: every process on them is gone
+        print(file=sys.stderr)  # below the trainer's bar, which ends without a newline
+        error("demo", "interrupted")
+        return 130
     if any(codes):
         error("demo", f"the run failed on host(s) {[i for i, c in enumerate(codes) if c]} (exit codes {codes})")
         return 1

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from datetime import timedelta
 from typing import Any
@@ -32,6 +31,7 @@ from tensordict import TensorDict
 import cudarecv
 
 from .._stock import Stock
+from .cli import plain
 
 METHODS = ("relay", "star", "broadcast", "stock")
 LEAVES = 16
@@ -153,13 +153,10 @@ def run(out: str, ks: list[int], mib: float, rounds: int, timeout: float = 120.0
         with open(os.path.join(out, "hosts_bench.json"), "w") as f:
             json.dump(results, f)
     dist.destroy_process_group()
-    # leave without interpreter finalization (see the demo's torchrun ranks: a rank aborted there once)
-    sys.stdout.flush()
-    os._exit(0)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=plain(__doc__))
     parser.add_argument("out")
     parser.add_argument("--ks", default="1,2,4", help="receiver counts, e.g. 1,2,4,6")
     parser.add_argument("--mib", type=float, default=64.0, help="model size in MiB")
