@@ -265,6 +265,8 @@ def _start_recv(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolida
                                        **shared)
     what, cause = _what(False, plan, init_tag, pseudo_rand, consolidated, bucket_bytes)
     driven = side is not None and side.driven  # the sender may wait for its DONE: it must not wait for our wait()
+    if driven:
+        protocol = side.queued(protocol)  # in call order, on the link's thread
     transfer = Transfer(protocol, lane.stream, on_error=_explain(inner, link, timeout, what, cause), timeout=timeout,
                         link=link, what=f"{what} from rank {link.peer} ({cause})", route=route,
                         driver=side.submit if driven else None)

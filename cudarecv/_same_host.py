@@ -93,6 +93,7 @@ from ._handle import CUDA_IPC, SHARED_MEMORY, WIRE
 from ._header import KIND_BUCKETS, KIND_CHUNKS, KIND_NAMES, STORAGE_SLOTS, Header, drain_limit, piece_sizes
 from ._host_copy import direct_read_pays, direct_read_setting, may_read_process, read_process
 from ._link import Link
+from ._log import logger
 from ._shared_memory import (
     STORAGE,
     STORAGE_OFFER_SIZE,
@@ -181,17 +182,42 @@ def _back(kind: int, status: int, seq: int) -> bytes:
 
 
 # -- the two ends of a link direction ------------------------------------------------------
+# a group's sides, per (peer, role); they end when the group is garbage-collected (a plain isend/irecv link has
+# no close): nothing of theirs refers to the group, and an idle driver holds no job (:class:`~._weights_link.Driver`)
 _SIDES: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+_SAID: "weakref.WeakKeyDictionary[Any, set]" = weakref.WeakKeyDictionary()  # what was logged, per group
 _LOCK = threading.Lock()
+STOP_WAIT = 1.0  # seconds a side's closing waits for its (idle) thread to end
 
 
 def _side(link: Link, role: str, make: Callable[[], Any] | None) -> Any:
     with _LOCK:
-        sides = _SIDES.setdefault(link.pg, {})
+        sides = _SIDES.get(link.pg)
+        if sides is None:
+            sides = _SIDES[link.pg] = {}
+            weakref.finalize(link.pg, _close_all, sides).atexit = False  # (at exit, idle daemon threads just end)
         side = sides.get((link.peer, role))
         if side is None and make is not None:
             side = sides[(link.peer, role)] = make()
         return side
+
+
+def _close_all(sides: dict) -> None:
+    """A group went away: stop its sides' threads and let go of their segments and mappings."""
+    for side in list(sides.values()):
+        side.close()
+    sides.clear()
+
+
+def _chose(link: Link, role: str, transport: str, reason: str) -> None:
+    """Log the transport a link direction takes, and why (once per link, role and reason)."""
+    with _LOCK:
+        said = _SAID.setdefault(link.pg, set())
+        if (link.peer, role, reason) in said:
+            return
+        said.add((link.peer, role, reason))
+    logger.info("%s rank %d of a %s group: %s (%s)", "sending to" if role == "send" else "receiving from",
+                link.peer, link.backend, transport, reason)
 
 
 def sending_side(link: Link, transport: str, device: torch.device) -> "SendSide | None":
@@ -200,8 +226,12 @@ def sending_side(link: Link, transport: str, device: torch.device) -> "SendSide 
     if link.backend != "gloo":  # NCCL's own intra-node path is peer to peer already
         return None
     problem = available() if device.type == "cpu" else cuda_ipc.available(device)
-    make = (lambda: SendSide(link.peer, device)) if allowed(transport) and problem is None else None
-    return _side(link, "send", make)  # a side made earlier is kept (it keeps the order of the link's sends)
+    if not allowed(transport):
+        problem = f"the call's `transport` is {transport!r}, {ENV}={os.environ.get(ENV, 'auto')!r}"
+    side = _side(link, "send", (lambda: SendSide(link.peer, device)) if problem is None else None)
+    if side is None:  # a side made earlier is kept (it keeps the order of the link's sends)
+        _chose(link, "send", WIRE, problem)
+    return side
 
 
 def receiving_side(link: Link) -> "RecvSide | None":
@@ -243,6 +273,11 @@ class SendSide:
         self.next = 0
         self.failed: str | None = None  # why the link left shared memory for the wire, after a failure
         self.driver = Driver(f"cudarecv-send-{peer}")
+
+    def close(self) -> None:
+        """Stop the thread and let go of the segments and of what was posted for them (the group is gone)."""
+        self.driver.stop(STOP_WAIT)
+        self.state, self.segments, self.fences, self.held = "wire", [], [None, None, None], [[], [], []]
 
     def send(self, lane: Lane, header: Header, init_tag: int, fill: Callable[[Tensor, int, int, int], None],
              wire: Callable[[Header, bytes | None], Any], allow: bool, route: Route,
@@ -295,6 +330,9 @@ class SendSide:
             # what was posted for the segments may never complete (a DONE that never comes): never touch them or
             # the back tags again; the link's later transfers go on the wire (the failed one's error is its own)
             park([fence[0] for fence in self.fences if fence is not None] + [w for held in self.held for w in held])
+            if self.state != "wire":
+                logger.info("sending to rank %d: shared memory left for the wire after a failed transfer (%s)",
+                            lane.link.peer, type(error).__name__)
             self.state, self.segments, self.fences = "wire", [], [None, None, None]
             self.failed = f"{type(error).__name__}: {error}".splitlines()[0]
             raise
@@ -332,8 +370,13 @@ class SendSide:
         if status in (OK, DIRECT, DIRECT_STORAGES):
             self.state, self.direct = "shared", status == DIRECT
             self.direct_storages = status in (DIRECT, DIRECT_STORAGES)
+            route = {DIRECT: "the receiver reads leaves and storages itself",
+                     DIRECT_STORAGES: "the receiver reads consolidated storages itself"}.get(status, "segments")
+            _chose(lane.link, "send", SHARED_MEMORY if self.device.type == "cpu" else CUDA_IPC,
+                   f"the receiver took the offer; {route}")
         else:
             self.state, self.segments = "wire", []
+            _chose(lane.link, "send", WIRE, "the receiver declined the offer (it logs why)")
 
     def _quiet(self, lane: Lane) -> Any:
         for k in (0, 1):
@@ -361,8 +404,12 @@ class SendSide:
         if lane.stream is not None:
             segment.written.record(lane.stream)  # before the READY: the reader's copies wait for it
         held += _post(lane, _sealed(_READY.pack(b"CDRP", 0, seq, 0, header.total), READY_SIZE), piece_tag(init_tag))
-        self.held[k] = held  # completes once the receiver has taken them (before its DONE)
+        self.held[k] = held
         self.fences[k] = self._expect(lane, k, seq)
+        # a gloo send completes once the receiver has taken it: the send ends when its receiver has the header
+        # and READY, so it can still get the bytes if this process exits right after (the wire's promise too)
+        yield held
+        self.held[k] = []
 
     def _from_storage(self, lane: Lane, header: Header, init_tag: int, where: tuple[int, int, int, int, int],
                       chunks: list[Tensor], route: Route) -> Any:
@@ -424,11 +471,25 @@ class RecvSide:
     def submit(self, job: Callable[[], None]) -> None:
         self.driver.submit(job)
 
+    def queued(self, protocol: Any) -> Any:
+        """``protocol`` (a receive) posting nothing before the link's earlier receives have ended, on the
+        link's thread: an offer follows its header on the header's tag, and would be taken by the header
+        receive of a later transfer with the same ``init_tag`` posted meanwhile."""
+        yield ()
+        return (yield from protocol)
+
     def ended(self, transfer: Any) -> None:
-        """A driven receive ended; if it failed, its thread may be stuck in gloo for good (a receive
-        that timed out): later receives get a thread of their own."""
-        if transfer.failed:
+        """A driven receive ended. One that failed elsewhere than on the link's thread (it ran out of its
+        own time) leaves that thread in gloo, maybe for good: it is told to end once the wait returns,
+        and later receives get a thread of their own."""
+        if transfer.failed and threading.current_thread() is not self.driver.thread:
+            self.driver.stop(0.0)
             self.driver = Driver(self.driver_name)
+
+    def close(self) -> None:
+        """Stop the thread and let go of the mappings (the group is gone)."""
+        self.driver.stop(STOP_WAIT)
+        self.state, self.mappings, self.storages, self.direct = "wire", [], {}, None
 
     @property
     def driven(self) -> bool:
@@ -457,6 +518,9 @@ class RecvSide:
                 reason = str(error) if isinstance(error, MappingError) else f"{type(error).__name__}: {error}"
         self.declined = reason
         self.state, self.mappings = ("shared", mappings) if reason is None else ("wire", [])
+        kind = CUDA_IPC if mappings and not isinstance(mappings[0], Mapping) else SHARED_MEMORY
+        _chose(lane.link, "recv", WIRE if reason is not None else kind,
+               f"declined the offer: {reason}" if reason is not None else "took the offer")
         host = reason is None and isinstance(mappings[0], Mapping)
         pays = direct_read_pays() if host and may_read_process(mappings[0].pid) is None else None
         self.direct = mappings[0].pid if pays is not None and pays.storages else None
