@@ -17,6 +17,9 @@ from cudarecv import _host_copy, _same_host, _tuned
 from cudarecv.testing.launch import Cluster
 
 ENVS = (_host_copy.ENV, _host_copy.DIRECT_ENV, "XDG_CACHE_HOME")
+DEFAULT_STREAMS = _host_copy.DEFAULT_HOST_COPY == "stream"
+with open("/proc/cpuinfo") as _f:
+    AVX2 = " avx2 " in _f.read().replace("\n", " ")  # streaming is for AVX2 machines only
 
 
 class _Spy:
@@ -78,9 +81,10 @@ def test_no_probe_runs_in_a_transfer(tmp_path):
     for rank, got in enumerate(results):
         assert got["transports"][1::2] == ["shared memory"] * 2, (rank, got["transports"])
         assert got["ok"], rank
-        assert got["streaming"] == [1], (rank, got["streaming"])  # once, as the default says: no probe
+        assert got["streaming"] == [DEFAULT_STREAMS], (rank, got["streaming"])  # once, as the default says
         assert got["large"] == [] and not got["read_self"], (rank, got)
-    assert results[1]["chosen"] == (True, _host_copy.DEFAULT_DIRECT_READ)  # the receiver took an offer
+        assert got["chosen"][0] is (DEFAULT_STREAMS and AVX2)
+    assert results[1]["chosen"][1] == _host_copy.DEFAULT_DIRECT_READ  # the receiver took an offer
     assert not (tmp_path / "cudarecv").exists()  # nothing tuned, nothing written
 
 
@@ -120,8 +124,8 @@ def test_tune_keeps_a_choice_that_a_later_process_reads(tmp_path):
     assert settings["host_copy"] in ("stream", "memcpy") and set(kept["measured"]) == {"host_copy", "direct_read"}
     pays = _host_copy.DirectRead(**settings["direct_read"])
     later = _python(CHOICES, tmp_path)
-    assert _chosen(later) == f"{settings['host_copy'] == 'stream'} {pays.describe()}"
-    assert f"cudarecv: host copies: {'streaming' if settings['host_copy'] == 'stream' else 'memcpy'} (tuned" \
+    assert _chosen(later) == f"{settings['host_copy'] == 'stream' and AVX2} {pays.describe()}"
+    assert f"cudarecv: host copies: {'streaming' if settings['host_copy'] == 'stream' and AVX2 else 'memcpy'} (tuned" \
         in later.stdout  # the choice is logged, with where it came from
 
     # whatever this machine measured: the other choices, kept by hand, are read too, and the variables override
@@ -129,7 +133,7 @@ def test_tune_keeps_a_choice_that_a_later_process_reads(tmp_path):
                     direct_read={"leaves": not pays.leaves, "storages": True})
     where.write_text(json.dumps({"format": _tuned.FORMAT, "machines": {_tuned.machine(): kept}}))
     other = _host_copy.DirectRead(**settings["direct_read"])
-    assert _chosen(_python(CHOICES, tmp_path)) == f"{settings['host_copy'] == 'stream'} {other.describe()}"
+    assert _chosen(_python(CHOICES, tmp_path)) == f"{settings['host_copy'] == 'stream' and AVX2} {other.describe()}"
     told = _python(CHOICES, tmp_path, CUDARECV_HOST_COPY="memcpy", CUDARECV_DIRECT_READ="off")
     assert _chosen(told) == "False leaves off, storages off"
     assert "host copies: memcpy (CUDARECV_HOST_COPY=memcpy)" in told.stdout
