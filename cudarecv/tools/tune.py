@@ -59,6 +59,7 @@ from .cli import error, int_at_least
 COPY_BYTES = 64 << 20  # larger than the last-level caches of today's servers
 READ_BYTES, READ_PIECE = 16 << 20, 8 << 10
 MARGIN = 1.1  # how much faster than the default the other host copy must be to replace it
+WAIT = 60.0  # seconds the copies of one measurement may take in all
 
 
 def best_time(run: Callable[[], Any], rounds: int) -> float:
@@ -78,7 +79,7 @@ def _copies_at_once(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
     spans: list[tuple[float, float]] = []
 
     def one(dst: torch.Tensor, src: torch.Tensor) -> None:
-        ready.wait(timeout=60)
+        ready.wait(timeout=WAIT)
         start = time.perf_counter()
         copy_bytes(dst, src)
         spans.append((start, time.perf_counter()))
@@ -87,7 +88,9 @@ def _copies_at_once(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join()
+        thread.join(timeout=WAIT)
+    if len(spans) < len(pairs):
+        raise RuntimeError(f"{len(pairs) - len(spans)} of {len(pairs)} copies did not end within {WAIT} s")
     return max(end for _, end in spans) - min(start for start, _ in spans)
 
 
