@@ -271,9 +271,10 @@ def direct_read_pays() -> DirectRead:
 
     ``CUDARECV_DIRECT_READ=on`` or ``=off`` decides both; ``auto`` (the default) takes what
     ``python -m cudarecv tune`` measured on this machine, else :data:`DEFAULT_DIRECT_READ`: the
-    segments, never much slower than the direct read and on this 2-core AMD EPYC VM faster (the kernel's
-    read is 3-4x a copy in 8 KiB regions, 2x in one: 2000 x 8 KiB leaves took 6.1 ms through segments,
-    8.9 ms directly). Nothing is measured here; the choice is logged once.
+    segments, whose cost is two overlapping copies wherever the kernel's read is slow (on this 2-core
+    AMD EPYC VM 3-4x a copy in 8 KiB regions, 2x in one: 2000 x 8 KiB leaves took 6.1 ms through
+    segments, 8.9 ms directly; where it is as fast as a copy, ``tune`` turns it on). Nothing is
+    measured here; the choice is logged once.
 
     Example:
         >>> direct_read_pays()  # untuned, or tuned on that VM
