@@ -11,7 +11,9 @@ For a 100 MB and a 1 GB model (100 float32 leaves), two ranks over gloo:
 - ``raw``: ``dist.send``/``dist.recv`` of one flat uint8 buffer of the same size.
 
 Latency = from the step barrier until the receiver holds the complete new version,
-timed inside the receiving rank; the modes alternate round by round. Each bench's
+timed inside the receiving rank (the sender's fills come before the barrier); the modes
+alternate round by round, and above 500 MB run one at a time (set up, timed, closed: the
+six side by side held 17 GB at 1 GB). Each bench's
 pytest-benchmark rounds are its mode's rounds as the receiver measured them, replayed
 through a virtual clock (``tb.VirtualClock``), so ``stats.median`` is the median
 latency. Each mode's last version is checked value by value (``ok`` in ``extra_info``;
@@ -21,6 +23,7 @@ a wrong one fails its bench).
 from __future__ import annotations
 
 import ctypes
+import gc
 import statistics
 import time
 from typing import Any
@@ -47,67 +50,89 @@ def _model(total_bytes: int, fill: float) -> TensorDict:
     return TensorDict({f"layer{i:03d}": torch.full((per,), fill) for i in range(100)}, batch_size=[])
 
 
-def time_weights(rank: int, world: int, group, total_bytes: int, rounds: int) -> dict:
-    """Run every mode ``rounds`` times, alternating; the receiver returns its seconds per mode."""
-    td = _model(total_bytes, 0.0)
-    senders, receivers = {}, {}
-    for impl, mode in MODES:  # the one-time setup of each mode (not timed)
-        if impl == "cudarecv":
-            bucket = 1 << 20 if "chunks" in mode else None
-            transport = "wire" if mode.endswith("wire") else "auto"
-            if rank == 0:
-                senders[mode] = cudarecv.WeightSender(td, dst=1, bucket_bytes=bucket, timeout=120, fanout="star",
-                                                      transport=transport)
-            else:
-                receivers[mode] = cudarecv.WeightReceiver(src=0, timeout=120, transport=transport,
-                                                          zero_copy=mode.endswith("zero-copy"))
-        elif impl == "stock":
-            if rank == 0:
-                td.init_remote(dst=1)
-            else:
-                receivers[mode] = TensorDict.from_remote_init(src=0)
-    flat = torch.zeros(total_bytes, dtype=torch.uint8)
-    seconds: dict[str, list[float]] = {mode: [] for _, mode in MODES}
-    checks: dict[str, bool] = {}
+def time_weights(rank: int, world: int, group, total_bytes: int, rounds: int, alone: bool = False) -> dict:
+    """Run every mode ``rounds`` times, alternating; the receiver returns its seconds per mode.
+
+    ``alone``: each mode is set up, run and closed before the next (memory: one mode's at a time, not all
+    six modes' models and snapshots at once), its rounds back to back.
+    """
+    tb.drop_workload(rank, world, group)  # the transfer benches' last tensors
+    with tb.one_thread():
+        td = _model(total_bytes, 0.0) if rank == 0 else None  # the trainer's weights
+    out: dict[str, dict] = {"seconds": {}, "checks": {}, "transports": {}}
+    for modes in ([[m] for m in MODES] if alone else [MODES]):
+        _time_modes(rank, td, total_bytes, modes, rounds, out)
+        gc.collect()  # the closed ends' storages, before the next mode allocates its own
+    return out
+
+
+def _open(rank: int, td: TensorDict | None, total_bytes: int, impl: str, mode: str) -> Any:
+    """The one-time setup of a mode on this rank (not timed): its sender, receiver or buffer."""
+    if impl == "raw":
+        return torch.zeros(total_bytes, dtype=torch.uint8)
+    if impl == "stock":
+        if rank == 0:
+            td.init_remote(dst=1)
+            return None
+        return TensorDict.from_remote_init(src=0)
+    bucket = 1 << 20 if "chunks" in mode else None
+    transport = "wire" if mode.endswith("wire") else "auto"
+    if rank == 0:
+        return cudarecv.WeightSender(td, dst=1, bucket_bytes=bucket, timeout=120, fanout="star", transport=transport)
+    return cudarecv.WeightReceiver(src=0, timeout=120, transport=transport, zero_copy=mode.endswith("zero-copy"))
+
+
+def _time_modes(rank: int, td: TensorDict | None, total_bytes: int, modes: list[tuple[str, str]], rounds: int,
+                out: dict) -> None:
+    """``modes`` side by side for ``rounds`` rounds, then closed: their seconds, checks and transports into ``out``."""
+    ends = {mode: _open(rank, td, total_bytes, impl, mode) for impl, mode in modes}
+    for _, mode in modes:
+        out["seconds"][mode] = []
     for step in range(1, rounds + 1):
-        order = MODES[step % len(MODES):] + MODES[: step % len(MODES)]
-        for impl, mode in order:
-            if rank == 0:
-                td.apply_(lambda t, step=step: t.fill_(float(step)))
+        for impl, mode in modes[step % len(modes):] + modes[: step % len(modes)]:
+            end = ends[mode]
+            with tb.one_thread():
+                if rank == 0 and impl == "raw":
+                    end.fill_(step)
+                elif rank == 0:
+                    td.apply_(lambda t, step=step: t.fill_(float(step)))
             dist.barrier()
             start = time.perf_counter()
-            if impl == "cudarecv":
-                if rank == 0:
-                    senders[mode].push()
-                else:
-                    receivers[mode].pull()
+            if impl == "cudarecv" and rank == 0:
+                end.push()
+            elif impl == "cudarecv":
+                end.pull()
             elif impl == "stock":
                 if rank == 0:
                     Stock.send(td, dst=1, consolidated=True)
                 else:
-                    Stock.recv(receivers[mode], src=0, consolidated=True)
+                    Stock.recv(end, src=0, consolidated=True)
             elif rank == 0:
-                flat.fill_(step)
-                dist.send(flat, dst=1)
+                dist.send(end, dst=1)
             else:
-                dist.recv(flat, src=0)
+                dist.recv(end, src=0)
             if rank == 1:
-                seconds[mode].append(time.perf_counter() - start)
-                got = receivers[mode].td if impl == "cudarecv" else receivers.get(mode)
-                if impl == "raw":
-                    checks[mode] = bool((flat == step % 256).all())
-                else:
-                    checks[mode] = all(bool((t == float(step)).all()) for t in got.values(True, True))
-    transports = {mode: r.transport for mode, r in receivers.items() if isinstance(r, cudarecv.WeightReceiver)}
-    for sender in senders.values():
-        sender.close()
-    for receiver in receivers.values():
-        if isinstance(receiver, cudarecv.WeightReceiver):
-            receiver.close()
-    return {"seconds": seconds, "checks": checks, "transports": transports}
+                out["seconds"][mode].append(time.perf_counter() - start)
+            if rank == 1 and step == rounds:
+                with tb.one_thread():
+                    out["checks"][mode] = _holds(impl, end, step)
+    for impl, mode in modes:
+        if isinstance(ends[mode], cudarecv.WeightReceiver):
+            out["transports"][mode] = ends[mode].transport
+        if impl == "cudarecv":
+            ends[mode].close()
+
+
+def _holds(impl: str, end: Any, step: int) -> bool:
+    """The receiver holds version ``step``, every value checked."""
+    if impl == "raw":
+        return bool((end == step % 256).all())
+    got = end.td if impl == "cudarecv" else end
+    return all(bool((t == float(step)).all()) for t in got.values(True, True))
 
 
 SIZES = {"100MB": 100_000_000, "1GB": 1_000_000_000}
+ALONE_ABOVE = 500_000_000  # larger models: one mode at a time (all six side by side took 17 GB at 1 GB)
 _RESULTS: dict[str, dict] = {}
 
 
@@ -116,8 +141,9 @@ _RESULTS: dict[str, dict] = {}
 def test_weight_sync(benchmark, transfer_cluster, transfer_targets, size, impl, mode):
     total = SIZES[size]
     if size not in _RESULTS:  # one side-by-side run per size, shared by its modes
-        rounds = 12 if total < 500_000_000 else 5
-        _RESULTS[size] = transfer_cluster.get().run(time_weights, args=(total, rounds), timeout=540)[1]
+        big = total > ALONE_ABOVE
+        _RESULTS[size] = transfer_cluster.get().run(time_weights, args=(total, 5 if big else 12, big),
+                                                    timeout=540)[1]
         result = _RESULTS[size]
         med = {m: statistics.median(v) for m, v in result["seconds"].items()}
         for m in ("push/pull", "push/pull chunks 1MiB", "push/pull zero-copy", "push/pull wire"):
@@ -153,7 +179,11 @@ def time_fan_out(rank: int, world: int, group, total_bytes: int, rounds: int) ->
     """Weight sync to ``world - 1`` receivers on this machine, through shared memory and on the wire, and one
     ``copy_`` of the model's bytes on the trainer, alternating. Latency: from the trainer's push to the last
     receiver holding the version (one monotonic clock: the ranks share this machine's)."""
-    td = _model(total_bytes, 0.0)
+    trainer = rank == 0
+    with tb.one_thread():  # the trainer's weights, and the bytes of its reference copy
+        td = _model(total_bytes, 0.0) if trainer else None
+        src = torch.ones(total_bytes, dtype=torch.uint8) if trainer else None
+        dst = torch.zeros(total_bytes, dtype=torch.uint8) if trainer else None
     actors = list(range(1, world))
     ends = {}
     for impl, mode in FAN_OUT:
@@ -165,14 +195,14 @@ def time_fan_out(rank: int, world: int, group, total_bytes: int, rounds: int) ->
         else:
             ends[mode] = cudarecv.WeightReceiver(src=0, timeout=120, transport=transport,
                                                  zero_copy=mode.endswith("zero-copy"))
-    src, dst = torch.ones(total_bytes, dtype=torch.uint8), torch.zeros(total_bytes, dtype=torch.uint8)
     clock = torch.zeros(world, dtype=torch.float64)
     seconds: dict[str, list[float]] = {mode: [] for _, mode in FAN_OUT}
     checks, rss = {}, []
     for step in range(1, rounds + 1):
         for impl, mode in FAN_OUT[step % len(FAN_OUT):] + FAN_OUT[: step % len(FAN_OUT)]:
             if rank == 0 and impl == "cudarecv":
-                td.apply_(lambda t, step=step: t.fill_(float(step)))
+                with tb.one_thread():
+                    td.apply_(lambda t, step=step: t.fill_(float(step)))
             dist.barrier()
             start = time.monotonic()
             if impl == "raw":
@@ -190,8 +220,9 @@ def time_fan_out(rank: int, world: int, group, total_bytes: int, rounds: int) ->
             dist.all_reduce(clock)  # the trainer's start and each receiver's end
             if rank == 0:
                 seconds[mode].append(clock[1:].max().item() - start if impl == "cudarecv" else end - start)
-            elif impl == "cudarecv":
-                checks[mode] = all(bool((t == float(step)).all()) for t in ends[mode].td.values(True, True))
+            elif impl == "cudarecv" and step == rounds:
+                with tb.one_thread():
+                    checks[mode] = _holds(impl, ends[mode], step)
         if rank == 1:
             rss.append(_resident())
     transports = {mode: end.transport for mode, end in ends.items()} if rank else {}
@@ -201,7 +232,8 @@ def time_fan_out(rank: int, world: int, group, total_bytes: int, rounds: int) ->
 
 
 @pytest.fixture(scope="module")
-def four_ranks():
+def four_ranks(transfer_cluster):
+    transfer_cluster.close()  # the two ranks' memory, before four more ranks start (a later get() restarts them)
     ranks = Ranks(4, pg_timeout=120.0)
     yield ranks
     ranks.close()

@@ -49,13 +49,14 @@ every mode of that workload uses. The modes, by ``impl``:
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import re
 import resource
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -253,10 +254,14 @@ class KeptWorkload:
         key = (case["leaves"], case.get("leaf_bytes"), case.get("total_bytes"))
         if self.value is not None and self.value.key == key:
             return self.value
-        self.value = None
-        gc.collect()  # free the previous workload (and cudarecv's plans of it) first
+        self.drop()  # free the previous workload (and cudarecv's plans of it) first
         self.value = build(key, case)
         return self.value
+
+    def drop(self) -> None:
+        """Free the kept workload (and cudarecv's plans of it)."""
+        self.value = None
+        gc.collect()
 
 
 _WORKLOAD = KeptWorkload()
@@ -302,6 +307,24 @@ def _build_workload(key: tuple, case: dict) -> Workload:
 def workload(case: dict) -> Workload:
     """This rank's workload for ``case``, built once and kept until another is asked for."""
     return _WORKLOAD.get(case, _build_workload)
+
+
+def drop_workload(rank: int, world_size: int, group: Any) -> None:
+    """Free this rank's kept workload (run in the ranks when the next bench moves other tensors)."""
+    _WORKLOAD.drop()
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """torch on one thread for untimed work (fills, checks): where the ranks share few cores, each
+    parallel op otherwise waits for torch's other threads to be scheduled (a 100 MB fill took 1 s,
+    not 10 ms, under load on 2 cores)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def leaves_of(td: Any) -> list[torch.Tensor]:
@@ -477,12 +500,14 @@ def verify(rank: int, op: Op, group: Any) -> str | None:
     """One checked transfer; the receiver returns None or what was wrong."""
     global _STAMP
     _STAMP += 1  # both ranks run the same calls, so their stamps agree
-    _fill(op, _STAMP, zero=rank == RECEIVER)
+    with one_thread():
+        _fill(op, _STAMP, zero=rank == RECEIVER)
     timed(rank, op, 1, group)
     if rank != RECEIVER:
         return None
-    problem = _mismatch(op, _STAMP)
-    _fill(op, 0, zero=True)
+    with one_thread():
+        problem = _mismatch(op, _STAMP)
+        _fill(op, 0, zero=True)
     return problem
 
 
