@@ -775,3 +775,93 @@ def test_no_work_is_left_on_a_drivers_stack_when_its_transfer_ends(cluster):
     assert ok and len(seen) == 3, seen
     assert all(name.startswith("cudarecv-recv-") for name, _ in seen), seen  # (set on the link's thread)
     assert all(not holding for _, holding in seen), seen
+
+
+def two_receives_one_tag(rank, world, group, key):
+    """Two receives with one init_tag posted at once on a fresh link, waited in order: the first transfer's
+    offer (on the header's tag, right after the header) is the first receive's, not the second's."""
+    pg = _group(rank, world, key)
+    tds = [TensorDict(x=torch.full((4096,), float(k + 1 if rank == 0 else 0))) for k in range(2)]
+    if rank == 0:
+        sends = [cudarecv.isend(td, group=pg, group_dst=1, bucket_bytes=4096, timeout=10, return_early=True)[0]
+                 for td in tds]
+        for t in sends:
+            t.wait()
+        return [t.transport for t in sends]
+    receives = [cudarecv.irecv(td, group=pg, group_src=0, bucket_bytes=4096, timeout=10, return_premature=True)[0]
+                for td in tds]
+    for t in receives:
+        t.wait()
+    return [bool((td["x"] == k + 1).all()) for k, td in enumerate(tds)]
+
+
+def test_two_receives_with_one_init_tag_on_a_fresh_link(cluster):
+    routes, exact = cluster().run(two_receives_one_tag, args=(unique_key("one_tag"),), timeout=60)
+    assert exact == [True, True] and routes == ["wire", "shared memory"], (exact, routes)
+
+
+def _join_world(port: int, rank: int) -> object:
+    import torch.distributed as dist
+
+    signals = dist.TCPStore("127.0.0.1", port, 3, is_master=False, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", store=signals, rank=rank, world_size=2, timeout=timedelta(seconds=30))
+    return signals
+
+
+def sends_then_exits(port: int, transport: str) -> None:
+    """Three sends, then a normal exit (the interpreter's end), as a script ends."""
+    signals = _join_world(port, 0)
+    td = TensorDict(x=torch.zeros(1 << 16))
+    for k in range(3):
+        td["x"].fill_(k + 1)
+        cudarecv.send(td, 1, bucket_bytes=1 << 16, timeout=20, transport=transport)
+    signals.set("sent", "1")
+
+
+def receives_after_the_sender_left(port: int, transport: str, results: object) -> None:
+    """Three receives; the third only once the sender's third send returned and its process ended (if its
+    send returns before this receive is posted: else it waits for this receive, which is what it must do)."""
+    signals = _join_world(port, 1)
+    td = TensorDict(x=torch.zeros(1 << 16))
+    got = []
+    try:
+        for k in range(3):
+            if k == 2:
+                try:
+                    signals.wait(["sent"], timedelta(seconds=3))
+                except Exception:  # noqa: BLE001 - the send waits for this receive: the sender is still there
+                    pass
+                else:
+                    signals.wait(["gone"])
+            cudarecv.recv(td, 0, bucket_bytes=1 << 16, timeout=10, transport=transport)
+            got.append(bool((td["x"] == k + 1).all()))
+        results.put(got)
+    except cudarecv.Error as error:
+        results.put(f"{type(error).__name__}: {error}")
+
+
+@pytest.mark.parametrize("transport", ["wire", "auto"])
+def test_a_completed_send_survives_its_senders_exit(transport):
+    """A send that returned: its receiver gets the bytes even if the sending process exits right after."""
+    import multiprocessing as mp
+
+    import torch.distributed as dist
+
+    signals = dist.TCPStore("127.0.0.1", 0, 3, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    sender = ctx.Process(target=sends_then_exits, args=(signals.port, transport), daemon=True)
+    receiver = ctx.Process(target=receives_after_the_sender_left, args=(signals.port, transport, results), daemon=True)
+    sender.start(), receiver.start()
+    try:
+        sender.join(90)
+        assert sender.exitcode == 0, f"the sender ended with {sender.exitcode}"
+        signals.set("gone", "1")
+        got = results.get(timeout=60)
+    finally:
+        for p in (sender, receiver):
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    assert got == [True, True, True], got
