@@ -25,6 +25,7 @@ from ._same_host import check_transport
 from ._staging import lane_for
 from ._transport import MAX_TAG
 from ._walk import unwrap
+from ._weights_link import peer_failure
 
 
 def check_bucket_bytes(bucket_bytes: object) -> None:
@@ -93,8 +94,8 @@ def _explain(td: TensorDictBase, link: Link, timeout: float | None, waited_for: 
             seconds, gloo = group, "; gloo then closed every link of the process group"
         else:
             _stuck.mark(td, link, "the link failed")
-            text = str(error).splitlines()[0] if str(error) else repr(error)
-            return PeerError(f"{waited_for}: the link to rank {link.peer} failed after {elapsed:.3g} s: {text}")
+            return PeerError(f"{waited_for}: the link to rank {link.peer} failed after {elapsed:.3g} s: "
+                             f"{peer_failure(error)}")
         _stuck.mark(td, link, f"it timed out after {seconds:g} s")
         return TransferTimeout(
             f"{waited_for}: rank {link.peer} did not answer within {seconds:g} s ({cause}){gloo}; gloo cannot take "

@@ -46,9 +46,21 @@ def link_error(link: Link, what: str, error: BaseException, seconds: float, sile
     """
     if isinstance(error, TimeoutError):
         return TransferTimeout(f"{what}: rank {link.peer} of the group {silent} within {seconds:g} s")
-    text = str(error).splitlines()[0] if str(error) else repr(error)
     return PeerError(f"{what}: the link to rank {link.peer} of the group failed after {seconds:.3g} s "
-                     f"(did its process die?): {text}")
+                     f"(did its process die?): {peer_failure(error)}")
+
+
+# what a backend's error says, by a phrase of its text, in cudarecv's words
+_SAYS = (("closed by peer", "the peer closed the connection"), ("reset by peer", "the connection was reset"),
+         ("broken pipe", "the connection was reset"), ("timed out", "the process group's wait timed out"))
+
+
+def peer_failure(error: BaseException) -> str:
+    """What a failed wait on the process group means, never the backend's own text (it stays the raised
+    error's ``__cause__``)."""
+    text = str(error).lower()
+    said = next((said for phrase, said in _SAYS if phrase in text), f"{type(error).__name__} from the process group")
+    return f"{said} (the backend's message is this error's __cause__)"
 
 
 def naming(link: Link, what: str, timeout: float, silent: str) -> Callable[[BaseException, float], BaseException]:

@@ -258,6 +258,21 @@ def test_a_lying_peer_cannot_make_the_receiver_read_outside_its_segment(cluster,
         assert "READY message 0 names" in message and "not read" in message
 
 
+def _causes(error: BaseException) -> list[str]:
+    """The texts of ``error``'s chain of causes."""
+    out = []
+    while (error := error.__cause__) is not None:
+        out.append(str(error))
+    return out
+
+
+def _in_our_words(kind: str, message: str, causes: list[str]) -> None:
+    """A dead peer's error says so in cudarecv's words; gloo's own text is only its cause."""
+    assert not any(raw in message for raw in ("gloo", "pair.cc", "GLHF", "Connection closed")), message
+    if kind == "PeerError":
+        assert any("gloo" in cause for cause in causes), causes
+
+
 def killed_mid_stream(rank, world, group, victim, key, storage):
     """The victim SIGKILLs itself after three transfers; the survivor's next ones fail, bounded. With
     ``storage`` the sender's tensordict is consolidated into shared memory (the storage route)."""
@@ -278,7 +293,7 @@ def killed_mid_stream(rank, world, group, victim, key, storage):
     with pytest.raises(cudarecv.LinkError) as error:
         for _ in range(10):  # a sender learns it at its next wait for the receiver's DONE
             op(td, peer, bucket_bytes=1 << 16, timeout=15)
-    return type(error.value).__name__, str(error.value), time.monotonic() - started
+    return type(error.value).__name__, str(error.value), time.monotonic() - started, _causes(error.value)
 
 
 @pytest.mark.parametrize("storage", [False, True], ids=["segments", "storage"])
@@ -289,8 +304,9 @@ def test_a_peer_killed_with_sigkill_leaves_nothing_and_fails_bounded(victim, sto
         results = ranks.run(killed_mid_stream, args=(victim, unique_key("killed"), storage), may_die={victim},
                             timeout=90)
     assert isinstance(results[victim], RankExit)
-    kind, message, took = results[1 - victim]
+    kind, message, took, causes = results[1 - victim]
     assert kind in ("PeerError", "TransferTimeout") and f"rank {victim}" in message and took < 40, results
+    _in_our_words(kind, message, causes)
     left = {name for name in set(os.listdir("/dev/shm")) - before if not name.startswith("sem.mp-")}
     assert not left, f"left in /dev/shm: {left}"  # (sem.mp-*: multiprocessing's own, of the killed rank)
 
@@ -317,7 +333,7 @@ def killed_mid_transfer(rank, world, group):
     started = time.monotonic()
     with pytest.raises(cudarecv.LinkError) as error:
         cudarecv.recv(td, 0, bucket_bytes=1 << 20, consolidated=True, timeout=15)
-    return type(error.value).__name__, str(error.value), time.monotonic() - started
+    return type(error.value).__name__, str(error.value), time.monotonic() - started, _causes(error.value)
 
 
 def test_a_sender_killed_mid_transfer_fails_the_receiver_bounded():
@@ -325,8 +341,9 @@ def test_a_sender_killed_mid_transfer_fails_the_receiver_bounded():
     with Cluster(2, pg_timeout=20.0) as ranks:
         results = ranks.run(killed_mid_transfer, may_die={0}, timeout=90)
     assert isinstance(results[0], RankExit)
-    kind, message, took = results[1]
+    kind, message, took, causes = results[1]
     assert kind in ("PeerError", "TransferTimeout") and "rank 0" in message and took < 40, results
+    _in_our_words(kind, message, causes)
     left = {name for name in set(os.listdir("/dev/shm")) - before if not name.startswith("sem.mp-")}
     assert not left, f"left in /dev/shm: {left}"
 
