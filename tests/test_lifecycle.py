@@ -4,6 +4,7 @@ tensordicts and process groups, on every transport (the wire, shared memory), wi
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import threading
 import weakref
@@ -154,3 +155,56 @@ def test_many_transfers_with_refusals_keep_resources_flat(cluster, transport):
     assert results[1][0] == 50
     for rank, (_, early, late) in enumerate(results):
         assert early == late, f"rank {rank}: (cudarecv threads, threads, descriptors, shared mappings) {early} after 20, {late} after 200"
+
+
+def test_a_job_that_raises_is_logged_and_the_driver_goes_on(caplog):
+    from cudarecv._weights_link import Driver
+
+    ran = threading.Event()
+
+    def bug() -> None:
+        raise KeyError("a bug in a background job")
+
+    driver = Driver("cudarecv-test-driver")
+    with caplog.at_level(logging.ERROR, logger="cudarecv"):
+        driver.submit(bug)
+        driver.submit(ran.set)
+        assert ran.wait(10), "the driver stopped after a job raised"
+        driver.stop(10)
+    assert not driver.thread.is_alive()
+    [record] = [r for r in caplog.records if r.name == "cudarecv"]
+    assert "cudarecv-test-driver" in record.getMessage() and record.exc_info[0] is KeyError
+
+
+def logged_choices(rank, world, group, transport, key):
+    """What the cudarecv logger says about a new link's transport, on each side (the same-host transport's
+    records: other modules log their own choices)."""
+    records: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: records.append(record.getMessage()) if record.module == "_same_host" else None
+    log = logging.getLogger("cudarecv")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        pg = dist.new_group([0, 1], backend="gloo")
+        td = TensorDict(x=torch.full((4096,), 1.0 + rank))
+        _transfers(rank, pg, [td] * 3, td, transport)
+        _both_done(key, rank)
+        dist.destroy_process_group(pg)
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(logging.NOTSET)
+    return records
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_the_transport_of_each_link_is_logged_with_its_reason(cluster, transport):
+    sender, receiver = cluster().run(logged_choices, args=(transport, unique_key("logged")))
+    if transport == "wire":
+        assert sender == ["sending to rank 1 of a gloo group: wire (the call's `transport` is 'wire', "
+                          "CUDARECV_TRANSPORT='auto')"], sender
+        assert receiver == [], receiver  # (nothing was offered)
+    else:
+        assert sender == ["sending to rank 1 of a gloo group: shared memory (the receiver took the offer; "
+                          "segments)"], sender
+        assert receiver == ["receiving from rank 0 of a gloo group: shared memory (took the offer)"], receiver
