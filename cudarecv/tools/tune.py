@@ -1,4 +1,6 @@
-"""``python -m cudarecv tune``: measure this machine's host copies and direct reads, and keep the choice.
+"""``python -m cudarecv tune``: measure this machine's host copies and direct reads, and keep the choice
+in ``$XDG_CACHE_HOME/cudarecv/tune.json`` (``~/.cache/cudarecv/tune.json`` without it), where every later
+process reads it; ``CUDARECV_HOST_COPY`` and ``CUDARECV_DIRECT_READ`` override it.
 
 Usage::
 
@@ -15,10 +17,9 @@ times, and so the choice, are close to random):
   torch memory, in 8 KiB regions (leaves) and in one (a storage), vs the same copies by a
   copy table; it pays where it takes at most ``DIRECT_SLACK`` times the copies.
 
-The choices and their times are kept in the tune file (:mod:`cudarecv._tuned`:
-``$XDG_CACHE_HOME/cudarecv/tune.json``, one entry per machine), which every later process reads
-at its first use; ``CUDARECV_HOST_COPY`` and ``CUDARECV_DIRECT_READ`` override it. ``--show``
-prints what is in effect and why, measuring nothing.
+The choices and their times are this machine's entry of the tune file (:mod:`cudarecv._tuned`), which
+a process reads at its first large copy or same-host offer. ``--show`` prints what is in effect and
+why, measuring nothing.
 """
 
 from __future__ import annotations
