@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from cudarecv.testing import hosts
-from cudarecv.tools import cli
+from cudarecv.tools import cli, demo
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK_VERSIONS = 41  # --quick: 40 steps, one push each, after the initial weights
@@ -56,9 +56,12 @@ def _check_run(proc: subprocess.CompletedProcess, actors: int, checksums: str,
     assert proc.returncode == 0, out
     trainers, rows = _tables(proc.stdout)
     assert [t["impl"] for t in trainers] == [f"cudarecv {mode}", "stock"], out
+    stock = float(trainers[1]["steps/s"])  # side by side: cudarecv's steps/s over stock's, same run, same size
+    assert trainers[1]["vs stock"] == "1.00x", out
+    assert abs(float(trainers[0]["vs stock"].removesuffix("x")) - float(trainers[0]["steps/s"]) / stock) < 0.1, out
     for trainer in trainers:  # the task is seeded, and the trainer's batches are its own: it learns every time
         assert float(trainer["reward last"]) > float(trainer["reward first"]), out
-        assert float(trainer["steps/s"]) > 0 and float(trainer["push p99 ms"]) >= float(trainer["push p50 ms"]), out
+        assert float(trainer["steps/s"]) > 0 and float(trainer["push p99"]) >= float(trainer["push p50"]), out
     for impl in (f"cudarecv {mode}", "stock"):
         mine = [row for row in rows if row["impl"] == impl]
         assert [row["actor"].rstrip("*") for row in mine] == [str(r) for r in range(1, actors + 1)], out
@@ -171,6 +174,19 @@ def test_ctrl_c_stops_every_rank_of_demo_hosts_quietly() -> None:
         if demo.poll() is None:
             os.killpg(demo.pid, signal.SIGKILL)
             demo.wait(10)
+
+
+def test_the_trainer_table_puts_sync_and_stock_side_by_side() -> None:
+    """steps/s of each run and its ratio to stock's, both timed to every actor holding the last version."""
+    cfg = demo.Config(actors=1, steps=100, hidden=8, device="cpu", backend="gloo", bucket_bytes=None, verify=False,
+                      timeout=10.0, seed=0, threads=1)
+    trainers = [dict(impl=impl, seconds=seconds, pushes=[0.001, 0.002], rewards=[0.1, 0.9], versions=101, bytes=1024,
+                     digest="d") for impl, seconds in (("cudarecv", 4.0), ("stock", 5.0))]
+    actors = [dict(impl=t["impl"], rank=1, pulls=101, latencies=[0.001], lags=[0], rewards=[0.5], verified=0, bad=0,
+                   version=101, digest="d") for t in trainers]
+    rows = _tables(demo.report_text(cfg, trainers, actors))[0]
+    assert [(r["impl"], r["steps/s"], r["vs stock"]) for r in rows] == [("cudarecv sync", "25.0", "1.25x"),
+                                                                          ("stock", "20.0", "1.00x")], rows
 
 
 def test_simulated_hosts_need_root() -> None:

@@ -90,14 +90,15 @@ VERSION_KEY = "cudarecv_demo/version"
 PROCESS_BYTES = 400 << 20  # a rank's own footprint (torch imported, gloo), roughly
 DONE_KEY = "cudarecv_demo/done"
 TICK = 1.0  # seconds between progress refreshes: the demo is never silent for long
-TRAINER_COLUMNS = ("impl", "steps/s", "push p50 ms", "push p99 ms", "push max ms", "reward first", "reward last")
+TRAINER_COLUMNS = ("impl", "steps/s", "vs stock", "push p50", "push p99", "push max", "reward first", "reward last")
 ACTOR_COLUMNS = ("impl", "actor", "pulls", "episodes", "p50 ms", "p99 ms", "lag avg", "lag max", "reward",
                  "checksum", "check")
 LEFT = {"impl", "check"}
 TRAINER_NOTES = (
-    "steps/s: training steps per second of wall time, pushes included",
-    "push: what one step spent on weight sync (cudarecv sync: finishing the previous push and starting",
-    "  this one; latest: the snapshot; stock: the send to every actor, one after the other)",
+    "steps/s: training steps per second of wall time, from the first push until every actor holds",
+    "  the last version (every push included, the last one's end too); vs stock: steps/s / stock's",
+    "push p50 / p99 / max: ms a step spent on weight sync (cudarecv sync: finishing the previous",
+    "  push and starting this one; latest: the snapshot; stock: the send to every actor, in turn)",
     "reward first / last: the trainer's mean reward over its first and last 10% of steps",
     f"  (random play {1 / ARMS:.3f}, best 1.000)",
 )
@@ -477,8 +478,8 @@ def _trainer(cfg: Config, device: torch.device) -> dict[str, Any]:
             pushes.append(sync.push(store, step=step, last=step == cfg.steps))
             recent = rewards[-max(1, cfg.steps // 10):]
             bar.update(reward=f"{sum(recent) / len(recent):.3f}", version=str(sync.version))
-        seconds = time.perf_counter() - started
         sync.finish(store)
+        seconds = time.perf_counter() - started  # every actor holds the last version: each impl's whole cost
     return dict(role="trainer", impl=cfg.impl, rewards=rewards, pushes=pushes, seconds=seconds,
                 versions=sync.version, bytes=sync.bytes, leaves=sync.leaves, fanout=sync.fanout,
                 bucket_bytes=sync.bucket_bytes,
@@ -614,14 +615,17 @@ def _label(cfg: Config, impl: str) -> str:
     return "stock" if impl == "stock" else f"cudarecv {cfg.mode}"
 
 
-def trainer_cells(cfg: Config, trainer: dict[str, Any]) -> dict[str, str]:
+def trainer_cells(cfg: Config, trainer: dict[str, Any], stock: dict[str, Any]) -> dict[str, str]:
+    """One row of the trainer's table: cells keyed by column (``stock``: the stock run's trainer, the
+    reference of ``vs stock``)."""
     pushes = trainer["pushes"]
     return {
         "impl": _label(cfg, trainer["impl"]),
         "steps/s": _fmt(cfg.steps / trainer["seconds"], ".1f"),
-        "push p50 ms": _fmt(percentile(pushes, 50) * 1e3, ".2f"),
-        "push p99 ms": _fmt(percentile(pushes, 99) * 1e3, ".2f"),
-        "push max ms": _fmt(max(pushes) * 1e3, ".2f"),
+        "vs stock": _fmt(stock["seconds"] / trainer["seconds"], ".2f") + "x",
+        "push p50": _fmt(percentile(pushes, 50) * 1e3, ".2f"),
+        "push p99": _fmt(percentile(pushes, 99) * 1e3, ".2f"),
+        "push max": _fmt(max(pushes) * 1e3, ".2f"),
         "reward first": _fmt(_tenth(trainer["rewards"], last=False), ".3f"),
         "reward last": _fmt(_tenth(trainer["rewards"], last=True), ".3f"),
     }
@@ -671,7 +675,7 @@ def _describe(cfg: Config, trainer: dict[str, Any]) -> list[str]:
 def report_text(cfg: Config, trainers: list[dict[str, Any]], actors: list[dict[str, Any]]) -> str:
     """Both tables with their notes, every line within 100 columns."""
     by_impl = {t["impl"]: t for t in trainers}
-    out = table.text(TRAINER_COLUMNS, {None: [trainer_cells(cfg, t) for t in trainers]}, left=LEFT,
+    out = table.text(TRAINER_COLUMNS, {None: [trainer_cells(cfg, t, by_impl["stock"]) for t in trainers]}, left=LEFT,
                      notes=_describe(cfg, trainers[0]))
     out += "#\n" + "".join(f"# {note}\n" for note in TRAINER_NOTES)
     out += table.text(ACTOR_COLUMNS, {None: [actor_cells(cfg, a, by_impl[a["impl"]]) for a in actors]}, left=LEFT)
