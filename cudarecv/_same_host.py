@@ -25,13 +25,16 @@ n % 2) after its header (which names the segment and the transfer's number):
   sends the header, then writes the messages into the segment, publishing after
   each how many bytes are in (:meth:`~._shared_memory.Segment.advance`, ordered
   after them), then sends a 48-byte ``READY`` (offset and length: all of them)
-  on the piece tag;
+  on the piece tag; the send ends once the receiver has taken the header and the
+  ``READY`` (gloo completes a send then), so it gets the bytes even if the sending
+  process exits at once;
 - the receiver copies each message out as soon as the progress word says it is
   written, a message behind the sender (where it reads and writes comes from its
   own plan alone: a peer cannot make it read outside the segment or write
-  outside its tensordict); it checks the ``READY`` against its plan when it
-  comes (one that does not match fails the transfer as out of step); once the
-  word stops moving for :data:`FOLLOW_SPIN` it waits for the ``READY`` instead (a
+  outside its tensordict), and sleeps on the word in between (a futex the sender
+  wakes after each message: no polling); it checks the ``READY`` against its plan
+  when it comes (one that does not match fails the transfer as out of step); once
+  the word stands still for :data:`FOLLOW_WAIT` it waits for the ``READY`` instead (a
   dead sender's never comes: the process group says so), copies the rest, and
   ends with ``DONE`` on the segment's back tag. On a header mismatch it copies
   nothing, takes the ``READY``, sends ``DONE`` and raises :class:`HeaderError`:
@@ -74,7 +77,6 @@ import dataclasses
 import os
 import struct
 import threading
-import time
 import weakref
 import zlib
 from collections import OrderedDict
@@ -172,9 +174,9 @@ _READY = struct.Struct("<4sIQQQ")  # magic, message index, transfer number, offs
 READY_SIZE = 48
 
 
-#: seconds a receiver polls a progress word that stopped moving before it waits for the READY on the process
-#: group instead (which also tells a dead sender)
-FOLLOW_SPIN = 0.002
+#: seconds a receiver sleeps on a progress word that stopped moving (a futex: no CPU) before it waits for the
+#: READY on the process group instead (which also tells a dead sender)
+FOLLOW_WAIT = 0.002
 
 
 def _back(kind: int, status: int, seq: int) -> bytes:
@@ -566,7 +568,6 @@ class RecvSide:
             """Copy out the messages the sender's progress word says are written, in order, without waiting
             for the READY (its check comes when it lands); back to the READY once the word stops moving."""
             nonlocal done
-            seen, since = -1, time.monotonic()
             while done < count:
                 written = mapping.progress(header.seq)
                 if written is None:
@@ -576,13 +577,8 @@ class RecvSide:
                     with lane.on_stream():
                         copy(mapping.data, done, done * piece, end - done * piece, piece)
                     done += 1
-                    continue
-                now = time.monotonic()
-                if written != seen:
-                    seen, since = written, now
-                elif now - since > FOLLOW_SPIN:
+                elif not mapping.follow(written, FOLLOW_WAIT):
                     return
-                os.sched_yield()
 
         slot = torch.zeros(READY_SIZE + ROOM, dtype=torch.uint8)
         [ready] = lane.post(False, [slot], [piece_tag(init_tag)])

@@ -92,6 +92,29 @@ _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 MADV_POPULATE_WRITE = 23  # Linux 5.14: allocate a range's pages without writing them
+_libc.syscall.restype = ctypes.c_long
+_SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(os.uname().machine)
+FUTEX_WAIT, FUTEX_WAKE = 0, 1  # (shared, not private: the word is in memory two processes map)
+_ETIMEDOUT = 110
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def _wake(address: int) -> None:
+    """Wake whoever sleeps on the 32-bit word at ``address`` (a futex; a no-op for nobody: ~3 us)."""
+    _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(address), FUTEX_WAKE, 2**31 - 1, None, None, 0)
+
+
+def _sleep_on(address: int, value: int, timeout: float) -> bool:
+    """Sleep in the kernel while the 32-bit word at ``address`` holds ``value``, up to ``timeout`` s; False
+    if the time ran out (True: woken, or the word had changed already)."""
+    span = _Timespec(int(timeout), int(timeout % 1 * 1e9))
+    if _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(address), FUTEX_WAIT, ctypes.c_uint32(value), ctypes.byref(span),
+                     None, 0) == 0:
+        return True
+    return ctypes.get_errno() != _ETIMEDOUT
 
 
 def _map(fd: int, size: int, writable: bool) -> ctypes.Array:
@@ -150,9 +173,12 @@ class Segment:
             publish(self._words + PROGRESS_SEQ, seq)
 
     def advance(self, nbytes: int) -> None:
-        """Say that the first ``nbytes`` payload bytes of the transfer are in (after they are)."""
+        """Say that the first ``nbytes`` payload bytes of the transfer are in (after they are), and wake a
+        reader that sleeps on the word (:meth:`Mapping.follow`)."""
         if NATIVE:
             publish(self._words + PROGRESS_BYTES, nbytes)
+            if _SYS_FUTEX is not None:
+                _wake(self._words + PROGRESS_BYTES)
 
     def close_fd(self) -> None:
         """Let go of the descriptor (the reader has it mapped): nothing names the memory any more."""
@@ -201,6 +227,12 @@ class Mapping:
         if observe(self._words + PROGRESS_SEQ) != seq:
             return None
         return observe(self._words + PROGRESS_BYTES)
+
+    def follow(self, seen: int, timeout: float) -> bool:
+        """Sleep until the writer's count of bytes moves from ``seen`` (in the kernel: a futex on its low 32 bits,
+        which the writer wakes after each store); False if it stood still for ``timeout`` s (or, on a machine
+        without futexes here, at once)."""
+        return _SYS_FUTEX is not None and _sleep_on(self._words + PROGRESS_BYTES, seen & 0xFFFFFFFF, timeout)
 
     def writing(self) -> int:
         """The version the writer is writing or last wrote (read after copying: if it is still the one

@@ -206,6 +206,27 @@ def test_the_progress_word_names_its_transfer():
     assert mapping.progress(8) == 0 and mapping.progress(7) is None
 
 
+@pytest.mark.skipif(not _host_copy.NATIVE, reason=_host_copy.WHY_NOT_NATIVE or "")
+def test_a_reader_sleeps_on_the_progress_word_until_the_writer_advances():
+    """No polling: a reader whose word stands still sleeps in the kernel (no CPU) until the time runs out,
+    and one asleep is woken by the writer's next store."""
+    import threading
+
+    segment = Segment(1 << 16)
+    [mapping] = map_offer(offer([segment]), 1 << 20)
+    segment.close_fd()
+    segment.start(3)
+    cpu, wall = time.thread_time(), time.monotonic()
+    assert not mapping.follow(0, 0.3)
+    assert time.monotonic() - wall >= 0.3 and time.thread_time() - cpu < 0.05, "it polled instead of sleeping"
+    woken = []
+    reader = threading.Thread(target=lambda: woken.append(mapping.follow(0, 30)))
+    reader.start()
+    segment.advance(4096)  # (if the reader is not asleep yet, the word has moved already: it returns at once)
+    reader.join(30)
+    assert woken == [True] and mapping.progress(3) == 4096
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="switching to another user needs root")
 def test_another_user_cannot_open_a_segment():
     segment = Segment(4096)
