@@ -7,13 +7,12 @@ transfers that touch a GPU.
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from typing import Any
 
 import torch
 
-from ._errors import ArgumentError, TransferTimeout
+from ._errors import ArgumentError
 from ._lru import lru_get
 
 _STREAMS: dict[int, "torch.cuda.Stream"] = {}
@@ -76,15 +75,10 @@ class EventWork:
         self.event = event
 
     def wait(self, timeout: Any = None) -> bool:
-        """Block until the event fires; with a ``timedelta`` timeout, poll and raise past it."""
-        if timeout is None:
-            self.event.synchronize()
-            return True
-        deadline = time.monotonic() + timeout.total_seconds()
-        while not self.event.query():
-            if time.monotonic() > deadline:
-                raise TransferTimeout(f"CUDA work did not finish within {timeout.total_seconds():g} s")
-            time.sleep(50e-6)
+        """Block in ``cudaEventSynchronize`` until the event fires (:func:`record`'s events sleep
+        there, no polling). ``timeout`` is not taken: CUDA cannot bound the wait, and a transfer's
+        own deadline is kept without its driver (:mod:`._handle`)."""
+        self.event.synchronize()
         return True
 
     def is_completed(self) -> bool:
@@ -92,8 +86,9 @@ class EventWork:
 
 
 def record(stream: "torch.cuda.Stream") -> "torch.cuda.Event":
-    """A new event recorded on ``stream``."""
-    event = torch.cuda.Event()
+    """A new event recorded on ``stream``; waiting for it blocks the host thread in the OS
+    (``cudaEventBlockingSync``) rather than spinning a core."""
+    event = torch.cuda.Event(blocking=True)
     event.record(stream)
     return event
 

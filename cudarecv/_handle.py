@@ -11,8 +11,8 @@ Two clocks bound a transfer, and only the first can fail it:
 
 - its own ``timeout``, given by its owner (a ``WeightSender`` or
   ``WeightReceiver``): the transfer is then driven from its start on a background
-  thread (the owner's, or its own) and the deadline is kept by whoever waits for it. When it runs out the transfer
-  fails with ``TimeoutError`` and is never advanced again; its works are left to
+  thread (the owner's, or its own) and the deadline is kept by ``cudarecv-deadlines``
+  (below), waited for or not. When it runs out the transfer fails with ``TimeoutError`` and is never advanced again; its works are left to
   run out (parked). No gloo wait is ever given a timeout: when one runs out gloo
   closes *every* link of the process group, not just the late peer's. Without
   an own timeout the process group's timeout applies, as for stock tensordict.
@@ -25,13 +25,20 @@ Two clocks bound a transfer, and only the first can fail it:
   ``TimeoutError`` and the transfer goes on, as in ``concurrent.futures``; wait
   again, or check :meth:`done`.
 
-A transfer that ran out of its own time leaves its driver thread waiting on gloo
-(nothing can cancel a posted gloo send or receive). Were that wait to return
-while the interpreter shuts down (the peer exiting at the same moment), CPython
-would end the thread inside gloo's C++ frames and the process would abort
-(``SIGABRT``). So at exit, before shutdown, the links of such transfers' groups
-are closed (by one wait of 1 ms, which makes gloo close them) and the waits end
-cleanly. The same holds for standing receives (:meth:`Transfer.release_at_exit`).
+One thread, ``cudarecv-deadlines``, fails each transfer whose own time ran out
+(it sleeps until the earliest deadline), so a receive nobody waits for never
+holds up the link's later transfers.
+
+A thread that waits in gloo's C++ code when the interpreter shuts down aborts
+the process (``SIGABRT``, "terminate called without an active exception") once
+that wait returns (the peer exiting at the same moment): CPython ends the
+thread inside C++ frames. So at exit (an ``atexit`` hook registered when
+cudarecv is imported, so it runs after every handler registered later) each
+process group on which a thread still waits for a transfer (one that timed
+out, was never waited for, or a standing receive) has its links closed (one
+gloo wait of 1 ms on it: gloo closes all of a group's links at once, never one),
+the waits end with an error, and their threads are joined. Groups with no
+such wait are not touched; what is closed is logged (logger ``cudarecv``).
 
 Every step of a protocol runs under ``torch.no_grad()``: the bytes cudarecv moves
 never join an autograd graph, whatever the leaves require.
@@ -41,16 +48,20 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import heapq
 import math
 import threading
 import time
+import weakref
 from datetime import timedelta
 from typing import Any, Callable, Generator, Sequence
 
 import torch
 
+from . import _cuda
 from ._errors import TransferTimeout, WaitTimeout
 from ._link import Link
+from ._log import logger
 from ._transport import MAX_TAG, park
 
 Protocol = Generator[Sequence[Any], None, Any]
@@ -61,7 +72,7 @@ Submit = Callable[[Callable[[], None]], None]
 
 WIRE, SHARED_MEMORY, CUDA_IPC = "wire", "shared memory", "cuda ipc"  # what carried a payload (Transfer.transport)
 _UNBOUNDED = timedelta(days=3650)  # a gloo wait that never runs out (see the module docstring)
-_SLICE = 0.1  # seconds between looks at a deadline that may start late (StartClock)
+_EXIT_GRACE = 2.0  # seconds the exit hook waits for the waits it ended to leave gloo
 
 
 class StartClock:
@@ -115,6 +126,7 @@ class Transfer(torch.futures.Future):
         self._works: Sequence[Any] = ()
         self._finished = False
         self.failed = False  # whether the transfer ended in an error
+        self._expired = False  # whether it failed by its own timeout (its driver may still wait in gloo)
         self._driving = threading.Lock()  # one thread drives (waits on works) at a time
         self._state = threading.RLock()  # guards every step and the end
         self._settled = threading.Event()  # set once finished or failed
@@ -138,13 +150,13 @@ class Transfer(torch.futures.Future):
                 for work in self._works:
                     if isinstance(work, StartClock):
                         self.started, self.timeout = time.monotonic(), work.seconds
+                        _DEADLINES.keep(self)
             except StopIteration as stop:
                 self._works, self._finished = (), True
                 if self._stream is not None:
-                    self.event = torch.cuda.Event()
-                    self.event.record(self._stream)
+                    self.event = _cuda.record(self._stream)
                 self.set_result(stop.value)
-                self._settled.set()
+                self._end()
             except BaseException as error:
                 error = self._fail(error)
                 if raise_error:
@@ -163,15 +175,24 @@ class Transfer(torch.futures.Future):
             park((self._protocol, *self._works))
             self._works, self._finished, self.failed = (), True, True
             self.set_exception(error)
-            self._settled.set()
+            self._end()
             return error
 
+    def _end(self) -> None:
+        self._settled.set()
+        _BACKGROUND.discard(self)
+
+    def deadline(self) -> float:
+        """When the transfer's own time runs out (``time.monotonic()``; inf without one)."""
+        timeout = self.timeout
+        return math.inf if timeout is None else self.started + timeout
+
     def _expire(self) -> None:
-        """The transfer's own time ran out: fail it (unless it ended just now)."""
+        """Fail the transfer if its own time ran out (unless it ended just now)."""
         with self._state:
-            if not self._finished and time.monotonic() >= self.started + self.timeout:
+            if not self._finished and time.monotonic() >= self.deadline():
+                self._expired = True
                 self._fail(TransferTimeout(f"the transfer did not finish within {self.timeout:g} s"))
-                _abandon(self)
 
     @property
     def transport(self) -> str:
@@ -189,9 +210,7 @@ class Transfer(torch.futures.Future):
         transfer end only once something waits on it.
         """
         if self.timeout is not None and not self._settled.is_set():
-            self.settle_in_background()  # driven there; the deadline is kept here
-            if time.monotonic() >= self.started + self.timeout:
-                self._expire()
+            self.settle_in_background()  # driven there; the deadline is kept by cudarecv-deadlines
         elif self._driving.acquire(blocking=False):
             try:
                 while not self._finished and all(w.is_completed() for w in self._works):
@@ -221,33 +240,22 @@ class Transfer(torch.futures.Future):
             else:
                 self._wait_settled(timeout)
         helper = self._helper
-        if helper is not None and helper is not threading.current_thread() and self not in _ABANDONED:
+        if helper is not None and helper is not threading.current_thread() and not self._expired:
             # its last steps (after the result is set) run in torch's C++ code: a daemon thread still
             # there when the interpreter exits aborts the process, so it ends before wait() returns
+            # (one whose time ran out may wait in gloo for good: the exit hook ends that wait)
             helper.join(1.0)
         if self.event is not None:
             torch.cuda.current_stream(self._stream.device).wait_event(self.event)
         return super().wait()
 
     def _wait_settled(self, timeout: float | None) -> None:
-        """Wait for the end while a background thread drives; keep the transfer's own deadline
-        (looked at again every :data:`_SLICE` s while it may still start: :class:`StartClock`)."""
+        """Wait for the end while a background thread drives (its own deadline is kept by
+        cudarecv-deadlines, which ends it then); raise :class:`WaitTimeout` past ``timeout``."""
         self.settle_in_background()
-        mine = math.inf if timeout is None else time.monotonic() + timeout
-        while True:
-            own = math.inf if self.timeout is None else self.started + self.timeout
-            step = min(own, mine) - time.monotonic()
-            if self.timeout == math.inf:
-                step = min(step, _SLICE)
-            if self._settled.wait(max(step, 0.0)):
-                return
-            now = time.monotonic()
-            if self.timeout is not None and now >= self.started + self.timeout:
-                self._expire()
-                return
-            if now >= mine:
-                raise WaitTimeout(f"{self.what} has not finished after {timeout:g} s; it goes on "
-                                  "(wait again, or check done())")
+        if not self._settled.wait(timeout):
+            raise WaitTimeout(f"{self.what} has not finished after {timeout:g} s; it goes on "
+                              "(wait again, or check done())")
 
     @property
     def settled(self) -> bool:
@@ -259,24 +267,21 @@ class Transfer(torch.futures.Future):
         return Ended(self)
 
     def release_at_exit(self) -> None:
-        """Have the exit hook end this transfer's gloo wait if it still blocks at interpreter exit
-        (a standing receive: see the module docstring)."""
-        _abandon(self)
+        """Nothing to do: every wait still blocked on a thread at interpreter exit is ended by the
+        exit hook (see the module docstring). Kept for existing callers."""
 
     def settle(self) -> None:
         """Drive the transfer to its end on this thread; never raises (the error is the future's)."""
-        try:
-            self._settle()
-        finally:
-            _ABANDONED.discard(self)
-
-    def _settle(self) -> None:
         with self._driving:
-            while not self._finished and self._waited():
-                # no frame of this thread holds a work now: the last step sets the result, the waiter
-                # may return and the interpreter exit, and a gloo work freed on a daemon thread after
-                # that re-takes the GIL during shutdown, which aborts the process (SIGABRT)
-                self._advance()
+            _DRIVEN[self] = threading.current_thread()  # what the exit hook ends (see the module docstring)
+            try:
+                while not self._finished and self._waited():
+                    # no frame of this thread holds a work now: the last step sets the result, the waiter
+                    # may return and the interpreter exit, and a gloo work freed on a daemon thread after
+                    # that re-takes the GIL during shutdown, which aborts the process (SIGABRT)
+                    self._advance()
+            finally:
+                del _DRIVEN[self]
 
     def _waited(self) -> bool:
         """Wait for the pending works; False if one failed (the transfer then failed with its error)."""
@@ -300,6 +305,8 @@ class Transfer(torch.futures.Future):
             if self._helped or self._finished:
                 return
             self._helped = True
+            _BACKGROUND.add(self)
+        _DEADLINES.keep(self)
         if self._driver is not None:
             self._driver(self.settle)
         else:
@@ -325,11 +332,10 @@ def run_standing(protocol: Protocol, link: Link, stream: Any = None, on_error: E
     """Drive ``protocol`` to its end on this thread with no deadline (a receive that may wait
     for as long as the peer likes) and return its result; raises its error.
 
-    Its gloo waits never time out (see the module docstring) and are released at exit.
+    Its gloo waits never time out (see the module docstring) and are ended at exit.
     """
     transfer = Transfer(protocol, stream, on_error=on_error, timeout=math.inf, driver=_here, link=link,
                         raise_first=False)
-    transfer.release_at_exit()
     transfer.settle()
     return transfer.wait()
 
@@ -338,27 +344,127 @@ def _here(job: Callable[[], None]) -> None:
     """The driver of :func:`run_standing`'s transfers: none, the caller drives them itself."""
 
 
-_ABANDONED: set = set()  # transfers whose driver may still wait in gloo at exit (removed once settled)
-_HOOKED = threading.Event()
+class _Deadlines:
+    """The thread that fails transfers whose own time ran out, whether or not anyone waits for them.
+
+    It sleeps until the earliest deadline (a ``Condition`` wait: no polling) and holds the
+    transfers weakly; it starts with the first deadline and stops at exit.
+    """
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, weakref.ref]] = []
+        self._count = 0  # a tie-break, so the heap never compares transfers
+        self._cond = threading.Condition(threading.Lock())
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+
+    def keep(self, transfer: Transfer) -> None:
+        """Fail ``transfer`` when its own deadline passes (none: nothing to keep)."""
+        deadline = transfer.deadline()
+        if deadline == math.inf:
+            return
+        with self._cond:
+            if self._stopped:
+                return
+            self._count += 1
+            heapq.heappush(self._heap, (deadline, self._count, weakref.ref(transfer)))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="cudarecv-deadlines", daemon=True)
+                self._thread.start()
+            elif self._heap[0][1] == self._count:
+                self._cond.notify()  # the new deadline is the earliest
+
+    def _run(self) -> None:
+        while (transfer := self._next()) is not None:
+            try:
+                transfer._expire()
+            except Exception:  # noqa: BLE001 - an error hook's failure must not stop the others' deadlines
+                logger.exception("failing %s at its deadline raised", transfer.what)
+            del transfer  # no reference from this thread while it sleeps
+
+    def _next(self) -> Transfer | None:
+        """The next transfer whose deadline has passed, once it has (None once stopped)."""
+        with self._cond:
+            while not self._stopped:
+                if not self._heap:
+                    self._cond.wait()
+                    continue
+                deadline, _, ref = self._heap[0]
+                left = deadline - time.monotonic()
+                if left > 0:
+                    self._cond.wait(left)
+                    continue
+                heapq.heappop(self._heap)
+                transfer = ref()
+                if transfer is not None and not transfer.settled:
+                    return transfer
+            return None
+
+    def stop(self) -> None:
+        """End the thread (at exit); later deadlines are not kept."""
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(_EXIT_GRACE)
 
 
-def _abandon(transfer: Transfer) -> None:
-    if transfer._link is None or transfer._link.backend != "gloo" or transfer._settled.is_set():
-        return  # only a thread inside gloo's C++ wait aborts the process at shutdown
-    if not _HOOKED.is_set():
-        _HOOKED.set()
-        atexit.register(_release_abandoned)
-    _ABANDONED.add(transfer)
+_DEADLINES = _Deadlines()
+_DRIVEN: dict = {}  # transfer -> the thread driving it now (in Transfer.settle)
+_BACKGROUND: set = set()  # transfers handed to a background thread, until they end
 
 
-def _release_abandoned() -> None:
-    """At exit: end the gloo waits still blocked on abandoned transfers (see the module docstring)."""
-    stuck = [t for t in list(_ABANDONED) if t._driving.locked()]
-    groups = {id(t._link.pg): t._link for t in stuck}
-    for link in groups.values():  # a wait that times out makes gloo close every link of its group
-        with contextlib.suppress(Exception):
-            link.pg.recv([torch.zeros(1, dtype=torch.uint8)], link.peer, MAX_TAG).wait(timedelta(milliseconds=1))
-    deadline = time.monotonic() + 1.0
+def _at_exit() -> None:
+    """End the gloo waits other threads still block in or are about to, and let those threads
+    leave torch's C++ code, before the interpreter shuts down (see the module docstring)."""
+    _DEADLINES.stop()
+    me = threading.current_thread()
+    stuck = {t for t, thread in list(_DRIVEN.items()) if thread is not me} | set(_BACKGROUND)
+    if not stuck:
+        return
+    groups: dict[int, list[Transfer]] = {}
     for transfer in stuck:
-        if transfer._driving.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
-            transfer._driving.release()
+        if transfer._link is not None and transfer._link.backend == "gloo":
+            groups.setdefault(id(transfer._link.pg), []).append(transfer)
+    for waiting in groups.values():
+        _close_links(waiting)
+    end = time.monotonic() + _EXIT_GRACE
+    for transfer in stuck:
+        if not _left(transfer, end, me):
+            logger.warning("at exit: %s still waits after %g s; the process may abort (SIGABRT)",
+                           transfer.what, _EXIT_GRACE)
+
+
+def _left(transfer: Transfer, end: float, me: threading.Thread) -> bool:
+    """Wait until ``end`` for ``transfer`` to end and its driver to leave it; whether both did."""
+    def left() -> float:
+        return max(end - time.monotonic(), 0.0)
+
+    if not transfer._settled.wait(left()) or not transfer._driving.acquire(timeout=left()):
+        return False
+    transfer._driving.release()
+    helper = transfer._helper
+    if helper is not None and helper is not me:
+        helper.join(left())
+    return True
+
+
+def _close_links(waiting: list[Transfer]) -> None:
+    """Close every link of the gloo group the ``waiting`` transfers wait on (a wait of 1 ms that
+    runs out makes gloo close them all), so their waits end with an error."""
+    link = waiting[0]._link
+    logger.warning("at exit: closing every link of process group %r (rank %d of %d), where %d transfer(s) "
+                   "still wait: %s", _group_name(link.pg), link.pg.rank(), link.pg.size(), len(waiting),
+                   "; ".join(t.what for t in waiting))
+    with contextlib.suppress(Exception):  # the wait runs out: that is the point
+        link.pg.recv([torch.zeros(1, dtype=torch.uint8)], link.peer, MAX_TAG).wait(timedelta(milliseconds=1))
+
+
+def _group_name(pg: Any) -> str:
+    with contextlib.suppress(Exception):
+        return pg.group_name
+    return type(pg).__name__
+
+
+atexit.register(_at_exit)  # at import, so it runs after every handler registered later

@@ -20,6 +20,7 @@ stream after the batch without blocking the host.
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from typing import Any, Sequence
 
@@ -28,6 +29,7 @@ from torch import Tensor
 
 from ._errors import UsageError
 from ._link import Link
+from ._log import logger
 
 MAX_TAG = 2**31 - 1  # torch.distributed takes C ints as tags; gloo refuses negative ones
 
@@ -55,16 +57,44 @@ def post(link: Link, sending: bool, tensors: Sequence[Tensor], tags: Sequence[in
     return works
 
 
-#: works of failed transfers that may still be in flight. Dropping a pending gloo
-#: ``Work`` cancels it mid-stream and closes the link to its peer; kept here they
-#: run out (or die with a link that is dead anyway). Bounded: the oldest go first.
-_PARKED: deque = deque(maxlen=256)
+#: works of failed transfers that may still be in flight, and messages posted and left to run out.
+#: Dropping a pending gloo ``Work`` cancels it mid-stream and closes the link to its peer, so none
+#: is ever dropped: an entry goes once every work in it reports completion (NCCL works, ended
+#: transfers; gloo reports a send or receive complete only once something waited for it).
+_PARKED: deque = deque()
+_PARKING = threading.Lock()
+PARKED_WARN = 1024  # the logger warns each time the kept entries pass this, then twice as many
+_warn_at = PARKED_WARN
+_scan_at = PARKED_WARN  # the entries' count at which completed ones are let go (twice those kept then)
 
 
 def park(works: Sequence[Any]) -> None:
     """Keep ``works`` alive until they can no longer matter (see ``_PARKED``)."""
-    if works:
+    global _warn_at, _scan_at
+    if not works:
+        return
+    with _PARKING:
         _PARKED.append(tuple(works))
+        if len(_PARKED) < _scan_at:
+            return
+        kept = [entry for entry in _PARKED if not all(_completed(item) for item in entry)]
+        _PARKED.clear()
+        _PARKED.extend(kept)
+        _scan_at = max(PARKED_WARN, 2 * len(kept))
+        if len(kept) < _warn_at:
+            return
+        _warn_at *= 2
+    logger.warning("%d posted works of failed transfers and unanswered messages are kept alive (dropping one "
+                   "still pending would close its link); they are freed at exit", len(kept))
+
+
+def _completed(item: Any) -> bool:
+    """Whether ``item`` (a work, a transfer, a protocol's frame) is done with its link."""
+    settled = getattr(item, "settled", None)  # a transfer: it has ended
+    if settled is not None:
+        return bool(settled)
+    check = getattr(item, "is_completed", None)
+    return check is not None and bool(check())  # a protocol's frame may hold works: kept
 
 
 def _coalesced(link: Link, sending: bool, tensors: Sequence[Tensor], tags: Sequence[int]) -> list[Any]:

@@ -275,3 +275,66 @@ def test_nccl_pair_problem_explains_itself():
             assert problem == "torch.distributed has no NCCL backend in this build"
         elif not shared and torch.cuda.device_count() < 2:
             assert "2 GPUs" in problem and "CUDARECV_NCCL_SHARED_GPU=1" in problem
+
+
+class FakeEvent:
+    """A CUDA event that fires after ``pending`` queries; records how it was waited for."""
+
+    def __init__(self, pending: int = 3, **flags) -> None:
+        self.pending, self.flags, self.calls = pending, flags, []
+
+    def query(self) -> bool:
+        self.calls.append("query")
+        self.pending -= 1
+        return self.pending < 0
+
+    def synchronize(self) -> None:
+        self.calls.append("synchronize")
+
+    def record(self, stream) -> None:
+        self.calls.append("record")
+
+
+def test_an_event_wait_blocks_in_cuda_never_polls(monkeypatch):
+    """EventWork.wait blocks in cudaEventSynchronize (one call, no query loop), timeout or not, and
+    record() makes blocking-sync events (the host thread sleeps in the OS instead of spinning)."""
+    from cudarecv._handle import _UNBOUNDED
+
+    for timeout in (None, _UNBOUNDED):
+        event = FakeEvent()
+        assert _cuda.EventWork(event).wait(timeout) is True
+        assert event.calls == ["synchronize"], event.calls
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    made = _cuda.record("stream")
+    assert made.flags == {"blocking": True} and made.calls == ["record"]
+
+
+class Pending:
+    """A work still in flight (as every gloo send or receive reports until something waits for it)."""
+
+    def is_completed(self) -> bool:
+        return False
+
+
+def test_parked_works_are_never_dropped(monkeypatch, caplog):
+    """Far more than the old bound of 256 parked entries: every pending one is kept, completed ones are
+    let go once the count passes PARKED_WARN, and the logger says how many are kept."""
+    warn = _transport.PARKED_WARN
+    monkeypatch.setattr(_transport, "_PARKED", type(_transport._PARKED)())
+    monkeypatch.setattr(_transport, "_warn_at", warn)
+    monkeypatch.setattr(_transport, "_scan_at", warn)
+    done = torch.futures.Future()
+    done.set_result(None)
+    first = Pending()
+    _transport.park([first])
+    for _ in range(warn - 1):
+        _transport.park([_create_work_from_future(done)])  # completed: let go at the first scan
+    assert list(_transport._PARKED) == [(first,)]
+    with caplog.at_level("WARNING", logger="cudarecv"):
+        for _ in range(2 * warn):
+            _transport.park([Pending()])
+    parked = list(_transport._PARKED)
+    assert parked[0] == (first,) and len(parked) == 2 * warn + 1, len(parked)
+    messages = [record.getMessage() for record in caplog.records]  # one per doubling
+    assert [int(m.split()[0]) for m in messages] == [warn, 2 * warn], messages
+    assert "are kept alive (dropping one still pending would close its link)" in messages[0]

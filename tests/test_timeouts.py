@@ -9,6 +9,7 @@ refused on it.
 
 from __future__ import annotations
 
+import threading
 import time
 from datetime import timedelta
 
@@ -19,7 +20,7 @@ from tensordict import TensorDict
 
 import cudarecv
 from cudarecv._stock import Stock
-from rawwire import store
+from rawwire import store, unique_key
 from tdfactory import make, same
 
 
@@ -92,6 +93,38 @@ def test_a_send_nobody_receives_times_out(cluster):
     assert kind == "TransferTimeout" and "send of the fast-wire header" in message and "rank 1" in message
     assert took >= 1.0
     assert late_ok
+
+
+def unwaited_receive(rank, world, group, key):
+    """A fast-wire receive with timeout=1 that nobody waits for fails on time, and the peer's later
+    fast-wire sends (another tensordict and init_tag, one with transport="wire") are received."""
+    signals = store()
+    if rank == 0:
+        signals.wait([key])  # the unwaited receive has ended
+        cudarecv.send(make("nested", 2.0), 1, bucket_bytes=1 << 20, init_tag=3, timeout=5)
+        cudarecv.send(make("flat", 5.0), 1, bucket_bytes=1 << 20, init_tag=4, timeout=5, transport="wire")
+        return None
+    [transfer] = cudarecv.irecv(make("flat", 0.0), 0, bucket_bytes=1 << 20, timeout=1.0, return_premature=True)
+    ended = threading.Event()
+    transfer.add_done_callback(lambda _: ended.set())
+    fired = ended.wait(10)  # never transfer.wait(): its own deadline must end it
+    signals.set(key, "1")
+    first = _attempt(transfer.wait)
+    later, wire = make("nested", 0.0), make("flat", 0.0)
+    cudarecv.recv(later, 0, bucket_bytes=1 << 20, init_tag=3, timeout=5)
+    cudarecv.recv(wire, 0, bucket_bytes=1 << 20, init_tag=4, timeout=5, transport="wire")
+    return fired, first, same(later, make("nested", 2.0)), same(wire, make("flat", 5.0))
+
+
+def test_an_unwaited_receive_times_out_and_the_link_goes_on(cluster):
+    try:
+        _, (fired, ((kind, message, _), _), later_ok, wire_ok) = cluster().run(
+            unwaited_receive, args=(unique_key("unwaited"),))
+    finally:
+        cluster().close()  # the receive that timed out stays posted on this link
+    assert fired, "a receive nobody waited for did not end at its own timeout"
+    assert kind == "TransferTimeout" and "fast-wire header" in message and "1 s" in message, message
+    assert later_ok and wire_ok
 
 
 def group_timeout(rank, world, group):
