@@ -16,8 +16,9 @@ from typing import Any
 from ._errors import LinkError
 from ._link import Link
 
-# id(td) -> (weakref to td, {(id(group), peer): (group, why)}); the group is held so that its id stays its own
-_STUCK: dict[int, tuple[weakref.ref, dict[tuple[int, int], tuple[Any, str]]]] = {}
+# id(td) -> (weakref to td, {(id(group), peer): (weakref to the group, why)}); held weakly, the group is
+# collectable once destroyed (its id may then be another group's: the weakref tells them apart)
+_STUCK: dict[int, tuple[weakref.ref, dict[tuple[int, int], tuple[weakref.ref, str]]]] = {}
 
 
 def mark(td: Any, link: Link, why: str) -> None:
@@ -26,7 +27,7 @@ def mark(td: Any, link: Link, why: str) -> None:
     entry = _STUCK.get(key)
     if entry is None or entry[0]() is not td:
         entry = _STUCK[key] = (weakref.ref(td, lambda _, key=key: _STUCK.pop(key, None)), {})
-    entry[1][(id(link.pg), link.peer)] = (link.pg, why)
+    entry[1][(id(link.pg), link.peer)] = (weakref.ref(link.pg), why)
 
 
 def check(td: Any, link: Link) -> None:
@@ -35,7 +36,7 @@ def check(td: Any, link: Link) -> None:
     if entry is None or entry[0]() is not td:
         return
     found = entry[1].get((id(link.pg), link.peer))
-    if found is not None:
+    if found is not None and found[0]() is link.pg:
         raise LinkError(
             f"an earlier transfer of this tensordict with rank {link.peer} failed ({found[1]}); a late message "
             "of it may still land or be taken by the next one, so this link is not used for it again: build "

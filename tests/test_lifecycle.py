@@ -208,3 +208,24 @@ def test_the_transport_of_each_link_is_logged_with_its_reason(cluster, transport
         assert sender == ["sending to rank 1 of a gloo group: shared memory (the receiver took the offer; "
                           "segments)"], sender
         assert receiver == ["receiving from rank 0 of a gloo group: shared memory (took the offer)"], receiver
+
+
+def test_a_tensordict_refused_on_a_link_does_not_keep_its_group():
+    """A tensordict refused on a link after a failure holds that link's group weakly: the group goes once
+    dropped, and a new group (perhaps at the same address) is not refused."""
+    from cudarecv import _stuck
+    from cudarecv._link import Link
+
+    def group() -> object:
+        return dist.ProcessGroupGloo(dist.HashStore(), 0, 1)
+
+    td = TensorDict(x=torch.zeros(3))
+    link = Link(group(), 1, False, "gloo")
+    _stuck.mark(td, link, "it timed out")
+    with pytest.raises(cudarecv.LinkError, match="it timed out"):
+        _stuck.check(td, link)
+    gone = weakref.ref(link.pg)
+    del link
+    gc.collect()
+    assert gone() is None, "the refusal keeps the group alive"
+    _stuck.check(td, Link(group(), 1, False, "gloo"))
