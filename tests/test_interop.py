@@ -106,3 +106,32 @@ def test_return_values_match_stock(cluster):
     sent, received = cluster().run(stock_return_values)
     assert sent[0] == sent[1]
     assert received[0] == received[1]
+
+
+def smaller_sender(rank, world, group):
+    """Rank 0 sends 4 floats per leaf (per leaf, then consolidated), by stock and by cudarecv; rank 1 receives
+    each into 8 floats of -1 by cudarecv and by stock: what each receiver holds after."""
+    import torch
+    from tensordict import TensorDict
+
+    got = []
+    for opts in ({}, {"consolidated": True}):
+        for impl in ("stock", "cudarecv"):
+            if rank == 0:
+                td = TensorDict(a=torch.arange(4.0), b=torch.arange(4.0) + 10).consolidate(metadata=True)
+                _call(impl, "send", td, 1, **opts)
+                continue
+            td = TensorDict(a=torch.full((8,), -1.0), b=torch.full((8,), -1.0)).consolidate(metadata=True)
+            _call("cudarecv" if impl == "stock" else "stock", "recv", td, 0, **opts)
+            got.append((td["a"].tolist(), td["b"].tolist()))
+    return got
+
+
+def test_the_stock_wire_checks_no_sizes_as_stock_does(cluster):
+    """Documented (README, wire compatibility): a stock-wire message carries no length, so a receiver leaf
+    larger than the sender's is filled with the sender's bytes and the rest is left, by cudarecv as by stock;
+    consolidated, the storage takes the sender's storage from its start (a smaller receiver dies in gloo)."""
+    _, got = cluster().run(smaller_sender)
+    per_leaf = ([0.0, 1.0, 2.0, 3.0] + [-1.0] * 4, [10.0, 11.0, 12.0, 13.0] + [-1.0] * 4)
+    consolidated = ([0.0, 1.0, 2.0, 3.0, 10.0, 11.0, 12.0, 13.0], [-1.0] * 8)
+    assert got == [per_leaf, per_leaf, consolidated, consolidated], got
