@@ -32,6 +32,9 @@ RATE, RATE_BYTES = "1gbit", 1e9 / 8
 ROUNDS = 5
 ROWS = {"relay": ("cudarecv", "relay"), "star": ("cudarecv", "star"), "broadcast": ("raw", "gloo broadcast"),
         "stock": ("stock", "init_remote + consolidated")}
+# the 7 hosts' 14 processes (torchrun and its rank) share this machine's cores: one torch thread each, as torchrun
+# itself sets for several ranks on one node (two threads each made a rank's fill of the model wait seconds)
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 CLOCK = tb.VirtualClock("fanout_clock")
 REASON = sim.unavailable()
 pytestmark = [pytest.mark.skipif(REASON is not None, reason=f"simulated hosts: {REASON}"),
@@ -43,7 +46,7 @@ def fanout_run(tmp_path_factory, transfer_targets):
     out = tmp_path_factory.mktemp("hosts")
     with sim.SimulatedHosts(max(KS) + 1, rate=RATE) as hosts:
         procs = hosts.torchrun("-m", ["cudarecv.tools.host_ranks", str(out), "--ks", ",".join(map(str, KS)),
-                                      "--mib", str(MIB), "--rounds", str(ROUNDS)], log_dir=str(out))
+                                      "--mib", str(MIB), "--rounds", str(ROUNDS)], env=ONE_THREAD, log_dir=str(out))
         hosts.wait(procs, timeout=840, log_dir=str(out))
     with open(out / "hosts_bench.json") as f:
         run = json.load(f)

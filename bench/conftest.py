@@ -18,9 +18,10 @@ pytest-benchmark prints and its JSON ``stats`` are the measured times of the
 mode each bench names; ``bench_plan.py`` times its lookup in this process
 with pytest-benchmark's own clock.
 
-Memory: a thread samples this process and its descendants every 0.5 s (:class:`TreeMemory`: the
-sum of their ``Pss``, so memory shared between processes counts once); the run ends with the
-peak, the case it came in, and the cases of the highest peaks.
+Memory: a thread samples this process and its descendants every 0.5 s
+(:class:`cudarecv.tools.bench_memory.TreeMemory`: the sum of their ``Pss``, so memory shared
+between processes counts once); the run ends with the cases of the highest peaks, highest first
+(a case shorter than a sample may have none).
 
 Fixtures: ``transfer_cluster``, a :class:`cudarecv.testing.launch.Ranks` of 2 ranks
 for the whole session (started when a bench first asks for it), restarted if a
@@ -31,72 +32,15 @@ the run (the transfer benches' target ratios).
 from __future__ import annotations
 
 import fnmatch
-import os
-import threading
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 
 from cudarecv.testing.launch import Ranks
+from cudarecv.tools.bench_memory import TreeMemory
 
 _TARGET_LINES: list[str] = []
-
-
-class TreeMemory:
-    """The peak memory of this process and its descendants, sampled every ``interval`` s on a thread.
-
-    A sample is the sum of the processes' ``Pss`` (``/proc/PID/smaps_rollup``: a page mapped by n
-    processes counts 1/n in each, so shared memory counts once); :attr:`peaks` holds each case's peak
-    (the case named by :meth:`enter`).
-    """
-
-    def __init__(self, interval: float = 0.5) -> None:
-        self.interval = interval
-        self.case = "(collection)"
-        self.peaks: dict[str, int] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="bench-tree-memory", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-
-    def enter(self, case: str) -> None:
-        self.case = case
-
-    def _loop(self) -> None:
-        while True:
-            case, size = self.case, tree_pss(os.getpid())
-            self.peaks[case] = max(self.peaks.get(case, 0), size)
-            if self._stop.wait(self.interval):
-                return
-
-
-def tree_pss(root: int) -> int:
-    """Bytes: the summed ``Pss`` of ``root`` and its descendants (processes that exit meanwhile count 0)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                with open(f"/proc/{entry.name}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    total, todo = 0, [root]
-    while todo:
-        pid = todo.pop()
-        todo.extend(children.get(pid, ()))
-        try:
-            with open(f"/proc/{pid}/smaps_rollup") as f:
-                total += next(int(line.split()[1]) * 1024 for line in f if line.startswith("Pss:"))
-        except (OSError, StopIteration):
-            continue
-    return total
 
 
 _MEMORY = TreeMemory()
