@@ -116,15 +116,29 @@ def test_hosts_are_shaped_and_always_torn_down():
     assert not names & _namespaces(), "namespaces left after close()"
 
 
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def test_namespaces_of_a_killed_run_are_swept_at_the_next_start():
-    """A run killed with SIGKILL cannot clean up: the next SimulatedHosts deletes what it left."""
-    code = ("import os, signal; from cudarecv.testing.hosts import SimulatedHosts; h = SimulatedHosts(2, rate=None); "
-            "print(' '.join(h.hosts + [h.switch]), flush=True); os.kill(os.getpid(), signal.SIGKILL)")
+    """A run killed with SIGKILL cannot clean up: the next SimulatedHosts deletes what it left, and
+    kills what still ran on its hosts."""
+    code = ("import os, signal, subprocess; from cudarecv.testing.hosts import SimulatedHosts; "
+            "h = SimulatedHosts(2, rate=None); "
+            "job = h.popen(1, ['sleep', '120'], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); "
+            "print(' '.join(h.hosts + [h.switch]), job.pid, flush=True); os.kill(os.getpid(), signal.SIGKILL)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                           cwd=os.path.dirname(os.path.dirname(__file__)))
-    left = set(done.stdout.split())
-    assert len(left) == 3 and left <= _namespaces(), (done.stdout, done.stderr)
+    *names, job = done.stdout.split()
+    left = set(names)
+    assert len(left) == 3 and left <= _namespaces() and _running(int(job)), (done.stdout, done.stderr)
     with sim.SimulatedHosts(1, rate=None):
         assert not left & _namespaces()
+        assert not _running(int(job)), "a process of the killed run's hosts still runs"
     with pytest.raises(sim.HostsError, match="`rate` must be a tc rate"):
         sim.SimulatedHosts(2, rate="fast")

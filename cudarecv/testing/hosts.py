@@ -88,13 +88,23 @@ def _sh(*argv: str) -> None:
         raise HostsError(f"`{' '.join(argv)}` failed: {done.stderr.strip()}")
 
 
+def _netns_pids(name: str) -> list[int]:
+    """The processes in network namespace ``name``, wherever they were started from."""
+    listed = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True, timeout=_SECONDS)
+    return [int(pid) for pid in listed.stdout.split()]
+
+
 def _sweep_stale() -> None:
-    """Delete namespaces left by runs whose process is gone (killed before teardown)."""
+    """Delete namespaces left by runs whose process is gone (killed before teardown), and kill what
+    still runs in them."""
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=_SECONDS).stdout
     for line in listed.splitlines():
         name = line.split()[0] if line.split() else ""
         found = re.match(rf"^{PREFIX}(\d+)x\d+-", name)
         if found and not os.path.exists(f"/proc/{found.group(1)}"):
+            for pid in _netns_pids(name):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=_SECONDS)
 
 
@@ -240,7 +250,7 @@ class SimulatedHosts:
         return [int(c) for c in codes]
 
     def kill(self, procs: Sequence[subprocess.Popen] | None = None) -> None:
-        """Kill jobs (default: every one started here) and every process on their hosts, quietly.
+        """Kill jobs and every process on their hosts (default: every host), quietly.
 
         torchrun starts each worker in a session of its own, so workers are found by their
         host's namespace, not their process group. All are stopped (SIGSTOP) before any is
@@ -250,7 +260,7 @@ class SimulatedHosts:
             HostsError: a process of those hosts was still there 10 s after its SIGKILL.
         """
         chosen = list(procs if procs is not None else self._procs)
-        hosts = sorted({self._procs[proc] for proc in chosen if proc in self._procs})
+        hosts = range(self.n) if procs is None else sorted({self._procs[p] for p in chosen if p in self._procs})
         for pid in self._stop_all(hosts):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
@@ -277,10 +287,7 @@ class SimulatedHosts:
         return stopped
 
     def _pids(self, host: int) -> list[int]:
-        """The processes in host ``host``'s network namespace, wherever they were started from."""
-        listed = subprocess.run(["ip", "netns", "pids", self.hosts[host]], capture_output=True, text=True,
-                                timeout=_SECONDS)
-        return [int(pid) for pid in listed.stdout.split()]
+        return _netns_pids(self.hosts[host])
 
     def close(self) -> None:
         """Kill every job started here and every process on the hosts, and delete the namespaces. Idempotent."""
