@@ -82,6 +82,7 @@ from ._handle import CUDA_IPC, SHARED_MEMORY, WIRE, Transfer, run_standing
 from ._header import check_pieces, cut
 from ._host_copy import copy_bytes
 from ._link import resolve
+from ._log import logger
 from ._plan import plan_for
 from ._same_host import allowed, check_transport
 from ._shared_memory import Segment, available, offer
@@ -160,6 +161,7 @@ class _Receiver:
         self.asked: int | None = None  # latest mode: it wants a version newer than this
         self.replying = False
         self.said_last = False  # CLOSED or RELEASED sent (once)
+        self.named = False  # its failure reached the caller, in a push's error
         self.listener: threading.Thread | None = None
         self.got: Ask | None = None  # relay, shared memory: the receiver's last word on a version (GOT)
         self.shared = False  # it maps the sender's shared segments (same host): pushes send only headers
@@ -409,6 +411,7 @@ class WeightSender:
         self._finish_in_flight()  # sync: the storage is reused, the previous push must be out
         live = [r for r in self._receivers if r.served]
         if not live:
+            self._untold(live)
             raise PeerError(f"no receiver of this WeightSender is left ({self.dropped}): "
                             "connect new receivers with a new WeightSender")
         plan = plan_for(self._td if values is None else unwrap(values))
@@ -423,7 +426,12 @@ class WeightSender:
             raise ArgumentError(f"`values` are on {plan.device}, the sender's `td` on {self._device}: "
                                 f"pass them on {self._device}")
         if self.mode == "latest":
-            return self._snapshot_latest(plan, live, limit)
+            version = self._snapshot_latest(plan, live, limit)
+            untold = self._untold(live)
+            if untold:
+                raise PeerError(f"version {version} is published to ranks {self.ranks}; "
+                                + "; ".join(f"rank {r.rank}: {r.gone}" for r in untold))
+            return version
         if self._torn:  # the old storages stay with the parked sends of the dropped receiver
             self._snapshots = [self._snapshot()]
             self._torn = False
@@ -442,11 +450,24 @@ class WeightSender:
                                     on_error=self._drop(receiver, self.version, limit), raise_first=False,
                                     what=f"push of version {self.version} to rank {receiver.rank}")
                 pushes.append((receiver, transfer))
+            for receiver in self._untold(live):  # dropped since the last push (between pushes): named here
+                error = PeerError(f"push of version {self.version}: {receiver.gone}")
+                pushes.append((receiver, Transfer(_failing(error), raise_first=False,
+                                                  what=f"push of version {self.version} to rank {receiver.rank}")))
         if not wait:  # each is driven on its receiver's thread from the start: none waits for another
             self._in_flight = pushes
             return [transfer for _, transfer in pushes]
         self._finish(pushes, self.version)
         return self.version
+
+    def _untold(self, live: list[_Receiver]) -> list[_Receiver]:
+        """The receivers not in ``live`` dropped for a failure that no push's error has named yet (a
+        receiver that died between pushes, found by its listener): named from now on."""
+        with self._cond:
+            untold = [r for r in self._receivers if r not in live and r.failed and not r.named]
+            for receiver in untold:
+                receiver.named = True
+        return untold
 
     def _sync_target(self, limit: float) -> _Snapshot:
         """Sync mode: the snapshot the next version goes in, the first that no zero-copy receiver holds
@@ -549,7 +570,7 @@ class WeightSender:
             receiver.asked = None
         version = snapshot.header.version
         transfer = Transfer(self._send(receiver, snapshot, self.timeout), receiver.lane.stream, timeout=self.timeout,
-                            link=receiver.lane.link, on_error=self._drop(receiver, version, self.timeout),
+                            link=receiver.lane.link, on_error=self._drop(receiver, version, self.timeout, told=False),
                             raise_first=False, what=f"version {version} to rank {receiver.rank}")
         with contextlib.suppress(Exception):  # a failure drops the receiver (its hook)
             transfer.wait()
@@ -611,8 +632,10 @@ class WeightSender:
             receiver.got = ask
         yield [_Got(self, receiver, version, time.monotonic() + limit + 1.0)]
 
-    def _drop(self, receiver: _Receiver, version: int, timeout: float) -> Callable[[BaseException, float], BaseException]:
-        """The error hook of a transfer of ``version`` to ``receiver``: name it, and drop it."""
+    def _drop(self, receiver: _Receiver, version: int, timeout: float,
+              told: bool = True) -> Callable[[BaseException, float], BaseException]:
+        """The error hook of a transfer of ``version`` to ``receiver``: name it, and drop it (``told``: the
+        error reaches the caller, a push's future; else the next push names it)."""
         def dropped(error: BaseException, elapsed: float) -> BaseException:
             seconds = timeout if isinstance(error, TimeoutError) else elapsed
             if isinstance(error, Error) and not isinstance(error, TimeoutError):
@@ -623,7 +646,8 @@ class WeightSender:
             text = str(failure)
             if "is dropped from this sender" not in text:
                 text += f"; rank {receiver.rank} is dropped from this sender"
-            receiver.gone = text
+            receiver.gone, receiver.named = text, receiver.named or told
+            logger.warning("weight sender: %s", text)
             self._retire(receiver)
             if not receiver.shared or self._shared_kind == CUDA_IPC:
                 # its send (or, CUDA IPC, its copy) may still read the storage, long after this; a receiver of
@@ -679,6 +703,7 @@ class WeightSender:
                 with self._cond:
                     if receiver.gone is None and not receiver.said_last:
                         receiver.gone = f"{error}; rank {receiver.rank} is dropped from this sender"
+                        logger.warning("weight sender: %s", receiver.gone)
                     self._retire(receiver)
                     self._cond.notify_all()
                 return
@@ -711,6 +736,8 @@ class WeightSender:
                 "took no close message")
         if kind == RELEASED:
             with self._cond:
+                if receiver.gone is None:
+                    logger.info("weight sender: rank %d closed its receiver: no longer served", receiver.rank)
                 receiver.gone = receiver.gone or "closed by its receiver"
                 self._retire(receiver)  # its published version stays readable: where it lies, never written again
                 self._cond.notify_all()
@@ -751,6 +778,12 @@ class WeightSender:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _failing(error: BaseException) -> Any:
+    """A protocol that fails at once with ``error``."""
+    yield from ()
+    raise error
 
 
 class _Got:

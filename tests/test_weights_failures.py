@@ -8,7 +8,9 @@ would send are built by hand and put on the real link (:mod:`rawwire`).
 from __future__ import annotations
 
 import json
+import logging
 import os
+import signal
 import threading
 import time
 
@@ -20,7 +22,7 @@ import cudarecv
 from cudarecv import _weights_wire as wire
 from cudarecv.testing.launch import RankExit
 from policies import holds_version, policy, set_version
-from rawwire import raw_recv, raw_send, store
+from rawwire import raw_recv, raw_send, store, unique_key
 
 STEPS = 6
 
@@ -78,6 +80,71 @@ def test_dead_receiver_is_dropped_and_the_others_get_every_version(four):
     for seen in (seen1, seen3):
         assert [v for v, _ in seen] == list(range(1, STEPS + 1)), seen
         assert all(ok for _, ok in seen), "a healthy receiver got wrong or mixed weights"
+
+
+def died_between_pushes(rank, world, group, key, mode, wait):
+    """Rank 2 takes version 1 and dies once the push returned; the sender's listener hears it before
+    version 2 is pushed."""
+    model = policy()
+    signals = store()
+    if rank == 0:
+        outcomes = []
+        logged = _Records()
+        logging.getLogger("cudarecv").addHandler(logged)
+        with cudarecv.WeightSender(TensorDict.from_module(model), dst=[1, 2, 3], mode=mode, timeout=10) as sender:
+            set_version(model, 1)
+            sender.push()
+            signals.set(f"{key}_pushed", "1")
+            deadline = time.monotonic() + 10
+            while 2 in sender.ranks and time.monotonic() < deadline:  # dropped by its listener, between pushes
+                time.sleep(0.01)
+            assert 2 not in sender.ranks, "the sender never heard that rank 2 died"
+            for version in (2, 3):
+                set_version(model, version)
+                try:
+                    if wait:
+                        sender.push()
+                    else:
+                        for transfer in sender.push(wait=False):
+                            transfer.wait(10)
+                    outcomes.append("ok")
+                except cudarecv.Error as error:
+                    outcomes.append((type(error).__name__, str(error)))
+            signals.wait([f"{key}_got_1", f"{key}_got_3"])  # (latest: not closed before they pulled version 3)
+        logging.getLogger("cudarecv").removeHandler(logged)
+        return outcomes, [(r.levelname, r.getMessage()) for r in logged.records if "dropped" in r.getMessage()]
+    with cudarecv.WeightReceiver(src=0, expect=model, timeout=10) as receiver:
+        receiver.pull()
+        if rank == 2:
+            signals.wait([f"{key}_pushed"])
+            os.kill(os.getpid(), signal.SIGKILL)
+        while receiver.version < 3:
+            receiver.pull()
+        signals.set(f"{key}_got_{rank}", "1")
+        return holds_version(receiver.td, 3)
+
+
+@pytest.mark.parametrize("mode, wait", [("sync", True), ("sync", False), ("latest", True)])
+def test_a_receiver_that_dies_between_pushes_is_named_by_the_next_push(four, mode, wait):
+    (outcomes, logged), got1, died, got3 = four().run(
+        died_between_pushes, args=(unique_key(f"between_{mode}_{wait}"), mode, wait), may_die={2}, timeout=120)
+    assert isinstance(died, RankExit) and got1 and got3
+    assert len(outcomes) == 2 and outcomes[0] != "ok", f"the push after rank 2 died named nobody: {outcomes}"
+    assert outcomes[1] == "ok", outcomes  # named once
+    kind, message = outcomes[0]
+    assert kind == "PeerError" and "rank 2" in message and "dropped" in message and "version 2" in message, message
+    assert [level for level, _ in logged] == ["WARNING"] and "rank 2" in logged[0][1], logged  # with its reason
+
+
+class _Records(logging.Handler):
+    """Keeps every record logged to it."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
 
 
 def slow_receiver(rank, world, group):
