@@ -1,7 +1,8 @@
 """The command line, ``python -m cudarecv``, and the code its ranks run.
 
-- :mod:`~cudarecv.tools.cli`: the entry point (``compare``, ``demo``, ``report``, ``--version``);
-- :mod:`~cudarecv.tools.compare` / :mod:`~cudarecv.tools.demo` / :mod:`~cudarecv.tools.report`: one subcommand each;
+- :mod:`~cudarecv.tools.cli`: the entry point (``compare``, ``demo``, ``report``, ``tune``, ``--version``);
+- :mod:`~cudarecv.tools.compare` / :mod:`~cudarecv.tools.demo` / :mod:`~cudarecv.tools.report` /
+  :mod:`~cudarecv.tools.tune`: one subcommand each;
 - :mod:`~cudarecv.tools.transfer_ranks` / :mod:`~cudarecv.tools.gpu_ranks`: timed transfers inside
   benchmark ranks (used by ``compare`` and ``bench/``);
 - :mod:`~cudarecv.tools.table`: the one table renderer; :mod:`~cudarecv.tools.console`: machine,
