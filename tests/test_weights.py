@@ -20,6 +20,7 @@ from cudarecv._handle import Transfer
 from cudarecv._weights_wire import PushHeader
 from cudarecv.testing.launch import RankExit
 from policies import holds_version, policy, set_version
+from rawwire import store, unique_key
 
 
 def fan_out(rank, world, group, steps, standalone, fanout):
@@ -264,6 +265,33 @@ def test_silent_sender_times_out(cluster):
     assert "rank 0" in message and "1 s" in message
     assert 0.9 < took < 1.0 + 10.0  # the pull's 1 s, with room for a loaded machine
     assert version == 1 and intact
+
+
+def silent_handshake(rank, world, group, key, seconds):
+    """Rank 0 never offers a schema; rank 1's construction must fail within its own timeout."""
+    signals = store()
+    if rank == 0:
+        signals.wait([f"{key}_failed"])
+        return None
+    start = time.monotonic()
+    try:
+        cudarecv.WeightReceiver(src=0, timeout=seconds)
+        outcome = "no error"
+    except cudarecv.Error as error:
+        outcome = type(error).__name__, str(error)
+    took = time.monotonic() - start
+    signals.set(f"{key}_failed", "1")
+    return outcome, took
+
+
+def test_a_silent_handshake_fails_within_the_receivers_timeout(cluster):
+    seconds = 0.2
+    (kind, message), took = cluster().run(silent_handshake, args=(unique_key("silent_handshake"), seconds),
+                                          timeout=60)[1]
+    cluster().close()  # gloo cannot cancel the abandoned receive: the next test needs new groups
+    assert kind == "TransferTimeout" and "rank 0" in message and "handshake" in message, message
+    # its own time, never a wait for the thread still in gloo after it (that was 1 s more)
+    assert seconds <= took < seconds + 0.8, f"took {took:.2f} s for a {seconds} s timeout"
 
 
 def _rss_bytes() -> int:
