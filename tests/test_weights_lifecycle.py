@@ -34,7 +34,7 @@ def latest_with_a_stopped_actor(rank, world, group, key):
                                    bucket_bytes=512, timeout=30) as sender:
             set_version(model, 1)
             sender.push()
-            signals.wait([f"{key}_stopped"])  # rank 2 holds version 1 and pulls no more
+            signals.wait([f"{key}_stopped", f"{key}_first"])  # both hold version 1; rank 2 pulls no more
             for version in range(2, PUSHES + 1):
                 set_version(model, version)
                 assert sender.push() == version  # never waits for rank 2: else this never ends
@@ -52,6 +52,7 @@ def latest_with_a_stopped_actor(rank, world, group, key):
             seen.append((receiver.pull(), holds_version(receiver.td, receiver.version)))
             signals.set(f"{key}_slow_done", "1")
             return seen
+        signals.set(f"{key}_first", "1")
         while receiver.version < PUSHES:
             version = receiver.pull()
             seen.append((version, holds_version(receiver.td, version)))
