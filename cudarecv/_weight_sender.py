@@ -475,10 +475,21 @@ class WeightSender:
         with self._cond:
             self._replenish()
             if not self._cond.wait_for(lambda: self._unheld() is not None, timeout=limit):
-                held = sorted({(r.rank, v) for r in self._receivers for v in r.holding})
                 raise WaitTimeout(f"zero-copy receivers held every shared snapshot for {limit:g} s "
-                                  f"((rank, version): {held}; a reading() kept across pushes?)")
+                                  f"((rank, version): {self._held()}; a reading() kept across pushes?)")
             return self._unheld()
+
+    def _held(self) -> list[tuple[int, int]]:
+        """Under the lock: (rank, version) of every snapshot a zero-copy receiver holds."""
+        return sorted({(r.rank, v) for r in self._receivers for v in r.holding})
+
+    def _busy(self) -> str:
+        """Under the lock: why no snapshot buffer is free (latest mode)."""
+        sent = sum(s.readers > 0 for s in self._snapshots)
+        held = self._held()
+        return (f"{sent} being sent, 1 the latest version" + (
+            f", held by zero-copy receivers ((rank, version): {held}; a reading() kept across pushes?)"
+            if held else "") + "; pass a larger `buffers`")
 
     def _unheld(self) -> _Snapshot | None:
         return next((s for s in self._snapshots if s.holders == 0 and not s.retired), None)
@@ -533,8 +544,8 @@ class WeightSender:
     def _snapshot_latest(self, plan: Any, live: list[_Receiver], limit: float) -> int:
         with self._cond:
             if not self._cond.wait_for(lambda: self._free_snapshot() is not None, timeout=limit):
-                raise WaitTimeout(f"every one of the {len(self._snapshots)} snapshot buffers was being sent for "
-                                  f"{limit:g} s: pass a larger `buffers`")
+                raise WaitTimeout(f"no snapshot buffer of {len(self._snapshots)} was free for {limit:g} s: "
+                                  f"{self._busy()}")
             target = self._free_snapshot()
             target.writing = True
         try:

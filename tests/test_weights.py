@@ -294,6 +294,39 @@ def test_a_silent_handshake_fails_within_the_receivers_timeout(cluster):
     assert seconds <= took < seconds + 0.8, f"took {took:.2f} s for a {seconds} s timeout"
 
 
+def latest_held_snapshot(rank, world, group, key):
+    """Latest mode, 2 buffers: a zero-copy receiver holds version 1 in reading(); version 2 takes the other
+    buffer; version 3 finds none free, and the push names the holder."""
+    signals = store()
+    td = TensorDict(w=torch.zeros(1000))
+    if rank == 0:
+        with cudarecv.WeightSender(td, dst=1, mode="latest", buffers=2, timeout=10) as sender:
+            sender.push()
+            signals.wait([f"{key}_reading"])
+            sender.push()
+            try:
+                sender.push(timeout=1)
+                outcome = "no error"
+            except cudarecv.WaitTimeout as error:
+                outcome = str(error)
+            signals.set(f"{key}_pushed", "1")
+            signals.wait([f"{key}_closed"])
+        return outcome
+    with cudarecv.WeightReceiver(src=0, timeout=10, zero_copy=True) as receiver:
+        assert receiver.zero_copy
+        receiver.pull()
+        with receiver.reading():
+            signals.set(f"{key}_reading", "1")
+            signals.wait([f"{key}_pushed"])
+    signals.set(f"{key}_closed", "1")
+    return None
+
+
+def test_latest_mode_names_the_zero_copy_holder_a_push_waits_for(cluster):
+    message = cluster().run(latest_held_snapshot, args=(unique_key("latest_held"),), timeout=60)[0]
+    assert "held by zero-copy receivers" in message and "(1, 1)" in message and "0 being sent" in message, message
+
+
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
