@@ -29,7 +29,7 @@ from torch import Tensor
 
 from ._control import read_bytes, wire_bytes
 from ._errors import ArgumentError, HeaderError, OutOfStepError
-from ._handle import Protocol
+from ._handle import Protocol, Stage
 from ._header import KIND_NAMES, SIZE, Header, drain_limit
 from ._plan import Plan
 from ._staging import Lane, drain, recv_into, send_from
@@ -127,6 +127,7 @@ def recv(lane: Lane, expected: Header, pieces_for: Callable[[int], list[Tensor]]
                 f"{problem}; its {header.total} bytes are more than this receiver drains ({limit}): "
                 "not drained, the link is out of step; the tensordict was left untouched"
             )
+        yield [Stage(f"drain of a mismatched fast-wire payload ({header.total} bytes on tag {tag}; {problem})")]
         yield from drain(lane, header.total, header.piece, tag)
         raise _rejected(problem)
     pieces = pieces_for(header.piece)

@@ -95,6 +95,23 @@ class StartClock:
         return True
 
 
+class Stage:
+    """A work a protocol yields to say what it waits for from now on (what its own timeout names).
+
+    Example:
+        >>> yield [Stage("drain of a mismatched payload")]  # a timeout then says so, not "the header"
+    """
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+
 class Transfer(torch.futures.Future):
     """A transfer in flight: a ``torch.futures.Future`` whose value is the received tensordict.
 
@@ -127,6 +144,7 @@ class Transfer(torch.futures.Future):
         self._finished = False
         self.failed = False  # whether the transfer ended in an error
         self._expired = False  # whether it failed by its own timeout (its driver may still wait in gloo)
+        self.stage: str | None = None  # what it waits for, if its protocol said (:class:`Stage`)
         self._driving = threading.Lock()  # one thread drives (waits on works) at a time
         self._state = threading.RLock()  # guards every step and the end
         self._settled = threading.Event()  # set once finished or failed
@@ -151,6 +169,8 @@ class Transfer(torch.futures.Future):
                     if isinstance(work, StartClock):
                         self.started, self.timeout = time.monotonic(), work.seconds
                         _DEADLINES.keep(self)
+                    elif isinstance(work, Stage):
+                        self.stage = work.what
             except StopIteration as stop:
                 self._works, self._finished = (), True
                 if self._stream is not None:
@@ -192,7 +212,9 @@ class Transfer(torch.futures.Future):
         with self._state:
             if not self._finished and time.monotonic() >= self.deadline():
                 self._expired = True
-                self._fail(TransferTimeout(f"the transfer did not finish within {self.timeout:g} s"))
+                error = TransferTimeout(f"{self.stage or 'the transfer'} did not finish within {self.timeout:g} s")
+                error.stage = self.stage  # for an error hook that names what was waited for
+                self._fail(error)
 
     @property
     def transport(self) -> str:
@@ -413,6 +435,15 @@ class _Deadlines:
 _DEADLINES = _Deadlines()
 _DRIVEN: dict = {}  # transfer -> the thread driving it now (in Transfer.settle)
 _BACKGROUND: set = set()  # transfers handed to a background thread, until they end
+_STOPS: list[Callable[[], Callable[[float], None] | None]] = []  # at_exit's, each behind a (weak) reference
+
+
+def at_exit(stop: Callable[[float], None]) -> None:
+    """Have the exit hook call ``stop(seconds)`` once the waits it ends have ended: it ends a thread
+    of the caller's (e.g. a driver: ``Driver.stop``) within ``seconds``, so that no thread is left in
+    torch's C++ code at shutdown. A bound method is held weakly (its object may go first)."""
+    _STOPS[:] = [ref for ref in _STOPS if ref() is not None]
+    _STOPS.append(weakref.WeakMethod(stop) if hasattr(stop, "__self__") else lambda: stop)
 
 
 def _at_exit() -> None:
@@ -421,8 +452,6 @@ def _at_exit() -> None:
     _DEADLINES.stop()
     me = threading.current_thread()
     stuck = {t for t, thread in list(_DRIVEN.items()) if thread is not me} | set(_BACKGROUND)
-    if not stuck:
-        return
     groups: dict[int, list[Transfer]] = {}
     for transfer in stuck:
         if transfer._link is not None and transfer._link.backend == "gloo":
@@ -434,6 +463,14 @@ def _at_exit() -> None:
         if not _left(transfer, end, me):
             logger.warning("at exit: %s still waits after %g s; the process may abort (SIGABRT)",
                            transfer.what, _EXIT_GRACE)
+    end = time.monotonic() + _EXIT_GRACE
+    for ref in _STOPS:
+        stop = ref()
+        if stop is not None:
+            try:
+                stop(max(end - time.monotonic(), 0.0))
+            except Exception:  # noqa: BLE001 - the other threads must still be stopped
+                logger.exception("at exit: stopping a thread raised")
 
 
 def _left(transfer: Transfer, end: float, me: threading.Thread) -> bool:

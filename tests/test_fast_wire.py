@@ -246,6 +246,30 @@ def test_an_oversize_header_is_a_header_error(cluster):
     assert "longer than" in message, message
 
 
+def drain_timeout(rank, world, group):
+    """A valid header of another tensordict, then no payload: the receiver's drain times out."""
+    from cudarecv._plan import plan_for
+    from rawwire import raw_send
+
+    if rank == 0:
+        raw_send(group, 1, plan_for(make("nested", 1.0)).bucket_header.with_piece(64).pack(), HEADER_TAG_0)
+        return None
+    try:
+        cudarecv.recv(make("flat", 0.0), 0, bucket_bytes=64, timeout=1.0)
+    except cudarecv.TransferTimeout as error:
+        return str(error), getattr(error.__cause__, "stage", None)
+    return "accepted", None
+
+
+def test_a_timeout_while_draining_names_the_drain(cluster):
+    try:
+        message, stage = cluster().run(drain_timeout)[1]
+    finally:
+        cluster().close()  # the drain's receive stays posted
+    assert stage is not None and stage.startswith("drain of a mismatched fast-wire payload"), (message, stage)
+    assert "fast-wire mismatch" in stage and "bytes on tag" in stage, stage
+
+
 def two_in_flight(rank, world, group, order, consolidated, init_tags):
     """Two fast-wire transfers in flight on one link at once, with other bucket sizes."""
     a, b = make("nested", 1.0 if rank == 0 else 0.0), make("flat", 2.0 if rank == 0 else 0.0)
