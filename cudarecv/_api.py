@@ -25,7 +25,7 @@ from ._same_host import check_transport
 from ._staging import lane_for
 from ._transport import MAX_TAG
 from ._walk import unwrap
-from ._weights_link import peer_failure
+from ._weights_link import check_timeout, peer_failure
 
 
 def check_bucket_bytes(bucket_bytes: object) -> None:
@@ -68,15 +68,6 @@ def _check_tags(init_tag: int, leaves: int, pseudo_rand: bool) -> None:
             f"`init_tag={init_tag}` with {leaves} leaves needs tags up to {init_tag + leaves - 1}, past "
             f"the largest tag 2**31 - 1: pass init_tag <= {MAX_TAG - leaves + 1}"
         )
-
-
-def _check_timeout(timeout: object) -> float | None:
-    if timeout is None:
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ArgumentError(f"`timeout` must be a positive number of seconds or None (the process group's), "
-                            f"got {timeout!r}")
-    return float(timeout)
 
 
 def _explain(td: TensorDictBase, link: Link, timeout: float | None, waited_for: str, cause: str) -> Any:
@@ -310,7 +301,7 @@ def isend(td: Any, dst: int | None = None, *, group: Any = None, group_dst: int 
         >>> cudarecv.isend(td, dst=1, bucket_bytes=1 << 20)
     """
     init_tag = _check_options(init_tag, pseudo_rand, consolidated, bucket_bytes)
-    timeout = _check_timeout(timeout)
+    timeout = check_timeout(timeout, or_none=True)
     check_transport(transport)
     link = resolve(dst, group_dst, group, "dst", "group_dst")
     transfer, plan = _start_send(td, link, init_tag, pseudo_rand, consolidated, bucket_bytes, stream, timeout,
@@ -343,7 +334,7 @@ def irecv(td: Any, src: int | None = None, *, group: Any = None, group_src: int 
         >>> cudarecv.irecv(td, src=0, bucket_bytes=1 << 20)
     """
     init_tag = _check_options(init_tag, pseudo_rand, consolidated, bucket_bytes)
-    timeout = _check_timeout(timeout)
+    timeout = check_timeout(timeout, or_none=True)
     check_transport(transport)
     link = resolve(src, group_src, group, "src", "group_src")
     transfer, plan = _start_recv(td, link, init_tag, pseudo_rand, consolidated, bucket_bytes, stream, timeout,
@@ -369,7 +360,7 @@ def recv(td: Any, src: int | None = None, *, group: Any = None, group_src: int |
          transport: str = "auto") -> int | None:
     """Blocking :func:`irecv`; returns the last tag (``None`` when ``consolidated``), as stock."""
     init_tag = _check_options(init_tag, pseudo_rand, consolidated, bucket_bytes)
-    timeout = _check_timeout(timeout)
+    timeout = check_timeout(timeout, or_none=True)
     check_transport(transport)
     link = resolve(src, group_src, group, "src", "group_src")
     transfer, plan = _start_recv(td, link, init_tag, pseudo_rand, consolidated, bucket_bytes, stream, timeout,

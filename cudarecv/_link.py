@@ -44,14 +44,15 @@ class Link:
         return None
 
 
-def _as_rank(value: object, name: str) -> int:
+def as_rank(value: object, name: str) -> int:
     """An int rank from ``value`` (numpy ints too, as torch.distributed takes them)."""
     if isinstance(value, bool):
-        raise ArgumentTypeError(f"`{name}` must be an int rank, got bool")
+        raise ArgumentTypeError(f"`{name}` must be an int rank (or, where it takes several, a list of them), got bool")
     try:
         return operator.index(value)
     except TypeError:
-        raise ArgumentTypeError(f"`{name}` must be an int rank, got {type(value).__name__}") from None
+        raise ArgumentTypeError(f"`{name}` must be an int rank (or, where it takes several, a list of them), "
+                                f"got {type(value).__name__}") from None
 
 
 def _check_group(group: object) -> None:
@@ -87,10 +88,10 @@ def resolve(peer: int | None, group_peer: int | None, group: object | None,
             f"Exactly one of `{peer_name}` and `{group_peer_name}` must be provided"
         )
     if peer is not None:
-        peer = value = _as_rank(peer, peer_name)
+        peer = value = as_rank(peer, peer_name)
         name = peer_name
     else:
-        group_peer = value = _as_rank(group_peer, group_peer_name)
+        group_peer = value = as_rank(group_peer, group_peer_name)
         name = group_peer_name
 
     if group is None:

@@ -126,22 +126,30 @@ DECLINED = 64  # storages a sender remembers the receiver could not map
 
 
 def check_transport(transport: object) -> str:
-    if transport not in TRANSPORTS:
+    """``transport`` is one of :data:`TRANSPORTS`, and the environment's settings are valid (checked here, with
+    the arguments: a receiver's refusal then reaches its sender)."""
+    if not isinstance(transport, str) or transport not in TRANSPORTS:
         raise ArgumentError(
             f"`transport` must be one of {TRANSPORTS} (\"auto\": shared memory with a cudarecv peer on this "
             f"machine, else the wire; \"wire\": always the socket or NCCL), got {transport!r}"
         )
+    _environment()
     return transport
 
 
-def allowed(transport: str) -> bool:
-    """Whether ``transport`` and the environment (:data:`ENV`) allow a same-host transport (the direct
-    route's variable, ``CUDARECV_DIRECT_READ``, is checked here too: before anything is sent)."""
+def _environment() -> str:
+    """:data:`ENV`, checked, and the direct route's variable, ``CUDARECV_DIRECT_READ``, with it."""
     env = os.environ.get(ENV, "auto")
     if env not in TRANSPORTS:
         raise ArgumentError(f"the environment variable {ENV}={env!r} must be one of {TRANSPORTS}")
     direct_read_setting()
-    return transport == "auto" and env == "auto"
+    return env
+
+
+def allowed(transport: str) -> bool:
+    """Whether ``transport`` and the environment (:data:`ENV`) allow a same-host transport (checked before
+    anything is sent)."""
+    return _environment() == "auto" and transport == "auto"
 
 
 class Route:

@@ -138,6 +138,7 @@ class Segment:
         self.nonce = os.urandom(NONCE)
         size = _round_up(DATA_OFFSET + capacity)
         self.fd: int | None = os.memfd_create("cudarecv", os.MFD_CLOEXEC)
+        self._closer = weakref.finalize(self, os.close, self.fd)  # (a segment dropped unoffered: a failed send)
         try:
             os.fchmod(self.fd, 0o600)
             os.ftruncate(self.fd, size)
@@ -183,7 +184,7 @@ class Segment:
     def close_fd(self) -> None:
         """Let go of the descriptor (the reader has it mapped): nothing names the memory any more."""
         if self.fd is not None:
-            os.close(self.fd)
+            self._closer()
             self.fd = None
 
 

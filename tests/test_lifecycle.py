@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import os
 import threading
 import weakref
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -229,3 +231,51 @@ def test_a_tensordict_refused_on_a_link_does_not_keep_its_group():
     gc.collect()
     assert gone() is None, "the refusal keeps the group alive"
     _stuck.check(td, Link(group(), 1, False, "gloo"))
+
+
+# -- arguments refused at once, by name -------------------------------------------------------------------
+@pytest.mark.parametrize("bad", [math.inf, math.nan, 1e10, -math.inf])
+def test_timeouts_out_of_range_are_refused_by_name_before_anything_is_sent(bad):
+    """(no process group here: each is refused before a link is resolved)"""
+    td = TensorDict(x=torch.zeros(3))
+    calls = [lambda: cudarecv.send(td, 1, timeout=bad), lambda: cudarecv.recv(td, 0, timeout=bad),
+             lambda: cudarecv.isend(td, 1, timeout=bad, bucket_bytes=64),
+             lambda: cudarecv.irecv(td, 0, timeout=bad, bucket_bytes=64),
+             lambda: cudarecv.WeightSender(td, dst=1, timeout=bad)]
+    for call in calls:
+        with pytest.raises(cudarecv.ArgumentError, match=r"`timeout` must be a positive number of seconds up to 1e\+06"):
+            call()
+
+
+@pytest.mark.parametrize("dst", [[[1], 2], np.array([1]), [1, True], "1"], ids=["nested", "ndarray", "bool", "str"])
+def test_bad_ranks_are_refused_by_name(dst):
+    td = TensorDict(x=torch.zeros(3))
+    with pytest.raises(cudarecv.ArgumentTypeError, match="`dst` must be an int rank"):
+        cudarecv.WeightSender(td, dst=dst)
+
+
+def test_a_transport_that_is_no_string_is_refused():
+    td = TensorDict(x=torch.zeros(3))
+    for call in (lambda: cudarecv.send(td, 1, bucket_bytes=64, transport=np.array(["wire"])),
+                 lambda: cudarecv.WeightSender(td, dst=1, transport=np.array(["wire"]))):
+        with pytest.raises(cudarecv.ArgumentError, match="`transport` must be one of"):
+            call()
+
+
+def refused_by_the_environment(rank, world, group, variable, value):
+    """A receiver whose environment is wrong refuses to start: its sender hears it at once."""
+    if rank == 0:
+        with pytest.raises(cudarecv.ReceiverFailed) as error:
+            cudarecv.WeightSender(TensorDict(x=torch.zeros(3)), dst=1, timeout=20)
+        return str(error.value)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(variable, value)  # this process alone
+        with pytest.raises(cudarecv.ArgumentError) as error:
+            cudarecv.WeightReceiver(src=0, timeout=20)
+    return str(error.value)
+
+
+@pytest.mark.parametrize("variable, value", [("CUDARECV_TRANSPORT", "shm"), ("CUDARECV_DIRECT_READ", "maybe")])
+def test_a_receivers_bad_environment_reaches_its_sender(cluster, variable, value):
+    sender, receiver = cluster().run(refused_by_the_environment, args=(variable, value), timeout=60)
+    assert f"{variable}='{value}'" in receiver and f"{variable}='{value}'" in sender, (sender, receiver)

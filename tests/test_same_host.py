@@ -903,3 +903,37 @@ def test_a_completed_send_survives_its_senders_exit(transport):
                 p.kill()
                 p.join(5)
     assert got == [True, True, True], got
+
+
+def sends_to_a_dead_receiver(rank, world, group, key):
+    """The receiver dies before it takes any offer; each of the sender's sends on the link fails (each a new
+    offer of segments): none leaves a segment's descriptor behind."""
+    import select
+
+    pg = _group(rank, world, key)
+    if rank == 1:
+        store().set(f"{key}_pid", str(os.getpid()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    pidfd = os.pidfd_open(int(store().get(f"{key}_pid")))
+    try:
+        assert select.select([pidfd], [], [], 60)[0], "the receiver did not die"  # readable once it is gone
+    finally:
+        os.close(pidfd)
+    before, kinds = _memfds(), []
+    for _ in range(3):
+        td = TensorDict(x=torch.zeros(1 << 16))  # a new one each time: a failed one is refused on the link
+        with pytest.raises(cudarecv.LinkError) as error:
+            cudarecv.send(td, group=pg, group_dst=1, bucket_bytes=1 << 16, timeout=5)
+        kinds.append(type(error.value).__name__)
+    import gc
+
+    gc.collect()
+    return before, _memfds(), kinds
+
+
+def test_failed_sends_to_a_dead_receiver_leave_no_descriptor():
+    with Cluster(2, pg_timeout=20.0) as ranks:
+        (before, after, kinds), _ = ranks.run(sends_to_a_dead_receiver, args=(unique_key("dead"),), may_die={1},
+                                              timeout=90)
+    assert set(kinds) <= {"PeerError", "TransferTimeout"}, kinds
+    assert before == after == 0, f"{after - before} memfd descriptors left by 3 failed sends"
