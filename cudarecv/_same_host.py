@@ -475,6 +475,7 @@ class RecvSide:
         self.direct: int | None = None  # the sender's pid, if this process reads its storages itself
         self.direct_leaves = False  # ... and its leaves
         self.declined: str | None = None  # why the last offer was declined
+        self.said: dict[int, list[Any]] = {}  # the last ANSWER or DONE sent on each back tag, until the next
         self.driver_name = f"cudarecv-recv-{peer}"
         self.driver = Driver(self.driver_name)
 
@@ -499,7 +500,13 @@ class RecvSide:
     def close(self) -> None:
         """Stop the thread and let go of the mappings (the group is gone)."""
         self.driver.stop(STOP_WAIT)
-        self.state, self.mappings, self.storages, self.direct = "wire", [], {}, None
+        self.state, self.mappings, self.storages, self.direct, self.said = "wire", [], {}, None, {}
+
+    def _say(self, lane: Lane, kind: int, status: int, seq: int, k: int) -> None:
+        """Send an ANSWER or DONE on back tag ``BACK_TAGS + k``. Its work is held until the next on that tag: the
+        sender has taken it before it sends what calls for another (held here, not parked: a parked work keeps a
+        dropped group's sockets and threads until 256 more are parked)."""
+        self.said[k] = _post(lane, _back(kind, status, seq), BACK_TAGS + k)
 
     @property
     def driven(self) -> bool:
@@ -537,7 +544,7 @@ class RecvSide:
         self.direct_leaves = pays is not None and pays.leaves
         status = (NO if reason is not None else DIRECT if self.direct_leaves
                   else DIRECT_STORAGES if self.direct is not None else OK)
-        park(_post(lane, _back(ANSWER, status, 0), BACK_TAGS))
+        self._say(lane, ANSWER, status, 0, 0)
 
     def _map_storage(self, raw: bytes, allow: bool) -> StorageMapping | None:
         if not allow:
@@ -609,7 +616,7 @@ class RecvSide:
                     copy(mapping.data, i, i * piece, min(piece, total - i * piece), piece)
         if lane.stream is not None:  # the copies out of the segment are over before the sender may write it
             yield [EventWork(record(lane.stream))]
-        park(_post(lane, _back(DONE, OK, header.seq), BACK_TAGS + header.segment))
+        self._say(lane, DONE, OK, header.seq, header.segment)
         return True
 
     def _read_direct(self, lane: Lane, header: Header, init_tag: int, table: np.ndarray | None,
@@ -650,7 +657,7 @@ class RecvSide:
                         copy(staging, i, i * header.piece, n, header.piece)
                 if lane.stream is not None:  # the copies out of the buffer have landed
                     yield [EventWork(record(lane.stream))]
-        park(_post(lane, _back(DONE, status, header.seq), BACK_TAGS + STORAGE_BACK))
+        self._say(lane, DONE, status, header.seq, STORAGE_BACK)
         if status != OK:
             raise OutOfStepError(f"the sender's table of its {what} names memory it does not have: the tensordict "
                                  "is partly written; the link is out of step")
@@ -663,9 +670,9 @@ class RecvSide:
         if self.state != "shared" or header.kind != KIND_CHUNKS or header.segment not in self.storages:
             raise OutOfStepError(f"the header names storage slot {header.segment} of a {KIND_NAMES[header.kind]} "
                                  "transfer, which this receiver never mapped: the link is out of step")
-        mapping, back = self.storages[header.segment], BACK_TAGS + STORAGE_BACK
+        mapping = self.storages[header.segment]
         if mapping is None:
-            park(_post(lane, _back(DONE, NO, header.seq), back))
+            self._say(lane, DONE, NO, header.seq, STORAGE_BACK)
             return False
         if header.total > mapping.capacity:
             raise OutOfStepError(f"the header announces {header.total} bytes in a storage of {mapping.capacity}: "
@@ -675,5 +682,5 @@ class RecvSide:
             copy(mapping.data, 0, 0, header.total, header.total)
         if lane.stream is not None:  # the copy has landed before the sender may write its storage again
             yield [EventWork(record(lane.stream))]
-        park(_post(lane, _back(DONE, OK, header.seq), back))
+        self._say(lane, DONE, OK, header.seq, STORAGE_BACK)
         return True

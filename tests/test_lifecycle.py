@@ -279,3 +279,26 @@ def refused_by_the_environment(rank, world, group, variable, value):
 def test_a_receivers_bad_environment_reaches_its_sender(cluster, variable, value):
     sender, receiver = cluster().run(refused_by_the_environment, args=(variable, value), timeout=60)
     assert f"{variable}='{value}'" in receiver and f"{variable}='{value}'" in sender, (sender, receiver)
+
+
+def groups_used_then_dropped(rank, world, group, transport, count, key):
+    """``count`` new groups, each used for a few fast-wire transfers, then destroyed and dropped (the README's
+    recovery after a LinkError): threads and descriptors after the first two and after all."""
+    good = TensorDict(x=torch.full((4096,), 1.0 + rank))
+    seen = []
+    for n in range(count):
+        pg = dist.new_group([0, 1], backend="gloo")
+        _transfers(rank, pg, [good] * 3, good, transport)
+        _both_done(f"{key}_{n}", rank)
+        dist.destroy_process_group(pg)
+        del pg
+        if n in (1, count - 1):
+            seen.append(_resources()[1:3])
+    return seen
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_groups_used_then_dropped_leave_nothing(cluster, transport):
+    results = cluster().run(groups_used_then_dropped, args=(transport, 12, unique_key("groups")), timeout=300)
+    for rank, (early, late) in enumerate(results):
+        assert early == late, f"rank {rank}: (threads, descriptors) {early} after 2 groups, {late} after 12"
