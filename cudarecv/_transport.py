@@ -58,12 +58,14 @@ def post(link: Link, sending: bool, tensors: Sequence[Tensor], tags: Sequence[in
 
 
 #: works of failed transfers that may still be in flight, and messages posted and left to run out.
-#: Dropping a pending gloo ``Work`` cancels it mid-stream and closes the link to its peer, so none
-#: is ever dropped: an entry goes once every work in it reports completion (NCCL works, ended
-#: transfers; gloo reports a send or receive complete only once something waited for it).
+#: Dropping a pending gloo ``Work`` cancels it mid-stream and closes the link to its peer, so an
+#: entry goes once every work in it reports completion (NCCL works, ended transfers; gloo reports a
+#: send or receive complete only once something waited for it), or, past :data:`PARKED_MAX` entries,
+#: oldest first, said by the logger (a bound on memory: one entry is about a kilobyte).
 _PARKED: deque = deque()
 _PARKING = threading.Lock()
 PARKED_WARN = 1024  # the logger warns each time the kept entries pass this, then twice as many
+PARKED_MAX = 1 << 16
 _warn_at = PARKED_WARN
 _scan_at = PARKED_WARN  # the entries' count at which completed ones are let go (twice those kept then)
 
@@ -78,14 +80,20 @@ def park(works: Sequence[Any]) -> None:
         if len(_PARKED) < _scan_at:
             return
         kept = [entry for entry in _PARKED if not all(_completed(item) for item in entry)]
+        dropped = max(len(kept) - PARKED_MAX, 0)
         _PARKED.clear()
-        _PARKED.extend(kept)
-        _scan_at = max(PARKED_WARN, 2 * len(kept))
+        _PARKED.extend(kept[dropped:])
+        _scan_at = min(max(PARKED_WARN, 2 * len(_PARKED)), PARKED_MAX + PARKED_WARN)
         if len(kept) < _warn_at:
             return
-        _warn_at *= 2
-    logger.warning("%d posted works of failed transfers and unanswered messages are kept alive (dropping one "
-                   "still pending would close its link); they are freed at exit", len(kept))
+        _warn_at = min(2 * _warn_at, PARKED_MAX)
+    if dropped:
+        logger.warning("more than %d posted works of failed transfers and unanswered messages are kept: the %d "
+                       "oldest were dropped; a dropped one still pending cancels its message and closes its link",
+                       PARKED_MAX, dropped)
+    else:
+        logger.warning("%d posted works of failed transfers and unanswered messages are kept alive (dropping one "
+                       "still pending would close its link); they are freed at exit", len(kept))
 
 
 def _completed(item: Any) -> bool:

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 import cudarecv
+from cudarecv import _handle
 
 
 def child(case: str, rank: int, port: int) -> None:
@@ -27,7 +28,9 @@ def child(case: str, rank: int, port: int) -> None:
         except cudarecv.TransferTimeout as error:
             outcome = str(error)
     elif case == "unmatched" and rank == 1:  # a fast-wire receive posted, never matched, never waited
-        cudarecv.irecv(td, 0, bucket_bytes=1 << 20, return_premature=True)
+        [transfer] = cudarecv.irecv(td, 0, bucket_bytes=1 << 20, return_premature=True)
+        # an owner's stop runs at exit once the hook has ended the waits (here: that receive's)
+        _handle.at_exit(lambda seconds: print(f"STOPPED {transfer.settled} {seconds > 0}", flush=True))
     store.set(f"{case}-{rank}", "1")
     store.wait([f"{case}-0", f"{case}-1"])
     if case == "refused-destroyed":

@@ -338,3 +338,19 @@ def test_parked_works_are_never_dropped(monkeypatch, caplog):
     messages = [record.getMessage() for record in caplog.records]  # one per doubling
     assert [int(m.split()[0]) for m in messages] == [warn, 2 * warn], messages
     assert "are kept alive (dropping one still pending would close its link)" in messages[0]
+
+
+def test_parked_works_past_the_bound_go_oldest_first_and_are_said(monkeypatch, caplog):
+    warn = _transport.PARKED_WARN
+    monkeypatch.setattr(_transport, "_PARKED", type(_transport._PARKED)())
+    monkeypatch.setattr(_transport, "_warn_at", warn)
+    monkeypatch.setattr(_transport, "_scan_at", warn)
+    monkeypatch.setattr(_transport, "PARKED_MAX", 2 * warn)
+    works = [Pending() for _ in range(4 * warn)]
+    with caplog.at_level("WARNING", logger="cudarecv"):
+        for work in works:
+            _transport.park([work])
+    parked = [entry[0] for entry in _transport._PARKED]
+    assert parked == works[-2 * warn:]  # the oldest went first, the newest are all kept
+    dropped = [r.getMessage() for r in caplog.records if "were dropped" in r.getMessage()]
+    assert dropped and "cancels its message and closes its link" in dropped[0], caplog.records

@@ -63,3 +63,5 @@ def test_no_abort_at_exit(case):
             sent, received = (_outcome(out) for _, out in ended)
             assert "send of the fast-wire header" in sent and "bucket_bytes on both ends" in sent, sent
             assert "receive of 2 leaves" in received and "stock wire (no bucket_bytes)" in received, received
+        if case == "unmatched":
+            assert "STOPPED True True" in ended[1][1], ended[1][1]
