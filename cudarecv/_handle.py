@@ -491,17 +491,20 @@ def _close_links(waiting: list[Transfer]) -> None:
     """Close every link of the gloo group the ``waiting`` transfers wait on (a wait of 1 ms that
     runs out makes gloo close them all), so their waits end with an error."""
     link = waiting[0]._link
-    logger.warning("at exit: closing every link of process group %r (rank %d of %d), where %d transfer(s) "
-                   "still wait: %s", _group_name(link.pg), link.pg.rank(), link.pg.size(), len(waiting),
-                   "; ".join(t.what for t in waiting))
+    logger.warning("at exit: closing every link of process group %s, where %d transfer(s) still wait: %s",
+                   _group_name(link.pg), len(waiting), "; ".join(t.what for t in waiting))
     with contextlib.suppress(Exception):  # the wait runs out: that is the point
         link.pg.recv([torch.zeros(1, dtype=torch.uint8)], link.peer, MAX_TAG).wait(timedelta(milliseconds=1))
 
 
 def _group_name(pg: Any) -> str:
+    """The group's name and this process's rank in it, as far as a group (perhaps destroyed) says."""
+    name = type(pg).__name__
     with contextlib.suppress(Exception):
-        return pg.group_name
-    return type(pg).__name__
+        name = repr(pg.group_name)
+    with contextlib.suppress(Exception):
+        name += f" (rank {pg.rank()} of {pg.size()})"
+    return name
 
 
 atexit.register(_at_exit)  # at import, so it runs after every handler registered later
