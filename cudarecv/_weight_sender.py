@@ -474,10 +474,18 @@ class WeightSender:
         (waiting up to ``limit`` s for one to let go of one)."""
         with self._cond:
             self._replenish()
-            if not self._cond.wait_for(lambda: self._unheld() is not None, timeout=limit):
+            if not self._wait(lambda: self._unheld() is not None, limit):
                 raise WaitTimeout(f"zero-copy receivers held every shared snapshot for {limit:g} s "
                                   f"((rank, version): {self._held()}; a reading() kept across pushes?)")
             return self._unheld()
+
+    def _wait(self, ready: Callable[[], bool], limit: float) -> bool:
+        """Under the lock: wait up to ``limit`` s for ``ready()`` (a free snapshot); raises
+        :class:`UsageError` if the sender is closed meanwhile (by another thread)."""
+        ready = self._cond.wait_for(lambda: self._closed or ready(), timeout=limit)
+        if self._closed:
+            raise UsageError("this WeightSender was closed while a push waited for a free snapshot")
+        return ready
 
     def _held(self) -> list[tuple[int, int]]:
         """Under the lock: (rank, version) of every snapshot a zero-copy receiver holds."""
@@ -543,7 +551,7 @@ class WeightSender:
 
     def _snapshot_latest(self, plan: Any, live: list[_Receiver], limit: float) -> int:
         with self._cond:
-            if not self._cond.wait_for(lambda: self._free_snapshot() is not None, timeout=limit):
+            if not self._wait(lambda: self._free_snapshot() is not None, limit):
                 raise WaitTimeout(f"no snapshot buffer of {len(self._snapshots)} was free for {limit:g} s: "
                                   f"{self._busy()}")
             target = self._free_snapshot()
@@ -764,6 +772,7 @@ class WeightSender:
         self._finish_in_flight()
         with self._cond:
             self._closed = True
+            self._cond.notify_all()  # a push waiting for a free snapshot (another thread's) ends now
         for receiver in self._receivers:
             if receiver.listener is not None and receiver.gone is None:
                 receiver.driver.submit(lambda r=receiver: self._last_word(r, CLOSED))

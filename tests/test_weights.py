@@ -327,6 +327,46 @@ def test_latest_mode_names_the_zero_copy_holder_a_push_waits_for(cluster):
     assert "held by zero-copy receivers" in message and "(1, 1)" in message and "0 being sent" in message, message
 
 
+def close_under_a_waiting_push(rank, world, group, key):
+    """As above, but another thread closes the sender while version 3 waits for a free buffer."""
+    signals = store()
+    td = TensorDict(w=torch.zeros(1000))
+    if rank == 0:
+        sender = cudarecv.WeightSender(td, dst=1, mode="latest", buffers=2, timeout=10)
+        sender.push()
+        signals.wait([f"{key}_reading"])
+        sender.push()
+        outcome = []
+
+        def third():
+            started = time.monotonic()
+            try:
+                sender.push(timeout=10)
+                outcome.append("no error")
+            except cudarecv.Error as error:
+                outcome.append((type(error).__name__, str(error), time.monotonic() - started))
+
+        pushing = threading.Thread(target=third)
+        pushing.start()
+        sender.close()  # before or while it waits: either way it ends at once, closed
+        pushing.join(20)
+        signals.set(f"{key}_pushed", "1")
+        return outcome
+    with cudarecv.WeightReceiver(src=0, timeout=10, zero_copy=True) as receiver:
+        receiver.pull()
+        with receiver.reading():
+            signals.set(f"{key}_reading", "1")
+            signals.wait([f"{key}_pushed"])
+    return None
+
+
+def test_closing_the_sender_ends_a_push_waiting_for_a_snapshot(cluster):
+    [(kind, message, took)] = cluster().run(close_under_a_waiting_push, args=(unique_key("close_waiting"),),
+                                            timeout=60)[0]
+    assert kind == "UsageError" and "closed" in message, message
+    assert took < 10, f"the push waited its whole timeout ({took:.1f} s) after close()"
+
+
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
