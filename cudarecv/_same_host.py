@@ -340,7 +340,7 @@ class SendSide:
             # what was posted for the segments may never complete (a DONE that never comes): never touch them or
             # the back tags again; the link's later transfers go on the wire (the failed one's error is its own)
             park([fence[0] for fence in self.fences if fence is not None] + [w for held in self.held for w in held])
-            if self.state != "wire":
+            if self.state in ("offered", "shared"):
                 logger.info("sending to rank %d: shared memory left for the wire after a failed transfer (%s)",
                             lane.link.peer, type(error).__name__)
             self.state, self.segments, self.fences = "wire", [], [None, None, None]
