@@ -42,6 +42,7 @@ import datetime
 import os
 import threading
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -71,11 +72,20 @@ __all__ = ["BACKEND", "CudarecvWeightSyncScheme"]
 #: The name the scheme is registered under: ``WeightSyncScheme.from_backend(BACKEND)``.
 BACKEND = "cudarecv"
 
-_POLL = 0.25  # seconds: how often a waiting side looks at the store for a failure, and a worker's thread for a stop
+#: schemes connected in this process, shut down at exit (collectors never call shutdown; a worker leaves
+#: its group cleanly); held weakly, so a scheme let go of is collectable
+_CONNECTED: "weakref.WeakSet[CudarecvWeightSyncScheme]" = weakref.WeakSet()
+_FAILED = "failed: "  # what a worker's switched key says when it could not take the version
 
 
 def _seconds(value: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=value)
+
+
+@atexit.register
+def _shutdown_connected() -> None:
+    for scheme in list(_CONNECTED):
+        scheme.shutdown()
 
 
 @register_weight_sync_backend(BACKEND)
@@ -226,6 +236,7 @@ class CudarecvWeightSyncScheme(WeightSyncScheme):
                                     timeout=self.timeout, mode="sync" if self.sync else "latest",
                                     bucket_bytes=self.bucket_bytes, verify=self.verify,
                                     transport=self.transport)
+        _CONNECTED.add(self)
         self._push(None)
 
     def _weights(self, weights: Any) -> TensorDictBase:
@@ -278,8 +289,7 @@ class CudarecvWeightSyncScheme(WeightSyncScheme):
         # worker whose thread failed closes its receiver, so it is dropped too, its reason on the store)
         named = [f"worker {self._worker_of(r)} (rank {r}): {self._said(r) or why}"
                  for r, why in self._sender.dropped.items() if r not in dropped]
-        dead = [i for i in self._dead_workers() if i not in self._reported_dead]
-        self._reported_dead.update(dead)
+        dead = self._newly_dead()
         if dead:
             named.append(f"worker process(es) {dead} of the collector exited")
         if named:
@@ -291,6 +301,9 @@ class CudarecvWeightSyncScheme(WeightSyncScheme):
         lost = [rank for rank in self._sender.dropped if rank not in before]
         names = ", ".join(f"worker {self._worker_of(rank)} (rank {rank})" for rank in lost)
         text = f"{names} dropped: {error}" if names else str(error)
+        dead = self._newly_dead()
+        if dead:
+            text += f"; worker process(es) {dead} of the collector exited"
         return type(error)(f"weight sync of {self.model_id!r}: {text}")
 
     def _worker_of(self, rank: int) -> str:
@@ -304,45 +317,43 @@ class CudarecvWeightSyncScheme(WeightSyncScheme):
         key = self._key("failed", rank)
         return self._store.get(key).decode() if self._store.check([key]) else None
 
-    def _failures(self, ranks: list[int]) -> list[str]:
-        """What the workers of ``ranks`` that failed said."""
-        said = {rank: self._said(rank) for rank in ranks}
-        return [f"worker {self._worker_of(r)} (rank {r}): {why}" for r, why in said.items() if why is not None]
-
     def _wait_switched(self, version: int, pushed: list[Any], ranks: list[int], dropped: dict[int, str]) -> None:
         """Wait until every worker of ``ranks`` (``pushed`` to) acts with ``version``; name those that fail or
-        never do."""
-        keys = {rank: self._key("switched", rank, version) for rank in ranks}
+        never do. Both waits block: the transfers' futures (a worker that died or failed is named as soon as
+        its transfer fails), then the store's wait for each worker's word that it switched (or why it could
+        not), for what is left of ``timeout``."""
         deadline = time.monotonic() + self.timeout
-        while True:
-            try:
-                self._store.wait(list(keys.values()), _seconds(_POLL))
-                break
-            except Exception:  # noqa: BLE001 - the store's timeout: look for failures, then wait on
-                pass
-            if any(transfer.settled and transfer.failed for transfer in pushed):
-                break  # raised below, naming the worker
-            failed = self._failures(ranks)
-            if failed:
-                raise ReceiverFailed(f"weight sync of {self.model_id!r}, version {version}: " + "; ".join(failed))
-            dead = [i for i in self._dead_workers() if i not in self._reported_dead]
-            if time.monotonic() > deadline or dead:
-                missing = [r for r, key in keys.items() if not self._store.check([key])]
-                named = ", ".join(f"worker {self._worker_of(r)} (rank {r})" for r in missing)
-                if dead:
-                    self._reported_dead.update(dead)
-                    raise PeerError(f"weight sync of {self.model_id!r}, version {version}: worker process(es) "
-                                    f"{dead} died; {named} did not switch to it")
-                raise TransferTimeout(f"weight sync of {self.model_id!r}: {named} did not switch to version "
-                                      f"{version} within {self.timeout:g} s (its policy's forward held it, or "
-                                      "it stopped)")
-        for transfer in pushed:  # over already, or failed: the worker's transfer says why
+        for transfer in pushed:  # each bounded by the sender's timeout
             try:
                 transfer.wait()
             except Error as error:
                 raise self._named(error, dropped) from error
+        keys = {rank: self._key("switched", rank, version) for rank in ranks}
+        try:
+            self._store.wait(list(keys.values()), _seconds(max(deadline - time.monotonic(), 1e-3)))
+        except dist.DistStoreError:  # its timeout; nothing else is taken for one
+            missing = [r for r, key in keys.items() if not self._store.check([key])]
+            named = ", ".join(f"worker {self._worker_of(r)} (rank {r})" for r in missing)
+            dead = self._newly_dead()
+            if dead:
+                raise PeerError(f"weight sync of {self.model_id!r}, version {version}: worker process(es) "
+                                f"{dead} died; {named} did not switch to it") from None
+            raise TransferTimeout(f"weight sync of {self.model_id!r}: {named} did not switch to version "
+                                  f"{version} within {self.timeout:g} s (its policy's forward held it, or "
+                                  "it stopped)") from None
+        said = {rank: self._store.get(key).decode() for rank, key in keys.items()}
         for key in keys.values():
             self._store.delete_key(key)
+        failed = [f"worker {self._worker_of(r)} (rank {r}): {why.removeprefix(_FAILED)}"
+                  for r, why in said.items() if why.startswith(_FAILED)]
+        if failed:
+            raise ReceiverFailed(f"weight sync of {self.model_id!r}, version {version}: " + "; ".join(failed))
+
+    def _newly_dead(self) -> list[int]:
+        """The collector's worker processes that exited since the last call named them (named from now on)."""
+        dead = [i for i in self._dead_workers() if i not in self._reported_dead]
+        self._reported_dead.update(dead)
+        return dead
 
     def _dead_workers(self) -> list[int]:
         """Indices of the collector's worker processes that are known to have exited."""
@@ -381,7 +392,7 @@ class CudarecvWeightSyncScheme(WeightSyncScheme):
         self._thread = threading.Thread(target=self._take_versions, daemon=True,
                                         name=f"cudarecv-torchrl-{self.model_id}-{self._worker_id}")
         self._thread.start()
-        atexit.register(self.shutdown)  # collectors never call it; a worker leaves its group cleanly
+        _CONNECTED.add(self)
 
     def _policy(self) -> nn.Module:
         model = self.model
@@ -391,28 +402,37 @@ class CudarecvWeightSyncScheme(WeightSyncScheme):
         return model
 
     def _take_versions(self) -> None:
-        """The worker's thread: pull each next version, switch the policy to it, say so."""
+        """The worker's thread: pull each next version, switch the policy to it, say so. Its pull blocks
+        until a version comes (looking up once per ``timeout`` with nothing pushed); :meth:`shutdown` ends
+        it by closing the receiver."""
         while not self._stopping.is_set():
             try:
-                version = self._receiver.pull(timeout=_POLL)
+                version = self._receiver.pull(timeout=self.timeout)
             except WaitTimeout:
-                continue
+                continue  # the trainer pushed nothing meanwhile: the pull goes on
             except SenderClosed:
                 return
             except Exception as error:  # noqa: BLE001 - told to the trainer, which raises it
-                self._fail(f"receiving a version failed: {error}")
+                if not self._stopping.is_set():  # (else: shutdown closed the receiver under the pull)
+                    self._fail(f"receiving a version failed: {error}", self.version + 1)
+                # the pull's future keeps its error, whose traceback would keep this thread's frames
+                # (and this scheme) for good: torch's future is opaque to the garbage collector
+                error.__traceback__ = None
                 return
             try:
                 self._switch(version)
             except Exception as error:  # noqa: BLE001 - as above
-                self._fail(f"switching the policy to version {version} failed: {error}")
+                self._fail(f"switching the policy to version {version} failed: {error}", version)
                 return
 
-    def _fail(self, reason: str) -> None:
-        """Tell the trainer why this worker takes no more versions, then leave (its sender drops it)."""
+    def _fail(self, reason: str, version: int) -> None:
+        """Tell the trainer why this worker takes no more versions (and, sync, that it never switches to
+        ``version``), then leave (its sender drops it)."""
         self._failure = reason
         try:
             self._store.set(self._key("failed", self._rank), reason)
+            if self.sync:
+                self._store.set(self._key("switched", self._rank, version), _FAILED + reason)
             self._receiver.close()
         except Exception:  # noqa: BLE001 - the trainer is gone: nobody to tell
             pass
@@ -491,18 +511,20 @@ class CudarecvWeightSyncScheme(WeightSyncScheme):
             stopping.set()
 
     def shutdown(self) -> None:
-        """Close this side (collectors do not call it; a process that exits closes it too)."""
+        """Close this side (collectors do not call it; a process that exits closes it too). The worker's
+        receiver closes first: that ends its thread's pull, then the thread is joined."""
+        _CONNECTED.discard(self)
         self._stopping.set()
-        if self._thread is not None:
-            self._thread.join(timeout=self.timeout)
-        for end in (self._sender, self._receiver):
+        for end in (self._receiver, self._sender):
             if end is not None:
                 try:
                     end.close()
                 except Exception:  # noqa: BLE001 - the other side is gone already
                     pass
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.timeout)
         if self._reading is not None:
             self._reading.__exit__(None, None, None)
         self._sender = self._receiver = self._thread = self._reading = None
-        self._group = None
+        self._group = self._store = None
         super().shutdown()

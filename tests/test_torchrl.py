@@ -207,3 +207,37 @@ def test_latest_mode_names_a_dead_worker_once_and_goes_on():
         assert raised is not None and "worker" in str(raised), "the dead worker was not named within the timeout"
         update(coll, policy, 2.0)  # named once; the live worker keeps getting versions
         assert scheme.version >= 2 and len(scheme._sender.ranks) == 1
+
+
+def test_a_shut_down_scheme_leaves_no_thread_and_is_collectable():
+    """A trainer and a worker in one process (threads): after shutdown, no thread of the scheme runs and
+    nothing (an exit hook included) keeps either side, its group or its receiver alive."""
+    import copy
+    import gc
+    import weakref
+
+    class Context:
+        num_workers = 1
+
+    policy = marker_policy(1 << 10)
+    before = set(threading.enumerate())  # (earlier tests' collectors, never shut down, keep their schemes' threads)
+    trainer = CudarecvWeightSyncScheme(timeout=10.0, connect_timeout=30.0)
+    trainer.init_on_sender(model_id="policy", context=Context(), model=policy, weights=policy)
+    worker = pickle.loads(pickle.dumps(trainer))
+    acting = copy.deepcopy(policy)  # (the scheme holds the model weakly)
+    worker.init_on_receiver(model_id="policy", model=acting, worker_idx=0)
+    joining = threading.Thread(target=worker.connect, kwargs={"worker_idx": 0})
+    joining.start()
+    trainer.connect()
+    joining.join(30)
+    set_marker(policy, 1.0)
+    trainer.send(weights=policy)  # returns once the worker acts with it
+    assert trainer.version == worker.version == 2
+    refs = [weakref.ref(worker), weakref.ref(trainer), weakref.ref(worker._receiver), weakref.ref(worker._group)]
+    worker.shutdown()
+    trainer.shutdown()
+    del worker, trainer
+    gc.collect()
+    started = set(threading.enumerate()) - before  # (but the process-wide one that keeps transfers' deadlines)
+    assert [t.name for t in started if t.name != "cudarecv-deadlines"] == []
+    assert [ref() for ref in refs] == [None] * len(refs)
