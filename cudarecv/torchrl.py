@@ -174,13 +174,16 @@ class CudarecvWeightSyncScheme(WeightSyncScheme):
         self._rank: int | None = None
         self._failure: str | None = None
         self._reported_dead: set[int] = set()  # trainer: the collector's exited worker processes already named
+        self._follows_policy = False  # trainer: the sender was built on the policy's own tensors
+        self._sender_pointers: list[int] = []  # trainer: where those tensors' data lie
         #: the version this process holds: the last one sent (trainer) or the one its policy acts with (worker)
         self.version = 0
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         for key in ("_store", "_group", "_sender", "_receiver", "_thread", "_stopping", "_gate", "_hooks",
-                    "_wrapped", "_reading", "_rank", "_failure", "_reported_dead", "version"):
+                    "_wrapped", "_reading", "_rank", "_failure", "_reported_dead", "_follows_policy",
+                    "_sender_pointers", "version"):
             state.pop(key, None)
         state["_initial"] = None
         return state
@@ -229,6 +232,8 @@ class CudarecvWeightSyncScheme(WeightSyncScheme):
 
     def _setup_connection_and_weights_on_sender_impl(self, *, worker_idx: Any = None, weights: Any = None) -> None:
         """The trainer's ``connect()``: the workers join, the schema handshake, version 1."""
+        # the sender follows the policy's tensors (when no other weights were given): see _replaced
+        self._follows_policy = weights is None and self._initial is None
         source = self._weights(weights if weights is not None else self._initial)
         self._initial = None
         self._group = self._connect_group(0)
@@ -237,6 +242,7 @@ class CudarecvWeightSyncScheme(WeightSyncScheme):
                                     bucket_bytes=self.bucket_bytes, verify=self.verify,
                                     transport=self.transport)
         _CONNECTED.add(self)
+        self._sender_pointers = [t.data_ptr() for t in source.values(True, True)]
         self._push(None)
 
     def _weights(self, weights: Any) -> TensorDictBase:
@@ -273,7 +279,16 @@ class CudarecvWeightSyncScheme(WeightSyncScheme):
             if wanted != set(range(self._workers)):
                 raise ArgumentError(f"`worker_ids={worker_ids!r}`: the cudarecv scheme sends every version to every "
                                     f"worker (0..{self._workers - 1}); pass None")
-        self._push(None if weights is None else self._weights(weights))
+        self._push(self._replaced() if weights is None else self._weights(weights))
+
+    def _replaced(self) -> TensorDictBase | None:
+        """The policy's current weights if they are no longer the tensors the sender was built on (the
+        policy's ``load_state_dict(..., assign=True)`` or ``p.data = new`` replaced them), else None (the
+        sender sends its own ``td``, which shares the policy's tensors)."""
+        if not self._follows_policy:
+            return None
+        current = self._weights(None)
+        return None if [t.data_ptr() for t in current.values(True, True)] == self._sender_pointers else current
 
     def _push(self, values: TensorDictBase | None) -> None:
         dropped = dict(self._sender.dropped)

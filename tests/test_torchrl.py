@@ -241,3 +241,18 @@ def test_a_shut_down_scheme_leaves_no_thread_and_is_collectable():
     started = set(threading.enumerate()) - before  # (but the process-wide one that keeps transfers' deadlines)
     assert [t.name for t in started if t.name != "cudarecv-deadlines"] == []
     assert [ref() for ref in refs] == [None] * len(refs)
+
+
+def test_weights_the_policy_replaced_are_the_ones_sent():
+    policy = marker_policy(1 << 10)
+    with collector(MultiSyncCollector, policy, CudarecvWeightSyncScheme(timeout=30.0)) as coll:
+        batches = iter(coll)
+        assert markers(next(batches)) == {0.0}
+        policy.load_state_dict({k: torch.full_like(v, 2.0) for k, v in policy.state_dict().items()}, assign=True)
+        coll.update_policy_weights_()
+        assert markers(next(batches)) == {2.0}, "the weights load_state_dict(assign=True) replaced were sent"
+        with torch.no_grad():
+            for p in policy.parameters():
+                p.data = torch.full_like(p, 3.0)
+        coll.update_policy_weights_()
+        assert markers(next(batches)) == {3.0}, "the weights p.data = ... replaced were sent"
