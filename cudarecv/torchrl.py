@@ -291,25 +291,33 @@ class CudarecvWeightSyncScheme(WeightSyncScheme):
         return None if [t.data_ptr() for t in current.values(True, True)] == self._sender_pointers else current
 
     def _push(self, values: TensorDictBase | None) -> None:
-        dropped = dict(self._sender.dropped)
+        dropped, before = dict(self._sender.dropped), self._sender.version
         try:
             pushed = self._sender.push(wait=False, values=values)  # sync: one transfer per worker, under way
-            ranks = self._sender.ranks
+        except PeerError as error:  # latest: a worker lost between calls, named after the version was published
+            if self._sender.version == before or self._unnamed(dropped):
+                raise self._named(error, dropped) from error
+            pushed = []  # its process was named exited already: named once
         except Error as error:
             raise self._named(error, dropped) from error
+        ranks = self._sender.ranks
         self.version = version = self._sender.version
         if self.sync:
             self._wait_switched(version, pushed, ranks, dropped)
         # who was lost since the last call, though every worker left has the version (said once each; a
         # worker whose thread failed closes its receiver, so it is dropped too, its reason on the store)
-        named = [f"worker {self._worker_of(r)} (rank {r}): {self._said(r) or why}"
-                 for r, why in self._sender.dropped.items() if r not in dropped]
+        named = [f"worker {self._worker_of(r)} (rank {r}): {self._said(r) or why}" for r, why in self._unnamed(dropped)]
         dead = self._newly_dead()
         if dead:
             named.append(f"worker process(es) {dead} of the collector exited")
         if named:
             raise PeerError(f"weight sync of {self.model_id!r}, version {version} (every worker left has it): "
                             + "; ".join(named))
+
+    def _unnamed(self, before: dict[int, str]) -> list[tuple[int, str]]:
+        """The receivers dropped since ``before`` whose worker process was not named exited already."""
+        exited = {str(i) for i in self._reported_dead}
+        return [(r, why) for r, why in self._sender.dropped.items() if r not in before and self._worker_of(r) not in exited]
 
     def _named(self, error: Error, before: dict[int, str]) -> Error:
         """``error`` with the workers dropped since ``before`` named."""
