@@ -58,7 +58,9 @@ def _check_run(proc: subprocess.CompletedProcess, actors: int, checksums: str,
     assert [t["impl"] for t in trainers] == [f"cudarecv {mode}", "stock"], out
     stock = float(trainers[1]["steps/s"])  # side by side: cudarecv's steps/s over stock's, same run, same size
     assert trainers[1]["vs stock"] == "1.00x", out
-    assert abs(float(trainers[0]["vs stock"].removesuffix("x")) - float(trainers[0]["steps/s"]) / stock) < 0.1, out
+    # the ratio is of unrounded rates, the table's steps/s rounded to 0.1: stock's 4.4 may be 4.35 or 4.45
+    ratio, ours = float(trainers[0]["vs stock"].removesuffix("x")), float(trainers[0]["steps/s"])
+    assert (ours - 0.05) / (stock + 0.05) - 0.01 <= ratio <= (ours + 0.05) / (stock - 0.05) + 0.01, out
     for trainer in trainers:  # the task is seeded, and the trainer's batches are its own: it learns every time
         assert float(trainer["reward last"]) > float(trainer["reward first"]), out
         assert float(trainer["steps/s"]) > 0 and float(trainer["push p99"]) >= float(trainer["push p50"]), out
