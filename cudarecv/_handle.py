@@ -288,10 +288,6 @@ class Transfer(torch.futures.Future):
         """A work that completes when this transfer ends, for another protocol to yield."""
         return Ended(self)
 
-    def release_at_exit(self) -> None:
-        """Nothing to do: every wait still blocked on a thread at interpreter exit is ended by the
-        exit hook (see the module docstring). Kept for existing callers."""
-
     def settle(self) -> None:
         """Drive the transfer to its end on this thread; never raises (the error is the future's)."""
         with self._driving:

@@ -380,8 +380,7 @@ class WeightReceiver:
                             link=self._lane.link, raise_first=False,
                             on_error=naming(self._lane.link, "weight sync", math.inf, "sent nothing"),
                             what=f"the next weight-sync header from rank {self._lane.link.peer}")
-        transfer.release_at_exit()
-        return transfer
+        return transfer  # a wait still blocked at exit is ended by _handle's exit hook
 
     def _next_header(self) -> Any:
         lane = self._lane  # bound now: close() lets go of it
