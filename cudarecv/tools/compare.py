@@ -119,7 +119,6 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "compare",
         help="time stock tensordict vs cudarecv vs raw torch.distributed transfers on 2 local ranks",
-        description=__doc__.splitlines()[0],
     )
     d, q = DEFAULTS, QUICK
     p.add_argument("--leaves", type=int_at_least(1), metavar="N",

@@ -564,7 +564,6 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "report",
         help="print an nccl-tests style table (and a PNG plot) from a pytest-benchmark JSON",
-        description=__doc__.splitlines()[0],
     )
     p.add_argument("bench_json", metavar="BENCH.json", help="output of pytest --benchmark-json")
     png = p.add_mutually_exclusive_group()
