@@ -48,10 +48,12 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import copy
 import heapq
 import math
 import threading
 import time
+import traceback
 import weakref
 from datetime import timedelta
 from typing import Any, Callable, Generator, Sequence
@@ -59,7 +61,7 @@ from typing import Any, Callable, Generator, Sequence
 import torch
 
 from . import _cuda
-from ._errors import TransferTimeout, WaitTimeout
+from ._errors import Error, TransferTimeout, WaitTimeout
 from ._link import Link
 from ._log import logger
 from ._transport import MAX_TAG, park
@@ -143,6 +145,7 @@ class Transfer(torch.futures.Future):
         self._works: Sequence[Any] = ()
         self._finished = False
         self.failed = False  # whether the transfer ended in an error
+        self._error: BaseException | None = None  # its error (also the C++ future's), without frames
         self._expired = False  # whether it failed by its own timeout (its driver may still wait in gloo)
         self.stage: str | None = None  # what it waits for, if its protocol said (:class:`Stage`)
         self._driving = threading.Lock()  # one thread drives (waits on works) at a time
@@ -178,25 +181,31 @@ class Transfer(torch.futures.Future):
                 self.set_result(stop.value)
                 self._end()
             except BaseException as error:
-                error = self._fail(error)
-                if raise_error:
-                    raise error
+                self._fail(error)
+        if raise_error and self._error is not None:
+            raise _again(self._error)  # (not while handling the original: it is the copy's cause or itself)
 
-    def _fail(self, error: BaseException) -> BaseException:
-        """End the transfer with ``error`` (as ``on_error`` rewrites it) and return it."""
+    def _fail(self, error: BaseException) -> None:
+        """End the transfer with ``error`` (as ``on_error`` rewrites it).
+
+        The error is kept without its frames (:func:`_frameless`) and only copies of it are raised
+        (:func:`_again`): torch's C++ future, which holds it, is invisible to gc, so a frame there
+        would keep this transfer, its tensordict and its process group alive for good.
+        """
         with self._state:
             if self._on_error is not None:
                 rewritten = self._on_error(error, time.monotonic() - self.started)
                 if rewritten is not error:
                     rewritten.__cause__ = error
                 error = rewritten
+            _frameless(error)
+            self._error = error
             # works still in flight are never dropped (gloo would cancel them mid-stream), nor is the
             # protocol closed: its frame holds works posted earlier (a deferred header send)
             park((self._protocol, *self._works))
             self._works, self._finished, self.failed = (), True, True
             self.set_exception(error)
             self._end()
-            return error
 
     def _end(self) -> None:
         self._settled.set()
@@ -267,9 +276,17 @@ class Transfer(torch.futures.Future):
             # there when the interpreter exits aborts the process, so it ends before wait() returns
             # (one whose time ran out may wait in gloo for good: the exit hook ends that wait)
             helper.join(1.0)
+        if self._error is not None:
+            raise _again(self._error)
         if self.event is not None:
             torch.cuda.current_stream(self._stream.device).wait_event(self.event)
         return super().wait()
+
+    def value(self) -> Any:
+        """The result of the ended transfer (as ``torch.futures.Future.value``); raises its error."""
+        if self._error is not None:
+            raise _again(self._error)
+        return super().value()
 
     def _wait_settled(self, timeout: float | None) -> None:
         """Wait for the end while a background thread drives (its own deadline is kept by
@@ -330,6 +347,29 @@ class Transfer(torch.futures.Future):
         else:
             self._helper = threading.Thread(target=self.settle, name="cudarecv-transfer", daemon=True)
             self._helper.start()
+
+
+def _frameless(error: BaseException) -> None:
+    """Drop the tracebacks of ``error`` and of every error it was caused by or raised during; one not
+    cudarecv's (a bug, gloo's) keeps where it was raised as a note, in text."""
+    todo, seen = [error], set()
+    while todo:
+        item = todo.pop()
+        if item is not None and id(item) not in seen:
+            seen.add(id(item))
+            if item.__traceback__ is not None and not isinstance(item, Error) and hasattr(item, "add_note"):
+                item.add_note("raised at (in cudarecv's transfer):\n" + "".join(traceback.format_tb(item.__traceback__)))
+            item.__traceback__ = None
+            todo += (item.__cause__, item.__context__)
+
+
+def _again(error: BaseException) -> BaseException:
+    """A copy of a transfer's stored ``error`` to raise (its type, message, attributes, cause and context),
+    so the stored one never takes on the frames it is raised through."""
+    again = copy.copy(error)
+    again.__cause__, again.__context__ = error.__cause__, error.__context__
+    again.__suppress_context__ = error.__suppress_context__
+    return again
 
 
 class Ended:
