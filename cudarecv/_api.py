@@ -71,16 +71,20 @@ def _check_tags(init_tag: int, leaves: int, pseudo_rand: bool) -> None:
 
 
 def _explain(td: TensorDictBase, link: Link, timeout: float | None, waited_for: str, cause: str) -> Any:
-    """The error hook of one call: name the peer, what was waited for and the likely cause; a
-    link left with messages in flight is refused for ``td`` from then on (:mod:`._stuck`)."""
+    """The error hook of one call: name the peer, what was waited for (``waited_for``, or the stage its
+    own timeout struck in) and the likely cause; a link left with messages in flight is refused for ``td``
+    from then on (:mod:`._stuck`)."""
     def explain(error: BaseException, elapsed: float) -> BaseException:
         if isinstance(error, Error) and not isinstance(error, TransferTimeout):
             if not error.link_usable:
                 _stuck.mark(td, link, type(error).__name__)
             return error  # ours: a mismatch (drained), a lie (out of step)
         group = link.group_timeout()
+        what, why = waited_for, cause
         if isinstance(error, TransferTimeout):  # the call's own timeout=
             seconds, gloo = timeout, ""
+            if error.stage is not None:  # past what the call waits for first (the protocol said where)
+                what, why = error.stage, "it began this transfer: did it stop or die midway?"
         elif group is not None and elapsed >= group - 0.05:  # the process group's timeout ran out in gloo
             seconds, gloo = group, "; gloo then closed every link of the process group"
         else:
@@ -89,7 +93,7 @@ def _explain(td: TensorDictBase, link: Link, timeout: float | None, waited_for: 
                              f"{peer_failure(error)}")
         _stuck.mark(td, link, f"it timed out after {seconds:g} s")
         return TransferTimeout(
-            f"{waited_for}: rank {link.peer} did not answer within {seconds:g} s ({cause}){gloo}; gloo cannot take "
+            f"{what}: rank {link.peer} did not answer within {seconds:g} s ({why}){gloo}; gloo cannot take "
             "back what was posted, so this tensordict is refused on this link from now on"
         )
 

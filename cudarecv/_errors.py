@@ -108,7 +108,12 @@ class PeerError(LinkError):
 
 
 class TransferTimeout(LinkError, TimeoutError):
-    """The transfer's own time (its ``timeout``, or the process group's) ran out."""
+    """The transfer's own time (its ``timeout``, or the process group's) ran out.
+
+    ``stage``: what it waited for then, where its protocol said (e.g. the drain of a mismatched payload).
+    """
+
+    stage: str | None = None
 
 
 class BrokenError(LinkError):

@@ -267,6 +267,7 @@ def test_a_timeout_while_draining_names_the_drain(cluster):
     finally:
         cluster().close()  # the drain's receive stays posted
     assert stage is not None and stage.startswith("drain of a mismatched fast-wire payload"), (message, stage)
+    assert message.startswith(f"{stage}: rank 0 did not answer within 1 s (it began this transfer"), message
     assert "fast-wire mismatch" in stage and "bytes on tag" in stage, stage
 
 
