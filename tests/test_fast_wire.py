@@ -10,6 +10,7 @@ from tensordict import TensorDict
 
 import cudarecv
 from cudarecv import _header
+from rawwire import unique_key
 from tdfactory import STRUCTURES, make, same
 
 
@@ -246,14 +247,21 @@ def test_an_oversize_header_is_a_header_error(cluster):
     assert "longer than" in message, message
 
 
-def drain_timeout(rank, world, group):
-    """A valid header of another tensordict, then no payload: the receiver's drain times out."""
+def drain_timeout(rank, world, group, key):
+    """A valid header of another tensordict, then no payload: the receiver's drain times out. The receive
+    starts once the header is posted (its 1 s clock does not run while the sender's rank starts)."""
+    from datetime import timedelta
+
     from cudarecv._plan import plan_for
-    from rawwire import raw_send
+    from rawwire import _pg, store
 
     if rank == 0:
-        raw_send(group, 1, plan_for(make("nested", 1.0)).bucket_header.with_piece(64).pack(), HEADER_TAG_0)
+        header = plan_for(make("nested", 1.0)).bucket_header.with_piece(64).pack()
+        work = _pg(group).send([torch.frombuffer(bytearray(header), dtype=torch.uint8)], 1, HEADER_TAG_0)
+        store().set(key, "posted")
+        work.wait(timedelta(seconds=20))
         return None
+    store().wait([key], timedelta(seconds=30))
     try:
         cudarecv.recv(make("flat", 0.0), 0, bucket_bytes=64, timeout=1.0)
     except cudarecv.TransferTimeout as error:
@@ -263,7 +271,7 @@ def drain_timeout(rank, world, group):
 
 def test_a_timeout_while_draining_names_the_drain(cluster):
     try:
-        message, stage = cluster().run(drain_timeout)[1]
+        message, stage = cluster().run(drain_timeout, args=(unique_key("drain"),))[1]
     finally:
         cluster().close()  # the drain's receive stays posted
     assert stage is not None and stage.startswith("drain of a mismatched fast-wire payload"), (message, stage)
