@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
-from typing import Any
+from typing import Any, Sequence
 
 from tensordict import TensorDictBase
 from torch import Tensor
@@ -70,19 +70,23 @@ def _check_tags(init_tag: int, leaves: int, pseudo_rand: bool) -> None:
         )
 
 
-def _explain(td: TensorDictBase, link: Link, timeout: float | None, waited_for: str, cause: str) -> Any:
+def _explain(td: TensorDictBase, link: Link, timeout: float | None, waited_for: str, cause: str,
+             tags: Sequence[int], sending: bool) -> Any:
     """The error hook of one call: name the peer, what was waited for (``waited_for``, or the stage its
     own timeout struck in) and the likely cause; a link left with messages in flight is refused for ``td``
-    from then on (:mod:`._stuck`)."""
+    from then on, and after a timeout for the call's ``tags`` in its direction too (:mod:`._stuck`), but for
+    a send that had nothing in flight (it waited for its turn on the link's thread)."""
     def explain(error: BaseException, elapsed: float) -> BaseException:
         if isinstance(error, Error) and not isinstance(error, TransferTimeout):
             if not error.link_usable:
                 _stuck.mark(td, link, type(error).__name__)
             return error  # ours: a mismatch (drained), a lie (out of step)
         group = link.group_timeout()
-        what, why = waited_for, cause
+        what, why, late = waited_for, cause, tags  # (late: where the peer's part may still come, or ours go)
         if isinstance(error, TransferTimeout):  # the call's own timeout=
             seconds, gloo = timeout, ""
+            if sending and not error.in_flight:
+                late = ()
             if error.stage is not None:  # past what the call waits for first (the protocol said where)
                 what, why = error.stage, "it began this transfer: did it stop or die midway?"
         elif group is not None and elapsed >= group - 0.05:  # the process group's timeout ran out in gloo
@@ -91,13 +95,24 @@ def _explain(td: TensorDictBase, link: Link, timeout: float | None, waited_for: 
             _stuck.mark(td, link, "the link failed")
             return PeerError(f"{waited_for}: the link to rank {link.peer} failed after {elapsed:.3g} s: "
                              f"{peer_failure(error)}")
-        _stuck.mark(td, link, f"it timed out after {seconds:g} s")
+        _stuck.mark(td, link, f"it timed out after {seconds:g} s", late, sending)
+        refused = (f"this tensordict, and tags {_tag_span(late)} for any tensordict, are refused for "
+                   f"{'sends' if sending else 'receives'}" if late else "this tensordict is refused")
         return TransferTimeout(
             f"{what}: rank {link.peer} did not answer within {seconds:g} s ({why}){gloo}; gloo cannot take "
-            "back what was posted, so this tensordict is refused on this link from now on"
+            f"back what was posted, so {refused} on this link from now on"
         )
 
     return explain
+
+
+def _tag_span(tags: Sequence[int]) -> str:
+    """``tags`` in words for a message: ``1073741824 and 1342177280``, ``0..4``, ``0 and 9 others``."""
+    if len(tags) <= 2:
+        return " and ".join(map(str, tags)) or "(none)"
+    if isinstance(tags, range):
+        return f"{tags[0]}..{tags[-1]}"
+    return f"{tags[0]} and {len(tags) - 1} others"
 
 
 def _what(sending: bool, plan: Plan, init_tag: int, pseudo_rand: bool, consolidated: bool,
@@ -117,9 +132,22 @@ def _what(sending: bool, plan: Plan, init_tag: int, pseudo_rand: bool, consolida
             f"does {peer} on the stock wire (no bucket_bytes) with init_tag={init_tag}, pseudo_rand={pseudo_rand}?")
 
 
-def _prepare(td: Any, link: Link, fast_wire: bool, user: TensorDictBase | None = None) -> tuple[TensorDictBase, Plan]:
+def _wire_tags(plan: Plan, init_tag: int, pseudo_rand: bool, consolidated: bool,
+               bucket_bytes: int | None) -> Sequence[int]:
+    """The tags a call's messages take."""
+    if bucket_bytes is not None:
+        return _fast_wire.header_tag(init_tag), _fast_wire.piece_tag(init_tag)
+    if consolidated:
+        return (0,)
+    return plan.tags(init_tag, len(plan.tensors), pseudo_rand)
+
+
+def _prepare(td: Any, link: Link, sending: bool, init_tag: int, pseudo_rand: bool, consolidated: bool,
+             bucket_bytes: int | None,
+             user: TensorDictBase | None = None) -> tuple[TensorDictBase, Plan, Sequence[int]]:
+    """The call's tensordict, plan and tags, once :mod:`._stuck` lets them on ``link``."""
     inner = unwrap(td)
-    _stuck.check(user if user is not None else inner, link)
+    fast_wire = bucket_bytes is not None
     plan = plan_for(inner, layout=fast_wire)  # the stock wire posts the leaves themselves
     if not fast_wire and plan.device.type == "cuda":
         plan = plan_for(inner)  # staged through host memory: the byte layout is used
@@ -134,7 +162,9 @@ def _prepare(td: Any, link: Link, fast_wire: bool, user: TensorDictBase | None =
             # receives it left posted may still land in its buffers: start afresh
             plan = forget_plan(inner)
             plan.check()
-    return inner, plan
+    tags = _wire_tags(plan, init_tag, pseudo_rand, consolidated, bucket_bytes)
+    _stuck.check(user if user is not None else inner, link, tags, sending)  # (after the previous one: it may fail)
+    return inner, plan, tags
 
 
 def _track(plan: Plan, transfer: Transfer) -> None:
@@ -160,7 +190,7 @@ def _start_send(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolida
     route = _same_host.Route()
     if consolidated and not user.is_consolidated():
         td = user.consolidate(metadata=True)  # as stock does: a copy, every call
-    inner, plan = _prepare(td, link, bucket_bytes is not None, user)
+    inner, plan, tags = _prepare(td, link, True, init_tag, pseudo_rand, consolidated, bucket_bytes, user)
     if consolidated:
         storage = plan.storage(inner)
         lane = lane_for(link, storage.device, stream, plan.pool)
@@ -210,8 +240,9 @@ def _start_send(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolida
             protocol = wire(header, None) if side is None else side.send(
                 lane, header, init_tag, fill, wire, _same_host.allowed(transport), route, table=table)
     what, cause = _what(True, plan, init_tag, pseudo_rand, consolidated, bucket_bytes)
-    transfer = Transfer(protocol, lane.stream, on_error=_explain(user, link, timeout, what, cause), timeout=timeout,
-                        link=link, what=f"{what} to rank {link.peer} ({cause})", route=route,
+    on_error = _explain(user, link, timeout, what, cause, tags, True)
+    transfer = Transfer(protocol, lane.stream, on_error=on_error, timeout=timeout, link=link,
+                        what=f"{what} to rank {link.peer} ({cause})", route=route,
                         driver=None if side is None else side.driver.submit)
     if side is not None:
         transfer.settle_in_background()  # on the link's thread, in call order
@@ -223,7 +254,7 @@ def _start_send(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolida
 def _start_recv(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolidated: bool,
                 bucket_bytes: int | None, stream: Any, timeout: float | None,
                 transport: str = "auto") -> tuple[Transfer, Plan]:
-    inner, plan = _prepare(td, link, bucket_bytes is not None)
+    inner, plan, tags = _prepare(td, link, False, init_tag, pseudo_rand, consolidated, bucket_bytes)
     route = _same_host.Route()
     side = None if bucket_bytes is None else _same_host.receiving_side(link)
     shared = dict(side=side, allow=side is not None and _same_host.allowed(transport), route=route)
@@ -263,8 +294,9 @@ def _start_recv(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolida
     driven = side is not None and side.driven  # the sender may wait for its DONE: it must not wait for our wait()
     if driven:
         protocol = side.queued(protocol)  # in call order, on the link's thread
-    transfer = Transfer(protocol, lane.stream, on_error=_explain(inner, link, timeout, what, cause), timeout=timeout,
-                        link=link, what=f"{what} from rank {link.peer} ({cause})", route=route,
+    on_error = _explain(inner, link, timeout, what, cause, tags, False)
+    transfer = Transfer(protocol, lane.stream, on_error=on_error, timeout=timeout, link=link,
+                        what=f"{what} from rank {link.peer} ({cause})", route=route,
                         driver=side.submit if driven else None)
     if driven:
         transfer.add_done_callback(side.ended)

@@ -110,10 +110,12 @@ class PeerError(LinkError):
 class TransferTimeout(LinkError, TimeoutError):
     """The transfer's own time (its ``timeout``, or the process group's) ran out.
 
-    ``stage``: what it waited for then, where its protocol said (e.g. the drain of a mismatched payload).
+    ``stage``: what it waited for then, where its protocol said (e.g. the drain of a mismatched payload);
+    ``in_flight``: whether messages it posted were still in flight (not when it waited for its turn).
     """
 
     stage: str | None = None
+    in_flight: bool = True
 
 
 class BrokenError(LinkError):

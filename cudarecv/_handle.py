@@ -223,6 +223,7 @@ class Transfer(torch.futures.Future):
                 self._expired = True
                 error = TransferTimeout(f"{self.stage or 'the transfer'} did not finish within {self.timeout:g} s")
                 error.stage = self.stage  # for an error hook that names what was waited for
+                error.in_flight = not all(work.is_completed() for work in self._works)
                 self._fail(error)
 
     @property
@@ -358,7 +359,8 @@ def _frameless(error: BaseException) -> None:
         if item is not None and id(item) not in seen:
             seen.add(id(item))
             if item.__traceback__ is not None and not isinstance(item, Error) and hasattr(item, "add_note"):
-                item.add_note("raised at (in cudarecv's transfer):\n" + "".join(traceback.format_tb(item.__traceback__)))
+                frames = "".join(traceback.format_tb(item.__traceback__))
+                item.add_note(f"raised at (in cudarecv's transfer):\n{frames}")
             item.__traceback__ = None
             todo += (item.__cause__, item.__context__)
 

@@ -223,14 +223,19 @@ def test_a_tensordict_refused_on_a_link_does_not_keep_its_group():
 
     td = TensorDict(x=torch.zeros(3))
     link = Link(group(), 1, False, "gloo")
-    _stuck.mark(td, link, "it timed out")
+    _stuck.mark(td, link, "it timed out", tags=range(5, 9), sending=True)
     with pytest.raises(cudarecv.LinkError, match="it timed out"):
         _stuck.check(td, link)
+    with pytest.raises(cudarecv.LinkError, match="send to rank 1 on tag 8 failed"):
+        _stuck.check(TensorDict(), link, range(8, 10), sending=True)
+    _stuck.check(TensorDict(), link, range(8, 10), sending=False)  # (the other direction)
+    _stuck.check(TensorDict(), link, (4, 9), sending=True)
     gone = weakref.ref(link.pg)
     del link
     gc.collect()
     assert gone() is None, "the refusal keeps the group alive"
-    _stuck.check(td, Link(group(), 1, False, "gloo"))
+    fresh = Link(group(), 1, False, "gloo")
+    _stuck.check(td, fresh, range(5, 9), sending=True)
 
 
 # -- arguments refused at once, by name -------------------------------------------------------------------
