@@ -7,6 +7,7 @@ Every case runs on real spawned ranks over gloo. Rank 0 is the trainer
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 
@@ -197,7 +198,7 @@ def dying_sender(rank, world, group, timeout, transport):
                 works = post(lane, sending, tensors, tags)
                 posted.extend(t for t in tensors if sending and t.numel() == 1 << 20)
                 if len(posted) >= 8:
-                    os._exit(3)  # the trainer is killed with 8 of the push's 128 chunks posted
+                    os.kill(os.getpid(), signal.SIGKILL)  # the trainer is killed with 8 of the push's 128 chunks posted
                 return works
 
             _staging.Lane.post = post_then_die
@@ -206,7 +207,7 @@ def dying_sender(rank, world, group, timeout, transport):
 
             def copy_then_die(dst, src):
                 copy(dst, src)
-                os._exit(3)  # the trainer is killed with one leaf of the snapshot written
+                os.kill(os.getpid(), signal.SIGKILL)  # the trainer is killed with one leaf of the snapshot written
 
             _weight_sender.copy_bytes = copy_then_die
         sender.push()
@@ -233,7 +234,7 @@ def dying_sender(rank, world, group, timeout, transport):
 def test_sender_killed_mid_push(cluster, transport):
     exit_code, (outcome, took, version, intact, again, route) = cluster().run(dying_sender, args=(5.0, transport),
                                                                              may_die={0})
-    assert isinstance(exit_code, RankExit) and exit_code == 3
+    assert isinstance(exit_code, RankExit) and exit_code == -signal.SIGKILL
     assert route == ("wire" if transport == "wire" else "shared memory")
     assert outcome.startswith(("TransferTimeout", "PeerError")) and "rank 0" in outcome, outcome
     assert took < 5.0 + 10.0  # the receiver's timeout, with room for a loaded machine
