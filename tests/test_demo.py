@@ -72,6 +72,8 @@ def _check_run(proc: subprocess.CompletedProcess, actors: int, checksums: str,
             assert row["checksum"] == (checksums if impl != "stock" else "-"), out
             if mode == "sync" or impl == "stock":
                 assert int(row["pulls"]) == QUICK_VERSIONS, out  # every version
+                # one episode per version held, the same work as stock's (whose version 0 came with init_remote)
+                assert int(row["episodes"]) == QUICK_VERSIONS - (impl != "stock"), out
             else:
                 assert 1 <= int(row["pulls"]) <= QUICK_VERSIONS, out  # the newest, when ready
             assert float(row["p99 ms"]) >= float(row["p50 ms"]) >= 0, out

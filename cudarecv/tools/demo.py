@@ -17,9 +17,11 @@ The same training runs twice on the same ranks:
 - **cudarecv**: a :class:`~cudarecv.WeightSender` and one
   :class:`~cudarecv.WeightReceiver` per actor. ``--mode sync``: every version
   reaches every actor; the trainer starts each push (``push(wait=False)``) and
-  finishes it while it computes the next step. ``--mode latest``: ``push()``
-  snapshots the weights and returns; each actor takes the newest version when it
-  is ready.
+  finishes it while it computes the next step; each actor plays one episode per
+  version, as stock's does, while the next one travels (the same work: actors
+  that played more would take the CPU from the trainer). ``--mode latest``:
+  ``push()`` snapshots the weights and returns; each actor takes the newest
+  version when it is ready, playing meanwhile.
 - **stock**: tensordict's own way: ``init_remote`` once, then
   ``send(consolidated=True)`` to each actor after every step, and
   ``recv(consolidated=True)`` on the actors (every version, in lockstep).
@@ -104,8 +106,8 @@ TRAINER_NOTES = (
 )
 ACTOR_NOTES = (
     "actor: its rank (* the --slow-actor); pulls: versions it took; episodes: batches of contexts",
-    f"  it played, {ENV_SECONDS * 1e3:g} ms each at least (cudarecv: while the next version travels;",
-    "  stock: one per version)",
+    f"  it played, {ENV_SECONDS * 1e3:g} ms each at least (sync and stock: one per version, the same",
+    "  work; cudarecv's while the next version travels, latest: as many as fit meanwhile)",
     "p50 / p99 ms: pull latency, from when the version existed and the actor asked (whichever came",
     "  later) to when it landed in the actor's memory",
     "lag avg / max: versions the trainer was ahead at each episode (its latest push minus the one",
@@ -538,8 +540,10 @@ def _cudarecv_actor(rank: int, cfg: Config, device: torch.device, skeleton: nn.M
             transfer = receiver.pull(wait=False)  # the receiver's thread finishes it
             landed: list[float] = []
             transfer.add_done_callback(lambda _, at=landed: at.append(time.time()))  # runs as it is published
-            while receiver.version > 0 and not transfer.done():  # act with what we have meanwhile
+            played = 0  # act with what we have meanwhile: sync, one episode per version as stock's actor
+            while receiver.version > 0 and (played < 1 if cfg.mode == "sync" else not transfer.done()):
                 _episode(receiver, skeleton, env, store, _version_key(cfg), stats, views)
+                played += 1
             try:
                 transfer.wait(cfg.timeout)
             except cudarecv.ChecksumError:
