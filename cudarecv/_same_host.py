@@ -54,9 +54,11 @@ receiver reads its live memory:
   mapped read-only and copied straight out of; a receiver that cannot map it
   answers ``NO`` and takes that payload on the wire;
 - *direct*: if the receiver may read the sender's memory (``process_vm_readv``,
-  probed when it takes the link's offer) and that read measured faster than the
-  segments (:func:`~._host_copy.direct_read_pays`; its ``ANSWER`` says ``DIRECT``,
-  or ``DIRECT_STORAGES`` for consolidated storages only), the sender sends its host
+  checked when it takes the link's offer) and direct reads are chosen for this
+  machine (:func:`~._host_copy.direct_read_pays`: ``CUDARECV_DIRECT_READ``, else
+  what ``python -m cudarecv tune`` measured, else the static default, the
+  segments; nothing is measured here; its ``ANSWER`` says ``DIRECT``, or
+  ``DIRECT_STORAGES`` for consolidated storages only), the sender sends its host
   leaves' (or its private consolidated storage's) addresses and sizes, and the
   receiver checks the sizes against its own and reads them into them.
 
