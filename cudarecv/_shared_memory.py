@@ -2,7 +2,9 @@
 
 A :class:`Segment` is created by the process that writes it, with
 ``memfd_create``: an anonymous file with no name in any directory, mode 0600,
-mapped read-write by its writer. The reader opens it through
+mapped read-write by its writer and sealed against shrinking (``F_SEAL_SHRINK``:
+a lying writer cannot cut the file under a reader's mapping, whose touch past
+its end would be ``SIGBUS``; a reader refuses an unsealed one). The reader opens it through
 ``/proc/<writer pid>/fd/<fd>``, which the kernel allows only to a process that
 may inspect the writer (same user, same PID namespace), maps it *read-only*
 (:class:`Mapping`) and checks a 16-byte random nonce the writer put in its first
@@ -24,7 +26,10 @@ A tensor storage that torch already put in shared memory (``share_memory_()``,
 ``consolidate(share_memory=True)``, a tensor sent through ``torch.multiprocessing``)
 is an anonymous file of the same kind, held open by torch: a reader maps it the
 same way (:class:`StorageMapping`, read-only, checked by the file's device and
-inode instead of a nonce) and copies straight out of the sender's own memory.
+inode instead of a nonce) and copies straight out of the sender's own memory. torch's
+files are not sealed: a same-user sender that shrinks its own storage while a reader
+copies out of it can still kill that reader with ``SIGBUS`` (the size is checked when
+it is mapped, not after).
 
 Example:
     >>> seg = Segment(1 << 20)                       # the writer
@@ -36,6 +41,7 @@ Example:
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import functools
 import hashlib
 import mmap
@@ -57,6 +63,7 @@ PROGRESS_SEQ, PROGRESS_BYTES = 32, 40
 DATA_OFFSET = 64  # the nonce and stamps, then the payload from this offset (cache-line aligned)
 _STAMP = struct.Struct("<Q")
 PAGE = 4096
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL  # a segment's file cannot shrink, nor be sealed otherwise
 
 
 def machine_key() -> bytes:
@@ -137,11 +144,12 @@ class Segment:
         self.capacity = capacity
         self.nonce = os.urandom(NONCE)
         size = _round_up(DATA_OFFSET + capacity)
-        self.fd: int | None = os.memfd_create("cudarecv", os.MFD_CLOEXEC)
+        self.fd: int | None = os.memfd_create("cudarecv", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         self._closer = weakref.finalize(self, os.close, self.fd)  # (a segment dropped unoffered: a failed send)
         try:
             os.fchmod(self.fd, 0o600)
             os.ftruncate(self.fd, size)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, SEALS)
             self._map = _map(self.fd, size, writable=True)
         except BaseException:
             self.close_fd()
@@ -192,6 +200,17 @@ class MappingError(OSError):
     """The reader could not open or check a segment it was offered."""
 
 
+def _check_sealed(fd: int) -> None:
+    """Refuse a segment its writer could still shrink under a mapping (:data:`SEALS`)."""
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        seals = 0  # not a memfd, or one made without MFD_ALLOW_SEALING
+    if seals & SEALS != SEALS:
+        raise MappingError("the peer's segment is not sealed against shrinking (F_SEAL_SHRINK): a sender that "
+                           "could cut it under this mapping would kill this process with SIGBUS")
+
+
 class Mapping:
     """The reader's read-only view of another process's :class:`Segment`."""
 
@@ -202,6 +221,7 @@ class Mapping:
         except OSError as error:
             raise MappingError(f"cannot open the peer's segment: {error.strerror}") from None
         try:
+            _check_sealed(own)
             if os.fstat(own).st_size < size:
                 raise MappingError("the peer's segment is smaller than announced")
             self._map = _map(own, size, writable=False)
