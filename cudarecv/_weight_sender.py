@@ -78,7 +78,7 @@ from ._errors import (
     UsageError,
     WaitTimeout,
 )
-from ._handle import CUDA_IPC, SHARED_MEMORY, WIRE, Transfer, run_standing
+from ._handle import CUDA_IPC, SHARED_MEMORY, WIRE, Transfer, at_exit, run_standing
 from ._header import check_pieces, cut
 from ._host_copy import copy_bytes
 from ._link import resolve
@@ -315,6 +315,7 @@ class WeightSender:
                 receiver.listener = threading.Thread(target=self._listen, args=(receiver,), daemon=True,
                                                      name=f"cudarecv-listen-{receiver.rank}")
                 receiver.listener.start()
+        at_exit(self._join_listeners)  # the exit hook has ended their waits: they leave gloo before shutdown
 
     def _snapshot(self) -> _Snapshot:
         """A storage of the sender's own (a replacement: receivers get what it holds on the wire)."""
@@ -792,6 +793,13 @@ class WeightSender:
         self._td, self._snapshots, self._latest = None, [], None
         for receiver in self._receivers:
             receiver.lane = None
+
+    def _join_listeners(self, timeout: float) -> None:
+        """Wait up to ``timeout`` s in all for the listener threads to end (at exit)."""
+        deadline = time.monotonic() + timeout
+        for receiver in self._receivers:
+            if receiver.listener is not None and receiver.listener is not threading.current_thread():
+                receiver.listener.join(max(deadline - time.monotonic(), 0.0))
 
     def __enter__(self) -> "WeightSender":
         return self

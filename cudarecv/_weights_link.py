@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from ._control import wire_bytes
 from ._errors import ArgumentError, LinkError, MismatchError, OutOfStepError, PeerError, TransferTimeout
-from ._handle import Transfer
+from ._handle import Transfer, at_exit
 from ._link import Link, as_rank
 from ._log import logger
 from ._staging import Lane, send_from
@@ -119,6 +119,7 @@ class Driver:
         self._jobs: "queue.SimpleQueue[Callable[[], None] | None]" = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.thread.start()
+        at_exit(self.stop)  # no thread left inside gloo at interpreter shutdown
 
     def submit(self, job: Callable[[], None]) -> None:
         self._jobs.put(job)
