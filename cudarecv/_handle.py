@@ -404,6 +404,9 @@ def _here(job: Callable[[], None]) -> None:
     """The driver of :func:`run_standing`'s transfers: none, the caller drives them itself."""
 
 
+_PRUNE_MIN = 256
+
+
 class _Deadlines:
     """The thread that fails transfers whose own time ran out, whether or not anyone waits for them.
 
@@ -414,6 +417,7 @@ class _Deadlines:
     def __init__(self) -> None:
         self._heap: list[tuple[float, int, weakref.ref]] = []
         self._count = 0  # a tie-break, so the heap never compares transfers
+        self._prune_at = _PRUNE_MIN  # the heap's size at which entries of ended transfers are let go
         self._cond = threading.Condition(threading.Lock())
         self._thread: threading.Thread | None = None
         self._stopped = False
@@ -428,6 +432,10 @@ class _Deadlines:
                 return
             self._count += 1
             heapq.heappush(self._heap, (deadline, self._count, weakref.ref(transfer)))
+            if len(self._heap) >= self._prune_at:  # most transfers end long before their deadline
+                self._heap = [entry for entry in self._heap if (t := entry[2]()) is not None and not t.settled]
+                heapq.heapify(self._heap)
+                self._prune_at = max(_PRUNE_MIN, 2 * len(self._heap))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="cudarecv-deadlines", daemon=True)
                 self._thread.start()

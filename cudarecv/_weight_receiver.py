@@ -62,7 +62,7 @@ from ._same_host import allowed, check_transport
 from ._shared_memory import MAX_SEGMENTS, MappingError, map_offer, offer_size
 from ._staging import Lane, drain, lane_for, recv_into, send_from, wire_can_touch
 from ._walk import unwrap, walk
-from ._weights_link import Driver, check_timeout, link_error, naming, post_and_forget, run, send_bytes
+from ._weights_link import Driver, Unanswered, check_timeout, link_error, naming, run, send_bytes
 from ._weights_wire import (
     ACCEPTED,
     ASK,
@@ -224,6 +224,9 @@ class WeightReceiver:
         #: the sender's mode, learnt in the handshake: ``"sync"`` or ``"latest"``
         self.mode = offer.mode
         self._tags = SessionTags.of(offer.session)
+        #: this receiver's words to the sender, until the sender shows it took them
+        self._asks = Unanswered(self._lane, self._tags.ask)
+        self._answered = 0  # the mark of the last GOT: a sync sender's next push shows it took it
         self._cond = threading.Condition()
         self._published: _Slot | None = None
         self._pending: Transfer | None = None  # the pull under way (one at a time)
@@ -362,7 +365,7 @@ class WeightReceiver:
             if relay is not None:
                 relay.end(broken=lost)
             with contextlib.suppress(Exception):
-                post_and_forget(self._lane, ask_message(GOT, version, LOST, lost), self._tags.ask)
+                self._asks.post(ask_message(GOT, version, LOST, lost))
         if isinstance(error, Error) and error.link_usable:
             return error  # drained, the link in step (or the sender closed): the next pull is told
         if isinstance(error, OutOfStepError):
@@ -389,7 +392,7 @@ class WeightReceiver:
         if header.kind == CLOSED:
             self._sender_closed = f"the sender (rank {lane.link.peer}) closed after version {header.version}"
             if self._claim_bye():
-                post_and_forget(lane, ask_message(BYE), self._tags.ask)  # its listener ends
+                self._asks.post(ask_message(BYE))  # its listener ends
         elif header.kind == RELEASED:
             self._released = True
         return header
@@ -414,6 +417,9 @@ class WeightReceiver:
 
     def _pull(self, slot: _Slot, limit: float) -> Any:
         lane = self._lane
+        # the words the sender has taken once this pull's push comes: in latest mode those before our ASK
+        # (its listener reads them in order), in sync mode those up to our last GOT (its push waited for it)
+        mark = self._asks.mark() if self.mode == "latest" else self._answered
         if self.mode == "latest":  # ask for a version newer than ours
             asked = yield from send_from(lane, [wire_bytes(lane, ask_message(ASK, self.version))], [self._tags.ask],
                                          defer=True)
@@ -424,6 +430,9 @@ class WeightReceiver:
             raise SenderClosed(f"{self._sender_closed}; version {self.version} stays readable in receiver.td")
         if header.kind == RELEASED:
             raise UsageError("this WeightReceiver closed while the pull waited")
+        taken = self._asks.taken(mark)
+        if taken:
+            yield taken  # (returns at once) and lets them go
         yield [StartClock(limit)]  # a version is arriving: it must land within the pull's timeout
         total, piece = self.schema.total, self._piece
         if (header.total, header.piece) != (total, piece):  # never sized from the header
@@ -478,7 +487,7 @@ class WeightReceiver:
         version, alias.version = alias.version, None
         if version is not None and self._lane is not None:
             with contextlib.suppress(Exception):  # a sender gone: nothing is written there any more
-                post_and_forget(self._lane, ask_message(FREED, version), self._tags.ask)
+                self._asks.post(ask_message(FREED, version))
 
     def _take_shared(self, header: PushHeader, slot: _Slot, problem: str | None) -> Any:
         """A sub-protocol: take a shared push's version from the sender's snapshot (the segment the header
@@ -527,7 +536,7 @@ class WeightReceiver:
         """Relay fan-out or shared memory: tell the sender what became of the push (its blocking push waits
         for every word; a shared snapshot is not written again before it)."""
         if header.relayed or header.shared:
-            post_and_forget(self._lane, ask_message(GOT, header.version, status), self._tags.ask)
+            self._answered = self._asks.post(ask_message(GOT, header.version, status))
 
     # -- relay fan-out ------------------------------------------------------------------
     def _relayed(self, header: PushHeader, slot: _Slot, limit: float) -> Any:
@@ -632,7 +641,7 @@ class WeightReceiver:
         deadline = time.monotonic() + self.timeout
         self._keep_own_copy()
         if self._standing is not None and not self._broken and not self._sender_closed and self._claim_bye():
-            post_and_forget(self._lane, ask_message(BYE), self._tags.ask)
+            self._asks.post(ask_message(BYE))
             with contextlib.suppress(Exception):
                 Transfer(self._farewell(), self._lane.stream, timeout=self.timeout, driver=self._driver.submit,
                          link=self._lane.link, raise_first=False).wait()
@@ -646,6 +655,7 @@ class WeightReceiver:
             driver.stop(max(deadline - time.monotonic(), 0.0))
         # let go of the process group: a group kept alive past destroy_process_group() by objects in
         # reference cycles is destroyed at interpreter exit, where gloo aborts the process
+        self._asks.forget()
         self._standing = self._pending = self._lane = None
         self._peers, self._forwards = {}, {}
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import weakref
 from typing import Any, Callable
 
 from ._control import wire_bytes
@@ -94,14 +95,71 @@ def send_bytes(lane: Lane, data: bytes, tag: int) -> Any:
     yield from send_from(lane, [wire_bytes(lane, data)], [tag])
 
 
-def post_and_forget(lane: Lane, data: bytes, tag: int) -> None:
-    """Post ``data`` on ``tag`` and keep its work alive without waiting for it (a last word to a
-    peer that may be gone already: it completes when the peer takes it, or dies with the link)."""
-    protocol = send_from(lane, [wire_bytes(lane, data)], [tag], defer=True)
-    try:
-        next(protocol)
-    except StopIteration as posted:
-        park(posted.value or ())
+class Unanswered:
+    """Messages posted to one peer on one tag without waiting for them (words the peer may never
+    take: it may be gone already), kept alive until the peer has shown it took them.
+
+    gloo reports a send complete only once something waits for it, so a message never waited for
+    would be kept until exit (about 2.5 KB each: two per pull, a leak). The peer's single reader
+    takes one tag's messages in the order they were posted, so once it has answered a later message
+    (the owner knows which answer proves that) every earlier one is taken, and waiting for it returns
+    at once: :meth:`taken` hands those over for the owner's protocol to wait for. What is left at
+    the end is parked (:func:`._transport.park`) by :meth:`forget`.
+
+    Example (a receiver: the sender's next push shows it took every word up to ``mark``)::
+
+        mark = asks.post(ask_message(GOT, version, LANDED))
+        ...                                   # the next push's header arrives
+        yield asks.taken(mark)                # waited: returns at once
+    """
+
+    def __init__(self, lane: Lane, tag: int) -> None:
+        self._lane: Lane | None = lane
+        self._tag = tag
+        self._lock = threading.Lock()
+        self._posted: list[tuple[int, tuple[Any, ...]]] = []  # (sequence number, works), oldest first
+        self._count = 0
+        self._park = weakref.finalize(self, _park_all, self._posted)  # also if its owner is never closed
+
+    def post(self, data: bytes) -> int:
+        """Post ``data`` and return its sequence number (a mark for :meth:`taken`); nothing once forgotten."""
+        with self._lock:  # posted under the lock: the numbers follow the order gloo matches them in
+            if self._lane is None:
+                return self._count
+            protocol = send_from(self._lane, [wire_bytes(self._lane, data)], [self._tag], defer=True)
+            try:
+                next(protocol)
+                works: tuple[Any, ...] = ()
+            except StopIteration as posted:
+                works = tuple(posted.value or ())
+            self._count += 1
+            if works:
+                self._posted.append((self._count, works))
+            return self._count
+
+    def mark(self) -> int:
+        """The sequence number of the last message posted."""
+        with self._lock:
+            return self._count
+
+    def taken(self, mark: int) -> list[Any]:
+        """The works of the messages up to ``mark``, which the peer has taken (the caller knows it): to be
+        waited for, which lets them go."""
+        with self._lock:
+            done = [works for count, works in self._posted if count <= mark]
+            self._posted[:] = [entry for entry in self._posted if entry[0] > mark]
+        return [work for works in done for work in works]
+
+    def forget(self) -> None:
+        """At the end: park what the peer has not shown it took, and post nothing more."""
+        with self._lock:
+            self._lane = None
+            self._park()
+
+
+def _park_all(posted: list[tuple[int, tuple[Any, ...]]]) -> None:
+    park([work for _, works in posted for work in works])
+    posted.clear()
 
 
 class Driver:
