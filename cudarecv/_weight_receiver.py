@@ -232,6 +232,7 @@ class WeightReceiver:
         self._pending: Transfer | None = None  # the pull under way (one at a time)
         self._broken: str | None = None
         self._closed = False
+        self._pulling = False  # a thread's pull is under way: another's waits for its turn
         self._sender_closed: str | None = None
         self._released = False  # the sender answered our BYE
         self._bye = False  # BYE sent (once)
@@ -300,6 +301,10 @@ class WeightReceiver:
         returns the version; it is driven to its end on the receiver's own thread,
         and a ``wait(t)`` that runs out never fails it (the pull goes on).
 
+        Pulls from several threads take turns, each getting a whole version newer than the
+        one before: a pull first waits up to ``timeout`` for another thread's pull to end
+        (``WaitTimeout``).
+
         Raises:
             SenderClosed: the sender closed (at once, also between pulls); the last
                 version stays readable.
@@ -314,6 +319,29 @@ class WeightReceiver:
         if self._closed:
             raise UsageError("this WeightReceiver is closed")
         limit = self.timeout if timeout is None else check_timeout(timeout)
+        with self._turn(limit):
+            return self._pull_in_turn(wait, limit)
+
+    @contextlib.contextmanager
+    def _turn(self, limit: float) -> Iterator[None]:
+        """Pulls from several threads take turns: wait up to ``limit`` s for another thread's pull to end
+        (its own timeout bounds it); ``close()`` ends the wait at once."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._closed or not self._pulling, timeout=limit):
+                raise WaitTimeout(f"another thread's pull held this WeightReceiver for {limit:g} s (pulls from "
+                                  "several threads take turns)")
+            if self._closed:
+                raise UsageError("this WeightReceiver closed while a pull waited for another thread's pull")
+            self._pulling = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._pulling = False
+                self._cond.notify_all()
+
+    def _pull_in_turn(self, wait: bool, limit: float) -> int | Transfer:
+        """:meth:`pull`, in this thread's turn."""
         if self._broken:
             raise BrokenError(f"this WeightReceiver is broken ({self._broken}): close it and connect a new one")
         transfer = self._pending
@@ -637,7 +665,9 @@ class WeightReceiver:
         """
         if self._closed:
             return
-        self._closed = True
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()  # a pull waiting for another thread's ends now
         deadline = time.monotonic() + self.timeout
         self._keep_own_copy()
         if self._standing is not None and not self._broken and not self._sender_closed and self._claim_bye():

@@ -59,7 +59,7 @@ import math
 import os
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -291,6 +291,7 @@ class WeightSender:
         self._in_flight: list[tuple[_Receiver, Transfer]] = []
         self._torn = False  # sync: a dropped receiver's send may still read the storage: use a new one
         self._closed = False
+        self._pushing = False  # a thread's push is under way: another's waits for its turn
         self.version = 0
         self._session = int.from_bytes(os.urandom(4), "little") % SESSIONS
         self._tags = SessionTags.of(self._session)
@@ -401,6 +402,9 @@ class WeightSender:
         ``values``: send these instead of ``td``'s (a tensordict with ``td``'s keys, shapes,
         dtypes and device; ``td`` is left as it is).
 
+        Pushes from several threads take turns (versions in the order they got it, each whole):
+        a push first waits up to ``timeout`` for another thread's push to end (``WaitTimeout``).
+
         Raises:
             TransferTimeout or PeerError naming the receiver whose link failed: it is
                 dropped (the others got the version, and get the next ones);
@@ -409,6 +413,29 @@ class WeightSender:
         if self._closed:
             raise UsageError("this WeightSender is closed")
         limit = self.timeout if timeout is None else check_timeout(timeout)
+        with self._turn(limit):
+            return self._push(wait, limit, values)
+
+    @contextlib.contextmanager
+    def _turn(self, limit: float) -> Iterator[None]:
+        """Pushes from several threads take turns, in the order they get it: wait up to ``limit`` s for another
+        thread's push to end (its own timeout bounds it); ``close()`` ends the wait at once."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._closed or not self._pushing, timeout=limit):
+                raise WaitTimeout(f"another thread's push held this WeightSender for {limit:g} s (pushes from "
+                                  "several threads take turns)")
+            if self._closed:
+                raise UsageError("this WeightSender was closed while a push waited for another thread's push")
+            self._pushing = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._pushing = False
+                self._cond.notify_all()
+
+    def _push(self, wait: bool, limit: float, values: Any) -> int | list[Transfer]:
+        """:meth:`push`, in this thread's turn."""
         self._finish_in_flight()  # sync: the storage is reused, the previous push must be out
         live = [r for r in self._receivers if r.served]
         if not live:
