@@ -8,6 +8,7 @@ The signatures and the wire are those of ``TensorDictBase`` in tensordict
 from __future__ import annotations
 
 import contextlib
+import functools
 import operator
 from typing import Any, Sequence
 
@@ -71,11 +72,12 @@ def _check_tags(init_tag: int, leaves: int, pseudo_rand: bool) -> None:
 
 
 def _explain(td: TensorDictBase, link: Link, timeout: float | None, waited_for: str, cause: str,
-             tags: Sequence[int], sending: bool) -> Any:
+             tags: Sequence[int], sending: bool, route: _same_host.Route | None = None) -> Any:
     """The error hook of one call: name the peer, what was waited for (``waited_for``, or the stage its
     own timeout struck in) and the likely cause; a link left with messages in flight is refused for ``td``
     from then on, and after a timeout for the call's ``tags`` in its direction too (:mod:`._stuck`), but for
-    a send that had nothing in flight (it waited for its turn on the link's thread)."""
+    a send that had nothing in flight (it waited for its turn on the link's thread); a same-host receive that
+    waited for its turn (its ``route`` says so) is named so."""
     def explain(error: BaseException, elapsed: float) -> BaseException:
         if isinstance(error, Error) and not isinstance(error, TransferTimeout):
             if not error.link_usable:
@@ -87,7 +89,11 @@ def _explain(td: TensorDictBase, link: Link, timeout: float | None, waited_for: 
             seconds, gloo = timeout, ""
             if sending and not error.in_flight:
                 late = ()
-            if error.stage is not None:  # past what the call waits for first (the protocol said where)
+            if route is not None and route.waiting:  # a same-host receive never posted (the sender's part may come)
+                what = f"{waited_for}, queued behind an earlier receive from rank {link.peer} on this link's thread"
+                why = ("a same-host link takes receives one at a time, in call order, and the sender's sends "
+                       "likewise: were the receives posted in the order of its sends?")
+            elif error.stage is not None:  # past what the call waits for first (the protocol said where)
                 what, why = error.stage, "it began this transfer: did it stop or die midway?"
         elif group is not None and elapsed >= group - 0.05:  # the process group's timeout ran out in gloo
             seconds, gloo = group, "; gloo then closed every link of the process group"
@@ -245,6 +251,7 @@ def _start_send(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolida
                         what=f"{what} to rank {link.peer} ({cause})", route=route,
                         driver=None if side is None else side.driver.submit)
     if side is not None:
+        transfer.add_done_callback(functools.partial(side.ended, route))
         transfer.settle_in_background()  # on the link's thread, in call order
     if lane.stream is not None or (bucket_bytes is not None and not consolidated):
         _track(plan, transfer)  # it uses the plan's staging: the next transfer waits for it
@@ -293,8 +300,8 @@ def _start_recv(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolida
     what, cause = _what(False, plan, init_tag, pseudo_rand, consolidated, bucket_bytes)
     driven = side is not None and side.driven  # the sender may wait for its DONE: it must not wait for our wait()
     if driven:
-        protocol = side.queued(protocol)  # in call order, on the link's thread
-    on_error = _explain(inner, link, timeout, what, cause, tags, False)
+        protocol = side.queued(protocol, route)  # in call order, on the link's thread
+    on_error = _explain(inner, link, timeout, what, cause, tags, False, route)
     transfer = Transfer(protocol, lane.stream, on_error=on_error, timeout=timeout, link=link,
                         what=f"{what} from rank {link.peer} ({cause})", route=route,
                         driver=side.submit if driven else None)

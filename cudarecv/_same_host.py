@@ -66,11 +66,17 @@ Headers, ``READY`` and ``DONE`` stay on the process group, so timeouts, the
 header check and a dead peer are detected as on the wire. A transfer larger
 than the segments goes once on the wire with an offer of segments of its size.
 
-Order: once a link direction has negotiated, its fast-wire transfers (whatever
-their route) are driven in call order by one thread on each side, so they go on
-while their callers do other things. With two segments, a third transfer in
-flight waits for the receiver to take the first: a receiver must post its
-receives in the order of the sender's sends once more than two are in flight.
+Order: a link direction's fast-wire transfers (whatever their route, the
+negotiating one too) are driven in call order by one thread on each side, so
+they go on while their callers do other things, one at a time: a send ends once
+the receiver has taken its header (and ``READY``, or offer and payload) before
+the next is sent, and a receive is posted once the earlier ones ended. So a
+receiver must post its receives in the order of the sender's sends as soon as
+two are in flight (they may be waited in any order): posted the other way round
+they wait for each other until their timeouts, and the later-posted one's
+:class:`~._errors.TransferTimeout` says it waited for its turn. (Making the
+receives independent would take a thread or a posted header per ``init_tag``, and
+each transfer's offer and ``DONE`` order with it: not done.)
 """
 
 from __future__ import annotations
@@ -159,6 +165,7 @@ class Route:
 
     def __init__(self) -> None:
         self.transport = WIRE
+        self.waiting = False  # whether a receive still waits for its turn on the link's thread (nothing posted)
 
 
 # -- records -----------------------------------------------------------------------------
@@ -284,12 +291,38 @@ class SendSide:
         self.seq = 0
         self.next = 0
         self.failed: str | None = None  # why the link left shared memory for the wire, after a failure
-        self.driver = Driver(f"cudarecv-send-{peer}")
+        self.running: Route | None = None  # the route of the send on the link's thread now (it may be stuck there)
+        self.peer = peer
+        self.driver_name = f"cudarecv-send-{peer}"
+        self.driver = Driver(self.driver_name)
 
     def close(self) -> None:
         """Stop the thread and let go of the segments and of what was posted for them (the group is gone)."""
         self.driver.stop(STOP_WAIT)
         self.state, self.segments, self.fences, self.held = "wire", [], [None, None, None], [[], [], []]
+
+    def ended(self, route: Route, transfer: Any) -> None:
+        """A driven send (whose ``route`` it is) ended. One that failed elsewhere than on the link's thread while
+        that thread ran it (it ran out of its own time with messages posted) leaves the thread in gloo, maybe
+        for good: the link leaves shared memory (as after any failed send), the thread is told to end once its
+        wait returns, and later sends get a thread of their own."""
+        if transfer.failed and self.running is route and threading.current_thread() is not self.driver.thread:
+            self.running = None
+            self._abandon("TransferTimeout: it ran out of its own time")
+            self.driver.stop(0.0)
+            self.driver = Driver(self.driver_name)
+
+    def _abandon(self, why: str) -> None:
+        """A transfer failed: what was posted for the segments may never complete (a DONE that never comes),
+        so they and the back tags are never touched again (their works parked, the segments let go: a
+        receiver that took the failed transfer's header late still reads it whole); later transfers go on the
+        wire (the failed one's error is its own)."""
+        park([fence[0] for fence in self.fences if fence is not None] + [w for held in self.held for w in held])
+        if self.state in ("offered", "shared"):
+            logger.info("sending to rank %d: shared memory left for the wire after a failed transfer (%s)",
+                        self.peer, why)
+        self.state, self.segments, self.fences, self.held = "wire", [], [None, None, None], [[], [], []]
+        self.failed = why
 
     def send(self, lane: Lane, header: Header, init_tag: int, fill: Callable[[Tensor, int, int, int], None],
              wire: Callable[[Header, bytes | None], Any], allow: bool, route: Route,
@@ -305,6 +338,7 @@ class SendSide:
         """
         yield ()  # nothing before the link's earlier transfers: the rest runs on the link's thread, in order
         allow = allow and lane.device == self.device  # a side shares one kind of memory
+        self.running = route
         try:
             if self.state == "offered":
                 yield from self._answer(lane)
@@ -339,15 +373,12 @@ class SendSide:
                 self.state = "offered"
             return result
         except BaseException as error:
-            # what was posted for the segments may never complete (a DONE that never comes): never touch them or
-            # the back tags again; the link's later transfers go on the wire (the failed one's error is its own)
-            park([fence[0] for fence in self.fences if fence is not None] + [w for held in self.held for w in held])
-            if self.state in ("offered", "shared"):
-                logger.info("sending to rank %d: shared memory left for the wire after a failed transfer (%s)",
-                            lane.link.peer, type(error).__name__)
-            self.state, self.segments, self.fences = "wire", [], [None, None, None]
-            self.failed = f"{type(error).__name__}: {error}".splitlines()[0]
+            if self.running is route:  # (not once :meth:`ended` gave up on it)
+                self._abandon(f"{type(error).__name__}: {error}".splitlines()[0])
             raise
+        finally:
+            if self.running is route:
+                self.running = None
 
     def _offer(self, total: int) -> bytes:
         self.next = 0
@@ -484,11 +515,14 @@ class RecvSide:
     def submit(self, job: Callable[[], None]) -> None:
         self.driver.submit(job)
 
-    def queued(self, protocol: Any) -> Any:
+    def queued(self, protocol: Any, route: Route) -> Any:
         """``protocol`` (a receive) posting nothing before the link's earlier receives have ended, on the
         link's thread: an offer follows its header on the header's tag, and would be taken by the header
-        receive of a later transfer with the same ``init_tag`` posted meanwhile."""
+        receive of a later transfer with the same ``init_tag`` posted meanwhile. ``route.waiting`` says
+        whether it still waits for its turn."""
+        route.waiting = True
         yield ()
+        route.waiting = False
         return (yield from protocol)
 
     def ended(self, transfer: Any) -> None:
