@@ -256,3 +256,77 @@ def test_weights_the_policy_replaced_are_the_ones_sent():
                 p.data = torch.full_like(p, 3.0)
         coll.update_policy_weights_()
         assert markers(next(batches)) == {3.0}, "the weights p.data = ... replaced were sent"
+
+
+EXIT_RUNS = 6
+EXIT_CHILD = """
+import sys
+sys.path.insert(0, {here!r})
+import test_torchrl
+kept = test_torchrl.exit_child({sync!r}, {role!r}, {port})
+"""
+
+
+def exit_child(sync: bool, role: str, port: int) -> tuple:
+    """One side of one run: the trainer sends version 2 to one worker, both meet at a barrier on the store,
+    print the version they hold and keep everything open to the end of the process (returned: a script's
+    globals)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    class Context:
+        num_workers = 1
+
+    store = dist.TCPStore("127.0.0.1", port, 3, is_master=False, timeout=timedelta(seconds=30))
+    policy = marker_policy(1 << 10)
+    if role == "trainer":
+        scheme = CudarecvWeightSyncScheme(sync=sync, timeout=20.0, connect_timeout=30.0)
+        scheme.init_on_sender(model_id="policy", context=Context(), model=policy, weights=policy)
+        store.set("scheme", pickle.dumps(scheme))
+        scheme.connect()
+        set_marker(policy, 1.0)
+        scheme.send(weights=policy)
+    else:
+        scheme = pickle.loads(store.get("scheme"))
+        scheme.init_on_receiver(model_id="policy", model=policy, worker_idx=0)
+        scheme.connect(worker_idx=0)
+    store.set(role, "1")
+    store.wait(["trainer", "worker"])  # (sync: the worker's thread switched to version 2 before the send returned)
+    print("RESULT", role, scheme.version, flush=True)
+    return scheme, policy, store
+
+
+def _exit_run(sync: bool) -> list[tuple[int, str]]:
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, 3, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
+    here = str(Path(__file__).resolve().parent)
+    procs = [subprocess.Popen([sys.executable, "-c", EXIT_CHILD.format(here=here, sync=sync, role=role,
+                                                                         port=store.port)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for role in ("trainer", "worker")]
+    ended = []
+    for proc in procs:
+        try:
+            out, _ = proc.communicate(timeout=90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+        ended.append((proc.returncode, out))
+    return ended
+
+
+@pytest.mark.parametrize("sync", [True, False], ids=["sync", "latest"])
+def test_schemes_never_shut_down_exit_cleanly(sync):
+    """A trainer and a worker process that end right after a transfer, their schemes never shut down, exit
+    with 0 (not SIGABRT: the worker's thread inside gloo at interpreter shutdown, nor a hang)."""
+    for run in range(EXIT_RUNS):
+        ended = _exit_run(sync)
+        assert [rc for rc, _ in ended] == [0, 0], (run, ended)  # SIGABRT is -6, a hang is killed (-9)
+        assert "RESULT trainer 2" in ended[0][1], (run, ended)
+        assert not sync or "RESULT worker 2" in ended[1][1], (run, ended)
