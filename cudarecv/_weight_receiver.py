@@ -671,10 +671,13 @@ class WeightReceiver:
         deadline = time.monotonic() + self.timeout
         self._keep_own_copy()
         if self._standing is not None and not self._broken and not self._sender_closed and self._claim_bye():
-            self._asks.post(ask_message(BYE))
+            bye = self._asks.post(ask_message(BYE))
             with contextlib.suppress(Exception):
                 Transfer(self._farewell(), self._lane.stream, timeout=self.timeout, driver=self._driver.submit,
                          link=self._lane.link, raise_first=False).wait()
+            if self._released:  # the sender answered BYE, so it took it and every word before: waited at once
+                for work in self._asks.taken(bye):  # (parked, they kept the group's gloo context until exit)
+                    work.wait()
             if self._relaying is not None and self._relaying[0] is not None:  # a relay cut short: say so downstream
                 self._relaying[0].end(broken=self._relaying[1].peer)
         self._driver.stop(0.0 if self._broken else max(deadline - time.monotonic(), 0.0))
