@@ -28,7 +28,8 @@ Two fan-outs (``sync`` mode), chosen by ``fanout``:
   and every receiver forwards each chunk to the next while it receives the
   following one (:mod:`._relay`), so every host's link carries the model about
   once and the push time stays about flat in K. A blocking ``push()`` returns
-  once every receiver of the chain has published the version.
+  once every receiver of the chain has published the version, or raises
+  :class:`ChecksumError` naming one that rejected it (it stays served).
 - ``auto`` (the default): ``relay`` in ``sync`` mode when a receiver is on
   another host (a different machine or network namespace, learnt in the
   handshake), else ``star``. Measured (``bench/bench_hosts.py``, 64 MiB, 1 Gbit
@@ -69,9 +70,12 @@ from ._api import check_bucket_bytes
 from ._control import read_bytes, wire_bytes
 from ._errors import (
     ArgumentError,
+    ChecksumError,
     Error,
+    MismatchError,
     OutOfStepError,
     PeerError,
+    PushHeaderError,
     ReceiverFailed,
     SchemaError,
     TransferTimeout,
@@ -104,6 +108,7 @@ from ._weights_wire import (
     MAX_SCHEMA_BYTES,
     MODES,
     REFUSED,
+    REJECTED,
     RELEASED,
     SESSIONS,
     STATUS_SIZE,
@@ -409,6 +414,9 @@ class WeightSender:
             TransferTimeout or PeerError naming the receiver whose link failed: it is
                 dropped (the others got the version, and get the next ones);
                 PeerError if no receiver is left.
+            ChecksumError (PushHeaderError without ``verify``) naming a receiver that rejected
+                the version (relay, shared memory: those tell the sender; a receiver on the wire's
+                star fan-out does not, its pull raises): it keeps its last version and stays served.
         """
         if self._closed:
             raise UsageError("this WeightSender is closed")
@@ -684,6 +692,8 @@ class WeightSender:
         """The error hook of a transfer of ``version`` to ``receiver``: name it, and drop it (``told``: the
         error reaches the caller, a push's future; else the next push names it)."""
         def dropped(error: BaseException, elapsed: float) -> BaseException:
+            if isinstance(error, MismatchError):  # it rejected the version (its word, see _Got): still served
+                return error
             seconds = timeout if isinstance(error, TimeoutError) else elapsed
             if isinstance(error, Error) and not isinstance(error, TimeoutError):
                 failure = error  # it names the rank already (a dead one, or one upstream in a relay chain)
@@ -866,6 +876,13 @@ class _Got:
             if got.version == self.version and got.status == LOST:
                 raise PeerError(f"push of version {self.version}: rank {r.rank} did not get it: rank {got.rank} "
                                 "before it in the relay chain failed during the push")
+            if got.version == self.version and got.status == REJECTED:  # it stays served: its link is in step
+                if self.sender._verify:
+                    raise ChecksumError(f"push of version {self.version}: rank {r.rank} rejected it: the BLAKE3 "
+                                        "digest of what it received, or its header, did not match what was sent "
+                                        "(corrupted on the way); it keeps its last version and stays served")
+                raise PushHeaderError(f"push of version {self.version}: rank {r.rank} rejected its header; it keeps "
+                                      "its last version and stays served")
             return True
         if gone is not None and not leaving:
             raise PeerError(gone)

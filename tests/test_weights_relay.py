@@ -104,30 +104,35 @@ def test_relay_messages_roundtrip_and_corruption():
             read(bytes(flipped))
 
 
-def corrupted_in_the_chain(rank, world, group, key):
-    """Version 2 arrives corrupted (its digest does not match): every receiver of the chain rejects it
-    and keeps version 1, the chain stays in step, and version 3 lands everywhere."""
+def corrupted_in_the_chain(rank, world, group, key, fanout, transport):
+    """Version 2 arrives corrupted (its digest does not match): every receiver rejects it and keeps
+    version 1, the blocking push raises naming a receiver that rejected it (relay, shared memory: their word
+    comes back; the wire's star fan-out has none: its push returns), nobody is dropped, and version 3 lands
+    everywhere."""
     from cudarecv import _weight_sender
 
     model = policy()
     signals = store()
     if rank == 0:
-        with cudarecv.WeightSender(TensorDict.from_module(model), dst=[1, 2, 3], fanout="relay", bucket_bytes=256,
-                                   timeout=30, verify=True) as sender:
+        with cudarecv.WeightSender(TensorDict.from_module(model), dst=[1, 2, 3], fanout=fanout, bucket_bytes=256,
+                                   timeout=30, verify=True, transport=transport) as sender:
+            transports = set(sender.transports.values())
             set_version(model, 1)
             sender.push()
             real = _weight_sender.checksum
             _weight_sender.checksum = lambda storage: bytes(16)  # what corruption in flight looks like
             try:
                 set_version(model, 2)
-                sender.push()  # every receiver answers (rejected): the push ends, nobody is dropped
+                outcome = sender.push()
+            except cudarecv.Error as error:
+                outcome = (type(error).__name__, str(error))
             finally:
                 _weight_sender.checksum = real
             set_version(model, 3)
             sender.push()
             ranks = sender.ranks
             signals.set(f"{key}_read", "1")  # the receivers may close now
-            return ranks
+            return ranks, transports, outcome
     with cudarecv.WeightReceiver(src=0, expect=model, timeout=30) as receiver:
         out = [receiver.pull()]
         try:
@@ -140,11 +145,20 @@ def corrupted_in_the_chain(rank, world, group, key):
         return out
 
 
-def test_a_corrupted_version_is_rejected_along_the_chain(four):
-    ranks, *receivers = four().run(corrupted_in_the_chain, args=(unique_key("relay_corrupt"),), timeout=120)
-    assert ranks == [1, 2, 3]
+@pytest.mark.parametrize("fanout, transport, carried", [("relay", "auto", "wire"), ("star", "auto", "shared memory"),
+                                                        ("star", "wire", "wire")])
+def test_a_corrupted_version_is_rejected_along_the_chain(four, fanout, transport, carried):
+    (ranks, transports, outcome), *receivers = four().run(
+        corrupted_in_the_chain, args=(unique_key("relay_corrupt"), fanout, transport), timeout=100)
+    assert ranks == [1, 2, 3] and transports == {carried}, (ranks, transports)
     for out in receivers:
         assert out == [1, (1, True), (3, True)], out
+    if (fanout, carried) == ("star", "wire"):
+        assert outcome == 2, outcome  # the sender has no word from a wire star receiver: its pull raised
+    else:
+        kind, message = outcome
+        assert kind == "ChecksumError" and "rank 1 rejected it" in message and "corrupted" in message, outcome
+        assert "reached ranks []" in message and "dropped" not in message, message
 
 
 def collective_while_forwarding(rank, world, group):
