@@ -1,26 +1,30 @@
 #!/usr/bin/env bash
-# GPU check of cudarecv on one machine, within 9 minutes (sized for one H200; the step limits
-# add up to 525 s, plus a few seconds of version probes):
-#   1. nvidia-smi and the versions of torch, CUDA, NCCL, cupy, tensordict, pytest plugins;
-#   2. the GPU tests:  pytest --gpus N tests/test_gpu.py tests/test_tags.py (relay fan-out over NCCL
-#      and over gloo from GPU memory included: test_nccl_relay, test_gloo_relay_of_gpu_weights; CUDA IPC,
-#      one GPU with two processes and two GPUs, values exact and device memory flat over 200 syncs:
-#      test_cuda_ipc_weight_sync_exact_and_memory_flat, test_cuda_ipc_fast_wire_exact_and_memory_flat);
-#   3. the GPU benches: pytest --gpus N bench/bench_gpu.py --benchmark-json $OUT/gpu-bench.json
-#      (test_nccl_fanout_to_two: relay vs star vs NCCL's broadcast, 256 MiB to two GPUs;
-#      test_cuda_ipc_weight_sync_256mib: CUDA IPC vs the staged gloo wire, GPU to GPU);
-#   4. the report:     python -m cudarecv report -> $OUT/gpu-report.txt and $OUT/gpu-report.png;
-#   5. the CPU suite:  pytest tests/ (without test_gpu.py), last, so it never starves the GPU steps.
+# GPU check of cudarecv on one machine, within 8 minutes (sized for the lent H200; every step is bounded
+# and the fixed limits add up to 440 s, the CPU suite gets what is left of BUDGET):
+#   1. nvidia-smi; the carried wheels (gpu-wheels/) installed with --target into $SITE (on PYTHONPATH);
+#      cudarecv's native host copies built in this checkout (setup.py build_ext --inplace; the package
+#      itself is used from the checkout, with no dependency resolved: the image's torch stays);
+#   2. the versions of python, torch, CUDA, NCCL, cupy, NVRTC, tensordict, pytest plugins, cudarecv;
+#   3. the GPU tests:  pytest --gpus N tests/test_gpu.py tests/test_tags.py tests/test_digest.py
+#      (relay fan-out over NCCL and over gloo from GPU memory; CUDA IPC, one GPU with two processes
+#      and two GPUs, values exact and device memory flat over 200 syncs; the kernels);
+#   4. the GPU benches: pytest --gpus N bench/bench_gpu.py --benchmark-json $OUT/gpu-bench.json;
+#   5. the report:     python -m cudarecv report -> $OUT/gpu-report.txt and $OUT/gpu-report.png;
+#   6. the CPU suite:  pytest tests/ (without test_gpu.py), last, so it never starves the GPU steps,
+#      spread over 4 workers when pytest-xdist is there, within what is left of BUDGET.
 # Every step is bounded with `timeout` (which signals the step's whole process group, ranks included);
-# a failed step does not stop the next ones, but the script then exits 1. It installs nothing but blake3: the
-# package is used from this checkout (PYTHONPATH); the repository's conftest.py loads the --gpus plugin.
-# blake3 (verify=True's digest), the one dependency a GPU machine may lack,
-# is installed from ./gpu-wheels/ when that folder holds its wheel (pip download blake3 -d gpu-wheels,
-# then carry gpu-wheels to the machine).
+# a failed step does not stop the next ones, but the script then exits 1. Results, all under OUT:
+# gpu-check.log, gpu-tests.xml, gpu-bench.json, gpu-report.txt, gpu-report.png, cpu-tests.xml.
+#
+# The lent machine's image (Python 3.12, torch 2.11+cu130, cupy-cuda13x, pytest-benchmark) has no
+# tensordict, pyvers or blake3 and cannot download: fill gpu-wheels/ here first with
+# `bash bench/gpu_wheels.sh`, and carry gpu-wheels/ with the call (it is git-ignored).
 #
 # Usage (from anywhere):  bash bench/gpu_check.sh [OUT]
 #   OUT                        results folder (default: $OUT, else ./gpu-results)
-#   PYTHON=...                 the interpreter (default: python)
+#   PYTHON=...                 the interpreter (default: python3)
+#   WHEELS=...                 the carried wheels (default: gpu-wheels); SITE=... where they go (/tmp/cudarecv-site)
+#   BUDGET=...                 seconds the whole check may take (default 470)
 #   GPUS=N                     --gpus for pytest (default: 2 if torch sees 2 GPUs or more, else 1)
 #   CUDARECV_NCCL_SHARED_GPU   1: NCCL tests and benches with both ranks on one GPU (needs NCCL >= 2.30);
 #                              default: 1 on a one-GPU machine whose NCCL is >= 2.30, else 0
@@ -29,8 +33,12 @@ set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 OUT="${1:-${OUT:-gpu-results}}"
 mkdir -p "$OUT" || exit 2
-PY="${PYTHON:-python}"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+OUT="$(cd "$OUT" && pwd)"
+PY="${PYTHON:-python3}"
+WHEELS="${WHEELS:-gpu-wheels}"
+SITE="${SITE:-/tmp/cudarecv-site}"
+BUDGET="${BUDGET:-470}"
+export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 exec > >(tee -a "$OUT/gpu-check.log") 2>&1
 
@@ -40,7 +48,7 @@ failed=()
 step() {
     local name=$1 limit=$2 start=$SECONDS rc
     shift 2
-    echo "=== $name (at most ${limit} s): $*" >&2
+    echo "=== $name (at most ${limit} s, at ${SECONDS} s): $*" >&2
     timeout --kill-after=10 "$limit" "$@"
     rc=$?
     if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
@@ -56,13 +64,15 @@ step() {
 
 step nvidia-smi 15 nvidia-smi
 
-if ! timeout 20 "$PY" -c "import blake3" 2>/dev/null; then
-    if compgen -G "gpu-wheels/*.whl" > /dev/null; then
-        step blake3-wheel 60 "$PY" -m pip install -q --no-index --no-deps gpu-wheels/*.whl
-    else
-        echo "blake3 is not installed and gpu-wheels/ holds no wheel: the verify=True tests will fail"
-    fi
+if compgen -G "$WHEELS/*.whl" > /dev/null; then
+    step wheels 40 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$SITE" "$WHEELS"/*.whl
+else
+    echo "$WHEELS/ holds no wheel: run bash bench/gpu_wheels.sh here and carry $WHEELS/ (tensordict is needed)"
+    failed+=("wheels (none in $WHEELS/)")
 fi
+# the native host copies, in place (a missing compiler leaves memmove: the versions step says which)
+step native 45 "$PY" setup.py -q build_ext --inplace
 
 step versions 30 "$PY" - <<'PYEOF'
 import importlib, importlib.metadata as md, platform
@@ -82,13 +92,21 @@ try:
           "| devices", cupy.cuda.runtime.getDeviceCount())
 except Exception as exc:
     print("cupy: unusable", repr(exc))
-for name in ("tensordict", "numpy", "blake3", "pytest", "pytest-benchmark", "pytest-timeout", "matplotlib"):
+try:
+    from cupy.cuda import nvrtc
+    print("NVRTC", nvrtc.getVersion(), "| archs", nvrtc.getSupportedArchs())
+except Exception as exc:
+    print("NVRTC: unusable", repr(exc))
+for name in ("tensordict", "pyvers", "numpy", "blake3", "pytest", "pytest-benchmark", "pytest-timeout",
+             "pytest-xdist", "matplotlib"):
     try:
         print(name, md.version(name))
     except md.PackageNotFoundError:
         print(name, "NOT INSTALLED")
 import cudarecv
 print("cudarecv", cudarecv.__version__, "from", cudarecv.__file__)
+from cudarecv import _host_copy
+print("host copies:", "native" if _host_copy.NATIVE else _host_copy.WHY_NOT_NATIVE)
 PYEOF
 
 NGPU=$(timeout 30 "$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
@@ -111,7 +129,7 @@ fi
 export CUDARECV_NCCL_SHARED_GPU
 echo "GPUs visible to torch: $NGPU | pytest --gpus $GPUS | CUDARECV_NCCL_SHARED_GPU=$CUDARECV_NCCL_SHARED_GPU"
 
-step gpu-tests 230 "$PY" -m pytest --gpus "$GPUS" -q -p no:cacheprovider \
+step gpu-tests 200 "$PY" -m pytest --gpus "$GPUS" -q -rA -p no:cacheprovider --timeout 60 --durations 15 \
     --junitxml "$OUT/gpu-tests.xml" tests/test_gpu.py tests/test_tags.py tests/test_digest.py
 
 BENCH_JSON="$OUT/gpu-bench.json"
@@ -123,7 +141,7 @@ else
     export CUDARECV_BENCH_JSON="$BENCH_JSON"
     BENCH_ARGS=()
 fi
-step gpu-benches 170 "$PY" -m pytest --gpus "$GPUS" -q -p no:cacheprovider \
+step gpu-benches 110 "$PY" -m pytest --gpus "$GPUS" -q -p no:cacheprovider --timeout 100 \
     bench/bench_gpu.py ${BENCH_ARGS[@]+"${BENCH_ARGS[@]}"}
 
 if [ -s "$BENCH_JSON" ]; then
@@ -133,15 +151,25 @@ if [ -s "$BENCH_JSON" ]; then
         echo "matplotlib is not installed: no plot"
         PNG=(--no-png)
     fi
-    step report 20 "$PY" -m cudarecv report "$BENCH_JSON" "${PNG[@]}" > "$OUT/gpu-report.txt"
+    step report 15 "$PY" -m cudarecv report "$BENCH_JSON" "${PNG[@]}" > "$OUT/gpu-report.txt"
     cat "$OUT/gpu-report.txt"
 else
     echo "=== report: skipped, no $BENCH_JSON" >&2
     failed+=("report (no $BENCH_JSON)")
 fi
 
-step cpu-tests 60 "$PY" -m pytest -q -p no:cacheprovider \
-    --junitxml "$OUT/cpu-tests.xml" tests/ --ignore=tests/test_gpu.py
+left=$((BUDGET - SECONDS))
+if [ "$left" -ge 30 ]; then
+    XDIST=()
+    if timeout 20 "$PY" -c "import xdist" 2>/dev/null; then
+        XDIST=(-n 4)
+    fi
+    step cpu-tests "$left" "$PY" -m pytest -q -p no:cacheprovider ${XDIST[@]+"${XDIST[@]}"} \
+        --junitxml "$OUT/cpu-tests.xml" tests/ --ignore=tests/test_gpu.py
+else
+    echo "=== cpu-tests: skipped, ${left} s left of the ${BUDGET} s budget" >&2
+    failed+=("cpu-tests (no time left)")
+fi
 
 echo "results in $OUT: gpu-check.log, gpu-tests.xml, gpu-bench.json, gpu-report.txt, gpu-report.png, cpu-tests.xml"
 if [ "${#failed[@]}" -gt 0 ]; then

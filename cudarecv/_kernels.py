@@ -56,6 +56,29 @@ def compile_source(source: str, name: str, arch: str | None = None, options: tup
     return ptx.rstrip("\x00")
 
 
+#: the oldest GPU architecture cudarecv's kernels are compiled for (Volta); NVRTC 13 starts at 75 (Turing)
+OLDEST_ARCH = 70
+
+
+def oldest_arch() -> str:
+    """The oldest virtual architecture this NVRTC compiles for, from :data:`OLDEST_ARCH` on.
+
+    CUDA 13 dropped ``compute_70``, so a fixed ``-arch=compute_70`` fails there; this asks NVRTC.
+
+    Example:
+        >>> compile_source(kernel_source("blake3.cu"), "blake3.cu", arch=oldest_arch())  # compute_70 on 12.x
+    """
+    try:
+        from cupy.cuda import nvrtc
+    except ImportError as exc:
+        raise UsageError(f"asking NVRTC for its architectures needs cupy: pip install 'cudarecv[gpu]' ({exc})") from exc
+    archs = sorted(int(a) for a in nvrtc.getSupportedArchs() if int(a) >= OLDEST_ARCH)
+    if not archs:
+        raise KernelCompileError(f"this NVRTC ({nvrtc.getVersion()}) compiles for no architecture from "
+                                 f"compute_{OLDEST_ARCH} on: {nvrtc.getSupportedArchs()}")
+    return f"compute_{archs[0]}"
+
+
 def gpu_available() -> bool:
     """True when cupy imports and sees at least one CUDA device; never raises."""
     try:
