@@ -306,7 +306,7 @@ def _start_recv(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolida
                         what=f"{what} from rank {link.peer} ({cause})", route=route,
                         driver=side.submit if driven else None)
     if driven:
-        transfer.add_done_callback(side.ended)
+        transfer.add_done_callback(functools.partial(side.ended, route))
         transfer.settle_in_background()
     if lane.stream is not None or (bucket_bytes is not None and not consolidated):
         _track(plan, transfer)  # it uses the plan's staging: the next transfer waits for it

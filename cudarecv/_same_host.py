@@ -525,11 +525,12 @@ class RecvSide:
         route.waiting = False
         return (yield from protocol)
 
-    def ended(self, transfer: Any) -> None:
-        """A driven receive ended. One that failed elsewhere than on the link's thread (it ran out of its
-        own time) leaves that thread in gloo, maybe for good: it is told to end once the wait returns,
-        and later receives get a thread of their own."""
-        if transfer.failed and threading.current_thread() is not self.driver.thread:
+    def ended(self, route: Route, transfer: Any) -> None:
+        """A driven receive (whose ``route`` it is) ended. One that failed elsewhere than on the link's thread
+        (it ran out of its own time) once its turn came leaves that thread in gloo, maybe for good: it is told
+        to end once the wait returns, and later receives get a thread of their own. One that failed while still
+        queued (``route.waiting``) leaves the thread running an earlier receive, whose turn later ones await."""
+        if transfer.failed and not route.waiting and threading.current_thread() is not self.driver.thread:
             self.driver.stop(0.0)
             self.driver = Driver(self.driver_name)
 

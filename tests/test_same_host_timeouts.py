@@ -186,3 +186,41 @@ def test_receives_posted_out_of_order_time_out_saying_so(cluster, negotiate):
     # (its tags are refused all the same: the sender's A may still come on them)
     assert "tags 1073741825 and 1342177281 for any tensordict, are refused for receives" in later[1], later
 
+
+
+def queued_receive_times_out(rank, world, group, key):
+    """On a fresh link rank 1 posts R1 (init_tag 0), R2 (init_tag 5, a short timeout: it runs out while queued
+    behind R1), then, once R2 has timed out, R3 (init_tag 0 again); only then rank 0 sends R1's and R3's
+    tensordicts (the first with the offer, after its header on the header's tag)."""
+    pg = _group(rank, world, key)
+    kw = dict(group=pg, bucket_bytes=1 << 12, transport="auto",
+              **({"group_dst": 1} if rank == 0 else {"group_src": 0}))
+    one, three = (TensorDict(x=torch.full((4096,), float(k) if rank == 0 else 0.0)) for k in (1, 3))
+    if rank == 0:
+        _await(f"{key}_posted")
+        result = [_outcome(cudarecv.isend(td, init_tag=0, timeout=LONG, return_early=True, **kw)[0])
+                  for td in (one, three)]
+    else:
+        first = cudarecv.irecv(one, init_tag=0, timeout=LONG, return_premature=True, **kw)[0]
+        queued = _outcome(cudarecv.irecv(TensorDict(x=torch.zeros(8)), init_tag=5, timeout=SHORT,
+                                         return_premature=True, **kw)[0])
+        third = cudarecv.irecv(three, init_tag=0, timeout=LONG, return_premature=True, **kw)[0]
+        _signal(f"{key}_posted")
+        result = [queued, _outcome(first), _outcome(third),
+                  (bool((one["x"] == 1.0).all()), bool((three["x"] == 3.0).all()))]
+    _signal(f"{key}_done_{rank}")
+    _await(f"{key}_done_{1 - rank}")
+    return result
+
+
+def test_a_receive_timed_out_in_the_queue_keeps_the_links_order(cluster):
+    try:
+        sent, (queued, first, third, exact) = cluster().run(queued_receive_times_out, args=(unique_key("queue"),),
+                                                            timeout=240)
+    finally:
+        cluster().close()
+    assert queued[0] == "TransferTimeout" and "queued behind an earlier receive" in queued[1], queued
+    # before: R2's timeout gave the link a new thread, where R3 posted its header receive beside R1's: it took
+    # the offer (OutOfStepError) and R1, whose offer receive then waited for R3's header, timed out after 60 s
+    assert first == ("ok", "wire") and third == ("ok", "shared memory") and exact == (True, True), (first, third)
+    assert sent == [("ok", "wire"), ("ok", "shared memory")], sent
