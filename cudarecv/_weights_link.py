@@ -104,7 +104,7 @@ class Unanswered:
     takes one tag's messages in the order they were posted, so once it has answered a later message
     (the owner knows which answer proves that) every earlier one is taken, and waiting for it returns
     at once: :meth:`taken` hands those over for the owner's protocol to wait for. What is left at
-    the end is parked (:func:`._transport.park`) by :meth:`forget`.
+    the end is kept with the group (:data:`_LEFT`) by :meth:`forget`.
 
     Example (a receiver: the sender's next push shows it took every word up to ``mark``)::
 
@@ -119,7 +119,7 @@ class Unanswered:
         self._lock = threading.Lock()
         self._posted: list[tuple[int, tuple[Any, ...]]] = []  # (sequence number, works), oldest first
         self._count = 0
-        self._park = weakref.finalize(self, _park_all, self._posted)  # also if its owner is never closed
+        self._leave = weakref.finalize(self, _leave, self._posted, weakref.ref(lane.link.pg))  # also if never closed
 
     def post(self, data: bytes) -> int:
         """Post ``data`` and return its sequence number (a mark for :meth:`taken`); nothing once forgotten."""
@@ -151,14 +151,22 @@ class Unanswered:
         return [work for works in done for work in works]
 
     def forget(self) -> None:
-        """At the end: park what the peer has not shown it took, and post nothing more."""
+        """At the end: leave what the peer has not shown it took with the group, and post nothing more."""
         with self._lock:
             self._lane = None
-            self._park()
+            self._leave()
 
 
-def _park_all(posted: list[tuple[int, tuple[Any, ...]]]) -> None:
-    park([work for _, works in posted for work in works])
+#: group -> the works of words its peers never showed they took (a closed receiver's last GOT, its BYE
+#: crossing the sender's CLOSED): kept while the group lives, so none is cancelled mid-stream, and let go
+#: with it (parked for good, they kept a destroyed group's gloo context and its thread until exit)
+_LEFT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _leave(posted: list[tuple[int, tuple[Any, ...]]], group: weakref.ref) -> None:
+    pg = group()
+    if pg is not None:
+        _LEFT.setdefault(pg, []).extend(work for _, works in posted for work in works)
     posted.clear()
 
 
