@@ -19,7 +19,6 @@ from ._handle import Transfer, at_exit
 from ._link import Link, as_rank
 from ._log import logger
 from ._staging import Lane, send_from
-from ._transport import park
 
 #: the longest timeout taken, in seconds (11.6 days); past about 9.2e9 s a thread's wait overflows
 MAX_TIMEOUT = 1e6

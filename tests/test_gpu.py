@@ -135,8 +135,9 @@ def _storage_facts(td) -> dict:
     """Where the consolidated storage is, and whether every leaf is a view of it."""
     storage = unwrap(td)._consolidated["storage"]
     start, end = storage.data_ptr(), storage.data_ptr() + storage.numel()
+    # (an empty leaf has no storage: data pointer 0 once consolidated, stock's layout as ours)
     inside = all(start <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= end
-                 for t in leaves(td))
+                 for t in leaves(td) if t.numel())
     return {"device": storage.device.type, "pinned": storage.device.type == "cpu" and storage.is_pinned(),
             "leaves_in_storage": inside}
 
@@ -583,6 +584,7 @@ def pending_receive(rank, world, group, mode, delay):
     cudarecv.recv(td, **peer, **opts)  # warm-up, also NCCL's communicator
     dedicated = _cuda.dedicated_stream(_device())
     x = torch.randn(1024, 1024, device=_device())
+    x @ x  # cuBLAS's first use in the process (its handle and workspace) is not what is timed
     torch.cuda.synchronize()
     _sleep_on(dedicated, 1.0)  # the transfer's own stream is busy too
     t0 = time.monotonic()
@@ -1013,7 +1015,9 @@ def test_cuda_ipc_weight_sync_exact_and_memory_flat(gloo, gpus):
     assert transports == {1: "cuda ipc"} and transport == "cuda ipc"
     assert exact, "a version arrived with other values"
     for early, late in (sent_memory, received_memory):
-        assert late == early, f"device memory (allocated, reserved) grew over 190 syncs: {early} -> {late}"
+        # flat or less (a temporary of the first syncs may be freed later): never more
+        assert all(b <= a for a, b in zip(early, late)), (
+            f"device memory (allocated, reserved) grew over 190 syncs: {early} -> {late}")
 
 
 @pytest.mark.parametrize("consolidated", [False, True], ids=["buckets", "chunks"])
