@@ -16,6 +16,7 @@ from tensordict import TensorDictBase
 from torch import Tensor
 
 from . import _fast_wire, _same_host, _stock_wire, _stuck
+from ._checks import check_timeout
 from ._errors import ArgumentError, ArgumentTypeError, Error, PeerError, TransferTimeout
 from ._handle import Transfer
 from ._header import check_pieces
@@ -26,7 +27,7 @@ from ._same_host import check_transport
 from ._staging import lane_for
 from ._transport import MAX_TAG
 from ._walk import unwrap
-from ._weights_link import check_timeout, peer_failure
+from ._weights_link import peer_failure
 
 
 def check_bucket_bytes(bucket_bytes: object) -> None:

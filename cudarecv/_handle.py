@@ -37,8 +37,10 @@ cudarecv is imported, so it runs after every handler registered later) each
 process group on which a thread still waits for a transfer (one that timed
 out, was never waited for, or a standing receive) has its links closed (one
 gloo wait of 1 ms on it: gloo closes all of a group's links at once, never one),
-the waits end with an error, and their threads are joined. Groups with no
-such wait are not touched; what is closed is logged (logger ``cudarecv``).
+the waits end with an error, and their threads are joined; a transfer that
+would start waiting once the hook has looked fails at once instead (a thread
+between two waits then cannot block in gloo again). Groups with no such wait are
+not touched; what is closed is logged (logger ``cudarecv``).
 
 Every step of a protocol runs under ``torch.no_grad()``: the bytes cudarecv moves
 never join an autograd graph, whatever the leaves require.
@@ -61,7 +63,8 @@ from typing import Any, Callable, Generator, Sequence
 import torch
 
 from . import _cuda
-from ._errors import Error, TransferTimeout, WaitTimeout
+from ._checks import check_timeout
+from ._errors import Error, LinkError, TransferTimeout, WaitTimeout
 from ._link import Link
 from ._log import logger
 from ._transport import MAX_TAG, park
@@ -264,8 +267,11 @@ class Transfer(torch.futures.Future):
 
         Raises:
             whatever the transfer raised (a header mismatch, its own timeout, a dead
-            peer); a failed transfer raises the same error on every ``wait()``.
+            peer); a failed transfer raises the same error on every ``wait()``;
+            :class:`ArgumentError` for a ``timeout`` that is no number of seconds
+            from 0 to :data:`~._checks.MAX_TIMEOUT` (nothing is waited for then).
         """
+        timeout = check_timeout(timeout, or_none=True, or_zero=True)
         if not self._settled.is_set():
             if self.timeout is None and timeout is None:
                 self.settle()  # here, bounded by the process group's timeout
@@ -309,7 +315,11 @@ class Transfer(torch.futures.Future):
     def settle(self) -> None:
         """Drive the transfer to its end on this thread; never raises (the error is the future's)."""
         with self._driving:
-            _DRIVEN[self] = threading.current_thread()  # what the exit hook ends (see the module docstring)
+            with _EXIT_LOCK:  # (atomic with the exit hook's look at what is driven)
+                if _exiting:
+                    self._fail_at_exit()
+                    return
+                _DRIVEN[self] = threading.current_thread()  # what the exit hook ends (see the module docstring)
             try:
                 while not self._finished and self._waited():
                     # no frame of this thread holds a work now: the last step sets the result, the waiter
@@ -317,7 +327,16 @@ class Transfer(torch.futures.Future):
                     # that re-takes the GIL during shutdown, which aborts the process (SIGABRT)
                     self._advance()
             finally:
-                del _DRIVEN[self]
+                with _EXIT_LOCK:
+                    del _DRIVEN[self]
+
+    def _fail_at_exit(self) -> None:
+        """The interpreter is shutting down and the exit hook has ended every wait on the process groups: a
+        transfer that would start waiting now fails instead (a thread that returned from gloo after the
+        interpreter's end would abort the process)."""
+        with self._state:
+            if not self._finished:
+                self._fail(LinkError(f"{self.what} was still waiting when the process exited"))
 
     def _waited(self) -> bool:
         """Wait for the pending works; False if one failed (the transfer then failed with its error)."""
@@ -480,6 +499,8 @@ class _Deadlines:
 
 _DEADLINES = _Deadlines()
 _DRIVEN: dict = {}  # transfer -> the thread driving it now (in Transfer.settle)
+_EXIT_LOCK = threading.Lock()  # guards _DRIVEN's entries and _exiting
+_exiting = False  # set by the exit hook: no transfer starts waiting after it looked
 _BACKGROUND: set = set()  # transfers handed to a background thread, until they end
 _STOPS: list[Callable[[], Callable[[float], None] | None]] = []  # at_exit's, each behind a (weak) reference
 
@@ -495,9 +516,12 @@ def at_exit(stop: Callable[[float], None]) -> None:
 def _at_exit() -> None:
     """End the gloo waits other threads still block in or are about to, and let those threads
     leave torch's C++ code, before the interpreter shuts down (see the module docstring)."""
+    global _exiting
     _DEADLINES.stop()
     me = threading.current_thread()
-    stuck = {t for t, thread in list(_DRIVEN.items()) if thread is not me} | set(_BACKGROUND)
+    with _EXIT_LOCK:  # from now on a transfer that would start waiting fails (Transfer.settle)
+        _exiting = True
+        stuck = {t for t, thread in _DRIVEN.items() if thread is not me} | set(_BACKGROUND)
     groups: dict[int, list[Transfer]] = {}
     for transfer in stuck:
         if transfer._link is not None and transfer._link.backend == "gloo":

@@ -37,6 +37,7 @@ from torch import Tensor
 
 from . import _cuda
 from . import _cuda_ipc as cuda_ipc
+from ._checks import check_timeout
 from ._control import read_bytes, wire_bytes
 from ._errors import (
     ArgumentError,
@@ -62,7 +63,7 @@ from ._same_host import allowed, check_transport
 from ._shared_memory import MAX_SEGMENTS, MappingError, map_offer, offer_size
 from ._staging import Lane, drain, lane_for, recv_into, send_from, wire_can_touch
 from ._walk import unwrap, walk
-from ._weights_link import Driver, Unanswered, check_timeout, link_error, naming, run, send_bytes
+from ._weights_link import Driver, Unanswered, link_error, naming, run, send_bytes
 from ._weights_wire import (
     ACCEPTED,
     ASK,

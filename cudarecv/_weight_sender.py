@@ -67,6 +67,7 @@ import torch
 from . import _cuda
 from . import _cuda_ipc as cuda_ipc
 from ._api import check_bucket_bytes
+from ._checks import check_timeout
 from ._control import read_bytes, wire_bytes
 from ._errors import (
     ArgumentError,
@@ -93,7 +94,7 @@ from ._shared_memory import Segment, available, offer
 from ._staging import Lane, lane_for, send_from
 from ._transport import park
 from ._walk import unwrap
-from ._weights_link import Driver, check_peers, check_timeout, link_error, naming, run, send_bytes
+from ._weights_link import Driver, check_peers, link_error, naming, run, send_bytes
 from ._weights_wire import (
     ACCEPTED,
     ASK,

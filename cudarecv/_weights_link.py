@@ -20,21 +20,6 @@ from ._link import Link, as_rank
 from ._log import logger
 from ._staging import Lane, send_from
 
-#: the longest timeout taken, in seconds (11.6 days); past about 9.2e9 s a thread's wait overflows
-MAX_TIMEOUT = 1e6
-
-
-def check_timeout(timeout: object, name: str = "timeout", or_none: bool = False) -> float | None:
-    """``timeout`` as float seconds: positive, finite, at most :data:`MAX_TIMEOUT` (or None, with ``or_none``:
-    the process group's), else an ArgumentError naming ``name``."""
-    if timeout is None and or_none:
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= MAX_TIMEOUT:
-        fallback = " or None (the process group's)" if or_none else ""
-        raise ArgumentError(f"`{name}` must be a positive number of seconds up to {MAX_TIMEOUT:g}{fallback}, "
-                            f"got {timeout!r}")
-    return float(timeout)
-
 
 def check_peers(value: Any, name: str) -> list[int] | None:
     """A rank or a list (tuple) of distinct ranks, as a list of ints."""

@@ -52,6 +52,7 @@ from torch import nn
 from torchrl.weight_update.weight_sync_schemes import WeightSyncScheme, register_weight_sync_backend
 
 from ._api import check_bucket_bytes
+from ._checks import check_timeout
 from ._errors import (
     ArgumentError,
     Error,
@@ -65,7 +66,6 @@ from ._errors import (
 from ._same_host import check_transport
 from ._weight_receiver import WeightReceiver
 from ._weight_sender import WeightSender
-from ._weights_link import check_timeout
 
 __all__ = ["BACKEND", "CudarecvWeightSyncScheme"]
 

@@ -13,7 +13,6 @@ import json
 import os
 import signal
 import sys
-import threading
 import time
 from datetime import timedelta
 
@@ -80,7 +79,7 @@ def kill(rank: int, world: int) -> dict:
         seen = []
         if rank == VICTIM:
             receiver.pull()
-            threading.Timer(0.15, _die).start()  # mid-way through the next push
+            _die_mid_push()
         while True:
             try:
                 version = receiver.pull()
@@ -106,6 +105,21 @@ def kill(rank: int, world: int) -> dict:
         with cudarecv.WeightReceiver(group=group, group_src=0, expect=td, timeout=TIMEOUT) as receiver:
             out["rebuilt"] = [receiver.pull(), _holds(receiver.td, 200)]
     return out
+
+
+def _die_mid_push() -> None:
+    """Die once the second chunk of the next push has landed here (and the first is on its way down):
+    mid-push by construction, whatever the machine's speed (a timer could fire between two pushes)."""
+    from cudarecv import _relay
+
+    landed = _relay.Relay.landed
+
+    def landed_then_die(self, i: int) -> None:
+        landed(self, i)
+        if i == 1:
+            _die()
+
+    _relay.Relay.landed = landed_then_die
 
 
 def _die() -> None:

@@ -34,3 +34,13 @@ def unique_key(name: str) -> str:
 def store():
     """The ranks' shared TCPStore (for signals between ranks outside the link under test)."""
     return dist.distributed_c10d._get_default_store()
+
+
+def set_flag(key: str) -> None:
+    """Tell the other ranks (through the shared store) that ``key`` happened."""
+    store().set(key, "1")
+
+
+def wait_flag(key: str, seconds: float = 90.0) -> None:
+    """Wait until a rank has signalled ``key`` (bounded: a missing signal fails the call)."""
+    store().wait([key], timedelta(seconds=seconds))

@@ -128,6 +128,15 @@ def test_transfer_is_a_future(recording_world):
     assert sent.wait() is None
 
 
+@pytest.mark.parametrize("bad", [float("inf"), float("nan"), 1e10, -1.0, "5", True])
+def test_a_wait_with_a_timeout_out_of_range_is_refused_by_name(recording_world, bad):
+    """(a wait of inf or 1e10 raised OverflowError from inside threading before)"""
+    [transfer] = cudarecv.irecv(make("flat", 0.0), src=1, return_premature=True)
+    with pytest.raises(cudarecv.ArgumentError, match="`timeout` must be a non-negative number of seconds up to"):
+        transfer.wait(bad)
+    assert transfer.wait() is not None  # nothing was waited for: the transfer goes on
+
+
 def test_stream_on_cpu_is_refused(recording_world):
     with pytest.raises(ValueError, match="`stream` was given"):
         cudarecv.irecv(make("flat", 0.0), src=1, stream=object())

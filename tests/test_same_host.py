@@ -20,7 +20,7 @@ from cudarecv import _fast_wire, _host_copy, _same_host, _shared_memory
 from cudarecv._header import STORAGE_SLOTS, Header
 from cudarecv._shared_memory import Mapping, Segment, map_offer, offer
 from cudarecv.testing.launch import Cluster, RankExit
-from rawwire import raw_send, store, unique_key
+from rawwire import raw_send, set_flag, store, unique_key, wait_flag
 from tdfactory import STRUCTURES, leaves, make, same
 
 
@@ -710,13 +710,14 @@ def forged_storage(rank, world, group, lie, key):
         raw_send(pg, 1, dataclasses.replace(head, transport=2, segment=0, offer=True, seq=99).pack(),
                  _fast_wire.header_tag(0))
         raw_send(pg, 1, offered + bytes(_fast_wire.OFFER_SIZE - len(offered)), _fast_wire.header_tag(0))
-        time.sleep(2)  # (the receiver maps it before this process, and its storage, go)
+        wait_flag(f"{key}_refused")  # (the receiver maps it before this process, and its storage, go)
         return None
     for _ in range(2):
         cudarecv.recv(td, group=pg, group_src=0, bucket_bytes=1024, consolidated=True)
     td["x"].zero_()
     with pytest.raises(cudarecv.OutOfStepError) as error:
         cudarecv.recv(td, group=pg, group_src=0, bucket_bytes=1024, consolidated=True, timeout=20)
+    set_flag(f"{key}_refused")
     return str(error.value), bool((td["x"] == 0).all())
 
 
@@ -796,8 +797,8 @@ def works_on_the_drivers_stack(rank, world, group, key):
     pg = _group(rank, world, key)
     td = make("nested", 2.0 if rank == 0 else 0.0)
     if rank == 0:
-        for _ in range(3):  # the first on the wire with the offer, then through the segments
-            time.sleep(0.5)  # (the receiver has posted and registered its callback)
+        for i in range(3):  # the first on the wire with the offer, then through the segments
+            wait_flag(f"{key}_posted_{i}")  # (the receiver has posted and registered its callback)
             cudarecv.send(td, group=pg, group_dst=1, bucket_bytes=64)
         return None
     seen = []
@@ -811,9 +812,10 @@ def works_on_the_drivers_stack(rank, world, group, key):
             frame = frame.f_back
         seen.append((threading.current_thread().name, holding))
 
-    for _ in range(3):
+    for i in range(3):
         [t] = cudarecv.irecv(td, group=pg, group_src=0, bucket_bytes=64, return_premature=True)
         t.add_done_callback(look)
+        set_flag(f"{key}_posted_{i}")
         t.wait(timeout=20)
     return seen, same(td, make("nested", 2.0))
 

@@ -20,7 +20,7 @@ from tensordict import TensorDict
 
 import cudarecv
 from cudarecv import _same_host
-from rawwire import store, unique_key
+from rawwire import set_flag, store, unique_key, wait_flag
 
 SHORT = 2.0  # seconds: the own timeout of the transfer expected to time out
 LONG = 60.0  # seconds: the own timeout of a transfer that must succeed
@@ -37,14 +37,6 @@ def _outcome(transfer) -> tuple[str, str]:
         return "ok", transfer.transport
     except cudarecv.Error as error:
         return type(error).__name__, str(error)
-
-
-def _signal(key: str) -> None:
-    store().set(key, "1")
-
-
-def _await(key: str) -> None:
-    store().wait([key], timedelta(seconds=90))
 
 
 def _memfds() -> int:
@@ -98,19 +90,19 @@ def timed_out_send_then_other_tags(rank, world, group, key, negotiate):
         first = _outcome(cudarecv.isend(a, init_tag=1, timeout=SHORT, return_early=True, **kw)[0])
         side = _send_side(pg)
         kept = (side.state, len(side.segments), _memfds() - fds)
-        _signal(f"{key}_a")
+        set_flag(f"{key}_a")
         second = _outcome(cudarecv.isend(b, init_tag=2, timeout=LONG, return_early=True, **kw)[0])
-        _await(f"{key}_late")
+        wait_flag(f"{key}_late")
         result = routes, first, kept, second
     else:
-        _await(f"{key}_a")
+        wait_flag(f"{key}_a")
         first = _outcome(cudarecv.irecv(b, init_tag=2, timeout=LONG, return_premature=True, **kw)[0])
         second = _outcome(cudarecv.irecv(a, init_tag=1, timeout=LONG, return_premature=True, **kw)[0])
         exact = bool((b["x"] == 3.0).all()), bool((a["x"] == 2.0).all())
-        _signal(f"{key}_late")
+        set_flag(f"{key}_late")
         result = routes, first, second, exact
-    _signal(f"{key}_done_{rank}")
-    _await(f"{key}_done_{1 - rank}")  # neither drops the group while the other uses it
+    set_flag(f"{key}_done_{rank}")
+    wait_flag(f"{key}_done_{1 - rank}")  # neither drops the group while the other uses it
     return result, _threads_left(before, pg)
 
 
@@ -162,8 +154,8 @@ def receives_out_of_order(rank, world, group, key, negotiate):
         pair = [cudarecv.irecv(td, init_tag=k, timeout=SHORT, return_premature=True, **kw)[0]
                 for k, td in ((2, b), (1, a))]
     outcomes = [_outcome(t) for t in pair]
-    _signal(f"{key}_done_{rank}")
-    _await(f"{key}_done_{1 - rank}")  # neither drops the group while the other uses it
+    set_flag(f"{key}_done_{rank}")
+    wait_flag(f"{key}_done_{1 - rank}")  # neither drops the group while the other uses it
     return routes, outcomes
 
 
@@ -197,7 +189,7 @@ def queued_receive_times_out(rank, world, group, key):
               **({"group_dst": 1} if rank == 0 else {"group_src": 0}))
     one, three = (TensorDict(x=torch.full((4096,), float(k) if rank == 0 else 0.0)) for k in (1, 3))
     if rank == 0:
-        _await(f"{key}_posted")
+        wait_flag(f"{key}_posted")
         result = [_outcome(cudarecv.isend(td, init_tag=0, timeout=LONG, return_early=True, **kw)[0])
                   for td in (one, three)]
     else:
@@ -205,11 +197,11 @@ def queued_receive_times_out(rank, world, group, key):
         queued = _outcome(cudarecv.irecv(TensorDict(x=torch.zeros(8)), init_tag=5, timeout=SHORT,
                                          return_premature=True, **kw)[0])
         third = cudarecv.irecv(three, init_tag=0, timeout=LONG, return_premature=True, **kw)[0]
-        _signal(f"{key}_posted")
+        set_flag(f"{key}_posted")
         result = [queued, _outcome(first), _outcome(third),
                   (bool((one["x"] == 1.0).all()), bool((three["x"] == 3.0).all()))]
-    _signal(f"{key}_done_{rank}")
-    _await(f"{key}_done_{1 - rank}")
+    set_flag(f"{key}_done_{rank}")
+    wait_flag(f"{key}_done_{1 - rank}")
     return result
 
 

@@ -251,13 +251,13 @@ def test_sender_killed_mid_push(cluster, transport):
     assert "broken" in again and "connect a new one" in again
 
 
-def silent_sender(rank, world, group):
+def silent_sender(rank, world, group, key):
     model = policy()
     if rank == 0:
         sender = cudarecv.WeightSender(TensorDict.from_module(model), dst=1, timeout=20)
         set_version(model, 1)
         sender.push()
-        time.sleep(2.5)  # says nothing while the receiver waits
+        store().wait([f"{key}_timed_out"])  # says nothing while the receiver waits (and is kept open)
         return None
     receiver = cudarecv.WeightReceiver(src=0, timeout=20)  # a loaded machine may take a while to shake hands
     receiver.pull()
@@ -267,10 +267,12 @@ def silent_sender(rank, world, group):
         return "no error"
     except TimeoutError as error:
         return str(error), time.monotonic() - start, receiver.version, holds_version(receiver.td, 1)
+    finally:
+        store().set(f"{key}_timed_out", "1")
 
 
 def test_silent_sender_times_out(cluster):
-    message, took, version, intact = cluster().run(silent_sender, timeout=60)[1]
+    message, took, version, intact = cluster().run(silent_sender, args=(unique_key("silent"),), timeout=60)[1]
     cluster().close()  # gloo cannot cancel the abandoned receive: the next test needs new groups
     assert "rank 0" in message and "1 s" in message
     assert 0.9 < took < 1.0 + 10.0  # the pull's 1 s, with room for a loaded machine

@@ -11,7 +11,6 @@ import json
 import logging
 import os
 import signal
-import threading
 import time
 
 import pytest
@@ -63,9 +62,8 @@ def dead_receiver(rank, world, group):
     with cudarecv.WeightReceiver(src=0, expect=model, timeout=20) as receiver:
         if rank == 2:
             receiver.pull()
-            receiver.pull(wait=False)
-            threading.Timer(0.005, os.kill, args=(os.getpid(), signal.SIGKILL)).start()
-            time.sleep(30)
+            receiver.pull(wait=False)  # posted: the rank dies with a pull in flight
+            os.kill(os.getpid(), signal.SIGKILL)
         return _pull_all(receiver, STEPS)
 
 
@@ -95,7 +93,7 @@ def died_between_pushes(rank, world, group, key, mode, wait):
             set_version(model, 1)
             sender.push()
             signals.set(f"{key}_pushed", "1")
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + 60  # (a bound, not an expectation: it is heard at once)
             while 2 in sender.ranks and time.monotonic() < deadline:  # dropped by its listener, between pushes
                 time.sleep(0.01)
             assert 2 not in sender.ranks, "the sender never heard that rank 2 died"
