@@ -333,7 +333,7 @@ TAG_STOCK_MODE = "_int_generator loop"
 
 def _stock_tag_map() -> list[int]:
     """The reference: stock ``_int_generator`` of every seed, 0..10000."""
-    from cudarecv._stock import int_generator as _int_generator
+    from cudarecv.p2p.stock import int_generator as _int_generator
 
     return [_int_generator(s) for s in range(10_001)]
 
@@ -372,7 +372,7 @@ def test_tag_map_stock(benchmark, transfer_targets):
 def test_tag_map_numpy(benchmark, transfer_targets):
     import numpy as np
 
-    from cudarecv._tags import int_generator_many
+    from cudarecv.plan.tags import int_generator_many
 
     seeds = np.arange(10_001, dtype=np.uint64)
     seconds = _times(lambda: int_generator_many(seeds), 5)
@@ -381,13 +381,13 @@ def test_tag_map_numpy(benchmark, transfer_targets):
 
 
 def test_tag_map_kernel(benchmark, transfer_targets):
-    from cudarecv import _tag_kernel
+    from cudarecv.cuda import tag_kernel
 
-    if not _tag_kernel.gpu_available():
+    if not tag_kernel.gpu_available():
         pytest.skip("cupy is not installed or sees no CUDA device (pip install 'cudarecv[gpu]')")
-    _tag_kernel.time_tag_map_gpu(10)  # compile and load the kernel
-    seconds = [_tag_kernel.time_tag_map_gpu(100) * 1e-6 for _ in range(5)]  # GPU time per launch (CUDA events)
-    ok = _tag_kernel.tag_map_gpu().tolist() == _stock_tag_map()
+    tag_kernel.time_tag_map_gpu(10)  # compile and load the kernel
+    seconds = [tag_kernel.time_tag_map_gpu(100) * 1e-6 for _ in range(5)]  # GPU time per launch (CUDA events)
+    ok = tag_kernel.tag_map_gpu().tolist() == _stock_tag_map()
     _tag_rows(benchmark, "cudarecv", "cupy kernel", seconds, transfer_targets, ok)
 
 

@@ -2,7 +2,7 @@
 
 A plan is reused only while every leaf keeps its data pointer and contiguity
 (the stock wire, which posts the leaves themselves) and, where its byte layout is
-used (the fast wire, GPU staging), its dtype and shape (``cudarecv/_plan.py``);
+used (the fast wire, GPU staging), its dtype and shape (``cudarecv/plan/plan.py``);
 an unlocked tensordict is walked first. Timed in this process, no peers, with
 pytest-benchmark's own clock: its stats are the lookup itself (``ok``: the lookup
 found the plan built before).
@@ -14,7 +14,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from cudarecv._plan import plan_for
+from cudarecv.plan.plan import plan_for
 
 LEAVES = 2000
 

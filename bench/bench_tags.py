@@ -1,7 +1,7 @@
 """Pseudo-random tags for 100k leaves: cudarecv's tag map vs stock ``_int_generator``.
 
 Each round runs in a fresh ``sys.executable`` child, so the cudarecv number
-includes importing ``cudarecv._tags`` (hence the ``cudarecv`` package) and
+includes importing ``cudarecv.plan.tags`` (hence the ``cudarecv`` package) and
 building the tag map. The child times itself; process start-up is not part
 of it. Both children import numpy, torch and tensordict
 (shared dependencies, ~1 s) before their timer; the stock child then times
@@ -42,8 +42,8 @@ _OURS = f"""
 import hashlib, json, time
 import numpy as np, torch, tensordict
 t0 = time.perf_counter()
-import cudarecv._tags
-tags = cudarecv._tags.tag_sequence(0, {LEAVES}, pseudo_rand=True)
+import cudarecv.plan.tags
+tags = cudarecv.plan.tags.tag_sequence(0, {LEAVES}, pseudo_rand=True)
 t1 = time.perf_counter()
 print(json.dumps({{"seconds": t1 - t0, "sha": hashlib.sha256(np.asarray(tags, np.int64).tobytes()).hexdigest()}}))
 """
@@ -55,7 +55,7 @@ s0 = time.perf_counter()
 import tensordict
 s1 = time.perf_counter()
 t0 = time.perf_counter()
-from cudarecv._stock import int_generator as _int_generator
+from cudarecv.p2p.stock import int_generator as _int_generator
 tag, tags = -1, []
 for _ in range({LEAVES}):
     tag = _int_generator(tag + 1)

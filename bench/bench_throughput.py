@@ -22,7 +22,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 import cudarecv
-from cudarecv._stock import Stock
+from cudarecv.p2p.stock import Stock
 from cudarecv.tools import transfer_ranks as tb
 
 LEAVES, LEAF_BYTES, STREAM, ROUNDS = 2000, 8192, 8, 5

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 import cudarecv
-from cudarecv._stock import Stock
+from cudarecv.p2p.stock import Stock
 from cudarecv.testing.launch import Ranks
 from cudarecv.tools import transfer_ranks as tb
 

@@ -105,7 +105,7 @@ for name in ("tensordict", "pyvers", "numpy", "blake3", "pytest", "pytest-benchm
         print(name, "NOT INSTALLED")
 import cudarecv
 print("cudarecv", cudarecv.__version__, "from", cudarecv.__file__)
-from cudarecv import _host_copy
+from cudarecv.core import host_copy as _host_copy
 print("host copies:", "native" if _host_copy.NATIVE else _host_copy.WHY_NOT_NATIVE)
 PYEOF
 

@@ -21,42 +21,42 @@ import importlib
 import logging
 from typing import TYPE_CHECKING, Any
 
-# the library's logger stays silent unless the application configures it (see cudarecv._log)
+# the library's logger stays silent unless the application configures it (see cudarecv.core.log)
 logging.getLogger("cudarecv").addHandler(logging.NullHandler())
 
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "irecv": "._api",
-    "isend": "._api",
-    "recv": "._api",
-    "send": "._api",
-    "Transfer": "._handle",
-    "install": "._install",
-    "installed": "._install",
-    "is_installed": "._install",
-    "uninstall": "._install",
-    "tag_sequence": "._tags",
-    "WeightSender": "._weight_sender",
-    "WeightReceiver": "._weight_receiver",
-    "Error": "._errors",
-    "ArgumentError": "._errors",
-    "ArgumentTypeError": "._errors",
-    "UsageError": "._errors",
-    "WaitTimeout": "._errors",
-    "MismatchError": "._errors",
-    "HeaderError": "._errors",
-    "SchemaError": "._errors",
-    "PushHeaderError": "._errors",
-    "ChecksumError": "._errors",
-    "LinkError": "._errors",
-    "OutOfStepError": "._errors",
-    "PeerError": "._errors",
-    "TransferTimeout": "._errors",
-    "BrokenError": "._errors",
-    "KernelCompileError": "._errors",
-    "SenderClosed": "._errors",
-    "ReceiverFailed": "._errors",
+    "irecv": ".p2p.calls",
+    "isend": ".p2p.calls",
+    "recv": ".p2p.calls",
+    "send": ".p2p.calls",
+    "Transfer": ".core.transfer",
+    "install": ".p2p.install",
+    "installed": ".p2p.install",
+    "is_installed": ".p2p.install",
+    "uninstall": ".p2p.install",
+    "tag_sequence": ".plan.tags",
+    "WeightSender": ".weights.sender",
+    "WeightReceiver": ".weights.receiver",
+    "Error": ".core.errors",
+    "ArgumentError": ".core.errors",
+    "ArgumentTypeError": ".core.errors",
+    "UsageError": ".core.errors",
+    "WaitTimeout": ".core.errors",
+    "MismatchError": ".core.errors",
+    "HeaderError": ".core.errors",
+    "SchemaError": ".core.errors",
+    "PushHeaderError": ".core.errors",
+    "ChecksumError": ".core.errors",
+    "LinkError": ".core.errors",
+    "OutOfStepError": ".core.errors",
+    "PeerError": ".core.errors",
+    "TransferTimeout": ".core.errors",
+    "BrokenError": ".core.errors",
+    "KernelCompileError": ".core.errors",
+    "SenderClosed": ".core.errors",
+    "ReceiverFailed": ".core.errors",
 }
 __all__ = [
     "ArgumentError", "ArgumentTypeError", "BrokenError", "ChecksumError", "Error", "HeaderError",
@@ -67,8 +67,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from ._api import irecv, isend, recv, send
-    from ._errors import (
+    from .core.errors import (
         ArgumentError,
         ArgumentTypeError,
         BrokenError,
@@ -88,11 +87,12 @@ if TYPE_CHECKING:
         UsageError,
         WaitTimeout,
     )
-    from ._handle import Transfer
-    from ._install import install, installed, is_installed, uninstall
-    from ._tags import tag_sequence
-    from ._weight_receiver import WeightReceiver
-    from ._weight_sender import WeightSender
+    from .core.transfer import Transfer
+    from .p2p.calls import irecv, isend, recv, send
+    from .p2p.install import install, installed, is_installed, uninstall
+    from .plan.tags import tag_sequence
+    from .weights.receiver import WeightReceiver
+    from .weights.sender import WeightSender
 
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)

@@ -51,9 +51,7 @@ from tensordict import TensorDict, TensorDictBase
 from torch import nn
 from torchrl.weight_update.weight_sync_schemes import WeightSyncScheme, register_weight_sync_backend
 
-from ._api import check_bucket_bytes
-from ._checks import check_timeout
-from ._errors import (
+from . import (
     ArgumentError,
     Error,
     PeerError,
@@ -62,10 +60,9 @@ from ._errors import (
     TransferTimeout,
     UsageError,
     WaitTimeout,
+    WeightReceiver,
+    WeightSender,
 )
-from ._same_host import check_transport
-from ._weight_receiver import WeightReceiver
-from ._weight_sender import WeightSender
 
 __all__ = ["BACKEND", "CudarecvWeightSyncScheme"]
 
@@ -132,8 +129,8 @@ class CudarecvWeightSyncScheme(WeightSyncScheme):
                                 f"one consolidated tensordict), got {strategy!r}")
         if not isinstance(sync, bool):
             raise ArgumentError(f"`sync` must be True or False, got {sync!r}")
-        if not isinstance(zero_copy, bool):
-            raise ArgumentError(f"`zero_copy` must be True or False, got {zero_copy!r}")
+        checked = WeightSender.check_options(timeout=timeout, connect_timeout=connect_timeout, transport=transport,
+                                             bucket_bytes=bucket_bytes, zero_copy=zero_copy)
         if not isinstance(host, str) or not host:
             raise ArgumentError(f"`host` must be the address of the trainer's machine, got {host!r}")
         try:
@@ -142,11 +139,9 @@ class CudarecvWeightSyncScheme(WeightSyncScheme):
             raise ArgumentError(f"`device` must name a device (\"cpu\", \"cuda:0\"), got {device!r}: {error}") from None
         super().__init__(strategy)
         self.sync = sync
-        self.timeout = check_timeout(timeout)
-        self.connect_timeout = check_timeout(connect_timeout, "connect_timeout")
+        self.timeout, self.connect_timeout = checked["timeout"], checked["connect_timeout"]
         self.host = host
-        self.transport = check_transport(transport)
-        check_bucket_bytes(bucket_bytes)
+        self.transport = transport
         self.bucket_bytes = bucket_bytes
         self.verify = bool(verify)
         self.device = device
@@ -497,7 +492,7 @@ class CudarecvWeightSyncScheme(WeightSyncScheme):
             view = td.get(path)
             wrapped.set(path, nn.Parameter(view, requires_grad=held.requires_grad)
                         if isinstance(held, nn.Parameter) else view)
-        if len(self._wrapped) >= 2 + len(self._receiver._aliases):  # its two buffers and (zero-copy) the
+        if len(self._wrapped) >= self._receiver.buffer_count:  # its two buffers and (zero-copy) the
             self._wrapped.clear()                                    # sender's snapshots take turns; one more replaced one
         self._wrapped[id(td)] = (td, wrapped)
         return wrapped

@@ -58,7 +58,7 @@ STRUCTURES = ("flat", "nested", "lazy", "tensorclass", "nested_tensorclass", "ze
 
 def leaves(td) -> list[torch.Tensor]:
     """All tensors of ``td`` in a canonical order, for comparisons."""
-    from cudarecv._walk import unwrap, walk
+    from cudarecv.plan.walk import unwrap, walk
 
     return walk(unwrap(td))[1]
 

@@ -22,8 +22,9 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 
 import cudarecv
-from cudarecv import _cuda, _transport
-from cudarecv._link import Link
+from cudarecv.core import streams as _cuda
+from cudarecv.core import transport as _transport
+from cudarecv.core.link import Link
 from cudarecv.testing.gpu import nccl_pair_problem
 from tdfactory import make
 
@@ -72,7 +73,7 @@ def spy_post(monkeypatch):
         calls.append((sending, len(tensors)))
         return real(link, sending, tensors, tags, **kwargs)
 
-    import cudarecv._staging as staging
+    import cudarecv.wire.staging as staging
 
     monkeypatch.setattr(staging, "post", spy)
     return calls
@@ -95,7 +96,7 @@ def test_one_call_is_one_batch_in_stock_order(recording_world, spy_post, structu
 
 def test_stock_sends_the_same_records(recording_world):
     """Stock tensordict on the recording backend issues exactly what cudarecv issues."""
-    from cudarecv._stock import Stock
+    from cudarecv.p2p.stock import Stock
 
     td = make("nested", 1.0)
     RECORDS.clear()
@@ -110,7 +111,7 @@ def test_fast_wire_is_one_header_then_buckets(recording_world):
     td = make("nested", 1.0)
     RECORDS.clear()
     cudarecv.isend(td, dst=1, bucket_bytes=16)
-    from cudarecv._plan import plan_for
+    from cudarecv.plan.plan import plan_for
 
     total = plan_for(td).total
     assert RECORDS[0][3] == 64 and RECORDS[0][2] >= 1 << 30
@@ -192,7 +193,7 @@ def test_single_messages_and_unbatched_nccl_go_one_op_each():
 
 
 def test_nccl_batching_switch(monkeypatch):
-    from cudarecv._staging import Lane
+    from cudarecv.wire.staging import Lane
 
     link = Link(CoalescingBackend(), 1, registered=False)
     assert Lane(link).batched
@@ -216,7 +217,7 @@ def test_staging_pool_allocates_once_and_bounds_depth():
 
 
 def test_plan_staging_is_reused():
-    from cudarecv._plan import plan_for
+    from cudarecv.plan.plan import plan_for
 
     td = make("nested", 0.0)
     plan = plan_for(td)
@@ -234,10 +235,10 @@ def test_gpu_modules_import_without_cuda_or_cupy():
         "        if name.split('.')[0] in ('cupy', 'pynvml'):\n"
         "            raise ImportError('blocked ' + name)\n"
         "sys.meta_path.insert(0, Block())\n"
-        "import cudarecv, cudarecv._cuda, cudarecv._staging, cudarecv._transport, cudarecv._tag_kernel\n"
+        "import cudarecv, cudarecv.core.streams, cudarecv.wire.staging, cudarecv.core.transport, cudarecv.cuda.tag_kernel\n"
         "import cudarecv.testing.nvml, cudarecv.testing.pytest_plugin\n"
         "assert cudarecv.testing.nvml.gpu_count() == 0\n"
-        "assert not cudarecv._tag_kernel.gpu_available()\n"
+        "assert not cudarecv.cuda.tag_kernel.gpu_available()\n"
         "print(cudarecv.tag_sequence(0, 3, pseudo_rand=True).tolist())\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -246,7 +247,7 @@ def test_gpu_modules_import_without_cuda_or_cupy():
 
 
 def test_tag_kernel_not_used_without_cuda(monkeypatch):
-    from cudarecv import _tags
+    from cudarecv.plan import tags as _tags
 
     assert not _tags._kernel_wanted()
     monkeypatch.setenv("CUDARECV_TAG_KERNEL", "0")
@@ -256,7 +257,7 @@ def test_tag_kernel_not_used_without_cuda(monkeypatch):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
 def test_cuda_tensordict_without_cuda_is_a_clear_error(recording_world):
     link = Link(dist.distributed_c10d._get_default_group(), 1, registered=True)
-    from cudarecv._staging import lane_for
+    from cudarecv.wire.staging import lane_for
 
     with pytest.raises(RuntimeError, match="needs CUDA"):
         lane_for(link, torch.device("cuda", 0), None, _cuda.StagingPool())
@@ -307,7 +308,7 @@ class FakeEvent:
 def test_an_event_wait_blocks_in_cuda_never_polls(monkeypatch):
     """EventWork.wait blocks in cudaEventSynchronize (one call, no query loop), timeout or not, and
     record() makes blocking-sync events (the host thread sleeps in the OS instead of spinning)."""
-    from cudarecv._handle import _UNBOUNDED
+    from cudarecv.core.transfer import _UNBOUNDED
 
     for timeout in (None, _UNBOUNDED):
         event = FakeEvent()

@@ -13,9 +13,9 @@ import blake3
 import pytest
 import torch
 
-from cudarecv import _kernels
-from cudarecv._digest import KERNEL_FILE, digest
-from cudarecv._weights_wire import checksum
+from cudarecv.cuda import kernels as _kernels
+from cudarecv.cuda.digest import KERNEL_FILE, digest
+from cudarecv.weights.wire import checksum
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = [0, 1, 63, 64, 65, 1023, 1024, 1025, 2048, 2049, 3072, 5000, 1 << 16, (1 << 16) + 7, 1 << 20, 3_000_001]

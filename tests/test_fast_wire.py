@@ -9,7 +9,7 @@ import torch
 from tensordict import TensorDict
 
 import cudarecv
-from cudarecv import _header
+from cudarecv.plan import header as _header
 from rawwire import unique_key
 from tdfactory import STRUCTURES, make, same
 
@@ -150,7 +150,7 @@ def test_header_routes_name_only_segments_and_storage_slots_that_exist(transport
 
 
 def test_schema_digest_sees_keys_dtypes_shapes_offsets():
-    from cudarecv._walk import walk
+    from cudarecv.plan.walk import walk
 
     base = walk(make("flat", 0.0))
     digest = _header.schema_digest(*base)
@@ -179,7 +179,7 @@ def _rss() -> int:
 def lying_headers(rank, world, group, cases):
     import time
 
-    from cudarecv._plan import plan_for
+    from cudarecv.plan.plan import plan_for
     from rawwire import raw_send
 
     td = make("nested", float(rank))
@@ -224,7 +224,7 @@ def test_a_header_lying_about_lengths_is_refused_before_anything_is_sized(cluste
 
 
 def oversize_header(rank, world, group):
-    from cudarecv._plan import plan_for
+    from cudarecv.plan.plan import plan_for
     from rawwire import raw_send
 
     td = make("nested", float(rank))
@@ -252,7 +252,7 @@ def drain_timeout(rank, world, group, key):
     starts once the header is posted (its 1 s clock does not run while the sender's rank starts)."""
     from datetime import timedelta
 
-    from cudarecv._plan import plan_for
+    from cudarecv.plan.plan import plan_for
     from rawwire import _pg, store
 
     if rank == 0:

@@ -32,9 +32,9 @@ import torch
 from tensordict import TensorDict
 
 import cudarecv
-from cudarecv import _cuda
-from cudarecv._stock import Stock
-from cudarecv._walk import unwrap
+from cudarecv.core import streams as _cuda
+from cudarecv.p2p.stock import Stock
+from cudarecv.plan.walk import unwrap
 from cudarecv.testing.gpu import nccl_pair_problem
 from cudarecv.testing.launch import Ranks
 from tdfactory import STRUCTURES, leaves, make
@@ -217,25 +217,25 @@ def test_dedicated_stream_is_cached_and_not_the_default_stream():
 
 
 def test_tag_kernel_matches_numpy_and_stock_and_is_fast():
-    from cudarecv import _tag_kernel
-    from cudarecv._stock import int_generator as _int_generator
-    from cudarecv._tags import MAX_TAG, int_generator_many, tag_map
+    from cudarecv.cuda import tag_kernel
+    from cudarecv.p2p.stock import int_generator as _int_generator
+    from cudarecv.plan.tags import MAX_TAG, int_generator_many, tag_map
 
-    if not _tag_kernel.gpu_available():
+    if not tag_kernel.gpu_available():
         pytest.skip("cupy is not installed or sees no CUDA device (pip install 'cudarecv[gpu]')")
-    got = _tag_kernel.tag_map_gpu()
+    got = tag_kernel.tag_map_gpu()
     assert got.dtype == np.int64 and got.shape == (MAX_TAG + 1,)
     # tag_map() may itself come from the kernel in a CUDA process: compare with the numpy twin too
     np.testing.assert_array_equal(got, tag_map())
     np.testing.assert_array_equal(got, int_generator_many(np.arange(MAX_TAG + 1, dtype=np.uint64)))
     assert got.tolist() == [_int_generator(s) for s in range(MAX_TAG + 1)]
-    micros = min(_tag_kernel.time_tag_map_gpu(100) for _ in range(3))
+    micros = min(tag_kernel.time_tag_map_gpu(100) for _ in range(3))
     assert micros < 100, f"the tag map kernel took {micros:.1f} us per launch of all {MAX_TAG + 1} entries"
 
 
 def test_blake3_kernel_digest_matches_the_host():
-    from cudarecv import _kernels
-    from cudarecv._digest import digest
+    from cudarecv.cuda import kernels as _kernels
+    from cudarecv.cuda.digest import digest
 
     if not _kernels.gpu_available():
         pytest.skip("cupy is not installed or sees no CUDA device (pip install 'cudarecv[gpu]')")
@@ -647,7 +647,7 @@ STAGING_MODES = {
 
 def staging_reuse(rank, world, group, mode, count):
     """After a warm-up, ``count`` transfers allocate no staging and no device memory, on both ends."""
-    from cudarecv._plan import plan_for
+    from cudarecv.plan.plan import plan_for
 
     consolidated, bucket_bytes, send_place, recv_place = STAGING_MODES[mode]
     opts = _options(consolidated, bucket_bytes)

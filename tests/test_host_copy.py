@@ -1,4 +1,4 @@
-"""Host copies (cudarecv._host_copy): the native copy (streaming or not) and its memmove fallback give the same bytes."""
+"""Host copies (cudarecv.core.host_copy): the native copy (streaming or not) and its memmove fallback give the same bytes."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ import pytest
 import torch
 
 import cudarecv
-from cudarecv import _host_copy, _same_host, _tuned
-from cudarecv._host_copy import CopyTable, copy, copy_bytes
+from cudarecv.core import host_copy as _host_copy
+from cudarecv.core import tuned
+from cudarecv.core.host_copy import CopyTable, copy, copy_bytes
+from cudarecv.samehost import sides
 
 # around the streaming threshold (256 KiB), its 64-byte alignment and its 16 KiB blocks
 SIZES = [0, 1, 63, 64, 4095, (256 << 10) - 1, 256 << 10, (256 << 10) + 1, (1 << 20) + 16385, 3 << 20]
@@ -71,7 +73,7 @@ def test_a_table_copies_its_runs_of_rows_both_ways(implementation):
 def untuned(tmp_path, monkeypatch):
     """No tune file (an empty cache directory), read afresh."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(_tuned, "_entry", None)
+    monkeypatch.setattr(tuned, "_entry", None)
 
 
 def test_streaming_is_chosen_once_as_told_or_by_default(monkeypatch, untuned):
@@ -112,7 +114,7 @@ def test_the_direct_read_is_chosen_as_told_or_by_default(monkeypatch, untuned):
     assert _host_copy.direct_read_pays() is other
     monkeypatch.setenv(_host_copy.DIRECT_ENV, "always")
     with pytest.raises(cudarecv.ArgumentError, match="CUDARECV_DIRECT_READ"):
-        _same_host.allowed("auto")  # checked before a transfer sends anything
+        sides.allowed("auto")  # checked before a transfer sends anything
 
 
 def test_a_direct_read_stops_at_the_first_region_not_mapped():

@@ -7,7 +7,7 @@ import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 
 import cudarecv
-from cudarecv._stock import Stock
+from cudarecv.p2p.stock import Stock
 from tdfactory import STRUCTURES, make, same
 
 NAMES = ("isend", "irecv", "send", "recv")

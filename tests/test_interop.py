@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 import cudarecv
-from cudarecv._stock import STOCK_CONSOLIDATED_ISEND, Stock
+from cudarecv.p2p.stock import STOCK_CONSOLIDATED_ISEND, Stock
 from tdfactory import STRUCTURES, leaves, make, same
 
 MODES = {

@@ -160,7 +160,7 @@ def test_many_transfers_with_refusals_keep_resources_flat(cluster, transport):
 
 
 def test_a_job_that_raises_is_logged_and_the_driver_goes_on(caplog):
-    from cudarecv._weights_link import Driver
+    from cudarecv.core.driver import Driver
 
     ran = threading.Event()
 
@@ -215,27 +215,27 @@ def test_the_transport_of_each_link_is_logged_with_its_reason(cluster, transport
 def test_a_tensordict_refused_on_a_link_does_not_keep_its_group():
     """A tensordict refused on a link after a failure holds that link's group weakly: the group goes once
     dropped, and a new group (perhaps at the same address) is not refused."""
-    from cudarecv import _stuck
-    from cudarecv._link import Link
+    from cudarecv.core import stuck
+    from cudarecv.core.link import Link
 
     def group() -> object:
         return dist.ProcessGroupGloo(dist.HashStore(), 0, 1)
 
     td = TensorDict(x=torch.zeros(3))
     link = Link(group(), 1, False, "gloo")
-    _stuck.mark(td, link, "it timed out", tags=range(5, 9), sending=True)
+    stuck.mark(td, link, "it timed out", tags=range(5, 9), sending=True)
     with pytest.raises(cudarecv.LinkError, match="it timed out"):
-        _stuck.check(td, link)
+        stuck.check(td, link)
     with pytest.raises(cudarecv.LinkError, match="send to rank 1 on tag 8 failed"):
-        _stuck.check(TensorDict(), link, range(8, 10), sending=True)
-    _stuck.check(TensorDict(), link, range(8, 10), sending=False)  # (the other direction)
-    _stuck.check(TensorDict(), link, (4, 9), sending=True)
+        stuck.check(TensorDict(), link, range(8, 10), sending=True)
+    stuck.check(TensorDict(), link, range(8, 10), sending=False)  # (the other direction)
+    stuck.check(TensorDict(), link, (4, 9), sending=True)
     gone = weakref.ref(link.pg)
     del link
     gc.collect()
     assert gone() is None, "the refusal keeps the group alive"
     fresh = Link(group(), 1, False, "gloo")
-    _stuck.check(td, fresh, range(5, 9), sending=True)
+    stuck.check(td, fresh, range(5, 9), sending=True)
 
 
 # -- arguments refused at once, by name -------------------------------------------------------------------

@@ -7,8 +7,8 @@ import torch
 from tensordict import TensorDict
 
 import cudarecv
-from cudarecv._plan import plan_for
-from cudarecv._walk import format_path, walk
+from cudarecv.plan.plan import plan_for
+from cudarecv.plan.walk import format_path, walk
 from tdfactory import make
 
 
@@ -40,7 +40,7 @@ def test_plan_is_cached_and_invalidated():
 
 
 def test_an_unchanged_plain_tensordict_is_not_walked_again(monkeypatch):
-    from cudarecv import _plan
+    from cudarecv.plan import plan as _plan
 
     td = TensorDict(a=TensorDict(x=torch.zeros(3), y=torch.ones(2)), b=torch.zeros(4))
     plan = plan_for(td)
@@ -73,7 +73,7 @@ def test_an_unchanged_plain_tensordict_is_not_walked_again(monkeypatch):
 def test_plan_is_dropped_with_its_tensordict():
     import gc
 
-    from cudarecv import _plan
+    from cudarecv.plan import plan as _plan
 
     td = TensorDict(a=torch.zeros(2))
     plan_for(td)

@@ -16,10 +16,13 @@ import torch
 from tensordict import TensorDict
 
 import cudarecv
-from cudarecv import _fast_wire, _host_copy, _same_host, _shared_memory
-from cudarecv._header import STORAGE_SLOTS, Header
-from cudarecv._shared_memory import Mapping, Segment, map_offer, offer
+from cudarecv.core import host_copy, tags
+from cudarecv.plan.header import STORAGE_SLOTS, Header
+from cudarecv.samehost import shared_memory as _shared_memory
+from cudarecv.samehost import sides as _same_host
+from cudarecv.samehost.shared_memory import Mapping, Segment, map_offer, offer
 from cudarecv.testing.launch import Cluster, RankExit
+from cudarecv.wire import fast as _fast_wire
 from rawwire import raw_send, set_flag, store, unique_key, wait_flag
 from tdfactory import STRUCTURES, leaves, make, same
 
@@ -83,7 +86,7 @@ def direct_transfers(rank, world, group, consolidated):
 def test_the_direct_route_carries_leaves_and_private_storages_exactly(consolidated, told):
     """Whatever this machine's probe would choose: the direct route (the receiver reads the sender's
     leaves, or its private consolidated storage, straight out of it) and the segments, every structure."""
-    with Cluster(2, pg_timeout=20.0, env={_host_copy.DIRECT_ENV: told}) as ranks:
+    with Cluster(2, pg_timeout=20.0, env={host_copy.DIRECT_ENV: told}) as ranks:
         (sent, _, _, agreed), (received, ok, _, _) = ranks.run(direct_transfers, args=(consolidated,))
     assert ok and all(ok.values()), [k for k, v in ok.items() if not v]
     assert sent == received and sent.count("shared memory") >= len(sent) - len(STRUCTURES), sent
@@ -192,7 +195,7 @@ def test_segments_are_anonymous_owner_only_and_mapped_read_only():
     assert set(os.listdir("/dev/shm")) == before
 
 
-@pytest.mark.skipif(not _host_copy.NATIVE, reason=_host_copy.WHY_NOT_NATIVE or "")
+@pytest.mark.skipif(not host_copy.NATIVE, reason=host_copy.WHY_NOT_NATIVE or "")
 def test_the_progress_word_names_its_transfer():
     segment = Segment(1 << 16)
     [mapping] = map_offer(offer([segment]), 1 << 20)
@@ -206,7 +209,7 @@ def test_the_progress_word_names_its_transfer():
     assert mapping.progress(8) == 0 and mapping.progress(7) is None
 
 
-@pytest.mark.skipif(not _host_copy.NATIVE, reason=_host_copy.WHY_NOT_NATIVE or "")
+@pytest.mark.skipif(not host_copy.NATIVE, reason=host_copy.WHY_NOT_NATIVE or "")
 def test_a_reader_sleeps_on_the_progress_word_until_the_writer_advances():
     """No polling: a reader whose word stands still sleeps in the kernel (no CPU) until the time runs out,
     and one asleep is woken by the writer's next store."""
@@ -245,7 +248,7 @@ def forged_ready(rank, world, group, lie, key):
     if rank == 0:
         for _ in range(2):  # negotiate, then one through the segment
             cudarecv.send(td, group=pg, group_dst=1, bucket_bytes=1024)
-        schema = cudarecv._plan.plan_for(td).bucket_header.schema
+        schema = cudarecv.plan.plan.plan_for(td).bucket_header.schema
         if lie == "segment":
             route = Header(1, 1, 4000, 1024, schema, transport=1, segment=1, seq=99).pack()
             raw = bytearray(route)
@@ -253,13 +256,13 @@ def forged_ready(rank, world, group, lie, key):
             import struct
             import zlib
             struct.pack_into("<I", raw, 56, zlib.crc32(bytes(raw[:56])))
-            raw_send(pg, 1, bytes(raw), _fast_wire.header_tag(0))
+            raw_send(pg, 1, bytes(raw), tags.header_tag(0))
             return None
         raw_send(pg, 1, Header(1, 1, 4000, 1024, schema, transport=1, segment=0, seq=99).pack(),
-                 _fast_wire.header_tag(0))
+                 tags.header_tag(0))
         offset, length = (1 << 40, 1024) if lie == "offset" else (0, 1 << 20)
         ready = _same_host._sealed(_same_host._READY.pack(b"CDRP", 0, 99, offset, length), _same_host.READY_SIZE)
-        raw_send(pg, 1, ready, _fast_wire.piece_tag(0))
+        raw_send(pg, 1, ready, tags.piece_tag(0))
         return None
     for _ in range(2):
         cudarecv.recv(td, group=pg, group_src=0, bucket_bytes=1024)
@@ -700,16 +703,16 @@ def forged_storage(rank, world, group, lie, key):
     if rank == 0:
         for _ in range(2):  # negotiate, then one through a segment
             cudarecv.send(td, group=pg, group_dst=1, bucket_bytes=1024, consolidated=True)
-        plan = cudarecv._plan.plan_for(td)
+        plan = cudarecv.plan.plan.plan_for(td)
         head = plan.chunk_header(td).with_piece(1024)
         if lie == "slot":
-            raw_send(pg, 1, dataclasses.replace(head, transport=2, segment=1, seq=99).pack(), _fast_wire.header_tag(0))
+            raw_send(pg, 1, dataclasses.replace(head, transport=2, segment=1, seq=99).pack(), tags.header_tag(0))
             return None
         small = torch.zeros(100, dtype=torch.uint8).share_memory_()
         offered = _shared_memory.storage_offer(_shared_memory.shared_storage(small))
         raw_send(pg, 1, dataclasses.replace(head, transport=2, segment=0, offer=True, seq=99).pack(),
-                 _fast_wire.header_tag(0))
-        raw_send(pg, 1, offered + bytes(_fast_wire.OFFER_SIZE - len(offered)), _fast_wire.header_tag(0))
+                 tags.header_tag(0))
+        raw_send(pg, 1, offered + bytes(_fast_wire.OFFER_SIZE - len(offered)), tags.header_tag(0))
         wait_flag(f"{key}_refused")  # (the receiver maps it before this process, and its storage, go)
         return None
     for _ in range(2):
@@ -740,7 +743,7 @@ def forged_table(rank, world, group, lie, consolidated, key):
     if rank == 0:
         for _ in range(2):  # negotiate, then one transfer in shared memory
             cudarecv.send(td, group=pg, group_dst=1, **kw)
-        plan = cudarecv._plan.plan_for(td)
+        plan = cudarecv.plan.plan.plan_for(td)
         if consolidated:
             table, head = _same_host.storage_table(plan.storage(td)), plan.chunk_header(td)
         else:
@@ -752,21 +755,21 @@ def forged_table(rank, world, group, lie, consolidated, key):
         elif lie == "address":
             table[-1, 0] = 8  # an address this process has not mapped
         head = dataclasses.replace(head.with_piece(1024), transport=3, seq=99)
-        raw_send(pg, 1, head.pack(), _fast_wire.header_tag(0))
+        raw_send(pg, 1, head.pack(), tags.header_tag(0))
         if lie != "not agreed":  # (refused at the header: the table is never taken)
-            raw_send(pg, 1, table.tobytes(), _fast_wire.piece_tag(0))
+            raw_send(pg, 1, table.tobytes(), tags.piece_tag(0))
         return None
-    before = os.environ.get(_host_copy.DIRECT_ENV)
-    os.environ[_host_copy.DIRECT_ENV] = "off" if lie == "not agreed" else "on"  # read when the offer is taken
+    before = os.environ.get(host_copy.DIRECT_ENV)
+    os.environ[host_copy.DIRECT_ENV] = "off" if lie == "not agreed" else "on"  # read when the offer is taken
     try:
         for _ in range(2):
             [t] = cudarecv.irecv(td, group=pg, group_src=0, **kw, return_premature=True)
             t.wait(timeout=20)
     finally:
         if before is None:
-            del os.environ[_host_copy.DIRECT_ENV]
+            del os.environ[host_copy.DIRECT_ENV]
         else:
-            os.environ[_host_copy.DIRECT_ENV] = before
+            os.environ[host_copy.DIRECT_ENV] = before
     assert t.transport == "shared memory"
     td["x"].zero_()
     with pytest.raises(cudarecv.OutOfStepError) as error:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 import cudarecv
-from cudarecv import _same_host
+from cudarecv.samehost import sides as _same_host
 from rawwire import set_flag, store, unique_key, wait_flag
 
 SHORT = 2.0  # seconds: the own timeout of the transfer expected to time out

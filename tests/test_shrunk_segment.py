@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from cudarecv import _shared_memory as shm
+from cudarecv.samehost import shared_memory as shm
 
 WAIT = 30.0  # per pipe message (a spawned process's start under load)
 CAPACITY = 1 << 20

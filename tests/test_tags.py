@@ -8,14 +8,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cudarecv._stock import int_generator as _int_generator
+from cudarecv.p2p.stock import int_generator as _int_generator
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # source checkout without pip install
     sys.path.insert(0, str(ROOT))
 
-from cudarecv import _kernels, _tag_kernel  # noqa: E402
-from cudarecv._tags import MAX_TAG, int_generator_many, tag_map, tag_sequence  # noqa: E402
+from cudarecv.cuda import tag_kernel as _tag_kernel  # noqa: E402
+from cudarecv.cuda import kernels
+from cudarecv.plan.tags import MAX_TAG, int_generator_many, tag_map, tag_sequence  # noqa: E402
 
 LARGE_SEEDS = [
     2**32 - 1,
@@ -132,7 +133,7 @@ def test_nvrtc_compiles_kernel() -> None:
         from cupy.cuda import nvrtc  # noqa: F401
     except Exception as exc:  # cupy missing or unusable: nothing to compile with
         pytest.skip(f"cupy (with NVRTC) cannot be imported: {exc!r}")
-    ptx = _tag_kernel.compile_ptx(arch=_kernels.oldest_arch())
+    ptx = _tag_kernel.compile_ptx(arch=kernels.oldest_arch())
     assert ".entry int_generator_range" in ptx
     assert ".entry int_generator_seeds" in ptx
 

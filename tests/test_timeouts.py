@@ -19,7 +19,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 import cudarecv
-from cudarecv._stock import Stock
+from cudarecv.p2p.stock import Stock
 from rawwire import store, unique_key
 from tdfactory import make, same
 

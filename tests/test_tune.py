@@ -13,7 +13,9 @@ import torch
 from tensordict import TensorDict
 
 import cudarecv
-from cudarecv import _host_copy, _same_host, _tuned
+from cudarecv.core import host_copy as _host_copy
+from cudarecv.core import tuned as _tuned
+from cudarecv.samehost import sides
 from cudarecv.testing.launch import Cluster
 
 ENVS = (_host_copy.ENV, _host_copy.DIRECT_ENV, "XDG_CACHE_HOME")
@@ -100,7 +102,7 @@ CHOICES = """
 import logging, sys
 logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(name)s: %(message)s")
 import torch
-from cudarecv import _host_copy
+from cudarecv.core import host_copy as _host_copy
 a, b = torch.ones(1 << 20, dtype=torch.uint8), torch.zeros(1 << 20, dtype=torch.uint8)
 _host_copy.copy_bytes(b, a)  # the first large copy chooses
 print("CHOSEN", _host_copy.STREAMING, _host_copy.direct_read_pays().describe())
@@ -152,7 +154,7 @@ def test_tune_keeps_a_choice_that_a_later_process_reads(tmp_path):
 ], ids=["host copy variable", "direct read variable", "not json", "format", "host copy kept", "direct read kept"])
 def test_bad_settings_are_refused_before_a_transfer_sends(tmp_path, monkeypatch, bad, pattern):
     """A bad variable or tune file raises ArgumentError naming it and the fix, from the check a transfer makes
-    before it sends anything (``_same_host.allowed``), and ``tune --show`` says the same."""
+    before it sends anything (``sides.allowed``), and ``tune --show`` says the same."""
     for name in ENVS:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
@@ -170,7 +172,7 @@ def test_bad_settings_are_refused_before_a_transfer_sends(tmp_path, monkeypatch,
     else:
         where.write_text(bad)
     with pytest.raises(cudarecv.ArgumentError, match=pattern):
-        _same_host.allowed("auto")
+        sides.allowed("auto")
     from cudarecv.tools.cli import main
 
     monkeypatch.setattr(_tuned, "_entry", None)

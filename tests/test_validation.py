@@ -131,11 +131,11 @@ def test_leaves_that_cannot_travel_are_named(cluster):
 
 def test_not_a_tensordict():
     with pytest.raises(TypeError, match="`td` must be a TensorDict"):
-        cudarecv._walk.unwrap({"a": torch.zeros(1)})
+        cudarecv.plan.walk.unwrap({"a": torch.zeros(1)})
 
 
 def test_unsupported_leaf_type_names_key():
-    from cudarecv._walk import walk
+    from cudarecv.plan.walk import walk
 
     td = TensorDict(a=torch.zeros(1))
     td._tensordict["x"] = object()  # bypass tensordict's own checks
@@ -151,7 +151,7 @@ def test_no_process_group():
 def numpy_init_tag(rank, world, group):
     import numpy as np
 
-    from cudarecv._stock import Stock
+    from cudarecv.p2p.stock import Stock
 
     td = make("nested", 4.0 if rank == 0 else 0.0)
     if rank == 0:

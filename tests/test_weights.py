@@ -16,10 +16,11 @@ import torch
 from tensordict import TensorDict
 
 import cudarecv
-from cudarecv import _staging, _weight_sender
-from cudarecv._handle import Transfer
-from cudarecv._weights_wire import PushHeader
+from cudarecv.core.transfer import Transfer
 from cudarecv.testing.launch import RankExit
+from cudarecv.weights import sender as _weight_sender
+from cudarecv.weights.wire import PushHeader
+from cudarecv.wire import staging
 from policies import holds_version, policy, set_version
 from rawwire import store, unique_key
 
@@ -201,7 +202,7 @@ def dying_sender(rank, world, group, timeout, transport):
         sender.push()
         weights.apply_(lambda t: t.fill_(2.0))
         if transport == "wire":
-            post, posted = _staging.Lane.post, []
+            post, posted = staging.Lane.post, []
 
             def post_then_die(lane, sending, tensors, tags):
                 works = post(lane, sending, tensors, tags)
@@ -210,7 +211,7 @@ def dying_sender(rank, world, group, timeout, transport):
                     os.kill(os.getpid(), signal.SIGKILL)  # the trainer is killed with 8 of the push's 128 chunks posted
                 return works
 
-            _staging.Lane.post = post_then_die
+            staging.Lane.post = post_then_die
         else:
             copy = _weight_sender.copy_bytes
 
@@ -465,8 +466,8 @@ def test_bad_arguments():
 
 
 def test_schema_json_roundtrip_and_tampering():
-    from cudarecv._walk import walk
-    from cudarecv._weights_wire import Schema, SchemaError
+    from cudarecv.plan.walk import walk
+    from cudarecv.weights.wire import Schema, SchemaError
 
     paths, tensors = walk(TensorDict.from_module(policy()))
     schema = Schema.of(paths, tensors)

@@ -18,8 +18,9 @@ import torch
 from tensordict import TensorDict
 
 import cudarecv
-from cudarecv import _weights_wire as wire
+from cudarecv.core import tags
 from cudarecv.testing.launch import RankExit
+from cudarecv.weights import wire
 from policies import holds_version, policy, set_version
 from rawwire import raw_recv, raw_send, store, unique_key
 
@@ -225,9 +226,9 @@ def bad_handshakes(rank, world, group, cases):
         answers = []
         for case in cases:
             raw = BAD_SCHEMAS[case]()
-            raw_send(group, 1, wire.preamble(len(raw), 64, "sync"), wire.TAG_PREAMBLE)
-            raw_send(group, 1, raw, wire.TAG_SCHEMA)
-            answers.append(wire.read_status(raw_recv(group, 1, 4096, wire.TAG_STATUS)))
+            raw_send(group, 1, wire.preamble(len(raw), 64, "sync"), tags.TAG_PREAMBLE)
+            raw_send(group, 1, raw, tags.TAG_SCHEMA)
+            answers.append(wire.read_status(raw_recv(group, 1, 4096, tags.TAG_STATUS)))
         return answers
     errors = []
     for _ in cases:

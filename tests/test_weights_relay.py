@@ -12,7 +12,7 @@ import torch
 from tensordict import TensorDict
 
 import cudarecv
-from cudarecv import _weights_wire as wire
+from cudarecv.weights import wire
 from policies import holds_version, policy, set_version
 from rawwire import store, unique_key
 
@@ -109,7 +109,7 @@ def corrupted_in_the_chain(rank, world, group, key, fanout, transport):
     version 1, the blocking push raises naming a receiver that rejected it (relay, shared memory: their word
     comes back; the wire's star fan-out has none: its push returns), nobody is dropped, and version 3 lands
     everywhere."""
-    from cudarecv import _weight_sender
+    from cudarecv.weights import sender as _weight_sender
 
     model = policy()
     signals = store()

@@ -1,4 +1,4 @@
-/* Host memory copies of the same-host transport (cudarecv._host_copy loads this with ctypes).
+/* Host memory copies of the same-host transport (cudarecv.core.host_copy loads this with ctypes).
  *
  * With streaming on (cudarecv_copy_streaming(1), which _host_copy chooses where it
  * measures faster), a large copy streams its stores past the caches

@@ -4,6 +4,7 @@
 - :mod:`cudarecv.testing.hosts`: N simulated hosts (network namespaces, shaped links) and torchrun on them;
 - :mod:`cudarecv.testing.gpu`: whether two NCCL ranks can run here;
 - :mod:`cudarecv.testing.nvml`: GPU count and topology without initializing CUDA;
+- :mod:`cudarecv.testing.table`: the one text-table renderer (results, topology);
 - :mod:`cudarecv.testing.rl`: a TorchRL policy whose actions tell which weights a worker acted with;
 - :mod:`cudarecv.testing.pytest_plugin`: ``--gpus N`` and the ``gpus(k)`` marker, opt-in
   (``-p cudarecv.testing.pytest_plugin``, or ``pytest_plugins`` in a conftest).

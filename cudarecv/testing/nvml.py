@@ -191,7 +191,7 @@ def format_topology(infos: list[GpuInfo]) -> str:
     """A plain-text table: one row per GPU, then its relation to each GPU."""
     if not infos:
         return "NVML sees no GPUs"
-    from cudarecv.tools import table
+    from . import table
 
     indices = [info.index for info in infos]
     header = ["", "name", "mem GiB", "PCIe", "NVLinks", *(f"GPU{j}" for j in indices)]

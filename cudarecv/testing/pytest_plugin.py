@@ -20,7 +20,7 @@ import os
 
 import pytest
 
-from . import nvml as _nvml
+from . import nvml
 
 MARKER = "gpus"
 MARKER_HELP = "gpus(k): test needs k GPUs; runs only with --gpus N where k <= N"
@@ -51,7 +51,7 @@ def requested_gpus(config: pytest.Config) -> int:
 def nvml_gpus(config: pytest.Config) -> int:
     """GPUs NVML sees, counted once per run."""
     if _nvml_count_key not in config.stash:
-        config.stash[_nvml_count_key] = _nvml.gpu_count()
+        config.stash[_nvml_count_key] = nvml.gpu_count()
     return config.stash[_nvml_count_key]
 
 
@@ -107,7 +107,7 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_report_header(config: pytest.Config) -> list[str]:
     lines = [f"cudarecv: --gpus {requested_gpus(config)}, {_seen_text(config)}"]
     if requested_gpus(config) > 0:
-        lines += _nvml.format_topology(_nvml.topology()).splitlines()
+        lines += nvml.format_topology(nvml.topology()).splitlines()
     return lines
 
 

@@ -5,8 +5,7 @@
   :mod:`~cudarecv.tools.tune`: one subcommand each;
 - :mod:`~cudarecv.tools.transfer_ranks` / :mod:`~cudarecv.tools.gpu_ranks`: timed transfers inside
   benchmark ranks (used by ``compare`` and ``bench/``);
-- :mod:`~cudarecv.tools.table`: the one table renderer; :mod:`~cudarecv.tools.console`: machine,
-  versions, progress lines.
+- :mod:`~cudarecv.tools.console`: machine, versions, progress lines (tables: :mod:`cudarecv.testing.table`).
 
 Built on the public API of :mod:`cudarecv` and on :mod:`cudarecv.testing`; the library never imports it.
 """

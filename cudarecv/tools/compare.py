@@ -34,8 +34,9 @@ import sys
 import time
 from typing import Any
 
+from ..testing import table
 from ..testing.launch import Cluster, RankError
-from . import report, table
+from . import report
 from . import transfer_ranks as tb
 from .cli import OptionError, error, int_at_least, size
 from .console import available_memory, machine, progress, tail, versions

@@ -76,8 +76,9 @@ from torch import nn
 import cudarecv
 
 from ..testing import hosts as sim
+from ..testing import table
 from ..testing.launch import Cluster, RankError
-from . import report, table
+from . import report
 from .cli import OptionError, error, int_at_least, positive_float, size_or_zero
 from .console import available_memory, progress, tail, versions
 from .transfer_ranks import format_size

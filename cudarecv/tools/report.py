@@ -45,7 +45,7 @@ from typing import Any, Sequence
 
 from cudarecv import ArgumentError
 
-from . import table
+from ..testing import table
 from .cli import error
 
 NOTE = ("time = median of the bench's rounds (stats.median; bench/'s rounds are the receiver's own timed "

@@ -27,7 +27,7 @@ consolidated tensordict of ``leaves`` leaves totalling that many bytes, which
 every mode of that workload uses. The modes, by ``impl``:
 
 - ``stock`` (tensordict's own methods, called through
-  ``cudarecv._stock.Stock`` so that ``cudarecv.install()``
+  ``cudarecv.p2p.stock.Stock`` so that ``cudarecv.install()``
   never changes them): ``per-leaf``, ``per-leaf pseudo_rand`` (``isend/irecv``),
   ``consolidated`` (``isend/irecv(consolidated=True)``);
 - ``cudarecv``: the same three, plus ``buckets <N>`` (``bucket_bytes=N``) and

@@ -17,7 +17,7 @@ times, and so the choice, are close to random):
   torch memory, in 8 KiB regions (leaves) and in one (a storage), vs the same copies by a
   copy table; it pays where it takes at most ``DIRECT_SLACK`` times the copies.
 
-The choices and their times are this machine's entry of the tune file (:mod:`cudarecv._tuned`), which
+The choices and their times are this machine's entry of the tune file (:mod:`cudarecv.core.tuned`), which
 a process reads at its first large copy or same-host offer. ``--show`` prints what is in effect and
 why, measuring nothing.
 """
@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from cudarecv import ArgumentError
-from cudarecv._host_copy import (
+from cudarecv.core.host_copy import (
     DEFAULT_HOST_COPY,
     DIRECT_ENV,
     DIRECT_SLACK,
@@ -52,8 +52,8 @@ from cudarecv._host_copy import (
     read_process,
     set_streaming,
 )
-from cudarecv._log import logger
-from cudarecv._tuned import entry, machine, path, save
+from cudarecv.core.log import logger
+from cudarecv.core.tuned import entry, machine, path, save
 
 from .cli import error, int_at_least
 

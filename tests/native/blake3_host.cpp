@@ -1,5 +1,5 @@
 // The BLAKE3 kernels of cudarecv/kernels/blake3.cu run on the host: each "thread" is one
-// call, the launches of cudarecv._digest replayed in the same order. Built by
+// call, the launches of cudarecv.cuda.digest replayed in the same order. Built by
 // tests/test_digest.py with the system C++ compiler.
 #include <cstring>
 #include <utility>

@@ -1,0 +1,150 @@
+"""CUDA pieces: cudarecv's dedicated streams, event waits and reused staging buffers.
+
+Nothing here initializes CUDA at import, so the package imports on a machine
+without CUDA; the functions that create streams or events are called only for
+transfers that touch a GPU.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from .errors import ArgumentError
+from .lru import lru_get
+
+_STREAMS: dict[int, "torch.cuda.Stream"] = {}
+
+
+def dedicated_stream(device: torch.device) -> "torch.cuda.Stream":
+    """cudarecv's own stream on ``device``, created once per device and reused.
+
+    Example:
+        >>> s = dedicated_stream(torch.device("cuda", 0))
+        >>> s is dedicated_stream(torch.device("cuda:0"))
+        True
+    """
+    index = _index(device)
+    stream = _STREAMS.get(index)
+    if stream is None:
+        stream = _STREAMS[index] = torch.cuda.Stream(device=index)
+    return stream
+
+
+_COPY_STREAMS: dict[int, "torch.cuda.Stream"] = {}
+
+
+def copy_stream(device: torch.device) -> "torch.cuda.Stream":
+    """cudarecv's second stream on ``device``, for staging copies that overlap the wire."""
+    index = _index(device)
+    stream = _COPY_STREAMS.get(index)
+    if stream is None:
+        stream = _COPY_STREAMS[index] = torch.cuda.Stream(device=index)
+    return stream
+
+
+def transfer_stream(device: torch.device, stream: "torch.cuda.Stream | None") -> "torch.cuda.Stream":
+    """The stream a transfer to/from ``device`` runs on: the caller's ``stream`` or the dedicated one."""
+    if stream is None:
+        return dedicated_stream(device)
+    if _index(stream.device) != _index(device):
+        raise ArgumentError(
+            f"`stream` is on {stream.device} but the tensordict is on {device}: pass a stream of "
+            f"{device} or None for cudarecv's dedicated stream"
+        )
+    return stream
+
+
+def follow_caller(stream: "torch.cuda.Stream") -> None:
+    """Order ``stream`` after the caller's current stream (what it queued comes first),
+    without blocking either the caller's stream or the host."""
+    stream.wait_stream(torch.cuda.current_stream(stream.device))
+
+
+def _index(device: torch.device) -> int:
+    device = torch.device(device)
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+class EventWork:
+    """A recorded CUDA event seen as a ``Work``: ``wait()`` blocks the host until it fires."""
+
+    def __init__(self, event: "torch.cuda.Event") -> None:
+        self.event = event
+
+    def wait(self, timeout: Any = None) -> bool:
+        """Block in ``cudaEventSynchronize`` until the event fires (:func:`record`'s events sleep
+        there, no polling). ``timeout`` is not taken: CUDA cannot bound the wait, and a transfer's
+        own deadline is kept without its driver (:mod:`cudarecv.core.transfer`)."""
+        self.event.synchronize()
+        return True
+
+    def is_completed(self) -> bool:
+        return self.event.query()
+
+
+def record(stream: "torch.cuda.Stream") -> "torch.cuda.Event":
+    """A new event recorded on ``stream``; waiting for it blocks the host thread in the OS
+    (``cudaEventBlockingSync``) rather than spinning a core."""
+    event = torch.cuda.Event(blocking=True)
+    event.record(stream)
+    return event
+
+
+class StagingPool:
+    """Staging buffers allocated once and reused: at most ``depth`` per (place, size).
+
+    ``place`` is ``"pinned"`` (page-locked host memory, for gloo <-> CUDA) or a
+    CUDA device (for NCCL <-> host). The same request returns the same buffers,
+    so steady state allocates nothing; at most ``sizes`` distinct (place, size)
+    pairs are kept (message sizes follow the peer's ``bucket_bytes``), the least
+    recently used freed once its fences have fired. ``allocations`` counts the
+    buffers ever allocated (for tests). Each
+    owner (a tensordict's plan, a weight sender or receiver) has its own pool,
+    used by one transfer at a time; :meth:`fence` is the CUDA event of the last
+    stream copy that touches a buffer (see :mod:`cudarecv.wire.staging`).
+
+    Example:
+        >>> pool = StagingPool()
+        >>> a = pool.buffers("pinned", 1 << 20)
+        >>> a is pool.buffers("pinned", 1 << 20)
+        True
+    """
+
+    def __init__(self, depth: int = 2, sizes: int = 4) -> None:
+        self.depth = depth
+        self.sizes = sizes
+        self.allocations = 0
+        self._buffers: OrderedDict[tuple[str, int], list[torch.Tensor]] = OrderedDict()
+        self._fences: dict[int, Any] = {}
+
+    def buffers(self, place: str | torch.device, nbytes: int, count: int | None = None) -> list[torch.Tensor]:
+        """``min(count, depth)`` uint8 buffers of ``nbytes`` on ``place``, reused across calls."""
+        count = self.depth if count is None else min(count, self.depth)
+        found = lru_get(self._buffers, (str(place), nbytes), list, self.sizes, evict=self._retire)
+        while len(found) < count:
+            found.append(_allocate(place, nbytes))
+            self.allocations += 1
+        return found[:count]
+
+    def fence(self, buffer: torch.Tensor) -> Any:
+        """The event of the last stream copy into or out of ``buffer`` (or None)."""
+        return self._fences.get(buffer.data_ptr())
+
+    def set_fence(self, buffer: torch.Tensor, event: Any) -> None:
+        self._fences[buffer.data_ptr()] = event
+
+    def _retire(self, buffers: list[torch.Tensor]) -> None:
+        for buffer in buffers:
+            event = self._fences.pop(buffer.data_ptr(), None)
+            if event is not None:
+                event.synchronize()  # a queued copy may still use it
+
+
+def _allocate(place: str | torch.device, nbytes: int) -> torch.Tensor:
+    if str(place) == "pinned":
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    return torch.empty(nbytes, dtype=torch.uint8, device=place)
+

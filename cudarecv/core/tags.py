@@ -1,0 +1,57 @@
+"""The tag space: every range of tags cudarecv uses, in one place (int32: gloo takes 0 .. 2**31 - 1).
+
+| range | what |
+|:---|:---|
+| ``init_tag .. init_tag + leaves - 1``, or pseudo-random tags below 10000 | the stock wire, what tensordict sends |
+| ``HEADER_TAGS + init_tag`` (``init_tag < MAX_INIT_TAG``) | a fast-wire header (and a same-host offer after it) |
+| ``PIECE_TAGS + init_tag`` | every fast-wire payload message of that transfer, matched in order |
+| ``WEIGHTS + k``, k = 0..2 | weight-sync handshake: preamble, schema, status |
+| ``SESSIONS_BASE + 4 s + k``, k = 0..3, session s < ``SESSIONS`` | one weight-sync session: headers, payload, the receiver's words, relay trailers |
+| ``BACK_TAGS + k`` | same-host fast wire: the receiver's ANSWER to an offer and its DONEs (see :mod:`cudarecv.samehost.sides`) |
+| ``MAX_TAG`` | the exit hook's wait that closes a group's links (never sent) |
+
+A header never shares a tag with a payload; fast-wire transfers with different ``init_tag`` share none
+(on gloo, which matches by tag; NCCL ignores tags and matches in posting order). A stock transfer whose own
+``init_tag`` reaches past ``HEADER_TAGS`` could collide with these; nothing else can.
+"""
+
+from __future__ import annotations
+
+from .errors import ArgumentError
+
+MAX_TAG = 2**31 - 1  # torch.distributed takes C ints as tags; gloo refuses negative ones
+
+HEADER_TAGS = 1 << 30  # the header of a fast-wire transfer with init_tag t has tag HEADER_TAGS + t
+PIECE_TAGS = HEADER_TAGS + (1 << 28)  # all its payload messages have tag PIECE_TAGS + t
+MAX_INIT_TAG = 1 << 28  # so both ranges stay apart and below WEIGHTS
+
+WEIGHTS = (1 << 30) + (1 << 29)  # weight-sync tags: past the fast wire's
+TAG_PREAMBLE, TAG_SCHEMA, TAG_STATUS = (WEIGHTS + k for k in range(3))  # the handshake
+SESSIONS = 1 << 26  # a sender's session: random, in the preamble; 4 tags each
+SESSIONS_BASE = WEIGHTS + 64
+BACK_TAGS = SESSIONS_BASE + 4 * SESSIONS  # past every weight-sync tag: the same-host transports' words back
+
+
+def check_init_tag(init_tag: int) -> None:
+    """Fast-wire tags are ``HEADER_TAGS + init_tag`` and ``PIECE_TAGS + init_tag``."""
+    if not 0 <= init_tag < MAX_INIT_TAG:
+        raise ArgumentError(
+            f"`init_tag={init_tag}` is out of range for the fast wire (bucket_bytes): "
+            f"pass 0 <= init_tag < {MAX_INIT_TAG}"
+        )
+
+
+def header_tag(init_tag: int) -> int:
+    """The tag of the fast-wire header of a transfer with ``init_tag``."""
+    return HEADER_TAGS + init_tag
+
+
+def piece_tag(init_tag: int) -> int:
+    """The tag of every payload message of a fast-wire transfer with ``init_tag``."""
+    return PIECE_TAGS + init_tag
+
+
+def session_tags(session: int) -> tuple[int, int, int, int]:
+    """The four tags of weight-sync session ``session``: header, payload, ask, trailer."""
+    base = SESSIONS_BASE + 4 * session
+    return base, base + 1, base + 2, base + 3

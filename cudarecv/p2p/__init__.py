@@ -1,0 +1,2 @@
+"""The drop-in calls: ``isend/irecv/send/recv`` and ``install()``, and stock tensordict's own.
+"""

@@ -1,0 +1,404 @@
+"""``isend``/``irecv``/``send``/``recv``: tensordict's p2p methods, cached and with a fast wire.
+
+The signatures and the wire are those of ``TensorDictBase`` in tensordict
+0.15.3 (a stock peer reads what these send and sends what these read), plus
+``bucket_bytes``, which selects the fast wire on both ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import operator
+from typing import Any, Sequence
+
+from tensordict import TensorDictBase
+from torch import Tensor
+
+from ..core import stuck
+from ..core.checks import check_bucket_bytes, check_timeout
+from ..core.errors import ArgumentError, ArgumentTypeError, Error, PeerError, TransferTimeout
+from ..core.host_copy import copy_bytes
+from ..core.link import Link, peer_failure, resolve
+from ..core.tags import MAX_TAG, check_init_tag, header_tag, piece_tag
+from ..core.transfer import Transfer
+from ..plan.header import check_pieces
+from ..plan.plan import Plan, forget_plan, plan_for
+from ..plan.walk import unwrap
+from ..samehost import sides as _same_host
+from ..samehost.sides import check_transport
+from ..wire import fast as _fast_wire
+from ..wire import stock as _stock_wire
+from ..wire.staging import lane_for
+
+
+def _check_options(init_tag: object, pseudo_rand: object, consolidated: object,
+                   bucket_bytes: object) -> int:
+    """Check the options of a call before anything else; return ``init_tag`` as an int."""
+    check_bucket_bytes(bucket_bytes)
+    if consolidated and bucket_bytes is None:
+        return 0  # one message with tag 0: stock ignores init_tag and pseudo_rand here
+    if isinstance(init_tag, bool):
+        raise ArgumentTypeError("`init_tag` must be an int, got bool")
+    try:
+        init_tag = operator.index(init_tag)  # numpy integers too, as stock takes them
+    except TypeError:
+        raise ArgumentTypeError(f"`init_tag` must be an int, got {type(init_tag).__name__}") from None
+    if init_tag < 0:
+        fix = ("`pseudo_rand=True` seeds numpy with it, which takes non-negative seeds only" if pseudo_rand
+               else "gloo takes tags 0..2**31 - 1")
+        raise ArgumentError(f"`init_tag={init_tag}` is negative, but {fix}: pass init_tag >= 0")
+    if bucket_bytes is not None:
+        check_init_tag(init_tag)
+    return init_tag
+
+
+def _check_tags(init_tag: int, leaves: int, pseudo_rand: bool) -> None:
+    """The stock wire's tags ``init_tag .. init_tag + leaves - 1`` must all be valid tags
+    (pseudo-random tags are below 10000)."""
+    if not pseudo_rand and leaves and init_tag + leaves - 1 > MAX_TAG:
+        raise ArgumentError(
+            f"`init_tag={init_tag}` with {leaves} leaves needs tags up to {init_tag + leaves - 1}, past "
+            f"the largest tag 2**31 - 1: pass init_tag <= {MAX_TAG - leaves + 1}"
+        )
+
+
+def _explain(td: TensorDictBase, link: Link, timeout: float | None, waited_for: str, cause: str,
+             tags: Sequence[int], sending: bool, route: _same_host.Route | None = None) -> Any:
+    """The error hook of one call: name the peer, what was waited for (``waited_for``, or the stage its
+    own timeout struck in) and the likely cause; a link left with messages in flight is refused for ``td``
+    from then on, and after a timeout for the call's ``tags`` in its direction too (:mod:`.stuck`), but for
+    a send that had nothing in flight (it waited for its turn on the link's thread); a same-host receive that
+    waited for its turn (its ``route`` says so) is named so."""
+    def explain(error: BaseException, elapsed: float) -> BaseException:
+        if isinstance(error, Error) and not isinstance(error, TransferTimeout):
+            if not error.link_usable:
+                stuck.mark(td, link, type(error).__name__)
+            return error  # ours: a mismatch (drained), a lie (out of step)
+        group = link.group_timeout()
+        what, why, late = waited_for, cause, tags  # (late: where the peer's part may still come, or ours go)
+        if isinstance(error, TransferTimeout):  # the call's own timeout=
+            seconds, gloo = timeout, ""
+            if sending and not error.in_flight:
+                late = ()
+            if route is not None and route.waiting:  # a same-host receive never posted (the sender's part may come)
+                what = f"{waited_for}, queued behind an earlier receive from rank {link.peer} on this link's thread"
+                why = ("a same-host link takes receives one at a time, in call order, and the sender's sends "
+                       "likewise: were the receives posted in the order of its sends?")
+            elif error.stage is not None:  # past what the call waits for first (the protocol said where)
+                what, why = error.stage, "it began this transfer: did it stop or die midway?"
+        elif group is not None and elapsed >= group - 0.05:  # the process group's timeout ran out in gloo
+            seconds, gloo = group, "; gloo then closed every link of the process group"
+        else:
+            stuck.mark(td, link, "the link failed")
+            return PeerError(f"{waited_for}: the link to rank {link.peer} failed after {elapsed:.3g} s: "
+                             f"{peer_failure(error)}")
+        stuck.mark(td, link, f"it timed out after {seconds:g} s", late, sending)
+        refused = (f"this tensordict, and tags {_tag_span(late)} for any tensordict, are refused for "
+                   f"{'sends' if sending else 'receives'}" if late else "this tensordict is refused")
+        return TransferTimeout(
+            f"{what}: rank {link.peer} did not answer within {seconds:g} s ({why}){gloo}; gloo cannot take "
+            f"back what was posted, so {refused} on this link from now on"
+        )
+
+    return explain
+
+
+def _tag_span(tags: Sequence[int]) -> str:
+    """``tags`` in words for a message: ``1073741824 and 1342177280``, ``0..4``, ``0 and 9 others``."""
+    if len(tags) <= 2:
+        return " and ".join(map(str, tags)) or "(none)"
+    if isinstance(tags, range):
+        return f"{tags[0]}..{tags[-1]}"
+    return f"{tags[0]} and {len(tags) - 1} others"
+
+
+def _what(sending: bool, plan: Plan, init_tag: int, pseudo_rand: bool, consolidated: bool,
+          bucket_bytes: int | None) -> tuple[str, str]:
+    """What a call waits for, and the likely cause if it never comes, for its timeout message."""
+    verb = "send" if sending else "receive"
+    peer = "the receiver post the matching receive" if sending else "the sender send"
+    if bucket_bytes is not None:
+        what = f"{verb} of the fast-wire header (tag {header_tag(init_tag)})"
+        return what, f"does {peer} on the fast wire too (bucket_bytes on both ends), with init_tag={init_tag}?"
+    if consolidated:
+        return f"{verb} of the consolidated storage (tag 0)", f"does {peer} with consolidated=True, no bucket_bytes?"
+    n = len(plan.tensors)
+    tags = (f"pseudo-random tags from init_tag={init_tag}" if pseudo_rand
+            else f"tags {init_tag}..{init_tag + n - 1}")
+    return (f"{verb} of {n} leaves ({tags})",
+            f"does {peer} on the stock wire (no bucket_bytes) with init_tag={init_tag}, pseudo_rand={pseudo_rand}?")
+
+
+def _wire_tags(plan: Plan, init_tag: int, pseudo_rand: bool, consolidated: bool,
+               bucket_bytes: int | None) -> Sequence[int]:
+    """The tags a call's messages take."""
+    if bucket_bytes is not None:
+        return header_tag(init_tag), piece_tag(init_tag)
+    if consolidated:
+        return (0,)
+    return plan.tags(init_tag, len(plan.tensors), pseudo_rand)
+
+
+def _prepare(td: Any, link: Link, sending: bool, init_tag: int, pseudo_rand: bool, consolidated: bool,
+             bucket_bytes: int | None,
+             user: TensorDictBase | None = None) -> tuple[TensorDictBase, Plan, Sequence[int]]:
+    """The call's tensordict, plan and tags, once :mod:`.stuck` lets them on ``link``."""
+    inner = unwrap(td)
+    fast_wire = bucket_bytes is not None
+    plan = plan_for(inner, layout=fast_wire)  # the stock wire posts the leaves themselves
+    if not fast_wire and plan.device.type == "cuda":
+        plan = plan_for(inner)  # staged through host memory: the byte layout is used
+    plan.check()
+    previous = plan.in_flight
+    if previous is not None:
+        # the previous transfer of this tensordict still uses its staging buffers:
+        # finish it first (its error, if any, is its owner's to see)
+        with contextlib.suppress(Exception):
+            previous.wait()
+        if previous.failed:
+            # receives it left posted may still land in its buffers: start afresh
+            plan = forget_plan(inner)
+            plan.check()
+    tags = _wire_tags(plan, init_tag, pseudo_rand, consolidated, bucket_bytes)
+    stuck.check(user if user is not None else inner, link, tags, sending)  # (after the previous one: it may fail)
+    return inner, plan, tags
+
+
+def _track(plan: Plan, transfer: Transfer) -> None:
+    """Mark ``transfer`` as using the plan's staging until it finishes."""
+    plan.in_flight = transfer
+
+    def release(done: Transfer) -> None:
+        if plan.in_flight is done:
+            plan.in_flight = None  # no reference left from the plan cache to the tensordict
+
+    transfer.add_done_callback(release)
+
+
+def _last_tag(plan: Plan, init_tag: int, pseudo_rand: bool) -> int:
+    n = len(plan.tensors)
+    return plan.tags(init_tag, n, pseudo_rand)[-1] if n else init_tag - 1
+
+
+def _start_send(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolidated: bool,
+                bucket_bytes: int | None, stream: Any, timeout: float | None,
+                transport: str = "auto") -> tuple[Transfer, Plan]:
+    user = unwrap(td)  # what a failure is recorded against (a consolidated copy is new every call)
+    route = _same_host.Route()
+    if consolidated and not user.is_consolidated():
+        td = user.consolidate(metadata=True)  # as stock does: a copy, every call
+    inner, plan, tags = _prepare(td, link, True, init_tag, pseudo_rand, consolidated, bucket_bytes, user)
+    if consolidated:
+        storage = plan.storage(inner)
+        lane = lane_for(link, storage.device, stream, plan.pool)
+        side = None if bucket_bytes is None else _same_host.sending_side(link, transport, storage.device)
+        if bucket_bytes is None:
+            protocol = _stock_wire.send_storage(lane, storage)
+        else:
+            check_pieces(storage.numel(), bucket_bytes, "consolidated storage")
+            header, chunks = plan.chunk_header(inner).with_piece(bucket_bytes), plan.chunks(inner, bucket_bytes)
+
+            def fill(data: Tensor, i: int, offset: int, length: int) -> None:
+                copy_bytes(data[offset:offset + length], chunks[i])
+
+            def wire(head: Any, offer: bytes | None) -> Any:
+                return _fast_wire.send(lane, head, chunks, init_tag, offer=offer)
+
+            protocol = wire(header, None) if side is None else side.send(
+                lane, header, init_tag, fill, wire, _same_host.allowed(transport), route, storage=storage, chunks=chunks)
+    else:
+        if bucket_bytes is None:
+            _check_tags(init_tag, len(plan.tensors), pseudo_rand)
+        else:
+            check_pieces(plan.total, bucket_bytes)
+        lane = lane_for(link, plan.device, stream, plan.pool)
+        side = None if bucket_bytes is None else _same_host.sending_side(link, transport, plan.device)
+        if bucket_bytes is None:
+            protocol = _stock_wire.send_leaves(lane, plan, plan.tags(init_tag, len(plan.tensors), pseudo_rand))
+        else:
+            place = _fast_wire.staging_place(lane, plan)
+
+            def pack() -> None:
+                with lane.on_stream():
+                    plan.pack(place)
+                if lane.stream is not None and not lane.nccl:
+                    lane.stream.synchronize()  # gloo sends the page-locked copy: it must have landed
+
+            def fill(data: Tensor, i: int, offset: int, length: int) -> None:
+                segment = f"shared:{id(data)}"
+                plan.adopt(segment, data)
+                plan.pack_piece(bucket_bytes, i, segment)
+
+            def wire(head: Any, offer: bytes | None) -> Any:
+                return _fast_wire.send(lane, head, plan.pieces(bucket_bytes, place), init_tag, pack=pack, offer=offer)
+
+            header = plan.bucket_header.with_piece(bucket_bytes)
+            table = plan.address_bytes if plan.device.type == "cpu" else None
+            protocol = wire(header, None) if side is None else side.send(
+                lane, header, init_tag, fill, wire, _same_host.allowed(transport), route, table=table)
+    what, cause = _what(True, plan, init_tag, pseudo_rand, consolidated, bucket_bytes)
+    on_error = _explain(user, link, timeout, what, cause, tags, True)
+    transfer = Transfer(protocol, lane.stream, on_error=on_error, timeout=timeout, link=link,
+                        what=f"{what} to rank {link.peer} ({cause})", route=route,
+                        driver=None if side is None else side.driver.submit)
+    if side is not None:
+        transfer.add_done_callback(functools.partial(side.ended, route))
+        transfer.settle_in_background()  # on the link's thread, in call order
+    if lane.stream is not None or (bucket_bytes is not None and not consolidated):
+        _track(plan, transfer)  # it uses the plan's staging: the next transfer waits for it
+    return transfer, plan
+
+
+def _start_recv(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolidated: bool,
+                bucket_bytes: int | None, stream: Any, timeout: float | None,
+                transport: str = "auto") -> tuple[Transfer, Plan]:
+    inner, plan, tags = _prepare(td, link, False, init_tag, pseudo_rand, consolidated, bucket_bytes)
+    route = _same_host.Route()
+    side = None if bucket_bytes is None else _same_host.receiving_side(link)
+    shared = dict(side=side, allow=side is not None and _same_host.allowed(transport), route=route)
+    if consolidated:
+        storage = plan.storage(inner)  # raises, naming the fix, if td is not consolidated
+        lane = lane_for(link, storage.device, stream, plan.pool)
+        if bucket_bytes is None:
+            protocol = _stock_wire.recv_storage(lane, storage, td)
+        else:
+            def copy(data: Tensor, i: int, offset: int, length: int, piece: int) -> None:
+                with lane.on_stream():
+                    copy_bytes(storage[offset:offset + length], data[offset:offset + length])
+
+            table = _same_host.storage_table(storage) if storage.device.type == "cpu" else None  # (direct route)
+            protocol = _fast_wire.recv(lane, plan.chunk_header(inner), lambda piece: plan.chunks(inner, piece),
+                                       init_tag, td, copy_shared=copy, table=table, **shared)
+    else:
+        if bucket_bytes is None:
+            _check_tags(init_tag, len(plan.tensors), pseudo_rand)
+        lane = lane_for(link, plan.device, stream, plan.pool)
+        if bucket_bytes is None:
+            protocol = _stock_wire.recv_leaves(lane, plan, plan.tags(init_tag, len(plan.tensors), pseudo_rand), td)
+        else:
+            place = _fast_wire.staging_place(lane, plan)
+
+            def copy(data: Tensor, i: int, offset: int, length: int, piece: int) -> None:
+                segment = f"shared:{id(data)}"
+                plan.adopt(segment, data)
+                with lane.on_stream():
+                    plan.unpack(piece, i, segment)
+
+            protocol = _fast_wire.recv(lane, plan.bucket_header, lambda piece: plan.pieces(piece, place),
+                                       init_tag, td, landed=lambda piece, i: plan.unpack(piece, i, place),
+                                       copy_shared=copy, table=plan.address_table if plan.device.type == "cpu" else None,
+                                       **shared)
+    what, cause = _what(False, plan, init_tag, pseudo_rand, consolidated, bucket_bytes)
+    driven = side is not None and side.driven  # the sender may wait for its DONE: it must not wait for our wait()
+    if driven:
+        protocol = side.queued(protocol, route)  # in call order, on the link's thread
+    on_error = _explain(inner, link, timeout, what, cause, tags, False, route)
+    transfer = Transfer(protocol, lane.stream, on_error=on_error, timeout=timeout, link=link,
+                        what=f"{what} from rank {link.peer} ({cause})", route=route,
+                        driver=side.submit if driven else None)
+    if driven:
+        transfer.add_done_callback(functools.partial(side.ended, route))
+        transfer.settle_in_background()
+    if lane.stream is not None or (bucket_bytes is not None and not consolidated):
+        _track(plan, transfer)  # it uses the plan's staging: the next transfer waits for it
+    return transfer, plan
+
+
+def isend(td: Any, dst: int | None = None, *, group: Any = None, group_dst: int | None = None,
+          init_tag: int = 0, pseudo_rand: bool = False, return_early: bool = False,
+          consolidated: bool = False, bucket_bytes: int | None = None, stream: Any = None,
+          timeout: float | None = None, transport: str = "auto") -> Any:
+    """Send the leaves of ``td`` to ``dst``, a call's messages posted as one batch.
+
+    Same arguments, wire and results as ``TensorDictBase.isend`` (tensordict
+    0.15.3), plus ``bucket_bytes``: if given, ``td`` travels on the fast wire in
+    messages of at most that many bytes, after a checked header; the receiver
+    must pass ``bucket_bytes`` too (any value). ``stream``: the CUDA stream to
+    run the transfer on (default: cudarecv's dedicated stream of the device);
+    the caller's current stream is never blocked by the transfer. ``timeout``:
+    seconds the transfer may take (default: the process group's timeout); past
+    it :class:`cudarecv.TransferTimeout` names the peer, what was waited for and
+    the likely cause, and ``td`` is refused on this link from then on (gloo
+    cannot take back what was posted). With ``timeout`` the transfer is driven
+    on a thread of its own, and no gloo wait is ever given a timeout (one that
+    runs out closes every link of the group). ``transport`` (fast wire only):
+    ``"auto"`` sends the payload through shared memory when the receiver is a
+    cudarecv process on this machine (negotiated once per link; see the README),
+    ``"wire"`` always on the process group's wire; ``Transfer.transport`` says
+    which ran. ``CUDARECV_TRANSPORT=wire`` in the environment forces the wire.
+
+    Returns:
+        With ``return_early=True``, a one-element list of :class:`Transfer`.
+        Otherwise the last tag used, or ``None`` when ``consolidated``.
+
+    Example:
+        >>> cudarecv.isend(td, dst=1, bucket_bytes=1 << 20)
+    """
+    init_tag = _check_options(init_tag, pseudo_rand, consolidated, bucket_bytes)
+    timeout = check_timeout(timeout, or_none=True)
+    check_transport(transport)
+    link = resolve(dst, group_dst, group, "dst", "group_dst")
+    transfer, plan = _start_send(td, link, init_tag, pseudo_rand, consolidated, bucket_bytes, stream, timeout,
+                                 transport)
+    if return_early:
+        return [transfer] if consolidated or bucket_bytes is not None or plan.tensors else []
+    transfer.wait()
+    return None if consolidated else _last_tag(plan, init_tag, pseudo_rand)
+
+
+def irecv(td: Any, src: int | None = None, *, group: Any = None, group_src: int | None = None,
+          return_premature: bool = False, init_tag: int = 0, pseudo_rand: bool = False,
+          consolidated: bool = False, bucket_bytes: int | None = None, stream: Any = None,
+          timeout: float | None = None, transport: str = "auto") -> Any:
+    """Receive into the leaves of ``td`` in place what :func:`isend` or stock tensordict sends.
+
+    Same arguments, wire and results as ``TensorDictBase.irecv`` (tensordict
+    0.15.3), plus ``bucket_bytes`` (see :func:`isend`). On the fast wire a
+    sender whose tensordict does not match raises
+    :class:`cudarecv.HeaderError` here, with ``td`` untouched. ``stream`` and
+    ``timeout`` and ``transport`` as in :func:`isend`. Without ``return_premature`` it returns once the caller's
+    current stream is ordered after the receive (CPU memory: once the bytes are
+    there).
+
+    Returns:
+        With ``return_premature=True``, a one-element list of :class:`Transfer`
+        whose ``wait()`` returns ``td``. Otherwise ``None``.
+
+    Example:
+        >>> cudarecv.irecv(td, src=0, bucket_bytes=1 << 20)
+    """
+    init_tag = _check_options(init_tag, pseudo_rand, consolidated, bucket_bytes)
+    timeout = check_timeout(timeout, or_none=True)
+    check_transport(transport)
+    link = resolve(src, group_src, group, "src", "group_src")
+    transfer, plan = _start_recv(td, link, init_tag, pseudo_rand, consolidated, bucket_bytes, stream, timeout,
+                                 transport)
+    if return_premature:  # stock returns one work per leaf: none for a tensordict without leaves
+        return [transfer] if consolidated or bucket_bytes is not None or plan.tensors else []
+    transfer.wait()
+    return None
+
+
+def send(td: Any, dst: int | None = None, *, group: Any = None, group_dst: int | None = None,
+         init_tag: int = 0, pseudo_rand: bool = False, consolidated: bool = False,
+         bucket_bytes: int | None = None, stream: Any = None, timeout: float | None = None,
+         transport: str = "auto") -> None:
+    """Blocking :func:`isend`; same arguments and wire as ``TensorDictBase.send``."""
+    isend(td, dst, group=group, group_dst=group_dst, init_tag=init_tag, pseudo_rand=pseudo_rand,
+          consolidated=consolidated, bucket_bytes=bucket_bytes, stream=stream, timeout=timeout, transport=transport)
+
+
+def recv(td: Any, src: int | None = None, *, group: Any = None, group_src: int | None = None,
+         init_tag: int = 0, pseudo_rand: bool = False, consolidated: bool = False,
+         bucket_bytes: int | None = None, stream: Any = None, timeout: float | None = None,
+         transport: str = "auto") -> int | None:
+    """Blocking :func:`irecv`; returns the last tag (``None`` when ``consolidated``), as stock."""
+    init_tag = _check_options(init_tag, pseudo_rand, consolidated, bucket_bytes)
+    timeout = check_timeout(timeout, or_none=True)
+    check_transport(transport)
+    link = resolve(src, group_src, group, "src", "group_src")
+    transfer, plan = _start_recv(td, link, init_tag, pseudo_rand, consolidated, bucket_bytes, stream, timeout,
+                                 transport)
+    transfer.wait()
+    return None if consolidated else _last_tag(plan, init_tag, pseudo_rand)

@@ -1,0 +1,2 @@
+"""Weight sync: :class:`WeightSender` and :class:`WeightReceiver`, their wire and the relay.
+"""

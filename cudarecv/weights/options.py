@@ -1,0 +1,63 @@
+"""The checks of a weight sender's and receiver's keyword arguments, in one place (the constructors and
+integrations that configure them ahead, e.g. :mod:`cudarecv.torchrl`, use the same)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..core.checks import check_bucket_bytes, check_timeout
+from ..core.errors import ArgumentError
+from ..samehost.sides import check_transport
+from .wire import FANOUTS, MODES
+
+
+def check_mode(mode: object, buffers: object = None, fanout: object = "auto") -> None:
+    """``mode``, ``buffers`` (latest mode's snapshots) and ``fanout`` go together, else an ArgumentError."""
+    if not isinstance(mode, str) or mode not in MODES:
+        raise ArgumentError(f"`mode` must be one of {MODES}, got {mode!r}")
+    if buffers is not None and (mode != "latest" or isinstance(buffers, bool) or not isinstance(buffers, int)
+                                or buffers < 2):
+        raise ArgumentError(f"`buffers` is for mode='latest', an int >= 2; got {buffers!r} with mode={mode!r}")
+    if not isinstance(fanout, str) or fanout not in FANOUTS:
+        raise ArgumentError(f"`fanout` must be one of {FANOUTS}, got {fanout!r}")
+    if fanout == "relay" and mode != "sync":
+        raise ArgumentError("fanout='relay' is for mode='sync': in 'latest' mode each receiver pulls at its own "
+                            "pace, and a chain would make each wait for the one before it; use fanout='star'")
+
+
+def check_flag(value: object, name: str) -> bool:
+    """``value`` is True or False, else an ArgumentError naming ``name``."""
+    if not isinstance(value, bool):
+        raise ArgumentError(f"`{name}` must be True or False, got {value!r}")
+    return value
+
+
+def check_options(**options: Any) -> dict[str, Any]:
+    """Check weight-sync keyword arguments without building a sender or receiver; return them normalized.
+
+    Names: any ending in ``timeout`` (seconds), ``bucket_bytes``, ``transport``, ``mode`` (with ``buffers``
+    and ``fanout``), and the flags ``verify`` and ``zero_copy``. Raises :class:`ArgumentError` naming the
+    argument and the fix, or one that is none of these.
+
+    Example:
+        >>> check_options(timeout=30, bucket_bytes=1 << 20, transport="auto")
+        {'timeout': 30.0, 'bucket_bytes': 1048576, 'transport': 'auto'}
+    """
+    out: dict[str, Any] = {}
+    for name, value in options.items():
+        if name.endswith("timeout"):
+            out[name] = check_timeout(value, name)
+        elif name == "bucket_bytes":
+            check_bucket_bytes(value)
+            out[name] = value
+        elif name == "transport":
+            out[name] = check_transport(value)
+        elif name in ("verify", "zero_copy"):
+            out[name] = check_flag(value, name)
+        elif name not in ("mode", "buffers", "fanout"):
+            raise ArgumentError(f"`{name}` is no weight-sync option (timeouts, bucket_bytes, transport, mode, "
+                                "buffers, fanout, verify, zero_copy)")
+    if {"mode", "buffers", "fanout"} & set(options):
+        check_mode(options.get("mode", "sync"), options.get("buffers"), options.get("fanout", "auto"))
+        out.update({k: options[k] for k in ("mode", "buffers", "fanout") if k in options})
+    return out

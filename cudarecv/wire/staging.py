@@ -1,0 +1,287 @@
+"""Moving messages between the wire and memory the wire cannot touch.
+
+gloo reads and writes host memory only; NCCL device memory only. When a
+tensordict lives elsewhere (CUDA storage on gloo, host storage on NCCL), each
+message goes through a staging buffer on the wire's side, with the copy on
+cudarecv's streams:
+
+- *ring* staging (chunks, consolidated messages): two buffers of one message
+  each; the copy of message i overlaps the transfer of message i+1;
+- *full* staging (per-leaf messages, all posted at once; buckets): a buffer
+  holding every message, allocated once per plan.
+
+Staging buffers belong to their owner (a tensordict's plan, a weight sender or
+receiver), whose transfers run one at a time, and carry a *fence*: the CUDA
+event of the last stream copy that reads or writes them. Nothing posts into a
+buffer, or copies into it, before its fence has fired, so a copy still queued
+from the previous transfer can never see the next transfer's bytes.
+
+Sub-protocols here are driven with ``yield from`` inside a transfer protocol
+(:mod:`cudarecv.core.transfer`): what they yield are ``Work``-like objects the host waits on.
+On NCCL the host never waits for the wire: ``Work.wait()`` orders the stream.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from ..core import streams as _cuda
+from ..core.errors import ArgumentError, UsageError
+from ..core.link import Link
+from ..core.transport import post
+
+
+@dataclass
+class Lane:
+    """One transfer's link, stream (``None`` when neither end touches CUDA) and staging pool."""
+
+    link: Link
+    stream: Any = None
+    pool: _cuda.StagingPool = field(default_factory=_cuda.StagingPool)
+    #: whether NCCL batches run as one group call (``CUDARECV_NCCL_BATCH=0``: one op
+    #: each, as stock tensordict issues them; PyTorch runs single and batched NCCL
+    #: point-to-point ops on different communicators, so a stock peer on NCCL needs it off)
+    batched: bool = field(default_factory=lambda: os.environ.get("CUDARECV_NCCL_BATCH", "1") != "0")
+
+    @property
+    def nccl(self) -> bool:
+        return self.link.backend == "nccl"
+
+    @property
+    def device(self) -> torch.device:
+        """The device whose memory the transfer touches (its stream's; the CPU without one)."""
+        return self.stream.device if self.stream is not None else torch.device("cpu")
+
+    def on_stream(self) -> Any:
+        return torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
+
+    def post(self, sending: bool, tensors: Sequence[Tensor], tags: Sequence[int]) -> list[Any]:
+        return post(self.link, sending, tensors, tags, batch=self.batched)
+
+
+def lane_for(link: Link, device: torch.device, stream: Any, pool: _cuda.StagingPool) -> Lane:
+    """The transfer's lane: a CUDA stream when the memory or the backend is on a GPU."""
+    if device.type != "cuda" and link.backend != "nccl":
+        if stream is not None:
+            raise ArgumentError(
+                "`stream` was given, but neither the tensordict (on the CPU) nor the "
+                f"{link.backend} backend uses CUDA: pass stream=None"
+            )
+        return Lane(link, None, pool)
+    if not torch.cuda.is_available():
+        raise UsageError(f"the {link.backend} backend with a tensordict on {device} needs CUDA, "
+                           "which this process cannot use")
+    if device.type != "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    lane_stream = _cuda.transfer_stream(device, stream)
+    # what the caller queued on its stream (writes of the values, reads of the
+    # old ones) comes before the transfer; the caller's stream is never blocked
+    _cuda.follow_caller(lane_stream)
+    return Lane(link, lane_stream, pool)
+
+
+def _byte(t: Tensor) -> Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _nbytes(t: Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _base(t: Tensor) -> Tensor:
+    return t._base if t._base is not None else t
+
+
+def wire_can_touch(lane: Lane, tensors: Sequence[Tensor]) -> bool:
+    """Whether the wire reads and writes ``tensors`` in place (host memory on gloo, device memory on NCCL)."""
+    return not tensors or (tensors[0].device.type == "cuda") == lane.nccl
+
+
+def _host_ready(lane: Lane, buffer: Tensor) -> None:
+    """Block until no queued stream copy still reads or writes host ``buffer``."""
+    event = lane.pool.fence(buffer)
+    if event is not None:
+        event.synchronize()
+
+
+def recv_into(lane: Lane, dests: Sequence[Tensor], tags: Sequence[int],
+              staging: Sequence[Tensor] | None = None,
+              landed: Callable[[int], None] | None = None) -> Any:
+    """Receive message i into ``dests[i]`` (contiguous); ``landed(i)`` once it is there.
+
+    ``landed`` runs on the stream that wrote ``dests[i]`` (the transfer stream, or
+    the copy stream of a ring into host memory). ``staging`` (full staging, one
+    buffer per message on the wire's side, views of one buffer) is used when
+    the wire cannot write ``dests``; without it a ring of two buffers.
+    """
+    n = len(dests)
+    if wire_can_touch(lane, dests):
+        copies_from_host = lane.stream is not None and not lane.nccl and landed is not None and n
+        if copies_from_host:
+            _host_ready(lane, _base(dests[0]))  # landed() copies out of these host buffers
+        with lane.on_stream():
+            works = lane.post(False, dests, tags)
+            if lane.nccl:
+                for work in works:
+                    work.wait()  # orders the transfer stream; the host goes on
+                for i in range(n if landed else 0):
+                    landed(i)
+                return
+        if landed is None:
+            yield works  # one step for the whole batch
+        for i, work in enumerate(works if landed else ()):
+            yield [work]
+            with lane.on_stream():
+                landed(i)
+        if copies_from_host:
+            lane.pool.set_fence(_base(dests[0]), _cuda.record(lane.stream))
+        return
+    if staging is not None:
+        yield from _recv_full(lane, dests, tags, staging, landed)
+    elif lane.nccl:
+        yield from _recv_ring_nccl(lane, dests, tags, landed)
+    else:
+        yield from _recv_ring_gloo(lane, dests, tags, landed)
+
+
+def _recv_full(lane: Lane, dests, tags, staging, landed) -> Any:
+    """gloo into CUDA memory, every message at once through ``staging`` (pinned)."""
+    base = _base(staging[0])
+    _host_ready(lane, base)
+    yield lane.post(False, staging, tags)
+    with lane.on_stream():
+        torch._foreach_copy_([_byte(d) for d in dests], [_byte(s) for s in staging], non_blocking=True)
+        for i in range(len(dests) if landed else 0):
+            landed(i)
+        lane.pool.set_fence(base, _cuda.record(lane.stream))
+
+
+def _recv_ring_gloo(lane: Lane, dests, tags, landed) -> Any:
+    """gloo into CUDA memory: recv into two pinned buffers, H2D copies overlapping the next recv."""
+    n = len(dests)
+    ring = lane.pool.buffers("pinned", max(_nbytes(d) for d in dests), count=n)
+
+    def start(i: int) -> Any:
+        _host_ready(lane, ring[i % 2])
+        return lane.post(False, [ring[i % 2][: _nbytes(dests[i])]], [tags[i]])[0]
+
+    works = {i: start(i) for i in range(min(2, n))}
+    for i in range(n):
+        yield [works.pop(i)]
+        with lane.on_stream():
+            _byte(dests[i]).copy_(ring[i % 2][: _nbytes(dests[i])], non_blocking=True)
+            if landed:
+                landed(i)
+            lane.pool.set_fence(ring[i % 2], _cuda.record(lane.stream))
+        if i + 2 < n:
+            yield [_cuda.EventWork(lane.pool.fence(ring[i % 2]))]  # the pinned buffer is free again
+            works[i + 2] = start(i + 2)
+
+
+def _recv_ring_nccl(lane: Lane, dests, tags, landed) -> Any:
+    """NCCL into host memory: recv into two device buffers, D2H copies on a second stream."""
+    device = lane.stream.device
+    ring = lane.pool.buffers(device, max(_nbytes(d) for d in dests), count=len(dests))
+    copier = _cuda.copy_stream(device)
+    for i, dest in enumerate(dests):
+        buf = ring[i % 2][: _nbytes(dest)]
+        freed = lane.pool.fence(ring[i % 2])
+        if freed is not None:
+            lane.stream.wait_event(freed)  # the previous copy out of this buffer is done
+        with lane.on_stream():
+            for work in lane.post(False, [buf], [tags[i]]):
+                work.wait()
+            arrived = _cuda.record(lane.stream)
+        copier.wait_event(arrived)
+        with torch.cuda.stream(copier):
+            _byte(dest).copy_(buf, non_blocking=True)
+            if landed:
+                landed(i)
+            lane.pool.set_fence(ring[i % 2], _cuda.record(copier))
+    for buffer in ring:
+        if lane.pool.fence(buffer) is not None:
+            lane.stream.wait_event(lane.pool.fence(buffer))
+    yield [_cuda.EventWork(_cuda.record(lane.stream))]  # host memory: the host waits for the bytes
+
+
+def drain(lane: Lane, total: int, piece: int, tag: int) -> Any:
+    """Receive and drop ``total`` bytes sent in messages of at most ``piece`` bytes on ``tag``
+    (keeps a link in step after a rejected header); one scratch message, nothing per piece."""
+    scratch = torch.empty(min(piece, total), dtype=torch.uint8, device=lane.stream.device if lane.nccl else "cpu")
+    for start in range(0, total, piece):
+        yield from recv_into(lane, [scratch[:min(piece, total - start)]], [tag])
+
+
+def send_from(lane: Lane, srcs: Sequence[Tensor], tags: Sequence[int],
+              staging: Sequence[Tensor] | None = None, defer: bool = False) -> Any:
+    """Send ``srcs[i]`` as message i.
+
+    With ``defer``, works posted straight from the wire's memory are returned
+    instead of waited for, so the caller can post more messages first.
+    """
+    n = len(srcs)
+    if wire_can_touch(lane, srcs):
+        with lane.on_stream():
+            works = lane.post(True, srcs, tags)
+            if lane.nccl:
+                for work in works:
+                    work.wait()
+                return
+        if defer:
+            return works
+        yield works
+        return
+    if lane.nccl:
+        yield from _send_ring_nccl(lane, srcs, tags)
+        return
+    # gloo from CUDA memory: D2H into pinned staging (full, or a ring of two), then send
+    if staging is not None:
+        with lane.on_stream():
+            torch._foreach_copy_([_byte(s) for s in staging], [_byte(t) for t in srcs], non_blocking=True)
+            copied = _cuda.record(lane.stream)
+        yield [_cuda.EventWork(copied)]
+        yield lane.post(True, staging, tags)
+        return
+    ring = lane.pool.buffers("pinned", max(_nbytes(t) for t in srcs), count=n)
+    sent: list[Any] = [None, None]
+    for i in range(n):
+        if sent[i % 2] is not None:
+            yield [sent[i % 2]]
+        buf = ring[i % 2][: _nbytes(srcs[i])]
+        with lane.on_stream():
+            buf.copy_(_byte(srcs[i]), non_blocking=True)
+            copied = _cuda.record(lane.stream)
+        yield [_cuda.EventWork(copied)]
+        sent[i % 2] = lane.post(True, [buf], [tags[i]])[0]
+    yield [w for w in sent if w is not None]
+
+
+def _send_ring_nccl(lane: Lane, srcs, tags) -> Any:
+    """NCCL from host memory: H2D copies into two device buffers on a second stream, then send.
+
+    Ends when the host memory has been read (the caller may then change it)."""
+    device = lane.stream.device
+    ring = lane.pool.buffers(device, max(_nbytes(t) for t in srcs), count=len(srcs))
+    copier = _cuda.copy_stream(device)
+    copied = None
+    for i, src in enumerate(srcs):
+        buf = ring[i % 2][: _nbytes(src)]
+        sent = lane.pool.fence(ring[i % 2])
+        if sent is not None:
+            copier.wait_event(sent)  # the previous send out of this buffer is done
+        with torch.cuda.stream(copier):
+            buf.copy_(_byte(src), non_blocking=True)
+            copied = _cuda.record(copier)
+        lane.stream.wait_event(copied)
+        with lane.on_stream():
+            for work in lane.post(True, [buf], [tags[i]]):
+                work.wait()
+            lane.pool.set_fence(ring[i % 2], _cuda.record(lane.stream))
+    if copied is not None:
+        yield [_cuda.EventWork(copied)]
