@@ -229,7 +229,7 @@ def oversize_header(rank, world, group):
 
     td = make("nested", float(rank))
     if rank == 0:
-        header = plan_for(td).bucket_header.with_piece(64)
+        header = plan_for(td).bucket_header.for_transfer(64, 0)
         raw_send(group, 1, header.pack() + b"\x01" * 40, HEADER_TAG_0)  # a valid header, then more
         return None
     try:
@@ -256,7 +256,7 @@ def drain_timeout(rank, world, group, key):
     from rawwire import _pg, store
 
     if rank == 0:
-        header = plan_for(make("nested", 1.0)).bucket_header.with_piece(64).pack()
+        header = plan_for(make("nested", 1.0)).bucket_header.for_transfer(64, 0).pack()
         work = _pg(group).send([torch.frombuffer(bytearray(header), dtype=torch.uint8)], 1, HEADER_TAG_0)
         store().set(key, "posted")
         work.wait(timedelta(seconds=20))

@@ -704,7 +704,7 @@ def forged_storage(rank, world, group, lie, key):
         for _ in range(2):  # negotiate, then one through a segment
             cudarecv.send(td, group=pg, group_dst=1, bucket_bytes=1024, consolidated=True)
         plan = cudarecv.plan.plan.plan_for(td)
-        head = plan.chunk_header(td).with_piece(1024)
+        head = plan.chunk_header(td).for_transfer(1024, 0)
         if lie == "slot":
             raw_send(pg, 1, dataclasses.replace(head, transport=2, segment=1, seq=99).pack(), tags.header_tag(0))
             return None
@@ -754,7 +754,7 @@ def forged_table(rank, world, group, lie, consolidated, key):
                 table[1, 1] += 8
         elif lie == "address":
             table[-1, 0] = 8  # an address this process has not mapped
-        head = dataclasses.replace(head.with_piece(1024), transport=3, seq=99)
+        head = dataclasses.replace(head.for_transfer(1024, 0), transport=3, seq=99)
         raw_send(pg, 1, head.pack(), tags.header_tag(0))
         if lie != "not agreed":  # (refused at the header: the table is never taken)
             raw_send(pg, 1, table.tobytes(), tags.piece_tag(0))

@@ -63,6 +63,20 @@ def follow_caller(stream: "torch.cuda.Stream") -> None:
     stream.wait_stream(torch.cuda.current_stream(stream.device))
 
 
+def explicit(device: torch.device) -> torch.device:
+    """``device`` with its index: ``cuda`` means the calling thread's current device, resolved here (a
+    background thread's current device is 0 whatever the caller's).
+
+    Example:
+        >>> torch.cuda.set_device(1); explicit(torch.device("cuda"))
+        device(type='cuda', index=1)
+    """
+    device = torch.device(device)
+    if device.type != "cuda" or device.index is not None or not torch.cuda.is_available():
+        return device  # (without CUDA the first use says so)
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def _index(device: torch.device) -> int:
     device = torch.device(device)
     return device.index if device.index is not None else torch.cuda.current_device()

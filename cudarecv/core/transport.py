@@ -1,47 +1,51 @@
-"""Posting one call's messages as one batch, on any backend and any kind of group.
+"""Posting one call's messages, on any backend and any kind of group; keeping works that may still run.
 
-- NCCL, registered group: :func:`torch.distributed.batch_isend_irecv`, which
-  NCCL runs as one group call (one ``Work`` for the whole batch). PyTorch runs
-  batched and single NCCL point-to-point ops on different communicators (the
-  group's, and a two-rank one), so a stock tensordict peer, which sends one op
-  per leaf, needs batching off (``CUDARECV_NCCL_BATCH=0``); single messages
-  (a consolidated storage) always go as single ops.
-- NCCL, standalone group (which ``P2POp`` refuses): the same coalescing done on
-  the group object itself (``_start_coalescing`` ... ``_end_coalescing``).
-- Backends without coalescing (gloo): ``batch_isend_irecv`` would issue the ops
-  one by one with their tags; they are issued exactly so here, but straight on
-  the group object, which keeps the stock wire and costs half the Python time
-  per message of ``dist.isend``/``dist.irecv`` (that matters at 2000 leaves).
+On NCCL, which ignores tags and matches point-to-point messages in posting order per communicator, both
+ends of a link must post each message the same way, since torch runs a single op on a two-rank
+communicator of the pair and a batched (coalesced) one on the group's communicator (without
+``device_id``); a group's communicator is made by every rank of the group at its first batched op, and a
+group's coalescing state is one for all threads. So cudarecv posts single ops (the pair's communicator)
+everywhere, except the stock wire's per-leaf messages, which go as one batch where :func:`nccl_batching`
+says so (both ends decide alike from the group and ``CUDARECV_NCCL_BATCH``); batches on one group are
+posted one thread at a time.
 
-NCCL ops are issued on the current stream (callers enter the transfer stream
-first); NCCL's own stream waits on it, and ``Work.wait()`` orders the current
-stream after the batch without blocking the host.
+- NCCL, registered group: :func:`torch.distributed.batch_isend_irecv` (one ``Work`` for the batch).
+- NCCL, standalone group (which ``P2POp`` refuses): the same coalescing on the group object itself
+  (``_start_coalescing`` ... ``_end_coalescing``; a backend's take no device, a ``ProcessGroup``'s do).
+- gloo: the ops one by one with their tags, straight on the group object, which keeps the stock wire and
+  costs half the Python time per message of ``dist.isend``/``dist.irecv`` (that matters at 2000 leaves).
+
+NCCL ops are issued on the current stream (callers enter the transfer stream first); NCCL's own stream
+waits on it, and ``Work.wait()`` orders the current stream after the batch without blocking the host.
 """
 
 from __future__ import annotations
 
+import os
 import threading
+import weakref
 from collections import deque
 from typing import Any, Sequence
 
 import torch.distributed as dist
 from torch import Tensor
+from torch._C._distributed_c10d import Backend as _C_Backend
 
-from .errors import UsageError
+from .errors import ArgumentError, UsageError
 from .link import Link
 from .log import logger
 
 
 def post(link: Link, sending: bool, tensors: Sequence[Tensor], tags: Sequence[int],
-         batch: bool = True) -> list[Any]:
+         batch: bool = False) -> list[Any]:
     """Post a send (``sending``) or receive of every tensor with its tag; return the works.
 
-    On NCCL, two or more messages go as one batch unless ``batch`` is False; a
-    single message always goes as a single op, as stock tensordict sends it.
+    On NCCL, ``batch`` posts them as one coalesced group call (the group's communicator, even for one
+    message); without it each is a single op (the pair's communicator). The peer must post alike.
     """
     if not tensors:
         return []
-    if link.backend == "nccl" and batch and len(tensors) > 1:
+    if link.backend == "nccl" and batch:
         return _coalesced(link, sending, tensors, tags)
     op = link.pg.send if sending else link.pg.recv
     peer = link.peer
@@ -53,6 +57,22 @@ def post(link: Link, sending: bool, tensors: Sequence[Tensor], tags: Sequence[in
         park(works)  # posted before the error: let them run out rather than cancel them mid-stream
         raise
     return works
+
+
+BATCH_ENV = "CUDARECV_NCCL_BATCH"  # "1": batch the stock wire's per-leaf messages, "0": one op each, "auto"
+
+
+def nccl_batching(link: Link) -> bool:
+    """Whether the stock wire's per-leaf messages go as one NCCL batch on ``link``: ``CUDARECV_NCCL_BATCH=1``
+    or ``0``; by default (``auto``) on a group of two ranks only, where the batch's communicator is made by the
+    two ends of the transfer (on a larger group every rank of the group would have to batch once first). A
+    stock tensordict peer posts one op per leaf: set ``0`` on the cudarecv end."""
+    setting = os.environ.get(BATCH_ENV, "auto")
+    if setting not in ("0", "1", "auto"):
+        raise ArgumentError(f"the environment variable {BATCH_ENV}={setting!r} must be 0, 1 or auto")
+    if setting != "auto":
+        return setting == "1"
+    return link.pg.size() == 2
 
 
 #: works of failed transfers that may still be in flight, and messages posted and left to run out.
@@ -103,25 +123,38 @@ def _completed(item: Any) -> bool:
     return check is not None and bool(check())  # a protocol's frame may hold works: kept
 
 
+_COALESCING: "weakref.WeakKeyDictionary[Any, threading.Lock]" = weakref.WeakKeyDictionary()  # per group
+_COALESCING_LOCK = threading.Lock()
+
+
+def _coalescing(pg: Any) -> threading.Lock:
+    """The lock of ``pg``'s coalescing state (one per group in torch, not per thread)."""
+    with _COALESCING_LOCK:
+        lock = _COALESCING.get(pg)
+        if lock is None:
+            lock = _COALESCING[pg] = threading.Lock()
+        return lock
+
+
 def _coalesced(link: Link, sending: bool, tensors: Sequence[Tensor], tags: Sequence[int]) -> list[Any]:
     device = tensors[0].device
-    if link.registered:
-        op = dist.isend if sending else dist.irecv
-        return dist.batch_isend_irecv(
-            [dist.P2POp(op, t, group=link.pg, tag=tag, group_peer=link.peer) for t, tag in zip(tensors, tags)]
-        )
     pg = link.pg
-    if not hasattr(pg, "_start_coalescing"):
-        raise UsageError(
-            f"the standalone group {type(pg).__name__} cannot coalesce point-to-point ops; "
-            "build it as ProcessGroupNCCL, or register it with torch.distributed.new_group"
-        )
-    op = pg.send if sending else pg.recv
-    pg._start_coalescing(device)
-    try:
-        for t, tag in zip(tensors, tags):
-            op([t], link.peer, tag)
-    finally:
-        work = pg._end_coalescing(device)
-    return [work]
-
+    with _coalescing(pg):  # batches from several threads must not mix in the group's one coalescing state
+        if link.registered:
+            op = dist.isend if sending else dist.irecv
+            return dist.batch_isend_irecv(
+                [dist.P2POp(op, t, group=pg, tag=tag, group_peer=link.peer) for t, tag in zip(tensors, tags)])
+        if not hasattr(pg, "_start_coalescing"):
+            raise UsageError(
+                f"the standalone group {type(pg).__name__} cannot coalesce point-to-point ops; "
+                "build it as ProcessGroupNCCL, or register it with torch.distributed.new_group"
+            )
+        args = () if isinstance(pg, _C_Backend) else (device,)  # a backend's take no device
+        send_or_recv = pg.send if sending else pg.recv
+        pg._start_coalescing(*args)
+        try:
+            for t, tag in zip(tensors, tags):
+                send_or_recv([t], link.peer, tag)
+        finally:
+            work = pg._end_coalescing(*args)
+        return [work]

@@ -29,7 +29,7 @@ from ..samehost import sides as _same_host
 from ..samehost.sides import check_transport
 from ..wire import fast as _fast_wire
 from ..wire import stock as _stock_wire
-from ..wire.staging import lane_for
+from ..wire.staging import host_waits, lane_for
 
 
 def _check_options(init_tag: object, pseudo_rand: object, consolidated: object,
@@ -197,7 +197,8 @@ def _start_send(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolida
             protocol = _stock_wire.send_storage(lane, storage)
         else:
             check_pieces(storage.numel(), bucket_bytes, "consolidated storage")
-            header, chunks = plan.chunk_header(inner).with_piece(bucket_bytes), plan.chunks(inner, bucket_bytes)
+            header = plan.chunk_header(inner).for_transfer(bucket_bytes, init_tag)
+            chunks = plan.chunks(inner, bucket_bytes)
 
             def fill(data: Tensor, i: int, offset: int, length: int) -> None:
                 copy_bytes(data[offset:offset + length], chunks[i])
@@ -233,10 +234,12 @@ def _start_send(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolida
             def wire(head: Any, offer: bytes | None) -> Any:
                 return _fast_wire.send(lane, head, plan.pieces(bucket_bytes, place), init_tag, pack=pack, offer=offer)
 
-            header = plan.bucket_header.with_piece(bucket_bytes)
+            header = plan.bucket_header.for_transfer(bucket_bytes, init_tag)
             table = plan.address_bytes if plan.device.type == "cpu" else None
             protocol = wire(header, None) if side is None else side.send(
                 lane, header, init_tag, fill, wire, _same_host.allowed(transport), route, table=table)
+            if lane.nccl and plan.device.type != "cuda":
+                protocol = host_waits(lane, protocol)  # the leaves were read once send() returns
     what, cause = _what(True, plan, init_tag, pseudo_rand, consolidated, bucket_bytes)
     on_error = _explain(user, link, timeout, what, cause, tags, True)
     transfer = Transfer(protocol, lane.stream, on_error=on_error, timeout=timeout, link=link,
@@ -289,6 +292,8 @@ def _start_recv(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolida
                                        init_tag, td, landed=lambda piece, i: plan.unpack(piece, i, place),
                                        copy_shared=copy, table=plan.address_table if plan.device.type == "cpu" else None,
                                        **shared)
+            if lane.nccl and plan.device.type != "cuda":
+                protocol = host_waits(lane, protocol)  # the leaves hold the bytes once recv() returns
     what, cause = _what(False, plan, init_tag, pseudo_rand, consolidated, bucket_bytes)
     driven = side is not None and side.driven  # the sender may wait for its DONE: it must not wait for our wait()
     if driven:

@@ -6,16 +6,16 @@ Layout (little-endian)::
     version   u16  2
     kind      u16  1 = buckets (non-consolidated), 2 = chunks (consolidated storage)
     leaves    u32  number of leaves
-    route     u32  where the payload is: byte 0 the transport (0 the wire, 1 a shared
-                   segment, 2 the sender's storage in shared memory, 3 the sender's leaves,
-                   read directly: :mod:`cudarecv.samehost.sides`),
+    route     u32  where the payload is: byte 0 a :class:`PayloadRoute` (the wire, a shared
+                   host segment, the sender's storage in shared memory, the sender's leaves
+                   read directly, a CUDA IPC segment: :mod:`cudarecv.samehost`),
                    byte 1 the segment or storage slot, bit 16 an offer follows
     total     u64  payload bytes
     piece     u64  bytes per payload message (the sender's bucket_bytes)
     schema    16s  blake2b-128 of the schema (keys, dtypes, shapes, byte counts, offsets)
     seq       u64  the sender's transfer number on this link (shared segments)
-    crc       u32  crc32 of the 56 bytes above
-    padding   4x
+    init_tag  u32  the transfer's init_tag (NCCL ignores tags: a receiver checks it took its own transfer)
+    crc       u32  crc32 of the 60 bytes above
 
 Nothing read from the wire is ever unpickled: the receiver compares the record
 with the one it computes for its own tensordict. Nothing is sized from a record
@@ -30,6 +30,7 @@ import hashlib
 import struct
 import zlib
 from dataclasses import dataclass, replace
+from enum import IntEnum
 from typing import Iterable, Sequence
 
 import torch
@@ -37,18 +38,33 @@ import torch
 from ..core.errors import ArgumentError, OutOfStepError
 from .walk import Path
 
+
+class PayloadRoute(IntEnum):
+    """Where a fast-wire transfer's payload is (the header's route byte)."""
+
+    WIRE = 0  #: the messages after the header, on the process group
+    SEGMENT = 1  #: a shared host segment of the sender's (memfd)
+    STORAGE = 2  #: the sender's consolidated storage, where torch keeps it in shared memory
+    DIRECT = 3  #: the sender's leaves (or private storage), read by the receiver with process_vm_readv
+    DEVICE_SEGMENT = 4  #: a CUDA IPC segment of the sender's
+
+
 MAGIC = b"CDRV"
-VERSION = 2
+VERSION = 3  # 3: the init_tag is in the record
 KIND_BUCKETS = 1
 KIND_CHUNKS = 2
 KIND_NAMES = {KIND_BUCKETS: "buckets (non-consolidated)", KIND_CHUNKS: "chunks (consolidated)"}
-_BODY = struct.Struct("<4sHHIIQQ16sQ")
+_BODY = struct.Struct("<4sHHIIQQ16sQI")
 _CRC = struct.Struct("<I")
 SIZE = 64
 MAX_MESSAGES = 1 << 16  # payload messages per transfer: a bound both ends enforce
-#: senders' storages a fast-wire link keeps mapped at once (route 2); a receiver keeps the memory of each
+#: senders' storages a fast-wire link keeps mapped at once (the storage route); a receiver keeps the memory of each
 #: mapped, even once the sender has let go of it, until another storage takes its slot
 STORAGE_SLOTS = 2
+#: the slots of each route's segment byte
+ROUTE_SLOTS = {PayloadRoute.WIRE: 1, PayloadRoute.SEGMENT: 2, PayloadRoute.STORAGE: STORAGE_SLOTS,
+               PayloadRoute.DIRECT: 1, PayloadRoute.DEVICE_SEGMENT: 2}
+
 DRAIN_FLOOR = 1 << 20  # a receiver drains a mismatched payload of up to max(2 x its own size, this)
 
 
@@ -71,29 +87,29 @@ class Header:
     total: int
     piece: int
     schema: bytes
-    #: 0: the payload follows on the wire; 1: in shared segment ``segment``; 2: in storage slot ``segment``;
-    #: 3: in the sender's leaves, read directly
-    transport: int = 0
+    #: where the payload is (:class:`PayloadRoute`), in slot ``segment``
+    transport: int = PayloadRoute.WIRE
     segment: int = 0
     offer: bool = False  #: an offer of shared segments follows the header (:mod:`cudarecv.samehost.sides`)
     seq: int = 0
+    init_tag: int = 0  #: the transfer's ``init_tag`` (set by the sender: :meth:`for_transfer`)
 
-    def with_piece(self, piece: int) -> "Header":
-        """This header for messages of ``piece`` bytes."""
-        return replace(self, piece=piece)
+    def for_transfer(self, piece: int, init_tag: int) -> "Header":
+        """This header for a transfer with ``init_tag`` in messages of ``piece`` bytes."""
+        return replace(self, piece=piece, init_tag=init_tag)
 
     def pack(self) -> bytes:
         route = self.transport | self.segment << 8 | int(self.offer) << 16
         body = _BODY.pack(MAGIC, VERSION, self.kind, self.leaves, route, self.total, self.piece, self.schema,
-                          self.seq)
-        return body + _CRC.pack(zlib.crc32(body)) + bytes(SIZE - len(body) - _CRC.size)
+                          self.seq, self.init_tag)
+        return body + _CRC.pack(zlib.crc32(body))
 
     @classmethod
     def unpack(cls, raw: bytes) -> "Header":
         """Parse and check a received record; raises :class:`OutOfStepError` if it is not one,
         or if its lengths are impossible (more than :data:`MAX_MESSAGES` messages)."""
         body, (crc,) = raw[: _BODY.size], _CRC.unpack_from(raw, _BODY.size)
-        magic, version, kind, leaves, route, total, piece, schema, seq = _BODY.unpack(body)
+        magic, version, kind, leaves, route, total, piece, schema, seq, init_tag = _BODY.unpack(body)
         out_of_step = "not drained, the link is out of step"
         if magic != MAGIC or zlib.crc32(body) != crc:
             raise OutOfStepError(
@@ -109,9 +125,9 @@ class Header:
                 f"{MAX_MESSAGES} messages a transfer may have: a corrupt or hostile sender ({out_of_step})"
             )
         transport, segment, offer = route & 0xFF, route >> 8 & 0xFF, bool(route >> 16 & 1)
-        if transport > 3 or segment >= {2: STORAGE_SLOTS, 3: 1}.get(transport, 2) or route >> 17:
+        if transport not in ROUTE_SLOTS or segment >= ROUTE_SLOTS[PayloadRoute(transport)] or route >> 17:
             raise OutOfStepError(f"the header names an unknown payload route {route:#x} ({out_of_step})")
-        return cls(kind, leaves, total, piece, schema, transport, segment, offer, seq)
+        return cls(kind, leaves, total, piece, schema, PayloadRoute(transport), segment, offer, seq, init_tag)
 
 
 def piece_sizes(total: int, piece: int) -> list[int]:

@@ -20,6 +20,7 @@ Needs cupy (the ``gpu`` extra) and a GPU; :func:`available` says why not.
 
 from __future__ import annotations
 
+import functools
 import struct
 import weakref
 from typing import Any
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..core.log import logger
 from .shared_memory import MappingError, offer_kind, open_offer, seal_offer
 from .shared_memory import offer_size as shared_offer_size
 
@@ -35,7 +37,8 @@ KIND = 2
 
 
 def available(device: torch.device) -> str | None:
-    """Why ``device`` memory cannot be shared over CUDA IPC here, or None."""
+    """Why ``device`` memory cannot be shared over CUDA IPC here, or None. The first ask per device exports a
+    one-byte segment (some virtual machines and sandboxes refuse IPC): the answer is kept, and logged."""
     if device.type != "cuda":
         return f"{device} is not a CUDA device"
     if not torch.cuda.is_available():
@@ -44,6 +47,18 @@ def available(device: torch.device) -> str | None:
         import cupy  # noqa: F401
     except ImportError:
         return "cupy is not installed (pip install 'cudarecv[gpu]')"
+    return _exports(_index(device))
+
+
+@functools.cache
+def _exports(index: int) -> str | None:
+    """Whether this process can export CUDA IPC handles of device ``index`` (tried once)."""
+    try:
+        DeviceSegment(1, torch.device("cuda", index))
+    except Exception as error:  # noqa: BLE001 - whatever refuses it: the reason is the answer
+        reason = f"exporting a CUDA IPC handle on cuda:{index} failed: {type(error).__name__}: {error}"
+        logger.warning("CUDA IPC is off for cuda:%d in this process: %s; its transfers go on the wire", index, reason)
+        return reason
     return None
 
 
@@ -62,6 +77,17 @@ def _release(release: Any, ptr: int, device: torch.device) -> None:
             release(ptr)
     except Exception:  # noqa: BLE001 - at interpreter exit CUDA may be gone already
         pass
+
+
+def _view(ptr: int, nbytes: int, device: torch.device, release: Any) -> Tensor:
+    """A uint8 tensor over ``nbytes`` at device pointer ``ptr`` on ``device``, never a copy: torch copies memory
+    it finds on another device than the one asked (an IPC pointer of a peer GPU), which would leave the
+    reader with stale bytes; that is refused here (the offer is then declined and the wire carries it)."""
+    view = torch.as_tensor(_Pointer(ptr, nbytes, device, release), device=device)
+    if view.data_ptr() != ptr or view.device != device:
+        raise MappingError(f"torch gave a copy of the device memory at {ptr:#x} (on {view.device}, at "
+                           f"{view.data_ptr():#x}) instead of a view on {device}")
+    return view
 
 
 def _index(device: torch.device) -> int:
@@ -83,7 +109,7 @@ class DeviceSegment:
             self.written.record()  # the event exists (and has completed) before anyone opens it
             self.event_handle = bytes(self.written.ipc_handle())
         #: the payload bytes, writable (the allocation is freed with the last view of it)
-        self.data: Tensor = torch.as_tensor(_Pointer(self._ptr, capacity, self.device, runtime.free), device=self.device)
+        self.data: Tensor = _view(self._ptr, capacity, self.device, runtime.free)
 
     def close_fd(self) -> None:
         """(Nothing names a device segment but its handle, which readers opened once.)"""
@@ -104,8 +130,7 @@ class DeviceMapping:
                 raise MappingError(f"cannot open the peer's CUDA IPC handle: {error}") from None
             self.written = torch.cuda.Event.from_ipc_handle(self.device, event_handle)
         #: the payload bytes (read them only; the handle is closed with the last view of it)
-        self.data: Tensor = torch.as_tensor(_Pointer(self._ptr, capacity, self.device, runtime.ipcCloseMemHandle),
-                                            device=self.device)
+        self.data: Tensor = _view(self._ptr, capacity, self.device, runtime.ipcCloseMemHandle)
 
     def before_read(self, stream: Any) -> None:
         """Make ``stream`` wait for the writer's last write (recorded before its header was sent); with no

@@ -160,7 +160,7 @@ def make_op(rank: int, case: dict, group: Any) -> tb.Op:
     """This rank's call of ``case`` (see :class:`cudarecv.tools.transfer_ranks.Op`), on its place."""
     import cudarecv
 
-    from .._stock import Stock
+    from ..p2p.stock import Stock
 
     kind, piece = tb.parse_mode(case["impl"], case["mode"])
     send_place, recv_place = places(case)

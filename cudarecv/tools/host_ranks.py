@@ -30,7 +30,7 @@ from tensordict import TensorDict
 
 import cudarecv
 
-from .._stock import Stock
+from ..p2p.stock import Stock
 from .cli import plain
 
 METHODS = ("relay", "star", "broadcast", "stock")

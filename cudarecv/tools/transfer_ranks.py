@@ -356,7 +356,7 @@ def make_op(case: dict, group: Any) -> Op:
     """The send and receive calls of ``case`` on this rank's workload."""
     import cudarecv
 
-    from .._stock import STOCK_CONSOLIDATED_ISEND, Stock
+    from ..p2p.stock import STOCK_CONSOLIDATED_ISEND, Stock
 
     kind, piece = parse_mode(case["impl"], case["mode"])
     impl, w = case["impl"], workload(case)

@@ -184,7 +184,7 @@ class WeightReceiver:
                 raise ArgumentError("`zero_copy=True` publishes the sender's shared snapshots, which are not "
                                     "page-locked: drop `pin_memory=True` or `zero_copy`")
             try:
-                self._device = torch.device(device if device is not None else "cpu")
+                self._device = streams.explicit(device if device is not None else "cpu")  # (threads use it)
             except (RuntimeError, TypeError) as error:
                 raise ArgumentError(f"`device` must name a device (\"cpu\", \"cuda:0\"), got {device!r}: "
                                     f"{error}") from None

@@ -17,7 +17,11 @@ Tags: the header on ``HEADER_TAGS + init_tag``, every payload message on
 ``PIECE_TAGS + init_tag`` (messages with one tag are matched in order). Headers
 and payloads can never take each other's tag, whatever ``init_tag`` and
 ``bucket_bytes``; transfers with different ``init_tag`` share no tag at all, so
-they may be in flight on one link at once and be waited in any order.
+on gloo they may be in flight on one link at once and be waited in any order.
+NCCL ignores tags and matches messages in posting order: there a receiver must
+post its fast-wire receives in the order of the sender's sends; the header
+carries the ``init_tag``, and a receive that took another transfer's header
+raises :class:`~cudarecv.core.errors.OutOfStepError` saying so.
 ``pseudo_rand`` does not change fast-wire tags.
 """
 
@@ -86,6 +90,11 @@ def recv(lane: Lane, expected: Header, pieces_for: Callable[[int], list[Tensor]]
     """
     raw = yield from read_bytes(lane, SIZE, header_tag(init_tag), "fast-wire header", _too_long)
     header = Header.unpack(raw)
+    if header.init_tag != init_tag:  # (on gloo the tags keep transfers apart; NCCL matches in posting order)
+        raise OutOfStepError(
+            f"this receive (init_tag {init_tag}) took the fast-wire header of the sender's transfer with init_tag "
+            f"{header.init_tag}: NCCL ignores tags and matches messages in posting order, so fast-wire receives "
+            "must be posted in the order of the sender's sends (not drained, the link is out of step)")
     tag = piece_tag(init_tag)
     problem = _mismatch(expected, header)
     if header.offer:

@@ -23,7 +23,6 @@ On NCCL the host never waits for the wire: ``Work.wait()`` orders the stream.
 
 from __future__ import annotations
 
-import os
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -44,10 +43,10 @@ class Lane:
     link: Link
     stream: Any = None
     pool: _cuda.StagingPool = field(default_factory=_cuda.StagingPool)
-    #: whether NCCL batches run as one group call (``CUDARECV_NCCL_BATCH=0``: one op
-    #: each, as stock tensordict issues them; PyTorch runs single and batched NCCL
-    #: point-to-point ops on different communicators, so a stock peer on NCCL needs it off)
-    batched: bool = field(default_factory=lambda: os.environ.get("CUDARECV_NCCL_BATCH", "1") != "0")
+    #: whether this transfer's NCCL messages go as batches on the group's communicator (the stock wire's
+    #: per-leaf messages, where :func:`~cudarecv.core.transport.nccl_batching` says) or as single ops on the
+    #: pair's (everything else): both ends post alike (:mod:`cudarecv.core.transport`)
+    batched: bool = False
 
     @property
     def nccl(self) -> bool:
@@ -96,6 +95,15 @@ def _nbytes(t: Tensor) -> int:
 
 def _base(t: Tensor) -> Tensor:
     return t._base if t._base is not None else t
+
+
+def host_waits(lane: Lane, protocol: Any) -> Any:
+    """``protocol``, then the host waits for the lane's stream, so the transfer ends only once the stream's
+    copies out of or into host memory have run (host leaves staged through device buffers on NCCL: pinned
+    memory's copies are asynchronous, and the caller may write or read the leaves once the call returns)."""
+    result = yield from protocol
+    yield [_cuda.EventWork(_cuda.record(lane.stream))]
+    return result
 
 
 def wire_can_touch(lane: Lane, tensors: Sequence[Tensor]) -> bool:
@@ -184,11 +192,20 @@ def _recv_ring_gloo(lane: Lane, dests, tags, landed) -> Any:
             works[i + 2] = start(i + 2)
 
 
+def _device_ring(lane: Lane, nbytes: int, count: int) -> tuple[list[Tensor], Any]:
+    """NCCL's ring of device buffers (allocated on the transfer stream, so the caching allocator orders their
+    reuse after it) and the copy stream, ordered after the transfer stream (a buffer's memory may be a block
+    freed there a moment ago)."""
+    with lane.on_stream():
+        ring = lane.pool.buffers(lane.stream.device, nbytes, count=count)
+    copier = _cuda.copy_stream(lane.stream.device)
+    copier.wait_stream(lane.stream)
+    return ring, copier
+
+
 def _recv_ring_nccl(lane: Lane, dests, tags, landed) -> Any:
     """NCCL into host memory: recv into two device buffers, D2H copies on a second stream."""
-    device = lane.stream.device
-    ring = lane.pool.buffers(device, max(_nbytes(d) for d in dests), count=len(dests))
-    copier = _cuda.copy_stream(device)
+    ring, copier = _device_ring(lane, max(_nbytes(d) for d in dests), len(dests))
     for i, dest in enumerate(dests):
         buf = ring[i % 2][: _nbytes(dest)]
         freed = lane.pool.fence(ring[i % 2])
@@ -266,9 +283,7 @@ def _send_ring_nccl(lane: Lane, srcs, tags) -> Any:
     """NCCL from host memory: H2D copies into two device buffers on a second stream, then send.
 
     Ends when the host memory has been read (the caller may then change it)."""
-    device = lane.stream.device
-    ring = lane.pool.buffers(device, max(_nbytes(t) for t in srcs), count=len(srcs))
-    copier = _cuda.copy_stream(device)
+    ring, copier = _device_ring(lane, max(_nbytes(t) for t in srcs), len(srcs))
     copied = None
     for i, src in enumerate(srcs):
         buf = ring[i % 2][: _nbytes(src)]

@@ -1,8 +1,10 @@
 """The stock tensordict wire: one message per leaf with its tag, or one consolidated message.
 
 What goes over the wire here is byte for byte what tensordict 0.15.3 sends, so
-either end can be a stock peer. A call's messages are posted as one batch
-(:mod:`cudarecv.core.transport`); memory the wire cannot touch is staged (:mod:`cudarecv.wire.staging`).
+either end can be a stock peer. A call's per-leaf messages are posted together: on NCCL as one batch
+where :func:`~cudarecv.core.transport.nccl_batching` says (a stock peer posts one op per leaf: set
+``CUDARECV_NCCL_BATCH=0`` on the cudarecv end), the consolidated message as a single op, as stock posts it;
+memory the wire cannot touch is staged (:mod:`cudarecv.wire.staging`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Any
 from torch import Tensor
 
 from ..core.transfer import Protocol
+from ..core.transport import nccl_batching
 from ..plan.plan import Plan
 from .staging import Lane, recv_into, send_from
 
@@ -26,11 +29,13 @@ def _full_staging(lane: Lane, plan: Plan) -> list[Tensor] | None:
 
 
 def send_leaves(lane: Lane, plan: Plan, tags: list[int]) -> Protocol:
+    lane.batched = lane.nccl and nccl_batching(lane.link)  # (a leaf per message, as one batch where agreed)
     yield from send_from(lane, plan.tensors, tags, staging=_full_staging(lane, plan))
     return None
 
 
 def recv_leaves(lane: Lane, plan: Plan, tags: list[int], result: Any) -> Protocol:
+    lane.batched = lane.nccl and nccl_batching(lane.link)
     yield from recv_into(lane, plan.tensors, tags, staging=_full_staging(lane, plan))
     return result
 

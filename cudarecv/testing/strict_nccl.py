@@ -1,0 +1,286 @@
+"""A strict stand-in for NCCL on the CPU: NCCL's matching rules, checked, with gloo carrying the bytes.
+
+cudarecv's NCCL protocol paths cannot run without two GPUs, yet their bugs are about *matching*, which
+needs no GPU: NCCL ignores tags and matches point-to-point messages in posting order per communicator;
+torch runs a single p2p op on a two-rank communicator of the pair and a batched (coalesced) one on the
+group's communicator (without ``device_id``), so two ends that batch differently never meet; the group's
+communicator is created by every rank of the group together, at its first batched op; and the coalescing
+state of a group is one per group, not per thread. :class:`StrictNccl` behaves so, and instead of hanging
+it raises :class:`NcclRuleError` naming the rule, within its timeout:
+
+- every op is matched by (communicator, direction, peer, posting index), never by tag;
+- a receive whose peer sent another size (NCCL: garbage or a hang) fails, the bytes drained;
+- a rank's first batched op waits for every rank of the group to reach theirs, or fails naming the absent
+  (before anything is posted, as NCCL makes the communicator inside it);
+- an op or a ``_start_coalescing`` from a second thread while one thread coalesces fails;
+- ``_start_coalescing()`` and ``_end_coalescing()`` take no argument, as a standalone NCCL backend's;
+- every wait ends within the group's timeout.
+
+:func:`stand_in_cuda` makes the CPU stand in for CUDA in this process (streams and events that are
+done at once), so the NCCL paths run on CPU tensors: with ``memory="device"`` the tensors count as device
+memory (the wire touches them), with ``memory="host"`` as host memory (staged through "device" buffers).
+It patches ``torch.cuda`` and one cudarecv internal (:func:`cudarecv.wire.staging.wire_can_touch`) in this
+process only; use it in spawned ranks, never in a process that uses a real GPU.
+
+Example (in each rank)::
+
+    with stand_in_cuda(memory="device"):
+        group = StrictNccl(store, rank, world, timeout=20.0)
+        cudarecv.send(td, group=group, group_dst=1, bucket_bytes=1 << 16)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import struct
+import threading
+from datetime import timedelta
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from cudarecv import Error
+
+__all__ = ["NcclRuleError", "StrictNccl", "stand_in_cuda"]
+
+_DESCRIPTOR = struct.Struct("<QQ")  # bytes, element size: what NCCL's count and datatype must agree on
+_COMMS = {"group": 0, "pair": 1}
+_SEQ_BITS = 28  # posting indices per (communicator, direction, peer): tags stay below 2**31
+
+
+class NcclRuleError(Error, RuntimeError):
+    """An op broke a rule of NCCL's: on a GPU it would hang, deadlock or move garbage."""
+
+
+class _Work:
+    """The ops of one call: waited for within the group's timeout (a timeout says which rule it broke)."""
+
+    def __init__(self, group: "StrictNccl", ops: list["_Op"]) -> None:
+        self._group, self._ops = group, ops
+
+    def is_completed(self) -> bool:
+        return all(op.done for op in self._ops)
+
+    def wait(self, timeout: Any = None) -> bool:
+        for op in self._ops:
+            op.finish()
+        return True
+
+    def result(self) -> list[torch.Tensor]:
+        return []
+
+
+class _Op:
+    """One NCCL send or receive, as two gloo messages: its descriptor (size) and its payload."""
+
+    def __init__(self, group: "StrictNccl", sending: bool, tensor: torch.Tensor, peer: int, comm: str,
+                 index: int) -> None:
+        self.group, self.sending, self.tensor, self.peer, self.comm, self.index = (
+            group, sending, tensor, peer, comm, index)
+        self.done = False
+        self._tag = (_COMMS[comm] << (_SEQ_BITS + 1)) | (index << 1)
+        flat = tensor.detach().reshape(-1).view(torch.uint8) if tensor.numel() else torch.zeros(0, dtype=torch.uint8)
+        self._flat = flat
+        if sending:
+            descriptor = torch.frombuffer(bytearray(_DESCRIPTOR.pack(flat.numel(), tensor.element_size())),
+                                          dtype=torch.uint8)
+            self._works = [group.gloo_send(descriptor, peer, self._tag), group.gloo_send(flat, peer, self._tag + 1)]
+        else:
+            self._descriptor = torch.zeros(_DESCRIPTOR.size, dtype=torch.uint8)
+            self._works = [group.gloo_recv(self._descriptor, peer, self._tag)]
+
+    def what(self) -> str:
+        verb = "send to" if self.sending else "receive from"
+        return f"rank {self.group.rank()}'s {self.comm}-communicator {verb} rank {self.peer} (op #{self.index})"
+
+    def finish(self) -> None:
+        if self.done:
+            return
+        self._wait(self._works[0], "its peer posted no matching op on that communicator")
+        if not self.sending:
+            nbytes, element = _DESCRIPTOR.unpack(self._descriptor.numpy().tobytes())
+            if nbytes != self._flat.numel() or element != self.tensor.element_size():
+                scratch = torch.empty(nbytes, dtype=torch.uint8)
+                self._wait(self.group.gloo_recv(scratch, self.peer, self._tag + 1), "draining")
+                raise NcclRuleError(f"{self.what()} expects {self._flat.numel()} bytes of {self.tensor.element_size()}"
+                                    f"-byte elements; the peer's matching op sent {nbytes} of {element}: NCCL "
+                                    "matches by order, not tag, and would move garbage or hang")
+            self._wait(self.group.gloo_recv(self._flat, self.peer, self._tag + 1), "the payload never came")
+        else:
+            self._wait(self._works[1], "its peer never took the payload")
+        self.done = True
+
+    def _wait(self, work: Any, why: str) -> None:
+        try:
+            work.wait(timedelta(seconds=self.group.timeout))
+        except Exception as error:  # noqa: BLE001 - gloo's timeout or a closed link: the rule it broke
+            raise NcclRuleError(f"{self.what()} did not complete within {self.group.timeout:g} s: {why} "
+                                "(NCCL would hang here)") from error
+
+
+class StrictNccl(dist.ProcessGroupGloo):
+    """A standalone "NCCL" group of ``size`` ranks that checks NCCL's rules (see the module docstring).
+
+    Built on ``store`` (every rank the same); its bytes travel over a gloo group of its own. ``ops`` records
+    each op as ``(communicator, "send" | "recv", peer, bytes)`` for tests.
+    """
+
+    def __init__(self, store: Any, rank: int, size: int, timeout: float = 20.0, name: str = "strict") -> None:
+        super().__init__(dist.PrefixStore(f"{name}/data", store), rank, size, timedelta(seconds=timeout))
+        self.timeout = timeout
+        self._meta = dist.PrefixStore(f"{name}/meta", store)
+        self._lock = threading.Lock()
+        self._next: dict[tuple[str, bool, int], int] = {}
+        self._coalescing: threading.Thread | None = None
+        self._batch: list[_Op] = []
+        self._group_ready = False
+        self.ops: list[tuple[str, str, int, int]] = []
+
+    # -- what torch's ProcessGroupNCCL says of itself ----------------------------------------------------
+    def name(self) -> str:
+        return "NCCL"
+
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        return "nccl"
+
+    # -- the underlying gloo (not NCCL's API) --------------------------------------------------------------
+    def gloo_send(self, tensor: torch.Tensor, peer: int, tag: int) -> Any:
+        return super().send([tensor], peer, tag)
+
+    def gloo_recv(self, tensor: torch.Tensor, peer: int, tag: int) -> Any:
+        return super().recv([tensor], peer, tag)
+
+    # -- NCCL's point-to-point API, as torch exposes it on a backend ---------------------------------------
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Any:
+        return self._op(True, tensors, dst)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> Any:
+        return self._op(False, tensors, src)
+
+    def _start_coalescing(self) -> None:  # (a backend's takes no device, unlike ProcessGroup's)
+        me = threading.current_thread()
+        if not self._group_ready:  # NCCL makes the communicator inside the first op, before anything is posted
+            self._first_batch()
+        with self._lock:
+            if self._coalescing is not None:
+                raise NcclRuleError(f"{me.name} starts coalescing while {self._coalescing.name} coalesces on the "
+                                    "same group: the coalescing state is one per group, and the two batches mix")
+            self._coalescing, self._batch = me, []
+
+    def _end_coalescing(self) -> _Work:
+        with self._lock:
+            if self._coalescing is not threading.current_thread():
+                raise NcclRuleError("_end_coalescing on a thread that did not start it")
+            batch, self._coalescing, self._batch = self._batch, None, []
+        return _Work(self, batch)
+
+    def _op(self, sending: bool, tensors: list[torch.Tensor], peer: int) -> Any:
+        if len(tensors) != 1:
+            raise NcclRuleError(f"one tensor per point-to-point op, got {len(tensors)}")
+        me = threading.current_thread()
+        with self._lock:
+            if self._coalescing is not None and self._coalescing is not me:
+                raise NcclRuleError(f"{me.name} posts an op while {self._coalescing.name} coalesces on the same "
+                                    "group: torch puts it in the other thread's batch")
+            comm = "group" if self._coalescing is me else "pair"
+            key = (comm, sending, peer)
+            index = self._next.get(key, 0)
+            self._next[key] = index + 1
+            if index >= 1 << _SEQ_BITS:
+                raise NcclRuleError("more ops on one communicator than this stand-in counts")
+            op = _Op(self, sending, tensors[0], peer, comm, index)
+            self.ops.append((comm, "send" if sending else "recv", peer, tensors[0].numel() * tensors[0].element_size()))
+            if comm == "group":
+                self._batch.append(op)
+        return _Work(self, [op]) if comm == "pair" else _Work(self, [])
+
+    def _first_batch(self) -> None:
+        """The group's communicator is made by every rank together: wait for all of theirs (bounded)."""
+        self._meta.set(f"group-init/{self.rank()}", "1")
+        keys = [f"group-init/{r}" for r in range(self.size())]
+        try:
+            self._meta.wait(keys, timedelta(seconds=self.timeout))
+        except Exception as error:  # noqa: BLE001 - the store's timeout: some rank never batched
+            absent = [r for r, key in enumerate(keys) if not self._meta.check([key])]
+            raise NcclRuleError(
+                f"rank {self.rank()}'s first batched op on this group of {self.size()}: NCCL creates the group's "
+                f"communicator with every rank of the group at once, and rank(s) {absent} made no batched op "
+                f"within {self.timeout:g} s (NCCL would hang here)") from error
+        self._group_ready = True
+
+
+class _Stream:
+    """A CUDA stream stood in by the CPU: whatever it was asked to do is done."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, device: Any = None, priority: int = 0) -> None:
+        pass
+
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> "_Event":
+        return event or _Event()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _Event:
+    """A CUDA event stood in by the CPU: it has fired."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
+        pass
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def stand_in_cuda(memory: str = "device") -> Iterator[None]:
+    """Let the CPU stand in for CUDA in this process (see the module docstring); ``memory``: whether
+    CPU tensors count as device memory (``"device"``) or as host memory (``"host"``) on an NCCL link."""
+    if memory not in ("device", "host"):
+        raise ValueError(f"memory must be 'device' or 'host', got {memory!r}")
+    from cudarecv.wire import staging
+
+    stream = _Stream()
+    patches = {
+        (torch.cuda, "is_available"): lambda: True,
+        (torch.cuda, "current_device"): lambda: 0,
+        (torch.cuda, "device_count"): lambda: 1,
+        (torch.cuda, "Stream"): _Stream,
+        (torch.cuda, "Event"): _Event,
+        (torch.cuda, "current_stream"): lambda device=None: stream,
+        (torch.cuda, "stream"): lambda s=None: contextlib.nullcontext(),
+        (torch.cuda, "device"): lambda d=None: contextlib.nullcontext(),
+        (torch.cuda, "synchronize"): lambda device=None: None,
+    }
+    if memory == "device":
+        real = staging.wire_can_touch
+        patches[(staging, "wire_can_touch")] = lambda lane, tensors: lane.nccl or real(lane, tensors)
+    saved = {key: getattr(*key) for key in patches}
+    try:
+        for (owner, name), value in patches.items():
+            setattr(owner, name, value)
+        yield
+    finally:
+        for (owner, name), value in saved.items():
+            setattr(owner, name, value)

@@ -1,0 +1,199 @@
+"""cudarecv's NCCL protocol paths, run on the CPU through a strict stand-in of NCCL's matching rules.
+
+:class:`cudarecv.testing.strict_nccl.StrictNccl` matches point-to-point ops by communicator and posting
+order (never by tag), puts single ops on the pair's communicator and batched ones on the group's, makes
+the group's communicator only once every rank of the group batched, refuses coalescing from two threads
+and bounds every wait: what hangs or moves garbage on GPUs fails here, naming the rule. Each rank stands
+the CPU in for CUDA, its tensors as device memory or as host memory (staged through "device" buffers).
+The real NCCL tests (``tests/test_gpu.py``) are kept for GPU machines.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+import cudarecv
+from cudarecv.testing.launch import Ranks
+from cudarecv.testing.strict_nccl import NcclRuleError, StrictNccl, stand_in_cuda
+from policies import holds_version, policy, set_version
+from rawwire import store, unique_key
+
+TIMEOUT = 20.0
+
+
+@pytest.fixture(scope="module")
+def three():
+    ranks = Ranks(3, pg_timeout=60.0)
+    yield ranks
+    ranks.close()
+
+
+def _outcome(call):
+    try:
+        return "ok", call()
+    except NcclRuleError as error:
+        return "NcclRuleError", str(error)
+    except cudarecv.Error as error:
+        return type(error).__name__, str(error)
+
+
+def _td(fill: float, consolidated: bool) -> TensorDict:
+    td = TensorDict(a=torch.full((3000,), fill), b=torch.arange(77, dtype=torch.float64) + fill,
+                    c=TensorDict(d=torch.full((5, 7), -fill), batch_size=[]), batch_size=[])
+    return td.consolidate(metadata=True) if consolidated else td
+
+
+def _same(td: TensorDict, fill: float) -> bool:
+    want = _td(fill, False)
+    return all(torch.equal(td.get(k), want.get(k)) for k in want.keys(True, True))
+
+
+MODES = {  # mode: (consolidated, bucket_bytes)
+    "per-leaf": (False, None),
+    "consolidated": (True, None),
+    "buckets": (False, 4096),
+    "chunks": (True, 4096),
+}
+
+
+def transfers(rank, world, group, key, mode, memory):
+    """Three transfers of one tensordict, rank 0 to rank 1, each rank's memory as given."""
+    consolidated, bucket_bytes = MODES[mode]
+    kw = dict(consolidated=consolidated, bucket_bytes=bucket_bytes, timeout=TIMEOUT)
+    with stand_in_cuda(memory[rank]):
+        pg = StrictNccl(store(), rank, world, timeout=TIMEOUT, name=key)
+
+        def run():
+            seen = []
+            for step in range(3):
+                td = _td(float(step + 1) if rank == 0 else 0.0, consolidated)
+                if rank == 0:
+                    cudarecv.send(td, group=pg, group_dst=1, **kw)
+                else:
+                    cudarecv.recv(td, group=pg, group_src=0, **kw)
+                    seen.append(_same(td, float(step + 1)))
+            return seen
+        return _outcome(run), sorted({op[0] for op in pg.ops})
+
+
+@pytest.mark.parametrize("memory", [("device", "device"), ("device", "host"), ("host", "device")],
+                         ids=["device-device", "device-host", "host-device"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_transfer_matches_on_one_communicator(cluster, mode, memory):
+    """Whatever each end's memory (device memory: posted in place, batched; host memory: staged message by
+    message), both ends post on the same communicator in the same order: every value exact."""
+    (sent, comms0), (got, comms1) = cluster().run(transfers, args=(unique_key(f"t-{mode}"), mode, memory),
+                                                  timeout=4 * TIMEOUT)
+    assert sent[0] == "ok", sent
+    assert got == ("ok", [True, True, True]), got
+    assert comms0 == comms1, (comms0, comms1)
+
+
+def drained(rank, world, group, key, memory):
+    """A fast-wire receive whose header does not match drains the payload, then the next transfer goes."""
+    with stand_in_cuda(memory[rank]):
+        pg = StrictNccl(store(), rank, world, timeout=TIMEOUT, name=key)
+        kw = dict(bucket_bytes=1024, timeout=TIMEOUT)
+        if rank == 0:
+            return [_outcome(lambda td=td: cudarecv.send(td, group=pg, group_dst=1, **kw))
+                    for td in (_td(1.0, False), _td(2.0, False))]
+        other = TensorDict(z=torch.zeros(999), batch_size=[])
+        first = _outcome(lambda: cudarecv.recv(other, group=pg, group_src=0, **kw))
+        td = _td(0.0, False)
+        second = _outcome(lambda: cudarecv.recv(td, group=pg, group_src=0, **kw))
+        return first[0], second[0], _same(td, 2.0)
+
+
+@pytest.mark.parametrize("memory", [("device", "device"), ("device", "host")], ids=["device", "host"])
+def test_a_mismatched_payload_is_drained_on_the_senders_communicator(cluster, memory):
+    sent, got = cluster().run(drained, args=(unique_key("drain"), memory), timeout=4 * TIMEOUT)
+    assert got == ("HeaderError", "ok", True), got
+    assert [s[0] for s in sent] == ["ok", "ok"], sent
+
+
+def out_of_order(rank, world, group, key):
+    """NCCL ignores tags: two fast-wire transfers with different init_tags, received in the other order."""
+    with stand_in_cuda("device"):
+        pg = StrictNccl(store(), rank, world, timeout=TIMEOUT, name=key)
+        kw = dict(bucket_bytes=4096, timeout=TIMEOUT)
+        if rank == 0:
+            a, b = _td(1.0, False), _td(2.0, False)
+            return [_outcome(lambda: cudarecv.send(a, group=pg, group_dst=1, init_tag=1, **kw)),
+                    _outcome(lambda: cudarecv.send(b, group=pg, group_dst=1, init_tag=2, **kw))]
+        b = _td(0.0, False)
+        return _outcome(lambda: cudarecv.recv(b, group=pg, group_src=0, init_tag=2, **kw))
+
+
+def test_receives_out_of_the_senders_order_are_refused_on_nccl(cluster):
+    """Matched by order, the receive of init_tag 2 would take init_tag 1's header and payload (the same
+    layout: the values silently swapped); it is refused, naming the order."""
+    _, got = cluster().run(out_of_order, args=(unique_key("order"),), timeout=4 * TIMEOUT)
+    assert got[0] == "OutOfStepError" and "init_tag 1" in got[1] and "order" in got[1], got
+
+
+def weight_sync(rank, world, group, key, fanout, memory):
+    """Weight sync over the strict group: a star to two receivers, or a relay chain 1 -> 2."""
+    model = policy()
+    with stand_in_cuda(memory[rank]):
+        pg = StrictNccl(store(), rank, world, timeout=TIMEOUT, name=key)
+        if rank == 0:
+            def push_all():
+                with cudarecv.WeightSender(TensorDict.from_module(model), group=pg, group_dst=[1, 2],
+                                           bucket_bytes=1024, timeout=TIMEOUT, fanout=fanout) as sender:
+                    for version in (1, 2, 3):
+                        set_version(model, version)
+                        sender.push()
+                    return sender.fanout
+            return _outcome(push_all)
+
+        def pull_all():
+            with cudarecv.WeightReceiver(group=pg, group_src=0, expect=model, timeout=TIMEOUT) as receiver:
+                return [holds_version(receiver.td, receiver.pull()) for _ in range(3)]
+        return _outcome(pull_all)
+
+
+@pytest.mark.parametrize("memory", [("device", "device", "device"), ("device", "host", "device")],
+                         ids=["device", "mixed"])
+@pytest.mark.parametrize("fanout", ["star", "relay"])
+def test_weight_sync_over_nccl_rules(three, fanout, memory):
+    """The handshake, every push and the relay's forwarding post on communicators both ends agree on: the
+    group's is made by all three ranks, no two threads coalesce at once."""
+    results = three().run(weight_sync, args=(unique_key(f"w-{fanout}"), fanout, memory), timeout=6 * TIMEOUT)
+    assert results[0] == ("ok", fanout), results
+    assert results[1:] == [("ok", [True, True, True])] * 2, results
+
+
+def coalescing_rules(rank, world, group, key):
+    """The stand-in itself: a batch from a second thread, and a first batch that not every rank makes."""
+    with stand_in_cuda("device"):
+        pg = StrictNccl(store(), rank, world, timeout=2.0, name=key)
+        out = {}
+        if rank == 0:  # ranks 1 and 2 never batch: the group's communicator is never made
+            out["first batch"] = _outcome(pg._start_coalescing)[0]
+            pg._group_ready = True  # (past that rule, for the next ones)
+            pg._start_coalescing()
+            caught = []
+            thread = threading.Thread(target=lambda: caught.append(_outcome(pg._start_coalescing)))
+            thread.start()
+            thread.join(10)
+            out["second thread"] = caught[0][0]
+            pg._end_coalescing()
+            try:
+                pg._start_coalescing(torch.device("cpu"))
+                out["takes a device"] = True
+            except TypeError:
+                out["takes a device"] = False
+        return out
+
+
+def test_the_stand_in_enforces_what_it_promises(three):
+    """(The rules the NCCL tests lean on, shown to bite: another thread's coalescing, a first batch that
+    rank 2 never joins, and a backend's coalescing that takes no device.)"""
+    out = three().run(coalescing_rules, args=(unique_key("rules"),), timeout=60)[0]
+    assert out["first batch"] == "NcclRuleError", out
+    assert out["second thread"] == "NcclRuleError", out
+    assert out["takes a device"] is False, out
