@@ -152,7 +152,11 @@ def weight_sync(rank, world, group, key, fanout, memory):
 
         def pull_all():
             with cudarecv.WeightReceiver(group=pg, group_src=0, expect=model, timeout=TIMEOUT) as receiver:
-                return [holds_version(receiver.td, receiver.pull()) for _ in range(3)]
+                held = []
+                for _ in range(3):
+                    version = receiver.pull()
+                    held.append(holds_version(receiver.td, version))
+                return held
         return _outcome(pull_all)
 
 

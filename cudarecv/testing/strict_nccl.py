@@ -9,7 +9,7 @@ state of a group is one per group, not per thread. :class:`StrictNccl` behaves s
 it raises :class:`NcclRuleError` naming the rule, within its timeout:
 
 - every op is matched by (communicator, direction, peer, posting index), never by tag;
-- a receive whose peer sent another size (NCCL: garbage or a hang) fails, the bytes drained;
+- a receive whose peer sent another number of bytes (NCCL: garbage or a hang) fails, the bytes drained;
 - a rank's first batched op waits for every rank of the group to reach theirs, or fails naming the absent
   (before anything is posted, as NCCL makes the communicator inside it);
 - an op or a ``_start_coalescing`` from a second thread while one thread coalesces fails;
@@ -19,7 +19,7 @@ it raises :class:`NcclRuleError` naming the rule, within its timeout:
 :func:`stand_in_cuda` makes the CPU stand in for CUDA in this process (streams and events that are
 done at once), so the NCCL paths run on CPU tensors: with ``memory="device"`` the tensors count as device
 memory (the wire touches them), with ``memory="host"`` as host memory (staged through "device" buffers).
-It patches ``torch.cuda`` and one cudarecv internal (:func:`cudarecv.wire.staging.wire_can_touch`) in this
+It patches ``torch.cuda``, pinned allocations (plain host memory stands in) and one cudarecv internal (:func:`cudarecv.wire.staging.wire_can_touch`) in this
 process only; use it in spawned ranks, never in a process that uses a real GPU.
 
 Example (in each rank)::
@@ -44,7 +44,7 @@ from cudarecv import Error
 
 __all__ = ["NcclRuleError", "StrictNccl", "stand_in_cuda"]
 
-_DESCRIPTOR = struct.Struct("<QQ")  # bytes, element size: what NCCL's count and datatype must agree on
+_DESCRIPTOR = struct.Struct("<QQ")  # bytes (what NCCL's count x type size must agree on), element size
 _COMMS = {"group": 0, "pair": 1}
 _SEQ_BITS = 28  # posting indices per (communicator, direction, peer): tags stay below 2**31
 
@@ -99,13 +99,12 @@ class _Op:
             return
         self._wait(self._works[0], "its peer posted no matching op on that communicator")
         if not self.sending:
-            nbytes, element = _DESCRIPTOR.unpack(self._descriptor.numpy().tobytes())
-            if nbytes != self._flat.numel() or element != self.tensor.element_size():
+            nbytes, _ = _DESCRIPTOR.unpack(self._descriptor.numpy().tobytes())
+            if nbytes != self._flat.numel():  # (NCCL moves count x type size bytes: those must agree)
                 scratch = torch.empty(nbytes, dtype=torch.uint8)
                 self._wait(self.group.gloo_recv(scratch, self.peer, self._tag + 1), "draining")
-                raise NcclRuleError(f"{self.what()} expects {self._flat.numel()} bytes of {self.tensor.element_size()}"
-                                    f"-byte elements; the peer's matching op sent {nbytes} of {element}: NCCL "
-                                    "matches by order, not tag, and would move garbage or hang")
+                raise NcclRuleError(f"{self.what()} expects {self._flat.numel()} bytes; the peer's matching op sent "
+                                    f"{nbytes}: NCCL matches by order, not tag, and would move garbage or hang")
             self._wait(self.group.gloo_recv(self._flat, self.peer, self._tag + 1), "the payload never came")
         else:
             self._wait(self._works[1], "its peer never took the payload")
@@ -262,7 +261,16 @@ def stand_in_cuda(memory: str = "device") -> Iterator[None]:
     from cudarecv.wire import staging
 
     stream = _Stream()
+    empty, zeros = torch.empty, torch.zeros
+
+    def unpinned(make):  # (page-locked memory needs an accelerator: plain host memory stands in)
+        return lambda *args, pin_memory=False, **kwargs: make(*args, **kwargs)
+
     patches = {
+        (torch, "empty"): unpinned(empty),
+        (torch, "zeros"): unpinned(zeros),
+        (torch.Tensor, "pin_memory"): lambda self, *args, **kwargs: self,
+        (torch.Tensor, "is_pinned"): lambda self, *args, **kwargs: self.device.type == "cpu",
         (torch.cuda, "is_available"): lambda: True,
         (torch.cuda, "current_device"): lambda: 0,
         (torch.cuda, "device_count"): lambda: 1,
