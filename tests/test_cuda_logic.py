@@ -169,7 +169,7 @@ class CoalescingBackend:
 def test_standalone_nccl_batch_is_one_coalesced_group():
     backend = CoalescingBackend()
     link = Link(backend, 1, registered=False)
-    works = _transport.post(link, False, [torch.zeros(2), torch.zeros(3)], [7, 8])
+    works = _transport.post(link, False, [torch.zeros(2), torch.zeros(3)], [7, 8], batch=True)
     assert works == ["one-work"]
     assert backend.calls == [("start", "cpu"), ("recv", 1, 7), ("recv", 1, 8), ("end", "cpu")]
 
@@ -180,11 +180,11 @@ def test_standalone_group_without_coalescing_is_refused():
             return "nccl"
 
     with pytest.raises(RuntimeError, match="cannot coalesce"):
-        _transport.post(Link(NoCoalescing(), 1, registered=False), True, [torch.zeros(1)] * 2, [0, 1])
+        _transport.post(Link(NoCoalescing(), 1, registered=False), True, [torch.zeros(1)] * 2, [0, 1], batch=True)
 
 
-def test_single_messages_and_unbatched_nccl_go_one_op_each():
-    """A stock NCCL peer sends one op per message: single messages, and CUDARECV_NCCL_BATCH=0, match it."""
+def test_unbatched_nccl_goes_one_op_each():
+    """cudarecv's own protocols post single ops (the pair's communicator), a stock peer too."""
     backend = CoalescingBackend()
     link = Link(backend, 1, registered=False)
     _transport.post(link, True, [torch.zeros(2)], [0])
@@ -192,13 +192,46 @@ def test_single_messages_and_unbatched_nccl_go_one_op_each():
     assert backend.calls == [("send", 1, 0), ("recv", 1, 5), ("recv", 1, 6)]
 
 
-def test_nccl_batching_switch(monkeypatch):
-    from cudarecv.wire.staging import Lane
+def test_a_batch_of_one_is_still_a_batch():
+    """A ring's messages of a batched transfer go one batch each: the peer's batch is on the group's communicator."""
+    backend = CoalescingBackend()
+    _transport.post(Link(backend, 1, registered=False), True, [torch.zeros(2)], [4], batch=True)
+    assert backend.calls == [("start", "cpu"), ("send", 1, 4), ("end", "cpu")]
 
-    link = Link(CoalescingBackend(), 1, registered=False)
-    assert Lane(link).batched
-    monkeypatch.setenv("CUDARECV_NCCL_BATCH", "0")
-    assert not Lane(link).batched  # read when a transfer starts
+
+def test_a_backends_coalescing_takes_no_device():
+    """torch's Backend objects (a standalone ProcessGroupNCCL) take no device in _start/_end_coalescing,
+    unlike ProcessGroup's (the mock above): the stand-in of tests/test_nccl_rules.py is one."""
+    from cudarecv.testing.strict_nccl import StrictNccl
+
+    group = StrictNccl(dist.HashStore(), 0, 1, timeout=5.0)
+    group._group_ready = True  # (one rank: its first batch needs nobody else)
+    with pytest.raises(TypeError):
+        group._start_coalescing(torch.device("cpu"))
+    group._start_coalescing()
+    group._end_coalescing()  # (the library's batches through it: tests/test_nccl_rules.py)
+
+
+@pytest.mark.parametrize("setting, size, batched", [("1", 3, True), ("0", 2, False), (None, 2, True),
+                                                     (None, 3, False), ("auto", 4, False)])
+def test_nccl_batching_switch(monkeypatch, setting, size, batched):
+    """The stock wire's per-leaf messages batch on two-rank groups by default (``CUDARECV_NCCL_BATCH`` forces
+    it); a larger group's communicator would need every rank's first batch."""
+    class Sized(CoalescingBackend):
+        def size(self):
+            return size
+
+    if setting is None:
+        monkeypatch.delenv("CUDARECV_NCCL_BATCH", raising=False)
+    else:
+        monkeypatch.setenv("CUDARECV_NCCL_BATCH", setting)
+    assert _transport.nccl_batching(Link(Sized(), 1, registered=False)) is batched
+
+
+def test_a_bad_batching_setting_is_refused(monkeypatch):
+    monkeypatch.setenv("CUDARECV_NCCL_BATCH", "yes")
+    with pytest.raises(cudarecv.ArgumentError, match="CUDARECV_NCCL_BATCH"):
+        _transport.nccl_batching(Link(CoalescingBackend(), 1, registered=False))
 
 
 def test_staging_pool_allocates_once_and_bounds_depth():
