@@ -14,8 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # source checkout without pip install
     sys.path.insert(0, str(ROOT))
 
-from cudarecv.cuda import tag_kernel as _tag_kernel  # noqa: E402
 from cudarecv.cuda import kernels
+from cudarecv.cuda import tag_kernel as _tag_kernel  # noqa: E402
 from cudarecv.plan.tags import MAX_TAG, int_generator_many, tag_map, tag_sequence  # noqa: E402
 
 LARGE_SEEDS = [
