@@ -136,8 +136,8 @@ def test_header_roundtrip_and_corruption():
         _header.Header.unpack(bytes(64))
 
 
-@pytest.mark.parametrize("transport,slots", [(1, 2), (2, _header.STORAGE_SLOTS), (3, 1)],
-                         ids=["segment", "storage", "direct"])
+@pytest.mark.parametrize("transport,slots", [(1, 2), (2, _header.STORAGE_SLOTS), (3, 1), (4, 2)],
+                         ids=["segment", "storage", "direct", "device_segment"])
 def test_header_routes_name_only_segments_and_storage_slots_that_exist(transport, slots):
     h = _header.Header(_header.KIND_CHUNKS, 3, 1000, 64, bytes(16), transport=transport, offer=True, seq=5)
     for k in range(slots):
@@ -146,7 +146,7 @@ def test_header_routes_name_only_segments_and_storage_slots_that_exist(transport
     with pytest.raises(cudarecv.OutOfStepError, match="unknown payload route"):
         _header.Header.unpack(dataclasses.replace(h, segment=slots).pack())
     with pytest.raises(cudarecv.OutOfStepError, match="unknown payload route"):
-        _header.Header.unpack(dataclasses.replace(h, transport=4).pack())
+        _header.Header.unpack(dataclasses.replace(h, transport=5).pack())
 
 
 def test_schema_digest_sees_keys_dtypes_shapes_offsets():

@@ -13,7 +13,7 @@ import cudarecv
 from cudarecv.core import host_copy as _host_copy
 from cudarecv.core import tuned
 from cudarecv.core.host_copy import CopyTable, copy, copy_bytes
-from cudarecv.samehost import sides
+from cudarecv.samehost import policy
 
 # around the streaming threshold (256 KiB), its 64-byte alignment and its 16 KiB blocks
 SIZES = [0, 1, 63, 64, 4095, (256 << 10) - 1, 256 << 10, (256 << 10) + 1, (1 << 20) + 16385, 3 << 20]
@@ -114,7 +114,7 @@ def test_the_direct_read_is_chosen_as_told_or_by_default(monkeypatch, untuned):
     assert _host_copy.direct_read_pays() is other
     monkeypatch.setenv(_host_copy.DIRECT_ENV, "always")
     with pytest.raises(cudarecv.ArgumentError, match="CUDARECV_DIRECT_READ"):
-        sides.allowed("auto")  # checked before a transfer sends anything
+        policy.allowed("auto")  # checked before a transfer sends anything
 
 
 def test_a_direct_read_stops_at_the_first_region_not_mapped():

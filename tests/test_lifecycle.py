@@ -183,7 +183,7 @@ def logged_choices(rank, world, group, transport, key):
     records: other modules log their own choices)."""
     records: list[str] = []
     handler = logging.Handler(logging.INFO)
-    handler.emit = lambda record: records.append(record.getMessage()) if record.module == "_same_host" else None
+    handler.emit = lambda record: records.append(record.getMessage()) if record.module == "policy" else None
     log = logging.getLogger("cudarecv")
     log.addHandler(handler)
     log.setLevel(logging.INFO)
@@ -209,7 +209,7 @@ def test_the_transport_of_each_link_is_logged_with_its_reason(cluster, transport
     else:
         assert sender == ["sending to rank 1 of a gloo group: shared memory (the receiver took the offer; "
                           "segments)"], sender
-        assert receiver == ["receiving from rank 0 of a gloo group: shared memory (took the offer)"], receiver
+        assert receiver == ["receiving from rank 0 of a gloo group: shared memory (took the host offer)"], receiver
 
 
 def test_a_tensordict_refused_on_a_link_does_not_keep_its_group():

@@ -13,13 +13,15 @@ from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
 from tensordict import TensorDict
 
 import cudarecv
 from cudarecv.core import host_copy, tags
 from cudarecv.plan.header import STORAGE_SLOTS, Header
+from cudarecv.samehost import policy, records, sides
+from cudarecv.samehost import receiver as receiver_side
 from cudarecv.samehost import shared_memory as _shared_memory
-from cudarecv.samehost import sides as _same_host
 from cudarecv.samehost.shared_memory import Mapping, Segment, map_offer, offer
 from cudarecv.testing.launch import Cluster, RankExit
 from cudarecv.wire import fast as _fast_wire
@@ -77,8 +79,9 @@ def test_fast_wire_goes_through_shared_memory_after_one_offer(cluster, consolida
 def direct_transfers(rank, world, group, consolidated):
     """:func:`transfers`, and what the sending side was told it may send by the direct route."""
     seen, ok, held = transfers(rank, world, group, consolidated, ("auto", "auto"))
-    sides = [side for sides in _same_host._SIDES.values() for (_, role), side in sides.items() if role == "send"]
-    return seen, ok, held, [(side.direct, side.direct_storages) for side in sides]
+    senders = [side for (_, role), side in sides.sides_of(group if group is not None else dist.group.WORLD).items()
+               if role == "send"]
+    return seen, ok, held, [(side.direct, side.direct_storages) for side in senders]
 
 
 @pytest.mark.parametrize("consolidated", [False, True], ids=["leaves", "storages"])
@@ -116,7 +119,7 @@ def fresh_link(rank, world, group, transports, key):
 
 
 def test_environment_variable_turns_it_off():
-    with Cluster(2, pg_timeout=20.0, env={_same_host.ENV: "wire"}) as ranks:
+    with Cluster(2, pg_timeout=20.0, env={policy.ENV: "wire"}) as ranks:
         (sent, _, _), (received, ok, _) = ranks.run(transfers, args=(False, ("auto", "auto")))
     assert all(ok.values()) and set(sent) == set(received) == {"wire"}
 
@@ -255,13 +258,14 @@ def forged_ready(rank, world, group, lie, key):
             raw[13] = 7  # segment 7 (the crc is recomputed below)
             import struct
             import zlib
-            struct.pack_into("<I", raw, 56, zlib.crc32(bytes(raw[:56])))
+            struct.pack_into("<I", raw, 60, zlib.crc32(bytes(raw[:60])))
             raw_send(pg, 1, bytes(raw), tags.header_tag(0))
             return None
         raw_send(pg, 1, Header(1, 1, 4000, 1024, schema, transport=1, segment=0, seq=99).pack(),
                  tags.header_tag(0))
         offset, length = (1 << 40, 1024) if lie == "offset" else (0, 1 << 20)
-        ready = _same_host._sealed(_same_host._READY.pack(b"CDRP", 0, 99, offset, length), _same_host.READY_SIZE)
+        ready = records.ready(99, length) if offset == 0 else records._sealed(
+            records._READY.pack(b"CDRP", 0, 99, offset, length), records.READY_SIZE)
         raw_send(pg, 1, ready, tags.piece_tag(0))
         return None
     for _ in range(2):
@@ -578,13 +582,13 @@ def test_bad_transport_is_refused_before_anything_is_sent(monkeypatch):
         cudarecv.WeightSender(td, dst=1, transport="ipc")
     with pytest.raises(cudarecv.ArgumentError, match="`transport` must be one of"):
         cudarecv.WeightReceiver(src=0, transport=None)
-    monkeypatch.setenv(_same_host.ENV, "off")
+    monkeypatch.setenv(policy.ENV, "off")
     with pytest.raises(cudarecv.ArgumentError, match="CUDARECV_TRANSPORT='off' must be one of"):
-        _same_host.allowed("auto")
-    monkeypatch.setenv(_same_host.ENV, "wire")
-    assert not _same_host.allowed("auto") and not _same_host.allowed("wire")
-    monkeypatch.delenv(_same_host.ENV)
-    assert _same_host.allowed("auto") and not _same_host.allowed("wire")
+        policy.allowed("auto")
+    monkeypatch.setenv(policy.ENV, "wire")
+    assert not policy.allowed("auto") and not policy.allowed("wire")
+    monkeypatch.delenv(policy.ENV)
+    assert policy.allowed("auto") and not policy.allowed("wire")
 
 
 def third_send_times_out(rank, world, group, key):
@@ -649,7 +653,7 @@ def storage_route(rank, world, group, rounds, key):
             seen.append(t.transport)
     if sending:
         return seen, None
-    side = _same_host._SIDES[pg][(0, "recv")]
+    side = sides.sides_of(pg)[(0, "recv")]
     mapped = [m for m in side.storages.values() if m is not None]
     return seen, (ok, [_maps_of(m.data.data_ptr()) for m in mapped])
 
@@ -674,7 +678,7 @@ def storage_unmappable(rank, world, group, key):
     pg, seen, ok = _group(rank, world, key), [], []
     with pytest.MonkeyPatch.context() as patch:
         if rank == 1:
-            patch.setattr(_same_host, "StorageMapping", refuse)  # fault injection: this process alone
+            patch.setattr(receiver_side, "StorageMapping", refuse)  # fault injection: this process alone
         for step in range(4):
             if rank == 0:
                 td["x"].fill_(step + 1.5)
@@ -745,7 +749,7 @@ def forged_table(rank, world, group, lie, consolidated, key):
             cudarecv.send(td, group=pg, group_dst=1, **kw)
         plan = cudarecv.plan.plan.plan_for(td)
         if consolidated:
-            table, head = _same_host.storage_table(plan.storage(td)), plan.chunk_header(td)
+            table, head = sides.storage_table(plan.storage(td)), plan.chunk_header(td)
         else:
             table, head = plan.address_table.copy(), plan.bucket_header
         if lie == "sizes":

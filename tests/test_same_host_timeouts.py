@@ -19,7 +19,8 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 import cudarecv
-from cudarecv.samehost import sides as _same_host
+from cudarecv.samehost import sides
+from cudarecv.samehost.sender import SendSide
 from rawwire import set_flag, store, unique_key, wait_flag
 
 SHORT = 2.0  # seconds: the own timeout of the transfer expected to time out
@@ -58,15 +59,15 @@ def _threads_left(before: set[int], pg: object) -> list[str]:
     """The link threads started since ``before`` still alive once the group's sides are closed as the group's
     collection closes them (each joined for up to 10 s: a thread told to stop ends once its gloo wait returns;
     the group itself lives on while the failed transfer's works are parked)."""
-    _same_host._close_all(_same_host._SIDES[pg])
+    sides.close_all(sides.sides_of(pg))
     started = [t for t in _link_threads() if t.ident not in before]
     for thread in started:
         thread.join(10.0)
     return [t.name for t in started if t.is_alive()]
 
 
-def _send_side(pg: object) -> _same_host.SendSide:
-    return _same_host._SIDES[pg][(1, "send")]
+def _send_side(pg: object) -> SendSide:
+    return sides.sides_of(pg)[(1, "send")]
 
 
 def timed_out_send_then_other_tags(rank, world, group, key, negotiate):
@@ -89,7 +90,8 @@ def timed_out_send_then_other_tags(rank, world, group, key, negotiate):
         fds = _memfds()
         first = _outcome(cudarecv.isend(a, init_tag=1, timeout=SHORT, return_early=True, **kw)[0])
         side = _send_side(pg)
-        kept = (side.state, len(side.segments), _memfds() - fds)
+        host = side.channels["host"]
+        kept = (host.state, len(host.segments), _memfds() - fds)
         set_flag(f"{key}_a")
         second = _outcome(cudarecv.isend(b, init_tag=2, timeout=LONG, return_early=True, **kw)[0])
         wait_flag(f"{key}_late")

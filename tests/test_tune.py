@@ -15,7 +15,7 @@ from tensordict import TensorDict
 import cudarecv
 from cudarecv.core import host_copy as _host_copy
 from cudarecv.core import tuned as _tuned
-from cudarecv.samehost import sides
+from cudarecv.samehost import policy
 from cudarecv.testing.launch import Cluster
 
 ENVS = (_host_copy.ENV, _host_copy.DIRECT_ENV, "XDG_CACHE_HOME")
@@ -154,7 +154,7 @@ def test_tune_keeps_a_choice_that_a_later_process_reads(tmp_path):
 ], ids=["host copy variable", "direct read variable", "not json", "format", "host copy kept", "direct read kept"])
 def test_bad_settings_are_refused_before_a_transfer_sends(tmp_path, monkeypatch, bad, pattern):
     """A bad variable or tune file raises ArgumentError naming it and the fix, from the check a transfer makes
-    before it sends anything (``sides.allowed``), and ``tune --show`` says the same."""
+    before it sends anything (``policy.allowed``), and ``tune --show`` says the same."""
     for name in ENVS:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
@@ -172,7 +172,7 @@ def test_bad_settings_are_refused_before_a_transfer_sends(tmp_path, monkeypatch,
     else:
         where.write_text(bad)
     with pytest.raises(cudarecv.ArgumentError, match=pattern):
-        sides.allowed("auto")
+        policy.allowed("auto")
     from cudarecv.tools.cli import main
 
     monkeypatch.setattr(_tuned, "_entry", None)

@@ -242,6 +242,10 @@ class Transfer(torch.futures.Future):
     def done(self) -> bool:
         """Whether the transfer has finished, advancing it if its pending works report completion.
 
+        As ``torch.futures.Future.done``: on a GPU the transfer's last copies may still run on its stream
+        (:attr:`event`); :meth:`wait` orders the caller's stream after them. A receive into host memory has
+        waited for its copies before it finished.
+
         gloo's send/recv works report completion only inside ``wait()``, so a
         multi-step transfer on gloo advances in :meth:`wait` or on a thread that
         drives it (``WeightReceiver.pull(wait=False)`` does so). For the same
@@ -256,7 +260,7 @@ class Transfer(torch.futures.Future):
                     self._advance()
             finally:
                 self._driving.release()
-        return self._finished and super().done() and (self.event is None or self.event.query())
+        return self._finished and super().done()
 
     is_completed = done
 

@@ -25,8 +25,8 @@ from ..core.transfer import Transfer
 from ..plan.header import check_pieces
 from ..plan.plan import Plan, forget_plan, plan_for
 from ..plan.walk import unwrap
-from ..samehost import sides as _same_host
-from ..samehost.sides import check_transport
+from ..samehost.policy import Carried, allowed, check_transport
+from ..samehost.sides import receiving_side, sending_side, storage_table
 from ..wire import fast as _fast_wire
 from ..wire import stock as _stock_wire
 from ..wire.staging import host_waits, lane_for
@@ -64,7 +64,7 @@ def _check_tags(init_tag: int, leaves: int, pseudo_rand: bool) -> None:
 
 
 def _explain(td: TensorDictBase, link: Link, timeout: float | None, waited_for: str, cause: str,
-             tags: Sequence[int], sending: bool, route: _same_host.Route | None = None) -> Any:
+             tags: Sequence[int], sending: bool, route: Carried | None = None) -> Any:
     """The error hook of one call: name the peer, what was waited for (``waited_for``, or the stage its
     own timeout struck in) and the likely cause; a link left with messages in flight is refused for ``td``
     from then on, and after a timeout for the call's ``tags`` in its direction too (:mod:`.stuck`), but for
@@ -185,14 +185,14 @@ def _start_send(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolida
                 bucket_bytes: int | None, stream: Any, timeout: float | None,
                 transport: str = "auto") -> tuple[Transfer, Plan]:
     user = unwrap(td)  # what a failure is recorded against (a consolidated copy is new every call)
-    route = _same_host.Route()
+    route = Carried()
     if consolidated and not user.is_consolidated():
         td = user.consolidate(metadata=True)  # as stock does: a copy, every call
     inner, plan, tags = _prepare(td, link, True, init_tag, pseudo_rand, consolidated, bucket_bytes, user)
     if consolidated:
         storage = plan.storage(inner)
         lane = lane_for(link, storage.device, stream, plan.pool)
-        side = None if bucket_bytes is None else _same_host.sending_side(link, transport, storage.device)
+        side = None if bucket_bytes is None else sending_side(link, transport, storage.device)
         if bucket_bytes is None:
             protocol = _stock_wire.send_storage(lane, storage)
         else:
@@ -200,21 +200,21 @@ def _start_send(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolida
             header = plan.chunk_header(inner).for_transfer(bucket_bytes, init_tag)
             chunks = plan.chunks(inner, bucket_bytes)
 
-            def fill(data: Tensor, i: int, offset: int, length: int) -> None:
+            def fill(data: Tensor, key: str, i: int, offset: int, length: int) -> None:
                 copy_bytes(data[offset:offset + length], chunks[i])
 
             def wire(head: Any, offer: bytes | None) -> Any:
                 return _fast_wire.send(lane, head, chunks, init_tag, offer=offer)
 
             protocol = wire(header, None) if side is None else side.send(
-                lane, header, init_tag, fill, wire, _same_host.allowed(transport), route, storage=storage, chunks=chunks)
+                lane, header, init_tag, fill, wire, allowed(transport), route, storage=storage, chunks=chunks)
     else:
         if bucket_bytes is None:
             _check_tags(init_tag, len(plan.tensors), pseudo_rand)
         else:
             check_pieces(plan.total, bucket_bytes)
         lane = lane_for(link, plan.device, stream, plan.pool)
-        side = None if bucket_bytes is None else _same_host.sending_side(link, transport, plan.device)
+        side = None if bucket_bytes is None else sending_side(link, transport, plan.device)
         if bucket_bytes is None:
             protocol = _stock_wire.send_leaves(lane, plan, plan.tags(init_tag, len(plan.tensors), pseudo_rand))
         else:
@@ -226,10 +226,10 @@ def _start_send(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolida
                 if lane.stream is not None and not lane.nccl:
                     lane.stream.synchronize()  # gloo sends the page-locked copy: it must have landed
 
-            def fill(data: Tensor, i: int, offset: int, length: int) -> None:
-                segment = f"shared:{id(data)}"
-                plan.adopt(segment, data)
-                plan.pack_piece(bucket_bytes, i, segment)
+            def fill(data: Tensor, key: str, i: int, offset: int, length: int) -> None:
+                place = f"shared:{key}"  # (a place per segment of the link: the plan keeps one staging each)
+                plan.adopt(place, data)
+                plan.pack_piece(bucket_bytes, i, place)
 
             def wire(head: Any, offer: bytes | None) -> Any:
                 return _fast_wire.send(lane, head, plan.pieces(bucket_bytes, place), init_tag, pack=pack, offer=offer)
@@ -237,7 +237,7 @@ def _start_send(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolida
             header = plan.bucket_header.for_transfer(bucket_bytes, init_tag)
             table = plan.address_bytes if plan.device.type == "cpu" else None
             protocol = wire(header, None) if side is None else side.send(
-                lane, header, init_tag, fill, wire, _same_host.allowed(transport), route, table=table)
+                lane, header, init_tag, fill, wire, allowed(transport), route, table=table)
             if lane.nccl and plan.device.type != "cuda":
                 protocol = host_waits(lane, protocol)  # the leaves were read once send() returns
     what, cause = _what(True, plan, init_tag, pseudo_rand, consolidated, bucket_bytes)
@@ -257,20 +257,20 @@ def _start_recv(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolida
                 bucket_bytes: int | None, stream: Any, timeout: float | None,
                 transport: str = "auto") -> tuple[Transfer, Plan]:
     inner, plan, tags = _prepare(td, link, False, init_tag, pseudo_rand, consolidated, bucket_bytes)
-    route = _same_host.Route()
-    side = None if bucket_bytes is None else _same_host.receiving_side(link)
-    shared = dict(side=side, allow=side is not None and _same_host.allowed(transport), route=route)
+    route = Carried()
+    side = None if bucket_bytes is None else receiving_side(link)
+    shared = dict(side=side, allow=side is not None and allowed(transport), route=route)
     if consolidated:
         storage = plan.storage(inner)  # raises, naming the fix, if td is not consolidated
         lane = lane_for(link, storage.device, stream, plan.pool)
         if bucket_bytes is None:
             protocol = _stock_wire.recv_storage(lane, storage, td)
         else:
-            def copy(data: Tensor, i: int, offset: int, length: int, piece: int) -> None:
+            def copy(data: Tensor, key: str, i: int, offset: int, length: int, piece: int) -> None:
                 with lane.on_stream():
                     copy_bytes(storage[offset:offset + length], data[offset:offset + length])
 
-            table = _same_host.storage_table(storage) if storage.device.type == "cpu" else None  # (direct route)
+            table = storage_table(storage) if storage.device.type == "cpu" else None  # (direct route)
             protocol = _fast_wire.recv(lane, plan.chunk_header(inner), lambda piece: plan.chunks(inner, piece),
                                        init_tag, td, copy_shared=copy, table=table, **shared)
     else:
@@ -282,11 +282,11 @@ def _start_recv(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolida
         else:
             place = _fast_wire.staging_place(lane, plan)
 
-            def copy(data: Tensor, i: int, offset: int, length: int, piece: int) -> None:
-                segment = f"shared:{id(data)}"
-                plan.adopt(segment, data)
+            def copy(data: Tensor, key: str, i: int, offset: int, length: int, piece: int) -> None:
+                place = f"shared:{key}"  # (a place per segment of the link: the plan keeps one staging each)
+                plan.adopt(place, data)
                 with lane.on_stream():
-                    plan.unpack(piece, i, segment)
+                    plan.unpack(piece, i, place)
 
             protocol = _fast_wire.recv(lane, plan.bucket_header, lambda piece: plan.pieces(piece, place),
                                        init_tag, td, landed=lambda piece, i: plan.unpack(piece, i, place),

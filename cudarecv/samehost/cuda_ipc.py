@@ -127,7 +127,7 @@ class DeviceMapping:
             try:
                 self._ptr = runtime.ipcOpenMemHandle(handle, runtime.cudaIpcMemLazyEnablePeerAccess)
             except Exception as error:  # noqa: BLE001 - cupy's CUDARuntimeError
-                raise MappingError(f"cannot open the peer's CUDA IPC handle: {error}") from None
+                raise MappingError(f"cannot open the peer's CUDA IPC handle: {error}", lasting=False) from None
             self.written = torch.cuda.Event.from_ipc_handle(self.device, event_handle)
         #: the payload bytes (read them only; the handle is closed with the last view of it)
         self.data: Tensor = _view(self._ptr, capacity, self.device, runtime.ipcCloseMemHandle)

@@ -41,6 +41,7 @@ Example:
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
 import functools
 import mmap
@@ -184,7 +185,16 @@ class Segment:
 
 
 class MappingError(OSError):
-    """The reader could not open or check a segment it was offered."""
+    """The reader could not open or check a segment it was offered: for good (``lasting``: another machine or
+    user, a lying offer), or for now (descriptors, memory: a later offer may be taken)."""
+
+    def __init__(self, text: str, lasting: bool = True) -> None:
+        super().__init__(text)
+        self.lasting = lasting
+
+
+#: what a failed open or map of an offered segment may clear up by itself (descriptors, memory)
+TRANSIENT = (errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN)
 
 
 def _check_sealed(fd: int) -> None:
@@ -206,7 +216,8 @@ class Mapping:
         try:
             own = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
         except OSError as error:
-            raise MappingError(f"cannot open the peer's segment: {error.strerror}") from None
+            raise MappingError(f"cannot open the peer's segment: {error.strerror}",
+                               lasting=error.errno not in TRANSIENT) from None
         try:
             _check_sealed(own)
             if os.fstat(own).st_size < size:
@@ -291,7 +302,8 @@ def open_offer(raw: bytes, kind: int, each: struct.Struct, capacity_at: int, pro
     for entry in entries:
         capacity = entry[capacity_at]
         if not 0 < capacity <= most_bytes:
-            raise MappingError(f"an offered segment of {capacity} bytes is out of range (at most {most_bytes})")
+            raise MappingError(f"an offered segment of {capacity} bytes is out of range (at most {most_bytes})",
+                               lasting=capacity <= 0)
     return pid, entries
 
 

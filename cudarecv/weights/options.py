@@ -7,7 +7,7 @@ from typing import Any
 
 from ..core.checks import check_bucket_bytes, check_timeout
 from ..core.errors import ArgumentError
-from ..samehost.sides import check_transport
+from ..samehost.policy import check_transport
 from .wire import FANOUTS, MODES
 
 

@@ -61,8 +61,8 @@ from ..plan.header import check_pieces, cut
 from ..plan.walk import unwrap, walk
 from ..samehost import cuda_ipc
 from ..samehost.machine import host_id
+from ..samehost.policy import allowed
 from ..samehost.shared_memory import MAX_SEGMENTS, MappingError, map_offer, offer_size
-from ..samehost.sides import allowed
 from ..wire.control import read_bytes, wire_bytes
 from ..wire.staging import Lane, drain, lane_for, recv_into, send_from, wire_can_touch
 from .link import Unanswered, link_error, naming, run, send_bytes

@@ -92,8 +92,8 @@ from ..plan.plan import plan_for
 from ..plan.walk import unwrap
 from ..samehost import cuda_ipc
 from ..samehost.machine import host_id
+from ..samehost.policy import allowed
 from ..samehost.shared_memory import Segment, available, offer
-from ..samehost.sides import allowed
 from ..wire.control import read_bytes, wire_bytes
 from ..wire.staging import Lane, lane_for, send_from
 from .link import check_peers, link_error, naming, run, send_bytes

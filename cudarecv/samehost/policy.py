@@ -1,0 +1,85 @@
+"""What may share memory on this machine (the calls' ``transport``, ``CUDARECV_TRANSPORT``), the kinds of memory
+a link shares, and the log of what each link direction chose, and why."""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from typing import Any
+
+import torch
+
+from ..core.errors import ArgumentError
+from ..core.host_copy import direct_read_setting
+from ..core.link import Link
+from ..core.log import logger
+from ..core.transfer import WIRE
+from . import cuda_ipc
+from .shared_memory import available
+
+TRANSPORTS = ("auto", "wire")
+#: ``CUDARECV_TRANSPORT=wire`` turns every same-host transport off (the default, ``auto``, allows them)
+ENV = "CUDARECV_TRANSPORT"
+HOST, DEVICE = "host", "device"  # a side's channels: the kinds of memory it shares
+STOP_WAIT = 1.0  # seconds a side's closing waits for its (idle) thread to end
+
+
+def check_transport(transport: object) -> str:
+    """``transport`` is one of :data:`TRANSPORTS`, and the environment's settings are valid (checked here, with
+    the arguments: a receiver's refusal then reaches its sender)."""
+    if not isinstance(transport, str) or transport not in TRANSPORTS:
+        raise ArgumentError(
+            f"`transport` must be one of {TRANSPORTS} (\"auto\": shared memory with a cudarecv peer on this "
+            f"machine, else the wire; \"wire\": always the socket or NCCL), got {transport!r}"
+        )
+    _environment()
+    return transport
+
+
+def _environment() -> str:
+    """:data:`ENV`, checked, and the direct route's variable, ``CUDARECV_DIRECT_READ``, with it."""
+    env = os.environ.get(ENV, "auto")
+    if env not in TRANSPORTS:
+        raise ArgumentError(f"the environment variable {ENV}={env!r} must be one of {TRANSPORTS}")
+    direct_read_setting()
+    return env
+
+
+def allowed(transport: str) -> bool:
+    """Whether ``transport`` and the environment (:data:`ENV`) allow a same-host transport (checked before
+    anything is sent)."""
+    return _environment() == "auto" and transport == "auto"
+
+
+def kind_of(device: torch.device) -> str:
+    """The channel of memory on ``device``: :data:`HOST` or :data:`DEVICE`."""
+    return HOST if device.type == "cpu" else DEVICE
+
+
+def unavailable(device: torch.device) -> str | None:
+    """Why memory on ``device`` cannot be shared with a process of this machine, or None."""
+    return available() if device.type == "cpu" else cuda_ipc.available(device)
+
+
+class Carried:
+    """Which transport a transfer's payload took (decided as it runs); read as ``Transfer.transport``."""
+
+    def __init__(self) -> None:
+        self.transport = WIRE
+        self.waiting = False  # whether a receive still waits for its turn on the link's thread (nothing posted)
+
+
+_SAID: "weakref.WeakKeyDictionary[Any, set]" = weakref.WeakKeyDictionary()  # what was logged, per group
+_SAID_LOCK = threading.Lock()
+
+
+def chose(link: Link, role: str, transport: str, reason: str) -> None:
+    """Log the transport a link direction takes, and why (once per link, role and reason)."""
+    with _SAID_LOCK:
+        said = _SAID.setdefault(link.pg, set())
+        if (link.peer, role, reason) in said:
+            return
+        said.add((link.peer, role, reason))
+    logger.info("%s rank %d of a %s group: %s (%s)", "sending to" if role == "send" else "receiving from",
+                link.peer, link.backend, transport, reason)
