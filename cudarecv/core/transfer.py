@@ -79,9 +79,9 @@ Submit = Callable[[Callable[[], None]], None]
 WIRE, SHARED_MEMORY, CUDA_IPC = "wire", "shared memory", "cuda ipc"  # what carried a payload (Transfer.transport)
 _UNBOUNDED = timedelta(days=3650)  # a gloo wait that never runs out (see the module docstring)
 #: seconds the exit hook waits (at most, each time) for the waits it ended to leave gloo and for the threads it
-#: stops: they end at once unless stuck, but a loaded machine may take seconds to schedule them, and a thread
-#: left running past the interpreter's end aborts the process (2 s did, rarely, under load)
-_EXIT_GRACE = 30.0
+#: stops (they end at once unless stuck: a wait that did not end then never will, and the process exits
+#: without it; a thread between two waits is no risk, it fails at its next wait: see Transfer.settle)
+_EXIT_GRACE = 5.0
 
 
 class StartClock:
