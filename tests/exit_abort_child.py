@@ -10,7 +10,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 import cudarecv
-from cudarecv.core import transfer as _handle
+from cudarecv.core import shutdown as _handle
 
 
 def child(case: str, rank: int, port: int) -> None:

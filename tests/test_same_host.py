@@ -444,7 +444,7 @@ def test_steady_state_pulls_allocate_nothing(cluster, mode, zero_copy):
 def _in_mappings(receiver, tensor) -> bool:
     """Whether ``tensor`` lies in one of the sender's segments as ``receiver`` mapped them."""
     ptr = tensor.data_ptr()
-    return any(m.data.data_ptr() <= ptr < m.data.data_ptr() + m.capacity for m in receiver._mappings)
+    return any(m.data.data_ptr() <= ptr < m.data.data_ptr() + m.capacity for m in receiver._puller.mappings)
 
 
 def zero_copy_weights(rank, world, group, mode, key):
@@ -454,14 +454,14 @@ def zero_copy_weights(rank, world, group, mode, key):
     pulls = 30
     if rank == 0:
         sender = cudarecv.WeightSender(td, dst=[1, 2], mode=mode, timeout=20)
-        aliases = [r.alias for r in sender._receivers]
+        aliases = [r.alias for r in sender._s.members]
         for version in range(1, pulls + 1):
             td["w"].fill_(version)
             td["b", "c"].fill_(version)
             sender.push()
             store().wait([f"{key}_{r}_{version}" for r in (1, 2)])  # each takes every version
         store().wait([f"{key}_closed"])
-        retired = [s.retired for s in sender._snapshots]
+        retired = [s.retired for s in sender._pool.snapshots]
         sender.close()
         return aliases, retired
     receiver = cudarecv.WeightReceiver(src=0, timeout=20, zero_copy=rank == 1)
@@ -512,7 +512,7 @@ def zero_copy_receiver_dropped(rank, world, group, key):
         for version in range(4, 14):
             td["w"].fill_(version)
             sender.push()
-        served, snapshots = sender.ranks, [(s.segment, s.retired) for s in sender._snapshots]
+        served, snapshots = sender.ranks, [(s.segment, s.retired) for s in sender._pool.snapshots]
         store().set(f"{key}_pushed", "1")
         return served, snapshots
     receiver = cudarecv.WeightReceiver(src=0, timeout=20, zero_copy=True)
@@ -546,11 +546,11 @@ def lying_sender_rewrites_a_held_snapshot(rank, world, group, key):
     if rank == 0:
         sender = cudarecv.WeightSender(td, group=pg, group_dst=1, timeout=20)
         sender.push()
-        with sender._cond:
-            for snapshot in sender._snapshots:
+        with sender._s.cond:
+            for snapshot in sender._pool.snapshots:
                 snapshot.holders = 0  # as if the receiver had let go of version 1
-            sender._receivers[0].holding.clear()
-        assert sender._unheld() is sender._snapshots[0]  # the next push takes version 1's
+            sender._s.members[0].holding.clear()
+        assert sender._pool._unheld() is sender._pool.snapshots[0]  # the next push takes version 1's
         with pytest.raises(cudarecv.Error):
             sender.push(timeout=5)
         return None

@@ -90,7 +90,7 @@ def test_multisync_workers_act_with_every_version(zero_copy):
         batches = iter(coll)
         assert markers(next(batches)) == {0.0}
         # (the workers told the trainer in the handshake whether they act where the snapshots lie)
-        assert [r.alias for r in scheme._sender._receivers] == [zero_copy] * WORKERS
+        assert [r.alias for r in scheme._trainer.sender._s.members] == [zero_copy] * WORKERS
         for i in range(1, 16):
             update(coll, policy, i / 4)
             batch = next(batches)
@@ -206,7 +206,7 @@ def test_latest_mode_names_a_dead_worker_once_and_goes_on():
             time.sleep(0.05)
         assert raised is not None and "worker" in str(raised), "the dead worker was not named within the timeout"
         update(coll, policy, 2.0)  # named once; the live worker keeps getting versions
-        assert scheme.version >= 2 and len(scheme._sender.ranks) == 1
+        assert scheme.version >= 2 and len(scheme._trainer.sender.ranks) == 1
 
 
 def test_a_shut_down_scheme_leaves_no_thread_and_is_collectable():
@@ -233,7 +233,7 @@ def test_a_shut_down_scheme_leaves_no_thread_and_is_collectable():
     set_marker(policy, 1.0)
     trainer.send(weights=policy)  # returns once the worker acts with it
     assert trainer.version == worker.version == 2
-    refs = [weakref.ref(worker), weakref.ref(trainer), weakref.ref(worker._receiver), weakref.ref(worker._group)]
+    refs = [weakref.ref(worker), weakref.ref(trainer), weakref.ref(worker._worker.receiver), weakref.ref(worker._group)]
     worker.shutdown()
     trainer.shutdown()
     del worker, trainer

@@ -18,7 +18,7 @@ from tensordict import TensorDict
 import cudarecv
 from cudarecv.core.transfer import Transfer
 from cudarecv.testing.launch import RankExit
-from cudarecv.weights import sender as _weight_sender
+from cudarecv.weights import fanout, snapshots
 from cudarecv.weights.wire import PushHeader
 from cudarecv.wire import staging
 from policies import holds_version, policy, set_version
@@ -146,22 +146,22 @@ def bad_headers(rank, world, group, transport):
         assert sender.transports == {1: "shared memory" if transport == "auto" else "wire"}
         set_version(model, 1)
         sender.push()
-        snapshot = sender._snapshots[0]
-        snapshot.header = PushHeader(2, sender.schema.total, sender._piece, bytes(16))  # a wrong fingerprint
+        snapshot = sender._pool.snapshots[0]
+        snapshot.header = PushHeader(2, sender.schema.total, sender.bucket_bytes, bytes(16))  # a wrong fingerprint
         told = []  # through shared memory the receiver tells the sender it rejected a version (the wire: not)
         try:
-            Transfer(sender._send(sender._receivers[0], snapshot, 20)).wait(20)
+            Transfer(fanout.send(sender._s, sender._s.members[0], snapshot, 20)).wait(20)
         except cudarecv.MismatchError as error:
             told.append(type(error).__name__)
-        sender.version = 2  # (that was version 2)
-        real = _weight_sender.checksum
-        _weight_sender.checksum = lambda storage: bytes(16)  # what corruption in flight looks like
+        sender._s.version = 2  # (that was version 2)
+        real = snapshots.checksum
+        snapshots.checksum = lambda storage: bytes(16)  # what corruption in flight looks like
         set_version(model, 3)
         try:
             sender.push()
         except cudarecv.ChecksumError as error:
             told.append(type(error).__name__)
-        _weight_sender.checksum = real
+        snapshots.checksum = real
         set_version(model, 4)
         sender.push()
         return told
@@ -213,13 +213,13 @@ def dying_sender(rank, world, group, timeout, transport):
 
             staging.Lane.post = post_then_die
         else:
-            copy = _weight_sender.copy_bytes
+            copy = snapshots.copy_bytes
 
             def copy_then_die(dst, src):
                 copy(dst, src)
                 os.kill(os.getpid(), signal.SIGKILL)  # the trainer is killed with one leaf of the snapshot written
 
-            _weight_sender.copy_bytes = copy_then_die
+            snapshots.copy_bytes = copy_then_die
         sender.push()
         time.sleep(5)
     receiver = cudarecv.WeightReceiver(src=0, timeout=timeout)
@@ -395,8 +395,8 @@ def soak(rank, world, group, pulls, warmup):
         rss = _rss_bytes()
         for _ in range(pulls):
             sender.push()
-        graph = [v.grad_fn for v in sender._snapshots[0].views if v.grad_fn is not None]
-        return _rss_bytes() - rss, len(graph), sender._snapshots[0].storage.requires_grad
+        graph = [v.grad_fn for v in sender._pool.snapshots[0].views if v.grad_fn is not None]
+        return _rss_bytes() - rss, len(graph), sender._pool.snapshots[0].storage.requires_grad
     receiver = cudarecv.WeightReceiver(src=0, timeout=30)
     for _ in range(warmup):
         receiver.pull()

@@ -319,7 +319,7 @@ def lying_push_headers(rank, world, group, cases):
             total, piece = LYING[case]
             sender = cudarecv.WeightSender(TensorDict.from_module(model), dst=1, timeout=20)
             lie = wire.PushHeader(1, total, piece, sender.schema.fingerprint)
-            raw_send(group, 1, lie.pack(), sender._tags.header)
+            raw_send(group, 1, lie.pack(), sender._s.tags.header)
         return None
     out = []
     for _ in cases:
@@ -360,7 +360,7 @@ def oversize_push_header(rank, world, group):
     if rank == 0:
         sender = cudarecv.WeightSender(TensorDict.from_module(model), dst=1, timeout=20)
         header = wire.PushHeader(1, sender.schema.total, sender.schema.total, sender.schema.fingerprint)
-        raw_send(group, 1, header.pack() + b"\x01" * 40, sender._tags.header)  # a valid header, then more
+        raw_send(group, 1, header.pack() + b"\x01" * 40, sender._s.tags.header)  # a valid header, then more
         return None
     receiver = cudarecv.WeightReceiver(src=0, timeout=10)
     try:

@@ -42,7 +42,7 @@ def latest_with_a_stopped_actor(rank, world, group, key):
             ranks = sender.ranks  # both still served
             signals.set(f"{key}_trained", "1")
             signals.wait([f"{key}_fast_done", f"{key}_slow_done"])
-            return ranks, len(sender._snapshots)
+            return ranks, len(sender._pool.snapshots)
     with cudarecv.WeightReceiver(src=0, expect=model, timeout=30) as receiver:
         assert receiver.mode == "latest"
         seen = [(receiver.pull(), holds_version(receiver.td, receiver.version))]

@@ -70,7 +70,7 @@ def auto_fanout(rank, world, group):
         with cudarecv.WeightSender(TensorDict.from_module(model), dst=1, timeout=30) as sender:
             set_version(model, 1)
             sender.push()
-            return sender.fanout, sender._piece
+            return sender.fanout, sender.bucket_bytes
     with cudarecv.WeightReceiver(src=0, expect=model, timeout=30) as receiver:
         receiver.pull()
         return holds_version(receiver.td, 1)
@@ -109,7 +109,7 @@ def corrupted_in_the_chain(rank, world, group, key, fanout, transport):
     version 1, the blocking push raises naming a receiver that rejected it (relay, shared memory: their word
     comes back; the wire's star fan-out has none: its push returns), nobody is dropped, and version 3 lands
     everywhere."""
-    from cudarecv.weights import sender as _weight_sender
+    from cudarecv.weights import snapshots
 
     model = policy()
     signals = store()
@@ -119,15 +119,15 @@ def corrupted_in_the_chain(rank, world, group, key, fanout, transport):
             transports = set(sender.transports.values())
             set_version(model, 1)
             sender.push()
-            real = _weight_sender.checksum
-            _weight_sender.checksum = lambda storage: bytes(16)  # what corruption in flight looks like
+            real = snapshots.checksum
+            snapshots.checksum = lambda storage: bytes(16)  # what corruption in flight looks like
             try:
                 set_version(model, 2)
                 outcome = sender.push()
             except cudarecv.Error as error:
                 outcome = (type(error).__name__, str(error))
             finally:
-                _weight_sender.checksum = real
+                snapshots.checksum = real
             set_version(model, 3)
             sender.push()
             ranks = sender.ranks

@@ -7,7 +7,7 @@ import threading
 from typing import Callable
 
 from .log import logger
-from .transfer import at_exit
+from .shutdown import at_exit
 
 
 class Driver:

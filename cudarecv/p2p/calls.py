@@ -17,9 +17,9 @@ from torch import Tensor
 
 from ..core import stuck
 from ..core.checks import check_bucket_bytes, check_timeout
-from ..core.errors import ArgumentError, ArgumentTypeError, Error, PeerError, TransferTimeout
+from ..core.errors import ArgumentError, ArgumentTypeError
 from ..core.host_copy import copy_bytes
-from ..core.link import Link, peer_failure, resolve
+from ..core.link import Link, resolve
 from ..core.tags import MAX_TAG, check_init_tag, header_tag, piece_tag
 from ..core.transfer import Transfer
 from ..plan.header import check_pieces
@@ -30,6 +30,7 @@ from ..samehost.sides import receiving_side, sending_side, storage_table
 from ..wire import fast as _fast_wire
 from ..wire import stock as _stock_wire
 from ..wire.staging import host_waits, lane_for
+from .failures import explaining, waited_for
 
 
 def _check_options(init_tag: object, pseudo_rand: object, consolidated: object,
@@ -61,73 +62,6 @@ def _check_tags(init_tag: int, leaves: int, pseudo_rand: bool) -> None:
             f"`init_tag={init_tag}` with {leaves} leaves needs tags up to {init_tag + leaves - 1}, past "
             f"the largest tag 2**31 - 1: pass init_tag <= {MAX_TAG - leaves + 1}"
         )
-
-
-def _explain(td: TensorDictBase, link: Link, timeout: float | None, waited_for: str, cause: str,
-             tags: Sequence[int], sending: bool, route: Carried | None = None) -> Any:
-    """The error hook of one call: name the peer, what was waited for (``waited_for``, or the stage its
-    own timeout struck in) and the likely cause; a link left with messages in flight is refused for ``td``
-    from then on, and after a timeout for the call's ``tags`` in its direction too (:mod:`.stuck`), but for
-    a send that had nothing in flight (it waited for its turn on the link's thread); a same-host receive that
-    waited for its turn (its ``route`` says so) is named so."""
-    def explain(error: BaseException, elapsed: float) -> BaseException:
-        if isinstance(error, Error) and not isinstance(error, TransferTimeout):
-            if not error.link_usable:
-                stuck.mark(td, link, type(error).__name__)
-            return error  # ours: a mismatch (drained), a lie (out of step)
-        group = link.group_timeout()
-        what, why, late = waited_for, cause, tags  # (late: where the peer's part may still come, or ours go)
-        if isinstance(error, TransferTimeout):  # the call's own timeout=
-            seconds, gloo = timeout, ""
-            if sending and not error.in_flight:
-                late = ()
-            if route is not None and route.waiting:  # a same-host receive never posted (the sender's part may come)
-                what = f"{waited_for}, queued behind an earlier receive from rank {link.peer} on this link's thread"
-                why = ("a same-host link takes receives one at a time, in call order, and the sender's sends "
-                       "likewise: were the receives posted in the order of its sends?")
-            elif error.stage is not None:  # past what the call waits for first (the protocol said where)
-                what, why = error.stage, "it began this transfer: did it stop or die midway?"
-        elif group is not None and elapsed >= group - 0.05:  # the process group's timeout ran out in gloo
-            seconds, gloo = group, "; gloo then closed every link of the process group"
-        else:
-            stuck.mark(td, link, "the link failed")
-            return PeerError(f"{waited_for}: the link to rank {link.peer} failed after {elapsed:.3g} s: "
-                             f"{peer_failure(error)}")
-        stuck.mark(td, link, f"it timed out after {seconds:g} s", late, sending)
-        refused = (f"this tensordict, and tags {_tag_span(late)} for any tensordict, are refused for "
-                   f"{'sends' if sending else 'receives'}" if late else "this tensordict is refused")
-        return TransferTimeout(
-            f"{what}: rank {link.peer} did not answer within {seconds:g} s ({why}){gloo}; gloo cannot take "
-            f"back what was posted, so {refused} on this link from now on"
-        )
-
-    return explain
-
-
-def _tag_span(tags: Sequence[int]) -> str:
-    """``tags`` in words for a message: ``1073741824 and 1342177280``, ``0..4``, ``0 and 9 others``."""
-    if len(tags) <= 2:
-        return " and ".join(map(str, tags)) or "(none)"
-    if isinstance(tags, range):
-        return f"{tags[0]}..{tags[-1]}"
-    return f"{tags[0]} and {len(tags) - 1} others"
-
-
-def _what(sending: bool, plan: Plan, init_tag: int, pseudo_rand: bool, consolidated: bool,
-          bucket_bytes: int | None) -> tuple[str, str]:
-    """What a call waits for, and the likely cause if it never comes, for its timeout message."""
-    verb = "send" if sending else "receive"
-    peer = "the receiver post the matching receive" if sending else "the sender send"
-    if bucket_bytes is not None:
-        what = f"{verb} of the fast-wire header (tag {header_tag(init_tag)})"
-        return what, f"does {peer} on the fast wire too (bucket_bytes on both ends), with init_tag={init_tag}?"
-    if consolidated:
-        return f"{verb} of the consolidated storage (tag 0)", f"does {peer} with consolidated=True, no bucket_bytes?"
-    n = len(plan.tensors)
-    tags = (f"pseudo-random tags from init_tag={init_tag}" if pseudo_rand
-            else f"tags {init_tag}..{init_tag + n - 1}")
-    return (f"{verb} of {n} leaves ({tags})",
-            f"does {peer} on the stock wire (no bucket_bytes) with init_tag={init_tag}, pseudo_rand={pseudo_rand}?")
 
 
 def _wire_tags(plan: Plan, init_tag: int, pseudo_rand: bool, consolidated: bool,
@@ -240,8 +174,8 @@ def _start_send(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolida
                 lane, header, init_tag, fill, wire, allowed(transport), route, table=table)
             if lane.nccl and plan.device.type != "cuda":
                 protocol = host_waits(lane, protocol)  # the leaves were read once send() returns
-    what, cause = _what(True, plan, init_tag, pseudo_rand, consolidated, bucket_bytes)
-    on_error = _explain(user, link, timeout, what, cause, tags, True)
+    what, cause = waited_for(True, plan, init_tag, pseudo_rand, consolidated, bucket_bytes)
+    on_error = explaining(user, link, timeout, what, cause, tags, True)
     transfer = Transfer(protocol, lane.stream, on_error=on_error, timeout=timeout, link=link,
                         what=f"{what} to rank {link.peer} ({cause})", route=route,
                         driver=None if side is None else side.driver.submit)
@@ -294,11 +228,11 @@ def _start_recv(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolida
                                        **shared)
             if lane.nccl and plan.device.type != "cuda":
                 protocol = host_waits(lane, protocol)  # the leaves hold the bytes once recv() returns
-    what, cause = _what(False, plan, init_tag, pseudo_rand, consolidated, bucket_bytes)
+    what, cause = waited_for(False, plan, init_tag, pseudo_rand, consolidated, bucket_bytes)
     driven = side is not None and side.driven  # the sender may wait for its DONE: it must not wait for our wait()
     if driven:
         protocol = side.queued(protocol, route)  # in call order, on the link's thread
-    on_error = _explain(inner, link, timeout, what, cause, tags, False, route)
+    on_error = explaining(inner, link, timeout, what, cause, tags, False, route)
     transfer = Transfer(protocol, lane.stream, on_error=on_error, timeout=timeout, link=link,
                         what=f"{what} from rank {link.peer} ({cause})", route=route,
                         driver=side.submit if driven else None)

@@ -28,17 +28,18 @@ from torch import Tensor
 
 from ..core.driver import Driver
 from ..core.errors import OutOfStepError
-from ..core.host_copy import direct_read_pays, may_read_process, read_process
+from ..core.host_copy import direct_read_pays, may_read_process
 from ..core.streams import EventWork, dedicated_stream, record
 from ..core.tags import BACK_TAGS, piece_tag
 from ..core.transfer import CUDA_IPC, SHARED_MEMORY, WIRE
-from ..plan.header import KIND_BUCKETS, KIND_CHUNKS, KIND_NAMES, Header, PayloadRoute, drain_limit, piece_sizes
+from ..plan.header import Header, PayloadRoute, piece_sizes
 from ..wire.control import ROOM, wire_bytes
 from ..wire.staging import Lane
-from . import cuda_ipc
+from . import cuda_ipc, routes
 from .policy import DEVICE, ENV, HOST, STOP_WAIT, Carried, chose
 from .records import READY_SIZE, Status, Word, back, read_ready
-from .sender import BACK, STORAGE_BACK
+from .routes import Copy
+from .sender import BACK
 from .shared_memory import STORAGE, STORAGE_OFFER_SIZE, MappingError, StorageMapping, map_offer, offer_kind
 from .shared_memory import offer_size as host_offer_size
 
@@ -46,8 +47,6 @@ MAX_SEGMENT_BYTES = 1 << 48
 #: seconds a receiver sleeps on a progress word that stopped moving (a futex: no CPU) before it waits for the
 #: READY on the process group instead (which also tells a dead sender)
 FOLLOW_WAIT = 0.002
-#: copies a segment's message, or a direct read's, into the tensordict: ``copy(data, key, i, offset, length, piece)``
-Copy = Callable[[Tensor, str, int, int, int, int], None]
 
 
 class Channel:
@@ -70,8 +69,8 @@ class RecvSide:
         self.direct_leaves = False  # ... and its leaves
         self.declined: str | None = None  # why the last offer was declined
         self.said: dict[int, list[Any]] = {}  # the last ANSWER or DONE sent on each back tag, until the next
-        self._staging: Tensor | None = None  # a direct read into device leaves lands here first (reused)
-        self._staging_fence: Any = None  # the event after the copies out of it
+        self.staging: Tensor | None = None  # a direct read into device leaves lands here first (reused)
+        self.staging_fence: Any = None  # the event after the copies out of it
         self.driver_name = f"cudarecv-recv-{self.peer}"
         self.driver = Driver(self.driver_name)
 
@@ -101,14 +100,14 @@ class RecvSide:
         """Stop the thread and let go of the mappings (the group is gone)."""
         self.driver.stop(STOP_WAIT)
         self.channels = {HOST: Channel(), DEVICE: Channel()}
-        self.storages, self.direct, self.said, self._staging = {}, None, {}, None
+        self.storages, self.direct, self.said, self.staging = {}, None, {}, None
 
     @property
     def driven(self) -> bool:
         """Whether this link's receives run on :attr:`driver` (the sender may wait for their DONE)."""
         return any(ch.state != "wire" for ch in self.channels.values())
 
-    def _say(self, lane: Lane, word: Word, status: Status, seq: int, k: int) -> None:
+    def say(self, lane: Lane, word: Word, status: Status, seq: int, k: int) -> None:
         """Send an ANSWER or DONE on back tag ``BACK_TAGS + k``. Its work is held until the next on that tag: the
         sender has taken it before it sends what calls for another (held here, not parked: a parked work keeps a
         dropped group's sockets and threads until 256 more are parked)."""
@@ -117,16 +116,16 @@ class RecvSide:
     def _done_once_copied(self, lane: Lane, event: Any, seq: int, k: int) -> None:
         """(On the link's thread, after the receive that queued the copies:) DONE once they ran."""
         event.synchronize()
-        self._say(lane, Word.DONE, Status.OK, seq, k)
+        self.say(lane, Word.DONE, Status.OK, seq, k)
 
-    def _finish(self, lane: Lane, stream: Any, seq: int, k: int) -> Any:
+    def finish(self, lane: Lane, stream: Any, seq: int, k: int) -> Any:
         """A sub-protocol: say DONE for transfer ``seq`` on back tag ``k`` once the copies on ``stream`` (None: the
         host's, done) have run, without holding up the caller of a device receiver (see the module docstring)."""
         if stream is None:
-            self._say(lane, Word.DONE, Status.OK, seq, k)
+            self.say(lane, Word.DONE, Status.OK, seq, k)
         elif lane.stream is None:  # host memory: the transfer ends with the bytes in
             yield [EventWork(record(stream))]
-            self._say(lane, Word.DONE, Status.OK, seq, k)
+            self.say(lane, Word.DONE, Status.OK, seq, k)
         else:
             self.driver.submit(functools.partial(self._done_once_copied, lane, record(stream), seq, k))
 
@@ -169,7 +168,7 @@ class RecvSide:
                 self.direct_leaves = pays is not None and pays.leaves
                 status = (Status.DIRECT if self.direct_leaves else Status.DIRECT_STORAGES if self.direct is not None
                           else Status.OK)
-        self._say(lane, Word.ANSWER, status, 0, BACK[kind])
+        self.say(lane, Word.ANSWER, status, 0, BACK[kind])
 
     def _map_storage(self, raw: bytes, allow: bool) -> StorageMapping | None:
         if not allow:
@@ -189,9 +188,9 @@ class RecvSide:
         ``table`` (their addresses and sizes). Returns whether the payload was taken (False: a storage this
         receiver could not map, whose payload follows on the wire)."""
         if header.transport == PayloadRoute.STORAGE:
-            return (yield from self._from_storage(lane, header, copy, problem, carried))
+            return (yield from routes.take_storage(self, lane, header, copy, problem, carried))
         if header.transport == PayloadRoute.DIRECT:
-            return (yield from self._read_direct(lane, header, init_tag, table, copy, problem, carried))
+            return (yield from routes.read_direct(self, lane, header, init_tag, table, copy, problem, carried))
         kind = DEVICE if header.transport == PayloadRoute.DEVICE_SEGMENT else HOST
         ch = self.channels[kind]
         if ch.state != "shared" or header.segment >= len(ch.mappings):
@@ -238,84 +237,7 @@ class RecvSide:
                     mapping.before_read(stream)
                 for i in range(done, count):
                     copy(mapping.data, key, i, i * piece, min(piece, total - i * piece), piece)
-        yield from self._finish(lane, stream, header.seq, ch_back(kind, header.segment))
-        return True
-
-    def _read_direct(self, lane: Lane, header: Header, init_tag: int, table: np.ndarray | None, copy: Copy,
-                     problem: str | None, carried: Carried) -> Any:
-        """The direct route: take the sender's table of leaves, or of its one consolidated storage (checked against
-        this tensordict's ``table``: the same sizes), and read them straight into the leaves or storage, then DONE
-        (NO if the read fell short). Off the host (no ``table``) they are read into a reused host buffer, DONE said
-        at once (the sender's memory is read), then copied out of it on the transfer's stream."""
-        leaves = header.kind == KIND_BUCKETS
-        what = "leaves" if leaves else "storage"
-        if self.channels[HOST].state != "shared" or self.direct is None or not (
-                self.direct_leaves if leaves else header.kind == KIND_CHUNKS):
-            raise OutOfStepError(f"the sender names its {what} for a direct read this receiver never agreed to: "
-                                 "the link is out of step")
-        size = 16 * (header.leaves if leaves else 1)
-        if problem is not None and size > drain_limit(0 if table is None else 16 * len(table)):
-            raise OutOfStepError(f"{problem}; its table of {header.leaves} leaves is more than this receiver drains: "
-                                 "not drained, the link is out of step; the tensordict was left untouched")
-        buffer = torch.zeros(size + ROOM, dtype=torch.uint8)
-        yield lane.post(False, [buffer], [piece_tag(init_tag)])
-        raw = buffer.numpy()
-        if raw[size:].any():
-            raise OutOfStepError(f"the sender's table of its {what} is longer than its header says: out of step")
-        if problem is not None:
-            self._say(lane, Word.DONE, Status.OK, header.seq, STORAGE_BACK)
-            return True
-        remote = raw[:size].view(np.uint64).reshape(-1, 2)
-        staging = None
-        if table is None:
-            staging = yield from self._direct_staging(header.total)
-        local = table if staging is None else np.array([[staging.data_ptr(), header.total]], dtype=np.uint64)
-        sizes = remote[:, 1] if staging is None else remote[:, 1].sum(keepdims=True)
-        if not np.array_equal(sizes, local[:, 1]):
-            raise OutOfStepError(f"the sender's table of its {what} names other sizes than this tensordict's "
-                                 f"{what}: not read; the link is out of step")
-        carried.transport = SHARED_MEMORY
-        status = Status.OK if read_process(self.direct, local, remote) == header.total else Status.NO
-        self._say(lane, Word.DONE, status, header.seq, STORAGE_BACK)  # (the sender's memory is read)
-        if status != Status.OK:
-            raise OutOfStepError(f"the sender's table of its {what} names memory it does not have: the tensordict "
-                                 "is partly written; the link is out of step")
-        if staging is not None:
-            for i, n in enumerate(piece_sizes(header.total, header.piece)):
-                with lane.on_stream():
-                    copy(staging, "direct", i, i * header.piece, n, header.piece)
-            if lane.stream is not None:
-                self._staging_fence = record(lane.stream)  # the next direct read waits for these copies
-        return True
-
-    def _direct_staging(self, nbytes: int) -> Any:
-        """A sub-protocol: this side's host buffer for a direct read of ``nbytes``, once the copies out of its
-        previous use have run (reused: one per link, grown when too small)."""
-        if self._staging_fence is not None:
-            yield [EventWork(self._staging_fence)]
-            self._staging_fence = None
-        if self._staging is None or self._staging.numel() < nbytes:
-            self._staging = torch.empty(nbytes, dtype=torch.uint8)
-        return self._staging[:nbytes]
-
-    def _from_storage(self, lane: Lane, header: Header, copy: Copy, problem: str | None, carried: Carried) -> Any:
-        """The storage route: one copy straight out of the sender's storage (checked against the mapping), then
-        DONE; or NO if it could not be mapped."""
-        if (self.channels[HOST].state != "shared" or header.kind != KIND_CHUNKS
-                or header.segment not in self.storages):
-            raise OutOfStepError(f"the header names storage slot {header.segment} of a {KIND_NAMES[header.kind]} "
-                                 "transfer, which this receiver never mapped: the link is out of step")
-        mapping = self.storages[header.segment]
-        if mapping is None:
-            self._say(lane, Word.DONE, Status.NO, header.seq, STORAGE_BACK)
-            return False
-        if header.total > mapping.capacity:
-            raise OutOfStepError(f"the header announces {header.total} bytes in a storage of {mapping.capacity}: "
-                                 "the link is out of step")
-        carried.transport = SHARED_MEMORY
-        if problem is None:
-            copy(mapping.data, f"storage:{header.segment}", 0, 0, header.total, header.total)
-        yield from self._finish(lane, lane.stream, header.seq, STORAGE_BACK)
+        yield from self.finish(lane, stream, header.seq, ch_back(kind, header.segment))
         return True
 
 

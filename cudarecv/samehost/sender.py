@@ -28,26 +28,23 @@ import torch
 from torch import Tensor
 
 from ..core.driver import Driver
-from ..core.errors import OutOfStepError
 from ..core.link import Link
 from ..core.log import logger
 from ..core.tags import BACK_TAGS, header_tag, piece_tag
 from ..core.transfer import CUDA_IPC, SHARED_MEMORY, WIRE
 from ..core.transport import park
-from ..plan.header import STORAGE_SLOTS, Header, PayloadRoute, piece_sizes
+from ..plan.header import Header, PayloadRoute, piece_sizes
 from ..wire.control import ROOM, wire_bytes
 from ..wire.fast import OFFER_SIZE
-from ..wire.staging import Lane, send_from
-from . import cuda_ipc
+from ..wire.staging import Lane
+from . import cuda_ipc, routes
 from .policy import DEVICE, HOST, STOP_WAIT, Carried, chose, kind_of, unavailable
 from .records import BACK_SIZE, Status, Word, read_back, ready
-from .shared_memory import Segment, offer, shared_storage, storage_offer
+from .shared_memory import Segment, offer, shared_storage
 
 #: the back tags of each channel (``BACK_TAGS + base + k`` for segment k; its ANSWER on ``base``) and of the
 #: host routes that skip the segments (their DONE)
 BACK = {HOST: 0, DEVICE: 3}
-STORAGE_BACK = 2
-DECLINED = 64  # storages a sender remembers the receiver could not map
 RETRY_MAX = 1024  # transfers at most between two offers declined for now
 
 
@@ -167,15 +164,15 @@ class SendSide:
             host = ch is not None and ch.kind == HOST and ch.state == "shared"
             where = shared_storage(storage) if host and storage is not None else None
             if where is not None and (where[1], where[2], where[4]) not in self.declined:
-                yield from self._from_storage(lane, header, init_tag, where, chunks or [], carried)
+                yield from routes.send_storage(self, lane, header, init_tag, where, chunks or [], carried)
                 return None
             if host and self.direct and table is not None:
-                yield from self._direct(lane, header, init_tag, table, carried)
+                yield from routes.send_direct(self, lane, header, init_tag, table, carried)
                 return None
             if host and self.direct_storages and storage is not None and storage.numel():
                 row = torch.from_numpy(np.array([[storage.data_ptr(), storage.numel()]], dtype=np.uint64)
                                        .view(np.uint8).reshape(-1))
-                yield from self._direct(lane, header, init_tag, row, carried)
+                yield from routes.send_direct(self, lane, header, init_tag, row, carried)
                 return None
             if ch is not None and ch.state == "shared" and header.total <= ch.capacity:
                 carried.transport = SHARED_MEMORY if ch.kind == HOST else CUDA_IPC
@@ -193,7 +190,7 @@ class SendSide:
                 # of the payload, which the sends just completed into: nothing need name the segments now
                 for segment in ch.segments:
                     segment.close_fd()
-                self._expect(lane, ch.back, 0)
+                self.expect(lane, ch.back, 0)
                 ch.state = "offered"
             return result
         except BaseException as error:
@@ -235,7 +232,7 @@ class SendSide:
         ch.retry_at, ch.wait = self.transfers + ch.wait, min(2 * ch.wait, RETRY_MAX)
 
     def _answer(self, lane: Lane, ch: Channel) -> Any:
-        status = yield from self._take(ch.back, Word.ANSWER)
+        status = yield from self.take(ch.back, Word.ANSWER)
         if status in (Status.OK, Status.DIRECT, Status.DIRECT_STORAGES):
             ch.state, ch.previous, ch.wait, ch.too_big = "shared", None, 1, None
             if ch.kind == HOST:
@@ -254,12 +251,12 @@ class SendSide:
             ch.state, ch.segments, ch.previous = "wire", [], None
             chose(lane.link, "send", WIRE, f"the receiver declined the {ch.kind} offer (it logs why)")
 
-    def _expect(self, lane: Lane, k: int, seq: int) -> None:
+    def expect(self, lane: Lane, k: int, seq: int) -> None:
         """Post the receive of the word back on ``BACK_TAGS + k`` about transfer ``seq``."""
         buffer = torch.zeros(BACK_SIZE + ROOM, dtype=torch.uint8)  # (room: gloo aborts on a longer message)
         self.fences[k] = (lane.post(False, [buffer], [BACK_TAGS + k])[0], buffer, seq)
 
-    def _take(self, k: int, word: Word) -> Any:
+    def take(self, k: int, word: Word) -> Any:
         work, buffer, seq = self.fences[k]
         yield [work]
         del self.fences[k]
@@ -270,10 +267,10 @@ class SendSide:
     def _quiet(self, ch: Channel) -> Any:
         for k in (ch.back, ch.back + 1):
             if k in self.fences:
-                yield from self._take(k, Word.DONE)
+                yield from self.take(k, Word.DONE)
 
     # -- routes ----------------------------------------------------------------------------------------
-    def _post(self, lane: Lane, data: bytes, tag: int) -> list[Any]:
+    def post(self, lane: Lane, data: bytes, tag: int) -> list[Any]:
         return lane.post(True, [wire_bytes(lane, data)], [tag])
 
     def _shared(self, lane: Lane, ch: Channel, header: Header, init_tag: int,
@@ -282,14 +279,14 @@ class SendSide:
         ch.next ^= 1
         back = ch.back + k
         if back in self.fences:
-            yield from self._take(back, Word.DONE)  # the receiver is done reading this segment
+            yield from self.take(back, Word.DONE)  # the receiver is done reading this segment
         self.seq += 1
         seq, segment = self.seq, ch.segments[k]
         progress = isinstance(segment, Segment) and lane.stream is None  # (host bytes, written as fill returns)
         if progress:
             segment.start(seq)  # before the header: a receiver that has the header sees this transfer's word
         head = dataclasses.replace(header, transport=ch.route, segment=k, seq=seq)
-        held = self._post(lane, head.pack(), header_tag(init_tag))
+        held = self.post(lane, head.pack(), header_tag(init_tag))
         offset = 0
         for i, length in enumerate(piece_sizes(header.total, header.piece)):
             with lane.on_stream():
@@ -299,53 +296,10 @@ class SendSide:
                 segment.advance(offset)  # the receiver may copy up to here before the READY comes
         if lane.stream is not None:
             segment.written.record(lane.stream)  # before the READY: the reader's copies wait for it
-        held += self._post(lane, ready(seq, header.total), piece_tag(init_tag))
+        held += self.post(lane, ready(seq, header.total), piece_tag(init_tag))
         self.held[back] = held
-        self._expect(lane, back, seq)
+        self.expect(lane, back, seq)
         # a gloo send completes once the receiver has taken it: the send ends when its receiver has the header
         # and READY, so it can still get the bytes if this process exits right after (the wire's promise too)
         yield held
         self.held[back] = []
-
-    def _from_storage(self, lane: Lane, header: Header, init_tag: int, where: tuple[int, int, int, int, int],
-                      chunks: list[Tensor], carried: Carried) -> Any:
-        """The storage route: the header names the storage's slot (after an offer the first time); the receiver
-        copies the bytes straight out of this process's storage and says DONE, or NO (it cannot map it: then
-        the chunks follow on the wire and the storage never takes this route again)."""
-        key = (where[1], where[2], where[4])  # the file (device, inode: never reused while it lives) and offset
-        slot, offered = self.slots.get(key), None
-        if slot is None:
-            slot = len(self.slots) if len(self.slots) < STORAGE_SLOTS else self.slots.popitem(last=False)[1]
-            offered = storage_offer(where)
-        self.slots[key] = slot
-        self.slots.move_to_end(key)
-        self.seq += 1
-        head = dataclasses.replace(header, transport=PayloadRoute.STORAGE, segment=slot, offer=offered is not None,
-                                   seq=self.seq)
-        self.held[STORAGE_BACK] = self._post(lane, head.pack(), header_tag(init_tag))
-        if offered is not None:
-            self.held[STORAGE_BACK] += self._post(lane, offered + bytes(OFFER_SIZE - len(offered)),
-                                                  header_tag(init_tag))
-        self._expect(lane, STORAGE_BACK, self.seq)
-        status = yield from self._take(STORAGE_BACK, Word.DONE)
-        if status == Status.OK:
-            carried.transport = SHARED_MEMORY
-        else:
-            del self.slots[key]
-            self.declined[key] = None
-            if len(self.declined) > DECLINED:
-                self.declined.popitem(last=False)
-            yield from send_from(lane, chunks, [piece_tag(init_tag)] * len(chunks))
-
-    def _direct(self, lane: Lane, header: Header, init_tag: int, table: Tensor, carried: Carried) -> Any:
-        """The direct route: the header, then the leaves' (or the consolidated storage's) addresses and sizes; the
-        receiver reads them straight out of this process (one copy in all, by the kernel) and says DONE."""
-        self.seq += 1
-        head = dataclasses.replace(header, transport=PayloadRoute.DIRECT, segment=0, seq=self.seq)
-        self.held[STORAGE_BACK] = self._post(lane, head.pack(), header_tag(init_tag))
-        self.held[STORAGE_BACK] += lane.post(True, [table], [piece_tag(init_tag)])
-        self._expect(lane, STORAGE_BACK, self.seq)
-        if (yield from self._take(STORAGE_BACK, Word.DONE)) != Status.OK:
-            raise OutOfStepError("the receiver could not read this process's memory (a region was not mapped): "
-                                 "its tensordict may be partly written")
-        carried.transport = SHARED_MEMORY

@@ -17,21 +17,28 @@ a version only once its own trailer says ``INTACT`` and its own checks passed.
 calls :meth:`Relay.landed` for each chunk (on the thread that receives), and
 :meth:`Relay.forward` is the protocol that sends them on, on a thread of its
 own (the receiver's forwarder), so forwarding goes on whatever the receiver's
-caller does once ``pull()`` has returned.
+caller does once ``pull()`` has returned. :class:`Hop` is the receiver's part in its chains.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import time
 from typing import Any, Sequence
 
 import torch
 from torch import Tensor
 
 from ..core import streams
-from ..wire.control import wire_bytes
-from ..wire.staging import Lane, send_from
-from .wire import BROKEN, INTACT, trailer_message
+from ..core.driver import Driver
+from ..core.errors import OutOfStepError, PeerError
+from ..core.link import Link
+from ..core.transfer import Transfer
+from ..wire.control import read_bytes, wire_bytes
+from ..wire.staging import Lane, lane_for, recv_into, send_from, wire_can_touch
+from .inbox import header_too_long
+from .wire import BROKEN, INTACT, TRAILER_SIZE, read_trailer, trailer_message
 
 
 class Relay:
@@ -101,3 +108,101 @@ class _Landed:
         with self.relay._cond:
             self.relay._cond.wait_for(self._ready)  # the pull always ends the relay (landed or broken)
         return True
+
+
+class Hop:
+    """A receiver's part in relay chains: lanes to the other receivers of its group, a forwarding thread per next
+    hop, per slot the forward that may still read it, and while a relayed payload arrives, its relay and the
+    upstream link (to say downstream and to the sender who failed if it breaks)."""
+
+    def __init__(self, lane: Lane, tags: Any, device: torch.device) -> None:
+        self.lane, self.tags, self.device = lane, tags, device
+        self._peers: dict[int, Lane] = {}
+        self._forwarders: dict[int, Driver] = {}
+        self._forwards: dict[int, Transfer] = {}
+        self.relaying: tuple[Relay | None, Link, int] | None = None
+        self.lost_at: int | None = None
+
+    def receive(self, header: Any, slot: Any, index: int, limit: float, version: int) -> Any:
+        """A sub-protocol: receive the payload from the hop before this one into ``slot`` (own slot ``index``) and
+        forward each chunk to the hop after it as it lands; raises :class:`PeerError` naming the rank that failed
+        upstream if the push broke there (``version``: the one this receiver keeps)."""
+        up = self._peer(header.up, "the hop before this receiver")
+        relay = None
+        if header.down >= 0:
+            if header.down == header.up:
+                raise OutOfStepError(f"a relay header names rank {header.up} as both hops: the link is out of step")
+            down = self._peer(header.down, "the hop after this receiver")
+            relay = Relay(down, slot.pieces, self.tags.payload, self.tags.trailer, header.version)
+            self._forwards[index] = Transfer(
+                relay.forward(), down.stream, timeout=limit, driver=self._forwarder(header.down).submit,
+                link=down.link, raise_first=False, what=f"forward of version {header.version} to rank {header.down}")
+        self.relaying, self.lost_at = (relay, up.link, header.version), None
+        tags = [self.tags.payload] * len(slot.pieces)
+        if relay is not None and up.nccl and wire_can_touch(up, slot.pieces):  # one chunk at a time: each forwarded
+            for i, piece in enumerate(slot.pieces):                              # once its receive is on the stream
+                yield from recv_into(up, [piece], tags[:1], landed=lambda _, i=i: relay.landed(i))
+        else:
+            yield from recv_into(up, slot.pieces, tags, landed=relay.landed if relay is not None else None)
+        status, got, rank = read_trailer((yield from read_bytes(up, TRAILER_SIZE, self.tags.trailer, "relay trailer",
+                                                                header_too_long)))
+        if got != header.version:
+            raise OutOfStepError(f"the relay trailer is for version {got}, not {header.version}: out of step")
+        if status == BROKEN:
+            self.lost_at = rank
+            raise PeerError(f"pull of version {header.version}: rank {rank} before this receiver in the relay chain "
+                            f"failed during the push (did its process die?): version {version} stays published")
+        self.relaying = None
+        if relay is not None:
+            relay.end()
+
+    def broken(self) -> tuple[int, int, Link] | None:
+        """A pull failed: if a relayed payload was arriving, tell the next hop who failed; returns (version, the
+        rank that failed, the upstream link: the error is that link's) for the sender, or None."""
+        relaying, self.relaying = self.relaying, None
+        if relaying is None:
+            return None
+        relay, link, version = relaying
+        lost = self.lost_at if self.lost_at is not None else link.peer
+        if relay is not None:
+            relay.end(broken=lost)
+        return version, lost, link
+
+    def forward_of(self, index: int) -> Transfer | None:
+        """The forward that may still read own slot ``index`` (let go of here)."""
+        return self._forwards.pop(index, None)
+
+    def _peer(self, rank: int, what: str) -> Lane:
+        """The lane to another rank of this receiver's group (the sender's own for the sender)."""
+        link = self.lane.link
+        if rank == link.peer:
+            return self.lane
+        if not 0 <= rank < link.pg.size() or rank == link.pg.rank():
+            raise OutOfStepError(f"a relay header names rank {rank} as {what}, in a group of {link.pg.size()} "
+                                 f"where this is rank {link.pg.rank()}: the link is out of step")
+        lane = self._peers.get(rank)
+        if lane is None:
+            peer = Link(link.pg, rank, link.registered, link.backend)
+            stream = None
+            if self.lane.stream is not None:  # forwards run on a stream of their own, next to the receives
+                stream = torch.cuda.Stream(device=self.lane.stream.device)
+            lane = self._peers[rank] = lane_for(peer, self.device, stream, streams.StagingPool())
+        return lane
+
+    def _forwarder(self, rank: int) -> Driver:
+        driver = self._forwarders.get(rank)
+        if driver is None:
+            driver = self._forwarders[rank] = Driver(f"cudarecv-forward-{rank}")
+        return driver
+
+    def close(self, deadline: float) -> None:
+        """At the receiver's close: a relay cut short says so downstream; the hops after this one get what is on
+        its way (each forward waited for until ``deadline``); the forwarders stop; the lanes are let go of."""
+        if self.relaying is not None and self.relaying[0] is not None:
+            self.relaying[0].end(broken=self.relaying[1].peer)
+        for forward in self._forwards.values():
+            with contextlib.suppress(Exception):
+                forward.wait(max(deadline - time.monotonic(), 0.0))
+        for driver in self._forwarders.values():
+            driver.stop(max(deadline - time.monotonic(), 0.0))
+        self._peers, self._forwards, self.lane = {}, {}, None

@@ -32,8 +32,8 @@ from typing import Any, Callable
 from torch import Tensor
 
 from ..core.errors import HeaderError, OutOfStepError
+from ..core.protocol import Protocol, Stage
 from ..core.tags import header_tag, piece_tag
-from ..core.transfer import Protocol, Stage
 from ..plan.header import KIND_NAMES, SIZE, Header, drain_limit
 from ..plan.plan import Plan
 from .control import read_bytes, wire_bytes

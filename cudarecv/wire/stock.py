@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import Tensor
 
-from ..core.transfer import Protocol
+from ..core.protocol import Protocol
 from ..core.transport import nccl_batching
 from ..plan.plan import Plan
 from .staging import Lane, recv_into, send_from

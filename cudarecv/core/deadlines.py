@@ -1,0 +1,94 @@
+"""The one thread, ``cudarecv-deadlines``, that fails each transfer whose own time ran out, whether or not anyone
+waits for it (so a receive nobody waits for never holds up the link's later transfers)."""
+
+from __future__ import annotations
+
+import heapq
+import math
+import threading
+import time
+import weakref
+from typing import Any
+
+from .log import logger
+
+#: seconds the exit hook waits for this thread to end
+STOP_WAIT = 5.0
+
+_PRUNE_MIN = 256
+
+
+class Deadlines:
+    """The thread that fails transfers whose own time ran out, whether or not anyone waits for them.
+
+    It sleeps until the earliest deadline (a ``Condition`` wait: no polling) and holds the
+    transfers weakly; it starts with the first deadline and stops at exit.
+    """
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, weakref.ref]] = []
+        self._count = 0  # a tie-break, so the heap never compares transfers
+        self._prune_at = _PRUNE_MIN  # the heap's size at which entries of ended transfers are let go
+        self._cond = threading.Condition(threading.Lock())
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+
+    def keep(self, transfer: Any) -> None:
+        """Fail ``transfer`` when its own deadline passes (none: nothing to keep)."""
+        deadline = transfer.deadline()
+        if deadline == math.inf:
+            return
+        with self._cond:
+            if self._stopped:
+                return
+            self._count += 1
+            heapq.heappush(self._heap, (deadline, self._count, weakref.ref(transfer)))
+            if len(self._heap) >= self._prune_at:  # most transfers end long before their deadline
+                self._heap = [entry for entry in self._heap if (t := entry[2]()) is not None and not t.settled]
+                heapq.heapify(self._heap)
+                self._prune_at = max(_PRUNE_MIN, 2 * len(self._heap))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="cudarecv-deadlines", daemon=True)
+                self._thread.start()
+            elif self._heap[0][1] == self._count:
+                self._cond.notify()  # the new deadline is the earliest
+
+    def _run(self) -> None:
+        while (transfer := self._next()) is not None:
+            try:
+                transfer.expire()
+            except Exception:  # noqa: BLE001 - an error hook's failure must not stop the others' deadlines
+                logger.exception("failing %s at its deadline raised", transfer.what)
+            del transfer  # no reference from this thread while it sleeps
+
+    def _next(self) -> Any:
+        """The next transfer whose deadline has passed, once it has (None once stopped)."""
+        with self._cond:
+            while not self._stopped:
+                if not self._heap:
+                    self._cond.wait()
+                    continue
+                deadline, _, ref = self._heap[0]
+                left = deadline - time.monotonic()
+                if left > 0:
+                    self._cond.wait(left)
+                    continue
+                heapq.heappop(self._heap)
+                transfer = ref()
+                if transfer is not None and not transfer.settled:
+                    return transfer
+            return None
+
+    def stop(self) -> None:
+        """End the thread (at exit); later deadlines are not kept."""
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(STOP_WAIT)
+
+
+
+
+DEADLINES = Deadlines()

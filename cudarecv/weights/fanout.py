@@ -1,0 +1,152 @@
+"""How a push reaches a receiver: its transfer's protocol (star: the header and the payload, or through a shared
+segment the header alone; relay: the header naming its hops, the payload to the head of the chain only),
+the receiver's word that it has the version (relay, shared memory), and what a failed transfer does to the
+receiver (the drop policy). The fan-out is picked once, at the handshake: :func:`protocol`."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable
+
+from ..core.errors import (
+    ChecksumError,
+    Error,
+    MismatchError,
+    OutOfStepError,
+    PeerError,
+    PushHeaderError,
+    TransferTimeout,
+)
+from ..core.log import logger
+from ..core.transfer import CUDA_IPC
+from ..wire.control import read_bytes, wire_bytes
+from ..wire.staging import send_from
+from .link import link_error, send_bytes
+from .session import Member, Session
+from .snapshots import Snapshot, SnapshotPool
+from .wire import ASK_SIZE, GOT, LOST, REJECTED, read_ask, trailer_message
+
+
+def out_of_step(text: str) -> OutOfStepError:
+    return OutOfStepError(f"{text} (the link is out of step)")
+
+
+def protocol(session: Session, live: list[Member], i: int, snapshot: Snapshot, limit: float) -> Any:
+    """The protocol that pushes ``snapshot`` to ``live[i]`` by the session's fan-out."""
+    if session.fanout == "relay":
+        return _relayed(session, live, i, snapshot, limit)
+    return send(session, live[i], snapshot, limit)
+
+
+def send(session: Session, member: Member, snapshot: Snapshot, limit: float) -> Any:
+    """Star: the header and the payload on the wire, or (a receiver mapping the snapshot) the header alone; the
+    receiver copies the version out, or (zero-copy) publishes it where it lies and holds it until FREED."""
+    lane = member.lane
+    if member.shared and snapshot.segment is not None:
+        header = dataclasses.replace(snapshot.header, shared=True, segment=snapshot.segment)
+        if member.alias:
+            with session.cond:
+                snapshot.holders += 1
+                member.holding[header.version] = snapshot
+        yield from send_from(lane, [wire_bytes(lane, header.pack())], [session.tags.header])
+        yield from _confirmed(session, member, header.version, limit)
+        return
+    head = yield from send_from(lane, [wire_bytes(lane, snapshot.header.pack())], [session.tags.header], defer=True)
+    yield from send_from(lane, snapshot.chunks, [session.tags.payload] * len(snapshot.chunks))
+    if head:
+        yield head
+
+
+def _relayed(session: Session, chain: list[Member], i: int, snapshot: Snapshot, limit: float) -> Any:
+    """Relay, to ``chain[i]``: its header (naming its hops); the payload and the trailer to the head of the
+    chain only; then the receiver's word that it has the version."""
+    member, lane = chain[i], chain[i].lane
+    header = dataclasses.replace(snapshot.header, relayed=True,
+                                 up=lane.link.pg.rank() if i == 0 else chain[i - 1].rank,
+                                 down=chain[i + 1].rank if i + 1 < len(chain) else -1)
+    head = yield from send_from(lane, [wire_bytes(lane, header.pack())], [session.tags.header], defer=True)
+    if i == 0:
+        yield from send_from(lane, snapshot.chunks, [session.tags.payload] * len(snapshot.chunks))
+        yield from send_bytes(lane, trailer_message(header.version), session.tags.trailer)
+    if head:
+        yield head
+    yield from _confirmed(session, member, header.version, limit)
+
+
+def _confirmed(session: Session, member: Member, version: int, limit: float) -> Any:
+    """Wait for the receiver's word on ``version`` (relay, shared memory): raises if it did not publish it."""
+    if member.lane.nccl:  # no listener on NCCL: the word comes here, in order on the pair's stream
+        ask = read_ask((yield from read_bytes(member.lane, ASK_SIZE, session.tags.ask, "acknowledgement",
+                                              out_of_step)))
+        if ask.kind != GOT:
+            raise out_of_step("the receiver sent no acknowledgement")
+        member.got = ask
+    yield [Got(session, member, version, time.monotonic() + limit + 1.0)]
+
+
+class Got:
+    """A work that completes when ``member`` has said what became of ``version`` (or left, or is gone); ``wait``
+    raises if it did not publish it, naming the rank that failed."""
+
+    def __init__(self, session: Session, member: Member, version: int, deadline: float) -> None:
+        self.session, self.member, self.version, self.deadline = session, member, version, deadline
+
+    def _said(self) -> bool:
+        m = self.member
+        return m.gone is not None or m.leaving or (m.got is not None and m.got.version >= self.version)
+
+    def is_completed(self) -> bool:
+        with self.session.cond:
+            return self._said()
+
+    def wait(self, timeout: Any = None) -> bool:
+        m = self.member
+        with self.session.cond:
+            if not self.session.cond.wait_for(self._said, timeout=max(self.deadline - time.monotonic(), 0.0)):
+                raise TransferTimeout(f"rank {m.rank} did not confirm version {self.version}")
+            gone, got, leaving = m.gone, m.got, m.leaving
+        if got is not None and got.version >= self.version:
+            if got.version == self.version and got.status == LOST:
+                raise PeerError(f"push of version {self.version}: rank {m.rank} did not get it: rank {got.rank} "
+                                "before it in the relay chain failed during the push")
+            if got.version == self.version and got.status == REJECTED:  # it stays served: its link is in step
+                if self.session.verify:
+                    raise ChecksumError(f"push of version {self.version}: rank {m.rank} rejected it: the BLAKE3 "
+                                        "digest of what it received, or its header, did not match what was sent "
+                                        "(corrupted on the way); it keeps its last version and stays served")
+                raise PushHeaderError(f"push of version {self.version}: rank {m.rank} rejected its header; it keeps "
+                                      "its last version and stays served")
+            return True
+        if gone is not None and not leaving:
+            raise PeerError(gone)
+        return True
+
+
+def dropping(session: Session, pool: SnapshotPool, member: Member, version: int, timeout: float,
+             told: bool = True) -> Callable[[BaseException, float], BaseException]:
+    """The error hook of a transfer of ``version`` to ``member``: name it, and drop it (``told``: the error
+    reaches the caller, a push's future; else the next push names it). A receiver that rejected the version
+    (its word) stays served."""
+    def dropped(error: BaseException, elapsed: float) -> BaseException:
+        if isinstance(error, MismatchError):
+            return error
+        seconds = timeout if isinstance(error, TimeoutError) else elapsed
+        if isinstance(error, Error) and not isinstance(error, TimeoutError):
+            failure = error  # it names the rank already (a dead one, or one upstream in a relay chain)
+        else:
+            failure = link_error(member.lane.link, f"push of version {version}", error, seconds,
+                                 f"did not take version {version}")
+        text = str(failure)
+        if "is dropped from this sender" not in text:
+            text += f"; rank {member.rank} is dropped from this sender"
+        member.gone, member.named = text, member.named or told
+        logger.warning("weight sender: %s", text)
+        pool.retire(member)
+        if not member.shared or session.shared_kind == CUDA_IPC:
+            # its send (or, CUDA IPC, its copy) may still read the storage, long after this; a receiver of host
+            # segments checks their stamps instead (a copy overtaken by a write is never published)
+            pool.torn = True
+        return type(failure)(text)
+
+    return dropped

@@ -1,0 +1,181 @@
+"""The weight-sync handshake, both ends: the sender offers its schema (JSON, never pickle, after a preamble
+with its length, the push message size, the mode and the session), and on gloo links the same-host offer of
+its snapshots, to every receiver at once; each receiver checks it against ``expect``, allocates its storages,
+maps the snapshots if it may and can, and answers (accepted with its host and route, refused with the reason,
+or failed with why it could not start), so that a construction failing on either end fails the other's too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..core import streams
+from ..core.errors import Error, ReceiverFailed, SchemaError
+from ..core.link import Link
+from ..core.tags import TAG_PREAMBLE, TAG_SCHEMA, TAG_STATUS
+from ..core.transfer import CUDA_IPC, Transfer
+from ..core.transport import park
+from ..plan.header import check_pieces
+from ..plan.walk import unwrap, walk
+from ..samehost import cuda_ipc
+from ..samehost.machine import host_id
+from ..samehost.shared_memory import MAX_SEGMENTS, MappingError, map_offer, offer_size
+from ..wire.control import read_bytes, wire_bytes
+from ..wire.staging import Lane, lane_for, send_from
+from .link import naming, run, send_bytes
+from .wire import (
+    ACCEPTED,
+    FAILED,
+    PREAMBLE_SIZE,
+    REFUSED,
+    STATUS_SIZE,
+    Offer,
+    Schema,
+    check_offer,
+    preamble,
+    read_preamble,
+    read_status,
+    status_message,
+)
+
+
+def offer(lanes: list[Lane], raw: bytes, piece: int, mode: str, session: int, shared: bytes, shared_kind: str,
+          timeout: float) -> list[tuple[str, bool, bool]]:
+    """The sender's end: offer the schema ``raw`` (and on gloo links the ``shared`` segments) to every receiver
+    at once, then read every answer; return each receiver's host, whether it mapped the segments and whether
+    it reads the versions where they lie (zero-copy). Raises :class:`SchemaError` or :class:`ReceiverFailed`
+    naming a receiver that refused or could not start."""
+    def hello(lane: Lane) -> Any:
+        extra = shared if lane.link.backend == "gloo" or shared_kind == CUDA_IPC else b""
+        head = yield from send_from(lane, [wire_bytes(lane, preamble(len(raw), piece, mode, session, len(extra)))],
+                                    [TAG_PREAMBLE], defer=True)
+        yield from send_bytes(lane, raw, TAG_SCHEMA)
+        if extra:
+            yield from send_bytes(lane, extra, TAG_SCHEMA)
+        if head:
+            yield head
+
+    def reply(lane: Lane) -> Any:
+        return (yield from read_bytes(lane, STATUS_SIZE, TAG_STATUS, "handshake answer", SchemaError))
+
+    def control(protocol: Any, lane: Lane, silent: str) -> Transfer:
+        what = "weight-sync handshake"
+        return Transfer(protocol, lane.stream, on_error=naming(lane.link, what, timeout, silent), timeout=timeout,
+                        link=lane.link, raise_first=False, what=f"{what} with rank {lane.link.peer}")
+
+    offers = [(lane, control(hello(lane), lane, "took no schema")) for lane in lanes]
+    answers = [(lane, control(reply(lane), lane, "sent no answer")) for lane in lanes]
+    try:
+        for _, transfer in offers + answers:
+            transfer.wait()  # raises, naming the rank, if the link failed
+    except BaseException:
+        park([transfer for _, transfer in offers + answers])  # what is still in flight runs out
+        raise
+    hosts = []
+    for lane, transfer in answers:
+        status, reason = read_status(transfer.wait())
+        if status == REFUSED:
+            raise SchemaError(f"receiver rank {lane.link.peer} rejected the weights: {reason}")
+        if status != ACCEPTED:
+            raise ReceiverFailed(f"receiver rank {lane.link.peer} could not start: {reason}")
+        host, _, route = reason.partition("\n")
+        hosts.append((host, route in ("shared", "shared zero-copy"), route == "shared zero-copy"))
+    return hosts
+
+
+def expected(expect: Any) -> tuple[list[tuple], list[Tensor]]:
+    if isinstance(expect, torch.nn.Module):
+        named = list(expect.named_parameters()) + list(expect.named_buffers())
+        return [tuple(n.split(".")) for n, _ in named], [t for _, t in named]
+    paths, tensors = walk(unwrap(expect))
+    return [tuple(map(str, p)) for p in paths], tensors
+
+
+def _answer_lane(link: Link) -> Lane | None:
+    """A lane to answer the handshake on when the receiver's own could not be built."""
+    if link.backend != "nccl":
+        return Lane(link)
+    if not torch.cuda.is_available():
+        return None  # NCCL without CUDA cannot carry an answer: the sender's timeout tells it
+    return lane_for(link, torch.device("cuda", torch.cuda.current_device()), None, streams.StagingPool())
+
+
+def refuse(link: Link, timeout: float, failure: BaseException) -> None:
+    """Answer the sender's handshake with the reason this receiver could not start."""
+    lane = _answer_lane(link)
+    if lane is not None:
+        with contextlib.suppress(Error):  # the reason is this side's error, which the caller raises
+            answer(lane, timeout, None, lambda schema, piece: [], failure=failure)
+
+
+def answer(lane: Lane, timeout: float, expect: Any, allocate: Any, failure: BaseException | None = None,
+               allow: bool = False, device: torch.device | None = None,
+               zero_copy: bool = False) -> tuple[Schema, int, Offer, list[Any], list]:
+    """Read the sender's offer, check it and allocate; answer the sender either way.
+
+    With ``failure`` (this receiver could not start), answer with it and raise it. With ``allow``
+    the shared segments the sender offers (same host) are mapped if this process can; the answer
+    says whether they were, and (``zero_copy``, host segments) that versions are read where they lie.
+    """
+    what = "weight-sync handshake"
+    started = time.monotonic()
+
+    def left() -> float:
+        return max(timeout - (time.monotonic() - started), 1e-3)
+
+    def answer(status: int, text: str = "") -> None:
+        run(send_bytes(lane, status_message(status, text), TAG_STATUS), lane, left(), what, "took no answer")
+
+    offer = read_preamble(run(read_bytes(lane, PREAMBLE_SIZE, TAG_PREAMBLE, "handshake preamble", SchemaError),
+                              lane, timeout, what))
+    length, piece = offer.length, offer.piece
+    try:
+        check_offer(length, piece)
+    except SchemaError as error:  # the schema itself cannot be received: refuse at once
+        answer(REFUSED if failure is None else FAILED, str(error if failure is None else failure))
+        raise
+    raw = run(read_bytes(lane, length, TAG_SCHEMA, "weight schema", SchemaError), lane, left(), what)
+    shared = b""
+    if 0 < offer.shared <= max(offer_size(MAX_SEGMENTS), cuda_ipc.offer_size(MAX_SEGMENTS)):
+        shared = run(read_bytes(lane, offer.shared, TAG_SCHEMA, "same-host offer", SchemaError), lane, left(), what)
+    elif offer.shared:
+        answer(REFUSED if failure is None else FAILED, f"a same-host offer of {offer.shared} bytes is out of range")
+        raise SchemaError(f"the handshake announces a same-host offer of {offer.shared} bytes: out of range")
+    if failure is not None:
+        answer(FAILED, f"{type(failure).__name__}: {failure}")
+        raise ReceiverFailed(str(failure))
+    try:
+        schema = Schema.from_json(raw)
+        check_pieces(schema.total, piece, "weights")
+        difference = None if expect is None else schema.first_difference(*expected(expect))
+        if difference:
+            raise SchemaError(f"the sender's weights do not match `expect`: {difference}")
+    except Exception as error:  # noqa: BLE001 - every reason to refuse goes back to the sender
+        problem = str(error) if isinstance(error, SchemaError) else f"{type(error).__name__}: {error}"
+        answer(REFUSED, problem)
+        raise SchemaError(problem) from error
+    try:  # allocate before answering, so that the sender learns if it fails
+        slots = allocate(schema, piece)
+    except Exception as error:  # noqa: BLE001 - the sender learns every reason
+        problem = f"the receiver cannot allocate 2 x {schema.total} bytes: {type(error).__name__}: {error}"
+        answer(FAILED, problem)
+        raise ReceiverFailed(problem) from error
+    mappings, route = [], "wire"
+    if shared and allow:
+        try:
+            if cuda_ipc.is_device_offer(shared):
+                mappings = cuda_ipc.map_offer(shared, schema.total, device)
+            else:
+                mappings = map_offer(shared, schema.total)
+            route = "shared zero-copy" if zero_copy and not cuda_ipc.is_device_offer(shared) else "shared"
+            if any(m.capacity != schema.total for m in mappings):
+                mappings, route = [], "wire: the offered segments do not hold the weights' bytes"
+        except Exception as error:  # noqa: BLE001 - whatever stops the mapping (a CUDA error too): the wire
+            route = f"wire: {error}" if isinstance(error, MappingError) else f"wire: {type(error).__name__}: {error}"
+    answer(ACCEPTED, f"{host_id()}\n{route}")
+    return schema, piece, offer, slots, mappings

@@ -1,0 +1,99 @@
+"""A weight receiver's link to its sender, message by message: the sender's headers (on gloo a header receive
+is always posted, so a sender that closes is heard at once, even between pulls; on NCCL, which runs a pair's
+messages in order, a pull posts its own) and this receiver's words (ASK, GOT, FREED, BYE), kept until the
+sender shows it took them."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from typing import Any
+
+from ..core.driver import Driver
+from ..core.errors import OutOfStepError
+from ..core.transfer import Transfer
+from ..wire.control import read_bytes
+from ..wire.staging import Lane
+from .link import Unanswered, naming
+from .wire import BYE, CLOSED, FREED, GOT, HEADER_SIZE, PUSH, RELEASED, PushHeader, SessionTags, ask_message
+
+
+def header_too_long(text: str) -> OutOfStepError:
+    return OutOfStepError(f"{text} (not drained, the link is out of step)")
+
+
+class Inbox:
+    """What this receiver hears from its sender and says to it (see the module docstring)."""
+
+    def __init__(self, lane: Lane, tags: SessionTags, driver: Driver) -> None:
+        self.lane, self.tags, self.driver = lane, tags, driver
+        self.asks = Unanswered(lane, tags.ask)  # this receiver's words, until the sender shows it took them
+        self.answered = 0  # the mark of the last GOT: a sync sender's next push shows it took it
+        self.sender_closed: str | None = None  # why no version comes any more
+        self.released = False  # the sender answered our BYE
+        self._bye = False  # BYE sent (once)
+        self._lock = threading.Lock()
+        self.standing = self._listen() if lane.link.backend != "nccl" else None
+
+    def _listen(self) -> Transfer:
+        """Post the next header receive; its transfer waits as long as the sender likes (a wait still blocked at
+        exit is ended by the exit hook, :mod:`cudarecv.core.shutdown`)."""
+        lane = self.lane
+        return Transfer(self._next_header(), lane.stream, timeout=math.inf, driver=self.driver.submit,
+                        link=lane.link, raise_first=False,
+                        on_error=naming(lane.link, "weight sync", math.inf, "sent nothing"),
+                        what=f"the next weight-sync header from rank {lane.link.peer}")
+
+    def _next_header(self) -> Any:
+        lane = self.lane  # bound now: close() lets go of it
+        raw = yield from read_bytes(lane, HEADER_SIZE, self.tags.header, "weight-push header", header_too_long)
+        header = PushHeader.unpack(raw)
+        if header.kind == CLOSED:
+            self.sender_closed = f"the sender (rank {lane.link.peer}) closed after version {header.version}"
+            if self.claim_bye():
+                self.asks.post(ask_message(BYE))  # its listener ends
+        elif header.kind == RELEASED:
+            self.released = True
+        return header
+
+    def header(self) -> Any:
+        """A sub-protocol: the next header (the standing receive's, or one posted now on NCCL)."""
+        if self.standing is None:
+            raw = yield from read_bytes(self.lane, HEADER_SIZE, self.tags.header, "weight-push header",
+                                        header_too_long)
+            return PushHeader.unpack(raw)
+        standing = self.standing
+        yield [standing.ended()]
+        yield ()  # (a failed transfer keeps its last works: not the standing receive, nor its group)
+        header = standing.wait()  # raises what the standing receive met (a dead sender, a lie)
+        if header.kind == PUSH:
+            self.standing = self._listen()  # the next one, already
+        return header
+
+    def claim_bye(self) -> bool:
+        """Whether this call is the one to send BYE (once)."""
+        with self._lock:
+            first, self._bye = not self._bye, True
+            return first
+
+    def tell(self, header: PushHeader, status: int) -> None:
+        """Relay fan-out or shared memory: tell the sender what became of the push (its blocking push waits for
+        every word; a shared snapshot is not written again before it)."""
+        if header.relayed or header.shared:
+            self.answered = self.asks.post(ask_message(GOT, header.version, status))
+
+    def freed(self, version: int) -> None:
+        """(Zero-copy:) this receiver no longer reads the snapshot of ``version``."""
+        if self.lane is not None:
+            with contextlib.suppress(Exception):  # a sender gone: nothing is written there any more
+                self.asks.post(ask_message(FREED, version))
+
+    def bye(self) -> int:
+        """Say BYE; returns its mark (the sender's answer shows it took it and every word before)."""
+        return self.asks.post(ask_message(BYE))
+
+    def forget(self) -> None:
+        """At the end: let go of the link (what the sender never took stays with the group)."""
+        self.asks.forget()
+        self.standing, self.lane = None, None

@@ -1,0 +1,187 @@
+"""One pull of a weight receiver, as a protocol: ask for a newer version (latest mode), take the next header,
+then the version by the route it names (a shared snapshot, a relay chain, or the wire; drained if rejected),
+check it (BLAKE3 with ``verify``) and publish it; a pull that fails never touches the published version.
+
+While no version has started to arrive the pull waits as long as its caller likes; only once one arrives
+does its own clock run (:class:`~cudarecv.core.protocol.StartClock`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Callable
+
+import torch
+
+from ..core import streams
+from ..core.driver import Driver
+from ..core.errors import (
+    ChecksumError,
+    Error,
+    OutOfStepError,
+    PushHeaderError,
+    SenderClosed,
+    TransferTimeout,
+    UsageError,
+)
+from ..core.host_copy import copy_bytes
+from ..core.link import Link
+from ..core.protocol import StartClock
+from ..core.transfer import Transfer
+from ..samehost import cuda_ipc
+from ..wire.control import wire_bytes
+from ..wire.staging import Lane, drain, recv_into, send_from
+from .inbox import Inbox
+from .link import link_error
+from .relay import Hop
+from .slots import Slot, Slots
+from .wire import ASK, CLOSED, GOT, LANDED, LOST, REJECTED, RELEASED, PushHeader, Schema, ask_message, checksum
+
+
+class Puller:
+    """What one receiver's pulls share: its schema, lane, slots, shared snapshots, relay part and inbox."""
+
+    def __init__(self, schema: Schema, piece: int, mode: str, lane: Lane, device: torch.device, slots: Slots,
+                 mappings: list[Any], zero_copy: bool, hop: Hop, inbox: Inbox, driver: Driver) -> None:
+        self.schema, self.piece, self.mode, self.lane, self.device = schema, piece, mode, lane, device
+        self.slots, self.mappings, self.zero_copy, self.hop, self.inbox = slots, mappings, zero_copy, hop, inbox
+        self.driver = driver
+        self.version = 0
+        self.broken: str | None = None  # why this receiver takes no more pulls
+
+    def start(self, limit: float) -> Transfer:
+        """Start a pull into the spare own slot (driven on the receiver's thread; no clock of its own yet)."""
+        if self.inbox.sender_closed:
+            raise SenderClosed(f"{self.inbox.sender_closed}; version {self.version} stays readable in receiver.td")
+        index = self.slots.spare()
+        forward = self.hop.forward_of(index)
+        if forward is not None:  # relay: the forward of an earlier version may still read this slot
+            with contextlib.suppress(Exception):
+                forward.wait()  # bounded by its own timeout
+            if forward.failed:  # a parked send may read it for as long as it likes: never write it again
+                self.slots.renew(index, self.schema, self.piece, self.device)
+        slot = self.slots.wait_unread(index, limit)
+        if self.lane.stream is not None:
+            streams.follow_caller(self.lane.stream)
+        link = self.lane.link
+        return Transfer(self._pull(slot, index, limit), self.lane.stream, timeout=math.inf,
+                        driver=self.driver.submit, on_error=self._failing(limit, link), link=link, raise_first=False,
+                        what=f"pull of a version newer than {self.version} from rank {link.peer}")
+
+    def _failing(self, timeout: float, link: Link) -> Callable[[BaseException, float], BaseException]:
+        def failed(error: BaseException, elapsed: float) -> BaseException:
+            lost, failing = self.hop.broken(), link
+            if lost is not None:  # the relayed payload did not come: the sender hears who failed
+                version, rank, failing = lost  # (the error is the upstream link's)
+                with contextlib.suppress(Exception):
+                    self.inbox.asks.post(ask_message(GOT, version, LOST, rank))
+            if isinstance(error, Error) and error.link_usable:
+                return error  # drained, the link in step (or the sender closed): the next pull is told
+            if isinstance(error, OutOfStepError):
+                self.broken = str(error)
+                return error
+            seconds = timeout if isinstance(error, TimeoutError) else elapsed
+            replaced = error if isinstance(error, Error) and not isinstance(error, TimeoutError) else link_error(
+                failing, "pull", error, seconds, "sent no complete version")
+            self.broken = str(replaced)
+            return replaced
+        return failed
+
+    def _pull(self, slot: Slot, index: int, limit: float) -> Any:
+        lane, inbox = self.lane, self.inbox
+        # the words the sender has taken once this pull's push comes: in latest mode those before our ASK (its
+        # listener reads them in order), in sync mode those up to our last GOT (its push waited for it)
+        mark = inbox.asks.mark() if self.mode == "latest" else inbox.answered
+        if self.mode == "latest":  # ask for a version newer than ours
+            asked = yield from send_from(lane, [wire_bytes(lane, ask_message(ASK, self.version))], [inbox.tags.ask],
+                                         defer=True)
+            if asked:
+                yield asked
+        header = yield from inbox.header()
+        if header.kind == CLOSED:
+            raise SenderClosed(f"{inbox.sender_closed}; version {self.version} stays readable in receiver.td")
+        if header.kind == RELEASED:
+            raise UsageError("this WeightReceiver closed while the pull waited")
+        taken = inbox.asks.taken(mark)
+        if taken:
+            yield taken  # (returns at once) and lets them go
+        yield [StartClock(limit)]  # a version is arriving: it must land within the pull's timeout
+        total, piece = self.schema.total, self.piece
+        if (header.total, header.piece) != (total, piece):  # never sized from the header
+            raise OutOfStepError(
+                f"a push of {header.total} bytes in {header.piece}-byte messages does not match the handshake "
+                f"({total} bytes in {piece}-byte messages): not drained, the link is out of step")
+        problem = None
+        if header.fingerprint != self.schema.fingerprint:
+            problem = (f"a push with fingerprint {header.fingerprint.hex()} does not match the handshake "
+                       f"({self.schema.fingerprint.hex()})")
+        elif header.version <= self.version:
+            problem = f"version {header.version} is not newer than the current {self.version}"
+        if header.shared:
+            slot = yield from self._take_shared(header, slot, problem)
+        elif header.relayed:
+            yield from self.hop.receive(header, slot, index, limit, self.version)  # forwarded, published or not
+        elif problem:
+            yield from drain(lane, total, piece, inbox.tags.payload)
+        else:
+            yield from recv_into(lane, slot.pieces, [inbox.tags.payload] * len(slot.pieces))
+        if problem:
+            inbox.tell(header, REJECTED)
+            raise PushHeaderError(f"{problem}: rejected and drained; version {self.version} stays published")
+        if lane.stream is not None:
+            yield [streams.EventWork(streams.record(lane.stream))]  # verify and publish landed bytes only
+        if header.verify:
+            with torch.cuda.stream(lane.stream) if lane.stream is not None else contextlib.nullcontext():
+                got = checksum(slot.storage)
+            if got != header.checksum:
+                inbox.tell(header, REJECTED)
+                raise ChecksumError(f"version {header.version} arrived corrupted (BLAKE3 {got.hex()} != "
+                                    f"{header.checksum.hex()}): rejected; version {self.version} stays published")
+        self.slots.publish(slot, header.version)
+        self.version = header.version
+        inbox.tell(header, LANDED)
+        return header.version
+
+    def _take_shared(self, header: PushHeader, slot: Slot, problem: str | None) -> Any:
+        """A sub-protocol: take a shared push's version from the sender's snapshot (the segment the header names,
+        checked against the handshake; not when ``problem``: a rejected push) and return the slot to publish:
+        ``slot`` with the version copied into it, or (zero-copy) the snapshot itself. Raises if a write of a newer
+        version overtook the copy, or overwrote the snapshot (the stamps of :mod:`cudarecv.samehost.shared_memory`)."""
+        lane, total = self.lane, self.schema.total
+        if not 0 <= header.segment < len(self.mappings):
+            raise OutOfStepError(f"a push names shared segment {header.segment}, but the handshake mapped "
+                                 f"{len(self.mappings)}: the link is out of step")
+        if problem is not None:
+            return slot
+        mapping = self.mappings[header.segment]  # (its capacity is the schema's total: checked at the handshake)
+        if isinstance(mapping, cuda_ipc.DeviceMapping):
+            mapping.before_read(lane.stream)
+            with lane.on_stream():
+                slot.storage.copy_(mapping.data[:total], non_blocking=True)
+            return slot
+        if self.zero_copy:
+            alias = self.slots.aliases[header.segment]
+            with self.slots.cond:
+                if alias.version is not None or alias.readers:
+                    raise OutOfStepError(f"a push of version {header.version} names shared segment "
+                                         f"{header.segment}, which this zero-copy receiver still holds (version "
+                                         f"{alias.version}): the link is out of step")
+            if not mapping.written() == mapping.writing() == header.version:
+                raise TransferTimeout(f"the sender's shared snapshot does not hold version {header.version} "
+                                      f"whole (the sender stopped waiting for this receiver: it was too slow); "
+                                      f"version {self.version} stays published")
+            return alias
+        written = mapping.written()
+        if lane.stream is None:  # one thread's memcpy: actors on this machine share its cores with the trainer
+            copy_bytes(slot.storage, mapping.data[:total])
+        else:
+            with lane.on_stream():
+                slot.storage.copy_(mapping.data[:total], non_blocking=True)
+            yield [streams.EventWork(streams.record(lane.stream))]  # over before the stamp is read
+        if not written == mapping.writing() == header.version:
+            raise TransferTimeout(
+                f"version {header.version} was overwritten in the sender's shared snapshot before this receiver "
+                f"had copied it (the sender stopped waiting for this receiver: it was too slow); version "
+                f"{self.version} stays published")
+        return slot

@@ -1,0 +1,115 @@
+"""How a weight sender's push goes, by mode (picked once, at construction):
+
+- :class:`SyncPushes`: the version goes to every receiver still served, each transfer posted on the receiver's
+  own driver (one failing never keeps the others), by the fan-out chosen at the handshake; a blocking push
+  returns once every receiver has it, else the transfers are returned and the next push finishes them first.
+- :class:`LatestPushes`: the version is copied into a free snapshot and published as the latest; each receiver
+  gets it when it asks (:mod:`cudarecv.weights.serving`).
+
+Either names, in its error, a receiver dropped since the last push (found dead by its listener).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from ..core.errors import PeerError
+from ..core.transfer import Transfer
+from .fanout import dropping, protocol
+from .serving import serve
+from .session import Member, Session
+from .snapshots import SnapshotPool
+
+
+class Pushes:
+    """What both modes keep: the pushes in flight (sync, ``wait=False``) and which drops were named."""
+
+    def __init__(self, session: Session, pool: SnapshotPool) -> None:
+        self.session, self.pool = session, pool
+        self._in_flight: list[tuple[Member, Transfer]] = []
+
+    def untold(self, live: list[Member]) -> list[Member]:
+        """The receivers not in ``live`` dropped for a failure that no push's error has named yet (a receiver
+        that died between pushes, found by its listener): named from now on."""
+        with self.session.cond:
+            untold = [m for m in self.session.members if m not in live and m.failed and not m.named]
+            for member in untold:
+                member.named = True
+        return untold
+
+    def finish_in_flight(self) -> None:
+        """The push in flight must be out before the storage is reused; its failures were reported on its
+        futures (and their receivers dropped)."""
+        pending, self._in_flight = self._in_flight, []
+        for _, transfer in pending:
+            with contextlib.suppress(Exception):
+                transfer.wait()
+
+
+class SyncPushes(Pushes):
+    """Sync mode: every receiver gets every version (see the module docstring)."""
+
+    def push(self, plan: Any, live: list[Member], limit: float, wait: bool) -> int | list[Transfer]:
+        session, pool = self.session, self.pool
+        target = pool.sync_target(limit)
+        pool.copy_in(plan, target, live[0].lane.stream)
+        version, pushes = session.version, []
+        with session.cond:  # (a receiver's BYE, and its RELEASED queued after what is in flight, wait for this)
+            live = [m for m in live if m.served]  # one that said BYE meanwhile may be released already: skip it
+            for i, member in enumerate(live):
+                pushes.append((member, Transfer(
+                    protocol(session, live, i, target, limit), member.lane.stream, timeout=limit,
+                    driver=member.driver.submit, link=member.lane.link, raise_first=False,
+                    on_error=dropping(session, pool, member, version, limit),
+                    what=f"push of version {version} to rank {member.rank}")))
+            for member in self.untold(live):  # dropped since the last push (between pushes): named here
+                error = PeerError(f"push of version {version}: {member.gone}")
+                pushes.append((member, Transfer(_failing(error), raise_first=False,
+                                                what=f"push of version {version} to rank {member.rank}")))
+        if not wait:  # each is driven on its receiver's thread from the start: none waits for another
+            self._in_flight = pushes
+            return [transfer for _, transfer in pushes]
+        _finish(pushes, version)
+        return version
+
+class LatestPushes(Pushes):
+    """Latest mode: the newest version is published; each receiver takes it when it asks."""
+
+    def push(self, plan: Any, live: list[Member], limit: float, wait: bool) -> int:
+        session, pool = self.session, self.pool
+        target = pool.latest_target(limit)
+        try:
+            pool.copy_in(plan, target, live[0].lane.stream)
+        finally:
+            with session.cond:
+                target.writing = False
+        with session.cond:
+            pool.latest = target
+            for member in live:
+                serve(session, pool, member)
+        untold = self.untold(live)
+        if untold:
+            raise PeerError(f"version {session.version} is published to ranks {session.ranks()}; "
+                            + "; ".join(f"rank {m.rank}: {m.gone}" for m in untold))
+        return session.version
+
+
+def _finish(pushes: list[tuple[Member, Transfer]], version: int) -> None:
+    """Wait for every receiver's transfer (each bounded by its own timeout, all running at once); then raise the
+    first failure, naming its receiver and who got the version."""
+    errors = []
+    for _, transfer in pushes:
+        try:
+            transfer.wait()
+        except Exception as error:  # noqa: BLE001 - re-raised below, with the ranks reached
+            errors.append(error)
+    if errors:
+        reached = [m.rank for m, t in pushes if not t.failed]
+        raise type(errors[0])(f"{errors[0]} (version {version} reached ranks {reached})") from errors[0]
+
+
+def _failing(error: BaseException) -> Any:
+    """A protocol that fails at once with ``error``."""
+    yield from ()
+    raise error

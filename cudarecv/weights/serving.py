@@ -1,0 +1,123 @@
+"""A weight sender's side of its receivers' words: the listener thread of each receiver (its asks in latest
+mode, its GOT and FREED on shared memory and relays, its BYE), latest mode's replies (each receiver gets the
+newest snapshot when it asks, on its own driver), and the sender's last word to each (CLOSED or RELEASED)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+
+from ..core.errors import OutOfStepError
+from ..core.log import logger
+from ..core.transfer import SHARED_MEMORY, Transfer, run_standing
+from ..wire.control import read_bytes
+from .fanout import dropping, out_of_step, send
+from .link import naming, run, send_bytes
+from .session import Member, Session
+from .snapshots import SnapshotPool
+from .wire import ASK, ASK_SIZE, BYE, FREED, GOT, LANDED, RELEASED, PushHeader, read_ask
+
+
+def start_listening(session: Session, pool: SnapshotPool, member: Member) -> None:
+    """Start ``member``'s listener thread (gloo links: NCCL runs a pair's messages in order, no listener)."""
+    member.listener = threading.Thread(target=_listen, args=(session, pool, member), daemon=True,
+                                       name=f"cudarecv-listen-{member.rank}")
+    member.listener.start()
+
+
+def _listen(session: Session, pool: SnapshotPool, member: Member) -> None:
+    """The receiver's words, for as long as it is connected; a dead or lying receiver is dropped."""
+    lane = member.lane
+    while True:
+        try:
+            ask = read_ask(run_standing(
+                read_bytes(lane, ASK_SIZE, session.tags.ask, "receiver message", out_of_step), lane.link,
+                lane.stream, on_error=naming(lane.link, "weight sync", math.inf, "sent nothing")))
+            kind, version = ask.kind, ask.version
+            if (kind == ASK and session.mode != "latest") or (kind == GOT and session.fanout != "relay"
+                                                               and not member.shared) or (
+                    kind == FREED and not member.alias):
+                raise OutOfStepError(f"the receiver sent a message this {session.mode} {session.fanout} sender "
+                                     "never asks for: out of step")
+            if kind == FREED:
+                with session.cond:
+                    if not pool.let_go(member, version):
+                        raise OutOfStepError(f"the receiver let go of version {version}, which it does not "
+                                             "hold: out of step")
+                continue
+        except Exception as error:  # noqa: BLE001 - a dead or lying receiver is dropped
+            with session.cond:
+                if member.gone is None and not member.said_last:
+                    member.gone = f"{error}; rank {member.rank} is dropped from this sender"
+                    logger.warning("weight sender: %s", member.gone)
+                pool.retire(member)
+                session.cond.notify_all()
+            return
+        if kind == BYE:
+            with session.cond:  # (atomic with a push posting to the receivers still served)
+                member.leaving = True
+                session.cond.notify_all()
+                member.driver.submit(lambda: last_word(session, pool, member, RELEASED))  # after what is in flight
+            return
+        if kind == GOT:
+            with session.cond:
+                member.got = ask
+                if ask.status != LANDED:  # a zero-copy receiver did not publish it: it holds nothing of it
+                    pool.let_go(member, version)
+                session.cond.notify_all()
+            continue
+        with session.cond:
+            member.asked = version
+            serve(session, pool, member)
+
+
+def serve(session: Session, pool: SnapshotPool, member: Member) -> None:
+    """Latest mode, under the lock: start a reply if ``member`` asked and a newer version exists."""
+    latest = pool.latest
+    if (member.served and not member.replying and member.asked is not None and latest is not None
+            and latest.header.version > member.asked and not session.closed):
+        member.replying = True
+        member.driver.submit(lambda: _reply(session, pool, member))
+
+
+def _reply(session: Session, pool: SnapshotPool, member: Member) -> None:
+    """Latest mode, on the receiver's driver: send it the newest snapshot."""
+    with session.cond:
+        snapshot = pool.latest
+        snapshot.readers += 1
+        member.asked = None
+    version = snapshot.header.version
+    transfer = Transfer(send(session, member, snapshot, session.timeout), member.lane.stream,
+                        timeout=session.timeout, link=member.lane.link,
+                        on_error=dropping(session, pool, member, version, session.timeout, told=False),
+                        raise_first=False, what=f"version {version} to rank {member.rank}")
+    with contextlib.suppress(Exception):  # a failure drops the receiver (its hook)
+        transfer.wait()
+    with session.cond:
+        snapshot.readers -= 1
+        through_segment = member.shared and snapshot.segment is not None
+        if transfer.failed and not (through_segment and session.shared_kind == SHARED_MEMORY):
+            pool.replace(snapshot)  # its parked send may still read the buffer: never write it again
+        member.replying = False
+        serve(session, pool, member)  # it may have asked again meanwhile
+        session.cond.notify_all()
+
+
+def last_word(session: Session, pool: SnapshotPool, member: Member, kind: int) -> None:
+    """Send ``member`` the sender's last header (CLOSED or RELEASED), once."""
+    with session.cond:
+        if member.said_last or member.gone is not None:
+            return
+        member.said_last = True
+    header = PushHeader(session.version, session.schema.total, session.piece, session.schema.fingerprint, kind=kind)
+    with contextlib.suppress(Exception):  # a receiver gone meanwhile: nothing left to tell
+        run(send_bytes(member.lane, header.pack(), session.tags.header), member.lane, session.timeout,
+            "weight-sync close", "took no close message")
+    if kind == RELEASED:
+        with session.cond:
+            if member.gone is None:
+                logger.info("weight sender: rank %d closed its receiver: no longer served", member.rank)
+            member.gone = member.gone or "closed by its receiver"
+            pool.retire(member)  # its published version stays readable: where it lies, never written again
+            session.cond.notify_all()

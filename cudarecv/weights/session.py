@@ -1,0 +1,67 @@
+"""What a weight sender's mechanisms share: its :class:`Session` (schema, tags, lock, settings, version) and its
+view of each receiver (:class:`Member`)."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..core.driver import Driver
+from ..wire.staging import Lane
+from .wire import Ask, Schema, SessionTags
+
+
+class Member:
+    """The sender's view of one receiver: its lane, its driver, and why it is gone (if it is)."""
+
+    def __init__(self, lane: Lane) -> None:
+        self.lane = lane
+        self.rank = lane.link.peer
+        self.driver = Driver(f"cudarecv-push-{self.rank}")
+        self.gone: str | None = None  # why it is no longer served
+        self.leaving = False  # it said BYE: nothing new is sent to it
+        self.asked: int | None = None  # latest mode: it wants a version newer than this
+        self.replying = False
+        self.said_last = False  # CLOSED or RELEASED sent (once)
+        self.named = False  # its failure reached the caller, in a push's error
+        self.listener: threading.Thread | None = None
+        self.got: Ask | None = None  # relay, shared memory: the receiver's last word on a version (GOT)
+        self.shared = False  # it maps the sender's shared segments (same host): pushes send only headers
+        self.alias = False  # zero-copy: it publishes the versions where they lie in the segments
+        self.holding: dict[int, Any] = {}  # zero-copy: the snapshot of each version it may still read
+
+    @property
+    def served(self) -> bool:
+        return self.gone is None and not self.leaving
+
+    @property
+    def failed(self) -> bool:
+        """Dropped for a failure (not told the sender's last word): its threads may wait on its link for good."""
+        return self.gone is not None and not self.said_last
+
+
+@dataclass
+class Session:
+    """A sender's state that its mechanisms (snapshots, fan-out, serving, drops) share; guarded by ``cond``."""
+
+    schema: Schema
+    piece: int
+    tags: SessionTags
+    timeout: float
+    verify: bool
+    mode: str
+    fanout: str
+    shared_kind: str  # what the snapshots are: "shared memory", "cuda ipc" (segments receivers map) or "wire"
+    cond: threading.Condition = field(default_factory=threading.Condition)
+    members: list[Member] = field(default_factory=list)
+    version: int = 0
+    closed: bool = False
+
+    def ranks(self) -> list[int]:
+        """The ranks of the receivers still served."""
+        return [m.rank for m in self.members if m.served]
+
+    def held(self) -> list[tuple[int, int]]:
+        """Under the lock: (rank, version) of every snapshot a zero-copy receiver holds."""
+        return sorted({(m.rank, v) for m in self.members for v in m.holding})

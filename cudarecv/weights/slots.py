@@ -1,0 +1,145 @@
+"""A weight receiver's storages: two of its own (the published version, and the one the next pull lands in),
+and with zero-copy the sender's shared snapshots, published where they lie. Readers hold the published one
+(:meth:`Slots.reading`) against the next pull; a zero-copy snapshot is let go of (the sender told ``FREED``)
+once a newer version is published and no reader is left on it."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import torch
+from tensordict import TensorDict
+from torch import Tensor
+
+from ..core.errors import SchemaError, UsageError, WaitTimeout
+from ..core.host_copy import copy_bytes
+from ..plan.header import cut
+from .wire import Schema
+
+
+class Slot:
+    """One storage the receiver can publish, with its tensordict of views and readers: its own, or (``storage``
+    given, zero-copy) the sender's shared snapshot, mapped read-only."""
+
+    def __init__(self, schema: Schema, piece: int, device: torch.device, pin_memory: bool,
+                 storage: Tensor | None = None) -> None:
+        self.alias = storage is not None
+        if storage is None:
+            storage = torch.zeros(schema.total, dtype=torch.uint8, device=device, pin_memory=pin_memory)
+        self.storage = storage
+        self.version: int | None = None  # an alias: the version it holds, until the sender is told it is FREED
+        views = schema.views(self.storage)
+        self.td = TensorDict({leaf.key: v for leaf, v in zip(schema.leaves, views)}, batch_size=[]).lock_()
+        if len(self.td.keys(True, True)) != len(schema.leaves):
+            raise SchemaError("the schema's keys do not make one leaf each")
+        self.pieces = cut(self.storage, piece)
+        self.readers = 0
+
+
+class Slots:
+    """The receiver's two own slots and its zero-copy aliases (one per shared snapshot), which is published, and
+    who reads it; ``freed(version)`` tells the sender an alias's snapshot may be written again."""
+
+    def __init__(self, own: list[Slot], aliases: list[Slot], cond: Any, freed: Callable[[int], None]) -> None:
+        self.own, self.aliases, self.cond, self._freed = own, aliases, cond, freed
+        self.published: Slot | None = None
+
+    @property
+    def count(self) -> int:
+        return len(self.own) + len(self.aliases)
+
+    def td(self) -> TensorDict:
+        if self.published is None:
+            raise UsageError("no version has landed yet: call pull() first")
+        return self.published.td
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[TensorDict]:
+        """Hold the published version while reading it: no pull writes into it meanwhile."""
+        with self.cond:
+            if self.published is None:
+                raise UsageError("no version has landed yet: call pull() first")
+            slot = self.published
+            slot.readers += 1
+        try:
+            yield slot.td
+        finally:
+            with self.cond:
+                slot.readers -= 1
+                if slot.alias and slot.readers == 0 and slot is not self.published:
+                    self._free(slot)
+                self.cond.notify_all()
+
+    def spare(self) -> int:
+        """The index of the own slot the next pull lands in (not the published one)."""
+        return 1 if self.published is self.own[0] else 0
+
+    def wait_unread(self, index: int, limit: float) -> Slot:
+        """Own slot ``index`` once no reader holds it (waiting up to ``limit`` s)."""
+        slot = self.own[index]
+        with self.cond:
+            if not self.cond.wait_for(lambda: slot.readers == 0, timeout=limit):
+                raise WaitTimeout(f"a reader held the spare weights buffer for {limit:g} s")
+        return slot
+
+    def renew(self, index: int, schema: Schema, piece: int, device: torch.device) -> None:
+        """Own slot ``index`` may be read by a parked send for good: never write it again."""
+        self.own[index] = Slot(schema, piece, device, self.own[index].storage.is_pinned())
+
+    def publish(self, slot: Slot, version: int) -> None:
+        """Make ``slot`` the published version; a zero-copy snapshot published before is let go of (the sender
+        may write it again) unless a reader still holds it (then once the last one leaves)."""
+        with self.cond:
+            previous, self.published = self.published, slot
+            slot.version = version
+            if previous is not None and previous is not slot and previous.alias and previous.readers == 0:
+                self._free(previous)
+            self.cond.notify_all()
+
+    def _free(self, alias: Slot) -> None:
+        """Under the lock: tell the sender that this receiver no longer reads ``alias`` (its snapshot)."""
+        version, alias.version = alias.version, None
+        if version is not None:
+            self._freed(version)
+
+    def keep_own_copy(self, busy: bool) -> None:
+        """Zero-copy, on close: copy the published version out of the sender's snapshot into an own slot and let
+        go of the snapshot (unless a reader holds it, or a pull is ``busy``: the sender then never writes it
+        again)."""
+        with self.cond:
+            alias = self.published
+            if alias is None or not alias.alias or alias.readers or busy:
+                return
+            own = self.own[0]
+            if own.readers:
+                return
+            copy_bytes(own.storage, alias.storage)
+        self.publish(own, alias.version)
+
+
+def load_into(td: TensorDict, module: torch.nn.Module, strict: bool) -> None:
+    """Copy ``td``'s leaves into ``module``'s parameters and buffers of the same names, in place; every name
+    is matched and checked before anything is written (``strict=False``: names missing on either side are
+    skipped)."""
+    named = list(module.named_parameters()) + list(module.named_buffers())
+    pairs, missing = [], []
+    for name, tensor in named:
+        source = td.get(tuple(name.split(".")), None)
+        if source is None:
+            missing.append(name)
+            continue
+        if source.shape != tensor.shape or source.dtype != tensor.dtype:
+            raise SchemaError(f"{name!r}: received {source.dtype} {list(source.shape)}, "
+                              f"module has {tensor.dtype} {list(tensor.shape)}")
+        pairs.append((tensor, source))
+    extra = len(td.keys(True, True)) - len(pairs)
+    if strict and (missing or extra):
+        raise SchemaError(f"load_into: module names not received: {missing}; "
+                          f"{extra} received leaves not in the module (pass strict=False to skip)")
+    with torch.no_grad():
+        for tensor, source in pairs:
+            tensor.copy_(source, non_blocking=True)
+    if any(s.device.type == "cpu" and t.device.type == "cuda" for t, s in pairs):
+        # a copy out of host memory may still be queued: finish it before the next pull may write into it
+        torch.cuda.current_stream(next(t for t, _ in pairs if t.device.type == "cuda").device).synchronize()

@@ -1,0 +1,187 @@
+"""A weight sender's snapshots: the storages a version is copied into before it goes out, shared segments
+(host memory or CUDA IPC) where receivers on this machine map them, and which one a push may write.
+
+Sync mode keeps one snapshot, rewritten by every push (three in host shared memory, which a zero-copy
+receiver publishes where they lie: each push takes one that no such receiver holds); latest mode keeps
+``buffers`` of them (the latest version, those being sent, and free ones). A snapshot a dropped receiver's
+send (or copy) may still read is never written again: it is replaced by one of the sender's own (:attr:`torn`),
+and the snapshots a zero-copy receiver that left may still read are *retired*, never written again (two
+writable ones are kept: new ones are the sender's own, sent on the wire).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import torch
+
+from ..core import streams
+from ..core.errors import UsageError, WaitTimeout
+from ..core.host_copy import copy_bytes
+from ..core.transfer import CUDA_IPC, SHARED_MEMORY
+from ..plan.header import cut
+from ..samehost import cuda_ipc
+from ..samehost.shared_memory import Segment, offer
+from .session import Member, Session
+from .wire import PushHeader, Schema, checksum
+
+#: sync mode's snapshots in host shared memory: the version zero-copy receivers publish, the one a reader
+#: may still hold, and the next one
+SYNC_SHARED = 3
+
+
+class Snapshot:
+    """One sender-side storage of the weights, with the version it holds and its readers; in a shared segment
+    (index ``segment`` of the handshake's offer) when receivers may map it."""
+
+    def __init__(self, schema: Schema, piece: int, device: torch.device, shared: tuple[int, Any] | None = None) -> None:
+        self.segment, self.shared = (shared[0], shared[1]) if shared is not None else (None, None)
+        self.storage = shared[1].data if shared is not None else torch.zeros(schema.total, dtype=torch.uint8,
+                                                                              device=device)
+        self.views = schema.views(self.storage)
+        self.chunks = cut(self.storage, piece)
+        self.header: PushHeader | None = None
+        self.readers = 0  # replies in flight that send from it
+        self.writing = False
+        self.holders = 0  # zero-copy receivers that may read it where it lies (sent to them, not yet FREED)
+        self.retired = False  # a zero-copy receiver that held it is gone: it may read it still, never write it again
+
+
+class SnapshotPool:
+    """The snapshots of one sender (see the module docstring); waits and changes under the session's lock."""
+
+    def __init__(self, session: Session, device: torch.device, count: int) -> None:
+        self.session, self.device = session, device
+        kind = session.shared_kind
+        if kind == CUDA_IPC:
+            self.segments: list[Any] = [cuda_ipc.DeviceSegment(session.schema.total, device) for _ in range(count)]
+            #: what receivers on this machine need to map the snapshots (sent in the handshake)
+            self.offer = cuda_ipc.offer(self.segments)
+        elif kind == SHARED_MEMORY:
+            self.segments = [Segment(session.schema.total) for _ in range(count)]
+            self.offer = offer(self.segments)
+        else:
+            self.segments, self.offer = [], b""
+        self.snapshots = [Snapshot(session.schema, session.piece, device, (i, s) if self.segments else None)
+                          for i, s in enumerate(self.segments or [None] * count)]
+        self.latest: Snapshot | None = None
+        self.torn = False  # sync: a dropped receiver's send may still read the storage: use a new one
+
+    def close_fds(self) -> None:
+        """Every receiver that could map the segments has (or none will): nothing names them now."""
+        for segment in self.segments:
+            segment.close_fd()
+
+    def own(self) -> Snapshot:
+        """A storage of the sender's own (a replacement: receivers get what it holds on the wire)."""
+        return Snapshot(self.session.schema, self.session.piece, self.device)
+
+    def clear(self) -> None:
+        self.snapshots, self.latest, self.segments = [], None, []
+
+    # -- which snapshot a push writes -------------------------------------------------------------------
+    def _wait(self, ready: Callable[[], bool], limit: float) -> bool:
+        """Under the lock: wait up to ``limit`` s for ``ready()``; raises :class:`UsageError` if the sender is
+        closed meanwhile (by another thread)."""
+        ready = self.session.cond.wait_for(lambda: self.session.closed or ready(), timeout=limit)
+        if self.session.closed:
+            raise UsageError("this WeightSender was closed while a push waited for a free snapshot")
+        return ready
+
+    def sync_target(self, limit: float) -> Snapshot:
+        """Sync mode: the snapshot the next version goes in, the first that no zero-copy receiver holds (waiting
+        up to ``limit`` s for one to let go of one)."""
+        if self.torn:  # the old storages stay with the parked sends of the dropped receiver
+            self.snapshots, self.torn = [self.own()], False
+        with self.session.cond:
+            self._replenish()
+            if not self._wait(lambda: self._unheld() is not None, limit):
+                raise WaitTimeout(f"zero-copy receivers held every shared snapshot for {limit:g} s "
+                                  f"((rank, version): {self.session.held()}; a reading() kept across pushes?)")
+            return self._unheld()
+
+    def latest_target(self, limit: float) -> Snapshot:
+        """Latest mode: a snapshot that is neither the latest nor being sent, written or held (waiting up to
+        ``limit`` s), marked as being written."""
+        with self.session.cond:
+            if not self._wait(lambda: self._free() is not None, limit):
+                raise WaitTimeout(f"no snapshot buffer of {len(self.snapshots)} was free for {limit:g} s: "
+                                  f"{self._busy()}")
+            target = self._free()
+            target.writing = True
+            return target
+
+    def _unheld(self) -> Snapshot | None:
+        return next((s for s in self.snapshots if s.holders == 0 and not s.retired), None)
+
+    def _free(self) -> Snapshot | None:
+        self._replenish()
+        return next((s for s in self.snapshots if s is not self.latest and s.readers == 0 and not s.writing
+                     and s.holders == 0 and not s.retired), None)
+
+    def _busy(self) -> str:
+        """Under the lock: why no snapshot buffer is free (latest mode)."""
+        sent, held = sum(s.readers > 0 for s in self.snapshots), self.session.held()
+        return (f"{sent} being sent, 1 the latest version" + (
+            f", held by zero-copy receivers ((rank, version): {held}; a reading() kept across pushes?)"
+            if held else "") + "; pass a larger `buffers`")
+
+    def _replenish(self) -> None:
+        """Under the lock: keep two snapshots that can be written once zero-copy receivers that left hold others
+        forever (new ones are the sender's own, sent on the wire)."""
+        while any(s.retired for s in self.snapshots) and sum(not s.retired for s in self.snapshots) < 2:
+            self.snapshots.append(self.own())
+
+    def replace(self, snapshot: Snapshot) -> None:
+        """Under the lock: a failed reply's parked send may still read ``snapshot``: never write it again."""
+        self.snapshots[self.snapshots.index(snapshot)] = fresh = self.own()
+        if self.latest is snapshot:
+            fresh.storage.copy_(snapshot.storage)
+            fresh.header = snapshot.header
+            self.latest = fresh
+
+    # -- zero-copy holders ------------------------------------------------------------------------------
+    def retire(self, member: Member) -> None:
+        """``member`` is gone: the snapshots it may still read where they lie are never written again."""
+        with self.session.cond:
+            for snapshot in member.holding.values():
+                snapshot.retired = True
+            member.holding.clear()
+            self.session.cond.notify_all()
+
+    def let_go(self, member: Member, version: int) -> bool:
+        """Under the lock: ``member`` no longer reads the snapshot of ``version``; False if it held none."""
+        snapshot = member.holding.pop(version, None)
+        if snapshot is None:
+            return False
+        snapshot.holders -= 1
+        self.session.cond.notify_all()
+        return True
+
+    # -- writing a version ------------------------------------------------------------------------------
+    def copy_in(self, plan: Any, target: Snapshot, stream: Any) -> None:
+        """Copy the weights (``plan``'s leaves) into ``target`` as the next version (on ``stream`` for GPU
+        weights), with its header; the session's version moves on."""
+        session = self.session
+        if stream is not None:
+            streams.follow_caller(stream)
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext(), torch.no_grad():
+            host = isinstance(target.shared, Segment)
+            if host:  # a receiver dropped while it copies sees that its version was overwritten
+                target.shared.begin_write(session.version + 1)
+            if host and plan.device.type == "cpu":  # (one thread: the receivers' copies share the cores)
+                for view, leaf in zip(target.views, plan.detached):
+                    copy_bytes(view, leaf)
+            else:
+                torch._foreach_copy_(target.views, plan.detached, non_blocking=True)  # never an autograd node
+            digest = checksum(target.storage) if session.verify else bytes(16)
+            if host:
+                target.shared.end_write(session.version + 1)
+            elif target.shared is not None:
+                target.shared.written.record(stream)  # receivers' copies wait for it (CUDA IPC)
+        if stream is not None:  # the caller's next writes (an optimizer step) wait for the copy
+            torch.cuda.current_stream(stream.device).wait_stream(stream)
+        session.version += 1
+        target.header = PushHeader(session.version, session.schema.total, session.piece,
+                                   session.schema.fingerprint, digest, session.verify)
