@@ -433,7 +433,7 @@ def test_real_pytest_benchmark_json(tmp_path: Path):
         "    benchmark(lambda: None)\n"
     )
     out = tmp_path / "real.json"
-    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}  # (an xdist worker's too)
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:cudarecv",
          "--rootdir", str(tmp_path), "--benchmark-json", str(out), "--benchmark-min-rounds=1",
@@ -476,7 +476,7 @@ def test_virtual_clock_makes_pytest_benchmark_stats_the_measured_times(tmp_path:
         "        tb.replay(benchmark, CLOCK, [])\n"
     )
     out = tmp_path / "replay.json"
-    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}  # (an xdist worker's too)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:cudarecv", "-W",

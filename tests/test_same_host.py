@@ -264,8 +264,7 @@ def forged_ready(rank, world, group, lie, key):
         raw_send(pg, 1, Header(1, 1, 4000, 1024, schema, transport=1, segment=0, seq=99).pack(),
                  tags.header_tag(0))
         offset, length = (1 << 40, 1024) if lie == "offset" else (0, 1 << 20)
-        ready = records.ready(99, length) if offset == 0 else records._sealed(
-            records._READY.pack(b"CDRP", 0, 99, offset, length), records.READY_SIZE)
+        ready = records.READY.pack(0, 99, offset, length)
         raw_send(pg, 1, ready, tags.piece_tag(0))
         return None
     for _ in range(2):

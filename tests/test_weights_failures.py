@@ -228,7 +228,7 @@ def bad_handshakes(rank, world, group, cases):
             raw = BAD_SCHEMAS[case]()
             raw_send(group, 1, wire.preamble(len(raw), 64, "sync"), tags.TAG_PREAMBLE)
             raw_send(group, 1, raw, tags.TAG_SCHEMA)
-            answers.append(wire.read_status(raw_recv(group, 1, 4096, tags.TAG_STATUS)))
+            answers.append(wire.read_status(raw_recv(group, 1, wire.STATUS_SIZE, tags.TAG_STATUS)))
         return answers
     errors = []
     for _ in cases:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import hashlib
 import struct
-import zlib
 from dataclasses import dataclass, replace
 from enum import IntEnum
 from typing import Iterable, Sequence
@@ -36,6 +35,7 @@ from typing import Iterable, Sequence
 import torch
 
 from ..core.errors import ArgumentError, OutOfStepError
+from ..core.records import Record
 from .walk import Path
 
 
@@ -54,9 +54,10 @@ VERSION = 3  # 3: the init_tag is in the record
 KIND_BUCKETS = 1
 KIND_CHUNKS = 2
 KIND_NAMES = {KIND_BUCKETS: "buckets (non-consolidated)", KIND_CHUNKS: "chunks (consolidated)"}
-_BODY = struct.Struct("<4sHHIIQQ16sQI")
-_CRC = struct.Struct("<I")
-SIZE = 64
+RECORD = Record("header", MAGIC, "HHIIQQ16sQI", size=64,
+                hint="the sender does not use the fast wire; pass the same bucket_bytes on both sides "
+                     "(not drained, the link is out of step)")
+SIZE = RECORD.size
 MAX_MESSAGES = 1 << 16  # payload messages per transfer: a bound both ends enforce
 #: senders' storages a fast-wire link keeps mapped at once (the storage route); a receiver keeps the memory of each
 #: mapped, even once the sender has let go of it, until another storage takes its slot
@@ -100,23 +101,15 @@ class Header:
 
     def pack(self) -> bytes:
         route = self.transport | self.segment << 8 | int(self.offer) << 16
-        body = _BODY.pack(MAGIC, VERSION, self.kind, self.leaves, route, self.total, self.piece, self.schema,
-                          self.seq, self.init_tag)
-        return body + _CRC.pack(zlib.crc32(body))
+        return RECORD.pack(VERSION, self.kind, self.leaves, route, self.total, self.piece, self.schema, self.seq,
+                           self.init_tag)
 
     @classmethod
     def unpack(cls, raw: bytes) -> "Header":
         """Parse and check a received record; raises :class:`OutOfStepError` if it is not one,
         or if its lengths are impossible (more than :data:`MAX_MESSAGES` messages)."""
-        body, (crc,) = raw[: _BODY.size], _CRC.unpack_from(raw, _BODY.size)
-        magic, version, kind, leaves, route, total, piece, schema, seq, init_tag = _BODY.unpack(body)
+        version, kind, leaves, route, total, piece, schema, seq, init_tag = RECORD.unpack(raw)
         out_of_step = "not drained, the link is out of step"
-        if magic != MAGIC or zlib.crc32(body) != crc:
-            raise OutOfStepError(
-                "the first message is not a cudarecv header (bad magic or checksum): the "
-                "sender does not use the fast wire; pass the same bucket_bytes on both sides "
-                f"({out_of_step})"
-            )
         if version != VERSION or kind not in KIND_NAMES:
             raise OutOfStepError(f"unsupported cudarecv header (version {version}, kind {kind}; {out_of_step})")
         if piece <= 0 or messages(total, piece) > MAX_MESSAGES:

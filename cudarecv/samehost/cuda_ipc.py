@@ -21,7 +21,6 @@ Needs cupy (the ``gpu`` extra) and a GPU; :func:`available` says why not.
 from __future__ import annotations
 
 import functools
-import struct
 import weakref
 from typing import Any
 
@@ -29,10 +28,9 @@ import torch
 from torch import Tensor
 
 from ..core.log import logger
-from .shared_memory import MappingError, offer_kind, open_offer, seal_offer
-from .shared_memory import offer_size as shared_offer_size
+from .shared_memory import MappingError, offer_kind, offer_table, open_offer, seal_offer
 
-_EACH = struct.Struct("<64s64sQI")  # memory handle, event handle, bytes, the writer's device ordinal
+OFFER = offer_table("CUDA IPC offer", "64s64sQI")  # memory handle, event handle, bytes, the writer's device ordinal
 KIND = 2
 
 
@@ -143,11 +141,7 @@ class DeviceMapping:
 
 def offer(segments: list[DeviceSegment]) -> bytes:
     """What a reader needs to open ``segments``."""
-    return seal_offer(KIND, [_EACH.pack(s.handle, s.event_handle, s.capacity, s.device.index) for s in segments])
-
-
-def offer_size(count: int) -> int:
-    return shared_offer_size(count, _EACH)
+    return seal_offer(OFFER, KIND, [(s.handle, s.event_handle, s.capacity, s.device.index) for s in segments])
 
 
 def is_device_offer(raw: bytes) -> bool:
@@ -157,5 +151,5 @@ def is_device_offer(raw: bytes) -> bool:
 def map_offer(raw: bytes, most_bytes: int, device: torch.device) -> list[DeviceMapping]:
     """Open every segment of a device offer on ``device``; raises :class:`MappingError` with the reason
     this process cannot (another machine, no CUDA or cupy, a bad handle, ...)."""
-    _, entries = open_offer(raw, KIND, _EACH, 2, available(device), most_bytes)
+    _, entries = open_offer(raw, OFFER, KIND, 2, available(device), most_bytes)
     return [DeviceMapping(handle, event_handle, capacity, device) for handle, event_handle, capacity, _ in entries]

@@ -40,8 +40,7 @@ from .policy import DEVICE, ENV, HOST, STOP_WAIT, Carried, chose
 from .records import READY_SIZE, Status, Word, back, read_ready
 from .routes import Copy
 from .sender import BACK
-from .shared_memory import STORAGE, STORAGE_OFFER_SIZE, MappingError, StorageMapping, map_offer, offer_kind
-from .shared_memory import offer_size as host_offer_size
+from .shared_memory import HOST_OFFER, STORAGE, STORAGE_OFFER_SIZE, MappingError, StorageMapping, map_offer, offer_kind
 
 MAX_SEGMENT_BYTES = 1 << 48
 #: seconds a receiver sleeps on a progress word that stopped moving (a futex: no CPU) before it waits for the
@@ -145,9 +144,9 @@ class RecvSide:
         else:
             try:
                 if kind == DEVICE:
-                    mappings = cuda_ipc.map_offer(raw[:cuda_ipc.offer_size(2)], MAX_SEGMENT_BYTES, lane.device)
+                    mappings = cuda_ipc.map_offer(raw[:cuda_ipc.OFFER.size_of(2)], MAX_SEGMENT_BYTES, lane.device)
                 else:
-                    mappings = map_offer(raw[:host_offer_size(2)], MAX_SEGMENT_BYTES)
+                    mappings = map_offer(raw[:HOST_OFFER.size_of(2)], MAX_SEGMENT_BYTES)
             except MappingError as error:
                 reason, lasting = str(error), error.lasting
             except Exception as error:  # noqa: BLE001 - whatever stops the mapping (a CUDA error too): not now

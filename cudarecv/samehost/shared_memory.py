@@ -48,12 +48,13 @@ import mmap
 import os
 import struct
 import weakref
-import zlib
 
 import torch
 from torch import Tensor
 
+from ..core.errors import Error
 from ..core.host_copy import NATIVE, observe, publish
+from ..core.records import Table
 from .machine import machine_key
 
 NONCE = 16
@@ -184,9 +185,10 @@ class Segment:
             self.fd = None
 
 
-class MappingError(OSError):
+class MappingError(Error, OSError):
     """The reader could not open or check a segment it was offered: for good (``lasting``: another machine or
-    user, a lying offer), or for now (descriptors, memory: a later offer may be taken)."""
+    user, a lying offer), or for now (descriptors, memory: a later offer may be taken). The link is fine: the
+    payload comes on the wire."""
 
     def __init__(self, text: str, lasting: bool = True) -> None:
         super().__init__(text)
@@ -259,46 +261,46 @@ class Mapping:
         return _STAMP.unpack_from(self._map, WRITING)[0]
 
 
-_HEAD = struct.Struct("<4sHH32sII")  # magic, version, kind, machine key, pid, count; then the segments; a crc32
-_EACH = struct.Struct("<iQ16s")  # host segments: fd, payload bytes, nonce
 HOST = 1  # the kind of an offer of host segments (CUDA IPC offers are kind 2: :mod:`cudarecv.samehost.cuda_ipc`)
 MAX_SEGMENTS = 1024
 
 
-def offer_size(count: int, each: struct.Struct = _EACH) -> int:
-    """The bytes of an offer of ``count`` segments described by ``each``."""
-    return _HEAD.size + count * each.size + 4
+def offer_table(name: str, each: str) -> Table:
+    """The record of an offer of segments each described by struct ``each``: a version, the offer's kind, this
+    process's machine key and pid, the entries (:class:`~cudarecv.core.records.Table`); a malformed one raises
+    :class:`MappingError` (the payload comes on the wire)."""
+    return Table(name, b"CDRO", "HH32sI", each=each, most=MAX_SEGMENTS, error=MappingError,
+                 hint="the payload comes on the wire")
 
 
-def seal_offer(kind: int, entries: list[bytes]) -> bytes:
-    """An offer of ``kind``: this process's machine key and pid, then one packed entry per segment."""
-    body = _HEAD.pack(b"CDRO", 1, kind, machine_key(), os.getpid(), len(entries)) + b"".join(entries)
-    return body + struct.pack("<I", zlib.crc32(body))
+HOST_OFFER = offer_table("host-memory offer", "iQ16s")  # each host segment: fd, payload bytes, nonce
+
+
+def seal_offer(table: Table, kind: int, entries: list[tuple]) -> bytes:
+    """An offer of ``kind`` (``table``'s): this process's machine key and pid, then one entry per segment."""
+    return table.pack(1, kind, machine_key(), os.getpid(), entries=entries)
 
 
 def offer_kind(raw: bytes) -> int | None:
-    return _HEAD.unpack_from(raw)[2] if len(raw) >= _HEAD.size else None
+    """The kind an offer says it is (unchecked: its parser checks it), or None if ``raw`` is too short to say."""
+    head = HOST_OFFER.peek(raw)
+    return None if head is None else head[1]
 
 
-def open_offer(raw: bytes, kind: int, each: struct.Struct, capacity_at: int, problem: str | None,
+def open_offer(raw: bytes, table: Table, kind: int, capacity_at: int, problem: str | None,
                most_bytes: int) -> tuple[int, list[tuple]]:
-    """Check an offer (form, checksum, kind, this process's ``problem`` with such segments, the machine, each
-    segment's bytes, field ``capacity_at`` of its entry, within ``most_bytes``); return the peer's pid and the
-    entries.
-    Raises :class:`MappingError` with the reason this process cannot map them."""
-    if len(raw) < _HEAD.size + 4:
-        raise MappingError("the offer is too short")
-    magic, version, got, key, pid, count = _HEAD.unpack_from(raw)
-    size = offer_size(count, each) if count <= MAX_SEGMENTS else -1
-    if magic != b"CDRO" or size != len(raw) or struct.unpack_from("<I", raw, size - 4)[0] != zlib.crc32(raw[:size - 4]):
-        raise MappingError("the offer is malformed (bad magic, length or checksum)")
+    """Check an offer (``table``'s form, checksum, ``kind``, this process's ``problem`` with such segments, the
+    machine, field ``capacity_at`` of each entry: the segment's bytes, within ``most_bytes``); return the peer's pid
+    and the entries. Raises :class:`MappingError` with the reason this process cannot map them."""
+    (version, got, key, pid), entries = table.unpack(raw)
     if version != 1 or got != kind:
         raise MappingError(f"unknown offer (version {version}, kind {got})")
+    if not entries:  # (a reader would take it, then have no segment for the first payload)
+        raise MappingError("the offer names no segments")
     if problem:
         raise MappingError(problem)
     if key != machine_key():
         raise MappingError("the peer is on another machine, boot, network namespace or user")
-    entries = [each.unpack_from(raw, _HEAD.size + i * each.size) for i in range(count)]
     for entry in entries:
         capacity = entry[capacity_at]
         if not 0 < capacity <= most_bytes:
@@ -310,19 +312,19 @@ def open_offer(raw: bytes, kind: int, each: struct.Struct, capacity_at: int, pro
 def offer(segments: list[Segment]) -> bytes:
     """What a reader needs to map ``segments`` (no secret: only a process that may inspect this one
     can open them, and it must read the right nonce in each)."""
-    return seal_offer(HOST, [_EACH.pack(s.fd, s.capacity, s.nonce) for s in segments])
+    return seal_offer(HOST_OFFER, HOST, [(s.fd, s.capacity, s.nonce) for s in segments])
 
 
 def map_offer(raw: bytes, most_bytes: int) -> list[Mapping]:
     """Map every segment of an offer read-only; raises :class:`MappingError` with the reason this
     process cannot (another machine or user, a segment larger than ``most_bytes``, ...)."""
-    pid, entries = open_offer(raw, HOST, _EACH, 1, available(), most_bytes)
+    pid, entries = open_offer(raw, HOST_OFFER, HOST, 1, available(), most_bytes)
     return [Mapping(pid, fd, capacity, nonce) for fd, capacity, nonce in entries]
 
 
-_STORAGE_ENTRY = struct.Struct("<iQQQQ")  # fd, the file's device and inode, its bytes, the payload's offset in it
+STORAGE_OFFER = offer_table("storage offer", "iQQQQ")  # fd, the file's device and inode, its bytes, the payload's offset
 STORAGE = 3  # the kind of an offer of a tensor storage in torch's shared memory
-STORAGE_OFFER_SIZE = offer_size(1, _STORAGE_ENTRY)
+STORAGE_OFFER_SIZE = STORAGE_OFFER.size_of(1)
 
 
 def shared_storage(tensor: Tensor) -> tuple[int, int, int, int, int] | None:
@@ -343,14 +345,14 @@ def shared_storage(tensor: Tensor) -> tuple[int, int, int, int, int] | None:
 
 def storage_offer(where: tuple[int, int, int, int, int]) -> bytes:
     """What a reader needs to map a storage :func:`shared_storage` found."""
-    return seal_offer(STORAGE, [_STORAGE_ENTRY.pack(*where)])
+    return seal_offer(STORAGE_OFFER, STORAGE, [where])
 
 
 class StorageMapping:
     """The reader's read-only view of another process's shared storage, from its offset on."""
 
     def __init__(self, raw: bytes, most_bytes: int) -> None:
-        pid, entries = open_offer(raw, STORAGE, _STORAGE_ENTRY, 3, available(), most_bytes)
+        pid, entries = open_offer(raw, STORAGE_OFFER, STORAGE, 3, available(), most_bytes)
         if len(entries) != 1:
             raise MappingError(f"a storage offer names {len(entries)} storages, not one")
         fd, dev, ino, size, offset = entries[0]

@@ -24,7 +24,7 @@ from ..plan.header import check_pieces
 from ..plan.walk import unwrap, walk
 from ..samehost import cuda_ipc
 from ..samehost.machine import host_id
-from ..samehost.shared_memory import MAX_SEGMENTS, MappingError, map_offer, offer_size
+from ..samehost.shared_memory import HOST_OFFER, MAX_SEGMENTS, MappingError, map_offer
 from ..wire.control import read_bytes, wire_bytes
 from ..wire.staging import Lane, lane_for, send_from
 from .link import naming, run, send_bytes
@@ -141,7 +141,7 @@ def answer(lane: Lane, timeout: float, expect: Any, allocate: Any, failure: Base
         raise
     raw = run(read_bytes(lane, length, TAG_SCHEMA, "weight schema", SchemaError), lane, left(), what)
     shared = b""
-    if 0 < offer.shared <= max(offer_size(MAX_SEGMENTS), cuda_ipc.offer_size(MAX_SEGMENTS)):
+    if 0 < offer.shared <= max(HOST_OFFER.size_of(MAX_SEGMENTS), cuda_ipc.OFFER.size_of(MAX_SEGMENTS)):
         shared = run(read_bytes(lane, offer.shared, TAG_SCHEMA, "same-host offer", SchemaError), lane, left(), what)
     elif offer.shared:
         answer(REFUSED if failure is None else FAILED, f"a same-host offer of {offer.shared} bytes is out of range")

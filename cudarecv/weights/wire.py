@@ -30,7 +30,6 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-import zlib
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -38,6 +37,7 @@ import torch
 from torch import Tensor
 
 from ..core.errors import OutOfStepError, SchemaError
+from ..core.records import Record
 from ..core.tags import SESSIONS, session_tags
 
 ALIGN = 16
@@ -223,11 +223,12 @@ class Schema:
 
 
 # -- per-push header ---------------------------------------------------------------
-_HEADER = struct.Struct("<4sHHIQQQ16s16siii")
-HEADER_SIZE = 96
-MAGIC = b"CDRS"
+FORMAT = 3
 FLAG_VERIFY, FLAG_RELAY, FLAG_SHARED = 1, 2, 4
 PUSH, CLOSED, RELEASED = 0, 1, 2  # header kinds: a version follows; the sender closed; the answer to BYE
+_OUT_OF_STEP = "not drained, the link is out of step"
+HEADER = Record("weight-push header", b"CDRS", "HHIQQQ16s16siii", size=96, hint=_OUT_OF_STEP)
+HEADER_SIZE = HEADER.size
 
 
 @dataclass(frozen=True)
@@ -251,25 +252,23 @@ class PushHeader:
     def pack(self) -> bytes:
         flags = ((FLAG_VERIFY if self.verify else 0) | (FLAG_RELAY if self.relayed else 0)
                  | (FLAG_SHARED if self.shared else 0))
-        body = _HEADER.pack(MAGIC, 3, flags, self.kind, self.version, self.total,
-                            self.piece, self.fingerprint, self.checksum, self.up, self.down, self.segment)
-        return body + struct.pack("<I", zlib.crc32(body)) + bytes(HEADER_SIZE - _HEADER.size - 4)
+        return HEADER.pack(FORMAT, flags, self.kind, self.version, self.total, self.piece, self.fingerprint,
+                           self.checksum, self.up, self.down, self.segment)
 
     @classmethod
     def unpack(cls, raw: bytes) -> "PushHeader":
-        body = raw[: _HEADER.size]
-        (crc,) = struct.unpack_from("<I", raw, _HEADER.size)
-        magic, fmt, flags, kind, version, total, piece, fingerprint, checksum, up, down, segment = _HEADER.unpack(body)
-        if magic != MAGIC or fmt != 3 or zlib.crc32(body) != crc or piece <= 0 or kind not in (PUSH, CLOSED, RELEASED):
-            raise OutOfStepError("the message is not a cudarecv weight-push header (bad magic or checksum): "
-                                  "not drained, the link is out of step")
+        """The header in ``raw``; :class:`OutOfStepError` if it is none or its fields are not a header's."""
+        fmt, flags, kind, version, total, piece, fingerprint, checksum, up, down, segment = HEADER.unpack(raw)
+        if fmt != FORMAT or piece <= 0 or kind not in (PUSH, CLOSED, RELEASED) or flags >= 8:
+            raise OutOfStepError(f"a weight-push header of format {fmt}, kind {kind}, flags {flags}, {piece}-byte "
+                                 f"messages is not this cudarecv version's: {_OUT_OF_STEP}")
         return cls(version, total, piece, fingerprint, checksum, bool(flags & FLAG_VERIFY), kind,
                    bool(flags & FLAG_RELAY), up, down, bool(flags & FLAG_SHARED), segment)
 
 
 # -- the receiver's messages -----------------------------------------------------------
-_ASK = struct.Struct("<4sIQii")
-ASK_SIZE = 32
+ASK_RECORD = Record("receiver message", b"CDRA", "IQii", size=32)
+ASK_SIZE = ASK_RECORD.size
 ASK, BYE, GOT, FREED = 0, 1, 2, 3  # latest mode's ask; the receiver closes; relay fan-out and shared
 # memory: what became of a version; zero-copy: the receiver no longer reads the snapshot of a version
 LANDED, REJECTED, LOST = 0, 1, 2  # a GOT's status: published; rejected (drained, still in step); lost upstream
@@ -289,38 +288,34 @@ def ask_message(kind: int, version: int = 0, status: int = LANDED, rank: int = -
     """``ASK`` for a version newer than ``version`` (latest mode), ``BYE`` (the receiver closes),
     ``GOT`` (relay fan-out, shared memory: ``version`` landed, was rejected, or was lost because ``rank``
     upstream failed) or ``FREED`` (a zero-copy receiver let go of the shared snapshot of ``version``)."""
-    body = _ASK.pack(b"CDRA", kind, version, status, rank)
-    return body + struct.pack("<I", zlib.crc32(body)) + bytes(ASK_SIZE - _ASK.size - 4)
+    return ASK_RECORD.pack(kind, version, status, rank)
 
 
 def read_ask(raw: bytes) -> Ask:
     """The :class:`Ask` of a receiver's message; raises :class:`OutOfStepError` if it is none."""
-    magic, kind, version, status, rank = _ASK.unpack_from(raw)
-    (crc,) = struct.unpack_from("<I", raw, _ASK.size)
-    if (magic != b"CDRA" or kind not in (ASK, BYE, GOT, FREED) or status not in (LANDED, REJECTED, LOST)
-            or zlib.crc32(raw[: _ASK.size]) != crc):
-        raise OutOfStepError("a message from the receiver is no cudarecv ask: the link is out of step")
+    kind, version, status, rank = ASK_RECORD.unpack(raw)
+    if kind not in (ASK, BYE, GOT, FREED) or status not in (LANDED, REJECTED, LOST):
+        raise OutOfStepError(f"a receiver message of kind {kind}, status {status} is no cudarecv ask: "
+                             "the link is out of step")
     return Ask(kind, version, status, rank)
 
 
 # -- relay fan-out: what follows a push's chunks on each hop ---------------------------
-_TRAILER = struct.Struct("<4sIQi")
-TRAILER_SIZE = 32
+TRAILER = Record("relay trailer", b"CDRT", "IQi", size=32)
+TRAILER_SIZE = TRAILER.size
 INTACT, BROKEN = 0, 1  # the chunks before it are the version's; they are not (``rank`` upstream failed)
 
 
 def trailer_message(version: int, status: int = INTACT, rank: int = -1) -> bytes:
     """The last message of a push on a relay hop: whether the chunks before it are intact."""
-    body = _TRAILER.pack(b"CDRT", status, version, rank)
-    return body + struct.pack("<I", zlib.crc32(body)) + bytes(TRAILER_SIZE - _TRAILER.size - 4)
+    return TRAILER.pack(status, version, rank)
 
 
 def read_trailer(raw: bytes) -> tuple[int, int, int]:
     """``(status, version, rank)`` of a relay trailer; raises :class:`OutOfStepError` if it is none."""
-    magic, status, version, rank = _TRAILER.unpack_from(raw)
-    (crc,) = struct.unpack_from("<I", raw, _TRAILER.size)
-    if magic != b"CDRT" or status not in (INTACT, BROKEN) or zlib.crc32(raw[: _TRAILER.size]) != crc:
-        raise OutOfStepError("the message after a relayed push is no cudarecv trailer: the link is out of step")
+    status, version, rank = TRAILER.unpack(raw)
+    if status not in (INTACT, BROKEN):
+        raise OutOfStepError(f"a relay trailer of status {status} is no cudarecv trailer: the link is out of step")
     return status, version, rank
 
 
@@ -342,12 +337,18 @@ def status_message(status: int, text: str = "") -> bytes:
 
 
 def read_status(raw: bytes) -> tuple[int, str]:
-    """``(status, text)``: the reason of a refusal or failure; for ``ACCEPTED``, the receiver's :func:`host_id`."""
+    """``(status, text)``: the reason of a refusal or failure; for ``ACCEPTED``, the receiver's :func:`host_id`.
+    Raises :class:`OutOfStepError` if ``raw`` is no answer (its length or status is off)."""
+    if len(raw) != STATUS_SIZE or raw[0] not in (ACCEPTED, REFUSED, FAILED):
+        raise OutOfStepError(f"the handshake's answer ({len(raw)} bytes, status {raw[:1].hex() or 'none'}) is not "
+                             "a cudarecv WeightReceiver's: is the peer one of this cudarecv version?")
     return raw[0], raw[1:].rstrip(b"\x00").decode(errors="replace")
 
 
-_PREAMBLE = struct.Struct("<4sIQQIII")
-PREAMBLE_SIZE = _PREAMBLE.size
+PREAMBLE = Record("weight-sync handshake", b"CDRH", "IQQIII", crc=False,
+                  hint="is the peer a WeightSender of this cudarecv version?")
+PREAMBLE_SIZE = PREAMBLE.size
+PREAMBLE_FORMAT = 4
 
 
 @dataclass(frozen=True)
@@ -364,16 +365,16 @@ class Offer:
 
 def preamble(schema_bytes: int, piece: int, mode: str, session: int = 0, shared: int = 0) -> bytes:
     """The handshake's first message (see :class:`Offer`)."""
-    return _PREAMBLE.pack(b"CDRH", 4, schema_bytes, piece, MODES.index(mode), session, shared)
+    return PREAMBLE.pack(PREAMBLE_FORMAT, schema_bytes, piece, MODES.index(mode), session, shared)
 
 
 def read_preamble(raw: bytes) -> Offer:
     """The :class:`Offer` of a received preamble; raises :class:`OutOfStepError` if the peer is no
-    weight sender of this version (the lengths are the receiver's to check)."""
-    magic, fmt, length, piece, mode, session, shared = _PREAMBLE.unpack(raw)
-    if magic != b"CDRH" or fmt != 4 or mode >= len(MODES) or session >= SESSIONS:
-        raise OutOfStepError("the first message is not a cudarecv weight-sync handshake: is the peer a "
-                          "WeightSender of this cudarecv version?")
+    weight sender of this version (the lengths are the receiver's to check: :func:`check_offer`)."""
+    fmt, length, piece, mode, session, shared = PREAMBLE.unpack(raw)
+    if fmt != PREAMBLE_FORMAT or mode >= len(MODES) or session >= SESSIONS:
+        raise OutOfStepError(f"a weight-sync handshake of format {fmt}, mode {mode}, session {session} is not this "
+                             f"cudarecv version's: {PREAMBLE.hint}")
     return Offer(length, piece, MODES[mode], session, shared)
 
 
