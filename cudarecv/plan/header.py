@@ -1,9 +1,9 @@
-"""The fast wire's header: a fixed 64-byte binary record, never pickle.
+"""The fast wire's header: a fixed 64-byte binary record (:class:`~cudarecv.core.records.Record`), never pickle.
 
 Layout (little-endian)::
 
     magic     4s   b"CDRV"
-    version   u16  2
+    version   u16  3 (since 3 the record carries init_tag; a peer of version 2 is out of step)
     kind      u16  1 = buckets (non-consolidated), 2 = chunks (consolidated storage)
     leaves    u32  number of leaves
     route     u32  where the payload is: byte 0 a :class:`PayloadRoute` (the wire, a shared

@@ -2,7 +2,7 @@
 
 Used by the tests, the benchmarks and ``python -m cudarecv compare``. The
 parent owns a ``TCPStore`` on 127.0.0.1 (port chosen by the OS, so no port
-races). Each rank is a spawned process that joins it, initializes the default
+races). Each rank is a fresh process that joins it, initializes the default
 group and also a standalone ``ProcessGroupGloo`` (or ``ProcessGroupNCCL``)
 built directly on the store (never registered with torch.distributed). A :class:`Cluster` keeps
 its ranks for many calls, since starting one costs seconds; each call runs
@@ -12,22 +12,30 @@ raises, hangs or dies fails the call with a clear error, and the cluster is
 then shut down, never reused in an unknown state. Every rank must also exit
 normally: :meth:`Cluster.close` fails naming each rank that exited with a
 signal (an abort at interpreter shutdown is SIGABRT) or another non-zero code.
+
+Ranks are forked by this process's zygote (:mod:`cudarecv.testing.zygote`), which has
+imported torch and tensordict once: a rank starts in a fraction of a second instead of
+the 4-5 s of CPU an import costs, and still exits as a script does (threads joined,
+``atexit``, module teardown, C++ destructors), so an abort or a hang at exit is seen.
+A rank gets the environment of its parent at :class:`Cluster` creation, as a spawned
+process would, and talks to it over a socket of its own.
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-import queue
 import signal
+import socket
 import time
 import traceback
 from datetime import timedelta
+from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
 
 import torch.distributed as dist
 
 from cudarecv import Error
+from cudarecv.testing.zygote import zygote
 
 HOST = "127.0.0.1"
 GRACE = 5.0  # seconds a rank still busy in a failed call gets to leave before it is killed
@@ -56,17 +64,14 @@ class Cluster:
         self._died: set[int] = set()  # ranks that died where run() allowed it: their exit code is theirs
         self._store = dist.TCPStore(HOST, 0, world_size + 1, is_master=True, wait_for_workers=False,
                                     timeout=timedelta(seconds=start_timeout))
-        ctx = mp.get_context("spawn")
-        self._results = ctx.Queue()
-        self._inboxes = [ctx.Queue() for _ in range(world_size)]
-        self._procs = [
-            ctx.Process(target=_rank_main, daemon=True,
-                        args=(rank, world_size, self._store.port, self._inboxes[rank], self._results,
-                              pg_timeout, backend, env or {}))
-            for rank in range(world_size)
-        ]
-        for p in self._procs:
-            p.start()
+        environ = dict(os.environ, **(env or {}))
+        self._conns: list[Connection] = []
+        self._procs = []
+        for rank in range(world_size):
+            ours, theirs = socket.socketpair()
+            self._conns.append(Connection(ours.detach()))
+            self._procs.append(zygote().fork(_rank_main, (rank, world_size, self._store.port, pg_timeout,
+                                                          backend, environ), theirs))
         self._closed = False
         self._collect(start_timeout, "start")
 
@@ -86,8 +91,11 @@ class Cluster:
         """
         if self._closed:
             raise RankError("this cluster was closed after an earlier failure; start a new one")
-        for inbox in self._inboxes:
-            inbox.put((fn, args, standalone))
+        for conn in self._conns:
+            try:
+                conn.send((fn, args, standalone))
+            except OSError:  # that rank is gone: collecting says how
+                pass
         results = self._collect(timeout, getattr(fn, "__name__", "fn"), frozenset(may_die))
         if any(isinstance(r, RankExit) for r in results):
             self.close()
@@ -99,23 +107,26 @@ class Cluster:
         deadline = time.monotonic() + timeout
         try:
             while len(out) < self.world_size:
-                try:
-                    rank, ok, value = self._results.get(timeout=0.2)
-                except queue.Empty:
-                    dead = {r: p.exitcode for r, p in enumerate(self._procs) if r not in out and not p.is_alive()}
-                    for r in [r for r in dead if r in may_die]:
-                        out[r] = RankExit(dead.pop(r))
-                        self._died.add(r)
-                    if dead:
-                        raise RankError(f"{what}: rank(s) {sorted(dead)} died (exit codes {dead})") from None
-                    if time.monotonic() > deadline:
-                        missing = [r for r in range(self.world_size) if r not in out]
-                        raise RankError(f"{what}: rank(s) {missing} did not finish within {timeout:.0f} s") from None
-                    continue
-                if not ok:
-                    raised.add(rank)
-                    raise RankError(f"{what}: rank {rank} raised:\n{value}")
-                out[rank] = value
+                waiting = {self._conns[r]: r for r in range(self.world_size) if r not in out}
+                for conn in wait(list(waiting), timeout=max(0.0, min(0.2, deadline - time.monotonic()))):
+                    rank = waiting[conn]
+                    try:
+                        ok, value = conn.recv()
+                    except (EOFError, OSError):  # it died: its exit code says how
+                        self._procs[rank].join(self.exit_timeout)
+                        code = self._procs[rank].exitcode
+                        if rank not in may_die:
+                            raise RankError(f"{what}: rank {rank} died ({_exit_status(code)})") from None
+                        out[rank] = RankExit(code)
+                        self._died.add(rank)
+                        continue
+                    if not ok:
+                        raised.add(rank)
+                        raise RankError(f"{what}: rank {rank} raised:\n{value}")
+                    out[rank] = value
+                if len(out) < self.world_size and time.monotonic() > deadline:
+                    missing = [r for r in range(self.world_size) if r not in out]
+                    raise RankError(f"{what}: rank(s) {missing} did not finish within {timeout:.0f} s") from None
         except BaseException as exc:
             if not self._closed:
                 self._closed = True
@@ -142,9 +153,12 @@ class Cluster:
     def _stop(self, busy: set[int]) -> list[str]:
         """Ask every rank to leave; kill those that do not in time. Ranks in ``busy`` (still in a
         failed call) get :data:`GRACE` s and may be killed unreported. Returns what went wrong."""
-        for inbox, p in zip(self._inboxes, self._procs):
+        for conn, p in zip(self._conns, self._procs):
             if p.is_alive():
-                inbox.put(None)
+                try:
+                    conn.send(None)
+                except OSError:
+                    pass
         deadline = time.monotonic() + self.exit_timeout
         failures = []
         for rank, p in enumerate(self._procs):
@@ -156,6 +170,8 @@ class Cluster:
                     failures.append(f"rank {rank} did not exit within {self.exit_timeout:g} s (killed)")
             elif rank not in busy | self._died and p.exitcode != 0:
                 failures.append(f"rank {rank} {_exit_status(p.exitcode)}")
+        for conn in self._conns:
+            conn.close()
         return failures
 
     def __enter__(self) -> "Cluster":
@@ -210,10 +226,11 @@ def run(fn: Callable[..., Any], world_size: int = 2, *, args: tuple = (), timeou
         return cluster.run(fn, args=args, timeout=timeout, standalone=standalone)
 
 
-def _rank_main(rank: int, world_size: int, port: int, inbox: Any, results: Any,
-               pg_timeout: float, backend: str, env: dict[str, str]) -> None:
+def _rank_main(conn: Connection, rank: int, world_size: int, port: int, pg_timeout: float, backend: str,
+               environ: dict[str, str]) -> None:
+    os.environ.clear()  # the parent's, as at Cluster creation (not the zygote's, from its start)
+    os.environ.update(environ)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    os.environ.update(env)
     try:
         timeout = timedelta(seconds=pg_timeout)
         store = dist.TCPStore(HOST, port, world_size + 1, is_master=False, timeout=timeout)
@@ -229,17 +246,22 @@ def _rank_main(rank: int, world_size: int, port: int, inbox: Any, results: Any,
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
             standalone = dist.ProcessGroupNCCL(prefix, rank, world_size, options)
-        results.put((rank, True, None))
+        conn.send((True, None))
     except BaseException:
-        results.put((rank, False, traceback.format_exc()))
+        conn.send((False, traceback.format_exc()))
         return
     while True:
-        job = inbox.get()
+        try:
+            job = conn.recv()
+        except EOFError:  # the parent is gone
+            break
         if job is None:
             break
         fn, args, use_standalone = job
         try:
-            results.put((rank, True, fn(rank, world_size, standalone if use_standalone else None, *args)))
+            reply = (True, fn(rank, world_size, standalone if use_standalone else None, *args))
+            conn.send(reply)
         except BaseException:
-            results.put((rank, False, traceback.format_exc()))
+            conn.send((False, traceback.format_exc()))
+    conn.close()
     dist.destroy_process_group()

@@ -7,11 +7,9 @@ job on a machine that lost its GPUs fails loudly instead of skipping
 everything.  GPUs are counted with NVML, never by initializing CUDA, so the
 plugin is fork-safe.  Unmarked tests are untouched.
 
-Loaded through the ``pytest11`` entry point (named ``cudarecv``) once
-cudarecv is installed.  In a checkout that is not installed, pass
-``-p cudarecv.testing.pytest_plugin``; do not add that when it is installed (pytest
-refuses to register the module twice under two names), or block the entry
-point first: ``-p no:cudarecv -p cudarecv.testing.pytest_plugin``.
+Opt-in: pass ``-p cudarecv.testing.pytest_plugin``, or name it in a conftest
+(``pytest_plugins = ["cudarecv.testing.pytest_plugin"]``, as cudarecv's own does).
+No entry point loads it, so installing cudarecv changes no other project's test run.
 """
 
 from __future__ import annotations

@@ -1,0 +1,202 @@
+"""A process that imports torch once and forks ranks that exit as a script does.
+
+Starting a rank costs 4-5 s of CPU, nearly all of it importing torch and tensordict;
+a test suite of many clusters spends most of its time there. The zygote is one
+``python -m cudarecv.testing.zygote`` per parent process that has imported
+:data:`PRELOAD` (never initializing CUDA) and forks each rank from there.
+
+Unlike multiprocessing's fork server, whose children end in ``os._exit``, a forked
+rank returns from the zygote's ``main`` and ends the way ``python script.py`` does:
+non-daemon threads joined, ``atexit`` handlers, module teardown, C++ static
+destructors. An abort or a hang at exit is therefore seen, not hidden. The zygote
+reaps each rank and reports its exit code (negative: the signal) to the parent.
+
+Example:
+    >>> a, b = socket.socketpair()
+    >>> rank = zygote().fork(my_main, (1, 2), conn=b)  # my_main(Connection, 1, 2) in the child
+    >>> rank.join(10.0); rank.exitcode
+    0
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import os
+import pickle
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import recv_handle, send_handle
+from typing import Any, Callable
+
+#: imported once by the zygote for every rank it forks (torch does not initialize CUDA at import)
+PRELOAD = ["numpy", "torch", "torch.distributed", "tensordict"]
+POLL = 0.1  # seconds between a waiting thread's turns at the zygote's reports
+
+
+class ZygoteError(RuntimeError):
+    """The zygote did not start, or went away."""
+
+
+class Forked:
+    """A rank forked by the zygote, with ``multiprocessing.Process``'s ways to watch it."""
+
+    def __init__(self, zygote: "Zygote", pid: int) -> None:
+        self._zygote = zygote
+        self.pid = pid
+
+    @property
+    def exitcode(self) -> int | None:
+        """``None`` while it runs; its exit code, or minus the signal that ended it."""
+        return self._zygote.exitcode(self.pid, 0.0)
+
+    def is_alive(self) -> bool:
+        return self.exitcode is None
+
+    def join(self, timeout: float | None = None) -> None:
+        self._zygote.exitcode(self.pid, timeout)
+
+    def kill(self) -> None:
+        if self.is_alive():  # (reaped ones are not signalled: their pid may be another's by now)
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+class Zygote:
+    """The parent's side: forks ranks and collects their exit codes."""
+
+    def __init__(self, start_timeout: float = 120.0) -> None:
+        ours, theirs = socket.socketpair()
+        self._proc = subprocess.Popen([sys.executable, "-m", __name__, str(theirs.fileno())],
+                                      pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
+        theirs.close()
+        self._conn = Connection(ours.detach())
+        self._lock = threading.Lock()
+        self._exits: dict[int, int] = {}
+        if not self._conn.poll(start_timeout):
+            self.close()
+            raise ZygoteError(f"the zygote did not import {PRELOAD} within {start_timeout:g} s")
+        self._pid = self._recv()[1]
+
+    def fork(self, target: Callable[..., Any], args: tuple, conn: socket.socket) -> Forked:
+        """Run ``target(Connection(conn), *args)`` in a new rank; ``conn`` is closed here."""
+        spec = (sys.path, os.getcwd(), pickle.dumps((target, args)))
+        with self._lock:
+            self._conn.send(spec)
+            send_handle(self._conn, conn.fileno(), self._pid)
+            conn.close()
+            while True:
+                kind, pid, *_ = self._recv()
+                if kind == "forked":
+                    return Forked(self, pid)
+
+    def exitcode(self, pid: int, timeout: float | None) -> int | None:
+        """``pid``'s exit code once reported, waiting up to ``timeout`` s (``None``: for good)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._lock:
+                if pid in self._exits:
+                    return self._exits[pid]
+                left = POLL if deadline is None else min(POLL, deadline - time.monotonic())
+                if left <= 0:
+                    return None
+                if self._conn.poll(left):
+                    self._recv()
+
+    def _recv(self) -> tuple:
+        try:
+            message = self._conn.recv()
+        except (EOFError, OSError) as exc:
+            raise ZygoteError(f"the zygote went away (exit code {self._proc.poll()})") from exc
+        if message[0] == "exited":
+            self._exits[message[1]] = message[2]
+        return message
+
+    def close(self) -> None:
+        """Stop the zygote (ranks still running are killed by it)."""
+        self._conn.close()
+        try:
+            self._proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+
+
+_ZYGOTE: Zygote | None = None
+_ZYGOTE_LOCK = threading.Lock()
+
+
+def zygote() -> Zygote:
+    """This process's zygote, started on first use and stopped at exit."""
+    global _ZYGOTE
+    with _ZYGOTE_LOCK:
+        if _ZYGOTE is None:
+            _ZYGOTE = Zygote()
+            atexit.register(_ZYGOTE.close)
+        return _ZYGOTE
+
+
+def main(fd: int) -> None:
+    """The zygote: import :data:`PRELOAD`, then fork a rank per request until the parent leaves.
+
+    Returns in the zygote when the parent closed its end, and in each forked rank once
+    its target returned (the rank then exits as a script does).
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is for the ranks, which the parent then stops
+    for name in PRELOAD:
+        importlib.import_module(name)
+    conn = Connection(fd)
+    conn.send(("ready", os.getpid()))
+    children: dict[int, int] = {}  # pidfd -> pid
+    selector = selectors.DefaultSelector()
+    selector.register(conn.fileno(), selectors.EVENT_READ)
+    while True:
+        for key, _ in selector.select():
+            if key.fd != conn.fileno():
+                pid = children.pop(key.fd)
+                selector.unregister(key.fd)
+                os.close(key.fd)
+                conn.send(("exited", pid, os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])))
+                continue
+            try:
+                spec = conn.recv()
+                handle = recv_handle(conn)
+            except (EOFError, OSError):  # the parent is gone: so are its ranks
+                for pid in children.values():
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                return
+            pid = os.fork()
+            if pid == 0:
+                selector.close()
+                for pidfd in children:
+                    os.close(pidfd)
+                conn.close()
+                signal.signal(signal.SIGINT, signal.default_int_handler)  # as in any Python process
+                _run(spec, handle)
+                return
+            os.close(handle)
+            pidfd = os.pidfd_open(pid)
+            children[pidfd] = pid
+            selector.register(pidfd, selectors.EVENT_READ)
+            conn.send(("forked", pid))
+
+
+def _run(spec: tuple, handle: int) -> None:
+    path, cwd, payload = spec
+    sys.path[:] = path
+    os.chdir(cwd)
+    target, args = pickle.loads(payload)
+    target(Connection(handle), *args)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]))
