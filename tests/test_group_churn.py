@@ -1,4 +1,5 @@
-"""New process groups, each used then dropped (the README's recovery after a LinkError), leak nothing of
+"""New process groups, each used then dropped (the README's recovery after a LinkError), by transfers and by
+weight sync (sync and latest, shared memory and wire), leak nothing of
 cudarecv's (issue 32): threads, descriptors and shared mappings stay within plain gloo's own per-group cost,
 measured in the same processes."""
 
@@ -29,7 +30,9 @@ def one_round(rank: int, mode: str) -> None:
     """A new group, a few transfers on it, then the group destroyed and dropped."""
     g = dist.new_group([0, 1])
     td = TensorDict({"a": torch.arange(1000.0), "b": torch.ones(64, 64)}, [])
-    for _ in range(3):
+    if mode.startswith("weights/"):
+        sync_weights(rank, g, td, mode.split("/", 1)[1])
+    for _ in range(3 if not mode.startswith("weights/") else 0):
         if mode == "gloo":
             if rank == 0:
                 dist.isend(td["a"], 1, group=g).wait()
@@ -48,6 +51,29 @@ def one_round(rank: int, mode: str) -> None:
     gc.collect()
 
 
+def sync_weights(rank: int, g, td: TensorDict, mode: str) -> None:
+    """A weight sender (rank 0) and receiver (rank 1) on ``g``: three versions, then both closed."""
+    transport, mode = mode.split("/")
+    if rank == 0:
+        with cudarecv.WeightSender(td, group=g, group_dst=1, mode=mode, transport=transport, timeout=30.0) as sender:
+            for _ in range(3):
+                td["a"] += 1
+                sender.push()
+                if mode == "latest":  # the receiver pulls this version before the next is pushed
+                    dist.barrier(group=g)
+                    dist.barrier(group=g)
+    else:
+        with cudarecv.WeightReceiver(group=g, group_src=0, expect=td, transport=transport, timeout=30.0) as receiver:
+            for _ in range(3):
+                if mode == "sync":
+                    receiver.pull()
+                else:
+                    dist.barrier(group=g)
+                    receiver.pull()
+                    dist.barrier(group=g)
+            assert receiver.td["a"][0].item() == 3.0
+
+
 def churn(rank: int, world: int, group, modes: list[str]) -> dict[str, list[tuple[int, int, int]]]:
     """Per mode: the counts after each of ROUNDS rounds (one warm-up round first)."""
     out = {}
@@ -61,7 +87,8 @@ def churn(rank: int, world: int, group, modes: list[str]) -> dict[str, list[tupl
     return out
 
 
-MODES = ["gloo", "auto/0", "auto/65536", "wire/0", "wire/65536"]
+MODES = ["gloo", "auto/0", "auto/65536", "wire/0", "wire/65536",
+         "weights/auto/sync", "weights/auto/latest", "weights/wire/sync", "weights/wire/latest"]
 
 
 def test_twenty_groups_used_and_dropped_leave_nothing():
