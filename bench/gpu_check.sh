@@ -10,8 +10,10 @@
 #      and two GPUs, values exact and device memory flat over 200 syncs; the kernels);
 #   4. the GPU benches: pytest --gpus N bench/bench_gpu.py --benchmark-json $OUT/gpu-bench.json;
 #   5. the report:     python -m cudarecv report -> $OUT/gpu-report.txt and $OUT/gpu-report.png;
-#   6. the CPU suite:  pytest tests/ (without test_gpu.py), last, so it never starves the GPU steps,
-#      spread over 4 workers when pytest-xdist is there, within what is left of BUDGET.
+#   6. CPU tests:      pytest $CPU_TESTS, last, so they never starve the GPU steps, within what is left
+#      of BUDGET: by default the CUDA-aware logic that runs without a GPU (cuda_logic, nccl_rules,
+#      same_host_channels, interop, records_fuzz), which fits; CPU_TESTS=tests/ for the whole suite
+#      (10 minutes on 2 cores: more than a lent machine's call), spread over 4 workers with pytest-xdist.
 # Every step is bounded with `timeout` (which signals the step's whole process group, ranks included);
 # a failed step does not stop the next ones, but the script then exits 1. Results, all under OUT:
 # gpu-check.log, gpu-tests.xml, gpu-bench.json, gpu-report.txt, gpu-report.png, cpu-tests.xml.
@@ -25,6 +27,7 @@
 #   PYTHON=...                 the interpreter (default: python3)
 #   WHEELS=...                 the carried wheels (default: gpu-wheels); SITE=... where they go (/tmp/cudarecv-site)
 #   BUDGET=...                 seconds the whole check may take (default 470)
+#   CPU_TESTS=...              the CPU tests of step 6 (default: the CUDA-aware ones, see above)
 #   GPUS=N                     --gpus for pytest (default: 2 if torch sees 2 GPUs or more, else 1)
 #   CUDARECV_NCCL_SHARED_GPU   1: NCCL tests and benches with both ranks on one GPU (needs NCCL >= 2.30);
 #                              default: 1 on a one-GPU machine whose NCCL is >= 2.30, else 0
@@ -38,6 +41,7 @@ PY="${PYTHON:-python3}"
 WHEELS="${WHEELS:-gpu-wheels}"
 SITE="${SITE:-/tmp/cudarecv-site}"
 BUDGET="${BUDGET:-470}"
+CPU_TESTS="${CPU_TESTS:-tests/test_cuda_logic.py tests/test_nccl_rules.py tests/test_same_host_channels.py tests/test_interop.py tests/test_records_fuzz.py}"
 export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 exec > >(tee -a "$OUT/gpu-check.log") 2>&1
@@ -161,11 +165,11 @@ fi
 left=$((BUDGET - SECONDS))
 if [ "$left" -ge 30 ]; then
     XDIST=()
-    if timeout 20 "$PY" -c "import xdist" 2>/dev/null; then
+    if timeout 10 "$PY" -c "import xdist" 2>/dev/null; then
         XDIST=(-n 4)
     fi
     step cpu-tests "$left" "$PY" -m pytest -q -p no:cacheprovider ${XDIST[@]+"${XDIST[@]}"} \
-        --junitxml "$OUT/cpu-tests.xml" tests/ --ignore=tests/test_gpu.py
+        --junitxml "$OUT/cpu-tests.xml" $CPU_TESTS --ignore=tests/test_gpu.py
 else
     echo "=== cpu-tests: skipped, ${left} s left of the ${BUDGET} s budget" >&2
     failed+=("cpu-tests (no time left)")
