@@ -197,6 +197,76 @@ def test_slow_receiver_is_dropped_after_its_timeout_and_the_others_go_on(four):
     assert [v for v, _ in got] in ([], [2]) and all(ok for _, ok in got), f"the dropped receiver got {got}"
 
 
+def _wait_stopped(pid: int) -> None:
+    """Until ``pid`` is stopped (state T in /proc): the signal it sent itself has taken effect."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                return
+        time.sleep(0.01)
+    raise AssertionError(f"rank pid {pid} never stopped")
+
+
+def stopped_receiver(rank, world, group, transport, key):
+    """Rank 2 stops (SIGSTOP) with a pull in flight; the sender drops it within its timeout and ranks 1 and 3
+    get every version; once the pushes are over the sender lets it go on (SIGCONT), and what it then gets is
+    whole versions, then a bounded failure."""
+    model = policy(hidden=512)  # ~20 kB per version: more than the link's buffers hold on the wire
+    signals = store()
+    if rank == 0:
+        failures = []
+        with cudarecv.WeightSender(TensorDict.from_module(model), dst=[1, 2, 3], bucket_bytes=4096, timeout=5.0,
+                                   transport=transport) as sender:
+            for version in range(1, STEPS + 1):
+                set_version(model, version)
+                if version == 2:
+                    pid = int(signals.get(f"{key}_pid"))
+                    _wait_stopped(pid)
+                started = time.monotonic()
+                try:
+                    sender.push()
+                except (TimeoutError, RuntimeError) as error:
+                    failures.append((version, type(error).__name__, str(error), time.monotonic() - started))
+            os.kill(pid, signal.SIGCONT)
+            return failures, (sender.ranks, sender.dropped)
+    with cudarecv.WeightReceiver(src=0, expect=model, timeout=20, transport=transport) as receiver:
+        if rank != 2:
+            return _pull_all(receiver, STEPS)
+        receiver.pull()
+        pull = receiver.pull(wait=False)
+        signals.set(f"{key}_pid", str(os.getpid()))
+        os.kill(os.getpid(), signal.SIGSTOP)  # (until the sender's SIGCONT)
+        got = []
+        try:
+            while True:
+                version = pull.wait(20) if pull is not None else receiver.pull()
+                pull = None
+                got.append((version, holds_version(receiver.td, version)))
+        except (TimeoutError, RuntimeError) as error:
+            return type(error).__name__, got
+
+
+@pytest.mark.parametrize("transport", ["auto", "wire"])
+def test_a_stopped_receiver_is_dropped_and_the_others_get_every_version(four, transport):
+    try:
+        (failures, ranks), seen1, stopped, seen3 = four().run(
+            stopped_receiver, args=(transport, unique_key(f"stopped_{transport}")), timeout=120)
+    finally:
+        four().close()  # the dropped receiver's link was closed by gloo: the next test needs new groups
+    assert len(failures) == 1, failures
+    version, kind, message, took = failures[0]
+    assert version == 2 and kind == "TransferTimeout" and "rank 2" in message and "dropped" in message, failures
+    assert took < 60, failures  # its timeout (5 s) and the time to say so, not a hang
+    _only_rank_2_was_dropped(*ranks)
+    for seen in (seen1, seen3):
+        assert [v for v, _ in seen] == list(range(1, STEPS + 1)), seen
+        assert all(ok for _, ok in seen), "a healthy receiver got wrong or mixed weights"
+    outcome, got = stopped
+    assert outcome in ("WaitTimeout", "TransferTimeout", "PeerError", "LinkError"), stopped
+    assert all(ok for _, ok in got) and [v for v, _ in got] in ([], [2]), f"the stopped receiver got {got}"
+
+
 # -- handshakes a receiver must reject, answering the sender ----------------------------
 
 def _schema_doc(leaves, total):
