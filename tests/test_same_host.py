@@ -375,6 +375,58 @@ def test_a_sender_killed_mid_transfer_fails_the_receiver_bounded():
     assert not left, f"left in /dev/shm: {left}"
 
 
+def stopped_mid_transfer(rank, world, group, key):
+    """The sender stops (SIGSTOP) halfway through its third transfer; the receiver's transfer times out,
+    naming it, and lets it go on (SIGCONT); the sender's send then ends, bounded; another tensordict on
+    another ``init_tag`` then goes through the link whole (the README's way on after a timeout)."""
+    td = TensorDict(x=torch.zeros(1 << 22)).consolidate(metadata=True)  # 16 MiB in 16 messages
+    signals = store()
+    if rank == 0:
+        signals.set(f"{key}_pid", str(os.getpid()))
+        for _ in range(2):  # the offer, then one through the segments
+            cudarecv.send(td, 1, bucket_bytes=1 << 20, consolidated=True)
+        advance = Segment.advance
+
+        def stops_halfway(segment, nbytes):
+            advance(segment, nbytes)
+            if nbytes >= 8 << 20 and Segment.advance is stops_halfway:
+                Segment.advance = advance
+                os.kill(os.getpid(), signal.SIGSTOP)
+
+        Segment.advance = stops_halfway
+        started = time.monotonic()
+        try:
+            cudarecv.send(td, 1, bucket_bytes=1 << 20, consolidated=True, timeout=10)
+            outcome = "sent"
+        except cudarecv.Error as error:
+            outcome = type(error).__name__
+        took = time.monotonic() - started
+        other = TensorDict(x=torch.arange(1 << 22, dtype=torch.float32)).consolidate(metadata=True)
+        cudarecv.send(other, 1, bucket_bytes=1 << 20, consolidated=True, init_tag=7, timeout=30)
+        return outcome, took
+    for _ in range(2):
+        cudarecv.recv(td, 0, bucket_bytes=1 << 20, consolidated=True)
+    started = time.monotonic()
+    with pytest.raises(cudarecv.TransferTimeout) as error:
+        cudarecv.recv(td, 0, bucket_bytes=1 << 20, consolidated=True, timeout=3)
+    took = time.monotonic() - started
+    os.kill(int(signals.get(f"{key}_pid")), signal.SIGCONT)
+    other = TensorDict(x=torch.zeros(1 << 22)).consolidate(metadata=True)
+    cudarecv.recv(other, 0, bucket_bytes=1 << 20, consolidated=True, init_tag=7, timeout=30)
+    whole = bool(torch.equal(other["x"], torch.arange(1 << 22, dtype=torch.float32)))
+    return str(error.value), took, whole
+
+
+def test_a_sender_stopped_mid_transfer_times_out_the_receiver_and_the_link_goes_on():
+    with Cluster(2, pg_timeout=30.0) as ranks:
+        (outcome, sender_took), (message, took, whole) = ranks.run(stopped_mid_transfer, args=(unique_key("stopped"),),
+                                                                   timeout=120)
+    assert "rank 0" in message and took < 30, message
+    assert outcome in ("sent", "TransferTimeout", "PeerError", "LinkError"), outcome  # bounded: it returned
+    assert sender_took < 60, sender_took
+    assert whole, "the transfer after the stopped one did not deliver exact values"
+
+
 # -- weight sync -------------------------------------------------------------------------------
 def _anonymous_memory() -> int:
     """This process's resident anonymous memory in bytes (mapped files and shared segments left out)."""
