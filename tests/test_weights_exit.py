@@ -20,7 +20,7 @@ import cudarecv
 from policies import holds_version, policy, set_version
 
 HERE = Path(__file__).resolve().parent
-RUNS = 6
+RUNS = 3  # (the abort it guards against came on the first run)
 CHILD = """
 import sys
 sys.path.insert(0, {here!r})
