@@ -285,6 +285,38 @@ def test_a_lying_peer_cannot_make_the_receiver_read_outside_its_segment(cluster,
         assert "READY message 0 names" in message and "not read" in message
 
 
+def forged_progress(rank, world, group, lie, key):
+    """A sender whose progress word lies (far past the transfer's end, or back to nothing): the receiver never
+    reads outside its own plan and segment; it waits for the READY instead (a word past the end is no word),
+    and the values are the sender's."""
+    pg = _group(rank, world, key)
+    td = TensorDict(x=torch.zeros(1 << 20)).consolidate(metadata=True)  # 4 MiB in 4 messages
+    if rank == 0:
+        for _ in range(2):  # negotiate, then one through the segments
+            cudarecv.send(td, group=pg, group_dst=1, bucket_bytes=1 << 20, consolidated=True)
+        advance = Segment.advance
+        Segment.advance = lambda segment, nbytes: advance(segment, (1 << 62) if lie == "past_the_end" else 0)
+        td["x"].fill_(3.0)
+        cudarecv.send(td, group=pg, group_dst=1, bucket_bytes=1 << 20, consolidated=True, timeout=30)
+        Segment.advance = advance
+        td["x"].fill_(4.0)
+        cudarecv.send(td, group=pg, group_dst=1, bucket_bytes=1 << 20, consolidated=True, timeout=30)
+        return None
+    for _ in range(2):
+        cudarecv.recv(td, group=pg, group_src=0, bucket_bytes=1 << 20, consolidated=True)
+    cudarecv.recv(td, group=pg, group_src=0, bucket_bytes=1 << 20, consolidated=True, timeout=30)
+    lied = set(td["x"].unique().tolist())
+    cudarecv.recv(td, group=pg, group_src=0, bucket_bytes=1 << 20, consolidated=True, timeout=30)
+    return lied, bool((td["x"] == 4.0).all())
+
+
+@pytest.mark.parametrize("lie", ["past_the_end", "nothing"])
+def test_a_lying_progress_word_never_makes_the_receiver_read_outside_its_plan(cluster, lie):
+    _, (lied, after) = cluster().run(forged_progress, args=(lie, unique_key("progress")))
+    assert lied == {3.0}, f"the receiver copied bytes the sender had not written yet: {lied}"
+    assert after, "the transfer after the lying one did not deliver exact values"
+
+
 def _causes(error: BaseException) -> list[str]:
     """The texts of ``error``'s chain of causes."""
     out = []

@@ -214,8 +214,10 @@ class RecvSide:
             nonlocal done
             while done < count:
                 written = mapping.progress(header.seq)
-                if written is None:
-                    return  # the sender publishes no progress (built without the native copies)
+                if written is None or written > total:
+                    return  # no progress published (no native copies), or a word past the end, which no honest
+                    #         writer publishes: the rest is copied once the READY says it is in
+
                 end = min((done + 1) * piece, total)  # (the receiver's own plan: never past its buffers)
                 if written >= end:
                     with on_stream():
