@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import select
 import signal
 import time
 
@@ -35,6 +36,29 @@ def _pull_all(receiver, steps):
     return seen
 
 
+def _wait_gone(pid: int) -> None:
+    """Until process ``pid`` has died (its pidfd says so: no polling)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        assert select.select([fd], [], [], 60)[0], f"rank pid {pid} did not die within 60 s"
+    finally:
+        os.close(fd)
+
+
+def _wait_stopped(pid: int) -> None:
+    """Until process ``pid`` is stopped (state T in /proc: no event says so, so it is read until then)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                return
+        time.sleep(0.01)
+    raise AssertionError(f"rank pid {pid} never stopped")
+
+
 def _only_rank_2_was_dropped(ranks, dropped):
     """Rank 2 was dropped for its failure; ranks 1 and 3 are served, or closed once they had every version."""
     assert 2 in dropped and dropped[2] != "closed by its receiver", dropped
@@ -42,7 +66,7 @@ def _only_rank_2_was_dropped(ranks, dropped):
     assert set(ranks) | closed == {1, 3} and not set(ranks) & closed, (ranks, dropped)
 
 
-def dead_receiver(rank, world, group):
+def dead_receiver(rank, world, group, key):
     """Rank 2 dies in the middle of its second pull; ranks 1 and 3 must get every version."""
     model = policy(hidden=512)  # ~20 kB per version
     if rank == 0:
@@ -51,6 +75,8 @@ def dead_receiver(rank, world, group):
                                    timeout=20) as sender:
             for version in range(1, STEPS + 1):
                 set_version(model, version)
+                if version == 3:  # version 2 may fit in the link's buffers before rank 2 is gone; 3 may not
+                    _wait_gone(int(store().get(f"{key}_pid")))
                 try:
                     if version % 2:
                         assert sender.push() == version
@@ -64,12 +90,14 @@ def dead_receiver(rank, world, group):
         if rank == 2:
             receiver.pull()
             receiver.pull(wait=False)  # posted: the rank dies with a pull in flight
+            store().set(f"{key}_pid", str(os.getpid()))
             os.kill(os.getpid(), signal.SIGKILL)
         return _pull_all(receiver, STEPS)
 
 
 def test_dead_receiver_is_dropped_and_the_others_get_every_version(four):
-    (failures, ranks), seen1, died, seen3 = four().run(dead_receiver, may_die={2}, timeout=120)
+    (failures, ranks), seen1, died, seen3 = four().run(dead_receiver, args=(unique_key("dead"),), may_die={2},
+                                                       timeout=120)
     assert isinstance(died, RankExit) and died == -signal.SIGKILL
     assert len(failures) == 1, failures
     version, kind, message = failures[0]
@@ -195,17 +223,6 @@ def test_slow_receiver_is_dropped_after_its_timeout_and_the_others_go_on(four):
     outcome, got = slow
     assert outcome in ("WaitTimeout", "TransferTimeout", "PeerError")  # nothing more comes: it waits, bounded
     assert [v for v, _ in got] in ([], [2]) and all(ok for _, ok in got), f"the dropped receiver got {got}"
-
-
-def _wait_stopped(pid: int) -> None:
-    """Until ``pid`` is stopped (state T in /proc): the signal it sent itself has taken effect."""
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        with open(f"/proc/{pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] == "T":
-                return
-        time.sleep(0.01)
-    raise AssertionError(f"rank pid {pid} never stopped")
 
 
 def stopped_receiver(rank, world, group, transport, key):
