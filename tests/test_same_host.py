@@ -297,8 +297,10 @@ def forged_progress(rank, world, group, lie, key):
         advance = Segment.advance
         Segment.advance = lambda segment, nbytes: advance(segment, (1 << 62) if lie == "past_the_end" else 0)
         td["x"].fill_(3.0)
-        cudarecv.send(td, group=pg, group_dst=1, bucket_bytes=1 << 20, consolidated=True, timeout=30)
-        Segment.advance = advance
+        try:
+            cudarecv.send(td, group=pg, group_dst=1, bucket_bytes=1 << 20, consolidated=True, timeout=30)
+        finally:
+            Segment.advance = advance
         td["x"].fill_(4.0)
         cudarecv.send(td, group=pg, group_dst=1, bucket_bytes=1 << 20, consolidated=True, timeout=30)
         return None

@@ -51,8 +51,16 @@ class PayloadRoute(IntEnum):
 
 MAGIC = b"CDRV"
 VERSION = 3  # 3: the init_tag is in the record
-KIND_BUCKETS = 1
-KIND_CHUNKS = 2
+
+
+class PayloadKind(IntEnum):
+    """How a fast-wire transfer's payload is cut: leaves packed into buckets, or a consolidated storage's chunks."""
+
+    BUCKETS = 1
+    CHUNKS = 2
+
+
+KIND_BUCKETS, KIND_CHUNKS = PayloadKind  # (by name at module level too, as ``re`` has its flags)
 KIND_NAMES = {KIND_BUCKETS: "buckets (non-consolidated)", KIND_CHUNKS: "chunks (consolidated)"}
 RECORD = Record("header", MAGIC, "HHIIQQ16sQI", size=64,
                 hint="the sender does not use the fast wire; pass the same bucket_bytes on both sides "
@@ -83,7 +91,7 @@ def drain_limit(own_total: int) -> int:
 class Header:
     """What one fast-wire transfer announces before its payload."""
 
-    kind: int
+    kind: PayloadKind
     leaves: int
     total: int
     piece: int
@@ -120,7 +128,8 @@ class Header:
         transport, segment, offer = route & 0xFF, route >> 8 & 0xFF, bool(route >> 16 & 1)
         if transport not in ROUTE_SLOTS or segment >= ROUTE_SLOTS[PayloadRoute(transport)] or route >> 17:
             raise OutOfStepError(f"the header names an unknown payload route {route:#x} ({out_of_step})")
-        return cls(kind, leaves, total, piece, schema, PayloadRoute(transport), segment, offer, seq, init_tag)
+        return cls(PayloadKind(kind), leaves, total, piece, schema, PayloadRoute(transport), segment, offer, seq,
+                   init_tag)
 
 
 def piece_sizes(total: int, piece: int) -> list[int]:

@@ -31,6 +31,7 @@ import hashlib
 import json
 import struct
 from dataclasses import dataclass
+from enum import IntEnum, IntFlag
 from typing import Sequence
 
 import torch
@@ -224,8 +225,25 @@ class Schema:
 
 # -- per-push header ---------------------------------------------------------------
 FORMAT = 3
-FLAG_VERIFY, FLAG_RELAY, FLAG_SHARED = 1, 2, 4
-PUSH, CLOSED, RELEASED = 0, 1, 2  # header kinds: a version follows; the sender closed; the answer to BYE
+
+
+class Flag(IntFlag):
+    """A push header's flags: a digest follows the payload; relayed; in a shared segment."""
+
+    VERIFY = 1
+    RELAY = 2
+    SHARED = 4
+
+
+class HeaderKind(IntEnum):
+    """A push header's kind: a version follows; the sender closed; the answer to ``BYE``."""
+
+    PUSH = 0
+    CLOSED = 1
+    RELEASED = 2
+
+
+PUSH, CLOSED, RELEASED = HeaderKind  # (each message's kinds by name at module level too, as ``re`` has its flags)
 _OUT_OF_STEP = "not drained, the link is out of step"
 HEADER = Record("weight-push header", b"CDRS", "HHIQQQ16s16siii", size=96, hint=_OUT_OF_STEP)
 HEADER_SIZE = HEADER.size
@@ -239,7 +257,7 @@ class PushHeader:
     fingerprint: bytes
     checksum: bytes = bytes(16)
     verify: bool = False
-    kind: int = PUSH
+    kind: HeaderKind = PUSH
     #: relay fan-out: the payload comes from rank ``up`` (in the group), is forwarded to ``down`` (-1: none),
     #: and ends with a trailer on each hop; the receiver then tells the sender what became of it
     relayed: bool = False
@@ -250,8 +268,8 @@ class PushHeader:
     segment: int = -1
 
     def pack(self) -> bytes:
-        flags = ((FLAG_VERIFY if self.verify else 0) | (FLAG_RELAY if self.relayed else 0)
-                 | (FLAG_SHARED if self.shared else 0))
+        flags = ((Flag.VERIFY if self.verify else 0) | (Flag.RELAY if self.relayed else 0)
+                 | (Flag.SHARED if self.shared else 0))
         return HEADER.pack(FORMAT, flags, self.kind, self.version, self.total, self.piece, self.fingerprint,
                            self.checksum, self.up, self.down, self.segment)
 
@@ -259,32 +277,52 @@ class PushHeader:
     def unpack(cls, raw: bytes) -> "PushHeader":
         """The header in ``raw``; :class:`OutOfStepError` if it is none or its fields are not a header's."""
         fmt, flags, kind, version, total, piece, fingerprint, checksum, up, down, segment = HEADER.unpack(raw)
-        if fmt != FORMAT or piece <= 0 or kind not in (PUSH, CLOSED, RELEASED) or flags >= 8:
+        if fmt != FORMAT or piece <= 0 or kind not in iter(HeaderKind) or flags & ~(Flag.VERIFY | Flag.RELAY | Flag.SHARED):
             raise OutOfStepError(f"a weight-push header of format {fmt}, kind {kind}, flags {flags}, {piece}-byte "
                                  f"messages is not this cudarecv version's: {_OUT_OF_STEP}")
-        return cls(version, total, piece, fingerprint, checksum, bool(flags & FLAG_VERIFY), kind,
-                   bool(flags & FLAG_RELAY), up, down, bool(flags & FLAG_SHARED), segment)
+        flags = Flag(flags)
+        return cls(version, total, piece, fingerprint, checksum, Flag.VERIFY in flags, HeaderKind(kind),
+                   Flag.RELAY in flags, up, down, Flag.SHARED in flags, segment)
 
 
 # -- the receiver's messages -----------------------------------------------------------
 ASK_RECORD = Record("receiver message", b"CDRA", "IQii", size=32)
 ASK_SIZE = ASK_RECORD.size
-ASK, BYE, GOT, FREED = 0, 1, 2, 3  # latest mode's ask; the receiver closes; relay fan-out and shared
-# memory: what became of a version; zero-copy: the receiver no longer reads the snapshot of a version
-LANDED, REJECTED, LOST = 0, 1, 2  # a GOT's status: published; rejected (drained, still in step); lost upstream
+
+
+class AskKind(IntEnum):
+    """A receiver's message: latest mode's ask; the receiver closes; relay fan-out and shared memory: what became
+    of a version; zero-copy: the receiver no longer reads the snapshot of a version."""
+
+    ASK = 0
+    BYE = 1
+    GOT = 2
+    FREED = 3
+
+
+class Got(IntEnum):
+    """A ``GOT``'s status: published; rejected (drained, still in step); lost upstream."""
+
+    LANDED = 0
+    REJECTED = 1
+    LOST = 2
+
+
+ASK, BYE, GOT, FREED = AskKind
+LANDED, REJECTED, LOST = Got
 
 
 @dataclass(frozen=True)
 class Ask:
     """A receiver's message: ``kind``, a ``version``, and for ``GOT`` a ``status`` and the rank it names."""
 
-    kind: int
+    kind: AskKind
     version: int = 0
-    status: int = LANDED
+    status: Got = LANDED
     rank: int = -1
 
 
-def ask_message(kind: int, version: int = 0, status: int = LANDED, rank: int = -1) -> bytes:
+def ask_message(kind: AskKind, version: int = 0, status: Got = LANDED, rank: int = -1) -> bytes:
     """``ASK`` for a version newer than ``version`` (latest mode), ``BYE`` (the receiver closes),
     ``GOT`` (relay fan-out, shared memory: ``version`` landed, was rejected, or was lost because ``rank``
     upstream failed) or ``FREED`` (a zero-copy receiver let go of the shared snapshot of ``version``)."""
@@ -294,29 +332,38 @@ def ask_message(kind: int, version: int = 0, status: int = LANDED, rank: int = -
 def read_ask(raw: bytes) -> Ask:
     """The :class:`Ask` of a receiver's message; raises :class:`OutOfStepError` if it is none."""
     kind, version, status, rank = ASK_RECORD.unpack(raw)
-    if kind not in (ASK, BYE, GOT, FREED) or status not in (LANDED, REJECTED, LOST):
+    if kind not in iter(AskKind) or status not in iter(Got):
         raise OutOfStepError(f"a receiver message of kind {kind}, status {status} is no cudarecv ask: "
                              "the link is out of step")
-    return Ask(kind, version, status, rank)
+    return Ask(AskKind(kind), version, Got(status), rank)
 
 
 # -- relay fan-out: what follows a push's chunks on each hop ---------------------------
 TRAILER = Record("relay trailer", b"CDRT", "IQi", size=32)
 TRAILER_SIZE = TRAILER.size
-INTACT, BROKEN = 0, 1  # the chunks before it are the version's; they are not (``rank`` upstream failed)
 
 
-def trailer_message(version: int, status: int = INTACT, rank: int = -1) -> bytes:
+class Trailer(IntEnum):
+    """A relay trailer's status: the chunks before it are the version's; they are not (``rank`` upstream failed)."""
+
+    INTACT = 0
+    BROKEN = 1
+
+
+INTACT, BROKEN = Trailer
+
+
+def trailer_message(version: int, status: Trailer = INTACT, rank: int = -1) -> bytes:
     """The last message of a push on a relay hop: whether the chunks before it are intact."""
     return TRAILER.pack(status, version, rank)
 
 
-def read_trailer(raw: bytes) -> tuple[int, int, int]:
+def read_trailer(raw: bytes) -> tuple[Trailer, int, int]:
     """``(status, version, rank)`` of a relay trailer; raises :class:`OutOfStepError` if it is none."""
     status, version, rank = TRAILER.unpack(raw)
-    if status not in (INTACT, BROKEN):
+    if status not in iter(Trailer):
         raise OutOfStepError(f"a relay trailer of status {status} is no cudarecv trailer: the link is out of step")
-    return status, version, rank
+    return Trailer(status), version, rank
 
 
 def checksum(storage: Tensor) -> bytes:
@@ -326,29 +373,39 @@ def checksum(storage: Tensor) -> bytes:
     return digest(storage)
 
 
-ACCEPTED, REFUSED, FAILED = 1, 0, 2  # handshake answers: ok; the weights do not match; the receiver failed
+class Answer(IntEnum):
+    """The receiver's answer to the handshake: the weights do not match; ok; the receiver failed."""
+
+    REFUSED = 0
+    ACCEPTED = 1
+    FAILED = 2
 
 
-def status_message(status: int, text: str = "") -> bytes:
+REFUSED, ACCEPTED, FAILED = Answer
+ANSWER = Record("handshake answer", b"CDRN", f"B{STATUS_SIZE - 9}s", size=STATUS_SIZE,
+                hint="is the peer a WeightReceiver of this cudarecv version?")
+REASON_BYTES = STATUS_SIZE - 9  # what fits after the magic and status, before the CRC
+
+
+def status_message(status: Answer, text: str = "") -> bytes:
     """The receiver's answer to the handshake: a status and a reason (UTF-8, cut to fit), fixed size."""
-    reason = text.encode()[: STATUS_SIZE - 1].decode(errors="ignore").encode()
-    data = bytes([status]) + reason
-    return data + bytes(STATUS_SIZE - len(data))
+    return ANSWER.pack(status, text.encode()[:REASON_BYTES].decode(errors="ignore").encode())
 
 
-def read_status(raw: bytes) -> tuple[int, str]:
+def read_status(raw: bytes) -> tuple[Answer, str]:
     """``(status, text)``: the reason of a refusal or failure; for ``ACCEPTED``, the receiver's :func:`host_id`.
-    Raises :class:`OutOfStepError` if ``raw`` is no answer (its length or status is off)."""
-    if len(raw) != STATUS_SIZE or raw[0] not in (ACCEPTED, REFUSED, FAILED):
-        raise OutOfStepError(f"the handshake's answer ({len(raw)} bytes, status {raw[:1].hex() or 'none'}) is not "
-                             "a cudarecv WeightReceiver's: is the peer one of this cudarecv version?")
-    return raw[0], raw[1:].rstrip(b"\x00").decode(errors="replace")
+    Raises :class:`OutOfStepError` if ``raw`` is no answer (its length, magic, CRC or status is off)."""
+    status, reason = ANSWER.unpack(raw)
+    if status not in iter(Answer):
+        raise OutOfStepError(f"the handshake's answer of status {status} is not a cudarecv WeightReceiver's: "
+                             "is the peer one of this cudarecv version?")
+    return Answer(status), reason.rstrip(b"\x00").decode(errors="replace")
 
 
 PREAMBLE = Record("weight-sync handshake", b"CDRH", "IQQIII", crc=False,
                   hint="is the peer a WeightSender of this cudarecv version?")
 PREAMBLE_SIZE = PREAMBLE.size
-PREAMBLE_FORMAT = 4
+PREAMBLE_FORMAT = 5  # 5: the handshake's answer is a record (magic, CRC)
 
 
 @dataclass(frozen=True)
