@@ -23,6 +23,7 @@ from cudarecv.plan import header as fast
 from cudarecv.samehost import cuda_ipc, records, shared_memory
 from cudarecv.samehost.machine import machine_key
 from cudarecv.weights import wire
+from cudarecv.weights.schema import MAX_BYTES, MAX_SCHEMA_BYTES, Schema
 
 settings.register_profile("fuzz", max_examples=2000, deadline=None, derandomize=True, database=None,
                           suppress_health_check=[HealthCheck.too_slow])
@@ -167,8 +168,8 @@ def test_offers_fuzzed(kind):
 
 
 # -- weight sync: the schema, the push header, asks, trailers, the handshake's answer and preamble ---------------
-def _schema() -> wire.Schema:
-    return wire.Schema.of([("a",), ("b", "c")], [torch.zeros(3, 4), torch.zeros(5, dtype=torch.int64)])
+def _schema() -> Schema:
+    return Schema.of([("a",), ("b", "c")], [torch.zeros(3, 4), torch.zeros(5, dtype=torch.int64)])
 
 
 json_values = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=8),
@@ -195,15 +196,15 @@ def schema_docs(draw: st.DrawFn) -> bytes:
 
 def test_weight_schema_fuzzed():
     good = _schema()
-    assert wire.Schema.from_json(good.to_json()) == good
+    assert Schema.from_json(good.to_json()) == good
 
     @FUZZ
     @given(st.one_of(st.binary(max_size=600), schema_docs(), mutated(st.just(good.to_json())),
                      json_values.map(lambda v: json.dumps(v).encode())))
     def check(raw: bytes) -> None:
-        got = outcome(wire.Schema.from_json, raw)
-        assert isinstance(got, (wire.Schema, cudarecv.SchemaError)), got
-        if isinstance(got, wire.Schema):
+        got = outcome(Schema.from_json, raw)
+        assert isinstance(got, (Schema, cudarecv.SchemaError)), got
+        if isinstance(got, Schema):
             assert got.to_json() == raw and got.leaves
     check()
 
@@ -211,7 +212,7 @@ def test_weight_schema_fuzzed():
 def test_deep_json_is_a_schema_error():
     """Nested past Python's recursion limit: still a SchemaError (json raises RecursionError)."""
     with pytest.raises(cudarecv.SchemaError, match="malformed weight schema"):
-        wire.Schema.from_json(b"[" * 100_000 + b"]" * 100_000)
+        Schema.from_json(b"[" * 100_000 + b"]" * 100_000)
 
 
 _HEADER = wire.PushHeader(4, 1024, 256, bytes(16), relayed=True, up=1, down=3)
@@ -259,5 +260,5 @@ def test_handshake_answer_and_preamble_fuzzed():
         got = outcome(offer, raw)
         assert isinstance(got, (wire.Offer, cudarecv.OutOfStepError, cudarecv.SchemaError)), got
         if isinstance(got, wire.Offer):
-            assert 0 < got.length <= wire.MAX_SCHEMA_BYTES and 0 < got.piece <= wire.MAX_BYTES
+            assert 0 < got.length <= MAX_SCHEMA_BYTES and 0 < got.piece <= MAX_BYTES
     preamble()

@@ -467,7 +467,7 @@ def test_bad_arguments():
 
 def test_schema_json_roundtrip_and_tampering():
     from cudarecv.plan.walk import walk
-    from cudarecv.weights.wire import Schema, SchemaError
+    from cudarecv.weights.schema import Schema, SchemaError
 
     paths, tensors = walk(TensorDict.from_module(policy()))
     schema = Schema.of(paths, tensors)

@@ -28,6 +28,7 @@ from ..samehost.shared_memory import HOST_OFFER, MAX_SEGMENTS, MappingError, map
 from ..wire.control import read_bytes, wire_bytes
 from ..wire.staging import Lane, lane_for, send_from
 from .link import naming, run, send_bytes
+from .schema import Schema
 from .wire import (
     ACCEPTED,
     FAILED,
@@ -35,7 +36,6 @@ from .wire import (
     REFUSED,
     STATUS_SIZE,
     Offer,
-    Schema,
     check_offer,
     preamble,
     read_preamble,

@@ -35,8 +35,9 @@ from ..wire.staging import Lane, drain, recv_into, send_from
 from .inbox import Inbox
 from .link import link_error
 from .relay import Hop
+from .schema import Schema
 from .slots import Slot, Slots
-from .wire import ASK, CLOSED, GOT, LANDED, LOST, REJECTED, RELEASED, PushHeader, Schema, ask_message, checksum
+from .wire import ASK, CLOSED, GOT, LANDED, LOST, REJECTED, RELEASED, PushHeader, ask_message, checksum
 
 
 class Puller:

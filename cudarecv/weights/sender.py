@@ -49,10 +49,11 @@ from . import handshake
 from .link import check_peers
 from .options import check_mode, check_options
 from .pushes import LatestPushes, SyncPushes
+from .schema import MAX_SCHEMA_BYTES, Schema
 from .serving import last_word, start_listening
 from .session import Member, Session
 from .snapshots import SYNC_SHARED, SnapshotPool
-from .wire import CLOSED, MAX_SCHEMA_BYTES, Schema, SessionTags
+from .wire import CLOSED, SessionTags
 
 #: relay fan-out's chunk when ``bucket_bytes`` is None: small enough that filling the chain costs
 #: little (each hop adds one chunk's time), large enough that per-message costs stay negligible

@@ -9,7 +9,8 @@ from typing import Any
 
 from ..core.driver import Driver
 from ..wire.staging import Lane
-from .wire import Ask, Schema, SessionTags
+from .schema import Schema
+from .wire import Ask, SessionTags
 
 
 class Member:

@@ -15,7 +15,7 @@ from torch import Tensor
 from ..core.errors import SchemaError, UsageError, WaitTimeout
 from ..core.host_copy import copy_bytes
 from ..plan.header import cut
-from .wire import Schema
+from .schema import Schema
 
 
 class Slot:

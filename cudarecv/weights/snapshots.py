@@ -23,8 +23,9 @@ from ..core.transfer import CUDA_IPC, SHARED_MEMORY
 from ..plan.header import cut
 from ..samehost import cuda_ipc
 from ..samehost.shared_memory import Segment, offer
+from .schema import Schema
 from .session import Member, Session
-from .wire import PushHeader, Schema, checksum
+from .wire import PushHeader, checksum
 
 #: sync mode's snapshots in host shared memory: the version zero-copy receivers publish, the one a reader
 #: may still hold, and the next one

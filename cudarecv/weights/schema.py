@@ -1,0 +1,178 @@
+"""The weights' structure as it travels in the handshake: :class:`Schema` (keys, dtypes, shapes, offsets, total
+bytes, fingerprint), as JSON parsed and checked field by field, never unpickled.
+
+Layout of the sender's storage: the leaves in stock send order, each at an offset aligned to 16 bytes, in one
+uint8 buffer. Both ends build their views from the same :class:`Schema`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from ..core.errors import SchemaError
+
+ALIGN = 16
+MAX_SCHEMA_BYTES = 64 << 20
+MAX_BYTES = 1 << 48  # a total or a leaf larger than this is no real model: refused before anything is sized
+
+
+_DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
+    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+    torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint32, torch.uint64,
+)}
+
+
+def _check_size(value: object, what: str) -> int:
+    """A byte count or dimension read from the wire: an int (not a bool or float) in 0..MAX_BYTES."""
+    if type(value) is not int or not 0 <= value <= MAX_BYTES:
+        raise SchemaError(f"{what} is {value!r}: not an int in 0..2**48")
+    return value
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """What :meth:`Schema.of` reads of a tensor, to recompute a received layout."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Leaf:
+    key: tuple[str, ...]
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def name(self) -> str:
+        return ".".join(self.key)
+
+
+@dataclass(frozen=True)
+class Schema:
+    """Keys, dtypes, shapes and offsets of the weights, their total bytes and fingerprint."""
+
+    leaves: tuple[Leaf, ...]
+    total: int
+
+    @classmethod
+    def of(cls, keys: Sequence[tuple], tensors: Sequence[Tensor]) -> "Schema":
+        leaves, offset = [], 0
+        for key, t in zip(keys, tensors):
+            if str(t.dtype).removeprefix("torch.") not in _DTYPES:
+                raise SchemaError(f"leaf {'.'.join(map(str, key))!r} has dtype {t.dtype}, which weight sync does not carry")
+            leaves.append(Leaf(tuple(str(k) for k in key), t.dtype, tuple(t.shape), offset))
+            offset += -(-leaves[-1].nbytes // ALIGN) * ALIGN
+        return cls(tuple(leaves), offset)
+
+    def to_json(self) -> bytes:
+        doc = {
+            "format": "cudarecv-weights",
+            "version": 1,
+            "total_bytes": self.total,
+            "fingerprint": self.fingerprint.hex(),
+            "leaves": [
+                {"key": list(l.key), "dtype": str(l.dtype).removeprefix("torch."), "shape": list(l.shape),
+                 "offset": l.offset, "nbytes": l.nbytes}
+                for l in self.leaves
+            ],
+        }
+        return json.dumps(doc, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> "Schema":
+        """Parse and check a received schema; raises :class:`SchemaError` on anything off.
+
+        Checked before anything is sized from it: strict types, at least one leaf,
+        keys that are unique and none the prefix of another (each leaf is a tensor,
+        not also a nested tensordict), sizes below :data:`MAX_BYTES`, and offsets,
+        total and fingerprint recomputed from keys, dtypes and shapes.
+        """
+        try:
+            schema, fingerprint = cls._parse(raw)
+        except SchemaError:
+            raise
+        except Exception as error:  # noqa: BLE001 - json and int() raise many kinds (RecursionError too)
+            raise SchemaError(f"malformed weight schema: {type(error).__name__}: {error}"[:200]) from None
+        expected = cls.of([l.key for l in schema.leaves], [_Shape(l.dtype, l.shape) for l in schema.leaves])
+        if schema != expected or schema.to_json() != raw or schema.fingerprint.hex() != fingerprint:
+            raise SchemaError("the weight schema does not check out (offsets, total bytes or fingerprint)")
+        return schema
+
+    @classmethod
+    def _parse(cls, raw: bytes) -> tuple["Schema", object]:
+        doc = json.loads(raw.decode())
+        if not isinstance(doc, dict) or doc.get("format") != "cudarecv-weights" or doc.get("version") != 1:
+            raise SchemaError("not a cudarecv weight schema")
+        items, total = doc["leaves"], doc["total_bytes"]
+        if not isinstance(items, list) or not items:
+            raise SchemaError("the weight schema has no leaves: weight sync needs at least one tensor")
+        _check_size(total, "total_bytes")
+        leaves, seen = [], set()
+        for item in items:
+            key, dtype, shape = item["key"], item["dtype"], item["shape"]
+            if not (isinstance(key, list) and key and all(isinstance(k, str) and k for k in key)):
+                raise SchemaError(f"bad key {key!r}: a list of non-empty strings")
+            name = ".".join(key)
+            if tuple(key) in seen:
+                raise SchemaError(f"key {name!r} appears twice")
+            seen.add(tuple(key))
+            if dtype not in _DTYPES:
+                raise SchemaError(f"unknown dtype {dtype!r} for {name!r}")
+            if not isinstance(shape, list) or len(shape) > 64:
+                raise SchemaError(f"bad shape {shape!r} for {name!r}")
+            for size in shape:
+                _check_size(size, f"a dimension of {name!r}")
+            leaf = Leaf(tuple(key), _DTYPES[dtype], tuple(shape), _check_size(item["offset"], f"the offset of {name!r}"))
+            _check_size(leaf.nbytes, f"the size of {name!r}")
+            leaves.append(leaf)
+        for key in seen:  # a key that is also the prefix of another would be a tensor and a tensordict
+            for cut in range(1, len(key)):
+                if key[:cut] in seen:
+                    raise SchemaError(f"key {'.'.join(key[:cut])!r} is a leaf and also holds {'.'.join(key)!r}")
+        return cls(tuple(leaves), total), doc["fingerprint"]
+
+    @property
+    def fingerprint(self) -> bytes:
+        h = hashlib.blake2b(digest_size=16)
+        for l in self.leaves:
+            h.update(json.dumps([l.key, str(l.dtype), l.shape, l.offset]).encode())
+        h.update(struct.pack("<q", self.total))
+        return h.digest()
+
+    def views(self, storage: Tensor) -> list[Tensor]:
+        """Each leaf as a typed view into ``storage`` (uint8, ``total`` bytes)."""
+        return [storage[l.offset:l.offset + l.nbytes].view(l.dtype).view(l.shape) for l in self.leaves]
+
+    def first_difference(self, keys: Sequence[tuple], tensors: Sequence[Tensor]) -> str | None:
+        """How ``tensors`` (named by ``keys``) differ from the schema, naming the first differing key."""
+        mine = {tuple(map(str, k)): (t.dtype, tuple(t.shape)) for k, t in zip(keys, tensors)}
+        theirs = {l.key: (l.dtype, l.shape) for l in self.leaves}
+        if not mine:
+            return "`expect` has no tensors"
+        for key in sorted(set(mine) | set(theirs)):
+            name = ".".join(key)
+            if key not in theirs:
+                return f"key {name!r} is expected but the sender does not send it"
+            if key not in mine:
+                return f"key {name!r} is sent but not expected"
+            if mine[key] != theirs[key]:
+                (d1, s1), (d2, s2) = theirs[key], mine[key]
+                return f"key {name!r}: the sender sends {d1} {list(s1)}, expected {d2} {list(s2)}"
+        return None
