@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import os
 import signal
 import subprocess
@@ -317,6 +318,46 @@ def test_a_lying_progress_word_never_makes_the_receiver_read_outside_its_plan(cl
     _, (lied, after) = cluster().run(forged_progress, args=(lie, unique_key("progress")))
     assert lied == {3.0}, f"the receiver copied bytes the sender had not written yet: {lied}"
     assert after, "the transfer after the lying one did not deliver exact values"
+
+
+def group_dropped_after_sending(rank, world, group, key):
+    """The sender drops its group as soon as its third send returned (the bytes in its segment), before the
+    receiver says DONE for it (held back here until then): what was sent is received, whole."""
+    pg = _group(rank, world, key)
+    td = TensorDict(x=torch.zeros(1 << 16))
+    signals = store()
+    if rank == 0:
+        for k in range(3):
+            td["x"].fill_(k + 1)
+            cudarecv.send(td, group=pg, group_dst=1, bucket_bytes=1 << 16, timeout=30)
+        del pg
+        gc.collect()
+        signals.set(f"{key}_dropped", "1")
+        return None
+    done = receiver_side.RecvSide.done
+
+    def after_the_drop(side, lane, seq, k):
+        signals.wait([f"{key}_dropped"])
+        done(side, lane, seq, k)
+
+    got = []
+    for k in range(3):
+        if k == 2:
+            receiver_side.RecvSide.done = after_the_drop
+        try:
+            [transfer] = cudarecv.irecv(td, group=pg, group_src=0, bucket_bytes=1 << 16, timeout=30,
+                                        return_premature=True)
+            transfer.wait()
+        finally:
+            receiver_side.RecvSide.done = done
+        got.append((transfer.transport, bool((td["x"] == k + 1).all())))
+    return got
+
+
+def test_a_send_completed_before_its_sender_dropped_the_group_is_received(cluster):
+    """(Failed before: the receiver's DONE to the gone sender failed the transfer whose bytes were all in.)"""
+    _, got = cluster().run(group_dropped_after_sending, args=(unique_key("dropped"),))
+    assert got[2] == ("shared memory", True), got
 
 
 def _causes(error: BaseException) -> list[str]:

@@ -29,6 +29,7 @@ from torch import Tensor
 from ..core.driver import Driver
 from ..core.errors import OutOfStepError
 from ..core.host_copy import direct_read_pays, may_read_process
+from ..core.log import logger
 from ..core.streams import EventWork, dedicated_stream, record
 from ..core.tags import BACK_TAGS, piece_tag
 from ..core.transfer import CUDA_IPC, SHARED_MEMORY, WIRE
@@ -112,19 +113,29 @@ class RecvSide:
         dropped group's sockets and threads until 256 more are parked)."""
         self.said[k] = lane.post(True, [wire_bytes(lane, back(word, status, seq))], [BACK_TAGS + k])
 
+    def done(self, lane: Lane, seq: int, k: int) -> None:
+        """DONE for transfer ``seq``, whose bytes are all in. A sender whose send completed (once its bytes were in
+        the segment) may since have dropped its group or exited; that fails nothing here, only logged: what was
+        sent is received."""
+        try:
+            self.say(lane, Word.DONE, Status.OK, seq, k)
+        except RuntimeError as error:
+            logger.info("same host: transfer %d from rank %d is in, its DONE not delivered (the sender's link "
+                        "closed: %s)", seq, lane.link.peer, str(error).splitlines()[0])
+
     def _done_once_copied(self, lane: Lane, event: Any, seq: int, k: int) -> None:
         """(On the link's thread, after the receive that queued the copies:) DONE once they ran."""
         event.synchronize()
-        self.say(lane, Word.DONE, Status.OK, seq, k)
+        self.done(lane, seq, k)
 
     def finish(self, lane: Lane, stream: Any, seq: int, k: int) -> Any:
         """A sub-protocol: say DONE for transfer ``seq`` on back tag ``k`` once the copies on ``stream`` (None: the
         host's, done) have run, without holding up the caller of a device receiver (see the module docstring)."""
         if stream is None:
-            self.say(lane, Word.DONE, Status.OK, seq, k)
+            self.done(lane, seq, k)
         elif lane.stream is None:  # host memory: the transfer ends with the bytes in
             yield [EventWork(record(stream))]
-            self.say(lane, Word.DONE, Status.OK, seq, k)
+            self.done(lane, seq, k)
         else:
             self.driver.submit(functools.partial(self._done_once_copied, lane, record(stream), seq, k))
 
