@@ -24,6 +24,7 @@ import atexit
 import importlib
 import os
 import pickle
+import runpy
 import selectors
 import signal
 import socket
@@ -31,6 +32,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle, send_handle
 from typing import Any, Callable
@@ -88,7 +90,7 @@ class Zygote:
 
     def fork(self, target: Callable[..., Any], args: tuple, conn: socket.socket) -> Forked:
         """Run ``target(Connection(conn), *args)`` in a new rank; ``conn`` is closed here."""
-        spec = (sys.path, os.getcwd(), pickle.dumps((target, args)))
+        spec = (sys.path, os.getcwd(), _main_module(), pickle.dumps((target, args)))
         with self._lock:
             self._conn.send(spec)
             send_handle(self._conn, conn.fileno(), self._pid)
@@ -190,10 +192,28 @@ def main(fd: int) -> None:
             conn.send(("forked", pid))
 
 
+def _main_module() -> tuple[str, str] | None:
+    """How a rank finds the parent's ``__main__`` (its functions pickle by that name): ``("name", module)``
+    for ``python -m module``, ``("path", file)`` for a script, None where there is none (an interpreter)."""
+    main = sys.modules["__main__"]
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name not in ("__main__", __name__):
+        return "name", spec.name.removesuffix(".__main__")
+    path = getattr(main, "__file__", None)
+    return ("path", os.path.abspath(path)) if path and path.endswith(".py") else None
+
+
 def _run(spec: tuple, handle: int) -> None:
-    path, cwd, payload = spec
+    path, cwd, main, payload = spec
     sys.path[:] = path
     os.chdir(cwd)
+    if main is not None:  # the parent's __main__ run again as __mp_main__ (its guarded part does not run), as spawn does
+        how, where = main
+        found = runpy.run_module(where, run_name="__mp_main__", alter_sys=True) if how == "name" else \
+            runpy.run_path(where, run_name="__mp_main__")
+        module = types.ModuleType("__mp_main__")
+        module.__dict__.update(found)
+        sys.modules["__main__"] = sys.modules["__mp_main__"] = module
     target, args = pickle.loads(payload)
     target(Connection(handle), *args)
 
