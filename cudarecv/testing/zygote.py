@@ -194,11 +194,12 @@ def main(fd: int) -> None:
 
 def _main_module() -> tuple[str, str] | None:
     """How a rank finds the parent's ``__main__`` (its functions pickle by that name): ``("name", module)``
-    for ``python -m module``, ``("path", file)`` for a script, None where there is none (an interpreter)."""
+    for ``python -m module``, ``("path", file)`` for a script, None where there is none (an interpreter, or a
+    package's ``__main__``, which spawn does not run again either)."""
     main = sys.modules["__main__"]
     spec = getattr(main, "__spec__", None)
-    if spec is not None and spec.name not in ("__main__", __name__):
-        return "name", spec.name.removesuffix(".__main__")
+    if spec is not None:
+        return None if spec.name.endswith("__main__") or spec.name == __name__ else ("name", spec.name)
     path = getattr(main, "__file__", None)
     return ("path", os.path.abspath(path)) if path and path.endswith(".py") else None
 
