@@ -166,9 +166,9 @@ def test_ctrl_c_stops_every_rank_of_demo_hosts_quietly() -> None:
         ranks = _rank_pids(demo.pid)
         assert len(ranks) >= 6, ranks  # torchrun and a worker on each of the 3 hosts
         os.killpg(demo.pid, signal.SIGINT)
-        code = demo.wait(20)
+        code = demo.wait(60)  # (seconds when quiet; a loaded machine schedules the stop late)
         for reader in readers:
-            reader.join(20)
+            reader.join(60)
         text = "".join(out) + "".join(err)
         assert not any(reader.is_alive() for reader in readers), f"a process still holds the demo's output:\n{text}"
         assert not [pid for pid in ranks if _alive(pid)], text

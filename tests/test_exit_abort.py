@@ -31,7 +31,7 @@ exit_abort_child.child({case!r}, {rank}, {port})
 
 def _run(case: str) -> list[tuple[int, str]]:
     """Both ranks of one run of ``case``: their exit codes and output."""
-    store = dist.TCPStore("127.0.0.1", 0, 3, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    store = dist.TCPStore("127.0.0.1", 0, 3, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=240))
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
     procs = [subprocess.Popen([sys.executable, "-c", CHILD.format(here=str(HERE), case=case, rank=rank,
                                                                     port=store.port)],
@@ -40,7 +40,7 @@ def _run(case: str) -> list[tuple[int, str]]:
     ended = []
     for proc in procs:
         try:
-            out, _ = proc.communicate(timeout=60)
+            out, _ = proc.communicate(timeout=240)  # (a run takes 5-20 s; a loaded machine 3-5x that)
         except subprocess.TimeoutExpired:
             proc.kill()
             out, _ = proc.communicate()
@@ -54,6 +54,7 @@ def _outcome(out: str):
     return json.loads(lines[-1][len("RESULT "):])
 
 
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("case", ["refused", "refused-destroyed", "unmatched"])
 def test_no_abort_at_exit(case):
     for run in range(RUNS):

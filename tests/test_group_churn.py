@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
@@ -91,6 +92,7 @@ MODES = ["gloo", "auto/0", "auto/65536", "wire/0", "wire/65536",
          "weights/auto/sync", "weights/auto/latest", "weights/wire/sync", "weights/wire/latest"]
 
 
+@pytest.mark.timeout(900)
 def test_twenty_groups_used_and_dropped_leave_nothing():
     with Cluster(2) as ranks:
         results = ranks.run(churn, args=(MODES,), timeout=600)

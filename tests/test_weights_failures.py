@@ -81,6 +81,8 @@ def dead_receiver(rank, world, group, key):
                 try:
                     if version % 2:
                         assert sender.push() == version
+                        if version == 1:  # rank 2 dies only now: a push's sends may end after a receiver has it
+                            store().set(f"{key}_pushed", "1")
                     else:
                         for future in sender.push(wait=False):
                             future.wait()
@@ -90,6 +92,7 @@ def dead_receiver(rank, world, group, key):
     with cudarecv.WeightReceiver(src=0, expect=model, timeout=20) as receiver:
         if rank == 2:
             receiver.pull()
+            store().wait([f"{key}_pushed"])
             receiver.pull(wait=False)  # posted: the rank dies with a pull in flight
             store().set(f"{key}_pid", str(os.getpid()))
             os.kill(os.getpid(), signal.SIGKILL)

@@ -39,6 +39,7 @@ def many(rank, world, group, mode, transport, key):
     return seen
 
 
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize(("mode", "transport"), [("sync", "auto"), ("latest", "wire")])  # each mode, each transport
 def test_seven_receivers_on_two_cores_get_whole_versions(mode, transport):
     with Cluster(WORLD, pg_timeout=120.0) as ranks:
