@@ -397,3 +397,28 @@ def test_parked_works_past_the_bound_go_oldest_first_and_are_said(monkeypatch, c
     assert parked == works[-2 * warn:]  # the oldest went first, the newest are all kept
     dropped = [r.getMessage() for r in caplog.records if "were dropped" in r.getMessage()]
     assert dropped and "cancels its message and closes its link" in dropped[0], caplog.records
+
+
+# -- GPU readiness, issue 27 (NCCL items 5 and 9), checked without a GPU ------------------------------
+
+
+def test_a_device_without_index_is_the_callers_current_one(monkeypatch):
+    """Driver threads' current device is 0 whatever the caller's: ``cuda`` is resolved on the caller's thread."""
+    from cudarecv.core import streams
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert streams.explicit(torch.device("cuda")) == torch.device("cuda", 3)
+    assert streams.explicit(torch.device("cuda", 1)) == torch.device("cuda", 1)
+    assert streams.explicit(torch.device("cpu")) == torch.device("cpu")
+
+
+def test_a_cuda_ipc_pointer_that_torch_would_copy_is_refused(monkeypatch):
+    """``torch.as_tensor`` of a peer GPU's pointer may copy it onto the device asked: stale bytes later. The view
+    is checked (same pointer, same device) and a copy refused, so the offer is declined and the wire carries it."""
+    from cudarecv.samehost import cuda_ipc
+
+    released = []
+    monkeypatch.setattr(torch, "as_tensor", lambda obj, device=None: torch.zeros(16, dtype=torch.uint8))
+    with pytest.raises(cuda_ipc.MappingError, match="a copy of the device memory at 0x1000"):
+        cuda_ipc._view(0x1000, 16, torch.device("cuda", 1), released.append)
