@@ -108,10 +108,10 @@ class Zygote:
                 if pid in self._exits:
                     return self._exits[pid]
                 left = POLL if deadline is None else min(POLL, deadline - time.monotonic())
-                if left <= 0:
-                    return None
-                if self._conn.poll(left):
+                if self._conn.poll(max(left, 0.0)):  # (reports already there are read even with no time left)
                     self._recv()
+                elif left <= 0:
+                    return None
 
     def _recv(self) -> tuple:
         try:
