@@ -16,8 +16,6 @@ sender can end the link at any time:
 
 Each side sends its last message once: the receiver one ``BYE``, the sender one
 of ``CLOSED`` and ``RELEASED``; once both are through, nothing is left posted.
-
-The schema itself is :mod:`cudarecv.weights.schema`.
 """
 
 from __future__ import annotations
@@ -214,9 +212,9 @@ class Answer(IntEnum):
 
 
 REFUSED, ACCEPTED, FAILED = Answer
-ANSWER = Record("handshake answer", b"CDRN", f"B{STATUS_SIZE - 9}s", size=STATUS_SIZE,
-                hint="is the peer a WeightReceiver of this cudarecv version?")
 REASON_BYTES = STATUS_SIZE - 9  # what fits after the magic and status, before the CRC
+ANSWER = Record("handshake answer", b"CDRN", f"B{REASON_BYTES}s", size=STATUS_SIZE,
+                hint="is the peer a WeightReceiver of this cudarecv version?")
 
 
 def status_message(status: Answer, text: str = "") -> bytes:
