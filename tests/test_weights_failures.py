@@ -262,7 +262,7 @@ def stopped_receiver(rank, world, group, transport, key):
         got = []
         try:
             while True:
-                version = pull.wait(20) if pull is not None else receiver.pull()
+                version = pull.wait(5) if pull is not None else receiver.pull(timeout=5)  # (either may come)
                 pull = None
                 got.append((version, holds_version(receiver.td, version)))
         except (TimeoutError, RuntimeError) as error:
