@@ -39,7 +39,10 @@ def test_readme_is_short_with_the_two_commands_first():
     assert len(lines) <= 220, f"README.md has {len(lines)} lines: keep it a five-minute read, move the rest to docs/"
     head = lines[:25]
     assert any(line.startswith(SETUP) for line in head), f"the set-up command is not in the first 25 lines: {SETUP}"
-    assert any(line.split("#")[0].strip() == "pytest" for line in head), "the test command (pytest) is not near the top"
+    tests = [line.split("#")[0].strip() for line in head if line.startswith("pytest")]
+    assert tests, "the test command (pytest ...) is not near the top"
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert tests[0] in ci, f"CI runs the README's test command, but .ci/run has no line {tests[0]!r}"
 
 
 def test_the_error_table_is_the_same_in_the_readme_and_the_api_page():
