@@ -10,13 +10,18 @@ The real NCCL tests (``tests/test_gpu.py``) are kept for GPU machines.
 
 from __future__ import annotations
 
+import linecache
+import sys
 import threading
+import time
 
 import pytest
 import torch
 from tensordict import TensorDict
 
 import cudarecv
+from cudarecv.core import transport
+from cudarecv.core.link import Link
 from cudarecv.testing.launch import Ranks
 from cudarecv.testing.strict_nccl import NcclRuleError, StrictNccl, stand_in_cuda
 from policies import holds_version, policy, set_version
@@ -201,3 +206,67 @@ def test_the_stand_in_enforces_what_it_promises(three):
     assert out["first batch"] == "NcclRuleError", out
     assert out["second thread"] == "NcclRuleError", out
     assert out["takes a device"] is False, out
+
+
+def _blocked_in_coalesced(thread: threading.Thread) -> bool:
+    """``thread`` waits for the group's coalescing lock: its innermost Python frame is ``_coalesced`` at the
+    line that takes the lock (the acquire itself is C)."""
+    frame = sys._current_frames().get(thread.ident)
+    if frame is None or frame.f_code is not transport._coalesced.__code__:
+        return False
+    return linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip().startswith("with _coalescing(")
+
+
+def concurrent_batches(rank, world, group, key):
+    """Two threads of rank 0 post a batch each on one group (NCCL item 4): the second thread's batch waits for
+    the first's (it would otherwise start coalescing inside it) and both arrive, in order, on rank 1."""
+    with stand_in_cuda("device"):
+        pg = StrictNccl(store(), rank, world, timeout=TIMEOUT, name=key)
+        link = Link(pg, 1 - rank, False)
+        if rank == 1:
+            got = [torch.zeros(64), torch.zeros(64)]
+            for t in got:
+                [work] = transport.post(link, False, [t], [7], batch=True)
+                work.wait()
+            return [t.unique().tolist() for t in got]
+        inside, running, outcomes = threading.Event(), threading.Event(), {}
+        send = pg.send
+
+        def send_holding(tensors, dst, tag=0):  # the first thread stays inside its batch until the second waits
+            if threading.current_thread().name == "first" and not inside.is_set():
+                inside.set()
+                assert running.wait(TIMEOUT)
+                for _ in range(int(TIMEOUT / 0.01)):
+                    if "second" in outcomes or _blocked_in_coalesced(second):
+                        break
+                    time.sleep(0.01)  # (a poll for the other thread's state, bounded; no ordering rests on it)
+            return send(tensors, dst, tag)
+
+        pg.send = send_holding
+
+        def batch(name, fill):
+            if name == "second":
+                running.set()
+            try:
+                for work in transport.post(link, True, [torch.full((64,), fill)], [7], batch=True):
+                    work.wait()
+                outcomes[name] = "ok"
+            except NcclRuleError as error:
+                outcomes[name] = f"NcclRuleError: {error}"
+
+        first = threading.Thread(target=batch, args=("first", 1.0), name="first")
+        second = threading.Thread(target=batch, args=("second", 2.0), name="second")
+        first.start()
+        assert inside.wait(TIMEOUT)
+        second.start()
+        for thread in (first, second):
+            thread.join(2 * TIMEOUT)
+        return outcomes
+
+
+def test_batches_from_two_threads_on_one_group_wait_for_each_other(cluster):
+    """(NCCL item 4: torch's coalescing state is one per group; before the per-group lock the second thread's
+    ``_start_coalescing`` ran inside the first's batch, which the stand-in refuses.)"""
+    sent, got = cluster().run(concurrent_batches, args=(unique_key("threads"),), timeout=4 * TIMEOUT)
+    assert sent == {"first": "ok", "second": "ok"}, sent
+    assert got == [[1.0], [2.0]], got
