@@ -305,13 +305,26 @@ def _bench(benchmark, ranks: Ranks, targets: list[str], name: str, impl: str, mo
         "case": name, "impl": impl, "mode": gb.label(case), "bytes": row["bytes"], "leaves": row["leaves"],
         "backend": SUITES[name]["backend"], "send_seconds": row["send_seconds"],
         "suite_rounds": SUITES[name]["rounds"], "iters": SUITES[name]["iters"], "suite_seconds": row["suite_seconds"],
-        "send_place": send_place, "recv_place": recv_place, "ok": row["ok"],
+        "send_place": send_place, "recv_place": recv_place, "ok": row["ok"], "transport": row["transport"],
     }
     if stock_mode is not None:
         info["stock_mode"] = stock_mode
     benchmark.extra_info.update(info)
     tb.replay(benchmark, CLOCK, row["seconds_all"])  # the stats: every timed iteration of this mode
     assert row["ok"], f"{name}: {impl} {gb.label(case)} delivered wrong data: {row['error']}"
+    claimed = _claimed_transport(SUITES[name]["backend"], impl, mode, send_place, recv_place)
+    assert claimed in (None, row["transport"]), (f"{name}: {impl} {gb.label(case)} is labelled {claimed}, but "
+                                                 f"{row['transport']} carried it")
+
+
+def _claimed_transport(backend: str, impl: str, mode: str, send_place: str, recv_place: str) -> str | None:
+    """What a row's label says carried it: the socket for a "wire" mode, CUDA IPC for a gloo receive of device
+    memory from device memory on this host (None: the label claims nothing)."""
+    if impl != "cudarecv" or backend != "gloo":
+        return None
+    if mode.endswith(" wire"):
+        return "wire"
+    return "cuda ipc" if (send_place, recv_place) == ("cuda", "cuda") else None
 
 
 def _params(name: str) -> list[Any]:
@@ -598,3 +611,4 @@ def test_cuda_ipc_weight_sync_256mib(benchmark, gloo_ranks, transfer_targets, mo
                                 leaves=64, backend="gloo", ok=_IPC["ok"], transport=_IPC["transports"][mode])
     tb.replay(benchmark, CLOCK, _IPC["seconds"][mode])
     assert _IPC["ok"], "a version arrived with other values"
+    assert _IPC["transports"][mode] == mode, f"the {mode} row was carried by {_IPC['transports'][mode]}"

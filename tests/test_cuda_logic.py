@@ -422,3 +422,17 @@ def test_a_cuda_ipc_pointer_that_torch_would_copy_is_refused(monkeypatch):
     monkeypatch.setattr(torch, "as_tensor", lambda obj, device=None: torch.zeros(16, dtype=torch.uint8))
     with pytest.raises(cuda_ipc.MappingError, match="a copy of the device memory at 0x1000"):
         cuda_ipc._view(0x1000, 16, torch.device("cuda", 1), released.append)
+
+
+def test_gpu_bench_rows_record_what_carried_them(cluster):
+    """(Issue 27 item 7: a row labelled CUDA IPC measured the wire.) The GPU bench's rank code records each
+    cudarecv receive's ``Transfer.transport``, which bench_gpu.py checks against the row's label; here on the
+    CPU, where the same host gives shared memory and a ``wire`` mode the socket."""
+    from cudarecv.tools import gpu_ranks
+
+    cases = [dict(leaves=20, total_bytes=1 << 20, impl=impl, mode=mode, send_place="cpu", recv_place="cpu", iters=1,
+                  warmup=1) for impl, mode in (("cudarecv", "buckets 64KiB"), ("cudarecv", "chunks 256KiB wire"),
+                                               ("stock", "per-leaf"))]
+    rows = cluster().run(gpu_ranks.time_gpu_suite, args=(cases, 1), timeout=120)[1]
+    assert [(row["ok"], row["transport"]) for row in rows] == [(True, "shared memory"), (True, "wire"),
+                                                                 (True, "wire")], rows
