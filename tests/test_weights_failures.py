@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import select
 import signal
 import time
 
@@ -24,6 +23,7 @@ from cudarecv.testing.launch import RankExit
 from cudarecv.weights import wire
 from cudarecv.weights.schema import Leaf, Schema
 from policies import holds_version, policy, set_version
+from procs import wait_gone, wait_stopped
 from rawwire import raw_recv, raw_send, store, unique_key
 
 STEPS = 6
@@ -35,29 +35,6 @@ def _pull_all(receiver, steps):
         version = receiver.pull()
         seen.append((version, holds_version(receiver.td, version)))
     return seen
-
-
-def _wait_gone(pid: int) -> None:
-    """Until process ``pid`` has died (its pidfd says so: no polling)."""
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return
-    try:
-        assert select.select([fd], [], [], 60)[0], f"rank pid {pid} did not die within 60 s"
-    finally:
-        os.close(fd)
-
-
-def _wait_stopped(pid: int) -> None:
-    """Until process ``pid`` is stopped (state T in /proc: no event says so, so it is read until then)."""
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        with open(f"/proc/{pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] == "T":
-                return
-        time.sleep(0.01)
-    raise AssertionError(f"rank pid {pid} never stopped")
 
 
 def _only_rank_2_was_dropped(ranks, dropped):
@@ -77,7 +54,7 @@ def dead_receiver(rank, world, group, key):
             for version in range(1, STEPS + 1):
                 set_version(model, version)
                 if version == 3:  # version 2 may fit in the link's buffers before rank 2 is gone; 3 may not
-                    _wait_gone(int(store().get(f"{key}_pid")))
+                    wait_gone(int(store().get(f"{key}_pid")))
                 try:
                     if version % 2:
                         assert sender.push() == version
@@ -244,7 +221,7 @@ def stopped_receiver(rank, world, group, transport, key):
                 set_version(model, version)
                 if version == 2:
                     pid = int(signals.get(f"{key}_pid"))
-                    _wait_stopped(pid)
+                    wait_stopped(pid)
                 started = time.monotonic()
                 try:
                     sender.push()

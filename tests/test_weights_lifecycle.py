@@ -9,6 +9,8 @@ bounded wait instead.
 from __future__ import annotations
 
 import gc
+import os
+import signal
 import threading
 import time
 import weakref
@@ -20,6 +22,7 @@ from tensordict import TensorDict
 
 import cudarecv
 from policies import holds_version, policy, set_version
+from procs import wait_gone
 from rawwire import store, unique_key
 
 PUSHES = 40
@@ -328,3 +331,44 @@ def test_close_stops_every_thread_and_lets_go_of_the_weights_and_the_group(three
     for rank, (_, threads, alive) in enumerate(results):
         assert threads == [], f"rank {rank}: threads still running after close(): {threads}"
         assert alive == [], f"rank {rank}: still held after close(), destroy_process_group() and gc: {alive}"
+
+
+def receiver_outlives_its_sender(rank, world, group, key, transport):
+    """Rank 0 pushes one version and is killed; rank 1 got it, then closes once rank 0 is gone (no pull failed)."""
+    model = policy()
+    signals = store()
+    if rank == 0:
+        signals.set(f"{key}_sender_pid", str(os.getpid()))
+        sender = cudarecv.WeightSender(TensorDict.from_module(model), dst=1, timeout=20, transport=transport)
+        set_version(model, 1)
+        sender.push()
+        signals.wait([f"{key}_pulled"])
+        os.kill(os.getpid(), signal.SIGKILL)
+    receiver = cudarecv.WeightReceiver(src=0, expect=model, timeout=20, transport=transport)
+    receiver.pull()
+    signals.set(f"{key}_pulled", "1")
+    wait_gone(int(signals.get(f"{key}_sender_pid")))
+    start = time.monotonic()
+    try:
+        receiver.close()
+        outcome = "closed"
+    except Exception as error:  # noqa: BLE001 - what the test is about
+        outcome = f"{type(error).__name__}: {error}"
+    return outcome, time.monotonic() - start, holds_version(receiver.td, 1), sorted(_cudarecv_threads())
+
+
+@pytest.mark.parametrize("transport", ["auto", "wire"])
+def test_a_receiver_closes_quietly_after_its_sender_died(cluster, transport):
+    """(Found with vLLM: a worker's engine shut down after its trainer was killed between two pushes raised gloo's
+    raw "Connection closed by peer" from close(), telling the sender it leaves.) close() says it in the log and
+    goes on: no error, its version readable, no thread left."""
+    try:
+        code, (outcome, took, intact, threads) = cluster().run(
+            receiver_outlives_its_sender, args=(unique_key(f"outlived-{transport}"), transport), may_die={0},
+            timeout=120)
+    finally:
+        cluster().close()  # rank 0 is gone: the next test needs new ranks
+    assert code == -signal.SIGKILL
+    assert outcome == "closed", outcome
+    assert took < 20.0 + 10.0, took  # within its timeout, not beyond
+    assert intact and threads == [], (intact, threads)

@@ -38,7 +38,8 @@ from ..core import streams
 from ..core.checks import check_timeout
 from ..core.driver import Driver
 from ..core.errors import ArgumentError, BrokenError, UsageError, WaitTimeout
-from ..core.link import resolve
+from ..core.link import peer_failure, resolve
+from ..core.log import logger
 from ..core.transfer import CUDA_IPC, SHARED_MEMORY, WIRE, Transfer
 from ..samehost import cuda_ipc
 from ..samehost.policy import allowed
@@ -257,8 +258,14 @@ class WeightReceiver:
         deadline = time.monotonic() + self.timeout
         inbox, broken = self._inbox, self._puller.broken
         self._slots.keep_own_copy(busy=self._pending is not None and not self._pending.settled)
+        bye = None
         if inbox.standing is not None and not broken and not inbox.sender_closed and inbox.claim_bye():
-            bye = inbox.bye()
+            try:
+                bye = inbox.bye()
+            except Exception as error:  # noqa: BLE001 - the sender's process is gone: nobody to tell, close goes on
+                logger.info("a weight receiver closes without telling its sender, which is gone: %s",
+                            peer_failure(error))
+        if bye is not None:
             with contextlib.suppress(Exception):
                 Transfer(self._farewell(), self._lane.stream, timeout=self.timeout, driver=self._driver.submit,
                          link=self._lane.link, raise_first=False).wait()

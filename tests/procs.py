@@ -1,0 +1,30 @@
+"""Waits on another process of a test (a rank): until it is gone, until it is stopped."""
+
+from __future__ import annotations
+
+import os
+import select
+import time
+
+
+def wait_gone(pid: int) -> None:
+    """Until process ``pid`` has died (its pidfd says so: no polling)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        assert select.select([fd], [], [], 60)[0], f"rank pid {pid} did not die within 60 s"
+    finally:
+        os.close(fd)
+
+
+def wait_stopped(pid: int) -> None:
+    """Until process ``pid`` is stopped (state T in /proc: no event says so, so it is read until then)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                return
+        time.sleep(0.01)
+    raise AssertionError(f"rank pid {pid} never stopped")
