@@ -128,13 +128,20 @@ def test_an_unwaited_receive_times_out_and_the_link_goes_on(cluster):
 
 
 def group_timeout(rank, world, group):
-    """No timeout=: the process group's own (2 s here) bounds the wait, and the error says so."""
-    short = dist.ProcessGroupGloo(dist.PrefixStore("short-timeout", store()), rank, world, timedelta(seconds=2))
+    """No timeout=: the process group's own (2 s here) bounds the wait, and the error says so. (Its 2 s also bound
+    its forming, which gloo times from each rank's call: both ranks call once both are there.)"""
+    signals = store()
+    signals.set(f"short-timeout-ready/{rank}", "1")
+    signals.wait([f"short-timeout-ready/{r}" for r in range(world)])
+    short = dist.ProcessGroupGloo(dist.PrefixStore("short-timeout", signals), rank, world, timedelta(seconds=2))
     td = TensorDict(a=torch.zeros(3))
-    if rank == 0:
-        time.sleep(4)
+    if rank == 0:  # silent until the receiver gave up
+        signals.wait(["short-timeout-done"])
         return None
-    return _attempt(cudarecv.recv, td, group=short, group_src=0)
+    try:
+        return _attempt(cudarecv.recv, td, group=short, group_src=0)
+    finally:
+        signals.set("short-timeout-done", "1")
 
 
 def test_without_timeout_the_group_timeout_bounds_the_wait(cluster):
