@@ -1,0 +1,97 @@
+"""What a cudarecv weight transfer is set up with: the trainer's settings (:class:`CudarecvTrainerInitInfo`), what
+travels to each vLLM worker at ``init_weight_transfer_engine`` (:class:`CudarecvInitInfo`) and with each update
+(:class:`CudarecvUpdateInfo`). The worker's two go through vLLM's RPC (msgspec, or JSON over HTTP): plain values."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+from vllm.distributed.weight_transfer.base import TrainerInitInfo, WeightTransferInitInfo, WeightTransferUpdateInfo
+
+from .. import ArgumentError, WeightSender
+
+#: The name of the backend, on both sides: ``weight_transfer_config={"backend": BACKEND}``.
+BACKEND = "cudarecv"
+
+
+@dataclass
+class CudarecvTrainerInitInfo(TrainerInitInfo):
+    """The trainer's settings; every field has a default that works for a trainer and an engine on one machine.
+
+    Args:
+        host: the address of the trainer's store, which the engine's workers connect to (the trainer's address
+            when the engine runs on another machine).
+        port: the store's port (0: any free one).
+        timeout: seconds any step may take: the workers joining, one update, a worker's answer.
+        mode: ``"sync"`` (``send_weights()`` returns once every worker loaded the version) or ``"latest"``
+            (the same for the engine, the sender keeps a spare snapshot so a slow worker never holds up a push).
+        verify: send a BLAKE3 digest with every version; a worker refuses a corrupted one.
+        bucket_bytes: bytes per payload message on the wire (None: cudarecv's choice).
+        transport: ``"auto"`` (shared memory with workers on the trainer's machine) or ``"wire"``.
+        dtype: the dtype the weights travel and load in (None: the engine's, which its workers report).
+        rank: this trainer rank (vLLM's field); rank 0 sends, the others only take part in the source's collectives.
+
+    Example:
+        >>> info = CudarecvTrainerInitInfo(rank=0)
+        >>> trainer = WeightTransferTrainerFactory.trainer_init(info, client=llm, source=ModuleSource(model))
+    """
+
+    backend: ClassVar[str] = BACKEND
+    host: str = "127.0.0.1"
+    port: int = 0
+    timeout: float = 120.0
+    mode: str = "sync"
+    verify: bool = True
+    bucket_bytes: int | None = None
+    transport: str = "auto"
+    dtype: str | None = None
+    rank: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.host, str) or not self.host:
+            raise ArgumentError(f"`host` must be the address of the trainer's machine, got {self.host!r}")
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port < 65536:
+            raise ArgumentError(f"`port` must be a port number (0: any free one), got {self.port!r}")
+        if self.dtype is not None:
+            dtype_of(self.dtype, "dtype")
+        self.timeout = WeightSender.check_options(timeout=self.timeout, transport=self.transport, mode=self.mode,
+                                                  bucket_bytes=self.bucket_bytes, verify=self.verify)["timeout"]
+
+
+@dataclass
+class CudarecvInitInfo(WeightTransferInitInfo):
+    """What each worker is told at ``init_weight_transfer_engine``: where the trainer's store is and how to
+    receive (the trainer's settings, checked there)."""
+
+    host: str
+    port: int
+    session: str
+    timeout: float
+    transport: str = "auto"
+
+    def __post_init__(self) -> None:
+        if not self.session or not isinstance(self.port, int) or not (self.timeout > 0 and math.isfinite(self.timeout)):
+            raise ArgumentError(f"malformed cudarecv init info: {self!r}")
+
+
+@dataclass
+class CudarecvUpdateInfo(WeightTransferUpdateInfo):
+    """What each worker is told with ``update_weights``: the version the trainer is pushing."""
+
+    version: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.version, bool) or not isinstance(self.version, int) or self.version < 1:
+            raise ArgumentError(f"malformed cudarecv update info: version {self.version!r}")
+
+
+def dtype_of(name: str, what: str):
+    """The torch dtype named ``name`` (``"bfloat16"`` or ``"torch.bfloat16"``)."""
+    import torch
+
+    dtype = getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ArgumentError(f"`{what}` must name a floating-point torch dtype (\"bfloat16\", \"float32\"), got {name!r}")
+    return dtype

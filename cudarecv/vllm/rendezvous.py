@@ -1,0 +1,33 @@
+"""Where the trainer and the engine's workers meet: the trainer's TCP store, each worker's entry in it, and the
+gloo group of their own (rank 0 the trainer, worker ``i`` rank ``i + 1``) built on a prefix of it. The user's
+process groups, and vLLM's, are never touched."""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import torch.distributed as dist
+
+from .. import TransferTimeout
+
+
+def seconds(value: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=value)
+
+
+def member_key(session: str, index: int) -> str:
+    """The store key where worker ``index`` says it joined (its engine's worker count, dtype and host)."""
+    return f"cudarecv/vllm/{session}/worker/{index}"
+
+
+def group_of(store: Any, session: str, rank: int, size: int, timeout: float) -> Any:
+    """This process's rank of the session's gloo group (every member calls it; bounded by ``timeout``)."""
+    who = "the trainer" if rank == 0 else f"vLLM worker {rank - 1}"
+    try:
+        return dist.ProcessGroupGloo(dist.PrefixStore(f"cudarecv/vllm/{session}/group", store), rank, size,
+                                     seconds(timeout))
+    except RuntimeError as error:
+        raise TransferTimeout(f"cudarecv weight transfer: {who} could not form the group of the trainer and "
+                              f"{size - 1} vLLM worker(s) within {timeout:g} s (the backend's message is this "
+                              "error's __cause__)") from error

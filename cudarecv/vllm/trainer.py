@@ -1,0 +1,190 @@
+"""The trainer's side: :class:`CudarecvTrainerEngine`, a :class:`~cudarecv.WeightSender` to every worker of a
+vLLM engine, driven through vLLM's weight-sync client (the ``LLM`` object, ``vllm serve`` over HTTP, Ray)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from dataclasses import asdict
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine, WeightSource
+
+from .. import ArgumentError, TransferTimeout, UsageError, WeightSender
+from .client import as_client
+from .info import CudarecvInitInfo, CudarecvTrainerInitInfo, dtype_of
+from .rendezvous import group_of, member_key, seconds
+
+log = logging.getLogger("cudarecv")
+
+
+class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]):
+    """vLLM's ``"cudarecv"`` weight-transfer backend, trainer side.
+
+    Built by ``WeightTransferTrainerFactory.trainer_init(CudarecvTrainerInitInfo(), client=..., source=...)``
+    (or :meth:`trainer_init`): the workers join, the schema is checked both ways, and each
+    :meth:`send_weights` moves one version, cast to the engine's dtype on the trainer.
+
+    Example:
+        >>> trainer = CudarecvTrainerEngine.trainer_init(CudarecvTrainerInitInfo(), client=llm,
+        ...                                             source=ModuleSource(model))
+        >>> trainer.send_weights()  # the engine generates with the model's weights from here on
+        1
+    """
+
+    init_info_cls = CudarecvTrainerInitInfo
+
+    def __init__(self, *, client: Any, source: WeightSource, info: CudarecvTrainerInitInfo) -> None:
+        super().__init__(client=as_client(client) if info.is_sender else client, source=source,
+                         is_sender=info.is_sender)
+        self.info = info
+        self.sender: WeightSender | None = None
+        self._store: Any = None
+        self._group: Any = None
+        self._td: TensorDict | None = None  # the weights as they travel (the engine's dtype), flat on "."
+        self._shared: dict[str, int] = {}  # leaves that are the source's own tensors: their data pointers
+        self._started = False  # the engine started an update of this trainer's once
+
+    @classmethod
+    def trainer_init(cls, init_info: CudarecvTrainerInitInfo, *, client: Any,
+                     source: WeightSource | None = None) -> "CudarecvTrainerEngine":
+        if not isinstance(init_info, CudarecvTrainerInitInfo):
+            raise ArgumentError(f"`init_info` must be a CudarecvTrainerInitInfo, got {type(init_info).__name__}")
+        if source is None:
+            raise ArgumentError("`source` is required: the weights to send (vLLM's ModuleSource(model))")
+        engine = cls(client=client, source=source, info=init_info)
+        if engine.is_sender:
+            try:
+                engine._connect()
+            except BaseException:
+                engine.shutdown()
+                raise
+        return engine
+
+    # -- the handshake ---------------------------------------------------------------------------------------
+    def _connect(self) -> None:
+        info = self.info
+        session = os.urandom(6).hex()
+        self._store = dist.TCPStore(info.host, info.port, is_master=True, wait_for_workers=False,
+                                    timeout=seconds(info.timeout))
+        worker_info = CudarecvInitInfo(host=info.host, port=self._store.port, session=session,
+                                       timeout=info.timeout, transport=info.transport)
+        call = _Call(lambda: self.client.init_weight_transfer_engine(asdict(worker_info)), "init_weight_transfer_engine",
+                     info.timeout)
+        try:
+            first = json.loads(self._store.get(member_key(session, 0)))  # (bounded by the store's timeout)
+        except RuntimeError:
+            call.join()
+            raise TransferTimeout(f"cudarecv weight transfer: no vLLM worker joined within {info.timeout:g} s (is "
+                                  f"the engine started with weight_transfer_config={{'backend': 'cudarecv'}}, and "
+                                  f"can it reach {info.host}:{self._store.port}?)") from None
+        workers = int(first["workers"])
+        dtype = dtype_of(info.dtype or first["dtype"], "dtype")
+        self._group = group_of(self._store, session, 0, workers + 1, info.timeout)
+        self._td = self._weights(dtype)
+        with call:  # (the sender's error first; the engine's answer then says what the workers saw)
+            self.sender = WeightSender(self._td.unflatten_keys("."), group=self._group,
+                                       group_dst=list(range(1, workers + 1)), timeout=info.timeout, mode=info.mode,
+                                       verify=info.verify, bucket_bytes=info.bucket_bytes, transport=info.transport)
+        log.info("cudarecv weight transfer to %d vLLM worker(s) (%s, %s, %s)", workers, dtype,
+                 info.mode, ", ".join(sorted(set(self.sender.transports.values()))))
+
+    def _weights(self, dtype: torch.dtype) -> TensorDict:
+        """The tensordict that travels: each source tensor itself where it is already a plain contiguous tensor
+        of ``dtype``, else a buffer of ``dtype`` that :meth:`send_weights` copies it into."""
+        leaves = {}
+        for name, tensor in self.source:
+            if type(tensor) in (torch.Tensor, torch.nn.Parameter) and tensor.dtype == dtype and tensor.is_contiguous():
+                leaves[name] = tensor.detach()
+                self._shared[name] = tensor.data_ptr()
+            else:
+                leaves[name] = torch.empty(tensor.shape, dtype=dtype, device=tensor.device)
+        return TensorDict(leaves, batch_size=[])
+
+    # -- an update -------------------------------------------------------------------------------------------
+    def send_weights(self) -> int | None:
+        """Send the source's weights now as the next version; return it (None on a rank that does not send).
+
+        The engine stamps it as its ``weight_version``. Returns once every worker loaded it (or raises naming
+        the worker that failed, died or timed out; the engine then serves the previous version)."""
+        td = self._td
+        for name, tensor in self.source:  # (every rank: a sharded source gathers collectively)
+            if td is not None and self._shared.get(name) != tensor.data_ptr():
+                td[name].copy_(tensor)
+        if not self.is_sender:
+            return None
+        if self.sender is None:
+            raise UsageError("this cudarecv trainer engine is shut down")
+        version = self.sender.version + 1
+        self._start(version)
+        with _Call(lambda: self.client.update_weights({"version": version}), "update_weights", self.info.timeout):
+            self.sender.push()
+        self.client.finish_weight_update(str(version))
+        return version
+
+    def _start(self, version: int) -> None:
+        """The engine's ``start_weight_update``. A trainer that died between its start and its update left the
+        engine's update session open, which refuses a new start: the first start of this trainer closes such a
+        session once (it holds nothing of a version: a worker loads only a whole one) and starts again."""
+        try:
+            self.client.start_weight_update()
+        except Exception as error:  # noqa: BLE001 - what the engine says differs by client (an RPC, an HTTP 500)
+            if self._started:
+                raise
+            log.warning("the vLLM engine refused to start update %d (%s: %s); closing an update a previous trainer "
+                        "left open, then starting again", version, type(error).__name__, error)
+            self.client.finish_weight_update()
+            self.client.start_weight_update()
+        self._started = True
+
+    def shutdown(self) -> None:
+        """Close the sender and the engine's side (its workers keep serving), and let the group and store go."""
+        sender, self.sender = self.sender, None
+        if sender is not None:
+            sender.close()
+            shut = getattr(self.client, "shutdown_weight_transfer_engine", None)
+            if shut is not None:
+                shut()
+        self._group = self._store = self._td = None
+        self._shared.clear()
+
+
+class _Call:
+    """One call of the engine's client on a thread of its own while this thread moves the bytes. ``join`` waits
+    for it (bounded) and raises what it raised; as a context manager, it joins on the way out, and an error of
+    the block wins over the call's (which becomes its context)."""
+
+    def __init__(self, call: Callable[[], Any], what: str, timeout: float) -> None:
+        self.what, self.timeout, self._error = what, timeout, None
+        self._thread = threading.Thread(target=self._run, args=(call,), name=f"cudarecv-vllm-{what}", daemon=True)
+        self._thread.start()
+
+    def __enter__(self) -> "_Call":
+        return self
+
+    def __exit__(self, kind: Any, error: Any, trace: Any) -> None:
+        if error is None:
+            self.join()
+            return
+        try:
+            self.join()
+        except BaseException as answer:  # noqa: BLE001 - the block's error is raised, this one its context
+            raise error from answer
+
+    def _run(self, call: Callable[[], Any]) -> None:
+        try:
+            call()
+        except BaseException as error:  # noqa: BLE001 - raised by join, on the caller's thread
+            self._error = error
+
+    def join(self) -> None:
+        self._thread.join(self.timeout)
+        if self._thread.is_alive():  # (the thread ends with the engine's answer: it holds nothing of ours)
+            raise TransferTimeout(f"the vLLM engine did not answer {self.what} within {self.timeout:g} s")
+        if self._error is not None:
+            raise self._error

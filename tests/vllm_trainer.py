@@ -1,0 +1,83 @@
+"""A trainer in a process of its own for tests/test_vllm.py: it drives the test's engine through a client that
+forwards each call to the test process (as HTTPVLLMWeightSyncClient forwards to ``vllm serve``), sends one version,
+then is killed (SIGKILL) during the next: ``mid-send`` once the engine's worker receives it and one weight is
+written into the shared snapshot, ``after-start`` once the engine started the update, before it is asked for it.
+
+    python tests/vllm_trainer.py <the test's listener port> <authkey hex> mid-send|after-start
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from multiprocessing.connection import Client
+from typing import Any
+
+import torch
+
+
+class Forwarding:
+    """vLLM's weight-sync client protocol, each call answered by the test process."""
+
+    def __init__(self, port: int, key: bytes, die_after_start: bool) -> None:
+        self._port, self._key, self.die_after_start = port, key, die_after_start
+        self.asked_update = threading.Event()  # update_weights reached the engine (its worker now receives)
+
+    def _call(self, name: str, *args: Any) -> None:
+        with Client(("127.0.0.1", self._port), authkey=self._key) as conn:  # (a connection per call: calls overlap)
+            conn.send((name, args))
+            assert conn.recv() == "taken"  # (the test process has the call: a death from here on is the engine's)
+            if name == "update_weights":
+                self.asked_update.set()
+            error = conn.recv()
+        if error is not None:
+            raise RuntimeError(f"the engine's {name} failed: {error}")
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self._call("init_weight_transfer_engine", init_info)
+
+    def start_weight_update(self) -> None:
+        self._call("start_weight_update")
+        if self.die_after_start:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def update_weights(self, update_info: dict) -> None:
+        self._call("update_weights", update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._call("finish_weight_update", weight_version)
+
+
+def main() -> None:
+    from vllm.distributed.weight_transfer.base import ModuleSource
+
+    from cudarecv.testing import tiny_llm
+    from cudarecv.vllm import CudarecvTrainerEngine, CudarecvTrainerInitInfo
+    from cudarecv.weights import snapshots
+
+    client = Forwarding(int(sys.argv[1]), bytes.fromhex(sys.argv[2]), die_after_start=False)
+    model = tiny_llm.model(seed=11)
+    trainer = CudarecvTrainerEngine.trainer_init(CudarecvTrainerInitInfo(timeout=30.0), client=client,
+                                                 source=ModuleSource(model))
+    trainer.send_weights()
+    print("sent 1", flush=True)
+    copy = snapshots.copy_bytes
+
+    def copy_then_die(dst: torch.Tensor, src: torch.Tensor) -> None:
+        copy(dst, src)
+        assert client.asked_update.wait(60)  # (the engine's worker is receiving: it sees the trainer die)
+        os.kill(os.getpid(), signal.SIGKILL)  # one leaf of version 2 written into the shared snapshot
+
+    snapshots.copy_bytes = copy_then_die
+    client.asked_update.clear()  # (set by version 1's update)
+    client.die_after_start = sys.argv[3] == "after-start"
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(-1.0)
+    trainer.send_weights()
+
+
+if __name__ == "__main__":
+    main()
