@@ -89,6 +89,28 @@ def test_each_update_makes_the_engine_generate_as_the_trainers_weights(llm):
         trainer.shutdown()
 
 
+def test_an_fp32_trainer_feeds_a_bf16_engine_in_bf16(tmp_path):
+    """The weights travel cast to the engine's dtype (half the bytes of the trainer's fp32), and the engine then
+    generates with them (its tokens change; bf16 kernels differ from a transformers forward, so not compared)."""
+    engine = vllm.LLM(model=tiny_llm.save(tmp_path / "tiny", seed=0), dtype="bfloat16", enforce_eager=True,
+                      skip_tokenizer_init=True, max_model_len=256, max_num_seqs=4, seed=0,
+                      weight_transfer_config={"backend": "cudarecv"})
+    try:
+        model = tiny_llm.model(seed=4)
+        trainer = CudarecvTrainerEngine.trainer_init(CudarecvTrainerInitInfo(timeout=60.0), client=engine,
+                                                     source=ModuleSource(model))
+        try:
+            fp32 = sum(p.nbytes for p in model.parameters())
+            assert trainer.dtype == torch.bfloat16 and trainer.nbytes * 2 == fp32, (trainer.dtype, trainer.nbytes)
+            before = generate(engine)
+            assert trainer.send_weights() == 1
+            assert generate(engine) != before
+        finally:
+            trainer.shutdown()
+    finally:
+        engine.llm_engine.engine_core.shutdown()
+
+
 def test_a_wrong_structure_is_refused_on_both_sides_and_the_engine_goes_on(llm):
     """A trainer whose MLP is wider than the engine's checkpoint: refused at the handshake, naming the weight, on
     the trainer and in the engine's answer; the engine serves on and a right trainer then updates it."""

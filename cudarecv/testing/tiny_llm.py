@@ -47,3 +47,4 @@ def greedy(module: torch.nn.Module, prompts: list[list[int]], tokens: int) -> li
                 ids = torch.cat([ids, module(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
             out.append(ids[0, len(prompt):].tolist())
     return out
+

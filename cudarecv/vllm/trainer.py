@@ -49,6 +49,7 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
         self._td: TensorDict | None = None  # the weights as they travel (the engine's dtype), flat on "."
         self._shared: dict[str, int] = {}  # leaves that are the source's own tensors: their data pointers
         self._started = False  # the engine started an update of this trainer's once
+        self.dtype: torch.dtype | None = None  # what the weights travel and load in (the engine's, unless set)
 
     @classmethod
     def trainer_init(cls, init_info: CudarecvTrainerInitInfo, *, client: Any,
@@ -86,7 +87,7 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
         workers = int(first["workers"])
         dtype = dtype_of(info.dtype or first["dtype"], "dtype")
         self._group = group_of(self._store, session, 0, workers + 1, info.timeout)
-        self._td = self._weights(dtype)
+        self._td, self.dtype = self._weights(dtype), dtype
         with call:  # (the sender's error first; the engine's answer then says what the workers saw)
             self.sender = WeightSender(self._td.unflatten_keys("."), group=self._group,
                                        group_dst=list(range(1, workers + 1)), timeout=info.timeout, mode=info.mode,
@@ -105,6 +106,11 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
             else:
                 leaves[name] = torch.empty(tensor.shape, dtype=dtype, device=tensor.device)
         return TensorDict(leaves, batch_size=[])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes one version moves to each worker (in :attr:`dtype`); 0 on a rank that does not send."""
+        return sum(t.nbytes for t in self._td.values()) if self._td is not None else 0
 
     # -- an update -------------------------------------------------------------------------------------------
     def send_weights(self) -> int | None:
