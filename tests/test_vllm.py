@@ -199,3 +199,13 @@ def test_a_trainer_killed_mid_update_leaves_the_previous_version_and_a_new_train
         assert generate(llm) == tiny_llm.greedy(new, PROMPTS, TOKENS)
     finally:
         trainer.shutdown()
+
+
+def test_the_rl_example_runs(tmp_path):
+    """examples/vllm_rl.py as a user runs it: a few REINFORCE steps, the engine updated after each."""
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / "vllm_rl.py"), "--steps", "3"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600, env={**os.environ, **ENV})
+    assert done.returncode == 0, done.stderr[-3000:]
+    steps = [line for line in done.stdout.splitlines() if line.startswith("step ")]
+    assert [line.rsplit(" ", 1)[1] for line in steps] == ["1", "2", "3"], done.stdout
+    assert done.stdout.rstrip().endswith("done: 3 updates, the engine serves weight version 3"), done.stdout

