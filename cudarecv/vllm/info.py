@@ -5,7 +5,7 @@ travels to each vLLM worker at ``init_weight_transfer_engine`` (:class:`Cudarecv
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, WeightTransferInitInfo, WeightTransferUpdateInfo
@@ -47,9 +47,11 @@ class CudarecvTrainerInitInfo(TrainerInitInfo):
     bucket_bytes: int | None = None
     transport: str = "auto"
     dtype: str | None = None
-    rank: int = 0
+    rank: int = field(default=0, kw_only=True)
 
     def __post_init__(self) -> None:
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
+            raise ArgumentError(f"`rank` must be this trainer rank, an int >= 0 (0 sends), got {self.rank!r}")
         if not isinstance(self.host, str) or not self.host:
             raise ArgumentError(f"`host` must be the address of the trainer's machine, got {self.host!r}")
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port < 65536:

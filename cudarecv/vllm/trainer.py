@@ -48,7 +48,6 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
         self._group: Any = None
         self._td: TensorDict | None = None  # the weights as they travel (the engine's dtype), flat on "."
         self._shared: dict[str, int] = {}  # leaves that are the source's own tensors: their data pointers
-        self._started = False  # the engine started an update of this trainer's once
         self.dtype: torch.dtype | None = None  # what the weights travel and load in (the engine's, unless set)
 
     @classmethod
@@ -59,12 +58,15 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
         if source is None:
             raise ArgumentError("`source` is required: the weights to send (vLLM's ModuleSource(model))")
         engine = cls(client=client, source=source, info=init_info)
-        if engine.is_sender:
-            try:
-                engine._connect()
-            except BaseException:
-                engine.shutdown()
-                raise
+        if not engine.is_sender:
+            for _ in source:  # (rank 0 reads the source once: a sharded one gathers on every rank)
+                pass
+            return engine
+        try:
+            engine._connect()
+        except BaseException:
+            engine.shutdown()
+            raise
         return engine
 
     # -- the handshake ---------------------------------------------------------------------------------------
@@ -75,20 +77,21 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
                                     timeout=seconds(info.timeout))
         worker_info = CudarecvInitInfo(host=info.host, port=self._store.port, session=session,
                                        timeout=info.timeout, transport=info.transport)
-        call = _Call(lambda: self.client.init_weight_transfer_engine(asdict(worker_info)), "init_weight_transfer_engine",
-                     info.timeout)
-        try:
-            first = json.loads(self._store.get(member_key(session, 0)))  # (bounded by the store's timeout)
-        except RuntimeError:
-            call.join()
-            raise TransferTimeout(f"cudarecv weight transfer: no vLLM worker joined within {info.timeout:g} s (is "
-                                  f"the engine started with weight_transfer_config={{'backend': 'cudarecv'}}, and "
-                                  f"can it reach {info.host}:{self._store.port}?)") from None
-        workers = int(first["workers"])
-        dtype = dtype_of(info.dtype or first["dtype"], "dtype")
-        self._group = group_of(self._store, session, 0, workers + 1, info.timeout)
-        self._td, self.dtype = self._weights(dtype), dtype
-        with call:  # (the sender's error first; the engine's answer then says what the workers saw)
+        with _Call(lambda: self.client.init_weight_transfer_engine(asdict(worker_info)),
+                   "init_weight_transfer_engine", 2 * info.timeout):  # (an error here first; the engine's its context)
+            try:
+                first = json.loads(self._store.get(member_key(session, 0)))  # (bounded by the store's timeout)
+            except RuntimeError:
+                raise TransferTimeout(f"cudarecv weight transfer: no vLLM worker joined within {info.timeout:g} s "
+                                      f"(is the engine started with weight_transfer_config={{'backend': 'cudarecv'}}, "
+                                      f"and can it reach {info.host}:{self._store.port}?)") from None
+            workers = int(first["workers"])
+            self._group = group_of(self._store, session, 0, workers + 1, info.timeout)
+            joined = [json.loads(self._store.get(member_key(session, i))) for i in range(workers)]
+            if len({(w["workers"], w["dtype"]) for w in joined}) != 1:
+                raise UsageError(f"the engine's workers disagree on their number or dtype: {joined}")
+            dtype = dtype_of(info.dtype or first["dtype"], "dtype")
+            self._td, self.dtype = self._weights(dtype), dtype
             self.sender = WeightSender(self._td.unflatten_keys("."), group=self._group,
                                        group_dst=list(range(1, workers + 1)), timeout=info.timeout, mode=info.mode,
                                        verify=info.verify, bucket_bytes=info.bucket_bytes, transport=info.transport)
@@ -128,36 +131,55 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
             raise UsageError("this cudarecv trainer engine is shut down")
         version = self.sender.version + 1
         self._start(version)
-        with _Call(lambda: self.client.update_weights({"version": version}), "update_weights", self.info.timeout):
-            self.sender.push()
+        try:  # (the worker's pull may wait a timeout for the version to start, and one for it to land)
+            with _Call(lambda: self.client.update_weights({"version": version}), "update_weights",
+                       2 * self.info.timeout + 30.0):
+                self.sender.push()
+        except BaseException:
+            self._close_session(version)
+            raise
         self.client.finish_weight_update(str(version))
         return version
 
+    def _close_session(self, version: int) -> None:
+        """After a failed update: close the engine's update session if it is still open (best effort, logged),
+        so that the next ``send_weights`` can start one."""
+        try:
+            self.client.finish_weight_update()
+        except Exception as error:  # noqa: BLE001 - a worker whose update failed closed its session itself
+            log.info("after the failed update %d, the engine's update session was already closed (%s)", version,
+                     type(error).__name__)
+
     def _start(self, version: int) -> None:
         """The engine's ``start_weight_update``. A trainer that died between its start and its update left the
-        engine's update session open, which refuses a new start: the first start of this trainer closes such a
-        session once (it holds nothing of a version: a worker loads only a whole one) and starts again."""
+        engine's update session open, which refuses a new start ("already active"): such a session is closed
+        (it holds nothing of a version: a worker loads only a whole one) and the start made again."""
         try:
             self.client.start_weight_update()
         except Exception as error:  # noqa: BLE001 - what the engine says differs by client (an RPC, an HTTP 500)
-            if self._started:
+            if "already active" not in str(error):
                 raise
-            log.warning("the vLLM engine refused to start update %d (%s: %s); closing an update a previous trainer "
-                        "left open, then starting again", version, type(error).__name__, error)
+            log.warning("the vLLM engine refused to start update %d: an update is already active (a previous "
+                        "trainer's, which died); closing it, then starting again", version)
             self.client.finish_weight_update()
             self.client.start_weight_update()
-        self._started = True
 
     def shutdown(self) -> None:
         """Close the sender and the engine's side (its workers keep serving), and let the group and store go."""
         sender, self.sender = self.sender, None
-        if sender is not None:
-            sender.close()
-            shut = getattr(self.client, "shutdown_weight_transfer_engine", None)
-            if shut is not None:
-                shut()
-        self._group = self._store = self._td = None
-        self._shared.clear()
+        try:
+            if sender is not None:
+                sender.close()
+            shut = getattr(self.client, "shutdown_weight_transfer_engine", None) if self.is_sender else None
+            if shut is not None and self._store is not None:
+                try:  # (bounded: an engine still busy with this trainer's call answers late or never)
+                    _Call(shut, "shutdown_weight_transfer_engine", self.info.timeout).join()
+                except Exception as error:  # noqa: BLE001 - the trainer's side is closed; the engine's is said
+                    log.warning("the vLLM engine did not release this trainer's connection: %s: %s",
+                                type(error).__name__, error)
+        finally:
+            self._group = self._store = self._td = None
+            self._shared.clear()
 
 
 class _Call:
@@ -179,8 +201,8 @@ class _Call:
             return
         try:
             self.join()
-        except BaseException as answer:  # noqa: BLE001 - the block's error is raised, this one its context
-            raise error from answer
+        except BaseException as answer:  # noqa: BLE001 - the block's error propagates, this one as its context
+            error.__context__ = answer
 
     def _run(self, call: Callable[[], Any]) -> None:
         try:

@@ -42,21 +42,23 @@ class CudarecvWeightTransferEngine(WeightTransferEngine[CudarecvInitInfo, Cudare
     def init_transfer_engine(self, init_info: CudarecvInitInfo) -> None:
         """Join the trainer's group and take its schema, checked against this engine's checkpoint."""
         self.shutdown()  # (a trainer that connects again replaces the last one)
-        parallel = self.parallel_config
-        workers = parallel.world_size * max(int(getattr(parallel, "data_parallel_size", 1) or 1), 1)
-        index = int(getattr(parallel, "data_parallel_index", 0) or 0) * parallel.world_size + parallel.rank
+        workers, index = self.parallel_config.world_size, self.parallel_config.rank  # (one engine: TP x PP workers)
         dtype = self.model_config.dtype
-        self._store = dist.TCPStore(init_info.host, init_info.port, is_master=False,
-                                    timeout=seconds(init_info.timeout))
-        self._store.set(member_key(init_info.session, index), json.dumps(
-            {"workers": workers, "dtype": str(dtype).removeprefix("torch."), "host": socket.gethostname()}))
-        self._group = group_of(self._store, init_info.session, index + 1, workers + 1, init_info.timeout)
-        expect = expected_weights(self.model_config.model, dtype)
-        if expect is None:
-            log.info("vLLM worker %d: no safetensors checkpoint at %r to check the trainer's weights against; "
-                     "taking them as the trainer names them", index, self.model_config.model)
-        self._receiver = WeightReceiver(group=self._group, group_src=0, device=self.device, expect=expect,
-                                        timeout=init_info.timeout, transport=init_info.transport)
+        try:
+            self._store = dist.TCPStore(init_info.host, init_info.port, is_master=False,
+                                        timeout=seconds(init_info.timeout))
+            self._store.set(member_key(init_info.session, index), json.dumps(
+                {"workers": workers, "dtype": str(dtype).removeprefix("torch."), "host": socket.gethostname()}))
+            self._group = group_of(self._store, init_info.session, index + 1, workers + 1, init_info.timeout)
+            expect = expected_weights(self.model_config.model, dtype)
+            if expect is None:
+                log.warning("vLLM worker %d: no local safetensors checkpoint at %r to check the trainer's weights "
+                            "against; taking them as the trainer names them", index, self.model_config.model)
+            self._receiver = WeightReceiver(group=self._group, group_src=0, device=self.device, expect=expect,
+                                            timeout=init_info.timeout, transport=init_info.transport)
+        except BaseException:
+            self.shutdown()
+            raise
         log.info("vLLM worker %d joined the trainer's weight sync (%s)", index, self._receiver.transport)
 
     # -- an update -----------------------------------------------------------------------------------------
@@ -86,9 +88,11 @@ class CudarecvWeightTransferEngine(WeightTransferEngine[CudarecvInitInfo, Cudare
     def shutdown(self) -> None:
         """Close the receiver and let the group and the store go (the engine keeps serving)."""
         receiver, self._receiver = self._receiver, None
-        if receiver is not None:
-            receiver.close()
-        self._group = self._store = None
+        try:
+            if receiver is not None:
+                receiver.close()
+        finally:
+            self._group = self._store = None
 
 
 def load(model: torch.nn.Module, model_config: Any, weights: TensorDict) -> None:
