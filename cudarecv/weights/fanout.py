@@ -140,8 +140,9 @@ def dropping(session: Session, pool: SnapshotPool, member: Member, version: int,
         text = str(failure)
         if "is dropped from this sender" not in text:
             text += f"; rank {member.rank} is dropped from this sender"
+        if member.gone is None:  # (once: its listener may have heard it die first, and said so)
+            logger.warning("weight sender: %s", text)
         member.gone, member.named = text, member.named or told
-        logger.warning("weight sender: %s", text)
         pool.retire(member)
         if not member.shared or session.shared_kind == CUDA_IPC:
             # its send (or, CUDA IPC, its copy) may still read the storage, long after this; a receiver of host
