@@ -111,6 +111,18 @@ def test_an_fp32_trainer_feeds_a_bf16_engine_in_bf16(tmp_path):
         engine.llm_engine.engine_core.shutdown()
 
 
+def _a_new_trainer_updates(llm, seed: int) -> None:
+    """A trainer connects, sends one version, and the engine generates as its weights."""
+    model = tiny_llm.model(seed=seed)
+    trainer = CudarecvTrainerEngine.trainer_init(CudarecvTrainerInitInfo(timeout=60.0), client=llm,
+                                                 source=ModuleSource(model))
+    try:
+        trainer.send_weights()
+        assert generate(llm) == tiny_llm.greedy(model, PROMPTS, TOKENS)
+    finally:
+        trainer.shutdown()
+
+
 def test_a_wrong_structure_is_refused_on_both_sides_and_the_engine_goes_on(llm):
     """A trainer whose MLP is wider than the engine's checkpoint: refused at the handshake, naming the weight, on
     the trainer and in the engine's answer; the engine serves on and a right trainer then updates it."""
@@ -123,14 +135,7 @@ def test_a_wrong_structure_is_refused_on_both_sides_and_the_engine_goes_on(llm):
     engine_side = refused.value.__context__ or refused.value.__cause__
     assert engine_side is not None and "model.layers.0.mlp" in str(engine_side), engine_side
     assert generate(llm) == serving
-    right = tiny_llm.model(seed=3)
-    trainer = CudarecvTrainerEngine.trainer_init(CudarecvTrainerInitInfo(timeout=60.0), client=llm,
-                                                 source=ModuleSource(right))
-    try:
-        trainer.send_weights()
-        assert generate(llm) == tiny_llm.greedy(right, PROMPTS, TOKENS)
-    finally:
-        trainer.shutdown()
+    _a_new_trainer_updates(llm, seed=3)
 
 
 def _serve(llm, listener: Listener, stop: threading.Event, errors: list) -> None:
@@ -191,14 +196,7 @@ def test_a_trainer_killed_mid_update_leaves_the_previous_version_and_a_new_train
     assert [name for name, _ in errors] == (["update_weights"] if when == "mid-send" else []), errors
     version1 = tiny_llm.model(seed=11)
     assert generate(llm) == tiny_llm.greedy(version1, PROMPTS, TOKENS), "the engine does not serve version 1 whole"
-    new = tiny_llm.model(seed=12)
-    trainer = CudarecvTrainerEngine.trainer_init(CudarecvTrainerInitInfo(timeout=60.0), client=llm,
-                                                 source=ModuleSource(new))
-    try:
-        trainer.send_weights()
-        assert generate(llm) == tiny_llm.greedy(new, PROMPTS, TOKENS)
-    finally:
-        trainer.shutdown()
+    _a_new_trainer_updates(llm, seed=12)
 
 
 def test_the_rl_example_runs(tmp_path):
