@@ -57,13 +57,14 @@ _EXPORTS = {
     "KernelCompileError": ".core.errors",
     "SenderClosed": ".core.errors",
     "ReceiverFailed": ".core.errors",
+    "start_thread": ".core.shutdown",
 }
 __all__ = [
     "ArgumentError", "ArgumentTypeError", "BrokenError", "ChecksumError", "Error", "HeaderError",
     "KernelCompileError", "LinkError", "MismatchError", "OutOfStepError", "PeerError", "PushHeaderError",
     "ReceiverFailed", "SchemaError", "SenderClosed", "Transfer", "TransferTimeout", "UsageError", "WaitTimeout", "WeightReceiver",
-    "WeightSender", "install", "installed", "irecv", "is_installed", "isend", "recv", "send", "tag_sequence",
-    "uninstall",
+    "WeightSender", "install", "installed", "irecv", "is_installed", "isend", "recv", "send", "start_thread",
+    "tag_sequence", "uninstall",
 ]
 
 if TYPE_CHECKING:
@@ -87,6 +88,7 @@ if TYPE_CHECKING:
         UsageError,
         WaitTimeout,
     )
+    from .core.shutdown import start_thread
     from .core.transfer import Transfer
     from .p2p.calls import irecv, isend, recv, send
     from .p2p.install import install, installed, is_installed, uninstall

@@ -7,7 +7,7 @@ import threading
 from typing import Callable
 
 from .log import logger
-from .shutdown import at_exit
+from .shutdown import at_exit, start_thread
 
 
 class Driver:
@@ -23,8 +23,7 @@ class Driver:
 
     def __init__(self, name: str) -> None:
         self._jobs: "queue.SimpleQueue[Callable[[], None] | None]" = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self.thread.start()
+        self.thread = start_thread(self._loop, name)
         at_exit(self.stop)  # no thread left inside gloo at interpreter shutdown
 
     def submit(self, job: Callable[[], None]) -> None:

@@ -9,6 +9,11 @@ for a transfer (one that timed out, was never waited for, or a standing receive)
 gloo wait of 1 ms on it: gloo closes all of a group's links at once, never one), the waits end with an
 error, and their threads are joined; a transfer that would start waiting once the hook has looked fails at
 once instead (:func:`driving`). Groups with no such wait are not touched; what is closed is logged.
+
+Then every thread cudarecv started (:func:`start_thread`) is joined, whether or not its owner still exists (a
+sender never closed is often collected before exit while its listeners run): a thread that still runs Python
+code when the interpreter finalizes aborts the process the moment it frees a gloo work (torch releases the GIL
+in that destructor, and re-taking it then ends the thread inside C++).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ _LOCK = threading.Lock()  # guards _DRIVEN's entries and _exiting
 _exiting = False  # set by the exit hook: no transfer starts waiting after it looked
 _BACKGROUND: set = set()  # transfers handed to a background thread, until they end
 _STOPS: list[Callable[[], Callable[[float], None] | None]] = []  # at_exit's, each behind a (weak) reference
+_THREADS: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()  # start_thread's (a running one is referenced)
 
 
 @contextlib.contextmanager
@@ -72,6 +78,24 @@ def at_exit(stop: Callable[[float], None]) -> None:
     _STOPS.append(weakref.WeakMethod(stop) if hasattr(stop, "__self__") else lambda: stop)
 
 
+def start_thread(target: Callable[..., Any], name: str, args: tuple = ()) -> threading.Thread:
+    """Start a daemon thread running ``target(*args)`` that cudarecv's exit hook joins (bounded) once it has
+    ended the gloo waits still blocked: for a thread of yours that calls cudarecv (e.g. one that pulls every
+    next version), so that it does not free a gloo work while the interpreter finalizes (see the module
+    docstring). Every thread cudarecv itself starts is one.
+
+    Example:
+        >>> def take_versions():
+        ...     while True:
+        ...         receiver.pull()
+        >>> cudarecv.start_thread(take_versions, "actor-weights")
+    """
+    thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+    _THREADS.add(thread)
+    thread.start()
+    return thread
+
+
 def _at_exit() -> None:
     """End the gloo waits other threads still block in or are about to, and let those threads leave torch's
     C++ code, before the interpreter shuts down (see the module docstring)."""
@@ -99,6 +123,13 @@ def _at_exit() -> None:
                 stop(max(end - time.monotonic(), 0.0))
             except Exception:  # noqa: BLE001 - the other threads must still be stopped
                 logger.exception("at exit: stopping a thread raised")
+    end = time.monotonic() + GRACE
+    for thread in list(_THREADS):
+        if thread is not me and thread.is_alive():
+            thread.join(max(end - time.monotonic(), 0.0))
+            if thread.is_alive():
+                logger.warning("at exit: thread %s still runs after %g s; the process may abort (SIGABRT)",
+                               thread.name, GRACE)
 
 
 def _close_links(waiting: list[Any]) -> None:

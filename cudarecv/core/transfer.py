@@ -300,8 +300,7 @@ class Transfer(torch.futures.Future):
         if self._driver is not None:
             self._driver(self.settle)
         else:
-            self._helper = threading.Thread(target=self.settle, name="cudarecv-transfer", daemon=True)
-            self._helper.start()
+            self._helper = shutdown.start_thread(self.settle, "cudarecv-transfer")
 
 
 class Ended:

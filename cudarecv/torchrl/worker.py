@@ -10,7 +10,7 @@ from typing import Any, Callable
 from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
-from .. import ReceiverFailed, SenderClosed, TransferTimeout, WaitTimeout, WeightReceiver
+from .. import ReceiverFailed, SenderClosed, TransferTimeout, WaitTimeout, WeightReceiver, start_thread
 from .trainer import FAILED
 
 
@@ -35,8 +35,7 @@ class Worker:
     def start(self, thread_name: str) -> None:
         """Version 1 into the policy, then a thread that takes every next version."""
         self._switch(self.receiver.pull())
-        self._thread = threading.Thread(target=self._take_versions, daemon=True, name=thread_name)
-        self._thread.start()
+        self._thread = start_thread(self._take_versions, thread_name)  # (joined at exit too)
 
     def td(self) -> TensorDictBase:
         """The version the policy acts with."""

@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import threading
 import time
 from typing import Any, Iterator
 
@@ -34,7 +33,6 @@ from ..core import streams
 from ..core.checks import check_timeout
 from ..core.errors import ArgumentError, PeerError, SchemaError, UsageError, WaitTimeout
 from ..core.link import resolve
-from ..core.shutdown import at_exit
 from ..core.tags import SESSIONS
 from ..core.transfer import CUDA_IPC, SHARED_MEMORY, WIRE, Transfer
 from ..plan.header import check_pieces
@@ -156,7 +154,6 @@ class WeightSender:
         for member in self._s.members:
             if member.lane.link.backend != "nccl":  # the receiver's asks and BYE (see cudarecv.weights.wire)
                 start_listening(self._s, self._pool, member)
-        at_exit(self._join_listeners)  # the exit hook has ended their waits: they leave gloo before shutdown
 
     #: check keyword arguments of a sender (or receiver) ahead, without building one (see :func:`check_options`)
     check_options = staticmethod(check_options)
@@ -289,13 +286,6 @@ class WeightSender:
         self._pool.clear()
         for member in members:
             member.lane = None
-
-    def _join_listeners(self, timeout: float) -> None:
-        """Wait up to ``timeout`` s in all for the listener threads to end (at exit)."""
-        deadline = time.monotonic() + timeout
-        for member in self._s.members:
-            if member.listener is not None and member.listener is not threading.current_thread():
-                member.listener.join(max(deadline - time.monotonic(), 0.0))
 
     def __enter__(self) -> "WeightSender":
         return self

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import math
-import threading
 
 from ..core.errors import OutOfStepError
 from ..core.log import logger
+from ..core.shutdown import start_thread
 from ..core.transfer import SHARED_MEMORY, Transfer, run_standing
 from ..wire.control import read_bytes
 from .fanout import dropping, out_of_step, send
@@ -21,9 +21,7 @@ from .wire import ASK, ASK_SIZE, BYE, FREED, GOT, LANDED, RELEASED, PushHeader, 
 
 def start_listening(session: Session, pool: SnapshotPool, member: Member) -> None:
     """Start ``member``'s listener thread (gloo links: NCCL runs a pair's messages in order, no listener)."""
-    member.listener = threading.Thread(target=_listen, args=(session, pool, member), daemon=True,
-                                       name=f"cudarecv-listen-{member.rank}")
-    member.listener.start()
+    member.listener = start_thread(_listen, f"cudarecv-listen-{member.rank}", (session, pool, member))
 
 
 def _listen(session: Session, pool: SnapshotPool, member: Member) -> None:
