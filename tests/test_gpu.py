@@ -37,6 +37,8 @@ from cudarecv.p2p.stock import Stock
 from cudarecv.plan.walk import unwrap
 from cudarecv.testing.gpu import nccl_pair_problem
 from cudarecv.testing.launch import Ranks
+from held import many_transfers, weights_and_transfers
+from rawwire import unique_key
 from tdfactory import STRUCTURES, leaves, make
 
 HAS_CUDA = torch.cuda.is_available()
@@ -1029,3 +1031,39 @@ def test_cuda_ipc_fast_wire_exact_and_memory_flat(gloo, gpus, consolidated):
     assert exact
     for early, late in (sent_memory, received_memory):
         assert late[0] - early[0] <= MEMORY_SLACK and late[1] == early[1], f"device memory grew: {early} -> {late}"
+
+
+def ipc_weights_and_transfers(rank, world, group, gpus, key):
+    """tests/held.py's lifecycle run on GPU tensors (CUDA IPC carries them): three of four receives refused."""
+    with _ipc_gpu(rank, gpus):
+        return weights_and_transfers(rank, world, group, "auto", 3, key, device="cuda")
+
+
+def ipc_many_transfers(rank, world, group, gpus, key):
+    with _ipc_gpu(rank, gpus):
+        return many_transfers(rank, world, group, "auto", key, device="cuda")
+
+
+@pytest.mark.parametrize("gpus", IPC_GPUS)
+def test_cuda_ipc_nothing_outlives_close_and_destroy(gloo, gpus):
+    """Weight sync (sync, latest) and fast-wire transfers through CUDA IPC, three refused, then close, destroy
+    and collect: no thread of cudarecv's left, the tensordicts (and the device memory they hold, with the
+    other end's IPC mappings of it) and the group let go."""
+    (_, _, _, sender, sender_alive, sent), (refused, exact, links, receiver, receiver_alive, carried) = gloo().run(
+        ipc_weights_and_transfers, args=(gpus, unique_key("ipc_outlive")), timeout=RUN_TIMEOUT)
+    assert sent == ["cuda ipc"] * 2 and carried == ["cuda ipc"] * 3, (sent, carried)
+    assert refused == 3 and exact
+    assert [name.split("#")[0] for name in links] == ["cudarecv-recv-0"], links  # one per link, not per failure
+    left = (sender, receiver, sender_alive, receiver_alive)
+    assert left == ([], [], [False] * 4, [False] * 4), left  # (threads; weights, good, wrong, group)
+
+
+@pytest.mark.parametrize("gpus", IPC_GPUS)
+def test_cuda_ipc_many_transfers_with_refusals_keep_resources_flat(gloo, gpus):
+    results = gloo().run(ipc_many_transfers, args=(gpus, unique_key("ipc_many")), timeout=300)
+    assert results[1][0] == 250
+    for rank, (_, early, late) in enumerate(results):
+        assert early[:4] == late[:4], (f"rank {rank}: (cudarecv threads, threads, descriptors, shared mappings) "
+                                       f"{early[:4]} after 20, {late[:4]} after 1000")
+        assert late[4] - early[4] <= MEMORY_SLACK and late[5] == early[5], (
+            f"rank {rank}: device memory (allocated, reserved) grew: {early[4:]} -> {late[4:]}")

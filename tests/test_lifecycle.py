@@ -6,7 +6,6 @@ from __future__ import annotations
 import gc
 import logging
 import math
-import os
 import threading
 import weakref
 
@@ -17,93 +16,22 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 import cudarecv
-from rawwire import store, unique_key
+from held import both_done, many_transfers, resources, transfers, weights_and_transfers
+from rawwire import unique_key
 
 TRANSPORTS = ["wire", "auto"]
-
-
-SHARED_THREADS = {"cudarecv-deadlines"}  # one per process, for every transfer (it holds them weakly)
-
-
-def _threads() -> set[str]:
-    """cudarecv's threads alive in this process but the process-wide ones (named with their idents: several
-    share a name)."""
-    return {f"{t.name}#{t.ident}" for t in threading.enumerate()
-            if t.name.startswith("cudarecv") and t.name not in SHARED_THREADS}
-
-
-def _fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
-
-
-def _shared_maps() -> int:
-    """This process's shared mappings (segments, mapped storages): the private ones are its allocators' and
-    thread stacks', which glibc caches as it likes."""
-    with open("/proc/self/maps") as maps:
-        return sum(line.split()[1][3] == "s" for line in maps)
-
-
-def _sync_weights(rank: int, pg: object, td: TensorDict, mode: str, key: str) -> None:
-    if rank == 0:
-        with cudarecv.WeightSender(td, group=pg, group_dst=1, mode=mode, timeout=20) as sender:
-            td["w"].fill_(3.0)
-            sender.push()
-            store().wait([f"{key}_{mode}"])  # (latest: not closed before the receiver has it)
-    else:
-        with cudarecv.WeightReceiver(group=pg, group_src=0, timeout=20) as receiver:
-            receiver.pull()
-            assert bool((receiver.td["w"] == 3.0).all())
-            store().set(f"{key}_{mode}", "1")
-
-
-def _transfers(rank: int, pg: object, tds: list[TensorDict], good: TensorDict, transport: str) -> int:
-    """Send each of ``tds`` (rank 0) into ``good`` (rank 1); return how many the receiver refused."""
-    refused = 0
-    for td in tds:
-        if rank == 0:
-            cudarecv.send(td, group=pg, group_dst=1, bucket_bytes=1 << 12, timeout=20, transport=transport)
-        else:
-            try:
-                cudarecv.recv(good, group=pg, group_src=0, bucket_bytes=1 << 12, timeout=20, transport=transport)
-            except cudarecv.HeaderError:
-                refused += 1
-    return refused
-
-
-def _both_done(key: str, rank: int) -> None:
-    """Neither rank destroys the group while the other still uses it."""
-    store().set(f"{key}_done_{rank}", "1")
-    store().wait([f"{key}_done_{1 - rank}"])
-
-
-def weights_and_transfers(rank, world, group, transport, bad, key):
-    """Weight sync (sync and latest) and four fast-wire transfers on a new group (``bad`` of them refused
-    with HeaderError: the link stays usable), then close, destroy the group, collect: the cudarecv threads
-    left, and whether the tensordicts and the group are still alive."""
-    before = _threads()
-    pg = dist.new_group([0, 1], backend="gloo")
-    weights = TensorDict(w=torch.zeros(1000))
-    for mode in ("sync", "latest"):
-        _sync_weights(rank, pg, weights, mode, key)
-    good = TensorDict(x=torch.full((4096,), 1.0 + rank))
-    wrong = TensorDict(x=torch.zeros(4096, dtype=torch.int32))  # same bytes, another dtype: refused by the header
-    refused = _transfers(rank, pg, [wrong] * bad + [good] * (4 - bad), good, transport)
-    exact = bool((good["x"] == 1.0).all())
-    links = sorted(_threads() - before)  # while the group lives
-    refs = [weakref.ref(x) for x in (weights, good, wrong, pg)]
-    _both_done(key, rank)
-    dist.destroy_process_group(pg)
-    del pg, weights, good, wrong
-    gc.collect()
-    return refused, exact, links, sorted(_threads() - before), [r() is not None for r in refs]
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_nothing_outlives_close_and_destroy(cluster, transport):
     """The link's threads end with its group; an idle driver holds neither the group nor a tensordict."""
-    (_, _, _, sender, sender_alive), (_, exact, _, receiver, receiver_alive) = cluster().run(
+    (_, _, _, sender, sender_alive, sent), (_, exact, _, receiver, receiver_alive, carried) = cluster().run(
         weights_and_transfers, args=(transport, 0, unique_key("outlive")), timeout=120)
     assert exact
+    # weight sync's transport is its own default (shared memory on one host, sync and latest); a link's first
+    # transfer goes on the wire, carrying the same-host offer
+    assert sent == ["shared memory"] * 2 and carried == ["shared memory"] * 2 + ["wire"] + [
+        "wire" if transport == "wire" else "shared memory"] * 3, (sent, carried)
     left = (sender, receiver, sender_alive, receiver_alive)
     assert left == ([], [], [False] * 4, [False] * 4), left  # (threads; weights, good, wrong, group)
 
@@ -112,9 +40,10 @@ def test_nothing_outlives_close_and_destroy(cluster, transport):
 def test_refused_receives_leave_no_thread_behind(cluster, transport):
     """Three receives refused with HeaderError (each ends on the link's thread, which goes on): one thread
     per link direction, not one per failed receive."""
-    (_, _, sender, _, _), (refused, exact, receiver, _, _) = cluster().run(
+    (_, _, sender, _, _, _), (refused, exact, receiver, _, _, carried) = cluster().run(
         weights_and_transfers, args=(transport, 3, unique_key("refused")), timeout=120)
     assert refused == 3 and exact
+    assert carried[2:] == ["wire" if transport == "wire" else "shared memory"], carried  # (taken after 3 refused)
     assert [name.split("#")[0] for name in receiver] == ["cudarecv-recv-0"], receiver
     assert [name.split("#")[0] for name in sender] == ([] if transport == "wire" else ["cudarecv-send-1"]), sender
 
@@ -123,32 +52,10 @@ def test_refused_receives_leave_no_thread_behind(cluster, transport):
 def test_refused_receives_outlive_nothing(cluster, transport):
     """A failed transfer's error, kept in torch's C++ future (which gc cannot see into), holds no frame: one
     would keep the transfer, its tensordict and its group alive for good."""
-    (*_, sender, sender_alive), (*_, receiver, receiver_alive) = cluster().run(
+    (*_, sender, sender_alive, _), (*_, receiver, receiver_alive, _) = cluster().run(
         weights_and_transfers, args=(transport, 3, unique_key("refused")), timeout=120)
     left = (sender, receiver, sender_alive, receiver_alive)
     assert left == ([], [], [False] * 4, [False] * 4), left
-
-
-def _resources() -> tuple[int, int, int, int]:
-    """cudarecv's threads, all threads, descriptors and shared mappings of this process."""
-    gc.collect()
-    return len(_threads()), len(os.listdir("/proc/self/task")), _fds(), _shared_maps()
-
-
-def many_transfers(rank, world, group, transport, key):
-    """1000 fast-wire transfers on a new group, every fourth refused: threads, descriptors and mappings
-    after the first 20 and after all 1000."""
-    pg = dist.new_group([0, 1], backend="gloo")
-    good = TensorDict(x=torch.full((4096,), 1.0 + rank), y=torch.zeros(10, dtype=torch.int64))
-    wrong = TensorDict(x=torch.zeros(4096, dtype=torch.int32), y=torch.zeros(10, dtype=torch.int64))
-    tds = [wrong if i % 4 == 3 else good for i in range(1000)]
-    refused = _transfers(rank, pg, tds[:20], good, transport)
-    early = _resources()
-    refused += _transfers(rank, pg, tds[20:], good, transport)
-    late = _resources()
-    _both_done(key, rank)
-    dist.destroy_process_group(pg)
-    return refused, early, late
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -190,8 +97,8 @@ def logged_choices(rank, world, group, transport, key):
     try:
         pg = dist.new_group([0, 1], backend="gloo")
         td = TensorDict(x=torch.full((4096,), 1.0 + rank))
-        _transfers(rank, pg, [td] * 3, td, transport)
-        _both_done(key, rank)
+        transfers(rank, pg, [td] * 3, td, transport)
+        both_done(key, rank)
         dist.destroy_process_group(pg)
     finally:
         log.removeHandler(handler)
@@ -293,12 +200,12 @@ def groups_used_then_dropped(rank, world, group, transport, count, key):
     seen = []
     for n in range(count):
         pg = dist.new_group([0, 1], backend="gloo")
-        _transfers(rank, pg, [good] * 3, good, transport)
-        _both_done(f"{key}_{n}", rank)
+        transfers(rank, pg, [good] * 3, good, transport)
+        both_done(f"{key}_{n}", rank)
         dist.destroy_process_group(pg)
         del pg
         if n in (1, count - 1):
-            seen.append(_resources()[1:3])
+            seen.append(resources()[1:3])
     return seen
 
 
