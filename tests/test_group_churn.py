@@ -16,7 +16,7 @@ from tensordict import TensorDict
 import cudarecv
 from cudarecv.testing.launch import Cluster
 
-ROUNDS = 20
+ROUNDS = 12  # (a leak of one thread or descriptor per group shows as 11, beyond SLACK)
 SLACK = 4  # threads or descriptors a round may differ by (gloo's own come and go)
 
 
@@ -93,7 +93,7 @@ MODES = ["gloo", "auto/0", "auto/65536", "wire/0", "wire/65536",
 
 
 @pytest.mark.timeout(900)
-def test_twenty_groups_used_and_dropped_leave_nothing():
+def test_groups_used_and_dropped_leave_nothing():
     with Cluster(2) as ranks:
         results = ranks.run(churn, args=(MODES,), timeout=600)
     for rank, by_mode in enumerate(results):
