@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import socket
 import subprocess
 import sys
 import threading
+import time
 from multiprocessing.connection import Client, Listener
 from pathlib import Path
 
@@ -105,6 +108,32 @@ def test_an_fp32_trainer_feeds_a_bf16_engine_in_bf16(tmp_path):
             before = generate(engine)
             assert trainer.send_weights() == 1
             assert generate(engine) != before
+        finally:
+            trainer.shutdown()
+    finally:
+        engine.llm_engine.engine_core.shutdown()
+
+
+def test_a_tensor_parallel_engine_takes_each_version_on_both_workers(tmp_path, monkeypatch):
+    """Tensor parallel 2 (vLLM's CPU build: gloo between its workers): both workers join the trainer's group, each
+    receives the version whole and loads its own shard of it through vLLM's weight loaders; the engine then
+    generates as the trainer's weights."""
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # (one NUMA node here: vLLM's "auto" refuses)
+    engine = vllm.LLM(model=tiny_llm.save(tmp_path / "tiny", seed=0), dtype="float32", enforce_eager=True,
+                      skip_tokenizer_init=True, max_model_len=256, max_num_seqs=4, seed=0, tensor_parallel_size=2,
+                      distributed_executor_backend="mp", gpu_memory_utilization=0.3,  # (of host memory, per worker)
+                      weight_transfer_config={"backend": "cudarecv"})
+    try:
+        assert generate(engine) == tiny_llm.greedy(tiny_llm.model(seed=0), PROMPTS, TOKENS)
+        model = tiny_llm.model(seed=5)
+        trainer = CudarecvTrainerEngine.trainer_init(CudarecvTrainerInitInfo(timeout=60.0), client=engine,
+                                                     source=ModuleSource(model))
+        try:
+            assert trainer.sender.transports == {1: "shared memory", 2: "shared memory"}
+            for step in range(2):
+                perturbed(model, step)
+                assert trainer.send_weights() == step + 1
+                assert generate(engine) == tiny_llm.greedy(model, PROMPTS, TOKENS), f"update {step + 1}"
         finally:
             trainer.shutdown()
     finally:
@@ -207,3 +236,102 @@ def test_the_rl_example_runs(tmp_path):
     steps = [line for line in done.stdout.splitlines() if line.startswith("step ")]
     assert [line.rsplit(" ", 1)[1] for line in steps] == ["1", "2", "3"], done.stdout
     assert "done: 3 updates, the engine serves weight version 3" in done.stdout.splitlines(), done.stdout
+
+
+# -- vllm serve, updated over HTTP (HTTPVLLMWeightSyncClient) ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """``vllm serve`` of the seed-0 checkpoint with the cudarecv backend and its weight-sync endpoints
+    (``VLLM_SERVER_DEV_MODE=1``): its URL and model name, once it answers ``/health``."""
+    import requests
+
+    path = tiny_llm.save(tmp_path_factory.mktemp("tiny-qwen2-served"), seed=0)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    log = open(tmp_path_factory.mktemp("serve-log") / "serve.log", "w+")
+    server = subprocess.Popen(
+        # (vllm-cpu 0.32's `vllm serve` looks up the version of a "vllm" distribution and fails: its server module)
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path, "--host", "127.0.0.1",
+         "--port", str(port),
+         "--dtype", "float32", "--enforce-eager", "--skip-tokenizer-init", "--max-model-len", "256",
+         "--max-num-seqs", "4", "--seed", "0", "--generation-config", "vllm",
+         "--weight-transfer-config", '{"backend": "cudarecv"}'],
+        env={**os.environ, **ENV, "VLLM_SERVER_DEV_MODE": "1"}, stdout=log, stderr=subprocess.STDOUT,
+        start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):  # (a second each: the engine starts in 30-60 s on 2 quiet cores)
+            assert server.poll() is None, f"vllm serve exited with {server.returncode}: {_tail(log)}"
+            with contextlib.suppress(requests.ConnectionError):
+                if requests.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            time.sleep(1.0)  # (a poll of the server's readiness, bounded by the loop)
+        else:
+            pytest.fail(f"vllm serve did not answer /health within 600 s: {_tail(log)}")
+        yield url, path
+    finally:
+        server.send_signal(signal.SIGINT)  # (it shuts its engine down, then itself)
+        try:
+            server.wait(90)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait(30)
+        log.close()
+
+
+def _tail(log) -> str:
+    log.flush()
+    log.seek(0)
+    return log.read()[-3000:]
+
+
+def http_generate(url: str, model: str) -> list[list[int]]:
+    """Greedy tokens of PROMPTS from the server's completions endpoint (token ids in, token ids out)."""
+    import requests
+
+    answer = requests.post(f"{url}/v1/completions", timeout=120, json={
+        "model": model, "prompt": PROMPTS, "max_tokens": TOKENS, "temperature": 0.0, "ignore_eos": True,
+        "return_token_ids": True})
+    answer.raise_for_status()
+    return [list(c["token_ids"]) for c in sorted(answer.json()["choices"], key=lambda c: c["index"])]
+
+
+def test_vllm_serve_is_updated_over_http(served):
+    """A ``vllm serve`` engine updated through ``HTTPVLLMWeightSyncClient``: two versions, each generated as the
+    trainer's weights; a wrong structure refused with the engine's own words (not "500 Server Error"); a trainer
+    killed once the engine started its update leaves the update open, and a new trainer closes it and updates."""
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+    url, name = served
+    assert http_generate(url, name) == tiny_llm.greedy(tiny_llm.model(seed=0), PROMPTS, TOKENS)
+    model = tiny_llm.model(seed=21)
+    trainer = WeightTransferTrainerFactory.trainer_init(CudarecvTrainerInitInfo(timeout=60.0),
+                                                        client=HTTPVLLMWeightSyncClient(url), source=ModuleSource(model))
+    try:
+        for step in range(2):
+            perturbed(model, step)
+            assert trainer.send_weights() == step + 1
+            assert http_generate(url, name) == tiny_llm.greedy(model, PROMPTS, TOKENS), f"update {step + 1}"
+        assert trainer.sender.transports == {1: "shared memory"}
+    finally:
+        trainer.shutdown()
+    with pytest.raises(cudarecv.Error) as refused:
+        CudarecvTrainerEngine.trainer_init(CudarecvTrainerInitInfo(timeout=60.0), client=HTTPVLLMWeightSyncClient(url),
+                                           source=ModuleSource(tiny_llm.model(seed=2, intermediate_size=192)))
+    engine_side = refused.value.__context__ or refused.value.__cause__
+    assert isinstance(engine_side, cudarecv.ReceiverFailed) and "model.layers.0.mlp" in str(engine_side), engine_side
+    child = subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_trainer.py"), url, "after-start"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert child.returncode == -9 and "sent 1" in child.stdout, child.stderr[-3000:]
+    assert http_generate(url, name) == tiny_llm.greedy(tiny_llm.model(seed=11), PROMPTS, TOKENS)
+    model = tiny_llm.model(seed=12)
+    trainer = CudarecvTrainerEngine.trainer_init(CudarecvTrainerInitInfo(timeout=60.0),
+                                                 client=HTTPVLLMWeightSyncClient(url), source=ModuleSource(model))
+    try:
+        trainer.send_weights()  # (closes the dead trainer's open update first)
+        assert http_generate(url, name) == tiny_llm.greedy(model, PROMPTS, TOKENS)
+    finally:
+        trainer.shutdown()

@@ -4,6 +4,7 @@ then is killed (SIGKILL) during the next: ``mid-send`` once the engine's worker 
 written into the shared snapshot, ``after-start`` once the engine started the update, before it is asked for it.
 
     python tests/vllm_trainer.py <the test's listener port> <authkey hex> mid-send|after-start
+    python tests/vllm_trainer.py <a vllm serve's URL> after-start      (HTTPVLLMWeightSyncClient)
 """
 
 from __future__ import annotations
@@ -50,6 +51,22 @@ class Forwarding:
         self._call("finish_weight_update", weight_version)
 
 
+def http(url: str) -> Any:
+    """vLLM's HTTP client to ``url``, killed (SIGKILL) once the engine started an update if told so."""
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+    class Dying(HTTPVLLMWeightSyncClient):
+        die_after_start = False
+        asked_update = threading.Event()
+
+        def start_weight_update(self) -> None:
+            super().start_weight_update()
+            if self.die_after_start:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    return Dying(url)
+
+
 def main() -> None:
     from vllm.distributed.weight_transfer.base import ModuleSource
 
@@ -57,7 +74,11 @@ def main() -> None:
     from cudarecv.vllm import CudarecvTrainerEngine, CudarecvTrainerInitInfo
     from cudarecv.weights import snapshots
 
-    client = Forwarding(int(sys.argv[1]), bytes.fromhex(sys.argv[2]), die_after_start=False)
+    when = sys.argv[-1]
+    if sys.argv[1].startswith("http"):
+        client = http(sys.argv[1])
+    else:
+        client = Forwarding(int(sys.argv[1]), bytes.fromhex(sys.argv[2]), die_after_start=False)
     model = tiny_llm.model(seed=11)
     trainer = CudarecvTrainerEngine.trainer_init(CudarecvTrainerInitInfo(timeout=30.0), client=client,
                                                  source=ModuleSource(model))
@@ -72,7 +93,7 @@ def main() -> None:
 
     snapshots.copy_bytes = copy_then_die
     client.asked_update.clear()  # (set by version 1's update)
-    client.die_after_start = sys.argv[3] == "after-start"
+    client.die_after_start = when == "after-start"
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(-1.0)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import ArgumentError
+from .. import ArgumentError, ReceiverFailed
 
 _METHODS = ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update")
 
@@ -41,8 +41,48 @@ class LLMClient:
         self.llm.shutdown_weight_transfer_engine()
 
 
+class SpokenClient:
+    """A weight-sync client whose errors say what the engine said: ``HTTPVLLMWeightSyncClient`` raises
+    ``requests.HTTPError`` ("500 Server Error"), with the engine's own message only in the response's body; here
+    such an error becomes :class:`~cudarecv.ReceiverFailed` with that message (the HTTP error its cause)."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+
+    def __getattr__(self, name: str) -> Any:
+        call = getattr(self.client, name)
+        if name not in _METHODS + ("shutdown_weight_transfer_engine",):
+            return call
+
+        def spoken(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return call(*args, **kwargs)
+            except Exception as error:
+                said = engine_message(error)
+                if said is None:
+                    raise
+                raise ReceiverFailed(f"the vLLM engine refused {name}: {said}") from error
+
+        return spoken
+
+
+def engine_message(error: BaseException) -> str | None:
+    """The engine's own words in an HTTP error's response (vLLM's ``{"error": {"message": ...}}``, else the body),
+    or None for an error with no response."""
+    response = getattr(error, "response", None)
+    if response is None:
+        return None
+    status = getattr(response, "status_code", "?")
+    try:
+        said = response.json()["error"]["message"]
+    except Exception:  # noqa: BLE001 - not vLLM's JSON error: the body as it is
+        said = getattr(response, "text", "") or str(error)
+    return f"HTTP {status}: {said}"
+
+
 def as_client(client: Any) -> Any:
-    """``client`` as a weight-sync client: an ``LLM`` object is wrapped in :class:`LLMClient`."""
+    """``client`` as a weight-sync client: an ``LLM`` object is wrapped in :class:`LLMClient`, any other client in
+    :class:`SpokenClient` (its errors then carry the engine's words)."""
     from vllm import LLM
 
     if isinstance(client, LLM):
@@ -51,4 +91,4 @@ def as_client(client: Any) -> Any:
     if missing:
         raise ArgumentError(f"`client` must be vLLM's LLM object or a weight-sync client (HTTPVLLMWeightSyncClient, "
                             f"RayVLLMWeightSyncClient); {type(client).__name__} has no {', '.join(missing)}")
-    return client
+    return SpokenClient(client)

