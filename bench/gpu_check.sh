@@ -8,7 +8,8 @@
 #   3. the GPU tests:  pytest --gpus N tests/test_gpu.py tests/test_tags.py tests/test_digest.py
 #      (relay fan-out over NCCL and over gloo from GPU memory; CUDA IPC, one GPU with two processes
 #      and two GPUs, values exact and device memory flat over 200 syncs; the kernels);
-#   4. the GPU benches: pytest --gpus N bench/bench_gpu.py --benchmark-json $OUT/gpu-bench.json;
+#   4. the GPU benches: pytest --gpus N bench/bench_gpu.py --benchmark-json $OUT/gpu-bench.json; where vLLM is
+#      installed, bench/bench_vllm.py -k gpu (cudarecv vs vLLM's ipc and nccl backends) -> vllm-gpu-bench.json;
 #   5. the report:     python -m cudarecv report -> $OUT/gpu-report.txt and $OUT/gpu-report.png;
 #   6. CPU tests:      pytest $CPU_TESTS, last, so they never starve the GPU steps, within what is left
 #      of BUDGET: by default the CUDA-aware logic that runs without a GPU (cuda_logic, nccl_rules,
@@ -147,6 +148,17 @@ else
 fi
 step gpu-benches 110 "$PY" -m pytest --gpus "$GPUS" -q -p no:cacheprovider --timeout 100 \
     bench/bench_gpu.py ${BENCH_ARGS[@]+"${BENCH_ARGS[@]}"}
+
+# vLLM's own GPU weight-transfer backends (ipc, nccl) against cudarecv's, updating a running engine (bf16, 200M):
+# only where vLLM is installed (the lent image has none, and a CUDA build of vLLM is far beyond what a call
+# carries); its time comes on top of the fixed limits above
+if timeout 60 "$PY" -c "import vllm" 2>/dev/null; then
+    step vllm-bench 300 "$PY" -m pytest --gpus "$GPUS" -q -p no:cacheprovider --timeout 280 \
+        bench/bench_vllm.py -k gpu --benchmark-json "$OUT/vllm-gpu-bench.json"
+    [ -s "$OUT/vllm-gpu-bench.json" ] && "$PY" bench/bench_vllm.py "$OUT/vllm-gpu-bench.json"
+else
+    echo "=== vllm-bench: skipped, vllm cannot be imported here (bench/bench_vllm.py -k gpu: cudarecv vs vLLM's ipc and nccl)" >&2
+fi
 
 if [ -s "$BENCH_JSON" ]; then
     if timeout 20 "$PY" -c "import matplotlib" 2>/dev/null; then
