@@ -128,7 +128,7 @@ def _cudarecv(engine: _Engine, folder: Path) -> Callable[[], float]:
     """cudarecv's route: the update and (returned) the engine's pause, start to finish."""
     from cudarecv.vllm import CudarecvTrainerInitInfo
 
-    return _backend(engine, CudarecvTrainerInitInfo(timeout=300.0), engine.llm)
+    return _backend(engine, CudarecvTrainerInitInfo(timeout=300.0, verify=os.environ.get("NOVERIFY") is None), engine.llm)
 
 
 def _backend(engine: _Engine, info: Any, client: Any) -> Callable[[], float]:

@@ -203,7 +203,7 @@ def _serve(llm, listener: Listener, stop: threading.Event, errors: list) -> None
 @pytest.mark.parametrize("when", ["mid-send", "after-start"])
 def test_a_trainer_killed_mid_update_leaves_the_previous_version_and_a_new_trainer_goes_on(llm, when):
     """The trainer (its own process) sends version 1, then is SIGKILLed during version 2: with one weight of it
-    written while the engine's worker receives (the engine's update fails within its timeout), or once the engine
+    written (the engine, asked nothing yet, generates on), or once version 2 landed on the worker and the engine
     started the update (which stays open). The engine serves version 1 whole, and a new trainer updates it (closing
     the update left open)."""
     key = os.urandom(16)
@@ -222,7 +222,7 @@ def test_a_trainer_killed_mid_update_leaves_the_previous_version_and_a_new_train
         listener.close()
     assert child.returncode == -9 and "sent 1" in child.stdout, child.stderr[-3000:]
     assert not server.is_alive(), "the engine did not answer every call of the trainer"
-    assert [name for name, _ in errors] == (["update_weights"] if when == "mid-send" else []), errors
+    assert errors == [], errors  # (mid-send: the engine was asked nothing; after-start: it loaded nothing)
     version1 = tiny_llm.model(seed=11)
     assert generate(llm) == tiny_llm.greedy(version1, PROMPTS, TOKENS), "the engine does not serve version 1 whole"
     _a_new_trainer_updates(llm, seed=12)

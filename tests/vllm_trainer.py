@@ -1,7 +1,8 @@
 """A trainer in a process of its own for tests/test_vllm.py: it drives the test's engine through a client that
 forwards each call to the test process (as HTTPVLLMWeightSyncClient forwards to ``vllm serve``), sends one version,
-then is killed (SIGKILL) during the next: ``mid-send`` once the engine's worker receives it and one weight is
-written into the shared snapshot, ``after-start`` once the engine started the update, before it is asked for it.
+then is killed (SIGKILL) during the next: ``mid-send`` with one weight of it written into the shared snapshot
+(the engine has been asked nothing yet: it generates on), ``after-start`` once the version landed on the worker and
+the engine started the update, before it is asked to load it.
 
     python tests/vllm_trainer.py <the test's listener port> <authkey hex> mid-send|after-start
     python tests/vllm_trainer.py <a vllm serve's URL> after-start      (HTTPVLLMWeightSyncClient)
@@ -12,7 +13,6 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import threading
 from multiprocessing.connection import Client
 from typing import Any
 
@@ -24,14 +24,11 @@ class Forwarding:
 
     def __init__(self, port: int, key: bytes, die_after_start: bool) -> None:
         self._port, self._key, self.die_after_start = port, key, die_after_start
-        self.asked_update = threading.Event()  # update_weights reached the engine (its worker now receives)
 
     def _call(self, name: str, *args: Any) -> None:
         with Client(("127.0.0.1", self._port), authkey=self._key) as conn:  # (a connection per call: calls overlap)
             conn.send((name, args))
             assert conn.recv() == "taken"  # (the test process has the call: a death from here on is the engine's)
-            if name == "update_weights":
-                self.asked_update.set()
             error = conn.recv()
         if error is not None:
             raise RuntimeError(f"the engine's {name} failed: {error}")
@@ -57,7 +54,6 @@ def http(url: str) -> Any:
 
     class Dying(HTTPVLLMWeightSyncClient):
         die_after_start = False
-        asked_update = threading.Event()
 
         def start_weight_update(self) -> None:
             super().start_weight_update()
@@ -88,11 +84,9 @@ def main() -> None:
 
     def copy_then_die(dst: torch.Tensor, src: torch.Tensor) -> None:
         copy(dst, src)
-        assert client.asked_update.wait(60)  # (the engine's worker is receiving: it sees the trainer die)
         os.kill(os.getpid(), signal.SIGKILL)  # one leaf of version 2 written into the shared snapshot
 
     snapshots.copy_bytes = copy_then_die
-    client.asked_update.clear()  # (set by version 1's update)
     client.die_after_start = when == "after-start"
     with torch.no_grad():
         for p in model.parameters():

@@ -119,8 +119,10 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
     def send_weights(self) -> int | None:
         """Send the source's weights now as the next version; return it (None on a rank that does not send).
 
-        The engine stamps it as its ``weight_version``. Returns once every worker loaded it (or raises naming
-        the worker that failed, died or timed out; the engine then serves the previous version)."""
+        The version travels while the engine goes on generating; once it has landed on every worker, whole and
+        checked, the engine loads it (its only pause) and stamps it as its ``weight_version``. Returns once every
+        worker loaded it, or raises naming the worker that failed, died or timed out: the engine then serves the
+        previous version (a transfer that fails never reaches the engine's model)."""
         td = self._td
         for name, tensor in self.source:  # (every rank: a sharded source gathers collectively)
             if td is not None and self._shared.get(name) != tensor.data_ptr():
@@ -129,12 +131,11 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
             return None
         if self.sender is None:
             raise UsageError("this cudarecv trainer engine is shut down")
-        version = self.sender.version + 1
+        version = self.sender.push()  # (returns once every worker holds it; raises naming one that does not)
         self._start(version)
-        try:  # (the worker's pull may wait a timeout for the version to start, and one for it to land)
-            with _Call(lambda: self.client.update_weights({"version": version}), "update_weights",
-                       2 * self.info.timeout + 30.0):
-                self.sender.push()
+        try:  # (the workers load it now: bounded, as every answer of the engine)
+            _Call(lambda: self.client.update_weights({"version": version}), "update_weights",
+                  self.info.timeout + 30.0).join()
         except BaseException:
             self._close_session(version)
             raise

@@ -1,15 +1,17 @@
 """The vLLM worker's side: :class:`CudarecvWeightTransferEngine`, one per worker process, a
 :class:`~cudarecv.WeightReceiver` on a gloo group of its own with the trainer.
 
-A version is received whole (every leaf, checked) into the receiver's own buffers before the model is touched:
-only then are the weights loaded (vLLM's layer-wise reload, inside ``update_weights``). A transfer that fails
-or times out leaves the model serving the previous version."""
+A thread of the worker's takes each version the trainer pushes, whole (every leaf, checked), into the receiver's
+own buffers while the engine goes on generating; the model is touched only in ``update_weights``, which the trainer
+calls once the version landed on every worker: the engine pauses to load it (vLLM's layer-wise reload), not to
+receive it. A transfer that fails or times out never reaches the model: the engine serves the previous version."""
 
 from __future__ import annotations
 
 import json
 import logging
 import socket
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +20,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
-from .. import UsageError, WeightReceiver
+from .. import Error, UsageError, WaitTimeout, WeightReceiver, start_thread
 from .info import CudarecvInitInfo, CudarecvUpdateInfo
 from .rendezvous import group_of, member_key, seconds
 
@@ -37,6 +39,10 @@ class CudarecvWeightTransferEngine(WeightTransferEngine[CudarecvInitInfo, Cudare
         self._receiver: WeightReceiver | None = None
         self._group: Any = None
         self._store: Any = None
+        self._landed = threading.Condition()  # guards the two below; notified as the taking thread learns more
+        self._version = 0  # the last version landed (whole and checked), which update_weights loads
+        self._failure: BaseException | None = None  # why the taking thread stopped, if it failed
+        self._taking: threading.Thread | None = None
 
     # -- the handshake -------------------------------------------------------------------------------------
     def init_transfer_engine(self, init_info: CudarecvInitInfo) -> None:
@@ -59,39 +65,73 @@ class CudarecvWeightTransferEngine(WeightTransferEngine[CudarecvInitInfo, Cudare
         except BaseException:
             self.shutdown()
             raise
+        self._version, self._failure = 0, None
+        self._taking = start_thread(self._take_versions, f"cudarecv-vllm-worker-{index}", (self._receiver,))
         log.info("vLLM worker %d joined the trainer's weight sync (%s)", index, self._receiver.transport)
+
+    def _take_versions(self, receiver: WeightReceiver) -> None:
+        """The taking thread: every version the trainer pushes, as it comes, until the receiver closes or fails."""
+        while True:
+            try:
+                version = receiver.pull()
+            except WaitTimeout:
+                continue  # nothing pushed meanwhile: the pull goes on
+            except Error as error:
+                if receiver is self._receiver:  # (else: shutdown() or a new trainer closed it under the pull)
+                    log.warning("vLLM worker: the trainer's versions stopped: %s", error)
+                    error.__traceback__ = None  # (its frames would keep this engine)
+                    with self._landed:
+                        self._failure = error
+                        self._landed.notify_all()
+                return
+            with self._landed:
+                self._version = version
+                self._landed.notify_all()
 
     # -- an update -----------------------------------------------------------------------------------------
     def start_weight_update(self) -> None:
         """Nothing yet: the model is touched only once a whole version has arrived (``receive_weights``)."""
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        """Receive and load one version (the base class's, without its device-wide sync on a CPU engine)."""
+        """Load one version (the base class's, without its device-wide sync on a CPU engine)."""
         self.receive_weights(self.parse_update_info(update_info))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     def receive_weights(self, update_info: CudarecvUpdateInfo) -> None:
-        """Pull the version the trainer pushes (whole and checked, or an error and the model untouched), then
-        load it into the model."""
-        if self._receiver is None:
+        """Load the version the trainer names, which the taking thread received whole and checked (the trainer
+        asks once its push returned: it has landed, or the receiver failed and says why)."""
+        receiver = self._receiver
+        if receiver is None:
             raise UsageError("the cudarecv weight transfer is not initialized: the trainer calls "
                              "init_weight_transfer_engine first")
-        version = self._receiver.pull()
-        if version != update_info.version:
-            raise UsageError(f"the trainer announced version {update_info.version}, but version {version} arrived")
-        load(self.model, self.model_config, self._receiver.td)
+        with self._landed:
+            if not self._landed.wait_for(lambda: self._version >= update_info.version or self._failure is not None,
+                                         timeout=receiver.timeout):
+                raise UsageError(f"the trainer announced version {update_info.version}, which did not land within "
+                                 f"{receiver.timeout:g} s (the last landed: {self._version})")
+            if self._version != update_info.version:
+                if self._failure is not None:
+                    raise UsageError(f"version {update_info.version} did not land: {self._failure}")
+                raise UsageError(f"the trainer announced version {update_info.version}, but version "
+                                 f"{self._version} landed")
+        with receiver.reading() as weights:  # (no pull writes into these buffers while they load)
+            load(self.model, self.model_config, weights)
 
     def finish_weight_update(self) -> None:
         """Nothing left: ``receive_weights`` loaded the version whole."""
 
     def shutdown(self) -> None:
-        """Close the receiver and let the group and the store go (the engine keeps serving)."""
+        """Close the receiver (which ends the taking thread's pull), and let the thread, the group and the store
+        go (the engine keeps serving)."""
         receiver, self._receiver = self._receiver, None
+        taking, self._taking = self._taking, None
         try:
             if receiver is not None:
                 receiver.close()
         finally:
+            if taking is not None and receiver is not None:
+                taking.join(receiver.timeout)
             self._group = self._store = None
 
 
