@@ -184,9 +184,10 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
 
 
 class _Call:
-    """One call of the engine's client on a thread of its own while this thread moves the bytes. ``join`` waits
-    for it (bounded) and raises what it raised; as a context manager, it joins on the way out, and an error of
-    the block wins over the call's (which becomes its context)."""
+    """One call of the engine's client on a thread of its own, so that waiting for its answer is bounded (a client
+    may wait for ever). ``join`` waits for it (bounded) and raises what it raised; as a context manager (while
+    this thread does its part, e.g. the rendezvous during the engine's init) it joins on the way out, and an error
+    of the block wins over the call's (which becomes its context)."""
 
     def __init__(self, call: Callable[[], Any], what: str, timeout: float) -> None:
         self.what, self.timeout, self._error = what, timeout, None
