@@ -131,7 +131,9 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
             return None
         if self.sender is None:
             raise UsageError("this cudarecv trainer engine is shut down")
-        version = self.sender.push()  # (returns once every worker holds it; raises naming one that does not)
+        # (sync mode: returns once every worker holds it, or raises naming one that does not; latest mode: at once,
+        # and each worker's update waits, bounded, for it to land)
+        version = self.sender.push()
         self._start(version)
         try:  # (the workers load it now: bounded, as every answer of the engine)
             _Call(lambda: self.client.update_weights({"version": version}), "update_weights",
