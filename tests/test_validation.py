@@ -86,6 +86,9 @@ def test_bad_input_raises_before_sending(cluster, standalone):
         assert untouched and link_ok
 
 
+STRIDED_OK = {"b"}  # the non-contiguous leaf: it cannot travel as it is, a weight sender's snapshot takes it
+
+
 def _bad_leaves():
     """(key, tensordict with that leaf, what the error must say)."""
     import warnings
@@ -111,6 +114,8 @@ def leaf_checks(rank, world, group):
     errors = []
     for key, td, _ in _bad_leaves():
         for name, call in calls.items():
+            if key in STRIDED_OK and name == "WeightSender":
+                continue  # (a weight sender copies its leaves into a snapshot: a strided one is taken)
             try:
                 call(td)
             except Exception as error:  # noqa: BLE001 - reported to the parent
@@ -123,15 +128,17 @@ def leaf_checks(rank, world, group):
 def test_leaves_that_cannot_travel_are_named(cluster):
     errors = cluster().run(leaf_checks)[0]
     expected = {key: fix for key, _, fix in _bad_leaves()}
-    assert len(errors) == 3 * len(expected)
+    assert len(errors) == 3 * len(expected) - len(STRIDED_OK)
     for key, name, kind, message in errors:
         assert kind == "ArgumentError", (key, name, kind, message)
         assert f"leaf {key!r} cannot travel" in message and expected[key] in message, (key, name, message)
 
 
 def test_not_a_tensordict():
+    from cudarecv.plan.walk import unwrap
+
     with pytest.raises(TypeError, match="`td` must be a TensorDict"):
-        cudarecv.plan.walk.unwrap({"a": torch.zeros(1)})
+        unwrap({"a": torch.zeros(1)})
 
 
 def test_unsupported_leaf_type_names_key():

@@ -6,6 +6,7 @@
 | ``HEADER_TAGS + init_tag`` (``init_tag < MAX_INIT_TAG``) | a fast-wire header (and a same-host offer after it) |
 | ``PIECE_TAGS + init_tag`` | every fast-wire payload message of that transfer, matched in order |
 | ``WEIGHTS + k``, k = 0..2 | weight-sync handshake: preamble, schema, status |
+| ``WEIGHTS + 3`` | sharded weight sync: each pair's layouts, before its handshake |
 | ``SESSIONS_BASE + 4 s + k``, k = 0..3, session s < ``SESSIONS`` | one weight-sync session: headers, payload, the receiver's words, relay trailers |
 | ``BACK_TAGS + k`` | same-host fast wire: the receiver's ANSWER to an offer and its DONEs (see :mod:`cudarecv.samehost.sides`) |
 | ``MAX_TAG`` | the exit hook's wait that closes a group's links (never sent) |
@@ -27,6 +28,7 @@ MAX_INIT_TAG = 1 << 28  # so both ranges stay apart and below WEIGHTS
 
 WEIGHTS = (1 << 30) + (1 << 29)  # weight-sync tags: past the fast wire's
 TAG_PREAMBLE, TAG_SCHEMA, TAG_STATUS = (WEIGHTS + k for k in range(3))  # the handshake
+TAG_LAYOUT = WEIGHTS + 3  # sharded weight sync: what each end of a pair sends or wants, ahead of the handshake
 SESSIONS = 1 << 26  # a sender's session: random, in the preamble; 4 tags each
 SESSIONS_BASE = WEIGHTS + 64
 BACK_TAGS = SESSIONS_BASE + 4 * SESSIONS  # past every weight-sync tag: the same-host transports' words back

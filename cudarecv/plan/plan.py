@@ -74,12 +74,13 @@ class Plan:
         return lru_get(self._tags, (init_tag, count),
                        lambda: tag_sequence(init_tag, count, pseudo_rand=True).tolist(), CACHED)
 
-    def check(self) -> None:
-        """Raise if a leaf cannot travel (once per plan)."""
+    def check(self, strided: bool = False) -> None:
+        """Raise if a leaf cannot travel (once per plan). ``strided``: a leaf need not be contiguous (what is sent
+        is a copy of it, as a weight sender's snapshot)."""
         if self._checked:
             return
         for path, t in zip(self.paths, self.tensors):
-            problem = _leaf_problem(t)
+            problem = _leaf_problem(t, strided)
             if problem:
                 raise ArgumentError(f"leaf {format_path(path)!r} cannot travel: {problem}")
         devices = {t.device for t in self.tensors}
@@ -91,7 +92,7 @@ class Plan:
                 "the leaves are on several devices (" + ", ".join(f"{k!r} on {d}" for d, k in first.items())
                 + "): one transfer moves one device's memory; call `td = td.to(device)` once"
             )
-        self._checked = True
+        self._checked = not strided
 
     @cached_property
     def device(self) -> torch.device:
@@ -301,14 +302,14 @@ def _unchanged(tensors: list[Tensor], signature: tuple[list, ...], layout: bool)
         return _signature(tensors) == signature
 
 
-def _leaf_problem(t: Tensor) -> str | None:
+def _leaf_problem(t: Tensor, strided: bool = False) -> str | None:
     if t.is_nested:  # (strided or jagged)
         return "it is a nested tensor; store its components as separate leaves"
     if t.layout is not torch.strided:
         return f"its layout is {t.layout}; convert it with `.to_dense()`"
     if t.device.type == "meta":
         return "it is on the meta device and holds no data; materialize it with `.to_empty(device=...)`"
-    if not t.is_contiguous():
+    if not t.is_contiguous() and not strided:
         return "it is not contiguous, and messages are contiguous bytes; call `td = td.contiguous()` once"
     return None
 

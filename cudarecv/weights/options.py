@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
+from ..core import streams
 from ..core.checks import check_bucket_bytes, check_timeout
 from ..core.errors import ArgumentError
 from ..samehost.policy import check_transport
@@ -61,3 +64,19 @@ def check_options(**options: Any) -> dict[str, Any]:
         check_mode(options.get("mode", "sync"), options.get("buffers"), options.get("fanout", "auto"))
         out.update({k: options[k] for k in ("mode", "buffers", "fanout") if k in options})
     return out
+
+
+def check_receiver(timeout: object, transport: object, zero_copy: object, device: Any,
+                   pin_memory: bool) -> tuple[float, torch.device]:
+    """A weight receiver's options checked together: its timeout, and its device with an index (threads use it)."""
+    timeout = check_options(timeout=timeout, transport=transport, zero_copy=zero_copy)["timeout"]
+    if zero_copy and pin_memory:
+        raise ArgumentError("`zero_copy=True` publishes the sender's shared snapshots, which are not "
+                            "page-locked: drop `pin_memory=True` or `zero_copy`")
+    try:
+        device = streams.explicit(device if device is not None else "cpu")
+    except (RuntimeError, TypeError) as error:
+        raise ArgumentError(f"`device` must name a device (\"cpu\", \"cuda:0\"), got {device!r}: {error}") from None
+    if pin_memory and device.type != "cpu":
+        raise ArgumentError(f"`pin_memory=True` is for host memory, but `device` is {device}: drop one")
+    return timeout, device

@@ -37,7 +37,7 @@ from tensordict import TensorDict
 from ..core import streams
 from ..core.checks import check_timeout
 from ..core.driver import Driver
-from ..core.errors import ArgumentError, BrokenError, UsageError, WaitTimeout
+from ..core.errors import BrokenError, UsageError, WaitTimeout
 from ..core.link import peer_failure, resolve
 from ..core.log import logger
 from ..core.transfer import CUDA_IPC, SHARED_MEMORY, WIRE, Transfer
@@ -45,10 +45,12 @@ from ..samehost import cuda_ipc
 from ..samehost.policy import allowed
 from ..wire.staging import drain, lane_for
 from . import handshake
+from .handshake import expected
 from .inbox import Inbox
-from .options import check_options
+from .options import check_receiver
 from .pulling import Puller
 from .relay import Hop
+from .sharded.layout import is_sharded
 from .slots import Slot, Slots, load_into
 from .wire import PUSH, SessionTags
 
@@ -88,22 +90,19 @@ class WeightReceiver:
         >>> receiver.load_into(policy)   # or read receiver.td
     """
 
+    def __new__(cls, src: Any = None, *args: Any, group_src: Any = None, expect: Any = None, **kwargs: Any) -> Any:
+        if cls is WeightReceiver and _of_sharded(src, group_src, expect):
+            from .sharded.receiver import ShardedReceiver
+
+            return super().__new__(ShardedReceiver)
+        return super().__new__(cls)
+
     def __init__(self, src: int | None = None, *, group: Any = None, group_src: int | None = None,
                  device: Any = None, pin_memory: bool = False, expect: Any = None, timeout: float = 60.0,
                  stream: Any = None, transport: str = "auto", zero_copy: bool = False) -> None:
         self.timeout = 60.0  # until checked: the time given to answer the sender
         try:
-            self.timeout = check_options(timeout=timeout, transport=transport, zero_copy=zero_copy)["timeout"]
-            if zero_copy and pin_memory:
-                raise ArgumentError("`zero_copy=True` publishes the sender's shared snapshots, which are not "
-                                    "page-locked: drop `pin_memory=True` or `zero_copy`")
-            try:
-                device = streams.explicit(device if device is not None else "cpu")  # (threads use it)
-            except (RuntimeError, TypeError) as error:
-                raise ArgumentError(f"`device` must name a device (\"cpu\", \"cuda:0\"), got {device!r}: "
-                                    f"{error}") from None
-            if pin_memory and device.type != "cpu":
-                raise ArgumentError(f"`pin_memory=True` is for host memory, but `device` is {device}: drop one")
+            self.timeout, device = check_receiver(timeout, transport, zero_copy, device, pin_memory)
             problem = None
         except Exception as error:  # noqa: BLE001 - raised below, after the sender is told
             problem = error
@@ -147,6 +146,10 @@ class WeightReceiver:
 
     # -- reading -----------------------------------------------------------------------------------------
     version = property(lambda self: self._puller.version, doc="The version published (0: none yet).")
+
+    arriving = property(lambda self: self._pending is not None and not self._pending.settled
+                        and self._pending.timeout != math.inf,
+                        doc="Whether a pull is under way and its version has begun to arrive (its own clock runs).")
 
     @property
     def buffer_count(self) -> int:
@@ -297,3 +300,13 @@ class WeightReceiver:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _of_sharded(src: Any, group_src: Any, expect: Any) -> bool:
+    """Whether a receiver is a sharded sender's: several sender ranks (``src`` a list), or DTensors expected."""
+    if isinstance(src, (list, tuple)) or isinstance(group_src, (list, tuple)):
+        return True
+    try:
+        return expect is not None and is_sharded(expected(expect)[1])
+    except Exception:  # noqa: BLE001 - a bad `expect` is the constructor's to report
+        return False

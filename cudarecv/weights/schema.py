@@ -23,14 +23,14 @@ MAX_SCHEMA_BYTES = 64 << 20
 MAX_BYTES = 1 << 48  # a total or a leaf larger than this is no real model: refused before anything is sized
 
 
-_DTYPES = {str(d).removeprefix("torch."): d for d in (
+DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
     torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
     torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint32, torch.uint64,
 )}
 
 
-def _check_size(value: object, what: str) -> int:
+def check_size(value: object, what: str) -> int:
     """A byte count or dimension read from the wire: an int (not a bool or float) in 0..MAX_BYTES."""
     if type(value) is not int or not 0 <= value <= MAX_BYTES:
         raise SchemaError(f"{what} is {value!r}: not an int in 0..2**48")
@@ -75,7 +75,7 @@ class Schema:
     def of(cls, keys: Sequence[tuple], tensors: Sequence[Tensor]) -> "Schema":
         leaves, offset = [], 0
         for key, t in zip(keys, tensors):
-            if str(t.dtype).removeprefix("torch.") not in _DTYPES:
+            if str(t.dtype).removeprefix("torch.") not in DTYPES:
                 raise SchemaError(f"leaf {'.'.join(map(str, key))!r} has dtype {t.dtype}, which weight sync does not carry")
             leaves.append(Leaf(tuple(str(k) for k in key), t.dtype, tuple(t.shape), offset))
             offset += -(-leaves[-1].nbytes // ALIGN) * ALIGN
@@ -123,7 +123,7 @@ class Schema:
         items, total = doc["leaves"], doc["total_bytes"]
         if not isinstance(items, list) or not items:
             raise SchemaError("the weight schema has no leaves: weight sync needs at least one tensor")
-        _check_size(total, "total_bytes")
+        check_size(total, "total_bytes")
         leaves, seen = [], set()
         for item in items:
             key, dtype, shape = item["key"], item["dtype"], item["shape"]
@@ -133,14 +133,14 @@ class Schema:
             if tuple(key) in seen:
                 raise SchemaError(f"key {name!r} appears twice")
             seen.add(tuple(key))
-            if dtype not in _DTYPES:
+            if dtype not in DTYPES:
                 raise SchemaError(f"unknown dtype {dtype!r} for {name!r}")
             if not isinstance(shape, list) or len(shape) > 64:
                 raise SchemaError(f"bad shape {shape!r} for {name!r}")
             for size in shape:
-                _check_size(size, f"a dimension of {name!r}")
-            leaf = Leaf(tuple(key), _DTYPES[dtype], tuple(shape), _check_size(item["offset"], f"the offset of {name!r}"))
-            _check_size(leaf.nbytes, f"the size of {name!r}")
+                check_size(size, f"a dimension of {name!r}")
+            leaf = Leaf(tuple(key), DTYPES[dtype], tuple(shape), check_size(item["offset"], f"the offset of {name!r}"))
+            check_size(leaf.nbytes, f"the size of {name!r}")
             leaves.append(leaf)
         for key in seen:  # a key that is also the prefix of another would be a tensor and a tensordict
             for cut in range(1, len(key)):

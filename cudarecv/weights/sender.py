@@ -37,7 +37,7 @@ from ..core.tags import SESSIONS
 from ..core.transfer import CUDA_IPC, SHARED_MEMORY, WIRE, Transfer
 from ..plan.header import check_pieces
 from ..plan.plan import plan_for
-from ..plan.walk import unwrap
+from ..plan.walk import unwrap, walk
 from ..samehost import cuda_ipc
 from ..samehost.machine import host_id
 from ..samehost.policy import allowed
@@ -50,6 +50,7 @@ from .pushes import LatestPushes, SyncPushes
 from .schema import MAX_SCHEMA_BYTES, Schema
 from .serving import last_word, start_listening
 from .session import Member, Session
+from .sharded.layout import is_sharded
 from .snapshots import SYNC_SHARED, SnapshotPool
 from .wire import CLOSED, SessionTags
 
@@ -94,6 +95,14 @@ class WeightSender:
         >>> version = async_sender.push()  # returns at once; actors pull the newest when ready
     """
 
+    def __new__(cls, td: Any = None, *args: Any, **kwargs: Any) -> Any:
+        # DTensor leaves (an FSDP2 model): one rank of a sharded sender
+        if cls is WeightSender and _has_dtensors(td):
+            from .sharded.sender import ShardedSender
+
+            return super().__new__(ShardedSender)
+        return super().__new__(cls)
+
     def __init__(self, td: Any, dst: Any = None, *, group: Any = None, group_dst: Any = None,
                  bucket_bytes: int | None = None, timeout: float = 60.0, verify: bool = False,
                  stream: Any = None, mode: str = "sync", buffers: int | None = None, fanout: str = "auto",
@@ -111,7 +120,7 @@ class WeightSender:
                              "for weight sync (GPU weights are staged through page-locked memory)")
         self._td = unwrap(td)
         plan = plan_for(self._td)
-        plan.check()
+        plan.check(strided=True)  # (each push copies the leaves into a snapshot: views of a shard may be strided)
         if not plan.tensors:
             raise ArgumentError("`td` has no tensors: weight sync needs at least one leaf to send")
         schema = Schema.of(plan.paths, plan.tensors)
@@ -292,3 +301,11 @@ class WeightSender:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _has_dtensors(td: Any) -> bool:
+    """Whether ``td`` holds a DTensor leaf."""
+    try:
+        return is_sharded(walk(unwrap(td))[1])
+    except Exception:  # noqa: BLE001 - a bad `td` is the constructor's to report
+        return False

@@ -132,7 +132,10 @@ def load_into(td: TensorDict, module: torch.nn.Module, strict: bool) -> None:
         if source.shape != tensor.shape or source.dtype != tensor.dtype:
             raise SchemaError(f"{name!r}: received {source.dtype} {list(source.shape)}, "
                               f"module has {tensor.dtype} {list(tensor.shape)}")
-        pairs.append((tensor, source))
+        if _placed(source) != _placed(tensor):  # a DTensor: its local shard, never a collective copy
+            raise SchemaError(f"{name!r}: received {_placed(source) or 'a whole tensor'}, the module holds "
+                              f"{_placed(tensor) or 'a whole tensor'}")
+        pairs.append((_local(tensor), _local(source)))
     extra = len(td.keys(True, True)) - len(pairs)
     if strict and (missing or extra):
         raise SchemaError(f"load_into: module names not received: {missing}; "
@@ -143,3 +146,13 @@ def load_into(td: TensorDict, module: torch.nn.Module, strict: bool) -> None:
     if any(s.device.type == "cpu" and t.device.type == "cuda" for t, s in pairs):
         # a copy out of host memory may still be queued: finish it before the next pull may write into it
         torch.cuda.current_stream(next(t for t, _ in pairs if t.device.type == "cuda").device).synchronize()
+
+
+def _placed(tensor: Tensor) -> tuple | None:
+    """A DTensor's mesh ranks and placements (None for a plain tensor)."""
+    mesh = getattr(tensor, "device_mesh", None)
+    return None if mesh is None else (tuple(mesh.mesh.flatten().tolist()), tuple(tensor.placements))
+
+
+def _local(tensor: Tensor) -> Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor

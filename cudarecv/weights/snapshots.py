@@ -173,7 +173,10 @@ class SnapshotPool:
                 target.shared.begin_write(session.version + 1)
             if host and plan.device.type == "cpu":  # (one thread: the receivers' copies share the cores)
                 for view, leaf in zip(target.views, plan.detached):
-                    copy_bytes(view, leaf)
+                    if leaf.is_contiguous():
+                        copy_bytes(view, leaf)
+                    else:  # (a strided view, e.g. a piece of a shard for a sharded receiver)
+                        view.copy_(leaf)
             else:
                 torch._foreach_copy_(target.views, plan.detached, non_blocking=True)  # never an autograd node
             digest = checksum(target.storage) if session.verify else bytes(16)

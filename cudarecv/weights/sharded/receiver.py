@@ -1,0 +1,259 @@
+"""A receiver of a sharded weight sync: :class:`ShardedReceiver`, what ``WeightReceiver(src=[...])`` builds (``src`` a
+list: every rank of the sender's mesh), or with ``expect`` holding DTensors.
+
+``expect`` says the layout wanted: its plain tensors whole, its DTensor leaves as their local shard of the
+receivers' own mesh (``Shard(1)`` for a column-parallel matrix, ``Replicate()`` for a bias); without it every
+leaf whole. At construction the receiver reads every sender rank's layout, checks that the pieces they will
+send fill what it wants exactly once, answers each, then holds one plain :class:`~cudarecv.WeightReceiver` per
+sender rank that sends it something, shaped as those pieces.
+
+A version is published only once the pieces of that version from every sender rank have landed and passed
+their checks; then they are copied into the spare one of two buffers of the wanted layout, which becomes
+:attr:`td`. A sender rank that fails or stalls makes the pull raise naming its rank, and nothing is published.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+from ...core import streams
+from ...core.checks import check_timeout
+from ...core.driver import Driver
+from ...core.errors import ArgumentError, SchemaError, UsageError, WaitTimeout
+from ...core.link import resolve
+from ...core.transfer import Transfer
+from ...plan.boxes import Box
+from ...wire.staging import lane_for
+from ..handshake import expected
+from ..link import check_peers
+from ..options import check_receiver
+from ..receiver import WeightReceiver
+from ..schema import Schema
+from ..slots import Slot, Slots, load_into
+from . import exchange
+from .layout import Layout, dtensor_type, in_order, pieces, receiver_layout, uncovered, wanting_all
+
+
+class ShardedReceiver(WeightReceiver):
+    """A receiver of a sharded sender (see the module docstring); built by :class:`~cudarecv.WeightReceiver` with
+    the same arguments.
+
+    Example:
+        >>> tp = init_device_mesh("cpu", (2,))     # receivers 2 and 3: a tensor-parallel pair
+        >>> expect = TensorDict({"w": distribute_tensor(torch.empty(64, 32), tp, [Shard(1)])}, [])
+        >>> receiver = WeightReceiver(src=[0, 1], expect=expect)   # trainer ranks 0 and 1 (FSDP2)
+        >>> receiver.pull(); receiver.td["w"].to_local()           # this rank's 64 x 16 columns
+    """
+
+    def __init__(self, src: Any = None, *, group: Any = None, group_src: Any = None, device: Any = None,
+                 pin_memory: bool = False, expect: Any = None, timeout: float = 60.0, stream: Any = None,
+                 transport: str = "auto", zero_copy: bool = False) -> None:
+        self._closed, self._inner = False, []
+        self.timeout, device = check_receiver(timeout, transport, zero_copy, device, pin_memory)
+        if zero_copy:
+            raise ArgumentError("`zero_copy=True` publishes one sender's snapshot where it lies; a receiver of "
+                                "several sender ranks (`src` a list) puts their pieces together: drop `zero_copy`")
+        srcs, group_srcs = check_peers(src, "src"), check_peers(group_src, "group_src")
+        if (srcs is None) == (group_srcs is None):
+            raise ArgumentError("pass exactly one of `src` and `group_src` (a list of the sender's ranks)")
+        peers = srcs if srcs is not None else group_srcs
+        links = [resolve(s, None, group, "src", "group_src") if srcs is not None
+                 else resolve(None, s, group, "src", "group_src") for s in peers]
+        order = sorted(range(len(links)), key=lambda i: links[i].peer)  # (rank order: see exchange)
+        lanes = [lane_for(links[i], device, stream, streams.StagingPool()) for i in order]
+        self._device = device
+        self._dtensors: dict[int, Any] = {}  # leaf index -> the expected DTensor (its mesh and placements)
+        self._moved: dict[int, list[tuple[int, Box]]] = {}
+        self._views: list[list[torch.Tensor]] = []  # each buffer's leaves as plain local tensors
+        layouts, self.schema = exchange.answer(lanes, self.timeout,
+                                               lambda found: self._want(found, expect, [peers[i] for i in order]))
+        self._source = layouts[0]
+        self._slots = self._allocate(pin_memory)
+        self._cond = self._slots.cond
+        self._version = 0
+        self._turn_lock = threading.Lock()
+        self._pending: Transfer | None = None
+        self._driver = Driver(f"cudarecv-pull-{'-'.join(map(str, peers))}")
+        options = dict(device=device, pin_memory=pin_memory, timeout=self.timeout, stream=stream, transport=transport)
+        try:
+            for i in order:
+                moved = self._moved[peers[i]]
+                if not moved:
+                    continue
+                shapes = TensorDict({self._source.parts[j].key: torch.empty(box.sizes, dtype=self._source.parts[j].dtype,
+                                                                             device="meta") for j, box in moved}, [])
+                where = {"src": peers[i]} if srcs is not None else {"group": group, "group_src": peers[i]}
+                self._inner.append((peers[i], moved, WeightReceiver(**where, expect=shapes, **options)))
+        except BaseException:
+            self.close()
+            raise
+        #: the sender's mode, learnt in the handshakes: ``"sync"`` or ``"latest"``
+        self.mode = self._inner[0][2].mode
+        self.zero_copy = False
+
+    def _want(self, layouts: list[Layout], expect: Any, ranks: list[int]) -> Layout:
+        """What this receiver wants of the layouts of the sender ranks ``ranks``; raises :class:`SchemaError` if the
+        sender ranks disagree, ``expect`` does not match, or their pieces do not fill what it wants exactly once."""
+        first = layouts[0]
+        for rank, layout in zip(ranks[1:], layouts[1:]):
+            problem = first.difference(layout)
+            if problem:
+                raise SchemaError(f"sender ranks {ranks[0]} and {rank} send different weights: {problem}")
+        if expect is None:
+            wanted = wanting_all(first)
+        else:
+            keys, tensors = expected(expect)
+            mine = receiver_layout(keys, tensors)
+            problem = first.difference(mine)
+            if problem:
+                raise SchemaError(f"the sender's weights do not match `expect`: {problem}")
+            wanted = in_order(mine, first)
+            by_key = {tuple(map(str, k)): t for k, t in zip(keys, tensors)}
+            DTensor = dtensor_type()
+            self._dtensors = {i: by_key[p.key] for i, p in enumerate(first.parts) if isinstance(by_key[p.key], DTensor)}
+        self._moved = {rank: pieces(layout, wanted) for rank, layout in zip(ranks, layouts)}
+        problem = uncovered(wanted, self._moved)
+        if problem:
+            raise SchemaError(problem)
+        if not any(self._moved.values()):
+            raise SchemaError("this receiver wants no element of any leaf (every shard of `expect` here is empty)")
+        return wanted
+
+    def _allocate(self, pin_memory: bool) -> Slots:
+        """The two buffers of the wanted layout; their tensordicts hold DTensors where ``expect`` did."""
+        parts = self.schema.parts
+        sizes = [p.box.sizes if p.box is not None else self._empty_shape(i) for i, p in enumerate(parts)]
+        schema = Schema.of([p.key for p in parts], [torch.empty(s, dtype=p.dtype, device="meta")
+                                                    for s, p in zip(sizes, parts)])
+        own = []
+        for _ in range(2):
+            slot = Slot(schema, max(schema.total, 1), self._device, pin_memory)
+            self._views.append(schema.views(slot.storage))
+            if self._dtensors:
+                from torch.distributed.tensor import DTensor
+
+                slot.td = TensorDict({p.key: DTensor.from_local(v, self._dtensors[i].device_mesh,
+                                                                 self._dtensors[i].placements, run_check=False,
+                                                                 shape=self._dtensors[i].shape,
+                                                                 stride=self._dtensors[i].stride())
+                                      if i in self._dtensors else v
+                                      for i, (p, v) in enumerate(zip(parts, self._views[-1]))}, batch_size=[]).lock_()
+            own.append(slot)
+        return Slots(own, [], threading.Condition(), lambda version: None)
+
+    def _empty_shape(self, index: int) -> tuple[int, ...]:
+        """The local shape of a leaf this receiver holds nothing of (an empty shard of its mesh)."""
+        if index in self._dtensors:
+            return tuple(self._dtensors[index].to_local().shape)
+        return tuple(self._source.parts[index].shape)
+
+    # -- reading -----------------------------------------------------------------------------------------
+    version = property(lambda self: self._version, doc="The version published (0: none yet).")
+    buffer_count = property(lambda self: 2, doc="Two buffers of the wanted layout, published in turn.")
+
+    @property
+    def transport(self) -> str:
+        """What carries the pieces: one of ``"shared memory"``, ``"cuda ipc"``, ``"wire"``, or several,
+        comma-separated, when sender ranks differ (see :attr:`transports`)."""
+        return ", ".join(sorted({r.transport for _, _, r in self._inner}))
+
+    @property
+    def transports(self) -> dict[int, str]:
+        """Sender rank -> what carries its pieces."""
+        return {rank: r.transport for rank, _, r in self._inner}
+
+    @property
+    def plan(self) -> dict[int, list[tuple[str, Box]]]:
+        """Sender rank -> the pieces it sends here: (leaf name, :class:`~cudarecv.plan.boxes.Box` of the whole leaf)."""
+        return {rank: [(self._source.parts[i].name, box) for i, box in moved] for rank, moved in self._moved.items()}
+
+    @property
+    def td(self) -> TensorDict:
+        return self._slots.td()
+
+    def reading(self) -> contextlib.AbstractContextManager[TensorDict]:
+        return self._slots.reading()
+
+    def load_into(self, module: torch.nn.Module, strict: bool = True) -> int:
+        with self.reading() as td:
+            load_into(td, module, strict)
+            return self._version
+
+    # -- pulling -----------------------------------------------------------------------------------------
+    def pull(self, wait: bool = True, timeout: float | None = None) -> int | Transfer:
+        """Receive a version newer than the one held from every sender rank; publish it once every piece landed
+        (see :meth:`WeightReceiver.pull`). Raises what a sender rank's pieces raised, naming its rank; nothing is
+        published then."""
+        if self._closed:
+            raise UsageError("this WeightReceiver is closed")
+        limit = self.timeout if timeout is None else check_timeout(timeout)
+        if not self._turn_lock.acquire(timeout=limit):
+            raise WaitTimeout(f"another thread's pull held this WeightReceiver for {limit:g} s (pulls from several "
+                              "threads take turns)")
+        try:
+            transfer = self._pending
+            if transfer is None or transfer.settled:
+                transfer = self._pending = Transfer(self._pulling(limit), timeout=math.inf, driver=self._driver.submit,
+                                                    raise_first=False, what=f"pull from ranks {self._ranks()}")
+            if not wait:
+                return transfer
+            try:
+                return transfer.wait(limit)
+            except WaitTimeout:
+                if any(r.arriving for _, _, r in self._inner):  # a version is arriving: its clocks bound the rest
+                    return transfer.wait()
+                raise WaitTimeout(f"pull from ranks {self._ranks()}: no version newer than {self._version} began to "
+                                  f"arrive within {limit:g} s; the pull goes on: the next pull() carries on "
+                                  "waiting") from None
+        finally:
+            self._turn_lock.release()
+
+    def _ranks(self) -> list[int]:
+        return [rank for rank, _, _ in self._inner]
+
+    def _pulling(self, limit: float) -> Any:
+        """The pull's protocol: pull from the sender ranks behind the newest version any of them has (all of them
+        for the next), until all hold one version newer than the published; then put it together and publish."""
+        while True:
+            versions = [r.version for _, _, r in self._inner]
+            if min(versions) == max(versions) > self._version:
+                break
+            goal = max(max(versions), self._version + 1)
+            behind = [r.pull(wait=False, timeout=limit) for _, _, r in self._inner if r.version < goal]
+            yield [t.ended() for t in behind]
+            for t in behind:
+                t.wait()  # raises a sender rank's failure, naming it
+        version = versions[0]
+        index = self._slots.spare()
+        slot, views = self._slots.wait_unread(index, limit), self._views[index]
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)  # every piece's copy on its receiver's stream is done
+        for _, moved, receiver in self._inner:
+            with receiver.reading() as td:
+                for leaf, box in moved:
+                    part = self.schema.parts[leaf]
+                    views[leaf][box.within(part.box)].copy_(td[part.key])
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+        self._slots.publish(slot, version)
+        self._version = version
+        return version
+
+    # -- ending ------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Close the receiver of every sender rank (each tells its sender rank). Idempotent; :attr:`td` stays
+        readable."""
+        if self._closed:
+            return
+        self._closed = True
+        for _, _, receiver in self._inner:
+            receiver.close()
+        if hasattr(self, "_driver"):
+            self._driver.stop(self.timeout)
+        self._pending = None

@@ -1,0 +1,203 @@
+"""A sender rank of a sharded weight sync: :class:`ShardedSender`, what ``WeightSender(td, dst=[...])`` builds when
+``td`` has DTensor leaves (an FSDP2 model's ``TensorDict.from_module``).
+
+Every rank of the trainer's mesh builds one. At construction each exchanges layouts with every receiver
+(:mod:`~cudarecv.weights.sharded.exchange`) and computes, for each, the pieces it sends: the overlap of its share
+of each leaf (replicas split a replicated leaf between them) with the box the receiver wants. Receivers that
+want the same pieces of this rank share one plain :class:`~cudarecv.WeightSender` of those pieces (views of the
+local shards), with its transports, fan-out (a relay chain across hosts), modes, checks and timeouts; each push
+pushes them all. Nothing is gathered: every byte leaves the rank that holds it for the ranks that want it.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from ...core import streams
+from ...core.checks import check_timeout
+from ...core.errors import ArgumentError, PeerError, SchemaError, UsageError, WaitTimeout
+from ...core.link import resolve
+from ...core.transfer import Transfer
+from ...plan.boxes import Box
+from ...plan.walk import unwrap, walk
+from ...wire.staging import lane_for
+from ..link import check_peers
+from ..options import check_mode, check_options
+from ..sender import WeightSender
+from . import exchange
+from .layout import held, in_order, piece_views, pieces, sender_layout
+
+
+class ShardedSender(WeightSender):
+    """One rank of a sharded sender (see the module docstring); built by :class:`~cudarecv.WeightSender` for a
+    ``td`` with DTensor leaves, with the same arguments, on every rank of their mesh.
+
+    Example:
+        >>> fully_shard(model, mesh=init_device_mesh("cpu", (2,)))   # trainer ranks 0 and 1
+        >>> sender = WeightSender(TensorDict.from_module(model), dst=[2, 3])
+        >>> sender.push()   # each rank sends what it holds, to the receivers that want it
+    """
+
+    def __init__(self, td: Any, dst: Any = None, *, group: Any = None, group_dst: Any = None,
+                 bucket_bytes: int | None = None, timeout: float = 60.0, verify: bool = False,
+                 stream: Any = None, mode: str = "sync", buffers: int | None = None, fanout: str = "auto",
+                 transport: str = "auto") -> None:
+        self._closed, self._senders = False, []
+        options = dict(bucket_bytes=bucket_bytes, timeout=timeout, verify=verify, stream=stream, mode=mode,
+                       buffers=buffers, fanout=fanout, transport=transport)
+        self._timeout = check_options(timeout=timeout, transport=transport, bucket_bytes=bucket_bytes)["timeout"]
+        check_mode(mode, buffers, fanout)
+        dsts, group_dsts = check_peers(dst, "dst"), check_peers(group_dst, "group_dst")
+        if (dsts is None) == (group_dsts is None):
+            raise ArgumentError("pass exactly one of `dst` and `group_dst` (a rank or a list of ranks)")
+        peers = dsts if dsts is not None else group_dsts
+        links = [resolve(d, None, group, "dst", "group_dst") if dsts is not None
+                 else resolve(None, d, group, "dst", "group_dst") for d in peers]
+        order = sorted(range(len(links)), key=lambda i: links[i].peer)  # (rank order: see exchange)
+        keys, tensors = walk(unwrap(td))
+        self._keys = [tuple(map(str, k)) for k in keys]
+        self._layout = sender_layout(keys, tensors)
+        locals_ = [held(t, ".".join(k)) for k, t in zip(self._keys, tensors)]
+        self._boxes = [box for _, box in locals_]
+        device = streams.explicit(locals_[0][0].device)
+        lanes = [lane_for(links[i], device, stream, streams.StagingPool())
+                 for i in order]
+        wanted = exchange.offer(lanes, self._layout, self._timeout)
+        #: receiver (rank as given) -> the pieces this rank sends it: [(leaf index, Box)]
+        self._moved: dict[int, list[tuple[int, Box]]] = {}
+        for i, want in zip(order, wanted):
+            problem = self._layout.difference(want)
+            if problem:  # (the receiver checked it: a receiver that lies about it is refused here)
+                raise SchemaError(f"receiver rank {peers[i]} answered a layout that does not match: {problem}")
+            self._moved[peers[i]] = pieces(self._layout, in_order(want, self._layout))
+        # receivers that want the same pieces of this rank share one sender (a relay chain across hosts)
+        groups: dict[tuple, list[int]] = {}
+        for i in order:
+            moved = self._moved[peers[i]]
+            if moved:
+                groups.setdefault(tuple(moved), []).append(peers[i])
+        self._td = td
+        self._versions = 0
+        self._turn_lock = threading.Lock()
+        try:
+            for moved, members in groups.items():
+                views = piece_views(self._layout.parts, list(moved), [t for t, _ in locals_], self._boxes)
+                where = {"dst": members} if dsts is not None else {"group": group, "group_dst": members}
+                self._senders.append((list(moved), WeightSender(views, **where, **options)))
+        except BaseException:
+            self.close()
+            raise
+
+    # -- what it is --------------------------------------------------------------------------------------
+    schema = property(lambda self: self._layout, doc="This rank's layout: each leaf's whole shape and the box it "
+                                                     "sends (a :class:`~cudarecv.weights.sharded.layout.Layout`).")
+    timeout = property(lambda self: self._timeout, doc="Seconds any wait may take.")
+    mode = property(lambda self: self._senders[0][1].mode if self._senders else "sync", doc="``\"sync\"`` or ``\"latest\"``.")
+    version = property(lambda self: self._versions, doc="The last version pushed (0: none yet).")
+
+    @property
+    def fanout(self) -> str:
+        """``"relay"`` if a group of receivers of this rank's pieces is served by a chain, else ``"star"``."""
+        return "relay" if any(s.fanout == "relay" for _, s in self._senders) else "star"
+
+    @property
+    def bucket_bytes(self) -> int:
+        return max((s.bucket_bytes for _, s in self._senders), default=0)
+
+    @property
+    def plan(self) -> dict[int, list[tuple[str, Box]]]:
+        """Receiver rank -> the pieces this rank sends it: (leaf name, :class:`~cudarecv.plan.boxes.Box` of the whole
+        leaf); a receiver that gets nothing from this rank maps to ``[]``."""
+        return {rank: [(self._layout.parts[i].name, box) for i, box in moved] for rank, moved in self._moved.items()}
+
+    @property
+    def transports(self) -> dict[int, str]:
+        out: dict[int, str] = {}
+        for _, sender in self._senders:
+            out.update(sender.transports)
+        return out
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted({r for _, s in self._senders for r in s.ranks})
+
+    @property
+    def dropped(self) -> dict[int, str]:
+        out: dict[int, str] = {}
+        for _, sender in self._senders:
+            out.update(sender.dropped)
+        return out
+
+    # -- pushing -----------------------------------------------------------------------------------------
+    def push(self, wait: bool = True, timeout: float | None = None, values: Any = None) -> int | list[Transfer]:
+        """Send this rank's pieces of the current values of ``td`` to every receiver that wants some, as the next
+        version (see :meth:`WeightSender.push`; ``values``: a tensordict like ``td``, DTensors placed alike)."""
+        if self._closed:
+            raise UsageError("this WeightSender is closed")
+        limit = self._timeout if timeout is None else check_timeout(timeout)
+        if not self._turn_lock.acquire(timeout=limit):
+            raise WaitTimeout(f"another thread's push held this WeightSender for {limit:g} s (pushes from several "
+                              "threads take turns)")
+        try:
+            return self._push(wait, limit, values)
+        finally:
+            self._turn_lock.release()
+
+    def _push(self, wait: bool, limit: float, values: Any) -> int | list[Transfer]:
+        live = [(moved, s) for moved, s in self._senders if s.ranks]
+        if self._senders and not live:
+            raise PeerError(f"no receiver of this WeightSender is left ({self.dropped}): "
+                            "connect new receivers with a new WeightSender")
+        locals_ = self._values(values)
+        self._versions += 1
+        transfers: list[Transfer] = []
+        failures: list[BaseException] = []
+        for moved, sender in live:
+            piece_values = None if locals_ is None else piece_views(self._layout.parts, moved, locals_, self._boxes)
+            try:
+                out = sender.push(wait=False, timeout=limit, values=piece_values)
+            except Exception as error:  # noqa: BLE001 - the other groups still get the version; raised below
+                failures.append(error)
+                continue
+            if isinstance(out, list):
+                transfers.extend(out)
+        if not wait:
+            if failures:
+                raise failures[0]
+            return transfers
+        for transfer in transfers:
+            try:
+                transfer.wait()
+            except Exception as error:  # noqa: BLE001 - every receiver's transfer is waited for first
+                failures.append(error)
+        if failures:
+            raise failures[0]
+        return self._versions
+
+    def _values(self, values: Any) -> list | None:
+        """The local tensors of ``values``, checked to be placed like ``td``'s."""
+        if values is None:
+            return None
+        keys, tensors = walk(unwrap(values))
+        if [tuple(map(str, k)) for k in keys] != self._keys:
+            raise ArgumentError("`values` must have the keys of the sender's `td`")
+        out = []
+        for key, t, part, box in zip(self._keys, tensors, self._layout.parts, self._boxes):
+            local, mine = held(t, ".".join(key))
+            if tuple(t.shape) != part.shape or t.dtype != part.dtype or mine != box:
+                raise ArgumentError(f"`values`: leaf {part.name!r} is {t.dtype} {list(t.shape)} holding "
+                                    f"{mine.to_json()}, the sender's `td` {part.dtype} {list(part.shape)} holding "
+                                    f"{box.to_json()}: pass values placed like `td`")
+            out.append(local)
+        return out
+
+    # -- ending ------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Close every plain sender of this rank's pieces (each tells its receivers). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for _, sender in self._senders:
+            sender.close()
+        self._td = None

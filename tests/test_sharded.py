@@ -1,0 +1,312 @@
+"""Sharded weight sync (issue 29): FSDP2 / DTensor trainers push without a gather into receivers of any layout.
+
+Every rank of a six-rank gloo world creates every mesh, in the same order (DeviceMesh creation is collective
+over the world). Versions are exact integers in float64 (``1000 * version + the element's index in the whole
+tensor``), so any element out of place, missed, or from another version shows; what each rank holds or should
+hold is cut by torch's own ``_compute_local_shape_and_global_offset``, an oracle independent of
+:mod:`cudarecv.plan.boxes`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tensordict import TensorDict
+
+import cudarecv
+from cudarecv.plan.boxes import Box, coordinates, duty, shard_box
+from cudarecv.testing.launch import Ranks
+
+SHAPES = {"0.weight": (7, 5), "0.bias": (7,), "2.weight": (3, 7), "2.bias": (3,)}  # uneven on 2, 4 ranks
+
+
+def model() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3)).double()
+
+
+def whole(name: str, version: int) -> torch.Tensor:
+    shape = SHAPES[name]
+    return (torch.arange(torch.Size(shape).numel(), dtype=torch.float64) + 1000.0 * version).reshape(shape)
+
+
+def oracle_slice(shape, mesh, placements) -> tuple[slice, ...]:
+    """This rank's part of a tensor of ``shape`` placed on ``mesh``, as torch computes it."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local, offset = compute_local_shape_and_global_offset(shape, mesh, placements)
+    return tuple(slice(o, o + n) for o, n in zip(offset, local))
+
+
+def set_version(td: TensorDict, version: int) -> None:
+    """Write version ``version`` into each rank's shards of ``td`` (DTensor leaves), in place, no collective."""
+    with torch.no_grad():
+        for key, t in td.items(True, True):
+            name = ".".join(key)
+            t.to_local().copy_(whole(name, version)[oracle_slice(t.shape, t.device_mesh, t.placements)])
+
+
+def holds(td: TensorDict, version: int) -> bool:
+    """Whether a receiver's ``td`` holds exactly ``version``: each DTensor leaf its local part, each plain one whole."""
+    for key, t in td.items(True, True):
+        name = ".".join(key)
+        want = whole(name, version)
+        if hasattr(t, "device_mesh"):
+            got, want = t.to_local(), want[oracle_slice(t.shape, t.device_mesh, t.placements)]
+        else:
+            got = t
+        if not torch.equal(got, want):
+            return False
+    return True
+
+
+def expect_on(mesh, placements_of) -> TensorDict:
+    """An ``expect`` of DTensors on ``mesh`` (``placements_of(name)``), built without a collective."""
+    from torch.distributed.tensor import DTensor
+
+    leaves = {}
+    for name, shape in SHAPES.items():
+        placements = placements_of(name)
+        local = torch.zeros(whole(name, 0)[oracle_slice(shape, mesh, placements)].shape, dtype=torch.float64)
+        leaves[tuple(name.split("."))] = DTensor.from_local(local, mesh, placements, run_check=False, shape=shape,
+                                                            stride=torch.empty(shape).stride())
+    return TensorDict(leaves, [])
+
+
+def no_gathers(monkeypatch_like: dict) -> None:
+    """Make every gathering call raise on this rank (a push that gathers then fails)."""
+    from torch.distributed.tensor import DTensor
+
+    def refuse(name):
+        def call(*args, **kwargs):
+            raise AssertionError(f"a push called {name}")
+        return call
+
+    for name in ("all_gather", "all_gather_into_tensor", "all_gather_object", "gather", "broadcast",
+                 "all_reduce", "reduce_scatter_tensor", "all_to_all_single"):
+        monkeypatch_like[("dist", name)] = getattr(dist, name)
+        setattr(dist, name, refuse(f"torch.distributed.{name}"))
+    for name in ("full_tensor", "redistribute"):
+        monkeypatch_like[("DTensor", name)] = getattr(DTensor, name)
+        setattr(DTensor, name, refuse(f"DTensor.{name}"))
+
+
+def restore(saved: dict) -> None:
+    from torch.distributed.tensor import DTensor
+
+    for (owner, name), value in saved.items():
+        setattr(dist if owner == "dist" else DTensor, name, value)
+
+
+def meshes():
+    """Every mesh any case uses, created on every rank in one order."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return {"t2": DeviceMesh("cpu", [0, 1]), "t4": DeviceMesh("cpu", [0, 1, 2, 3]),
+            "hsdp": DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=("replicate", "shard")), "r2": DeviceMesh("cpu", [2, 3]),
+            "r45": DeviceMesh("cpu", [4, 5]), "r2d": DeviceMesh("cpu", [[2, 3], [4, 5]])}
+
+
+def tensor_parallel(name: str):
+    """Megatron's cut: the first layer column-parallel (rows of its weight and its bias), the second row-parallel
+    (columns of its weight), its bias whole on each."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    return {"0.weight": [Shard(0)], "0.bias": [Shard(0)], "2.weight": [Shard(1)], "2.bias": [Replicate()]}[name]
+
+
+def two_d(name: str):
+    from torch.distributed.tensor import Replicate, Shard
+
+    return {"0.weight": [Shard(0), Shard(1)], "0.bias": [Replicate(), Shard(0)], "2.weight": [Shard(1), Shard(0)],
+            "2.bias": [Shard(0), Replicate()]}[name]
+
+
+VERSIONS = 3
+CASES = {  # trainer ranks and their mesh; receiver rank -> its layout: a mesh and placements, "module", or None
+    "fsdp2_to_full_and_tp": ([0, 1], "t2", {2: ("r2", tensor_parallel), 3: ("r2", tensor_parallel), 4: "module",
+                                             5: None}),
+    "fsdp4_to_tp": ([0, 1, 2, 3], "t4", {4: ("r45", tensor_parallel), 5: ("r45", tensor_parallel)}),
+    "hsdp_to_full": ([0, 1, 2, 3], "hsdp", {4: "module", 5: None}),
+    "fsdp2_to_2d": ([0, 1], "t2", {r: ("r2d", two_d) for r in (2, 3, 4, 5)}),
+}
+
+
+def case(rank: int, world: int, group, name: str, mode: str, transport: str) -> dict:
+    """One case on the six ranks: the trainers (FSDP2 on their mesh) push VERSIONS versions, every gathering call
+    refused meanwhile; each receiver pulls until it has the last, checking every element of each version it
+    got; all meet at a barrier before closing."""
+    from torch.distributed.fsdp import fully_shard
+
+    m = meshes()
+    trainers, mesh, receivers = CASES[name]
+    out: dict = {"rank": rank}
+    if rank in trainers:
+        net = model()
+        fully_shard(net, mesh=m[mesh])
+        td = TensorDict.from_module(net)
+        set_version(td, 1)
+        with cudarecv.WeightSender(td, dst=sorted(receivers), mode=mode, transport=transport, verify=True,
+                                   timeout=30) as sender:
+            saved: dict = {}
+            no_gathers(saved)
+            try:
+                for version in range(1, VERSIONS + 1):
+                    set_version(td, version)
+                    out.setdefault("pushed", []).append(sender.push())
+            finally:
+                restore(saved)
+            out["plan"] = {r: [(n, b.starts, b.sizes) for n, b in p] for r, p in sender.plan.items()}
+            out["transports"] = sender.transports
+            dist.barrier()  # (latest mode: the receivers have the last version before the sender closes)
+        return out
+    if rank not in receivers:
+        dist.barrier()
+        return out
+    layout = receivers[rank]
+    if layout is None:
+        expect = None
+    elif layout == "module":
+        expect = model()
+    else:
+        expect = expect_on(m[layout[0]], layout[1])
+    with cudarecv.WeightReceiver(src=trainers, expect=expect, timeout=30, transport=transport) as receiver:
+        seen = []
+        while not seen or seen[-1][0] < VERSIONS:
+            version = receiver.pull()
+            seen.append((version, holds(receiver.td, version)))
+        out["seen"] = seen
+        out["plan"] = {r: [(n, b.starts, b.sizes) for n, b in p] for r, p in receiver.plan.items()}
+        out["transport"] = receiver.transport
+        dist.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def six():
+    ranks = Ranks(6, pg_timeout=60.0)
+    yield ranks
+    ranks.close()
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name,mode,transport", [
+    ("fsdp2_to_full_and_tp", "sync", "auto"), ("fsdp2_to_full_and_tp", "latest", "wire"),
+    ("fsdp4_to_tp", "sync", "wire"), ("hsdp_to_full", "sync", "auto"), ("fsdp2_to_2d", "sync", "auto")])
+def test_sharded_trainers_push_every_element_once_into_any_layout(six, name, mode, transport):
+    results = six().run(case, args=(name, mode, transport), timeout=300)
+    trainers, _, receivers = CASES[name]
+    for out in results:
+        rank = out["rank"]
+        if rank in trainers:
+            assert out["pushed"] == list(range(1, VERSIONS + 1)), out
+        elif rank in receivers:
+            versions = [v for v, _ in out["seen"]]
+            assert all(ok for _, ok in out["seen"]), f"rank {rank} got a wrong element: {out['seen']}"
+            if mode == "sync":
+                assert versions == list(range(1, VERSIONS + 1)), out["seen"]
+            else:
+                assert versions == sorted(set(versions)) and versions[-1] == VERSIONS, out["seen"]
+            assert out["transport"] == ("wire" if transport == "wire" else "shared memory"), out
+            # the pieces of this receiver, as the trainers planned them, are what it planned to get, and each
+            # element of what it holds comes from one trainer once: the bytes it receives are its layout's
+            planned = {t: sorted(results[t]["plan"][rank]) for t in trainers}
+            assert planned == {t: sorted(out["plan"].get(t, [])) for t in trainers}, (planned, out["plan"])
+    for receiver in receivers:
+        got = sum(_numel(s) for t in trainers for _, _, s in results[t]["plan"][receiver])
+        held_ = sum(torch.Size(s).numel() for s in _held_shapes(name, receiver))
+        assert got == held_, f"rank {receiver} receives {got} elements, holds {held_}"
+
+
+def _numel(sizes) -> int:
+    return torch.Size(sizes).numel()
+
+
+def _held_shapes(name: str, rank: int) -> list[tuple[int, ...]]:
+    """What receiver ``rank`` of case ``name`` holds of each leaf (torch's cut, computed without a mesh)."""
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    layout = CASES[name][2][rank]
+    if layout in (None, "module"):
+        return list(SHAPES.values())
+    ranks = {"r2": [[2, 3]], "r45": [[4, 5]], "r2d": [[2, 3], [4, 5]]}[layout[0]]
+    coordinate = next([i, row.index(rank)] for i, row in enumerate(ranks) if rank in row)
+    if len(ranks) == 1:
+        coordinate = coordinate[1:]
+    mesh_shape = (len(ranks), len(ranks[0])) if len(ranks) > 1 else (len(ranks[0]),)
+    return [_compute_local_shape_and_global_offset(shape, mesh_shape, coordinate, layout[1](name))[0]
+            for name, shape in SHAPES.items()]
+
+
+# -- the geometry, against torch's own cut ---------------------------------------------------------------
+
+def _placements(draw, ndim: int, mesh_ndim: int):
+    from torch.distributed.tensor import Replicate, Shard
+
+    return [draw(st.sampled_from([Replicate()] + [Shard(d) for d in range(ndim)])) for _ in range(mesh_ndim)]
+
+
+@st.composite
+def layouts(draw):
+    ndim = draw(st.integers(0, 3))
+    shape = tuple(draw(st.lists(st.integers(0, 9), min_size=ndim, max_size=ndim)))
+    mesh_shape = tuple(draw(st.lists(st.integers(1, 4), min_size=1, max_size=3)))
+    placements = _placements(draw, ndim, len(mesh_shape)) if ndim else []
+    if not ndim:
+        from torch.distributed.tensor import Replicate
+
+        placements = [Replicate()] * len(mesh_shape)
+    return shape, mesh_shape, placements
+
+
+@settings(max_examples=300, deadline=None)
+@given(layouts())
+def test_boxes_are_torchs_cut_and_every_element_is_sent_once(layout):
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    shape, mesh_shape, placements = layout
+    count = torch.zeros(shape, dtype=torch.int64)
+    for coordinate in coordinates(mesh_shape):
+        box = shard_box(shape, mesh_shape, placements, coordinate)
+        local, offset = _compute_local_shape_and_global_offset(shape, mesh_shape, list(coordinate), placements)
+        assert box.sizes == tuple(local), (coordinate, box, local)
+        if box.numel:
+            assert box.starts == tuple(offset), (coordinate, box, offset)
+        share = duty(shape, mesh_shape, placements, coordinate)
+        if share is not None:
+            assert share & box == share  # a rank sends only what it holds
+            count[share.within(Box.full(shape))] += 1
+    assert bool((count == 1).all()), count
+
+
+def test_a_partial_leaf_is_refused_naming_it():
+    from torch.distributed.tensor import Partial
+
+    with pytest.raises(cudarecv.ArgumentError, match="leaf 'w' is placed Partial"):
+        shard_box((4,), (2,), [Partial()], (0,), "leaf 'w'")
+
+
+def strided_leaves(rank, world, group):
+    """A plain weight sender of non-contiguous leaves (a transposed matrix, a column slice): each push copies them
+    into its snapshot as they are; the receiver gets their values."""
+    base = torch.arange(24.0).reshape(4, 6)
+    td = TensorDict(t=base.t(), c=base[:, 1:3], whole=torch.ones(3))
+    if rank == 0:
+        with cudarecv.WeightSender(td, dst=1, timeout=30) as sender:
+            sender.push()
+            base.add_(100.0)
+            sender.push()
+        return None
+    with cudarecv.WeightReceiver(src=0, expect=td, timeout=30) as receiver:
+        got = []
+        for version in (1, 2):
+            receiver.pull()
+            shifted = base + (100.0 if version == 2 else 0.0)
+            got.append(torch.equal(receiver.td["t"], shifted.t()) and torch.equal(receiver.td["c"], shifted[:, 1:3]))
+        return got
+
+
+def test_a_weight_sender_takes_strided_leaves(cluster):
+    assert cluster().run(strided_leaves)[1] == [True, True]
