@@ -9,6 +9,9 @@ hold is cut by torch's own ``_compute_local_shape_and_global_offset``, an oracle
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -18,7 +21,8 @@ from tensordict import TensorDict
 
 import cudarecv
 from cudarecv.plan.boxes import Box, coordinates, duty, shard_box
-from cudarecv.testing.launch import Ranks
+from cudarecv.testing.launch import Cluster, Ranks
+from rawwire import store
 
 SHAPES = {"0.weight": (7, 5), "0.bias": (7,), "2.weight": (3, 7), "2.bias": (3,)}  # uneven on 2, 4 ranks
 
@@ -131,7 +135,19 @@ CASES = {  # trainer ranks and their mesh; receiver rank -> its layout: a mesh a
     "fsdp4_to_tp": ([0, 1, 2, 3], "t4", {4: ("r45", tensor_parallel), 5: ("r45", tensor_parallel)}),
     "hsdp_to_full": ([0, 1, 2, 3], "hsdp", {4: "module", 5: None}),
     "fsdp2_to_2d": ([0, 1], "t2", {r: ("r2d", two_d) for r in (2, 3, 4, 5)}),
+    "columns_to_tp_and_full": ([0, 1], "t2", {2: ("r2", tensor_parallel), 3: ("r2", tensor_parallel), 4: "module",
+                                              5: None}),
 }
+
+
+def columns(name: str):
+    """Trainer DTensors that are no FSDP2 model's: weights cut by columns, biases whole on each rank."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    return [Shard(1)] if name.endswith("weight") else [Replicate()]
+
+
+TRAINER_PLACEMENTS = {"columns_to_tp_and_full": columns}  # (other cases: FSDP2's own)
 
 
 def case(rank: int, world: int, group, name: str, mode: str, transport: str) -> dict:
@@ -144,14 +160,21 @@ def case(rank: int, world: int, group, name: str, mode: str, transport: str) -> 
     trainers, mesh, receivers = CASES[name]
     out: dict = {"rank": rank}
     if rank in trainers:
-        net = model()
-        fully_shard(net, mesh=m[mesh])
-        td = TensorDict.from_module(net)
+        if name in TRAINER_PLACEMENTS:
+            td = expect_on(m[mesh], TRAINER_PLACEMENTS[name])
+        else:
+            net = model()
+            fully_shard(net, mesh=m[mesh])
+            td = TensorDict.from_module(net)
         set_version(td, 1)
         with cudarecv.WeightSender(td, dst=sorted(receivers), mode=mode, transport=transport, verify=True,
                                    timeout=30) as sender:
             saved: dict = {}
             no_gathers(saved)
+            try:
+                next(iter(td.values(True, True))).full_tensor()
+            except AssertionError:
+                out["gathers_refused"] = True
             try:
                 for version in range(1, VERSIONS + 1):
                     set_version(td, version)
@@ -194,7 +217,8 @@ def six():
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name,mode,transport", [
     ("fsdp2_to_full_and_tp", "sync", "auto"), ("fsdp2_to_full_and_tp", "latest", "wire"),
-    ("fsdp4_to_tp", "sync", "wire"), ("hsdp_to_full", "sync", "auto"), ("fsdp2_to_2d", "sync", "auto")])
+    ("fsdp4_to_tp", "sync", "wire"), ("hsdp_to_full", "sync", "auto"), ("fsdp2_to_2d", "sync", "auto"),
+    ("columns_to_tp_and_full", "sync", "wire")])
 def test_sharded_trainers_push_every_element_once_into_any_layout(six, name, mode, transport):
     results = six().run(case, args=(name, mode, transport), timeout=300)
     trainers, _, receivers = CASES[name]
@@ -202,6 +226,7 @@ def test_sharded_trainers_push_every_element_once_into_any_layout(six, name, mod
         rank = out["rank"]
         if rank in trainers:
             assert out["pushed"] == list(range(1, VERSIONS + 1)), out
+            assert out["gathers_refused"], "the pushes ran with gathering calls allowed"
         elif rank in receivers:
             versions = [v for v, _ in out["seen"]]
             assert all(ok for _, ok in out["seen"]), f"rank {rank} got a wrong element: {out['seen']}"
@@ -310,3 +335,163 @@ def strided_leaves(rank, world, group):
 
 def test_a_weight_sender_takes_strided_leaves(cluster):
     assert cluster().run(strided_leaves)[1] == [True, True]
+
+
+# -- failures, refusals and closing ---------------------------------------------------------------------
+
+def dead_trainer(rank, world, group, transport, how):
+    """Trainers 0 and 1 (FSDP2) push to a tensor-parallel pair (ranks 2, 3); trainer 1 is SIGKILLed (or SIGSTOPped)
+    once version 2 is everywhere; rank 0 pushes version 3. Each receiver's pull of version 3 must raise naming
+    rank 1, publish nothing of it, and keep version 2 whole (a stopped rank 1 is killed once both have checked)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    trainers, pair = DeviceMesh("cpu", [0, 1]), DeviceMesh("cpu", [2, 3])
+    if rank < 2:
+        net = model()
+        fully_shard(net, mesh=trainers)
+        td = TensorDict.from_module(net)
+        with cudarecv.WeightSender(td, dst=[2, 3], transport=transport, timeout=30) as sender:
+            for version in (1, 2):
+                set_version(td, version)
+                sender.push()
+            if rank == 1:
+                if how == "stop":
+                    store().set("stopped_trainer", str(os.getpid()))
+                os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+            set_version(td, 3)
+            sender.push()  # (rank 0's pieces: the receivers take them, then wait for rank 1's)
+            store().set("pushed_3", "1")
+            return sender.version
+    with cudarecv.WeightReceiver(src=[0, 1], expect=expect_on(pair, tensor_parallel), timeout=30,
+                                 transport=transport) as receiver:
+        for version in (1, 2):
+            assert receiver.pull() == version and holds(receiver.td, version)
+        signals, outcome = store(), None
+        while outcome is None:
+            # a stopped rank 1: pull until a pull began after rank 0's pieces of version 3 were all taken (its push
+            # returned), so that rank 1 is the one silent rank whatever the machine's speed
+            pushed = how == "kill" or signals.check(["pushed_3"])
+            try:
+                receiver.pull(timeout=20 if how == "kill" else 3)
+                outcome = ("pulled version 3",)
+            except (cudarecv.PeerError, cudarecv.TransferTimeout, cudarecv.WaitTimeout) as error:
+                if pushed:
+                    outcome = type(error).__name__, str(error), receiver.version, holds(receiver.td, 2)
+        if how == "stop":
+            signals.set(f"checked_{rank}", "1")
+            if rank == 2:
+                signals.wait(["checked_2", "checked_3"])
+                os.kill(int(signals.get("stopped_trainer")), signal.SIGKILL)
+        return outcome
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("transport,how", [("auto", "kill"), ("wire", "kill"), ("auto", "stop")])
+def test_a_dead_or_stopped_trainer_rank_is_named_and_no_receiver_publishes_a_mix(transport, how):
+    with Cluster(4) as ranks:
+        results = ranks.run(dead_trainer, args=(transport, how), timeout=200, may_die=[1])
+    assert results[0] == 3
+    for rank in (2, 3):
+        kind, message, version, whole = results[rank]
+        if how == "kill":
+            assert kind == "PeerError" and "link to rank 1 of the group failed" in message, results[rank]
+        else:  # nothing of version 3 came from rank 1: the pull names it and goes on (a stalled rank)
+            assert kind == "WaitTimeout" and "from rank(s) [1] no version newer than 2" in message, results[rank]
+        assert version == 2 and whole, results[rank]
+
+
+def refusals(rank, world, group):
+    """A receiver that names only one of the two trainer ranks as `src` is refused (its pieces would not fill what it
+    wants), on both ends; a Partial leaf is refused before anything is sent."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Partial
+
+    trainers = DeviceMesh("cpu", [0, 1])
+    out = []
+    if rank < 2:
+        net = model()
+        fully_shard(net, mesh=trainers)
+        try:
+            cudarecv.WeightSender(TensorDict.from_module(net), dst=[2], timeout=5)
+        except cudarecv.Error as error:
+            out.append((type(error).__name__, str(error)))
+        partial = DTensor.from_local(torch.zeros(4), trainers, [Partial()], run_check=False)
+        try:
+            cudarecv.WeightSender(TensorDict(w=partial), dst=[2], timeout=5)
+        except cudarecv.Error as error:
+            out.append((type(error).__name__, str(error)))
+        return out
+    if rank == 2:
+        try:
+            cudarecv.WeightReceiver(src=[0], timeout=5)
+        except cudarecv.Error as error:
+            out.append((type(error).__name__, str(error)))
+    return out
+
+
+def test_a_receiver_missing_a_trainer_rank_and_a_partial_leaf_are_refused(six):
+    try:
+        results = six().run(refusals, timeout=120)
+    finally:
+        six().close()  # rank 1's layout, never read, is still on its link to rank 2: the next test needs new groups
+    kind, message = results[2][0]
+    assert kind == "SchemaError" and "pass every rank of the sender's mesh as `src`" in message, results[2]
+    assert results[0][0][0] == "SchemaError" and "receiver rank 2 rejected the weights" in results[0][0][1], results[0]
+    assert results[1][0][0] == "TransferTimeout" and "rank 2" in results[1][0][1], results[1]  # (never asked)
+    for trainer in (0, 1):
+        assert results[trainer][1][0] == "ArgumentError" and "leaf 'w' is placed Partial" in results[trainer][1][1]
+
+
+def closing(rank, world, group):
+    """Receiver 4 closes after version 1: the trainers' next push goes on to the tensor-parallel pair; then the
+    trainers close, and the pair's next pull raises SenderClosed with version 2 still readable."""
+    from torch.distributed.fsdp import fully_shard
+
+    m = meshes()
+    if rank < 2:
+        net = model()
+        fully_shard(net, mesh=m["t2"])
+        td = TensorDict.from_module(net)
+        sender = cudarecv.WeightSender(td, dst=[2, 3, 4], timeout=30)
+        set_version(td, 1)
+        sender.push()
+        dist.barrier()  # (receiver 4 has closed)
+        set_version(td, 2)
+        sender.push()
+        dropped = sender.dropped
+        sender.close()
+        dist.barrier()
+        return dropped
+    if rank == 5:
+        dist.barrier()
+        dist.barrier()
+        return None
+    expect = model() if rank == 4 else expect_on(m["r2"], tensor_parallel)
+    receiver = cudarecv.WeightReceiver(src=[0, 1], expect=expect, timeout=30)
+    receiver.pull()
+    if rank == 4:
+        receiver.close()
+        dist.barrier()
+        dist.barrier()
+        return holds(receiver.td, 1)
+    dist.barrier()
+    receiver.pull()
+    dist.barrier()
+    try:
+        receiver.pull(timeout=20)
+        outcome = "pulled"
+    except cudarecv.SenderClosed:
+        outcome = "SenderClosed"
+    receiver.close()
+    return outcome, receiver.version, holds(receiver.td, 2)
+
+
+def test_closing_both_ways(six):
+    results = six().run(closing, timeout=120)
+    for trainer in (0, 1):
+        assert results[trainer] == {4: "closed by its receiver"}, results[trainer]
+    assert results[4] is True
+    for rank in (2, 3):
+        assert results[rank] == ("SenderClosed", 2, True), results[rank]

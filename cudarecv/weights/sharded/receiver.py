@@ -208,9 +208,10 @@ class ShardedReceiver(WeightReceiver):
             except WaitTimeout:
                 if any(r.arriving for _, _, r in self._inner):  # a version is arriving: its clocks bound the rest
                     return transfer.wait()
-                raise WaitTimeout(f"pull from ranks {self._ranks()}: no version newer than {self._version} began to "
-                                  f"arrive within {limit:g} s; the pull goes on: the next pull() carries on "
-                                  "waiting") from None
+                silent = [rank for rank, _, r in self._inner if r.version <= self._version]
+                raise WaitTimeout(f"pull from ranks {self._ranks()}: from rank(s) {silent} no version newer than "
+                                  f"{self._version} began to arrive within {limit:g} s (are they still pushing?); the "
+                                  "pull goes on: the next pull() carries on waiting") from None
         finally:
             self._turn_lock.release()
 
