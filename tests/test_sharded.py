@@ -22,6 +22,7 @@ from tensordict import TensorDict
 import cudarecv
 from cudarecv.plan.boxes import Box, coordinates, duty, shard_box
 from cudarecv.testing.launch import Cluster, Ranks
+from held import threads
 from rawwire import store
 
 SHAPES = {"0.weight": (7, 5), "0.bias": (7,), "2.weight": (3, 7), "2.bias": (3,)}  # uneven on 2, 4 ranks
@@ -159,6 +160,7 @@ def case(rank: int, world: int, group, name: str, mode: str, transport: str) -> 
     m = meshes()
     trainers, mesh, receivers = CASES[name]
     out: dict = {"rank": rank}
+    before = threads()
     if rank in trainers:
         if name in TRAINER_PLACEMENTS:
             td = expect_on(m[mesh], TRAINER_PLACEMENTS[name])
@@ -184,6 +186,7 @@ def case(rank: int, world: int, group, name: str, mode: str, transport: str) -> 
             out["plan"] = {r: [(n, b.starts, b.sizes) for n, b in p] for r, p in sender.plan.items()}
             out["transports"] = sender.transports
             dist.barrier()  # (latest mode: the receivers have the last version before the sender closes)
+        out["threads_left"] = threads() - before
         return out
     if rank not in receivers:
         dist.barrier()
@@ -204,7 +207,9 @@ def case(rank: int, world: int, group, name: str, mode: str, transport: str) -> 
         out["plan"] = {r: [(n, b.starts, b.sizes) for n, b in p] for r, p in receiver.plan.items()}
         out["transport"] = receiver.transport
         dist.barrier()
+    out["threads_left"] = threads() - before
     return out
+
 
 
 @pytest.fixture(scope="module")
@@ -224,6 +229,7 @@ def test_sharded_trainers_push_every_element_once_into_any_layout(six, name, mod
     trainers, _, receivers = CASES[name]
     for out in results:
         rank = out["rank"]
+        assert not out.get("threads_left"), f"rank {rank}: threads left after close(): {out['threads_left']}"
         if rank in trainers:
             assert out["pushed"] == list(range(1, VERSIONS + 1)), out
             assert out["gathers_refused"], "the pushes ran with gathering calls allowed"

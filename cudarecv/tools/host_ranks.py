@@ -41,7 +41,8 @@ def _model(total: int) -> TensorDict:
     return TensorDict({f"layer{i:02d}": torch.zeros(total // LEAVES // 4) for i in range(LEAVES)}, batch_size=[])
 
 
-def _nic_bytes() -> tuple[int, int]:
+def nic_bytes() -> tuple[int, int]:
+    """This host's NIC bytes sent and received so far ((0, 0) where its counters cannot be read)."""
     base = f"/sys/class/net/{os.environ.get('GLOO_SOCKET_IFNAME', 'eth0')}/statistics"
     try:
         with open(f"{base}/tx_bytes") as tx, open(f"{base}/rx_bytes") as rx:
@@ -117,7 +118,7 @@ def run(out: str, ks: list[int], mib: float, rounds: int, timeout: float = 120.0
             member = rank <= k
             case = _Case(method, k, groups[k], td, timeout, bucket_bytes) if member else None
             seconds, checks = [], True
-            before = _nic_bytes()
+            before = nic_bytes()
             busy = 0.0
             for step in range(1, rounds + 1):
                 fill = float(step)
@@ -137,7 +138,7 @@ def run(out: str, ks: list[int], mib: float, rounds: int, timeout: float = 120.0
                 busy += latency
                 if member and rank > 0:
                     checks = checks and case.holds(fill)
-            after = _nic_bytes()
+            after = nic_bytes()
             moved = torch.tensor([after[0] - before[0], after[1] - before[1], int(checks)], dtype=torch.float64)
             every = [torch.zeros(3, dtype=torch.float64) for _ in range(world)]
             dist.all_gather(every, moved)
