@@ -80,7 +80,10 @@ class ShardedReceiver(WeightReceiver):
         self._turn_lock = threading.Lock()
         self._pending: Transfer | None = None
         self._driver = Driver(f"cudarecv-pull-{'-'.join(map(str, peers))}")
-        options = dict(device=device, pin_memory=pin_memory, timeout=self.timeout, stream=stream, transport=transport)
+        # a sender rank on this machine: its pieces are read where they lie in its snapshot (zero-copy), and copied
+        # once, into this receiver's own buffer
+        options = dict(device=device, pin_memory=pin_memory, timeout=self.timeout, stream=stream, transport=transport,
+                       zero_copy=device.type == "cpu" and not pin_memory)
         try:
             for i in order:
                 moved = self._moved[peers[i]]
