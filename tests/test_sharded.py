@@ -204,6 +204,11 @@ def case(rank: int, world: int, group, name: str, mode: str, transport: str) -> 
             version = receiver.pull()
             seen.append((version, holds(receiver.td, version)))
         out["seen"] = seen
+        net = model()  # load_into: a module sharded as `expect` (its DTensor parameters' local shards), or whole
+        if isinstance(expect, TensorDict):
+            for key, t in expect.items(True, True):
+                setattr(net.get_submodule(key[0]), key[1], torch.nn.Parameter(t.clone(), requires_grad=False))
+        out["loaded"] = receiver.load_into(net) == VERSIONS and holds(TensorDict.from_module(net), VERSIONS)
         out["plan"] = {r: [(n, b.starts, b.sizes) for n, b in p] for r, p in receiver.plan.items()}
         out["transport"] = receiver.transport
         dist.barrier()
@@ -236,6 +241,7 @@ def test_sharded_trainers_push_every_element_once_into_any_layout(six, name, mod
         elif rank in receivers:
             versions = [v for v, _ in out["seen"]]
             assert all(ok for _, ok in out["seen"]), f"rank {rank} got a wrong element: {out['seen']}"
+            assert out["loaded"], f"rank {rank}: load_into left the module without the last version"
             if mode == "sync":
                 assert versions == list(range(1, VERSIONS + 1)), out["seen"]
             else:

@@ -59,7 +59,8 @@ class WeightReceiver:
     """Receive the versions a :class:`WeightSender` pushes; ``td`` is the latest complete one.
 
     Keyword Args:
-        src / group_src: the sender's rank (global, or in ``group``); exactly one.
+        src / group_src: the sender's rank (global, or in ``group``); exactly one. A list: every rank of a
+            sharded sender's mesh (docs/sharded.md), as with DTensor leaves in ``expect``.
         group: the process group (a standalone one with ``group_src``).
         device: where the weights live (``"cpu"`` default, or a CUDA device).
         pin_memory: page-locked host storage (CPU only).

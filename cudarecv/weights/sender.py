@@ -88,6 +88,9 @@ class WeightSender:
     Construction performs the handshake with every receiver and raises if one rejects the schema
     (:class:`SchemaError`, naming it and the first differing key) or could not start (:class:`ReceiverFailed`).
 
+    With DTensor leaves in ``td`` (an FSDP2 model's), every rank of their mesh builds one, with the same ``dst``:
+    a sharded sender, each rank sending what it holds to the receivers that want it (docs/sharded.md).
+
     Example:
         >>> sender = WeightSender(TensorDict.from_module(policy), dst=[1, 2], bucket_bytes=1 << 20)
         >>> version = sender.push()      # blocks until every receiver has the bytes

@@ -178,12 +178,16 @@ class ShardedReceiver(WeightReceiver):
 
     @property
     def td(self) -> TensorDict:
+        """The latest version whole, in the wanted layout (DTensors where ``expect`` had them)."""
         return self._slots.td()
 
     def reading(self) -> contextlib.AbstractContextManager[TensorDict]:
+        """Hold the latest version while reading it (see :meth:`WeightReceiver.reading`)."""
         return self._slots.reading()
 
     def load_into(self, module: torch.nn.Module, strict: bool = True) -> int:
+        """Copy the latest version into ``module`` in place: each DTensor parameter's local shard from the
+        leaf placed alike (never a collective); returns the version copied."""
         with self.reading() as td:
             load_into(td, module, strict)
             return self._version

@@ -103,6 +103,7 @@ class ShardedSender(WeightSender):
 
     @property
     def bucket_bytes(self) -> int:
+        """Bytes per payload message of this rank's plain senders (0: it sends nothing)."""
         return max((s.bucket_bytes for _, s in self._senders), default=0)
 
     @property
@@ -113,6 +114,7 @@ class ShardedSender(WeightSender):
 
     @property
     def transports(self) -> dict[int, str]:
+        """Receiver rank -> what carries this rank's pieces to it (see :attr:`WeightSender.transports`)."""
         out: dict[int, str] = {}
         for _, sender in self._senders:
             out.update(sender.transports)
@@ -120,10 +122,12 @@ class ShardedSender(WeightSender):
 
     @property
     def ranks(self) -> list[int]:
+        """The receivers this rank still serves (those it sends pieces to)."""
         return sorted({r for _, s in self._senders for r in s.ranks})
 
     @property
     def dropped(self) -> dict[int, str]:
+        """The receivers this rank no longer serves, and why."""
         out: dict[int, str] = {}
         for _, sender in self._senders:
             out.update(sender.dropped)
