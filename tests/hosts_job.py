@@ -21,6 +21,9 @@ import torch.distributed as dist
 from tensordict import TensorDict
 from test_fast_wire import mismatch_then_ok
 from test_interop import MODES, PAIRS, transfer
+from test_sharded import holds as sharded_holds
+from test_sharded import model as sharded_model
+from test_sharded import set_version as set_sharded_version
 from test_weights import fan_out
 
 import cudarecv
@@ -39,7 +42,31 @@ def cross_section(rank: int, world: int) -> dict:
     for fanout in ("star", "relay"):
         out[f"weights_{fanout}"] = fan_out(rank, world, None, 4, False, fanout)
         dist.barrier()
+    out["sharded"] = sharded_relay(rank)
     return out
+
+
+def sharded_relay(rank: int) -> object:
+    """FSDP2 on ranks 0 and 1 (two hosts) to ranks 2 and 3 (two more), each receiving the whole model: both want the
+    same pieces of each trainer rank, which sends them down a relay chain of the two."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = DeviceMesh("cpu", [0, 1])  # (every rank creates every mesh)
+    if rank < 2:
+        net = sharded_model()
+        fully_shard(net, mesh=mesh)
+        td = TensorDict.from_module(net)
+        with cudarecv.WeightSender(td, dst=[2, 3], timeout=TIMEOUT, verify=True) as sender:
+            set_sharded_version(td, 1)
+            sender.push()
+            transports = sender.transports  # (read before the receivers can have closed: they await version 3)
+            for version in (2, 3):
+                set_sharded_version(td, version)
+                sender.push()
+            return sender.fanout, transports
+    with cudarecv.WeightReceiver(src=[0, 1], timeout=TIMEOUT) as receiver:
+        return [(receiver.pull(), sharded_holds(receiver.td, version)) for version in (1, 2, 3)]
 
 
 def _big_model() -> TensorDict:

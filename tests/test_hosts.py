@@ -67,6 +67,14 @@ def test_weight_sync_fan_out_across_hosts(cross_section, fanout):
         assert all(ok for _, ok in seen) and loaded, f"rank {rank} saw a mixed version"
 
 
+def test_a_sharded_trainer_relays_each_ranks_pieces_across_hosts(cross_section):
+    for trainer in (0, 1):
+        fanout, transports = cross_section[trainer]["sharded"]
+        assert fanout == "relay" and transports == {"2": "wire", "3": "wire"}, cross_section[trainer]["sharded"]
+    for rank in (2, 3):
+        assert cross_section[rank]["sharded"] == [[1, True], [2, True], [3, True]], cross_section[rank]["sharded"]
+
+
 def test_a_receiver_killed_mid_push_in_a_relay_chain(cluster, tmp_path):
     """Chain 1 -> 2 -> 3 -> 4, rank 2 killed: the push and ranks 3 and 4 name it within timeout + 10 s;
     rank 1 keeps its versions and gets the next; the survivors then sync on a new group."""
