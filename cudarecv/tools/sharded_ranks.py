@@ -44,9 +44,10 @@ LAYERS = 4
 
 
 def _model(mib: float) -> torch.nn.Module:
-    """LAYERS square linear layers (with biases) of about ``mib`` MiB of float32 in all."""
+    """LAYERS square linear layers (with biases) of about ``mib`` MiB of float32 in all, on the meta device (its
+    shapes only: a trainer materializes its shards alone, after ``fully_shard``)."""
     dim = int(math.sqrt(mib * (1 << 20) / 4 / LAYERS)) // 16 * 16
-    return torch.nn.Sequential(*(torch.nn.Linear(dim, dim) for _ in range(LAYERS)))
+    return torch.nn.Sequential(*(torch.nn.Linear(dim, dim, device="meta") for _ in range(LAYERS)))
 
 
 def _placements(name: str) -> list:
@@ -98,6 +99,7 @@ class _Method:
         if self.trainer:
             net = _model(mib)
             fully_shard(net, mesh=meshes["trainers"])
+            net.to_empty(device="cpu")  # this rank's shards only (filled each round)
             self.td = TensorDict.from_module(net)
             if method == "sharded":
                 self.sender = cudarecv.WeightSender(self.td, dst=actors, timeout=timeout)
