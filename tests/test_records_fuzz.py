@@ -209,6 +209,54 @@ def test_weight_schema_fuzzed():
     check()
 
 
+def _layout():
+    from cudarecv.plan.boxes import Box
+    from cudarecv.weights.sharded.layout import Layout, Part
+
+    return Layout((Part(("l0", "weight"), torch.float32, (7, 5), Box((4, 0), (3, 5))),
+                   Part(("l0", "bias"), torch.float32, (7,), None), Part(("scale",), torch.bfloat16, (), Box((), ()))))
+
+
+@st.composite
+def layout_docs(draw: st.DrawFn) -> bytes:
+    """The JSON of a valid sharded layout with one of its values (at any depth) replaced by any JSON value."""
+    doc = json.loads(_layout().to_json())
+    path, node = [], doc
+    while isinstance(node, (dict, list)) and node and draw(st.booleans()):
+        key = draw(st.sampled_from(sorted(node) if isinstance(node, dict) else range(len(node))))
+        path.append(key)
+        node = node[key]
+    if path:
+        parent = doc
+        for key in path[:-1]:
+            parent = parent[key]
+        parent[path[-1]] = draw(json_values)
+    return json.dumps(doc).encode()
+
+
+def test_sharded_layout_fuzzed():
+    """A sharded sync's layout (what a peer says it sends or wants): parsed and checked, or a SchemaError; a box
+    parsed always lies inside its leaf and holds elements."""
+    from cudarecv.weights.sharded.layout import Layout
+
+    good = _layout()
+    assert Layout.from_json(good.to_json()) == good
+
+    @settings(FUZZ, max_examples=500)  # (a layout's checks are the schema's: fewer examples)
+    @given(st.one_of(st.binary(max_size=600), layout_docs(), mutated(st.just(good.to_json())),
+                     json_values.map(lambda v: json.dumps(v).encode())))
+    def check(raw: bytes) -> None:
+        got = outcome(Layout.from_json, raw)
+        assert isinstance(got, (Layout, cudarecv.SchemaError)), got
+        if isinstance(got, Layout):
+            for part in got.parts:
+                if part.box is not None:
+                    assert part.box.numel > 0 or not part.shape
+                    assert all(0 <= s and s + n <= whole for s, n, whole in zip(part.box.starts, part.box.sizes,
+                                                                                   part.shape))
+    check()
+
+
 def test_deep_json_is_a_schema_error():
     """Nested past Python's recursion limit: still a SchemaError (json raises RecursionError)."""
     with pytest.raises(cudarecv.SchemaError, match="malformed weight schema"):
