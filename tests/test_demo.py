@@ -91,7 +91,7 @@ def test_demo_quick_verified_three_actors() -> None:
 
 def test_demo_latest_mode_with_a_slow_actor() -> None:
     """The slow actor takes few versions in latest mode, and every one of them in lockstep (stock)."""
-    proc = _demo("--quick", "--mode", "latest", "--slow-actor", "2", "--slow-seconds", "0.2", timeout=180)
+    proc = _demo("--quick", "--mode", "latest", "--slow-actor", "2", "--slow-seconds", "0.1", timeout=180)
     _, rows = _check_run(proc, actors=2, checksums="off", mode="latest")
     slow = {row["impl"]: row for row in rows if row["actor"] == "2*"}
     assert set(slow) == {"cudarecv latest", "stock"}, rows
