@@ -1,10 +1,14 @@
-"""Waits on another process of a test (a rank): until it is gone, until it is stopped."""
+"""Waits on another process of a test (a rank): until it is gone, until it is stopped; how long a subprocess may run."""
 
 from __future__ import annotations
 
 import os
 import select
 import time
+
+#: a subprocess's bound (a command the test runs whole: demo, compare, an example): a hang's, not a speed's, just under
+#: pytest's own 300 s (pyproject.toml), so that a hang reports the command's output
+HANG = 280.0
 
 
 def wait_gone(pid: int) -> None:

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from cudarecv.tools.cli import SUBCOMMANDS, main, plain
+from procs import HANG
 
 # what reStructuredText in a help text looks like: ``literal``, :role:`target`, **strong**, a literal block's "::"
 RST = re.compile(r"``|:[a-z]+:`|\*\*|::(\s|$)")
@@ -36,7 +37,7 @@ def test_every_help_text_is_whole_and_plain(argv, capsys):
 
 
 def test_the_installed_entry_point_prints_the_same_help(capsys):
-    out = subprocess.run([sys.executable, "-m", "cudarecv", "--help"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-m", "cudarecv", "--help"], capture_output=True, text=True, timeout=HANG)
     assert out.returncode == 0 and not RST.search(out.stdout), out.stdout
     assert _description(out.stdout) == _description(_help([], capsys))
 

@@ -13,6 +13,7 @@ import pytest
 
 from cudarecv.tools import cli
 from cudarecv.tools import transfer_ranks as tb
+from procs import HANG
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -70,7 +71,7 @@ def test_compare_quick() -> None:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     proc = subprocess.run(
         [sys.executable, "-m", "cudarecv", "compare", "--quick"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG,
     )
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
 
@@ -134,7 +135,7 @@ def test_compare_bad_option_subprocess() -> None:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     proc = subprocess.run([sys.executable, "-m", "cudarecv", "compare", "--bucket-bytes", "abc"], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=120)
+                          env=env, capture_output=True, text=True, timeout=HANG)
     assert proc.returncode == 2 and proc.stdout == "", proc.stderr
     assert proc.stderr.startswith("usage: cudarecv compare")
     assert proc.stderr.strip().splitlines()[-1].startswith("cudarecv compare: error: argument --bucket-bytes: ")

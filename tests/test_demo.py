@@ -18,6 +18,7 @@ import torch
 
 from cudarecv.testing import hosts
 from cudarecv.tools import cli, demo
+from procs import HANG
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK_VERSIONS = 41  # --quick: 40 steps, one push each, after the initial weights
@@ -29,7 +30,7 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _demo(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def _demo(*args: str, timeout: float = HANG) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "cudarecv", "demo", *args], cwd=ROOT, env=_env(),
                           capture_output=True, text=True, timeout=timeout)
 
@@ -91,7 +92,7 @@ def test_demo_quick_verified_three_actors() -> None:
 
 def test_demo_latest_mode_with_a_slow_actor() -> None:
     """The slow actor takes few versions in latest mode, and every one of them in lockstep (stock)."""
-    proc = _demo("--quick", "--mode", "latest", "--slow-actor", "2", "--slow-seconds", "0.1", timeout=180)
+    proc = _demo("--quick", "--mode", "latest", "--slow-actor", "2", "--slow-seconds", "0.1")
     _, rows = _check_run(proc, actors=2, checksums="off", mode="latest")
     slow = {row["impl"]: row for row in rows if row["actor"] == "2*"}
     assert set(slow) == {"cudarecv latest", "stock"}, rows
@@ -99,7 +100,7 @@ def test_demo_latest_mode_with_a_slow_actor() -> None:
 
 
 def test_demo_dead_actor_ends_the_run() -> None:
-    proc = _demo("--quick", "--actors", "1", "--kill-actor", "1", "--timeout", "20", timeout=90)
+    proc = _demo("--quick", "--actors", "1", "--kill-actor", "1", "--timeout", "20")
     out = f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     assert proc.returncode == 1, out
     assert "cudarecv demo: error: " in proc.stderr, out
@@ -112,7 +113,7 @@ def test_demo_dead_actor_ends_the_run() -> None:
 @pytest.mark.timeout(300)
 def test_demo_across_simulated_hosts() -> None:
     """--hosts 3: the same run under torchrun on three simulated hosts; cudarecv relays (auto fan-out)."""
-    proc = _demo("--quick", "--hosts", "3", timeout=240)
+    proc = _demo("--quick", "--hosts", "3")
     _check_run(proc, actors=2, checksums="off")
     assert "# ranks: 3 simulated hosts (1gbit links), launched with torchrun" in proc.stdout, proc.stdout
     assert "fan-out relay" in proc.stdout, proc.stdout
@@ -228,7 +229,7 @@ def test_simulated_hosts_need_root() -> None:
 
 def test_demo_bad_option() -> None:
     """The real command line: exit status 2 and the one error line, naming the flag."""
-    proc = _demo("--actors", "0", timeout=60)
+    proc = _demo("--actors", "0")
     assert proc.returncode == 2 and proc.stdout == "", proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == "cudarecv demo: error: argument --actors: must be >= 1, got 0"
 

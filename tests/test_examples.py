@@ -11,13 +11,15 @@ from pathlib import Path
 
 import pytest
 
+from procs import HANG
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(*argv: str) -> str:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    proc = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG)
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     return f"{proc.stdout}\n(stderr:\n{proc.stderr})"
 

@@ -17,6 +17,7 @@ from cudarecv.core import host_copy as _host_copy
 from cudarecv.core import tuned as _tuned
 from cudarecv.samehost import policy
 from cudarecv.testing.launch import Cluster
+from procs import HANG
 
 ENVS = (_host_copy.ENV, _host_copy.DIRECT_ENV, "XDG_CACHE_HOME")
 DEFAULT_STREAMS = _host_copy.DEFAULT_HOST_COPY == "stream"
@@ -95,7 +96,7 @@ def _python(code: str, cache, **env: str) -> subprocess.CompletedProcess:
     variables unset; bounded."""
     environ = {k: v for k, v in os.environ.items() if k not in ENVS}
     environ.update(XDG_CACHE_HOME=str(cache), **env)
-    return subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True, text=True, timeout=HANG)
 
 
 CHOICES = """
