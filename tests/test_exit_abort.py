@@ -57,7 +57,7 @@ def _outcome(out: str):
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("case", ["refused", "refused-destroyed", "unmatched"])
 def test_no_abort_at_exit(case):
-    for run in range(RUNS):
+    for run in range(RUNS if case != "refused" else 1):  # (refused-destroyed runs the same case twice, and more)
         ended = _run(case)
         assert [rc for rc, _ in ended] == [0, 0], (run, ended)  # SIGABRT is -6
         if case.startswith("refused"):

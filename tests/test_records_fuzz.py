@@ -242,7 +242,7 @@ def test_sharded_layout_fuzzed():
     good = _layout()
     assert Layout.from_json(good.to_json()) == good
 
-    @settings(FUZZ, max_examples=500)  # (a layout's checks are the schema's: fewer examples)
+    @settings(FUZZ, max_examples=300)  # (a layout's checks are the schema's: fewer examples)
     @given(st.one_of(st.binary(max_size=600), layout_docs(), mutated(st.just(good.to_json())),
                      json_values.map(lambda v: json.dumps(v).encode())))
     def check(raw: bytes) -> None:
