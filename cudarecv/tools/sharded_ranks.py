@@ -23,6 +23,7 @@ Usage (inside each host, as :class:`~cudarecv.testing.hosts.SimulatedHosts` laun
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -103,10 +104,9 @@ class _Method:
             self.td = TensorDict.from_module(net)
             if method == "sharded":
                 self.sender = cudarecv.WeightSender(self.td, dst=actors, timeout=timeout)
-            else:
+            elif rank == trainers[0]:  # (the other trainer ranks take part in each all-gather, and drop its result)
                 self.whole = TensorDict({k: torch.zeros(t.shape) for k, t in self.td.items(True, True)}, [])
-                if rank == trainers[0]:
-                    self.sender = cudarecv.WeightSender(self.whole, dst=actors, fanout="relay", timeout=timeout)
+                self.sender = cudarecv.WeightSender(self.whole, dst=actors, fanout="relay", timeout=timeout)
         elif self.actor:
             layout = _actor_layout(_model(mib), meshes["actors"])
             if method == "sharded":
@@ -127,7 +127,9 @@ class _Method:
             self.sender.push()
         elif self.trainer:
             for key, t in self.td.items(True, True):
-                self.whole[key].copy_(t.full_tensor())  # FSDP2's all-gather, on every trainer rank
+                whole = t.full_tensor()  # FSDP2's all-gather, on every trainer rank
+                if self.sender is not None:
+                    self.whole[key].copy_(whole)
             if self.sender is not None:
                 self.sender.push()
         elif self.actor:
@@ -187,6 +189,8 @@ def run(out: str, trainers: int, mib: float, rounds: int, timeout: float = 300.0
         every = [torch.zeros(3, dtype=torch.float64) for _ in range(world)]
         dist.all_gather(every, moved)
         case.close()
+        del case  # (its buffers go before the next method's are made)
+        gc.collect()
         dist.barrier()
         results["cases"].append({"method": method, "seconds": seconds, "ok": all(e[2].item() == 1 for e in every),
                                  "tx_per_version": [e[0].item() / rounds for e in every],
