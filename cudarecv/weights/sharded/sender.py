@@ -77,8 +77,7 @@ class ShardedSender(WeightSender):
             moved = self._moved[peers[i]]
             if moved:
                 groups.setdefault(tuple(moved), []).append(peers[i])
-        self._td = td
-        self._versions = 0
+        self._mode, self._versions = mode, 0
         self._turn_lock = threading.Lock()
         try:
             for moved, members in groups.items():
@@ -93,7 +92,7 @@ class ShardedSender(WeightSender):
     schema = property(lambda self: self._layout, doc="This rank's layout: each leaf's whole shape and the box it "
                                                      "sends (a :class:`~cudarecv.weights.sharded.layout.Layout`).")
     timeout = property(lambda self: self._timeout, doc="Seconds any wait may take.")
-    mode = property(lambda self: self._senders[0][1].mode if self._senders else "sync", doc="``\"sync\"`` or ``\"latest\"``.")
+    mode = property(lambda self: self._mode, doc="``\"sync\"`` or ``\"latest\"``.")
     version = property(lambda self: self._versions, doc="The last version pushed (0: none yet).")
 
     @property
@@ -204,4 +203,3 @@ class ShardedSender(WeightSender):
         self._closed = True
         for _, sender in self._senders:
             sender.close()
-        self._td = None
