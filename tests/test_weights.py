@@ -242,12 +242,13 @@ def dying_sender(rank, world, group, timeout, transport):
 
 @pytest.mark.parametrize("transport", ["wire", "auto"])
 def test_sender_killed_mid_push(cluster, transport):
-    exit_code, (outcome, took, version, intact, again, route) = cluster().run(dying_sender, args=(30.0, transport),
+    # (the receiver's timeout bounds the runs where gloo never fails its posted receives, about 1 in 5 on the wire)
+    exit_code, (outcome, took, version, intact, again, route) = cluster().run(dying_sender, args=(15.0, transport),
                                                                              may_die={0})
     assert isinstance(exit_code, RankExit) and exit_code == -signal.SIGKILL
     assert route == ("wire" if transport == "wire" else "shared memory")
     assert outcome.startswith(("TransferTimeout", "PeerError")) and "rank 0" in outcome, outcome
-    assert took < 30.0 + 10.0  # the receiver's timeout (room for its handshake on a loaded machine), and some
+    assert took < 15.0 + 10.0  # the receiver's timeout (room for its handshake on a loaded machine), and some
     assert version == 1 and intact, "the last good version was damaged"
     assert "broken" in again and "connect a new one" in again
 
