@@ -177,10 +177,9 @@ json_values = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70
                                                                                          max_size=4), max_leaves=12)
 
 
-@st.composite
-def schema_docs(draw: st.DrawFn) -> bytes:
-    """The JSON of a valid schema with one of its values (at any depth) replaced by any JSON value."""
-    doc = json.loads(_schema().to_json())
+def _one_value_replaced(draw: st.DrawFn, raw: bytes) -> bytes:
+    """The JSON document ``raw`` with one of its values (at any depth) replaced by any JSON value."""
+    doc = json.loads(raw)
     path, node = [], doc
     while isinstance(node, (dict, list)) and node and draw(st.booleans()):
         key = draw(st.sampled_from(sorted(node) if isinstance(node, dict) else range(len(node))))
@@ -220,18 +219,13 @@ def _layout():
 @st.composite
 def layout_docs(draw: st.DrawFn) -> bytes:
     """The JSON of a valid sharded layout with one of its values (at any depth) replaced by any JSON value."""
-    doc = json.loads(_layout().to_json())
-    path, node = [], doc
-    while isinstance(node, (dict, list)) and node and draw(st.booleans()):
-        key = draw(st.sampled_from(sorted(node) if isinstance(node, dict) else range(len(node))))
-        path.append(key)
-        node = node[key]
-    if path:
-        parent = doc
-        for key in path[:-1]:
-            parent = parent[key]
-        parent[path[-1]] = draw(json_values)
-    return json.dumps(doc).encode()
+    return _one_value_replaced(draw, _layout().to_json())
+
+
+@st.composite
+def schema_docs(draw: st.DrawFn) -> bytes:
+    """The JSON of a valid schema with one of its values (at any depth) replaced by any JSON value."""
+    return _one_value_replaced(draw, _schema().to_json())
 
 
 def test_sharded_layout_fuzzed():

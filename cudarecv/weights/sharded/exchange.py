@@ -13,18 +13,33 @@ import contextlib
 import json
 from typing import Callable
 
-from ...core.errors import Error, ReceiverFailed, SchemaError
+from ...core.errors import ArgumentError, Error, ReceiverFailed, SchemaError
+from ...core.link import Link, resolve
 from ...core.records import Record
 from ...core.tags import TAG_LAYOUT
 from ...wire.control import read_bytes
 from ...wire.staging import Lane
-from ..link import run, send_bytes
+from ..link import check_peers, run, send_bytes
 from ..schema import MAX_SCHEMA_BYTES
 from .layout import Layout
 
 LENGTH = Record("sharded layout length", b"CDRL", "Q", hint="is the peer a sharded WeightSender or WeightReceiver "
                 "(`src` a list) of this cudarecv version?")
 WHAT = "sharded weight-sync layout exchange"
+
+
+def peer_links(value: object, group_value: object, group: object, name: str,
+               group_name: str) -> tuple[list[int], list[Link], bool]:
+    """The peers given as ``name`` (global ranks) or ``group_name`` (ranks in ``group``), exactly one, and their
+    links, both in rank order (the order every exchange goes in); and whether they were global ranks."""
+    peers, group_peers = check_peers(value, name), check_peers(group_value, group_name)
+    if (peers is None) == (group_peers is None):
+        raise ArgumentError(f"pass exactly one of `{name}` and `{group_name}` (a rank or a list of ranks)")
+    given = peers is not None
+    links = [resolve(p, None, group, name, group_name) if given else resolve(None, p, group, name, group_name)
+             for p in (peers if given else group_peers)]
+    order = sorted(range(len(links)), key=lambda i: links[i].peer)
+    return [(peers if given else group_peers)[i] for i in order], [links[i] for i in order], given
 
 
 def _send(lane: Lane, raw: bytes, timeout: float, silent: str) -> None:

@@ -26,12 +26,10 @@ from ...core import streams
 from ...core.checks import check_timeout
 from ...core.driver import Driver
 from ...core.errors import ArgumentError, SchemaError, UsageError, WaitTimeout
-from ...core.link import resolve
 from ...core.transfer import Transfer
 from ...plan.boxes import Box
 from ...wire.staging import lane_for
 from ..handshake import expected
-from ..link import check_peers
 from ..options import check_receiver
 from ..receiver import WeightReceiver
 from ..schema import Schema
@@ -59,20 +57,14 @@ class ShardedReceiver(WeightReceiver):
         if zero_copy:
             raise ArgumentError("`zero_copy=True` publishes one sender's snapshot where it lies; a receiver of "
                                 "several sender ranks (`src` a list) puts their pieces together: drop `zero_copy`")
-        srcs, group_srcs = check_peers(src, "src"), check_peers(group_src, "group_src")
-        if (srcs is None) == (group_srcs is None):
-            raise ArgumentError("pass exactly one of `src` and `group_src` (a list of the sender's ranks)")
-        peers = srcs if srcs is not None else group_srcs
-        links = [resolve(s, None, group, "src", "group_src") if srcs is not None
-                 else resolve(None, s, group, "src", "group_src") for s in peers]
-        order = sorted(range(len(links)), key=lambda i: links[i].peer)  # (rank order: see exchange)
-        lanes = [lane_for(links[i], device, stream, streams.StagingPool()) for i in order]
+        peers, links, global_ranks = exchange.peer_links(src, group_src, group, "src", "group_src")
+        lanes = [lane_for(link, device, stream, streams.StagingPool()) for link in links]
         self._device = device
         self._dtensors: dict[int, Any] = {}  # leaf index -> the expected DTensor (its mesh and placements)
         self._moved: dict[int, list[tuple[int, Box]]] = {}
         self._views: list[list[torch.Tensor]] = []  # each buffer's leaves as plain local tensors
         layouts, self.schema = exchange.answer(lanes, self.timeout,
-                                               lambda found: self._want(found, expect, [peers[i] for i in order]))
+                                               lambda found: self._want(found, expect, peers))
         self._source = layouts[0]
         self._slots = self._allocate(pin_memory)
         self._cond = self._slots.cond
@@ -85,14 +77,14 @@ class ShardedReceiver(WeightReceiver):
         options = dict(device=device, pin_memory=pin_memory, timeout=self.timeout, stream=stream, transport=transport,
                        zero_copy=device.type == "cpu" and not pin_memory)
         try:
-            for i in order:
-                moved = self._moved[peers[i]]
+            for peer in peers:
+                moved = self._moved[peer]
                 if not moved:
                     continue
                 shapes = TensorDict({self._source.parts[j].key: torch.empty(box.sizes, dtype=self._source.parts[j].dtype,
                                                                              device="meta") for j, box in moved}, [])
-                where = {"src": peers[i]} if srcs is not None else {"group": group, "group_src": peers[i]}
-                self._inner.append((peers[i], moved, WeightReceiver(**where, expect=shapes, **options)))
+                where = {"src": peer} if global_ranks else {"group": group, "group_src": peer}
+                self._inner.append((peer, moved, WeightReceiver(**where, expect=shapes, **options)))
         except BaseException:
             self.close()
             raise

@@ -17,12 +17,10 @@ from typing import Any
 from ...core import streams
 from ...core.checks import check_timeout
 from ...core.errors import ArgumentError, PeerError, SchemaError, UsageError, WaitTimeout
-from ...core.link import resolve
 from ...core.transfer import Transfer
 from ...plan.boxes import Box
 from ...plan.walk import unwrap, walk
 from ...wire.staging import lane_for
-from ..link import check_peers
 from ..options import check_mode, check_options
 from ..sender import WeightSender
 from . import exchange
@@ -48,41 +46,33 @@ class ShardedSender(WeightSender):
                        buffers=buffers, fanout=fanout, transport=transport)
         self._timeout = check_options(timeout=timeout, transport=transport, bucket_bytes=bucket_bytes)["timeout"]
         check_mode(mode, buffers, fanout)
-        dsts, group_dsts = check_peers(dst, "dst"), check_peers(group_dst, "group_dst")
-        if (dsts is None) == (group_dsts is None):
-            raise ArgumentError("pass exactly one of `dst` and `group_dst` (a rank or a list of ranks)")
-        peers = dsts if dsts is not None else group_dsts
-        links = [resolve(d, None, group, "dst", "group_dst") if dsts is not None
-                 else resolve(None, d, group, "dst", "group_dst") for d in peers]
-        order = sorted(range(len(links)), key=lambda i: links[i].peer)  # (rank order: see exchange)
+        peers, links, global_ranks = exchange.peer_links(dst, group_dst, group, "dst", "group_dst")
         keys, tensors = walk(unwrap(td))
         self._keys = [tuple(map(str, k)) for k in keys]
         self._layout = sender_layout(keys, tensors)
         locals_ = [held(t, ".".join(k)) for k, t in zip(self._keys, tensors)]
         self._boxes = [box for _, box in locals_]
         device = streams.explicit(locals_[0][0].device)
-        lanes = [lane_for(links[i], device, stream, streams.StagingPool())
-                 for i in order]
+        lanes = [lane_for(link, device, stream, streams.StagingPool()) for link in links]
         wanted = exchange.offer(lanes, self._layout, self._timeout)
         #: receiver (rank as given) -> the pieces this rank sends it: [(leaf index, Box)]
         self._moved: dict[int, list[tuple[int, Box]]] = {}
-        for i, want in zip(order, wanted):
+        for peer, want in zip(peers, wanted):
             problem = self._layout.difference(want)
             if problem:  # (the receiver checked it: a receiver that lies about it is refused here)
-                raise SchemaError(f"receiver rank {peers[i]} answered a layout that does not match: {problem}")
-            self._moved[peers[i]] = pieces(self._layout, in_order(want, self._layout))
+                raise SchemaError(f"receiver rank {peer} answered a layout that does not match: {problem}")
+            self._moved[peer] = pieces(self._layout, in_order(want, self._layout))
         # receivers that want the same pieces of this rank share one sender (a relay chain across hosts)
         groups: dict[tuple, list[int]] = {}
-        for i in order:
-            moved = self._moved[peers[i]]
-            if moved:
-                groups.setdefault(tuple(moved), []).append(peers[i])
+        for peer in peers:
+            if self._moved[peer]:
+                groups.setdefault(tuple(self._moved[peer]), []).append(peer)
         self._mode, self._versions = mode, 0
         self._turn_lock = threading.Lock()
         try:
             for moved, members in groups.items():
                 views = piece_views(self._layout.parts, list(moved), [t for t, _ in locals_], self._boxes)
-                where = {"dst": members} if dsts is not None else {"group": group, "group_dst": members}
+                where = {"dst": members} if global_ranks else {"group": group, "group_dst": members}
                 self._senders.append((list(moved), WeightSender(views, **where, **options)))
         except BaseException:
             self.close()
