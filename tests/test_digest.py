@@ -29,21 +29,24 @@ def _random(n: int, seed: int = 0) -> torch.Tensor:
 def test_host_digest_is_blake3(n):
     data = _random(n)
     assert digest(data) == blake3.blake3(data.numpy().tobytes()).digest(16)
-    assert checksum(data) == digest(data)
+    assert checksum([data], data) == digest(data)
+    # a leafwise version's messages, wherever each lies, hash as the bytes they carry in order
+    scattered = [m.clone() for m in data.split(1000)]
+    assert checksum(scattered) == digest(data)
 
 
 def test_every_single_bit_flip_is_caught():
     storage = _random(4096, seed=1)
-    reference = checksum(storage)
+    reference = checksum([storage], storage)
     flat = storage.numpy()
     missed = []
     for byte in range(flat.size):
         for bit in range(8):
             flat[byte] ^= 1 << bit
-            if checksum(storage) == reference:
+            if checksum([storage], storage) == reference:
                 missed.append((byte, bit))
             flat[byte] ^= 1 << bit
-    assert checksum(storage) == reference
+    assert checksum([storage], storage) == reference
     assert not missed, f"{len(missed)} of 32768 single-bit flips pass as verified, e.g. {missed[:3]}"
 
 

@@ -211,6 +211,7 @@ def case(rank: int, world: int, group, name: str, mode: str, transport: str) -> 
         out["loaded"] = receiver.load_into(net) == VERSIONS and holds(TensorDict.from_module(net), VERSIONS)
         out["plan"] = {r: [(n, b.starts, b.sizes) for n, b in p] for r, p in receiver.plan.items()}
         out["transport"] = receiver.transport
+        out["staged"] = receiver.staged_bytes
         dist.barrier()
     out["threads_left"] = threads() - before
     return out
@@ -251,10 +252,22 @@ def test_sharded_trainers_push_every_element_once_into_any_layout(six, name, mod
             # element of what it holds comes from one trainer once: the bytes it receives are its layout's
             planned = {t: sorted(results[t]["plan"][rank]) for t in trainers}
             assert planned == {t: sorted(out["plan"].get(t, [])) for t in trainers}, (planned, out["plan"])
+            # pieces land in place where they are one block of this receiver's layout: only column blocks of a
+            # matrix cut by rows here (trainers cut by columns, into whole or row-cut weights) are staged, x 2 buffers
+            strided = [(n, s) for t in trainers for n, _, s in out["plan"].get(t, []) if n.endswith("weight")
+                       and name in TRAINER_PLACEMENTS and _strided_here(name, rank, n)]
+            assert out["staged"] == 2 * sum(-(-_numel(s) * 8 // 16) * 16 for _, s in strided), (out["staged"], strided)
     for receiver in receivers:
         got = sum(_numel(s) for t in trainers for _, _, s in results[t]["plan"][receiver])
         held_ = sum(torch.Size(s).numel() for s in _held_shapes(name, receiver))
         assert got == held_, f"rank {receiver} receives {got} elements, holds {held_}"
+
+
+def _strided_here(name: str, rank: int, leaf: str) -> bool:
+    """Whether a column block of ``leaf`` (a trainer cut by columns) lies strided in receiver ``rank``'s layout:
+    whole weights, and the tensor-parallel pair's row-cut first layer."""
+    layout = CASES[name][2][rank]
+    return not isinstance(layout, tuple) or leaf == "0.weight"
 
 
 def _numel(sizes) -> int:
@@ -316,6 +329,42 @@ def test_boxes_are_torchs_cut_and_every_element_is_sent_once(layout):
             assert share & box == share  # a rank sends only what it holds
             count[share.within(Box.full(shape))] += 1
     assert bool((count == 1).all()), count
+
+
+def test_a_leafwise_version_lands_where_its_leaves_lie():
+    """A sharded sender's pieces travel in messages cut leaf by leaf (the padding between leaves never sent), so a
+    receiver lands each in its block of the wanted layout, stages only what would lie strided, and hashes what
+    landed as the sender hashed what it sent."""
+    from cudarecv.core.errors import SchemaError, UsageError
+    from cudarecv.weights.schema import Schema
+    from cudarecv.weights.slots import Slot
+    from cudarecv.weights.wire import checksum
+
+    keys = [("w",), ("steps",), ("none",)]
+    tensors = [torch.arange(12.0).view(3, 4), torch.arange(5), torch.zeros(0)]
+    schema = Schema.of(keys, tensors, leafwise=True)
+    assert Schema.from_json(schema.to_json()) == schema
+    assert schema.fingerprint != Schema.of(keys, tensors).fingerprint  # an even receiver refuses a leafwise push
+    with pytest.raises(SchemaError, match="message cut"):
+        Schema.from_json(schema.to_json().replace(b'"leaf"', b'"odd"'))
+    storage = torch.zeros(schema.total, dtype=torch.uint8)  # the sender's snapshot
+    for view, t in zip(schema.views(storage), tensors):
+        view.copy_(t)
+    messages = schema.cut(storage, 16)
+    assert [m.numel() for m in messages] == schema.message_sizes(16) == [16, 16, 16, 16, 16, 8]
+    whole = torch.full((6, 4), -1.0)  # the wanted layout: w lands in its first three rows
+    slot = Slot.placed_at(schema, 16, torch.device("cpu"), False, [whole[:3], None, None])
+    assert slot.storage.numel() == 48  # staged: only `steps` (40 bytes, aligned)
+    for message, piece in zip(messages, slot.pieces):  # what the wire's receives do
+        piece.copy_(message)
+    assert torch.equal(whole[:3], tensors[0]) and (whole[3:] == -1).all()
+    assert torch.equal(slot.td["steps"], tensors[1]) and slot.digest() == checksum(messages)
+    refilled = torch.zeros(6, 4)  # a same-host snapshot, copied message by message where each leaf lies
+    other = Slot.placed_at(schema, 16, torch.device("cpu"), False, [refilled[3:], None, None])
+    other.fill(storage)
+    assert torch.equal(refilled[3:], tensors[0]) and other.digest() == slot.digest()
+    with pytest.raises(UsageError, match="strided"):
+        Slot.placed_at(schema, 16, torch.device("cpu"), False, [torch.zeros(4, 3).t(), None, None])
 
 
 def test_a_partial_leaf_is_refused_naming_it():

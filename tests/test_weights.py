@@ -155,7 +155,7 @@ def bad_headers(rank, world, group, transport):
             told.append(type(error).__name__)
         sender._s.version = 2  # (that was version 2)
         real = snapshots.checksum
-        snapshots.checksum = lambda storage: bytes(16)  # what corruption in flight looks like
+        snapshots.checksum = lambda *messages: bytes(16)  # what corruption in flight looks like
         set_version(model, 3)
         try:
             sender.push()

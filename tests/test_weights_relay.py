@@ -120,7 +120,7 @@ def corrupted_in_the_chain(rank, world, group, key, fanout, transport):
             set_version(model, 1)
             sender.push()
             real = snapshots.checksum
-            snapshots.checksum = lambda storage: bytes(16)  # what corruption in flight looks like
+            snapshots.checksum = lambda *messages: bytes(16)  # what corruption in flight looks like
             try:
                 set_version(model, 2)
                 outcome = sender.push()

@@ -14,6 +14,8 @@ Example:
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import blake3
 import numpy as np
 import torch
@@ -40,6 +42,21 @@ def digest(storage: Tensor) -> bytes:
     data = storage.numpy()
     threads = blake3.blake3.AUTO if data.size >= _THREADED_FROM else 1
     return blake3.blake3(data, max_threads=threads).digest(DIGEST_BYTES)
+
+
+def digest_parts(parts: Sequence[Tensor]) -> bytes:
+    """The digest of the concatenation of ``parts`` (1-d uint8 tensors on one device, wherever each lies): the
+    host's are hashed where they lie; a device's are gathered into one temporary buffer for the kernel."""
+    if any(p.dtype != torch.uint8 or p.dim() != 1 for p in parts):
+        raise ArgumentError("digest_parts() takes 1-d uint8 tensors")
+    if len(parts) == 1 and parts[0].is_contiguous():
+        return digest(parts[0])
+    if parts and parts[0].device.type == "cuda":
+        return digest(torch.cat(list(parts)))
+    hasher = blake3.blake3(max_threads=blake3.blake3.AUTO if sum(p.numel() for p in parts) >= _THREADED_FROM else 1)
+    for part in parts:
+        hasher.update(part.contiguous().numpy())
+    return hasher.digest(DIGEST_BYTES)
 
 
 def _digest_on_device(storage: Tensor) -> bytes:

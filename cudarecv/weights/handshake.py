@@ -20,7 +20,6 @@ from ..core.link import Link
 from ..core.tags import TAG_PREAMBLE, TAG_SCHEMA, TAG_STATUS
 from ..core.transfer import CUDA_IPC, Transfer
 from ..core.transport import park
-from ..plan.header import check_pieces
 from ..plan.walk import unwrap, walk
 from ..samehost import cuda_ipc
 from ..samehost.machine import host_id
@@ -151,7 +150,7 @@ def answer(lane: Lane, timeout: float, expect: Any, allocate: Any, failure: Base
         raise ReceiverFailed(str(failure))
     try:
         schema = Schema.from_json(raw)
-        check_pieces(schema.total, piece, "weights")
+        schema.check_pieces(piece)
         difference = None if expect is None else schema.first_difference(*expected(expect))
         if difference:
             raise SchemaError(f"the sender's weights do not match `expect`: {difference}")

@@ -25,7 +25,6 @@ from ..core.errors import (
     TransferTimeout,
     UsageError,
 )
-from ..core.host_copy import copy_bytes
 from ..core.link import Link
 from ..core.protocol import StartClock
 from ..core.transfer import Transfer
@@ -37,7 +36,7 @@ from .link import link_error
 from .relay import Hop
 from .schema import Schema
 from .slots import Slot, Slots
-from .wire import ASK, CLOSED, GOT, LANDED, LOST, REJECTED, RELEASED, PushHeader, ask_message, checksum
+from .wire import ASK, CLOSED, GOT, LANDED, LOST, REJECTED, RELEASED, PushHeader, ask_message
 
 
 class Puller:
@@ -124,7 +123,7 @@ class Puller:
         elif header.relayed:
             yield from self.hop.receive(header, slot, index, limit, self.version)  # forwarded, published or not
         elif problem:
-            yield from drain(lane, total, piece, inbox.tags.payload)
+            yield from drain(lane, self.schema.message_sizes(piece), inbox.tags.payload)
         else:
             yield from recv_into(lane, slot.pieces, [inbox.tags.payload] * len(slot.pieces))
         if problem:
@@ -134,7 +133,7 @@ class Puller:
             yield [streams.EventWork(streams.record(lane.stream))]  # verify and publish landed bytes only
         if header.verify:
             with torch.cuda.stream(lane.stream) if lane.stream is not None else contextlib.nullcontext():
-                got = checksum(slot.storage)
+                got = slot.digest()
             if got != header.checksum:
                 inbox.tell(header, REJECTED)
                 raise ChecksumError(f"version {header.version} arrived corrupted (BLAKE3 {got.hex()} != "
@@ -159,7 +158,7 @@ class Puller:
         if isinstance(mapping, cuda_ipc.DeviceMapping):
             mapping.before_read(lane.stream)
             with lane.on_stream():
-                slot.storage.copy_(mapping.data[:total], non_blocking=True)
+                slot.fill(mapping.data[:total])
             return slot
         if self.zero_copy:
             alias = self.slots.aliases[header.segment]
@@ -175,10 +174,10 @@ class Puller:
             return alias
         written = mapping.written()
         if lane.stream is None:  # one thread's memcpy: actors on this machine share its cores with the trainer
-            copy_bytes(slot.storage, mapping.data[:total])
+            slot.fill(mapping.data[:total])
         else:
             with lane.on_stream():
-                slot.storage.copy_(mapping.data[:total], non_blocking=True)
+                slot.fill(mapping.data[:total])
             yield [streams.EventWork(streams.record(lane.stream))]  # over before the stamp is read
         if not written == mapping.writing() == header.version:
             raise TransferTimeout(

@@ -79,11 +79,9 @@ class WeightReceiver:
             published and no :meth:`reading` left on it). :attr:`zero_copy` says whether it is in use
             (on other transports versions are copied as without it).
 
-    Whatever makes the construction fail once the link is resolved (a bad
-    argument, no CUDA, no memory, ``expect`` not matching, a malformed schema)
-    is sent back as the handshake's answer, so the sender fails at once too,
-    with this receiver's reason. The sender's mode (``sync`` or ``latest``)
-    comes with the handshake (:attr:`mode`); the receiver's API is the same.
+    Whatever makes the construction fail once the link is resolved (a bad argument, no CUDA, no memory, ``expect``
+    not matching, a malformed schema) is sent back as the handshake's answer, so the sender fails at once too,
+    with this receiver's reason. The sender's mode (:attr:`mode`) comes with the handshake.
 
     Example:
         >>> receiver = WeightReceiver(src=0, device="cuda:0", expect=policy)
@@ -121,7 +119,7 @@ class WeightReceiver:
             handshake.refuse(link, self.timeout, error)
             raise
         self.schema, piece, offer, own, mappings = handshake.answer(
-            lane, self.timeout, expect, lambda schema, piece: [Slot(schema, piece, device, pin_memory) for _ in range(2)],
+            lane, self.timeout, expect, lambda schema, piece: self._own_slots(schema, piece, device, pin_memory),
             allow=allowed(transport), device=device, zero_copy=zero_copy and device.type == "cpu")
         #: what carries the versions: ``"shared memory"`` (the sender's snapshots, mapped read-only: this
         #: receiver is on the sender's machine), ``"cuda ipc"`` (its GPU snapshots, opened once) or ``"wire"``
@@ -140,10 +138,15 @@ class WeightReceiver:
         self._pulling = False  # a thread's pull is under way: another's waits for its turn
         self._driver = Driver(f"cudarecv-pull-{link.peer}")  # drives every receive (the caller keeps the time)
         self._inbox = Inbox(lane, tags, self._driver)
-        self._slots = Slots(own, aliases, self._cond, self._inbox.freed)
+        self._slots = Slots(own, aliases, self._cond, self._inbox.freed, self._spare)
         self._hop = Hop(lane, tags, device)
         self._puller = Puller(self.schema, piece, self.mode, lane, device, self._slots, mappings, self.zero_copy,
                               self._hop, self._inbox, self._driver)
+
+    _spare: Any = None  # which own slot the next pull lands in, if not the one unpublished (see Slots.spare)
+    def _own_slots(self, schema: Any, piece: int, device: torch.device, pin_memory: bool) -> list[Slot]:
+        """The two storages of this receiver's own that pulls land in."""
+        return [Slot(schema, piece, device, pin_memory) for _ in range(2)]
 
     # -- reading -----------------------------------------------------------------------------------------
     version = property(lambda self: self._puller.version, doc="The version published (0: none yet).")
@@ -294,7 +297,7 @@ class WeightReceiver:
                 index = self._slots.spare()
                 yield from self._hop.receive(header, self._slots.own[index], index, self.timeout, self.version)
             elif header.kind == PUSH and not header.shared:  # (a shared push sends nothing more)
-                yield from drain(lane, self.schema.total, self._puller.piece, inbox.tags.payload)
+                yield from drain(lane, self.schema.message_sizes(self._puller.piece), inbox.tags.payload)
 
     def __enter__(self) -> "WeightReceiver":
         return self

@@ -3,6 +3,11 @@ bytes, fingerprint), as JSON parsed and checked field by field, never unpickled.
 
 Layout of the sender's storage: the leaves in stock send order, each at an offset aligned to 16 bytes, in one
 uint8 buffer. Both ends build their views from the same :class:`Schema`.
+
+A version travels in messages of at most the sender's ``piece`` bytes: cut evenly from the whole storage, or, in a
+*leafwise* schema (a sharded sender's pieces, ``"messages": "leaf"`` in the JSON), from each leaf's bytes alone, so
+that a receiver can land each message where its leaf goes (:meth:`Schema.cut`); the padding between leaves is then
+never sent, and ``verify``'s digest covers the messages' bytes in order.
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from ..core.errors import SchemaError
+from ..core.errors import ArgumentError, SchemaError
+from ..plan.header import MAX_MESSAGES, check_pieces, cut, piece_sizes
 
 ALIGN = 16
 MAX_SCHEMA_BYTES = 64 << 20
@@ -70,16 +76,17 @@ class Schema:
 
     leaves: tuple[Leaf, ...]
     total: int
+    leafwise: bool = False  # messages cut from each leaf's bytes (see the module docstring)
 
     @classmethod
-    def of(cls, keys: Sequence[tuple], tensors: Sequence[Tensor]) -> "Schema":
+    def of(cls, keys: Sequence[tuple], tensors: Sequence[Tensor], leafwise: bool = False) -> "Schema":
         leaves, offset = [], 0
         for key, t in zip(keys, tensors):
             if str(t.dtype).removeprefix("torch.") not in DTYPES:
                 raise SchemaError(f"leaf {'.'.join(map(str, key))!r} has dtype {t.dtype}, which weight sync does not carry")
             leaves.append(Leaf(tuple(str(k) for k in key), t.dtype, tuple(t.shape), offset))
             offset += -(-leaves[-1].nbytes // ALIGN) * ALIGN
-        return cls(tuple(leaves), offset)
+        return cls(tuple(leaves), offset, leafwise)
 
     def to_json(self) -> bytes:
         doc = {
@@ -93,6 +100,8 @@ class Schema:
                 for l in self.leaves
             ],
         }
+        if self.leafwise:
+            doc["messages"] = "leaf"
         return json.dumps(doc, separators=(",", ":")).encode()
 
     @classmethod
@@ -110,7 +119,8 @@ class Schema:
             raise
         except Exception as error:  # noqa: BLE001 - json and int() raise many kinds (RecursionError too)
             raise SchemaError(f"malformed weight schema: {type(error).__name__}: {error}"[:200]) from None
-        expected = cls.of([l.key for l in schema.leaves], [_Shape(l.dtype, l.shape) for l in schema.leaves])
+        expected = cls.of([l.key for l in schema.leaves], [_Shape(l.dtype, l.shape) for l in schema.leaves],
+                          schema.leafwise)
         if schema != expected or schema.to_json() != raw or schema.fingerprint.hex() != fingerprint:
             raise SchemaError("the weight schema does not check out (offsets, total bytes or fingerprint)")
         return schema
@@ -120,7 +130,9 @@ class Schema:
         doc = json.loads(raw.decode())
         if not isinstance(doc, dict) or doc.get("format") != "cudarecv-weights" or doc.get("version") != 1:
             raise SchemaError("not a cudarecv weight schema")
-        items, total = doc["leaves"], doc["total_bytes"]
+        items, total, messages = doc["leaves"], doc["total_bytes"], doc.get("messages", "even")
+        if messages not in ("even", "leaf"):
+            raise SchemaError(f"unknown message cut {messages!r}: 'even' or 'leaf'")
         if not isinstance(items, list) or not items:
             raise SchemaError("the weight schema has no leaves: weight sync needs at least one tensor")
         check_size(total, "total_bytes")
@@ -143,10 +155,10 @@ class Schema:
             check_size(leaf.nbytes, f"the size of {name!r}")
             leaves.append(leaf)
         for key in seen:  # a key that is also the prefix of another would be a tensor and a tensordict
-            for cut in range(1, len(key)):
-                if key[:cut] in seen:
-                    raise SchemaError(f"key {'.'.join(key[:cut])!r} is a leaf and also holds {'.'.join(key)!r}")
-        return cls(tuple(leaves), total), doc["fingerprint"]
+            for end in range(1, len(key)):
+                if key[:end] in seen:
+                    raise SchemaError(f"key {'.'.join(key[:end])!r} is a leaf and also holds {'.'.join(key)!r}")
+        return cls(tuple(leaves), total, messages == "leaf"), doc["fingerprint"]
 
     @property
     def fingerprint(self) -> bytes:
@@ -154,11 +166,47 @@ class Schema:
         for l in self.leaves:
             h.update(json.dumps([l.key, str(l.dtype), l.shape, l.offset]).encode())
         h.update(struct.pack("<q", self.total))
+        if self.leafwise:
+            h.update(b"messages: leaf")
         return h.digest()
 
     def views(self, storage: Tensor) -> list[Tensor]:
         """Each leaf as a typed view into ``storage`` (uint8, ``total`` bytes)."""
         return [storage[l.offset:l.offset + l.nbytes].view(l.dtype).view(l.shape) for l in self.leaves]
+
+    def messages(self, piece: int) -> list[tuple[int, int]]:
+        """Where each message a version travels in lies in the storage, and its byte count (``piece``: the sender's
+        message size)."""
+        spans = [(0, self.total)] if not self.leafwise else [(l.offset, l.nbytes) for l in self.leaves]
+        found = []
+        for start, length in spans:
+            for size in piece_sizes(length, piece):
+                found.append((start, size))
+                start += size
+        return found
+
+    def message_sizes(self, piece: int) -> list[int]:
+        """The byte count of each message a version travels in."""
+        return [size for _, size in self.messages(piece)]
+
+    def cut(self, storage: Tensor, piece: int) -> list[Tensor]:
+        """The messages of a version held in ``storage`` (uint8, laid out as this schema), as views of it."""
+        if not self.leafwise:
+            return cut(storage, piece)
+        return self.cut_leaves([storage[l.offset:l.offset + l.nbytes] for l in self.leaves], piece)
+
+    def cut_leaves(self, leaf_bytes: Sequence[Tensor], piece: int) -> list[Tensor]:
+        """A leafwise schema's messages as views of each leaf's bytes (1-d uint8, wherever each lies)."""
+        return [m for b in leaf_bytes for m in cut(b, piece)]
+
+    def check_pieces(self, piece: int) -> None:
+        """Refuse a ``piece`` that cuts a version into more than :data:`MAX_MESSAGES` messages."""
+        if not self.leafwise:
+            check_pieces(self.total, piece, "weights")
+        elif len(self.message_sizes(piece)) > MAX_MESSAGES:
+            raise ArgumentError(f"{len(self.leaves)} pieces of weights cut into {len(self.message_sizes(piece))} "
+                                f"messages of at most {piece} bytes, more than the {MAX_MESSAGES} a version may have: "
+                                "send fewer, larger leaves")
 
     def first_difference(self, keys: Sequence[tuple], tensors: Sequence[Tensor]) -> str | None:
         """How ``tensors`` (named by ``keys``) differ from the schema, naming the first differing key."""

@@ -35,7 +35,6 @@ from ..core.errors import ArgumentError, PeerError, SchemaError, UsageError, Wai
 from ..core.link import resolve
 from ..core.tags import SESSIONS
 from ..core.transfer import CUDA_IPC, SHARED_MEMORY, WIRE, Transfer
-from ..plan.header import check_pieces
 from ..plan.plan import plan_for
 from ..plan.walk import unwrap, walk
 from ..samehost import cuda_ipc
@@ -98,6 +97,8 @@ class WeightSender:
         >>> version = async_sender.push()  # returns at once; actors pull the newest when ready
     """
 
+    _leafwise = False  # messages cut from each leaf's bytes (a sharded sender's pieces: see weights.schema)
+
     def __new__(cls, td: Any = None, *args: Any, **kwargs: Any) -> Any:
         # DTensor leaves (an FSDP2 model): one rank of a sharded sender
         if cls is WeightSender and _has_dtensors(td):
@@ -126,7 +127,7 @@ class WeightSender:
         plan.check(strided=True)  # (each push copies the leaves into a snapshot: views of a shard may be strided)
         if not plan.tensors:
             raise ArgumentError("`td` has no tensors: weight sync needs at least one leaf to send")
-        schema = Schema.of(plan.paths, plan.tensors)
+        schema = Schema.of(plan.paths, plan.tensors, self._leafwise)
         raw = schema.to_json()
         if len(raw) > MAX_SCHEMA_BYTES:
             raise ArgumentError(f"the schema of `td` takes {len(raw)} bytes of JSON, more than {MAX_SCHEMA_BYTES}: "
@@ -134,7 +135,7 @@ class WeightSender:
         # a relay moves chunks; "auto" may choose it after the handshake, so it chunks too when it may
         chunk = RELAY_CHUNK if fanout == "relay" or (fanout == "auto" and mode == "sync") else math.inf
         piece = bucket_bytes or max(min(schema.total, chunk), 1)
-        check_pieces(schema.total, piece, "weights")
+        schema.check_pieces(piece)
         self._device = plan.device
         # same host: the snapshots are shared segments that receivers on this machine map read-only
         sharing = allowed(transport) and fanout != "relay" and (

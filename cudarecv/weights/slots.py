@@ -14,36 +14,87 @@ from torch import Tensor
 
 from ..core.errors import SchemaError, UsageError, WaitTimeout
 from ..core.host_copy import copy_bytes
-from ..plan.header import cut
-from .schema import Schema
+from .schema import ALIGN, Schema
+from .wire import checksum
 
 
 class Slot:
     """One storage the receiver can publish, with its tensordict of views and readers: its own, or (``storage``
-    given, zero-copy) the sender's shared snapshot, mapped read-only."""
+    given, zero-copy) the sender's shared snapshot, mapped read-only. :meth:`placed_at` builds one whose leaves lie
+    where the caller says (a sharded receiver's pieces, landed in place)."""
 
     def __init__(self, schema: Schema, piece: int, device: torch.device, pin_memory: bool,
-                 storage: Tensor | None = None) -> None:
-        self.alias = storage is not None
+                 storage: Tensor | None = None, leaves: list[Tensor] | None = None) -> None:
+        self.alias = storage is not None and leaves is None
         if storage is None:
             storage = torch.zeros(schema.total, dtype=torch.uint8, device=device, pin_memory=pin_memory)
         self.storage = storage
         self.version: int | None = None  # an alias: the version it holds, until the sender is told it is FREED
-        views = schema.views(self.storage)
+        self.placed = leaves is not None
+        views = leaves if leaves is not None else schema.views(self.storage)
         self.td = TensorDict({leaf.key: v for leaf, v in zip(schema.leaves, views)}, batch_size=[]).lock_()
         if len(self.td.keys(True, True)) != len(schema.leaves):
             raise SchemaError("the schema's keys do not make one leaf each")
-        self.pieces = cut(self.storage, piece)
+        #: the messages a version lands in, in order
+        self.pieces = schema.cut_leaves([_bytes(v) for v in views], piece) if self.placed else schema.cut(
+            self.storage, piece)
+        self._whole = None if schema.leafwise else self.storage  # the digest's input at once, if one storage
+        self._messages = schema.messages(piece) if self.placed else []
         self.readers = 0
+
+    @classmethod
+    def placed_at(cls, schema: Schema, piece: int, device: torch.device, pin_memory: bool,
+                  places: list[Tensor | None]) -> "Slot":
+        """A slot of a leafwise ``schema`` whose leaf i lies at ``places[i]`` (a contiguous tensor of its dtype and
+        shape, written in place by each pull), or, where that is None, in a storage of the slot's own."""
+        if not schema.leafwise:
+            raise UsageError("only a leafwise schema's messages can land where their leaves lie")
+        staged = [leaf for leaf, place in zip(schema.leaves, places) if place is None]
+        sizes = [-(-leaf.nbytes // ALIGN) * ALIGN for leaf in staged]
+        storage = torch.zeros(sum(sizes), dtype=torch.uint8, device=device, pin_memory=pin_memory)
+        own = iter(storage.split(sizes) if sizes else [])
+        leaves = []
+        for leaf, place in zip(schema.leaves, places):
+            if place is None:
+                place = next(own)[:leaf.nbytes].view(leaf.dtype).view(leaf.shape)
+            elif (place.dtype, tuple(place.shape)) != (leaf.dtype, leaf.shape) or not place.is_contiguous():
+                raise UsageError(f"leaf {leaf.name!r} cannot land in a {place.dtype} {list(place.shape)} "
+                                 f"{'' if place.is_contiguous() else 'strided '}tensor")
+            leaves.append(place)
+        return cls(schema, piece, device, pin_memory, storage, leaves)
+
+    def digest(self) -> bytes:
+        """BLAKE3 of what landed: the messages in order (``verify``)."""
+        return checksum(self.pieces, self._whole)
+
+    def fill(self, source: Tensor) -> None:
+        """Copy a version laid out as the schema (``source``: uint8, a sender's snapshot) into this slot (on the
+        current stream for device memory)."""
+        if not self.placed:
+            if source.device.type == self.storage.device.type == "cpu":
+                copy_bytes(self.storage, source[:self.storage.numel()])
+            else:
+                self.storage.copy_(source[:self.storage.numel()], non_blocking=True)
+            return
+        for (start, size), piece in zip(self._messages, self.pieces):  # each message where its leaf lies
+            piece.copy_(source[start:start + size], non_blocking=True)
+
+
+def _bytes(tensor: Tensor) -> Tensor:
+    """A contiguous tensor's bytes, as a 1-d uint8 view."""
+    return tensor.reshape(-1).view(torch.uint8) if tensor.numel() else torch.empty(0, dtype=torch.uint8,
+                                                                                     device=tensor.device)
 
 
 class Slots:
     """The receiver's two own slots and its zero-copy aliases (one per shared snapshot), which is published, and
     who reads it; ``freed(version)`` tells the sender an alias's snapshot may be written again."""
 
-    def __init__(self, own: list[Slot], aliases: list[Slot], cond: Any, freed: Callable[[int], None]) -> None:
+    def __init__(self, own: list[Slot], aliases: list[Slot], cond: Any, freed: Callable[[int], None],
+                 spare: Callable[[], int] | None = None) -> None:
         self.own, self.aliases, self.cond, self._freed = own, aliases, cond, freed
         self.published: Slot | None = None
+        self._spare = spare  # who says which own slot the next pull lands in (default: the one not published)
 
     @property
     def count(self) -> int:
@@ -72,7 +123,10 @@ class Slots:
                 self.cond.notify_all()
 
     def spare(self) -> int:
-        """The index of the own slot the next pull lands in (not the published one)."""
+        """The index of the own slot the next pull lands in (not the published one, unless a placed slot's owner
+        says otherwise: the slots then lie in its buffers, and it never has the next pull land in its published one)."""
+        if self._spare is not None:
+            return self._spare()
         return 1 if self.published is self.own[0] else 0
 
     def wait_unread(self, index: int, limit: float) -> Slot:
@@ -112,9 +166,13 @@ class Slots:
             if alias is None or not alias.alias or alias.readers or busy:
                 return
             own = self.own[0]
+            if own.placed:  # its leaves lie in the owner's buffers (which copied what they need): let go only
+                self.published = None
+                self._free(alias)
+                return
             if own.readers:
                 return
-            copy_bytes(own.storage, alias.storage)
+            own.fill(alias.storage)
         self.publish(own, alias.version)
 
 

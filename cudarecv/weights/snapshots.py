@@ -20,7 +20,6 @@ from ..core import streams
 from ..core.errors import UsageError, WaitTimeout
 from ..core.host_copy import copy_bytes
 from ..core.transfer import CUDA_IPC, SHARED_MEMORY
-from ..plan.header import cut
 from ..samehost import cuda_ipc
 from ..samehost.shared_memory import Segment, offer
 from .schema import Schema
@@ -41,12 +40,17 @@ class Snapshot:
         self.storage = shared[1].data if shared is not None else torch.zeros(schema.total, dtype=torch.uint8,
                                                                               device=device)
         self.views = schema.views(self.storage)
-        self.chunks = cut(self.storage, piece)
+        self.chunks = schema.cut(self.storage, piece)  # the messages it is sent in
+        self._whole = None if schema.leafwise else self.storage
         self.header: PushHeader | None = None
         self.readers = 0  # replies in flight that send from it
         self.writing = False
         self.holders = 0  # zero-copy receivers that may read it where it lies (sent to them, not yet FREED)
         self.retired = False  # a zero-copy receiver that held it is gone: it may read it still, never write it again
+
+    def digest(self) -> bytes:
+        """BLAKE3 of the version it holds, as sent: its messages in order (``verify``)."""
+        return checksum(self.chunks, self._whole)
 
 
 class SnapshotPool:
@@ -179,7 +183,7 @@ class SnapshotPool:
                         view.copy_(leaf)
             else:
                 torch._foreach_copy_(target.views, plan.detached, non_blocking=True)  # never an autograd node
-            digest = checksum(target.storage) if session.verify else bytes(16)
+            digest = target.digest() if session.verify else bytes(16)
             if host:
                 target.shared.end_write(session.version + 1)
             elif target.shared is not None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import IntEnum, IntFlag
+from typing import Sequence
 
 from torch import Tensor
 
@@ -196,11 +197,12 @@ def read_trailer(raw: bytes) -> tuple[Trailer, int, int]:
     return Trailer(status), version, rank
 
 
-def checksum(storage: Tensor) -> bytes:
-    """The 16-byte BLAKE3 digest of ``storage``, computed on its own device (see :mod:`cudarecv.cuda.digest`)."""
-    from ..cuda.digest import digest
+def checksum(messages: Sequence[Tensor], whole: Tensor | None = None) -> bytes:
+    """The 16-byte BLAKE3 digest of a version's ``messages`` in order, computed on their device (see
+    :mod:`cudarecv.cuda.digest`); ``whole``: the one storage they cut evenly, hashed at once."""
+    from ..cuda.digest import digest, digest_parts
 
-    return digest(storage)
+    return digest(whole) if whole is not None else digest_parts(messages)
 
 
 class Answer(IntEnum):

@@ -34,7 +34,7 @@ from torch import Tensor
 from ..core.errors import HeaderError, OutOfStepError
 from ..core.protocol import Protocol, Stage
 from ..core.tags import header_tag, piece_tag
-from ..plan.header import KIND_NAMES, SIZE, Header, drain_limit
+from ..plan.header import KIND_NAMES, SIZE, Header, drain_limit, piece_sizes
 from ..plan.plan import Plan
 from .control import read_bytes, wire_bytes
 from .staging import Lane, drain, recv_into, send_from
@@ -118,7 +118,7 @@ def recv(lane: Lane, expected: Header, pieces_for: Callable[[int], list[Tensor]]
                 "not drained, the link is out of step; the tensordict was left untouched"
             )
         yield [Stage(f"drain of a mismatched fast-wire payload ({header.total} bytes on tag {tag}; {problem})")]
-        yield from drain(lane, header.total, header.piece, tag)
+        yield from drain(lane, piece_sizes(header.total, header.piece), tag)
         raise _rejected(problem)
     pieces = pieces_for(header.piece)
     on_piece = None if landed is None else (lambda i: landed(header.piece, i))

@@ -227,12 +227,12 @@ def _recv_ring_nccl(lane: Lane, dests, tags, landed) -> Any:
     yield [_cuda.EventWork(_cuda.record(lane.stream))]  # host memory: the host waits for the bytes
 
 
-def drain(lane: Lane, total: int, piece: int, tag: int) -> Any:
-    """Receive and drop ``total`` bytes sent in messages of at most ``piece`` bytes on ``tag``
-    (keeps a link in step after a rejected header); one scratch message, nothing per piece."""
-    scratch = torch.empty(min(piece, total), dtype=torch.uint8, device=lane.stream.device if lane.nccl else "cpu")
-    for start in range(0, total, piece):
-        yield from recv_into(lane, [scratch[:min(piece, total - start)]], [tag])
+def drain(lane: Lane, sizes: Sequence[int], tag: int) -> Any:
+    """Receive and drop messages of ``sizes`` bytes on ``tag`` (keeps a link in step after a rejected header); one
+    scratch message, nothing per piece."""
+    scratch = torch.empty(max(sizes, default=0), dtype=torch.uint8, device=lane.stream.device if lane.nccl else "cpu")
+    for size in sizes:
+        yield from recv_into(lane, [scratch[:size]], [tag])
 
 
 def send_from(lane: Lane, srcs: Sequence[Tensor], tags: Sequence[int],

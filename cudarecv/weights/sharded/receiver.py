@@ -7,9 +7,15 @@ leaf whole. At construction the receiver reads every sender rank's layout, check
 send fill what it wants exactly once, answers each, then holds one plain :class:`~cudarecv.WeightReceiver` per
 sender rank that sends it something, shaped as those pieces.
 
+Pieces land in place: each sender rank's messages are cut leaf by leaf, and a piece that is one contiguous block
+of the wanted layout (a row block of a whole matrix or of a row-sharded one, a column block of a column-sharded
+one cut along rows) is received straight into the spare one of this receiver's two buffers; only a piece that
+lies strided there (columns of a whole matrix) lands in a staging buffer first and is copied once. Pieces a
+sender rank on this machine offers in shared memory are copied once, from its snapshot into the spare buffer.
+
 A version is published only once the pieces of that version from every sender rank have landed and passed
-their checks; then they are copied into the spare one of two buffers of the wanted layout, which becomes
-:attr:`td`. A sender rank that fails or stalls makes the pull raise naming its rank, and nothing is published.
+their checks: then the spare buffer becomes :attr:`td`. A sender rank that fails or stalls makes the pull raise
+naming its rank, and nothing is published.
 """
 
 from __future__ import annotations
@@ -84,7 +90,10 @@ class ShardedReceiver(WeightReceiver):
                 shapes = TensorDict({self._source.parts[j].key: torch.empty(box.sizes, dtype=self._source.parts[j].dtype,
                                                                              device="meta") for j, box in moved}, [])
                 where = {"src": peer} if global_ranks else {"group": group, "group_src": peer}
-                self._inner.append((peer, moved, WeightReceiver(**where, expect=shapes, **options)))
+                places = [{self._source.parts[j].key: _contiguous(views[j][box.within(self.schema.parts[j].box)])
+                           for j, box in moved} for views in self._views]
+                receiver = PieceReceiver(places=places, spare=self._slots.spare, **where, expect=shapes, **options)
+                self._inner.append((peer, moved, receiver))
         except BaseException:
             self.close()
             raise
@@ -164,6 +173,13 @@ class ShardedReceiver(WeightReceiver):
         return {rank: r.transport for rank, _, r in self._inner}
 
     @property
+    def staged_bytes(self) -> int:
+        """Bytes held besides the two buffers of the wanted layout: staging for the pieces that lie strided there
+        (0 where every piece lands in place, e.g. an FSDP2 trainer's row shards into whole or tensor-parallel
+        weights)."""
+        return sum(slot.storage.numel() for _, _, r in self._inner for slot in r._slots.own)
+
+    @property
     def plan(self) -> dict[int, list[tuple[str, Box]]]:
         """Sender rank -> the pieces it sends here: (leaf name, :class:`~cudarecv.plan.boxes.Box` of the whole leaf)."""
         return {rank: [(self._source.parts[i].name, box) for i, box in moved] for rank, moved in self._moved.items()}
@@ -219,7 +235,10 @@ class ShardedReceiver(WeightReceiver):
 
     def _pulling(self, limit: float) -> Any:
         """The pull's protocol: pull from the sender ranks behind the newest version any of them has (all of them
-        for the next), until all hold one version newer than the published; then put it together and publish."""
+        for the next), until all hold one version newer than the published (each landing its pieces in the spare
+        buffer); then copy what did not land in place and publish."""
+        index = self._slots.spare()  # (constant until this pull publishes: the buffer every piece lands in)
+        slot, views = self._slots.wait_unread(index, limit), self._views[index]
         while True:
             versions = [r.version for _, _, r in self._inner]
             if min(versions) == max(versions) > self._version:
@@ -230,15 +249,15 @@ class ShardedReceiver(WeightReceiver):
             for t in behind:
                 t.wait()  # raises a sender rank's failure, naming it
         version = versions[0]
-        index = self._slots.spare()
-        slot, views = self._slots.wait_unread(index, limit), self._views[index]
         if self._device.type == "cuda":
             torch.cuda.synchronize(self._device)  # every piece's copy on its receiver's stream is done
         for _, moved, receiver in self._inner:
             with receiver.reading() as td:
                 for leaf, box in moved:
                     part = self.schema.parts[leaf]
-                    views[leaf][box.within(part.box)].copy_(td[part.key])
+                    place, piece = views[leaf][box.within(part.box)], td[part.key]
+                    if piece.data_ptr() != place.data_ptr() or piece.numel() != place.numel():  # (not landed in place)
+                        place.copy_(piece)
         if self._device.type == "cuda":
             torch.cuda.synchronize(self._device)
         self._slots.publish(slot, version)
@@ -257,3 +276,24 @@ class ShardedReceiver(WeightReceiver):
         if hasattr(self, "_driver"):
             self._driver.stop(self.timeout)
         self._pending = None
+
+
+class PieceReceiver(WeightReceiver):
+    """A plain receiver of one sender rank's pieces, landing them where the sharded receiver's buffers want them:
+    ``places[b]``: piece name -> its contiguous block of buffer ``b`` (None: strided there, staged); ``spare``:
+    which buffer the next pull lands in (the sharded receiver's spare, never its published one)."""
+
+    def __init__(self, *, places: list[dict[tuple[str, ...], torch.Tensor | None]], spare: Any, **options: Any) -> None:
+        self._places, self._spare = places, spare
+        super().__init__(**options)
+
+    def _own_slots(self, schema: Schema, piece: int, device: torch.device, pin_memory: bool) -> list[Slot]:
+        if not schema.leafwise:  # (a sender rank that cuts evenly: its version lands in own slots, copied out)
+            return super()._own_slots(schema, piece, device, pin_memory)
+        return [Slot.placed_at(schema, piece, device, pin_memory, [places[leaf.key] for leaf in schema.leaves])
+                for places in self._places]
+
+
+def _contiguous(view: torch.Tensor) -> torch.Tensor | None:
+    """``view`` if its elements are one block, else None."""
+    return view if view.is_contiguous() else None

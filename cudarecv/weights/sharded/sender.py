@@ -5,7 +5,7 @@ Every rank of the trainer's mesh builds one. At construction each exchanges layo
 (:mod:`~cudarecv.weights.sharded.exchange`) and computes, for each, the pieces it sends: the overlap of its share
 of each leaf (replicas split a replicated leaf between them) with the box the receiver wants. Receivers that
 want the same pieces of this rank share one plain :class:`~cudarecv.WeightSender` of those pieces (views of the
-local shards), with its transports, fan-out (a relay chain across hosts), modes, checks and timeouts; each push
+local shards; its messages cut leaf by leaf, so that each lands where its leaf goes), with its transports, fan-out (a relay chain across hosts), modes, checks and timeouts; each push
 pushes them all. Nothing is gathered: every byte leaves the rank that holds it for the ranks that want it.
 """
 
@@ -25,6 +25,13 @@ from ..options import check_mode, check_options
 from ..sender import WeightSender
 from . import exchange
 from .layout import held, in_order, piece_views, pieces, sender_layout
+
+
+class PieceSender(WeightSender):
+    """A plain sender of one rank's pieces: a leafwise schema (see :mod:`cudarecv.weights.schema`), so that a
+    receiver lands each message where the piece goes in its own layout."""
+
+    _leafwise = True
 
 
 class ShardedSender(WeightSender):
@@ -73,7 +80,7 @@ class ShardedSender(WeightSender):
             for moved, members in groups.items():
                 views = piece_views(self._layout.parts, list(moved), [t for t, _ in locals_], self._boxes)
                 where = {"dst": members} if global_ranks else {"group": group, "group_dst": members}
-                self._senders.append((list(moved), WeightSender(views, **where, **options)))
+                self._senders.append((list(moved), PieceSender(views, **where, **options)))
         except BaseException:
             self.close()
             raise
