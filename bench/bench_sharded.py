@@ -50,6 +50,11 @@ def sharded_run(tmp_path_factory, transfer_targets):
     busiest = max(max(c["tx_per_version"] + c["rx_per_version"]) for c in [cases["sharded"]])
     transfer_targets.append(f"sharded: the busiest host link carries {busiest / run['bytes']:.2f} of the model per "
                             "version (target <= about 0.25)")
+    for method, c in cases.items():
+        actors = c["resident"][TRAINERS:]
+        transfer_targets.append(f"{method}: each actor process resident {min(actors) / 1e6:.0f}-{max(actors) / 1e6:.0f} MB"
+                                f" once its versions landed (trainers {min(c['resident'][:TRAINERS]) / 1e6:.0f}-"
+                                f"{max(c['resident'][:TRAINERS]) / 1e6:.0f} MB)")
     return run, cases
 
 
@@ -62,5 +67,6 @@ def test_sharded_push(benchmark, sharded_run, method):
         case=f"sharded {MIB} MiB: {TRAINERS} FSDP2 hosts to {ACTORS} tensor-parallel hosts ({RATE})", impl=impl,
         mode=mode, bytes=run["bytes"], backend="gloo", ok=case["ok"],
         busiest_link_fraction=round(max(case["tx_per_version"] + case["rx_per_version"]) / run["bytes"], 3),
-        tx_per_version=case["tx_per_version"], rx_per_version=case["rx_per_version"])
+        tx_per_version=case["tx_per_version"], rx_per_version=case["rx_per_version"],
+        resident=case["resident"])
     tb.replay(benchmark, CLOCK, case["seconds"])

@@ -152,6 +152,12 @@ class _Method:
                 end.close()
 
 
+def _resident() -> int:
+    """This process's resident bytes now (its weights, buffers and snapshots, with the interpreter's)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def run(out: str, trainers: int, mib: float, rounds: int, timeout: float = 300.0,
         methods: tuple[str, ...] = METHODS) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=timeout))
@@ -185,8 +191,9 @@ def run(out: str, trainers: int, mib: float, rounds: int, timeout: float = 300.0
             seconds.append(max(e[1].item() for e in every) - every[0][0].item())
             checks = checks and case.holds(float(step))
         after = nic_bytes()
-        moved = torch.tensor([after[0] - before[0], after[1] - before[1], int(checks)], dtype=torch.float64)
-        every = [torch.zeros(3, dtype=torch.float64) for _ in range(world)]
+        moved = torch.tensor([after[0] - before[0], after[1] - before[1], int(checks), _resident()],
+                             dtype=torch.float64)
+        every = [torch.zeros(4, dtype=torch.float64) for _ in range(world)]
         dist.all_gather(every, moved)
         case.close()
         del case  # (its buffers go before the next method's are made)
@@ -194,7 +201,8 @@ def run(out: str, trainers: int, mib: float, rounds: int, timeout: float = 300.0
         dist.barrier()
         results["cases"].append({"method": method, "seconds": seconds, "ok": all(e[2].item() == 1 for e in every),
                                  "tx_per_version": [e[0].item() / rounds for e in every],
-                                 "rx_per_version": [e[1].item() / rounds for e in every]})
+                                 "rx_per_version": [e[1].item() / rounds for e in every],
+                                 "resident": [e[3].item() for e in every]})
         if rank == 0:
             print(f"{method}: median {sorted(seconds)[len(seconds) // 2] * 1e3:.0f} ms", flush=True)
     if rank == 0:
