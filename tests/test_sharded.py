@@ -398,6 +398,65 @@ def test_a_weight_sender_takes_strided_leaves(cluster):
     assert cluster().run(strided_leaves)[1] == [True, True]
 
 
+WANTS = {1: {"0.weight": (slice(0, 4),), "2.weight": (slice(None), slice(3, 7))},  # rows of one, columns of the other
+         2: {"0.weight": (slice(4, 7),), "2.weight": (slice(None), slice(0, 3))}, 3: None}
+
+
+def sliced(rank, world, group):
+    """A plain trainer (one rank, ``sliced=True``) pushes 3 versions; receivers 1 and 2 want slices of the two
+    matrices (``want``), receiver 3 everything; each checks every element it holds of each version."""
+    if rank == 0:
+        td = TensorDict({name: whole(name, 1) for name in SHAPES}, []).unflatten_keys(".")
+        with cudarecv.WeightSender(td, dst=[1, 2, 3], sliced=True, verify=True, timeout=30) as sender:
+            for version in (1, 2, 3):
+                for name in SHAPES:
+                    td[tuple(name.split("."))].copy_(whole(name, version))
+                sender.push()
+            plan = {r: sum(b.numel for _, b in pieces) for r, pieces in sender.plan.items()}
+            dist.barrier()
+        return plan
+    if rank not in WANTS:
+        dist.barrier()
+        return None
+    want = WANTS[rank]
+    expect = model() if rank == 2 else None
+    with cudarecv.WeightReceiver(src=[0], expect=expect, want=want, timeout=30) as receiver:
+        right = []
+        for version in (1, 2, 3):
+            assert receiver.pull() == version
+            right.append(all(torch.equal(receiver.td[tuple(name.split("."))],
+                                         whole(name, version)[(want or {}).get(name, (slice(None),))])
+                             for name in SHAPES))
+        staged = receiver.staged_bytes
+        dist.barrier()
+    return right, staged
+
+
+def test_a_plain_trainer_sends_each_receiver_the_slices_it_wants(six):
+    """``WeightSender(sliced=True)`` and ``WeightReceiver(want=...)``: each receiver gets exactly its slices (rows,
+    or columns taken whole along their rows: no staging), the others' leaves whole."""
+    results = six().run(sliced, timeout=300)
+    assert results[1] == results[2] == results[3] == ([True, True, True], 0), results[1:4]
+    biases = 7 + 3
+    assert results[0] == {1: 4 * 5 + 3 * 4 + biases, 2: 3 * 5 + 3 * 3 + biases, 3: 7 * 5 + 3 * 7 + biases}
+
+
+def test_want_is_checked_naming_the_leaf():
+    from cudarecv.weights.sharded.layout import narrowed, wanting_all
+
+    layout = wanting_all(cudarecv.weights.sharded.layout.sender_layout([("w",), ("b",)],
+                                                                       [torch.zeros(4, 6), torch.zeros(4)]))
+    assert narrowed(layout, {"w": (slice(1, 3), slice(2, None))}, set()).parts[0].box == Box((1, 2), (2, 4))
+    for want, match in [({"x": (slice(0, 1),)}, "'x', which the sender does not send"),
+                        ({"w": (slice(3, 3),)}, "empty"), ({"w": (0,)}, "step-1 slices"),
+                        ({"w": (slice(0, 4, 2),)}, "step-1 slices"), ({"b": (slice(0, 1),) * 2}, "up to 1"),
+                        ([("w", (slice(0, 1),))], "must map leaf names")]:
+        with pytest.raises(cudarecv.ArgumentError, match=match):
+            narrowed(layout, want, set())
+    with pytest.raises(cudarecv.ArgumentError, match="gives as a DTensor"):
+        narrowed(layout, {"w": (slice(0, 1),)}, {0})
+
+
 # -- failures, refusals and closing ---------------------------------------------------------------------
 
 def dead_trainer(rank, world, group, transport, how):

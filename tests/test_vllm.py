@@ -116,8 +116,8 @@ def test_an_fp32_trainer_feeds_a_bf16_engine_in_bf16(tmp_path):
 
 def test_a_tensor_parallel_engine_takes_each_version_on_both_workers(tmp_path, monkeypatch):
     """Tensor parallel 2 (vLLM's CPU build: gloo between its workers): both workers join the trainer's group, each
-    receives the version whole and loads its own shard of it through vLLM's weight loaders; the engine then
-    generates as the trainer's weights."""
+    receives only the slices of the version its weight loaders read (about half of it) and loads them through
+    them; the engine then generates as the trainer's weights (a slice off by one row would not)."""
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # (one NUMA node here: vLLM's "auto" refuses)
     engine = vllm.LLM(model=tiny_llm.save(tmp_path / "tiny", seed=0), dtype="float32", enforce_eager=True,
                       skip_tokenizer_init=True, max_model_len=256, max_num_seqs=4, seed=0, tensor_parallel_size=2,
@@ -130,6 +130,9 @@ def test_a_tensor_parallel_engine_takes_each_version_on_both_workers(tmp_path, m
                                                      source=ModuleSource(model))
         try:
             assert trainer.sender.transports == {1: "shared memory", 2: "shared memory"}
+            sent = trainer.bytes_to()  # the norms whole to each, everything else cut in two
+            assert trainer.sliced and set(sent) == {1, 2}, sent
+            assert all(0.5 * trainer.nbytes < n < 0.51 * trainer.nbytes for n in sent.values()), (sent, trainer.nbytes)
             for step in range(2):
                 perturbed(model, step)
                 assert trainer.send_weights() == step + 1
@@ -138,6 +141,34 @@ def test_a_tensor_parallel_engine_takes_each_version_on_both_workers(tmp_path, m
             trainer.shutdown()
     finally:
         engine.llm_engine.engine_core.shutdown()
+
+
+def test_the_tensor_parallel_map_cuts_as_vllms_loaders():
+    """What a tensor-parallel worker of a Qwen2 model loads of each checkpoint tensor: heads by rows (k/v heads
+    fewer than the ranks: each replicated), the MLP by rows then columns, the padded vocabulary by rows."""
+    from transformers import Qwen2Config
+
+    from cudarecv.vllm.slices import worker_slices
+
+    config = Qwen2Config(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                         vocab_size=1000)
+    shapes = {"model.embed_tokens.weight": (1000, 64), "lm_head.weight": (1000, 64),
+              "model.layers.0.self_attn.q_proj.weight": (64, 64), "model.layers.0.self_attn.k_proj.bias": (32,),
+              "model.layers.0.self_attn.v_proj.weight": (32, 64), "model.layers.0.self_attn.o_proj.weight": (64, 64),
+              "model.layers.0.mlp.gate_proj.weight": (96, 64), "model.layers.0.mlp.down_proj.weight": (64, 96),
+              "model.layers.0.input_layernorm.weight": (64,)}
+    rank3 = worker_slices(config, "Qwen2ForCausalLM", shapes, tp_rank=3, tp_size=4)
+    assert rank3 == {"model.embed_tokens.weight": (slice(768, 1000),), "lm_head.weight": (slice(768, 1000),),
+                     "model.layers.0.self_attn.q_proj.weight": (slice(48, 64),),
+                     "model.layers.0.self_attn.k_proj.bias": (slice(16, 32),),  # k/v head 1 on ranks 2 and 3
+                     "model.layers.0.self_attn.v_proj.weight": (slice(16, 32),),
+                     "model.layers.0.self_attn.o_proj.weight": (slice(None), slice(48, 64)),
+                     "model.layers.0.mlp.gate_proj.weight": (slice(72, 96),),
+                     "model.layers.0.mlp.down_proj.weight": (slice(None), slice(72, 96))}
+    assert worker_slices(config, "Qwen2ForCausalLM", shapes, 0, 2)["model.layers.0.self_attn.v_proj.weight"] == (
+        slice(0, 16),)  # (as many k/v heads as ranks: one each)
+    assert worker_slices(config, "LlamaForCausalLM", shapes, 0, 2) is None  # not mapped: each tensor whole
+    assert worker_slices(config, "Qwen2ForCausalLM", shapes, 0, 1) is None
 
 
 def _a_new_trainer_updates(llm, seed: int) -> None:

@@ -49,6 +49,7 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
         self._td: TensorDict | None = None  # the weights as they travel (the engine's dtype), flat on "."
         self._shared: dict[str, int] = {}  # leaves that are the source's own tensors: their data pointers
         self.dtype: torch.dtype | None = None  # what the weights travel and load in (the engine's, unless set)
+        self.sliced = False  # whether each worker receives only the slices it loads (a tensor-parallel engine)
 
     @classmethod
     def trainer_init(cls, init_info: CudarecvTrainerInitInfo, *, client: Any,
@@ -88,13 +89,15 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
             workers = int(first["workers"])
             self._group = group_of(self._store, session, 0, workers + 1, info.timeout)
             joined = [json.loads(self._store.get(member_key(session, i))) for i in range(workers)]
-            if len({(w["workers"], w["dtype"]) for w in joined}) != 1:
-                raise UsageError(f"the engine's workers disagree on their number or dtype: {joined}")
+            if len({(w["workers"], w["dtype"], w.get("sliced", False)) for w in joined}) != 1:
+                raise UsageError(f"the engine's workers disagree on their number, dtype or slicing: {joined}")
             dtype = dtype_of(info.dtype or first["dtype"], "dtype")
+            self.sliced = bool(first.get("sliced"))  # a tensor-parallel engine: each worker receives what it loads
             self._td, self.dtype = self._weights(dtype), dtype
             self.sender = WeightSender(self._td.unflatten_keys("."), group=self._group,
                                        group_dst=list(range(1, workers + 1)), timeout=info.timeout, mode=info.mode,
-                                       verify=info.verify, bucket_bytes=info.bucket_bytes, transport=info.transport)
+                                       verify=info.verify, bucket_bytes=info.bucket_bytes, transport=info.transport,
+                                       sliced=self.sliced)
         log.info("cudarecv weight transfer to %d vLLM worker(s) (%s, %s, %s)", workers, dtype,
                  info.mode, ", ".join(sorted(set(self.sender.transports.values()))))
 
@@ -112,8 +115,18 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
 
     @property
     def nbytes(self) -> int:
-        """Bytes one version moves to each worker (in :attr:`dtype`); 0 on a rank that does not send."""
+        """Bytes of one version (in :attr:`dtype`), what each worker receives unless the engine is tensor-parallel
+        (each worker then receives the slices it loads: :meth:`bytes_to`); 0 on a rank that does not send."""
         return sum(t.nbytes for t in self._td.values()) if self._td is not None else 0
+
+    def bytes_to(self) -> dict[int, int]:
+        """Worker (its rank in the trainer's group, 1 on) -> the bytes one version moves to it."""
+        if self.sender is None:
+            return {}
+        if not self.sliced:
+            return {rank: self.nbytes for rank in self.sender.transports}
+        sizes = {name: t.element_size() for name, t in self._td.items()}
+        return {rank: sum(box.numel * sizes[name] for name, box in pieces) for rank, pieces in self.sender.plan.items()}
 
     # -- an update -------------------------------------------------------------------------------------------
     def send_weights(self) -> int | None:

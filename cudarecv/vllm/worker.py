@@ -13,7 +13,7 @@ import logging
 import socket
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 from .. import Error, UsageError, WaitTimeout, WeightReceiver, start_thread
 from .info import CudarecvInitInfo, CudarecvUpdateInfo
 from .rendezvous import group_of, member_key, seconds
+from .slices import whole_leaves, worker_slices
 
 log = logging.getLogger("cudarecv")
 
@@ -43,6 +44,8 @@ class CudarecvWeightTransferEngine(WeightTransferEngine[CudarecvInitInfo, Cudare
         self._version = 0  # the last version landed (whole and checked), which update_weights loads
         self._failure: BaseException | None = None  # why the taking thread stopped, if it failed
         self._taking: threading.Thread | None = None
+        self._shapes: dict[str, tuple[int, ...]] = {}  # each checkpoint tensor's whole shape
+        self._want: dict[str, tuple[slice, ...]] | None = None  # the slices this worker loads, if it takes slices
 
     # -- the handshake -------------------------------------------------------------------------------------
     def init_transfer_engine(self, init_info: CudarecvInitInfo) -> None:
@@ -53,21 +56,37 @@ class CudarecvWeightTransferEngine(WeightTransferEngine[CudarecvInitInfo, Cudare
         try:
             self._store = dist.TCPStore(init_info.host, init_info.port, is_master=False,
                                         timeout=seconds(init_info.timeout))
-            self._store.set(member_key(init_info.session, index), json.dumps(
-                {"workers": workers, "dtype": str(dtype).removeprefix("torch."), "host": socket.gethostname()}))
-            self._group = group_of(self._store, init_info.session, index + 1, workers + 1, init_info.timeout)
             expect = expected_weights(self.model_config.model, dtype)
             if expect is None:
                 log.warning("vLLM worker %d: no local safetensors checkpoint at %r to check the trainer's weights "
                             "against; taking them as the trainer names them", index, self.model_config.model)
-            self._receiver = WeightReceiver(group=self._group, group_src=0, device=self.device, expect=expect,
-                                            timeout=init_info.timeout, transport=init_info.transport)
+            self._shapes = {} if expect is None else {k: tuple(t.shape) for k, t in expect.flatten_keys(".").items()}
+            self._want = self._slices()
+            self._store.set(member_key(init_info.session, index), json.dumps(
+                {"workers": workers, "dtype": str(dtype).removeprefix("torch."), "host": socket.gethostname(),
+                 "sliced": self._want is not None}))
+            self._group = group_of(self._store, init_info.session, index + 1, workers + 1, init_info.timeout)
+            source = 0 if self._want is None else [0]  # (sliced: the trainer sends each worker what it loads)
+            self._receiver = WeightReceiver(group=self._group, group_src=source, device=self.device, expect=expect,
+                                            want=self._want, timeout=init_info.timeout,
+                                            transport=init_info.transport)
         except BaseException:
             self.shutdown()
             raise
         self._version, self._failure = 0, None
         self._taking = start_thread(self._take_versions, f"cudarecv-vllm-worker-{index}", (self._receiver,))
         log.info("vLLM worker %d joined the trainer's weight sync (%s)", index, self._receiver.transport)
+
+    def _slices(self) -> dict[str, tuple[slice, ...]] | None:
+        """What this worker's loaders read of each checkpoint tensor, if a tensor-parallel worker of a mapped
+        architecture with its checkpoint at hand (else None: it receives each tensor whole)."""
+        if not self._shapes or self.parallel_config.pipeline_parallel_size != 1:
+            return None
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        architectures = getattr(self.model_config.hf_config, "architectures", None) or [""]
+        return worker_slices(self.model_config.hf_config, architectures[0], self._shapes,
+                             get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size())
 
     def _take_versions(self, receiver: WeightReceiver) -> None:
         """The taking thread: every version the trainer pushes, as it comes, until the receiver closes or fails."""
@@ -116,7 +135,7 @@ class CudarecvWeightTransferEngine(WeightTransferEngine[CudarecvInitInfo, Cudare
                 raise UsageError(f"the trainer announced version {update_info.version}, but version "
                                  f"{self._version} landed")
         with receiver.reading() as weights:  # (no pull writes into these buffers while they load)
-            load(self.model, self.model_config, weights)
+            load(self.model, self.model_config, whole_leaves(weights.flatten_keys("."), self._shapes, self._want))
 
     def finish_weight_update(self) -> None:
         """Nothing left: ``receive_weights`` loaded the version whole."""
@@ -135,15 +154,15 @@ class CudarecvWeightTransferEngine(WeightTransferEngine[CudarecvInitInfo, Cudare
             self._group = self._store = None
 
 
-def load(model: torch.nn.Module, model_config: Any, weights: TensorDict) -> None:
-    """Load ``weights`` (checkpoint names, nested on ``.``) into a served ``model`` with vLLM's layer-wise reload
+def load(model: torch.nn.Module, model_config: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Load ``weights`` (checkpoint names and whole tensors) into a served ``model`` with vLLM's layer-wise reload
     (which repacks each layer as loading did)."""
     from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
     initialize_layerwise_reload(model)
     with disable_mtp_completeness_check():
-        model.load_weights(list(weights.flatten_keys(".").items()))
+        model.load_weights(weights)
     finalize_layerwise_reload(model, model_config)
 
 

@@ -71,13 +71,12 @@ class WeightReceiver:
         stream: the CUDA stream for GPU weights (default: cudarecv's dedicated stream).
         transport: ``"auto"`` (map a same-host sender's snapshots if offered) or ``"wire"``;
             :attr:`transport` says which was taken.
-        zero_copy: through shared memory (host weights, a sender on this machine), publish each
-            version where the sender's snapshot lies instead of copying it out: a pull costs no
-            copy at all, and :attr:`td`'s tensors are views of memory mapped *read-only* (writing to
-            them kills the process with SIGSEGV: copy what you must change, or use :meth:`load_into`).
-            The sender writes a snapshot again only once this receiver let go of it (a newer version
-            published and no :meth:`reading` left on it). :attr:`zero_copy` says whether it is in use
-            (on other transports versions are copied as without it).
+        zero_copy: through shared memory (host weights, a sender on this machine), publish each version where
+            the sender's snapshot lies instead of copying it out: a pull copies nothing, and :attr:`td`'s tensors
+            are views of memory mapped *read-only* (writing to them kills the process with SIGSEGV: copy what you
+            must change, or use :meth:`load_into`). :attr:`zero_copy` says whether it is in use.
+        want: slices of named leaves, the rest whole (``{"w": (slice(0, 512),)}``: rows 0-511 of ``w``), from a
+            sender built with ``sliced=True`` or a sharded one (docs/sharded.md).
 
     Whatever makes the construction fail once the link is resolved (a bad argument, no CUDA, no memory, ``expect``
     not matching, a malformed schema) is sent back as the handshake's answer, so the sender fails at once too,
@@ -89,8 +88,9 @@ class WeightReceiver:
         >>> receiver.load_into(policy)   # or read receiver.td
     """
 
-    def __new__(cls, src: Any = None, *args: Any, group_src: Any = None, expect: Any = None, **kwargs: Any) -> Any:
-        if cls is WeightReceiver and _of_sharded(src, group_src, expect):
+    def __new__(cls, src: Any = None, *args: Any, group_src: Any = None, expect: Any = None, want: Any = None,
+                **kwargs: Any) -> Any:
+        if cls is WeightReceiver and (want is not None or _of_sharded(src, group_src, expect)):
             from .sharded.receiver import ShardedReceiver
 
             return super().__new__(ShardedReceiver)
@@ -98,7 +98,7 @@ class WeightReceiver:
 
     def __init__(self, src: int | None = None, *, group: Any = None, group_src: int | None = None,
                  device: Any = None, pin_memory: bool = False, expect: Any = None, timeout: float = 60.0,
-                 stream: Any = None, transport: str = "auto", zero_copy: bool = False) -> None:
+                 stream: Any = None, transport: str = "auto", zero_copy: bool = False, want: Any = None) -> None:
         self.timeout = 60.0  # until checked: the time given to answer the sender
         try:
             self.timeout, device = check_receiver(timeout, transport, zero_copy, device, pin_memory)

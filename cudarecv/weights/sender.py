@@ -83,6 +83,8 @@ class WeightSender:
             each forwarding the chunks it receives) or ``"auto"`` (relay when a receiver is on another host).
         transport: ``"auto"`` (receivers on this machine map the sender's snapshots: shared memory for host
             weights, CUDA IPC for GPU weights; a push then sends them only its header) or ``"wire"``.
+        sliced: send each receiver only the slices it wants (``WeightReceiver(src=[...], want=...)``, or DTensors
+            in its ``expect``), as a sharded sender of one rank does (implied by DTensor leaves).
 
     Construction performs the handshake with every receiver and raises if one rejects the schema
     (:class:`SchemaError`, naming it and the first differing key) or could not start (:class:`ReceiverFailed`).
@@ -101,7 +103,7 @@ class WeightSender:
 
     def __new__(cls, td: Any = None, *args: Any, **kwargs: Any) -> Any:
         # DTensor leaves (an FSDP2 model): one rank of a sharded sender
-        if cls is WeightSender and _has_dtensors(td):
+        if cls is WeightSender and (kwargs.get("sliced") or _has_dtensors(td)):
             from .sharded.sender import ShardedSender
 
             return super().__new__(ShardedSender)
@@ -110,7 +112,7 @@ class WeightSender:
     def __init__(self, td: Any, dst: Any = None, *, group: Any = None, group_dst: Any = None,
                  bucket_bytes: int | None = None, timeout: float = 60.0, verify: bool = False,
                  stream: Any = None, mode: str = "sync", buffers: int | None = None, fanout: str = "auto",
-                 transport: str = "auto") -> None:
+                 transport: str = "auto", sliced: bool = False) -> None:
         timeout = check_options(timeout=timeout, transport=transport, bucket_bytes=bucket_bytes)["timeout"]
         check_mode(mode, buffers, fanout)
         dsts, group_dsts = check_peers(dst, "dst"), check_peers(group_dst, "group_dst")

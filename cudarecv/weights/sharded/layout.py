@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 from tensordict import TensorDict
@@ -156,6 +156,9 @@ def sender_layout(keys: Sequence[tuple], tensors: Sequence[Any]) -> Layout:
     DTensor leaves. Raises :class:`ArgumentError` if the DTensor leaves are on meshes of different ranks."""
     DTensor = dtensor_type()
     meshes = {tuple(t.device_mesh.mesh.flatten().tolist()): t.device_mesh for t in tensors if isinstance(t, DTensor)}
+    if not meshes:  # plain tensors (``WeightSender(sliced=True)``): one rank sends every leaf whole
+        return Layout(tuple(Part(tuple(map(str, k)), _checked_dtype(k, t), tuple(t.shape),
+                                 Box.full(t.shape) if t.numel() else None) for k, t in zip(keys, tensors)))
     if len(meshes) != 1:
         raise ArgumentError(f"the DTensor leaves of `td` lie on meshes of different ranks {sorted(meshes)}: a sharded "
                             "WeightSender sends from one mesh (every rank of it builds one)")
@@ -184,6 +187,37 @@ def receiver_layout(keys: Sequence[tuple], tensors: Sequence[Any]) -> Layout:
         key = tuple(map(str, key))
         _, box = held(t, ".".join(key))
         parts.append(Part(key, _checked_dtype(key, t), tuple(t.shape), box if box.numel else None))
+    return Layout(tuple(parts))
+
+
+def narrowed(layout: Layout, want: Mapping[str, Sequence[slice]], dtensors: set[int]) -> Layout:
+    """``layout`` (a receiver's) with each leaf ``want`` names (``"a.b"`` for key ``("a", "b")``) cut to the
+    slices given, of the whole leaf: what a receiver wants that no DTensor layout says (e.g. a vLLM worker's part
+    of each checkpoint tensor). Raises :class:`ArgumentError` naming a key it does not have, a leaf ``expect``
+    gives as a DTensor (leaf indices ``dtensors``), or a slice that is not a non-empty step-1 range."""
+    if not isinstance(want, Mapping):
+        raise ArgumentError(f"`want` must map leaf names to tuples of slices, got {type(want).__name__}")
+    by_name = {p.name: i for i, p in enumerate(layout.parts)}
+    parts = list(layout.parts)
+    for name, index in want.items():
+        if name not in by_name:
+            raise ArgumentError(f"`want` names {name!r}, which the sender does not send (leaves: "
+                                f"{sorted(by_name)[:5]}...)")
+        i = by_name[name]
+        if i in dtensors:
+            raise ArgumentError(f"`want` names {name!r}, which `expect` gives as a DTensor: its placements say "
+                                "what this receiver wants; drop one of the two")
+        shape = parts[i].shape
+        index = tuple(index) if isinstance(index, (tuple, list)) else (index,)
+        if len(index) > len(shape) or not all(isinstance(s, slice) and s.step in (None, 1) for s in index):
+            raise ArgumentError(f"`want[{name!r}]` must be up to {len(shape)} step-1 slices of its {list(shape)} "
+                                f"elements, got {index!r}")
+        ranges = [s.indices(n)[:2] for s, n in zip(index, shape)] + [(0, n) for n in shape[len(index):]]
+        if any(stop <= start for start, stop in ranges):
+            raise ArgumentError(f"`want[{name!r}]` = {index!r} is empty for its {list(shape)} elements: want "
+                                "some of every leaf, or leave the leaf out of `want` to take it whole")
+        parts[i] = Part(parts[i].key, parts[i].dtype, shape, Box(tuple(a for a, _ in ranges),
+                                                                  tuple(b - a for a, b in ranges)))
     return Layout(tuple(parts))
 
 

@@ -41,7 +41,7 @@ from ..receiver import WeightReceiver
 from ..schema import Schema
 from ..slots import Slot, Slots, load_into
 from . import exchange
-from .layout import Layout, dtensor_type, in_order, pieces, receiver_layout, uncovered, wanting_all
+from .layout import Layout, dtensor_type, in_order, narrowed, pieces, receiver_layout, uncovered, wanting_all
 
 
 class ShardedReceiver(WeightReceiver):
@@ -57,7 +57,7 @@ class ShardedReceiver(WeightReceiver):
 
     def __init__(self, src: Any = None, *, group: Any = None, group_src: Any = None, device: Any = None,
                  pin_memory: bool = False, expect: Any = None, timeout: float = 60.0, stream: Any = None,
-                 transport: str = "auto", zero_copy: bool = False) -> None:
+                 transport: str = "auto", zero_copy: bool = False, want: Any = None) -> None:
         self._closed, self._inner = False, []
         self.timeout, device = check_receiver(timeout, transport, zero_copy, device, pin_memory)
         if zero_copy:
@@ -70,7 +70,7 @@ class ShardedReceiver(WeightReceiver):
         self._moved: dict[int, list[tuple[int, Box]]] = {}
         self._views: list[list[torch.Tensor]] = []  # each buffer's leaves as plain local tensors
         layouts, self.schema = exchange.answer(lanes, self.timeout,
-                                               lambda found: self._want(found, expect, peers))
+                                               lambda found: self._want(found, expect, want, peers))
         self._source = layouts[0]
         self._slots = self._allocate(pin_memory)
         self._cond = self._slots.cond
@@ -101,9 +101,10 @@ class ShardedReceiver(WeightReceiver):
         self.mode = self._inner[0][2].mode
         self.zero_copy = False
 
-    def _want(self, layouts: list[Layout], expect: Any, ranks: list[int]) -> Layout:
-        """What this receiver wants of the layouts of the sender ranks ``ranks``; raises :class:`SchemaError` if the
-        sender ranks disagree, ``expect`` does not match, or their pieces do not fill what it wants exactly once."""
+    def _want(self, layouts: list[Layout], expect: Any, want: Any, ranks: list[int]) -> Layout:
+        """What this receiver wants of the layouts of the sender ranks ``ranks`` (``want``: slices of named leaves);
+        raises :class:`SchemaError` if the sender ranks disagree, ``expect`` does not match, or their pieces do not
+        fill what it wants exactly once."""
         first = layouts[0]
         for rank, layout in zip(ranks[1:], layouts[1:]):
             problem = first.difference(layout)
@@ -121,6 +122,8 @@ class ShardedReceiver(WeightReceiver):
             by_key = {tuple(map(str, k)): t for k, t in zip(keys, tensors)}
             DTensor = dtensor_type()
             self._dtensors = {i: by_key[p.key] for i, p in enumerate(first.parts) if isinstance(by_key[p.key], DTensor)}
+        if want is not None:
+            wanted = narrowed(wanted, want, set(self._dtensors))
         self._moved = {rank: pieces(layout, wanted) for rank, layout in zip(ranks, layouts)}
         problem = uncovered(wanted, self._moved)
         if problem:

@@ -47,7 +47,7 @@ class ShardedSender(WeightSender):
     def __init__(self, td: Any, dst: Any = None, *, group: Any = None, group_dst: Any = None,
                  bucket_bytes: int | None = None, timeout: float = 60.0, verify: bool = False,
                  stream: Any = None, mode: str = "sync", buffers: int | None = None, fanout: str = "auto",
-                 transport: str = "auto") -> None:
+                 transport: str = "auto", sliced: bool = True) -> None:
         self._closed, self._senders = False, []
         options = dict(bucket_bytes=bucket_bytes, timeout=timeout, verify=verify, stream=stream, mode=mode,
                        buffers=buffers, fanout=fanout, transport=transport)
