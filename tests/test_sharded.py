@@ -421,22 +421,32 @@ def sliced(rank, world, group):
     want = WANTS[rank]
     expect = model() if rank == 2 else None
     with cudarecv.WeightReceiver(src=[0], expect=expect, want=want, timeout=30) as receiver:
-        right = []
+        right, retired = [], None
         for version in (1, 2, 3):
+            if version == 3 and rank == 1:  # as a failed relay forward does: rank 0's receiver renews its slot in
+                index = receiver._slots.spare()  # the spare buffer, which is then never written again
+                retired = receiver._slots.own[index].storage
+                kept, inner = retired.clone(), receiver._inner[0][2]
+                inner._slots.renew(index, inner.schema, inner._puller.piece, torch.device("cpu"))
             assert receiver.pull() == version
             right.append(all(torch.equal(receiver.td[tuple(name.split("."))],
                                          whole(name, version)[(want or {}).get(name, (slice(None),))])
                              for name in SHAPES))
-        staged = receiver.staged_bytes
+        staged = 0 if retired is None else receiver.staged_bytes  # (rank 1: the renewed slot's own storage)
+        untouched = retired is None or torch.equal(retired, kept)
         dist.barrier()
-    return right, staged
+    return right, staged, untouched
 
 
 def test_a_plain_trainer_sends_each_receiver_the_slices_it_wants(six):
     """``WeightSender(sliced=True)`` and ``WeightReceiver(want=...)``: each receiver gets exactly its slices (rows,
-    or columns taken whole along their rows: no staging), the others' leaves whole."""
+    or columns taken whole along their rows: no staging), the others' leaves whole; a sender rank's receiver that
+    renews a slot (a relay forward of it failed) has its buffer replaced, never written again."""
     results = six().run(sliced, timeout=300)
-    assert results[1] == results[2] == results[3] == ([True, True, True], 0), results[1:4]
+    assert results[2] == results[3] == ([True, True, True], 0, True), results[2:4]
+    # rank 1: its old buffer untouched, every version right, and the renewed slot's own storage staged: its pieces,
+    # 4 x 5 + 7 + 3 x 4 + 3 float64 (160 + 64 + 96 + 32 bytes, each aligned to 16)
+    assert results[1] == ([True, True, True], 352, True), results[1]
     biases = 7 + 3
     assert results[0] == {1: 4 * 5 + 3 * 4 + biases, 2: 3 * 5 + 3 * 3 + biases, 3: 7 * 5 + 3 * 7 + biases}
 

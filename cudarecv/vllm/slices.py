@@ -38,12 +38,13 @@ def worker_slices(config: Any, architecture: str, shapes: Mapping[str, Sequence[
     )
 
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    head_size = getattr(config, "head_dim", None) or config.hidden_size // heads
+    head_size = config.hidden_size // heads  # (as vLLM's Qwen2 attention sizes its heads)
     want: dict[str, tuple[slice, ...]] = {}
     for name, shape in shapes.items():
         if name in _VOCAB:
             start, end = vocab_range_from_global_vocab_size(pad_vocab_size(shape[0]), tp_rank, tp_size)
-            want[name] = (slice(min(start, shape[0]), min(end, shape[0])),)
+            if start < shape[0]:  # (a rank whose rows are all padding takes the tensor whole, and reads none of it)
+                want[name] = (slice(start, min(end, shape[0])),)
         elif found := _HEADS.search(name):
             if found.group(1) == "q":
                 per, index = heads // tp_size, tp_rank
@@ -65,7 +66,8 @@ def whole_leaves(weights: Mapping[str, Any], shapes: Mapping[str, Sequence[int]]
                  want: Mapping[str, tuple[slice, ...]] | None) -> Any:
     """``weights`` (name -> tensor, the slices ``want`` says where it names one) as vLLM's loaders take them: each
     sliced one put where it lies in a tensor of its whole shape (the rest left unwritten: the loaders read only
-    this slice), one at a time."""
+    this slice), made as the loaders ask for it (vLLM's layer-wise reload keeps a layer's until the layer is
+    whole: one layer's whole tensors at a time)."""
     import torch
 
     for name, tensor in weights.items():

@@ -173,7 +173,7 @@ class Puller:
                                       f"version {self.version} stays published")
             return alias
         written = mapping.written()
-        if lane.stream is None:  # one thread's memcpy: actors on this machine share its cores with the trainer
+        if lane.stream is None:  # one thread's memcpy (placed: one per message): actors share the trainer's cores
             slot.fill(mapping.data[:total])
         else:
             with lane.on_stream():

@@ -138,12 +138,11 @@ class WeightReceiver:
         self._pulling = False  # a thread's pull is under way: another's waits for its turn
         self._driver = Driver(f"cudarecv-pull-{link.peer}")  # drives every receive (the caller keeps the time)
         self._inbox = Inbox(lane, tags, self._driver)
-        self._slots = Slots(own, aliases, self._cond, self._inbox.freed, self._spare)
+        self._slots = Slots(own, aliases, self._cond, self._inbox.freed)
         self._hop = Hop(lane, tags, device)
         self._puller = Puller(self.schema, piece, self.mode, lane, device, self._slots, mappings, self.zero_copy,
                               self._hop, self._inbox, self._driver)
 
-    _spare: Any = None  # which own slot the next pull lands in, if not the one unpublished (see Slots.spare)
     def _own_slots(self, schema: Any, piece: int, device: torch.device, pin_memory: bool) -> list[Slot]:
         """The two storages of this receiver's own that pulls land in."""
         return [Slot(schema, piece, device, pin_memory) for _ in range(2)]
@@ -295,7 +294,8 @@ class WeightReceiver:
             header = yield from inbox.header()
             if header.kind == PUSH and header.relayed:  # the hops after this one still need it
                 index = self._slots.spare()
-                yield from self._hop.receive(header, self._slots.own[index], index, self.timeout, self.version)
+                slot = self._slots.own[index].writable()
+                yield from self._hop.receive(header, slot, index, self.timeout, self.version)
             elif header.kind == PUSH and not header.shared:  # (a shared push sends nothing more)
                 yield from drain(lane, self.schema.message_sizes(self._puller.piece), inbox.tags.payload)
 

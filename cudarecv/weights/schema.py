@@ -43,6 +43,11 @@ def check_size(value: object, what: str) -> int:
     return value
 
 
+def aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to :data:`ALIGN`: the room a leaf takes in a storage."""
+    return -(-nbytes // ALIGN) * ALIGN
+
+
 @dataclass(frozen=True)
 class _Shape:
     """What :meth:`Schema.of` reads of a tensor, to recompute a received layout."""
@@ -85,7 +90,7 @@ class Schema:
             if str(t.dtype).removeprefix("torch.") not in DTYPES:
                 raise SchemaError(f"leaf {'.'.join(map(str, key))!r} has dtype {t.dtype}, which weight sync does not carry")
             leaves.append(Leaf(tuple(str(k) for k in key), t.dtype, tuple(t.shape), offset))
-            offset += -(-leaves[-1].nbytes // ALIGN) * ALIGN
+            offset += aligned(leaves[-1].nbytes)
         return cls(tuple(leaves), offset, leafwise)
 
     def to_json(self) -> bytes:
@@ -204,9 +209,9 @@ class Schema:
         if not self.leafwise:
             check_pieces(self.total, piece, "weights")
         elif len(self.message_sizes(piece)) > MAX_MESSAGES:
-            raise ArgumentError(f"{len(self.leaves)} pieces of weights cut into {len(self.message_sizes(piece))} "
-                                f"messages of at most {piece} bytes, more than the {MAX_MESSAGES} a version may have: "
-                                "send fewer, larger leaves")
+            raise ArgumentError(f"`bucket_bytes={piece}` cuts {len(self.leaves)} pieces of weights into "
+                                f"{len(self.message_sizes(piece))} messages, more than the {MAX_MESSAGES} a version "
+                                "may have (a piece takes one at least): pass a larger bucket_bytes, or fewer leaves")
 
     def first_difference(self, keys: Sequence[tuple], tensors: Sequence[Tensor]) -> str | None:
         """How ``tensors`` (named by ``keys``) differ from the schema, naming the first differing key."""

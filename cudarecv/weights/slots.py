@@ -1,5 +1,6 @@
-"""A weight receiver's storages: two of its own (the published version, and the one the next pull lands in),
-and with zero-copy the sender's shared snapshots, published where they lie. Readers hold the published one
+"""A weight receiver's storages: two of its own (the published version, and the one the next pull lands in; for
+a sharded receiver's inner ones, whose leaves lie in its buffers, the one it says), and with zero-copy the
+sender's shared snapshots, published where they lie. Readers hold the published one
 (:meth:`Slots.reading`) against the next pull; a zero-copy snapshot is let go of (the sender told ``FREED``)
 once a newer version is published and no reader is left on it."""
 
@@ -14,7 +15,7 @@ from torch import Tensor
 
 from ..core.errors import SchemaError, UsageError, WaitTimeout
 from ..core.host_copy import copy_bytes
-from .schema import ALIGN, Schema
+from .schema import Schema, aligned
 from .wire import checksum
 
 
@@ -40,6 +41,7 @@ class Slot:
             self.storage, piece)
         self._whole = None if schema.leafwise else self.storage  # the digest's input at once, if one storage
         self._messages = schema.messages(piece) if self.placed else []
+        self._schema, self._piece = schema, piece
         self.readers = 0
 
     @classmethod
@@ -49,8 +51,7 @@ class Slot:
         shape, written in place by each pull), or, where that is None, in a storage of the slot's own."""
         if not schema.leafwise:
             raise UsageError("only a leafwise schema's messages can land where their leaves lie")
-        staged = [leaf for leaf, place in zip(schema.leaves, places) if place is None]
-        sizes = [-(-leaf.nbytes // ALIGN) * ALIGN for leaf in staged]
+        sizes = [aligned(leaf.nbytes) for leaf, place in zip(schema.leaves, places) if place is None]
         storage = torch.zeros(sum(sizes), dtype=torch.uint8, device=device, pin_memory=pin_memory)
         own = iter(storage.split(sizes) if sizes else [])
         leaves = []
@@ -62,6 +63,11 @@ class Slot:
                                  f"{'' if place.is_contiguous() else 'strided '}tensor")
             leaves.append(place)
         return cls(schema, piece, device, pin_memory, storage, leaves)
+
+    def writable(self) -> "Slot":
+        """This slot, or, placed (its leaves lie in its owner's buffers, which only the owner's pulls may write),
+        one like it in storage of its own: where a closing receiver lands what it forwards."""
+        return Slot(self._schema, self._piece, self.storage.device, self.storage.is_pinned()) if self.placed else self
 
     def digest(self) -> bytes:
         """BLAKE3 of what landed: the messages in order (``verify``)."""
@@ -90,11 +96,17 @@ class Slots:
     """The receiver's two own slots and its zero-copy aliases (one per shared snapshot), which is published, and
     who reads it; ``freed(version)`` tells the sender an alias's snapshot may be written again."""
 
-    def __init__(self, own: list[Slot], aliases: list[Slot], cond: Any, freed: Callable[[int], None],
-                 spare: Callable[[], int] | None = None) -> None:
+    def __init__(self, own: list[Slot], aliases: list[Slot], cond: Any, freed: Callable[[int], None]) -> None:
         self.own, self.aliases, self.cond, self._freed = own, aliases, cond, freed
         self.published: Slot | None = None
-        self._spare = spare  # who says which own slot the next pull lands in (default: the one not published)
+        self._spare: Callable[[], int] | None = None
+        self._retire: Callable[[int], None] | None = None
+
+    def place(self, spare: Callable[[], int], retire: Callable[[int], None]) -> None:
+        """The own slots are placed in an owner's two buffers: ``spare()`` says which one the next pull lands in
+        (never the one the owner published), and ``retire(i)`` replaces buffer ``i`` once own slot ``i`` is
+        renewed (a parked send may read it for good)."""
+        self._spare, self._retire = spare, retire
 
     @property
     def count(self) -> int:
@@ -138,8 +150,12 @@ class Slots:
         return slot
 
     def renew(self, index: int, schema: Schema, piece: int, device: torch.device) -> None:
-        """Own slot ``index`` may be read by a parked send for good: never write it again."""
-        self.own[index] = Slot(schema, piece, device, self.own[index].storage.is_pinned())
+        """Own slot ``index`` may be read by a parked send for good: never write it again (a placed one: nor its
+        owner's buffer, which the owner replaces)."""
+        old = self.own[index]
+        self.own[index] = Slot(schema, piece, device, old.storage.is_pinned())
+        if old.placed and self._retire is not None:
+            self._retire(index)
 
     def publish(self, slot: Slot, version: int) -> None:
         """Make ``slot`` the published version; a zero-copy snapshot published before is let go of (the sender

@@ -198,8 +198,9 @@ def read_trailer(raw: bytes) -> tuple[Trailer, int, int]:
 
 
 def checksum(messages: Sequence[Tensor], whole: Tensor | None = None) -> bytes:
-    """The 16-byte BLAKE3 digest of a version's ``messages`` in order, computed on their device (see
-    :mod:`cudarecv.cuda.digest`); ``whole``: the one storage they cut evenly, hashed at once."""
+    """The 16-byte BLAKE3 digest of a version, computed on its device (see :mod:`cudarecv.cuda.digest`): of
+    ``whole``, the one storage its messages cut evenly; else (a leafwise schema) of its ``messages``' digests in
+    order, each hashed where it landed."""
     from ..cuda.digest import digest, digest_parts
 
     return digest(whole) if whole is not None else digest_parts(messages)

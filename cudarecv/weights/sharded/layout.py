@@ -153,7 +153,8 @@ def held(tensor: Any, name: str) -> tuple[Tensor, Box]:
 def sender_layout(keys: Sequence[tuple], tensors: Sequence[Any]) -> Layout:
     """The layout a sender rank sends: each DTensor leaf's share (:func:`~cudarecv.plan.boxes.duty`: replicas
     split it, so every element is sent by one rank), and each plain leaf as replicated over the mesh of the
-    DTensor leaves. Raises :class:`ArgumentError` if the DTensor leaves are on meshes of different ranks."""
+    DTensor leaves; with no DTensor leaf (``sliced=True``), every leaf whole from this one rank. Raises
+    :class:`ArgumentError` if the DTensor leaves are on meshes of different ranks."""
     DTensor = dtensor_type()
     meshes = {tuple(t.device_mesh.mesh.flatten().tolist()): t.device_mesh for t in tensors if isinstance(t, DTensor)}
     if not meshes:  # plain tensors (``WeightSender(sliced=True)``): one rank sends every leaf whole

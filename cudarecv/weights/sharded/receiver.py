@@ -39,8 +39,9 @@ from ..handshake import expected
 from ..options import check_receiver
 from ..receiver import WeightReceiver
 from ..schema import Schema
-from ..slots import Slot, Slots, load_into
+from ..slots import Slot, load_into
 from . import exchange
+from .buffers import Buffers
 from .layout import Layout, dtensor_type, in_order, narrowed, pieces, receiver_layout, uncovered, wanting_all
 
 
@@ -62,17 +63,18 @@ class ShardedReceiver(WeightReceiver):
         self.timeout, device = check_receiver(timeout, transport, zero_copy, device, pin_memory)
         if zero_copy:
             raise ArgumentError("`zero_copy=True` publishes one sender's snapshot where it lies; a receiver of "
-                                "several sender ranks (`src` a list) puts their pieces together: drop `zero_copy`")
+                                "pieces (`src` a list, `want`, or DTensors in `expect`) puts them together in buffers "
+                                "of its own: drop `zero_copy`")
         peers, links, global_ranks = exchange.peer_links(src, group_src, group, "src", "group_src")
         lanes = [lane_for(link, device, stream, streams.StagingPool()) for link in links]
         self._device = device
         self._dtensors: dict[int, Any] = {}  # leaf index -> the expected DTensor (its mesh and placements)
         self._moved: dict[int, list[tuple[int, Box]]] = {}
-        self._views: list[list[torch.Tensor]] = []  # each buffer's leaves as plain local tensors
         layouts, self.schema = exchange.answer(lanes, self.timeout,
                                                lambda found: self._want(found, expect, want, peers))
         self._source = layouts[0]
-        self._slots = self._allocate(pin_memory)
+        self._buffers = Buffers(self.schema, self._source, self._dtensors, device, pin_memory)
+        self._slots = self._buffers.slots
         self._cond = self._slots.cond
         self._version = 0
         self._turn_lock = threading.Lock()
@@ -90,9 +92,8 @@ class ShardedReceiver(WeightReceiver):
                 shapes = TensorDict({self._source.parts[j].key: torch.empty(box.sizes, dtype=self._source.parts[j].dtype,
                                                                              device="meta") for j, box in moved}, [])
                 where = {"src": peer} if global_ranks else {"group": group, "group_src": peer}
-                places = [{self._source.parts[j].key: _contiguous(views[j][box.within(self.schema.parts[j].box)])
-                           for j, box in moved} for views in self._views]
-                receiver = PieceReceiver(places=places, spare=self._slots.spare, **where, expect=shapes, **options)
+                receiver = PieceReceiver(places=self._buffers.places(moved), spare=self._slots.spare,
+                                         retire=self._buffers.retire, **where, expect=shapes, **options)
                 self._inner.append((peer, moved, receiver))
         except BaseException:
             self.close()
@@ -132,34 +133,6 @@ class ShardedReceiver(WeightReceiver):
             raise SchemaError("this receiver wants no element of any leaf (every shard of `expect` here is empty)")
         return wanted
 
-    def _allocate(self, pin_memory: bool) -> Slots:
-        """The two buffers of the wanted layout; their tensordicts hold DTensors where ``expect`` did."""
-        parts = self.schema.parts
-        sizes = [p.box.sizes if p.box is not None else self._empty_shape(i) for i, p in enumerate(parts)]
-        schema = Schema.of([p.key for p in parts], [torch.empty(s, dtype=p.dtype, device="meta")
-                                                    for s, p in zip(sizes, parts)])
-        own = []
-        for _ in range(2):
-            slot = Slot(schema, max(schema.total, 1), self._device, pin_memory)
-            self._views.append(schema.views(slot.storage))
-            if self._dtensors:
-                from torch.distributed.tensor import DTensor
-
-                slot.td = TensorDict({p.key: DTensor.from_local(v, self._dtensors[i].device_mesh,
-                                                                 self._dtensors[i].placements, run_check=False,
-                                                                 shape=self._dtensors[i].shape,
-                                                                 stride=self._dtensors[i].stride())
-                                      if i in self._dtensors else v
-                                      for i, (p, v) in enumerate(zip(parts, self._views[-1]))}, batch_size=[]).lock_()
-            own.append(slot)
-        return Slots(own, [], threading.Condition(), lambda version: None)
-
-    def _empty_shape(self, index: int) -> tuple[int, ...]:
-        """The local shape of a leaf this receiver holds nothing of (an empty shard of its mesh)."""
-        if index in self._dtensors:
-            return tuple(self._dtensors[index].to_local().shape)
-        return tuple(self._source.parts[index].shape)
-
     # -- reading -----------------------------------------------------------------------------------------
     version = property(lambda self: self._version, doc="The version published (0: none yet).")
     buffer_count = property(lambda self: 2, doc="Two buffers of the wanted layout, published in turn.")
@@ -179,7 +152,8 @@ class ShardedReceiver(WeightReceiver):
     def staged_bytes(self) -> int:
         """Bytes held besides the two buffers of the wanted layout: staging for the pieces that lie strided there
         (0 where every piece lands in place, e.g. an FSDP2 trainer's row shards into whole or tensor-parallel
-        weights)."""
+        weights), and the own storage of a sender rank's receiver that cannot land in place (after a relay
+        forward of its failed)."""
         return sum(slot.storage.numel() for _, _, r in self._inner for slot in r._slots.own)
 
     @property
@@ -241,7 +215,7 @@ class ShardedReceiver(WeightReceiver):
         for the next), until all hold one version newer than the published (each landing its pieces in the spare
         buffer); then copy what did not land in place and publish."""
         index = self._slots.spare()  # (constant until this pull publishes: the buffer every piece lands in)
-        slot, views = self._slots.wait_unread(index, limit), self._views[index]
+        self._slots.wait_unread(index, limit)
         while True:
             versions = [r.version for _, _, r in self._inner]
             if min(versions) == max(versions) > self._version:
@@ -252,6 +226,7 @@ class ShardedReceiver(WeightReceiver):
             for t in behind:
                 t.wait()  # raises a sender rank's failure, naming it
         version = versions[0]
+        slot, views = self._slots.own[index], self._buffers.views[index]  # (a new one if a rank's receiver retired it)
         if self._device.type == "cuda":
             torch.cuda.synchronize(self._device)  # every piece's copy on its receiver's stream is done
         for _, moved, receiver in self._inner:
@@ -286,9 +261,11 @@ class PieceReceiver(WeightReceiver):
     ``places[b]``: piece name -> its contiguous block of buffer ``b`` (None: strided there, staged); ``spare``:
     which buffer the next pull lands in (the sharded receiver's spare, never its published one)."""
 
-    def __init__(self, *, places: list[dict[tuple[str, ...], torch.Tensor | None]], spare: Any, **options: Any) -> None:
-        self._places, self._spare = places, spare
+    def __init__(self, *, places: list[dict[tuple[str, ...], torch.Tensor | None]], spare: Any, retire: Any,
+                 **options: Any) -> None:
+        self._places = places
         super().__init__(**options)
+        self._slots.place(spare, retire)
 
     def _own_slots(self, schema: Schema, piece: int, device: torch.device, pin_memory: bool) -> list[Slot]:
         if not schema.leafwise:  # (a sender rank that cuts evenly: its version lands in own slots, copied out)
@@ -296,7 +273,3 @@ class PieceReceiver(WeightReceiver):
         return [Slot.placed_at(schema, piece, device, pin_memory, [places[leaf.key] for leaf in schema.leaves])
                 for places in self._places]
 
-
-def _contiguous(view: torch.Tensor) -> torch.Tensor | None:
-    """``view`` if its elements are one block, else None."""
-    return view if view.is_contiguous() else None

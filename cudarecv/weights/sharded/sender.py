@@ -36,7 +36,8 @@ class PieceSender(WeightSender):
 
 class ShardedSender(WeightSender):
     """One rank of a sharded sender (see the module docstring); built by :class:`~cudarecv.WeightSender` for a
-    ``td`` with DTensor leaves, with the same arguments, on every rank of their mesh.
+    ``td`` with DTensor leaves, with the same arguments, on every rank of their mesh; or, with ``sliced=True``
+    (which it always is), for plain tensors on one rank, sending each receiver the slices it wants.
 
     Example:
         >>> fully_shard(model, mesh=init_device_mesh("cpu", (2,)))   # trainer ranks 0 and 1
