@@ -284,8 +284,9 @@ def _cudarecv_threads() -> set[str]:
 
 
 def close_and_collect(rank, world, group, key, mode, fanout):
-    """Three versions (the last left in flight, sync), then rank 2 closes, the sender closes and rank 1
-    closes after it; each rank then destroys the group and keeps its closed sender or receiver."""
+    """Three versions (the last left in flight, sync), then rank 2 closes, the sender closes (once rank 1 holds
+    version 3 too: in latest mode nothing else waits for it) and rank 1 closes after it; each rank then destroys
+    the group and keeps its closed sender or receiver."""
     signals = store()
     before = _cudarecv_threads()
     group = dist.new_group(list(range(world)))
@@ -298,7 +299,7 @@ def close_and_collect(rank, world, group, key, mode, fanout):
             end.push()
         set_version(model, 3)
         end.push(wait=False)
-        signals.wait([f"{key}_left"])
+        signals.wait([f"{key}_left", f"{key}_held"])
         end.close()
         signals.set(f"{key}_closed", "1")
         outcome = end.version
@@ -310,6 +311,7 @@ def close_and_collect(rank, world, group, key, mode, fanout):
             end.close()
             signals.set(f"{key}_left", "1")
         else:
+            signals.set(f"{key}_held", "1")
             signals.wait([f"{key}_closed"])
             end.close()
         outcome = holds_version(end.td, 3)  # readable after close
