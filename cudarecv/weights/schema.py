@@ -7,7 +7,7 @@ uint8 buffer. Both ends build their views from the same :class:`Schema`.
 A version travels in messages of at most the sender's ``piece`` bytes: cut evenly from the whole storage, or, in a
 *leafwise* schema (a sharded sender's pieces, ``"messages": "leaf"`` in the JSON), from each leaf's bytes alone, so
 that a receiver can land each message where its leaf goes (:meth:`Schema.cut`); the padding between leaves is then
-never sent, and ``verify``'s digest covers the messages' bytes in order.
+never sent, and ``verify``'s digest is that of the messages' digests, in order.
 """
 
 from __future__ import annotations
@@ -208,9 +208,9 @@ class Schema:
         """Refuse a ``piece`` that cuts a version into more than :data:`MAX_MESSAGES` messages."""
         if not self.leafwise:
             check_pieces(self.total, piece, "weights")
-        elif len(self.message_sizes(piece)) > MAX_MESSAGES:
+        elif (count := len(self.messages(piece))) > MAX_MESSAGES:
             raise ArgumentError(f"`bucket_bytes={piece}` cuts {len(self.leaves)} pieces of weights into "
-                                f"{len(self.message_sizes(piece))} messages, more than the {MAX_MESSAGES} a version "
+                                f"{count} messages, more than the {MAX_MESSAGES} a version "
                                 "may have (a piece takes one at least): pass a larger bucket_bytes, or fewer leaves")
 
     def first_difference(self, keys: Sequence[tuple], tensors: Sequence[Tensor]) -> str | None:
