@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # GPU check of cudarecv on one machine, within 8 minutes (sized for the lent H200; every step is bounded
-# and the fixed limits add up to 440 s, the CPU suite gets what is left of BUDGET):
-#   1. nvidia-smi; the carried wheels (gpu-wheels/) installed with --target into $SITE (on PYTHONPATH);
-#      cudarecv's native host copies built in this checkout (setup.py build_ext --inplace; the package
-#      itself is used from the checkout, with no dependency resolved: the image's torch stays);
+# and the steps' fixed limits add up to 455 s, the probes between them take a second or two each, bounded
+# at 10-60 s; the CPU suite gets what is left of BUDGET):
+#   1. nvidia-smi; the carried wheels (gpu-wheels/) and cudarecv itself, built from this checkout with its
+#      native host copies, installed with --no-deps --target into $SITE (the image's torch stays); the
+#      tests import that installed copy, never the checkout's (PYTHONSAFEPATH; pytest imports it first, as
+#      its plugin given with -p, before the checkout's conftest.py puts the checkout on sys.path);
 #   2. the versions of python, torch, CUDA, NCCL, cupy, NVRTC, tensordict, pytest plugins, cudarecv;
 #   3. the GPU tests:  pytest --gpus N tests/test_gpu.py tests/test_tags.py tests/test_digest.py
 #      (relay fan-out over NCCL and over gloo from GPU memory; CUDA IPC, one GPU with two processes
@@ -43,8 +45,10 @@ WHEELS="${WHEELS:-gpu-wheels}"
 SITE="${SITE:-/tmp/cudarecv-site}"
 BUDGET="${BUDGET:-470}"
 CPU_TESTS="${CPU_TESTS:-tests/test_cuda_logic.py tests/test_nccl_rules.py tests/test_same_host_channels.py tests/test_interop.py tests/test_records_fuzz.py}"
-export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONSAFEPATH=1  # no `python -m`/`-c` puts the checkout first on sys.path: the installed copy is tested
 export PYTHONUNBUFFERED=1
+PYTEST=("$PY" -m pytest -p no:cacheprovider -p cudarecv.testing.pytest_plugin)  # cudarecv from $SITE first
 exec > >(tee -a "$OUT/gpu-check.log") 2>&1
 
 failed=()
@@ -76,8 +80,10 @@ else
     echo "$WHEELS/ holds no wheel: run bash bench/gpu_wheels.sh here and carry $WHEELS/ (tensordict is needed)"
     failed+=("wheels (none in $WHEELS/)")
 fi
-# the native host copies, in place (a missing compiler leaves memmove: the versions step says which)
-step native 45 "$PY" setup.py -q build_ext --inplace
+# cudarecv from this checkout, its dependencies left as the image has them (its torch 2.11 meets the floor);
+# the native host copies are built with it (a missing compiler leaves memmove: the versions step says which)
+step install 45 "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade \
+    --target "$SITE" .
 
 step versions 30 "$PY" - <<'PYEOF'
 import importlib, importlib.metadata as md, platform
@@ -108,8 +114,10 @@ for name in ("tensordict", "pyvers", "numpy", "blake3", "pytest", "pytest-benchm
         print(name, md.version(name))
     except md.PackageNotFoundError:
         print(name, "NOT INSTALLED")
-import cudarecv
+import os, cudarecv
 print("cudarecv", cudarecv.__version__, "from", cudarecv.__file__)
+if not cudarecv.__file__.startswith(os.environ["PYTHONPATH"].split(":")[0]):
+    raise SystemExit("cudarecv is not the copy installed in $SITE: the tests would not test it")
 from cudarecv.core import host_copy as _host_copy
 print("host copies:", "native" if _host_copy.NATIVE else _host_copy.WHY_NOT_NATIVE)
 PYEOF
@@ -134,7 +142,7 @@ fi
 export CUDARECV_NCCL_SHARED_GPU
 echo "GPUs visible to torch: $NGPU | pytest --gpus $GPUS | CUDARECV_NCCL_SHARED_GPU=$CUDARECV_NCCL_SHARED_GPU"
 
-step gpu-tests 200 "$PY" -m pytest --gpus "$GPUS" -q -rA -p no:cacheprovider --timeout 60 --durations 15 \
+step gpu-tests 200 "${PYTEST[@]}" --gpus "$GPUS" -q -rA --timeout 60 --durations 15 \
     --junitxml "$OUT/gpu-tests.xml" tests/test_gpu.py tests/test_tags.py tests/test_digest.py
 
 BENCH_JSON="$OUT/gpu-bench.json"
@@ -146,14 +154,14 @@ else
     export CUDARECV_BENCH_JSON="$BENCH_JSON"
     BENCH_ARGS=()
 fi
-step gpu-benches 110 "$PY" -m pytest --gpus "$GPUS" -q -p no:cacheprovider --timeout 100 \
+step gpu-benches 110 "${PYTEST[@]}" --gpus "$GPUS" -q --timeout 100 \
     bench/bench_gpu.py ${BENCH_ARGS[@]+"${BENCH_ARGS[@]}"}
 
 # vLLM's own GPU weight-transfer backends (ipc, nccl) against cudarecv's, updating a running engine (bf16, 200M):
 # only where vLLM is installed (the lent image has none, and a CUDA build of vLLM is far beyond what a call
 # carries); its time comes on top of the fixed limits above
 if timeout 60 "$PY" -c "import vllm" 2>/dev/null; then
-    step vllm-bench 300 "$PY" -m pytest --gpus "$GPUS" -q -p no:cacheprovider --timeout 280 \
+    step vllm-bench 300 "${PYTEST[@]}" --gpus "$GPUS" -q --timeout 280 \
         bench/bench_vllm.py -k gpu --benchmark-json "$OUT/vllm-gpu-bench.json"
     [ -s "$OUT/vllm-gpu-bench.json" ] && "$PY" bench/bench_vllm.py "$OUT/vllm-gpu-bench.json"
 else
@@ -180,7 +188,7 @@ if [ "$left" -ge 30 ]; then
     if timeout 10 "$PY" -c "import xdist" 2>/dev/null; then
         XDIST=(-n 4)
     fi
-    step cpu-tests "$left" "$PY" -m pytest -q -p no:cacheprovider ${XDIST[@]+"${XDIST[@]}"} \
+    step cpu-tests "$left" "${PYTEST[@]}" -q ${XDIST[@]+"${XDIST[@]}"} \
         --junitxml "$OUT/cpu-tests.xml" $CPU_TESTS --ignore=tests/test_gpu.py
 else
     echo "=== cpu-tests: skipped, ${left} s left of the ${BUDGET} s budget" >&2

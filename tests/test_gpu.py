@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 from tensordict import TensorDict
 
 import cudarecv
@@ -633,6 +634,7 @@ def test_nccl_pending_receive_does_not_block_the_current_stream(nccl, mode):
 # --------------------------------------------------------------------------- staging: reuse and safety
 
 
+WARMUP_LIMIT = 12  # transfers a fresh link may take to settle on its transport (a declined offer waits 1, 2, 4)
 STAGING_MODES = {
     # mode: (consolidated, bucket_bytes, send place, receive place)
     "gloo-consolidated": (True, None, "cuda", "cuda"),
@@ -658,13 +660,16 @@ def staging_reuse(rank, world, group, mode, count):
     place = send_place if rank == 0 else recv_place
     td = _place(_make(structure, 0.0), place, consolidated)
 
-    def once(step):
+    def once(step) -> str:
         if rank == 0:
             for dst, src in zip(leaves(td), leaves(_make(structure, 10.0 + step))):
                 dst.copy_(src)
-            cudarecv.send(td, **peer, **opts)
+            works = cudarecv.isend(td, **peer, **opts, return_early=True)
         else:
-            cudarecv.recv(td, **peer, **opts)
+            works = cudarecv.irecv(td, **peer, **opts, return_premature=True)
+        for work in works:
+            work.wait(WAIT)
+        return ",".join(sorted({getattr(work, "transport", "wire") for work in works}))  # per leaf: torch's works
 
     def snapshot():
         torch.cuda.synchronize()
@@ -672,22 +677,36 @@ def staging_reuse(rank, world, group, mode, count):
         return {"pool": plan.pool.allocations, "device_bytes": torch.cuda.memory_allocated(),
                 "plan": id(plan), "staging": {k: v.data_ptr() for k, v in plan._staging.items()}}
 
-    for step in range(2):
-        once(step)
+    # warm up until the link settled on its transport: a fresh link may start on the wire and take CUDA IPC
+    # once its offer is accepted, and a segment's staging comes with its first use (double buffered: a
+    # transfer takes segment n % 2). Settled: the last three transfers carried alike, as both ranks see it
+    # (agreed through the group, so that both make the same number of transfers)
+    carried = [once(0), once(1), once(2)]
+    agree = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+    while len(carried) < WARMUP_LIMIT:
+        settled = torch.tensor([int(len(set(carried[-3:])) == 1)], device=agree)
+        dist.all_reduce(settled, op=dist.ReduceOp.MIN, group=group)
+        if settled.item():
+            break
+        carried.append(once(len(carried)))
+    warm = len(carried)
     before = snapshot()
     peaks = []
-    for step in range(2, 2 + count):
-        once(step)
+    for step in range(warm, warm + count):
+        carried.append(once(step))
         peaks.append(snapshot()["device_bytes"])
     after = snapshot()
-    ok = rank == 0 or _equal(td, _make(structure, 10.0 + 1 + count))
+    ok = rank == 0 or _equal(td, _make(structure, 10.0 + warm + count - 1))
     _finish()
-    return {"before": before, "after": after, "device_bytes": peaks, "values": ok}
+    return {"before": before, "after": after, "device_bytes": peaks, "values": ok, "carried": carried,
+            "warm": warm}
 
 
 def _check_staging(results) -> None:
     for rank, r in enumerate(results):
         before, after = r["before"], r["after"]
+        measured = r["carried"][r["warm"] - 1:]
+        assert len(set(measured)) == 1, f"rank {rank}: the transport changed after the warm-up: {r['carried']}"
         assert r["values"], f"rank {rank}: wrong values after the transfers"
         assert after["pool"] == before["pool"], f"rank {rank}: staging pool grew {before['pool']} -> {after['pool']}"
         assert after["plan"] == before["plan"], f"rank {rank}: the plan was rebuilt"
