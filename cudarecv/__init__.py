@@ -38,6 +38,7 @@ _EXPORTS = {
     "uninstall": ".p2p.install",
     "tag_sequence": ".plan.tags",
     "WeightSender": ".weights.sender",
+    "store_group": ".core.groups",
     "WeightReceiver": ".weights.receiver",
     "Error": ".core.errors",
     "ArgumentError": ".core.errors",
@@ -64,7 +65,7 @@ __all__ = [
     "KernelCompileError", "LinkError", "MismatchError", "OutOfStepError", "PeerError", "PushHeaderError",
     "ReceiverFailed", "SchemaError", "SenderClosed", "Transfer", "TransferTimeout", "UsageError", "WaitTimeout", "WeightReceiver",
     "WeightSender", "install", "installed", "irecv", "is_installed", "isend", "recv", "send", "start_thread",
-    "tag_sequence", "uninstall",
+    "store_group", "tag_sequence", "uninstall",
 ]
 
 if TYPE_CHECKING:
@@ -88,6 +89,7 @@ if TYPE_CHECKING:
         UsageError,
         WaitTimeout,
     )
+    from .core.groups import store_group
     from .core.shutdown import start_thread
     from .core.transfer import Transfer
     from .p2p.calls import irecv, isend, recv, send

@@ -372,12 +372,12 @@ def test_parked_works_are_never_dropped(monkeypatch, caplog):
     _transport.park([first])
     for _ in range(warn - 1):
         _transport.park([_create_work_from_future(done)])  # completed: let go at the first scan
-    assert list(_transport._PARKED) == [(first,)]
+    assert list(_transport._PARKED) == [(None, (first,))]
     with caplog.at_level("WARNING", logger="cudarecv"):
         for _ in range(2 * warn):
             _transport.park([Pending()])
     parked = list(_transport._PARKED)
-    assert parked[0] == (first,) and len(parked) == 2 * warn + 1, len(parked)
+    assert parked[0] == (None, (first,)) and len(parked) == 2 * warn + 1, len(parked)
     messages = [record.getMessage() for record in caplog.records]  # one per doubling
     assert [int(m.split()[0]) for m in messages] == [warn, 2 * warn], messages
     assert "are kept alive (dropping one still pending would close its link)" in messages[0]
@@ -393,10 +393,28 @@ def test_parked_works_past_the_bound_go_oldest_first_and_are_said(monkeypatch, c
     with caplog.at_level("WARNING", logger="cudarecv"):
         for work in works:
             _transport.park([work])
-    parked = [entry[0] for entry in _transport._PARKED]
+    parked = [entry[1][0] for entry in _transport._PARKED]
     assert parked == works[-2 * warn:]  # the oldest went first, the newest are all kept
     dropped = [r.getMessage() for r in caplog.records if "were dropped" in r.getMessage()]
     assert dropped and "cancels its message and closes its link" in dropped[0], caplog.records
+
+
+def test_what_is_parked_on_a_group_whose_peer_left_is_let_go_of(monkeypatch):
+    """release(pg): every entry parked on that group goes, pending or not (its peer left for good); the others
+    and the unnamed ones stay (an elastic sender's pairs would otherwise stay alive, with their sockets)."""
+    monkeypatch.setattr(_transport, "_PARKED", type(_transport._PARKED)())
+
+    class Group:  # (a process group: weakly referenced)
+        pass
+
+    gone, other = Group(), Group()
+    kept = [Pending(), Pending()]
+    _transport.park([Pending()], gone)
+    _transport.park([kept[0]], other)
+    _transport.park([Pending(), Pending()], gone)
+    _transport.park([kept[1]])
+    _transport.release(gone)
+    assert [entry[1][0] for entry in _transport._PARKED] == kept
 
 
 # -- GPU readiness, issue 27 (NCCL items 5 and 9), checked without a GPU ------------------------------

@@ -38,3 +38,9 @@ def test_weight_sync_example(mode: str) -> None:
         assert found, out
         pulls = int(found.group(1))
         assert pulls == 20 if mode == "sync" else 1 <= pulls <= 20, out
+
+
+def test_ray_actors_example() -> None:
+    """Ray actors (Ray on the CPU) join the trainer through a store; one is killed with ray.kill and replaced."""
+    out = _run("examples/ray_actors.py", "--actors", "3", "--pushes", "20")
+    assert "ray actors: 4 joined, 1 dropped ([1]), 60 pulls, every version whole: True, last version 20" in out, out

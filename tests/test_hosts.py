@@ -30,7 +30,8 @@ def cluster():
 
 def _launch(hosts, tmp_path, scenario, count):
     procs = hosts.torchrun(JOB, args=[str(tmp_path), scenario], hosts=count, log_dir=str(tmp_path),
-                           env={"PYTHONPATH": os.path.dirname(__file__)})
+                           env={"PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(__file__),
+                                                                            os.environ.get("PYTHONPATH")]))})
     hosts.wait(procs, timeout=300, log_dir=str(tmp_path))
     results = []
     for rank in range(count):

@@ -143,7 +143,7 @@ class Transfer(torch.futures.Future):
             self._error = error
             # works still in flight are never dropped (gloo would cancel them mid-stream), nor is the
             # protocol closed: its frame holds works posted earlier (a deferred header send)
-            park((self._protocol, *self._works))
+            park((self._protocol, *self._works), None if self._link is None else self._link.pg)
             self._works, self._finished, self.failed = (), True, True
             self.set_exception(error)
             self._end()

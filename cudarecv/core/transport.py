@@ -88,21 +88,18 @@ _warn_at = PARKED_WARN
 _scan_at = PARKED_WARN  # the entries' count at which completed ones are let go (twice those kept then)
 
 
-def park(works: Sequence[Any]) -> None:
-    """Keep ``works`` alive until they can no longer matter (see ``_PARKED``)."""
-    global _warn_at, _scan_at
+def park(works: Sequence[Any], pg: Any = None) -> None:
+    """Keep ``works`` alive until they can no longer matter (see ``_PARKED``); ``pg``: the group they are on,
+    which :func:`release` names once its peer is gone."""
+    global _warn_at
     if not works:
         return
     with _PARKING:
-        _PARKED.append(tuple(works))
+        _PARKED.append((None if pg is None else weakref.ref(pg), tuple(works)))
         if len(_PARKED) < _scan_at:
             return
-        kept = [entry for entry in _PARKED if not all(_completed(item) for item in entry)]
-        dropped = max(len(kept) - PARKED_MAX, 0)
-        _PARKED.clear()
-        _PARKED.extend(kept[dropped:])
-        _scan_at = min(max(PARKED_WARN, 2 * len(_PARKED)), PARKED_MAX + PARKED_WARN)
-        if len(kept) < _warn_at:
+        kept, dropped = _sweep()
+        if kept < _warn_at:
             return
         _warn_at = min(2 * _warn_at, PARKED_MAX)
     if dropped:
@@ -111,7 +108,27 @@ def park(works: Sequence[Any]) -> None:
                        PARKED_MAX, dropped)
     else:
         logger.warning("%d posted works of failed transfers and unanswered messages are kept alive (dropping one "
-                       "still pending would close its link); they are freed at exit", len(kept))
+                       "still pending would close its link); they are freed at exit", kept)
+
+
+def release(pg: Any) -> None:
+    """Let go of what is parked on ``pg``, pending or not: its peer is gone for good (a receiver that left an
+    elastic sender), so nothing is cancelled that could still arrive; the group goes with the last of it."""
+    with _PARKING:
+        kept = [entry for entry in _PARKED if entry[0] is None or entry[0]() is not pg]
+        _PARKED.clear()
+        _PARKED.extend(kept)
+
+
+def _sweep() -> tuple[int, int]:
+    """Under ``_PARKING``: drop the completed entries (and, past :data:`PARKED_MAX`, the oldest); (kept, dropped)."""
+    global _scan_at
+    kept = [entry for entry in _PARKED if not all(_completed(item) for item in entry[1])]
+    dropped = max(len(kept) - PARKED_MAX, 0)
+    _PARKED.clear()
+    _PARKED.extend(kept[dropped:])
+    _scan_at = min(max(PARKED_WARN, 2 * len(_PARKED)), PARKED_MAX + PARKED_WARN)
+    return len(kept), dropped
 
 
 def _completed(item: Any) -> bool:

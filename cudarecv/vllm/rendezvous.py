@@ -7,9 +7,7 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
-import torch.distributed as dist
-
-from .. import TransferTimeout
+from .. import store_group
 
 
 def seconds(value: float) -> datetime.timedelta:
@@ -24,10 +22,5 @@ def member_key(session: str, index: int) -> str:
 def group_of(store: Any, session: str, rank: int, size: int, timeout: float) -> Any:
     """This process's rank of the session's gloo group (every member calls it; bounded by ``timeout``)."""
     who = "the trainer" if rank == 0 else f"vLLM worker {rank - 1}"
-    try:
-        return dist.ProcessGroupGloo(dist.PrefixStore(f"cudarecv/vllm/{session}/group", store), rank, size,
-                                     seconds(timeout))
-    except RuntimeError as error:
-        raise TransferTimeout(f"cudarecv weight transfer: {who} could not form the group of the trainer and "
-                              f"{size - 1} vLLM worker(s) within {timeout:g} s (the backend's message is this "
-                              "error's __cause__)") from error
+    return store_group(store, f"cudarecv/vllm/{session}/group", rank, size, timeout,
+                       f"cudarecv weight transfer: for {who}, the group of the trainer and {size - 1} vLLM worker(s)")

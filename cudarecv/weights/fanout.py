@@ -104,18 +104,18 @@ class Got:
         m = self.member
         with self.session.cond:
             if not self.session.cond.wait_for(self._said, timeout=max(self.deadline - time.monotonic(), 0.0)):
-                raise TransferTimeout(f"rank {m.rank} did not confirm version {self.version}")
+                raise TransferTimeout(f"{m.who} did not confirm version {self.version}")
             gone, got, leaving = m.gone, m.got, m.leaving
         if got is not None and got.version >= self.version:
             if got.version == self.version and got.status == LOST:
-                raise PeerError(f"push of version {self.version}: rank {m.rank} did not get it: rank {got.rank} "
+                raise PeerError(f"push of version {self.version}: {m.who} did not get it: rank {got.rank} "
                                 "before it in the relay chain failed during the push")
             if got.version == self.version and got.status == REJECTED:  # it stays served: its link is in step
                 if self.session.verify:
-                    raise ChecksumError(f"push of version {self.version}: rank {m.rank} rejected it: the BLAKE3 "
+                    raise ChecksumError(f"push of version {self.version}: {m.who} rejected it: the BLAKE3 "
                                         "digest of what it received, or its header, did not match what was sent "
                                         "(corrupted on the way); it keeps its last version and stays served")
-                raise PushHeaderError(f"push of version {self.version}: rank {m.rank} rejected its header; it keeps "
+                raise PushHeaderError(f"push of version {self.version}: {m.who} rejected its header; it keeps "
                                       "its last version and stays served")
             return True
         if gone is not None and not leaving:
@@ -139,7 +139,7 @@ def dropping(session: Session, pool: SnapshotPool, member: Member, version: int,
                                  f"did not take version {version}")
         text = str(failure)
         if "is dropped from this sender" not in text:
-            text += f"; rank {member.rank} is dropped from this sender"
+            text += f"; {member.who} is dropped from this sender"
         if member.gone is None:  # (once: its listener may have heard it die first, and said so)
             logger.warning("weight sender: %s", text)
         member.gone, member.named = text, member.named or told

@@ -6,7 +6,8 @@
 - :class:`LatestPushes`: the version is copied into a free snapshot and published as the latest; each receiver
   gets it when it asks (:mod:`cudarecv.weights.serving`).
 
-Either names, in its error, a receiver dropped since the last push (found dead by its listener).
+Either names, in its error, a receiver dropped since the last push (found dead by its listener); an elastic
+sender's (receivers joining through a store) logs it instead, and raises for no receiver that failed.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from ..core.errors import PeerError
+from ..core.errors import MismatchError, PeerError
 from ..core.transfer import Transfer
 from .fanout import dropping, protocol
 from .serving import serve
@@ -50,10 +51,10 @@ class Pushes:
 class SyncPushes(Pushes):
     """Sync mode: every receiver gets every version (see the module docstring)."""
 
-    def push(self, plan: Any, live: list[Member], limit: float, wait: bool) -> int | list[Transfer]:
+    def push(self, plan: Any, live: list[Member], limit: float, wait: bool, stream: Any) -> int | list[Transfer]:
         session, pool = self.session, self.pool
         target = pool.sync_target(limit)
-        pool.copy_in(plan, target, live[0].lane.stream)
+        pool.copy_in(plan, target, stream)
         version, pushes = session.version, []
         with session.cond:  # (a receiver's BYE, and its RELEASED queued after what is in flight, wait for this)
             live = [m for m in live if m.served]  # one that said BYE meanwhile may be released already: skip it
@@ -62,25 +63,25 @@ class SyncPushes(Pushes):
                     protocol(session, live, i, target, limit), member.lane.stream, timeout=limit,
                     driver=member.driver.submit, link=member.lane.link, raise_first=False,
                     on_error=dropping(session, pool, member, version, limit),
-                    what=f"push of version {version} to rank {member.rank}")))
-            for member in self.untold(live):  # dropped since the last push (between pushes): named here
+                    what=f"push of version {version} to {member.who}")))
+            for member in [] if session.elastic else self.untold(live):  # dropped since the last push: named here
                 error = PeerError(f"push of version {version}: {member.gone}")
                 pushes.append((member, Transfer(_failing(error), raise_first=False,
-                                                what=f"push of version {version} to rank {member.rank}")))
+                                                what=f"push of version {version} to {member.who}")))
         if not wait:  # each is driven on its receiver's thread from the start: none waits for another
             self._in_flight = pushes
             return [transfer for _, transfer in pushes]
-        _finish(pushes, version)
+        _finish(pushes, version, session.elastic)
         return version
 
 class LatestPushes(Pushes):
     """Latest mode: the newest version is published; each receiver takes it when it asks."""
 
-    def push(self, plan: Any, live: list[Member], limit: float, wait: bool) -> int:
+    def push(self, plan: Any, live: list[Member], limit: float, wait: bool, stream: Any) -> int:
         session, pool = self.session, self.pool
         target = pool.latest_target(limit)
         try:
-            pool.copy_in(plan, target, live[0].lane.stream)
+            pool.copy_in(plan, target, stream)
         finally:
             with session.cond:
                 target.writing = False
@@ -88,22 +89,24 @@ class LatestPushes(Pushes):
             pool.latest = target
             for member in live:
                 serve(session, pool, member)
-        untold = self.untold(live)
+        untold = [] if session.elastic else self.untold(live)
         if untold:
             raise PeerError(f"version {session.version} is published to ranks {session.ranks()}; "
-                            + "; ".join(f"rank {m.rank}: {m.gone}" for m in untold))
+                            + "; ".join(f"{m.who}: {m.gone}" for m in untold))
         return session.version
 
 
-def _finish(pushes: list[tuple[Member, Transfer]], version: int) -> None:
+def _finish(pushes: list[tuple[Member, Transfer]], version: int, elastic: bool) -> None:
     """Wait for every receiver's transfer (each bounded by its own timeout, all running at once); then raise the
-    first failure, naming its receiver and who got the version."""
+    first failure, naming its receiver and who got the version. ``elastic``: a receiver that failed is dropped
+    and logged, never raised; one that rejected the version (its checksum or header) still is."""
     errors = []
     for _, transfer in pushes:
         try:
             transfer.wait()
         except Exception as error:  # noqa: BLE001 - re-raised below, with the ranks reached
-            errors.append(error)
+            if not elastic or isinstance(error, MismatchError):
+                errors.append(error)
     if errors:
         reached = [m.rank for m, t in pushes if not t.failed]
         raise type(errors[0])(f"{errors[0]} (version {version} reached ranks {reached})") from errors[0]

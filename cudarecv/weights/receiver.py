@@ -59,7 +59,8 @@ class WeightReceiver:
     """Receive the versions a :class:`WeightSender` pushes; ``td`` is the latest complete one.
 
     Keyword Args:
-        src / group_src: the sender's rank (global, or in ``group``); exactly one. A list: every rank of a
+        src / group_src: the sender's rank (global, or in ``group``); exactly one, or ``store`` and ``name``: join
+            the sender named so in that store (no process group shared by all; docs/weight-sync.md). A list: every rank of a
             sharded sender's mesh (docs/sharded.md), as with DTensor leaves in ``expect``.
         group: the process group (a standalone one with ``group_src``).
         device: where the weights live (``"cpu"`` default, or a CUDA device).
@@ -90,11 +91,8 @@ class WeightReceiver:
 
     def __new__(cls, src: Any = None, *args: Any, group_src: Any = None, expect: Any = None, want: Any = None,
                 **kwargs: Any) -> Any:
-        if cls is WeightReceiver and (want is not None or _of_sharded(src, group_src, expect)):
-            from .sharded.receiver import ShardedReceiver
-
-            return super().__new__(ShardedReceiver)
-        return super().__new__(cls)
+        return super().__new__(_kind(src, group_src, expect, want, kwargs.get("store")) if cls is WeightReceiver
+                               else cls)
 
     def __init__(self, src: int | None = None, *, group: Any = None, group_src: int | None = None,
                  device: Any = None, pin_memory: bool = False, expect: Any = None, timeout: float = 60.0,
@@ -304,6 +302,20 @@ class WeightReceiver:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _kind(src: Any, group_src: Any, expect: Any, want: Any, store: Any) -> type:
+    """The receiver that ``WeightReceiver(...)`` builds: one that joins a named sender through a store, a
+    sharded (or sliced) sender's, or a plain one."""
+    if store is not None:
+        from .membership.receiver import ElasticReceiver
+
+        return ElasticReceiver
+    if want is not None or _of_sharded(src, group_src, expect):
+        from .sharded.receiver import ShardedReceiver
+
+        return ShardedReceiver
+    return WeightReceiver
 
 
 def _of_sharded(src: Any, group_src: Any, expect: Any) -> bool:

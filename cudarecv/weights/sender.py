@@ -42,13 +42,13 @@ from ..samehost.machine import host_id
 from ..samehost.policy import allowed
 from ..samehost.shared_memory import available
 from ..wire.staging import lane_for
-from . import handshake
+from .enrol import enrol, serve
 from .link import check_peers
 from .options import check_mode, check_options
 from .pushes import LatestPushes, SyncPushes
 from .schema import MAX_SCHEMA_BYTES, Schema
-from .serving import last_word, start_listening
-from .session import Member, Session
+from .serving import last_word
+from .session import Session
 from .sharded.layout import is_sharded
 from .snapshots import SYNC_SHARED, SnapshotPool
 from .wire import CLOSED, SessionTags
@@ -83,6 +83,8 @@ class WeightSender:
             each forwarding the chunks it receives) or ``"auto"`` (relay when a receiver is on another host).
         transport: ``"auto"`` (receivers on this machine map the sender's snapshots: shared memory for host
             weights, CUDA IPC for GPU weights; a push then sends them only its header) or ``"wire"``.
+        store, name: instead of ``dst``: receivers join (and leave) at any time through this store, by this
+            name, with no process group shared by all (docs/weight-sync.md, receivers that join through a store).
         sliced: send each receiver only the slices it wants (``WeightReceiver(src=[...], want=...)``, or DTensors
             in its ``expect``), as a sharded sender of one rank does (implied by DTensor leaves).
 
@@ -102,6 +104,10 @@ class WeightSender:
     _leafwise = False  # messages cut from each leaf's bytes (a sharded sender's pieces: see weights.schema)
 
     def __new__(cls, td: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if cls is WeightSender and kwargs.get("store") is not None:  # receivers join through a store
+            from .membership.sender import ElasticSender
+
+            return super().__new__(ElasticSender)
         # DTensor leaves (an FSDP2 model): one rank of a sharded sender
         if cls is WeightSender and (kwargs.get("sliced") or _has_dtensors(td)):
             from .sharded.sender import ShardedSender
@@ -117,58 +123,51 @@ class WeightSender:
         check_mode(mode, buffers, fanout)
         dsts, group_dsts = check_peers(dst, "dst"), check_peers(group_dst, "group_dst")
         if (dsts is None) == (group_dsts is None):
-            raise ArgumentError("pass exactly one of `dst` and `group_dst` (a rank or a list of ranks)")
+            raise ArgumentError("pass exactly one of `dst` and `group_dst` (a rank or a list of ranks), or `store` "
+                                "and `name` (receivers that join through the store)")
         links = [resolve(d, None, group, "dst", "group_dst") for d in dsts] if dsts is not None else [
             resolve(None, d, group, "dst", "group_dst") for d in group_dsts]
         if mode == "latest" and any(link.backend == "nccl" for link in links):
             raise UsageError("mode='latest' needs a gloo link (NCCL runs a pair's sends and receives in order on "
                              "one stream, so a receiver's ask could not pass a posted receive): use a gloo group "
                              "for weight sync (GPU weights are staged through page-locked memory)")
+        self._begin(td, links, bucket_bytes, timeout, verify, stream, mode, buffers or len(links) + 2, fanout, transport)
+        lanes = [lane_for(link, self._device, stream, streams.StagingPool()) for link in links]
+        members = enrol(self._s, self._pool, lanes, self._raw, self._session_id)
+        if fanout == "auto":
+            self._s.fanout = "relay" if mode == "sync" and any(m.host != host_id() for m in members) else "star"
+        serve(self._s, self._pool, members)
+
+    def _begin(self, td: Any, links: list[Any], bucket_bytes: int | None, timeout: float, verify: bool,
+               stream: Any, mode: str, buffers: int, fanout: str, transport: str, elastic: bool = False) -> None:
+        """What a sender is before any receiver: the weights' plan and schema, the session, the snapshots."""
         self._td = unwrap(td)
         plan = plan_for(self._td)
         plan.check(strided=True)  # (each push copies the leaves into a snapshot: views of a shard may be strided)
         if not plan.tensors:
             raise ArgumentError("`td` has no tensors: weight sync needs at least one leaf to send")
         schema = Schema.of(plan.paths, plan.tensors, self._leafwise)
-        raw = schema.to_json()
-        if len(raw) > MAX_SCHEMA_BYTES:
-            raise ArgumentError(f"the schema of `td` takes {len(raw)} bytes of JSON, more than {MAX_SCHEMA_BYTES}: "
-                                "send fewer, larger leaves")
+        self._raw = schema.to_json()
+        if len(self._raw) > MAX_SCHEMA_BYTES:
+            raise ArgumentError(f"the schema of `td` takes {len(self._raw)} bytes of JSON, more than "
+                                f"{MAX_SCHEMA_BYTES}: send fewer, larger leaves")
         # a relay moves chunks; "auto" may choose it after the handshake, so it chunks too when it may
-        chunk = RELAY_CHUNK if fanout == "relay" or (fanout == "auto" and mode == "sync") else math.inf
+        chunk = RELAY_CHUNK if fanout == "relay" or (fanout == "auto" and mode == "sync" and not elastic) else math.inf
         piece = bucket_bytes or max(min(schema.total, chunk), 1)
         schema.check_pieces(piece)
         self._device = plan.device
-        # same host: the snapshots are shared segments that receivers on this machine map read-only
-        sharing = allowed(transport) and fanout != "relay" and (
+        self._stream = streams.transfer_stream(plan.device, stream) if plan.device.type == "cuda" else None  # (no lane)
+        sharing = allowed(transport) and fanout != "relay" and (  # shared segments receivers here map read-only
             cuda_ipc.available(plan.device) is None if plan.device.type == "cuda"
-            else available() is None and any(link.backend == "gloo" for link in links))
+            else available() is None and (elastic or any(link.backend == "gloo" for link in links)))
         kind = (CUDA_IPC if plan.device.type == "cuda" else SHARED_MEMORY) if sharing else WIRE
-        session_id = int.from_bytes(os.urandom(4), "little") % SESSIONS
-        self._s = Session(schema, piece, SessionTags.of(session_id), timeout, bool(verify), mode, fanout, kind)
-        count = (SYNC_SHARED if kind == SHARED_MEMORY else 1) if mode == "sync" else (buffers or len(links) + 2)
+        self._session_id = int.from_bytes(os.urandom(4), "little") % SESSIONS
+        self._s = Session(schema, piece, SessionTags.of(self._session_id), timeout, bool(verify), mode, fanout, kind,
+                          elastic=elastic)
+        count = (SYNC_SHARED if kind == SHARED_MEMORY else 1) if mode == "sync" else buffers
         self._pool = SnapshotPool(self._s, self._device, count)
-        lanes = [lane_for(link, self._device, stream, streams.StagingPool()) for link in links]
         self._pushing = False  # a thread's push is under way: another's waits for its turn
-        try:
-            answers = handshake.offer(lanes, raw, piece, mode, session_id, self._pool.offer, kind, timeout)
-        finally:
-            self._pool.close_fds()
-        if fanout == "auto":
-            self._s.fanout = "relay" if mode == "sync" and any(h != host_id() for h, *_ in answers) else "star"
-        self._s.members = [Member(lane) for lane in lanes]
-        for member, (_, shared, alias) in zip(self._s.members, answers):
-            member.shared = shared and self._s.fanout == "star"
-            member.alias = member.shared and alias and kind == SHARED_MEMORY
-        if mode == "sync" and kind == SHARED_MEMORY and any(m.shared for m in self._s.members):
-            # the first push would pay for allocating its snapshot's pages (about 0.7 s per GB): here, once; and
-            # for the second snapshot, which zero-copy pushes take turns with
-            for segment in self._pool.segments[:2 if any(m.alias for m in self._s.members) else 1]:
-                segment.populate()
         self._pushes = (SyncPushes if mode == "sync" else LatestPushes)(self._s, self._pool)
-        for member in self._s.members:
-            if member.lane.link.backend != "nccl":  # the receiver's asks and BYE (see cudarecv.weights.wire)
-                start_listening(self._s, self._pool, member)
 
     #: check keyword arguments of a sender (or receiver) ahead, without building one (see :func:`check_options`)
     check_options = staticmethod(check_options)
@@ -246,11 +245,12 @@ class WeightSender:
         """:meth:`push`, in this thread's turn."""
         self._pushes.finish_in_flight()  # sync: the storage is reused, the previous push must be out
         live = [m for m in self._s.members if m.served]
-        if not live:
+        if not live and not self._s.elastic:
             self._pushes.untold(live)
             raise PeerError(f"no receiver of this WeightSender is left ({self.dropped}): "
                             "connect new receivers with a new WeightSender")
-        return self._pushes.push(self._plan(values), live, limit, wait)
+        stream = live[0].lane.stream if live else self._stream
+        return self._pushes.push(self._plan(values), live, limit, wait, stream)
 
     def _plan(self, values: Any) -> Any:
         """The plan of what this push sends, checked against the handshake's schema."""

@@ -47,7 +47,7 @@ def _listen(session: Session, pool: SnapshotPool, member: Member) -> None:
         except Exception as error:  # noqa: BLE001 - a dead or lying receiver is dropped
             with session.cond:
                 if member.gone is None and not member.said_last:
-                    member.gone = f"{error}; rank {member.rank} is dropped from this sender"
+                    member.gone = f"{error}; {member.who} is dropped from this sender"
                     logger.warning("weight sender: %s", member.gone)
                 pool.retire(member)
                 session.cond.notify_all()
@@ -89,7 +89,7 @@ def _reply(session: Session, pool: SnapshotPool, member: Member) -> None:
     transfer = Transfer(send(session, member, snapshot, session.timeout), member.lane.stream,
                         timeout=session.timeout, link=member.lane.link,
                         on_error=dropping(session, pool, member, version, session.timeout, told=False),
-                        raise_first=False, what=f"version {version} to rank {member.rank}")
+                        raise_first=False, what=f"version {version} to {member.who}")
     with contextlib.suppress(Exception):  # a failure drops the receiver (its hook)
         transfer.wait()
     with session.cond:
@@ -115,7 +115,7 @@ def last_word(session: Session, pool: SnapshotPool, member: Member, kind: int) -
     if kind == RELEASED:
         with session.cond:
             if member.gone is None:
-                logger.info("weight sender: rank %d closed its receiver: no longer served", member.rank)
+                logger.info("weight sender: %s closed its receiver: no longer served", member.who)
             member.gone = member.gone or "closed by its receiver"
             pool.retire(member)  # its published version stays readable: where it lies, never written again
             session.cond.notify_all()

@@ -16,9 +16,13 @@ from .wire import Ask, SessionTags
 class Member:
     """The sender's view of one receiver: its lane, its driver, and why it is gone (if it is)."""
 
-    def __init__(self, lane: Lane) -> None:
+    def __init__(self, lane: Lane, host: str = "", ident: int | None = None, pid: int | None = None) -> None:
         self.lane = lane
-        self.rank = lane.link.peer
+        #: its rank in the group, or (a receiver that joined through a store) its number among the joins
+        self.rank = lane.link.peer if ident is None else ident
+        self.host, self.pid = host, pid
+        #: how errors and the log name it
+        self.who = f"rank {self.rank}" if ident is None else f"receiver {ident} (host {host}, pid {pid})"
         self.driver = Driver(f"cudarecv-push-{self.rank}")
         self.gone: str | None = None  # why it is no longer served
         self.leaving = False  # it said BYE: nothing new is sent to it
@@ -58,6 +62,9 @@ class Session:
     members: list[Member] = field(default_factory=list)
     version: int = 0
     closed: bool = False
+    #: receivers join and leave through a store: a push never raises for one that failed (it is dropped and
+    #: logged), and one with no receiver at all is no error
+    elastic: bool = False
 
     def ranks(self) -> list[int]:
         """The ranks of the receivers still served."""

@@ -71,6 +71,7 @@ class SnapshotPool:
         self.snapshots = [Snapshot(session.schema, session.piece, device, (i, s) if self.segments else None)
                           for i, s in enumerate(self.segments or [None] * count)]
         self.latest: Snapshot | None = None
+        self.populated = False  # the shared snapshots' pages allocated (once, for the first receiver to map them)
         self.torn = False  # sync: a dropped receiver's send may still read the storage: use a new one
 
     def close_fds(self) -> None:

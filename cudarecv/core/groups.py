@@ -1,0 +1,32 @@
+"""Gloo groups of their own, formed through a store: no ``init_process_group``, no group shared by a world.
+
+The weight-sync membership (a pair per receiver that joins) and the vLLM backend (the trainer and an engine's
+workers) each form their groups here, on a prefix of the user's store.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import torch.distributed as dist
+
+from .errors import TransferTimeout
+
+
+def store_group(store: Any, prefix: str, rank: int, size: int, timeout: float, what: str) -> Any:
+    """This process's rank of the gloo group that the ``size`` processes calling it with ``prefix`` form (each
+    within ``timeout`` s; the group's own operations time out after ``timeout`` too). ``what`` names the group
+    in the error when it cannot be formed (a member that never came).
+
+    Example:
+        >>> group = store_group(store, "cudarecv/weights/policy/g1/pair/3", rank=0, size=2, timeout=60,
+        ...                     what="the pair of the trainer and receiver 3")
+        >>> cudarecv.send(td, group=group, group_dst=1)
+    """
+    try:
+        return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size,
+                                     datetime.timedelta(seconds=timeout))
+    except RuntimeError as error:  # (gloo's rendezvous times out with a RuntimeError)
+        raise TransferTimeout(f"{what} could not be formed within {timeout:g} s: not every one of its {size} "
+                              "processes came (the backend's message is this error's __cause__)") from error

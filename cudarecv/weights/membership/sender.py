@@ -1,0 +1,177 @@
+"""A named sender that receivers join through a store: :class:`ElasticSender`, what
+``WeightSender(td, store=store, name="policy")`` builds.
+
+No process group is shared by all: the sender announces itself in the store (:mod:`.directory`); an admission
+thread takes each join request in turn and hands it to a thread of its own, which forms the gloo pair of the
+sender and that receiver on a prefix of the store, runs the weight-sync handshake over it (the same-host offer
+included) and adds the receiver to those served (a push under way goes on with those it began with). A receiver that joined is served by the
+next push (sync mode) or gets the newest version on its first pull (latest mode). One that closes says BYE; one
+that dies or stops is dropped within ``timeout`` and logged, never raised by a push; its pair, driver and
+listener are let go of once their threads ended. ``close()`` stops the admission thread, every join under way,
+and then the session as a plain sender's.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from ...core.errors import ArgumentError
+from ...core.groups import store_group
+from ...core.link import resolve
+from ...core.log import logger
+from ...core.shutdown import start_thread
+from ...core.streams import StagingPool
+from ...core.transfer import WIRE
+from ...core.transport import release
+from ...wire.staging import lane_for
+from ..enrol import enrol, serve
+from ..options import check_mode, check_options
+from ..sender import WeightSender
+from .directory import Directory
+
+#: latest mode's snapshot buffers when ``buffers`` is not given (receivers come and go: no count to size by)
+LATEST_BUFFERS = 4
+
+
+class ElasticSender(WeightSender):
+    """A weight sender that receivers join and leave at any time through ``store`` (see the module docstring).
+
+    Example:
+        >>> store = torch.distributed.TCPStore("trainer-host", 29600, is_master=True, wait_for_workers=False)
+        >>> sender = WeightSender(TensorDict.from_module(policy), store=store, name="policy", mode="latest")
+        >>> sender.push()            # whoever has joined gets it; nobody joined is no error
+        >>> sender.receivers         # [{"id": 1, "host": ..., "pid": ..., "transport": "wire", "state": "served"}]
+    """
+
+    def __init__(self, td: Any, dst: Any = None, *, store: Any = None, name: Any = None,
+                 bucket_bytes: int | None = None, timeout: float = 60.0, verify: bool = False, stream: Any = None,
+                 mode: str = "sync", buffers: int | None = None, fanout: str = "auto", transport: str = "auto",
+                 **rest: Any) -> None:
+        if dst is not None or rest:
+            given = (["dst"] if dst is not None else []) + sorted(rest)
+            raise ArgumentError(f"a sender with `store` takes no {', '.join(map(repr, given))}: its receivers join "
+                                "through the store (drop `store` and `name` to send to ranks of a group)")
+        timeout = check_options(timeout=timeout, transport=transport, bucket_bytes=bucket_bytes)["timeout"]
+        check_mode(mode, buffers, fanout)
+        if fanout == "relay":
+            raise ArgumentError("fanout='relay' needs every receiver in one process group; receivers that join "
+                                "through a store are served by a star: pass fanout='star' or 'auto'")
+        self._directory = Directory(store, name)
+        self._begin(td, [], bucket_bytes, timeout, verify, stream, mode, buffers or LATEST_BUFFERS, "star",
+                    transport, elastic=True)
+        self._generation, self._s.version = self._directory.announce(mode)
+        self._joins: list[threading.Thread] = []
+        self._gone: list[dict] = []  # the receivers no longer served: id, host, pid, why
+        self._stopped: set[int] = set()  # ids of those whose driver was told to stop
+        self._stopping = threading.Event()
+        self._admission = start_thread(self._admit_all, f"cudarecv-admit-{name}", (store.clone(),))
+        logger.info("weight sender %r: generation %d, version %d, receivers join through the store", name,
+                    self._generation, self._s.version)
+
+    # -- who is served -----------------------------------------------------------------------------------
+    generation = property(lambda self: self._generation,
+                          doc="This sender's generation under its name (a trainer that restarts is the next).")
+
+    @property
+    def receivers(self) -> list[dict]:
+        """Every receiver that joined: ``id`` (its number among the joins), ``host``, ``pid``, ``transport``
+        and ``state`` (``"served"``, or why it is not: it closed, or the failure that dropped it)."""
+        with self._s.cond:
+            present = [{"id": m.rank, "host": m.host, "pid": m.pid,
+                        "transport": self._s.shared_kind if m.shared else WIRE,
+                        "state": "served" if m.served else (m.gone or "closed by its receiver")}
+                       for m in self._s.members]
+            return sorted(self._gone + present, key=lambda r: r["id"])
+
+    @property
+    def dropped(self) -> dict[int, str]:
+        """The receivers no longer served (by id), and why."""
+        return {r["id"]: r["state"] for r in self.receivers if r["state"] != "served"}
+
+    # -- joining -----------------------------------------------------------------------------------------
+    def _admit_all(self, store: Any) -> None:
+        """The admission thread: each join request, in turn, to a thread of its own, until the sender closes."""
+        k = 0
+        while not self._stopping.is_set():
+            try:
+                record = self._directory.next_join(store, self._generation, k + 1)
+            except Exception as error:  # noqa: BLE001 - the store is gone: nobody can join any more
+                if not self._stopping.is_set():
+                    logger.error("weight sender %r: its store failed, no receiver can join from now on: %s",
+                                 self._directory.name, error)
+                return
+            if record is None:
+                continue
+            k += 1
+            if record.get("closed"):
+                return
+            self._joins = [t for t in self._joins if t.is_alive()]
+            self._joins.append(start_thread(self._admit, f"cudarecv-join-{self._directory.name}-{k}",
+                                            (store.clone(), k, record)))
+
+    def _admit(self, store: Any, k: int, record: dict) -> None:
+        """Join ``k``: its pair, its handshake, then served from the next push on. A failure is logged."""
+        who = f"receiver {k} (host {record.get('host')}, pid {record.get('pid')})"
+        timeout = self._s.timeout
+        try:
+            group = store_group(store, self._directory.pair(self._generation, k), 0, 2, timeout,
+                                f"weight sender {self._directory.name!r}: the pair with {who}")
+            lane = lane_for(resolve(None, 1, group, "dst", "group_dst"), self._device, None, StagingPool())
+            members = enrol(self._s, self._pool, [lane], self._raw, self._session_id, [k], [record.get("pid")])
+            if self._stopping.is_set():
+                raise ArgumentError("the sender closed while it joined")
+            # served from the next push on (sync: a push under way took its receivers before; latest: it asks)
+            serve(self._s, self._pool, members)
+        except Exception as error:  # noqa: BLE001 - a receiver that could not join is its own to report
+            if not self._stopping.is_set():
+                logger.warning("weight sender %r: %s could not join: %s", self._directory.name, who, error)
+            return
+        logger.info("weight sender %r: %s joined (%s)", self._directory.name, who,
+                    self._s.shared_kind if members[0].shared else WIRE)
+
+    def _prune(self) -> None:
+        """At a push: let go of the receivers no longer served whose threads have ended (their pair, its
+        gloo threads and sockets with it); what they were stays in :attr:`receivers`."""
+        with self._s.cond:
+            for member in self._s.members:
+                if not member.served and member.rank not in self._stopped:
+                    self._stopped.add(member.rank)
+                    member.driver.stop(0.0)  # it ends once what it runs now ends (bounded by the pair's timeout)
+            done = [m for m in self._s.members if not m.served and not m.driver.thread.is_alive()
+                    and (m.listener is None or not m.listener.is_alive())]
+            self._s.members = [m for m in self._s.members if m not in done]
+            self._gone += [{"id": m.rank, "host": m.host, "pid": m.pid,
+                            "transport": self._s.shared_kind if m.shared else WIRE,
+                            "state": m.gone or "closed by its receiver"} for m in done]
+            self._stopped -= {m.rank for m in done}
+        for member in done:
+            release(member.lane.link.pg)  # (the failed transfers' works on its pair, parked, hold the pair)
+            member.lane = None
+
+    # -- pushing -----------------------------------------------------------------------------------------
+    def _push(self, wait: bool, limit: float, values: Any) -> Any:
+        self._prune()
+        try:
+            return super()._push(wait, limit, values)
+        finally:  # (the version moved on once the weights were copied, whatever became of the sends)
+            self._directory.record(self._s.version)
+
+    # -- ending ------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop taking joins (those under way end within ``timeout``), then close as a plain sender does."""
+        if self._s.closed:
+            return
+        self._stopping.set()
+        deadline = time.monotonic() + self._s.timeout
+        try:
+            self._directory.close(self._generation)
+        except Exception as error:  # noqa: BLE001 - the store is gone: the admission thread ends on its own
+            logger.info("weight sender %r closes without its store: %s", self._directory.name, error)
+        self._admission.join(max(deadline - time.monotonic(), 0.0))
+        for thread in self._joins:
+            thread.join(max(deadline - time.monotonic(), 0.0))
+        self._joins = []
+        self._pool.close_fds()
+        super().close()

@@ -1,0 +1,189 @@
+"""Elastic weight sync: receivers join a named sender through a store, with no process group shared by all, and
+leave, die, stop and come back while the trainer pushes (issue 30). Real processes forked from the zygote, a
+real TCPStore; every ordering is a store signal (tests/churn.py)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+import cudarecv
+import cudarecv.testing.hosts as sim
+from churn import WAIT, Fleet, Pusher, _fork, master_store, resources, trainer, weights
+
+HERE = Path(__file__).resolve().parent
+HOST_EVENTS = 40  # on the simulated hosts (each actor a process of its own there: slower to start)
+MEMBER_THREADS = ("cudarecv-push-", "cudarecv-listen-", "cudarecv-join-")  # a receiver's threads on the sender
+TIMEOUT = 8.0  # the sender's and receivers' timeout: a SIGSTOPped receiver is dropped after it (sync mode)
+
+
+def _settled(sender, td) -> dict:
+    """Push until no thread serves a receiver any more (each push lets go of those that left), within WAIT:
+    this process's resources then."""
+    import time
+
+    deadline = time.monotonic() + WAIT
+    while any(t.name.startswith(MEMBER_THREADS) for t in threading.enumerate()):
+        assert time.monotonic() < deadline, [t.name for t in threading.enumerate()]
+        td["w"].fill_(sender.version + 1)
+        td["b"].fill_(-(sender.version + 1))
+        sender.push()
+    td["w"].fill_(sender.version + 1)
+    td["b"].fill_(-(sender.version + 1))
+    sender.push()  # (the last of them let go of)
+    return resources()
+
+
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("mode, events, seed", [("latest", 100, 11), ("sync", 60, 12)])
+def test_receivers_come_and_go_while_the_trainer_pushes(mode, events, seed):
+    """Actors start, close, are SIGKILLed, SIGSTOPped and continued at random: every version any pulled is whole
+    and newer than its last, sync actors get every version while served, no push raises, the sender names who
+    left and how, and its threads, descriptors and memory are flat after the events."""
+    name = f"churn-{mode}"
+    with master_store() as store:
+        td = weights()
+        sender = cudarecv.WeightSender(td, store=store, name=name, mode=mode, timeout=TIMEOUT)
+        fleet = Fleet(store, store.port, name, TIMEOUT, seed)
+        try:
+            td["w"].fill_(1)
+            td["b"].fill_(-1)
+            sender.push()  # (nobody joined yet: no error; a latest receiver's first pull gets it)
+            pusher = Pusher(sender, td)
+            try:
+                fleet.start()  # warm: one receiver joined and left, its pair let go of
+                fleet.close(1)
+                baseline = _settled(sender, td)
+                for _ in range(events):
+                    fleet.event()
+                fleet.end()
+            finally:
+                pusher.stop()
+            assert not pusher.errors, f"a push raised: {pusher.errors[0]!r}"
+            after = _settled(sender, td)
+            receivers = sender.receivers
+        finally:
+            sender.close()
+            fleet.end()
+    stats = fleet.stats()
+    assert set(stats) == set(range(1, fleet.count + 1)), "an actor never pulled"
+    for index, s in stats.items():
+        assert s["torn"] == 0, f"actor {index} pulled a version that was not whole: {s}"
+        assert s["not_newer"] == 0, f"actor {index} pulled a version not newer than its last: {s}"
+        assert s["gaps"] == 0, f"actor {index} missed a version while served (sync): {s}"
+    assert all(fleet.events[kind] for kind in fleet.events), fleet.events
+    states = {r["id"]: r["state"] for r in receivers}
+    assert all(state != "served" for state in states.values()), states
+    for index, _, how in fleet.ended:
+        state = states[stats[index]["id"]]
+        if how == "closed":
+            assert state == "closed by its receiver", (index, state)
+        else:
+            assert "dropped" in state, (index, state)
+    assert after["threads"] <= baseline["threads"], (baseline, after)
+    assert after["fds"] <= baseline["fds"], (baseline, after)
+    assert after["resident"] - baseline["resident"] < 64 << 20, (baseline, after)
+    print(f"\n{mode}: {sum(fleet.events.values())} events {fleet.events}, {fleet.count} actors, "
+          f"{sum(s['pulled'] for s in stats.values())} pulls, {sum(s['rejoins'] for s in stats.values())} rejoins, "
+          f"version {sender.version}; trainer {baseline} -> {after}")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("end", ["killed", "closed"])
+def test_a_trainer_that_restarts_is_found_again(end):
+    """Trainer A pushes to two actors, then dies (SIGKILL) or closes; the actors keep A's last version readable
+    and whole, then find trainer B (same store and name) and go on with versions above A's, never an older one."""
+    name = f"restart-{end}"
+    with master_store() as store:
+        fleet = Fleet(store, store.port, name, TIMEOUT, seed=3)
+        first = _fork(trainer, ("127.0.0.1", store.port, name, "latest", TIMEOUT))
+        trainers = [first]
+        try:
+            fleet.start()
+            fleet.start()
+            store.wait([f"{name}/trainer/1/version"], datetime.timedelta(seconds=WAIT))
+            if end == "killed":
+                os.kill(first.pid, signal.SIGKILL)
+            else:
+                store.set(f"{name}/trainer/1/close", "1")
+            first.join(WAIT)
+            assert first.exitcode == (-signal.SIGKILL if end == "killed" else 0), first.exitcode
+            last_of_first = int(store.get(f"{name}/trainer/1/version"))
+            pongs = [fleet.ping(i) for i in (1, 2)]
+            second = _fork(trainer, ("127.0.0.1", store.port, name, "latest", TIMEOUT))
+            trainers.append(second)
+            for index, pong in zip((1, 2), pongs):
+                fleet.pulled(index, pong)
+            store.set(f"{name}/trainer/2/close", "1")
+            second.join(WAIT)
+            assert second.exitcode == 0, second.exitcode
+        finally:
+            fleet.end()
+            for process in trainers:
+                process.kill()
+    for index, s in fleet.stats().items():
+        assert s["torn"] == 0 and s["not_newer"] == 0, (index, s)
+        assert s["last"] > last_of_first and s["rejoins"] >= 1, (index, s, last_of_first)
+
+
+def test_a_sender_with_a_store_pushes_with_nobody_joined_and_refuses_what_needs_a_group():
+    with master_store() as store:
+        td = weights()
+        with pytest.raises(cudarecv.ArgumentError, match="takes no 'dst'"):
+            cudarecv.WeightSender(td, dst=1, store=store, name="p")
+        with pytest.raises(cudarecv.ArgumentError, match="fanout='relay' needs every receiver in one process group"):
+            cudarecv.WeightSender(td, store=store, name="p", fanout="relay")
+        with pytest.raises(cudarecv.ArgumentError, match="`name` must be a non-empty string without '/'"):
+            cudarecv.WeightSender(td, store=store, name="a/b")
+        with pytest.raises(cudarecv.ArgumentError, match="`store` must be a torch.distributed.Store"):
+            cudarecv.WeightSender(td, store=object(), name="p")
+        with pytest.raises(cudarecv.ArgumentError, match="takes no 'src'"):
+            cudarecv.WeightReceiver(0, store=store, name="p")
+        with pytest.raises(cudarecv.ArgumentError, match="takes no 'want'"):
+            cudarecv.WeightReceiver(store=store, name="p", want={"w": (slice(0, 2),)})
+        with pytest.raises(cudarecv.WaitTimeout, match="no weight sender named 'nobody' came within"):
+            cudarecv.WeightReceiver(store=store, name="nobody", timeout=0.5)
+        for mode in ("sync", "latest"):
+            with cudarecv.WeightSender(td, store=store, name=f"alone-{mode}", mode=mode, timeout=5) as sender:
+                assert [sender.push() for _ in range(3)] == [1, 2, 3] and sender.receivers == []
+                threads = {t.name for t in threading.enumerate()}
+                assert f"cudarecv-admit-alone-{mode}" in threads
+        assert not any(t.name.startswith("cudarecv-admit") for t in threading.enumerate())
+        again = cudarecv.WeightSender(td, store=store, name="alone-sync", timeout=5)  # the next generation
+        assert again.generation == 2 and again.push() == 5  # (one above the last recorded, 3)
+        again.close()
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(sim.unavailable() is not None, reason=f"simulated hosts: {sim.unavailable()}")
+def test_receivers_come_and_go_on_other_hosts():
+    """The trainer on host 0 (and the store), actors started, closed, SIGKILLed, SIGSTOPped and continued on
+    hosts 1 and 2 (1 Gbit/s links): every version pulled whole and newer than the last, no push raised, each
+    actor that left named as it left."""
+    with sim.SimulatedHosts(3, rate="1gbit") as hosts:
+        namespaces = ",".join(hosts.hosts[1:])
+        proc = hosts.popen(0, [sys.executable, str(HERE / "churn_hosts.py"), namespaces, sim.address(0),
+                               str(HOST_EVENTS), "21", str(TIMEOUT)], stdout=subprocess.PIPE, text=True,
+                           env={"PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))})
+        out, _ = proc.communicate(timeout=800)
+        assert proc.returncode == 0, out
+    line = next(x for x in out.splitlines() if x.startswith("CHURN "))
+    result = json.loads(line[len("CHURN "):])
+    assert not result["errors"], result["errors"]
+    events = {k: sum(e[k] for e in result["events"]) for k in result["events"][0]}
+    assert sum(events.values()) == HOST_EVENTS and all(events.values()), events
+    stats = result["stats"]
+    assert stats and all(s["torn"] == 0 and s["not_newer"] == 0 for s in stats.values()), stats
+    states = {r["id"]: r["state"] for r in result["receivers"]}
+    for index, how in result["ended"]:
+        state = states[stats[str(index)]["id"]]
+        assert (state == "closed by its receiver") if how == "closed" else ("dropped" in state), (index, how, state)
+    print(f"\nhosts: {events}, {len(stats)} actors, {sum(s['pulled'] for s in stats.values())} pulls")
