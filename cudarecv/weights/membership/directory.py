@@ -37,7 +37,9 @@ class Directory:
         if not isinstance(name, str) or not name or "/" in name:
             raise ArgumentError(f"`name` must be a non-empty string without '/' (the sender's name in the store), "
                                 f"got {name!r}")
-        self.store, self.name = store, name
+        # a client of its own: a push records its version in the store, and must not wait behind a blocking
+        # wait of the caller's on its client (a TCPStore client runs one operation at a time)
+        self.store, self.name = _own_client(store), name
         self.root = f"cudarecv/weights/{name}"
 
     def key(self, *parts: object) -> str:
@@ -95,3 +97,11 @@ class Directory:
     def pair(self, generation: int, k: int) -> str:
         """The prefix on which the sender and receiver ``k`` form their group."""
         return self.key(f"g{generation}", "pair", k)
+
+
+def _own_client(store: Any) -> Any:
+    """A client of ``store`` of cudarecv's own (TCPStore and FileStore clone; a store that cannot is shared)."""
+    try:
+        return store.clone()
+    except Exception:  # noqa: BLE001 - e.g. a HashStore, in one process: no client to wait behind
+        return store

@@ -66,7 +66,7 @@ class ElasticSender(WeightSender):
         self._gone: list[dict] = []  # the receivers no longer served: id, host, pid, why
         self._stopped: set[int] = set()  # ids of those whose driver was told to stop
         self._stopping = threading.Event()
-        self._admission = start_thread(self._admit_all, f"cudarecv-admit-{name}", (store.clone(),))
+        self._admission = start_thread(self._admit_all, f"cudarecv-admit-{name}", (self._directory.store.clone(),))
         logger.info("weight sender %r: generation %d, version %d, receivers join through the store", name,
                     self._generation, self._s.version)
 
