@@ -40,6 +40,7 @@ def test_weight_sync_example(mode: str) -> None:
         assert pulls == 20 if mode == "sync" else 1 <= pulls <= 20, out
 
 
+@pytest.mark.long
 def test_ray_actors_example() -> None:
     """Ray actors (Ray on the CPU) join the trainer through a store; one is killed with ray.kill and replaced."""
     out = _run("examples/ray_actors.py", "--actors", "3", "--pushes", "20")

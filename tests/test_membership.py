@@ -42,6 +42,7 @@ def _settled(sender, td) -> dict:
     return resources()
 
 
+@pytest.mark.long
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("mode, events, seed", [("latest", 100, 11), ("sync", 60, 12)])
 def test_receivers_come_and_go_while_the_trainer_pushes(mode, events, seed):
@@ -162,6 +163,7 @@ def test_a_sender_with_a_store_pushes_with_nobody_joined_and_refuses_what_needs_
         again.close()
 
 
+@pytest.mark.long
 @pytest.mark.timeout(900)
 @pytest.mark.skipif(sim.unavailable() is not None, reason=f"simulated hosts: {sim.unavailable()}")
 def test_receivers_come_and_go_on_other_hosts():

@@ -118,9 +118,10 @@ class ElasticSender(WeightSender):
         try:
             group = store_group(store, self._directory.pair(self._generation, k), 0, 2, timeout,
                                 f"weight sender {self._directory.name!r}: the pair with {who}")
-            lane = lane_for(resolve(None, 1, group, "dst", "group_dst"), self._device, None, StagingPool())
+            lane = lane_for(resolve(None, 1, group, "dst", "group_dst"), self._device, self._stream, StagingPool())
             members = enrol(self._s, self._pool, [lane], self._raw, self._session_id, [k], [record.get("pid")])
-            if self._stopping.is_set():
+            if self._stopping.is_set():  # (never served: its driver goes, its pair with it)
+                members[0].driver.stop(timeout)
                 raise ArgumentError("the sender closed while it joined")
             # served from the next push on (sync: a push under way took its receivers before; latest: it asks)
             serve(self._s, self._pool, members)
