@@ -41,6 +41,10 @@ class Actor:
         with self.receiver.reading() as td:
             return version, bool((td["w"] == version).all() and (td["b"] == -version).all())
 
+    def ident(self) -> int:
+        """Its receiver's number among the joins (the sender names it so in ``sender.receivers``)."""
+        return self.receiver.id
+
     def close(self) -> None:
         self.receiver.close()
 
@@ -50,6 +54,8 @@ def main() -> None:
     parser.add_argument("--actors", type=int, default=3)
     parser.add_argument("--pushes", type=int, default=30)
     args = parser.parse_args()
+    if args.pushes < 2 or args.actors < 1:
+        parser.error("--pushes must be 2 or more (an actor is killed halfway) and --actors 1 or more")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     host = ray.util.get_node_ip_address()  # where the actors reach the trainer's store
     store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60))
@@ -63,6 +69,7 @@ def main() -> None:
         sender.push()  # returns at once (latest mode); a killed actor never makes it raise
         pulled += ray.get([actor.pull.remote() for actor in actors])
         if step == args.pushes // 2:  # an actor is lost (preempted, crashed), and its replacement joins
+            killed = ray.get(actors[0].ident.remote())
             ray.kill(actors[0])
             actors[0] = Actor.remote(host, store.port)
     ray.get([actor.close.remote() for actor in actors])
@@ -71,9 +78,9 @@ def main() -> None:
     ray.shutdown()
     whole = all(ok for _, ok in pulled)
     dropped = [r["id"] for r in receivers if r["state"] not in ("served", "closed by its receiver")]
-    print(f"ray actors: {len(receivers)} joined, {len(dropped)} dropped ({dropped}), {len(pulled)} pulls, "
-          f"every version whole: {whole}, last version {max(v for v, _ in pulled)}")
-    if not whole or len(dropped) != 1 or len(receivers) != args.actors + 1:
+    print(f"ray actors: {len(receivers)} joined, dropped {dropped} (the killed actor's: {dropped == [killed]}), "
+          f"{len(pulled)} pulls, every version whole: {whole}, last version {max(v for v, _ in pulled)}")
+    if not whole or dropped != [killed] or len(receivers) != args.actors + 1:
         raise SystemExit("unexpected: see above")
 
 
