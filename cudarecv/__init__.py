@@ -58,12 +58,13 @@ _EXPORTS = {
     "KernelCompileError": ".core.errors",
     "SenderClosed": ".core.errors",
     "ReceiverFailed": ".core.errors",
+    "RelayLost": ".core.errors",
     "start_thread": ".core.shutdown",
 }
 __all__ = [
     "ArgumentError", "ArgumentTypeError", "BrokenError", "ChecksumError", "Error", "HeaderError",
     "KernelCompileError", "LinkError", "MismatchError", "OutOfStepError", "PeerError", "PushHeaderError",
-    "ReceiverFailed", "SchemaError", "SenderClosed", "Transfer", "TransferTimeout", "UsageError", "WaitTimeout", "WeightReceiver",
+    "ReceiverFailed", "RelayLost", "SchemaError", "SenderClosed", "Transfer", "TransferTimeout", "UsageError", "WaitTimeout", "WeightReceiver",
     "WeightSender", "install", "installed", "irecv", "is_installed", "isend", "recv", "send", "start_thread",
     "store_group", "tag_sequence", "uninstall",
 ]
@@ -83,6 +84,7 @@ if TYPE_CHECKING:
         PeerError,
         PushHeaderError,
         ReceiverFailed,
+        RelayLost,
         SchemaError,
         SenderClosed,
         TransferTimeout,

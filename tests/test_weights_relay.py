@@ -1,5 +1,5 @@
-"""Relay fan-out on one machine: the chain heals when a receiver leaves, ``auto`` chooses star on one
-host, the arguments, and the relay's own messages (trailer, GOT).
+"""Relay fan-out on one machine: the chain heals when a receiver leaves, dies or stops mid-push, ``auto``
+chooses star on one host, the arguments, and the relay's own messages (trailer, GOT).
 
 The cross-host cases (relay across simulated hosts, a receiver killed mid-push) are in
 ``test_hosts.py``; the plain relay fan-out is in ``test_weights.py``.
@@ -7,13 +7,18 @@ The cross-host cases (relay across simulated hosts, a receiver killed mid-push) 
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 import torch
 from tensordict import TensorDict
 
 import cudarecv
-from cudarecv.weights import wire
+from cudarecv.testing.launch import RankExit
+from cudarecv.weights import relay, wire
 from policies import holds_version, policy, set_version
+from procs import wait_stopped
 from rawwire import store, unique_key
 
 STEPS = 6
@@ -62,6 +67,78 @@ def test_a_receiver_leaving_mid_chain_is_bridged(four):
     for seen in (first, last):
         assert [v for v, _ in seen] == list(range(1, STEPS + 1)) and all(ok for _, ok in seen), seen
     assert left_at == 2 and intact
+
+
+def head_fails(rank, world, group, key, how):
+    """Chain 1 -> 2 -> 3; the head (rank 1) dies (``kill``) or stops (``stop``) once chunk 1 of version 2 has
+    landed there: rank 2's link to it fails (or times out), rank 3 hears of it in band. Only rank 1 is dropped;
+    ranks 2 and 3 lose version 2 (``RelayLost``, their last version kept) and get every later version through
+    the chain 2 -> 3, with nothing rebuilt."""
+    model = policy()
+    signals = store()
+    timeout = 4.0 if how == "stop" else 30.0  # (stop: each hop waits for the one before its own timeout longer)
+    if rank == 0:
+        failures = []
+        with cudarecv.WeightSender(TensorDict.from_module(model), dst=[1, 2, 3], fanout="relay", bucket_bytes=256,
+                                   timeout=timeout, verify=True) as sender:
+            for version in range(1, STEPS + 1):
+                set_version(model, version)
+                try:
+                    sender.push()
+                except cudarecv.Error as error:
+                    failures.append((version, type(error).__name__, str(error)))
+            ranks, dropped = sender.ranks, sender.dropped
+            signals.set(f"{key}_read", "1")  # ranks 2 and 3 may close now
+            signals.wait([f"{key}_done_2", f"{key}_done_3"])
+            if how == "stop":  # (a stopped process takes SIGKILL)
+                pid = int(signals.get(f"{key}_pid"))
+                wait_stopped(pid)
+                os.kill(pid, signal.SIGKILL)
+        return failures, ranks, sorted(dropped)
+    with cudarecv.WeightReceiver(src=0, expect=model, timeout=timeout if rank == 1 else 60) as receiver:
+        if rank == 1:
+            receiver.pull()
+            landed = relay.Relay.landed
+
+            def landed_then_fail(self, i: int) -> None:
+                landed(self, i)
+                if i == 1:  # mid-push by construction: chunk 0 is on its way down, the rest still to come
+                    signals.set(f"{key}_pid", str(os.getpid()))
+                    os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+
+            relay.Relay.landed = landed_then_fail
+            receiver.pull()
+            raise AssertionError("rank 1 pulled version 2 whole")
+        seen, lost = [], []
+        while receiver.version < STEPS:
+            try:
+                version = receiver.pull()
+            except cudarecv.RelayLost as error:
+                assert error.link_usable
+                lost.append((receiver.version, holds_version(receiver.td, receiver.version), str(error)))
+                continue
+            seen.append((version, holds_version(receiver.td, version)))
+        signals.wait([f"{key}_read"])  # stay served until the sender has looked
+        signals.set(f"{key}_done_{rank}", "1")
+        return seen, lost
+
+
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_a_relay_chain_heals_around_a_receiver_that_fails_mid_push(four, how):
+    try:
+        (failures, ranks, dropped), head, (seen2, lost2), (seen3, lost3) = four().run(
+            head_fails, args=(unique_key(f"relay_{how}"), how), may_die={1}, timeout=120)
+    finally:
+        four().close()  # rank 1 is dead: the next test needs new groups
+    assert isinstance(head, RankExit) and head == -signal.SIGKILL, head
+    assert [(v, kind) for v, kind, _ in failures] == [(2, "PeerError" if how == "kill" else "TransferTimeout")], \
+        failures
+    assert "rank 1" in failures[0][2] and "dropped" in failures[0][2], failures
+    assert ranks == [2, 3] and dropped == [1], (ranks, dropped)
+    for seen, lost in ((seen2, lost2), (seen3, lost3)):
+        assert [v for v, _ in seen] == [1] + list(range(3, STEPS + 1)) and all(ok for _, ok in seen), seen
+        assert len(lost) == 1 and lost[0][:2] == (1, True), lost  # version 1 kept, whole
+    assert "rank 1" in lost2[0][2] and "rank 1" in lost3[0][2], (lost2, lost3)  # rank 3 heard it in band
 
 
 def auto_fanout(rank, world, group):

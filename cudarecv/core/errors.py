@@ -13,6 +13,7 @@ whether the link it happened on (the peer pair and process group) still works:
     │   └── SenderClosed                      a weight sender closed: no version comes any more
     ├── ReceiverFailed (RuntimeError)         a weight receiver could not start, and said why
     ├── WaitTimeout (TimeoutError)            a caller's wait ran out; the transfer goes on
+    ├── RelayLost (RuntimeError)              a relayed version did not come: a hop before this one failed
     ├── MismatchError (ValueError)            the peer's message does not match; drained, nothing written
     │   ├── HeaderError                       fast wire
     │   ├── SchemaError                       weight-sync handshake (refused on both sides)
@@ -69,6 +70,13 @@ class ReceiverFailed(Error, RuntimeError):
 
 class WaitTimeout(Error, TimeoutError):
     """A caller's ``wait(timeout)`` ran out before the transfer ended; the transfer goes on."""
+
+
+class RelayLost(Error, RuntimeError):
+    """A weight-sync version relayed through a chain of receivers did not reach this one: a receiver before it
+    in the chain died, stopped or timed out during the push. This receiver's links are in step and it stays
+    served: the next version comes through the chain healed around the failed one (its last version stays
+    published). On the sender: the receivers after the failed one that did not get the version."""
 
 
 class MismatchError(Error, ValueError):

@@ -7,8 +7,9 @@
 | ``PIECE_TAGS + init_tag`` | every fast-wire payload message of that transfer, matched in order |
 | ``WEIGHTS + k``, k = 0..2 | weight-sync handshake: preamble, schema, status |
 | ``WEIGHTS + 3`` | sharded weight sync: each pair's layouts, before its handshake |
-| ``SESSIONS_BASE + 4 s + k``, k = 0..3, session s < ``SESSIONS`` | one weight-sync session: headers, payload, the receiver's words, relay trailers |
+| ``SESSIONS_BASE + 4 s + k``, k = 0..2, session s < ``SESSIONS`` | one weight-sync session: headers, payload, the receiver's words (k = 3: unused) |
 | ``BACK_TAGS + k`` | same-host fast wire: the receiver's ANSWER to an offer and its DONEs (see :mod:`cudarecv.samehost.sides`) |
+| ``RELAY_TAGS + 2 p + k``, k = 0..1, p < ``RELAY_PUSHES`` | a relay chain's hops, one push: payload, trailer (p from the session and version) |
 | ``MAX_TAG`` | the exit hook's wait that closes a group's links (never sent) |
 
 A header never shares a tag with a payload; fast-wire transfers with different ``init_tag`` share none
@@ -32,6 +33,8 @@ TAG_LAYOUT = WEIGHTS + 3  # sharded weight sync: what each end of a pair sends o
 SESSIONS = 1 << 26  # a sender's session: random, in the preamble; 4 tags each
 SESSIONS_BASE = WEIGHTS + 64
 BACK_TAGS = SESSIONS_BASE + 4 * SESSIONS  # past every weight-sync tag: the same-host transports' words back
+RELAY_TAGS = BACK_TAGS + (1 << 20)  # past the words back: a relay chain's hops, each push its own two
+RELAY_PUSHES = 1 << 26  # (so RELAY_TAGS + 2 * RELAY_PUSHES stays below MAX_TAG)
 
 
 def check_init_tag(init_tag: int) -> None:
@@ -53,7 +56,15 @@ def piece_tag(init_tag: int) -> int:
     return PIECE_TAGS + init_tag
 
 
-def session_tags(session: int) -> tuple[int, int, int, int]:
-    """The four tags of weight-sync session ``session``: header, payload, ask, trailer."""
+def relay_tags(session: int, version: int) -> tuple[int, int]:
+    """The payload and trailer tags of ``version``'s push on the hops of session ``session``'s relay chain: each
+    push its own (on gloo, which matches by tag), so a receive a timed-out hop left posted never takes a later
+    push's messages."""
+    p = (session * 40503 + version) % RELAY_PUSHES
+    return RELAY_TAGS + 2 * p, RELAY_TAGS + 2 * p + 1
+
+
+def session_tags(session: int) -> tuple[int, int, int]:
+    """The tags of weight-sync session ``session``: header, payload, ask."""
     base = SESSIONS_BASE + 4 * session
-    return base, base + 1, base + 2, base + 3
+    return base, base + 1, base + 2

@@ -255,9 +255,11 @@ class Transfer(torch.futures.Future):
             helper.join(left())
         return True
 
-    def ended(self) -> "Ended":
-        """A work that completes when this transfer ends, for another protocol to yield."""
-        return Ended(self)
+    def ended(self, drive: bool = True) -> "Ended":
+        """A work that completes when this transfer ends, for another protocol to yield (``drive=False``: its
+        wait never drives it on the waiter's thread, so a wait in gloo that outlives its deadline holds only
+        the transfer's own driver)."""
+        return Ended(self, drive)
 
     def settle(self) -> None:
         """Drive the transfer to its end on this thread; never raises (the error is the future's)."""
@@ -306,14 +308,17 @@ class Transfer(torch.futures.Future):
 class Ended:
     """A work that completes when ``transfer`` ends (see :meth:`Transfer.ended`)."""
 
-    def __init__(self, transfer: Transfer) -> None:
-        self.transfer = transfer
+    def __init__(self, transfer: Transfer, drive: bool = True) -> None:
+        self.transfer, self.drive = transfer, drive
 
     def is_completed(self) -> bool:
         return self.transfer.settled
 
     def wait(self, timeout: Any = None) -> bool:
-        self.transfer.settle()  # drives it here if its own driver has not yet (it may be queued behind us)
+        if self.drive:
+            self.transfer.settle()  # drives it here if its own driver has not yet (it may be queued behind us)
+        else:
+            self.transfer._settled.wait()  # (its driver drives it; its deadline ends it)
         return True
 
 

@@ -33,10 +33,9 @@ def enrol(session: Session, pool: SnapshotPool, lanes: list[Any], raw: bytes, se
 
 
 def serve(session: Session, pool: SnapshotPool, members: list[Member]) -> None:
-    """Serve ``members`` from the next push on: what they map (star fan-out only), their listeners."""
-    star = session.fanout == "star"
+    """Serve ``members`` from the next push on: what they map (not with relay fan-out), their listeners."""
     for member in members:
-        member.shared = member.shared and star
+        member.shared = member.shared and session.fanout != "relay"
         member.alias = member.shared and member.alias and session.shared_kind == SHARED_MEMORY
     if (session.mode == "sync" and session.shared_kind == SHARED_MEMORY and any(m.shared for m in members)
             and not pool.populated):

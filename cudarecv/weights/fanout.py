@@ -6,6 +6,7 @@ receiver (the drop policy). The fan-out is picked once, at the handshake: :func:
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import Any, Callable
 
@@ -16,27 +17,52 @@ from ..core.errors import (
     OutOfStepError,
     PeerError,
     PushHeaderError,
+    RelayLost,
     TransferTimeout,
 )
 from ..core.log import logger
 from ..core.transfer import CUDA_IPC
+from ..samehost.machine import host_id
 from ..wire.control import read_bytes, wire_bytes
 from ..wire.staging import send_from
 from .link import link_error, send_bytes
 from .session import Member, Session
 from .snapshots import Snapshot, SnapshotPool
-from .wire import ASK_SIZE, GOT, LOST, REJECTED, read_ask, trailer_message
+from .wire import ASK_SIZE, GOT, LOST, REJECTED, hop_limit, read_ask, trailer_message
 
 
 def out_of_step(text: str) -> OutOfStepError:
     return OutOfStepError(f"{text} (the link is out of step)")
 
 
-def protocol(session: Session, live: list[Member], i: int, snapshot: Snapshot, limit: float) -> Any:
-    """The protocol that pushes ``snapshot`` to ``live[i]`` by the session's fan-out."""
-    if session.fanout == "relay":
-        return _relayed(session, live, i, snapshot, limit)
-    return send(session, live[i], snapshot, limit)
+def chain_of(session: Session, live: list[Member]) -> list[Member]:
+    """The receivers a sync push relays through, in chain order (the others get it by the star): with
+    ``fanout="relay"`` every receiver on the wire, in the order given (receivers that joined through a store: each
+    host's next to each other, this host's first); an elastic sender's ``"auto"`` relays when at least two are on
+    the wire and one is on another host (a sender's ``"auto"`` with a group chose at its handshake)."""
+    if session.mode != "sync" or session.fanout == "star":
+        return []
+    wire = [m for m in live if not m.shared]
+    if not session.elastic:
+        return wire
+    here = host_id()
+    if session.fanout == "auto" and (len(wire) < 2 or all(m.host == here for m in wire)):
+        return []
+    return sorted(wire, key=lambda m: (m.host != here, m.host, m.rank))
+
+
+def protocol(session: Session, chain: list[Member], member: Member, snapshot: Snapshot, limit: float) -> Any:
+    """The protocol that pushes ``snapshot`` to ``member``: through the relay ``chain`` if it is in it, else by
+    the star."""
+    if member in chain:
+        return _relayed(session, chain, chain.index(member), snapshot, limit)
+    return send(session, member, snapshot, limit)
+
+
+def time_for(chain: list[Member], member: Member, limit: float) -> float:
+    """How long a push's transfer to ``member`` may take: ``limit``; in a relay chain, as long as the hop after
+    it waits (so a hop that timed out on a stopped one before it has ``limit`` to say so)."""
+    return hop_limit(limit, chain.index(member) + 1) if member in chain else limit
 
 
 def send(session: Session, member: Member, snapshot: Snapshot, limit: float) -> Any:
@@ -62,16 +88,17 @@ def _relayed(session: Session, chain: list[Member], i: int, snapshot: Snapshot, 
     """Relay, to ``chain[i]``: its header (naming its hops); the payload and the trailer to the head of the
     chain only; then the receiver's word that it has the version."""
     member, lane = chain[i], chain[i].lane
-    header = dataclasses.replace(snapshot.header, relayed=True,
+    header = dataclasses.replace(snapshot.header, relayed=True, hop=i, wait_ms=math.ceil(hop_limit(limit, i) * 1e3),
                                  up=lane.link.pg.rank() if i == 0 else chain[i - 1].rank,
                                  down=chain[i + 1].rank if i + 1 < len(chain) else -1)
     head = yield from send_from(lane, [wire_bytes(lane, header.pack())], [session.tags.header], defer=True)
     if i == 0:
-        yield from send_from(lane, snapshot.chunks, [session.tags.payload] * len(snapshot.chunks))
-        yield from send_bytes(lane, trailer_message(header.version), session.tags.trailer)
+        payload, trailer = session.tags.relay(header.version)
+        yield from send_from(lane, snapshot.chunks, [payload] * len(snapshot.chunks))
+        yield from send_bytes(lane, trailer_message(header.version), trailer)
     if head:
         yield head
-    yield from _confirmed(session, member, header.version, limit)
+    yield from _confirmed(session, member, header.version, hop_limit(limit, i + 1))
 
 
 def _confirmed(session: Session, member: Member, version: int, limit: float) -> Any:
@@ -107,9 +134,11 @@ class Got:
                 raise TransferTimeout(f"{m.who} did not confirm version {self.version}")
             gone, got, leaving = m.gone, m.got, m.leaving
         if got is not None and got.version >= self.version:
-            if got.version == self.version and got.status == LOST:
-                raise PeerError(f"push of version {self.version}: {m.who} did not get it: rank {got.rank} "
-                                "before it in the relay chain failed during the push")
+            if got.version == self.version and got.status == LOST:  # it stays served: its links are in step
+                raise RelayLost(f"push of version {self.version}: {m.who} did not get it: "
+                                f"{'receiver' if self.session.elastic else 'rank'} {got.rank} before it in the "
+                                "relay chain failed during the push; it keeps its last version, stays served and "
+                                "gets the next through the chain healed")
             if got.version == self.version and got.status == REJECTED:  # it stays served: its link is in step
                 if self.session.verify:
                     raise ChecksumError(f"push of version {self.version}: {m.who} rejected it: the BLAKE3 "
@@ -127,8 +156,11 @@ def dropping(session: Session, pool: SnapshotPool, member: Member, version: int,
              told: bool = True) -> Callable[[BaseException, float], BaseException]:
     """The error hook of a transfer of ``version`` to ``member``: name it, and drop it (``told``: the error
     reaches the caller, a push's future; else the next push names it). A receiver that rejected the version
-    (its word) stays served."""
+    (its word), or lost it to a failure before it in the relay chain (logged), stays served."""
     def dropped(error: BaseException, elapsed: float) -> BaseException:
+        if isinstance(error, RelayLost):
+            logger.warning("weight sender: %s", error)
+            return error
         if isinstance(error, MismatchError):
             return error
         seconds = timeout if isinstance(error, TimeoutError) else elapsed

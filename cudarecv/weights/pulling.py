@@ -20,12 +20,14 @@ from ..core.errors import (
     ChecksumError,
     Error,
     OutOfStepError,
+    PeerError,
     PushHeaderError,
+    RelayLost,
     SenderClosed,
     TransferTimeout,
     UsageError,
 )
-from ..core.link import Link
+from ..core.link import Link, peer_failure
 from ..core.protocol import StartClock
 from ..core.transfer import Transfer
 from ..samehost import cuda_ipc
@@ -66,16 +68,18 @@ class Puller:
             streams.follow_caller(self.lane.stream)
         link = self.lane.link
         return Transfer(self._pull(slot, index, limit), self.lane.stream, timeout=math.inf,
-                        driver=self.driver.submit, on_error=self._failing(limit, link), link=link, raise_first=False,
-                        what=f"pull of a version newer than {self.version} from rank {link.peer}")
+                        driver=self.driver.submit, on_error=self._failing(limit, link, index), link=link,
+                        raise_first=False, what=f"pull of a version newer than {self.version} from rank {link.peer}")
 
-    def _failing(self, timeout: float, link: Link) -> Callable[[BaseException, float], BaseException]:
+    def _failing(self, timeout: float, link: Link, index: int) -> Callable[[BaseException, float], BaseException]:
         def failed(error: BaseException, elapsed: float) -> BaseException:
-            lost, failing = self.hop.broken(), link
+            lost = self.hop.broken()
             if lost is not None:  # the relayed payload did not come: the sender hears who failed
-                version, rank, failing = lost  # (the error is the upstream link's)
+                version, rank, upstream = lost
                 with contextlib.suppress(Exception):
                     self.inbox.asks.post(ask_message(GOT, version, LOST, rank))
+                if upstream and not self.lane.nccl:  # a hop before this one: the sender's link is in step
+                    return self._lost(error, version, rank, index)
             if isinstance(error, Error) and error.link_usable:
                 return error  # drained, the link in step (or the sender closed): the next pull is told
             if isinstance(error, OutOfStepError):
@@ -83,10 +87,28 @@ class Puller:
                 return error
             seconds = timeout if isinstance(error, TimeoutError) else elapsed
             replaced = error if isinstance(error, Error) and not isinstance(error, TimeoutError) else link_error(
-                failing, "pull", error, seconds, "sent no complete version")
+                link, "pull", error, seconds, "sent no complete version")
             self.broken = str(replaced)
             return replaced
         return failed
+
+    def _lost(self, error: BaseException, version: int, rank: int, index: int) -> RelayLost:
+        """A relayed ``version`` did not come, for a failure at hop ``rank`` before this one (``error``): this
+        receiver stays in step with the sender (each push's hops have tags of their own, so nothing left posted
+        takes a later one); the own slot the version was landing in is never written again if receives from that
+        hop may still be posted, and a hop whose link broke is let go of (it died, or left)."""
+        if isinstance(error, RelayLost):  # (the hop before said so in its trailer: everything arrived)
+            return error
+        if not isinstance(error, Error) or not error.link_usable:
+            self.slots.renew(index, self.schema, self.piece, self.device)
+        if not isinstance(error, (Error, TimeoutError)) or isinstance(error, PeerError):
+            self.hop.forget(rank)
+        why = error if isinstance(error, Error) else peer_failure(error)
+        lost = RelayLost(f"pull of version {version}: the link to rank {rank}, the hop before this receiver in the "
+                         f"relay chain, failed during the push ({why}); version {self.version} stays published, and "
+                         "the next version comes through the chain healed")
+        lost.__cause__ = error
+        return lost
 
     def _pull(self, slot: Slot, index: int, limit: float) -> Any:
         lane, inbox = self.lane, self.inbox
@@ -106,7 +128,8 @@ class Puller:
         taken = inbox.asks.taken(mark)
         if taken:
             yield taken  # (returns at once) and lets them go
-        yield [StartClock(limit)]  # a version is arriving: it must land within the pull's timeout
+        # a version is arriving: it must land within the pull's timeout (a relay's hop: the time its header gives)
+        yield [StartClock(header.wait_ms / 1e3 if header.relayed else limit)]
         total, piece = self.schema.total, self.piece
         if (header.total, header.piece) != (total, piece):  # never sized from the header
             raise OutOfStepError(
@@ -121,7 +144,7 @@ class Puller:
         if header.shared:
             slot = yield from self._take_shared(header, slot, problem)
         elif header.relayed:
-            yield from self.hop.receive(header, slot, index, limit, self.version)  # forwarded, published or not
+            yield from self.hop.receive(header, slot, index, self.version)  # forwarded, published or not
         elif problem:
             yield from drain(lane, self.schema.message_sizes(piece), inbox.tags.payload)
         else:

@@ -17,7 +17,7 @@ from typing import Any
 
 from ..core.errors import MismatchError, PeerError
 from ..core.transfer import Transfer
-from .fanout import dropping, protocol
+from .fanout import chain_of, dropping, protocol, time_for
 from .serving import serve
 from .session import Member, Session
 from .snapshots import SnapshotPool
@@ -58,9 +58,11 @@ class SyncPushes(Pushes):
         version, pushes = session.version, []
         with session.cond:  # (a receiver's BYE, and its RELEASED queued after what is in flight, wait for this)
             live = [m for m in live if m.served]  # one that said BYE meanwhile may be released already: skip it
-            for i, member in enumerate(live):
+            chain = chain_of(session, live)
+            for member in live:
                 pushes.append((member, Transfer(
-                    protocol(session, live, i, target, limit), member.lane.stream, timeout=limit,
+                    protocol(session, chain, member, target, limit), member.lane.stream,
+                    timeout=time_for(chain, member, limit),
                     driver=member.driver.submit, link=member.lane.link, raise_first=False,
                     on_error=dropping(session, pool, member, version, limit),
                     what=f"push of version {version} to {member.who}")))

@@ -293,7 +293,7 @@ class WeightReceiver:
             if header.kind == PUSH and header.relayed:  # the hops after this one still need it
                 index = self._slots.spare()
                 slot = self._slots.own[index].writable()
-                yield from self._hop.receive(header, slot, index, self.timeout, self.version)
+                yield from self._hop.receive(header, slot, index, self.version)
             elif header.kind == PUSH and not header.shared:  # (a shared push sends nothing more)
                 yield from drain(lane, self.schema.message_sizes(self._puller.piece), inbox.tags.payload)
 

@@ -25,16 +25,17 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor
 
 from ..core import streams
 from ..core.driver import Driver
-from ..core.errors import OutOfStepError, PeerError
+from ..core.errors import OutOfStepError, RelayLost
 from ..core.link import Link
 from ..core.transfer import Transfer
+from ..core.transport import release
 from ..wire.control import read_bytes, wire_bytes
 from ..wire.staging import Lane, lane_for, recv_into, send_from, wire_can_touch
 from .inbox import header_too_long
@@ -111,98 +112,141 @@ class _Landed:
 
 
 class Hop:
-    """A receiver's part in relay chains: lanes to the other receivers of its group, a forwarding thread per next
-    hop, per slot the forward that may still read it, and while a relayed payload arrives, its relay and the
-    upstream link (to say downstream and to the sender who failed if it breaks)."""
+    """A receiver's part in relay chains: lanes to the other receivers of its chains, a forwarding thread per next
+    hop and a receiving thread per hop before (so a hop that stops holds none of this receiver's later pulls), per
+    slot the forward that may still read it, and while a relayed payload arrives, its relay and the
+    rank before it (to say downstream and to the sender who failed if it breaks).
+
+    ``connect``: how the link to another receiver forms (a receiver that joined through a store: a pair of its
+    own, :class:`cudarecv.weights.membership.edges.Edges`); by default that rank in this receiver's group."""
 
     def __init__(self, lane: Lane, tags: Any, device: torch.device) -> None:
         self.lane, self.tags, self.device = lane, tags, device
+        self.connect: Callable[[int, int], Link] | None = None  # (rank, version of the push naming it) -> link
         self._peers: dict[int, Lane] = {}
         self._forwarders: dict[int, Driver] = {}
+        self._receivers: dict[int, Driver] = {}
         self._forwards: dict[int, Transfer] = {}
-        self.relaying: tuple[Relay | None, Link, int] | None = None
+        self.relaying: tuple[Relay | None, int, int] | None = None
         self.lost_at: int | None = None
 
-    def receive(self, header: Any, slot: Any, index: int, limit: float, version: int) -> Any:
+    def receive(self, header: Any, slot: Any, index: int, version: int) -> Any:
         """A sub-protocol: receive the payload from the hop before this one into ``slot`` (own slot ``index``) and
-        forward each chunk to the hop after it as it lands; raises :class:`PeerError` naming the rank that failed
-        upstream if the push broke there (``version``: the one this receiver keeps)."""
-        up = self._peer(header.up, "the hop before this receiver")
+        forward each chunk to the hop after it as it lands (within as long as the hop after it waits: the header's
+        ``wait_ms`` is this hop's); raises :class:`RelayLost` naming the rank that failed upstream if the push
+        broke there (``version``: the one this receiver keeps)."""
+        if header.down >= 0 and header.down == header.up:
+            raise OutOfStepError(f"a relay header names rank {header.up} as both hops: the link is out of step")
+        self.relaying, self.lost_at = (None, header.up, header.version), None
+        payload, trailer = self.tags.relay(header.version)
         relay = None
-        if header.down >= 0:
-            if header.down == header.up:
-                raise OutOfStepError(f"a relay header names rank {header.up} as both hops: the link is out of step")
-            down = self._peer(header.down, "the hop after this receiver")
-            relay = Relay(down, slot.pieces, self.tags.payload, self.tags.trailer, header.version)
+        if header.down >= 0:  # (formed before the hop before: if that one cannot be reached, the next is told)
+            down = self._peer(header.down, "the hop after this receiver", header.version)
+            relay = Relay(down, slot.pieces, payload, trailer, header.version)
             self._forwards[index] = Transfer(
-                relay.forward(), down.stream, timeout=limit, driver=self._forwarder(header.down).submit,
-                link=down.link, raise_first=False, what=f"forward of version {header.version} to rank {header.down}")
-        self.relaying, self.lost_at = (relay, up.link, header.version), None
-        tags = [self.tags.payload] * len(slot.pieces)
+                relay.forward(), down.stream, timeout=header.wait_ms / 1e3 * (header.hop + 2) / (header.hop + 1),
+                driver=self._driver(self._forwarders, "forward", header.down).submit, link=down.link, raise_first=False,
+                what=f"forward of version {header.version} to rank {header.down}")
+            self.relaying = (relay, header.up, header.version)
+        up = self._peer(header.up, "the hop before this receiver", header.version)
+        receiving = self._receive_from(up, header, slot, relay, payload, trailer)
+        if up is self.lane:  # (the head of the chain: from the sender, on the pull's own thread)
+            status, rank = yield from receiving
+        else:  # on a thread of its own per hop before: one that stops holds no later pull of this receiver
+            transfer = Transfer(receiving, up.stream, timeout=header.wait_ms / 1e3,
+                                driver=self._driver(self._receivers, "receive", header.up).submit, link=up.link,
+                                raise_first=False, what=f"receive of version {header.version} from rank {header.up}")
+            yield [transfer.ended(drive=False)]
+            status, rank = transfer.wait()
+        if status == BROKEN:
+            self.lost_at = rank
+            raise RelayLost(f"pull of version {header.version}: rank {rank} before this receiver in the relay "
+                            f"chain failed during the push (did its process die?): version {version} stays "
+                            "published, and the next version comes through the chain healed")
+        self.relaying = None
+        if relay is not None:
+            relay.end()
+
+    def _receive_from(self, up: Lane, header: Any, slot: Any, relay: Relay | None, payload: int,
+                      trailer: int) -> Any:
+        """A sub-protocol: the payload from the hop before into ``slot``, each chunk to ``relay`` as it lands;
+        returns the trailer's (status, the rank that failed)."""
+        tags = [payload] * len(slot.pieces)
         if relay is not None and up.nccl and wire_can_touch(up, slot.pieces):  # one chunk at a time: each forwarded
             for i, piece in enumerate(slot.pieces):                              # once its receive is on the stream
                 yield from recv_into(up, [piece], tags[:1], landed=lambda _, i=i: relay.landed(i))
         else:
             yield from recv_into(up, slot.pieces, tags, landed=relay.landed if relay is not None else None)
-        status, got, rank = read_trailer((yield from read_bytes(up, TRAILER_SIZE, self.tags.trailer, "relay trailer",
+        status, got, rank = read_trailer((yield from read_bytes(up, TRAILER_SIZE, trailer, "relay trailer",
                                                                 header_too_long)))
         if got != header.version:
             raise OutOfStepError(f"the relay trailer is for version {got}, not {header.version}: out of step")
-        if status == BROKEN:
-            self.lost_at = rank
-            raise PeerError(f"pull of version {header.version}: rank {rank} before this receiver in the relay chain "
-                            f"failed during the push (did its process die?): version {version} stays published")
-        self.relaying = None
-        if relay is not None:
-            relay.end()
+        return status, rank
 
-    def broken(self) -> tuple[int, int, Link] | None:
+    def broken(self) -> tuple[int, int, bool] | None:
         """A pull failed: if a relayed payload was arriving, tell the next hop who failed; returns (version, the
-        rank that failed, the upstream link: the error is that link's) for the sender, or None."""
+        rank that failed, whether it is a hop before this one rather than the sender), or None."""
         relaying, self.relaying = self.relaying, None
         if relaying is None:
             return None
-        relay, link, version = relaying
-        lost = self.lost_at if self.lost_at is not None else link.peer
+        relay, up, version = relaying
+        lost = self.lost_at if self.lost_at is not None else up
         if relay is not None:
             relay.end(broken=lost)
-        return version, lost, link
+        return version, lost, up != self.lane.link.peer
+
+    def forget(self, rank: int, timeout: float = 0.0) -> None:
+        """The receiver ``rank`` is gone (its link broke): let go of the lane to it (a pair of its own, released)
+        and of its threads (each ends once what it runs ends; waited for up to ``timeout`` s)."""
+        for drivers in (self._forwarders, self._receivers):
+            driver = drivers.pop(rank, None)
+            if driver is not None:
+                driver.stop(timeout)
+        lane = self._peers.pop(rank, None)
+        if lane is not None and self.connect is not None:
+            release(lane.link.pg)
 
     def forward_of(self, index: int) -> Transfer | None:
         """The forward that may still read own slot ``index`` (let go of here)."""
         return self._forwards.pop(index, None)
 
-    def _peer(self, rank: int, what: str) -> Lane:
-        """The lane to another rank of this receiver's group (the sender's own for the sender)."""
+    def _peer(self, rank: int, what: str, version: int) -> Lane:
+        """The lane to another receiver of the chain (the sender's own for the sender)."""
         link = self.lane.link
         if rank == link.peer:
             return self.lane
-        if not 0 <= rank < link.pg.size() or rank == link.pg.rank():
-            raise OutOfStepError(f"a relay header names rank {rank} as {what}, in a group of {link.pg.size()} "
-                                 f"where this is rank {link.pg.rank()}: the link is out of step")
         lane = self._peers.get(rank)
         if lane is None:
-            peer = Link(link.pg, rank, link.registered, link.backend)
+            if self.connect is not None:
+                peer = self.connect(rank, version)
+            elif not 0 <= rank < link.pg.size() or rank == link.pg.rank():
+                raise OutOfStepError(f"a relay header names rank {rank} as {what}, in a group of {link.pg.size()} "
+                                     f"where this is rank {link.pg.rank()}: the link is out of step")
+            else:
+                peer = Link(link.pg, rank, link.registered, link.backend)
             stream = None
             if self.lane.stream is not None:  # forwards run on a stream of their own, next to the receives
                 stream = torch.cuda.Stream(device=self.lane.stream.device)
             lane = self._peers[rank] = lane_for(peer, self.device, stream, streams.StagingPool())
         return lane
 
-    def _forwarder(self, rank: int) -> Driver:
-        driver = self._forwarders.get(rank)
+    @staticmethod
+    def _driver(drivers: dict[int, Driver], what: str, rank: int) -> Driver:
+        """The thread that forwards to (or receives from) ``rank``."""
+        driver = drivers.get(rank)
         if driver is None:
-            driver = self._forwarders[rank] = Driver(f"cudarecv-forward-{rank}")
+            driver = drivers[rank] = Driver(f"cudarecv-{what}-{rank}")
         return driver
 
     def close(self, deadline: float) -> None:
         """At the receiver's close: a relay cut short says so downstream; the hops after this one get what is on
-        its way (each forward waited for until ``deadline``); the forwarders stop; the lanes are let go of."""
+        its way (each forward waited for until ``deadline``); the forwarders stop; the lanes are let go of (the
+        pairs of a receiver that joined through a store, released)."""
         if self.relaying is not None and self.relaying[0] is not None:
-            self.relaying[0].end(broken=self.relaying[1].peer)
+            self.relaying[0].end(broken=self.relaying[1])
         for forward in self._forwards.values():
             with contextlib.suppress(Exception):
                 forward.wait(max(deadline - time.monotonic(), 0.0))
-        for driver in self._forwarders.values():
-            driver.stop(max(deadline - time.monotonic(), 0.0))
-        self._peers, self._forwards, self.lane = {}, {}, None
+        for rank in {*self._peers, *self._forwarders, *self._receivers}:
+            self.forget(rank, max(deadline - time.monotonic(), 0.0))
+        self._forwards, self.lane = {}, None

@@ -152,7 +152,7 @@ class WeightSender:
             raise ArgumentError(f"the schema of `td` takes {len(self._raw)} bytes of JSON, more than "
                                 f"{MAX_SCHEMA_BYTES}: send fewer, larger leaves")
         # a relay moves chunks; "auto" may choose it after the handshake, so it chunks too when it may
-        chunk = RELAY_CHUNK if fanout == "relay" or (fanout == "auto" and mode == "sync" and not elastic) else math.inf
+        chunk = RELAY_CHUNK if fanout == "relay" or (fanout == "auto" and mode == "sync") else math.inf
         piece = bucket_bytes or max(min(schema.total, chunk), 1)
         schema.check_pieces(piece)
         self._device = plan.device

@@ -33,7 +33,7 @@ def _listen(session: Session, pool: SnapshotPool, member: Member) -> None:
                 read_bytes(lane, ASK_SIZE, session.tags.ask, "receiver message", out_of_step), lane.link,
                 lane.stream, on_error=naming(lane.link, "weight sync", math.inf, "sent nothing")))
             kind, version = ask.kind, ask.version
-            if (kind == ASK and session.mode != "latest") or (kind == GOT and session.fanout != "relay"
+            if (kind == ASK and session.mode != "latest") or (kind == GOT and session.fanout == "star"
                                                                and not member.shared) or (
                     kind == FREED and not member.alias):
                 raise OutOfStepError(f"the receiver sent a message this {session.mode} {session.fanout} sender "

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from ..core.errors import OutOfStepError, SchemaError
 from ..core.records import Record
-from ..core.tags import SESSIONS, session_tags
+from ..core.tags import SESSIONS, relay_tags, session_tags
 from .schema import MAX_BYTES, MAX_SCHEMA_BYTES
 
 
@@ -40,14 +40,18 @@ class SessionTags:
     same group (a receiver never closed) cannot take this session's messages.
     """
 
+    session: int
     header: int
     payload: int
     ask: int
-    trailer: int  # relay fan-out: what follows a push's chunks from the previous hop
 
     @classmethod
     def of(cls, session: int) -> "SessionTags":
-        return cls(*session_tags(session))
+        return cls(session, *session_tags(session))
+
+    def relay(self, version: int) -> tuple[int, int]:
+        """Relay fan-out: the payload and trailer tags of ``version``'s push on every hop of the chain."""
+        return relay_tags(self.session, version)
 
 
 STATUS_SIZE = 256
@@ -55,7 +59,7 @@ MODES = ("sync", "latest")
 FANOUTS = ("auto", "star", "relay")
 
 # -- per-push header ---------------------------------------------------------------
-FORMAT = 3
+FORMAT = 4  # 4: a relayed header names its hop (the receiver's place in the chain)
 
 
 class Flag(IntFlag):
@@ -76,7 +80,7 @@ class HeaderKind(IntEnum):
 
 PUSH, CLOSED, RELEASED = HeaderKind  # (each message's kinds by name at module level too, as ``re`` has its flags)
 _OUT_OF_STEP = "not drained, the link is out of step"
-HEADER = Record("weight-push header", b"CDRS", "HHIQQQ16s16siii", size=96, hint=_OUT_OF_STEP)
+HEADER = Record("weight-push header", b"CDRS", "HHIQQQ16s16siiiiI", size=96, hint=_OUT_OF_STEP)
 HEADER_SIZE = HEADER.size
 
 
@@ -89,11 +93,16 @@ class PushHeader:
     checksum: bytes = bytes(16)
     verify: bool = False
     kind: HeaderKind = PUSH
-    #: relay fan-out: the payload comes from rank ``up`` (in the group), is forwarded to ``down`` (-1: none),
-    #: and ends with a trailer on each hop; the receiver then tells the sender what became of it
+    #: relay fan-out: the payload comes from rank ``up`` (in the group; a receiver that joined through a store:
+    #: its join number, the sender's is 0), is forwarded to ``down`` (-1: none), and ends with a trailer on each
+    #: hop; the receiver then tells the sender what became of it. ``hop``: its place in the chain (0: first);
+    #: ``wait_ms``: how long it waits for its version once this header came (:func:`hop_limit` of the sender's
+    #: timeout: every hop of a chain on the sender's clock, whatever the receivers' own timeouts)
     relayed: bool = False
     up: int = -1
     down: int = -1
+    hop: int = 0
+    wait_ms: int = 0
     #: same-host transport: the version is in the sender's shared segment ``segment`` (nothing follows)
     shared: bool = False
     segment: int = -1
@@ -102,18 +111,26 @@ class PushHeader:
         flags = ((Flag.VERIFY if self.verify else 0) | (Flag.RELAY if self.relayed else 0)
                  | (Flag.SHARED if self.shared else 0))
         return HEADER.pack(FORMAT, flags, self.kind, self.version, self.total, self.piece, self.fingerprint,
-                           self.checksum, self.up, self.down, self.segment)
+                           self.checksum, self.up, self.down, self.segment, self.hop, self.wait_ms)
 
     @classmethod
     def unpack(cls, raw: bytes) -> "PushHeader":
         """The header in ``raw``; :class:`OutOfStepError` if it is none or its fields are not a header's."""
-        fmt, flags, kind, version, total, piece, fingerprint, checksum, up, down, segment = HEADER.unpack(raw)
-        if fmt != FORMAT or piece <= 0 or kind not in iter(HeaderKind) or flags & ~(Flag.VERIFY | Flag.RELAY | Flag.SHARED):
+        fmt, flags, kind, version, total, piece, fingerprint, checksum, up, down, segment, hop, wait_ms = HEADER.unpack(raw)
+        if fmt != FORMAT or piece <= 0 or hop < 0 or kind not in iter(HeaderKind) or flags & ~(Flag.VERIFY | Flag.RELAY | Flag.SHARED):
             raise OutOfStepError(f"a weight-push header of format {fmt}, kind {kind}, flags {flags}, {piece}-byte "
                                  f"messages is not this cudarecv version's: {_OUT_OF_STEP}")
         flags = Flag(flags)
         return cls(version, total, piece, fingerprint, checksum, Flag.VERIFY in flags, HeaderKind(kind),
-                   Flag.RELAY in flags, up, down, Flag.SHARED in flags, segment)
+                   Flag.RELAY in flags, up, down, hop, wait_ms, Flag.SHARED in flags, segment)
+
+
+def hop_limit(limit: float, hop: int) -> float:
+    """How long hop ``hop`` of a relay chain waits for its version (``limit``: the sender's push timeout):
+    ``limit`` more than the hop before it, so a hop that times out on a stopped receiver before it still has
+    ``limit`` to tell the hops after it (its trailer says BROKEN) and the sender (its word says LOST), and they
+    never time out on a live one. The sender waits for hop ``hop``'s word as long as hop ``hop + 1`` waits."""
+    return limit * (hop + 1)
 
 
 # -- the receiver's messages -----------------------------------------------------------
@@ -238,7 +255,7 @@ def read_status(raw: bytes) -> tuple[Answer, str]:
 PREAMBLE = Record("weight-sync handshake", b"CDRH", "IQQIII", crc=False,
                   hint="is the peer a WeightSender of this cudarecv version?")
 PREAMBLE_SIZE = PREAMBLE.size
-PREAMBLE_FORMAT = 5  # 5: the handshake's answer is a record (magic, CRC)
+PREAMBLE_FORMAT = 6  # 5: the handshake's answer is a record (magic, CRC); 6: push header format 4
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,9 @@ Under ``cudarecv/weights/<name>/`` in the user's store (a TCPStore or FileStore 
 - ``g<N>/joins``: a counter; a receiver takes the next number ``k`` and writes ``g<N>/join/<k>`` (its host and
   pid); the two then form a gloo group of their own on ``g<N>/pair/<k>/`` (the sender rank 0) and run the
   weight-sync handshake over it;
-- ``g<N>/join/<k>`` with ``{"closed": true}``: the sender closed (it wakes its own admission thread).
+- ``g<N>/join/<k>`` with ``{"closed": true}``: the sender closed (it wakes its own admission thread);
+- ``g<N>/edge/<a>-<b>/<v>/``: relay fan-out: the gloo pair of receivers ``a < b``, formed when the push of version
+  ``v`` first names them neighbours in its chain (rank 0: ``a``).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ class Directory:
                                 f"got {name!r}")
         # a client of its own: a push records its version in the store, and must not wait behind a blocking
         # wait of the caller's on its client (a TCPStore client runs one operation at a time)
-        self.store, self.name = _own_client(store), name
+        self.store, self.name = own_client(store), name
         self.root = f"cudarecv/weights/{name}"
 
     def key(self, *parts: object) -> str:
@@ -98,8 +100,12 @@ class Directory:
         """The prefix on which the sender and receiver ``k`` form their group."""
         return self.key(f"g{generation}", "pair", k)
 
+    def edge(self, generation: int, a: int, b: int, version: int) -> str:
+        """The prefix on which receivers ``a`` and ``b`` form their pair for the relay chain of ``version``."""
+        return self.key(f"g{generation}", "edge", f"{min(a, b)}-{max(a, b)}", version)
 
-def _own_client(store: Any) -> Any:
+
+def own_client(store: Any) -> Any:
     """A client of ``store`` of cudarecv's own (TCPStore and FileStore clone; a store that cannot is shared)."""
     try:
         return store.clone()

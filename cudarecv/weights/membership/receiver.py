@@ -21,6 +21,7 @@ from ...core.errors import (
     ArgumentError,
     BrokenError,
     PeerError,
+    RelayLost,
     SenderClosed,
     TransferTimeout,
     UsageError,
@@ -30,6 +31,7 @@ from ...core.groups import store_group
 from ...core.log import logger
 from ..receiver import WeightReceiver
 from .directory import Directory
+from .edges import Edges
 
 #: what a pull raises when its sender is gone, after which it looks for a new sender under the name
 GONE = (SenderClosed, PeerError, TransferTimeout, BrokenError)
@@ -73,6 +75,7 @@ class ElasticReceiver(WeightReceiver):
         group = store_group(self._directory.store, self._directory.pair(generation, k), 1, 2, self.timeout,
                             f"receiver {k} of weight sender {self._directory.name!r}: its pair with the sender")
         joined = WeightReceiver(group=group, group_src=0, timeout=self.timeout, **self._options)
+        joined._hop.connect = Edges(self._directory, generation, k, self.timeout)  # (a relay's neighbours)
         old, self._current = self._current, joined
         if old is not None:
             old.close()  # (its last version stays readable)
@@ -113,7 +116,8 @@ class ElasticReceiver(WeightReceiver):
 
     # -- pulling -----------------------------------------------------------------------------------------
     def pull(self, wait: bool = True, timeout: float | None = None) -> Any:
-        """:meth:`WeightReceiver.pull`, always of a version newer than the one held. When the sender is gone
+        """:meth:`WeightReceiver.pull`, always of a version newer than the one held (a version lost to a failure
+        before this receiver in a relay chain is logged, and the pull waits for the next). When the sender is gone
         (it closed, died, or dropped this receiver), join the newest sender of the name (the same one again
         if it still serves, else the next to come within ``timeout``) and pull from it; if none can be joined,
         raise why the last one is gone. ``wait=False`` returns the joined receiver's transfer, no rejoin."""
@@ -132,6 +136,9 @@ class ElasticReceiver(WeightReceiver):
                                   "pull() goes on waiting")
             try:
                 version = self._current.pull(True, left)
+            except RelayLost as error:  # (a hop before this one failed: the next version comes healed)
+                logger.info("weight receiver %d of %r: %s", self.id, self._directory.name, error)
+                continue
             except GONE as error:
                 if self._closed:
                     raise

@@ -55,11 +55,8 @@ class ElasticSender(WeightSender):
                                 "through the store (drop `store` and `name` to send to ranks of a group)")
         timeout = check_options(timeout=timeout, transport=transport, bucket_bytes=bucket_bytes)["timeout"]
         check_mode(mode, buffers, fanout)
-        if fanout == "relay":
-            raise ArgumentError("fanout='relay' needs every receiver in one process group; receivers that join "
-                                "through a store are served by a star: pass fanout='star' or 'auto'")
         self._directory = Directory(store, name)
-        self._begin(td, [], bucket_bytes, timeout, verify, stream, mode, buffers or LATEST_BUFFERS, "star",
+        self._begin(td, [], bucket_bytes, timeout, verify, stream, mode, buffers or LATEST_BUFFERS, fanout,
                     transport, elastic=True)
         self._generation, self._s.version = self._directory.announce(mode)
         self._joins: list[threading.Thread] = []
