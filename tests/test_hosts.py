@@ -77,23 +77,25 @@ def test_a_sharded_trainer_relays_each_ranks_pieces_across_hosts(cross_section):
 
 
 def test_a_receiver_killed_mid_push_in_a_relay_chain(cluster, tmp_path):
-    """Chain 1 -> 2 -> 3 -> 4, rank 2 killed: the push and ranks 3 and 4 name it within timeout + 10 s;
-    rank 1 keeps its versions and gets the next; the survivors then sync on a new group."""
+    """Chain 1 -> 2 -> 3 -> 4, rank 2 killed mid-push: the push names it within timeout + 10 s; rank 1 keeps
+    every version; ranks 3 and 4 lose that one version (named, their last one kept whole) and get the next ones
+    through the chain 1 -> 3 -> 4, healed in place on the same group."""
     trainer, up, victim, down, last = _launch(cluster, tmp_path, "kill", 5)
-    killed = victim["killed_at"]
-    assert "rank 2" in trainer["error"] and trainer["ranks_left"] == [1]
+    killed, failed = victim["killed_at"], trainer["failed_version"]
+    assert "rank 2" in trainer["error"] and trainer["ranks_left"] == [1, 3, 4], trainer
     assert trainer["failed_at"] - killed < TIMEOUT + 10
+    after = trainer["after"]
+    assert after == [failed + 1, failed + 2] and trainer["ranks_after"] == [1, 3, 4], trainer
+    assert all(ok for _, ok in up["seen"]) and [v for v, _ in up["seen"]] == list(range(1, failed + 3)), up
+    assert up["lost"] == []
     for rank, result in ((3, down), (4, last)):
-        assert "rank 2" in result["error"], f"rank {rank}: {result['error']}"
-        assert result["failed_at"] - killed < TIMEOUT + 10
-        version, whole = result["kept"]
-        assert version >= 1 and whole, f"rank {rank} lost its last good version"
-    assert "in the relay chain" in last["error"]  # heard in band from rank 3, whose link to 2 failed
-    assert all(ok for _, ok in up["seen"]) and up["seen"][-1][0] == trainer["after"]
-    assert up["kept"] == [trainer["after"], True]
-    assert trainer["rebuilt"] == 1
-    for result in (up, down, last):
-        assert result["rebuilt"] == [1, True]
+        assert len(result["lost"]) == 1, f"rank {rank}: {result['lost']}"
+        error, at, kept, whole = result["lost"][0]
+        assert error.startswith("RelayLost") and "rank 2" in error, f"rank {rank}: {error}"
+        assert at - killed < TIMEOUT + 10 and kept == failed - 1 and whole, result["lost"]
+        assert [v for v, _ in result["seen"]] == [*range(1, failed), *after], f"rank {rank}: {result['seen']}"
+        assert all(ok for _, ok in result["seen"]), f"rank {rank} saw a mixed version"
+    assert "in the relay chain" in last["lost"][0][0]  # heard in band from rank 3, whose link to 2 failed
 
 
 def _namespaces() -> set[str]:

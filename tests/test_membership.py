@@ -17,7 +17,7 @@ import pytest
 
 import cudarecv
 import cudarecv.testing.hosts as sim
-from churn import WAIT, Fleet, Pusher, _fork, master_store, resources, trainer, weights
+from churn import WAIT, Fleet, Pusher, _fork, master_store, resources, store_client, trainer, weights
 
 HERE = Path(__file__).resolve().parent
 HOST_EVENTS = 40  # on the simulated hosts (each actor a process of its own there: slower to start)
@@ -143,8 +143,8 @@ def test_a_sender_with_a_store_pushes_with_nobody_joined_and_refuses_what_needs_
         td = weights()
         with pytest.raises(cudarecv.ArgumentError, match="takes no 'dst'"):
             cudarecv.WeightSender(td, dst=1, store=store, name="p")
-        with pytest.raises(cudarecv.ArgumentError, match="fanout='relay' needs every receiver in one process group"):
-            cudarecv.WeightSender(td, store=store, name="p", fanout="relay")
+        with pytest.raises(cudarecv.ArgumentError, match="fanout='relay' is for mode='sync'"):
+            cudarecv.WeightSender(td, store=store, name="p", fanout="relay", mode="latest")
         with pytest.raises(cudarecv.ArgumentError, match="`name` must be a non-empty string without '/'"):
             cudarecv.WeightSender(td, store=store, name="a/b")
         with pytest.raises(cudarecv.ArgumentError, match="`store` must be a torch.distributed.Store"):
@@ -192,3 +192,89 @@ def test_receivers_come_and_go_on_other_hosts():
         state = states[stats[str(index)]["id"]]
         assert "dropped" in state or (how == "closed" and state == "closed by its receiver"), (index, how, state)
     print(f"\nhosts: {events}, {len(stats)} actors, {sum(s['pulled'] for s in stats.values())} pulls")
+
+
+def relay_actor(conn, port: int, name: str, index: int) -> None:
+    """A receiver in a relay chain of joined receivers: pull until the version ``relay/final`` names, each version's
+    wholeness in the store; actor 2 dies (SIGKILL) once chunk 1 of version ``relay/die_at`` has landed in it (it
+    forwards: never the tail)."""
+    from cudarecv.weights import relay
+
+    conn.close()
+    store = store_client(port)
+    receiver = cudarecv.WeightReceiver(store=store, name=name, timeout=TIMEOUT)
+    store.set(f"relay/{index}/id", str(receiver.id))
+    if index == 2:
+        landed = relay.Relay.landed
+
+        def landed_then_die(self, i: int) -> None:
+            landed(self, i)
+            if i == 1 and store.check(["relay/die_at"]) and self.version >= int(store.get("relay/die_at")):
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        relay.Relay.landed = landed_then_die
+    seen = []
+    while not (store.check(["relay/final"]) and seen and seen[-1][0] >= int(store.get("relay/final"))):
+        version = receiver.pull(timeout=WAIT)
+        with receiver.reading() as td:
+            seen.append([version, bool((td["w"] == version).all()) and bool((td["b"] == -version).all())])
+        store.set(f"relay/{index}/seen", json.dumps(seen))
+    receiver.close()
+
+
+@pytest.mark.timeout(600)
+def test_a_relay_chain_of_joined_receivers_heals_in_place_and_takes_newcomers():
+    """``fanout="relay"`` with receivers that joined through the store: the chain 1 -> 2 -> 3 forms pairs of its
+    own; receiver 2 dies mid-push: no push raises, 3 loses that one version and gets the next through 1 -> 3,
+    nothing rebuilt; a newcomer joins the chain's tail. Every version pulled is whole."""
+    name = "relay"
+    with master_store() as store:
+        td = weights()
+        sender = cudarecv.WeightSender(td, store=store, name=name, mode="sync", fanout="relay", timeout=TIMEOUT,
+                                       bucket_bytes=64 << 10)  # (5 chunks a version: one dies mid-push)
+        actors = {}
+
+        def push() -> int:
+            td["w"].fill_(sender.version + 1)
+            td["b"].fill_(-(sender.version + 1))
+            return sender.push()  # (elastic: never raises for a receiver that failed)
+
+        def join(index: int) -> None:  # one at a time: the ids follow the indices, and so does the chain
+            actors[index] = _fork(relay_actor, (store.port, name, index))
+            store.wait([f"relay/{index}/id"], datetime.timedelta(seconds=WAIT))
+            assert int(store.get(f"relay/{index}/id")) == index
+            while not store.check([f"relay/{index}/seen"]):  # (pushes until it has pulled one: it is served)
+                push()
+
+        try:
+            for index in (1, 2, 3):
+                join(index)
+            first = push()
+            assert [r["transport"] for r in sender.receivers] == ["relay"] * 3, sender.receivers
+            store.set("relay/die_at", str(first + 2))
+            for _ in range(4):
+                push()
+            actors[2].join(WAIT)
+            assert actors[2].exitcode == -signal.SIGKILL, actors[2].exitcode
+            join(4)
+            store.set("relay/final", str(sender.version + 2))
+            for _ in range(2):
+                last = push()
+            receivers = {r["id"]: r for r in sender.receivers}
+            for index in (1, 3, 4):
+                actors[index].join(WAIT)
+                assert actors[index].exitcode == 0, (index, actors[index].exitcode)
+        finally:
+            sender.close()
+            for process in actors.values():
+                process.kill()
+        seen = {i: json.loads(store.get(f"relay/{i}/seen")) for i in (1, 3, 4)}
+    assert "dropped" in receivers[2]["state"], receivers
+    assert [receivers[i]["transport"] for i in (1, 3, 4)] == ["relay"] * 3, receivers
+    for index, got in seen.items():
+        versions = [v for v, _ in got]
+        assert all(whole for _, whole in got), f"actor {index} pulled a version that was not whole: {got}"
+        assert versions == sorted(set(versions)) and versions[-1] == last, (index, versions)
+    assert set(range(first, last + 1)) <= {v for v, _ in seen[1]}, seen[1]  # upstream of the dead one: every one
+    lost = set(range(first, last + 1)) - {v for v, _ in seen[3]}
+    assert lost == {first + 2}, (lost, seen[3])  # the one version it was relaying when receiver 2 died

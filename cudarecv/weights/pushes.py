@@ -59,6 +59,7 @@ class SyncPushes(Pushes):
         with session.cond:  # (a receiver's BYE, and its RELEASED queued after what is in flight, wait for this)
             live = [m for m in live if m.served]  # one that said BYE meanwhile may be released already: skip it
             chain = chain_of(session, live)
+            session.chain = [m.rank for m in chain]
             for member in live:
                 pushes.append((member, Transfer(
                     protocol(session, chain, member, target, limit), member.lane.stream,

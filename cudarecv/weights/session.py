@@ -61,6 +61,7 @@ class Session:
     cond: threading.Condition = field(default_factory=threading.Condition)
     members: list[Member] = field(default_factory=list)
     version: int = 0
+    chain: list[int] = field(default_factory=list)  # the ranks (ids) of the last push's relay chain, in order
     closed: bool = False
     #: receivers join and leave through a store: a push never raises for one that failed (it is dropped and
     #: logged), and one with no receiver at all is no error

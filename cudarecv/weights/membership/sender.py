@@ -74,10 +74,11 @@ class ElasticSender(WeightSender):
     @property
     def receivers(self) -> list[dict]:
         """Every receiver that joined: ``id`` (its number among the joins), ``host``, ``pid``, ``transport``
-        and ``state`` (``"served"``, or why it is not: it closed, or the failure that dropped it)."""
+        (``"shared memory"``, ``"cuda ipc"``, ``"wire"``, or ``"relay"``: in the last push's relay chain) and
+        ``state`` (``"served"``, or why it is not: it closed, or the failure that dropped it)."""
         with self._s.cond:
             present = [{"id": m.rank, "host": m.host, "pid": m.pid,
-                        "transport": self._s.shared_kind if m.shared else WIRE,
+                        "transport": self._s.shared_kind if m.shared else "relay" if m.rank in self._s.chain else WIRE,
                         "state": "served" if m.served else (m.gone or "closed by its receiver")}
                        for m in self._s.members]
             return sorted(self._gone + present, key=lambda r: r["id"])
