@@ -20,7 +20,6 @@ import cudarecv.testing.hosts as sim
 from churn import WAIT, Fleet, Pusher, _fork, master_store, resources, store_client, trainer, weights
 
 HERE = Path(__file__).resolve().parent
-HOST_EVENTS = 40  # on the simulated hosts (each actor a process of its own there: slower to start)
 MEMBER_THREADS = ("cudarecv-push-", "cudarecv-listen-", "cudarecv-join-")  # a receiver's threads on the sender
 TIMEOUT = 8.0  # the sender's and receivers' timeout: a SIGSTOPped receiver is dropped after it (sync mode)
 
@@ -169,29 +168,33 @@ def test_a_sender_with_a_store_pushes_with_nobody_joined_and_refuses_what_needs_
 @pytest.mark.long
 @pytest.mark.timeout(900)
 @pytest.mark.skipif(sim.unavailable() is not None, reason=f"simulated hosts: {sim.unavailable()}")
-def test_receivers_come_and_go_on_other_hosts():
+@pytest.mark.parametrize("mode, events, seed", [("latest", 40, 21), ("sync", 30, 22)])
+def test_receivers_come_and_go_on_other_hosts(mode, events, seed):
     """The trainer on host 0 (and the store), actors started, closed, SIGKILLed, SIGSTOPped and continued on
     hosts 1 and 2 (1 Gbit/s links): every version pulled whole and newer than the last, no push raised, each
-    actor that left named as it left."""
+    actor that left named as it left; in sync mode the versions go through a relay chain across the hosts (an
+    elastic sender's ``auto``), healed around each actor that fails."""
     with sim.SimulatedHosts(3, rate="1gbit") as hosts:
         namespaces = ",".join(hosts.hosts[1:])
         proc = hosts.popen(0, [sys.executable, str(HERE / "churn_hosts.py"), namespaces, sim.address(0),
-                               str(HOST_EVENTS), "21", str(TIMEOUT)], stdout=subprocess.PIPE, text=True,
+                               str(events), str(seed), str(TIMEOUT), mode], stdout=subprocess.PIPE, text=True,
                            env={"PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))})
         out, _ = proc.communicate(timeout=800)
         assert proc.returncode == 0, out
     line = next(x for x in out.splitlines() if x.startswith("CHURN "))
     result = json.loads(line[len("CHURN "):])
     assert not result["errors"], result["errors"]
-    events = {k: sum(e[k] for e in result["events"]) for k in result["events"][0]}
-    assert sum(events.values()) == HOST_EVENTS and all(events.values()), events
+    totals = {k: sum(e[k] for e in result["events"]) for k in result["events"][0]}
+    assert sum(totals.values()) == events and all(totals.values()), totals
     stats = result["stats"]
     assert stats and all(s["torn"] == 0 and s["not_newer"] == 0 for s in stats.values()), stats
     states = {r["id"]: r["state"] for r in result["receivers"]}
     for index, how in result["ended"]:
         state = states[stats[str(index)]["id"]]
         assert "dropped" in state or (how == "closed" and state == "closed by its receiver"), (index, how, state)
-    print(f"\nhosts: {events}, {len(stats)} actors, {sum(s['pulled'] for s in stats.values())} pulls")
+    assert ("relay" in result["transports"]) == (mode == "sync"), result["transports"]
+    print(f"\nhosts, {mode}: {totals}, {len(stats)} actors, {sum(s['pulled'] for s in stats.values())} pulls, "
+          f"transports {result['transports']}")
 
 
 def relay_actor(conn, port: int, name: str, index: int) -> None:

@@ -198,6 +198,8 @@ class WeightReceiver:
             SenderClosed: the sender closed (at once, also between pulls); the last version stays readable.
             PushHeaderError / ChecksumError: the push was rejected and drained; the last version stays
                 published and the next pull works.
+            RelayLost: a relayed version did not come, for a receiver before this one in the chain failed; the
+                last version stays published and the next pull gets the next version.
             OutOfStepError: a message that is no push of this handshake; TransferTimeout / PeerError: a version
                 did not land within ``timeout``, or the sender died. After these the receiver is broken
                 (:class:`BrokenError` from then on): close it and connect a new one.
