@@ -212,10 +212,9 @@ class WeightSender:
         Raises:
             TransferTimeout or PeerError naming the receiver whose link failed: it is dropped (the others
                 got the version, and get the next ones); PeerError if no receiver is left.
-            ChecksumError (PushHeaderError without ``verify``) naming a receiver that rejected the version
-                (relay, shared memory: those tell the sender; a receiver on the wire's star fan-out does
-                not, its pull raises), or RelayLost one that lost it to a failed hop before it in a relay
-                chain: either keeps its last version and stays served.
+            ChecksumError (PushHeaderError without ``verify``) naming a receiver that rejected the version (relay,
+                shared memory: those tell the sender; on the wire's star fan-out its pull raises), or RelayLost
+                one that lost it to a failed hop before it in a relay chain: either stays served.
         """
         if self._s.closed:
             raise UsageError("this WeightSender is closed")
