@@ -32,8 +32,9 @@ from torch import Tensor
 
 from ..core import streams
 from ..core.driver import Driver
-from ..core.errors import OutOfStepError, RelayLost
+from ..core.errors import OutOfStepError, RelayLost, TransferTimeout
 from ..core.link import Link
+from ..core.log import logger
 from ..core.transfer import Transfer
 from ..core.transport import release
 from ..wire.control import read_bytes, wire_bytes
@@ -140,8 +141,13 @@ class Hop:
         self.relaying, self.lost_at = (None, header.up, header.version), None
         payload, trailer = self.tags.relay(header.version)
         relay = None
+        down = None
         if header.down >= 0:  # (formed before the hop before: if that one cannot be reached, the next is told)
-            down = self._peer(header.down, "the hop after this receiver", header.version)
+            try:
+                down = self._peer(header.down, "the hop after this receiver", header.version)
+            except TransferTimeout as error:  # a pair of joined receivers that never formed: the next one is gone
+                logger.warning("weight receiver: version %d is not forwarded: %s", header.version, error)
+        if down is not None:
             relay = Relay(down, slot.pieces, payload, trailer, header.version)
             self._forwards[index] = Transfer(
                 relay.forward(), down.stream, timeout=header.wait_ms / 1e3 * (header.hop + 2) / (header.hop + 1),
@@ -150,8 +156,8 @@ class Hop:
             self.relaying = (relay, header.up, header.version)
         up = self._peer(header.up, "the hop before this receiver", header.version)
         receiving = self._receive_from(up, header, slot, relay, payload, trailer)
-        if up is self.lane:  # (the head of the chain: from the sender, on the pull's own thread)
-            status, rank = yield from receiving
+        if up is self.lane or up.nccl:  # the head of the chain (from the sender), or NCCL (a failed peer breaks
+            status, rank = yield from receiving  # the communicator: no healing): on the pull's own thread
         else:  # on a thread of its own per hop before: one that stops holds no later pull of this receiver
             transfer = Transfer(receiving, up.stream, timeout=header.wait_ms / 1e3,
                                 driver=self._driver(self._receivers, "receive", header.up).submit, link=up.link,
