@@ -100,7 +100,7 @@ class Fleet:
                  fork: Any = None, first: int = 1) -> None:
         self.store, self.port, self.name, self.timeout, self.host = store, port, name, timeout, host
         self.rng = random.Random(seed)
-        self.fork = fork or _fork
+        self.fork = fork or fork_process
         self.running: dict[int, Any] = {}  # index -> process
         self.stopped: dict[int, Any] = {}
         self.ended: list[tuple[int, Any, str]] = []  # (index, process, how)
@@ -225,7 +225,7 @@ def in_host(namespace: str) -> Any:
     return start
 
 
-def _fork(target: Any, args: tuple) -> Any:
+def fork_process(target: Any, args: tuple) -> Any:
     ours, theirs = socket.socketpair()
     process = zygote().fork(target, args, theirs)
     ours.close()

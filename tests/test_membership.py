@@ -11,13 +11,14 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
 import cudarecv
 import cudarecv.testing.hosts as sim
-from churn import WAIT, Fleet, Pusher, _fork, master_store, resources, store_client, trainer, weights
+from churn import WAIT, Fleet, Pusher, fork_process, master_store, resources, store_client, trainer, weights
 
 HERE = Path(__file__).resolve().parent
 MEMBER_THREADS = ("cudarecv-push-", "cudarecv-listen-", "cudarecv-join-")  # a receiver's threads on the sender
@@ -27,8 +28,6 @@ TIMEOUT = 8.0  # the sender's and receivers' timeout: a SIGSTOPped receiver is d
 def _settled(sender, td) -> dict:
     """Push until no thread serves a receiver any more (each push lets go of those that left), within WAIT:
     this process's resources then."""
-    import time
-
     deadline = time.monotonic() + WAIT
     while any(t.name.startswith(MEMBER_THREADS) for t in threading.enumerate()):
         assert time.monotonic() < deadline, [t.name for t in threading.enumerate()]
@@ -107,7 +106,7 @@ def test_a_trainer_that_restarts_is_found_again(end):
     name = f"restart-{end}"
     with master_store() as store:
         fleet = Fleet(store, store.port, name, TIMEOUT, seed=3)
-        first = _fork(trainer, ("127.0.0.1", store.port, name, "latest", TIMEOUT))
+        first = fork_process(trainer, ("127.0.0.1", store.port, name, "latest", TIMEOUT))
         trainers = [first]
         try:
             fleet.start()
@@ -121,7 +120,7 @@ def test_a_trainer_that_restarts_is_found_again(end):
             assert first.exitcode == (-signal.SIGKILL if end == "killed" else 0), first.exitcode
             last_of_first = int(store.get(f"{name}/trainer/1/version"))
             pongs = [fleet.ping(i) for i in (1, 2)]
-            second = _fork(trainer, ("127.0.0.1", store.port, name, "latest", TIMEOUT))
+            second = fork_process(trainer, ("127.0.0.1", store.port, name, "latest", TIMEOUT))
             trainers.append(second)
             for index, pong in zip((1, 2), pongs):
                 fleet.pulled(index, pong)
@@ -243,7 +242,7 @@ def test_a_relay_chain_of_joined_receivers_heals_in_place_and_takes_newcomers():
             return sender.push()  # (elastic: never raises for a receiver that failed)
 
         def join(index: int) -> None:  # one at a time: the ids follow the indices, and so does the chain
-            actors[index] = _fork(relay_actor, (store.port, name, index))
+            actors[index] = fork_process(relay_actor, (store.port, name, index))
             store.wait([f"relay/{index}/id"], datetime.timedelta(seconds=WAIT))
             assert int(store.get(f"relay/{index}/id")) == index
             while not store.check([f"relay/{index}/seen"]):  # (pushes until it has pulled one: it is served)
