@@ -3,9 +3,10 @@
 Nine ranks on this machine (a trainer and 8 actors, gloo over loopback), a 16 MB model (16 float32 leaves):
 
 - ``push``: sync mode, the trainer's ``push()`` time (it returns once all 8 hold the version), over the
-  same-host transport (``auto``: shared memory) and over the wire (``transport="wire"``), with the 8 as
-  ranks of the world group (``dst=[1..8]``) and as receivers that joined one by one through a TCPStore
-  (``WeightSender(store=..., name=...)``); the modes alternate round by round;
+  same-host transport (``auto``: shared memory), over the wire (``transport="wire"``) and through a relay
+  chain on the wire (``relay``: ``fanout="relay"``; joined receivers' neighbours form pairs of their own), with
+  the 8 as ranks of the world group (``dst=[1..8]``) and as receivers that joined one by one through a
+  TCPStore (``WeightSender(store=..., name=...)``); the modes alternate round by round;
 - ``join``: latest mode, from an actor's ``WeightReceiver(store=..., name=...)`` until its first ``pull()``
   returned the version published (the pair formed, the handshake, the transfer), 8 actors x 3 joins each.
 
@@ -30,7 +31,7 @@ ACTORS = 8
 MODEL_BYTES = 16 * 10**6
 ROUNDS = 15
 JOINS = 3
-PUSH_MODES = [(who, transport) for transport in ("auto", "wire") for who in ("fixed ranks", "joined")]
+PUSH_MODES = [(who, transport) for transport in ("auto", "wire", "relay") for who in ("fixed ranks", "joined")]
 
 CLOCK = tb.VirtualClock("membership_clock")
 pytestmark = [pytest.mark.timeout(900), pytest.mark.benchmark(timer=CLOCK)]
@@ -54,6 +55,11 @@ def _store(rank: int) -> dist.TCPStore:
     return store
 
 
+def _sending(transport: str) -> dict:
+    """A sender's options for a mode's transport (``relay``: a relay chain on the wire)."""
+    return {"transport": "wire", "fanout": "relay"} if transport == "relay" else {"transport": transport}
+
+
 def time_membership(rank: int, world: int, group) -> dict:
     store = _store(rank)
     out: dict = {"push": {}, "join": [], "ok": True}
@@ -62,15 +68,17 @@ def time_membership(rank: int, world: int, group) -> dict:
         name = f"bench-{transport}"
         if who == "fixed ranks":
             if rank == 0:
-                ends[who, transport] = cudarecv.WeightSender(_model(0), dst=list(range(1, world)), transport=transport)
+                ends[who, transport] = cudarecv.WeightSender(_model(0), dst=list(range(1, world)),
+                                                             **_sending(transport))
             else:
-                ends[who, transport] = cudarecv.WeightReceiver(src=0, transport=transport)
+                ends[who, transport] = cudarecv.WeightReceiver(src=0, transport=_sending(transport)["transport"])
             continue
         if rank == 0:
-            ends[who, transport] = cudarecv.WeightSender(_model(0), store=store, name=name, transport=transport)
+            ends[who, transport] = cudarecv.WeightSender(_model(0), store=store, name=name, **_sending(transport))
         for joiner in range(1, world):  # one by one
             if rank == joiner:
-                ends[who, transport] = cudarecv.WeightReceiver(store=store, name=name, transport=transport)
+                ends[who, transport] = cudarecv.WeightReceiver(store=store, name=name,
+                                                               transport=_sending(transport)["transport"])
             dist.barrier()
     for _ in range(ROUNDS):
         for mode in PUSH_MODES:

@@ -19,6 +19,7 @@ import pytest
 import cudarecv
 import cudarecv.testing.hosts as sim
 from churn import WAIT, Fleet, Pusher, fork_process, master_store, resources, store_client, trainer, weights
+from procs import wait_stopped
 
 HERE = Path(__file__).resolve().parent
 MEMBER_THREADS = ("cudarecv-push-", "cudarecv-listen-", "cudarecv-join-")  # a receiver's threads on the sender
@@ -280,3 +281,60 @@ def test_a_relay_chain_of_joined_receivers_heals_in_place_and_takes_newcomers():
     assert set(range(first, last + 1)) <= {v for v, _ in seen[1]}, seen[1]  # upstream of the dead one: every one
     lost = set(range(first, last + 1)) - {v for v, _ in seen[3]}
     assert lost == {first + 2}, (lost, seen[3])  # the one version it was relaying when receiver 2 died
+
+
+def idle_actor(conn, port: int, name: str) -> None:
+    """A latest-mode receiver that pulls once, says its pid and id, then asks for nothing (it is stopped there);
+    once continued and told, it pulls again: from a new join, the newest version."""
+    conn.close()
+    store = store_client(port)
+    receiver = cudarecv.WeightReceiver(store=store, name=name, timeout=TIMEOUT)
+    version = receiver.pull(timeout=WAIT)
+    store.set("idle/first", json.dumps([os.getpid(), receiver.id, version]))
+    store.wait(["idle/pull"], datetime.timedelta(seconds=WAIT))  # (stopped while it waits here)
+    version = receiver.pull(timeout=WAIT)
+    with receiver.reading() as td:
+        whole = bool((td["w"] == version).all()) and bool((td["b"] == -version).all())
+    store.set("idle/second", json.dumps([receiver.id, version, whole]))
+    receiver.close()
+
+
+@pytest.mark.timeout(600)
+def test_a_stopped_receiver_that_asks_for_nothing_is_dropped_and_joins_again():
+    """Latest mode: a receiver stopped (SIGSTOP) while it asks for nothing stops beating; the sender drops it
+    within its timeout (pushes go on, none raises) and says so in the store; continued, its next pull joins
+    again and gets the newest version."""
+    name = "idle"
+    with master_store() as store:
+        td = weights()
+        sender = cudarecv.WeightSender(td, store=store, name=name, mode="latest", timeout=TIMEOUT)
+        actor = None
+        try:
+            td["w"].fill_(1)
+            td["b"].fill_(-1)
+            sender.push()
+            actor = fork_process(idle_actor, (store.port, name))
+            store.wait(["idle/first"], datetime.timedelta(seconds=WAIT))
+            pid, first_id, first_version = json.loads(store.get("idle/first"))
+            assert first_version == 1
+            os.kill(pid, signal.SIGSTOP)
+            wait_stopped(pid)
+            stopped = time.monotonic()
+            while first_id not in sender.dropped:  # (each push looks at the beats; none raises)
+                assert time.monotonic() - stopped < WAIT, sender.receivers
+                td["w"].fill_(sender.version + 1)
+                td["b"].fill_(-(sender.version + 1))
+                sender.push()
+            why = sender.dropped[first_id]
+            os.kill(pid, signal.SIGCONT)
+            store.set("idle/pull", "1")
+            store.wait(["idle/second"], datetime.timedelta(seconds=WAIT))
+            second_id, version, whole = json.loads(store.get("idle/second"))
+            actor.join(WAIT)
+            assert actor.exitcode == 0, actor.exitcode
+        finally:
+            sender.close()
+            if actor is not None:
+                actor.kill()
+    assert "heartbeat" in why and "dropped" in why, why
+    assert second_id > first_id and version == sender.version and whole, (second_id, first_id, version)

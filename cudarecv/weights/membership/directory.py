@@ -11,6 +11,8 @@ Under ``cudarecv/weights/<name>/`` in the user's store (a TCPStore or FileStore 
   pid); the two then form a gloo group of their own on ``g<N>/pair/<k>/`` (the sender rank 0) and run the
   weight-sync handshake over it;
 - ``g<N>/join/<k>`` with ``{"closed": true}``: the sender closed (it wakes its own admission thread);
+- ``g<N>/alive/<k>``: receiver ``k``'s heartbeat counter; ``g<N>/dropped/<k>``: the sender dropped it
+  (:mod:`.heartbeat`);
 - ``g<N>/edge/<a>-<b>/<v>/``: relay fan-out: the gloo pair of receivers ``a < b``, formed when the push of version
   ``v`` first names them neighbours in its chain (rank 0: ``a``).
 """
@@ -99,6 +101,12 @@ class Directory:
     def pair(self, generation: int, k: int) -> str:
         """The prefix on which the sender and receiver ``k`` form their group."""
         return self.key(f"g{generation}", "pair", k)
+
+    def alive(self, generation: int, k: int) -> str:
+        return self.key(f"g{generation}", "alive", k)
+
+    def dropped(self, generation: int, k: int) -> str:
+        return self.key(f"g{generation}", "dropped", k)
 
     def edge(self, generation: int, a: int, b: int, version: int) -> str:
         """The prefix on which receivers ``a`` and ``b`` form their pair for the relay chain of ``version``."""

@@ -32,6 +32,7 @@ from ...core.log import logger
 from ..receiver import WeightReceiver
 from .directory import Directory
 from .edges import Edges
+from .heartbeat import Heartbeat
 
 #: what a pull raises when its sender is gone, after which it looks for a new sender under the name
 GONE = (SenderClosed, PeerError, TransferTimeout, BrokenError)
@@ -64,7 +65,12 @@ class ElasticReceiver(WeightReceiver):
         #: the generation of the sender joined, and this receiver's number among its joins
         self.generation, self.id = 0, 0
         self._dead = 0  # a generation found dead (it took no join): never joined again
-        self._join(self.timeout)
+        self._heartbeat = Heartbeat(self._directory, self.timeout)  # (the sender drops one that stops beating)
+        try:
+            self._join(self.timeout)
+        except BaseException:
+            self._heartbeat.close(self.timeout)
+            raise
 
     def _join(self, limit: float, again: bool = False) -> None:
         """Join the newest sender generation above the one joined, waiting up to ``limit`` s for it; ``again``:
@@ -82,6 +88,7 @@ class ElasticReceiver(WeightReceiver):
             if old.version:
                 self._previous = old
         self.generation, self.id = generation, k
+        self._heartbeat.follow(generation, k)
         logger.info("weight receiver: joined sender %r (generation %d) as receiver %d", self._directory.name,
                     generation, k)
 
@@ -134,6 +141,11 @@ class ElasticReceiver(WeightReceiver):
                 raise WaitTimeout(f"no version newer than {held} from sender {self._directory.name!r} within "
                                   f"{limit:g} s (it joined generation {self.generation} again meanwhile); the next "
                                   "pull() goes on waiting")
+            if self._heartbeat.dropped.is_set():  # its beats stood still (it was stopped): the sender dropped it
+                self._rejoin(PeerError(f"weight sender {self._directory.name!r} dropped receiver {self.id}: its "
+                                       f"heartbeat stood still for {self.timeout:g} s (was its process stopped?)"),
+                             deadline)
+                continue
             try:
                 version = self._current.pull(True, left)
             except RelayLost as error:  # (a hop before this one failed: the next version comes healed)
@@ -170,6 +182,7 @@ class ElasticReceiver(WeightReceiver):
         if self._closed:
             return
         self._closed = True
+        self._heartbeat.close(self.timeout)
         self._current.close()
         if self._previous is not None:
             self._previous.close()

@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Any
 
-from ...core.errors import ArgumentError
+from ...core.errors import ArgumentError, PeerError
 from ...core.groups import store_group
 from ...core.link import resolve
 from ...core.log import logger
@@ -27,9 +27,11 @@ from ...core.transfer import WIRE
 from ...core.transport import release
 from ...wire.staging import lane_for
 from ..enrol import enrol, serve
+from ..fanout import dropping
 from ..options import check_mode, check_options
 from ..sender import WeightSender
 from .directory import Directory
+from .heartbeat import Silence
 
 #: latest mode's snapshot buffers when ``buffers`` is not given (receivers come and go: no count to size by)
 LATEST_BUFFERS = 4
@@ -59,6 +61,7 @@ class ElasticSender(WeightSender):
         self._begin(td, [], bucket_bytes, timeout, verify, stream, mode, buffers or LATEST_BUFFERS, fanout,
                     transport, elastic=True)
         self._generation, self._s.version = self._directory.announce(mode)
+        self._silence = Silence(self._directory, self._generation, timeout)
         self._joins: list[threading.Thread] = []
         self._gone: list[dict] = []  # the receivers no longer served: id, host, pid, why
         self._stopped: set[int] = set()  # ids of those whose driver was told to stop
@@ -131,8 +134,19 @@ class ElasticSender(WeightSender):
                     self._s.shared_kind if members[0].shared else WIRE)
 
     def _prune(self) -> None:
-        """At a push: let go of the receivers no longer served whose threads have ended (their pair, its
-        gloo threads and sockets with it); what they were stays in :attr:`receivers`."""
+        """At a push: drop the receivers whose heartbeat stood still for ``timeout`` (:mod:`.heartbeat`); let go
+        of those no longer served whose threads have ended (their pair, its gloo threads and sockets with it);
+        what they were stays in :attr:`receivers`."""
+        with self._s.cond:
+            served = {m.rank: m for m in self._s.members if m.served}
+        for ident in self._silence.silent(list(served)):
+            error = PeerError(f"{served[ident].who} sent no heartbeat for {self._s.timeout:g} s (was its process "
+                              "stopped?)")
+            with self._s.cond:
+                if served[ident].served:
+                    dropping(self._s, self._pool, served[ident], self._s.version, self._s.timeout, told=False)(error, 0)
+                    self._s.cond.notify_all()
+            self._silence.said(ident)
         with self._s.cond:
             for member in self._s.members:
                 if not member.served and member.rank not in self._stopped:
