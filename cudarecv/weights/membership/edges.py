@@ -8,6 +8,8 @@ for the chains after it, and let go of once its link breaks (the neighbour died 
 
 from __future__ import annotations
 
+from typing import Any
+
 from ...core.groups import store_group
 from ...core.link import Link, resolve
 from .directory import Directory, own_client
@@ -19,11 +21,14 @@ class Edges:
 
     def __init__(self, directory: Directory, generation: int, ident: int, timeout: float) -> None:
         self.directory, self.generation, self.ident, self.timeout = directory, generation, ident, timeout
-        self.store = own_client(directory.store)  # (formed on the pulls' thread: never behind the caller's wait)
+        self.store: Any = None  # a client of its own, at the first pair (formed on the pulls' thread: never
+                                # behind the caller's wait on theirs)
 
     def __call__(self, peer: int, version: int) -> Link:
         """The link to receiver ``peer``, formed within ``timeout`` (:class:`TransferTimeout` if it never came)."""
         rank = 0 if self.ident < peer else 1
+        if self.store is None:
+            self.store = own_client(self.directory.store)
         group = store_group(self.store, self.directory.edge(self.generation, self.ident, peer, version),
                             rank, 2, self.timeout, f"receiver {self.ident} of weight sender "
                             f"{self.directory.name!r}: its relay pair with receiver {peer}")
