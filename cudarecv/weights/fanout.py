@@ -28,7 +28,7 @@ from ..wire.staging import send_from
 from .link import link_error, send_bytes
 from .session import Member, Session
 from .snapshots import Snapshot, SnapshotPool
-from .wire import ASK_SIZE, GOT, LOST, REJECTED, hop_limit, read_ask, trailer_message
+from .wire import ASK_SIZE, GOT, LOST, MAX_WAIT_MS, REJECTED, hop_limit, read_ask, trailer_message
 
 
 def out_of_step(text: str) -> OutOfStepError:
@@ -88,7 +88,7 @@ def _relayed(session: Session, chain: list[Member], i: int, snapshot: Snapshot, 
     """Relay, to ``chain[i]``: its header (naming its hops); the payload and the trailer to the head of the
     chain only; then the receiver's word that it has the version."""
     member, lane = chain[i], chain[i].lane
-    header = dataclasses.replace(snapshot.header, relayed=True, hop=i, wait_ms=math.ceil(hop_limit(limit, i) * 1e3),
+    header = dataclasses.replace(snapshot.header, relayed=True, hop=i, wait_ms=min(math.ceil(hop_limit(limit, i) * 1e3), MAX_WAIT_MS),
                                  up=lane.link.pg.rank() if i == 0 else chain[i - 1].rank,
                                  down=chain[i + 1].rank if i + 1 < len(chain) else -1)
     head = yield from send_from(lane, [wire_bytes(lane, header.pack())], [session.tags.header], defer=True)
@@ -134,6 +134,9 @@ class Got:
                 raise TransferTimeout(f"{m.who} did not confirm version {self.version}")
             gone, got, leaving = m.gone, m.got, m.leaving
         if got is not None and got.version >= self.version:
+            if got.version == self.version and got.status == LOST and m.lane.nccl:  # the communicator broke
+                raise PeerError(f"push of version {self.version}: {m.who} did not get it: rank {got.rank} before "
+                                "it in the relay chain failed during the push, and on NCCL that broke its link")
             if got.version == self.version and got.status == LOST:  # it stays served: its links are in step
                 raise RelayLost(f"push of version {self.version}: {m.who} did not get it: "
                                 f"{'receiver' if self.session.elastic else 'rank'} {got.rank} before it in the "

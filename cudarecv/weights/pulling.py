@@ -27,7 +27,7 @@ from ..core.errors import (
     TransferTimeout,
     UsageError,
 )
-from ..core.link import Link, peer_failure
+from ..core.link import Link
 from ..core.protocol import StartClock
 from ..core.transfer import Transfer
 from ..samehost import cuda_ipc
@@ -57,8 +57,9 @@ class Puller:
         if self.inbox.sender_closed:
             raise SenderClosed(f"{self.inbox.sender_closed}; version {self.version} stays readable in receiver.td")
         index = self.slots.spare()
-        forward = self.hop.forward_of(index)
-        if forward is not None:  # relay: the forward of an earlier version may still read this slot
+        forwarding = self.hop.forward_of(index)
+        if forwarding is not None:  # relay: the forward of an earlier version may still read this slot
+            forward = forwarding[0]
             with contextlib.suppress(Exception):
                 forward.wait()  # bounded by its own timeout
             if forward.failed:  # a parked send may read it for as long as it likes: never write it again
@@ -73,40 +74,51 @@ class Puller:
 
     def _failing(self, timeout: float, link: Link, index: int) -> Callable[[BaseException, float], BaseException]:
         def failed(error: BaseException, elapsed: float) -> BaseException:
-            lost = self.hop.broken()
-            if lost is not None:  # the relayed payload did not come: the sender hears who failed
-                version, rank, upstream = lost
-                with contextlib.suppress(Exception):
-                    self.inbox.asks.post(ask_message(GOT, version, LOST, rank))
-                if upstream and not self.lane.nccl:  # a hop before this one: the sender's link is in step
-                    return self._lost(error, version, rank, index)
-            if isinstance(error, Error) and error.link_usable:
+            relaying = self.hop.broken()  # (the hops after this one hear who failed)
+            if relaying is not None:
+                lost = self._lost(error, relaying, index)
+                if lost is not None:  # a hop before this one failed, not its own link: the sender hears who
+                    with contextlib.suppress(Exception):
+                        self.inbox.asks.post(ask_message(GOT, relaying.version, LOST, relaying.lost))
+                    return lost
+            if isinstance(error, Error) and error.link_usable and not isinstance(error, RelayLost):
                 return error  # drained, the link in step (or the sender closed): the next pull is told
             if isinstance(error, OutOfStepError):
                 self.broken = str(error)
                 return error
             seconds = timeout if isinstance(error, TimeoutError) else elapsed
-            replaced = error if isinstance(error, Error) and not isinstance(error, TimeoutError) else link_error(
-                link, "pull", error, seconds, "sent no complete version")
+            if isinstance(error, RelayLost):  # (NCCL: the communicator broke with the hop that failed)
+                replaced: BaseException = PeerError(f"{error}; on NCCL the communicator broke with it: this "
+                                                    "receiver is broken")
+            elif isinstance(error, Error) and not isinstance(error, TimeoutError):
+                replaced = error
+            else:
+                replaced = link_error(link, "pull", error, seconds, "sent no complete version")
             self.broken = str(replaced)
             return replaced
         return failed
 
-    def _lost(self, error: BaseException, version: int, rank: int, index: int) -> RelayLost:
-        """A relayed ``version`` did not come, for a failure at hop ``rank`` before this one (``error``): this
-        receiver stays in step with the sender (each push's hops have tags of their own, so nothing left posted
-        takes a later one); the own slot the version was landing in is never written again if receives from that
-        hop may still be posted, and a hop whose link broke is let go of (it died, or left)."""
+    def _lost(self, error: BaseException, relaying: Any, index: int) -> RelayLost | None:
+        """A relayed version did not come (``error``): :class:`RelayLost` if a hop before this one failed, this
+        receiver staying in step with the sender (each push's hops have tags of their own, so nothing left posted
+        takes a later one); None if this receiver is at fault (its own link to the sender, a lie, a deadline that
+        fired far past its time: it was stopped itself) or on NCCL (a failed peer breaks the communicator). The own
+        slot the version was landing in is never written again if receives from that hop may still be posted; a
+        hop whose link broke is let go of (it died, or left)."""
+        if relaying.up == self.hop.sender or self.lane.nccl or isinstance(error, OutOfStepError):
+            return None
         if isinstance(error, RelayLost):  # (the hop before said so in its trailer: everything arrived)
             return error
-        if not isinstance(error, Error) or not error.link_usable:
-            self.slots.renew(index, self.schema, self.piece, self.device)
-        if not isinstance(error, (Error, TimeoutError)) or isinstance(error, PeerError):
-            self.hop.forget(rank)
-        why = error if isinstance(error, Error) else peer_failure(error)
-        lost = RelayLost(f"pull of version {version}: the link to rank {rank}, the hop before this receiver in the "
-                         f"relay chain, failed during the push ({why}); version {self.version} stays published, and "
-                         "the next version comes through the chain healed")
+        if not isinstance(error, Error) or (isinstance(error, TimeoutError) and relaying.overdue()):
+            return None
+        self.slots.renew(index, self.schema, self.piece, self.device)
+        if isinstance(error, TimeoutError):
+            self.hop.abandon(relaying)  # (the hop's forward completes once it sends its trailer)
+        elif isinstance(error, PeerError):
+            self.hop.forget(relaying.up)
+        lost = RelayLost(f"pull of version {relaying.version}: the link to rank {relaying.up}, the hop before this "
+                         f"receiver in the relay chain, failed during the push ({error}); version {self.version} "
+                         "stays published, and the next version comes through the chain healed")
         lost.__cause__ = error
         return lost
 

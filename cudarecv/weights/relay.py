@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -32,14 +33,16 @@ from torch import Tensor
 
 from ..core import streams
 from ..core.driver import Driver
-from ..core.errors import OutOfStepError, RelayLost, TransferTimeout
+from ..core.errors import OutOfStepError, PeerError, RelayLost, TransferTimeout
 from ..core.link import Link
 from ..core.log import logger
+from ..core.shutdown import start_thread
 from ..core.transfer import Transfer
-from ..core.transport import release
+from ..core.transport import park, release
 from ..wire.control import read_bytes, wire_bytes
 from ..wire.staging import Lane, lane_for, recv_into, send_from, wire_can_touch
 from .inbox import header_too_long
+from .link import naming
 from .wire import BROKEN, INTACT, TRAILER_SIZE, read_trailer, trailer_message
 
 
@@ -115,20 +118,22 @@ class _Landed:
 class Hop:
     """A receiver's part in relay chains: lanes to the other receivers of its chains, a forwarding thread per next
     hop and a receiving thread per hop before (so a hop that stops holds none of this receiver's later pulls), per
-    slot the forward that may still read it, and while a relayed payload arrives, its relay and the
-    rank before it (to say downstream and to the sender who failed if it breaks).
+    slot the forward that may still read it, and while a relayed payload arrives, what it is (to say downstream
+    and to the sender who failed if it breaks).
 
-    ``connect``: how the link to another receiver forms (a receiver that joined through a store: a pair of its
-    own, :class:`cudarecv.weights.membership.edges.Edges`); by default that rank in this receiver's group."""
+    ``connect``: how the link to another receiver forms, given its rank, the version of the push naming it and a
+    time limit (a receiver that joined through a store: a pair of their own, formed on a thread of its own,
+    :class:`cudarecv.weights.membership.edges.Edges`); by default that rank in this receiver's group."""
 
     def __init__(self, lane: Lane, tags: Any, device: torch.device) -> None:
         self.lane, self.tags, self.device = lane, tags, device
-        self.connect: Callable[[int, int], Link] | None = None  # (rank, version of the push naming it) -> link
+        self.sender = lane.link.peer
+        self.connect: Callable[[int, int, float], Link] | None = None
         self._peers: dict[int, Lane] = {}
         self._forwarders: dict[int, Driver] = {}
         self._receivers: dict[int, Driver] = {}
-        self._forwards: dict[int, Transfer] = {}
-        self.relaying: tuple[Relay | None, int, int] | None = None
+        self._forwards: dict[int, tuple[Transfer, int]] = {}  # own slot -> (the forward reading it, to whom)
+        self.relaying: _Relaying | None = None
         self.lost_at: int | None = None
 
     def receive(self, header: Any, slot: Any, index: int, version: int) -> Any:
@@ -138,32 +143,32 @@ class Hop:
         broke there (``version``: the one this receiver keeps)."""
         if header.down >= 0 and header.down == header.up:
             raise OutOfStepError(f"a relay header names rank {header.up} as both hops: the link is out of step")
-        self.relaying, self.lost_at = (None, header.up, header.version), None
+        wait = header.wait_ms / 1e3
+        up, down = yield from self._lanes(header, wait)
         payload, trailer = self.tags.relay(header.version)
+        self.relaying, self.lost_at = _Relaying(None, header.up, header.version, time.monotonic(), wait), None
         relay = None
-        down = None
-        if header.down >= 0:  # (formed before the hop before: if that one cannot be reached, the next is told)
-            try:
-                down = self._peer(header.down, "the hop after this receiver", header.version)
-            except TransferTimeout as error:  # a pair of joined receivers that never formed: the next one is gone
-                logger.warning("weight receiver: version %d is not forwarded: %s", header.version, error)
         if down is not None:
-            relay = Relay(down, slot.pieces, payload, trailer, header.version)
-            self._forwards[index] = Transfer(
-                relay.forward(), down.stream, timeout=header.wait_ms / 1e3 * (header.hop + 2) / (header.hop + 1),
-                driver=self._driver(self._forwarders, "forward", header.down).submit, link=down.link, raise_first=False,
-                what=f"forward of version {header.version} to rank {header.down}")
-            self.relaying = (relay, header.up, header.version)
-        up = self._peer(header.up, "the hop before this receiver", header.version)
+            relay = self.relaying.relay = Relay(down, slot.pieces, payload, trailer, header.version)
+            forward = Transfer(
+                relay.forward(), down.stream, timeout=wait * (header.hop + 2) / (header.hop + 1),  # the next hop's
+                driver=self._driver(self._forwarders, "forward", header.down).submit, link=down.link,
+                on_error=naming(down.link, f"forward of version {header.version}", wait, "took no complete version"),
+                raise_first=False, what=f"forward of version {header.version} to rank {header.down}")
+            self._forwards[index] = (forward, header.down)
         receiving = self._receive_from(up, header, slot, relay, payload, trailer)
         if up is self.lane or up.nccl:  # the head of the chain (from the sender), or NCCL (a failed peer breaks
             status, rank = yield from receiving  # the communicator: no healing): on the pull's own thread
         else:  # on a thread of its own per hop before: one that stops holds no later pull of this receiver
-            transfer = Transfer(receiving, up.stream, timeout=header.wait_ms / 1e3,
+            transfer = Transfer(receiving, up.stream, timeout=wait,
                                 driver=self._driver(self._receivers, "receive", header.up).submit, link=up.link,
+                                on_error=naming(up.link, f"receive of version {header.version}", wait,
+                                                "sent no complete version"),
                                 raise_first=False, what=f"receive of version {header.version} from rank {header.up}")
             yield [transfer.ended(drive=False)]
             status, rank = transfer.wait()
+        if up.stream is not None and up is not self.lane:  # (landed on the hop's stream: the pull's follows it)
+            self.lane.stream.wait_stream(up.stream)
         if status == BROKEN:
             self.lost_at = rank
             raise RelayLost(f"pull of version {header.version}: rank {rank} before this receiver in the relay "
@@ -172,6 +177,43 @@ class Hop:
         self.relaying = None
         if relay is not None:
             relay.end()
+
+    def _lanes(self, header: Any, wait: float) -> Any:
+        """A sub-protocol: the lanes to the hop before and (or None: none, or its pair never formed) the hop after.
+        Pairs still to form (receivers that joined through a store) form at once, each on a thread of its own."""
+        if header.down >= 0:
+            self._unjam(header.down)
+        wanted = [r for r in (header.up, header.down) if r >= 0 and r != self.sender and r not in self._peers]
+        formed: dict[int, _Forming] = {}
+        if wanted and self.connect is not None:
+            formed = {r: _Forming(self.connect, r, header.version, wait) for r in wanted}
+            yield list(formed.values())
+        up = self._peer(header.up, "the hop before this receiver", formed)
+        down = None
+        if header.down >= 0:
+            try:
+                down = self._peer(header.down, "the hop after this receiver", formed)
+            except TransferTimeout as error:  # a pair of joined receivers that never formed: the next one is gone
+                logger.warning("weight receiver: version %d is not forwarded: %s", header.version, error)
+        return up, down
+
+    def _unjam(self, rank: int) -> None:
+        """Before a forward to ``rank``: if the last one failed, its thread may wait in gloo for good (a send
+        waits for its receive, which a hop that timed out never posts): the next goes on a new thread; a link
+        that broke is let go of (formed again if it is named again)."""
+        last = next((f for f, to in reversed(list(self._forwards.values())) if to == rank), None)
+        if last is None or not last.settled or not last.failed:
+            return
+        try:
+            last.value()
+        except PeerError:
+            self.forget(rank)
+            return
+        except Exception:  # noqa: BLE001 - it ran out of time (or failed otherwise): the link may still work
+            pass
+        driver = self._forwarders.pop(rank, None)
+        if driver is not None:
+            driver.stop(0.0)
 
     def _receive_from(self, up: Lane, header: Any, slot: Any, relay: Relay | None, payload: int,
                       trailer: int) -> Any:
@@ -189,17 +231,27 @@ class Hop:
             raise OutOfStepError(f"the relay trailer is for version {got}, not {header.version}: out of step")
         return status, rank
 
-    def broken(self) -> tuple[int, int, bool] | None:
-        """A pull failed: if a relayed payload was arriving, tell the next hop who failed; returns (version, the
-        rank that failed, whether it is a hop before this one rather than the sender), or None."""
+    def broken(self) -> _Relaying | None:
+        """A pull failed: if a relayed payload was arriving, tell the next hop who failed (the hop before, unless
+        its trailer named another) and return what was arriving (``lost``: the rank that failed), else None."""
         relaying, self.relaying = self.relaying, None
         if relaying is None:
             return None
-        relay, up, version = relaying
-        lost = self.lost_at if self.lost_at is not None else up
-        if relay is not None:
-            relay.end(broken=lost)
-        return version, lost, up != self.lane.link.peer
+        relaying.lost = self.lost_at if self.lost_at is not None else relaying.up
+        if relaying.relay is not None:
+            relaying.relay.end(broken=relaying.lost)
+        return relaying
+
+    def abandon(self, relaying: _Relaying) -> None:
+        """The receives from the hop before ran out of time: post the version's trailer receive (into scratch,
+        parked), so that hop's forward, which ends with the trailer, completes once it is sent (a gloo send waits
+        for its receive; the payload's receives are posted already)."""
+        lane = self._peers.get(relaying.up)
+        if lane is None or lane.nccl:
+            return
+        _, trailer = self.tags.relay(relaying.version)
+        with contextlib.suppress(Exception):  # (a link that broke meanwhile: nothing to complete)
+            park(lane.post(False, [wire_bytes(lane, bytes(TRAILER_SIZE))], [trailer]), lane.link.pg)
 
     def forget(self, rank: int, timeout: float = 0.0) -> None:
         """The receiver ``rank`` is gone (its link broke): let go of the lane to it (a pair of its own, released)
@@ -212,20 +264,21 @@ class Hop:
         if lane is not None and self.connect is not None:
             release(lane.link.pg)
 
-    def forward_of(self, index: int) -> Transfer | None:
-        """The forward that may still read own slot ``index`` (let go of here)."""
+    def forward_of(self, index: int) -> tuple[Transfer, int] | None:
+        """The forward that may still read own slot ``index`` and the rank it goes to (let go of here)."""
         return self._forwards.pop(index, None)
 
-    def _peer(self, rank: int, what: str, version: int) -> Lane:
-        """The lane to another receiver of the chain (the sender's own for the sender)."""
-        link = self.lane.link
-        if rank == link.peer:
+    def _peer(self, rank: int, what: str, formed: dict[int, _Forming]) -> Lane:
+        """The lane to another receiver of the chain (the sender's own for the sender); ``formed``: the pairs
+        formed for this push (:class:`TransferTimeout` if that rank's never formed)."""
+        if rank == self.sender:
             return self.lane
         lane = self._peers.get(rank)
         if lane is None:
-            if self.connect is not None:
-                peer = self.connect(rank, version)
-            elif not 0 <= rank < link.pg.size() or rank == link.pg.rank():
+            link = self.lane.link
+            if rank in formed:
+                peer = formed[rank].link()
+            elif not 0 <= rank < link.pg.size() or rank == link.pg.rank() or self.connect is not None:
                 raise OutOfStepError(f"a relay header names rank {rank} as {what}, in a group of {link.pg.size()} "
                                      f"where this is rank {link.pg.rank()}: the link is out of step")
             else:
@@ -248,11 +301,62 @@ class Hop:
         """At the receiver's close: a relay cut short says so downstream; the hops after this one get what is on
         its way (each forward waited for until ``deadline``); the forwarders stop; the lanes are let go of (the
         pairs of a receiver that joined through a store, released)."""
-        if self.relaying is not None and self.relaying[0] is not None:
-            self.relaying[0].end(broken=self.relaying[1])
-        for forward in self._forwards.values():
+        if self.relaying is not None and self.relaying.relay is not None:
+            self.relaying.relay.end(broken=self.relaying.up)
+        self.relaying = None
+        for forward, _ in self._forwards.values():
             with contextlib.suppress(Exception):
                 forward.wait(max(deadline - time.monotonic(), 0.0))
         for rank in {*self._peers, *self._forwarders, *self._receivers}:
             self.forget(rank, max(deadline - time.monotonic(), 0.0))
         self._forwards, self.lane = {}, None
+
+
+@dataclass
+class _Relaying:
+    """A relayed version on its way in: its relay on (if any), the rank before, since when (monotonic) for how
+    long (s) it may take, and (once it broke) the rank that failed."""
+
+    relay: Relay | None
+    up: int
+    version: int
+    started: float
+    wait: float
+    lost: int = -1
+
+    def overdue(self) -> bool:
+        """Whether it failed far past its time: this receiver itself was stopped (its deadline fired late), not
+        the hop before."""
+        return time.monotonic() - self.started > 1.5 * self.wait
+
+
+class _Forming:
+    """A work that completes once the pair with receiver ``rank`` has formed or failed to, on a thread of its
+    own (bounded by its ``limit``); :meth:`link` is it, or raises why not."""
+
+    def __init__(self, connect: Callable[[int, int, float], Link], rank: int, version: int, limit: float) -> None:
+        self._link: Link | None = None
+        self._error: BaseException | None = None
+        self._done = threading.Event()
+        start_thread(self._form, f"cudarecv-pair-{rank}", (connect, rank, version, limit))
+
+    def _form(self, connect: Callable[[int, int, float], Link], rank: int, version: int, limit: float) -> None:
+        try:
+            self._link = connect(rank, version, limit)
+        except BaseException as error:  # noqa: BLE001 - raised by link(), on the pull's thread
+            self._error = error
+        finally:
+            self._done.set()
+
+    def link(self) -> Link:
+        if self._error is not None:
+            raise self._error
+        assert self._link is not None
+        return self._link
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: Any = None) -> bool:
+        self._done.wait()  # (bounded by the pair's own limit)
+        return True

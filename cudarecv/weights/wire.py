@@ -125,6 +125,9 @@ class PushHeader:
                    Flag.RELAY in flags, up, down, hop, wait_ms, Flag.SHARED in flags, segment)
 
 
+MAX_WAIT_MS = 2**32 - 1  # a header's ``wait_ms`` field (about 50 days)
+
+
 def hop_limit(limit: float, hop: int) -> float:
     """How long hop ``hop`` of a relay chain waits for its version (``limit``: the sender's push timeout):
     ``limit`` more than the hop before it, so a hop that times out on a stopped receiver before it still has

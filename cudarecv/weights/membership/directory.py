@@ -4,7 +4,7 @@ Under ``cudarecv/weights/<name>/`` in the user's store (a TCPStore or FileStore 
 
 - ``generation``: a counter; each :class:`~cudarecv.WeightSender` built with the store and name takes the next
   (a trainer that restarts is a new generation), and ``current`` names the newest;
-- ``g<N>/sender``: the generation's sender (host, pid, mode) as JSON;
+- ``g<N>/sender``: the generation's sender (host, pid, mode, timeout) as JSON;
 - ``last_version``: the last version pushed, by any generation: a new one goes on from there, so the versions a
   receiver gets strictly increase across trainer restarts;
 - ``g<N>/joins``: a counter; a receiver takes the next number ``k`` and writes ``g<N>/join/<k>`` (its host and
@@ -50,15 +50,20 @@ class Directory:
         return "/".join([self.root, *map(str, parts)])
 
     # -- the sender's side -------------------------------------------------------------------------------
-    def announce(self, mode: str) -> tuple[int, int]:
-        """A new generation of the sender: (its number, the version it goes on from)."""
+    def announce(self, mode: str, timeout: float) -> tuple[int, int]:
+        """A new generation of the sender (its ``timeout``: how long a receiver's heartbeat may stand still):
+        (its number, the version it goes on from)."""
         generation = self.store.add(self.key("generation"), 1)
         last = int(self.store.get(self.key("last_version"))) if self.store.check([self.key("last_version")]) else 0
         self.store.set(self.key("current"), str(generation))  # (first: a receiver woken by the record reads it)
         self.store.set(self.key(f"g{generation}", "sender"),
-                       json.dumps({"host": host_id(), "pid": os.getpid(), "mode": mode}))
+                       json.dumps({"host": host_id(), "pid": os.getpid(), "mode": mode, "timeout": timeout}))
         # one more than the last recorded: a push that a crash cut short may have reached some receivers
         return generation, last + 1 if last else 0
+
+    def sender(self, generation: int) -> dict:
+        """The generation's sender record (host, pid, mode, timeout)."""
+        return json.loads(self.store.get(self.key(f"g{generation}", "sender")))
 
     def record(self, version: int) -> None:
         self.store.set(self.key("last_version"), str(version))

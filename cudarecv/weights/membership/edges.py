@@ -24,12 +24,13 @@ class Edges:
         self.store: Any = None  # a client of its own, at the first pair (formed on the pulls' thread: never
                                 # behind the caller's wait on theirs)
 
-    def __call__(self, peer: int, version: int) -> Link:
-        """The link to receiver ``peer``, formed within ``timeout`` (:class:`TransferTimeout` if it never came)."""
+    def __call__(self, peer: int, version: int, limit: float) -> Link:
+        """The link to receiver ``peer``, formed within ``limit`` s (at most ``timeout``; :class:`TransferTimeout`
+        if it never came)."""
         rank = 0 if self.ident < peer else 1
         if self.store is None:
             self.store = own_client(self.directory.store)
         group = store_group(self.store, self.directory.edge(self.generation, self.ident, peer, version),
-                            rank, 2, self.timeout, f"receiver {self.ident} of weight sender "
+                            rank, 2, min(limit, self.timeout), f"receiver {self.ident} of weight sender "
                             f"{self.directory.name!r}: its relay pair with receiver {peer}")
         return resolve(None, 1 - rank, group, "src", "group_src")

@@ -3,11 +3,11 @@ side) and :class:`Silence` (the sender's).
 
 A receiver that asks for nothing (latest mode, an actor busy elsewhere) sends its sender nothing, so a stopped
 one (SIGSTOP, a frozen node) would be served for good. Each joined receiver therefore beats: a thread of its own
-adds one to ``g<N>/alive/<k>`` in the store every ``timeout / 4`` s. At each push the sender reads the counters
-of the receivers it serves (at most every ``timeout / 4`` s) and drops one whose counter stood still for
-``timeout`` s: logged, named in ``sender.dropped``, never raised, and said in ``g<N>/dropped/<k>``. A dropped
-receiver that goes on (it was stopped, then continued) reads that at its next beat and joins again on its next
-pull.
+adds one to ``g<N>/alive/<k>`` in the store every ``timeout / 4`` s (the sender's ``timeout``, from its record).
+At each push the sender reads the counters of the receivers it serves (at most every ``timeout / 4`` s) and
+drops one whose counter stood still for ``timeout`` s: logged, named in ``sender.dropped``, never raised. Every
+receiver an elastic sender drops (for silence, or a failed transfer) is said in ``g<N>/dropped/<k>``: one that
+goes on (it was stopped, then continued) reads that before its next pull and joins again.
 """
 
 from __future__ import annotations
@@ -26,36 +26,47 @@ BEATS = 4
 class Heartbeat:
     """A joined receiver's beats (see the module docstring): :attr:`dropped` once its sender said it dropped it."""
 
-    def __init__(self, directory: Directory, timeout: float) -> None:
-        self.directory, self.period = directory, timeout / BEATS
+    def __init__(self, directory: Directory) -> None:
+        self.directory = directory
         self.store = own_client(directory.store)
-        self.joined: tuple[int, int] | None = None  # (generation, id) beating for
         self.dropped = threading.Event()
+        self._joined: tuple[int, int, float] | None = None  # (generation, id, period) beating for
+        self._lock = threading.Lock()  # (a beat's word on a join, and a new join, one at a time)
         self._stop = threading.Event()
         self._thread = start_thread(self._beat_all, f"cudarecv-heartbeat-{directory.name}")
 
-    def follow(self, generation: int, ident: int) -> None:
-        """Beat for join ``ident`` of ``generation`` from now on (a new join: not dropped)."""
-        self.joined = (generation, ident)
-        self.dropped.clear()
+    def follow(self, generation: int, ident: int, timeout: float) -> None:
+        """Beat for join ``ident`` of ``generation``, whose sender drops it after ``timeout`` s of no beat, from
+        now on (a new join: not dropped)."""
+        with self._lock:
+            self._joined = (generation, ident, timeout / BEATS)
+            self.dropped.clear()
         self._beat()
 
+    def said_dropped(self) -> bool:
+        """Whether the sender said it dropped the join followed (asked of the store now, and at every beat)."""
+        if not self.dropped.is_set():
+            self._beat(count=False)
+        return self.dropped.is_set()
+
     def _beat_all(self) -> None:
-        while not self._stop.wait(self.period):
+        while not self._stop.wait(self._joined[2] if self._joined is not None else 1.0):
             try:
                 self._beat()
-            except Exception as error:  # noqa: BLE001 - the store is gone: the sender is, too; the pulls say so
-                logger.info("weight receiver of %r: its heartbeat stops, the store failed: %s",
-                            self.directory.name, error)
-                return
+            except Exception as error:  # noqa: BLE001 - the store failed: the next beat tries again
+                logger.warning("weight receiver of %r: a heartbeat failed: %s", self.directory.name, error)
 
-    def _beat(self) -> None:
-        joined = self.joined
+    def _beat(self, count: bool = True) -> None:
+        joined = self._joined
         if joined is None:
             return
-        self.store.add(self.directory.alive(*joined), 1)
-        if self.store.check([self.directory.dropped(*joined)]) and self.joined == joined:
-            self.dropped.set()
+        generation, ident, _ = joined
+        if count:
+            self.store.add(self.directory.alive(generation, ident), 1)
+        said = self.store.check([self.directory.dropped(generation, ident)])
+        with self._lock:
+            if said and self._joined == joined:
+                self.dropped.set()
 
     def close(self, timeout: float) -> None:
         """Stop beating (the thread ends within ``timeout``, or once its store call returns)."""

@@ -65,7 +65,7 @@ class ElasticReceiver(WeightReceiver):
         #: the generation of the sender joined, and this receiver's number among its joins
         self.generation, self.id = 0, 0
         self._dead = 0  # a generation found dead (it took no join): never joined again
-        self._heartbeat = Heartbeat(self._directory, self.timeout)  # (the sender drops one that stops beating)
+        self._heartbeat = Heartbeat(self._directory)  # (the sender drops one that stops beating)
         try:
             self._join(self.timeout)
         except BaseException:
@@ -82,13 +82,13 @@ class ElasticReceiver(WeightReceiver):
                             f"receiver {k} of weight sender {self._directory.name!r}: its pair with the sender")
         joined = WeightReceiver(group=group, group_src=0, timeout=self.timeout, **self._options)
         joined._hop.connect = Edges(self._directory, generation, k, self.timeout)  # (a relay's neighbours)
+        self._heartbeat.follow(generation, k, float(self._directory.sender(generation).get("timeout", self.timeout)))
         old, self._current = self._current, joined
         if old is not None:
             old.close()  # (its last version stays readable)
             if old.version:
                 self._previous = old
         self.generation, self.id = generation, k
-        self._heartbeat.follow(generation, k)
         logger.info("weight receiver: joined sender %r (generation %d) as receiver %d", self._directory.name,
                     generation, k)
 
@@ -141,10 +141,9 @@ class ElasticReceiver(WeightReceiver):
                 raise WaitTimeout(f"no version newer than {held} from sender {self._directory.name!r} within "
                                   f"{limit:g} s (it joined generation {self.generation} again meanwhile); the next "
                                   "pull() goes on waiting")
-            if self._heartbeat.dropped.is_set():  # its beats stood still (it was stopped): the sender dropped it
-                self._rejoin(PeerError(f"weight sender {self._directory.name!r} dropped receiver {self.id}: its "
-                                       f"heartbeat stood still for {self.timeout:g} s (was its process stopped?)"),
-                             deadline)
+            if self._heartbeat.said_dropped():  # (stopped too long, or a transfer to it failed): join again
+                self._rejoin(PeerError(f"weight sender {self._directory.name!r} dropped receiver {self.id} (was its "
+                                       "process stopped?)"), deadline)
                 continue
             try:
                 version = self._current.pull(True, left)

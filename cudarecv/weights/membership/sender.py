@@ -60,8 +60,9 @@ class ElasticSender(WeightSender):
         self._directory = Directory(store, name)
         self._begin(td, [], bucket_bytes, timeout, verify, stream, mode, buffers or LATEST_BUFFERS, fanout,
                     transport, elastic=True)
-        self._generation, self._s.version = self._directory.announce(mode)
+        self._generation, self._s.version = self._directory.announce(mode, timeout)
         self._silence = Silence(self._directory, self._generation, timeout)
+        self._told: set[int] = set()  # ids of the receivers told (in the store) they were dropped
         self._joins: list[threading.Thread] = []
         self._gone: list[dict] = []  # the receivers no longer served: id, host, pid, why
         self._stopped: set[int] = set()  # ids of those whose driver was told to stop
@@ -146,7 +147,11 @@ class ElasticSender(WeightSender):
                 if served[ident].served:
                     dropping(self._s, self._pool, served[ident], self._s.version, self._s.timeout, told=False)(error, 0)
                     self._s.cond.notify_all()
+        with self._s.cond:  # (every one dropped is told, through the store: one that goes on joins again)
+            dropped = [m.rank for m in self._s.members if m.gone is not None and m.rank not in self._told]
+        for ident in dropped:
             self._silence.said(ident)
+            self._told.add(ident)
         with self._s.cond:
             for member in self._s.members:
                 if not member.served and member.rank not in self._stopped:
@@ -159,6 +164,7 @@ class ElasticSender(WeightSender):
                             "transport": self._s.shared_kind if m.shared else WIRE,
                             "state": m.gone or "closed by its receiver"} for m in done]
             self._stopped -= {m.rank for m in done}
+            self._told -= {m.rank for m in done}
         for member in done:
             release(member.lane.link.pg)  # (the failed transfers' works on its pair, parked, hold the pair)
             member.lane = None
