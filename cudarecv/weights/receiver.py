@@ -190,9 +190,8 @@ class WeightReceiver:
         pull asks (the ones missed are skipped), and the pull waits only while the receiver already holds the
         newest. ``timeout``: seconds this pull may take (default: the receiver's). While no version has started
         to arrive, running out raises :class:`WaitTimeout` and the pull goes on: the next ``pull()`` carries on
-        with it. Once a version arrives, it must land within ``timeout`` (relayed: the time its header gives, the
-        sender's timeout times its place in the chain). With ``wait=False``, return a
-        :class:`~cudarecv.Transfer` whose ``wait()`` returns the version (driven on the receiver's own thread).
+        with it. Once a version arrives, it must land within ``timeout`` (relayed: the sender's timeout times its
+        place in the chain). ``wait=False``: a :class:`~cudarecv.Transfer` whose ``wait()`` returns the version.
         Pulls from several threads take turns, each waiting up to ``timeout`` for another's (``WaitTimeout``).
 
         Raises:
