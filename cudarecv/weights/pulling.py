@@ -57,9 +57,8 @@ class Puller:
         if self.inbox.sender_closed:
             raise SenderClosed(f"{self.inbox.sender_closed}; version {self.version} stays readable in receiver.td")
         index = self.slots.spare()
-        forwarding = self.hop.forward_of(index)
-        if forwarding is not None:  # relay: the forward of an earlier version may still read this slot
-            forward = forwarding[0]
+        forward = self.hop.forward_of(index)
+        if forward is not None:  # relay: the forward of an earlier version may still read this slot
             with contextlib.suppress(Exception):
                 forward.wait()  # bounded by its own timeout
             if forward.failed:  # a parked send may read it for as long as it likes: never write it again
@@ -77,9 +76,12 @@ class Puller:
             relaying = self.hop.broken()  # (the hops after this one hear who failed)
             if relaying is not None:
                 lost = self._lost(error, relaying, index)
-                if lost is not None:  # a hop before this one failed, not its own link: the sender hears who
+                if lost is not None or (self.lane.nccl and relaying.up != self.hop.sender):
+                    # a hop before this one failed, not its own link: the sender hears who (on NCCL, where it
+                    # reads the word in turn, it then drops this receiver: the communicator broke)
                     with contextlib.suppress(Exception):
                         self.inbox.asks.post(ask_message(GOT, relaying.version, LOST, relaying.lost))
+                if lost is not None:
                     return lost
             if isinstance(error, Error) and error.link_usable and not isinstance(error, RelayLost):
                 return error  # drained, the link in step (or the sender closed): the next pull is told
@@ -112,9 +114,7 @@ class Puller:
         if not isinstance(error, Error) or (isinstance(error, TimeoutError) and relaying.overdue()):
             return None
         self.slots.renew(index, self.schema, self.piece, self.device)
-        if isinstance(error, TimeoutError):
-            self.hop.abandon(relaying)  # (the hop's forward completes once it sends its trailer)
-        elif isinstance(error, PeerError):
+        if isinstance(error, PeerError):
             self.hop.forget(relaying.up)
         lost = RelayLost(f"pull of version {relaying.version}: the link to rank {relaying.up}, the hop before this "
                          f"receiver in the relay chain, failed during the push ({error}); version {self.version} "

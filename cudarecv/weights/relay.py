@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from ..core import streams
@@ -38,8 +39,8 @@ from ..core.link import Link
 from ..core.log import logger
 from ..core.shutdown import start_thread
 from ..core.transfer import Transfer
-from ..core.transport import park, release
-from ..wire.control import read_bytes, wire_bytes
+from ..core.transport import release
+from ..wire.control import ROOM, read_bytes, wire_bytes
 from ..wire.staging import Lane, lane_for, recv_into, send_from, wire_can_touch
 from .inbox import header_too_long
 from .link import naming
@@ -132,7 +133,9 @@ class Hop:
         self._peers: dict[int, Lane] = {}
         self._forwarders: dict[int, Driver] = {}
         self._receivers: dict[int, Driver] = {}
-        self._forwards: dict[int, tuple[Transfer, int]] = {}  # own slot -> (the forward reading it, to whom)
+        self._forwards: dict[int, Transfer] = {}  # own slot -> the forward that may still read it
+        self._last: dict[tuple[str, int], Transfer] = {}  # ("forward" or "receive", rank) -> the last one
+        self._forming: list[_Forming] = []  # pairs forming now (joined receivers)
         self.relaying: _Relaying | None = None
         self.lost_at: int | None = None
 
@@ -144,27 +147,27 @@ class Hop:
         if header.down >= 0 and header.down == header.up:
             raise OutOfStepError(f"a relay header names rank {header.up} as both hops: the link is out of step")
         wait = header.wait_ms / 1e3
+        self.relaying, self.lost_at = _Relaying(None, header.up, header.version, time.monotonic(), wait), None
         up, down = yield from self._lanes(header, wait)
         payload, trailer = self.tags.relay(header.version)
-        self.relaying, self.lost_at = _Relaying(None, header.up, header.version, time.monotonic(), wait), None
         relay = None
         if down is not None:
             relay = self.relaying.relay = Relay(down, slot.pieces, payload, trailer, header.version)
             forward = Transfer(
                 relay.forward(), down.stream, timeout=wait * (header.hop + 2) / (header.hop + 1),  # the next hop's
                 driver=self._driver(self._forwarders, "forward", header.down).submit, link=down.link,
-                on_error=naming(down.link, f"forward of version {header.version}", wait, "took no complete version"),
+                on_error=_naming(down.link, f"forward of version {header.version}", wait, "took no complete version"),
                 raise_first=False, what=f"forward of version {header.version} to rank {header.down}")
-            self._forwards[index] = (forward, header.down)
+            self._forwards[index] = self._last["forward", header.down] = forward
         receiving = self._receive_from(up, header, slot, relay, payload, trailer)
         if up is self.lane or up.nccl:  # the head of the chain (from the sender), or NCCL (a failed peer breaks
             status, rank = yield from receiving  # the communicator: no healing): on the pull's own thread
         else:  # on a thread of its own per hop before: one that stops holds no later pull of this receiver
-            transfer = Transfer(receiving, up.stream, timeout=wait,
-                                driver=self._driver(self._receivers, "receive", header.up).submit, link=up.link,
-                                on_error=naming(up.link, f"receive of version {header.version}", wait,
-                                                "sent no complete version"),
-                                raise_first=False, what=f"receive of version {header.version} from rank {header.up}")
+            left = max(wait - (time.monotonic() - self.relaying.started), 0.0)  # (the pull's own deadline)
+            transfer = self._last["receive", header.up] = Transfer(
+                receiving, up.stream, timeout=left, driver=self._driver(self._receivers, "receive", header.up).submit,
+                link=up.link, raise_first=False, what=f"receive of version {header.version} from rank {header.up}",
+                on_error=_naming(up.link, f"receive of version {header.version}", wait, "sent no complete version"))
             yield [transfer.ended(drive=False)]
             status, rank = transfer.wait()
         if up.stream is not None and up is not self.lane:  # (landed on the hop's stream: the pull's follows it)
@@ -180,30 +183,36 @@ class Hop:
 
     def _lanes(self, header: Any, wait: float) -> Any:
         """A sub-protocol: the lanes to the hop before and (or None: none, or its pair never formed) the hop after.
-        Pairs still to form (receivers that joined through a store) form at once, each on a thread of its own."""
-        if header.down >= 0:
-            self._unjam(header.down)
+        Pairs still to form (receivers that joined through a store) form at once, each on a thread of its own,
+        within half the hop's time (the rest is the transfer's)."""
+        for kind, rank, drivers in (("receive", header.up, self._receivers), ("forward", header.down, self._forwarders)):
+            self._unjam(kind, rank, drivers)
         wanted = [r for r in (header.up, header.down) if r >= 0 and r != self.sender and r not in self._peers]
-        formed: dict[int, _Forming] = {}
         if wanted and self.connect is not None:
-            formed = {r: _Forming(self.connect, r, header.version, wait) for r in wanted}
-            yield list(formed.values())
-        up = self._peer(header.up, "the hop before this receiver", formed)
+            forming = [_Forming(self.connect, r, header.version, wait / 2) for r in wanted]
+            self._forming.extend(forming)
+            yield forming
+            for pair in forming:
+                self._forming.remove(pair)
+                with contextlib.suppress(TransferTimeout):  # (a pair that did form is kept, whatever the other did)
+                    self._lane(pair.rank, pair.link())
+        up = self._peer(header.up, "the hop before this receiver")
         down = None
         if header.down >= 0:
             try:
-                down = self._peer(header.down, "the hop after this receiver", formed)
+                down = self._peer(header.down, "the hop after this receiver")
             except TransferTimeout as error:  # a pair of joined receivers that never formed: the next one is gone
                 logger.warning("weight receiver: version %d is not forwarded: %s", header.version, error)
         return up, down
 
-    def _unjam(self, rank: int) -> None:
-        """Before a forward to ``rank``: if the last one failed, its thread may wait in gloo for good (a send
-        waits for its receive, which a hop that timed out never posts): the next goes on a new thread; a link
-        that broke is let go of (formed again if it is named again)."""
-        last = next((f for f, to in reversed(list(self._forwards.values())) if to == rank), None)
+    def _unjam(self, kind: str, rank: int, drivers: dict[int, Driver]) -> None:
+        """Before a transfer with ``rank``: if the last one failed, its thread may wait in gloo for good (a stopped
+        hop; a send waits for its receive): the next goes on a new thread; a link that broke is let go of (formed
+        again if it is named again)."""
+        last = self._last.get((kind, rank))
         if last is None or not last.settled or not last.failed:
             return
+        del self._last[kind, rank]
         try:
             last.value()
         except PeerError:
@@ -211,22 +220,34 @@ class Hop:
             return
         except Exception:  # noqa: BLE001 - it ran out of time (or failed otherwise): the link may still work
             pass
-        driver = self._forwarders.pop(rank, None)
+        driver = drivers.pop(rank, None)
         if driver is not None:
             driver.stop(0.0)
 
     def _receive_from(self, up: Lane, header: Any, slot: Any, relay: Relay | None, payload: int,
                       trailer: int) -> Any:
         """A sub-protocol: the payload from the hop before into ``slot``, each chunk to ``relay`` as it lands;
-        returns the trailer's (status, the rank that failed)."""
+        returns the trailer's (status, the rank that failed). On gloo the trailer's receive is posted first, so
+        the hop's forward never waits on a receive this one never posts (if it runs out of time meanwhile)."""
         tags = [payload] * len(slot.pieces)
+        early = None
+        if not up.nccl:  # (gloo matches by tag; NCCL in posting order: there it comes after the payload)
+            early = torch.zeros(TRAILER_SIZE + ROOM, dtype=torch.uint8)
+            posted = up.post(False, [early], [trailer])
         if relay is not None and up.nccl and wire_can_touch(up, slot.pieces):  # one chunk at a time: each forwarded
             for i, piece in enumerate(slot.pieces):                              # once its receive is on the stream
                 yield from recv_into(up, [piece], tags[:1], landed=lambda _, i=i: relay.landed(i))
         else:
             yield from recv_into(up, slot.pieces, tags, landed=relay.landed if relay is not None else None)
-        status, got, rank = read_trailer((yield from read_bytes(up, TRAILER_SIZE, trailer, "relay trailer",
-                                                                header_too_long)))
+        if early is None:
+            raw = yield from read_bytes(up, TRAILER_SIZE, trailer, "relay trailer", header_too_long)
+        else:
+            yield posted
+            if early[TRAILER_SIZE:].any():
+                raise header_too_long(f"the relay trailer is longer than its {TRAILER_SIZE} bytes: the peer speaks "
+                                      "another protocol or version on this tag")
+            raw = early[:TRAILER_SIZE].numpy().tobytes()
+        status, got, rank = read_trailer(raw)
         if got != header.version:
             raise OutOfStepError(f"the relay trailer is for version {got}, not {header.version}: out of step")
         return status, rank
@@ -242,17 +263,6 @@ class Hop:
             relaying.relay.end(broken=relaying.lost)
         return relaying
 
-    def abandon(self, relaying: _Relaying) -> None:
-        """The receives from the hop before ran out of time: post the version's trailer receive (into scratch,
-        parked), so that hop's forward, which ends with the trailer, completes once it is sent (a gloo send waits
-        for its receive; the payload's receives are posted already)."""
-        lane = self._peers.get(relaying.up)
-        if lane is None or lane.nccl:
-            return
-        _, trailer = self.tags.relay(relaying.version)
-        with contextlib.suppress(Exception):  # (a link that broke meanwhile: nothing to complete)
-            park(lane.post(False, [wire_bytes(lane, bytes(TRAILER_SIZE))], [trailer]), lane.link.pg)
-
     def forget(self, rank: int, timeout: float = 0.0) -> None:
         """The receiver ``rank`` is gone (its link broke): let go of the lane to it (a pair of its own, released)
         and of its threads (each ends once what it runs ends; waited for up to ``timeout`` s)."""
@@ -264,29 +274,31 @@ class Hop:
         if lane is not None and self.connect is not None:
             release(lane.link.pg)
 
-    def forward_of(self, index: int) -> tuple[Transfer, int] | None:
-        """The forward that may still read own slot ``index`` and the rank it goes to (let go of here)."""
+    def forward_of(self, index: int) -> Transfer | None:
+        """The forward that may still read own slot ``index`` (let go of here)."""
         return self._forwards.pop(index, None)
 
-    def _peer(self, rank: int, what: str, formed: dict[int, _Forming]) -> Lane:
-        """The lane to another receiver of the chain (the sender's own for the sender); ``formed``: the pairs
-        formed for this push (:class:`TransferTimeout` if that rank's never formed)."""
+    def _peer(self, rank: int, what: str) -> Lane:
+        """The lane to another receiver of the chain (the sender's own for the sender); a joined receiver's pair
+        with ``rank`` must have formed (:class:`TransferTimeout` if it did not)."""
         if rank == self.sender:
             return self.lane
         lane = self._peers.get(rank)
-        if lane is None:
-            link = self.lane.link
-            if rank in formed:
-                peer = formed[rank].link()
-            elif not 0 <= rank < link.pg.size() or rank == link.pg.rank() or self.connect is not None:
-                raise OutOfStepError(f"a relay header names rank {rank} as {what}, in a group of {link.pg.size()} "
-                                     f"where this is rank {link.pg.rank()}: the link is out of step")
-            else:
-                peer = Link(link.pg, rank, link.registered, link.backend)
-            stream = None
-            if self.lane.stream is not None:  # forwards run on a stream of their own, next to the receives
-                stream = torch.cuda.Stream(device=self.lane.stream.device)
-            lane = self._peers[rank] = lane_for(peer, self.device, stream, streams.StagingPool())
+        if lane is not None:
+            return lane
+        link = self.lane.link
+        if self.connect is not None:
+            raise TransferTimeout(f"the pair with receiver {rank}, {what}, did not form")
+        if not 0 <= rank < link.pg.size() or rank == link.pg.rank():
+            raise OutOfStepError(f"a relay header names rank {rank} as {what}, in a group of {link.pg.size()} "
+                                 f"where this is rank {link.pg.rank()}: the link is out of step")
+        return self._lane(rank, Link(link.pg, rank, link.registered, link.backend))
+
+    def _lane(self, rank: int, peer: Link) -> Lane:
+        stream = None
+        if self.lane.stream is not None:  # forwards run on a stream of their own, next to the receives
+            stream = torch.cuda.Stream(device=self.lane.stream.device)
+        lane = self._peers[rank] = lane_for(peer, self.device, stream, streams.StagingPool())
         return lane
 
     @staticmethod
@@ -304,12 +316,16 @@ class Hop:
         if self.relaying is not None and self.relaying.relay is not None:
             self.relaying.relay.end(broken=self.relaying.up)
         self.relaying = None
-        for forward, _ in self._forwards.values():
+        for forward in self._forwards.values():
             with contextlib.suppress(Exception):
                 forward.wait(max(deadline - time.monotonic(), 0.0))
+        for pair in self._forming:  # (a close during a pull: each ends within its own limit)
+            pair.wait()
+            with contextlib.suppress(TransferTimeout):
+                release(pair.link().pg)
         for rank in {*self._peers, *self._forwarders, *self._receivers}:
             self.forget(rank, max(deadline - time.monotonic(), 0.0))
-        self._forwards, self.lane = {}, None
+        self._forwards, self._last, self._forming, self.lane = {}, {}, [], None
 
 
 @dataclass
@@ -330,11 +346,25 @@ class _Relaying:
         return time.monotonic() - self.started > 1.5 * self.wait
 
 
+def _naming(link: Link, what: str, wait: float, silent: str) -> Callable[[BaseException, float], BaseException]:
+    """The error hook of a transfer with another receiver: the link's failures (gloo's, a timeout) name the peer;
+    any other error (this receiver's own: out of memory, a bug) stays as it is."""
+    hook = naming(link, what, wait, silent)
+
+    def named(error: BaseException, elapsed: float) -> BaseException:
+        if isinstance(error, TimeoutError) or type(error) is RuntimeError or isinstance(error, dist.DistError):
+            return hook(error, elapsed)
+        return error
+
+    return named
+
+
 class _Forming:
     """A work that completes once the pair with receiver ``rank`` has formed or failed to, on a thread of its
     own (bounded by its ``limit``); :meth:`link` is it, or raises why not."""
 
     def __init__(self, connect: Callable[[int, int, float], Link], rank: int, version: int, limit: float) -> None:
+        self.rank = rank
         self._link: Link | None = None
         self._error: BaseException | None = None
         self._done = threading.Event()
@@ -344,7 +374,8 @@ class _Forming:
         try:
             self._link = connect(rank, version, limit)
         except BaseException as error:  # noqa: BLE001 - raised by link(), on the pull's thread
-            self._error = error
+            self._error = error if isinstance(error, TransferTimeout) else TransferTimeout(
+                f"the pair with receiver {rank} did not form: {type(error).__name__}: {error}")
         finally:
             self._done.set()
 

@@ -8,6 +8,7 @@ for the chains after it, and let go of once its link breaks (the neighbour died 
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from ...core.groups import store_group
@@ -21,6 +22,7 @@ class Edges:
 
     def __init__(self, directory: Directory, generation: int, ident: int, timeout: float) -> None:
         self.directory, self.generation, self.ident, self.timeout = directory, generation, ident, timeout
+        self._lock = threading.Lock()
         self.store: Any = None  # a client of its own, at the first pair (formed on the pulls' thread: never
                                 # behind the caller's wait on theirs)
 
@@ -28,8 +30,9 @@ class Edges:
         """The link to receiver ``peer``, formed within ``limit`` s (at most ``timeout``; :class:`TransferTimeout`
         if it never came)."""
         rank = 0 if self.ident < peer else 1
-        if self.store is None:
-            self.store = own_client(self.directory.store)
+        with self._lock:  # (the pairs of one push form at once)
+            if self.store is None:
+                self.store = own_client(self.directory.store)
         group = store_group(self.store, self.directory.edge(self.generation, self.ident, peer, version),
                             rank, 2, min(limit, self.timeout), f"receiver {self.ident} of weight sender "
                             f"{self.directory.name!r}: its relay pair with receiver {peer}")

@@ -12,6 +12,7 @@ goes on (it was stopped, then continued) reads that before its next pull and joi
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -41,20 +42,29 @@ class Heartbeat:
         with self._lock:
             self._joined = (generation, ident, timeout / BEATS)
             self.dropped.clear()
-        self._beat()
+        with contextlib.suppress(Exception):  # (a store that fails now: the thread beats again)
+            self._beat()
 
     def said_dropped(self) -> bool:
-        """Whether the sender said it dropped the join followed (asked of the store now, and at every beat)."""
+        """Whether the sender said it dropped the join followed (asked of the store now if it answers, and at
+        every beat)."""
         if not self.dropped.is_set():
-            self._beat(count=False)
+            with contextlib.suppress(Exception):  # (a store that fails: the pull says what became of the sender)
+                self._beat(count=False)
         return self.dropped.is_set()
 
     def _beat_all(self) -> None:
+        failing = False
         while not self._stop.wait(self._joined[2] if self._joined is not None else 1.0):
             try:
                 self._beat()
             except Exception as error:  # noqa: BLE001 - the store failed: the next beat tries again
-                logger.warning("weight receiver of %r: a heartbeat failed: %s", self.directory.name, error)
+                if not failing:  # (said once per run of failures)
+                    logger.warning("weight receiver of %r: its heartbeat failed (the store?): %s",
+                                   self.directory.name, error)
+                failing = True
+            else:
+                failing = False
 
     def _beat(self, count: bool = True) -> None:
         joined = self._joined

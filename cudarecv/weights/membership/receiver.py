@@ -77,12 +77,13 @@ class ElasticReceiver(WeightReceiver):
         the one joined may still serve (this receiver was dropped, or its link failed), so join the newest
         generation there is, that one included."""
         generation = self._directory.current(self.generation - 1 if again else self.generation, limit)
+        beat = float(self._directory.sender(generation).get("timeout", self.timeout))  # (its record came first)
         k = self._directory.join(generation)
         group = store_group(self._directory.store, self._directory.pair(generation, k), 1, 2, self.timeout,
                             f"receiver {k} of weight sender {self._directory.name!r}: its pair with the sender")
         joined = WeightReceiver(group=group, group_src=0, timeout=self.timeout, **self._options)
         joined._hop.connect = Edges(self._directory, generation, k, self.timeout)  # (a relay's neighbours)
-        self._heartbeat.follow(generation, k, float(self._directory.sender(generation).get("timeout", self.timeout)))
+        self._heartbeat.follow(generation, k, beat)
         old, self._current = self._current, joined
         if old is not None:
             old.close()  # (its last version stays readable)

@@ -140,7 +140,13 @@ class ElasticSender(WeightSender):
         what they were stays in :attr:`receivers`."""
         with self._s.cond:
             served = {m.rank: m for m in self._s.members if m.served}
-        for ident in self._silence.silent(list(served)):
+        try:
+            silent = self._silence.silent(list(served))
+        except Exception as error:  # noqa: BLE001 - the store failed: no beat read this time
+            logger.warning("weight sender %r: could not read the receivers' heartbeats: %s", self._directory.name,
+                           error)
+            silent = []
+        for ident in silent:
             error = PeerError(f"{served[ident].who} sent no heartbeat for {self._s.timeout:g} s (was its process "
                               "stopped?)")
             with self._s.cond:
@@ -150,7 +156,12 @@ class ElasticSender(WeightSender):
         with self._s.cond:  # (every one dropped is told, through the store: one that goes on joins again)
             dropped = [m.rank for m in self._s.members if m.gone is not None and m.rank not in self._told]
         for ident in dropped:
-            self._silence.said(ident)
+            try:
+                self._silence.said(ident)
+            except Exception as error:  # noqa: BLE001 - the store failed: the next push tells it
+                logger.warning("weight sender %r: could not tell receiver %d it was dropped: %s",
+                               self._directory.name, ident, error)
+                break
             self._told.add(ident)
         with self._s.cond:
             for member in self._s.members:
