@@ -7,6 +7,7 @@ The cross-host cases (relay across simulated hosts, a receiver killed mid-push) 
 
 from __future__ import annotations
 
+import datetime
 import os
 import signal
 
@@ -139,6 +140,63 @@ def test_a_relay_chain_heals_around_a_receiver_that_fails_mid_push(four, how):
         assert [v for v, _ in seen] == [1] + list(range(3, STEPS + 1)) and all(ok for _, ok in seen), seen
         assert len(lost) == 1 and lost[0][:2] == (1, True), lost  # version 1 kept, whole
     assert "rank 1" in lost2[0][2] and "rank 1" in lost3[0][2], (lost2, lost3)  # rank 3 heard it in band
+
+
+def hop_held(rank, world, group, key):
+    """Chain 1 -> 2 -> 3; rank 1 is alive and served but its forward of version 2 waits (a store signal) until
+    rank 2 has timed out on it: rank 2 loses version 2 (RelayLost), rank 3 hears it in band; nobody is dropped,
+    rank 1's late forward lands in what rank 2 left posted, and version 3 reaches all three."""
+    model = policy()
+    signals = store()
+    if rank == 0:
+        outcomes = []
+        with cudarecv.WeightSender(TensorDict.from_module(model), dst=[1, 2, 3], fanout="relay", bucket_bytes=256,
+                                   timeout=3.0) as sender:
+            for version in (1, 2, 3):
+                set_version(model, version)
+                try:
+                    sender.push()
+                    outcomes.append("ok")
+                except cudarecv.Error as error:
+                    outcomes.append(type(error).__name__)
+            ranks = sender.ranks
+            signals.set(f"{key}_read", "1")
+            signals.wait([f"{key}_done_1", f"{key}_done_2", f"{key}_done_3"])
+        return outcomes, ranks
+    with cudarecv.WeightReceiver(src=0, expect=model, timeout=60) as receiver:
+        if rank == 1:
+            forward = relay.Relay.forward
+
+            def held(self):
+                steps = forward(self)
+                yield next(steps)  # (its first step runs where the forward is made, on the pull's thread)
+                if self.version == 2:  # the rest on rank 1's forwarding thread: its pulls go on
+                    signals.wait([f"{key}_lost"], datetime.timedelta(seconds=120))
+                yield from steps
+
+            relay.Relay.forward = held
+        got, lost = [], []
+        while receiver.version < 3:
+            try:
+                version = receiver.pull()
+            except cudarecv.RelayLost as error:
+                lost.append(str(error))
+                if rank == 2:
+                    signals.set(f"{key}_lost", "1")  # rank 1's forward of version 2 goes on now
+                continue
+            got.append((version, holds_version(receiver.td, version)))
+        signals.wait([f"{key}_read"], datetime.timedelta(seconds=120))
+        signals.set(f"{key}_done_{rank}", "1")
+        return got, lost
+
+
+def test_a_hop_that_times_out_on_a_live_one_loses_one_version_and_goes_on(four):
+    (outcomes, ranks), (got1, lost1), (got2, lost2), (got3, lost3) = four().run(
+        hop_held, args=(unique_key("relay_held"),), timeout=180)
+    assert outcomes == ["ok", "RelayLost", "ok"] and ranks == [1, 2, 3], (outcomes, ranks)
+    assert got1 == [(1, True), (2, True), (3, True)] and lost1 == [], (got1, lost1)
+    for got, lost in ((got2, lost2), (got3, lost3)):
+        assert got == [(1, True), (3, True)] and len(lost) == 1 and "rank 1" in lost[0], (got, lost)
 
 
 def auto_fanout(rank, world, group):
