@@ -51,18 +51,14 @@ def chain_of(session: Session, live: list[Member]) -> list[Member]:
     return sorted(wire, key=lambda m: (m.host != here, m.host, m.rank))
 
 
-def protocol(session: Session, chain: list[Member], member: Member, snapshot: Snapshot, limit: float) -> Any:
-    """The protocol that pushes ``snapshot`` to ``member``: through the relay ``chain`` if it is in it, else by
-    the star."""
-    if member in chain:
-        return _relayed(session, chain, chain.index(member), snapshot, limit)
-    return send(session, member, snapshot, limit)
-
-
-def time_for(chain: list[Member], member: Member, limit: float) -> float:
-    """How long a push's transfer to ``member`` may take: ``limit``; in a relay chain, as long as the hop after
-    it waits (so a hop that timed out on a stopped one before it has ``limit`` to say so)."""
-    return hop_limit(limit, chain.index(member) + 1) if member in chain else limit
+def protocol(session: Session, chain: list[Member], hop: int | None, member: Member, snapshot: Snapshot,
+             limit: float) -> tuple[Any, float]:
+    """The protocol that pushes ``snapshot`` to ``member`` (``chain[hop]``, or by the star if ``hop`` is None), and
+    how long it may take: ``limit``; in a relay chain, as long as the hop after it waits (so a hop that timed out
+    on a stopped one before it has ``limit`` to say so)."""
+    if hop is not None:
+        return _relayed(session, chain, hop, snapshot, limit), hop_limit(limit, hop + 1)
+    return send(session, member, snapshot, limit), limit
 
 
 def send(session: Session, member: Member, snapshot: Snapshot, limit: float) -> Any:

@@ -17,7 +17,7 @@ from typing import Any
 
 from ..core.errors import MismatchError, PeerError
 from ..core.transfer import Transfer
-from .fanout import chain_of, dropping, protocol, time_for
+from .fanout import chain_of, dropping, protocol
 from .serving import serve
 from .session import Member, Session
 from .snapshots import SnapshotPool
@@ -60,10 +60,11 @@ class SyncPushes(Pushes):
             live = [m for m in live if m.served]  # one that said BYE meanwhile may be released already: skip it
             chain = chain_of(session, live)
             session.chain = [m.rank for m in chain]
+            hops = {id(m): i for i, m in enumerate(chain)}
             for member in live:
+                sending, seconds = protocol(session, chain, hops.get(id(member)), member, target, limit)
                 pushes.append((member, Transfer(
-                    protocol(session, chain, member, target, limit), member.lane.stream,
-                    timeout=time_for(chain, member, limit),
+                    sending, member.lane.stream, timeout=seconds,
                     driver=member.driver.submit, link=member.lane.link, raise_first=False,
                     on_error=dropping(session, pool, member, version, limit),
                     what=f"push of version {version} to {member.who}")))

@@ -32,6 +32,7 @@ class Heartbeat:
         self.store = own_client(directory.store)
         self.dropped = threading.Event()
         self._joined: tuple[int, int, float] | None = None  # (generation, id, period) beating for
+        self._beaten = 0.0  # when it last beat (monotonic)
         self._lock = threading.Lock()  # (a beat's word on a join, and a new join, one at a time)
         self._stop = threading.Event()
         self._thread = start_thread(self._beat_all, f"cudarecv-heartbeat-{directory.name}")
@@ -46,9 +47,10 @@ class Heartbeat:
             self._beat()
 
     def said_dropped(self) -> bool:
-        """Whether the sender said it dropped the join followed (asked of the store now if it answers, and at
-        every beat)."""
-        if not self.dropped.is_set():
+        """Whether the sender said it dropped the join followed: read at every beat, and here (a pull's) only if
+        the last beat is older than a period (this process was stopped: the thread has not beaten since)."""
+        joined = self._joined
+        if not self.dropped.is_set() and joined is not None and time.monotonic() - self._beaten > joined[2]:
             with contextlib.suppress(Exception):  # (a store that fails: the pull says what became of the sender)
                 self._beat(count=False)
         return self.dropped.is_set()
@@ -73,6 +75,7 @@ class Heartbeat:
         generation, ident, _ = joined
         if count:
             self.store.add(self.directory.alive(generation, ident), 1)
+            self._beaten = time.monotonic()
         said = self.store.check([self.directory.dropped(generation, ident)])
         with self._lock:
             if said and self._joined == joined:
