@@ -12,10 +12,11 @@ import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from ..core import streams
-from ..core.errors import Error, ReceiverFailed, SchemaError
+from ..core.errors import Error, ReceiverFailed, SchemaError, TransferTimeout
 from ..core.link import Link
 from ..core.tags import TAG_PREAMBLE, TAG_SCHEMA, TAG_STATUS
 from ..core.transfer import CUDA_IPC, Transfer
@@ -62,12 +63,14 @@ def offer(lanes: list[Lane], raw: bytes, piece: int, mode: str, session: int, sh
     def reply(lane: Lane) -> Any:
         return (yield from read_bytes(lane, STATUS_SIZE, TAG_STATUS, "handshake answer", SchemaError))
 
-    def control(protocol: Any, lane: Lane, silent: str) -> Transfer:
+    def control(protocol: Any, lane: Lane, silent: str, hint: str = "") -> Transfer:
         what = "weight-sync handshake"
-        return Transfer(protocol, lane.stream, on_error=naming(lane.link, what, timeout, silent), timeout=timeout,
-                        link=lane.link, raise_first=False, what=f"{what} with rank {lane.link.peer}")
+        return Transfer(protocol, lane.stream, on_error=_hinted(naming(lane.link, what, timeout, silent), hint),
+                        timeout=timeout, link=lane.link, raise_first=False, what=f"{what} with rank {lane.link.peer}")
 
-    offers = [(lane, control(hello(lane), lane, "took no schema")) for lane in lanes]
+    # a receiver that never takes the schema was most likely never built (or names another sender): say so
+    offers = [(lane, control(hello(lane), lane, "took no schema", _build_hint(lane.link, "WeightReceiver", "src")))
+              for lane in lanes]
     answers = [(lane, control(reply(lane), lane, "sent no answer")) for lane in lanes]
     try:
         for _, transfer in offers + answers:
@@ -85,6 +88,34 @@ def offer(lanes: list[Lane], raw: bytes, piece: int, mode: str, session: int, sh
         host, _, route = reason.partition("\n")
         hosts.append((host, route in ("shared", "shared zero-copy"), route == "shared zero-copy"))
     return hosts
+
+
+def _build_hint(link: Link, other_end: str, argument: str) -> str:
+    """What the peer must do for this end's handshake to happen: build ``other_end`` naming this process
+    in ``argument`` (``"src"``: a receiver of this sender, ``"dst"``: a sender to this receiver), within the
+    timeout. A registered group names ranks globally (``src=``/``dst=``), a standalone one by its own ranks
+    (``group_src=``/``group_dst=``)."""
+    me = link.pg.rank()
+    if link.registered:
+        name, rank = argument, dist.get_global_rank(link.pg, me)
+    else:
+        name, rank = f"group_{argument}", me
+    named = f"`{name}={rank}`" if argument == "src" else f"`{name}` including {rank}"
+    where = "" if link.registered else " on this group"
+    return (f"it must build a `{other_end}` with {named} (this rank){where} within that time (did it build "
+            f"none, name another rank, or start later than this timeout allows?)")
+
+
+def _hinted(hook: Any, hint: str) -> Any:
+    """Error hook ``hook`` whose timeouts end with ``hint`` (what the silent peer must do), when there is one."""
+    if not hint:
+        return hook
+
+    def hinted(error: BaseException, elapsed: float) -> BaseException:
+        named = hook(error, elapsed)
+        return TransferTimeout(f"{named}: {hint}") if isinstance(named, TransferTimeout) else named
+
+    return hinted
 
 
 def expected(expect: Any) -> tuple[list[tuple], list[Tensor]]:
@@ -130,8 +161,11 @@ def answer(lane: Lane, timeout: float, expect: Any, allocate: Any, failure: Base
     def answer(status: int, text: str = "") -> None:
         run(send_bytes(lane, status_message(status, text), TAG_STATUS), lane, left(), what, "took no answer")
 
-    offer = read_preamble(run(read_bytes(lane, PREAMBLE_SIZE, TAG_PREAMBLE, "handshake preamble", SchemaError),
-                              lane, timeout, what))
+    # a sender that never offers was most likely never built (or sends to other ranks): the timeout says so
+    hook = _hinted(naming(lane.link, what, timeout, "sent nothing"), _build_hint(lane.link, "WeightSender", "dst"))
+    offer = read_preamble(Transfer(read_bytes(lane, PREAMBLE_SIZE, TAG_PREAMBLE, "handshake preamble", SchemaError),
+                                   lane.stream, on_error=hook, timeout=timeout, link=lane.link,
+                                   what=f"{what} with rank {lane.link.peer}").wait())
     length, piece = offer.length, offer.piece
     try:
         check_offer(length, piece)
