@@ -6,14 +6,19 @@ newest version whenever it wants one. ``ray.kill`` of an actor never makes a pus
 logs it); its replacement joins and gets the newest version on its first pull.
 
 Run (Ray on the CPU, about 15 s):  python examples/ray_actors.py [--actors 3] [--pushes 30]
+(Ray is the ray extra: pip install "cudarecv[ray]")
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import sys
 
-import ray
+try:
+    import ray
+except ModuleNotFoundError as missing:  # the ray extra is not installed: say which, not a traceback
+    sys.exit(f"examples/ray_actors.py needs Ray, the ray extra ({missing}): pip install \"cudarecv[ray]\"")
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict

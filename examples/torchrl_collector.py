@@ -1,12 +1,19 @@
-"""A TorchRL MultiSyncCollector whose workers get their weights through cudarecv (the torchrl extra).
+"""A TorchRL MultiSyncCollector whose workers get their weights through cudarecv.
 
+    pip install "cudarecv[torchrl]"   # TorchRL 0.14 (with tensordict 0.14.3)
     python examples/torchrl_collector.py
 """
 
-from torchrl.collectors import MultiSyncCollector
+import sys
 
-from cudarecv.testing.rl import make_env, marker_policy, markers, set_marker
-from cudarecv.torchrl import CudarecvWeightSyncScheme
+try:
+    from torchrl.collectors import MultiSyncCollector
+
+    from cudarecv.testing.rl import make_env, marker_policy, markers, set_marker
+    from cudarecv.torchrl import CudarecvWeightSyncScheme
+except ModuleNotFoundError as missing:  # the torchrl extra is not installed: say which, not a traceback
+    sys.exit(f"examples/torchrl_collector.py needs TorchRL, the torchrl extra ({missing}): "
+             'pip install "cudarecv[torchrl]"')
 
 if __name__ == "__main__":  # workers start with spawn
     policy = marker_policy(4_000_000)  # a 4 MB policy whose actions say which weights computed them

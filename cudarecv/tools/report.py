@@ -55,7 +55,7 @@ CHECK_NOTE = "check = the checked transfer's values: ok, WRONG, or - (not checke
 LINK_NOTE = "link = the busiest host link's bytes (its NIC counters) / the rounds' time / the link rate"
 LEGACY_NOTE = ("{n} row(s) from an older bench JSON: time = their extra_info.seconds (the receiver's median; "
                "their stats timed something else)")
-MATPLOTLIB_HINT = "pip install matplotlib or cudarecv[test]"
+MATPLOTLIB_HINT = 'pip install "cudarecv[tools]"'  # matplotlib, the tools extra
 
 
 class ReportError(ArgumentError):
