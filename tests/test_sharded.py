@@ -457,14 +457,61 @@ def test_want_is_checked_naming_the_leaf():
     layout = wanting_all(cudarecv.weights.sharded.layout.sender_layout([("w",), ("b",)],
                                                                        [torch.zeros(4, 6), torch.zeros(4)]))
     assert narrowed(layout, {"w": (slice(1, 3), slice(2, None))}, set()).parts[0].box == Box((1, 2), (2, 4))
+    assert narrowed(layout, {"w": [slice(1, 3)]}, set()).parts[0].box == Box((1, 0), (2, 6))  # (a list, one slice)
+    assert narrowed(layout, {"w": slice(0, 4)}, set()).parts[0].box == Box((0, 0), (4, 6))  # (a slice alone)
+    assert narrowed(layout, {"w": (slice(0, 4, 1),)}, set()).parts[0].box == Box((0, 0), (4, 6))
     for want, match in [({"x": (slice(0, 1),)}, "'x', which the sender does not send"),
-                        ({"w": (slice(3, 3),)}, "empty"), ({"w": (0,)}, "step-1 slices"),
+                        ({"w": (slice(3, 3),)}, "empty"), ({"w": (slice(4, None),)}, "empty"),
                         ({"w": (slice(0, 4, 2),)}, "step-1 slices"), ({"b": (slice(0, 1),) * 2}, "up to 1"),
-                        ([("w", (slice(0, 1),))], "must map leaf names")]:
+                        ({"w": (slice(-2, None),)}, "negative bound -2: count from the start"),
+                        ({"w": (slice(0, -1),)}, "negative bound -1"),
+                        ({"w": (slice(0, 5),)}, "reaches past dimension 0 of the leaf, of size 4"),
+                        ({"w": (slice(None), slice(2, 7))}, "reaches past dimension 1 of the leaf, of size 6"),
+                        ({"w": (slice(9, 12),)}, "reaches past dimension 0")]:
         with pytest.raises(cudarecv.ArgumentError, match=match):
             narrowed(layout, want, set())
+    for want, match in [({"w": (slice(0, 2.5),)}, r"bound 2\.5 \(float\): bounds are ints or None"),
+                        ({"w": (slice("0", 2),)}, r"bound '0' \(str\)"), ({"w": (slice(True, 2),)}, "bound True"),
+                        ({"w": (slice(0, 4, 1.0),)}, r"step 1.0 \(float\)"),
+                        ({"w": (0,)}, r"holds 0 \(int\), not a slice \(index 0 alone is slice\(0, 1\)\)"),
+                        ({"w": ((0, 2),)}, r"holds \(0, 2\) \(tuple\), not a slice"),
+                        ({"w": (Ellipsis,)}, "not a slice"), ({"w": None}, "holds None"),
+                        ({("w",): (slice(0, 1),)}, "as a string"), ({3: (slice(0, 1),)}, "names leaf 3"),
+                        ([("w", (slice(0, 1),))], "`want` must be a dict, got list"), ("w", "got str")]:
+        with pytest.raises(cudarecv.ArgumentTypeError, match=match) as raised:
+            narrowed(layout, want, set())
+        assert "`want" in str(raised.value) and 'e.g. {"up.weight": (slice(0, 512),)' in str(raised.value)
     with pytest.raises(cudarecv.ArgumentError, match="gives as a DTensor"):
         narrowed(layout, {"w": (slice(0, 1),)}, {0})
+
+
+BAD_WANTS = [({"w": (slice(0, 2.5),)}, "ArgumentTypeError", "bound 2.5 (float)"),
+             ({"w": (slice(0, 4, 2),)}, "ArgumentError", "step 2"),
+             ({"w": (slice(0, 5),)}, "ArgumentError", "reaches past dimension 0 of the leaf, of size 4"),
+             ([("w", slice(0, 1))], "ArgumentTypeError", "`want` must be a dict")]
+
+
+def bad_wants(rank, world, group):
+    """A sliced sender on rank 0; rank 1 builds a receiver with each malformed ``want`` in turn: it raises the
+    cudarecv error naming ``want``, and the sender is told at once (ReceiverFailed), the link left in step."""
+    out = []
+    for want, _, _ in BAD_WANTS:
+        try:
+            if rank == 0:
+                cudarecv.WeightSender(TensorDict(w=torch.zeros(4, 6)), dst=[1], sliced=True, timeout=20)
+            else:
+                cudarecv.WeightReceiver(src=[0], want=want, timeout=20)
+            out.append(None)
+        except Exception as error:  # noqa: BLE001 - what each side raised is the result
+            out.append((type(error).__name__, str(error)))
+    return out
+
+
+def test_a_malformed_want_raises_a_cudarecv_error_on_the_receiver_and_tells_the_sender(cluster):
+    results = cluster().run(bad_wants, timeout=120)
+    for (want, kind, text), sent, got in zip(BAD_WANTS, results[0], results[1]):
+        assert got is not None and got[0] == kind and text in got[1] and "`want" in got[1], (want, got)
+        assert sent is not None and sent[0] == "ReceiverFailed" and text in sent[1], (want, sent)
 
 
 # -- failures, refusals and closing ---------------------------------------------------------------------

@@ -52,8 +52,11 @@ class Puller:
         self.version = 0
         self.broken: str | None = None  # why this receiver takes no more pulls
 
-    def start(self, limit: float) -> Transfer:
-        """Start a pull into the spare own slot (driven on the receiver's thread; no clock of its own yet)."""
+    def start(self, limit: float, floor: int = 0) -> Transfer:
+        """Start a pull into the spare own slot (driven on the receiver's thread; no clock of its own yet).
+        ``floor`` (latest mode): ask for a version newer than ``max(floor, version)``, so that the sender answers
+        only once it has one past ``floor`` (a sharded receiver waits on a sender rank for the version the
+        others hold, :mod:`cudarecv.weights.sharded.lineup`)."""
         if self.inbox.sender_closed:
             raise SenderClosed(f"{self.inbox.sender_closed}; version {self.version} stays readable in receiver.td")
         index = self.slots.spare()
@@ -67,7 +70,7 @@ class Puller:
         if self.lane.stream is not None:
             streams.follow_caller(self.lane.stream)
         link = self.lane.link
-        return Transfer(self._pull(slot, index, limit), self.lane.stream, timeout=math.inf,
+        return Transfer(self._pull(slot, index, limit, floor), self.lane.stream, timeout=math.inf,
                         driver=self.driver.submit, on_error=self._failing(limit, link, index), link=link,
                         raise_first=False, what=f"pull of a version newer than {self.version} from rank {link.peer}")
 
@@ -122,14 +125,14 @@ class Puller:
         lost.__cause__ = error
         return lost
 
-    def _pull(self, slot: Slot, index: int, limit: float) -> Any:
+    def _pull(self, slot: Slot, index: int, limit: float, floor: int = 0) -> Any:
         lane, inbox = self.lane, self.inbox
         # the words the sender has taken once this pull's push comes: in latest mode those before our ASK (its
         # listener reads them in order), in sync mode those up to our last GOT (its push waited for it)
         mark = inbox.asks.mark() if self.mode == "latest" else inbox.answered
-        if self.mode == "latest":  # ask for a version newer than ours
-            asked = yield from send_from(lane, [wire_bytes(lane, ask_message(ASK, self.version))], [inbox.tags.ask],
-                                         defer=True)
+        if self.mode == "latest":  # ask for a version newer than ours (and than the floor)
+            asked = yield from send_from(lane, [wire_bytes(lane, ask_message(ASK, max(self.version, floor)))],
+                                         [inbox.tags.ask], defer=True)
             if asked:
                 yield asked
         header = yield from inbox.header()

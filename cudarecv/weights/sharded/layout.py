@@ -13,6 +13,7 @@ Example:
 from __future__ import annotations
 
 import json
+import operator
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -20,7 +21,7 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-from ...core.errors import ArgumentError, SchemaError
+from ...core.errors import ArgumentError, ArgumentTypeError, SchemaError
 from ...plan.boxes import Box, duty, shard_box
 from ..schema import DTYPES, check_size
 
@@ -191,13 +192,69 @@ def receiver_layout(keys: Sequence[tuple], tensors: Sequence[Any]) -> Layout:
     return Layout(tuple(parts))
 
 
+#: how ``want`` is written, for the messages that refuse it
+WANT_FORM = ('`want` maps leaf names to slices of the whole leaf, one per leading dimension, step 1, with int bounds '
+             'from 0 to its size, e.g. {"up.weight": (slice(0, 512),), "down.weight": (slice(None), slice(0, 512))}')
+
+
+def check_want(want: Any) -> dict[str, tuple[slice, ...]]:
+    """``want`` checked for its form alone, before anything is sent (the leaves' shapes come later, with the
+    layouts: :func:`narrowed`): a mapping of leaf names (``"a.b"`` for key ``("a", "b")``) to a slice or a tuple
+    (or list) of slices, each of step 1 (or None) with bounds that are ints (or None) and not negative; returned
+    as name -> tuple of slices with int bounds. Raises :class:`ArgumentTypeError` for a wrong type (a list of
+    pairs, a name not a string, an index not a slice, a bound of 2.5 or True) and :class:`ArgumentError` for a
+    wrong value (a step, a negative bound), each naming the entry of ``want`` and the fix."""
+    if not isinstance(want, Mapping):
+        raise ArgumentTypeError(f"`want` must be a dict, got {type(want).__name__}: {WANT_FORM}")
+    checked = {}
+    for name, index in want.items():
+        if not isinstance(name, str) or not name:
+            raise ArgumentTypeError(f"`want` names leaf {name!r} ({type(name).__name__}): name each leaf by its "
+                                    f"key joined with dots, as a string (\"a.b\" for key (\"a\", \"b\")); {WANT_FORM}")
+        slices = tuple(index) if isinstance(index, (tuple, list)) else (index,)
+        checked[name] = tuple(_checked_slice(name, s) for s in slices)
+    return checked
+
+
+def _checked_slice(name: str, index: Any) -> slice:
+    """One slice of ``want[name]``, its bounds as ints (see :func:`check_want`)."""
+    entry = f"`want[{name!r}]`"
+    if not isinstance(index, slice):
+        hint = (f" (index {index} alone is slice({index}, {index + 1}))"
+                if isinstance(index, int) and not isinstance(index, bool) else "")
+        raise ArgumentTypeError(f"{entry} holds {index!r} ({type(index).__name__}), not a slice{hint}; {WANT_FORM}")
+    if index.step is not None and (isinstance(index.step, bool) or not isinstance(index.step, int)):
+        raise ArgumentTypeError(f"{entry} = {index!r} has the step {index.step!r} ({type(index.step).__name__}): "
+                                f"leave the step out (or 1); {WANT_FORM}")
+    if index.step not in (None, 1):
+        raise ArgumentError(f"{entry} = {index!r} has step {index.step!r}: only step-1 slices (a block of the leaf) "
+                            f"travel; take every element of the range and drop what you do not need; {WANT_FORM}")
+    bounds = []
+    for bound in (index.start, index.stop):
+        if bound is None:
+            bounds.append(None)
+            continue
+        try:
+            if isinstance(bound, bool):
+                raise TypeError
+            bound = operator.index(bound)  # (an int, or an integer type such as numpy's)
+        except TypeError:
+            raise ArgumentTypeError(f"{entry} = {index!r} has the bound {bound!r} ({type(bound).__name__}): bounds "
+                                    f"are ints or None; {WANT_FORM}") from None
+        if bound < 0:
+            raise ArgumentError(f"{entry} = {index!r} has the negative bound {bound}: count from the start of the "
+                                f"dimension (size - {-bound} for {bound}); {WANT_FORM}")
+        bounds.append(bound)
+    return slice(bounds[0], bounds[1])
+
+
 def narrowed(layout: Layout, want: Mapping[str, Sequence[slice]], dtensors: set[int]) -> Layout:
     """``layout`` (a receiver's) with each leaf ``want`` names (``"a.b"`` for key ``("a", "b")``) cut to the
     slices given, of the whole leaf: what a receiver wants that no DTensor layout says (e.g. a vLLM worker's part
-    of each checkpoint tensor). Raises :class:`ArgumentError` naming a key it does not have, a leaf ``expect``
-    gives as a DTensor (leaf indices ``dtensors``), or a slice that is not a non-empty step-1 range."""
-    if not isinstance(want, Mapping):
-        raise ArgumentError(f"`want` must map leaf names to tuples of slices, got {type(want).__name__}")
+    of each checkpoint tensor). ``want`` is checked as :func:`check_want` does, then against the leaves: raises
+    :class:`ArgumentError` naming a key it does not have, a leaf ``expect`` gives as a DTensor (leaf indices
+    ``dtensors``), more slices than the leaf has dimensions, a bound past the leaf's size, or an empty range."""
+    want = check_want(want)
     by_name = {p.name: i for i, p in enumerate(layout.parts)}
     parts = list(layout.parts)
     for name, index in want.items():
@@ -209,10 +266,13 @@ def narrowed(layout: Layout, want: Mapping[str, Sequence[slice]], dtensors: set[
             raise ArgumentError(f"`want` names {name!r}, which `expect` gives as a DTensor: its placements say "
                                 "what this receiver wants; drop one of the two")
         shape = parts[i].shape
-        index = tuple(index) if isinstance(index, (tuple, list)) else (index,)
-        if len(index) > len(shape) or not all(isinstance(s, slice) and s.step in (None, 1) for s in index):
-            raise ArgumentError(f"`want[{name!r}]` must be up to {len(shape)} step-1 slices of its {list(shape)} "
-                                f"elements, got {index!r}")
+        if len(index) > len(shape):
+            raise ArgumentError(f"`want[{name!r}]` = {index!r} has {len(index)} slices, but the leaf has "
+                                f"{len(shape)} dimension(s) {list(shape)}: give up to {len(shape)} step-1 slices")
+        for dim, (s, n) in enumerate(zip(index, shape)):
+            if max(s.start or 0, n if s.stop is None else s.stop) > n:
+                raise ArgumentError(f"`want[{name!r}]` = {index!r} reaches past dimension {dim} of the leaf, of size "
+                                    f"{n} (shape {list(shape)}): bounds run from 0 to {n}")
         ranges = [s.indices(n)[:2] for s, n in zip(index, shape)] + [(0, n) for n in shape[len(index):]]
         if any(stop <= start for start, stop in ranges):
             raise ArgumentError(f"`want[{name!r}]` = {index!r} is empty for its {list(shape)} elements: want "

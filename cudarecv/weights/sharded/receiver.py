@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
+import time
 from typing import Any
 
 import torch
@@ -31,7 +32,7 @@ from tensordict import TensorDict
 from ...core import streams
 from ...core.checks import check_timeout
 from ...core.driver import Driver
-from ...core.errors import ArgumentError, SchemaError, UsageError, WaitTimeout
+from ...core.errors import ArgumentError, BrokenError, Error, SchemaError, UsageError, WaitTimeout
 from ...core.transfer import Transfer
 from ...plan.boxes import Box
 from ...wire.staging import lane_for
@@ -42,7 +43,18 @@ from ..schema import Schema
 from ..slots import Slot, load_into
 from . import exchange
 from .buffers import Buffers
-from .layout import Layout, dtensor_type, in_order, narrowed, pieces, receiver_layout, uncovered, wanting_all
+from .layout import (
+    Layout,
+    check_want,
+    dtensor_type,
+    in_order,
+    narrowed,
+    pieces,
+    receiver_layout,
+    uncovered,
+    wanting_all,
+)
+from .lineup import Lineup
 
 
 class ShardedReceiver(WeightReceiver):
@@ -65,13 +77,19 @@ class ShardedReceiver(WeightReceiver):
             raise ArgumentError("`zero_copy=True` publishes one sender's snapshot where it lies; a receiver of "
                                 "pieces (`src` a list, `want`, or DTensors in `expect`) puts them together in buffers "
                                 "of its own: drop `zero_copy`")
-        peers, links, global_ranks = exchange.peer_links(src, group_src, group, "src", "group_src")
-        lanes = [lane_for(link, device, stream, streams.StagingPool()) for link in links]
+        bad_want = _form_of(want)  # before anything is sent; the sender ranks are told (below), as they wait for it
         self._device = device
         self._dtensors: dict[int, Any] = {}  # leaf index -> the expected DTensor (its mesh and placements)
         self._moved: dict[int, list[tuple[int, Box]]] = {}
-        layouts, self.schema = exchange.answer(lanes, self.timeout,
-                                               lambda found: self._want(found, expect, want, peers))
+        try:
+            peers, links, global_ranks = exchange.peer_links(src, group_src, group, "src", "group_src")
+            lanes = [lane_for(link, device, stream, streams.StagingPool()) for link in links]
+            layouts, self.schema = exchange.answer(lanes, self.timeout,
+                                                   lambda found: self._want(found, expect, want, peers, bad_want))
+        except Error as error:
+            if bad_want is not None and error is not bad_want:  # (the caller's to fix first, whatever else failed)
+                raise bad_want from error
+            raise
         self._source = layouts[0]
         self._buffers = Buffers(self.schema, self._source, self._dtensors, device, pin_memory)
         self._slots = self._buffers.slots
@@ -79,6 +97,8 @@ class ShardedReceiver(WeightReceiver):
         self._version = 0
         self._turn_lock = threading.Lock()
         self._pending: Transfer | None = None
+        self._collected = True  # whether a caller took the pending pull's outcome (not: its wait ran out)
+        self._lineup: Lineup | None = None  # the rounds of the pull under way
         self._driver = Driver(f"cudarecv-pull-{'-'.join(map(str, peers))}")
         # a sender rank on this machine: its pieces are read where they lie in its snapshot (zero-copy), and copied
         # once, into this receiver's own buffer
@@ -102,10 +122,13 @@ class ShardedReceiver(WeightReceiver):
         self.mode = self._inner[0][2].mode
         self.zero_copy = False
 
-    def _want(self, layouts: list[Layout], expect: Any, want: Any, ranks: list[int]) -> Layout:
+    def _want(self, layouts: list[Layout], expect: Any, want: Any, ranks: list[int], bad_want: Error | None) -> Layout:
         """What this receiver wants of the layouts of the sender ranks ``ranks`` (``want``: slices of named leaves);
-        raises :class:`SchemaError` if the sender ranks disagree, ``expect`` does not match, or their pieces do not
-        fill what it wants exactly once."""
+        raises ``bad_want`` (what is wrong with ``want``'s form) first, then :class:`ArgumentError` if ``want`` does
+        not fit the leaves, :class:`SchemaError` if the sender ranks disagree, ``expect`` does not match, or their
+        pieces do not fill what it wants exactly once."""
+        if bad_want is not None:
+            raise bad_want
         first = layouts[0]
         for rank, layout in zip(ranks[1:], layouts[1:]):
             problem = first.difference(layout)
@@ -181,50 +204,82 @@ class ShardedReceiver(WeightReceiver):
     def pull(self, wait: bool = True, timeout: float | None = None) -> int | Transfer:
         """Receive a version newer than the one held from every sender rank; publish it once every piece landed
         (see :meth:`WeightReceiver.pull`). Raises what a sender rank's pieces raised, naming its rank; nothing is
-        published then."""
+        published then.
+
+        ``timeout`` bounds the whole call: it returns the version, or raises :class:`WaitTimeout` when the sender
+        ranks have not all sent one version within it (a stalled rank, or, in latest mode, trainers that move on
+        faster than this receiver takes their pieces: :mod:`~cudarecv.weights.sharded.lineup` says how it then
+        waits for one version on every rank). The pull goes on: the next ``pull()`` carries on with it, and
+        returns its version at once if it was published meanwhile."""
         if self._closed:
             raise UsageError("this WeightReceiver is closed")
         limit = self.timeout if timeout is None else check_timeout(timeout)
+        deadline = time.monotonic() + limit
         if not self._turn_lock.acquire(timeout=limit):
             raise WaitTimeout(f"another thread's pull held this WeightReceiver for {limit:g} s (pulls from several "
                               "threads take turns)")
         try:
             transfer = self._pending
-            if transfer is None or transfer.settled:
+            if transfer is None or (transfer.settled and self._collected):
                 transfer = self._pending = Transfer(self._pulling(limit), timeout=math.inf, driver=self._driver.submit,
                                                     raise_first=False, what=f"pull from ranks {self._ranks()}")
+            self._collected = not wait  # (wait=False: the caller holds the future)
             if not wait:
                 return transfer
             try:
-                return transfer.wait(limit)
+                version = transfer.wait(max(deadline - time.monotonic(), 0.0))
             except WaitTimeout:
-                if any(r.arriving for _, _, r in self._inner):  # a version is arriving: its clocks bound the rest
-                    return transfer.wait()
-                silent = [rank for rank, _, r in self._inner if r.version <= self._version]
-                raise WaitTimeout(f"pull from ranks {self._ranks()}: from rank(s) {silent} no version newer than "
-                                  f"{self._version} began to arrive within {limit:g} s (are they still pushing?); the "
-                                  "pull goes on: the next pull() carries on waiting") from None
+                raise WaitTimeout(self._late(limit)) from None  # (not collected: the next pull carries on with it)
+            except BaseException:
+                self._collected = True
+                raise
+            self._collected = True
+            return version
         finally:
             self._turn_lock.release()
 
     def _ranks(self) -> list[int]:
         return [rank for rank, _, _ in self._inner]
 
+    def _late(self, limit: float) -> str:
+        """Why a pull ran out of ``limit`` s, for its :class:`WaitTimeout`: the ranks nothing came from, or what the
+        round under way waits for."""
+        lineup, published, goes_on = self._lineup, self._version, "the pull goes on: the next pull() carries on with it"
+        silent = [rank for rank, _, r in self._inner if r.version <= published and not r.arriving]
+        if lineup is None or (silent and lineup.phase == "first"):
+            return (f"pull from ranks {self._ranks()}: from rank(s) {silent} no version newer than {published} began "
+                    f"to arrive within {limit:g} s (are they still pushing?); {goes_on}")
+        held = {rank: r.version for rank, _, r in self._inner}
+        waiting = [self._inner[i][0] for i in sorted(lineup.floors) if self._inner[i][2].under_way]
+        goal = min(lineup.floors.values(), default=published) + 1
+        why = {"first": "the first round",
+               "catch up": "catching up with the newest version another rank sent",
+               "ahead": "the trainers push faster than this receiver takes their pieces, so it waits for a version "
+                        "none of them had reached"}[lineup.phase]
+        return (f"pull from ranks {self._ranks()}: the sender ranks did not all send one version within {limit:g} s "
+                f"(the version of each rank's pieces: {held}; round {lineup.rounds} waits for version {goal} or newer "
+                f"from rank(s) {waiting}: {why}); {goes_on}")
+
     def _pulling(self, limit: float) -> Any:
-        """The pull's protocol: pull from the sender ranks behind the newest version any of them has (all of them
-        for the next), until all hold one version newer than the published (each landing its pieces in the spare
-        buffer); then copy what did not land in place and publish."""
+        """The pull's protocol: rounds of pulls from the sender ranks, as :class:`Lineup` says (the first from every
+        rank, then from the ranks behind, or from every rank for a version none has reached yet), until all hold
+        one version newer than the published (each landing its pieces in the spare buffer); then copy what did
+        not land in place and publish."""
         index = self._slots.spare()  # (constant until this pull publishes: the buffer every piece lands in)
         self._slots.wait_unread(index, limit)
-        while True:
-            versions = [r.version for _, _, r in self._inner]
-            if min(versions) == max(versions) > self._version:
-                break
-            goal = max(max(versions), self._version + 1)
-            behind = [r.pull(wait=False, timeout=limit) for _, _, r in self._inner if r.version < goal]
-            yield [t.ended() for t in behind]
-            for t in behind:
+        # a piece's own clock, once its version arrives: the receiver's timeout at least, since the caller's (say
+        # 1 s) may be shorter than a version takes, and the pull goes on past the caller's wait
+        clock = max(limit, self.timeout)
+        receivers = [r for _, _, r in self._inner]
+        lineup = self._lineup = Lineup(self._version, ahead=self.mode == "latest")
+        asks = lineup.first([r.version for r in receivers])
+        while asks:
+            pulls = [receivers[i].pull_above(floor, clock) for i, floor in asks.items()]
+            yield [t.ended() for t in pulls]
+            for t in pulls:
                 t.wait()  # raises a sender rank's failure, naming it
+            asks = lineup.next([r.version for r in receivers])
+        versions = [r.version for r in receivers]
         version = versions[0]
         slot, views = self._slots.own[index], self._buffers.views[index]  # (a new one if a rank's receiver retired it)
         if self._device.type == "cuda":
@@ -256,6 +311,17 @@ class ShardedReceiver(WeightReceiver):
         self._pending = None
 
 
+def _form_of(want: Any) -> Error | None:
+    """What is wrong with the form of ``want`` (:func:`~cudarecv.weights.sharded.layout.check_want`), or None."""
+    if want is None:
+        return None
+    try:
+        check_want(want)
+    except Error as error:
+        return error
+    return None
+
+
 class PieceReceiver(WeightReceiver):
     """A plain receiver of one sender rank's pieces, landing them where the sharded receiver's buffers want them:
     ``places[b]``: piece name -> its contiguous block of buffer ``b`` (None: strided there, staged); ``spare``:
@@ -273,3 +339,19 @@ class PieceReceiver(WeightReceiver):
         return [Slot.placed_at(schema, piece, device, pin_memory, [places[leaf.key] for leaf in schema.leaves])
                 for places in self._places]
 
+    under_way = property(lambda self: self._pending is not None and not self._pending.settled,
+                         doc="Whether a pull of this sender rank's pieces is under way (asked, not landed).")
+
+    def pull_above(self, floor: int, limit: float) -> Transfer:
+        """Start a pull of a version newer than ``floor`` (and than the one held: latest mode; sync mode takes the
+        next version pushed), for a round of the sharded pull; ``limit``: its clock once the version arrives."""
+        if self._closed:
+            raise UsageError("this WeightReceiver is closed")
+        with self._turn(limit):
+            if self._puller.broken:
+                raise BrokenError(f"this WeightReceiver is broken ({self._puller.broken}): close it and connect a "
+                                  "new one")
+            transfer = self._pending
+            if transfer is None or transfer.settled:  # (else: a pull left under way, carried on)
+                transfer = self._pending = self._puller.start(limit, floor)
+            return transfer
