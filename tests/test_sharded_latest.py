@@ -71,8 +71,9 @@ def trainer(rank: int, mesh, trainers, transport: str, signals) -> dict:
     from torch.distributed.tensor import DTensor, Shard
 
     local = torch.zeros(ROWS // 2, COLS, dtype=torch.float64)
-    td = TensorDict({"w": DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=(ROWS, COLS),
-                                             stride=(COLS, 1))}, [])
+    td = TensorDict(
+        {"w": DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=(ROWS, COLS), stride=(COLS, 1))}, []
+    )
     before = threads()
     with cudarecv.WeightSender(td, dst=[2], mode="latest", transport=transport, timeout=30) as sender:
         end, version = time.monotonic() + PUSHING, 0
@@ -144,8 +145,9 @@ def test_a_receiver_slower_than_a_trainer_step_gets_whole_versions_within_each_p
     with Cluster(3, pg_timeout=60.0) as ranks:
         results = ranks.run(slow_receiver, args=(transport,), timeout=300)
     pulls = results[2]["pulls"]
-    assert all(elapsed <= TIMEOUT + SLACK for *_, elapsed in pulls), \
+    assert all(elapsed <= TIMEOUT + SLACK for *_, elapsed in pulls), (
         f"a pull took longer than its timeout ({TIMEOUT:g} s) + {SLACK:g} s: {pulls}"
+    )
     versions = [p for p in pulls if isinstance(p[0], int)]
     assert len(versions) >= WANTED, f"the receiver got {len(versions)} versions in {len(pulls)} pulls: {pulls}"
     assert all(whole for _, whole, _ in versions), f"a version mixed two trainer steps: {pulls}"
@@ -159,8 +161,10 @@ def test_a_receiver_slower_than_a_trainer_step_gets_whole_versions_within_each_p
 
 # -- the rounds of a pull, against a model of the trainers -------------------------------------------------
 
-def simulate(step: float, phases: list[float], round_time: float, published: int = 0,
-             rounds: int = 60) -> tuple[int, int]:
+
+def simulate(
+    step: float, phases: list[float], round_time: float, published: int = 0, rounds: int = 60
+) -> tuple[int, int]:
     """A sharded pull in latest mode against trainer ranks that publish version ``n`` at ``n * step + phase``
     (one phase per rank) and a receiver whose round takes ``round_time`` once its asks are answered: each rank
     asked for a version newer than ``floor`` answers with its newest at once if that is past ``floor``, else with

@@ -14,8 +14,11 @@ lies strided there (columns of a whole matrix) lands in a staging buffer first a
 sender rank on this machine offers in shared memory are copied once, from its snapshot into the spare buffer.
 
 A version is published only once the pieces of that version from every sender rank have landed and passed
-their checks: then the spare buffer becomes :attr:`td`. A sender rank that fails or stalls makes the pull raise
-naming its rank, and nothing is published.
+their checks: then the spare buffer becomes :attr:`td`. In latest mode each rank answers with its newest version,
+so a pull asks in rounds until the ranks agree (:mod:`~cudarecv.weights.sharded.lineup`: also when this receiver
+is slower than a trainer step). A sender rank that fails or stalls makes the pull raise naming its rank, and
+nothing is published; a pull returns within its timeout (``WaitTimeout``, the pull going on, if the ranks did not
+all send one version by then).
 """
 
 from __future__ import annotations
