@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -303,3 +304,148 @@ def two_in_flight(rank, world, group, order, consolidated, init_tags):
 def test_two_transfers_in_flight_with_neighbouring_init_tags(cluster, order, consolidated, init_tags):
     _, ok = cluster().run(two_in_flight, args=(order, consolidated, init_tags))
     assert ok == (True, True)
+
+
+def dies_mid_payload(rank, world, group, key, consolidated):
+    """The sender's payload is 4 messages; it sends the first 2, waits until the receiver has taken them (the
+    receiver says so through the store once its second message has landed), then SIGKILLs itself before the
+    rest goes: the receiver's failure names the payload and the message it waited for, not the header."""
+    import os
+    import signal
+
+    from cudarecv.core.tags import piece_tag
+    from cudarecv.plan.plan import Plan
+    from cudarecv.wire import fast
+    from cudarecv.wire import staging as _staging
+    from rawwire import set_flag, wait_flag
+
+    td = TensorDict(x=torch.zeros(4 << 10))  # 16 KiB: 4 messages of 4 KiB
+    if consolidated:
+        td = td.consolidate(metadata=True)
+    kw = dict(bucket_bytes=4 << 10, consolidated=consolidated, transport="wire", timeout=60)
+    if rank == 0:
+        send_from = fast.send_from
+
+        def two_then_die(lane, srcs, tags, staging=None, defer=False):
+            if list(tags[:1]) == [piece_tag(0)] and len(srcs) == 4:
+                yield from send_from(lane, srcs[:2], tags[:2])  # they complete once the receiver took them
+                wait_flag(f"{key}_two_in")
+                os.kill(os.getpid(), signal.SIGKILL)
+            return (yield from send_from(lane, srcs, tags, staging, defer))
+
+        fast.send_from = two_then_die
+        cudarecv.send(td, 1, **kw)
+        return None
+    told = []
+
+    def say(i: int) -> None:
+        if i == 1 and not told:
+            told.append(i)
+            set_flag(f"{key}_two_in")
+
+    if consolidated:  # (chunks land straight in the storage: the receive's own progress says when)
+        recv_into = _staging.recv_into
+
+        def counting(lane, dests, tags, staging=None, landed=None):
+            def seen(i):
+                landed(i)
+                say(i)
+
+            return (yield from recv_into(lane, dests, tags, staging, seen if landed else None))
+
+        fast.recv_into = counting
+    else:
+        unpack = Plan.unpack
+
+        def unpacking(plan, piece, index, place="cpu"):
+            unpack(plan, piece, index, place)
+            say(index)
+
+        Plan.unpack = unpacking
+    with pytest.raises(cudarecv.LinkError) as error:
+        cudarecv.recv(td, 0, **kw)
+    return type(error.value).__name__, str(error.value)
+
+
+@pytest.mark.parametrize("consolidated", [False, True], ids=["buckets", "chunks"])
+def test_a_sender_killed_mid_payload_is_named_at_its_payload(consolidated):
+    from cudarecv.testing.launch import Cluster, RankExit
+
+    with Cluster(2, pg_timeout=30.0) as ranks:  # (new ranks: the sender dies, the patches die with them)
+        results = ranks.run(dies_mid_payload, args=(unique_key("mid_payload"), consolidated), may_die={0},
+                            timeout=120)
+    assert isinstance(results[0], RankExit)
+    kind, message = results[1]
+    what = "chunk" if consolidated else "bucket"
+    # before: "receive of the fast-wire header (tag 1073741824): the link to rank 0 failed after ..."
+    assert kind == "PeerError" and "fast-wire header" not in message, message
+    assert message.startswith(f"receive of the fast-wire payload, {what} 3 of 4 (2 in; 4096 bytes each on tag "
+                              f"{1 << 30 | 1 << 28}): the link to rank 0 failed"), message
+
+
+def _changed(td, case):
+    """The sender's side of a mismatch ``case``: ``td`` with one key changed, missing or added."""
+    bad = td.clone()
+    if case == "shape":
+        bad["b"] = torch.zeros(6)
+    elif case == "dtype":
+        bad["b"] = td["b"].to(torch.int32)  # the same bytes, another dtype
+    elif case == "missing":
+        del bad["c"]
+    elif case == "extra":
+        bad["d"] = torch.zeros(2)
+    return bad
+
+
+def mismatch_names_the_key(rank, world, group, key, case, consolidated, transport):
+    """On a new group the sender sends a mismatched tensordict twice (the first time with its layout, the second
+    without: the receiver kept it), then the right one; the receiver's errors name the key that differs."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from rawwire import store
+
+    pg = dist.ProcessGroupGloo(dist.PrefixStore(key, store()), rank, world, timedelta(seconds=30))
+    peer = {"group": pg, ("group_dst" if rank == 0 else "group_src"): 1 - rank}
+    good = make("nested", 3.0 if rank == 0 else 0.0)
+    bad = _changed(good, case)
+    if consolidated:
+        good, bad = good.consolidate(metadata=True), bad.consolidate(metadata=True)
+    kw = dict(peer, bucket_bytes=16, consolidated=consolidated, transport=transport, timeout=30)
+    if rank == 0:
+        for td in (bad, bad, good):
+            cudarecv.send(td, **kw)
+        return None
+    messages = []
+    for _ in range(2):
+        with pytest.raises(cudarecv.HeaderError) as error:
+            cudarecv.recv(good, **kw)
+        messages.append(str(error.value))
+    cudarecv.recv(good, **kw)
+    return messages, same(good, make("nested", 3.0))
+
+
+MISMATCHES = {
+    "shape": "at key 'b' differs in shape: the sender sends shape [6] float32 (24 bytes); this tensordict has "
+             "shape [4] float32 (16 bytes)",
+    "dtype": "at key 'b' differs in dtype: the sender sends shape [4] int32 (16 bytes); this tensordict has "
+             "shape [4] float32 (16 bytes)",
+    "missing": "at key 'c': this tensordict has it (shape [2] float64 (16 bytes)); the sender sends no such key",
+    "extra": "at key 'd': the sender sends it (shape [2] float32 (8 bytes)); this tensordict has no such key",
+}
+
+
+@pytest.mark.parametrize("transport", ["wire", "auto"])
+@pytest.mark.parametrize("consolidated", [False, True], ids=["buckets", "chunks"])
+@pytest.mark.parametrize("case", list(MISMATCHES))
+def test_a_mismatch_names_the_first_key_that_differs_on_both_sides(cluster, case, consolidated, transport):
+    _, (messages, ok) = cluster().run(mismatch_names_the_key,
+                                      args=(unique_key("names"), case, consolidated, transport))
+    assert ok, "the next transfer on the link failed"
+    for message in messages:  # the first with the layout that came with it, the second with the one kept
+        # before: "fast-wire mismatch: the sender sends buckets (non-consolidated) of 5 leaves, 60 bytes, schema
+        # 3f1c...; this tensordict expects buckets (non-consolidated) of 5 leaves, 52 bytes, schema 9a0e..."
+        said = re.sub(r" at byte \d+ of the storage", "", message)  # (consolidated: where each leaf lies, too)
+        assert said.startswith(f"fast-wire mismatch {MISMATCHES[case]}"), message
+        assert "drained and the tensordict left untouched" in message, message

@@ -178,3 +178,103 @@ def test_bad_timeouts_are_refused():
     for bad in (0, -1, "1", True):
         with pytest.raises(cudarecv.ArgumentError, match="`timeout` must be a positive number"):
             cudarecv.recv(td, 0, timeout=bad)
+
+
+def _deadlines_thread() -> threading.Thread | None:
+    return next((t for t in threading.enumerate() if t.name == "cudarecv-deadlines"), None)
+
+
+def deadlines_thread_comes_and_goes(rank, world, group, key):
+    """Timed transfers (fast wire and stock wire, each way) on a new group, all ended and let go of: the
+    ``cudarecv-deadlines`` thread ends by itself. Then rank 1 posts a timed receive nobody answers: the thread
+    starts again, fails it at its time, and ends again."""
+    import gc
+
+    signals = store()
+    pg = dist.ProcessGroupGloo(dist.PrefixStore(key, signals), rank, world, timedelta(seconds=30))
+    peer = {"group": pg, ("group_dst" if rank == 0 else "group_src"): 1 - rank}
+    td = make("nested", 4.0 if rank == 0 else 0.0)
+    for kw in (dict(bucket_bytes=1 << 10), {}, dict(bucket_bytes=1 << 10, transport="wire")):
+        if rank == 0:
+            [t] = cudarecv.isend(td, **peer, **kw, timeout=60, return_early=True)
+        else:
+            [t] = cudarecv.irecv(td, **peer, **kw, timeout=60, return_premature=True)
+        t.wait(timeout=60)
+    del t
+    gc.collect()
+    thread = _deadlines_thread()
+    ended = thread is None or (thread.join(30) or not thread.is_alive())
+    late = None
+    if rank == 1:
+        [t] = cudarecv.irecv(make("flat", 0.0), **peer, bucket_bytes=1 << 10, init_tag=9, timeout=1.0,
+                             return_premature=True)
+        restarted = _deadlines_thread()
+        fired = t.ended(drive=False)  # waited on without driving, never with t.wait(): its deadline must end it
+        started = time.monotonic()
+        fired.wait()
+        late = (restarted is not None and restarted is not thread, t.failed, time.monotonic() - started,
+                type(t._error).__name__)
+        del t, fired
+        gc.collect()
+        again = _deadlines_thread()
+        late += (again is None or (again.join(30) or not again.is_alive()),)
+    signals.set(f"{key}_done_{rank}", "1")
+    signals.wait([f"{key}_done_{1 - rank}"], timedelta(seconds=60))  # neither drops the group while the other uses it
+    return ended, same(td, make("nested", 4.0)), late
+
+
+def test_the_deadlines_thread_ends_when_it_watches_nothing_and_starts_again():
+    from cudarecv.testing.launch import Cluster
+
+    with Cluster(2, pg_timeout=30.0) as ranks:  # (new ranks: no timed transfer of an earlier test is in flight)
+        results = ranks.run(deadlines_thread_comes_and_goes, args=(unique_key("deadlines"),), timeout=120)
+    for rank, (ended, ok, _) in enumerate(results):
+        assert ok, rank
+        assert ended, f"rank {rank}: cudarecv-deadlines still runs with nothing to watch"  # before: it never ended
+    restarted, failed, took, kind, ended_again = results[1][2]
+    assert restarted and failed and kind == "TransferTimeout" and took < 30, results[1][2]
+    assert ended_again, "cudarecv-deadlines still runs after the timed-out receive ended"
+
+
+class _Timed:
+    """A stand-in for a transfer as :class:`~cudarecv.core.deadlines.Deadlines` sees it (its deadline, whether it
+    ended, its expiry), which tells its owner when it was failed at its time."""
+
+    what = "a stand-in transfer"
+
+    def __init__(self, deadlines, seconds: float) -> None:
+        self._deadlines, self._end = deadlines, time.monotonic() + seconds
+        self.settled, self.expired = False, threading.Event()
+
+    def deadline(self) -> float:
+        return self._end
+
+    def expire(self) -> None:
+        if not self.settled and time.monotonic() >= self._end:
+            self.end()
+            self.expired.set()
+
+    def end(self) -> None:
+        self.settled = True
+        self._deadlines.ended(self)
+
+
+def test_a_deadline_kept_while_the_thread_decides_to_end_is_kept():
+    """The thread ends each time its one transfer ends; a deadline kept at that moment (from another thread, racing
+    its decision) is still kept: each is failed at its time, and once none is left the thread is gone."""
+    from cudarecv.core.deadlines import Deadlines
+
+    deadlines = Deadlines()
+    for _ in range(200):
+        first, second = _Timed(deadlines, 3600.0), _Timed(deadlines, 0.0)
+        deadlines.keep(first)
+        racer = threading.Thread(target=deadlines.keep, args=(second,))
+        racer.start()
+        first.end()  # (the thread may be deciding to end now, while the racer keeps the second)
+        racer.join(10)
+        assert second.expired.wait(10), "a deadline kept while the thread was ending was never kept"
+    thread = deadlines.thread
+    if thread is not None:
+        thread.join(10)
+    assert deadlines.thread is None and (thread is None or not thread.is_alive())
+    assert not any(t.name == "cudarecv-deadlines" and t is thread and t.is_alive() for t in threading.enumerate())

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+from datetime import timedelta
 
 import pytest
 import torch
@@ -197,3 +199,90 @@ def test_tune_replaces_a_bad_file(tmp_path, monkeypatch):
     machines = json.loads(_tuned.path().read_text())["machines"]
     assert machines["elsewhere"] == {"settings": {"host_copy": "memcpy"}} and len(machines) == 2
     assert _tuned.tuned("host_copy") == ("memcpy", f"tuned later in {_tuned.path()}")
+
+
+NOBODY = 65534
+SETPRIV = shutil.which("setpriv")
+
+UNPRIVILEGED_RANK = """
+import logging, os, sys
+from datetime import timedelta
+logging.basicConfig(stream=sys.stdout, level=logging.WARNING, format="%(name)s: %(levelname)s: %(message)s")
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+import cudarecv
+from cudarecv.core import host_copy, tuned
+
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+store = dist.TCPStore("127.0.0.1", port, 3, is_master=False, timeout=timedelta(seconds=60))
+dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=60))
+td = TensorDict(x=torch.full((1 << 16,), float(rank)))
+for step in range(3):  # each fast-wire transfer checks the settings first
+    if rank == 0:
+        td["x"].fill_(step + 1.0)
+        cudarecv.send(td, 1, bucket_bytes=1 << 14, timeout=60)
+    else:
+        cudarecv.recv(td, 0, bucket_bytes=1 << 14, timeout=60)
+        assert bool((td["x"] == step + 1.0).all())
+print("DONE uid", os.getuid(), "tuned", tuned.tuned("host_copy"), "streaming", host_copy.STREAMING, flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or SETPRIV is None, reason="needs root and setpriv to drop privileges")
+def test_a_tune_file_an_unprivileged_process_cannot_reach_means_defaults(tmp_path):
+    """Two ranks that dropped privileges (setpriv to nobody), whose HOME and XDG_CACHE_HOME are a directory they
+    may not search (root's, mode 0700, holding a good tune file), run fast-wire transfers: no error (before: every
+    transfer raised ArgumentError "the tune file cannot be read (Permission denied)" with a fix that cannot work),
+    the defaults are used, and the warning is said once per process."""
+    import torch.distributed as dist
+
+    home = tmp_path / "home"
+    (home / "cudarecv").mkdir(parents=True)
+    (home / "cudarecv" / "tune.json").write_text(json.dumps(
+        {"format": _tuned.FORMAT, "machines": {_tuned.machine(): {"settings": {"host_copy": "stream"}}}}))
+    home.chmod(0o700)  # root's: nobody may not search it (nor pytest's root-owned 0700 directories above it)
+    environ = {k: v for k, v in os.environ.items() if k not in ENVS}
+    environ.update(XDG_CACHE_HOME=str(home), HOME=str(home), GLOO_SOCKET_IFNAME="lo")
+    store = dist.TCPStore("127.0.0.1", 0, 3, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    drop = [SETPRIV, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+    ranks = [subprocess.Popen([*drop, sys.executable, "-c", UNPRIVILEGED_RANK, str(rank), str(store.port)],
+                              env=environ, cwd="/", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in range(2)]
+    outs = []
+    try:
+        for rank in ranks:
+            out, err = rank.communicate(timeout=HANG)
+            outs.append((rank.returncode, out, err))
+    finally:
+        for rank in ranks:
+            if rank.poll() is None:
+                rank.kill()
+                rank.wait(10)
+    for code, out, err in outs:
+        assert code == 0, err[-3000:]
+        assert f"DONE uid {NOBODY} tuned None streaming {DEFAULT_STREAMS and AVX2}" in out, out
+        warned = [line for line in out.splitlines() if "cannot be read by this process" in line]
+        assert len(warned) == 1 and warned[0].startswith("cudarecv: WARNING:"), out
+        assert "Permission denied" in warned[0] and "the defaults are used" in warned[0], warned
+
+
+def test_a_tune_file_path_through_a_regular_file_means_defaults(tmp_path, monkeypatch, caplog):
+    """XDG_CACHE_HOME names a regular file (a component of the tune file's path is no directory): nothing is tuned,
+    the checks a transfer makes pass, the defaults are used, and the warning is said once."""
+    import logging
+
+    for name in ENVS:
+        monkeypatch.delenv(name, raising=False)
+    (tmp_path / "file").write_text("not a directory")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file"))
+    monkeypatch.setattr(_tuned, "_entry", None)  # read again, from there
+    monkeypatch.setattr(_host_copy, "DIRECT_PAYS", None)
+    with caplog.at_level(logging.WARNING, logger="cudarecv"):
+        for _ in range(3):
+            assert policy.allowed("auto")  # before: ArgumentError "the tune file cannot be read (Not a directory)"
+            assert _tuned.tuned("host_copy") is None and _tuned.tuned("direct_read") is None
+    warned = [r for r in caplog.records if "cannot be read by this process" in r.getMessage()]
+    assert len(warned) == 1 and "Not a directory" in warned[0].getMessage(), caplog.text
+    assert _host_copy.direct_read_pays() == _host_copy.DEFAULT_DIRECT_READ

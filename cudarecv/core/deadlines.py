@@ -22,7 +22,11 @@ class Deadlines:
     """The thread that fails transfers whose own time ran out, whether or not anyone waits for them.
 
     It sleeps until the earliest deadline (a ``Condition`` wait: no polling) and holds the
-    transfers weakly; it starts with the first deadline and stops at exit.
+    transfers weakly. It starts with the first deadline kept, ends once every transfer it
+    watches has ended (told by :meth:`ended`; one collected unended is let go of at its
+    deadline), and starts again at the next deadline kept; it stops for good at exit.
+    Starting and ending are decided under one lock: a deadline kept while the thread is
+    deciding to end is either seen by it (it goes on) or finds it gone (a new one starts).
     """
 
     def __init__(self) -> None:
@@ -31,7 +35,14 @@ class Deadlines:
         self._prune_at = _PRUNE_MIN  # the heap's size at which entries of ended transfers are let go
         self._cond = threading.Condition(threading.Lock())
         self._thread: threading.Thread | None = None
+        self._watched: "weakref.WeakSet[Any]" = weakref.WeakSet()  # kept transfers that have not ended
         self._stopped = False
+
+    @property
+    def thread(self) -> threading.Thread | None:
+        """The thread now running, if any (for tests and diagnostics)."""
+        with self._cond:
+            return self._thread
 
     def keep(self, transfer: Any) -> None:
         """Fail ``transfer`` when its own deadline passes (none: nothing to keep)."""
@@ -39,10 +50,11 @@ class Deadlines:
         if deadline == math.inf:
             return
         with self._cond:
-            if self._stopped:
-                return
+            if self._stopped or transfer.settled:
+                return  # (one that ended already: its ended() came first, nothing is left to watch)
             self._count += 1
             heapq.heappush(self._heap, (deadline, self._count, weakref.ref(transfer)))
+            self._watched.add(transfer)
             if len(self._heap) >= self._prune_at:  # most transfers end long before their deadline
                 self._heap = [entry for entry in self._heap if (t := entry[2]()) is not None and not t.settled]
                 heapq.heapify(self._heap)
@@ -53,6 +65,14 @@ class Deadlines:
             elif self._heap[0][1] == self._count:
                 self._cond.notify()  # the new deadline is the earliest
 
+    def ended(self, transfer: Any) -> None:
+        """``transfer`` has ended: its deadline need not be kept; the thread ends if nothing else is watched."""
+        with self._cond:
+            if transfer in self._watched:
+                self._watched.discard(transfer)
+                if not self._watched:
+                    self._cond.notify()
+
     def _run(self) -> None:
         while (transfer := self._next()) is not None:
             try:
@@ -62,9 +82,13 @@ class Deadlines:
             del transfer  # no reference from this thread while it sleeps
 
     def _next(self) -> Any:
-        """The next transfer whose deadline has passed, once it has (None once stopped)."""
+        """The next transfer whose deadline has passed, once it has; None once stopped, or once nothing is watched
+        (the thread then ends: under the lock, so that the next :meth:`keep` starts a new one)."""
         with self._cond:
             while not self._stopped:
+                if not self._watched:
+                    self._heap.clear()  # (entries of ended or collected transfers only)
+                    break
                 if not self._heap:
                     self._cond.wait()
                     continue
@@ -77,6 +101,10 @@ class Deadlines:
                 transfer = ref()
                 if transfer is not None and not transfer.settled:
                     return transfer
+                if transfer is not None:
+                    self._watched.discard(transfer)
+            if self._thread is threading.current_thread():
+                self._thread = None
             return None
 
     def stop(self) -> None:
@@ -87,8 +115,6 @@ class Deadlines:
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(STOP_WAIT)
-
-
 
 
 DEADLINES = Deadlines()

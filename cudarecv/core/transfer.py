@@ -88,7 +88,9 @@ class Transfer(torch.futures.Future):
         self.failed = False  # whether the transfer ended in an error
         self._error: BaseException | None = None  # its error (also the C++ future's), without frames
         self._expired = False  # whether it failed by its own timeout (its driver may still wait in gloo)
-        self.stage: str | None = None  # what it waits for, if its protocol said (:class:`Stage`)
+        #: what it waits for, if its protocol said (:class:`Stage`: a string, or an object whose ``str()`` says it
+        #: as the transfer goes on, e.g. which payload message); a failure names it
+        self.stage: Any = None
         self._driving = threading.Lock()  # one thread drives (waits on works) at a time
         self._state = threading.RLock()  # guards every step and the end
         self._settled = threading.Event()  # set once finished or failed
@@ -151,6 +153,8 @@ class Transfer(torch.futures.Future):
     def _end(self) -> None:
         self._settled.set()
         shutdown.ended(self)
+        if self.timeout is not None:
+            DEADLINES.ended(self)  # (its thread ends once it watches nothing)
 
     def deadline(self) -> float:
         """When the transfer's own time runs out (``time.monotonic()``; inf without one)."""
@@ -162,8 +166,9 @@ class Transfer(torch.futures.Future):
         with self._state:
             if not self._finished and time.monotonic() >= self.deadline():
                 self._expired = True
-                error = TransferTimeout(f"{self.stage or 'the transfer'} did not finish within {self.timeout:g} s")
-                error.stage = self.stage  # for an error hook that names what was waited for
+                stage = None if self.stage is None else str(self.stage)  # (as it stands now)
+                error = TransferTimeout(f"{stage or 'the transfer'} did not finish within {self.timeout:g} s")
+                error.stage = stage  # for an error hook that names what was waited for
                 error.in_flight = not all(work.is_completed() for work in self._works)
                 self._fail(error)
 
@@ -179,7 +184,9 @@ class Transfer(torch.futures.Future):
         report completion. gloo reports a send or receive complete only inside ``wait()``: a multi-step transfer
         on gloo advances in :meth:`wait` or on a thread that drives it, and ``torch.futures.wait_all``,
         ``collect_all`` and ``then`` see it end only once something waits on it."""
-        if self.timeout is not None and not self._settled.is_set():
+        if self._settled.is_set() or self._helped:
+            pass  # ended, or driven by the thread it was handed to (which keeps its link's order): never here
+        elif self.timeout is not None:
             self.settle_in_background()  # driven there; the deadline is kept by cudarecv-deadlines
         elif self._driving.acquire(blocking=False):
             try:
@@ -198,10 +205,12 @@ class Transfer(torch.futures.Future):
         :class:`ArgumentError`); past it :class:`WaitTimeout` is raised and the transfer goes on (driven to its end
         in the background); ``None`` waits for the end, which its own timeout (or the group's) bounds. Raises what
         the transfer raised (a header mismatch, its own timeout, a dead peer), the same on every ``wait()``.
+        A transfer handed to a thread (its own, or its link's: a same-host link takes its transfers one at a time,
+        in call order) is only waited for here, never driven: driven here it would post out of its turn.
         """
         timeout = check_timeout(timeout, or_none=True, or_zero=True)
         if not self._settled.is_set():
-            if self.timeout is None and timeout is None:
+            if self.timeout is None and timeout is None and not self._helped:
                 self.settle()  # here, bounded by the process group's timeout
             else:
                 self._wait_settled(timeout)
@@ -255,6 +264,11 @@ class Transfer(torch.futures.Future):
             helper.join(left())
         return True
 
+    def turn(self) -> "Turn":
+        """A work that completes when this transfer ends, for the next transfer on its :class:`~cudarecv.core.turns.Line`
+        to wait on before it posts anything."""
+        return Turn(self)
+
     def ended(self, drive: bool = True) -> "Ended":
         """A work that completes when this transfer ends, for another protocol to yield (``drive=False``: its
         wait never drives it on the waiter's thread, so a wait in gloo that outlives its deadline holds only
@@ -286,6 +300,7 @@ class Transfer(torch.futures.Future):
         except BaseException as error:
             with self._state:
                 if not self._finished:
+                    _note_stage(error, self.stage)
                     self._fail(error)
             return False
         return True
@@ -320,6 +335,39 @@ class Ended:
         else:
             self.transfer._settled.wait()  # (its driver drives it; its deadline ends it)
         return True
+
+
+class Turn:
+    """A work that completes when ``transfer`` ends (see :meth:`Transfer.turn`).
+
+    Its wait drives the transfer on the waiter's thread while no thread was asked to (it may have been posted on
+    this thread and not waited for yet: waiting for it there would wait for good); a transfer handed to a thread is
+    only waited for, as that thread keeps its link's order (a same-host link's one thread takes its receives in call
+    order). Its own deadline, or the process group's timeout, bounds either wait."""
+
+    def __init__(self, transfer: Transfer) -> None:
+        self.transfer = transfer
+
+    def is_completed(self) -> bool:
+        return self.transfer.settled
+
+    def wait(self, timeout: Any = None) -> bool:
+        transfer = self.transfer
+        if not transfer._helped:
+            transfer.settle()  # (waits for the lock while another thread drives it)
+        transfer._settled.wait()
+        return True
+
+
+def _note_stage(error: BaseException, stage: Any) -> None:
+    """Say on a failed wait's ``error`` (the backend's) the stage it struck in, as ``error.stage`` (a string), for
+    the transfer's error hook: a peer that died mid-payload is then named there, not at the header."""
+    if stage is None or getattr(error, "stage", None) is not None:
+        return
+    try:
+        error.stage = str(stage)
+    except (AttributeError, TypeError):  # an exception type that takes no attributes: the hook names the call
+        pass
 
 
 def run_standing(protocol: Protocol, link: Link, stream: Any = None, on_error: ErrorHook | None = None) -> Any:

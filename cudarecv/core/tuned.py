@@ -6,6 +6,13 @@ so a home directory shared by several machines keeps each one's choice. A proces
 at the first use of a tuned setting, under a lock; a setting's environment variable overrides its
 entry (:mod:`cudarecv.core.host_copy`). Nothing is measured outside ``tune``.
 
+A file that is not there means nothing was tuned: the defaults. So does a location this process
+cannot look into (a directory it may not search, e.g. a ``HOME`` it cannot read after dropping
+privileges; a path through a regular file): no ``tune`` of its own could write there either, so it
+runs with the defaults, said once as a warning on the ``cudarecv`` logger. A file that is there
+and cannot be read as a tune file (not JSON, another format, a directory) is refused by name
+with the fix (``tune`` again, or delete it), as a setting may have been meant.
+
 Example:
     >>> tuned("host_copy")  # after `python -m cudarecv tune` on this machine
     'stream'
@@ -13,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import platform
@@ -51,13 +59,26 @@ def refused(what: str) -> ArgumentError:
     return ArgumentError(f"{path()}: {what}; run `python -m cudarecv tune` again, or delete the file")
 
 
+#: what an unreadable location raises (the process may not search a directory of the path, or read the file; a
+#: component of the path is not a directory): no tune file of this process's can be there, nothing was tuned
+_UNREADABLE = (errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.ELOOP, errno.ENAMETOOLONG)
+
+
 def _read_all() -> dict[str, Any]:
-    """Every machine's entry in the tune file ({} if there is none), checked."""
+    """Every machine's entry in the tune file ({} if there is none, or if this process cannot look where it
+    would be: logged), checked."""
+    where = path()
     try:
-        raw = path().read_text()
+        raw = where.read_text()
     except FileNotFoundError:
         return {}
     except OSError as error:
+        if error.errno in _UNREADABLE:
+            logger.warning("the tune file %s cannot be read by this process (%s): nothing tuned, the defaults are "
+                           "used; set XDG_CACHE_HOME to a directory it may read (where `python -m cudarecv tune` "
+                           "ran as this user), or the settings' environment variables", where,
+                           error.strerror or type(error).__name__)
+            return {}
         raise refused(f"cannot be read ({error.strerror})") from None
     try:
         data = json.loads(raw)

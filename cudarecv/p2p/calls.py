@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import operator
-from typing import Any, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from tensordict import TensorDictBase
 from torch import Tensor
@@ -20,8 +20,10 @@ from ..core.checks import check_bucket_bytes, check_timeout
 from ..core.errors import ArgumentError, ArgumentTypeError
 from ..core.host_copy import copy_bytes
 from ..core.link import Link, resolve
+from ..core.protocol import Protocol
 from ..core.tags import MAX_TAG, check_init_tag, header_tag, piece_tag
 from ..core.transfer import Transfer
+from ..core.turns import line
 from ..plan.header import check_pieces
 from ..plan.plan import Plan, forget_plan, plan_for
 from ..plan.walk import unwrap
@@ -74,6 +76,23 @@ def _wire_tags(plan: Plan, init_tag: int, pseudo_rand: bool, consolidated: bool,
     return plan.tags(init_tag, len(plan.tensors), pseudo_rand)
 
 
+@contextlib.contextmanager
+def _claimed(td: Any, link: Link, sending: bool, init_tag: int, pseudo_rand: bool, consolidated: bool,
+             bucket_bytes: int | None,
+             user: TensorDictBase | None = None) -> Iterator[tuple[TensorDictBase, Plan, Sequence[int]]]:
+    """:func:`_prepare`, then the plan is this call's (its :attr:`~cudarecv.plan.plan.Plan.claim` held) until the
+    body has started its transfer and :func:`_track` marked it: two threads that call with one tensordict at once
+    take turns, the later one waiting for the earlier one's transfer (outside the lock, in :func:`_prepare`) as for
+    any previous one. The body only starts a transfer (its first step posts; it waits for nothing)."""
+    while True:
+        inner, plan, tags = _prepare(td, link, sending, init_tag, pseudo_rand, consolidated, bucket_bytes, user)
+        with plan.claim:
+            if plan.in_flight is None:
+                yield inner, plan, tags
+                return
+        # another thread started a transfer of this plan meanwhile: wait for it (in _prepare), then look again
+
+
 def _prepare(td: Any, link: Link, sending: bool, init_tag: int, pseudo_rand: bool, consolidated: bool,
              bucket_bytes: int | None,
              user: TensorDictBase | None = None) -> tuple[TensorDictBase, Plan, Sequence[int]]:
@@ -119,10 +138,18 @@ def _start_send(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolida
                 bucket_bytes: int | None, stream: Any, timeout: float | None,
                 transport: str = "auto") -> tuple[Transfer, Plan]:
     user = unwrap(td)  # what a failure is recorded against (a consolidated copy is new every call)
-    route = Carried()
     if consolidated and not user.is_consolidated():
         td = user.consolidate(metadata=True)  # as stock does: a copy, every call
-    inner, plan, tags = _prepare(td, link, True, init_tag, pseudo_rand, consolidated, bucket_bytes, user)
+    with _claimed(td, link, True, init_tag, pseudo_rand, consolidated, bucket_bytes, user) as (inner, plan, tags):
+        return _begin_send(user, inner, plan, tags, link, init_tag, pseudo_rand, consolidated, bucket_bytes, stream,
+                           timeout, transport)
+
+
+def _begin_send(user: TensorDictBase, inner: TensorDictBase, plan: Plan, tags: Sequence[int], link: Link,
+                init_tag: int, pseudo_rand: bool, consolidated: bool, bucket_bytes: int | None, stream: Any,
+                timeout: float | None, transport: str) -> tuple[Transfer, Plan]:
+    """Start the send (its plan claimed: :func:`_claimed`)."""
+    route = Carried()
     if consolidated:
         storage = plan.storage(inner)
         lane = lane_for(link, storage.device, stream, plan.pool)
@@ -190,7 +217,15 @@ def _start_send(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolida
 def _start_recv(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolidated: bool,
                 bucket_bytes: int | None, stream: Any, timeout: float | None,
                 transport: str = "auto") -> tuple[Transfer, Plan]:
-    inner, plan, tags = _prepare(td, link, False, init_tag, pseudo_rand, consolidated, bucket_bytes)
+    with _claimed(td, link, False, init_tag, pseudo_rand, consolidated, bucket_bytes) as (inner, plan, tags):
+        return _begin_recv(td, inner, plan, tags, link, init_tag, pseudo_rand, consolidated, bucket_bytes, stream,
+                           timeout, transport)
+
+
+def _begin_recv(td: Any, inner: TensorDictBase, plan: Plan, tags: Sequence[int], link: Link, init_tag: int,
+                pseudo_rand: bool, consolidated: bool, bucket_bytes: int | None, stream: Any, timeout: float | None,
+                transport: str) -> tuple[Transfer, Plan]:
+    """Start the receive (its plan claimed: :func:`_claimed`); a fast-wire one in its turn on its link and tags."""
     route = Carried()
     side = None if bucket_bytes is None else receiving_side(link)
     shared = dict(side=side, allow=side is not None and allowed(transport), route=route)
@@ -229,19 +264,40 @@ def _start_recv(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolida
             if lane.nccl and plan.device.type != "cuda":
                 protocol = host_waits(lane, protocol)  # the leaves hold the bytes once recv() returns
     what, cause = waited_for(False, plan, init_tag, pseudo_rand, consolidated, bucket_bytes)
-    driven = side is not None and side.driven  # the sender may wait for its DONE: it must not wait for our wait()
-    if driven:
-        protocol = side.queued(protocol, route)  # in call order, on the link's thread
     on_error = explaining(inner, link, timeout, what, cause, tags, False, route)
-    transfer = Transfer(protocol, lane.stream, on_error=on_error, timeout=timeout, link=link,
-                        what=f"{what} from rank {link.peer} ({cause})", route=route,
-                        driver=side.submit if driven else None)
-    if driven:
-        transfer.add_done_callback(functools.partial(side.ended, route))
-        transfer.settle_in_background()
+    # a fast-wire receive takes its turn among the link's receives on its tags (core.turns); a stock one posts
+    # every message at once, and gloo matches them in posting order
+    queue = line(link, ("recv", header_tag(init_tag))) if bucket_bytes is not None else None
+    with queue.lock if queue is not None else contextlib.nullcontext():
+        if queue is not None:
+            protocol = _in_turn(protocol, queue.earlier(), route, lambda: stuck.check(inner, link, tags, False))
+        driven = side is not None and side.driven  # the sender may wait for its DONE: it must not wait for our wait()
+        if driven:
+            protocol = side.queued(protocol, route)  # in call order, on the link's thread
+        transfer = Transfer(protocol, lane.stream, on_error=on_error, timeout=timeout, link=link,
+                            what=f"{what} from rank {link.peer} ({cause})", route=route,
+                            driver=side.submit if driven else None)
+        if queue is not None:
+            queue.join(transfer)
+        if driven:
+            transfer.add_done_callback(functools.partial(side.ended, route))
+            transfer.settle_in_background()  # (handed to the link's thread before the next receive joins)
     if lane.stream is not None or (bucket_bytes is not None and not consolidated):
         _track(plan, transfer)  # it uses the plan's staging: the next transfer waits for it
     return transfer, plan
+
+
+def _in_turn(protocol: Protocol, earlier: list[Transfer], route: Carried, recheck: Callable[[], None]) -> Protocol:
+    """``protocol`` once the ``earlier`` receives on its link and tags have ended (:mod:`cudarecv.core.turns`),
+    posting nothing before; ``recheck()`` then raises if one of them left its tags refused (it timed out: a late
+    message of it could be taken by this receive)."""
+    waits = [t.turn() for t in earlier if not t.settled]
+    if waits:
+        route.waiting, route.behind = True, "tags"
+        yield waits
+        route.waiting, route.behind = False, "thread"
+        recheck()
+    return (yield from protocol)
 
 
 def isend(td: Any, dst: int | None = None, *, group: Any = None, group_dst: int | None = None,

@@ -29,11 +29,16 @@ def explaining(td: TensorDictBase, link: Link, timeout: float | None, waited_for
             return error  # ours: a mismatch (drained), a lie (out of step)
         group = link.group_timeout()
         what, why, late = waited_for, cause, tags  # (late: where the peer's part may still come, or ours go)
+        stage = getattr(error, "stage", None)  # where a wait failed (Transfer notes it), past the call's first
         if isinstance(error, TransferTimeout):  # the call's own timeout=
             seconds, gloo = timeout, ""
             if sending and not error.in_flight:
                 late = ()
-            if route is not None and route.waiting:  # a same-host receive never posted (the sender's part may come)
+            if route is not None and route.waiting and route.behind == "tags":  # never posted: its turn not come
+                what = f"{waited_for}, waiting for an earlier receive from rank {link.peer} on its tags to end"
+                why = ("receives with one init_tag take the sender's messages one after the other, in the order "
+                       "they were posted: did the sender send fewer transfers than were posted?")
+            elif route is not None and route.waiting:  # a same-host receive never posted (the sender's part may come)
                 what = f"{waited_for}, queued behind an earlier receive from rank {link.peer} on this link's thread"
                 why = ("a same-host link takes receives one at a time, in call order, and the sender's sends "
                        "likewise: were the receives posted in the order of its sends?")
@@ -41,9 +46,11 @@ def explaining(td: TensorDictBase, link: Link, timeout: float | None, waited_for
                 what, why = error.stage, "it began this transfer: did it stop or die midway?"
         elif group is not None and elapsed >= group - 0.05:  # the process group's timeout ran out in gloo
             seconds, gloo = group, "; gloo then closed every link of the process group"
+            if stage is not None:
+                what, why = stage, "it began this transfer: did it stop or die midway?"
         else:
             stuck.mark(td, link, "the link failed")
-            return PeerError(f"{waited_for}: the link to rank {link.peer} failed after {elapsed:.3g} s: "
+            return PeerError(f"{stage or waited_for}: the link to rank {link.peer} failed after {elapsed:.3g} s: "
                              f"{peer_failure(error)}")
         stuck.mark(td, link, f"it timed out after {seconds:g} s", late, sending)
         refused = (f"this tensordict, and tags {tag_span(late)} for any tensordict, are refused for "

@@ -3,13 +3,15 @@
 Layout (little-endian)::
 
     magic     4s   b"CDRV"
-    version   u16  3 (since 3 the record carries init_tag; a peer of version 2 is out of step)
+    version   u16  4 (since 3 the record carries init_tag, since 4 a description of the sender's
+                   layout may follow; a peer of another version is out of step)
     kind      u16  1 = buckets (non-consolidated), 2 = chunks (consolidated storage)
     leaves    u32  number of leaves
     route     u32  where the payload is: byte 0 a :class:`PayloadRoute` (the wire, a shared
                    host segment, the sender's storage in shared memory, the sender's leaves
                    read directly, a CUDA IPC segment: :mod:`cudarecv.samehost`),
-                   byte 1 the segment or storage slot, bit 16 an offer follows
+                   byte 1 the segment or storage slot, bit 16 an offer follows, bit 17 the
+                   sender's layout follows (after the offer, if any: :mod:`cudarecv.wire.layouts`)
     total     u64  payload bytes
     piece     u64  bytes per payload message (the sender's bucket_bytes)
     schema    16s  blake2b-128 of the schema (keys, dtypes, shapes, byte counts, offsets)
@@ -28,9 +30,9 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from enum import IntEnum
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -50,7 +52,7 @@ class PayloadRoute(IntEnum):
 
 
 MAGIC = b"CDRV"
-VERSION = 3  # 3: the init_tag is in the record
+VERSION = 4  # 3: the init_tag is in the record; 4: a description of the sender's layout may follow (route bit 17)
 
 
 class PayloadKind(IntEnum):
@@ -102,13 +104,17 @@ class Header:
     offer: bool = False  #: an offer of shared segments follows the header (:mod:`cudarecv.samehost.sides`)
     seq: int = 0
     init_tag: int = 0  #: the transfer's ``init_tag`` (set by the sender: :meth:`for_transfer`)
+    described: bool = False  #: the sender's layout follows the header (and the offer) on its tag
+    #: the layout of the tensordict this header was made for (:func:`cudarecv.plan.describe.describe`), made when
+    #: asked (a sender's first transfer of its schema on a link, a receiver's mismatch); never on the wire itself
+    describe: Callable[[], bytes] | None = field(default=None, compare=False, repr=False)
 
     def for_transfer(self, piece: int, init_tag: int) -> "Header":
         """This header for a transfer with ``init_tag`` in messages of ``piece`` bytes."""
         return replace(self, piece=piece, init_tag=init_tag)
 
     def pack(self) -> bytes:
-        route = self.transport | self.segment << 8 | int(self.offer) << 16
+        route = self.transport | self.segment << 8 | int(self.offer) << 16 | int(self.described) << 17
         return RECORD.pack(VERSION, self.kind, self.leaves, route, self.total, self.piece, self.schema, self.seq,
                            self.init_tag)
 
@@ -126,10 +132,10 @@ class Header:
                 f"{MAX_MESSAGES} messages a transfer may have: a corrupt or hostile sender ({out_of_step})"
             )
         transport, segment, offer = route & 0xFF, route >> 8 & 0xFF, bool(route >> 16 & 1)
-        if transport not in ROUTE_SLOTS or segment >= ROUTE_SLOTS[PayloadRoute(transport)] or route >> 17:
+        if transport not in ROUTE_SLOTS or segment >= ROUTE_SLOTS[PayloadRoute(transport)] or route >> 18:
             raise OutOfStepError(f"the header names an unknown payload route {route:#x} ({out_of_step})")
         return cls(PayloadKind(kind), leaves, total, piece, schema, PayloadRoute(transport), segment, offer, seq,
-                   init_tag)
+                   init_tag, bool(route >> 17 & 1))
 
 
 def piece_sizes(total: int, piece: int) -> list[int]:

@@ -15,8 +15,10 @@ tags per ``init_tag``, layouts per piece size) is kept in bounded caches.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import operator
+import threading
 import weakref
 from collections import OrderedDict, defaultdict
 from functools import cached_property
@@ -32,6 +34,7 @@ from ..core.errors import ArgumentError
 from ..core.host_copy import CopyTable
 from ..core.lru import lru_get
 from . import header
+from .describe import describe
 from .tags import tag_sequence
 from .walk import Path, Skeleton, format_path, walk
 
@@ -53,6 +56,9 @@ class Plan:
         self._adopted: dict[str, Tensor] = {}  # places whose staging is a buffer given to the plan
         self.pool = streams.StagingPool()  # staging rings and their fences, for this tensordict alone
         self.in_flight = None  # the transfer still using the staging buffers, if any
+        #: held by a call from its look at :attr:`in_flight` until its own transfer is started and marked there
+        #: (two threads calling with one tensordict at once take turns: :mod:`cudarecv.p2p.calls`)
+        self.claim = threading.Lock()
         self.skeleton: Skeleton | None = None  # an unlocked tensordict's dicts as last walked (see plan_for)
 
     def matches(self, paths: list[Path], tensors: list[Tensor], layout: bool) -> bool:
@@ -193,7 +199,8 @@ class Plan:
     @cached_property
     def bucket_header(self) -> "header.Header":
         digest = header.schema_digest(self.paths, self.tensors)
-        return header.Header(header.KIND_BUCKETS, len(self.tensors), self.total, 1, digest)
+        return header.Header(header.KIND_BUCKETS, len(self.tensors), self.total, 1, digest,
+                             describe=functools.partial(describe, header.KIND_BUCKETS, self.paths, self.tensors))
 
     # -- consolidated ------------------------------------------------------------
     def storage(self, td: TensorDictBase) -> Tensor:
@@ -226,6 +233,8 @@ class Plan:
         self._chunk_header = header.Header(
             header.KIND_CHUNKS, len(self.tensors), current.numel(), 1,
             header.schema_digest(self.paths, self.tensors, offsets, current.numel()),
+            describe=functools.partial(describe, header.KIND_CHUNKS, self.paths, self.tensors, offsets,
+                                       current.numel()),
         )
         self._chunks: OrderedDict[int, list[Tensor]] = OrderedDict()
         return current

@@ -67,7 +67,10 @@ class Carried:
 
     def __init__(self) -> None:
         self.transport = WIRE
-        self.waiting = False  # whether a receive still waits for its turn on the link's thread (nothing posted)
+        self.waiting = False  # whether a receive still waits for its turn (nothing posted)
+        #: what it waits behind while ``waiting`` (for its timeout's message): the link's thread (a same-host
+        #: link takes its receives one at a time), or the earlier receives on its tags
+        self.behind = "thread"
 
 
 _SAID: "weakref.WeakKeyDictionary[Any, set]" = weakref.WeakKeyDictionary()  # what was logged, per group

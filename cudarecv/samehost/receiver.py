@@ -30,6 +30,7 @@ from ..core.driver import Driver
 from ..core.errors import OutOfStepError
 from ..core.host_copy import direct_read_pays, may_read_process
 from ..core.log import logger
+from ..core.protocol import Stage
 from ..core.streams import EventWork, dedicated_stream, record
 from ..core.tags import BACK_TAGS, piece_tag
 from ..core.transfer import CUDA_IPC, SHARED_MEMORY, WIRE
@@ -212,6 +213,7 @@ class RecvSide:
                                  "the link is out of step")
         piece, total, key = header.piece, header.total, f"{kind}:{header.segment}"
         count, done = len(piece_sizes(total, piece)), 0  # messages, and how many are copied out
+        stage = SegmentStage(kind, header.segment, count, piece_tag(init_tag))
         carried.transport = CUDA_IPC if kind == DEVICE else SHARED_MEMORY
         # a host receiver of device memory copies on the device's stream too (and waits for it, below)
         stream = lane.stream if lane.stream is not None or kind == HOST else dedicated_stream(mapping.device)
@@ -234,11 +236,13 @@ class RecvSide:
                     with on_stream():
                         copy(mapping.data, key, done, done * piece, end - done * piece, piece)
                     done += 1
+                    stage.copied = done
                 elif not mapping.follow(written, FOLLOW_WAIT):
                     return
 
         slot = torch.zeros(READY_SIZE + ROOM, dtype=torch.uint8)
         [ready] = lane.post(False, [slot], [piece_tag(init_tag)])
+        yield [Stage(stage)]  # (a sender that dies now is named at its payload, the segment)
         if problem is None and kind == HOST:
             follow()
         yield [ready]
@@ -251,6 +255,20 @@ class RecvSide:
                     copy(mapping.data, key, i, i * piece, min(piece, total - i * piece), piece)
         yield from self.finish(lane, stream, header.seq, ch_back(kind, header.segment))
         return True
+
+
+class SegmentStage:
+    """What a receive through a segment waits for (a :class:`~cudarecv.core.protocol.Stage`'s text, as it goes):
+    the sender's messages in the segment, those copied out so far, and its READY."""
+
+    def __init__(self, kind: str, segment: int, count: int, tag: int) -> None:
+        self.kind, self.segment, self.count, self.tag = kind, segment, count, tag
+        self.copied = 0  # messages copied out, in order, before the READY
+
+    def __str__(self) -> str:
+        return (f"receive of the fast-wire payload through {self.kind} segment {self.segment}: message "
+                f"{min(self.copied + 1, self.count)} of {self.count} ({self.copied} copied), then the sender's "
+                f"READY on tag {self.tag}")
 
 
 def ch_back(kind: str, segment: int) -> int:

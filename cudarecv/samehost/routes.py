@@ -18,7 +18,7 @@ from torch import Tensor
 from ..core.errors import OutOfStepError
 from ..core.host_copy import read_process
 from ..core.streams import EventWork, record
-from ..core.tags import header_tag, piece_tag
+from ..core.tags import piece_tag
 from ..core.transfer import SHARED_MEMORY
 from ..plan.header import (
     KIND_BUCKETS,
@@ -60,10 +60,8 @@ def send_storage(side: Any, lane: Lane, header: Header, init_tag: int, where: tu
     side.seq += 1
     head = dataclasses.replace(header, transport=PayloadRoute.STORAGE, segment=slot, offer=offered is not None,
                                seq=side.seq)
-    side.held[STORAGE_BACK] = side.post(lane, head.pack(), header_tag(init_tag))
-    if offered is not None:
-        side.held[STORAGE_BACK] += side.post(lane, offered + bytes(OFFER_SIZE - len(offered)),
-                                              header_tag(init_tag))
+    side.held[STORAGE_BACK] = side.post_header(
+        lane, head, init_tag, None if offered is None else offered + bytes(OFFER_SIZE - len(offered)))
     side.expect(lane, STORAGE_BACK, side.seq)
     status = yield from side.take(STORAGE_BACK, Word.DONE)
     if status == Status.OK:
@@ -80,7 +78,7 @@ def send_direct(side: Any, lane: Lane, header: Header, init_tag: int, table: Ten
     receiver reads them straight out of this process (one copy in all, by the kernel) and says DONE."""
     side.seq += 1
     head = dataclasses.replace(header, transport=PayloadRoute.DIRECT, segment=0, seq=side.seq)
-    side.held[STORAGE_BACK] = side.post(lane, head.pack(), header_tag(init_tag))
+    side.held[STORAGE_BACK] = side.post_header(lane, head, init_tag)
     side.held[STORAGE_BACK] += lane.post(True, [table], [piece_tag(init_tag)])
     side.expect(lane, STORAGE_BACK, side.seq)
     if (yield from side.take(STORAGE_BACK, Word.DONE)) != Status.OK:

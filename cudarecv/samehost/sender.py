@@ -36,6 +36,7 @@ from ..core.transport import park
 from ..plan.header import Header, PayloadRoute, piece_sizes
 from ..wire.control import ROOM, wire_bytes
 from ..wire.fast import OFFER_SIZE
+from ..wire.layouts import announce
 from ..wire.staging import Lane
 from . import cuda_ipc, routes
 from .policy import DEVICE, HOST, STOP_WAIT, Carried, chose, kind_of, unavailable
@@ -273,6 +274,12 @@ class SendSide:
     def post(self, lane: Lane, data: bytes, tag: int) -> list[Any]:
         return lane.post(True, [wire_bytes(lane, data)], [tag])
 
+    def post_header(self, lane: Lane, header: Header, init_tag: int, offer: bytes | None = None) -> list[Any]:
+        """Send ``header`` and what goes with it on its tag (``offer``; the sender's layout the first time the link
+        carries its schema: :func:`~cudarecv.wire.layouts.announce`)."""
+        _, messages = announce(lane.link, header, offer)
+        return [work for data in messages for work in self.post(lane, data, header_tag(init_tag))]
+
     def _shared(self, lane: Lane, ch: Channel, header: Header, init_tag: int,
                 fill: Callable[[Tensor, str, int, int, int], None]) -> Any:
         k = ch.next
@@ -286,7 +293,7 @@ class SendSide:
         if progress:
             segment.start(seq)  # before the header: a receiver that has the header sees this transfer's word
         head = dataclasses.replace(header, transport=ch.route, segment=k, seq=seq)
-        held = self.post(lane, head.pack(), header_tag(init_tag))
+        held = self.post_header(lane, head, init_tag)
         offset = 0
         for i, length in enumerate(piece_sizes(header.total, header.piece)):
             with lane.on_stream():

@@ -34,8 +34,10 @@ from torch import Tensor
 from ..core.errors import HeaderError, OutOfStepError
 from ..core.protocol import Protocol, Stage
 from ..core.tags import header_tag, piece_tag
-from ..plan.header import KIND_NAMES, SIZE, Header, drain_limit, piece_sizes
+from ..plan import describe
+from ..plan.header import KIND_NAMES, SIZE, Header, PayloadKind, drain_limit, messages, piece_sizes
 from ..plan.plan import Plan
+from . import layouts
 from .control import read_bytes, wire_bytes
 from .staging import Lane, drain, recv_into, send_from
 
@@ -57,8 +59,8 @@ def send(lane: Lane, header: Header, pieces: list[Tensor], init_tag: int,
     posted, so the receiver checks the header and posts its receives meanwhile.
     ``offer`` (a same-host offer, :mod:`cudarecv.samehost.sides`) goes right after the header.
     """
-    messages = [header.pack()] + ([offer] if offer is not None else [])
-    head = yield from send_from(lane, [wire_bytes(lane, m) for m in messages], [header_tag(init_tag)] * len(messages),
+    header, first = layouts.announce(lane.link, header, offer)  # the header, the offer, perhaps its layout
+    head = yield from send_from(lane, [wire_bytes(lane, m) for m in first], [header_tag(init_tag)] * len(first),
                                 defer=True)
     if pack is not None:
         pack()
@@ -96,12 +98,16 @@ def recv(lane: Lane, expected: Header, pieces_for: Callable[[int], list[Tensor]]
             f"{header.init_tag}: NCCL ignores tags and matches messages in posting order, so fast-wire receives "
             "must be posted in the order of the sender's sends (not drained, the link is out of step)")
     tag = piece_tag(init_tag)
-    problem = _mismatch(expected, header)
     if header.offer:
         if side is None:
             raise OutOfStepError("the sender offers shared memory on a link that cannot take it: out of step")
         offer = yield from read_bytes(lane, OFFER_SIZE, header_tag(init_tag), "same-host offer", _too_long)
         side.take_offer(lane, offer, allow, header)
+    if header.described:
+        yield from layouts.take(lane, header, init_tag, _too_long)
+    problem = _mismatch(expected, header, layouts.passed(lane.link, header.schema))
+    payload = PayloadStage(header, tag)
+    yield [Stage(payload)]  # from here a failure is the payload's, not the header's
     if header.transport:
         if side is None:
             raise OutOfStepError("the payload comes through shared memory on a link that has none: out of step")
@@ -121,9 +127,35 @@ def recv(lane: Lane, expected: Header, pieces_for: Callable[[int], list[Tensor]]
         yield from drain(lane, piece_sizes(header.total, header.piece), tag)
         raise _rejected(problem)
     pieces = pieces_for(header.piece)
-    on_piece = None if landed is None else (lambda i: landed(header.piece, i))
-    yield from recv_into(lane, pieces, [tag] * len(pieces), landed=on_piece)
+
+    def on_piece(i: int) -> None:
+        payload.landed = i + 1
+        if landed is not None:
+            landed(header.piece, i)
+
+    # (on gloo the host sees each message land: it counts them, so a failure names the one it waited for)
+    payload.counted = not lane.nccl and (landed is not None or lane.stream is None)
+    yield from recv_into(lane, pieces, [tag] * len(pieces),
+                         landed=on_piece if payload.counted or landed is not None else None)
     return result
+
+
+class PayloadStage:
+    """What a fast-wire receive waits for once its header is in (a :class:`~cudarecv.core.protocol.Stage`'s
+    text, as it goes): the payload, and on gloo which message of it (those before it are in). A same-host
+    route says its own stage on top of this one."""
+
+    def __init__(self, header: Header, tag: int) -> None:
+        self.kind = "bucket" if header.kind == PayloadKind.BUCKETS else "chunk"
+        self.count, self.piece, self.tag = messages(header.total, header.piece), header.piece, tag
+        self.counted = False  # whether the messages in are counted (the host sees each land: gloo)
+        self.landed = 0  # messages in, in order
+
+    def __str__(self) -> str:
+        if not self.counted or self.count == 0:
+            return f"receive of the fast-wire payload ({self.count} {self.kind}s of {self.piece} bytes on tag {self.tag})"
+        return (f"receive of the fast-wire payload, {self.kind} {min(self.landed + 1, self.count)} of {self.count} "
+                f"({self.landed} in; {self.piece} bytes each on tag {self.tag})")
 
 
 def _rejected(problem: str) -> HeaderError:
@@ -132,12 +164,24 @@ def _rejected(problem: str) -> HeaderError:
                        "(and, consolidated, the same layout)")
 
 
-def _mismatch(expected: Header, got: Header) -> str | None:
-    def describe(h: Header) -> str:
+def _mismatch(expected: Header, got: Header, theirs: bytes | None) -> str | None:
+    """What differs between the sender's header ``got`` and this receive's ``expected`` (None: nothing): the first
+    key that differs and how on both sides, from the sender's layout ``theirs`` (:mod:`.layouts`), then both
+    headers in short."""
+    def summary(h: Header) -> str:
         return f"{KIND_NAMES[h.kind]} of {h.leaves} leaves, {h.total} bytes, schema {h.schema.hex()}"
 
-    if (expected.kind, expected.leaves, expected.total, expected.schema) != (
+    if (expected.kind, expected.leaves, expected.total, expected.schema) == (
         got.kind, got.leaves, got.total, got.schema
     ):
-        return f"fast-wire mismatch: the sender sends {describe(got)}; this tensordict expects {describe(expected)}"
-    return None
+        return None
+    both = f"the sender sends {summary(got)}; this tensordict expects {summary(expected)}"
+    if expected.kind != got.kind:
+        return f"fast-wire mismatch: {both}"
+    sender = None if theirs is None else describe.parse(theirs)
+    ours = None if expected.describe is None else describe.parse(expected.describe())
+    detail = None if sender is None or ours is None else describe.difference(sender, ours)
+    if detail is None:  # (not told: it was described to a receive that did not keep it, or an older schema)
+        return (f"fast-wire mismatch ({both}); the sender's keys are not known here (it describes a layout once per "
+                "link, and this process did not keep it), compare the tensordicts' keys, shapes and dtypes")
+    return f"fast-wire mismatch at {detail} ({both})"
