@@ -159,6 +159,55 @@ def test_a_receiver_slower_than_a_trainer_step_gets_whole_versions_within_each_p
         assert not results[rank]["threads_left"], f"rank {rank}: threads left: {results[rank]['threads_left']}"
 
 
+def carried_on(rank: int, world: int, group):
+    """The trainers push version 1, then version 2 only once the receiver's pull of something newer than 1 ran out
+    (``WaitTimeout``); the pull goes on, publishes 2, and the next ``pull()`` returns it at once."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh, signals = DeviceMesh("cpu", [0, 1]), store()
+    if rank < 2:
+        local = torch.zeros(ROWS // 2, COLS, dtype=torch.float64)
+        w = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=(ROWS, COLS), stride=(COLS, 1))
+        with cudarecv.WeightSender(TensorDict({"w": w}, []), dst=[2], mode="latest", timeout=30) as sender:
+            for version in (1, 2):
+                if version == 2:
+                    signals.wait(["timed_out"], timedelta(seconds=60))
+                local.fill_(version)
+                sender.push()
+            dist.barrier()  # (the receiver has checked and closed)
+        return None
+    expect = TensorDict({"w": torch.zeros(ROWS, COLS, dtype=torch.float64)}, [])
+    with cudarecv.WeightReceiver(src=[0, 1], expect=expect, timeout=30) as got:
+        first = got.pull(timeout=30)
+        start = time.monotonic()
+        try:
+            got.pull(timeout=0.5)
+            late: tuple = ("pulled",)
+        except cudarecv.WaitTimeout as error:
+            late = ("WaitTimeout", str(error), time.monotonic() - start)
+        signals.set("timed_out", "1")
+        deadline = time.monotonic() + 60  # the pull that went on publishes version 2 (its own threads' doing)
+        while got.version < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        start = time.monotonic()
+        second = got.pull(timeout=TIMEOUT)
+        elapsed = time.monotonic() - start
+        whole = bool(torch.equal(got.td["w"], torch.full((ROWS, COLS), 2.0, dtype=torch.float64)))
+    dist.barrier()
+    return first, late, second, elapsed, whole
+
+
+def test_a_pull_that_ran_out_goes_on_and_the_next_pull_returns_its_version():
+    with Cluster(3, pg_timeout=60.0) as ranks:
+        results = ranks.run(carried_on, timeout=200)
+    first, late, second, elapsed, whole = results[2]
+    assert first == 1, results[2]
+    assert late[0] == "WaitTimeout" and "from rank(s) [0, 1] no version newer than 1 began" in late[1], late
+    assert late[2] <= 0.5 + SLACK, late
+    assert second == 2 and whole and elapsed < 1.0, results[2]  # (published already: returned at once)
+
+
 # -- the rounds of a pull, against a model of the trainers -------------------------------------------------
 
 
