@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -192,6 +193,49 @@ def test_ctrl_c_stops_every_rank_of_demo_hosts_quietly() -> None:
         assert code == 130, text
         assert "".join(err).endswith("\ncudarecv demo: error: interrupted\n"), text  # below the ranks' bar
         assert not re.search(r"Traceback|Error|terminate called|Aborted", text), text
+    finally:
+        if demo.poll() is None:
+            os.killpg(demo.pid, signal.SIGKILL)
+            demo.wait(10)
+
+
+#: how soon after Ctrl-C the demo and every process of it are gone: about 1-2 s at load 7 on 2 cores (the
+#: ranks are killed at once; the rest is the parent's own exit), 5 s before (a busy rank got 5 s to leave)
+CTRL_C_BOUND = 10.0
+
+
+@pytest.mark.parametrize("when, pattern", [
+    ("starting", r"cudarecv demo: starting a trainer"),  # the first line: the zygote, the ranks, their groups start
+    ("connected", r"cudarecv demo: training with cudarecv sync"),  # the ranks are up: the pass (handshake) begins
+    ("training", r"trainer \(cudarecv sync\):.*[^\d][1-9]\d*/100000"),  # the trainer has pushed a step (bar or line)
+])
+def test_ctrl_c_stops_the_demo_at_once_in_one_line(when: str, pattern: str) -> None:
+    """Ctrl-C (SIGINT to the demo's process group, as a terminal sends it) as soon as the demo says it got to
+    ``when``: exit status 130 within :data:`CTRL_C_BOUND` s, every process of it gone by then (they all hold its
+    output pipes, which reach EOF), and one line, ``cudarecv demo: error: interrupted``: no rank prints a
+    traceback, whatever it was doing."""
+    demo = subprocess.Popen([sys.executable, "-m", "cudarecv", "demo", "--steps", "100000", "--hidden", "16"],
+                            cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True, preexec_fn=_interruptible)
+    out: list[str] = []
+    err: list[str] = []
+    reached = threading.Event()
+    readers = [_reader(demo.stdout, out), _reader(demo.stderr, err, reached, re.compile(pattern))]
+    try:
+        assert reached.wait(HANG), f"the demo did not get to {when!r} within {HANG:g} s:\n{''.join(err)}"
+        os.killpg(demo.pid, signal.SIGINT)
+        interrupted = time.monotonic()
+        code = demo.wait(HANG)
+        for reader in readers:
+            reader.join(max(CTRL_C_BOUND - (time.monotonic() - interrupted), 0.1))
+        took = time.monotonic() - interrupted
+        text = "".join(out) + "".join(err)
+        assert not any(reader.is_alive() for reader in readers), f"a process still holds the demo's output:\n{text}"
+        assert code == 130, text
+        assert took < CTRL_C_BOUND, f"{took:.1f} s after Ctrl-C:\n{text}"
+        assert "".join(out) == "", text  # no tables
+        assert "".join(err).endswith("cudarecv demo: error: interrupted\n"), text
+        assert not re.search(r"Traceback|Error|Exception|terminate called|Aborted", text), text
     finally:
         if demo.poll() is None:
             os.killpg(demo.pid, signal.SIGKILL)

@@ -12,6 +12,9 @@ raises, hangs or dies fails the call with a clear error, and the cluster is
 then shut down, never reused in an unknown state. Every rank must also exit
 normally: :meth:`Cluster.close` fails naming each rank that exited with a
 signal (an abort at interpreter shutdown is SIGABRT) or another non-zero code.
+A Ctrl-C reaches the parent alone (the ranks run in a session of their own, their
+zygote's): a start or a call it interrupts kills every rank at once
+(:meth:`Cluster.kill`), and the ranks print nothing.
 
 Ranks are forked by this process's zygote (:mod:`cudarecv.testing.zygote`), which has
 imported torch and tensordict once: a rank starts in a fraction of a second instead of
@@ -67,12 +70,16 @@ class Cluster:
         environ = dict(os.environ, **(env or {}))
         self._conns: list[Connection] = []
         self._procs = []
-        for rank in range(world_size):
-            ours, theirs = socket.socketpair()
-            self._conns.append(Connection(ours.detach()))
-            self._procs.append(zygote().fork(_rank_main, (rank, world_size, self._store.port, pg_timeout,
-                                                          backend, environ), theirs))
         self._closed = False
+        try:
+            for rank in range(world_size):
+                ours, theirs = socket.socketpair()
+                self._conns.append(Connection(ours.detach()))
+                self._procs.append(zygote().fork(_rank_main, (rank, world_size, self._store.port, pg_timeout,
+                                                              backend, environ), theirs))
+        except BaseException:  # (a Ctrl-C too): no rank forked so far is left behind
+            self.kill()
+            raise
         self._collect(start_timeout, "start")
 
     def run(self, fn: Callable[..., Any], *, args: tuple = (), timeout: float = 60.0,
@@ -128,7 +135,9 @@ class Cluster:
                     missing = [r for r in range(self.world_size) if r not in out]
                     raise RankError(f"{what}: rank(s) {missing} did not finish within {timeout:.0f} s") from None
         except BaseException as exc:
-            if not self._closed:
+            if isinstance(exc, KeyboardInterrupt):  # Ctrl-C: stop now, whatever the ranks are doing
+                self.kill()
+            elif not self._closed:
                 self._closed = True
                 failures = self._stop(busy=set(range(self.world_size)) - raised - set(out))
                 if failures and isinstance(exc, RankError):
@@ -149,6 +158,20 @@ class Cluster:
         failures = self._stop(busy=set())
         if failures:
             raise RankError(f"{len(failures)} rank(s) did not exit normally: " + "; ".join(failures))
+
+    def kill(self) -> None:
+        """Stop every rank now (SIGKILL), whatever it is doing, and close the cluster; what they were doing is
+        lost and nothing is reported. For a run the user interrupted (Ctrl-C): a rank busy in a call would
+        only see :meth:`close`'s request once its call returned. Ranks hold nothing that outlives them (their
+        shared memory is anonymous, their sockets close), and their zygote reaps them."""
+        self._closed = True
+        for p in self._procs:
+            p.kill()
+        deadline = time.monotonic() + GRACE
+        for p in self._procs:
+            p.join(max(deadline - time.monotonic(), 0.0))  # (its zygote's report: at once, once it died)
+        for conn in self._conns:
+            conn.close()
 
     def _stop(self, busy: set[int]) -> list[str]:
         """Ask every rank to leave; kill those that do not in time. Ranks in ``busy`` (still in a

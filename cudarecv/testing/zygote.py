@@ -77,16 +77,24 @@ class Zygote:
 
     def __init__(self, start_timeout: float = 120.0) -> None:
         ours, theirs = socket.socketpair()
+        # a session of its own, and so of its ranks': a terminal's Ctrl-C (SIGINT to its foreground process
+        # group) reaches the parent only, which stops its ranks (a Cluster kills them when interrupted); a
+        # rank interrupted at any moment of its own (connecting, in a call, exiting) would print a traceback
         self._proc = subprocess.Popen([sys.executable, "-m", __name__, str(theirs.fileno())],
-                                      pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
+                                      pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, start_new_session=True)
         theirs.close()
         self._conn = Connection(ours.detach())
         self._lock = threading.Lock()
         self._exits: dict[int, int] = {}
-        if not self._conn.poll(start_timeout):
-            self.close()
-            raise ZygoteError(f"the zygote did not import {PRELOAD} within {start_timeout:g} s")
-        self._pid = self._recv()[1]
+        try:
+            if not self._conn.poll(start_timeout):
+                raise ZygoteError(f"the zygote did not import {PRELOAD} within {start_timeout:g} s")
+            self._pid = self._recv()[1]
+        except BaseException:  # (a Ctrl-C too): no zygote is left behind, still importing
+            self._proc.kill()
+            self._proc.wait()
+            self._conn.close()
+            raise
 
     def fork(self, target: Callable[..., Any], args: tuple, conn: socket.socket) -> Forked:
         """Run ``target(Connection(conn), *args)`` in a new rank; ``conn`` is closed here."""
@@ -152,12 +160,13 @@ def main(fd: int) -> None:
     Returns in the zygote when the parent closed its end, and in each forked rank once
     its target returned (the rank then exits as a script does).
     """
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is for the ranks, which the parent then stops
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is for the parent, which then stops the ranks
     for name in PRELOAD:
         importlib.import_module(name)
     conn = Connection(fd)
-    conn.send(("ready", os.getpid()))
     children: dict[int, int] = {}  # pidfd -> pid
+    if not _tell(conn, ("ready", os.getpid()), children):
+        return
     selector = selectors.DefaultSelector()
     selector.register(conn.fileno(), selectors.EVENT_READ)
     while True:
@@ -166,15 +175,14 @@ def main(fd: int) -> None:
                 pid = children.pop(key.fd)
                 selector.unregister(key.fd)
                 os.close(key.fd)
-                conn.send(("exited", pid, os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])))
+                if not _tell(conn, ("exited", pid, os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])), children):
+                    return
                 continue
             try:
                 spec = conn.recv()
                 handle = recv_handle(conn)
             except (EOFError, OSError):  # the parent is gone: so are its ranks
-                for pid in children.values():
-                    os.kill(pid, signal.SIGKILL)
-                    os.waitpid(pid, 0)
+                _end_children(children)
                 return
             pid = os.fork()
             if pid == 0:
@@ -189,7 +197,26 @@ def main(fd: int) -> None:
             pidfd = os.pidfd_open(pid)
             children[pidfd] = pid
             selector.register(pidfd, selectors.EVENT_READ)
-            conn.send(("forked", pid))
+            if not _tell(conn, ("forked", pid), children):
+                return
+
+
+def _tell(conn: Connection, message: tuple, children: dict[int, int]) -> bool:
+    """Send ``message`` to the parent; False, with every rank ended, if the parent is gone (it exited, or was
+    interrupted while this zygote started or forked): the zygote then leaves quietly, as on EOF."""
+    try:
+        conn.send(message)
+        return True
+    except OSError:  # BrokenPipeError, ConnectionResetError
+        _end_children(children)
+        return False
+
+
+def _end_children(children: dict[int, int]) -> None:
+    """Kill and reap every rank still running (their parent is gone)."""
+    for pid in children.values():
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
 
 
 def _main_module() -> tuple[str, str] | None:

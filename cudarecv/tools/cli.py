@@ -41,8 +41,10 @@ class OptionError(ArgumentError):
 
 
 def error(command: str, message: str) -> None:
-    """Print ``cudarecv <command>: error: <message>`` on stderr (the one error form of the tools)."""
-    print(f"{PROG} {command}: error: {message}", file=sys.stderr, flush=True)
+    """Print ``cudarecv <command>: error: <message>`` on stderr (the one error form of the tools;
+    ``cudarecv: error: <message>`` without a command)."""
+    print(f"{PROG} {command}: error: {message}" if command else f"{PROG}: error: {message}", file=sys.stderr,
+          flush=True)
 
 
 # --------------------------------------------------------------------------- option types (argparse names the flag)
@@ -109,6 +111,21 @@ def plain(doc: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run ``python -m cudarecv`` with ``argv`` (default: the command line's); the exit status.
+
+    A Ctrl-C that no subcommand caught (while torch imports, say) ends it as theirs do: one line
+    (``cudarecv <subcommand>: error: interrupted``) and status 130, no traceback.
+    """
+    words = sys.argv[1:] if argv is None else argv
+    command = next((word for word in words if word in SUBCOMMANDS), None)
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        error(command or "", "interrupted")
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     from cudarecv import __version__
 
     parser = argparse.ArgumentParser(prog=PROG, description=plain(__doc__))

@@ -251,6 +251,15 @@ def _train_step(policy: nn.Module, opt: torch.optim.Optimizer, env: Bandit) -> f
     return float(r.mean())
 
 
+def _tqdm() -> Any:
+    """tqdm's bar class, or None where tqdm (the ``tools`` extra) is not installed."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm
+
+
 class _Bar:
     """The trainer's progress on stderr, refreshed every :data:`TICK` s by a thread of its own, so its clock
     moves even while a step waits (a lockstep send to a slow actor).
@@ -263,9 +272,8 @@ class _Bar:
         self.total, self.desc = total, desc
         self.count, self.postfix = 0, {}  # (read by the thread: each update replaces them whole)
         self.started = time.monotonic()
-        try:
-            from tqdm import tqdm
-        except ImportError:  # the tools extra is not installed
+        tqdm = _tqdm()
+        if tqdm is None:
             self.bar = None
             progress(self.line())
         else:
@@ -888,30 +896,52 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if _torchrun_world() is not None:
         return _run_rank(cfg)
-    model = param_count(cfg.hidden) * 4
     t_start = time.perf_counter()
-    trainers, actors = [], []
+    training = threading.Event()  # set once a pass started: the trainer's bar may be on the screen
+    try:
+        trainers, actors = _train(cfg, training)
+    except RankError as exc:  # the failed call has stopped every rank
+        error("demo", _explain(exc))
+        return 1
+    except KeyboardInterrupt:  # every rank is gone already (_train); only the parent says so, in one line
+        if training.is_set() and _tqdm() is not None:
+            print(file=sys.stderr)  # below the trainer's bar, which a killed trainer leaves without a newline
+        error("demo", "interrupted")
+        return 130
+    return _finish(cfg, trainers, actors, time.perf_counter() - t_start)
+
+
+def _train(cfg: Config, training: threading.Event) -> tuple[list[dict], list[dict]]:
+    """Start the ranks, run a pass with each implementation, stop the ranks; the trainers' results and the
+    actors', in rank order. Sets ``training`` once a pass starts.
+
+    Ctrl-C (``KeyboardInterrupt``, the parent's alone: the ranks run in a session of their own) at any
+    moment kills every rank at once, wherever it is (starting, connecting, in a pass, leaving): they print
+    nothing, and the exception goes on to the caller. A failed pass raises :class:`RankError` with every
+    rank stopped.
+    """
+    model = param_count(cfg.hidden) * 4
+    trainers: list[dict] = []
+    actors: list[dict] = []
+    cluster: Cluster | None = None
     try:
         with _Heartbeat(f"starting a trainer and {cfg.actors} actor(s) ({cfg.backend}, weights on {cfg.device}; "
                         f"policy {report.human_bytes(model)}, {cfg.steps} steps)"):
             cluster = Cluster(cfg.world, backend=cfg.backend, pg_timeout=cfg.timeout,
                               start_timeout=max(120.0, cfg.timeout))
-        try:
-            for impl in IMPLS:
-                progress(f"cudarecv demo: training with {_label(cfg, impl)}")
-                results = cluster.run(demo_rank, args=(replace(cfg, impl=impl),), timeout=_run_timeout(cfg))
-                trainers.append(results[0])
-                actors += results[1:]
-        finally:
-            with _Heartbeat("stopping the ranks"):
-                cluster.close()
-    except RankError as exc:
-        error("demo", _explain(exc))
-        return 1
-    except KeyboardInterrupt:
-        error("demo", "interrupted")
-        return 130
-    return _finish(cfg, trainers, actors, time.perf_counter() - t_start)
+        for impl in IMPLS:
+            progress(f"cudarecv demo: training with {_label(cfg, impl)}")
+            training.set()
+            results = cluster.run(demo_rank, args=(replace(cfg, impl=impl),), timeout=_run_timeout(cfg))
+            trainers.append(results[0])
+            actors += results[1:]
+        with _Heartbeat("stopping the ranks"):
+            cluster.close()  # each rank leaves and must exit normally (else RankError)
+    except BaseException:
+        if cluster is not None:
+            cluster.kill()  # (already done by an interrupted or failed call: then nothing is left to do)
+        raise
+    return trainers, actors
 
 
 def _finish(cfg: Config, trainers: list[dict], actors: list[dict], elapsed: float) -> int:
