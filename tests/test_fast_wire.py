@@ -449,3 +449,38 @@ def test_a_mismatch_names_the_first_key_that_differs_on_both_sides(cluster, case
         said = re.sub(r" at byte \d+ of the storage", "", message)  # (consolidated: where each leaf lies, too)
         assert said.startswith(f"fast-wire mismatch {MISMATCHES[case]}"), message
         assert "drained and the tensordict left untouched" in message, message
+
+
+def test_a_layout_from_the_wire_is_checked_and_a_bad_one_ignored():
+    """The sender's layout is untrusted: anything that is not one (not zlib, not JSON, another form, longer than
+    allowed once unpacked) parses to None, and the mismatch is then said by fingerprint; a good one round-trips."""
+    import json
+    import zlib
+
+    from cudarecv.plan import describe
+    from cudarecv.plan.plan import plan_for
+    from cudarecv.wire import fast
+
+    td = make("nested", 1.0)
+    plan = plan_for(td)
+    ours = describe.parse(plan.bucket_header.describe())
+    assert ours is not None and [leaf.path for leaf in ours.leaves] == ["a.x.q", "a.y", "b", "c", "flag"]
+    assert describe.difference(ours, ours) is None
+
+    def packed(value) -> bytes:
+        return zlib.compress(json.dumps(value).encode())
+
+    bad = [b"", b"not zlib", zlib.compress(b"{not json"), packed([1, 2]), packed({"kind": 1, "leaves": [["a"]]}),
+           packed({"kind": 7, "leaves": [], "storage": None}),
+           packed({"kind": 1, "leaves": [["a", "float32", [-1], 4, None]], "storage": None}),
+           packed({"kind": 1, "leaves": [["a", "float32", [1], True, None]], "storage": None}),
+           zlib.compress(b" " * (describe.MAX_DESCRIPTION + 1)), zlib.compress(b"[]")[:-3]]
+    assert [describe.parse(raw) for raw in bad] == [None] * len(bad)
+
+    other = _changed(td, "shape")
+    got = dataclasses.replace(plan_for(other).bucket_header, piece=16)
+    for theirs in (None, bad[3]):  # not told, or told something that is not a layout: said by fingerprint
+        said = fast._mismatch(plan.bucket_header, got, theirs)
+        assert said.startswith("fast-wire mismatch (the sender sends buckets") and "not known here" in said, said
+    said = fast._mismatch(plan.bucket_header, got, plan_for(other).bucket_header.describe())
+    assert said.startswith("fast-wire mismatch at key 'b' differs in shape"), said

@@ -445,6 +445,8 @@ def test_a_sender_killed_mid_transfer_fails_the_receiver_bounded():
     assert isinstance(results[0], RankExit)
     kind, message, took, causes = results[1]
     assert kind in ("PeerError", "TransferTimeout") and "rank 0" in message and took < 40, results
+    # where it failed: the payload in the segment (before: "receive of the fast-wire header (tag 1073741824)")
+    assert message.startswith("receive of the fast-wire payload through host segment "), message
     _in_our_words(kind, message, causes)
     left = {name for name in set(os.listdir("/dev/shm")) - before if not name.startswith("sem.mp-")}
     assert not left, f"left in /dev/shm: {left}"

@@ -159,3 +159,56 @@ def test_concurrent_receives_into_one_tensordict_take_their_turns(cluster, mode,
         cluster().close()
         raise
     _check(result, modes, same_td=True)
+
+
+def concurrent_sends(rank, world, group, key, plain):
+    """Rank 0 sends versions 1..THREADS from THREADS threads at once (a barrier), one init_tag, 1 MiB each in 16
+    messages; rank 1 receives THREADS times: each receive gets one whole version, each version once."""
+    available = sides.available, policy.available
+    if plain:
+        sides.available = policy.available = lambda: "this test's processes make no segments"
+    try:
+        pg = _group(rank, world, key)
+        kw = dict(group=pg, bucket_bytes=1 << 16, timeout=LONG,
+                  **({"group_dst": 1} if rank == 0 else {"group_src": 0}))
+        if rank == 1:
+            got = []
+            for _ in range(THREADS):
+                td = TensorDict(x=torch.zeros(1 << 18))
+                cudarecv.recv(td, **kw)
+                got.append(_whole(td))
+            result = got
+        else:
+            start, errors = threading.Barrier(THREADS), []
+
+            def sender(version: int) -> None:
+                try:
+                    td = TensorDict(x=torch.full((1 << 18,), float(version)))
+                    start.wait(LONG)
+                    cudarecv.send(td, **kw)
+                except BaseException as error:  # noqa: BLE001 - reported to the test
+                    errors.append(f"version {version}: {type(error).__name__}: {error}")
+
+            threads = [threading.Thread(target=sender, args=(v,)) for v in range(1, THREADS + 1)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(2 * LONG)
+            assert not any(t.is_alive() for t in threads), "a sending thread did not end"
+            result = errors
+        set_flag(f"{key}_done_{rank}")
+        wait_flag(f"{key}_done_{1 - rank}")
+        return result
+    finally:
+        sides.available, policy.available = available
+
+
+@pytest.mark.parametrize("plain", [False, True], ids=["shared_memory", "plain_wire"])
+def test_concurrent_sends_on_one_link_each_go_whole(cluster, plain):
+    try:
+        errors, got = cluster().run(concurrent_sends, args=(unique_key("sends"), plain), timeout=240)
+    except BaseException:
+        cluster().close()
+        raise
+    assert not errors, errors
+    assert sorted(got) == [float(v) for v in range(1, THREADS + 1)], got

@@ -203,9 +203,14 @@ def _begin_send(user: TensorDictBase, inner: TensorDictBase, plan: Plan, tags: S
                 protocol = host_waits(lane, protocol)  # the leaves were read once send() returns
     what, cause = waited_for(True, plan, init_tag, pseudo_rand, consolidated, bucket_bytes)
     on_error = explaining(user, link, timeout, what, cause, tags, True)
-    transfer = Transfer(protocol, lane.stream, on_error=on_error, timeout=timeout, link=link,
-                        what=f"{what} to rank {link.peer} ({cause})", route=route,
-                        driver=None if side is None else side.driver.submit)
+    # a fast-wire send on the wire posts its header and (from host memory) its whole payload in its first step:
+    # under its link and tag's lock, two threads' sends on one init_tag never interleave their messages (a send
+    # through a same-host side runs on the link's thread, in call order)
+    alone = line(link, ("send", header_tag(init_tag))).lock if bucket_bytes is not None and side is None else None
+    with alone if alone is not None else contextlib.nullcontext():
+        transfer = Transfer(protocol, lane.stream, on_error=on_error, timeout=timeout, link=link,
+                            what=f"{what} to rank {link.peer} ({cause})", route=route,
+                            driver=None if side is None else side.driver.submit)
     if side is not None:
         transfer.add_done_callback(functools.partial(side.ended, route))
         transfer.settle_in_background()  # on the link's thread, in call order
