@@ -43,8 +43,8 @@ class OptionError(ArgumentError):
 def error(command: str, message: str) -> None:
     """Print ``cudarecv <command>: error: <message>`` on stderr (the one error form of the tools;
     ``cudarecv: error: <message>`` without a command)."""
-    print(f"{PROG} {command}: error: {message}" if command else f"{PROG}: error: {message}", file=sys.stderr,
-          flush=True)
+    sys.stderr.write((f"{PROG} {command}: error: {message}" if command else f"{PROG}: error: {message}") + "\n")
+    sys.stderr.flush()  # (one write: see console.progress)
 
 
 # --------------------------------------------------------------------------- option types (argparse names the flag)

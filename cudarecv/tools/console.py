@@ -56,5 +56,7 @@ def tail(error: str, lines: int = 8) -> str:
 
 
 def progress(text: str) -> None:
-    """One progress line on stderr, flushed at once."""
-    print(text, file=sys.stderr, flush=True)
+    """One progress line on stderr, flushed at once: one write, the newline with the text (``print`` writes
+    them apart, and a Ctrl-C between the two would glue the next line, the error's, to this one)."""
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
