@@ -186,7 +186,7 @@ def _deadlines_thread() -> threading.Thread | None:
 
 def deadlines_thread_comes_and_goes(rank, world, group, key):
     """Timed transfers (fast wire and stock wire, each way) on a new group, all ended and let go of: the
-    ``cudarecv-deadlines`` thread ends by itself. Then rank 1 posts a timed receive nobody answers: the thread
+    ``cudarecv-deadlines`` thread ends by itself (once it lingered, 5 s). Then rank 1 posts a timed receive nobody answers: the thread
     starts again, fails it at its time, and ends again."""
     import gc
 
@@ -260,11 +260,12 @@ class _Timed:
 
 
 def test_a_deadline_kept_while_the_thread_decides_to_end_is_kept():
-    """The thread ends each time its one transfer ends; a deadline kept at that moment (from another thread, racing
-    its decision) is still kept: each is failed at its time, and once none is left the thread is gone."""
+    """With no linger, the thread ends each time its one transfer ends; a deadline kept at that moment (from another
+    thread, racing its decision) is still kept: each is failed at its time, and once none is left the thread is
+    gone."""
     from cudarecv.core.deadlines import Deadlines
 
-    deadlines = Deadlines()
+    deadlines = Deadlines(linger=0.0)
     for _ in range(200):
         first, second = _Timed(deadlines, 3600.0), _Timed(deadlines, 0.0)
         deadlines.keep(first)

@@ -14,6 +14,9 @@ from .log import logger
 
 #: seconds the exit hook waits for this thread to end
 STOP_WAIT = 5.0
+#: seconds the thread stays with nothing to watch before it ends (one timed wait, no polling): transfers one after
+#: another (a pull every step) keep one thread, not one each
+LINGER = 5.0
 
 _PRUNE_MIN = 256
 
@@ -24,12 +27,14 @@ class Deadlines:
     It sleeps until the earliest deadline (a ``Condition`` wait: no polling) and holds the
     transfers weakly. It starts with the first deadline kept, ends once every transfer it
     watches has ended (told by :meth:`ended`; one collected unended is let go of at its
-    deadline), and starts again at the next deadline kept; it stops for good at exit.
-    Starting and ending are decided under one lock: a deadline kept while the thread is
-    deciding to end is either seen by it (it goes on) or finds it gone (a new one starts).
+    deadline) and ``linger`` seconds passed with nothing new to watch, and starts again at the
+    next deadline kept; it stops for good at exit. Starting and ending are decided under one
+    lock: a deadline kept while the thread is deciding to end is either seen by it (it goes on)
+    or finds it gone (a new one starts).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, linger: float = LINGER) -> None:
+        self.linger = linger
         self._heap: list[tuple[float, int, weakref.ref]] = []
         self._count = 0  # a tie-break, so the heap never compares transfers
         self._prune_at = _PRUNE_MIN  # the heap's size at which entries of ended transfers are let go
@@ -88,6 +93,8 @@ class Deadlines:
             while not self._stopped:
                 if not self._watched:
                     self._heap.clear()  # (entries of ended or collected transfers only)
+                    if self._cond.wait(self.linger) or self._watched or self._stopped:
+                        continue  # (told: a deadline kept, or stopped; a spurious wake-up waits again)
                     break
                 if not self._heap:
                     self._cond.wait()
