@@ -49,3 +49,17 @@ def test_plain_unmarks_roles_literals_and_emphasis():
     Usage::
     """
     assert plain(doc) == "Run tune (tune, cudarecv.install) once, across lines."
+
+
+def test_a_ctrl_c_no_subcommand_caught_ends_in_one_line(monkeypatch, capsys):
+    """A Ctrl-C outside a subcommand's own handling (here: tune's whole run) ends ``main`` as theirs do:
+    ``cudarecv <subcommand>: error: interrupted`` and status 130, no traceback."""
+    from cudarecv.tools import tune
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tune, "run", interrupted)  # (register() reads it when main() builds the parser)
+    assert main(["tune", "--show"]) == 130
+    captured = capsys.readouterr()
+    assert (captured.out, captured.err) == ("", "cudarecv tune: error: interrupted\n")
