@@ -108,14 +108,21 @@ def test_stock_sends_the_same_records(recording_world):
 
 
 def test_fast_wire_is_one_header_then_buckets(recording_world):
-    td = make("nested", 1.0)
-    RECORDS.clear()
-    cudarecv.isend(td, dst=1, bucket_bytes=16)
+    """One header, then the buckets; the first time a link carries a schema, the sender's layout follows the header
+    on its tag (its length, then itself: :mod:`cudarecv.wire.layouts`)."""
     from cudarecv.plan.plan import plan_for
 
+    td = make("nested", 1.0)
+    td["only_here"] = torch.zeros(3)  # (a schema no other test sends on this process's links)
     total = plan_for(td).total
-    assert RECORDS[0][3] == 64 and RECORDS[0][2] >= 1 << 30
-    assert [r[3] for r in RECORDS[1:]] == [16] * (total // 16) + ([total % 16] if total % 16 else [])
+    buckets = [16] * (total // 16) + ([total % 16] if total % 16 else [])
+    for first in (True, False):
+        RECORDS.clear()
+        cudarecv.isend(td, dst=1, bucket_bytes=16)
+        assert RECORDS[0][3] == 64 and RECORDS[0][2] >= 1 << 30
+        head = 3 if first else 1  # (the header, and the first time the layout's length and the layout)
+        assert [r[2] for r in RECORDS[:head]] == [RECORDS[0][2]] * head and (not first or RECORDS[1][3] == 8)
+        assert [r[3] for r in RECORDS[head:]] == buckets
 
 
 def test_transfer_is_a_future(recording_world):
