@@ -253,8 +253,9 @@ class ShardedReceiver(WeightReceiver):
             return (f"pull from ranks {self._ranks()}: from rank(s) {silent} no version newer than {published} began "
                     f"to arrive within {limit:g} s (are they still pushing?); {goes_on}")
         held = {rank: r.version for rank, _, r in self._inner}
-        waiting = [self._inner[i][0] for i in sorted(lineup.floors) if self._inner[i][2].under_way]
-        goal = min(lineup.floors.values(), default=published) + 1
+        floors = lineup.floors  # (the round's asks: those not answered yet hold no version past their floor)
+        waiting = [self._inner[i][0] for i, floor in sorted(floors.items()) if self._inner[i][2].version <= floor]
+        goal = min(floors.values(), default=published) + 1
         why = {"first": "the first round",
                "catch up": "catching up with the newest version another rank sent",
                "ahead": "the trainers push faster than this receiver takes their pieces, so it waits for a version "
@@ -341,9 +342,6 @@ class PieceReceiver(WeightReceiver):
             return super()._own_slots(schema, piece, device, pin_memory)
         return [Slot.placed_at(schema, piece, device, pin_memory, [places[leaf.key] for leaf in schema.leaves])
                 for places in self._places]
-
-    under_way = property(lambda self: self._pending is not None and not self._pending.settled,
-                         doc="Whether a pull of this sender rank's pieces is under way (asked, not landed).")
 
     def pull_above(self, floor: int, limit: float) -> Transfer:
         """Start a pull of a version newer than ``floor`` (and than the one held: latest mode; sync mode takes the
