@@ -11,9 +11,12 @@ whether the link it happened on (the peer pair and process group) still works:
     ├── ArgumentError (ValueError), ArgumentTypeError (TypeError)   bad input, raised before anything is sent
     ├── UsageError (RuntimeError)             a call that cannot run now (no process group, no CUDA, closed)
     │   └── SenderClosed                      a weight sender closed: no version comes any more
+    │       └── SenderFenced                  a named sender whose name a newer sender took: it closed
     ├── ReceiverFailed (RuntimeError)         a weight receiver could not start, and said why
     ├── WaitTimeout (TimeoutError)            a caller's wait ran out; the transfer goes on
     ├── RelayLost (RuntimeError)              a relayed version did not come: a hop before this one failed
+    ├── StoreError (RuntimeError)             the store named senders are joined through failed
+    │   └── StoreRecordError                  a record in it that cudarecv did not write (named by its key)
     ├── MismatchError (ValueError)            the peer's message does not match; drained, nothing written
     │   ├── HeaderError                       fast wire
     │   ├── SchemaError                       weight-sync handshake (refused on both sides)
@@ -63,6 +66,12 @@ class SenderClosed(UsageError):
     received stays readable in ``receiver.td``."""
 
 
+class SenderFenced(SenderClosed):
+    """A :class:`~cudarecv.WeightSender` built with ``store`` and ``name`` found that a newer sender took its name
+    (a trainer started again while this one still ran): it closed, so that its receivers move to the newer one
+    and no receiver ever goes back to older weights. Run one trainer per name."""
+
+
 class ReceiverFailed(Error, RuntimeError):
     """A weight receiver could not start (no CUDA, no memory, a bad argument...) and answered
     the handshake with its reason; both sides raise. The link is in step."""
@@ -77,6 +86,23 @@ class RelayLost(Error, RuntimeError):
     in the chain died, stopped or timed out during the push. This receiver's links are in step and it stays
     served: the next version comes through the chain healed around the failed one (its last version stays
     published). On the sender: the receivers after the failed one that did not get the version."""
+
+
+class StoreError(Error, RuntimeError):
+    """The store through which receivers join a named sender (``WeightSender(store=..., name=...)``) failed: its
+    server is gone or unreachable. ``key``: the key being read or written. No weight-sync link is concerned (a
+    sender already joined goes on serving without the store)."""
+
+    key: str | None = None
+
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+class StoreRecordError(StoreError):
+    """A record in that store that cudarecv did not write (not JSON, a wrong field, a value out of bounds):
+    another program uses the same keys, or the store was tampered with. The message names the key and the fix."""
 
 
 class MismatchError(Error, ValueError):

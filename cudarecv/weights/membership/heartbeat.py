@@ -22,6 +22,8 @@ from .directory import Directory, own_client
 
 #: beats per ``timeout``: a receiver is dropped after about this many missed in a row
 BEATS = 4
+#: the shortest period between two beats, whatever the sender's record says (a tiny timeout must not spin)
+SHORTEST_BEAT = 0.05
 
 
 class Heartbeat:
@@ -41,7 +43,7 @@ class Heartbeat:
         """Beat for join ``ident`` of ``generation``, whose sender drops it after ``timeout`` s of no beat, from
         now on (a new join: not dropped)."""
         with self._lock:
-            self._joined = (generation, ident, timeout / BEATS)
+            self._joined = (generation, ident, max(timeout / BEATS, SHORTEST_BEAT))
             self.dropped.clear()
         with contextlib.suppress(Exception):  # (a store that fails now: the thread beats again)
             self._beat()
@@ -60,7 +62,7 @@ class Heartbeat:
         while not self._stop.wait(self._joined[2] if self._joined is not None else 1.0):
             try:
                 self._beat()
-            except Exception as error:  # noqa: BLE001 - the store failed: the next beat tries again
+            except Exception as error:  # noqa: BLE001 - the store failed (or holds garbage): the next beat tries again
                 if not failing:  # (said once per run of failures)
                     logger.warning("weight receiver of %r: its heartbeat failed (the store?): %s",
                                    self.directory.name, error)
@@ -75,11 +77,12 @@ class Heartbeat:
         generation, ident, _ = joined
         if count:
             self.store.add(self.directory.alive(generation, ident), 1)
-            self._beaten = time.monotonic()
         said = self.store.check([self.directory.dropped(generation, ident)])
         with self._lock:
             if said and self._joined == joined:
                 self.dropped.set()
+        if count:  # (only now: a pull that sees this beat as recent also sees what it read)
+            self._beaten = time.monotonic()
 
     def close(self, timeout: float) -> None:
         """Stop beating (the thread ends within ``timeout``, or once its store call returns)."""

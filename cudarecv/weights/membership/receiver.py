@@ -3,15 +3,23 @@
 
 It finds the sender's newest generation in the store (:mod:`.directory`), takes a join number, forms the gloo
 pair with the sender on a prefix of the store and runs a plain :class:`~cudarecv.WeightReceiver` over it. When
-that sender goes (it closed, or died) and a new one takes the name (a trainer that restarted), the next
-:meth:`~ElasticReceiver.pull` joins it and goes on; the last version stays readable meanwhile, and the versions
-keep increasing (a new generation goes on from the last version pushed).
+that sender goes (it closed, died, was fenced, or dropped this receiver) and a new one takes the name (a
+trainer that restarted), the next :meth:`~ElasticReceiver.pull` joins it and goes on; the last version stays
+readable meanwhile, and the version published only increases: a version that is not newer than the one held is
+never published (:attr:`~ElasticReceiver.td` never goes back to older weights).
+
+A join runs on a thread of its own (within the receiver's ``timeout``): a pull waits for it only as long as its
+own ``timeout`` and otherwise raises :class:`~cudarecv.WaitTimeout`, the join going on for the next pull;
+``close()`` from another thread ends a wait for a sender at once, and a join that ends after the close is let go
+of, never served.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from tensordict import TensorDict
@@ -29,6 +37,7 @@ from ...core.errors import (
 )
 from ...core.groups import store_group
 from ...core.log import logger
+from ...core.shutdown import start_thread
 from ..receiver import WeightReceiver
 from .directory import Directory
 from .edges import Edges
@@ -36,6 +45,20 @@ from .heartbeat import Heartbeat
 
 #: what a pull raises when its sender is gone, after which it looks for a new sender under the name
 GONE = (SenderClosed, PeerError, TransferTimeout, BrokenError)
+#: the steps of a join that may each take the receiver's ``timeout``: finding the sender, forming the pair, the
+#: handshake
+JOIN_STEPS = 3
+
+
+@dataclass
+class Joining:
+    """A join under way on a thread of its own (:meth:`ElasticReceiver._join`): ``cause`` is why (the last
+    sender's failure, or None: the first join); ``error`` what made it fail, once ``done`` is set."""
+
+    cause: BaseException | None
+    done: threading.Event
+    error: BaseException | None = None
+    thread: threading.Thread | None = None
 
 
 class ElasticReceiver(WeightReceiver):
@@ -56,41 +79,83 @@ class ElasticReceiver(WeightReceiver):
             raise ArgumentError(f"a receiver with `store` takes no {', '.join(map(repr, given))}: it joins the "
                                 "sender named `name` through the store (drop `store` and `name` to receive from a "
                                 "rank of a group)")
-        self._directory = Directory(store, name)
         self.timeout = check_timeout(timeout)
+        self._directory = Directory(store, name, self.timeout)
         self._options = options
-        self._closed = False
+        self._lock = threading.Lock()  # (the receiver joined, the join under way, closing: one change at a time)
+        self._closing = threading.Event()
         self._current: WeightReceiver | None = None
-        self._previous: WeightReceiver | None = None  # the last sender's, readable until the current has a version
+        self._previous: WeightReceiver | None = None  # the last sender's, readable while it holds the newer version
         #: the generation of the sender joined, and this receiver's number among its joins
         self.generation, self.id = 0, 0
         self._dead = 0  # a generation found dead (it took no join): never joined again
+        self._joining: Joining | None = None
         self._heartbeat = Heartbeat(self._directory)  # (the sender drops one that stops beating)
         try:
-            self._join(self.timeout)
+            joining = Joining(None, threading.Event())
+            self._join(joining, again=False)  # (on the caller's thread: nobody can close it before it returns)
+            if joining.error is not None:
+                raise joining.error
         except BaseException:
-            self._heartbeat.close(self.timeout)
+            self.close()
             raise
 
-    def _join(self, limit: float, again: bool = False) -> None:
-        """Join the newest sender generation above the one joined, waiting up to ``limit`` s for it; ``again``:
-        the one joined may still serve (this receiver was dropped, or its link failed), so join the newest
-        generation there is, that one included."""
-        generation = self._directory.current(self.generation - 1 if again else self.generation, limit)
-        beat = float(self._directory.sender(generation).get("timeout", self.timeout))  # (its record came first)
-        k = self._directory.join(generation)
-        group = store_group(self._directory.store, self._directory.pair(generation, k), 1, 2, self.timeout,
-                            f"receiver {k} of weight sender {self._directory.name!r}: its pair with the sender")
-        joined = WeightReceiver(group=group, group_src=0, timeout=self.timeout, **self._options)
-        joined._hop.connect = Edges(self._directory, generation, k, self.timeout)  # (a relay's neighbours)
-        self._heartbeat.follow(generation, k, beat)
-        old, self._current = self._current, joined
+    # -- joining (on a thread of its own) -----------------------------------------------------------------
+    def _start_join(self, cause: BaseException | None, again: bool) -> Joining:
+        """Start joining the newest sender of the name (``again``: the one joined may still serve, so that one
+        included), unless a join is under way already: the join under way."""
+        with self._lock:
+            if self._joining is None:
+                self._joining = Joining(cause, threading.Event())
+                self._joining.thread = start_thread(self._join, f"cudarecv-rejoin-{self._directory.name}",
+                                                    (self._joining, again))
+            return self._joining
+
+    def _join(self, joining: Joining, again: bool) -> None:
+        """The joining thread: join (see :meth:`_join_newest`); if the generation it tried took no join (it died),
+        the next one to come. Its outcome in ``joining``."""
+        try:
+            try:
+                self._join_newest(again)
+            except TransferTimeout as error:  # the generation tried took no join: it died; wait for the next one
+                if joining.cause is None or not again:
+                    raise
+                logger.info("weight receiver %d of %r: %s; waiting for the next sender", self.id,
+                            self._directory.name, error)
+                self._join_newest(False)
+        except BaseException as error:  # noqa: BLE001 - the pull (or the constructor) that waits raises it
+            joining.error = error
+        finally:
+            joining.done.set()
+
+    def _join_newest(self, again: bool) -> None:
+        """Join the newest sender generation above the one joined (``again``: that one included), each step
+        within ``timeout``; then serve from it (under the lock: never after ``close()``)."""
+        directory, timeout = self._directory, self.timeout
+        above = self.generation - 1 if again and self.generation != self._dead else self.generation
+        generation = directory.current(above, timeout, self._closing)
+        beat = directory.sender(generation).timeout  # (its record came first)
+        k = directory.join(generation)
+        try:
+            group = store_group(directory.store, directory.pair(generation, k), 1, 2, timeout,
+                                f"receiver {k} of weight sender {directory.name!r}: its pair with the sender")
+        except TransferTimeout:
+            self._dead = generation
+            raise
+        joined = WeightReceiver(group=group, group_src=0, timeout=timeout, **self._options)
+        joined._hop.connect = Edges(directory, generation, k, timeout)  # (a relay's neighbours)
+        with self._lock:
+            if self._closing.is_set():  # (closed while it joined: let go of, never served)
+                joined.close()
+                raise UsageError("this WeightReceiver was closed while it joined its sender")
+            old, self._current = self._current, joined
+            self.generation, self.id = generation, k
+            self._heartbeat.follow(generation, k, beat)
+            if old is not None and old.version > (self._previous.version if self._previous is not None else 0):
+                old, self._previous = self._previous, old  # (the older of the two is closed below)
         if old is not None:
             old.close()  # (its last version stays readable)
-            if old.version:
-                self._previous = old
-        self.generation, self.id = generation, k
-        logger.info("weight receiver: joined sender %r (generation %d) as receiver %d", self._directory.name,
+        logger.info("weight receiver: joined sender %r (generation %d) as receiver %d", directory.name,
                     generation, k)
 
     # -- what it is --------------------------------------------------------------------------------------
@@ -102,17 +167,20 @@ class ElasticReceiver(WeightReceiver):
     buffer_count = property(lambda self: self._readable().buffer_count, doc="See WeightReceiver.buffer_count.")
 
     def _readable(self) -> WeightReceiver:
-        current = self._current
-        return self._previous if not current.version and self._previous is not None else current
+        """The receiver whose version is published: the one holding the newer version of the current sender's
+        and the last one's (a new sender's versions count only once they are newer)."""
+        current, previous = self._current, self._previous
+        return previous if previous is not None and previous.version >= current.version else current
 
     @property
     def version(self) -> int:
-        """The version published (0: none yet); across senders of the name it only increases."""
+        """The version published (0: none yet); it only increases, across senders of the name too."""
         return self._readable().version
 
     @property
     def td(self) -> TensorDict:
-        """The latest complete version, from the first pull on (the last sender's until the new one's lands)."""
+        """The latest complete version, from the first pull on (the last sender's until the new one's newer
+        version lands)."""
         return self._readable().td
 
     def reading(self) -> contextlib.AbstractContextManager[TensorDict]:
@@ -126,10 +194,12 @@ class ElasticReceiver(WeightReceiver):
     def pull(self, wait: bool = True, timeout: float | None = None) -> Any:
         """:meth:`WeightReceiver.pull`, always of a version newer than the one held (a version lost to a failure
         before this receiver in a relay chain is logged, and the pull waits for the next). When the sender is gone
-        (it closed, died, or dropped this receiver), join the newest sender of the name (the same one again
-        if it still serves, else the next to come within ``timeout``) and pull from it; if none can be joined,
-        raise why the last one is gone. ``wait=False`` returns the joined receiver's transfer, no rejoin."""
-        if self._closed:
+        (it closed, died, was fenced, or dropped this receiver), join the newest sender of the name (the same one
+        again if it still serves, else the next to come within the receiver's ``timeout``) and pull from it; if
+        none can be joined, raise why the last one is gone. The whole pull takes at most ``timeout``: a join
+        still under way then goes on, and the next pull waits for it. ``wait=False`` returns the joined
+        receiver's transfer, no rejoin."""
+        if self._closing.is_set():
             raise UsageError("this WeightReceiver is closed")
         limit = self.timeout if timeout is None else check_timeout(timeout)
         if not wait:
@@ -137,52 +207,65 @@ class ElasticReceiver(WeightReceiver):
         deadline = time.monotonic() + limit
         held = self.version
         while True:
+            if self._closing.is_set():
+                raise UsageError("this WeightReceiver was closed while it pulled")
             left = deadline - time.monotonic()
+            joining = self._joining
+            if joining is not None:
+                self._await(joining, left, limit)
+                continue
             if left <= 0:
                 raise WaitTimeout(f"no version newer than {held} from sender {self._directory.name!r} within "
                                   f"{limit:g} s (it joined generation {self.generation} again meanwhile); the next "
                                   "pull() goes on waiting")
             if self._heartbeat.said_dropped():  # (stopped too long, or a transfer to it failed): join again
-                self._rejoin(PeerError(f"weight sender {self._directory.name!r} dropped receiver {self.id} (was its "
-                                       "process stopped?)"), deadline)
+                self._start_join(PeerError(f"weight sender {self._directory.name!r} dropped receiver {self.id} "
+                                           "(was its process stopped?)"), again=True)
                 continue
+            current = self._current
             try:
-                version = self._current.pull(True, left)
+                version = current.pull(True, left)
             except RelayLost as error:  # (a hop before this one failed: the next version comes healed)
                 logger.info("weight receiver %d of %r: %s", self.id, self._directory.name, error)
                 continue
             except GONE as error:
-                if self._closed:
+                if self._closing.is_set():
                     raise
-                self._rejoin(error, deadline)
+                logger.info("weight receiver %d of %r: its sender is gone (%s): joining %s", self.id,
+                            self._directory.name, error, "the next sender of the name"
+                            if isinstance(error, SenderClosed) else "again")
+                self._start_join(error, again=not isinstance(error, SenderClosed))
                 continue
             if version > held:  # (a new sender's first version may be one this receiver had: pull on)
                 return version
 
-    def _rejoin(self, error: BaseException, deadline: float) -> None:
-        """The sender joined is gone (``error``): join the same one again if it still serves (this receiver was
-        dropped), else the next generation, within ``deadline``; raise ``error`` if neither can be joined."""
-        again = not isinstance(error, SenderClosed) and self.generation != self._dead
-        logger.info("weight receiver %d of %r: its sender is gone (%s): joining %s", self.id, self._directory.name,
-                    error, "again" if again else "the next sender of the name")
-        try:
-            self._join(max(deadline - time.monotonic(), 0.0), again=again)
-        except TransferTimeout:  # the same generation took no join: it died; wait for the next one
-            self._dead = self.generation
-            try:
-                self._join(max(deadline - time.monotonic(), 0.0))
-            except (SenderClosed, TransferTimeout) as nobody:
-                raise error from nobody
-        except SenderClosed as nobody:
-            raise error from nobody
+    def _await(self, joining: Joining, left: float, limit: float) -> None:
+        """Wait up to ``left`` s for the join under way; raise why the last sender is gone if it failed."""
+        if not joining.done.wait(max(left, 0.0)):
+            raise WaitTimeout(f"receiver of weight sender {self._directory.name!r}: no version within {limit:g} s: "
+                              f"its sender is gone ({joining.cause}) and the join of the next is under way; the "
+                              "next pull() waits for it")
+        with self._lock:
+            if self._joining is joining:
+                self._joining = None
+        if joining.error is not None:
+            if isinstance(joining.error, UsageError) or joining.cause is None:
+                raise joining.error
+            raise joining.cause from joining.error
 
     # -- ending ------------------------------------------------------------------------------------------
     def close(self) -> None:
-        """Leave the sender (it stops serving this receiver at once); the last version stays readable."""
-        if self._closed:
-            return
-        self._closed = True
+        """Leave the sender (it stops serving this receiver at once); the last version stays readable. From
+        another thread too: a pull waiting for a sender ends at once, and a join under way is let go of."""
+        with self._lock:
+            if self._closing.is_set():
+                return
+            self._closing.set()
+            joining, current, previous = self._joining, self._current, self._previous
         self._heartbeat.close(self.timeout)
-        self._current.close()
-        if self._previous is not None:
-            self._previous.close()
+        if current is not None:
+            current.close()
+        if previous is not None:
+            previous.close()
+        if joining is not None and joining.thread is not None:
+            joining.thread.join(JOIN_STEPS * self.timeout)  # (it sees the close after its step under way)

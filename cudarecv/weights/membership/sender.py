@@ -9,6 +9,13 @@ next push (sync mode) or gets the newest version on its first pull (latest mode)
 that dies or stops is dropped within ``timeout`` and logged, never raised by a push; its pair, driver and
 listener are let go of once their threads ended. ``close()`` stops the admission thread, every join under way,
 and then the session as a plain sender's.
+
+The store is shared and may fail: a push never raises for it (each failure is logged, once per run of them, and
+the versions are numbered in this process meanwhile), and a record there that cudarecv did not write is logged
+and skipped (the admission thread never ends on one). One generation per name serves at a time: each push takes
+its version's number from the store's counter, then reads ``current``; a sender whose name a newer generation took
+is fenced (it closes, and its push raises :class:`~cudarecv.SenderFenced`), so the versions a receiver gets only
+increase, whichever sender it moves to.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import threading
 import time
 from typing import Any
 
-from ...core.errors import ArgumentError, PeerError
+from ...core.errors import ArgumentError, PeerError, SenderFenced, StoreError, StoreRecordError
 from ...core.groups import store_group
 from ...core.link import resolve
 from ...core.log import logger
@@ -30,7 +37,7 @@ from ..enrol import enrol, serve
 from ..fanout import dropping
 from ..options import check_mode, check_options
 from ..sender import WeightSender
-from .directory import Directory
+from .directory import Directory, JoinRecord, closing_token
 from .heartbeat import Silence
 
 #: latest mode's snapshot buffers when ``buffers`` is not given (receivers come and go: no count to size by)
@@ -57,16 +64,24 @@ class ElasticSender(WeightSender):
                                 "through the store (drop `store` and `name` to send to ranks of a group)")
         timeout = check_options(timeout=timeout, transport=transport, bucket_bytes=bucket_bytes)["timeout"]
         check_mode(mode, buffers, fanout)
-        self._directory = Directory(store, name)
+        self._directory = Directory(store, name, timeout)
         self._begin(td, [], bucket_bytes, timeout, verify, stream, mode, buffers or LATEST_BUFFERS, fanout,
                     transport, elastic=True)
-        self._generation, self._s.version = self._directory.announce(mode, timeout)
+        try:
+            self._generation, self._s.version = self._directory.announce(mode, timeout)
+        except BaseException:
+            self._pool.clear()
+            raise
         self._silence = Silence(self._directory, self._generation, timeout)
         self._told: set[int] = set()  # ids of the receivers told (in the store) they were dropped
         self._joins: list[threading.Thread] = []
         self._gone: list[dict] = []  # the receivers no longer served: id, host, pid, why
         self._stopped: set[int] = set()  # ids of those whose driver was told to stop
         self._stopping = threading.Event()
+        self._token = closing_token()  # (its closing record: only this process can end its admissions)
+        self._waiting = 1  # the number of the join the admission thread waits for
+        self._store_failing = False  # a push's store call failed: said once, until one works again
+        self._fence: str | None = None  # why it was fenced, if it was (every later push raises it)
         self._admission = start_thread(self._admit_all, f"cudarecv-admit-{name}", (self._directory.store.clone(),))
         logger.info("weight sender %r: generation %d, version %d, receivers join through the store", name,
                     self._generation, self._s.version)
@@ -94,34 +109,46 @@ class ElasticSender(WeightSender):
 
     # -- joining -----------------------------------------------------------------------------------------
     def _admit_all(self, store: Any) -> None:
-        """The admission thread: each join request, in turn, to a thread of its own, until the sender closes."""
-        k = 0
-        while not self._stopping.is_set():
+        """The admission thread: each join request, in turn, to a thread of its own, until the sender closes. A
+        record that is no join request (garbage in the store) is logged and skipped, and so is a number marked
+        skipped (its receiver died before it wrote its request)."""
+        name, k = self._directory.name, 0
+        while True:
+            self._waiting = k + 1  # (before the check: a close that comes now wakes this very wait)
+            if self._stopping.is_set():
+                return
             try:
                 record = self._directory.next_join(store, self._generation, k + 1)
+            except StoreRecordError as error:
+                k += 1
+                logger.warning("weight sender %r: join %d skipped: %s", name, k, error)
+                continue
             except Exception as error:  # noqa: BLE001 - the store is gone: nobody can join any more
                 if not self._stopping.is_set():
                     logger.error("weight sender %r: its store failed, no receiver can join from now on: %s",
-                                 self._directory.name, error)
+                                 name, error)
                 return
             if record is None:
                 continue
             k += 1
-            if record.get("closed"):
+            if record.kind == "closing" and record.token == self._token:
                 return
-            self._joins = [t for t in self._joins if t.is_alive()]
-            self._joins.append(start_thread(self._admit, f"cudarecv-join-{self._directory.name}-{k}",
-                                            (store.clone(), k, record)))
+            if record.kind == "closing":
+                logger.warning("weight sender %r: join %d skipped: a closing record that is not this sender's",
+                               name, k)
+            elif record.kind == "join":
+                self._joins = [t for t in self._joins if t.is_alive()]
+                self._joins.append(start_thread(self._admit, f"cudarecv-join-{name}-{k}", (store.clone(), k, record)))
 
-    def _admit(self, store: Any, k: int, record: dict) -> None:
+    def _admit(self, store: Any, k: int, record: JoinRecord) -> None:
         """Join ``k``: its pair, its handshake, then served from the next push on. A failure is logged."""
-        who = f"receiver {k} (host {record.get('host')}, pid {record.get('pid')})"
+        who = f"receiver {k} (host {record.host}, pid {record.pid})"
         timeout = self._s.timeout
         try:
             group = store_group(store, self._directory.pair(self._generation, k), 0, 2, timeout,
                                 f"weight sender {self._directory.name!r}: the pair with {who}")
             lane = lane_for(resolve(None, 1, group, "dst", "group_dst"), self._device, self._stream, StagingPool())
-            members = enrol(self._s, self._pool, [lane], self._raw, self._session_id, [k], [record.get("pid")])
+            members = enrol(self._s, self._pool, [lane], self._raw, self._session_id, [k], [record.pid])
             if self._stopping.is_set():  # (never served: its driver goes, its pair with it)
                 members[0].driver.stop(timeout)
                 raise ArgumentError("the sender closed while it joined")
@@ -181,12 +208,51 @@ class ElasticSender(WeightSender):
             member.lane = None
 
     # -- pushing -----------------------------------------------------------------------------------------
+    def push(self, wait: bool = True, timeout: float | None = None, values: Any = None) -> Any:
+        """:meth:`WeightSender.push`; :class:`SenderFenced` if a newer sender took the name (this one closed)."""
+        if self._fence is not None:
+            raise SenderFenced(self._fence)
+        return super().push(wait, timeout, values)
+
     def _push(self, wait: bool, limit: float, values: Any) -> Any:
         self._prune()
+        self._number()
+        return super()._push(wait, limit, values)
+
+    def _number(self) -> None:
+        """Before a push sends anything: take its version's number from the store (versions strictly increase
+        under the name, whichever generation pushes them), then make sure this generation still holds the name
+        (else it is fenced: :meth:`_fenced`). A store that fails is logged, and the push numbered here."""
+        name = self._directory.name
         try:
-            return super()._push(wait, limit, values)
-        finally:  # (the version moved on once the weights were copied, whatever became of the sends)
-            self._directory.record(self._s.version)
+            number = self._directory.next_version()  # (first: a generation named after this read numbers above it)
+            newest = self._directory.newest()
+            newer = newest if newest is not None and newest > self._generation else None
+            if newer is not None:  # (one that wrote its record; `current` alone may be garbage)
+                self._directory.sender(newer)
+        except StoreError as error:
+            if not self._store_failing:
+                logger.warning("weight sender %r: the store failed (%s); the push goes on, numbered by this "
+                               "process, and receivers cannot join until the store answers again", name, error)
+            self._store_failing = True
+            return
+        if self._store_failing:
+            logger.warning("weight sender %r: the store answers again", name)
+        self._store_failing = False
+        if newer is not None:
+            self._fenced(newer)
+        with self._s.cond:
+            self._s.version = max(self._s.version, number - 1)  # (the push's copy takes the next: `number`)
+
+    def _fenced(self, newer: int) -> None:
+        """A newer generation took the name: close (the receivers move to it), then raise :class:`SenderFenced`."""
+        text = (f"weight sender {self._directory.name!r} (generation {self._generation}, version {self._s.version}) "
+                f"was fenced: generation {newer} took the name in the store, so this sender closed and its receivers "
+                "move to the newer one; run one trainer per name (or give each its own `name`)")
+        logger.error("%s", text)
+        self._fence = text
+        self.close()
+        raise SenderFenced(text)
 
     # -- ending ------------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -196,7 +262,7 @@ class ElasticSender(WeightSender):
         self._stopping.set()
         deadline = time.monotonic() + self._s.timeout
         try:
-            self._directory.close(self._generation)
+            self._directory.close(self._generation, self._waiting, self._token)
         except Exception as error:  # noqa: BLE001 - the store is gone: the admission thread ends on its own
             logger.info("weight sender %r closes without its store: %s", self._directory.name, error)
         self._admission.join(max(deadline - time.monotonic(), 0.0))
