@@ -52,11 +52,17 @@ class Puller:
         self.version = 0
         self.broken: str | None = None  # why this receiver takes no more pulls
 
-    def start(self, limit: float, floor: int = 0) -> Transfer:
+    def start(self, limit: float, floor: int | None = None) -> Transfer:
         """Start a pull into the spare own slot (driven on the receiver's thread; no clock of its own yet).
-        ``floor`` (latest mode): ask for a version newer than ``max(floor, version)``, so that the sender answers
-        only once it has one past ``floor`` (a sharded receiver waits on a sender rank for the version the
-        others hold, :mod:`cudarecv.weights.sharded.lineup`)."""
+
+        ``floor`` (latest mode; None: the version held): ask for a version newer than ``floor``. A sharded
+        receiver (:mod:`cudarecv.weights.sharded.lineup`) asks just below the newest version another sender rank
+        sent: past the version held, to wait for that one, or below it, to take the held version again if the
+        sender has none newer (never with ``zero_copy``: that version is held where it lies in the sender's
+        snapshot)."""
+        if floor is not None and floor < self.version and self.zero_copy:
+            raise UsageError(f"a zero-copy receiver holds version {self.version} in the sender's snapshot: it "
+                             f"cannot take it again (asked past {floor})")
         if self.inbox.sender_closed:
             raise SenderClosed(f"{self.inbox.sender_closed}; version {self.version} stays readable in receiver.td")
         index = self.slots.spare()
@@ -125,16 +131,17 @@ class Puller:
         lost.__cause__ = error
         return lost
 
-    def _pull(self, slot: Slot, index: int, limit: float, floor: int = 0) -> Any:
+    def _pull(self, slot: Slot, index: int, limit: float, floor: int | None = None) -> Any:
         lane, inbox = self.lane, self.inbox
+        asked = self.version if floor is None else floor
         # the words the sender has taken once this pull's push comes: in latest mode those before our ASK (its
         # listener reads them in order), in sync mode those up to our last GOT (its push waited for it)
         mark = inbox.asks.mark() if self.mode == "latest" else inbox.answered
-        if self.mode == "latest":  # ask for a version newer than ours (and than the floor)
-            asked = yield from send_from(lane, [wire_bytes(lane, ask_message(ASK, max(self.version, floor)))],
-                                         [inbox.tags.ask], defer=True)
-            if asked:
-                yield asked
+        if self.mode == "latest":  # ask for a version newer than ours (or than the floor)
+            sent = yield from send_from(lane, [wire_bytes(lane, ask_message(ASK, asked))], [inbox.tags.ask],
+                                        defer=True)
+            if sent:
+                yield sent
         header = yield from inbox.header()
         if header.kind == CLOSED:
             raise SenderClosed(f"{inbox.sender_closed}; version {self.version} stays readable in receiver.td")
@@ -154,8 +161,10 @@ class Puller:
         if header.fingerprint != self.schema.fingerprint:
             problem = (f"a push with fingerprint {header.fingerprint.hex()} does not match the handshake "
                        f"({self.schema.fingerprint.hex()})")
-        elif header.version <= self.version:
-            problem = f"version {header.version} is not newer than the current {self.version}"
+        elif header.version <= asked or header.version < self.version:  # (asked below it: the held one is taken)
+            problem = (f"version {header.version} is not newer than the current {self.version}" if floor is None else
+                       f"version {header.version} is not newer than {asked}, asked for, or older than the current "
+                       f"{self.version}")
         if header.shared:
             slot = yield from self._take_shared(header, slot, problem)
         elif header.relayed:

@@ -102,6 +102,7 @@ class ShardedReceiver(WeightReceiver):
         self._pending: Transfer | None = None
         self._collected = True  # whether a caller took the pending pull's outcome (not: its wait ran out)
         self._lineup: Lineup | None = None  # the rounds of the pull under way
+        self._round: dict[int, Transfer] = {}  # its round's pulls started so far (index of the rank's receiver ->)
         self._driver = Driver(f"cudarecv-pull-{'-'.join(map(str, peers))}")
         # a sender rank on this machine: its pieces are read where they lie in its snapshot (zero-copy), and copied
         # once, into this receiver's own buffer
@@ -211,8 +212,8 @@ class ShardedReceiver(WeightReceiver):
 
         ``timeout`` bounds the whole call: it returns the version, or raises :class:`WaitTimeout` when the sender
         ranks have not all sent one version within it (a stalled rank, or, in latest mode, trainers that move on
-        faster than this receiver takes their pieces: :mod:`~cudarecv.weights.sharded.lineup` says how it then
-        waits for one version on every rank). The pull goes on: the next ``pull()`` carries on with it, and
+        faster than this receiver takes their pieces: :mod:`~cudarecv.weights.sharded.lineup` says how it asks the
+        ranks until they agree). The pull goes on: the next ``pull()`` carries on with it, and
         returns its version at once if it was published meanwhile."""
         if self._closed:
             raise UsageError("this WeightReceiver is closed")
@@ -253,21 +254,21 @@ class ShardedReceiver(WeightReceiver):
             return (f"pull from ranks {self._ranks()}: from rank(s) {silent} no version newer than {published} began "
                     f"to arrive within {limit:g} s (are they still pushing?); {goes_on}")
         held = {rank: r.version for rank, _, r in self._inner}
-        floors = lineup.floors  # (the round's asks: those not answered yet hold no version past their floor)
-        waiting = [self._inner[i][0] for i, floor in sorted(floors.items()) if self._inner[i][2].version <= floor]
+        floors, pulls = lineup.floors, dict(self._round)  # (the round's asks, and its pulls started so far)
+        waiting = [self._inner[i][0] for i in sorted(floors) if i not in pulls or not pulls[i].settled]
         goal = min(floors.values(), default=published) + 1
         why = {"first": "the first round",
-               "catch up": "catching up with the newest version another rank sent",
-               "ahead": "the trainers push faster than this receiver takes their pieces, so it waits for a version "
-                        "none of them had reached"}[lineup.phase]
+               "catch up": "the rank(s) behind, for the newest version another rank sent",
+               "fresh": "every rank again at one moment, as the trainers push faster than this receiver takes a "
+                        "round"}[lineup.phase]
         return (f"pull from ranks {self._ranks()}: the sender ranks did not all send one version within {limit:g} s "
-                f"(the version of each rank's pieces: {held}; round {lineup.rounds} waits for version {goal} or newer "
-                f"from rank(s) {waiting}: {why}); {goes_on}")
+                f"(the version of each rank's pieces: {held}; round {lineup.rounds} asks {why}, for version {goal} "
+                f"or newer, and waits for rank(s) {waiting}); {goes_on}")
 
     def _pulling(self, limit: float) -> Any:
         """The pull's protocol: rounds of pulls from the sender ranks, as :class:`Lineup` says (the first from every
-        rank, then from the ranks behind, or from every rank for a version none has reached yet), until all hold
-        one version newer than the published (each landing its pieces in the spare buffer); then copy what did
+        rank, then from the ranks behind, then from every rank at one moment again), until all hold one version
+        newer than the published (each landing its pieces in the spare buffer); then copy what did
         not land in place and publish."""
         index = self._slots.spare()  # (constant until this pull publishes: the buffer every piece lands in)
         self._slots.wait_unread(index, limit)
@@ -275,10 +276,14 @@ class ShardedReceiver(WeightReceiver):
         # 1 s) may be shorter than a version takes, and the pull goes on past the caller's wait
         clock = max(limit, self.timeout)
         receivers = [r for _, _, r in self._inner]
-        lineup = self._lineup = Lineup(self._version, ahead=self.mode == "latest")
+        lineup = self._lineup = Lineup(self._version, latest=self.mode == "latest",
+                                       retake={i for i, r in enumerate(receivers) if not r.zero_copy})
         asks = lineup.first([r.version for r in receivers])
         while asks:
-            pulls = [receivers[i].pull_above(floor, clock) for i, floor in asks.items()]
+            self._round = {}
+            for i, floor in asks.items():  # (each asks on its own thread: the ranks are asked at one moment)
+                self._round[i] = receivers[i].pull_above(floor, clock)
+            pulls = list(self._round.values())
             yield [t.ended() for t in pulls]
             for t in pulls:
                 t.wait()  # raises a sender rank's failure, naming it
@@ -344,8 +349,9 @@ class PieceReceiver(WeightReceiver):
                 for places in self._places]
 
     def pull_above(self, floor: int, limit: float) -> Transfer:
-        """Start a pull of a version newer than ``floor`` (and than the one held: latest mode; sync mode takes the
-        next version pushed), for a round of the sharded pull; ``limit``: its clock once the version arrives."""
+        """Start a pull, for a round of the sharded pull, of a version newer than ``floor`` (latest mode: past the
+        version held, to wait for the one the other ranks hold, or just below it, to take it again if the sender
+        has none newer; sync mode takes the next version pushed); ``limit``: its clock once the version arrives."""
         if self._closed:
             raise UsageError("this WeightReceiver is closed")
         with self._turn(limit):
