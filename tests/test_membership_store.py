@@ -14,7 +14,9 @@ import threading
 import time
 
 import pytest
+import torch
 import torch.distributed as dist
+from tensordict import TensorDict
 
 import cudarecv
 from churn import WAIT, fork_process, master_store, store_client, weights
@@ -448,3 +450,60 @@ def test_a_tiny_timeout_in_the_senders_record_does_not_make_the_heartbeat_spin()
             actor.kill()
     assert beats <= window / 0.05 + 2, (beats, window)
     assert actor.exitcode == 0, actor.exitcode
+
+
+def dying_puller(conn, port: int, name: str) -> None:
+    """An actor on the wire that pulls one version, then SIGKILLs itself in the next pull as soon as it has posted
+    the receives of the payload and the first message landed (mid-pull: 20 MiB in 64 KiB messages, on their
+    way)."""
+    from cudarecv.weights import pulling
+
+    conn.close()
+    signals = store_client(port)
+    receiver = cudarecv.WeightReceiver(store=store_client(port), name=name, timeout=60.0, transport="wire")
+    receiver.pull(timeout=WAIT)
+    real = pulling.recv_into
+
+    def die_mid_payload(*args, **kwargs):
+        receiving = real(*args, **kwargs)
+        works = next(receiving)  # (the receives posted: the sender's sends go)
+        works[0].wait()  # (the first message landed, the others on their way)
+        os.kill(os.getpid(), signal.SIGKILL)
+        yield works
+
+    pulling.recv_into = die_mid_payload
+    signals.set("dying/pid", str(os.getpid()))
+    receiver.pull(timeout=WAIT)
+
+
+@pytest.mark.timeout(300)
+def test_a_receiver_killed_mid_pull_is_dropped_when_its_link_fails_not_after_the_timeout():
+    """Sync mode: a joined receiver SIGKILLed mid-pull (the header taken, the payload's sends waiting): the push
+    returns as soon as its link fails, well inside the sender's timeout, and the receiver is dropped for that
+    failure, not as one that "did not take" the version (gloo may leave a send to a dead peer waiting: the
+    listener that finds the link dead fails the push's transfer at once)."""
+    name = "killed"
+    with master_store() as store:
+        td = TensorDict(w=torch.zeros(1 << 22), b=torch.zeros(1 << 20))
+        timeout = 20.0
+        sender = cudarecv.WeightSender(td, store=store, name=name, mode="sync", timeout=timeout, transport="wire",
+                                       bucket_bytes=64 << 10, fanout="star")
+        actor = fork_process(dying_puller, (store.port, name))
+        try:
+            push_until(sender, td, lambda: store.check(["dying/pid"]), "the receiver never pulled")
+            began = time.monotonic()
+            fill(td, sender.version + 1)
+            sender.push()  # (elastic: never raises for a receiver that failed)
+            took = time.monotonic() - began
+            actor.join(WAIT)
+            push_until(sender, td, lambda: 1 in sender.dropped, "the dead receiver was not dropped")
+            dropped = sender.dropped
+            # (its threads end, its pair let go of: the send gloo left waiting ends a little past its deadline)
+            push_until(sender, td, lambda: not any(t.name.startswith(("cudarecv-push-1", "cudarecv-listen-1"))
+                                                   for t in threading.enumerate()), f"the dead receiver's threads ran on: {[t.name for t in threading.enumerate()]}")
+        finally:
+            sender.close()
+            actor.kill()
+    assert actor.exitcode == -signal.SIGKILL, actor.exitcode
+    assert took < timeout / 2, took
+    assert list(dropped) == [1] and "failed after" in dropped[1] and "did not take" not in dropped[1], dropped

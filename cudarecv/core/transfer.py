@@ -13,8 +13,9 @@ Two clocks bound a transfer, and only the first can fail it:
   ``WeightReceiver``): the transfer is then driven from its start on a background
   thread (the owner's, or its own) and the deadline is kept by ``cudarecv-deadlines``,
   waited for or not. When it runs out the transfer fails with ``TimeoutError`` and is never advanced again; its works are left to
-  run out (parked). No gloo wait is ever given a timeout: when one runs out gloo
-  closes *every* link of the process group, not just the late peer's. Without
+  run out (parked). No gloo wait is given a timeout (when one runs out gloo
+  closes *every* link of the process group, not just the late peer's), except on a
+  bounded pair (an elastic sender's with one receiver), where the wait ends a little past the deadline. Without
   an own timeout the process group's timeout applies, as for stock tensordict.
   ``timeout=math.inf`` drives it in the background the same way with no own
   deadline (a standing receive that may wait for as long as the peer likes). A
@@ -47,12 +48,14 @@ from . import shutdown, streams
 from .checks import check_timeout
 from .deadlines import DEADLINES
 from .errors import LinkError, TransferTimeout, WaitTimeout
+from .groups import bounded
 from .link import Link
 from .protocol import ErrorHook, Protocol, Stage, StartClock, Submit, again, frameless
 from .transport import park
 
 WIRE, SHARED_MEMORY, CUDA_IPC = "wire", "shared memory", "cuda ipc"  # what carried a payload (Transfer.transport)
 _UNBOUNDED = timedelta(days=3650)  # a gloo wait that never runs out (see the module docstring)
+OWN_PAIR_GRACE = 1.0  # seconds a gloo wait on a bounded pair lasts past its transfer's deadline
 
 
 class Transfer(torch.futures.Future):
@@ -170,6 +173,16 @@ class Transfer(torch.futures.Future):
                 error = TransferTimeout(f"{stage or 'the transfer'} did not finish within {self.timeout:g} s")
                 error.stage = stage  # for an error hook that names what was waited for
                 error.in_flight = not all(work.is_completed() for work in self._works)
+                self._fail(error)
+
+    def abort(self, error: BaseException) -> None:
+        """Fail the transfer now with ``error`` (unless it ended already): another thread found its link dead, so
+        its works may never complete (gloo does not always fail a posted send when its peer dies). As when its own
+        time runs out, its works are parked and a thread still waiting in one is left there; ``on_error`` rewrites
+        ``error``."""
+        with self._state:
+            if not self._finished:
+                self._expired = True  # (its driver may still wait in gloo: wait() does not join it)
                 self._fail(error)
 
     @property
@@ -296,7 +309,7 @@ class Transfer(torch.futures.Future):
                 if self.timeout is None:
                     work.wait()
                 else:  # the deadline is the waiter's to keep (see the module docstring)
-                    work.wait(_UNBOUNDED)
+                    work.wait(self._gloo_bound())
         except BaseException as error:
             with self._state:
                 if not self._finished:
@@ -304,6 +317,17 @@ class Transfer(torch.futures.Future):
                     self._fail(error)
             return False
         return True
+
+    def _gloo_bound(self) -> timedelta:
+        """How long a gloo wait of this transfer may last: for ever (when a wait runs out gloo closes every link of
+        the group, not just the late peer's), except on a bounded pair (:func:`~.groups.bounded`): there, until a
+        little past the transfer's own deadline, by when it has failed anyway. gloo may leave a send to a peer that
+        died waiting for good (its links closed, the group aborted or not); that bound frees the thread, which
+        nothing else can."""
+        deadline = self.deadline()
+        if self._link is None or not math.isfinite(deadline) or not bounded(self._link.pg):
+            return _UNBOUNDED
+        return timedelta(seconds=max(deadline - time.monotonic(), 0.0) + OWN_PAIR_GRACE)
 
     def settle_in_background(self) -> None:
         """Make sure a thread drives the transfer to its end: the owner's driver if it has

@@ -63,11 +63,12 @@ class SyncPushes(Pushes):
             hops = {id(m): i for i, m in enumerate(chain)}
             for member in live:
                 sending, seconds = protocol(session, chain, hops.get(id(member)), member, target, limit)
-                pushes.append((member, Transfer(
+                member.sending = Transfer(
                     sending, member.lane.stream, timeout=seconds,
                     driver=member.driver.submit, link=member.lane.link, raise_first=False,
                     on_error=dropping(session, pool, member, version, limit),
-                    what=f"push of version {version} to {member.who}")))
+                    what=f"push of version {version} to {member.who}")
+                pushes.append((member, member.sending))
             for member in [] if session.elastic else self.untold(live):  # dropped since the last push: named here
                 error = PeerError(f"push of version {version}: {member.gone}")
                 pushes.append((member, Transfer(_failing(error), raise_first=False,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import math
 
-from ..core.errors import OutOfStepError
+from ..core.errors import OutOfStepError, PeerError
 from ..core.log import logger
 from ..core.shutdown import start_thread
 from ..core.transfer import SHARED_MEMORY, Transfer, run_standing
@@ -51,6 +51,9 @@ def _listen(session: Session, pool: SnapshotPool, member: Member) -> None:
                     logger.warning("weight sender: %s", member.gone)
                 pool.retire(member)
                 session.cond.notify_all()
+                sending, gone = member.sending, member.gone
+            if sending is not None and gone is not None:  # (its send may wait in gloo for good: it fails now)
+                sending.abort(PeerError(gone))
             return
         if kind == BYE:
             with session.cond:  # (atomic with a push posting to the receivers still served)
@@ -90,6 +93,11 @@ def _reply(session: Session, pool: SnapshotPool, member: Member) -> None:
                         timeout=session.timeout, link=member.lane.link,
                         on_error=dropping(session, pool, member, version, session.timeout, told=False),
                         raise_first=False, what=f"version {version} to {member.who}")
+    with session.cond:
+        member.sending = transfer
+        gone = member.gone  # (its listener found it dead before the transfer was known)
+    if gone is not None:
+        transfer.abort(PeerError(gone))
     with contextlib.suppress(Exception):  # a failure drops the receiver (its hook)
         transfer.wait()
     with session.cond:

@@ -35,6 +35,9 @@ class Member:
         self.shared = False  # it maps the sender's shared segments (same host): pushes send only headers
         self.alias = False  # zero-copy: it publishes the versions where they lie in the segments
         self.holding: dict[int, Any] = {}  # zero-copy: the snapshot of each version it may still read
+        #: the last transfer of a version to it (a push's or a reply's): failed at once when its listener finds
+        #: the link dead, so that no push waits its whole timeout on a send to a dead receiver
+        self.sending: Any = None
 
     @property
     def served(self) -> bool:

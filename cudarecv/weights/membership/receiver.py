@@ -138,7 +138,8 @@ class ElasticReceiver(WeightReceiver):
         k = directory.join(generation)
         try:
             group = store_group(directory.store, directory.pair(generation, k), 1, 2, timeout,
-                                f"receiver {k} of weight sender {directory.name!r}: its pair with the sender")
+                                f"receiver {k} of weight sender {directory.name!r}: its pair with the sender",
+                                bounded=True)
         except TransferTimeout:
             self._dead = generation
             raise

@@ -146,7 +146,7 @@ class ElasticSender(WeightSender):
         timeout = self._s.timeout
         try:
             group = store_group(store, self._directory.pair(self._generation, k), 0, 2, timeout,
-                                f"weight sender {self._directory.name!r}: the pair with {who}")
+                                f"weight sender {self._directory.name!r}: the pair with {who}", bounded=True)
             lane = lane_for(resolve(None, 1, group, "dst", "group_dst"), self._device, self._stream, StagingPool())
             members = enrol(self._s, self._pool, [lane], self._raw, self._session_id, [k], [record.pid])
             if self._stopping.is_set():  # (never served: its driver goes, its pair with it)
@@ -194,7 +194,7 @@ class ElasticSender(WeightSender):
             for member in self._s.members:
                 if not member.served and member.rank not in self._stopped:
                     self._stopped.add(member.rank)
-                    member.driver.stop(0.0)  # it ends once what it runs now ends (bounded by the pair's timeout)
+                    member.driver.stop(0.0)  # it ends once what it runs now ends (bounded: a bounded pair)
             done = [m for m in self._s.members if not m.served and not m.driver.thread.is_alive()
                     and (m.listener is None or not m.listener.is_alive())]
             self._s.members = [m for m in self._s.members if m not in done]
