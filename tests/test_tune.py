@@ -286,3 +286,15 @@ def test_a_tune_file_path_through_a_regular_file_means_defaults(tmp_path, monkey
     warned = [r for r in caplog.records if "cannot be read by this process" in r.getMessage()]
     assert len(warned) == 1 and "Not a directory" in warned[0].getMessage(), caplog.text
     assert _host_copy.direct_read_pays() == _host_copy.DEFAULT_DIRECT_READ
+
+
+def test_tune_that_cannot_write_its_file_says_so_in_one_line(tmp_path):
+    """XDG_CACHE_HOME names a regular file: ``tune`` measures, then says in one line that it cannot keep the
+    file and how to fix it (status 1, no traceback)."""
+    (tmp_path / "file").write_text("not a directory")
+    tune = _python("import sys; from cudarecv.tools.cli import main; sys.exit(main(['tune', '--rounds', '1']))",
+                   tmp_path / "file")
+    assert tune.returncode == 1, (tune.stdout, tune.stderr)
+    assert "Traceback" not in tune.stderr, tune.stderr
+    assert "cudarecv tune: error: the tune file" in tune.stderr and "cannot be written" in tune.stderr, tune.stderr
+    assert "XDG_CACHE_HOME" in tune.stderr, tune.stderr

@@ -29,7 +29,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from .errors import ArgumentError
+from .errors import ArgumentError, UsageError
 from .log import logger
 
 FORMAT = 1  # the file's layout: {"format": 1, "machines": {machine(): {"settings": {...}, ...}}}
@@ -122,9 +122,13 @@ def save(settings: dict[str, Any], measured: dict[str, Any], at: str) -> Path:
             logger.warning("replacing a bad tune file: %s", error)
             machines = {}
         machines[machine()] = {"settings": settings, "measured": measured, "at": at}
-        where.parent.mkdir(parents=True, exist_ok=True)
         partial = where.with_name(f"{where.name}.{os.getpid()}.tmp")
-        partial.write_text(json.dumps({"format": FORMAT, "machines": machines}, indent=2, sort_keys=True) + "\n")
-        os.replace(partial, where)
+        try:
+            where.parent.mkdir(parents=True, exist_ok=True)
+            partial.write_text(json.dumps({"format": FORMAT, "machines": machines}, indent=2, sort_keys=True) + "\n")
+            os.replace(partial, where)
+        except OSError as error:
+            raise UsageError(f"the tune file {where} cannot be written ({error.strerror or error}): point "
+                             "XDG_CACHE_HOME at a folder this process may write, then run tune again") from error
         _entry = machines[machine()]
     return where

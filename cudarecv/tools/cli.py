@@ -114,8 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     """Run ``python -m cudarecv`` with ``argv`` (default: the command line's); the exit status.
 
     A Ctrl-C that no subcommand caught (while torch imports, say) ends it as theirs do: one line
-    (``cudarecv <subcommand>: error: interrupted``) and status 130, no traceback.
+    (``cudarecv <subcommand>: error: interrupted``) and status 130, no traceback; a cudarecv error (e.g. a tune
+    file that cannot be written) in one line too, status 1.
     """
+    from cudarecv.core.errors import Error
+
     words = sys.argv[1:] if argv is None else argv
     command = next((word for word in words if word in SUBCOMMANDS), None)
     try:
@@ -123,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         error(command or "", "interrupted")
         return 130
+    except Error as problem:  # (a cudarecv error names its cause and fix: one line, no traceback)
+        error(command or "", str(problem))
+        return 1
 
 
 def _main(argv: list[str] | None) -> int:
