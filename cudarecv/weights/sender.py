@@ -300,7 +300,7 @@ class WeightSender:
         self._td = None
         self._pool.clear()
         for member in members:
-            member.lane = None
+            member.lane, member.sending = None, None
 
     def __enter__(self) -> "WeightSender":
         return self

@@ -205,7 +205,7 @@ class ElasticSender(WeightSender):
             self._told -= {m.rank for m in done}
         for member in done:
             release(member.lane.link.pg)  # (the failed transfers' works on its pair, parked, hold the pair)
-            member.lane = None
+            member.lane, member.sending = None, None
 
     # -- pushing -----------------------------------------------------------------------------------------
     def push(self, wait: bool = True, timeout: float | None = None, values: Any = None) -> Any:
