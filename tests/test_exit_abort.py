@@ -54,6 +54,7 @@ def _outcome(out: str):
     return json.loads(lines[-1][len("RESULT "):])
 
 
+@pytest.mark.long
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("case", ["refused", "refused-destroyed", "unmatched"])
 def test_no_abort_at_exit(case):

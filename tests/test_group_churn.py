@@ -92,6 +92,7 @@ MODES = ["gloo", "auto/0", "auto/65536", "wire/0", "wire/65536",
          "weights/auto/sync", "weights/auto/latest", "weights/wire/sync", "weights/wire/latest"]
 
 
+@pytest.mark.long
 @pytest.mark.timeout(900)
 def test_groups_used_and_dropped_leave_nothing():
     with Cluster(2) as ranks:

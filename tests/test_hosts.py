@@ -76,6 +76,7 @@ def test_a_sharded_trainer_relays_each_ranks_pieces_across_hosts(cross_section):
         assert cross_section[rank]["sharded"] == [[1, True], [2, True], [3, True]], cross_section[rank]["sharded"]
 
 
+@pytest.mark.long
 def test_a_receiver_killed_mid_push_in_a_relay_chain(cluster, tmp_path):
     """Chain 1 -> 2 -> 3 -> 4, rank 2 killed mid-push: the push names it within timeout + 10 s; rank 1 keeps
     every version; ranks 3 and 4 lose that one version (named, their last one kept whole) and get the next ones

@@ -55,7 +55,7 @@ from .transport import park
 
 WIRE, SHARED_MEMORY, CUDA_IPC = "wire", "shared memory", "cuda ipc"  # what carried a payload (Transfer.transport)
 _UNBOUNDED = timedelta(days=3650)  # a gloo wait that never runs out (see the module docstring)
-OWN_PAIR_GRACE = 1.0  # seconds a gloo wait on a bounded pair lasts past its transfer's deadline
+BOUNDED_GRACE = 1.0  # seconds a gloo wait on a bounded pair lasts past its transfer's deadline
 
 
 class Transfer(torch.futures.Future):
@@ -327,7 +327,7 @@ class Transfer(torch.futures.Future):
         deadline = self.deadline()
         if self._link is None or not math.isfinite(deadline) or not bounded(self._link.pg):
             return _UNBOUNDED
-        return timedelta(seconds=max(deadline - time.monotonic(), 0.0) + OWN_PAIR_GRACE)
+        return timedelta(seconds=max(deadline - time.monotonic(), 0.0) + BOUNDED_GRACE)
 
     def settle_in_background(self) -> None:
         """Make sure a thread drives the transfer to its end: the owner's driver if it has
