@@ -151,9 +151,9 @@ class ElasticReceiver(WeightReceiver):
                 raise UsageError("this WeightReceiver was closed while it joined its sender")
             old, self._current = self._current, joined
             self.generation, self.id = generation, k
-            self._heartbeat.follow(generation, k, beat)
             if old is not None and old.version > (self._previous.version if self._previous is not None else 0):
                 old, self._previous = self._previous, old  # (the older of the two is closed below)
+        self._heartbeat.follow(generation, k, beat)  # (a store call: not under the lock close() takes)
         if old is not None:
             old.close()  # (its last version stays readable)
         logger.info("weight receiver: joined sender %r (generation %d) as receiver %d", directory.name,
