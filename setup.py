@@ -3,5 +3,13 @@ there; without one the package installs all the same and copies with memmove (cu
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("cudarecv.core.host_copy_native", ["cudarecv/native/host_copy.c"],
-                             extra_compile_args=["-O3"], optional=True)])
+setup(
+    ext_modules=[
+        Extension(
+            "cudarecv.core.host_copy_native",
+            ["cudarecv/native/host_copy.c"],
+            extra_compile_args=["-O3"],
+            optional=True,
+        )
+    ]
+)

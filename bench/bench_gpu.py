@@ -69,8 +69,10 @@ pytestmark = [
     pytest.mark.timeout(600),
     pytest.mark.benchmark(timer=CLOCK),
     pytest.mark.gpus(1),
-    pytest.mark.skipif(not HAS_CUDA, reason="torch.cuda.is_available() is False: needs a CUDA build of "
-                                            "torch and a visible GPU"),
+    pytest.mark.skipif(
+        not HAS_CUDA,
+        reason="torch.cuda.is_available() is False: needs a CUDA build of torch and a visible GPU",
+    ),
 ]
 nccl_mark = pytest.mark.gpus(1 if NCCL_SHARED else 2)
 
@@ -101,8 +103,17 @@ class _FallbackBenchmark:
         self.times: list[float] = []
         self._timer = timer
 
-    def pedantic(self, target, args=(), kwargs=None, setup=None, teardown=None, rounds=1, warmup_rounds=0,
-                 iterations=1):
+    def pedantic(
+        self,
+        target,
+        args=(),
+        kwargs=None,
+        setup=None,
+        teardown=None,
+        rounds=1,
+        warmup_rounds=0,
+        iterations=1,
+    ):
         result = None
         for _ in range(warmup_rounds):
             target(*args, **(kwargs or {}))
@@ -123,9 +134,13 @@ def _write_fallback_json() -> None:
     if not path:
         return
     data = {
-        "machine_info": {"node": platform.node(), "system": platform.system(), "machine": platform.machine(),
-                         "python_version": platform.python_version(),
-                         "gpu": torch.cuda.get_device_name() if HAS_CUDA else None},
+        "machine_info": {
+            "node": platform.node(),
+            "system": platform.system(),
+            "machine": platform.machine(),
+            "python_version": platform.python_version(),
+            "gpu": torch.cuda.get_device_name() if HAS_CUDA else None,
+        },
         "datetime": datetime.now(timezone.utc).isoformat(),
         "version": None,
         "benchmarks": _FALLBACK_ROWS,
@@ -135,19 +150,32 @@ def _write_fallback_json() -> None:
 
 
 if not HAVE_PYTEST_BENCHMARK:
+
     @pytest.fixture
     def benchmark(request):
         """Stand-in for pytest-benchmark's fixture (not installed); rows go to $CUDARECV_BENCH_JSON."""
         marker = request.node.get_closest_marker("benchmark")
-        bench = _FallbackBenchmark(request.node.name, (marker.kwargs if marker else {}).get("timer", time.perf_counter))
+        bench = _FallbackBenchmark(
+            request.node.name, (marker.kwargs if marker else {}).get("timer", time.perf_counter)
+        )
         yield bench
         if bench.times:
             times = sorted(bench.times)
-            _FALLBACK_ROWS.append({
-                "name": request.node.name, "fullname": request.node.nodeid, "extra_info": bench.extra_info,
-                "stats": {"median": statistics.median(times), "min": times[0], "max": times[-1],
-                          "mean": statistics.mean(times), "rounds": len(times), "data": list(bench.times)},
-            })
+            _FALLBACK_ROWS.append(
+                {
+                    "name": request.node.name,
+                    "fullname": request.node.nodeid,
+                    "extra_info": bench.extra_info,
+                    "stats": {
+                        "median": statistics.median(times),
+                        "min": times[0],
+                        "max": times[-1],
+                        "mean": statistics.mean(times),
+                        "rounds": len(times),
+                        "data": list(bench.times),
+                    },
+                }
+            )
             _write_fallback_json()
 
 
@@ -171,8 +199,12 @@ def _nccl(world: int):
     reason = nccl_skip_reason()
     if reason:
         pytest.skip(reason)
-    ranks = Ranks(world, pg_timeout=120.0, backend="nccl",
-                  env={"NCCL_MULTI_RANK_GPU_ENABLE": "1"} if NCCL_SHARED else {})
+    ranks = Ranks(
+        world,
+        pg_timeout=120.0,
+        backend="nccl",
+        env={"NCCL_MULTI_RANK_GPU_ENABLE": "1"} if NCCL_SHARED else {},
+    )
     yield ranks
     ranks.close()
 
@@ -187,7 +219,11 @@ def nccl_ranks():
 # name -> backend, workload, rounds, iters, warmup, [(impl, mode, send place, recv place, stock row's mode)]
 SUITES: dict[str, dict[str, Any]] = {
     "gloo 256MiB": dict(
-        backend="gloo", workload=dict(leaves=200, total_bytes=256 * MiB), rounds=5, iters=2, warmup=1,
+        backend="gloo",
+        workload=dict(leaves=200, total_bytes=256 * MiB),
+        rounds=5,
+        iters=2,
+        warmup=1,
         modes=[
             ("raw", "flat recv", "cpu", "pinned", None),
             ("stock", "consolidated", "cpu", "pinned", None),
@@ -196,12 +232,28 @@ SUITES: dict[str, dict[str, Any]] = {
             ("cudarecv", "consolidated", "cpu", "cuda", "consolidated cpu->pinned"),
             ("cudarecv", "chunks 4MiB", "cpu", "cuda", "consolidated cpu->pinned"),
             ("cudarecv", "chunks 1MiB", "cpu", "cuda", "consolidated cpu->pinned"),
-            ("cudarecv", "chunks 4MiB", "cuda", "cuda", "consolidated cpu->pinned"),  # CUDA IPC (same host)
-            ("cudarecv", "chunks 4MiB wire", "cuda", "cuda", "consolidated cpu->pinned"),  # staged on the socket
+            (
+                "cudarecv",
+                "chunks 4MiB",
+                "cuda",
+                "cuda",
+                "consolidated cpu->pinned",
+            ),  # CUDA IPC (same host)
+            (
+                "cudarecv",
+                "chunks 4MiB wire",
+                "cuda",
+                "cuda",
+                "consolidated cpu->pinned",
+            ),  # staged on the socket
         ],
     ),
     "gloo 2000 x 8KiB": dict(
-        backend="gloo", workload=dict(leaves=2000, leaf_bytes=8192), rounds=5, iters=3, warmup=2,
+        backend="gloo",
+        workload=dict(leaves=2000, leaf_bytes=8192),
+        rounds=5,
+        iters=3,
+        warmup=2,
         modes=[
             ("raw", "flat recv", "cpu", "pinned", None),
             ("stock", "per-leaf", "cpu", "cpu", None),
@@ -212,7 +264,11 @@ SUITES: dict[str, dict[str, Any]] = {
         ],
     ),
     "nccl consolidated 256MiB": dict(
-        backend="nccl", workload=dict(leaves=200, total_bytes=256 * MiB), rounds=5, iters=3, warmup=2,
+        backend="nccl",
+        workload=dict(leaves=200, total_bytes=256 * MiB),
+        rounds=5,
+        iters=3,
+        warmup=2,
         modes=[
             ("raw", "flat recv", "cuda", "cuda", None),
             ("stock", "consolidated", "cuda", "cuda", None),
@@ -224,7 +280,11 @@ SUITES: dict[str, dict[str, Any]] = {
         ],
     ),
     "nccl 2000 x 8KiB": dict(
-        backend="nccl", workload=dict(leaves=2000, leaf_bytes=8192), rounds=5, iters=3, warmup=2,
+        backend="nccl",
+        workload=dict(leaves=2000, leaf_bytes=8192),
+        rounds=5,
+        iters=3,
+        warmup=2,
         modes=[
             ("raw", "flat recv", "cuda", "cuda", None),
             ("raw", "per-leaf dist.irecv", "cuda", "cuda", "per-leaf cuda->cuda"),
@@ -239,22 +299,62 @@ SUITES: dict[str, dict[str, Any]] = {
 
 # (label, case, (impl, row mode), reference (impl, row mode), target: reference time / row time >= target)
 TARGETS = [
-    ("gloo into CUDA, chunks 4MiB, vs into pinned, chunks 4MiB", "gloo 256MiB",
-     ("cudarecv", "chunks 4MiB cpu->cuda"), ("cudarecv", "chunks 4MiB cpu->pinned"), 0.9),
-    ("gloo into CUDA, chunks 4MiB, vs into pinned, one message", "gloo 256MiB",
-     ("cudarecv", "chunks 4MiB cpu->cuda"), ("cudarecv", "consolidated cpu->pinned"), None),
-    ("gloo into CUDA, one message, vs into pinned, one message", "gloo 256MiB",
-     ("cudarecv", "consolidated cpu->cuda"), ("cudarecv", "consolidated cpu->pinned"), None),
-    ("gloo into CUDA, buckets 1MiB, vs stock per-leaf into host memory", "gloo 2000 x 8KiB",
-     ("cudarecv", "buckets 1MiB cpu->cuda"), ("stock", "per-leaf cpu->cpu"), None),
-    ("nccl consolidated vs raw flat dist.recv", "nccl consolidated 256MiB",
-     ("cudarecv", "consolidated cuda->cuda"), ("raw", "flat recv cuda->cuda"), 0.9),
-    ("nccl chunks 4MiB vs raw flat dist.recv", "nccl consolidated 256MiB",
-     ("cudarecv", "chunks 4MiB cuda->cuda"), ("raw", "flat recv cuda->cuda"), None),
-    ("nccl per-leaf (batched) vs raw per-leaf dist.irecv", "nccl 2000 x 8KiB",
-     ("cudarecv", "per-leaf cuda->cuda"), ("raw", "per-leaf dist.irecv cuda->cuda"), 5.0),
-    ("nccl per-leaf (batched) vs stock per-leaf", "nccl 2000 x 8KiB",
-     ("cudarecv", "per-leaf cuda->cuda"), ("stock", "per-leaf cuda->cuda"), None),
+    (
+        "gloo into CUDA, chunks 4MiB, vs into pinned, chunks 4MiB",
+        "gloo 256MiB",
+        ("cudarecv", "chunks 4MiB cpu->cuda"),
+        ("cudarecv", "chunks 4MiB cpu->pinned"),
+        0.9,
+    ),
+    (
+        "gloo into CUDA, chunks 4MiB, vs into pinned, one message",
+        "gloo 256MiB",
+        ("cudarecv", "chunks 4MiB cpu->cuda"),
+        ("cudarecv", "consolidated cpu->pinned"),
+        None,
+    ),
+    (
+        "gloo into CUDA, one message, vs into pinned, one message",
+        "gloo 256MiB",
+        ("cudarecv", "consolidated cpu->cuda"),
+        ("cudarecv", "consolidated cpu->pinned"),
+        None,
+    ),
+    (
+        "gloo into CUDA, buckets 1MiB, vs stock per-leaf into host memory",
+        "gloo 2000 x 8KiB",
+        ("cudarecv", "buckets 1MiB cpu->cuda"),
+        ("stock", "per-leaf cpu->cpu"),
+        None,
+    ),
+    (
+        "nccl consolidated vs raw flat dist.recv",
+        "nccl consolidated 256MiB",
+        ("cudarecv", "consolidated cuda->cuda"),
+        ("raw", "flat recv cuda->cuda"),
+        0.9,
+    ),
+    (
+        "nccl chunks 4MiB vs raw flat dist.recv",
+        "nccl consolidated 256MiB",
+        ("cudarecv", "chunks 4MiB cuda->cuda"),
+        ("raw", "flat recv cuda->cuda"),
+        None,
+    ),
+    (
+        "nccl per-leaf (batched) vs raw per-leaf dist.irecv",
+        "nccl 2000 x 8KiB",
+        ("cudarecv", "per-leaf cuda->cuda"),
+        ("raw", "per-leaf dist.irecv cuda->cuda"),
+        5.0,
+    ),
+    (
+        "nccl per-leaf (batched) vs stock per-leaf",
+        "nccl 2000 x 8KiB",
+        ("cudarecv", "per-leaf cuda->cuda"),
+        ("stock", "per-leaf cuda->cuda"),
+        None,
+    ),
 ]
 
 _results: dict[str, dict[tuple[str, str], dict]] = {}
@@ -265,8 +365,15 @@ def _suite_cases(name: str) -> list[dict]:
     suite = SUITES[name]
     cases = []
     for impl, mode, send_place, recv_place, _ in suite["modes"]:
-        case = dict(suite["workload"], impl=impl, mode=mode, send_place=send_place, recv_place=recv_place,
-                    iters=suite["iters"], warmup=suite["warmup"])
+        case = dict(
+            suite["workload"],
+            impl=impl,
+            mode=mode,
+            send_place=send_place,
+            recv_place=recv_place,
+            iters=suite["iters"],
+            warmup=suite["warmup"],
+        )
         gb.check_gpu_case(case, suite["backend"])
         cases.append(case)
     return cases
@@ -284,28 +391,59 @@ def _target_lines(name: str, rows: dict[tuple[str, str], dict]) -> list[str]:
     for text, case, mine, ref, target in TARGETS:
         if case == name and mine in rows and ref in rows:
             ratio = rows[ref]["seconds"] / rows[mine]["seconds"]
-            lines.append(f"{case}: {text}: {ratio:.2f}x ({rows[mine]['seconds'] * 1e3:.2f} ms vs "
-                         f"{rows[ref]['seconds'] * 1e3:.2f} ms){_verdict(ratio, target)}")
+            lines.append(
+                f"{case}: {text}: {ratio:.2f}x ({rows[mine]['seconds'] * 1e3:.2f} ms vs "
+                f"{rows[ref]['seconds'] * 1e3:.2f} ms){_verdict(ratio, target)}"
+            )
     return lines
 
 
 def _run_suite(ranks: Ranks, name: str, targets: list[str]) -> dict[tuple[str, str], dict]:
     """The rows of suite ``name``, keyed by (impl, row mode): all its modes run once per session."""
-    return tb.run_suite_once(ranks, name, targets, rank_fn=gb.time_gpu_suite, cases=_suite_cases,
-                             rounds=SUITES[name]["rounds"], row_mode=gb.label, target_lines=_target_lines,
-                             results=_results, errors=_errors, what="suite")
+    return tb.run_suite_once(
+        ranks,
+        name,
+        targets,
+        rank_fn=gb.time_gpu_suite,
+        cases=_suite_cases,
+        rounds=SUITES[name]["rounds"],
+        row_mode=gb.label,
+        target_lines=_target_lines,
+        results=_results,
+        errors=_errors,
+        what="suite",
+    )
 
 
-def _bench(benchmark, ranks: Ranks, targets: list[str], name: str, impl: str, mode: str, send_place: str,
-           recv_place: str, stock_mode: str | None) -> None:
+def _bench(
+    benchmark,
+    ranks: Ranks,
+    targets: list[str],
+    name: str,
+    impl: str,
+    mode: str,
+    send_place: str,
+    recv_place: str,
+    stock_mode: str | None,
+) -> None:
     rows = _run_suite(ranks, name, targets)
     case = dict(mode=mode, send_place=send_place, recv_place=recv_place)
     row = rows[(impl, gb.label(case))]
     info = {
-        "case": name, "impl": impl, "mode": gb.label(case), "bytes": row["bytes"], "leaves": row["leaves"],
-        "backend": SUITES[name]["backend"], "send_seconds": row["send_seconds"],
-        "suite_rounds": SUITES[name]["rounds"], "iters": SUITES[name]["iters"], "suite_seconds": row["suite_seconds"],
-        "send_place": send_place, "recv_place": recv_place, "ok": row["ok"], "transport": row["transport"],
+        "case": name,
+        "impl": impl,
+        "mode": gb.label(case),
+        "bytes": row["bytes"],
+        "leaves": row["leaves"],
+        "backend": SUITES[name]["backend"],
+        "send_seconds": row["send_seconds"],
+        "suite_rounds": SUITES[name]["rounds"],
+        "iters": SUITES[name]["iters"],
+        "suite_seconds": row["suite_seconds"],
+        "send_place": send_place,
+        "recv_place": recv_place,
+        "ok": row["ok"],
+        "transport": row["transport"],
     }
     if stock_mode is not None:
         info["stock_mode"] = stock_mode
@@ -313,11 +451,14 @@ def _bench(benchmark, ranks: Ranks, targets: list[str], name: str, impl: str, mo
     tb.replay(benchmark, CLOCK, row["seconds_all"])  # the stats: every timed iteration of this mode
     assert row["ok"], f"{name}: {impl} {gb.label(case)} delivered wrong data: {row['error']}"
     claimed = _claimed_transport(SUITES[name]["backend"], impl, mode, send_place, recv_place)
-    assert claimed in (None, row["transport"]), (f"{name}: {impl} {gb.label(case)} is labelled {claimed}, but "
-                                                 f"{row['transport']} carried it")
+    assert claimed in (None, row["transport"]), (
+        f"{name}: {impl} {gb.label(case)} is labelled {claimed}, but {row['transport']} carried it"
+    )
 
 
-def _claimed_transport(backend: str, impl: str, mode: str, send_place: str, recv_place: str) -> str | None:
+def _claimed_transport(
+    backend: str, impl: str, mode: str, send_place: str, recv_place: str
+) -> str | None:
     """What a row's label says carried it: the socket for a "wire" mode, CUDA IPC for a gloo receive of device
     memory from device memory on this host (None: the label claims nothing)."""
     if impl != "cudarecv" or backend != "gloo":
@@ -329,7 +470,9 @@ def _claimed_transport(backend: str, impl: str, mode: str, send_place: str, recv
 
 def _params(name: str) -> list[Any]:
     return [
-        pytest.param(name, *mode, id=f"{name}-{mode[0]}-{mode[1]}-{mode[2]}-to-{mode[3]}".replace(" ", "_"))
+        pytest.param(
+            name, *mode, id=f"{name}-{mode[0]}-{mode[1]}-{mode[2]}-to-{mode[3]}".replace(" ", "_")
+        )
         for mode in SUITES[name]["modes"]
     ]
 
@@ -351,19 +494,34 @@ def _stock_tag_map() -> list[int]:
     return [_int_generator(s) for s in range(10_001)]
 
 
-def _tag_rows(benchmark, impl: str, mode: str, seconds: list[float], targets: list[str],
-              ok: bool | None = None) -> None:
-    benchmark.extra_info.update({
-        "case": TAG_CASE, "impl": impl, "mode": mode, "bytes": 0, "leaves": 10_001, "backend": "cuda",
-        **({"stock_mode": TAG_STOCK_MODE} if impl != "stock" else {}),
-        **({"ok": ok} if ok is not None else {}),
-    })
+def _tag_rows(
+    benchmark,
+    impl: str,
+    mode: str,
+    seconds: list[float],
+    targets: list[str],
+    ok: bool | None = None,
+) -> None:
+    benchmark.extra_info.update(
+        {
+            "case": TAG_CASE,
+            "impl": impl,
+            "mode": mode,
+            "bytes": 0,
+            "leaves": 10_001,
+            "backend": "cuda",
+            **({"stock_mode": TAG_STOCK_MODE} if impl != "stock" else {}),
+            **({"ok": ok} if ok is not None else {}),
+        }
+    )
     tb.replay(benchmark, CLOCK, seconds)
     _TAGS[mode] = seconds
     if "cupy kernel" in _TAGS and mode == "cupy kernel":
         us = statistics.median(_TAGS["cupy kernel"]) * 1e6
-        targets.append(f"{TAG_CASE}: cupy kernel, GPU time per launch: {us:.1f} us "
-                       f"(target < 100 us: {'met' if us < 100 else 'MISSED'})")
+        targets.append(
+            f"{TAG_CASE}: cupy kernel, GPU time per launch: {us:.1f} us "
+            f"(target < 100 us: {'met' if us < 100 else 'MISSED'})"
+        )
     assert ok is not False, f"{TAG_CASE}: {mode} differs from stock _int_generator"
 
 
@@ -399,7 +557,9 @@ def test_tag_map_kernel(benchmark, transfer_targets):
     if not tag_kernel.gpu_available():
         pytest.skip("cupy is not installed or sees no CUDA device (pip install 'cudarecv[gpu]')")
     tag_kernel.time_tag_map_gpu(10)  # compile and load the kernel
-    seconds = [tag_kernel.time_tag_map_gpu(100) * 1e-6 for _ in range(5)]  # GPU time per launch (CUDA events)
+    seconds = [
+        tag_kernel.time_tag_map_gpu(100) * 1e-6 for _ in range(5)
+    ]  # GPU time per launch (CUDA events)
     ok = tag_kernel.tag_map_gpu().tolist() == _stock_tag_map()
     _tag_rows(benchmark, "cudarecv", "cupy kernel", seconds, transfer_targets, ok)
 
@@ -408,26 +568,68 @@ def test_tag_map_kernel(benchmark, transfer_targets):
 
 
 @pytest.mark.parametrize(ARGS, _params("gloo 256MiB"))
-def test_gloo_256mib_device_vs_pinned(benchmark, gloo_ranks, transfer_targets, name, impl, mode, send_place,
-                                      recv_place, stock_mode):
-    _bench(benchmark, gloo_ranks, transfer_targets, name, impl, mode, send_place, recv_place, stock_mode)
+def test_gloo_256mib_device_vs_pinned(
+    benchmark, gloo_ranks, transfer_targets, name, impl, mode, send_place, recv_place, stock_mode
+):
+    _bench(
+        benchmark,
+        gloo_ranks,
+        transfer_targets,
+        name,
+        impl,
+        mode,
+        send_place,
+        recv_place,
+        stock_mode,
+    )
 
 
 @pytest.mark.parametrize(ARGS, _params("gloo 2000 x 8KiB"))
-def test_gloo_many_leaves_into_cuda(benchmark, gloo_ranks, transfer_targets, name, impl, mode, send_place,
-                                    recv_place, stock_mode):
-    _bench(benchmark, gloo_ranks, transfer_targets, name, impl, mode, send_place, recv_place, stock_mode)
+def test_gloo_many_leaves_into_cuda(
+    benchmark, gloo_ranks, transfer_targets, name, impl, mode, send_place, recv_place, stock_mode
+):
+    _bench(
+        benchmark,
+        gloo_ranks,
+        transfer_targets,
+        name,
+        impl,
+        mode,
+        send_place,
+        recv_place,
+        stock_mode,
+    )
 
 
 # --------------------------------------------------------------------------- matmul while a receive lands
 
 MATMUL: dict[str, dict[str, Any]] = {
     "matmul + 1GiB receive (gloo)": dict(
-        backend="gloo", leaves=200, total_bytes=GiB, mode="chunks 4MiB", send_place="cpu", recv_place="cuda",
-        rounds=6, n=8192, dtype="bfloat16", fill=0.8, max_matmuls=800),
+        backend="gloo",
+        leaves=200,
+        total_bytes=GiB,
+        mode="chunks 4MiB",
+        send_place="cpu",
+        recv_place="cuda",
+        rounds=6,
+        n=8192,
+        dtype="bfloat16",
+        fill=0.8,
+        max_matmuls=800,
+    ),
     "matmul + 1GiB receive (nccl)": dict(
-        backend="nccl", leaves=200, total_bytes=GiB, mode="consolidated", send_place="cuda", recv_place="cuda",
-        rounds=6, n=8192, dtype="bfloat16", fill=0.8, max_matmuls=800),
+        backend="nccl",
+        leaves=200,
+        total_bytes=GiB,
+        mode="consolidated",
+        send_place="cuda",
+        recv_place="cuda",
+        rounds=6,
+        n=8192,
+        dtype="bfloat16",
+        fill=0.8,
+        max_matmuls=800,
+    ),
 }
 MATMUL_SLOWDOWN = 0.05
 _matmul: dict[str, dict] = {}
@@ -451,21 +653,35 @@ def _matmul_rows(ranks: Ranks, name: str, targets: list[str]) -> dict[str, dict]
         med = lambda xs: tb.median(sorted(xs))  # noqa: E731
         rows = {
             "matmul loop alone": dict(seconds=med(r["alone"]), all=r["alone"], bytes=0),
-            f"matmul loop during {transfer}": dict(seconds=med(r["during"]), all=r["during"], bytes=0),
-            f"{transfer} alone": dict(seconds=med(r["recv_alone"]), all=r["recv_alone"], bytes=cfg["total_bytes"]),
-            f"{transfer} during matmul": dict(seconds=med(r["recv_during"]), all=r["recv_during"],
-                                              bytes=cfg["total_bytes"]),
+            f"matmul loop during {transfer}": dict(
+                seconds=med(r["during"]), all=r["during"], bytes=0
+            ),
+            f"{transfer} alone": dict(
+                seconds=med(r["recv_alone"]), all=r["recv_alone"], bytes=cfg["total_bytes"]
+            ),
+            f"{transfer} during matmul": dict(
+                seconds=med(r["recv_during"]), all=r["recv_during"], bytes=cfg["total_bytes"]
+            ),
         }
         for row in rows.values():
-            row.update(ok=r["ok"], error=r["error"], matmuls=r["matmuls"], matmul_seconds=r["matmul_seconds"])
+            row.update(
+                ok=r["ok"],
+                error=r["error"],
+                matmuls=r["matmuls"],
+                matmul_seconds=r["matmul_seconds"],
+            )
         _matmul[name] = rows
-        alone, during = rows["matmul loop alone"]["seconds"], rows[f"matmul loop during {transfer}"]["seconds"]
+        alone, during = (
+            rows["matmul loop alone"]["seconds"],
+            rows[f"matmul loop during {transfer}"]["seconds"],
+        )
         slowdown = during / alone - 1
         recv = rows[f"{transfer} alone"]["seconds"]
         targets.append(
             f"{name}: matmul loop ({r['matmuls']} x {cfg['n']}^2 {cfg['dtype']}, {alone * 1e3:.1f} ms alone, "
             f"{during * 1e3:.1f} ms during a {recv * 1e3:.0f} ms receive): slowdown {slowdown * 100:+.1f}% "
-            f"(target <= {MATMUL_SLOWDOWN * 100:g}%: {'met' if slowdown <= MATMUL_SLOWDOWN else 'MISSED'})")
+            f"(target <= {MATMUL_SLOWDOWN * 100:g}%: {'met' if slowdown <= MATMUL_SLOWDOWN else 'MISSED'})"
+        )
     return _matmul[name]
 
 
@@ -473,16 +689,32 @@ def _matmul_bench(benchmark, ranks: Ranks, targets: list[str], name: str, which:
     rows = _matmul_rows(ranks, name, targets)
     cfg = MATMUL[name]
     transfer = gb.label(cfg)
-    mode = {"alone": "matmul loop alone", "during": f"matmul loop during {transfer}",
-            "recv alone": f"{transfer} alone", "recv during": f"{transfer} during matmul"}[which]
+    mode = {
+        "alone": "matmul loop alone",
+        "during": f"matmul loop during {transfer}",
+        "recv alone": f"{transfer} alone",
+        "recv during": f"{transfer} during matmul",
+    }[which]
     row = rows[mode]
-    benchmark.extra_info.update({
-        "case": name, "impl": "cudarecv", "mode": mode, "bytes": row["bytes"], "leaves": cfg["leaves"],
-        "backend": cfg["backend"], "matmuls": row["matmuls"], "matmul_seconds": row["matmul_seconds"],
-        "suite_rounds": cfg["rounds"], "send_place": cfg["send_place"], "recv_place": cfg["recv_place"],
-        "ok": row["ok"],
-    })
-    tb.replay(benchmark, CLOCK, row["all"])  # the loop's GPU seconds (CUDA events) or the receive's, per round
+    benchmark.extra_info.update(
+        {
+            "case": name,
+            "impl": "cudarecv",
+            "mode": mode,
+            "bytes": row["bytes"],
+            "leaves": cfg["leaves"],
+            "backend": cfg["backend"],
+            "matmuls": row["matmuls"],
+            "matmul_seconds": row["matmul_seconds"],
+            "suite_rounds": cfg["rounds"],
+            "send_place": cfg["send_place"],
+            "recv_place": cfg["recv_place"],
+            "ok": row["ok"],
+        }
+    )
+    tb.replay(
+        benchmark, CLOCK, row["all"]
+    )  # the loop's GPU seconds (CUDA events) or the receive's, per round
     assert row["ok"], f"{name}: the checked transfer delivered wrong data: {row['error']}"
 
 
@@ -499,16 +731,38 @@ def test_matmul_during_gloo_receive(benchmark, gloo_ranks, transfer_targets, whi
 
 @nccl_mark
 @pytest.mark.parametrize(ARGS, _params("nccl consolidated 256MiB"))
-def test_nccl_consolidated_256mib(benchmark, nccl_ranks, transfer_targets, name, impl, mode, send_place,
-                                  recv_place, stock_mode):
-    _bench(benchmark, nccl_ranks, transfer_targets, name, impl, mode, send_place, recv_place, stock_mode)
+def test_nccl_consolidated_256mib(
+    benchmark, nccl_ranks, transfer_targets, name, impl, mode, send_place, recv_place, stock_mode
+):
+    _bench(
+        benchmark,
+        nccl_ranks,
+        transfer_targets,
+        name,
+        impl,
+        mode,
+        send_place,
+        recv_place,
+        stock_mode,
+    )
 
 
 @nccl_mark
 @pytest.mark.parametrize(ARGS, _params("nccl 2000 x 8KiB"))
-def test_nccl_many_leaves_batched(benchmark, nccl_ranks, transfer_targets, name, impl, mode, send_place,
-                                  recv_place, stock_mode):
-    _bench(benchmark, nccl_ranks, transfer_targets, name, impl, mode, send_place, recv_place, stock_mode)
+def test_nccl_many_leaves_batched(
+    benchmark, nccl_ranks, transfer_targets, name, impl, mode, send_place, recv_place, stock_mode
+):
+    _bench(
+        benchmark,
+        nccl_ranks,
+        transfer_targets,
+        name,
+        impl,
+        mode,
+        send_place,
+        recv_place,
+        stock_mode,
+    )
 
 
 @pytest.mark.gpus(2)
@@ -516,8 +770,10 @@ def test_nccl_many_leaves_batched(benchmark, nccl_ranks, transfer_targets, name,
 def test_matmul_during_nccl_receive(benchmark, nccl_ranks, transfer_targets, which):
     """Two real GPUs only: with both ranks on one GPU the sender's kernels would share the matmul's GPU."""
     if NCCL_SHARED or torch.cuda.device_count() < 2:
-        pytest.skip("needs two GPUs: ranks sharing one GPU would put the sender's NCCL kernels on the "
-                    "matmul's GPU")
+        pytest.skip(
+            "needs two GPUs: ranks sharing one GPU would put the sender's NCCL kernels on the "
+            "matmul's GPU"
+        )
     _matmul_bench(benchmark, nccl_ranks, transfer_targets, "matmul + 1GiB receive (nccl)", which)
 
 
@@ -539,14 +795,29 @@ def test_nccl_fanout_to_two(benchmark, nccl_three, transfer_targets, method):
     """256 MiB from rank 0's GPU to two receivers' GPUs: relay (p2p chain, 4 MiB chunks) vs star vs
     NCCL's own broadcast. Which of relay and broadcast a GPU user should run is this bench's answer."""
     if not _FANOUT:
-        _FANOUT.update(nccl_three.get().run(gb.fanout_on_gpu, args=(FANOUT_BYTES, 5), timeout=600)[0])
+        _FANOUT.update(
+            nccl_three.get().run(gb.fanout_on_gpu, args=(FANOUT_BYTES, 5), timeout=600)[0]
+        )
         med = {m: statistics.median(v) for m, v in _FANOUT["seconds"].items()}
-        transfer_targets.append(f"nccl fan-out 256MiB to 2: relay {med['star'] / med['relay']:.2f}x star, "
-                                f"{med['broadcast'] / med['relay']:.2f}x NCCL broadcast")
-    impl, mode = {"relay": ("cudarecv", "relay"), "star": ("cudarecv", "star"),
-                  "broadcast": ("raw", "nccl broadcast")}[method]
-    benchmark.extra_info.update(case="nccl fan-out 256MiB to 2", impl=impl, mode=mode, bytes=FANOUT_BYTES,
-                                backend="nccl", ok=_FANOUT["ok"][method], send_place="cuda", recv_place="cuda")
+        transfer_targets.append(
+            f"nccl fan-out 256MiB to 2: relay {med['star'] / med['relay']:.2f}x star, "
+            f"{med['broadcast'] / med['relay']:.2f}x NCCL broadcast"
+        )
+    impl, mode = {
+        "relay": ("cudarecv", "relay"),
+        "star": ("cudarecv", "star"),
+        "broadcast": ("raw", "nccl broadcast"),
+    }[method]
+    benchmark.extra_info.update(
+        case="nccl fan-out 256MiB to 2",
+        impl=impl,
+        mode=mode,
+        bytes=FANOUT_BYTES,
+        backend="nccl",
+        ok=_FANOUT["ok"][method],
+        send_place="cuda",
+        recv_place="cuda",
+    )
     tb.replay(benchmark, CLOCK, _FANOUT["seconds"][method])
     assert _FANOUT["ok"][method], f"{method}: a receiver holds wrong values"
 
@@ -567,16 +838,21 @@ def time_ipc_weight_sync(rank: int, world: int, group: Any, total_bytes: int, ro
     import cudarecv
 
     device = torch.device("cuda", 0)
-    td = TensorDict({f"w{i:02d}": torch.zeros(total_bytes // 64 // 4, device=device) for i in range(64)})
+    td = TensorDict(
+        {f"w{i:02d}": torch.zeros(total_bytes // 64 // 4, device=device) for i in range(64)}
+    )
     ends = {}
     for mode in IPC_MODES:
         transport = "wire" if mode == "wire" else "auto"
-        ends[mode] = (cudarecv.WeightSender(td, dst=1, timeout=120, transport=transport) if rank == 0 else
-                      cudarecv.WeightReceiver(src=0, device=device, timeout=120, transport=transport))
+        ends[mode] = (
+            cudarecv.WeightSender(td, dst=1, timeout=120, transport=transport)
+            if rank == 0
+            else cudarecv.WeightReceiver(src=0, device=device, timeout=120, transport=transport)
+        )
     seconds = {mode: [] for mode in IPC_MODES}
     memory, ok = [], True
     for step in range(1, rounds + 1):
-        for mode in IPC_MODES[step % 2:] + IPC_MODES[:step % 2]:
+        for mode in IPC_MODES[step % 2 :] + IPC_MODES[: step % 2]:
             if rank == 0:
                 td.apply_(lambda t, v=step: t.fill_(float(v)))
                 torch.cuda.synchronize()
@@ -591,7 +867,9 @@ def time_ipc_weight_sync(rank: int, world: int, group: Any, total_bytes: int, ro
                 ok &= all(bool((t == float(step)).all()) for t in ends[mode].td.values())
         if step in (2, rounds):
             memory.append((torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)))
-    transports = {mode: (end.transports[1] if rank == 0 else end.transport) for mode, end in ends.items()}
+    transports = {
+        mode: (end.transports[1] if rank == 0 else end.transport) for mode, end in ends.items()
+    }
     for end in ends.values():
         end.close()
     return {"seconds": seconds, "ok": ok, "memory": memory, "transports": transports}
@@ -606,9 +884,20 @@ def test_cuda_ipc_weight_sync_256mib(benchmark, gloo_ranks, transfer_targets, mo
         transfer_targets.append(
             f"weight sync 256MiB GPU -> GPU (one GPU, two processes): CUDA IPC {med['cuda ipc'] * 1e3:.2f} ms, "
             f"wire {med['wire'] * 1e3:.2f} ms ({med['wire'] / med['cuda ipc']:.1f}x); device memory (allocated, "
-            f"reserved) sender {_IPC['sent_memory']}, receiver {_IPC['memory']} (round 2 -> last)")
-    benchmark.extra_info.update(case="weight sync 256MiB GPU->GPU", impl="cudarecv", mode=mode, bytes=IPC_BYTES,
-                                leaves=64, backend="gloo", ok=_IPC["ok"], transport=_IPC["transports"][mode])
+            f"reserved) sender {_IPC['sent_memory']}, receiver {_IPC['memory']} (round 2 -> last)"
+        )
+    benchmark.extra_info.update(
+        case="weight sync 256MiB GPU->GPU",
+        impl="cudarecv",
+        mode=mode,
+        bytes=IPC_BYTES,
+        leaves=64,
+        backend="gloo",
+        ok=_IPC["ok"],
+        transport=_IPC["transports"][mode],
+    )
     tb.replay(benchmark, CLOCK, _IPC["seconds"][mode])
     assert _IPC["ok"], "a version arrived with other values"
-    assert _IPC["transports"][mode] == mode, f"the {mode} row was carried by {_IPC['transports'][mode]}"
+    assert _IPC["transports"][mode] == mode, (
+        f"the {mode} row was carried by {_IPC['transports'][mode]}"
+    )

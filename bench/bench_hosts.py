@@ -30,35 +30,61 @@ KS = (1, 2, 4, 6)
 MIB = 64
 RATE, RATE_BYTES = "1gbit", 1e9 / 8
 ROUNDS = 5
-ROWS = {"relay": ("cudarecv", "relay"), "star": ("cudarecv", "star"), "broadcast": ("raw", "gloo broadcast"),
-        "stock": ("stock", "init_remote + consolidated")}
+ROWS = {
+    "relay": ("cudarecv", "relay"),
+    "star": ("cudarecv", "star"),
+    "broadcast": ("raw", "gloo broadcast"),
+    "stock": ("stock", "init_remote + consolidated"),
+}
 # the 7 hosts' 14 processes (torchrun and its rank) share this machine's cores: one torch thread each, as torchrun
 # itself sets for several ranks on one node (two threads each made a rank's fill of the model wait seconds)
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 CLOCK = tb.VirtualClock("fanout_clock")
 REASON = sim.unavailable()
-pytestmark = [pytest.mark.skipif(REASON is not None, reason=f"simulated hosts: {REASON}"),
-              pytest.mark.timeout(900), pytest.mark.benchmark(timer=CLOCK)]
+pytestmark = [
+    pytest.mark.skipif(REASON is not None, reason=f"simulated hosts: {REASON}"),
+    pytest.mark.timeout(900),
+    pytest.mark.benchmark(timer=CLOCK),
+]
 
 
 @pytest.fixture(scope="module")
 def fanout_run(tmp_path_factory, transfer_targets):
     out = tmp_path_factory.mktemp("hosts")
     with sim.SimulatedHosts(max(KS) + 1, rate=RATE) as hosts:
-        procs = hosts.torchrun("-m", ["cudarecv.tools.host_ranks", str(out), "--ks", ",".join(map(str, KS)),
-                                      "--mib", str(MIB), "--rounds", str(ROUNDS)], env=ONE_THREAD, log_dir=str(out))
+        procs = hosts.torchrun(
+            "-m",
+            [
+                "cudarecv.tools.host_ranks",
+                str(out),
+                "--ks",
+                ",".join(map(str, KS)),
+                "--mib",
+                str(MIB),
+                "--rounds",
+                str(ROUNDS),
+            ],
+            env=ONE_THREAD,
+            log_dir=str(out),
+        )
         hosts.wait(procs, timeout=840, log_dir=str(out))
     with open(out / "hosts_bench.json") as f:
         run = json.load(f)
     cases = {(c["method"], c["k"]): c for c in run["cases"]}
     med = {key: statistics.median(c["seconds"]) for key, c in cases.items()}
     relay1, relay4 = med["relay", 1], med["relay", 4]
-    transfer_targets.append(f"fan-out {MIB} MiB, {RATE} links: relay K=4 / K=1 = {relay4 / relay1:.2f}x "
-                            "(target <= 1.3x)")
+    transfer_targets.append(
+        f"fan-out {MIB} MiB, {RATE} links: relay K=4 / K=1 = {relay4 / relay1:.2f}x "
+        "(target <= 1.3x)"
+    )
     for other in ("star", "broadcast", "stock"):
-        transfer_targets.append(f"fan-out K=4: relay {med[other, 4] / relay4:.2f}x faster than {other} "
-                                + ("(target >= 2.5x)" if other != "stock" else ""))
-    transfer_targets.append(f"fan-out K=1: relay link utilisation {_util(cases['relay', 1]):.0%} (target >= 85%)")
+        transfer_targets.append(
+            f"fan-out K=4: relay {med[other, 4] / relay4:.2f}x faster than {other} "
+            + ("(target >= 2.5x)" if other != "stock" else "")
+        )
+    transfer_targets.append(
+        f"fan-out K=1: relay link utilisation {_util(cases['relay', 1]):.0%} (target >= 85%)"
+    )
     return run, cases
 
 
@@ -74,8 +100,16 @@ def test_fanout(benchmark, fanout_run, k, method):
     case = cases[method, k]
     impl, mode = ROWS[method]
     util = _util(case)
-    benchmark.extra_info.update(case=f"fan-out {MIB} MiB to K={k} ({RATE} hosts)", impl=impl, mode=mode,
-                                bytes=run["bytes"], backend="gloo", ok=case["ok"], receivers=k,
-                                stock_mode="init_remote + consolidated", link_utilisation=round(util, 3))
+    benchmark.extra_info.update(
+        case=f"fan-out {MIB} MiB to K={k} ({RATE} hosts)",
+        impl=impl,
+        mode=mode,
+        bytes=run["bytes"],
+        backend="gloo",
+        ok=case["ok"],
+        receivers=k,
+        stock_mode="init_remote + consolidated",
+        link_utilisation=round(util, 3),
+    )
     tb.replay(benchmark, CLOCK, case["seconds"])
     assert case["ok"], f"{method} K={k}: a receiver holds wrong values"

@@ -31,7 +31,9 @@ ACTORS = 8
 MODEL_BYTES = 16 * 10**6
 ROUNDS = 15
 JOINS = 3
-PUSH_MODES = [(who, transport) for transport in ("auto", "wire", "relay") for who in ("fixed ranks", "joined")]
+PUSH_MODES = [
+    (who, transport) for transport in ("auto", "wire", "relay") for who in ("fixed ranks", "joined")
+]
 
 CLOCK = tb.VirtualClock("membership_clock")
 pytestmark = [pytest.mark.timeout(900), pytest.mark.benchmark(timer=CLOCK)]
@@ -39,25 +41,38 @@ _RESULTS: dict = {}
 
 
 def _model(fill: float) -> TensorDict:
-    return TensorDict({f"layer{i:02d}": torch.full((MODEL_BYTES // 16 // 4,), fill) for i in range(16)})
+    return TensorDict(
+        {f"layer{i:02d}": torch.full((MODEL_BYTES // 16 // 4,), fill) for i in range(16)}
+    )
 
 
 def _store(rank: int) -> dist.TCPStore:
     """A TCPStore hosted by rank 0, its port told to the others through the world group."""
     port = [0]
     if rank == 0:
-        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=120))
+        store = dist.TCPStore(
+            "127.0.0.1",
+            0,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=120),
+        )
         port = [store.port]
     dist.broadcast_object_list(port, src=0)
     if rank:
-        store = dist.TCPStore("127.0.0.1", port[0], is_master=False, timeout=datetime.timedelta(seconds=120))
+        store = dist.TCPStore(
+            "127.0.0.1", port[0], is_master=False, timeout=datetime.timedelta(seconds=120)
+        )
     return store
 
 
 def _sending(transport: str) -> dict:
     """A sender's options for a mode's transport (``relay``: a relay chain on the wire)."""
-    return {"transport": "wire", "fanout": "relay"} if transport == "relay" else {"transport": transport}
+    return (
+        {"transport": "wire", "fanout": "relay"}
+        if transport == "relay"
+        else {"transport": transport}
+    )
 
 
 def time_membership(rank: int, world: int, group) -> dict:
@@ -68,17 +83,23 @@ def time_membership(rank: int, world: int, group) -> dict:
         name = f"bench-{transport}"
         if who == "fixed ranks":
             if rank == 0:
-                ends[who, transport] = cudarecv.WeightSender(_model(0), dst=list(range(1, world)),
-                                                             **_sending(transport))
+                ends[who, transport] = cudarecv.WeightSender(
+                    _model(0), dst=list(range(1, world)), **_sending(transport)
+                )
             else:
-                ends[who, transport] = cudarecv.WeightReceiver(src=0, transport=_sending(transport)["transport"])
+                ends[who, transport] = cudarecv.WeightReceiver(
+                    src=0, transport=_sending(transport)["transport"]
+                )
             continue
         if rank == 0:
-            ends[who, transport] = cudarecv.WeightSender(_model(0), store=store, name=name, **_sending(transport))
+            ends[who, transport] = cudarecv.WeightSender(
+                _model(0), store=store, name=name, **_sending(transport)
+            )
         for joiner in range(1, world):  # one by one
             if rank == joiner:
-                ends[who, transport] = cudarecv.WeightReceiver(store=store, name=name,
-                                                               transport=_sending(transport)["transport"])
+                ends[who, transport] = cudarecv.WeightReceiver(
+                    store=store, name=name, transport=_sending(transport)["transport"]
+                )
             dist.barrier()
     for _ in range(ROUNDS):
         for mode in PUSH_MODES:
@@ -87,7 +108,9 @@ def time_membership(rank: int, world: int, group) -> dict:
             if rank == 0:
                 started = time.perf_counter()
                 end.push()
-                out["push"].setdefault(f"{mode[0]} {mode[1]}", []).append(time.perf_counter() - started)
+                out["push"].setdefault(f"{mode[0]} {mode[1]}", []).append(
+                    time.perf_counter() - started
+                )
             else:
                 version = end.pull()
                 out["ok"] &= version == end.version
@@ -128,26 +151,41 @@ def nine_ranks():
 def _results(nine_ranks) -> dict:
     if not _RESULTS:
         out = nine_ranks.get().run(time_membership, timeout=840)
-        _RESULTS.update(push=out[0]["push"], join=[s for o in out[1:] for s in o["join"]],
-                        ok=all(o["ok"] for o in out))
+        _RESULTS.update(
+            push=out[0]["push"],
+            join=[s for o in out[1:] for s in o["join"]],
+            ok=all(o["ok"] for o in out),
+        )
     return _RESULTS
 
 
-@pytest.mark.parametrize("who, transport", PUSH_MODES, ids=[f"{w.replace(' ', '-')}-{t}" for w, t in PUSH_MODES])
+@pytest.mark.parametrize(
+    "who, transport", PUSH_MODES, ids=[f"{w.replace(' ', '-')}-{t}" for w, t in PUSH_MODES]
+)
 def test_push_to_8(benchmark, nine_ranks, who, transport):
     results = _results(nine_ranks)
     seconds = results["push"][f"{who} {transport}"]
-    benchmark.extra_info.update(case=f"push {MODEL_BYTES // 10**6} MB to {ACTORS} receivers", impl="cudarecv",
-                                mode=f"{who}, transport={transport}", bytes=MODEL_BYTES, backend="gloo",
-                                ok=results["ok"])
+    benchmark.extra_info.update(
+        case=f"push {MODEL_BYTES // 10**6} MB to {ACTORS} receivers",
+        impl="cudarecv",
+        mode=f"{who}, transport={transport}",
+        bytes=MODEL_BYTES,
+        backend="gloo",
+        ok=results["ok"],
+    )
     tb.replay(benchmark, CLOCK, seconds)
     assert results["ok"], "a receiver held a wrong version"
 
 
 def test_join_to_first_version(benchmark, nine_ranks):
     results = _results(nine_ranks)
-    benchmark.extra_info.update(case=f"join to first version, {MODEL_BYTES // 10**6} MB", impl="cudarecv",
-                                mode="WeightReceiver(store=...) + first pull (latest)", bytes=MODEL_BYTES,
-                                backend="gloo", ok=results["ok"])
+    benchmark.extra_info.update(
+        case=f"join to first version, {MODEL_BYTES // 10**6} MB",
+        impl="cudarecv",
+        mode="WeightReceiver(store=...) + first pull (latest)",
+        bytes=MODEL_BYTES,
+        backend="gloo",
+        ok=results["ok"],
+    )
     tb.replay(benchmark, CLOCK, results["join"])
     assert results["ok"], "a receiver held a wrong version"

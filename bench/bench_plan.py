@@ -26,10 +26,21 @@ def test_plan_lookup(benchmark, locked, layout):
     if locked:
         td.lock_()
     plan = plan_for(td)
-    found = benchmark.pedantic(plan_for, args=(td, layout), rounds=200, iterations=1, warmup_rounds=5)
-    mode = ("locked" if locked else "unlocked") + (", + dtype and shape" if layout else ", pointers and contiguity")
-    benchmark.extra_info.update({
-        "case": f"plan lookup {LEAVES} leaves", "impl": "cudarecv", "mode": mode,
-        "bytes": 0, "leaves": LEAVES, "backend": "cpu", "ok": found is plan,
-    })
+    found = benchmark.pedantic(
+        plan_for, args=(td, layout), rounds=200, iterations=1, warmup_rounds=5
+    )
+    mode = ("locked" if locked else "unlocked") + (
+        ", + dtype and shape" if layout else ", pointers and contiguity"
+    )
+    benchmark.extra_info.update(
+        {
+            "case": f"plan lookup {LEAVES} leaves",
+            "impl": "cudarecv",
+            "mode": mode,
+            "bytes": 0,
+            "leaves": LEAVES,
+            "backend": "cpu",
+            "ok": found is plan,
+        }
+    )
     assert found is plan

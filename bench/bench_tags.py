@@ -82,7 +82,9 @@ def _run_child(code: str) -> dict:
 def _record(benchmark, impl: str, runs: list[dict]) -> float:
     """The bench's extra_info and rounds (the children's own times); returns their median."""
     seconds = [r["seconds"] for r in runs]
-    benchmark.extra_info.update(case="tags 100k", impl=impl, mode="pseudo_rand", bytes=0, leaves=LEAVES)
+    benchmark.extra_info.update(
+        case="tags 100k", impl=impl, mode="pseudo_rand", bytes=0, leaves=LEAVES
+    )
     tb.replay(benchmark, CLOCK, seconds)
     return statistics.median(seconds)
 

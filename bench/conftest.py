@@ -32,8 +32,8 @@ the run (the transfer benches' target ratios).
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -72,7 +72,9 @@ def pytest_configure(config: pytest.Config) -> None:
     if not config.pluginmanager.hasplugin("timeout"):
         config.addinivalue_line("markers", "timeout(seconds): per-test time limit (pytest-timeout)")
     if not config.pluginmanager.hasplugin("benchmark"):  # bench_gpu.py's stand-in fixture reads it
-        config.addinivalue_line("markers", "benchmark(timer=...): the bench's clock (pytest-benchmark)")
+        config.addinivalue_line(
+            "markers", "benchmark(timer=...): the bench's clock (pytest-benchmark)"
+        )
 
 
 @pytest.fixture(scope="session")
@@ -92,7 +94,9 @@ def transfer_targets() -> list[str]:
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
     peaks = sorted(_MEMORY.peaks.items(), key=lambda item: -item[1])
     if peaks:
-        terminalreporter.section("cudarecv bench memory (Pss of the process tree, shared memory once)")
+        terminalreporter.section(
+            "cudarecv bench memory (Pss of the process tree, shared memory once)"
+        )
         for case, size in peaks[:8]:
             terminalreporter.write_line(f"{size / 1e9:6.2f} GB  {case}")
     if _TARGET_LINES:

@@ -65,12 +65,42 @@ _EXPORTS = {
     "start_thread": ".core.shutdown",
 }
 __all__ = [
-    "ArgumentError", "ArgumentTypeError", "BrokenError", "ChecksumError", "Error", "HeaderError",
-    "KernelCompileError", "LinkError", "MismatchError", "OutOfStepError", "PeerError", "PushHeaderError",
-    "ReceiverFailed", "RelayLost", "SchemaError", "SenderClosed", "SenderFenced",
-    "StoreError", "StoreRecordError", "Transfer", "TransferTimeout", "UsageError", "WaitTimeout", "WeightReceiver",
-    "WeightSender", "install", "installed", "irecv", "is_installed", "isend", "recv", "send", "start_thread",
-    "store_group", "tag_sequence", "uninstall",
+    "ArgumentError",
+    "ArgumentTypeError",
+    "BrokenError",
+    "ChecksumError",
+    "Error",
+    "HeaderError",
+    "KernelCompileError",
+    "LinkError",
+    "MismatchError",
+    "OutOfStepError",
+    "PeerError",
+    "PushHeaderError",
+    "ReceiverFailed",
+    "RelayLost",
+    "SchemaError",
+    "SenderClosed",
+    "SenderFenced",
+    "StoreError",
+    "StoreRecordError",
+    "Transfer",
+    "TransferTimeout",
+    "UsageError",
+    "WaitTimeout",
+    "WeightReceiver",
+    "WeightSender",
+    "install",
+    "installed",
+    "irecv",
+    "is_installed",
+    "isend",
+    "recv",
+    "send",
+    "start_thread",
+    "store_group",
+    "tag_sequence",
+    "uninstall",
 ]
 
 if TYPE_CHECKING:
@@ -106,6 +136,7 @@ if TYPE_CHECKING:
     from .plan.tags import tag_sequence
     from .weights.receiver import WeightReceiver
     from .weights.sender import WeightSender
+
 
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import re
 
-_ROLE = re.compile(r":(?:py:)?(?:mod|class|func|meth|attr|data|exc|obj|const):<code>(~?)([^<]*)</code>")
+_ROLE = re.compile(
+    r":(?:py:)?(?:mod|class|func|meth|attr|data|exc|obj|const):<code>(~?)([^<]*)</code>"
+)
 _LONE_LITERAL = re.compile(r"<p>::</p>")
 _CLOSING_LITERAL = re.compile(r"::</p>")
 

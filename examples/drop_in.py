@@ -14,17 +14,23 @@ import cudarecv
 
 
 def make_td(value: float) -> TensorDict:
-    return TensorDict({"obs": torch.full((64, 8), value), "net": {"w": torch.full((256,), value)}}, batch_size=[])
+    return TensorDict(
+        {"obs": torch.full((64, 8), value), "net": {"w": torch.full((256,), value)}}, batch_size=[]
+    )
 
 
 def main(rank: int, world: int, port: int) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
     try:
         if rank == 0:
             td = make_td(1.0)
             cudarecv.send(td, dst=1)  # the stock wire: a stock `td.recv(src=0)` takes it too
             td.apply_(lambda t: t.add_(1))
-            cudarecv.send(td, dst=1, bucket_bytes=1 << 20, timeout=30)  # the fast wire: both ends pass it
+            cudarecv.send(
+                td, dst=1, bucket_bytes=1 << 20, timeout=30
+            )  # the fast wire: both ends pass it
             with cudarecv.installed():  # or make them the TensorDict methods
                 td.send(dst=1)
         else:
@@ -36,7 +42,9 @@ def main(rank: int, world: int, port: int) -> None:
             assert (td["net", "w"] == 2).all()
             with cudarecv.installed():
                 td.recv(src=0)
-            print(f"rank 1 received 3 transfers; obs[0, 0] = {td['obs'][0, 0].item():g}", flush=True)
+            print(
+                f"rank 1 received 3 transfers; obs[0, 0] = {td['obs'][0, 0].item():g}", flush=True
+            )
     finally:
         dist.destroy_process_group()
 

@@ -18,7 +18,9 @@ import sys
 try:
     import ray
 except ModuleNotFoundError as missing:  # the ray extra is not installed: say which, not a traceback
-    sys.exit(f"examples/ray_actors.py needs Ray, the ray extra ({missing}): pip install \"cudarecv[ray]\"")
+    sys.exit(
+        f'examples/ray_actors.py needs Ray, the ray extra ({missing}): pip install "cudarecv[ray]"'
+    )
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
@@ -29,7 +31,9 @@ NAME = "policy"
 
 
 def policy(version: int) -> TensorDict:
-    return TensorDict(w=torch.full((256, 256), float(version)), b=torch.full((256,), -float(version)))
+    return TensorDict(
+        w=torch.full((256, 256), float(version)), b=torch.full((256,), -float(version))
+    )
 
 
 @ray.remote(num_cpus=0)
@@ -60,10 +64,14 @@ def main() -> None:
     parser.add_argument("--pushes", type=int, default=30)
     args = parser.parse_args()
     if args.pushes < 2 or args.actors < 1:
-        parser.error("--pushes must be 2 or more (an actor is killed halfway) and --actors 1 or more")
+        parser.error(
+            "--pushes must be 2 or more (an actor is killed halfway) and --actors 1 or more"
+        )
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     host = ray.util.get_node_ip_address()  # where the actors reach the trainer's store
-    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60))
+    store = dist.TCPStore(
+        host, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60)
+    )
     td = policy(0)
     sender = cudarecv.WeightSender(td, store=store, name=NAME, mode="latest", timeout=60)
     actors = [Actor.remote(host, store.port) for _ in range(args.actors)]
@@ -73,7 +81,9 @@ def main() -> None:
         td["b"].fill_(-step)
         sender.push()  # returns at once (latest mode); a killed actor never makes it raise
         pulled += ray.get([actor.pull.remote() for actor in actors])
-        if step == args.pushes // 2:  # an actor is lost (preempted, crashed), and its replacement joins
+        if (
+            step == args.pushes // 2
+        ):  # an actor is lost (preempted, crashed), and its replacement joins
             killed = ray.get(actors[0].ident.remote())
             ray.kill(actors[0])
             actors[0] = Actor.remote(host, store.port)
@@ -83,8 +93,10 @@ def main() -> None:
     ray.shutdown()
     whole = all(ok for _, ok in pulled)
     dropped = [r["id"] for r in receivers if r["state"] not in ("served", "closed by its receiver")]
-    print(f"ray actors: {len(receivers)} joined, dropped {dropped} (the killed actor's: {dropped == [killed]}), "
-          f"{len(pulled)} pulls, every version whole: {whole}, last version {max(v for v, _ in pulled)}")
+    print(
+        f"ray actors: {len(receivers)} joined, dropped {dropped} (the killed actor's: {dropped == [killed]}), "
+        f"{len(pulled)} pulls, every version whole: {whole}, last version {max(v for v, _ in pulled)}"
+    )
     if not whole or dropped != [killed] or len(receivers) != args.actors + 1:
         raise SystemExit("unexpected: see above")
 

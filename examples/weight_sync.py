@@ -26,14 +26,19 @@ def policy() -> torch.nn.Module:
 def trainer(mode: str) -> None:
     model = policy()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with cudarecv.WeightSender(TensorDict.from_module(model), dst=[1, 2], mode=mode, timeout=60) as sender:
+    with cudarecv.WeightSender(
+        TensorDict.from_module(model), dst=[1, 2], mode=mode, timeout=60
+    ) as sender:
         for _ in range(STEPS):
             loss = model(torch.randn(32, 8)).pow(2).mean()  # a training step
             opt.zero_grad()
             loss.backward()
             opt.step()
             sender.push()  # sync: returns once both actors have it; latest: at once
-        print(f"trainer ({mode}): pushed {sender.version} versions to ranks {sender.ranks}", flush=True)
+        print(
+            f"trainer ({mode}): pushed {sender.version} versions to ranks {sender.ranks}",
+            flush=True,
+        )
         dist.barrier()  # the actors hold the final version: close after them
 
 
@@ -48,11 +53,16 @@ def actor(rank: int, mode: str) -> None:
             if rank == 2:
                 time.sleep(0.05)  # a slow actor: in latest mode the trainer does not wait for it
         dist.barrier()
-        print(f"actor {rank} ({receiver.mode}): {pulls} pulls, holds version {receiver.version}", flush=True)
+        print(
+            f"actor {rank} ({receiver.mode}): {pulls} pulls, holds version {receiver.version}",
+            flush=True,
+        )
 
 
 def main(rank: int, world: int, port: int, mode: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
     try:
         trainer(mode) if rank == 0 else actor(rank, mode)
     finally:

@@ -31,7 +31,9 @@ ELEMENTS = 1 << 16  # per leaf: 256 KiB of float32, many messages per version on
 
 
 def weights(version: int = 0) -> TensorDict:
-    return TensorDict(w=torch.full((ELEMENTS,), float(version)), b=torch.full((ELEMENTS // 4,), -float(version)))
+    return TensorDict(
+        w=torch.full((ELEMENTS,), float(version)), b=torch.full((ELEMENTS // 4,), -float(version))
+    )
 
 
 def store_client(port: int, host: str = "127.0.0.1") -> Any:
@@ -59,7 +61,15 @@ def actor(conn: Any, host: str, port: int, name: str, index: int, timeout: float
         conn.close()
     store = store_client(port, host)
     receiver = cudarecv.WeightReceiver(store=store, name=name, timeout=timeout)
-    stats = {"pulled": 0, "first": None, "last": 0, "torn": 0, "not_newer": 0, "rejoins": 0, "id": receiver.id}
+    stats = {
+        "pulled": 0,
+        "first": None,
+        "last": 0,
+        "torn": 0,
+        "not_newer": 0,
+        "rejoins": 0,
+        "id": receiver.id,
+    }
     key = f"churn/{index}"
     generation, answered = receiver.generation, 0
     while not store.check([f"{key}/close"]):
@@ -67,7 +77,10 @@ def actor(conn: Any, host: str, port: int, name: str, index: int, timeout: float
             version = receiver.pull(timeout=5.0)
         except cudarecv.WaitTimeout:
             continue  # nothing newer yet: look for the close signal, then pull on
-        except (cudarecv.SenderClosed, cudarecv.LinkError):  # the trainer is gone, none new yet: pull on
+        except (
+            cudarecv.SenderClosed,
+            cudarecv.LinkError,
+        ):  # the trainer is gone, none new yet: pull on
             if stats["last"]:  # its last version stays readable meanwhile
                 with receiver.reading() as td:
                     stats["torn"] += not bool((td["w"] == stats["last"]).all())
@@ -81,12 +94,23 @@ def actor(conn: Any, host: str, port: int, name: str, index: int, timeout: float
         rejoined = receiver.generation != generation or receiver.id != stats["id"]
         stats["rejoins"] += rejoined
         # sync mode: every version pushed while it is served (a gap only where it was dropped and joined again)
-        stats["gaps"] = stats.get("gaps", 0) + (receiver.mode == "sync" and stats["last"] > 0
-                                                and version > stats["last"] + 1 and not rejoined)
-        stats.update(pulled=stats["pulled"] + 1, last=version, first=stats["first"] or version, id=receiver.id)
+        stats["gaps"] = stats.get("gaps", 0) + (
+            receiver.mode == "sync"
+            and stats["last"] > 0
+            and version > stats["last"] + 1
+            and not rejoined
+        )
+        stats.update(
+            pulled=stats["pulled"] + 1,
+            last=version,
+            first=stats["first"] or version,
+            id=receiver.id,
+        )
         generation = receiver.generation
         store.set(f"{key}/stats", json.dumps(stats))
-        if store.check([f"{key}/ping"]) and int(store.get(f"{key}/ping")) > answered:  # "pulled after my ping"
+        if (
+            store.check([f"{key}/ping"]) and int(store.get(f"{key}/ping")) > answered
+        ):  # "pulled after my ping"
             answered = int(store.get(f"{key}/ping"))
             store.set(f"{key}/pong/{answered}", "1")
     receiver.close()
@@ -96,8 +120,17 @@ def actor(conn: Any, host: str, port: int, name: str, index: int, timeout: float
 class Fleet:
     """The actors of one churn run, and the events on them (see the module docstring)."""
 
-    def __init__(self, store: Any, port: int, name: str, timeout: float, seed: int, host: str = "127.0.0.1",
-                 fork: Any = None, first: int = 1) -> None:
+    def __init__(
+        self,
+        store: Any,
+        port: int,
+        name: str,
+        timeout: float,
+        seed: int,
+        host: str = "127.0.0.1",
+        fork: Any = None,
+        first: int = 1,
+    ) -> None:
         self.store, self.port, self.name, self.timeout, self.host = store, port, name, timeout, host
         self.rng = random.Random(seed)
         self.fork = fork or fork_process
@@ -120,21 +153,31 @@ class Fleet:
             self.store.wait([pong], datetime.timedelta(seconds=WAIT))
         except Exception as error:
             process = self.running.get(index) or self.stopped.get(index)
-            stats = self.store.get(f"churn/{index}/stats") if self.store.check([f"churn/{index}/stats"]) else None
-            raise AssertionError(f"actor {index} pulled no version within {WAIT:g} s (its exit code: "
-                                 f"{None if process is None else process.exitcode}; its stats: {stats})") from error
+            stats = (
+                self.store.get(f"churn/{index}/stats")
+                if self.store.check([f"churn/{index}/stats"])
+                else None
+            )
+            raise AssertionError(
+                f"actor {index} pulled no version within {WAIT:g} s (its exit code: "
+                f"{None if process is None else process.exitcode}; its stats: {stats})"
+            ) from error
 
     def start(self) -> None:
         index = self.count = self.count + 1
         pong = self.ping(index)
-        self.running[index] = self.fork(actor, (self.host, self.port, self.name, index, self.timeout))
+        self.running[index] = self.fork(
+            actor, (self.host, self.port, self.name, index, self.timeout)
+        )
         self.pulled(index, pong)
 
     def close(self, index: int) -> None:
         process = self.running.pop(index)
         self.store.set(f"churn/{index}/close", "1")
         process.join(WAIT)
-        assert process.exitcode == 0, f"actor {index} exited with {process.exitcode} after its close"
+        assert process.exitcode == 0, (
+            f"actor {index} exited with {process.exitcode} after its close"
+        )
         self.ended.append((index, process, "closed"))
 
     def kill(self, index: int) -> None:
@@ -186,8 +229,11 @@ class Fleet:
             self.close(index)
 
     def stats(self) -> dict[int, dict]:
-        return {i: json.loads(self.store.get(f"churn/{i}/stats")) for i in range(self.first, self.count + 1)
-                if self.store.check([f"churn/{i}/stats"])}
+        return {
+            i: json.loads(self.store.get(f"churn/{i}/stats"))
+            for i in range(self.first, self.count + 1)
+            if self.store.check([f"churn/{i}/stats"])
+        }
 
 
 class Spawned:
@@ -219,8 +265,13 @@ def in_host(namespace: str) -> Any:
 
     def start(target: Any, args: tuple) -> Spawned:
         code = f"import sys; sys.path.insert(0, {here!r}); import churn; churn.{target.__name__}(None, *{args!r})"
-        return Spawned(subprocess.Popen(["ip", "netns", "exec", namespace, sys.executable, "-c", code],
-                                        env={**os.environ, "GLOO_SOCKET_IFNAME": "eth0"}, start_new_session=True))
+        return Spawned(
+            subprocess.Popen(
+                ["ip", "netns", "exec", namespace, sys.executable, "-c", code],
+                env={**os.environ, "GLOO_SOCKET_IFNAME": "eth0"},
+                start_new_session=True,
+            )
+        )
 
     return start
 
@@ -255,7 +306,9 @@ class Pusher:
                 return
             if self.store is not None:  # (a trainer of its own: what it pushed, for the test)
                 self.store.set(self.key, str(version))
-            self._stop.wait(PACE)  # (a trainer's step takes a while: the actors, on 2 cores too, get their turn)
+            self._stop.wait(
+                PACE
+            )  # (a trainer's step takes a while: the actors, on 2 cores too, get their turn)
 
     def stop(self) -> None:
         self._stop.set()
@@ -267,13 +320,18 @@ def resources() -> dict:
     """This process's threads, open descriptors and resident memory (bytes)."""
     with open("/proc/self/statm") as f:
         resident = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    return {"threads": threading.active_count(), "fds": len(os.listdir("/proc/self/fd")), "resident": resident}
+    return {
+        "threads": threading.active_count(),
+        "fds": len(os.listdir("/proc/self/fd")),
+        "resident": resident,
+    }
 
 
 @contextlib.contextmanager
 def master_store(address: str = "127.0.0.1") -> Any:
-    store = dist.TCPStore(address, 0, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=WAIT))
+    store = dist.TCPStore(
+        address, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=WAIT)
+    )
     try:
         yield store
     finally:

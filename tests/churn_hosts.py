@@ -12,14 +12,27 @@ import churn
 import cudarecv
 
 
-def main(namespaces: list[str], address: str, events: int, seed: int, timeout: float, mode: str) -> None:
+def main(
+    namespaces: list[str], address: str, events: int, seed: int, timeout: float, mode: str
+) -> None:
     with churn.master_store(address) as store:
         td = churn.weights(1)
         sender = cudarecv.WeightSender(td, store=store, name="hosts", mode=mode, timeout=timeout)
         sender.push()
         pusher = churn.Pusher(sender, td)
-        fleets = [churn.Fleet(store, store.port, "hosts", timeout, seed + i, host=address, fork=churn.in_host(ns),
-                              first=1000 * (i + 1)) for i, ns in enumerate(namespaces)]  # (indices apart)
+        fleets = [
+            churn.Fleet(
+                store,
+                store.port,
+                "hosts",
+                timeout,
+                seed + i,
+                host=address,
+                fork=churn.in_host(ns),
+                first=1000 * (i + 1),
+            )
+            for i, ns in enumerate(namespaces)
+        ]  # (indices apart)
         transports = set()
         try:
             for k in range(events):
@@ -34,11 +47,23 @@ def main(namespaces: list[str], address: str, events: int, seed: int, timeout: f
             for fleet in fleets:
                 fleet.end()
         stats = {i: s for fleet in fleets for i, s in fleet.stats().items()}
-        out = {"events": [fleet.events for fleet in fleets], "stats": stats, "errors": [repr(e) for e in pusher.errors],
-               "receivers": receivers, "ended": [(i, how) for fleet in fleets for i, _, how in fleet.ended],
-               "transports": sorted(transports)}
+        out = {
+            "events": [fleet.events for fleet in fleets],
+            "stats": stats,
+            "errors": [repr(e) for e in pusher.errors],
+            "receivers": receivers,
+            "ended": [(i, how) for fleet in fleets for i, _, how in fleet.ended],
+            "transports": sorted(transports),
+        }
     print("CHURN " + json.dumps(out), flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1].split(","), sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]), sys.argv[6])
+    main(
+        sys.argv[1].split(","),
+        sys.argv[2],
+        int(sys.argv[3]),
+        int(sys.argv[4]),
+        float(sys.argv[5]),
+        sys.argv[6],
+    )

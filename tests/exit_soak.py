@@ -29,7 +29,10 @@ BUSY = "import time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() 
 def soak(command: list[str], runs: int, busy: int, timeout: float, keep: str) -> dict:
     """``runs`` runs of ``command``, one after the other, with ``busy`` spinning processes beside them."""
     os.makedirs(keep, exist_ok=True)
-    spinners = [subprocess.Popen([sys.executable, "-c", BUSY.format(seconds=runs * timeout)]) for _ in range(busy)]
+    spinners = [
+        subprocess.Popen([sys.executable, "-c", BUSY.format(seconds=runs * timeout)])
+        for _ in range(busy)
+    ]
     codes: collections.Counter = collections.Counter()
     aborts, loads, started = [], [], time.monotonic()
     try:
@@ -47,14 +50,27 @@ def soak(command: list[str], runs: int, busy: int, timeout: float, keep: str) ->
             if code != 0 or aborted:
                 with open(os.path.join(keep, f"run{run:03d}.log"), "w") as f:
                     f.write(f"exit {code}\n{out}")
-            print(f"run {run}: exit {code}{' ABORT' if aborted else ''}", file=sys.stderr, flush=True)
+            print(
+                f"run {run}: exit {code}{' ABORT' if aborted else ''}", file=sys.stderr, flush=True
+            )
     finally:
         for spinner in spinners:
             spinner.kill()
             spinner.wait(10)
-    return {"command": " ".join(command), "runs": runs, "busy": busy, "aborts": len(aborts), "aborted_runs": aborts,
-            "exit_codes": dict(codes), "seconds": round(time.monotonic() - started, 1),
-            "load_1min": {"min": min(loads), "mean": round(sum(loads) / len(loads), 1), "max": max(loads)}}
+    return {
+        "command": " ".join(command),
+        "runs": runs,
+        "busy": busy,
+        "aborts": len(aborts),
+        "aborted_runs": aborts,
+        "exit_codes": dict(codes),
+        "seconds": round(time.monotonic() - started, 1),
+        "load_1min": {
+            "min": min(loads),
+            "mean": round(sum(loads) / len(loads), 1),
+            "max": max(loads),
+        },
+    }
 
 
 def main() -> None:
@@ -62,7 +78,9 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=50)
     parser.add_argument("--busy", type=int, default=4, help="spinning processes beside the runs")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds one run may take")
-    parser.add_argument("--keep", default="exit_soak_logs", help="where the output of failed runs goes")
+    parser.add_argument(
+        "--keep", default="exit_soak_logs", help="where the output of failed runs goes"
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     command = args.command[1:] if args.command[:1] == ["--"] else args.command

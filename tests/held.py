@@ -16,14 +16,19 @@ from tensordict import TensorDict
 import cudarecv
 from rawwire import store
 
-SHARED_THREADS = {"cudarecv-deadlines"}  # one per process, for every transfer (it holds them weakly)
+SHARED_THREADS = {
+    "cudarecv-deadlines"
+}  # one per process, for every transfer (it holds them weakly)
 
 
 def threads() -> set[str]:
     """cudarecv's threads alive in this process but the process-wide ones (named with their idents: several
     share a name)."""
-    return {f"{t.name}#{t.ident}" for t in threading.enumerate()
-            if t.name.startswith("cudarecv") and t.name not in SHARED_THREADS}
+    return {
+        f"{t.name}#{t.ident}"
+        for t in threading.enumerate()
+        if t.name.startswith("cudarecv") and t.name not in SHARED_THREADS
+    }
 
 
 def shared_maps() -> int:
@@ -37,7 +42,12 @@ def resources(device: str = "cpu") -> tuple[int, ...]:
     """cudarecv's threads, all threads, descriptors and shared mappings of this process (and on a GPU, the
     device memory allocated and reserved)."""
     gc.collect()
-    held = (len(threads()), len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd")), shared_maps())
+    held = (
+        len(threads()),
+        len(os.listdir("/proc/self/task")),
+        len(os.listdir("/proc/self/fd")),
+        shared_maps(),
+    )
     if device != "cuda":
         return held
     torch.cuda.synchronize()
@@ -48,30 +58,50 @@ def sync_weights(rank: int, pg: object, td: TensorDict, mode: str, key: str) -> 
     """One version of ``td`` from rank 0 to rank 1, each end closed after; what carried it."""
     if rank == 0:
         with cudarecv.WeightSender(td, group=pg, group_dst=1, mode=mode, timeout=20) as sender:
-            carried = sender.transports[1]  # (chosen at the handshake; a receiver closed is no longer listed)
+            carried = sender.transports[
+                1
+            ]  # (chosen at the handshake; a receiver closed is no longer listed)
             td["w"].fill_(3.0)
             sender.push()
             store().wait([f"{key}_{mode}"])  # (latest: not closed before the receiver has it)
             return carried
-    with cudarecv.WeightReceiver(group=pg, group_src=0, device=td["w"].device, timeout=20) as receiver:
+    with cudarecv.WeightReceiver(
+        group=pg, group_src=0, device=td["w"].device, timeout=20
+    ) as receiver:
         receiver.pull()
         assert bool((receiver.td["w"] == 3.0).all())
         store().set(f"{key}_{mode}", "1")
         return receiver.transport
 
 
-def transfers(rank: int, pg: object, tds: list[TensorDict], good: TensorDict, transport: str) -> tuple[int, list]:
+def transfers(
+    rank: int, pg: object, tds: list[TensorDict], good: TensorDict, transport: str
+) -> tuple[int, list]:
     """Send each of ``tds`` (rank 0) into ``good`` (rank 1): how many the receiver refused, and what carried
     each transfer the receiver took."""
     refused, routes = 0, []
     for td in tds:
         if rank == 0:
-            [sent] = cudarecv.isend(td, group=pg, group_dst=1, bucket_bytes=1 << 12, timeout=20, transport=transport,
-                                    return_early=True)
+            [sent] = cudarecv.isend(
+                td,
+                group=pg,
+                group_dst=1,
+                bucket_bytes=1 << 12,
+                timeout=20,
+                transport=transport,
+                return_early=True,
+            )
             sent.wait()
             continue
-        [received] = cudarecv.irecv(good, group=pg, group_src=0, bucket_bytes=1 << 12, timeout=20,
-                                    transport=transport, return_premature=True)
+        [received] = cudarecv.irecv(
+            good,
+            group=pg,
+            group_src=0,
+            bucket_bytes=1 << 12,
+            timeout=20,
+            transport=transport,
+            return_premature=True,
+        )
         try:
             received.wait()
             routes.append(received.transport)
@@ -106,17 +136,28 @@ def weights_and_transfers(rank, world, group, transport, bad, key, device="cpu")
     dist.destroy_process_group(pg)
     del pg, weights, good, wrong
     gc.collect()
-    return refused, exact, links, sorted(threads() - before), [r() is not None for r in refs], carried + routes
+    return (
+        refused,
+        exact,
+        links,
+        sorted(threads() - before),
+        [r() is not None for r in refs],
+        carried + routes,
+    )
 
 
 def many_transfers(rank, world, group, transport, key, device="cpu"):
     """1000 fast-wire transfers on a new group, every fourth refused: threads, descriptors and mappings (and
     device memory) after the first 20 and after all 1000."""
     pg = dist.new_group([0, 1], backend="gloo")
-    good = TensorDict(x=torch.full((4096,), 1.0 + rank, device=device), y=torch.zeros(10, dtype=torch.int64,
-                                                                                       device=device))
-    wrong = TensorDict(x=torch.zeros(4096, dtype=torch.int32, device=device),
-                       y=torch.zeros(10, dtype=torch.int64, device=device))
+    good = TensorDict(
+        x=torch.full((4096,), 1.0 + rank, device=device),
+        y=torch.zeros(10, dtype=torch.int64, device=device),
+    )
+    wrong = TensorDict(
+        x=torch.zeros(4096, dtype=torch.int32, device=device),
+        y=torch.zeros(10, dtype=torch.int64, device=device),
+    )
     tds = [wrong if i % 4 == 3 else good for i in range(1000)]
     refused, _ = transfers(rank, pg, tds[:20], good, transport)
     early = resources(device)

@@ -35,8 +35,11 @@ VICTIM = 2
 def cross_section(rank: int, world: int) -> dict:
     out: dict = {"host": os.environ["CUDARECV_HOST"]}
     if rank < 2:  # ranks 0 and 1 are on different hosts
-        out["interop"] = {f"{s}->{r}:{mode}": transfer(rank, 2, None, s, r, True, MODES[mode])
-                          for s, r in PAIRS for mode in ("plain", "consolidated")}
+        out["interop"] = {
+            f"{s}->{r}:{mode}": transfer(rank, 2, None, s, r, True, MODES[mode])
+            for s, r in PAIRS
+            for mode in ("plain", "consolidated")
+        }
         out["mismatch"] = mismatch_then_ok(rank, 2, None, "buckets-shape")
     dist.barrier()
     for fanout in ("star", "relay"):
@@ -60,7 +63,9 @@ def sharded_relay(rank: int) -> object:
         with cudarecv.WeightSender(td, dst=[2, 3], timeout=TIMEOUT, verify=True) as sender:
             set_sharded_version(td, 1)
             sender.push()
-            transports = sender.transports  # (read before the receivers can have closed: they await version 3)
+            transports = (
+                sender.transports
+            )  # (read before the receivers can have closed: they await version 3)
             for version in (2, 3):
                 set_sharded_version(td, version)
                 sender.push()
@@ -89,18 +94,30 @@ def kill(rank: int, world: int) -> dict:
     out: dict = {"host": os.environ["CUDARECV_HOST"]}
     td = _big_model()
     if rank == 0:
-        with cudarecv.WeightSender(td, dst=list(range(1, world)), fanout="relay", bucket_bytes=256 << 10,
-                                   timeout=TIMEOUT, verify=True) as sender:
+        with cudarecv.WeightSender(
+            td,
+            dst=list(range(1, world)),
+            fanout="relay",
+            bucket_bytes=256 << 10,
+            timeout=TIMEOUT,
+            verify=True,
+        ) as sender:
             for version in range(1, 60):
                 _fill(td, version)
                 try:
                     sender.push()
                 except cudarecv.Error as error:
-                    out.update(failed_version=version, error=f"{type(error).__name__}: {error}",
-                               failed_at=time.time(), ranks_left=sender.ranks)
+                    out.update(
+                        failed_version=version,
+                        error=f"{type(error).__name__}: {error}",
+                        failed_at=time.time(),
+                        ranks_left=sender.ranks,
+                    )
                     break
             out["after"] = []
-            for _ in range(2):  # every survivor gets these, through the healed chain (then it is told CLOSED)
+            for _ in range(
+                2
+            ):  # every survivor gets these, through the healed chain (then it is told CLOSED)
                 _fill(td, sender.version + 1)
                 out["after"].append(sender.push())
             out["ranks_after"] = sender.ranks
@@ -116,8 +133,14 @@ def kill(rank: int, world: int) -> dict:
         except cudarecv.SenderClosed:
             break
         except cudarecv.RelayLost as error:
-            lost.append([f"{type(error).__name__}: {error}", time.time(), receiver.version,
-                         _holds(receiver.td, receiver.version)])
+            lost.append(
+                [
+                    f"{type(error).__name__}: {error}",
+                    time.time(),
+                    receiver.version,
+                    _holds(receiver.td, receiver.version),
+                ]
+            )
             continue
         seen.append([version, _holds(receiver.td, version)])
     out.update(seen=seen, lost=lost)
@@ -154,7 +177,9 @@ def main() -> None:
         return
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     try:
-        result = (cross_section if scenario == "cross_section" else kill)(rank, dist.get_world_size())
+        result = (cross_section if scenario == "cross_section" else kill)(
+            rank, dist.get_world_size()
+        )
     finally:
         dist.destroy_process_group()  # also with a dead member: it releases this rank's side only
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:

@@ -7,8 +7,12 @@ import torch
 
 def policy(hidden: int = 16) -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, hidden), torch.nn.BatchNorm1d(hidden), torch.nn.ReLU(),
-                               torch.nn.Linear(hidden, 4))
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, hidden),
+        torch.nn.BatchNorm1d(hidden),
+        torch.nn.ReLU(),
+        torch.nn.Linear(hidden, 4),
+    )
 
 
 def set_version(model: torch.nn.Module, version: int) -> None:
@@ -24,6 +28,10 @@ def holds_version(td_or_model, version: int, hidden: int = 16) -> bool:
         tensors = list(td_or_model.parameters()) + list(td_or_model.buffers())
     else:
         model = policy(hidden)
-        tensors = [td_or_model.get(tuple(n.split("."))) for n, _ in
-                   list(model.named_parameters()) + list(model.named_buffers())]
-    return all(torch.equal(t, torch.full_like(t, version * 1000 + i)) for i, t in enumerate(tensors))
+        tensors = [
+            td_or_model.get(tuple(n.split(".")))
+            for n, _ in list(model.named_parameters()) + list(model.named_buffers())
+        ]
+    return all(
+        torch.equal(t, torch.full_like(t, version * 1000 + i)) for i, t in enumerate(tensors)
+    )

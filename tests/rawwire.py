@@ -15,7 +15,11 @@ def _pg(group):
 
 def raw_send(group, peer: int, data: bytes, tag: int, timeout: float = 10.0) -> None:
     """Send ``data`` as one message with ``tag`` (bounded wait)."""
-    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
+    buf = (
+        torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        if data
+        else torch.zeros(0, dtype=torch.uint8)
+    )
     _pg(group).send([buf], peer, tag).wait(timedelta(seconds=timeout))
 
 

@@ -26,11 +26,15 @@ def make(structure: str, fill: float):
         return (torch.arange(n, dtype=torch.float64) + fill * 1000 + salt).reshape(shape).to(dtype)
 
     if structure == "flat":
-        return TensorDict(z=v(3), a=v(2, 2, salt=1), m=v(5, dtype=torch.int64, salt=2), batch_size=[])
+        return TensorDict(
+            z=v(3), a=v(2, 2, salt=1), m=v(5, dtype=torch.int64, salt=2), batch_size=[]
+        )
     if structure == "nested":
         return TensorDict(
             b=v(4, salt=1),
-            a=TensorDict(y=v(2, 3, salt=2), x=TensorDict(q=v(1, dtype=torch.int32, salt=3)), batch_size=[]),
+            a=TensorDict(
+                y=v(2, 3, salt=2), x=TensorDict(q=v(1, dtype=torch.int32, salt=3)), batch_size=[]
+            ),
             c=v(2, dtype=torch.float64, salt=4),
             flag=v(3, dtype=torch.bool),
             text=NonTensorData("hello"),
@@ -48,8 +52,13 @@ def make(structure: str, fill: float):
             batch_size=[],
         )
     if structure == "zero_size":  # empty leaves have no storage (data pointer 0) once consolidated
-        return TensorDict(a=v(4), z=v(0, salt=1), e=v(2, 0, 3, salt=2), b=v(3, dtype=torch.int64, salt=3),
-                          batch_size=[])
+        return TensorDict(
+            a=v(4),
+            z=v(0, salt=1),
+            e=v(2, 0, 3, salt=2),
+            b=v(3, dtype=torch.int64, salt=3),
+            batch_size=[],
+        )
     raise ValueError(structure)
 
 

@@ -42,8 +42,12 @@ def test_tree_pss_counts_a_child_and_shared_memory_once(tmp_path: Path) -> None:
             shared = mmap.mmap(f.fileno(), size)
         shared[:] = b"\1" * size  # resident in this process; the child reads the same pages
         before = tree_pss(os.getpid())
-        child = subprocess.Popen([sys.executable, "-c", _CHILD, str(path), str(size), str(private)],
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        child = subprocess.Popen(
+            [sys.executable, "-c", _CHILD, str(path), str(size), str(private)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         try:
             assert child.stdout.readline().strip() == "ready"
             grown = tree_pss(os.getpid()) - before
@@ -121,9 +125,16 @@ def test_weight_bench_one_mode_at_a_time_holds_one_modes_memory() -> None:
             peaks = {}
             for alone in (False, True):
                 out, peaks[alone] = _peak_above_start(
-                    lambda alone=alone: cluster.run(bench_weights.time_weights, args=(total, 1, alone), timeout=240))
-                assert all(out[1]["checks"].values()) and len(out[1]["checks"]) == 6, out[1]["checks"]
-                assert all(len(seconds) == 1 for seconds in out[1]["seconds"].values()), out[1]["seconds"]
+                    lambda alone=alone: cluster.run(
+                        bench_weights.time_weights, args=(total, 1, alone), timeout=240
+                    )
+                )
+                assert all(out[1]["checks"].values()) and len(out[1]["checks"]) == 6, out[1][
+                    "checks"
+                ]
+                assert all(len(seconds) == 1 for seconds in out[1]["seconds"].values()), out[1][
+                    "seconds"
+                ]
     finally:
         sys.path.remove(str(BENCH))
     # side by side: the model, four senders' snapshots, four receivers' storages (two each), stock's and raw's

@@ -27,17 +27,23 @@ def _description(text: str) -> str:
     return " ".join(text.split("\n\n")[1].split())
 
 
-@pytest.mark.parametrize("argv", [[]] + [[name] for name in SUBCOMMANDS], ids=["top"] + list(SUBCOMMANDS))
+@pytest.mark.parametrize(
+    "argv", [[]] + [[name] for name in SUBCOMMANDS], ids=["top"] + list(SUBCOMMANDS)
+)
 def test_every_help_text_is_whole_and_plain(argv, capsys):
     text = _help(argv, capsys)
     assert not RST.search(text), RST.search(text)
     description = _description(text)
     assert description.endswith("."), description  # a whole sentence, not a docstring's first line
-    assert description.startswith("python -m cudarecv " + argv[0] if argv else "cudarecv's command line")
+    assert description.startswith(
+        "python -m cudarecv " + argv[0] if argv else "cudarecv's command line"
+    )
 
 
 def test_the_installed_entry_point_prints_the_same_help(capsys):
-    out = subprocess.run([sys.executable, "-m", "cudarecv", "--help"], capture_output=True, text=True, timeout=HANG)
+    out = subprocess.run(
+        [sys.executable, "-m", "cudarecv", "--help"], capture_output=True, text=True, timeout=HANG
+    )
     assert out.returncode == 0 and not RST.search(out.stdout), out.stdout
     assert _description(out.stdout) == _description(_help([], capsys))
 
@@ -59,7 +65,9 @@ def test_a_ctrl_c_no_subcommand_caught_ends_in_one_line(monkeypatch, capsys):
     def interrupted(args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(tune, "run", interrupted)  # (register() reads it when main() builds the parser)
+    monkeypatch.setattr(
+        tune, "run", interrupted
+    )  # (register() reads it when main() builds the parser)
     assert main(["tune", "--show"]) == 130
     captured = capsys.readouterr()
     assert (captured.out, captured.err) == ("", "cudarecv tune: error: interrupted\n")

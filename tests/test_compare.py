@@ -56,7 +56,7 @@ def _table(stdout: str) -> tuple[list[str], dict[str, list[dict[str, str]]]]:
         if line.startswith("# size (B)"):
             columns = re.split(r"\s{2,}", line[2:].strip())
         elif line.startswith("# case: "):
-            case = line[len("# case: "):].strip()
+            case = line[len("# case: ") :].strip()
             cases[case] = []
         elif line.strip() and not line.startswith("#"):
             assert case is not None and columns, f"table row before its header: {line!r}"
@@ -71,9 +71,15 @@ def test_compare_quick() -> None:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     proc = subprocess.run(
         [sys.executable, "-m", "cudarecv", "compare", "--quick"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=HANG,
     )
-    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    )
 
     columns, cases = _table(proc.stdout)
     for column in ("impl", "mode", "transport", "time", "GB/s", "vs stock", "vs raw", "check"):
@@ -84,12 +90,21 @@ def test_compare_quick() -> None:
         assert got == modes, f"{case}: rows {got}, expected {modes}\n{proc.stdout}"
         for row in cases[case]:
             assert row["check"] == "ok", f"{case}: {row}\n{proc.stdout}"
-            assert row["time"] != "-" and float(row["time"].split()[0]) > 0, row  # GB/s may round to 0.00
+            assert row["time"] != "-" and float(row["time"].split()[0]) > 0, (
+                row
+            )  # GB/s may round to 0.00
             assert row["vs raw"].endswith("x"), row
             fast = row["impl"] == "cudarecv" and row["mode"].startswith(("buckets", "chunks"))
-            shared = fast and not row["mode"].endswith("wire")  # both ranks are cudarecv on this machine
+            shared = fast and not row["mode"].endswith(
+                "wire"
+            )  # both ranks are cudarecv on this machine
             assert row["transport"] == ("shared memory" if shared else "wire"), row
-    raws = [row for rows in cases.values() for row in rows if row["impl"] == "raw" and row["mode"] == "flat recv"]
+    raws = [
+        row
+        for rows in cases.values()
+        for row in rows
+        if row["impl"] == "raw" and row["mode"] == "flat recv"
+    ]
     assert all(row["vs raw"] == "1.00x" for row in raws)
     assert "# checks: all 21 modes delivered the right values" in proc.stdout
 
@@ -110,19 +125,31 @@ def _main(capsys, *argv: str) -> tuple[int, str]:
     return code, captured.err
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--bucket-bytes", "abc"], "argument --bucket-bytes: not a size: 'abc'; write it like 1MiB, 256KiB or 4096"),
-    (["--bucket-bytes", "0"], "argument --bucket-bytes: a size must be positive, got '0'"),
-    (["--leaf-bytes", "8 KB s"], "argument --leaf-bytes: not a size: '8 KB s'; write it like 1MiB, 256KiB or 4096"),
-    (["--leaf-bytes", "1001"], "argument --leaf-bytes: must be a multiple of 4 bytes (float32 leaves), got 1001"),
-    (["--leaves", "0"], "argument --leaves: must be >= 1, got 0"),
-    (["--leaves", "many"], "argument --leaves: not an integer: 'many'"),
-    (["--consolidated-mib", "-1"], "argument --consolidated-mib: must be >= 0, got -1"),
-    (["--iters", "0"], "argument --iters: must be >= 1, got 0"),
-    (["--warmup", "-1"], "argument --warmup: must be >= 0, got -1"),
-    (["--rounds", "0"], "argument --rounds: must be >= 1, got 0"),
-    (["--quick", "--bogus"], "unrecognized arguments: --bogus"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--bucket-bytes", "abc"],
+            "argument --bucket-bytes: not a size: 'abc'; write it like 1MiB, 256KiB or 4096",
+        ),
+        (["--bucket-bytes", "0"], "argument --bucket-bytes: a size must be positive, got '0'"),
+        (
+            ["--leaf-bytes", "8 KB s"],
+            "argument --leaf-bytes: not a size: '8 KB s'; write it like 1MiB, 256KiB or 4096",
+        ),
+        (
+            ["--leaf-bytes", "1001"],
+            "argument --leaf-bytes: must be a multiple of 4 bytes (float32 leaves), got 1001",
+        ),
+        (["--leaves", "0"], "argument --leaves: must be >= 1, got 0"),
+        (["--leaves", "many"], "argument --leaves: not an integer: 'many'"),
+        (["--consolidated-mib", "-1"], "argument --consolidated-mib: must be >= 0, got -1"),
+        (["--iters", "0"], "argument --iters: must be >= 1, got 0"),
+        (["--warmup", "-1"], "argument --warmup: must be >= 0, got -1"),
+        (["--rounds", "0"], "argument --rounds: must be >= 1, got 0"),
+        (["--quick", "--bogus"], "unrecognized arguments: --bogus"),
+    ],
+)
 def test_compare_bad_option(capsys, argv, message) -> None:
     code, err = _main(capsys, *argv)
     assert code == 2, err
@@ -134,11 +161,21 @@ def test_compare_bad_option_subprocess() -> None:
     """The real command line: exit status 2, argparse's usage, then the one error line."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    proc = subprocess.run([sys.executable, "-m", "cudarecv", "compare", "--bucket-bytes", "abc"], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=HANG)
+    proc = subprocess.run(
+        [sys.executable, "-m", "cudarecv", "compare", "--bucket-bytes", "abc"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=HANG,
+    )
     assert proc.returncode == 2 and proc.stdout == "", proc.stderr
     assert proc.stderr.startswith("usage: cudarecv compare")
-    assert proc.stderr.strip().splitlines()[-1].startswith("cudarecv compare: error: argument --bucket-bytes: ")
+    assert (
+        proc.stderr.strip()
+        .splitlines()[-1]
+        .startswith("cudarecv compare: error: argument --bucket-bytes: ")
+    )
 
 
 @pytest.mark.parametrize("standalone", [False, True], ids=["default_group", "standalone_group"])

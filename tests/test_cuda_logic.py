@@ -104,7 +104,7 @@ def test_stock_sends_the_same_records(recording_world):
     stock = list(RECORDS)
     RECORDS.clear()
     cudarecv.isend(td, dst=1, init_tag=3, pseudo_rand=True)
-    assert RECORDS == stock
+    assert stock == RECORDS
 
 
 def test_fast_wire_is_one_header_then_buckets(recording_world):
@@ -120,8 +120,12 @@ def test_fast_wire_is_one_header_then_buckets(recording_world):
         RECORDS.clear()
         cudarecv.isend(td, dst=1, bucket_bytes=16)
         assert RECORDS[0][3] == 64 and RECORDS[0][2] >= 1 << 30
-        head = 3 if first else 1  # (the header, and the first time the layout's length and the layout)
-        assert [r[2] for r in RECORDS[:head]] == [RECORDS[0][2]] * head and (not first or RECORDS[1][3] == 8)
+        head = (
+            3 if first else 1
+        )  # (the header, and the first time the layout's length and the layout)
+        assert [r[2] for r in RECORDS[:head]] == [RECORDS[0][2]] * head and (
+            not first or RECORDS[1][3] == 8
+        )
         assert [r[3] for r in RECORDS[head:]] == buckets
 
 
@@ -140,7 +144,9 @@ def test_transfer_is_a_future(recording_world):
 def test_a_wait_with_a_timeout_out_of_range_is_refused_by_name(recording_world, bad):
     """(a wait of inf or 1e10 raised OverflowError from inside threading before)"""
     [transfer] = cudarecv.irecv(make("flat", 0.0), src=1, return_premature=True)
-    with pytest.raises(cudarecv.ArgumentError, match="`timeout` must be a non-negative number of seconds up to"):
+    with pytest.raises(
+        cudarecv.ArgumentError, match="`timeout` must be a non-negative number of seconds up to"
+    ):
         transfer.wait(bad)
     assert transfer.wait() is not None  # nothing was waited for: the transfer goes on
 
@@ -187,7 +193,13 @@ def test_standalone_group_without_coalescing_is_refused():
             return "nccl"
 
     with pytest.raises(RuntimeError, match="cannot coalesce"):
-        _transport.post(Link(NoCoalescing(), 1, registered=False), True, [torch.zeros(1)] * 2, [0, 1], batch=True)
+        _transport.post(
+            Link(NoCoalescing(), 1, registered=False),
+            True,
+            [torch.zeros(1)] * 2,
+            [0, 1],
+            batch=True,
+        )
 
 
 def test_unbatched_nccl_goes_one_op_each():
@@ -219,11 +231,14 @@ def test_a_backends_coalescing_takes_no_device():
     group._end_coalescing()  # (the library's batches through it: tests/test_nccl_rules.py)
 
 
-@pytest.mark.parametrize("setting, size, batched", [("1", 3, True), ("0", 2, False), (None, 2, True),
-                                                     (None, 3, False), ("auto", 4, False)])
+@pytest.mark.parametrize(
+    "setting, size, batched",
+    [("1", 3, True), ("0", 2, False), (None, 2, True), (None, 3, False), ("auto", 4, False)],
+)
 def test_nccl_batching_switch(monkeypatch, setting, size, batched):
     """The stock wire's per-leaf messages batch on two-rank groups by default (``CUDARECV_NCCL_BATCH`` forces
     it); a larger group's communicator would need every rank's first batch."""
+
     class Sized(CoalescingBackend):
         def size(self):
             return size
@@ -294,7 +309,9 @@ def test_tag_kernel_not_used_without_cuda(monkeypatch):
     assert not _tags._kernel_wanted()
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="checks the message on a machine without CUDA"
+)
 def test_cuda_tensordict_without_cuda_is_a_clear_error(recording_world):
     link = Link(dist.distributed_c10d._get_default_group(), 1, registered=True)
     from cudarecv.wire.staging import lane_for
@@ -401,7 +418,7 @@ def test_parked_works_past_the_bound_go_oldest_first_and_are_said(monkeypatch, c
         for work in works:
             _transport.park([work])
     parked = [entry[1][0] for entry in _transport._PARKED]
-    assert parked == works[-2 * warn:]  # the oldest went first, the newest are all kept
+    assert parked == works[-2 * warn :]  # the oldest went first, the newest are all kept
     dropped = [r.getMessage() for r in caplog.records if "were dropped" in r.getMessage()]
     assert dropped and "cancels its message and closes its link" in dropped[0], caplog.records
 
@@ -444,7 +461,9 @@ def test_a_cuda_ipc_pointer_that_torch_would_copy_is_refused(monkeypatch):
     from cudarecv.samehost import cuda_ipc
 
     released = []
-    monkeypatch.setattr(torch, "as_tensor", lambda obj, device=None: torch.zeros(16, dtype=torch.uint8))
+    monkeypatch.setattr(
+        torch, "as_tensor", lambda obj, device=None: torch.zeros(16, dtype=torch.uint8)
+    )
     with pytest.raises(cuda_ipc.MappingError, match="a copy of the device memory at 0x1000"):
         cuda_ipc._view(0x1000, 16, torch.device("cuda", 1), released.append)
 
@@ -455,9 +474,26 @@ def test_gpu_bench_rows_record_what_carried_them(cluster):
     CPU, where the same host gives shared memory and a ``wire`` mode the socket."""
     from cudarecv.tools import gpu_ranks
 
-    cases = [dict(leaves=20, total_bytes=1 << 20, impl=impl, mode=mode, send_place="cpu", recv_place="cpu", iters=1,
-                  warmup=1) for impl, mode in (("cudarecv", "buckets 64KiB"), ("cudarecv", "chunks 256KiB wire"),
-                                               ("stock", "per-leaf"))]
+    cases = [
+        dict(
+            leaves=20,
+            total_bytes=1 << 20,
+            impl=impl,
+            mode=mode,
+            send_place="cpu",
+            recv_place="cpu",
+            iters=1,
+            warmup=1,
+        )
+        for impl, mode in (
+            ("cudarecv", "buckets 64KiB"),
+            ("cudarecv", "chunks 256KiB wire"),
+            ("stock", "per-leaf"),
+        )
+    ]
     rows = cluster().run(gpu_ranks.time_gpu_suite, args=(cases, 1), timeout=120)[1]
-    assert [(row["ok"], row["transport"]) for row in rows] == [(True, "shared memory"), (True, "wire"),
-                                                                 (True, "wire")], rows
+    assert [(row["ok"], row["transport"]) for row in rows] == [
+        (True, "shared memory"),
+        (True, "wire"),
+        (True, "wire"),
+    ], rows

@@ -18,11 +18,30 @@ from cudarecv.cuda.digest import KERNEL_FILE, digest
 from cudarecv.weights.wire import checksum
 
 ROOT = Path(__file__).resolve().parents[1]
-SIZES = [0, 1, 63, 64, 65, 1023, 1024, 1025, 2048, 2049, 3072, 5000, 1 << 16, (1 << 16) + 7, 1 << 20, 3_000_001]
+SIZES = [
+    0,
+    1,
+    63,
+    64,
+    65,
+    1023,
+    1024,
+    1025,
+    2048,
+    2049,
+    3072,
+    5000,
+    1 << 16,
+    (1 << 16) + 7,
+    1 << 20,
+    3_000_001,
+]
 
 
 def _random(n: int, seed: int = 0) -> torch.Tensor:
-    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    return torch.randint(
+        0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)
+    )
 
 
 @pytest.mark.parametrize("n", SIZES)
@@ -50,7 +69,9 @@ def test_every_single_bit_flip_is_caught():
                 missed.append((byte, bit))
             flat[byte] ^= 1 << bit
     assert checksum([storage], storage) == reference
-    assert not missed, f"{len(missed)} of 32768 single-bit flips pass as verified, e.g. {missed[:3]}"
+    assert not missed, (
+        f"{len(missed)} of 32768 single-bit flips pass as verified, e.g. {missed[:3]}"
+    )
 
 
 def test_digest_refuses_what_is_not_bytes():
@@ -65,8 +86,20 @@ def host_kernels(tmp_path_factory):
     if compiler is None:
         pytest.skip("no C++ compiler (g++ or c++) to build the BLAKE3 kernels for the host")
     out = tmp_path_factory.mktemp("blake3") / "blake3_host.so"
-    subprocess.run([compiler, "-O2", "-shared", "-fPIC", f"-I{ROOT / 'cudarecv' / 'kernels'}", "-o", str(out),
-                    str(ROOT / "tests" / "native" / "blake3_host.cpp")], check=True, capture_output=True)
+    subprocess.run(
+        [
+            compiler,
+            "-O2",
+            "-shared",
+            "-fPIC",
+            f"-I{ROOT / 'cudarecv' / 'kernels'}",
+            "-o",
+            str(out),
+            str(ROOT / "tests" / "native" / "blake3_host.cpp"),
+        ],
+        check=True,
+        capture_output=True,
+    )
     lib = ctypes.CDLL(str(out))
     lib.blake3_host.argtypes = [ctypes.c_char_p, ctypes.c_uint64, ctypes.c_char_p]
     return lib
@@ -85,5 +118,7 @@ def test_kernel_compiles_with_nvrtc():
         from cupy.cuda import nvrtc  # noqa: F401
     except Exception as exc:  # cupy missing or unusable: nothing to compile with
         pytest.skip(f"cupy (with NVRTC) cannot be imported: {exc!r}")
-    ptx = _kernels.compile_source(_kernels.kernel_source(KERNEL_FILE), KERNEL_FILE, arch=_kernels.oldest_arch())
+    ptx = _kernels.compile_source(
+        _kernels.kernel_source(KERNEL_FILE), KERNEL_FILE, arch=_kernels.oldest_arch()
+    )
     assert ".entry blake3_chunks" in ptx and ".entry blake3_parents" in ptx

@@ -21,8 +21,10 @@ PAGES = [README, *sorted(DOCS.glob("*.md"))]
 
 #: the README's set-up: torch's CPU build from PyTorch's own index (PyPI's torch is the CUDA 13 build), then the
 #: checkout and the main job
-SETUP = ["pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu",
-         'pip install -e ".[test]" && python -m cudarecv demo']
+SETUP = [
+    "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu",
+    'pip install -e ".[test]" && python -m cudarecv demo',
+]
 # [text](target) and [text]: target, outside code spans and code blocks
 _LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)|^\[[^\]]+\]:\s*(\S+)", re.MULTILINE)
 _FENCE = re.compile(r"^(```|~~~).*?^\1", re.MULTILINE | re.DOTALL)
@@ -42,14 +44,20 @@ def _anchors(page: Path) -> set[str]:
 
 def test_readme_is_short_with_the_two_commands_first():
     lines = README.read_text().splitlines()
-    assert len(lines) <= 220, f"README.md has {len(lines)} lines: keep it a five-minute read, move the rest to docs/"
+    assert len(lines) <= 220, (
+        f"README.md has {len(lines)} lines: keep it a five-minute read, move the rest to docs/"
+    )
     head = lines[:25]
     for command in SETUP:
-        assert any(line.startswith(command) for line in head), f"the set-up command is not in the first 25 lines: {command}"
+        assert any(line.startswith(command) for line in head), (
+            f"the set-up command is not in the first 25 lines: {command}"
+        )
     tests = [line.split("#")[0].strip() for line in head if line.startswith("pytest")]
     assert tests, "the test command (pytest ...) is not near the top"
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
-    assert tests[0] in ci, f"CI runs the README's test command, but .ci/run has no line {tests[0]!r}"
+    assert tests[0] in ci, (
+        f"CI runs the README's test command, but .ci/run has no line {tests[0]!r}"
+    )
 
 
 def test_the_error_table_is_the_same_in_the_readme_and_the_api_page():
@@ -71,9 +79,18 @@ def test_relative_links_point_to_files(page):
         file = page.parent / path
         if not file.exists():
             missing.append(target)
-        elif anchor and file.suffix == ".md" and file.name != "reference.md" and anchor not in _anchors(file):
-            missing.append(target)  # (reference.md's ids are made by mkdocstrings: the strict build checks them)
-    assert not missing, f"{page.relative_to(ROOT)} links to files or headings that do not exist: {missing}"
+        elif (
+            anchor
+            and file.suffix == ".md"
+            and file.name != "reference.md"
+            and anchor not in _anchors(file)
+        ):
+            missing.append(
+                target
+            )  # (reference.md's ids are made by mkdocstrings: the strict build checks them)
+    assert not missing, (
+        f"{page.relative_to(ROOT)} links to files or headings that do not exist: {missing}"
+    )
 
 
 def test_every_docs_page_is_in_the_site_nav():
@@ -89,9 +106,16 @@ def test_the_site_builds_strict(tmp_path):
         except ModuleNotFoundError:
             found = False
         if not found:
-            pytest.skip(f"{module} is not installed (pip install -e '.[docs]', part of cudarecv[test])")
-    out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+            pytest.skip(
+                f"{module} is not installed (pip install -e '.[docs]', part of cudarecv[test])"
+            )
+    out = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert (tmp_path / "site" / "reference" / "index.html").exists()
 
@@ -99,22 +123,31 @@ def test_the_site_builds_strict(tmp_path):
 def test_the_install_pages_say_the_same():
     """README and docs/index.md: the CPU build from PyTorch's CPU index; docs/gpu.md: PyPI's (CUDA 13) build."""
     index = (DOCS / "index.md").read_text()
-    assert SETUP[0] in index and SETUP[1] in index, "docs/index.md's install block is not the README's"
+    assert SETUP[0] in index and SETUP[1] in index, (
+        "docs/index.md's install block is not the README's"
+    )
     for page in (README.read_text(), index):
         words = " ".join(page.split())  # (across the text's line breaks)
         assert "CUDA 13 build" in words and "about 20 NVIDIA packages" in words
     gpu = (DOCS / "gpu.md").read_text()
-    install = gpu[gpu.index("## Install on a GPU machine"):].split("\n## ", 1)[0]
-    assert "pip install torch==2.13.0" in install and "CUDA 13" in install and SETUP[0] not in install, install
+    install = gpu[gpu.index("## Install on a GPU machine") :].split("\n## ", 1)[0]
+    assert (
+        "pip install torch==2.13.0" in install and "CUDA 13" in install and SETUP[0] not in install
+    ), install
 
 
 # -- the README's Use section: every pair it shows works together ---------------------------------------------
 
+
 def _use_block() -> str:
     """The first python block of the README's ``## Use`` section."""
     text = README.read_text()
-    section = text[text.index("\n## Use\n"):]
-    return section[section.index("```python\n") + len("```python\n"):section.index("\n```", section.index("```python"))]
+    section = text[text.index("\n## Use\n") :]
+    return section[
+        section.index("```python\n") + len("```python\n") : section.index(
+            "\n```", section.index("```python")
+        )
+    ]
 
 
 def _names(node: ast.AST) -> set[str]:
@@ -134,7 +167,11 @@ def _use_pairs() -> tuple[str, list[tuple[str, str]]]:
             preamble.append(source)
             continue
         above = lines[node.lineno - 2].strip() if node.lineno >= 2 else ""
-        title = above.lstrip("# ") if above.startswith("#") else lines[node.lineno - 1].split("#")[0].strip()
+        title = (
+            above.lstrip("# ")
+            if above.startswith("#")
+            else lines[node.lineno - 1].split("#")[0].strip()
+        )
         pairs.append((title, source))
     return "\n".join(preamble) + "\n", pairs
 
@@ -155,27 +192,47 @@ def readme_pair(rank: int, world: int, group: object, code: str, key: str) -> di
     import cudarecv
 
     value = float(rank == 0)
-    td = TensorDict({"obs": torch.full((4, 3), value), "net": {"w": torch.full((8,), value)}}, batch_size=[])
+    td = TensorDict(
+        {"obs": torch.full((4, 3), value), "net": {"w": torch.full((8,), value)}}, batch_size=[]
+    )
     torch.manual_seed(rank)
     shared = dist.distributed_c10d._get_default_store()
-    space = dict(rank=rank, td=td, policy=torch.nn.Linear(3, 2), store=dist.PrefixStore(key, shared))
+    space = dict(
+        rank=rank, td=td, policy=torch.nn.Linear(3, 2), store=dist.PrefixStore(key, shared)
+    )
     exec(compile(code, "README.md (Use)", "exec"), space)
     shared.set(f"{key}/ran/{rank}", "1")
     shared.wait([f"{key}/ran/{r}" for r in range(world)], timedelta(seconds=120))
-    for end in [v for v in space.values() if isinstance(v, (cudarecv.WeightSender, cudarecv.WeightReceiver))]:
+    for end in [
+        v for v in space.values() if isinstance(v, (cudarecv.WeightSender, cudarecv.WeightReceiver))
+    ]:
         end.close()
-    return dict(td={k: v.tolist() for k, v in space["td"].flatten_keys(".").items()},
-                policy={k: v.tolist() for k, v in space["policy"].state_dict().items()})
+    return dict(
+        td={k: v.tolist() for k, v in space["td"].flatten_keys(".").items()},
+        policy={k: v.tolist() for k, v in space["policy"].state_dict().items()},
+    )
 
 
 def test_the_use_section_is_pairs():
     """Every snippet of the Use section is a pair (``if rank == 0: ... else: ...``), and the pairs show each
     way in: the drop-in calls on both wires, asynchronous, installed, weight sync by ranks and through a store."""
     for title, code in PAIRS:
-        branches = [n for n in ast.walk(ast.parse(code)) if isinstance(n, ast.If) and "rank" in _names(n.test)]
-        assert len(branches) == 1 and branches[0].orelse, f"{title}: not one `if rank == 0: ... else: ...`"
-    for shown in ("cudarecv.send(", "bucket_bytes=", "cudarecv.isend(", "cudarecv.installed()", "dst=[1]",
-                  "store=store"):
+        branches = [
+            n
+            for n in ast.walk(ast.parse(code))
+            if isinstance(n, ast.If) and "rank" in _names(n.test)
+        ]
+        assert len(branches) == 1 and branches[0].orelse, (
+            f"{title}: not one `if rank == 0: ... else: ...`"
+        )
+    for shown in (
+        "cudarecv.send(",
+        "bucket_bytes=",
+        "cudarecv.isend(",
+        "cudarecv.installed()",
+        "dst=[1]",
+        "store=store",
+    ):
         assert any(shown in code for _, code in PAIRS), f"no pair of the Use section shows {shown}"
 
 

@@ -19,8 +19,12 @@ ROOT = Path(__file__).resolve().parents[1]
 def _run(*argv: str) -> str:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    proc = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG)
-    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    proc = subprocess.run(
+        [sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG
+    )
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    )
     return f"{proc.stdout}\n(stderr:\n{proc.stderr})"
 
 
@@ -44,5 +48,8 @@ def test_weight_sync_example(mode: str) -> None:
 def test_ray_actors_example() -> None:
     """Ray actors (Ray on the CPU) join the trainer through a store; one is killed with ray.kill and replaced."""
     out = _run("examples/ray_actors.py", "--actors", "3", "--pushes", "20")
-    assert re.search(r"ray actors: 4 joined, dropped \[\d\] \(the killed actor's: True\), 60 pulls, every version "
-                     r"whole: True, last version 20", out), out
+    assert re.search(
+        r"ray actors: 4 joined, dropped \[\d\] \(the killed actor's: True\), 60 pulls, every version "
+        r"whole: True, last version 20",
+        out,
+    ), out

@@ -22,7 +22,9 @@ def abort_at_exit(rank, world, group, who):
 def hang_at_exit(rank, world, group, who):
     """Rank ``who`` leaves a non-daemon thread running, which interpreter shutdown waits for."""
     if rank == who:
-        threading.Thread(target=threading.Event().wait, args=(120,), name="test-hang-at-exit").start()
+        threading.Thread(
+            target=threading.Event().wait, args=(120,), name="test-hang-at-exit"
+        ).start()
     return rank
 
 

@@ -31,16 +31,30 @@ exit_abort_child.child({case!r}, {rank}, {port})
 
 def _run(case: str) -> list[tuple[int, str]]:
     """Both ranks of one run of ``case``: their exit codes and output."""
-    store = dist.TCPStore("127.0.0.1", 0, 3, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=240))
+    store = dist.TCPStore(
+        "127.0.0.1", 0, 3, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=240)
+    )
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
-    procs = [subprocess.Popen([sys.executable, "-c", CHILD.format(here=str(HERE), case=case, rank=rank,
-                                                                    port=store.port)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank in range(2)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                CHILD.format(here=str(HERE), case=case, rank=rank, port=store.port),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(2)
+    ]
     ended = []
     for proc in procs:
         try:
-            out, _ = proc.communicate(timeout=240)  # (a run takes 5-20 s; a loaded machine 3-5x that)
+            out, _ = proc.communicate(
+                timeout=240
+            )  # (a run takes 5-20 s; a loaded machine 3-5x that)
         except subprocess.TimeoutExpired:
             proc.kill()
             out, _ = proc.communicate()
@@ -51,19 +65,25 @@ def _run(case: str) -> list[tuple[int, str]]:
 def _outcome(out: str):
     lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
     assert lines, out
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 @pytest.mark.long
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("case", ["refused", "refused-destroyed", "unmatched"])
 def test_no_abort_at_exit(case):
-    for run in range(RUNS if case != "refused" else 1):  # (refused-destroyed runs the same case twice, and more)
+    for run in range(
+        RUNS if case != "refused" else 1
+    ):  # (refused-destroyed runs the same case twice, and more)
         ended = _run(case)
         assert [rc for rc, _ in ended] == [0, 0], (run, ended)  # SIGABRT is -6
         if case.startswith("refused"):
             sent, received = (_outcome(out) for _, out in ended)
-            assert "send of the fast-wire header" in sent and "bucket_bytes on both ends" in sent, sent
-            assert "receive of 2 leaves" in received and "stock wire (no bucket_bytes)" in received, received
+            assert "send of the fast-wire header" in sent and "bucket_bytes on both ends" in sent, (
+                sent
+            )
+            assert (
+                "receive of 2 leaves" in received and "stock wire (no bucket_bytes)" in received
+            ), received
         if case == "unmatched":
             assert "STOPPED True True" in ended[1][1], ended[1][1]

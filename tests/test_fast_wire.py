@@ -34,8 +34,11 @@ def roundtrip(rank, world, group, bucket_bytes, recv_bucket_bytes, consolidated,
                 td = make(structure, 5.0 + step)
                 if consolidated:
                     td = td.consolidate(metadata=True)
-            kw = {**peer, "consolidated": consolidated,
-                  "bucket_bytes": bucket_bytes if sending else recv_bucket_bytes}
+            kw = {
+                **peer,
+                "consolidated": consolidated,
+                "bucket_bytes": bucket_bytes if sending else recv_bucket_bytes,
+            }
             if blocking:
                 (cudarecv.send if sending else cudarecv.recv)(td, *args, **kw)
             elif sending:
@@ -54,22 +57,31 @@ def roundtrip(rank, world, group, bucket_bytes, recv_bucket_bytes, consolidated,
 @pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "async"])
 @pytest.mark.parametrize("standalone", [False, True], ids=["default_group", "standalone_group"])
 def test_roundtrip(cluster, bucket_bytes, recv_bucket_bytes, consolidated, blocking, standalone):
-    _, ok = cluster().run(roundtrip, args=(bucket_bytes, recv_bucket_bytes, consolidated, blocking),
-                          standalone=standalone)
+    _, ok = cluster().run(
+        roundtrip,
+        args=(bucket_bytes, recv_bucket_bytes, consolidated, blocking),
+        standalone=standalone,
+    )
     assert ok and all(ok.values()), [k for k, v in ok.items() if not v]
 
 
 def big_leaves(rank, world, group):
     """Leaves much larger than a bucket span several messages; a leaf smaller than one shares it."""
-    td = TensorDict(big=torch.full((300_000,), float(rank)), small=torch.full((3,), float(rank) + 1),
-                    mid=torch.arange(5000, dtype=torch.float64) * (rank + 1))
+    td = TensorDict(
+        big=torch.full((300_000,), float(rank)),
+        small=torch.full((3,), float(rank) + 1),
+        mid=torch.arange(5000, dtype=torch.float64) * (rank + 1),
+    )
     if rank == 0:
         td["big"] = torch.arange(300_000, dtype=torch.float32)
         cudarecv.send(td, 1, bucket_bytes=100_000, pseudo_rand=True, init_tag=9)
         return None
     cudarecv.recv(td, 0, bucket_bytes=100_000, pseudo_rand=True, init_tag=9)
-    return (torch.equal(td["big"], torch.arange(300_000, dtype=torch.float32)),
-            td["small"].tolist(), td["mid"][:3].tolist())
+    return (
+        torch.equal(td["big"], torch.arange(300_000, dtype=torch.float32)),
+        td["small"].tolist(),
+        td["mid"][:3].tolist(),
+    )
 
 
 def test_leaves_split_across_buckets(cluster):
@@ -115,8 +127,9 @@ def mismatch_then_ok(rank, world, group, kind):
     return message, untouched, same(good, make("nested", 3.0))
 
 
-@pytest.mark.parametrize("kind", ["buckets-shape", "buckets-dtype", "buckets-key", "chunks-layout",
-                                  "chunks-vs-buckets"])
+@pytest.mark.parametrize(
+    "kind", ["buckets-shape", "buckets-dtype", "buckets-key", "chunks-layout", "chunks-vs-buckets"]
+)
 def test_mismatch_is_rejected_drained_and_link_survives(cluster, kind):
     _, (message, untouched, next_ok) = cluster().run(mismatch_then_ok, args=(kind,))
     assert message is not None and "drained" in message and "untouched" in message
@@ -137,10 +150,15 @@ def test_header_roundtrip_and_corruption():
         _header.Header.unpack(bytes(64))
 
 
-@pytest.mark.parametrize("transport,slots", [(1, 2), (2, _header.STORAGE_SLOTS), (3, 1), (4, 2)],
-                         ids=["segment", "storage", "direct", "device_segment"])
+@pytest.mark.parametrize(
+    "transport,slots",
+    [(1, 2), (2, _header.STORAGE_SLOTS), (3, 1), (4, 2)],
+    ids=["segment", "storage", "direct", "device_segment"],
+)
 def test_header_routes_name_only_segments_and_storage_slots_that_exist(transport, slots):
-    h = _header.Header(_header.KIND_CHUNKS, 3, 1000, 64, bytes(16), transport=transport, offer=True, seq=5)
+    h = _header.Header(
+        _header.KIND_CHUNKS, 3, 1000, 64, bytes(16), transport=transport, offer=True, seq=5
+    )
     for k in range(slots):
         same = dataclasses.replace(h, segment=k)
         assert _header.Header.unpack(same.pack()) == same
@@ -166,8 +184,12 @@ def test_schema_digest_sees_keys_dtypes_shapes_offsets():
 
 HEADER_TAG_0 = 1 << 30  # the fast wire's header tag for init_tag=0
 
-LYING = {"2e7_bytes_in_1_byte_pieces": (20_000_000, 1), "1e15_bytes": (10**15, 1),
-         "1e15_bytes_in_one_piece": (10**15, 10**15), "2e7_bytes_in_one_piece": (20_000_000, 20_000_000)}
+LYING = {
+    "2e7_bytes_in_1_byte_pieces": (20_000_000, 1),
+    "1e15_bytes": (10**15, 1),
+    "1e15_bytes_in_one_piece": (10**15, 10**15),
+    "2e7_bytes_in_one_piece": (20_000_000, 20_000_000),
+}
 
 
 def _rss() -> int:
@@ -188,7 +210,9 @@ def lying_headers(rank, world, group, cases):
         plan = plan_for(td)
         for case in cases:
             total, piece = LYING[case]
-            lie = _header.Header(_header.KIND_BUCKETS, len(plan.tensors), total, piece, plan.bucket_header.schema)
+            lie = _header.Header(
+                _header.KIND_BUCKETS, len(plan.tensors), total, piece, plan.bucket_header.schema
+            )
             raw_send(group, 1, lie.pack(), HEADER_TAG_0)
         return None
     out = []
@@ -258,7 +282,9 @@ def drain_timeout(rank, world, group, key):
 
     if rank == 0:
         header = plan_for(make("nested", 1.0)).bucket_header.for_transfer(64, 0).pack()
-        work = _pg(group).send([torch.frombuffer(bytearray(header), dtype=torch.uint8)], 1, HEADER_TAG_0)
+        work = _pg(group).send(
+            [torch.frombuffer(bytearray(header), dtype=torch.uint8)], 1, HEADER_TAG_0
+        )
         store().set(key, "posted")
         work.wait(timedelta(seconds=20))
         return None
@@ -275,8 +301,13 @@ def test_a_timeout_while_draining_names_the_drain(cluster):
         message, stage = cluster().run(drain_timeout, args=(unique_key("drain"),))[1]
     finally:
         cluster().close()  # the drain's receive stays posted
-    assert stage is not None and stage.startswith("drain of a mismatched fast-wire payload"), (message, stage)
-    assert message.startswith(f"{stage}: rank 0 did not answer within 1 s (it began this transfer"), message
+    assert stage is not None and stage.startswith("drain of a mismatched fast-wire payload"), (
+        message,
+        stage,
+    )
+    assert message.startswith(
+        f"{stage}: rank 0 did not answer within 1 s (it began this transfer"
+    ), message
     assert "fast-wire mismatch" in stage and "bytes on tag" in stage, stage
 
 
@@ -293,7 +324,7 @@ def two_in_flight(rank, world, group, order, consolidated, init_tags):
         return None
     [ta] = cudarecv.irecv(a, 0, init_tag=init_tags[0], bucket_bytes=1, return_premature=True, **kw)
     [tb] = cudarecv.irecv(b, 0, init_tag=init_tags[1], bucket_bytes=1, return_premature=True, **kw)
-    for t in ((ta, tb) if order == "in_order" else (tb, ta)):
+    for t in (ta, tb) if order == "in_order" else (tb, ta):
         t.wait(20)
     return same(a, make("nested", 1.0)), same(b, make("flat", 2.0))
 
@@ -301,7 +332,9 @@ def two_in_flight(rank, world, group, order, consolidated, init_tags):
 @pytest.mark.parametrize("init_tags", [(0, 1), (1, 0), (5, 6)], ids=str)
 @pytest.mark.parametrize("consolidated", [False, True], ids=["buckets", "chunks"])
 @pytest.mark.parametrize("order", ["in_order", "reversed"])
-def test_two_transfers_in_flight_with_neighbouring_init_tags(cluster, order, consolidated, init_tags):
+def test_two_transfers_in_flight_with_neighbouring_init_tags(
+    cluster, order, consolidated, init_tags
+):
     _, ok = cluster().run(two_in_flight, args=(order, consolidated, init_tags))
     assert ok == (True, True)
 
@@ -328,7 +361,9 @@ def dies_mid_payload(rank, world, group, key, consolidated):
 
         def two_then_die(lane, srcs, tags, staging=None, defer=False):
             if list(tags[:1]) == [piece_tag(0)] and len(srcs) == 4:
-                yield from send_from(lane, srcs[:2], tags[:2])  # they complete once the receiver took them
+                yield from send_from(
+                    lane, srcs[:2], tags[:2]
+                )  # they complete once the receiver took them
                 wait_flag(f"{key}_two_in")
                 os.kill(os.getpid(), signal.SIGKILL)
             return (yield from send_from(lane, srcs, tags, staging, defer))
@@ -371,16 +406,24 @@ def dies_mid_payload(rank, world, group, key, consolidated):
 def test_a_sender_killed_mid_payload_is_named_at_its_payload(consolidated):
     from cudarecv.testing.launch import Cluster, RankExit
 
-    with Cluster(2, pg_timeout=30.0) as ranks:  # (new ranks: the sender dies, the patches die with them)
-        results = ranks.run(dies_mid_payload, args=(unique_key("mid_payload"), consolidated), may_die={0},
-                            timeout=120)
+    with Cluster(
+        2, pg_timeout=30.0
+    ) as ranks:  # (new ranks: the sender dies, the patches die with them)
+        results = ranks.run(
+            dies_mid_payload,
+            args=(unique_key("mid_payload"), consolidated),
+            may_die={0},
+            timeout=120,
+        )
     assert isinstance(results[0], RankExit)
     kind, message = results[1]
     what = "chunk" if consolidated else "bucket"
     # before: "receive of the fast-wire header (tag 1073741824): the link to rank 0 failed after ..."
     assert kind == "PeerError" and "fast-wire header" not in message, message
-    assert message.startswith(f"receive of the fast-wire payload, {what} 3 of 4 (2 in; 4096 bytes each on tag "
-                              f"{1 << 30 | 1 << 28}): the link to rank 0 failed"), message
+    assert message.startswith(
+        f"receive of the fast-wire payload, {what} 3 of 4 (2 in; 4096 bytes each on tag "
+        f"{1 << 30 | 1 << 28}): the link to rank 0 failed"
+    ), message
 
 
 def _changed(td, case):
@@ -428,9 +471,9 @@ def mismatch_names_the_key(rank, world, group, key, case, consolidated, transpor
 
 MISMATCHES = {
     "shape": "at key 'b' differs in shape: the sender sends shape [6] float32 (24 bytes); this tensordict has "
-             "shape [4] float32 (16 bytes)",
+    "shape [4] float32 (16 bytes)",
     "dtype": "at key 'b' differs in dtype: the sender sends shape [4] int32 (16 bytes); this tensordict has "
-             "shape [4] float32 (16 bytes)",
+    "shape [4] float32 (16 bytes)",
     "missing": "at key 'c': this tensordict has it (shape [2] float64 (16 bytes)); the sender sends no such key",
     "extra": "at key 'd': the sender sends it (shape [2] float32 (8 bytes)); this tensordict has no such key",
 }
@@ -439,14 +482,21 @@ MISMATCHES = {
 @pytest.mark.parametrize("transport", ["wire", "auto"])
 @pytest.mark.parametrize("consolidated", [False, True], ids=["buckets", "chunks"])
 @pytest.mark.parametrize("case", list(MISMATCHES))
-def test_a_mismatch_names_the_first_key_that_differs_on_both_sides(cluster, case, consolidated, transport):
-    _, (messages, ok) = cluster().run(mismatch_names_the_key,
-                                      args=(unique_key("names"), case, consolidated, transport))
+def test_a_mismatch_names_the_first_key_that_differs_on_both_sides(
+    cluster, case, consolidated, transport
+):
+    _, (messages, ok) = cluster().run(
+        mismatch_names_the_key, args=(unique_key("names"), case, consolidated, transport)
+    )
     assert ok, "the next transfer on the link failed"
-    for message in messages:  # the first with the layout that came with it, the second with the one kept
+    for (
+        message
+    ) in messages:  # the first with the layout that came with it, the second with the one kept
         # before: "fast-wire mismatch: the sender sends buckets (non-consolidated) of 5 leaves, 60 bytes, schema
         # 3f1c...; this tensordict expects buckets (non-consolidated) of 5 leaves, 52 bytes, schema 9a0e..."
-        said = re.sub(r" at byte \d+ of the storage", "", message)  # (consolidated: where each leaf lies, too)
+        said = re.sub(
+            r" at byte \d+ of the storage", "", message
+        )  # (consolidated: where each leaf lies, too)
         assert said.startswith(f"fast-wire mismatch {MISMATCHES[case]}"), message
         assert "drained and the tensordict left untouched" in message, message
 
@@ -464,23 +514,42 @@ def test_a_layout_from_the_wire_is_checked_and_a_bad_one_ignored():
     td = make("nested", 1.0)
     plan = plan_for(td)
     ours = describe.parse(plan.bucket_header.describe())
-    assert ours is not None and [leaf.path for leaf in ours.leaves] == ["a.x.q", "a.y", "b", "c", "flag"]
+    assert ours is not None and [leaf.path for leaf in ours.leaves] == [
+        "a.x.q",
+        "a.y",
+        "b",
+        "c",
+        "flag",
+    ]
     assert describe.difference(ours, ours) is None
 
     def packed(value) -> bytes:
         return zlib.compress(json.dumps(value).encode())
 
-    bad = [b"", b"not zlib", zlib.compress(b"{not json"), packed([1, 2]), packed({"kind": 1, "leaves": [["a"]]}),
-           packed({"kind": 7, "leaves": [], "storage": None}),
-           packed({"kind": 1, "leaves": [["a", "float32", [-1], 4, None]], "storage": None}),
-           packed({"kind": 1, "leaves": [["a", "float32", [1], True, None]], "storage": None}),
-           zlib.compress(b" " * (describe.MAX_DESCRIPTION + 1)), zlib.compress(b"[]")[:-3]]
+    bad = [
+        b"",
+        b"not zlib",
+        zlib.compress(b"{not json"),
+        packed([1, 2]),
+        packed({"kind": 1, "leaves": [["a"]]}),
+        packed({"kind": 7, "leaves": [], "storage": None}),
+        packed({"kind": 1, "leaves": [["a", "float32", [-1], 4, None]], "storage": None}),
+        packed({"kind": 1, "leaves": [["a", "float32", [1], True, None]], "storage": None}),
+        zlib.compress(b" " * (describe.MAX_DESCRIPTION + 1)),
+        zlib.compress(b"[]")[:-3],
+    ]
     assert [describe.parse(raw) for raw in bad] == [None] * len(bad)
 
     other = _changed(td, "shape")
     got = dataclasses.replace(plan_for(other).bucket_header, piece=16)
-    for theirs in (None, bad[3]):  # not told, or told something that is not a layout: said by fingerprint
+    for theirs in (
+        None,
+        bad[3],
+    ):  # not told, or told something that is not a layout: said by fingerprint
         said = fast._mismatch(plan.bucket_header, got, theirs)
-        assert said.startswith("fast-wire mismatch (the sender sends buckets") and "not known here" in said, said
+        assert (
+            said.startswith("fast-wire mismatch (the sender sends buckets")
+            and "not known here" in said
+        ), said
     said = fast._mismatch(plan.bucket_header, got, plan_for(other).bucket_header.describe())
     assert said.startswith("fast-wire mismatch at key 'b' differs in shape"), said

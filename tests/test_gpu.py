@@ -139,10 +139,16 @@ def _storage_facts(td) -> dict:
     storage = unwrap(td)._consolidated["storage"]
     start, end = storage.data_ptr(), storage.data_ptr() + storage.numel()
     # (an empty leaf has no storage: data pointer 0 once consolidated, stock's layout as ours)
-    inside = all(start <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= end
-                 for t in leaves(td) if t.numel())
-    return {"device": storage.device.type, "pinned": storage.device.type == "cpu" and storage.is_pinned(),
-            "leaves_in_storage": inside}
+    inside = all(
+        start <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= end
+        for t in leaves(td)
+        if t.numel()
+    )
+    return {
+        "device": storage.device.type,
+        "pinned": storage.device.type == "cpu" and storage.is_pinned(),
+        "leaves_in_storage": inside,
+    }
 
 
 def _equal(td, expected) -> bool:
@@ -207,7 +213,9 @@ def test_dedicated_stream_is_cached_and_not_the_default_stream():
     assert s != torch.cuda.default_stream(d0)
     assert s != torch.cuda.current_stream(d0)
     copier = _cuda.copy_stream(d0)
-    assert copier is _cuda.copy_stream(d0) and copier != s and copier != torch.cuda.default_stream(d0)
+    assert (
+        copier is _cuda.copy_stream(d0) and copier != s and copier != torch.cuda.default_stream(d0)
+    )
     assert _cuda.transfer_stream(d0, None) is s
     mine = torch.cuda.Stream(device=d0)
     assert _cuda.transfer_stream(d0, mine) is mine
@@ -233,7 +241,9 @@ def test_tag_kernel_matches_numpy_and_stock_and_is_fast():
     np.testing.assert_array_equal(got, int_generator_many(np.arange(MAX_TAG + 1, dtype=np.uint64)))
     assert got.tolist() == [_int_generator(s) for s in range(MAX_TAG + 1)]
     micros = min(tag_kernel.time_tag_map_gpu(100) for _ in range(3))
-    assert micros < 100, f"the tag map kernel took {micros:.1f} us per launch of all {MAX_TAG + 1} entries"
+    assert micros < 100, (
+        f"the tag map kernel took {micros:.1f} us per launch of all {MAX_TAG + 1} entries"
+    )
 
 
 def test_blake3_kernel_digest_matches_the_host():
@@ -256,8 +266,10 @@ def test_blake3_kernel_digest_matches_the_host():
     start = time.perf_counter()
     digest(host)
     host_seconds = time.perf_counter() - start
-    print(f"BLAKE3 of 256 MiB: GPU {seconds * 1e3:.2f} ms ({big.numel() / seconds / 1e9:.1f} GB/s), "
-          f"host {host_seconds * 1e3:.2f} ms")  # measured, not asserted
+    print(
+        f"BLAKE3 of 256 MiB: GPU {seconds * 1e3:.2f} ms ({big.numel() / seconds / 1e9:.1f} GB/s), "
+        f"host {host_seconds * 1e3:.2f} ms"
+    )  # measured, not asserted
 
 
 # --------------------------------------------------------------------------- transfers, both backends
@@ -295,7 +307,9 @@ def roundtrip(rank, world, group, case, blocking):
             if blocking:
                 _call(case["receiver"], "recv", td, **peer, **opts)
             else:
-                futures = _call(case["receiver"], "irecv", td, **peer, return_premature=True, **opts)
+                futures = _call(
+                    case["receiver"], "irecv", td, **peer, return_premature=True, **opts
+                )
                 if case["receiver"] == "stock":
                     for work in futures:
                         work.wait()
@@ -312,14 +326,42 @@ def roundtrip(rank, world, group, case, blocking):
     return out
 
 
-def _case(sender, send_place, receiver, recv_place, *, consolidated=False, bucket_bytes=None, extra=None,
-          structures=ALL, name=None):
-    kind = "chunks" if consolidated and bucket_bytes else "consolidated" if consolidated else \
-        "buckets" if bucket_bytes else "per-leaf"
-    label = name or f"{kind}{'' if bucket_bytes is None else '-' + str(bucket_bytes)}-" \
-                    f"{sender}_{send_place}-to-{receiver}_{recv_place}"
-    case = dict(sender=sender, send_place=send_place, receiver=receiver, recv_place=recv_place,
-                consolidated=consolidated, bucket_bytes=bucket_bytes, extra=extra, structures=structures)
+def _case(
+    sender,
+    send_place,
+    receiver,
+    recv_place,
+    *,
+    consolidated=False,
+    bucket_bytes=None,
+    extra=None,
+    structures=ALL,
+    name=None,
+):
+    kind = (
+        "chunks"
+        if consolidated and bucket_bytes
+        else "consolidated"
+        if consolidated
+        else "buckets"
+        if bucket_bytes
+        else "per-leaf"
+    )
+    label = (
+        name
+        or f"{kind}{'' if bucket_bytes is None else '-' + str(bucket_bytes)}-"
+        f"{sender}_{send_place}-to-{receiver}_{recv_place}"
+    )
+    case = dict(
+        sender=sender,
+        send_place=send_place,
+        receiver=receiver,
+        recv_place=recv_place,
+        consolidated=consolidated,
+        bucket_bytes=bucket_bytes,
+        extra=extra,
+        structures=structures,
+    )
     return pytest.param(case, id=label)
 
 
@@ -331,8 +373,15 @@ GLOO_CASES = [
     _case("stock", "cpu", C, "cuda"),
     _case(C, "cuda", "stock", "cpu"),
     _case(C, "cuda", C, "cuda"),
-    _case(C, "cuda", C, "cuda", extra={"pseudo_rand": True, "init_tag": 3}, structures=SMALL,
-          name="per-leaf-pseudo_rand-cuda-to-cuda"),
+    _case(
+        C,
+        "cuda",
+        C,
+        "cuda",
+        extra={"pseudo_rand": True, "init_tag": 3},
+        structures=SMALL,
+        name="per-leaf-pseudo_rand-cuda-to-cuda",
+    ),
     _case("stock", "cpu", C, "cuda", consolidated=True),
     _case(C, "cuda", "stock", "cpu", consolidated=True),
     _case(C, "cuda", C, "cuda", consolidated=True),
@@ -345,15 +394,32 @@ GLOO_CASES = [
     _case(C, "cuda", C, "cpu", bucket_bytes=MiB),
     _case(C, "cuda", C, "cuda", consolidated=True, bucket_bytes=64, structures=SMALL),
     _case(C, "cuda", C, "cuda", consolidated=True, bucket_bytes=256 * KiB, structures=("big",)),
-    _case(C, "cpu", C, "cuda", consolidated=True, bucket_bytes=256 * KiB, structures=("big", "nested")),
-    _case(C, "cuda", C, "pinned", consolidated=True, bucket_bytes=256 * KiB, structures=("big", "nested")),
+    _case(
+        C, "cpu", C, "cuda", consolidated=True, bucket_bytes=256 * KiB, structures=("big", "nested")
+    ),
+    _case(
+        C,
+        "cuda",
+        C,
+        "pinned",
+        consolidated=True,
+        bucket_bytes=256 * KiB,
+        structures=("big", "nested"),
+    ),
     _case(C, "pinned", C, "cuda", consolidated=True, bucket_bytes=256 * KiB, structures=("big",)),
 ]
 
 NCCL_CASES = [
     _case(C, "cuda", C, "cuda"),
-    _case(C, "cuda", C, "cuda", extra={"pseudo_rand": True, "init_tag": 3}, structures=SMALL,
-          name="per-leaf-pseudo_rand-cuda-to-cuda"),
+    _case(
+        C,
+        "cuda",
+        C,
+        "cuda",
+        extra={"pseudo_rand": True, "init_tag": 3},
+        structures=SMALL,
+        name="per-leaf-pseudo_rand-cuda-to-cuda",
+    ),
     _case(C, "cuda", C, "cpu"),  # host leaves: a ring of two device buffers
     _case(C, "cpu", C, "cuda"),
     _case(C, "cuda", C, "cuda", consolidated=True),
@@ -364,7 +430,9 @@ NCCL_CASES = [
     _case(C, "cuda", C, "cpu", bucket_bytes=MiB),
     _case(C, "cpu", C, "cuda", bucket_bytes=MiB),
     _case(C, "cuda", C, "cuda", consolidated=True, bucket_bytes=4096, structures=("big", "nested")),
-    _case(C, "cuda", C, "pinned", consolidated=True, bucket_bytes=4096, structures=("big", "nested")),
+    _case(
+        C, "cuda", C, "pinned", consolidated=True, bucket_bytes=4096, structures=("big", "nested")
+    ),
     _case(C, "pinned", C, "cuda", consolidated=True, bucket_bytes=4096, structures=("big",)),
 ]
 
@@ -374,14 +442,18 @@ def _check_roundtrip(out: dict, case: dict, blocking: bool, backend: str) -> Non
     assert out["values"] and not bad, f"wrong values received for (structure, step) {bad}"
     for structure, facts in out["facts"].items():
         place = case["recv_place"]
-        assert facts["leaves_in_storage"], f"{structure}: a leaf is not a view of the consolidated storage"
+        assert facts["leaves_in_storage"], (
+            f"{structure}: a leaf is not a view of the consolidated storage"
+        )
         assert facts["device"] == ("cuda" if place == "cuda" else "cpu"), (structure, facts)
         assert facts["pinned"] == (place == "pinned"), f"{structure}: storage pinned? {facts}"
     if not blocking and case["receiver"] == "cudarecv":
         gpu = backend == "nccl" or case["recv_place"] == "cuda"
         for key, f in out["futures"].items():
             assert f["future"] and f["returns_td"], (key, f)
-            assert f["event"] == ("Event" if gpu else None), f"{key}: Transfer.event is {f['event']}"
+            assert f["event"] == ("Event" if gpu else None), (
+                f"{key}: Transfer.event is {f['event']}"
+            )
 
 
 @pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "async"])
@@ -407,7 +479,9 @@ STANDALONE_IDS = {
     "chunks-4096-cudarecv_cuda-to-cudarecv_cuda",
 }
 STANDALONE_CASES = [p for p in NCCL_CASES if p.id in STANDALONE_IDS]
-assert len(STANDALONE_CASES) == len(STANDALONE_IDS), "a standalone case id no longer matches NCCL_CASES"
+assert len(STANDALONE_CASES) == len(STANDALONE_IDS), (
+    "a standalone case id no longer matches NCCL_CASES"
+)
 
 
 @nccl_mark
@@ -462,8 +536,11 @@ def test_gloo_cuda_header_mismatch_then_next_transfer_works(gloo, consolidated):
 
 
 @nccl_mark
-@pytest.mark.parametrize("consolidated,place", [(False, "cuda"), (False, "cpu"), (True, "cuda"), (True, "pinned")],
-                         ids=["buckets-cuda", "buckets-cpu", "chunks-cuda", "chunks-pinned"])
+@pytest.mark.parametrize(
+    "consolidated,place",
+    [(False, "cuda"), (False, "cpu"), (True, "cuda"), (True, "pinned")],
+    ids=["buckets-cuda", "buckets-cpu", "chunks-cuda", "chunks-pinned"],
+)
 def test_nccl_header_mismatch_then_next_transfer_works(nccl, consolidated, place):
     _, result = nccl().run(mismatch_then_ok, args=(place, consolidated), timeout=RUN_TIMEOUT)
     _check_mismatch(result)
@@ -485,7 +562,11 @@ def explicit_stream(rank, world, group):
     _sleep_on(s, 1.0)  # s is busy: a transfer on s lands after this
     [t] = cudarecv.irecv(td, **peer, stream=s, return_premature=True)
     t.wait(timeout=WAIT)
-    on_s = {"stream_is_s": t._stream is s, "event_pending": not t.event.query(), "s_busy": not s.query()}
+    on_s = {
+        "stream_is_s": t._stream is s,
+        "event_pending": not t.event.query(),
+        "s_busy": not s.query(),
+    }
     on_s["values"] = _equal(td, _make("nested", 5.0))  # the current stream waits for s
     _sleep_on(s, 1.0)
     [t2] = cudarecv.irecv(td, **peer, return_premature=True)
@@ -493,8 +574,11 @@ def explicit_stream(rank, world, group):
     deadline = time.monotonic() + 0.5
     while not t2.event.query() and time.monotonic() < deadline:
         time.sleep(0.001)
-    dedicated = {"stream_is_dedicated": t2._stream is _cuda.dedicated_stream(_device()),
-                 "event_done": t2.event.query(), "s_busy": not s.query()}
+    dedicated = {
+        "stream_is_dedicated": t2._stream is _cuda.dedicated_stream(_device()),
+        "event_done": t2.event.query(),
+        "s_busy": not s.query(),
+    }
     dedicated["values"] = _equal(td, _make("nested", 6.0))
     _finish()
     return on_s, dedicated
@@ -503,10 +587,16 @@ def explicit_stream(rank, world, group):
 def test_transfer_runs_on_the_given_stream(gloo):
     _, (on_s, dedicated) = gloo().run(explicit_stream, timeout=RUN_TIMEOUT)
     assert on_s["stream_is_s"], "irecv(stream=s) did not run on s"
-    assert on_s["s_busy"] and on_s["event_pending"], f"the transfer's event did not queue behind s: {on_s}"
+    assert on_s["s_busy"] and on_s["event_pending"], (
+        f"the transfer's event did not queue behind s: {on_s}"
+    )
     assert on_s["values"]
-    assert dedicated["stream_is_dedicated"], "without stream=..., the transfer is not on the dedicated stream"
-    assert dedicated["s_busy"] and dedicated["event_done"], f"the default transfer waited for s: {dedicated}"
+    assert dedicated["stream_is_dedicated"], (
+        "without stream=..., the transfer is not on the dedicated stream"
+    )
+    assert dedicated["s_busy"] and dedicated["event_done"], (
+        f"the default transfer waited for s: {dedicated}"
+    )
     assert dedicated["values"]
 
 
@@ -572,7 +662,9 @@ def pending_receive(rank, world, group, mode, delay):
     shape = dict(batch_size=[])
 
     def td_of(fill):
-        return TensorDict({f"k{i}": torch.full((nbytes // 16,), fill + i) for i in range(4)}, **shape)
+        return TensorDict(
+            {f"k{i}": torch.full((nbytes // 16,), fill + i) for i in range(4)}, **shape
+        )
 
     if rank == 0:
         for fill in (1.0, 2.0):
@@ -599,8 +691,13 @@ def pending_receive(rank, world, group, mode, delay):
     event.synchronize()
     since_call = time.monotonic() - t0
     pending = not t.done() if t.event is None else not t.event.query()
-    facts = {"call_s": call_s, "since_call": since_call, "pending": pending,
-             "dedicated_busy": not dedicated.query(), "y_finite": bool(torch.isfinite(y).all())}
+    facts = {
+        "call_s": call_s,
+        "since_call": since_call,
+        "pending": pending,
+        "dedicated_busy": not dedicated.query(),
+        "y_finite": bool(torch.isfinite(y).all()),
+    }
     t.wait(timeout=WAIT + delay)
     facts["values"] = _equal(td, td_of(2.0))
     _finish()
@@ -611,7 +708,8 @@ def _check_pending(facts, delay) -> None:
     assert facts["call_s"] < 1.0, f"irecv(return_premature=True) blocked {facts['call_s']:.2f} s"
     assert facts["since_call"] < min(1.0, delay / 2), (
         f"work on the current stream finished {facts['since_call']:.2f} s after the call: "
-        "it waited for the pending receive")
+        "it waited for the pending receive"
+    )
     assert facts["pending"], "the receive was done before the sender sent: the test proves nothing"
     assert facts["y_finite"] and facts["values"]
 
@@ -669,13 +767,19 @@ def staging_reuse(rank, world, group, mode, count):
             works = cudarecv.irecv(td, **peer, **opts, return_premature=True)
         for work in works:
             work.wait(WAIT)
-        return ",".join(sorted({getattr(work, "transport", "wire") for work in works}))  # per leaf: torch's works
+        return ",".join(
+            sorted({getattr(work, "transport", "wire") for work in works})
+        )  # per leaf: torch's works
 
     def snapshot():
         torch.cuda.synchronize()
         plan = plan_for(unwrap(td))
-        return {"pool": plan.pool.allocations, "device_bytes": torch.cuda.memory_allocated(),
-                "plan": id(plan), "staging": {k: v.data_ptr() for k, v in plan._staging.items()}}
+        return {
+            "pool": plan.pool.allocations,
+            "device_bytes": torch.cuda.memory_allocated(),
+            "plan": id(plan),
+            "staging": {k: v.data_ptr() for k, v in plan._staging.items()},
+        }
 
     # warm up until the link settled on its transport: a fresh link may start on the wire and take CUDA IPC
     # once its offer is accepted, and a segment's staging comes with its first use (double buffered: a
@@ -698,21 +802,35 @@ def staging_reuse(rank, world, group, mode, count):
     after = snapshot()
     ok = rank == 0 or _equal(td, _make(structure, 10.0 + warm + count - 1))
     _finish()
-    return {"before": before, "after": after, "device_bytes": peaks, "values": ok, "carried": carried,
-            "warm": warm}
+    return {
+        "before": before,
+        "after": after,
+        "device_bytes": peaks,
+        "values": ok,
+        "carried": carried,
+        "warm": warm,
+    }
 
 
 def _check_staging(results) -> None:
     for rank, r in enumerate(results):
         before, after = r["before"], r["after"]
-        measured = r["carried"][r["warm"] - 1:]
-        assert len(set(measured)) == 1, f"rank {rank}: the transport changed after the warm-up: {r['carried']}"
+        measured = r["carried"][r["warm"] - 1 :]
+        assert len(set(measured)) == 1, (
+            f"rank {rank}: the transport changed after the warm-up: {r['carried']}"
+        )
         assert r["values"], f"rank {rank}: wrong values after the transfers"
-        assert after["pool"] == before["pool"], f"rank {rank}: staging pool grew {before['pool']} -> {after['pool']}"
+        assert after["pool"] == before["pool"], (
+            f"rank {rank}: staging pool grew {before['pool']} -> {after['pool']}"
+        )
         assert after["plan"] == before["plan"], f"rank {rank}: the plan was rebuilt"
-        assert after["staging"] == before["staging"], f"rank {rank}: the plan's staging buffers changed"
+        assert after["staging"] == before["staging"], (
+            f"rank {rank}: the plan's staging buffers changed"
+        )
         grown = max(r["device_bytes"]) - before["device_bytes"]
-        assert grown <= MEMORY_SLACK, f"rank {rank}: device memory grew by {grown} bytes over the transfers"
+        assert grown <= MEMORY_SLACK, (
+            f"rank {rank}: device memory grew by {grown} bytes over the transfers"
+        )
 
 
 @pytest.mark.parametrize("mode", [m for m in STAGING_MODES if m.startswith("gloo")])
@@ -736,7 +854,9 @@ B2B_MODES = {
 
 
 def _b2b_td(fill: float) -> TensorDict:
-    return TensorDict(x=torch.full((1 << 16,), fill), y=torch.full((1 << 14,), -fill), batch_size=[])
+    return TensorDict(
+        x=torch.full((1 << 16,), fill), y=torch.full((1 << 14,), -fill), batch_size=[]
+    )
 
 
 def back_to_back(rank, world, group, mode, count, send_place, recv_place, receiver_lags):
@@ -816,8 +936,9 @@ def nccl_stock_peer(rank, world, group, sender, receiver):
 
 
 @nccl_mark
-@pytest.mark.parametrize("sender,receiver", [("stock", C), (C, "stock")], ids=["stock-to-cudarecv",
-                                                                             "cudarecv-to-stock"])
+@pytest.mark.parametrize(
+    "sender,receiver", [("stock", C), (C, "stock")], ids=["stock-to-cudarecv", "cudarecv-to-stock"]
+)
 def test_nccl_per_leaf_with_a_stock_peer(nccl, sender, receiver):
     """Stock sends each CUDA leaf with its own dist.isend (PyTorch's two-rank communicator);
     with CUDARECV_NCCL_BATCH=0 cudarecv does the same (a mismatch hangs: bounded here)."""
@@ -838,21 +959,30 @@ def weight_sync_on_gpu(rank, world, group, receiver_device, pulls, standalone, v
 
     device = _device()
     weights = TensorDict(w=torch.zeros(1 << 20, device=device), b=torch.zeros(1000, device=device))
-    peer = ({"group": group, "group_dst": 1} if rank == 0 else {"group": group, "group_src": 0}) if standalone \
+    peer = (
+        ({"group": group, "group_dst": 1} if rank == 0 else {"group": group, "group_src": 0})
+        if standalone
         else ({"dst": 1} if rank == 0 else {"src": 0})
+    )
     if rank == 0:
-        with cr.WeightSender(weights, **peer, bucket_bytes=1 << 18, timeout=WAIT, verify=verify) as sender:
+        with cr.WeightSender(
+            weights, **peer, bucket_bytes=1 << 18, timeout=WAIT, verify=verify
+        ) as sender:
             for version in range(1, pulls + 1):
                 weights.apply_(lambda t, v=version: t.fill_(float(v)))
                 sender.push()
         return None
     where = device if receiver_device == "cuda" else "cpu"
-    receiver = cr.WeightReceiver(**peer, device=where, pin_memory=receiver_device == "pinned", timeout=WAIT)
+    receiver = cr.WeightReceiver(
+        **peer, device=where, pin_memory=receiver_device == "pinned", timeout=WAIT
+    )
     seen, before = [], None
     for version in range(1, pulls + 1):
         got = receiver.pull()
         with receiver.reading() as td:
-            seen.append((got, bool((td["w"] == float(version)).all() and (td["b"] == float(version)).all())))
+            seen.append(
+                (got, bool((td["w"] == float(version)).all() and (td["b"] == float(version)).all()))
+            )
         if version == 3:
             torch.cuda.synchronize()
             before = (torch.cuda.memory_allocated(), receiver._lane.pool.allocations)
@@ -867,13 +997,17 @@ def _check_weight_sync(result, pulls) -> None:
     assert [v for v, _ in seen] == list(range(1, pulls + 1))
     assert all(ok for _, ok in seen), "a pulled version held other values"
     assert after[1] == before[1], "staging buffers were allocated in steady state"
-    assert abs(after[0] - before[0]) <= MEMORY_SLACK, f"device memory moved by {after[0] - before[0]} bytes"
+    assert abs(after[0] - before[0]) <= MEMORY_SLACK, (
+        f"device memory moved by {after[0] - before[0]} bytes"
+    )
 
 
 @pytest.mark.parametrize("receiver_device", ["cuda", "pinned", "cpu"])
 def test_gloo_weight_sync_into_gpu_or_pinned_memory_is_flat(gloo, receiver_device):
     pulls = 40
-    _, result = gloo().run(weight_sync_on_gpu, args=(receiver_device, pulls, False, True), timeout=RUN_TIMEOUT)
+    _, result = gloo().run(
+        weight_sync_on_gpu, args=(receiver_device, pulls, False, True), timeout=RUN_TIMEOUT
+    )
     _check_weight_sync(result, pulls)
 
 
@@ -882,8 +1016,12 @@ def test_gloo_weight_sync_into_gpu_or_pinned_memory_is_flat(gloo, receiver_devic
 @pytest.mark.parametrize("receiver_device", ["cuda", "pinned"])
 def test_nccl_weight_sync(nccl, receiver_device, standalone):
     pulls = 40
-    _, result = nccl().run(weight_sync_on_gpu, args=(receiver_device, pulls, standalone, True),
-                           standalone=standalone, timeout=RUN_TIMEOUT)
+    _, result = nccl().run(
+        weight_sync_on_gpu,
+        args=(receiver_device, pulls, standalone, True),
+        standalone=standalone,
+        timeout=RUN_TIMEOUT,
+    )
     _check_weight_sync(result, pulls)
 
 
@@ -913,19 +1051,29 @@ def relay_on_gpu(rank, world, group, receiver_device, pushes):
     device = _device()
     weights = TensorDict(w=torch.zeros(1 << 20, device=device), b=torch.zeros(1000, device=device))
     if rank == 0:
-        with cr.WeightSender(weights, dst=[1, 2], fanout="relay", bucket_bytes=1 << 18, timeout=WAIT,
-                             verify=True) as sender:
+        with cr.WeightSender(
+            weights, dst=[1, 2], fanout="relay", bucket_bytes=1 << 18, timeout=WAIT, verify=True
+        ) as sender:
             for version in range(1, pushes + 1):
                 weights.apply_(lambda t, v=version: t.fill_(float(v)))
                 sender.push()
             return sender.fanout
     where = device if receiver_device == "cuda" else "cpu"
-    with cr.WeightReceiver(src=0, device=where, pin_memory=receiver_device == "pinned", timeout=WAIT) as receiver:
+    with cr.WeightReceiver(
+        src=0, device=where, pin_memory=receiver_device == "pinned", timeout=WAIT
+    ) as receiver:
         seen = []
         for version in range(1, pushes + 1):
             got = receiver.pull()
             with receiver.reading() as td:
-                seen.append((got, bool((td["w"] == float(version)).all() and (td["b"] == float(version)).all())))
+                seen.append(
+                    (
+                        got,
+                        bool(
+                            (td["w"] == float(version)).all() and (td["b"] == float(version)).all()
+                        ),
+                    )
+                )
         return seen
 
 
@@ -992,7 +1140,9 @@ def _ipc_weight_sync(rank, device, syncs):
         for version in range(1, syncs + 1):
             got = receiver.pull()
             with receiver.reading() as td:
-                exact &= got == version and bool((td["w"] == version).all() and (td["b"] == version).all())
+                exact &= got == version and bool(
+                    (td["w"] == version).all() and (td["b"] == version).all()
+                )
             if version in (10, syncs):
                 memory.append(_memory(device))
         return receiver.transport, exact, memory
@@ -1013,9 +1163,13 @@ def _ipc_fast_wire(rank, device, transfers, consolidated):
         if rank == 0:
             td["a"].fill_(step)
             td["b"].fill_(-step)
-            [t] = cudarecv.isend(td, 1, bucket_bytes=1 << 18, consolidated=consolidated, return_early=True)
+            [t] = cudarecv.isend(
+                td, 1, bucket_bytes=1 << 18, consolidated=consolidated, return_early=True
+            )
         else:
-            [t] = cudarecv.irecv(td, 0, bucket_bytes=1 << 18, consolidated=consolidated, return_premature=True)
+            [t] = cudarecv.irecv(
+                td, 0, bucket_bytes=1 << 18, consolidated=consolidated, return_premature=True
+            )
         t.wait(WAIT)
         routes.append(t.transport)
         if rank == 1:
@@ -1025,31 +1179,38 @@ def _ipc_fast_wire(rank, device, transfers, consolidated):
     return routes, exact, memory
 
 
-IPC_GPUS = [pytest.param("one_gpu", id="one_gpu_two_processes"),
-            pytest.param("two_gpus", id="two_gpus", marks=pytest.mark.gpus(2))]
+IPC_GPUS = [
+    pytest.param("one_gpu", id="one_gpu_two_processes"),
+    pytest.param("two_gpus", id="two_gpus", marks=pytest.mark.gpus(2)),
+]
 
 
 @pytest.mark.parametrize("gpus", IPC_GPUS)
 def test_cuda_ipc_weight_sync_exact_and_memory_flat(gloo, gpus):
     (transports, sent_memory), (transport, exact, received_memory) = gloo().run(
-        ipc_weight_sync, args=(gpus, 200), timeout=RUN_TIMEOUT)
+        ipc_weight_sync, args=(gpus, 200), timeout=RUN_TIMEOUT
+    )
     assert transports == {1: "cuda ipc"} and transport == "cuda ipc"
     assert exact, "a version arrived with other values"
     for early, late in (sent_memory, received_memory):
         # flat or less (a temporary of the first syncs may be freed later): never more
         assert all(b <= a for a, b in zip(early, late)), (
-            f"device memory (allocated, reserved) grew over 190 syncs: {early} -> {late}")
+            f"device memory (allocated, reserved) grew over 190 syncs: {early} -> {late}"
+        )
 
 
 @pytest.mark.parametrize("consolidated", [False, True], ids=["buckets", "chunks"])
 @pytest.mark.parametrize("gpus", IPC_GPUS)
 def test_cuda_ipc_fast_wire_exact_and_memory_flat(gloo, gpus, consolidated):
     (routes, _, sent_memory), (received, exact, received_memory) = gloo().run(
-        ipc_fast_wire, args=(gpus, 200, consolidated), timeout=RUN_TIMEOUT)
+        ipc_fast_wire, args=(gpus, 200, consolidated), timeout=RUN_TIMEOUT
+    )
     assert routes == received and set(routes[1:]) == {"cuda ipc"}, routes[:5]
     assert exact
     for early, late in (sent_memory, received_memory):
-        assert late[0] - early[0] <= MEMORY_SLACK and late[1] == early[1], f"device memory grew: {early} -> {late}"
+        assert late[0] - early[0] <= MEMORY_SLACK and late[1] == early[1], (
+            f"device memory grew: {early} -> {late}"
+        )
 
 
 def ipc_weights_and_transfers(rank, world, group, gpus, key):
@@ -1068,13 +1229,21 @@ def test_cuda_ipc_nothing_outlives_close_and_destroy(gloo, gpus):
     """Weight sync (sync, latest) and fast-wire transfers through CUDA IPC, three refused, then close, destroy
     and collect: no thread of cudarecv's left, the tensordicts (and the device memory they hold, with the
     other end's IPC mappings of it) and the group let go."""
-    (_, _, _, sender, sender_alive, sent), (refused, exact, links, receiver, receiver_alive, carried) = gloo().run(
-        ipc_weights_and_transfers, args=(gpus, unique_key("ipc_outlive")), timeout=RUN_TIMEOUT)
+    (
+        (_, _, _, sender, sender_alive, sent),
+        (refused, exact, links, receiver, receiver_alive, carried),
+    ) = gloo().run(
+        ipc_weights_and_transfers, args=(gpus, unique_key("ipc_outlive")), timeout=RUN_TIMEOUT
+    )
     assert sent == ["cuda ipc"] * 2 and carried == ["cuda ipc"] * 3, (sent, carried)
     assert refused == 3 and exact
-    assert [name.split("#")[0] for name in links] == ["cudarecv-recv-0"], links  # one per link, not per failure
+    assert [name.split("#")[0] for name in links] == ["cudarecv-recv-0"], (
+        links
+    )  # one per link, not per failure
     left = (sender, receiver, sender_alive, receiver_alive)
-    assert left == ([], [], [False] * 4, [False] * 4), left  # (threads; weights, good, wrong, group)
+    assert left == ([], [], [False] * 4, [False] * 4), (
+        left
+    )  # (threads; weights, good, wrong, group)
 
 
 @pytest.mark.parametrize("gpus", IPC_GPUS)
@@ -1082,7 +1251,10 @@ def test_cuda_ipc_many_transfers_with_refusals_keep_resources_flat(gloo, gpus):
     results = gloo().run(ipc_many_transfers, args=(gpus, unique_key("ipc_many")), timeout=300)
     assert results[1][0] == 250
     for rank, (_, early, late) in enumerate(results):
-        assert early[:4] == late[:4], (f"rank {rank}: (cudarecv threads, threads, descriptors, shared mappings) "
-                                       f"{early[:4]} after 20, {late[:4]} after 1000")
+        assert early[:4] == late[:4], (
+            f"rank {rank}: (cudarecv threads, threads, descriptors, shared mappings) "
+            f"{early[:4]} after 20, {late[:4]} after 1000"
+        )
         assert late[4] - early[4] <= MEMORY_SLACK and late[5] == early[5], (
-            f"rank {rank}: device memory (allocated, reserved) grew: {early[4:]} -> {late[4:]}")
+            f"rank {rank}: device memory (allocated, reserved) grew: {early[4:]} -> {late[4:]}"
+        )

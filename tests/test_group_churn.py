@@ -56,7 +56,9 @@ def sync_weights(rank: int, g, td: TensorDict, mode: str) -> None:
     """A weight sender (rank 0) and receiver (rank 1) on ``g``: three versions, then both closed."""
     transport, mode = mode.split("/")
     if rank == 0:
-        with cudarecv.WeightSender(td, group=g, group_dst=1, mode=mode, transport=transport, timeout=30.0) as sender:
+        with cudarecv.WeightSender(
+            td, group=g, group_dst=1, mode=mode, transport=transport, timeout=30.0
+        ) as sender:
             for _ in range(3):
                 td["a"] += 1
                 sender.push()
@@ -64,7 +66,9 @@ def sync_weights(rank: int, g, td: TensorDict, mode: str) -> None:
                     dist.barrier(group=g)
                     dist.barrier(group=g)
     else:
-        with cudarecv.WeightReceiver(group=g, group_src=0, expect=td, transport=transport, timeout=30.0) as receiver:
+        with cudarecv.WeightReceiver(
+            group=g, group_src=0, expect=td, transport=transport, timeout=30.0
+        ) as receiver:
             for _ in range(3):
                 if mode == "sync":
                     receiver.pull()
@@ -88,8 +92,17 @@ def churn(rank: int, world: int, group, modes: list[str]) -> dict[str, list[tupl
     return out
 
 
-MODES = ["gloo", "auto/0", "auto/65536", "wire/0", "wire/65536",
-         "weights/auto/sync", "weights/auto/latest", "weights/wire/sync", "weights/wire/latest"]
+MODES = [
+    "gloo",
+    "auto/0",
+    "auto/65536",
+    "wire/0",
+    "wire/65536",
+    "weights/auto/sync",
+    "weights/auto/latest",
+    "weights/wire/sync",
+    "weights/wire/latest",
+]
 
 
 @pytest.mark.long
@@ -103,6 +116,10 @@ def test_groups_used_and_dropped_leave_nothing():
         for mode in MODES[1:]:
             seen = by_mode[mode]
             growth = [seen[-1][i] - seen[0][i] for i in range(3)]
-            for what, g, b in zip(("threads", "descriptors", "shared mappings"), growth, gloo_growth):
-                assert g <= max(b, 0) + SLACK, (f"rank {rank}, {mode}: {what} grew by {g} over {ROUNDS - 1} groups "
-                                                f"(plain gloo: {b}): {seen}")
+            for what, g, b in zip(
+                ("threads", "descriptors", "shared mappings"), growth, gloo_growth
+            ):
+                assert g <= max(b, 0) + SLACK, (
+                    f"rank {rank}, {mode}: {what} grew by {g} over {ROUNDS - 1} groups "
+                    f"(plain gloo: {b}): {seen}"
+                )

@@ -34,9 +34,13 @@ def lone_end(rank: int, world: int, group: object, side: str) -> list[tuple[str,
             try:
                 if side == "sender":
                     dst = dict(group_dst=[1]) if peer else dict(dst=[1])
-                    cudarecv.WeightSender(TensorDict(w=torch.ones(4)), timeout=TIMEOUT, **peer, **dst)
+                    cudarecv.WeightSender(
+                        TensorDict(w=torch.ones(4)), timeout=TIMEOUT, **peer, **dst
+                    )
                 else:
-                    cudarecv.WeightReceiver(timeout=TIMEOUT, **peer, **(dict(group_src=1) if peer else dict(src=1)))
+                    cudarecv.WeightReceiver(
+                        timeout=TIMEOUT, **peer, **(dict(group_src=1) if peer else dict(src=1))
+                    )
                 outcomes.append(("no error", ""))
             except cudarecv.Error as error:
                 outcomes.append((type(error).__name__, str(error)))
@@ -45,10 +49,20 @@ def lone_end(rank: int, world: int, group: object, side: str) -> list[tuple[str,
     return outcomes
 
 
-@pytest.mark.parametrize("side, hint", [
-    ("sender", "it must build a `WeightReceiver` with `{src}=0` (this rank){where} within that time"),
-    ("receiver", "it must build a `WeightSender` with `{dst}` including 0 (this rank){where} within that time"),
-], ids=["sender", "receiver"])
+@pytest.mark.parametrize(
+    "side, hint",
+    [
+        (
+            "sender",
+            "it must build a `WeightReceiver` with `{src}=0` (this rank){where} within that time",
+        ),
+        (
+            "receiver",
+            "it must build a `WeightSender` with `{dst}` including 0 (this rank){where} within that time",
+        ),
+    ],
+    ids=["sender", "receiver"],
+)
 def test_a_handshake_timeout_says_what_the_other_end_must_build(side: str, hint: str) -> None:
     # a cluster of its own: gloo cannot take back the timed-out handshake's posted messages, which a later
     # handshake on these groups would take
@@ -60,7 +74,9 @@ def test_a_handshake_timeout_says_what_the_other_end_must_build(side: str, hint:
         silent = "took no schema" if side == "sender" else "sent nothing"
         assert f"{silent} within {TIMEOUT:g} s" in message, message
         names = dict(src="group_src", dst="group_dst") if standalone else dict(src="src", dst="dst")
-        assert hint.format(**names, where=" on this group" if standalone else "") in message, message
+        assert hint.format(**names, where=" on this group" if standalone else "") in message, (
+            message
+        )
 
 
 def test_the_hint_names_global_ranks_on_a_registered_subgroup() -> None:
@@ -70,7 +86,9 @@ def test_the_hint_names_global_ranks_on_a_registered_subgroup() -> None:
         kind, message = cluster.run(subgroup_sender, timeout=120)[2]
     assert kind == "TransferTimeout", message
     assert message.startswith("weight-sync handshake: rank 0 of the group took no schema"), message
-    assert "it must build a `WeightReceiver` with `src=2` (this rank) within that time" in message, message
+    assert (
+        "it must build a `WeightReceiver` with `src=2` (this rank) within that time" in message
+    ), message
 
 
 def subgroup_sender(rank: int, world: int, group: object) -> tuple[str, str] | None:

@@ -16,7 +16,18 @@ from cudarecv.core.host_copy import CopyTable, copy, copy_bytes
 from cudarecv.samehost import policy
 
 # around the streaming threshold (256 KiB), its 64-byte alignment and its 16 KiB blocks
-SIZES = [0, 1, 63, 64, 4095, (256 << 10) - 1, 256 << 10, (256 << 10) + 1, (1 << 20) + 16385, 3 << 20]
+SIZES = [
+    0,
+    1,
+    63,
+    64,
+    4095,
+    (256 << 10) - 1,
+    256 << 10,
+    (256 << 10) + 1,
+    (1 << 20) + 16385,
+    3 << 20,
+]
 
 
 @pytest.fixture(params=["native stream", "native memcpy", "memmove"])
@@ -25,7 +36,9 @@ def implementation(request, monkeypatch):
         if not _host_copy.NATIVE:
             pytest.skip(_host_copy.WHY_NOT_NATIVE)
         monkeypatch.setenv(_host_copy.ENV, request.param.split()[1])
-        monkeypatch.setattr(_host_copy, "STREAMING", None)  # chosen again at the next large copy, as told
+        monkeypatch.setattr(
+            _host_copy, "STREAMING", None
+        )  # chosen again at the next large copy, as told
         yield request.param
         _host_copy._LIB.cudarecv_copy_streaming(0)
         _host_copy.STREAMING = None
@@ -40,8 +53,10 @@ def test_copy_gives_the_same_bytes_and_nothing_past_them(implementation, size, s
     src = torch.randint(0, 256, (size + 128,), dtype=torch.uint8)
     dst = torch.full((size + 128,), 0xAB, dtype=torch.uint8)
     copy(dst.data_ptr() + 3, src.data_ptr() + shift, size)
-    assert torch.equal(dst[3:3 + size], src[shift:shift + size])
-    assert bool((dst[:3] == 0xAB).all() and (dst[3 + size:] == 0xAB).all())  # nothing outside is written
+    assert torch.equal(dst[3 : 3 + size], src[shift : shift + size])
+    assert bool(
+        (dst[:3] == 0xAB).all() and (dst[3 + size :] == 0xAB).all()
+    )  # nothing outside is written
 
 
 def test_copy_bytes_between_tensors(implementation):
@@ -66,7 +81,13 @@ def test_a_table_copies_its_runs_of_rows_both_ways(implementation):
     for t in leaves:
         t.zero_()
     pack.reversed().run(1, 4)  # rows 1..3 only, back into the leaves
-    assert [torch.equal(t, o) for t, o in zip(leaves, originals)] == [False, True, True, True, False]
+    assert [torch.equal(t, o) for t, o in zip(leaves, originals)] == [
+        False,
+        True,
+        True,
+        True,
+        False,
+    ]
 
 
 @pytest.fixture
@@ -84,7 +105,11 @@ def test_streaming_is_chosen_once_as_told_or_by_default(monkeypatch, untuned):
         avx2 = " avx2 " in f.read().replace("\n", " ")  # streaming is for AVX2 machines only
     try:
         default = avx2 and _host_copy.DEFAULT_HOST_COPY == "stream"
-        for told, expect in [("stream", avx2), ("memcpy", False), ("auto", default)]:  # auto, untuned: the default
+        for told, expect in [
+            ("stream", avx2),
+            ("memcpy", False),
+            ("auto", default),
+        ]:  # auto, untuned: the default
             monkeypatch.setenv(_host_copy.ENV, told)
             monkeypatch.setattr(_host_copy, "STREAMING", None)
             copy_bytes(dst[:100], src[:100])  # a small copy chooses nothing
@@ -105,7 +130,9 @@ def test_the_direct_read_is_chosen_as_told_or_by_default(monkeypatch, untuned):
     monkeypatch.setattr(_host_copy, "DIRECT_PAYS", None)
     for told, expect in [("on", True), ("off", False)]:
         monkeypatch.setenv(_host_copy.DIRECT_ENV, told)
-        assert _host_copy.direct_read_pays() == _host_copy.DirectRead(leaves=expect, storages=expect)
+        assert _host_copy.direct_read_pays() == _host_copy.DirectRead(
+            leaves=expect, storages=expect
+        )
         assert _host_copy.DIRECT_PAYS is None  # told: read again at each offer
     monkeypatch.delenv(_host_copy.DIRECT_ENV)
     assert _host_copy.direct_read_pays() is _host_copy.DIRECT_PAYS == _host_copy.DEFAULT_DIRECT_READ
@@ -129,6 +156,8 @@ def test_a_direct_read_stops_at_the_first_region_not_mapped():
     assert _host_copy.read_process(os.getpid(), local, remote) == 0
 
 
-@pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler on this machine")
+@pytest.mark.skipif(
+    shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler on this machine"
+)
 def test_native_copies_are_built_where_a_compiler_is():
     assert _host_copy.NATIVE, _host_copy.WHY_NOT_NATIVE

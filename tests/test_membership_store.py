@@ -50,7 +50,9 @@ def push_until(sender, td, done, what: str) -> None:
     """Push (each push's weights: its version) until ``done()``, within WAIT (the signal: ``done``)."""
     deadline = time.monotonic() + WAIT
     while not done():
-        assert time.monotonic() < deadline, f"{what} within {WAIT:g} s; receivers: {sender.receivers}"
+        assert time.monotonic() < deadline, (
+            f"{what} within {WAIT:g} s; receivers: {sender.receivers}"
+        )
         fill(td, sender.version + 1)
         sender.push()
 
@@ -75,7 +77,9 @@ def puller(conn, weights_port: int, signals_port: int, name: str, tag: str, time
             break
         with receiver.reading() as td:
             value = float(td["w"][0])
-            seen.append([version, bool((td["w"] == value).all()) and bool((td["b"] == -value).all())])
+            seen.append(
+                [version, bool((td["w"] == value).all()) and bool((td["b"] == -value).all())]
+            )
         signals.set(f"{tag}/seen", json.dumps(seen))
     receiver.close()
 
@@ -87,8 +91,13 @@ def seen(signals, tag: str) -> list[list]:
 def store_server(conn, signals_port: int) -> None:
     """A TCPStore's server in a process of its own (the test SIGKILLs it): its port in the signals store."""
     conn.close()
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                           timeout=datetime.timedelta(seconds=WAIT))
+    server = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=WAIT),
+    )
     signals = store_client(signals_port)
     signals.set("server/port", str(server.port))
     signals.wait(["server/never"], datetime.timedelta(seconds=3 * WAIT))
@@ -106,7 +115,9 @@ def test_a_store_that_dies_never_makes_a_push_raise(mode, thread_errors):
             signals.wait(["server/port"], datetime.timedelta(seconds=WAIT))
             port = int(signals.get("server/port"))
             td = weights()
-            sender = cudarecv.WeightSender(td, store=store_client(port), name="dies", mode=mode, timeout=TIMEOUT)
+            sender = cudarecv.WeightSender(
+                td, store=store_client(port), name="dies", mode=mode, timeout=TIMEOUT
+            )
             actor = fork_process(puller, (port, signals.port, "dies", "a", 60.0))
             push_until(sender, td, lambda: seen(signals, "a"), "the receiver pulled no version")
             os.kill(server.pid, signal.SIGKILL)
@@ -115,8 +126,12 @@ def test_a_store_that_dies_never_makes_a_push_raise(mode, thread_errors):
                 fill(td, sender.version + 1)
                 sender.push()
             last = sender.version
-            push_until(sender, td, lambda: seen(signals, "a")[-1][0] >= last,
-                       "the receiver did not get the versions pushed after the store died")
+            push_until(
+                sender,
+                td,
+                lambda: seen(signals, "a")[-1][0] >= last,
+                "the receiver did not get the versions pushed after the store died",
+            )
             signals.set("a/stop", "1")
             actor.join(WAIT)
             got = seen(signals, "a")
@@ -143,16 +158,26 @@ def test_a_second_live_sender_fences_the_first_and_receivers_never_go_back(threa
         actor = fork_process(puller, (store.port, store.port, "two", "f", 60.0))
         b = None
         try:
-            push_until(a, td_a, lambda: len(seen(store, "f")) >= 3, "the receiver did not pull from A")
+            push_until(
+                a, td_a, lambda: len(seen(store, "f")) >= 3, "the receiver did not pull from A"
+            )
             b = cudarecv.WeightSender(td_b, store=store, name="two", mode="sync", timeout=TIMEOUT)
-            assert b.generation == a.generation + 1 and b.version >= a.version, (a.version, b.version)
+            assert b.generation == a.generation + 1 and b.version >= a.version, (
+                a.version,
+                b.version,
+            )
             with pytest.raises(cudarecv.SenderFenced, match="generation 2 took the name"):
                 fill(td_a, a.version + 1)
                 a.push()
             with pytest.raises(cudarecv.SenderFenced):
                 a.push()
             last_of_a = seen(store, "f")[-1][0]
-            push_until(b, td_b, lambda: seen(store, "f")[-1][0] > last_of_a + 2, "the receiver did not move to B")
+            push_until(
+                b,
+                td_b,
+                lambda: seen(store, "f")[-1][0] > last_of_a + 2,
+                "the receiver did not move to B",
+            )
             store.set("f/stop", "1")
             actor.join(WAIT)
         finally:
@@ -185,7 +210,9 @@ def peeking_puller(conn, port: int, name: str) -> None:
                 continue
             pulls.set("peek/pulled", json.dumps(got))
 
-    thread = cudarecv.start_thread(pull, "puller")  # (its own client: this thread's waits hold `signals`)
+    thread = cudarecv.start_thread(
+        pull, "puller"
+    )  # (its own client: this thread's waits hold `signals`)
     n = 0
     while not signals.check(["peek/stop"]):
         n += 1
@@ -219,7 +246,10 @@ def test_a_receiver_never_publishes_an_older_version_than_it_held():
             return json.loads(store.get(f"peek/{asked}/answer"))
 
         try:
-            pulled = lambda: json.loads(store.get("peek/pulled")) if store.check(["peek/pulled"]) else []  # noqa: E731
+
+            def pulled() -> list:
+                return json.loads(store.get("peek/pulled")) if store.check(["peek/pulled"]) else []
+
             push_until(a, td, lambda: len(pulled()) >= 5, "the receiver did not pull from A")
             held = pulled()[-1]
             a.close()
@@ -227,12 +257,16 @@ def test_a_receiver_never_publishes_an_older_version_than_it_held():
             b = cudarecv.WeightSender(td, store=store, name="back", mode="sync", timeout=TIMEOUT)
             answers = []
             deadline = time.monotonic() + WAIT
-            while b.version < held:  # (B's versions up to A's newest: the receiver takes them, publishes none)
+            while (
+                b.version < held
+            ):  # (B's versions up to A's newest: the receiver takes them, publishes none)
                 assert time.monotonic() < deadline, b.receivers
                 fill(td, b.version + 1)
                 b.push()
                 answers.append(peek())
-            push_until(b, td, lambda: pulled()[-1] > held, "the receiver did not take B's newer versions")
+            push_until(
+                b, td, lambda: pulled()[-1] > held, "the receiver did not take B's newer versions"
+            )
             answers.append(peek())
             store.set("peek/stop", "1")
             store.set(f"peek/{asked + 1}", "1")
@@ -270,7 +304,9 @@ def closing_puller(conn, port: int, name: str) -> None:
     thread = cudarecv.start_thread(pull, "puller")
     signals.wait(["close/now"], datetime.timedelta(seconds=WAIT))  # (the first sender closed)
     deadline = time.monotonic() + WAIT
-    while not any(t.name == f"cudarecv-rejoin-{name}" for t in threading.enumerate()):  # (the pull waits for the next)
+    while not any(
+        t.name == f"cudarecv-rejoin-{name}" for t in threading.enumerate()
+    ):  # (the pull waits for the next)
         assert time.monotonic() < deadline, "the pull never looked for the next sender"
         time.sleep(0.01)
     closed = time.monotonic()
@@ -289,10 +325,14 @@ def test_close_from_another_thread_ends_a_pull_that_waits_for_the_next_sender():
         actor = fork_process(closing_puller, (store.port, "closing"))
         second = None
         try:
-            push_until(first, td, lambda: store.check(["close/pulled"]), "the receiver pulled nothing")
+            push_until(
+                first, td, lambda: store.check(["close/pulled"]), "the receiver pulled nothing"
+            )
             first.close()
             store.set("close/now", "1")
-            second = cudarecv.WeightSender(td, store=store, name="closing", mode="sync", timeout=TIMEOUT)
+            second = cudarecv.WeightSender(
+                td, store=store, name="closing", mode="sync", timeout=TIMEOUT
+            )
             push_until(second, td, lambda: store.check(["close/outcome"]), "the pull did not end")
             outcome = json.loads(store.get("close/outcome"))
             for _ in range(3):
@@ -314,6 +354,7 @@ def test_close_from_another_thread_ends_a_pull_that_waits_for_the_next_sender():
 
 # -- the store's records as untrusted input ----------------------------------------------------------------------
 
+
 @pytest.mark.timeout(300)
 def test_garbage_join_requests_are_skipped_and_honest_receivers_still_join(thread_errors):
     """Join requests that are not JSON, a JSON list, wrong fields, a forged closing record, and a number taken but
@@ -324,9 +365,17 @@ def test_garbage_join_requests_are_skipped_and_honest_receivers_still_join(threa
         sender = cudarecv.WeightSender(td, store=store, name=name, mode="latest", timeout=TIMEOUT)
         actor = None
         try:
-            for garbage in (b"not json", b"[1, 2]", b'{"host": 5, "pid": "x"}', b'{"closing": "forged"}', None):
+            for garbage in (
+                b"not json",
+                b"[1, 2]",
+                b'{"host": 5, "pid": "x"}',
+                b'{"closing": "forged"}',
+                None,
+            ):
                 k = store.add(key(name, "g1", "joins"), 1)
-                if garbage is not None:  # (None: the number taken, never written: a receiver that died between)
+                if (
+                    garbage is not None
+                ):  # (None: the number taken, never written: a receiver that died between)
                     store.set(key(name, "g1", "join", k), garbage)
             fill(td, 1)
             sender.push()
@@ -351,18 +400,23 @@ RECORD = {"host": "h", "pid": 1, "mode": "sync", "timeout": 5.0}
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("garbage, problem", [
-    (b"not json", "not JSON"),
-    (b"[1, 2]", "a JSON list"),
-    (json.dumps({**RECORD, "timeout": -1}).encode(), "its timeout is -1"),
-    (json.dumps({**RECORD, "timeout": 1e300}).encode(), "its timeout is 1e+300"),
-    (b'{"host": "h", "pid": 1, "mode": "sync", "timeout": NaN}', "its timeout is nan"),
-    (json.dumps({**RECORD, "mode": "x"}).encode(), "its mode is 'x'"),
-    (json.dumps({**RECORD, "pid": "abc"}).encode(), "its pid is 'abc'"),
-    (json.dumps({"pid": 1, "mode": "sync", "timeout": 5}).encode(), "its host is 'None'"),
-    (json.dumps({**RECORD, "host": "h" * 5000}).encode(), "bytes, more than 4096"),
-])
-def test_a_senders_record_that_cudarecv_did_not_write_is_refused_naming_the_key(garbage, problem, thread_errors):
+@pytest.mark.parametrize(
+    "garbage, problem",
+    [
+        (b"not json", "not JSON"),
+        (b"[1, 2]", "a JSON list"),
+        (json.dumps({**RECORD, "timeout": -1}).encode(), "its timeout is -1"),
+        (json.dumps({**RECORD, "timeout": 1e300}).encode(), "its timeout is 1e+300"),
+        (b'{"host": "h", "pid": 1, "mode": "sync", "timeout": NaN}', "its timeout is nan"),
+        (json.dumps({**RECORD, "mode": "x"}).encode(), "its mode is 'x'"),
+        (json.dumps({**RECORD, "pid": "abc"}).encode(), "its pid is 'abc'"),
+        (json.dumps({"pid": 1, "mode": "sync", "timeout": 5}).encode(), "its host is 'None'"),
+        (json.dumps({**RECORD, "host": "h" * 5000}).encode(), "bytes, more than 4096"),
+    ],
+)
+def test_a_senders_record_that_cudarecv_did_not_write_is_refused_naming_the_key(
+    garbage, problem, thread_errors
+):
     """A receiver finds the name's newest sender record tampered with: StoreRecordError naming the key and the
     fix (before it joins: no pair waits for a sender); no thread of it dies, none is left."""
     name = f"record-{abs(hash(garbage)) % 10**8}"
@@ -372,7 +426,9 @@ def test_a_senders_record_that_cudarecv_did_not_write_is_refused_naming_the_key(
         store.set(key(name, "current"), str(generation))
         with pytest.raises(cudarecv.StoreRecordError, match=re.escape(problem)) as caught:
             cudarecv.WeightReceiver(store=store, name=name, timeout=5.0)
-    assert caught.value.key == key(name, "g1", "sender") and "another `name`" in str(caught.value), caught.value
+    assert caught.value.key == key(name, "g1", "sender") and "another `name`" in str(
+        caught.value
+    ), caught.value
     assert not any(t.name.startswith("cudarecv-heartbeat") for t in threading.enumerate())
     assert not thread_errors, thread_errors
 
@@ -389,14 +445,20 @@ def test_garbage_in_current_and_the_version_counter_neither_blocks_nor_fences(th
         actors = []
         versions = []
         try:
-            for tag, tamper in (("c1", ("current", b"xyz")), ("c2", ("current", b"999")),
-                                ("c3", ("version", b"-5")), ("c4", ("version", b"abc"))):
+            for tag, tamper in (
+                ("c1", ("current", b"xyz")),
+                ("c2", ("current", b"999")),
+                ("c3", ("version", b"-5")),
+                ("c4", ("version", b"abc")),
+            ):
                 store.set(key(name, tamper[0]), tamper[1])
                 fill(td, sender.version + 1)
                 versions.append(sender.push())
                 began = time.monotonic()
                 actors.append(fork_process(puller, (store.port, store.port, name, tag, 20.0)))
-                push_until(sender, td, lambda tag=tag: seen(store, tag), f"receiver {tag} never pulled")
+                push_until(
+                    sender, td, lambda tag=tag: seen(store, tag), f"receiver {tag} never pulled"
+                )
                 versions.append(sender.version)
                 assert time.monotonic() - began < 60, tag  # (not the store client's 120 s)
             for tag in ("c1", "c2", "c3", "c4"):
@@ -433,7 +495,9 @@ def test_a_tiny_timeout_in_the_senders_record_does_not_make_the_heartbeat_spin()
     with master_store() as store:
         td = weights()
         sender = cudarecv.WeightSender(td, store=store, name=name, mode="latest", timeout=TIMEOUT)
-        store.set(key(name, "g1", "sender"), json.dumps({**RECORD, "mode": "latest", "timeout": 1e-9}))
+        store.set(
+            key(name, "g1", "sender"), json.dumps({**RECORD, "mode": "latest", "timeout": 1e-9})
+        )
         actor = fork_process(beat_counter, (store.port, name))
         try:
             fill(td, 1)
@@ -460,7 +524,9 @@ def dying_puller(conn, port: int, name: str) -> None:
 
     conn.close()
     signals = store_client(port)
-    receiver = cudarecv.WeightReceiver(store=store_client(port), name=name, timeout=60.0, transport="wire")
+    receiver = cudarecv.WeightReceiver(
+        store=store_client(port), name=name, timeout=60.0, transport="wire"
+    )
     receiver.pull(timeout=WAIT)
     real = pulling.recv_into
 
@@ -486,8 +552,16 @@ def test_a_receiver_killed_mid_pull_is_dropped_when_its_link_fails_not_after_the
     with master_store() as store:
         td = TensorDict(w=torch.zeros(1 << 22), b=torch.zeros(1 << 20))
         timeout = 20.0
-        sender = cudarecv.WeightSender(td, store=store, name=name, mode="sync", timeout=timeout, transport="wire",
-                                       bucket_bytes=64 << 10, fanout="star")
+        sender = cudarecv.WeightSender(
+            td,
+            store=store,
+            name=name,
+            mode="sync",
+            timeout=timeout,
+            transport="wire",
+            bucket_bytes=64 << 10,
+            fanout="star",
+        )
         actor = fork_process(dying_puller, (store.port, name))
         try:
             push_until(sender, td, lambda: store.check(["dying/pid"]), "the receiver never pulled")
@@ -499,11 +573,22 @@ def test_a_receiver_killed_mid_pull_is_dropped_when_its_link_fails_not_after_the
             push_until(sender, td, lambda: 1 in sender.dropped, "the dead receiver was not dropped")
             dropped = sender.dropped
             # (its threads end, its pair let go of: the send gloo left waiting ends a little past its deadline)
-            push_until(sender, td, lambda: not any(t.name.startswith(("cudarecv-push-1", "cudarecv-listen-1"))
-                                                   for t in threading.enumerate()), f"the dead receiver's threads ran on: {[t.name for t in threading.enumerate()]}")
+            push_until(
+                sender,
+                td,
+                lambda: (
+                    not any(
+                        t.name.startswith(("cudarecv-push-1", "cudarecv-listen-1"))
+                        for t in threading.enumerate()
+                    )
+                ),
+                f"the dead receiver's threads ran on: {[t.name for t in threading.enumerate()]}",
+            )
         finally:
             sender.close()
             actor.kill()
     assert actor.exitcode == -signal.SIGKILL, actor.exitcode
     assert took < timeout / 2, took
-    assert list(dropped) == [1] and "failed after" in dropped[1] and "did not take" not in dropped[1], dropped
+    assert (
+        list(dropped) == [1] and "failed after" in dropped[1] and "did not take" not in dropped[1]
+    ), dropped

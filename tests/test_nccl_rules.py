@@ -47,8 +47,12 @@ def _outcome(call):
 
 
 def _td(fill: float, consolidated: bool) -> TensorDict:
-    td = TensorDict(a=torch.full((3000,), fill), b=torch.arange(77, dtype=torch.float64) + fill,
-                    c=TensorDict(d=torch.full((5, 7), -fill), batch_size=[]), batch_size=[])
+    td = TensorDict(
+        a=torch.full((3000,), fill),
+        b=torch.arange(77, dtype=torch.float64) + fill,
+        c=TensorDict(d=torch.full((5, 7), -fill), batch_size=[]),
+        batch_size=[],
+    )
     return td.consolidate(metadata=True) if consolidated else td
 
 
@@ -82,17 +86,22 @@ def transfers(rank, world, group, key, mode, memory):
                     cudarecv.recv(td, group=pg, group_src=0, **kw)
                     seen.append(_same(td, float(step + 1)))
             return seen
+
         return _outcome(run), sorted({op[0] for op in pg.ops})
 
 
-@pytest.mark.parametrize("memory", [("device", "device"), ("device", "host"), ("host", "device")],
-                         ids=["device-device", "device-host", "host-device"])
+@pytest.mark.parametrize(
+    "memory",
+    [("device", "device"), ("device", "host"), ("host", "device")],
+    ids=["device-device", "device-host", "host-device"],
+)
 @pytest.mark.parametrize("mode", list(MODES))
 def test_a_transfer_matches_on_one_communicator(cluster, mode, memory):
     """Whatever each end's memory (device memory: posted in place, batched; host memory: staged message by
     message), both ends post on the same communicator in the same order: every value exact."""
-    (sent, comms0), (got, comms1) = cluster().run(transfers, args=(unique_key(f"t-{mode}"), mode, memory),
-                                                  timeout=4 * TIMEOUT)
+    (sent, comms0), (got, comms1) = cluster().run(
+        transfers, args=(unique_key(f"t-{mode}"), mode, memory), timeout=4 * TIMEOUT
+    )
     assert sent[0] == "ok", sent
     assert got == ("ok", [True, True, True]), got
     assert comms0 == comms1, (comms0, comms1)
@@ -104,8 +113,10 @@ def drained(rank, world, group, key, memory):
         pg = StrictNccl(store(), rank, world, timeout=TIMEOUT, name=key)
         kw = dict(bucket_bytes=1024, timeout=TIMEOUT)
         if rank == 0:
-            return [_outcome(lambda td=td: cudarecv.send(td, group=pg, group_dst=1, **kw))
-                    for td in (_td(1.0, False), _td(2.0, False))]
+            return [
+                _outcome(lambda td=td: cudarecv.send(td, group=pg, group_dst=1, **kw))
+                for td in (_td(1.0, False), _td(2.0, False))
+            ]
         other = TensorDict(z=torch.zeros(999), batch_size=[])
         first = _outcome(lambda: cudarecv.recv(other, group=pg, group_src=0, **kw))
         td = _td(0.0, False)
@@ -113,7 +124,9 @@ def drained(rank, world, group, key, memory):
         return first[0], second[0], _same(td, 2.0)
 
 
-@pytest.mark.parametrize("memory", [("device", "device"), ("device", "host")], ids=["device", "host"])
+@pytest.mark.parametrize(
+    "memory", [("device", "device"), ("device", "host")], ids=["device", "host"]
+)
 def test_a_mismatched_payload_is_drained_on_the_senders_communicator(cluster, memory):
     sent, got = cluster().run(drained, args=(unique_key("drain"), memory), timeout=4 * TIMEOUT)
     assert got == ("HeaderError", "ok", True), got
@@ -127,8 +140,10 @@ def out_of_order(rank, world, group, key):
         kw = dict(bucket_bytes=4096, timeout=TIMEOUT)
         if rank == 0:
             a, b = _td(1.0, False), _td(2.0, False)
-            return [_outcome(lambda: cudarecv.send(a, group=pg, group_dst=1, init_tag=1, **kw)),
-                    _outcome(lambda: cudarecv.send(b, group=pg, group_dst=1, init_tag=2, **kw))]
+            return [
+                _outcome(lambda: cudarecv.send(a, group=pg, group_dst=1, init_tag=1, **kw)),
+                _outcome(lambda: cudarecv.send(b, group=pg, group_dst=1, init_tag=2, **kw)),
+            ]
         b = _td(0.0, False)
         return _outcome(lambda: cudarecv.recv(b, group=pg, group_src=0, init_tag=2, **kw))
 
@@ -146,32 +161,48 @@ def weight_sync(rank, world, group, key, fanout, memory):
     with stand_in_cuda(memory[rank]):
         pg = StrictNccl(store(), rank, world, timeout=TIMEOUT, name=key)
         if rank == 0:
+
             def push_all():
-                with cudarecv.WeightSender(TensorDict.from_module(model), group=pg, group_dst=[1, 2],
-                                           bucket_bytes=1024, timeout=TIMEOUT, fanout=fanout) as sender:
+                with cudarecv.WeightSender(
+                    TensorDict.from_module(model),
+                    group=pg,
+                    group_dst=[1, 2],
+                    bucket_bytes=1024,
+                    timeout=TIMEOUT,
+                    fanout=fanout,
+                ) as sender:
                     for version in (1, 2, 3):
                         set_version(model, version)
                         sender.push()
                     return sender.fanout
+
             return _outcome(push_all)
 
         def pull_all():
-            with cudarecv.WeightReceiver(group=pg, group_src=0, expect=model, timeout=TIMEOUT) as receiver:
+            with cudarecv.WeightReceiver(
+                group=pg, group_src=0, expect=model, timeout=TIMEOUT
+            ) as receiver:
                 held = []
                 for _ in range(3):
                     version = receiver.pull()
                     held.append(holds_version(receiver.td, version))
                 return held
+
         return _outcome(pull_all)
 
 
-@pytest.mark.parametrize("memory", [("device", "device", "device"), ("device", "host", "device")],
-                         ids=["device", "mixed"])
+@pytest.mark.parametrize(
+    "memory",
+    [("device", "device", "device"), ("device", "host", "device")],
+    ids=["device", "mixed"],
+)
 @pytest.mark.parametrize("fanout", ["star", "relay"])
 def test_weight_sync_over_nccl_rules(three, fanout, memory):
     """The handshake, every push and the relay's forwarding post on communicators both ends agree on: the
     group's is made by all three ranks, no two threads coalesce at once."""
-    results = three().run(weight_sync, args=(unique_key(f"w-{fanout}"), fanout, memory), timeout=6 * TIMEOUT)
+    results = three().run(
+        weight_sync, args=(unique_key(f"w-{fanout}"), fanout, memory), timeout=6 * TIMEOUT
+    )
     assert results[0] == ("ok", fanout), results
     assert results[1:] == [("ok", [True, True, True])] * 2, results
 
@@ -214,7 +245,11 @@ def _blocked_in_coalesced(thread: threading.Thread) -> bool:
     frame = sys._current_frames().get(thread.ident)
     if frame is None or frame.f_code is not transport._coalesced.__code__:
         return False
-    return linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip().startswith("with _coalescing(")
+    return (
+        linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+        .strip()
+        .startswith("with _coalescing(")
+    )
 
 
 def concurrent_batches(rank, world, group, key):
@@ -232,14 +267,18 @@ def concurrent_batches(rank, world, group, key):
         inside, running, outcomes = threading.Event(), threading.Event(), {}
         send = pg.send
 
-        def send_holding(tensors, dst, tag=0):  # the first thread stays inside its batch until the second waits
+        def send_holding(
+            tensors, dst, tag=0
+        ):  # the first thread stays inside its batch until the second waits
             if threading.current_thread().name == "first" and not inside.is_set():
                 inside.set()
                 assert running.wait(TIMEOUT)
                 for _ in range(int(TIMEOUT / 0.01)):
                     if "second" in outcomes or _blocked_in_coalesced(second):
                         break
-                    time.sleep(0.01)  # (a poll for the other thread's state, bounded; no ordering rests on it)
+                    time.sleep(
+                        0.01
+                    )  # (a poll for the other thread's state, bounded; no ordering rests on it)
             return send(tensors, dst, tag)
 
         pg.send = send_holding
@@ -267,6 +306,8 @@ def concurrent_batches(rank, world, group, key):
 def test_batches_from_two_threads_on_one_group_wait_for_each_other(cluster):
     """(NCCL item 4: torch's coalescing state is one per group; before the per-group lock the second thread's
     ``_start_coalescing`` ran inside the first's batch, which the stand-in refuses.)"""
-    sent, got = cluster().run(concurrent_batches, args=(unique_key("threads"),), timeout=4 * TIMEOUT)
+    sent, got = cluster().run(
+        concurrent_batches, args=(unique_key("threads"),), timeout=4 * TIMEOUT
+    )
     assert sent == {"first": "ok", "second": "ok"}, sent
     assert got == [[1.0], [2.0]], got

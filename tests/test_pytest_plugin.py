@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import sys
 import types
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
@@ -137,21 +138,21 @@ def test_more_gpus_than_nvml_sees_is_a_usage_error(
     )
 
 
-def test_installing_cudarecv_changes_no_other_project(pytester: pytest.Pytester,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_installing_cudarecv_changes_no_other_project(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Another project's pytest in this environment: no --gpus, no header line, its own gpus marker."""
     monkeypatch.setenv("PYTHONPATH", str(REPO))
     pytester.makeini("[pytest]\nmarkers = gpus: this project's own marker\n")
-    pytester.makepyfile(
-        "import pytest\n"
-        "@pytest.mark.gpus\n"
-        "def test_theirs():\n"
-        "    pass\n"
-    )
+    pytester.makepyfile("import pytest\n@pytest.mark.gpus\ndef test_theirs():\n    pass\n")
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     assert result.ret == pytest.ExitCode.OK
-    assert not any(line.startswith("cudarecv:") for line in result.outlines), result.outlines  # no header line
-    assert pytester.runpytest_subprocess("--gpus", "1").ret == pytest.ExitCode.USAGE_ERROR  # unknown option
+    assert not any(line.startswith("cudarecv:") for line in result.outlines), (
+        result.outlines
+    )  # no header line
+    assert (
+        pytester.runpytest_subprocess("--gpus", "1").ret == pytest.ExitCode.USAGE_ERROR
+    )  # unknown option
 
 
 def test_negative_gpus_is_a_usage_error(pytester: pytest.Pytester, run: Callable[..., Any]) -> None:

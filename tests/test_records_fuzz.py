@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 import os
 import tracemalloc
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -25,8 +26,14 @@ from cudarecv.samehost.machine import machine_key
 from cudarecv.weights import wire
 from cudarecv.weights.schema import MAX_BYTES, MAX_SCHEMA_BYTES, Schema
 
-settings.register_profile("fuzz", max_examples=2000, deadline=None, derandomize=True, database=None,
-                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile(
+    "fuzz",
+    max_examples=2000,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 FUZZ = settings.get_profile("fuzz")
 #: the most a parse may allocate beyond its input: a record is a few hundred bytes, a schema a few of its own size
 ALLOCATION_ROOM = 1 << 20
@@ -43,11 +50,18 @@ def outcome(parse: Callable[[bytes], Any], raw: bytes) -> Any:
     finally:
         _, peak = tracemalloc.get_traced_memory()
         tracemalloc.stop()
-        assert peak < ALLOCATION_ROOM + 8 * len(raw), f"parsing {len(raw)} bytes allocated {peak} bytes"
+        assert peak < ALLOCATION_ROOM + 8 * len(raw), (
+            f"parsing {len(raw)} bytes allocated {peak} bytes"
+        )
 
 
-_CODES = {"H": (0, 2**16 - 1), "I": (0, 2**32 - 1), "Q": (0, 2**64 - 1), "i": (-2**31, 2**31 - 1),
-          "q": (-2**63, 2**63 - 1)}
+_CODES = {
+    "H": (0, 2**16 - 1),
+    "I": (0, 2**32 - 1),
+    "Q": (0, 2**64 - 1),
+    "i": (-(2**31), 2**31 - 1),
+    "q": (-(2**63), 2**63 - 1),
+}
 
 
 def field_values(fmt: str) -> st.SearchStrategy[tuple]:
@@ -77,6 +91,7 @@ def _tuples(fmt: str) -> list[tuple[int, str]]:
 
 def mutated(valid: st.SearchStrategy[bytes]) -> st.SearchStrategy[bytes]:
     """A valid message with bytes flipped, cut short or added to."""
+
     @st.composite
     def build(draw: st.DrawFn) -> bytes:
         raw = bytearray(draw(valid))
@@ -85,6 +100,7 @@ def mutated(valid: st.SearchStrategy[bytes]) -> st.SearchStrategy[bytes]:
                 raw[draw(st.integers(0, len(raw) - 1))] ^= draw(st.integers(1, 255))
         cut = draw(st.integers(0, len(raw)))
         return bytes(raw[:cut] if draw(st.booleans()) else raw) + draw(st.binary(max_size=40))
+
     return build()
 
 
@@ -99,7 +115,9 @@ def well_formed(record: Record) -> st.SearchStrategy[bytes]:
 
 # -- the fast wire's header -------------------------------------------------------------------------------------
 def test_fast_wire_header_fuzzed():
-    good = fast.Header(fast.KIND_CHUNKS, 3, 4096, 1024, bytes(range(16)), fast.PayloadRoute.SEGMENT, 1, True, 7, 9)
+    good = fast.Header(
+        fast.KIND_CHUNKS, 3, 4096, 1024, bytes(range(16)), fast.PayloadRoute.SEGMENT, 1, True, 7, 9
+    )
     assert fast.Header.unpack(good.pack()) == good
 
     @FUZZ
@@ -107,32 +125,56 @@ def test_fast_wire_header_fuzzed():
     def check(raw: bytes) -> None:
         got = outcome(fast.Header.unpack, raw)
         if isinstance(got, fast.Header):
-            assert got.pack() == raw[:fast.SIZE] and 0 < got.piece and fast.messages(got.total, got.piece) <= fast.MAX_MESSAGES
-            assert got.transport in set(fast.PayloadRoute) and got.segment < fast.ROUTE_SLOTS[got.transport]
+            assert (
+                got.pack() == raw[: fast.SIZE]
+                and got.piece > 0
+                and fast.messages(got.total, got.piece) <= fast.MAX_MESSAGES
+            )
+            assert (
+                got.transport in set(fast.PayloadRoute)
+                and got.segment < fast.ROUTE_SLOTS[got.transport]
+            )
         else:
             assert isinstance(got, cudarecv.OutOfStepError)
+
     check()
 
 
 # -- the same-host transport's records ----------------------------------------------------------------------------
 def test_same_host_records_fuzzed():
     @FUZZ
-    @given(inputs(records.BACK_SIZE, st.one_of(well_formed(records.BACK),
-                                               st.just(records.back(records.Word.DONE, records.Status.OK, 5)))),
-           st.sampled_from(list(records.Word)), st.integers(0, 8))
+    @given(
+        inputs(
+            records.BACK_SIZE,
+            st.one_of(
+                well_formed(records.BACK),
+                st.just(records.back(records.Word.DONE, records.Status.OK, 5)),
+            ),
+        ),
+        st.sampled_from(list(records.Word)),
+        st.integers(0, 8),
+    )
     def back(raw: bytes, word: records.Word, seq: int) -> None:
         got = outcome(lambda r: records.read_back(r, word, seq), raw)
         assert isinstance(got, (records.Status, cudarecv.OutOfStepError)), got
+
     back()
 
     @FUZZ
-    @given(inputs(records.READY_SIZE, st.one_of(well_formed(records.READY), st.just(records.ready(5, 4096)))),
-           st.integers(0, 8), st.sampled_from([0, 4096, 2**40]))
+    @given(
+        inputs(
+            records.READY_SIZE,
+            st.one_of(well_formed(records.READY), st.just(records.ready(5, 4096))),
+        ),
+        st.integers(0, 8),
+        st.sampled_from([0, 4096, 2**40]),
+    )
     def ready(raw: bytes, seq: int, total: int) -> None:
         got = outcome(lambda r: records.read_ready(r, seq, total), raw)
         assert got is None or isinstance(got, cudarecv.OutOfStepError), got
         if got is None:
-            assert raw[:records.READY_SIZE] == records.ready(seq, total)
+            assert raw[: records.READY_SIZE] == records.ready(seq, total)
+
     ready()
 
 
@@ -140,30 +182,51 @@ def test_same_host_records_fuzzed():
 def offers(table: Table, kind: int) -> st.SearchStrategy[bytes]:
     """Well-formed offers of ``table`` (this machine's key, so the entries' checks are reached) with any entries."""
     each = field_values(table.each.format[1:])
-    return st.builds(lambda version, got, pid, entries: table.pack(version, got, machine_key(), pid, entries=entries),
-                     st.sampled_from([1, 1, 1, 2]), st.sampled_from([kind, kind, kind, 1, 2, 3, 99]),
-                     st.sampled_from([os.getpid(), 1, 2**32 - 1]), st.lists(each, max_size=4))
+    return st.builds(
+        lambda version, got, pid, entries: table.pack(
+            version, got, machine_key(), pid, entries=entries
+        ),
+        st.sampled_from([1, 1, 1, 2]),
+        st.sampled_from([kind, kind, kind, 1, 2, 3, 99]),
+        st.sampled_from([os.getpid(), 1, 2**32 - 1]),
+        st.lists(each, max_size=4),
+    )
 
 
 @pytest.mark.parametrize("kind", ["host", "storage", "cuda ipc"])
 def test_offers_fuzzed(kind):
-    table, code = {"host": (shared_memory.HOST_OFFER, shared_memory.HOST),
-                   "storage": (shared_memory.STORAGE_OFFER, shared_memory.STORAGE),
-                   "cuda ipc": (cuda_ipc.OFFER, cuda_ipc.KIND)}[kind]
-    parse = {"host": lambda raw: shared_memory.map_offer(raw, 1 << 30),
-             "storage": lambda raw: shared_memory.StorageMapping(raw, 1 << 30),
-             # (no GPU here: the checks before a handle is opened are what a CPU machine can try)
-             "cuda ipc": lambda raw: shared_memory.open_offer(raw, cuda_ipc.OFFER, cuda_ipc.KIND, 2, None, 1 << 30)}[kind]
+    table, code = {
+        "host": (shared_memory.HOST_OFFER, shared_memory.HOST),
+        "storage": (shared_memory.STORAGE_OFFER, shared_memory.STORAGE),
+        "cuda ipc": (cuda_ipc.OFFER, cuda_ipc.KIND),
+    }[kind]
+    parse = {
+        "host": lambda raw: shared_memory.map_offer(raw, 1 << 30),
+        "storage": lambda raw: shared_memory.StorageMapping(raw, 1 << 30),
+        # (no GPU here: the checks before a handle is opened are what a CPU machine can try)
+        "cuda ipc": lambda raw: shared_memory.open_offer(
+            raw, cuda_ipc.OFFER, cuda_ipc.KIND, 2, None, 1 << 30
+        ),
+    }[kind]
 
     @FUZZ
-    @given(st.one_of(st.binary(max_size=table.size_of(3) + 8), mutated(offers(table, code)), offers(table, code)))
+    @given(
+        st.one_of(
+            st.binary(max_size=table.size_of(3) + 8),
+            mutated(offers(table, code)),
+            offers(table, code),
+        )
+    )
     def check(raw: bytes) -> None:
         got = outcome(parse, raw)
-        assert isinstance(got, (shared_memory.MappingError, tuple)), got  # (nothing fuzzed maps: no real segment)
+        assert isinstance(got, (shared_memory.MappingError, tuple)), (
+            got
+        )  # (nothing fuzzed maps: no real segment)
         if isinstance(got, shared_memory.MappingError):
             assert isinstance(got, OSError) and got.link_usable
         else:
             assert kind == "cuda ipc"
+
     check()
 
 
@@ -172,9 +235,13 @@ def _schema() -> Schema:
     return Schema.of([("a",), ("b", "c")], [torch.zeros(3, 4), torch.zeros(5, dtype=torch.int64)])
 
 
-json_values = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=8),
-                           lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
-                                                                                         max_size=4), max_leaves=12)
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
 
 
 def _one_value_replaced(draw: st.DrawFn, raw: bytes) -> bytes:
@@ -198,13 +265,20 @@ def test_weight_schema_fuzzed():
     assert Schema.from_json(good.to_json()) == good
 
     @FUZZ
-    @given(st.one_of(st.binary(max_size=600), schema_docs(), mutated(st.just(good.to_json())),
-                     json_values.map(lambda v: json.dumps(v).encode())))
+    @given(
+        st.one_of(
+            st.binary(max_size=600),
+            schema_docs(),
+            mutated(st.just(good.to_json())),
+            json_values.map(lambda v: json.dumps(v).encode()),
+        )
+    )
     def check(raw: bytes) -> None:
         got = outcome(Schema.from_json, raw)
         assert isinstance(got, (Schema, cudarecv.SchemaError)), got
         if isinstance(got, Schema):
             assert got.to_json() == raw and got.leaves
+
     check()
 
 
@@ -212,8 +286,13 @@ def _layout():
     from cudarecv.plan.boxes import Box
     from cudarecv.weights.sharded.layout import Layout, Part
 
-    return Layout((Part(("l0", "weight"), torch.float32, (7, 5), Box((4, 0), (3, 5))),
-                   Part(("l0", "bias"), torch.float32, (7,), None), Part(("scale",), torch.bfloat16, (), Box((), ()))))
+    return Layout(
+        (
+            Part(("l0", "weight"), torch.float32, (7, 5), Box((4, 0), (3, 5))),
+            Part(("l0", "bias"), torch.float32, (7,), None),
+            Part(("scale",), torch.bfloat16, (), Box((), ())),
+        )
+    )
 
 
 @st.composite
@@ -237,8 +316,14 @@ def test_sharded_layout_fuzzed():
     assert Layout.from_json(good.to_json()) == good
 
     @settings(FUZZ, max_examples=300)  # (a layout's checks are the schema's: fewer examples)
-    @given(st.one_of(st.binary(max_size=600), layout_docs(), mutated(st.just(good.to_json())),
-                     json_values.map(lambda v: json.dumps(v).encode())))
+    @given(
+        st.one_of(
+            st.binary(max_size=600),
+            layout_docs(),
+            mutated(st.just(good.to_json())),
+            json_values.map(lambda v: json.dumps(v).encode()),
+        )
+    )
     def check(raw: bytes) -> None:
         got = outcome(Layout.from_json, raw)
         assert isinstance(got, (Layout, cudarecv.SchemaError)), got
@@ -246,8 +331,11 @@ def test_sharded_layout_fuzzed():
             for part in got.parts:
                 if part.box is not None:
                     assert part.box.numel > 0 or not part.shape
-                    assert all(0 <= s and s + n <= whole for s, n, whole in zip(part.box.starts, part.box.sizes,
-                                                                                   part.shape))
+                    assert all(
+                        s >= 0 and s + n <= whole
+                        for s, n, whole in zip(part.box.starts, part.box.sizes, part.shape)
+                    )
+
     check()
 
 
@@ -275,22 +363,34 @@ def test_push_header_asks_and_trailers_fuzzed(message):
     def check(raw: bytes) -> None:
         got = outcome(parse, raw)
         assert isinstance(got, (kind, cudarecv.OutOfStepError)), got
+
     check()
 
 
 def test_handshake_answer_and_preamble_fuzzed():
     @FUZZ
-    @given(inputs(wire.STATUS_SIZE, st.builds(wire.status_message, st.integers(0, 255), st.text(max_size=300))))
+    @given(
+        inputs(
+            wire.STATUS_SIZE,
+            st.builds(wire.status_message, st.integers(0, 255), st.text(max_size=300)),
+        )
+    )
     def answer(raw: bytes) -> None:
         got = outcome(wire.read_status, raw)
         assert isinstance(got, (tuple, cudarecv.OutOfStepError)), got
         if isinstance(got, tuple):
-            assert got[0] in (wire.ACCEPTED, wire.REFUSED, wire.FAILED) and len(got[1]) < wire.STATUS_SIZE
+            assert (
+                got[0] in (wire.ACCEPTED, wire.REFUSED, wire.FAILED)
+                and len(got[1]) < wire.STATUS_SIZE
+            )
+
     answer()
 
     def offer(raw: bytes) -> wire.Offer:
         got = wire.read_preamble(raw)
-        wire.check_offer(got.length, got.piece)  # what the receiver does before sizing anything from it
+        wire.check_offer(
+            got.length, got.piece
+        )  # what the receiver does before sizing anything from it
         return got
 
     good = wire.preamble(4000, 1 << 20, "latest", session=3, shared=160)
@@ -303,4 +403,5 @@ def test_handshake_answer_and_preamble_fuzzed():
         assert isinstance(got, (wire.Offer, cudarecv.OutOfStepError, cudarecv.SchemaError)), got
         if isinstance(got, wire.Offer):
             assert 0 < got.length <= MAX_SCHEMA_BYTES and 0 < got.piece <= MAX_BYTES
+
     preamble()

@@ -36,23 +36,60 @@ def _bench(name: str, median: float, **extra) -> dict:
         "params": None,
         "param": None,
         "extra_info": extra,
-        "options": {"disable_gc": False, "timer": "perf_counter", "min_rounds": 5, "max_time": 1.0,
-                    "min_time": 5e-06, "precision": None, "confidence": None, "warmup": False},
-        "stats": {"min": median * 0.9, "max": median * 1.2, "mean": median * 1.05, "stddev": median * 0.05,
-                  "rounds": 7, "median": median, "iqr": median * 0.1, "q1": median * 0.95, "q3": median * 1.05,
-                  "iqr_outliers": 0, "stddev_outliers": 1, "outliers": "1;0", "ld15iqr": median * 0.9,
-                  "hd15iqr": median * 1.2, "ops": 1.0 / median, "total": median * 7, "iterations": 1},
+        "options": {
+            "disable_gc": False,
+            "timer": "perf_counter",
+            "min_rounds": 5,
+            "max_time": 1.0,
+            "min_time": 5e-06,
+            "precision": None,
+            "confidence": None,
+            "warmup": False,
+        },
+        "stats": {
+            "min": median * 0.9,
+            "max": median * 1.2,
+            "mean": median * 1.05,
+            "stddev": median * 0.05,
+            "rounds": 7,
+            "median": median,
+            "iqr": median * 0.1,
+            "q1": median * 0.95,
+            "q3": median * 1.05,
+            "iqr_outliers": 0,
+            "stddev_outliers": 1,
+            "outliers": "1;0",
+            "ld15iqr": median * 0.9,
+            "hd15iqr": median * 1.2,
+            "ops": 1.0 / median,
+            "total": median * 7,
+            "iterations": 1,
+        },
     }
 
 
 def _doc(benchmarks: list[dict]) -> dict:
     """Top level shaped like pytest-benchmark 5's JSON."""
     return {
-        "machine_info": {"node": "gpubox", "processor": "x86_64", "machine": "x86_64", "python_compiler": "GCC",
-                         "python_implementation": "CPython", "python_version": "3.11.7", "release": "6.1",
-                         "system": "Linux", "cpu": {"brand_raw": "Test CPU", "count": 16}},
-        "commit_info": {"id": "0123456789abcdef", "time": None, "author_time": None, "dirty": True,
-                        "project": "cudarecv", "branch": "main"},
+        "machine_info": {
+            "node": "gpubox",
+            "processor": "x86_64",
+            "machine": "x86_64",
+            "python_compiler": "GCC",
+            "python_implementation": "CPython",
+            "python_version": "3.11.7",
+            "release": "6.1",
+            "system": "Linux",
+            "cpu": {"brand_raw": "Test CPU", "count": 16},
+        },
+        "commit_info": {
+            "id": "0123456789abcdef",
+            "time": None,
+            "author_time": None,
+            "dirty": True,
+            "project": "cudarecv",
+            "branch": "main",
+        },
         "benchmarks": benchmarks,
         "datetime": "2025-03-01T12:34:56.789012+00:00",
         "version": "5.3.1",
@@ -62,21 +99,48 @@ def _doc(benchmarks: list[dict]) -> dict:
 def _sample() -> dict:
     c1 = dict(case="2000 x 8KiB", bytes=KIB8_BYTES, leaves=2000)
     c2 = dict(case="consolidated 256MiB", bytes=MIB256_BYTES, leaves=1)
-    return _doc([
-        _bench("test_stock_per_leaf", 0.010, impl="stock", mode="per-leaf", ok=True, **c1),
-        _bench("test_cudarecv_per_leaf", 0.004, impl="cudarecv", mode="per-leaf", ok=True, **c1),
-        _bench("test_raw_flat", 0.005, impl="raw", mode="flat recv", ok=True, **c1),
-        _bench("test_raw_chunks", 0.001, impl="raw", mode="chunks 1MiB", **c1),
-        # the fastest cudarecv row of its case, but its checked transfer was wrong
-        _bench("test_cudarecv_pseudo_rand", 0.0025, impl="cudarecv", mode="per-leaf pseudo_rand",
-               stock_mode="per-leaf", ok=False, **c1),
-        _bench("test_stock_consolidated", 0.2, impl="stock", mode="consolidated", **c2),
-        # an older JSON's row: extra_info.seconds (50 ms) wins over its stats.median (100 ms)
-        _bench("test_cudarecv_consolidated", 0.1, impl="cudarecv", mode="consolidated", seconds=0.05,
-               backend="gloo", ok=True, **c2),
-        _bench("test_tags", 0.0000123, case="tags 100k", impl="cudarecv", mode="tags", bytes=0, leaves=0),
-        _bench("test_plain", 0.0000005),
-    ])
+    return _doc(
+        [
+            _bench("test_stock_per_leaf", 0.010, impl="stock", mode="per-leaf", ok=True, **c1),
+            _bench(
+                "test_cudarecv_per_leaf", 0.004, impl="cudarecv", mode="per-leaf", ok=True, **c1
+            ),
+            _bench("test_raw_flat", 0.005, impl="raw", mode="flat recv", ok=True, **c1),
+            _bench("test_raw_chunks", 0.001, impl="raw", mode="chunks 1MiB", **c1),
+            # the fastest cudarecv row of its case, but its checked transfer was wrong
+            _bench(
+                "test_cudarecv_pseudo_rand",
+                0.0025,
+                impl="cudarecv",
+                mode="per-leaf pseudo_rand",
+                stock_mode="per-leaf",
+                ok=False,
+                **c1,
+            ),
+            _bench("test_stock_consolidated", 0.2, impl="stock", mode="consolidated", **c2),
+            # an older JSON's row: extra_info.seconds (50 ms) wins over its stats.median (100 ms)
+            _bench(
+                "test_cudarecv_consolidated",
+                0.1,
+                impl="cudarecv",
+                mode="consolidated",
+                seconds=0.05,
+                backend="gloo",
+                ok=True,
+                **c2,
+            ),
+            _bench(
+                "test_tags",
+                0.0000123,
+                case="tags 100k",
+                impl="cudarecv",
+                mode="tags",
+                bytes=0,
+                leaves=0,
+            ),
+            _bench("test_plain", 0.0000005),
+        ]
+    )
 
 
 def _sweep() -> dict:
@@ -84,15 +148,33 @@ def _sweep() -> dict:
     benches = []
     for mib, stock, ours in ((1, 0.001, 0.002), (4, 0.003, 0.004), (16, 0.010, 0.008)):
         common = dict(case=f"consolidated {mib}MiB", bytes=mib << 20, leaves=200, backend="gloo")
-        benches += [_bench(f"stock-{mib}", stock, impl="stock", mode="consolidated", ok=True, **common),
-                    _bench(f"raw-{mib}", stock * 0.9, impl="raw", mode="flat recv", ok=True, **common),
-                    _bench(f"ours-{mib}", ours, impl="cudarecv", mode="chunks 1MiB", stock_mode="consolidated",
-                           ok=mib != 4, **common)]
+        benches += [
+            _bench(f"stock-{mib}", stock, impl="stock", mode="consolidated", ok=True, **common),
+            _bench(f"raw-{mib}", stock * 0.9, impl="raw", mode="flat recv", ok=True, **common),
+            _bench(
+                f"ours-{mib}",
+                ours,
+                impl="cudarecv",
+                mode="chunks 1MiB",
+                stock_mode="consolidated",
+                ok=mib != 4,
+                **common,
+            ),
+        ]
     one = dict(case="2000 x 8KiB", bytes=KIB8_BYTES, leaves=2000, backend="gloo")
-    benches += [_bench("stock-leaf", 0.05, impl="stock", mode="per-leaf", **one),
-                _bench("ours-leaf", 0.04, impl="cudarecv", mode="per-leaf", **one),
-                _bench("ours-buckets", 0.015, impl="cudarecv", mode="buckets 1MiB", stock_mode="per-leaf", **one),
-                _bench("tags", 0.001, case="tags 100k", impl="cudarecv", mode="tags", bytes=0, leaves=0)]
+    benches += [
+        _bench("stock-leaf", 0.05, impl="stock", mode="per-leaf", **one),
+        _bench("ours-leaf", 0.04, impl="cudarecv", mode="per-leaf", **one),
+        _bench(
+            "ours-buckets",
+            0.015,
+            impl="cudarecv",
+            mode="buckets 1MiB",
+            stock_mode="per-leaf",
+            **one,
+        ),
+        _bench("tags", 0.001, case="tags 100k", impl="cudarecv", mode="tags", bytes=0, leaves=0),
+    ]
     return _doc(benches)
 
 
@@ -105,8 +187,14 @@ def bench_json(tmp_path: Path) -> Path:
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "MPLBACKEND"}
-    return subprocess.run([sys.executable, "-m", "cudarecv", "report", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "cudarecv", "report", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def _line(text: str, *needles: str) -> str:
@@ -120,7 +208,7 @@ def _summary(text: str) -> list[str]:
     """The summary: the comment lines after the last table row."""
     lines = text.splitlines()
     last_row = max(i for i, ln in enumerate(lines) if ln.startswith("  "))
-    return [ln[2:] for ln in lines[last_row + 1:] if ln.startswith("# ")]
+    return [ln[2:] for ln in lines[last_row + 1 :] if ln.startswith("# ")]
 
 
 def _row(text: str, impl: str, mode: str) -> list[str]:
@@ -196,7 +284,10 @@ def test_parse_rows_and_ratios():
 def test_panels_group_size_families():
     rows = _report.parse_rows(_sweep())
     panels = _report.panels(rows)
-    assert [(p.kind, len(p.rows)) for p in panels] == [("sizes", 9), ("modes", 3)]  # tags: no bytes, no panel
+    assert [(p.kind, len(p.rows)) for p in panels] == [
+        ("sizes", 9),
+        ("modes", 3),
+    ]  # tags: no bytes, no panel
     sizes, modes = panels
     assert sizes.title == "consolidated N (200 leaves, gloo)\nN = 1MiB, 4MiB, 16MiB"
     assert modes.title == "2000 x 8KiB\n(16.4 MB, 2000 leaves, gloo)"
@@ -224,14 +315,24 @@ def test_plot_figure_panels_colours_legends():
     assert set(legend) == set(lines) | {"WRONG values"}  # the 4MiB cudarecv row was checked WRONG
     bars = modes_ax.patches
     assert len(bars) == 3
-    assert [b.get_width() for b in bars] == pytest.approx([KIB8_BYTES / t / 1e9 for t in (0.05, 0.04, 0.015)])
+    assert [b.get_width() for b in bars] == pytest.approx(
+        [KIB8_BYTES / t / 1e9 for t in (0.05, 0.04, 0.015)]
+    )
     from matplotlib.colors import to_hex
-    assert [to_hex(b.get_facecolor()) for b in bars] == \
-        [_report.IMPL_COLORS[i] for i in ("stock", "cudarecv", "cudarecv")]
+
+    assert [to_hex(b.get_facecolor()) for b in bars] == [
+        _report.IMPL_COLORS[i] for i in ("stock", "cudarecv", "cudarecv")
+    ]
     assert [t.get_text() for t in modes_ax.get_legend().get_texts()] == ["stock", "cudarecv"]
-    assert [t.get_text() for t in modes_ax.get_yticklabels()] == \
-        ["stock per-leaf", "cudarecv per-leaf", "cudarecv buckets 1MiB"]
-    assert _report.plot_figure(_doc([_bench("x", 1.0)]), _report.parse_rows(_doc([_bench("x", 1.0)]))) is None
+    assert [t.get_text() for t in modes_ax.get_yticklabels()] == [
+        "stock per-leaf",
+        "cudarecv per-leaf",
+        "cudarecv buckets 1MiB",
+    ]
+    assert (
+        _report.plot_figure(_doc([_bench("x", 1.0)]), _report.parse_rows(_doc([_bench("x", 1.0)])))
+        is None
+    )
 
 
 def test_summary_checks_and_best_ratio():
@@ -242,9 +343,13 @@ def test_summary_checks_and_best_ratio():
     assert lines[1] == "WRONG values: 2000 x 8KiB: cudarecv per-leaf pseudo_rand"
     assert lines[2].startswith("best cudarecv vs stock per case")
     # pseudo_rand (4.00x) was WRONG: the best right row is per-leaf; tags have no stock row
-    assert lines[3:] == ["  2000 x 8KiB: 2.50x per-leaf (vs stock per-leaf)",
-                         "  consolidated 256MiB: 4.00x consolidated (vs stock consolidated)"]
-    none = _report.parse_rows(_doc([_bench("a", 1.0, case="c", impl="cudarecv", mode="m", bytes=1)]))
+    assert lines[3:] == [
+        "  2000 x 8KiB: 2.50x per-leaf (vs stock per-leaf)",
+        "  consolidated 256MiB: 4.00x consolidated (vs stock consolidated)",
+    ]
+    none = _report.parse_rows(
+        _doc([_bench("a", 1.0, case="c", impl="cudarecv", mode="m", bytes=1)])
+    )
     _report.compute_ratios(none)
     assert _report.summary(none)[-1].startswith("best cudarecv vs stock: -")
 
@@ -254,12 +359,16 @@ def test_format_markdown_structure():
     _report.compute_ratios(rows)
     md = _report.format_markdown(_sample(), rows)
     table = [ln for ln in md.splitlines() if ln.startswith("|")]
-    assert table[0] == ("| case | size (B) | size | leaves | impl | mode | backend | time | GB/s | vs stock | vs raw "
-                        "| check |")
+    assert table[0] == (
+        "| case | size (B) | size | leaves | impl | mode | backend | time | GB/s | vs stock | vs raw "
+        "| check |"
+    )
     assert set(table[1]) <= set("|-:")
     assert all(ln.count("|") == table[0].count("|") for ln in table[:10])
-    assert ("| 2000 x 8KiB | 16384000 | 16.4 MB | 2000 | cudarecv | per-leaf | - | 4.00 ms | 4.10 | 2.50x | 1.25x "
-            "| ok |") in md
+    assert (
+        "| 2000 x 8KiB | 16384000 | 16.4 MB | 2000 | cudarecv | per-leaf | - | 4.00 ms | 4.10 | 2.50x | 1.25x "
+        "| ok |"
+    ) in md
     assert "| per-leaf pseudo_rand | - | 2.50 ms | 6.55 | 4.00x | 2.00x | WRONG |" in md
     assert "| test_plain | 0.50 us |" in md
     assert "rows: 8 in 3 case(s) (+1 other); checked: 4 ok, 1 WRONG, 3 not checked  \n" in md
@@ -267,16 +376,24 @@ def test_format_markdown_structure():
     assert _report.LEGACY_NOTE.format(n=1) in md
 
 
-@pytest.mark.parametrize("content, needle", [
-    (None, "cannot read"),
-    ("{not json", "not valid JSON"),
-    ('{"machine_info": {}}', "no 'benchmarks' list"),
-    ("[1, 2]", "no 'benchmarks' list"),
-    ('{"benchmarks": [{"name": "x", "stats": {}}]}', "stats.median"),
-    ('{"benchmarks": [{"name": "x", "stats": {"median": 1}, "extra_info": {"ok": "yes"}}]}', "extra_info.ok"),
-    ('{"benchmarks": [{"name": "x", "stats": {"median": 1}, "extra_info": {"seconds": "1"}}]}',
-     "extra_info.seconds"),
-])
+@pytest.mark.parametrize(
+    "content, needle",
+    [
+        (None, "cannot read"),
+        ("{not json", "not valid JSON"),
+        ('{"machine_info": {}}', "no 'benchmarks' list"),
+        ("[1, 2]", "no 'benchmarks' list"),
+        ('{"benchmarks": [{"name": "x", "stats": {}}]}', "stats.median"),
+        (
+            '{"benchmarks": [{"name": "x", "stats": {"median": 1}, "extra_info": {"ok": "yes"}}]}',
+            "extra_info.ok",
+        ),
+        (
+            '{"benchmarks": [{"name": "x", "stats": {"median": 1}, "extra_info": {"seconds": "1"}}]}',
+            "extra_info.seconds",
+        ),
+    ],
+)
 def test_load_errors(tmp_path: Path, content, needle):
     path = tmp_path / "b.json"
     if content is not None:
@@ -304,21 +421,58 @@ def test_cli_text_table_and_png(bench_json: Path):
     assert "# " + _report.LEGACY_NOTE.format(n=1) in out
 
     # cells: size (B), size, leaves, impl, mode, backend, time, GB/s, vs stock, vs raw, check
-    assert _row(out, "cudarecv", "per-leaf") == \
-        ["16384000", "16.4 MB", "2000", "cudarecv", "per-leaf", "-", "4.00 ms", "4.10", "2.50x", "1.25x", "ok"]
+    assert _row(out, "cudarecv", "per-leaf") == [
+        "16384000",
+        "16.4 MB",
+        "2000",
+        "cudarecv",
+        "per-leaf",
+        "-",
+        "4.00 ms",
+        "4.10",
+        "2.50x",
+        "1.25x",
+        "ok",
+    ]
     assert _row(out, "stock", "per-leaf")[-5:] == ["10.00 ms", "1.64", "1.00x", "0.50x", "ok"]
     assert _row(out, "cudarecv", "per-leaf pseudo_rand")[-4:] == ["6.55", "4.00x", "2.00x", "WRONG"]
     assert _row(out, "raw", "flat recv")[-4:] == ["3.28", "-", "1.00x", "ok"]
     assert _row(out, "raw", "chunks 1MiB")[-4:] == ["16.38", "-", "5.00x", "-"]
-    assert _row(out, "cudarecv", "consolidated") == \
-        ["268435456", "268.4 MB", "1", "cudarecv", "consolidated", "gloo", "50.00 ms", "5.37", "4.00x", "-", "ok"]
+    assert _row(out, "cudarecv", "consolidated") == [
+        "268435456",
+        "268.4 MB",
+        "1",
+        "cudarecv",
+        "consolidated",
+        "gloo",
+        "50.00 ms",
+        "5.37",
+        "4.00x",
+        "-",
+        "ok",
+    ]
     assert _row(out, "stock", "consolidated")[-5:] == ["200.00 ms", "1.34", "1.00x", "-", "-"]
-    assert _row(out, "cudarecv", "tags") == \
-        ["0", "0 B", "0", "cudarecv", "tags", "-", "12.3 us", "-", "-", "-", "-"]
+    assert _row(out, "cudarecv", "tags") == [
+        "0",
+        "0 B",
+        "0",
+        "cudarecv",
+        "tags",
+        "-",
+        "12.3 us",
+        "-",
+        "-",
+        "-",
+        "-",
+    ]
     assert _line(out, "test_plain").split() == ["test_plain", "0.50", "us"]
 
     # cases appear in input order, and the fixed-width columns line up
-    assert out.index("# case: 2000 x 8KiB") < out.index("# case: consolidated 256MiB") < out.index("# case: tags 100k")
+    assert (
+        out.index("# case: 2000 x 8KiB")
+        < out.index("# case: consolidated 256MiB")
+        < out.index("# case: tags 100k")
+    )
     data_lines = [ln for ln in out.splitlines() if ln.startswith("  ") and "test_plain" not in ln]
     assert len(data_lines) == 8
     header = _line(out, "size (B)", "vs raw")
@@ -329,7 +483,10 @@ def test_cli_text_table_and_png(bench_json: Path):
     rows = _report.parse_rows(_sample())
     _report.compute_ratios(rows)
     assert _summary(out) == _report.summary(rows)
-    assert out.rstrip().splitlines()[-1] == "#   consolidated 256MiB: 4.00x consolidated (vs stock consolidated)"
+    assert (
+        out.rstrip().splitlines()[-1]
+        == "#   consolidated 256MiB: 4.00x consolidated (vs stock consolidated)"
+    )
 
     png = bench_json.with_suffix(".png")
     assert png.stat().st_size > 1000
@@ -340,8 +497,10 @@ def test_cli_markdown_explicit_png(bench_json: Path, tmp_path: Path):
     out_png = tmp_path / "plot.png"
     proc = _cli(str(bench_json), "--markdown", "--png", str(out_png))
     assert proc.returncode == 0, proc.stderr
-    assert ("| consolidated 256MiB | 268435456 | 268.4 MB | 1 | cudarecv | consolidated | gloo | 50.00 ms | 5.37 "
-            "| 4.00x | - | ok |") in proc.stdout
+    assert (
+        "| consolidated 256MiB | 268435456 | 268.4 MB | 1 | cudarecv | consolidated | gloo | 50.00 ms | 5.37 "
+        "| 4.00x | - | ok |"
+    ) in proc.stdout
     assert _report.NOTE in proc.stdout
     assert out_png.read_bytes()[:8] == PNG_MAGIC
     assert not bench_json.with_suffix(".png").exists()
@@ -367,11 +526,17 @@ def test_cli_bad_input_exit_2(tmp_path: Path, content):
     assert "Traceback" not in proc.stderr
 
 
-@pytest.mark.parametrize("argv, needle", [
-    ([], "the following arguments are required: BENCH.json"),
-    (["B.json", "--png", "x.png", "--no-png"], "argument --no-png: not allowed with argument --png"),
-    (["B.json", "--bogus"], "unrecognized arguments: --bogus"),
-])
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        ([], "the following arguments are required: BENCH.json"),
+        (
+            ["B.json", "--png", "x.png", "--no-png"],
+            "argument --no-png: not allowed with argument --png",
+        ),
+        (["B.json", "--bogus"], "unrecognized arguments: --bogus"),
+    ],
+)
 def test_cli_bad_options_exit_2(capsys, argv, needle):
     from cudarecv.tools import cli
 
@@ -388,7 +553,10 @@ def test_cli_plot_cannot_be_written_exit_1(bench_json: Path, tmp_path: Path, cap
     assert _run_inprocess(str(bench_json), "--png", str(target)) == 1
     captured = capsys.readouterr()
     assert "# case: 2000 x 8KiB" in captured.out  # the table came out first
-    assert captured.err.strip() == f"cudarecv report: error: cannot write {target}: No such file or directory"
+    assert (
+        captured.err.strip()
+        == f"cudarecv report: error: cannot write {target}: No such file or directory"
+    )
 
 
 def test_inprocess_run_no_transfer_rows(tmp_path: Path, capsys):
@@ -414,7 +582,9 @@ def test_matplotlib_lazy_and_missing(bench_json: Path):
         "sys.modules['matplotlib'] = None  # simulate: not installed\n"
         f"sys.exit(_report.run(p.parse_args(['report', {str(bench_json)!r}])))\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 1, proc.stderr
     assert 'pip install "cudarecv[tools]"' in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -433,19 +603,45 @@ def test_real_pytest_benchmark_json(tmp_path: Path):
         "    benchmark(lambda: None)\n"
     )
     out = tmp_path / "real.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}  # (an xdist worker's too)
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")
+    }  # (an xdist worker's too)
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:cudarecv",
-         "--rootdir", str(tmp_path), "--benchmark-json", str(out), "--benchmark-min-rounds=1",
-         "--benchmark-max-time=0.0001", "--benchmark-warmup=off", "test_tiny.py"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:cudarecv",
+            "--rootdir",
+            str(tmp_path),
+            "--benchmark-json",
+            str(out),
+            "--benchmark-min-rounds=1",
+            "--benchmark-max-time=0.0001",
+            "--benchmark-warmup=off",
+            "test_tiny.py",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data, rows = _report.load_rows(out)
     by = {r.name: r for r in rows}
     tiny = by["test_tiny"]
     assert tiny.categorized and tiny.nbytes == 4000 and tiny.leaves == 2
-    assert tiny.seconds == data["benchmarks"][[b["name"] for b in data["benchmarks"]].index("test_tiny")]["stats"]["median"]
+    assert (
+        tiny.seconds
+        == data["benchmarks"][[b["name"] for b in data["benchmarks"]].index("test_tiny")]["stats"][
+            "median"
+        ]
+    )
     assert not by["test_bare"].categorized
     text = _report.format_text(data, rows)
     assert "# case: tiny" in text and "test_bare" in text
@@ -476,13 +672,34 @@ def test_virtual_clock_makes_pytest_benchmark_stats_the_measured_times(tmp_path:
         "        tb.replay(benchmark, CLOCK, [])\n"
     )
     out = tmp_path / "replay.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}  # (an xdist worker's too)
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")
+    }  # (an xdist worker's too)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:cudarecv", "-W",
-         "ignore::pytest_benchmark.logger.PytestBenchmarkWarning", "--rootdir", str(tmp_path),
-         "--benchmark-json", str(out), "--benchmark-columns=min,median,mean,rounds", "test_replay.py"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:cudarecv",
+            "-W",
+            "ignore::pytest_benchmark.logger.PytestBenchmarkWarning",
+            "--rootdir",
+            str(tmp_path),
+            "--benchmark-json",
+            str(out),
+            "--benchmark-columns=min,median,mean,rounds",
+            "test_replay.py",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads(out.read_text())
@@ -514,19 +731,38 @@ def test_virtual_clock_moves_only_when_told():
 
 
 def test_link_column_only_for_rows_that_measured_their_links():
-    case = dict(case="fan-out 64 MiB to K=4", bytes=64 << 20, backend="gloo", ok=True,
-                stock_mode="init_remote + consolidated")
-    data = _doc([_bench("relay", 0.66, impl="cudarecv", mode="relay", link_utilisation=0.821, **case),
-                 _bench("stock", 2.65, impl="stock", mode="init_remote + consolidated", link_utilisation=0.83,
-                        **case)])
+    case = dict(
+        case="fan-out 64 MiB to K=4",
+        bytes=64 << 20,
+        backend="gloo",
+        ok=True,
+        stock_mode="init_remote + consolidated",
+    )
+    data = _doc(
+        [
+            _bench("relay", 0.66, impl="cudarecv", mode="relay", link_utilisation=0.821, **case),
+            _bench(
+                "stock",
+                2.65,
+                impl="stock",
+                mode="init_remote + consolidated",
+                link_utilisation=0.83,
+                **case,
+            ),
+        ]
+    )
     rows = _report.parse_rows(data)
     _report.compute_ratios(rows)
     text = _report.format_text(data, rows)
     header = next(line for line in text.splitlines() if line.startswith("# size (B)"))
     assert re.split(r"\s{2,}", header[2:].strip())[-2:] == ["link", "check"]
-    relay = next(line for line in text.splitlines() if " relay " in line and not line.startswith("#"))
+    relay = next(
+        line for line in text.splitlines() if " relay " in line and not line.startswith("#")
+    )
     assert re.split(r"\s{2,}", relay.strip())[-2:] == ["82%", "ok"], relay
     assert _report.LINK_NOTE in text
     plain = _report.parse_rows(_sample())
     _report.compute_ratios(plain)
-    assert "link" not in _report._columns(plain) and _report.LINK_NOTE not in _report.format_text(_sample(), plain)
+    assert "link" not in _report._columns(plain) and _report.LINK_NOTE not in _report.format_text(
+        _sample(), plain
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import gc
@@ -34,17 +35,19 @@ def _memfds() -> int:
     """How many memfd segments this process still holds a descriptor of."""
     count = 0
     for fd in os.listdir("/proc/self/fd"):
-        try:
+        with contextlib.suppress(OSError):
             count += "memfd:cudarecv" in os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            pass
     return count
 
 
 def transfers(rank, world, group, consolidated, transports):
     """Every structure, several steps each: values exact, and which transport carried each."""
     sending = rank == 0
-    peer = {"group": group, ("group_dst" if sending else "group_src"): 1 - rank} if group is not None else {}
+    peer = (
+        {"group": group, ("group_dst" if sending else "group_src"): 1 - rank}
+        if group is not None
+        else {}
+    )
     args = () if group is not None else (1 - rank,)
     seen, ok = [], {}
     for structure in STRUCTURES:
@@ -67,8 +70,9 @@ def transfers(rank, world, group, consolidated, transports):
 @pytest.mark.parametrize("consolidated", [False, True], ids=["buckets", "chunks"])
 @pytest.mark.parametrize("standalone", [False, True], ids=["default_group", "standalone_group"])
 def test_fast_wire_goes_through_shared_memory_after_one_offer(cluster, consolidated, standalone):
-    (sent, _, held), (received, ok, _) = cluster().run(transfers, args=(consolidated, ("auto", "auto")),
-                                                       standalone=standalone)
+    (sent, _, held), (received, ok, _) = cluster().run(
+        transfers, args=(consolidated, ("auto", "auto")), standalone=standalone
+    )
     assert ok and all(ok.values()), [k for k, v in ok.items() if not v]
     assert sent == received, "both ends must agree on what carried each transfer"
     # the link was negotiated by an earlier test or by this one's first transfer (whose payload is on the wire);
@@ -80,8 +84,13 @@ def test_fast_wire_goes_through_shared_memory_after_one_offer(cluster, consolida
 def direct_transfers(rank, world, group, consolidated):
     """:func:`transfers`, and what the sending side was told it may send by the direct route."""
     seen, ok, held = transfers(rank, world, group, consolidated, ("auto", "auto"))
-    senders = [side for (_, role), side in sides.sides_of(group if group is not None else dist.group.WORLD).items()
-               if role == "send"]
+    senders = [
+        side
+        for (_, role), side in sides.sides_of(
+            group if group is not None else dist.group.WORLD
+        ).items()
+        if role == "send"
+    ]
     return seen, ok, held, [(side.direct, side.direct_storages) for side in senders]
 
 
@@ -91,7 +100,9 @@ def test_the_direct_route_carries_leaves_and_private_storages_exactly(consolidat
     """Whatever this machine's probe would choose: the direct route (the receiver reads the sender's
     leaves, or its private consolidated storage, straight out of it) and the segments, every structure."""
     with Cluster(2, pg_timeout=20.0, env={host_copy.DIRECT_ENV: told}) as ranks:
-        (sent, _, _, agreed), (received, ok, _, _) = ranks.run(direct_transfers, args=(consolidated,))
+        (sent, _, _, agreed), (received, ok, _, _) = ranks.run(
+            direct_transfers, args=(consolidated,)
+        )
     assert ok and all(ok.values()), [k for k, v in ok.items() if not v]
     assert sent == received and sent.count("shared memory") >= len(sent) - len(STRUCTURES), sent
     assert agreed == [(told == "on", told == "on")], agreed
@@ -102,7 +113,9 @@ def test_transport_wire_keeps_the_payload_on_the_wire(cluster, who):
     transports = ("wire", "auto") if who == "sender" else ("auto", "wire")
     # a new group per run: a link that agreed on shared memory before stays so (the sender's "wire" would
     # still force the wire; a receiver's "wire" only declines offers)
-    (sent, _, _), (received, ok, _) = cluster().run(fresh_link, args=(transports, unique_key("fresh")))
+    (sent, _, _), (received, ok, _) = cluster().run(
+        fresh_link, args=(transports, unique_key("fresh"))
+    )
     assert all(ok.values())
     assert set(sent) == set(received) == {"wire"}, (sent, received)
 
@@ -159,7 +172,10 @@ def any_order(rank, world, group):
     tds = [TensorDict(x=a), TensorDict(x=b)]
     if rank == 0:
         for _ in range(2):  # the first round may negotiate
-            hs = [cudarecv.isend(td, 1, bucket_bytes=4096, init_tag=k, return_early=True)[0] for k, td in enumerate(tds)]
+            hs = [
+                cudarecv.isend(td, 1, bucket_bytes=4096, init_tag=k, return_early=True)[0]
+                for k, td in enumerate(tds)
+            ]
             for h in reversed(hs):
                 h.wait(20)
         return [h.transport for h in hs]
@@ -167,7 +183,10 @@ def any_order(rank, world, group):
     for _ in range(2):
         for td in tds:
             td["x"].zero_()
-        hs = [cudarecv.irecv(td, 0, bucket_bytes=4096, init_tag=k, return_premature=True)[0] for k, td in enumerate(tds)]
+        hs = [
+            cudarecv.irecv(td, 0, bucket_bytes=4096, init_tag=k, return_premature=True)[0]
+            for k, td in enumerate(tds)
+        ]
         for h in reversed(hs):
             h.wait(20)
         out.append((bool((tds[0]["x"] == 10).all()), bool((tds[1]["x"] == 20).all())))
@@ -184,17 +203,24 @@ def test_segments_are_anonymous_owner_only_and_mapped_read_only():
     before = set(os.listdir("/dev/shm"))
     segment = Segment(1 << 16)
     assert os.fstat(segment.fd).st_mode & 0o777 == 0o600
-    assert os.readlink(f"/proc/self/fd/{segment.fd}").startswith("/memfd:cudarecv")  # no name in any directory
+    assert os.readlink(f"/proc/self/fd/{segment.fd}").startswith(
+        "/memfd:cudarecv"
+    )  # no name in any directory
     [mapping] = map_offer(offer([segment]), 1 << 20)
     segment.data[:3] = torch.tensor([1, 2, 3], dtype=torch.uint8)
     assert mapping.data[:3].tolist() == [1, 2, 3]
     start = mapping.data.data_ptr()
     with open("/proc/self/maps") as maps:
-        perms = [line.split()[1] for line in maps
-                 if int(line.split("-")[0], 16) <= start < int(line.split()[0].split("-")[1], 16)]
+        perms = [
+            line.split()[1]
+            for line in maps
+            if int(line.split("-")[0], 16) <= start < int(line.split()[0].split("-")[1], 16)
+        ]
     assert perms == ["r--s"], perms  # the reader can never write the writer's memory
     with pytest.raises(OSError, match="nonce"):
-        Mapping(os.getpid(), segment.fd, segment.capacity, bytes(16))  # not the segment it was offered
+        Mapping(
+            os.getpid(), segment.fd, segment.capacity, bytes(16)
+        )  # not the segment it was offered
     segment.close_fd()
     assert set(os.listdir("/dev/shm")) == before
 
@@ -206,7 +232,9 @@ def test_the_progress_word_names_its_transfer():
     segment.close_fd()
     assert mapping.progress(1) is None  # nothing published yet: the reader waits for READYs
     segment.start(7)
-    assert mapping.progress(7) == 0 and mapping.progress(6) is None  # another transfer's word is not this one's
+    assert (
+        mapping.progress(7) == 0 and mapping.progress(6) is None
+    )  # another transfer's word is not this one's
     segment.advance(4096)
     assert mapping.progress(7) == 4096
     segment.start(8)  # the next transfer on this segment starts from nothing
@@ -225,11 +253,15 @@ def test_a_reader_sleeps_on_the_progress_word_until_the_writer_advances():
     segment.start(3)
     cpu, wall = time.thread_time(), time.monotonic()
     assert not mapping.follow(0, 0.3)
-    assert time.monotonic() - wall >= 0.3 and time.thread_time() - cpu < 0.05, "it polled instead of sleeping"
+    assert time.monotonic() - wall >= 0.3 and time.thread_time() - cpu < 0.05, (
+        "it polled instead of sleeping"
+    )
     woken = []
     reader = threading.Thread(target=lambda: woken.append(mapping.follow(0, 30)))
     reader.start()
-    segment.advance(4096)  # (if the reader is not asleep yet, the word has moved already: it returns at once)
+    segment.advance(
+        4096
+    )  # (if the reader is not asleep yet, the word has moved already: it returns at once)
     reader.join(30)
     assert woken == [True] and mapping.progress(3) == 4096
 
@@ -239,8 +271,23 @@ def test_another_user_cannot_open_a_segment():
     segment = Segment(4096)
     path = f"/proc/{os.getpid()}/fd/{segment.fd}"
     code = f"import os\ntry:\n    os.open({path!r}, os.O_RDONLY)\nexcept PermissionError:\n    print('denied')\n"
-    out = subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", sys.executable,
-                          "-I", "-c", code], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [
+            "setpriv",
+            "--reuid",
+            "65534",
+            "--regid",
+            "65534",
+            "--clear-groups",
+            sys.executable,
+            "-I",
+            "-c",
+            code,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.stdout.strip() == "denied", (out.stdout, out.stderr)
 
 
@@ -259,11 +306,16 @@ def forged_ready(rank, world, group, lie, key):
             raw[13] = 7  # segment 7 (the crc is recomputed below)
             import struct
             import zlib
+
             struct.pack_into("<I", raw, 60, zlib.crc32(bytes(raw[:60])))
             raw_send(pg, 1, bytes(raw), tags.header_tag(0))
             return None
-        raw_send(pg, 1, Header(1, 1, 4000, 1024, schema, transport=1, segment=0, seq=99).pack(),
-                 tags.header_tag(0))
+        raw_send(
+            pg,
+            1,
+            Header(1, 1, 4000, 1024, schema, transport=1, segment=0, seq=99).pack(),
+            tags.header_tag(0),
+        )
         offset, length = (1 << 40, 1024) if lie == "offset" else (0, 1 << 20)
         ready = records.READY.pack(0, 99, offset, length)
         raw_send(pg, 1, ready, tags.piece_tag(0))
@@ -296,14 +348,20 @@ def forged_progress(rank, world, group, lie, key):
         for _ in range(2):  # negotiate, then one through the segments
             cudarecv.send(td, group=pg, group_dst=1, bucket_bytes=1 << 20, consolidated=True)
         advance = Segment.advance
-        Segment.advance = lambda segment, nbytes: advance(segment, (1 << 62) if lie == "past_the_end" else 0)
+        Segment.advance = lambda segment, nbytes: advance(
+            segment, (1 << 62) if lie == "past_the_end" else 0
+        )
         td["x"].fill_(3.0)
         try:
-            cudarecv.send(td, group=pg, group_dst=1, bucket_bytes=1 << 20, consolidated=True, timeout=30)
+            cudarecv.send(
+                td, group=pg, group_dst=1, bucket_bytes=1 << 20, consolidated=True, timeout=30
+            )
         finally:
             Segment.advance = advance
         td["x"].fill_(4.0)
-        cudarecv.send(td, group=pg, group_dst=1, bucket_bytes=1 << 20, consolidated=True, timeout=30)
+        cudarecv.send(
+            td, group=pg, group_dst=1, bucket_bytes=1 << 20, consolidated=True, timeout=30
+        )
         return None
     for _ in range(2):
         cudarecv.recv(td, group=pg, group_src=0, bucket_bytes=1 << 20, consolidated=True)
@@ -345,8 +403,9 @@ def group_dropped_after_sending(rank, world, group, key):
         if k == 2:
             receiver_side.RecvSide.done = after_the_drop
         try:
-            [transfer] = cudarecv.irecv(td, group=pg, group_src=0, bucket_bytes=1 << 16, timeout=30,
-                                        return_premature=True)
+            [transfer] = cudarecv.irecv(
+                td, group=pg, group_src=0, bucket_bytes=1 << 16, timeout=30, return_premature=True
+            )
             transfer.wait()
         finally:
             receiver_side.RecvSide.done = done
@@ -370,7 +429,9 @@ def _causes(error: BaseException) -> list[str]:
 
 def _in_our_words(kind: str, message: str, causes: list[str]) -> None:
     """A dead peer's error says so in cudarecv's words; gloo's own text is only its cause."""
-    assert not any(raw in message for raw in ("gloo", "pair.cc", "GLHF", "Connection closed")), message
+    assert not any(raw in message for raw in ("gloo", "pair.cc", "GLHF", "Connection closed")), (
+        message
+    )
     if kind == "PeerError":
         assert any("gloo" in cause for cause in causes), causes
 
@@ -395,7 +456,12 @@ def killed_mid_stream(rank, world, group, victim, key, storage):
     with pytest.raises(cudarecv.LinkError) as error:
         for _ in range(10):  # a sender learns it at its next wait for the receiver's DONE
             op(td, peer, bucket_bytes=1 << 16, timeout=15)
-    return type(error.value).__name__, str(error.value), time.monotonic() - started, _causes(error.value)
+    return (
+        type(error.value).__name__,
+        str(error.value),
+        time.monotonic() - started,
+        _causes(error.value),
+    )
 
 
 @pytest.mark.parametrize("storage", [False, True], ids=["segments", "storage"])
@@ -403,14 +469,22 @@ def killed_mid_stream(rank, world, group, victim, key, storage):
 def test_a_peer_killed_with_sigkill_leaves_nothing_and_fails_bounded(victim, storage):
     before = set(os.listdir("/dev/shm"))
     with Cluster(2, pg_timeout=20.0) as ranks:
-        results = ranks.run(killed_mid_stream, args=(victim, unique_key("killed"), storage), may_die={victim},
-                            timeout=90)
+        results = ranks.run(
+            killed_mid_stream,
+            args=(victim, unique_key("killed"), storage),
+            may_die={victim},
+            timeout=90,
+        )
     assert isinstance(results[victim], RankExit)
     kind, message, took, causes = results[1 - victim]
-    assert kind in ("PeerError", "TransferTimeout") and f"rank {victim}" in message and took < 40, results
+    assert kind in ("PeerError", "TransferTimeout") and f"rank {victim}" in message and took < 40, (
+        results
+    )
     _in_our_words(kind, message, causes)
     left = {name for name in set(os.listdir("/dev/shm")) - before if not name.startswith("sem.mp-")}
-    assert not left, f"left in /dev/shm: {left}"  # (sem.mp-*: multiprocessing's own, of the killed rank)
+    assert not left, (
+        f"left in /dev/shm: {left}"
+    )  # (sem.mp-*: multiprocessing's own, of the killed rank)
 
 
 def killed_mid_transfer(rank, world, group):
@@ -435,7 +509,12 @@ def killed_mid_transfer(rank, world, group):
     started = time.monotonic()
     with pytest.raises(cudarecv.LinkError) as error:
         cudarecv.recv(td, 0, bucket_bytes=1 << 20, consolidated=True, timeout=15)
-    return type(error.value).__name__, str(error.value), time.monotonic() - started, _causes(error.value)
+    return (
+        type(error.value).__name__,
+        str(error.value),
+        time.monotonic() - started,
+        _causes(error.value),
+    )
 
 
 def test_a_sender_killed_mid_transfer_fails_the_receiver_bounded():
@@ -496,10 +575,13 @@ def stopped_mid_transfer(rank, world, group, key):
 
 def test_a_sender_stopped_mid_transfer_times_out_the_receiver_and_the_link_goes_on():
     with Cluster(2, pg_timeout=30.0) as ranks:
-        (outcome, sender_took), (message, took, whole) = ranks.run(stopped_mid_transfer, args=(unique_key("stopped"),),
-                                                                   timeout=120)
+        (outcome, sender_took), (message, took, whole) = ranks.run(
+            stopped_mid_transfer, args=(unique_key("stopped"),), timeout=120
+        )
     assert "rank 0" in message and took < 30, message
-    assert outcome in ("sent", "TransferTimeout", "PeerError", "LinkError"), outcome  # bounded: it returned
+    assert outcome in ("sent", "TransferTimeout", "PeerError", "LinkError"), (
+        outcome
+    )  # bounded: it returned
     assert sender_took < 60, sender_took
     assert whole, "the transfer after the stopped one did not deliver exact values"
 
@@ -517,25 +599,32 @@ def shared_weights(rank, world, group, mode, transports, pulls, key, zero_copy=F
     td = TensorDict(w=torch.zeros(100_000), b=TensorDict(c=torch.zeros(10, dtype=torch.int64)))
     memory = []
     if rank == 0:
-        sender = cudarecv.WeightSender(td, dst=list(range(1, world)), mode=mode, timeout=300,
-                                       transport=transports[0])
+        sender = cudarecv.WeightSender(
+            td, dst=list(range(1, world)), mode=mode, timeout=300, transport=transports[0]
+        )
         seen = sender.transports
         for version in range(1, pulls + 1):
             td["w"].fill_(version)
             td["b", "c"].fill_(version)
             sender.push()
-            if mode == "latest":  # every receiver pulls every version (else it would skip to the newest)
+            if (
+                mode == "latest"
+            ):  # every receiver pulls every version (else it would skip to the newest)
                 store().wait([f"{key}_{r}_{version}" for r in range(1, world)])
             if version in (pulls // 10, pulls):
                 memory.append(_anonymous_memory())
         store().wait([f"{key}_read"])
         sender.close()
         return seen, _memfds(), memory
-    receiver = cudarecv.WeightReceiver(src=0, timeout=300, transport=transports[rank], zero_copy=zero_copy)
+    receiver = cudarecv.WeightReceiver(
+        src=0, timeout=300, transport=transports[rank], zero_copy=zero_copy
+    )
     ok = True
     for version in range(1, pulls + 1):
         got = receiver.pull()
-        ok &= got == version and bool((receiver.td["w"] == version).all() and (receiver.td["b", "c"] == version).all())
+        ok &= got == version and bool(
+            (receiver.td["w"] == version).all() and (receiver.td["b", "c"] == version).all()
+        )
         if mode == "latest":
             store().set(f"{key}_{rank}_{version}", "1")
         if version in (pulls // 10, pulls):
@@ -550,29 +639,40 @@ def shared_weights(rank, world, group, mode, transports, pulls, key, zero_copy=F
 @pytest.mark.parametrize("mode", ["sync", "latest"])
 def test_weight_sync_through_shared_memory(four, mode):
     (seen, held, _), *actors = four().run(
-        shared_weights, args=(mode, ("auto", "auto", "wire", "auto"), 30, unique_key("w")), timeout=120)
+        shared_weights,
+        args=(mode, ("auto", "auto", "wire", "auto"), 30, unique_key("w")),
+        timeout=120,
+    )
     assert seen == {1: "shared memory", 2: "wire", 3: "shared memory"}
     assert [a[0] for a in actors] == ["shared memory", "wire", "shared memory"]
     assert all(a[1] for a in actors), "a receiver got a wrong version"
     assert held == 0
 
 
-@pytest.mark.parametrize("mode, zero_copy", [("sync", False), ("sync", True), ("latest", True)],
-                         ids=["sync-copy", "sync-zero_copy", "latest-zero_copy"])
+@pytest.mark.parametrize(
+    "mode, zero_copy",
+    [("sync", False), ("sync", True), ("latest", True)],
+    ids=["sync-copy", "sync-zero_copy", "latest-zero_copy"],
+)
 def test_steady_state_pulls_allocate_nothing(cluster, mode, zero_copy):
     """450 pulls leave both ends' anonymous memory flat (a receiver's words to the sender, two per pull of a
     zero-copy one, each about 2.5 KB, were kept until exit: 1.1 MB here; a deadline's entry lived its 300 s)."""
     (_, _, sent), (transport, ok, received) = cluster().run(
-        shared_weights, args=(mode, ("auto", "auto"), 500, unique_key("w"), zero_copy), timeout=300)
+        shared_weights, args=(mode, ("auto", "auto"), 500, unique_key("w"), zero_copy), timeout=300
+    )
     assert transport == "shared memory" and ok
     for end, (early, late) in (("sender", sent), ("receiver", received)):
-        assert late - early < 512 << 10, f"the {end}'s memory grew by {(late - early) / 1e6:.2f} MB over 450 pulls"
+        assert late - early < 512 << 10, (
+            f"the {end}'s memory grew by {(late - early) / 1e6:.2f} MB over 450 pulls"
+        )
 
 
 def _in_mappings(receiver, tensor) -> bool:
     """Whether ``tensor`` lies in one of the sender's segments as ``receiver`` mapped them."""
     ptr = tensor.data_ptr()
-    return any(m.data.data_ptr() <= ptr < m.data.data_ptr() + m.capacity for m in receiver._puller.mappings)
+    return any(
+        m.data.data_ptr() <= ptr < m.data.data_ptr() + m.capacity for m in receiver._puller.mappings
+    )
 
 
 def zero_copy_weights(rank, world, group, mode, key):
@@ -596,7 +696,9 @@ def zero_copy_weights(rank, world, group, mode, key):
     ok, where, hold = True, True, None
     for version in range(1, pulls + 1):
         got = receiver.pull()
-        ok &= got == version and bool((receiver.td["w"] == version).all() and (receiver.td["b", "c"] == version).all())
+        ok &= got == version and bool(
+            (receiver.td["w"] == version).all() and (receiver.td["b", "c"] == version).all()
+        )
         where &= _in_mappings(receiver, receiver.td["w"]) == receiver.zero_copy
         if version == 5 and receiver.zero_copy:
             hold = receiver.reading()
@@ -608,7 +710,9 @@ def zero_copy_weights(rank, world, group, mode, key):
         hold.__exit__(None, None, None)
     zero_copy = receiver.zero_copy
     receiver.close()
-    last = bool((receiver.td["w"] == pulls).all())  # readable after close (rank 1: in its own memory again)
+    last = bool(
+        (receiver.td["w"] == pulls).all()
+    )  # readable after close (rank 1: in its own memory again)
     own = not _in_mappings(receiver, receiver.td["w"])
     if rank == 1:
         store().set(f"{key}_closed", "1")
@@ -618,11 +722,17 @@ def zero_copy_weights(rank, world, group, mode, key):
 @pytest.mark.parametrize("mode", ["sync", "latest"])
 def test_zero_copy_receivers_publish_the_senders_snapshots(mode):
     with Cluster(3, pg_timeout=30.0) as ranks:
-        (aliases, retired), zero, copy = ranks.run(zero_copy_weights, args=(mode, unique_key("zc")), timeout=120)
+        (aliases, retired), zero, copy = ranks.run(
+            zero_copy_weights, args=(mode, unique_key("zc")), timeout=120
+        )
     assert aliases == [True, False]
-    assert zero == (True, True, True, True, True, True), zero  # published where they lie, one held whole
+    assert zero == (True, True, True, True, True, True), (
+        zero
+    )  # published where they lie, one held whole
     assert copy[:3] == (False, True, True) and copy[4:] == (True, True), copy
-    assert not any(retired)  # rank 1 let go of every snapshot: it copied its last version out when it closed
+    assert not any(
+        retired
+    )  # rank 1 let go of every snapshot: it copied its last version out when it closed
 
 
 def zero_copy_receiver_dropped(rank, world, group, key):
@@ -648,7 +758,11 @@ def zero_copy_receiver_dropped(rank, world, group, key):
         for _ in (1, 2):
             receiver.pull()
         store().wait([f"{key}_pushed"])
-        return bool((receiver.td["w"] == 2).all()), receiver.version, _in_mappings(receiver, receiver.td["w"])
+        return (
+            bool((receiver.td["w"] == 2).all()),
+            receiver.version,
+            _in_mappings(receiver, receiver.td["w"]),
+        )
     versions = [receiver.pull() for _ in range(13)]
     ok = bool((receiver.td["w"] == 13).all())
     store().wait([f"{key}_pushed"])  # not closed before the sender looked at who it serves
@@ -658,12 +772,17 @@ def zero_copy_receiver_dropped(rank, world, group, key):
 
 def test_a_dropped_zero_copy_receiver_keeps_its_version_whole():
     with Cluster(3, pg_timeout=30.0) as ranks:
-        (left, snapshots), dropped, other = ranks.run(zero_copy_receiver_dropped, args=(unique_key("zcd"),),
-                                                      timeout=120)
+        (left, snapshots), dropped, other = ranks.run(
+            zero_copy_receiver_dropped, args=(unique_key("zcd"),), timeout=120
+        )
     assert left == [2]
-    assert dropped == (True, 2, True), dropped  # its version 2, where it lies, untouched by 11 more pushes
+    assert dropped == (True, 2, True), (
+        dropped
+    )  # its version 2, where it lies, untouched by 11 more pushes
     assert other == (list(range(1, 14)), True)
-    assert [r for _, r in snapshots].count(True) == 2 and snapshots[-1][0] is None  # version 2's and 3's; one added
+    assert [r for _, r in snapshots].count(True) == 2 and snapshots[-1][
+        0
+    ] is None  # version 2's and 3's; one added
 
 
 def lying_sender_rewrites_a_held_snapshot(rank, world, group, key):
@@ -678,7 +797,9 @@ def lying_sender_rewrites_a_held_snapshot(rank, world, group, key):
             for snapshot in sender._pool.snapshots:
                 snapshot.holders = 0  # as if the receiver had let go of version 1
             sender._s.members[0].holding.clear()
-        assert sender._pool._unheld() is sender._pool.snapshots[0]  # the next push takes version 1's
+        assert (
+            sender._pool._unheld() is sender._pool.snapshots[0]
+        )  # the next push takes version 1's
         with pytest.raises(cudarecv.Error):
             sender.push(timeout=5)
         return None
@@ -690,13 +811,17 @@ def lying_sender_rewrites_a_held_snapshot(rank, world, group, key):
 
 
 def test_a_push_into_a_snapshot_the_receiver_holds_is_refused(cluster):
-    _, (message, version) = cluster().run(lying_sender_rewrites_a_held_snapshot, args=(unique_key("zcl"),))
+    _, (message, version) = cluster().run(
+        lying_sender_rewrites_a_held_snapshot, args=(unique_key("zcl"),)
+    )
     assert "zero-copy receiver still holds" in message and version == 1, message
 
 
 def test_zero_copy_arguments_are_checked_before_anything_is_sent():
     with pytest.raises(cudarecv.ArgumentError, match="`zero_copy` must be True or False"):
-        cudarecv.WeightReceiver(src=0, zero_copy="yes")  # (no process group: the argument is checked first)
+        cudarecv.WeightReceiver(
+            src=0, zero_copy="yes"
+        )  # (no process group: the argument is checked first)
     with pytest.raises(cudarecv.ArgumentError, match="drop `pin_memory=True` or `zero_copy`"):
         cudarecv.WeightReceiver(src=0, zero_copy=True, pin_memory=True)
 
@@ -705,7 +830,9 @@ def test_bad_transport_is_refused_before_anything_is_sent(monkeypatch):
     td = TensorDict(x=torch.zeros(3))
     for call in (cudarecv.isend, cudarecv.send, cudarecv.irecv, cudarecv.recv):
         with pytest.raises(cudarecv.ArgumentError, match="`transport` must be one of"):
-            call(td, 1, bucket_bytes=64, transport="shm")  # (no process group: the argument is checked first)
+            call(
+                td, 1, bucket_bytes=64, transport="shm"
+            )  # (no process group: the argument is checked first)
     with pytest.raises(cudarecv.ArgumentError, match="`transport` must be one of"):
         cudarecv.WeightSender(td, dst=1, transport="ipc")
     with pytest.raises(cudarecv.ArgumentError, match="`transport` must be one of"):
@@ -727,7 +854,10 @@ def third_send_times_out(rank, world, group, key):
     if rank == 0:
         for k in (0, 1):  # negotiate, then one through a segment
             cudarecv.send(tds[k], group=pg, group_dst=1, bucket_bytes=4096)
-        a, b = (cudarecv.isend(tds[k], group=pg, group_dst=1, bucket_bytes=4096, return_early=True)[0] for k in (2, 3))
+        a, b = (
+            cudarecv.isend(tds[k], group=pg, group_dst=1, bucket_bytes=4096, return_early=True)[0]
+            for k in (2, 3)
+        )
         started = time.monotonic()
         with pytest.raises(cudarecv.TransferTimeout) as error:
             cudarecv.send(tds[4], group=pg, group_dst=1, bucket_bytes=4096, timeout=2)
@@ -746,7 +876,9 @@ def third_send_times_out(rank, world, group, key):
 
 
 def test_a_send_waiting_for_a_segment_times_out_bounded_and_the_link_goes_on(cluster):
-    (message, took, routes), exact = cluster().run(third_send_times_out, args=(unique_key("third"),), timeout=90)
+    (message, took, routes), exact = cluster().run(
+        third_send_times_out, args=(unique_key("third"),), timeout=90
+    )
     assert "did not answer within 2 s" in message and took < 10, (message, took)
     assert exact == [True, True, True] and routes == ["shared memory"] * 3, (exact, routes)
 
@@ -755,8 +887,11 @@ def test_a_send_waiting_for_a_segment_times_out_bounded_and_the_link_goes_on(clu
 def _maps_of(ptr: int) -> list[tuple[str, str]]:
     """(permissions, path) of this process's mappings holding address ``ptr``."""
     with open("/proc/self/maps") as maps:
-        return [(line.split()[1], " ".join(line.split()[5:])) for line in maps
-                if int(line.split("-")[0], 16) <= ptr < int(line.split()[0].split("-")[1], 16)]
+        return [
+            (line.split()[1], " ".join(line.split()[5:]))
+            for line in maps
+            if int(line.split("-")[0], 16) <= ptr < int(line.split()[0].split("-")[1], 16)
+        ]
 
 
 def storage_route(rank, world, group, rounds, key):
@@ -787,9 +922,13 @@ def storage_route(rank, world, group, rounds, key):
 
 
 def test_a_storage_in_shared_memory_is_read_where_it_lies(cluster):
-    (sent, _), (received, (ok, maps)) = cluster().run(storage_route, args=(3, unique_key("storage")))
+    (sent, _), (received, (ok, maps)) = cluster().run(
+        storage_route, args=(3, unique_key("storage"))
+    )
     assert all(ok.values()) and len(ok) == 3 * len(STRUCTURES), ok
-    assert sent == received and set(sent[1:]) == {"shared memory"}, sent  # after the first (the link's offer)
+    assert sent == received and set(sent[1:]) == {"shared memory"}, (
+        sent
+    )  # after the first (the link's offer)
     assert len(maps) == STORAGE_SLOTS
     for found in maps:  # read-only views of torch's (unlinked) shared-memory files
         assert len(found) == 1 and found[0][0] == "r--s" and "/torch_" in found[0][1], found
@@ -799,22 +938,34 @@ def storage_unmappable(rank, world, group, key):
     """A receiver that cannot map the sender's storage: that transfer's payload comes on the wire, the later ones
     through the segments; every value exact."""
     td = TensorDict(x=torch.zeros(50_000), y=torch.zeros(3, dtype=torch.int64)).consolidate(
-        metadata=True, share_memory=rank == 0)
+        metadata=True, share_memory=rank == 0
+    )
+
     def refuse(raw, most_bytes):
         raise _shared_memory.MappingError("no mapping in this test")
 
     pg, seen, ok = _group(rank, world, key), [], []
     with pytest.MonkeyPatch.context() as patch:
         if rank == 1:
-            patch.setattr(receiver_side, "StorageMapping", refuse)  # fault injection: this process alone
+            patch.setattr(
+                receiver_side, "StorageMapping", refuse
+            )  # fault injection: this process alone
         for step in range(4):
             if rank == 0:
                 td["x"].fill_(step + 1.5)
                 td["y"].fill_(step)
-                cudarecv.send(td, group=pg, group_dst=1, bucket_bytes=1 << 14, consolidated=True, timeout=20)
+                cudarecv.send(
+                    td, group=pg, group_dst=1, bucket_bytes=1 << 14, consolidated=True, timeout=20
+                )
             else:
-                [t] = cudarecv.irecv(td, group=pg, group_src=0, bucket_bytes=1 << 14, consolidated=True,
-                                     return_premature=True)
+                [t] = cudarecv.irecv(
+                    td,
+                    group=pg,
+                    group_src=0,
+                    bucket_bytes=1 << 14,
+                    consolidated=True,
+                    return_premature=True,
+                )
                 t.wait(timeout=20)
                 seen.append(t.transport)
                 ok.append(bool((td["x"] == step + 1.5).all() and (td["y"] == step).all()))
@@ -838,14 +989,25 @@ def forged_storage(rank, world, group, lie, key):
         plan = cudarecv.plan.plan.plan_for(td)
         head = plan.chunk_header(td).for_transfer(1024, 0)
         if lie == "slot":
-            raw_send(pg, 1, dataclasses.replace(head, transport=2, segment=1, seq=99).pack(), tags.header_tag(0))
+            raw_send(
+                pg,
+                1,
+                dataclasses.replace(head, transport=2, segment=1, seq=99).pack(),
+                tags.header_tag(0),
+            )
             return None
         small = torch.zeros(100, dtype=torch.uint8).share_memory_()
         offered = _shared_memory.storage_offer(_shared_memory.shared_storage(small))
-        raw_send(pg, 1, dataclasses.replace(head, transport=2, segment=0, offer=True, seq=99).pack(),
-                 tags.header_tag(0))
+        raw_send(
+            pg,
+            1,
+            dataclasses.replace(head, transport=2, segment=0, offer=True, seq=99).pack(),
+            tags.header_tag(0),
+        )
         raw_send(pg, 1, offered + bytes(_fast_wire.OFFER_SIZE - len(offered)), tags.header_tag(0))
-        wait_flag(f"{key}_refused")  # (the receiver maps it before this process, and its storage, go)
+        wait_flag(
+            f"{key}_refused"
+        )  # (the receiver maps it before this process, and its storage, go)
         return None
     for _ in range(2):
         cudarecv.recv(td, group=pg, group_src=0, bucket_bytes=1024, consolidated=True)
@@ -858,7 +1020,9 @@ def forged_storage(rank, world, group, lie, key):
 
 @pytest.mark.parametrize("lie", ["slot", "size"])
 def test_a_lying_peer_cannot_make_the_receiver_read_outside_a_storage(cluster, lie):
-    _, (message, untouched) = cluster().run(forged_storage, args=(lie, unique_key("forged-storage")))
+    _, (message, untouched) = cluster().run(
+        forged_storage, args=(lie, unique_key("forged-storage"))
+    )
     assert untouched
     assert ("never mapped" if lie == "slot" else "in a storage of 100") in message, message
 
@@ -892,7 +1056,9 @@ def forged_table(rank, world, group, lie, consolidated, key):
             raw_send(pg, 1, table.tobytes(), tags.piece_tag(0))
         return None
     before = os.environ.get(host_copy.DIRECT_ENV)
-    os.environ[host_copy.DIRECT_ENV] = "off" if lie == "not agreed" else "on"  # read when the offer is taken
+    os.environ[host_copy.DIRECT_ENV] = (
+        "off" if lie == "not agreed" else "on"
+    )  # read when the offer is taken
     try:
         for _ in range(2):
             [t] = cudarecv.irecv(td, group=pg, group_src=0, **kw, return_premature=True)
@@ -912,14 +1078,25 @@ def forged_table(rank, world, group, lie, consolidated, key):
 @pytest.mark.parametrize("consolidated", [False, True], ids=["leaves", "storage"])
 @pytest.mark.parametrize("lie", ["sizes", "address", "not agreed"])
 def test_a_lying_peer_cannot_misplace_bytes_through_the_direct_route(cluster, lie, consolidated):
-    _, (message, untouched) = cluster().run(forged_table, args=(lie, consolidated, unique_key("forged-table")))
+    _, (message, untouched) = cluster().run(
+        forged_table, args=(lie, consolidated, unique_key("forged-table"))
+    )
     what = "storage" if consolidated else "leaves"
     if lie == "sizes":
-        assert f"other sizes than this tensordict's {what}" in message and "not read" in message and untouched, message
+        assert (
+            f"other sizes than this tensordict's {what}" in message
+            and "not read" in message
+            and untouched
+        ), message
     elif lie == "not agreed":
-        assert f"names its {what} for a direct read this receiver never agreed to" in message and untouched, message
+        assert (
+            f"names its {what} for a direct read this receiver never agreed to" in message
+            and untouched
+        ), message
     else:
-        assert "partly written" in message, message  # (leaf x, read before the bad address, may be written)
+        assert "partly written" in message, (
+            message
+        )  # (leaf x, read before the bad address, may be written)
 
 
 def works_on_the_drivers_stack(rank, world, group, key):
@@ -942,7 +1119,10 @@ def works_on_the_drivers_stack(rank, world, group, key):
         holding, frame = [], sys._getframe()
         while frame is not None:
             for value in list(frame.f_locals.values()):
-                if any(isinstance(v, Work) for v in (value if isinstance(value, (list, tuple)) else (value,))):
+                if any(
+                    isinstance(v, Work)
+                    for v in (value if isinstance(value, (list, tuple)) else (value,))
+                ):
                     holding.append(frame.f_code.co_name)
             frame = frame.f_back
         seen.append((threading.current_thread().name, holding))
@@ -962,7 +1142,9 @@ def test_no_work_is_left_on_a_drivers_stack_when_its_transfer_ends(cluster):
     its last receive)."""
     _, (seen, ok) = cluster().run(works_on_the_drivers_stack, args=(unique_key("stack"),))
     assert ok and len(seen) == 3, seen
-    assert all(name.startswith("cudarecv-recv-") for name, _ in seen), seen  # (set on the link's thread)
+    assert all(name.startswith("cudarecv-recv-") for name, _ in seen), (
+        seen
+    )  # (set on the link's thread)
     assert all(not holding for _, holding in seen), seen
 
 
@@ -972,13 +1154,21 @@ def two_receives_one_tag(rank, world, group, key):
     pg = _group(rank, world, key)
     tds = [TensorDict(x=torch.full((4096,), float(k + 1 if rank == 0 else 0))) for k in range(2)]
     if rank == 0:
-        sends = [cudarecv.isend(td, group=pg, group_dst=1, bucket_bytes=4096, timeout=10, return_early=True)[0]
-                 for td in tds]
+        sends = [
+            cudarecv.isend(
+                td, group=pg, group_dst=1, bucket_bytes=4096, timeout=10, return_early=True
+            )[0]
+            for td in tds
+        ]
         for t in sends:
             t.wait()
         return [t.transport for t in sends]
-    receives = [cudarecv.irecv(td, group=pg, group_src=0, bucket_bytes=4096, timeout=10, return_premature=True)[0]
-                for td in tds]
+    receives = [
+        cudarecv.irecv(
+            td, group=pg, group_src=0, bucket_bytes=4096, timeout=10, return_premature=True
+        )[0]
+        for td in tds
+    ]
     for t in receives:
         t.wait()
     return [bool((td["x"] == k + 1).all()) for k, td in enumerate(tds)]
@@ -993,7 +1183,9 @@ def _join_world(port: int, rank: int) -> object:
     import torch.distributed as dist
 
     signals = dist.TCPStore("127.0.0.1", port, 3, is_master=False, timeout=timedelta(seconds=30))
-    dist.init_process_group("gloo", store=signals, rank=rank, world_size=2, timeout=timedelta(seconds=30))
+    dist.init_process_group(
+        "gloo", store=signals, rank=rank, world_size=2, timeout=timedelta(seconds=30)
+    )
     return signals
 
 
@@ -1036,11 +1228,15 @@ def test_a_completed_send_survives_its_senders_exit(transport):
 
     import torch.distributed as dist
 
-    signals = dist.TCPStore("127.0.0.1", 0, 3, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    signals = dist.TCPStore(
+        "127.0.0.1", 0, 3, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+    )
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     sender = ctx.Process(target=sends_then_exits, args=(signals.port, transport), daemon=True)
-    receiver = ctx.Process(target=receives_after_the_sender_left, args=(signals.port, transport, results), daemon=True)
+    receiver = ctx.Process(
+        target=receives_after_the_sender_left, args=(signals.port, transport, results), daemon=True
+    )
     sender.start(), receiver.start()
     try:
         sender.join(90)
@@ -1071,12 +1267,16 @@ def sends_to_a_dead_receiver(rank, world, group, key):
         pass
     else:
         try:
-            assert select.select([pidfd], [], [], 60)[0], "the receiver did not die"  # readable once it is gone
+            assert select.select([pidfd], [], [], 60)[0], (
+                "the receiver did not die"
+            )  # readable once it is gone
         finally:
             os.close(pidfd)
     before, kinds = _memfds(), []
     for _ in range(3):
-        td = TensorDict(x=torch.zeros(1 << 16))  # a new one each time: a failed one is refused on the link
+        td = TensorDict(
+            x=torch.zeros(1 << 16)
+        )  # a new one each time: a failed one is refused on the link
         with pytest.raises(cudarecv.LinkError) as error:
             cudarecv.send(td, group=pg, group_dst=1, bucket_bytes=1 << 16, timeout=5)
         kinds.append(type(error.value).__name__)
@@ -1088,7 +1288,8 @@ def sends_to_a_dead_receiver(rank, world, group, key):
 
 def test_failed_sends_to_a_dead_receiver_leave_no_descriptor():
     with Cluster(2, pg_timeout=20.0) as ranks:
-        (before, after, kinds), _ = ranks.run(sends_to_a_dead_receiver, args=(unique_key("dead"),), may_die={1},
-                                              timeout=90)
+        (before, after, kinds), _ = ranks.run(
+            sends_to_a_dead_receiver, args=(unique_key("dead"),), may_die={1}, timeout=90
+        )
     assert set(kinds) <= {"PeerError", "TransferTimeout"}, kinds
     assert before == after == 0, f"{after - before} memfd descriptors left by 3 failed sends"

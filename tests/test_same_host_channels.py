@@ -34,9 +34,13 @@ def _routes(rank, pg, sizes, base=1.0):
     for step, n in enumerate(sizes):
         td = _td(n, base + step if rank == 0 else 0.0)
         if rank == 0:
-            [t] = cudarecv.isend(td, group=pg, group_dst=1, bucket_bytes=1 << 20, timeout=30, return_early=True)
+            [t] = cudarecv.isend(
+                td, group=pg, group_dst=1, bucket_bytes=1 << 20, timeout=30, return_early=True
+            )
         else:
-            [t] = cudarecv.irecv(td, group=pg, group_src=0, bucket_bytes=1 << 20, timeout=30, return_premature=True)
+            [t] = cudarecv.irecv(
+                td, group=pg, group_src=0, bucket_bytes=1 << 20, timeout=30, return_premature=True
+            )
         t.wait(30)
         routes.append(t.transport)
         exact.append(rank == 0 or bool((td["x"] == base + step).all()))
@@ -55,11 +59,16 @@ def declined_reoffer(rank, world, group, key):
             mappings = real(raw, most)
             if mappings[0].capacity >= 4 * large and not refused:
                 refused.append(True)
-                raise MappingError("cannot open the peer's segment: Too many open files", lasting=False)
+                raise MappingError(
+                    "cannot open the peer's segment: Too many open files", lasting=False
+                )
             return mappings
+
         receiver_side.map_offer = refuse_large
     try:
-        return _routes(rank, pg, [small, small, small, large, small, small, large, large, large, small])
+        return _routes(
+            rank, pg, [small, small, small, large, small, small, large, large, large, small]
+        )
     finally:
         if rank == 1:
             receiver_side.map_offer = real
@@ -67,12 +76,16 @@ def declined_reoffer(rank, world, group, key):
 
 def test_an_offer_declined_for_now_keeps_the_segments_shared(cluster):
     """(Before: the declined re-offer put the link on the wire for good, small transfers too.)"""
-    (sent, _), (received, exact) = cluster().run(declined_reoffer, args=(unique_key("reoffer"),), timeout=180)
+    (sent, _), (received, exact) = cluster().run(
+        declined_reoffer, args=(unique_key("reoffer"),), timeout=180
+    )
     assert exact and sent == received, (sent, received)
     assert sent[:3] == ["wire", "shared memory", "shared memory"], sent  # negotiated
     assert sent[3] == "wire", sent  # the re-offer, declined for now: its payload on the wire
     assert sent[4:6] == ["shared memory"] * 2, sent  # the small ones still through the segments
-    assert "shared memory" in sent[6:9] and sent[9] == "shared memory", sent  # offered again, then taken
+    assert "shared memory" in sent[6:9] and sent[9] == "shared memory", (
+        sent
+    )  # offered again, then taken
 
 
 def segments_fail(rank, world, group, key, failures):
@@ -89,6 +102,7 @@ def segments_fail(rank, world, group, key, failures):
                     left[0] -= 1
                     raise OSError(12, "Cannot allocate memory")
                 super().__init__(capacity)
+
         sender.Segment = NoMemory
         handler = logging.Handler()
         handler.emit = lambda record: records.append(record.getMessage())
@@ -103,11 +117,15 @@ def segments_fail(rank, world, group, key, failures):
 
 
 def test_segments_that_cannot_be_made_leave_the_transfer_on_the_wire_and_are_tried_again(cluster):
-    (sent, _, said), (received, exact, _) = cluster().run(segments_fail, args=(unique_key("nomem"), 2), timeout=180)
+    (sent, _, said), (received, exact, _) = cluster().run(
+        segments_fail, args=(unique_key("nomem"), 2), timeout=180
+    )
     assert exact and sent == received, (sent, received)
     assert len(said) == 2 and "Cannot allocate memory" in said[0], said
     assert sent[-1] == "shared memory", sent  # offered again once they could be made
-    assert sent.count("wire") >= 3, sent  # the two failed offers' transfers and the one that offered
+    assert sent.count("wire") >= 3, (
+        sent
+    )  # the two failed offers' transfers and the one that offered
 
 
 def staging_places(rank, world, group, key):
@@ -157,10 +175,18 @@ def test_a_refused_cuda_ipc_export_is_probed_once_and_said(monkeypatch, caplog):
     assert sum("CUDA IPC is off for cuda:0" in r.getMessage() for r in caplog.records) == 1
 
 
-@pytest.mark.parametrize("state, seq, total, may", [("new", 3, 10, False), ("new", 4, 10, True),
-                                                    ("shared", 0, 99, True), ("shared", 0, 100, False),
-                                                    ("shared", 4, 100, True), ("offered", 9, 1, False),
-                                                    ("wire", 9, 1, False)])
+@pytest.mark.parametrize(
+    "state, seq, total, may",
+    [
+        ("new", 3, 10, False),
+        ("new", 4, 10, True),
+        ("shared", 0, 99, True),
+        ("shared", 0, 100, False),
+        ("shared", 4, 100, True),
+        ("offered", 9, 1, False),
+        ("wire", 9, 1, False),
+    ],
+)
 def test_when_a_channel_offers_again(state, seq, total, may):
     """After a decline for now at transfer 0 (retry after 4): a new channel waits, a shared one re-offers sizes
     below the declined one at once and the declined size after the wait; offered and wire ones never."""

@@ -38,14 +38,21 @@ def _whole(td: TensorDict) -> float | None:
     return float(x[0]) if bool((x == x[0]).all()) and float(x[0]) > 0 else None
 
 
-def _receive(mode: str, td: TensorDict, kw: dict, posted: threading.Event | None = None,
-             turn: threading.Event | None = None) -> None:
+def _receive(
+    mode: str,
+    td: TensorDict,
+    kw: dict,
+    posted: threading.Event | None = None,
+    turn: threading.Event | None = None,
+) -> None:
     """One receive in ``mode``; the non-blocking ones set ``posted`` once posted and wait for ``turn`` (the order
     the test waits them in) before waiting."""
     if mode in ("recv", "recv_timeout"):
         cudarecv.recv(td, **kw, **({"timeout": LONG} if mode == "recv_timeout" else {}))
         return
-    [t] = cudarecv.irecv(td, return_premature=True, **kw, **({"timeout": LONG} if mode == "irecv_timeout" else {}))
+    [t] = cudarecv.irecv(
+        td, return_premature=True, **kw, **({"timeout": LONG} if mode == "irecv_timeout" else {})
+    )
     if posted is not None:
         posted.set()
     if turn is not None:
@@ -72,8 +79,12 @@ def concurrent_receives(rank, world, group, key, modes, plain, same_td):
 def _concurrent_receives(rank, world, key, modes, same_td):
     pg = _group(rank, world, key)
     kw = dict(group=pg, bucket_bytes=4096, **({"group_dst": 1} if rank == 0 else {"group_src": 0}))
-    if rank == 0:  # every version in flight at once (on the plain wire all their messages are posted at once)
-        tds = [TensorDict(x=torch.full((4096,), float(version))) for version in range(1, THREADS + 1)]
+    if (
+        rank == 0
+    ):  # every version in flight at once (on the plain wire all their messages are posted at once)
+        tds = [
+            TensorDict(x=torch.full((4096,), float(version))) for version in range(1, THREADS + 1)
+        ]
         wait_flag(f"{key}_posted")
         sends = [cudarecv.isend(td, timeout=LONG, return_early=True, **kw)[0] for td in tds]
         for t in sends:
@@ -126,9 +137,13 @@ def _check(result, modes, same_td) -> None:
     errors, got = result
     assert not errors, errors
     if same_td:
-        assert got[0] == float(THREADS), got  # the receives ran one after the other, the last one last
+        assert got[0] == float(THREADS), (
+            got
+        )  # the receives ran one after the other, the last one last
         return
-    assert sorted(got) == [float(v) for v in range(1, THREADS + 1)], got  # each a whole version, each once
+    assert sorted(got) == [float(v) for v in range(1, THREADS + 1)], (
+        got
+    )  # each a whole version, each once
     ordered = [v for v, m in zip(got, modes) if not m.startswith("recv")]
     assert ordered == sorted(ordered), (got, modes)  # the posted ones, in posting order
 
@@ -138,8 +153,9 @@ def _check(result, modes, same_td) -> None:
 def test_concurrent_receives_on_one_link_each_take_a_whole_message_in_order(cluster, mode, plain):
     modes = [MODES[k % len(MODES)] for k in range(THREADS)] if mode == "mixed" else [mode] * THREADS
     try:
-        _, result = cluster().run(concurrent_receives, args=(unique_key("threads"), modes, plain, False),
-                                  timeout=240)
+        _, result = cluster().run(
+            concurrent_receives, args=(unique_key("threads"), modes, plain, False), timeout=240
+        )
     except BaseException:
         cluster().close()
         raise
@@ -154,7 +170,9 @@ def test_concurrent_receives_into_one_tensordict_take_their_turns(cluster, mode,
     call, as from one thread.)"""
     modes = [mode] * THREADS
     try:
-        _, result = cluster().run(concurrent_receives, args=(unique_key("one_td"), modes, plain, True), timeout=240)
+        _, result = cluster().run(
+            concurrent_receives, args=(unique_key("one_td"), modes, plain, True), timeout=240
+        )
     except BaseException:
         cluster().close()
         raise
@@ -169,8 +187,12 @@ def concurrent_sends(rank, world, group, key, plain):
         sides.available = policy.available = lambda: "this test's processes make no segments"
     try:
         pg = _group(rank, world, key)
-        kw = dict(group=pg, bucket_bytes=1 << 16, timeout=LONG,
-                  **({"group_dst": 1} if rank == 0 else {"group_src": 0}))
+        kw = dict(
+            group=pg,
+            bucket_bytes=1 << 16,
+            timeout=LONG,
+            **({"group_dst": 1} if rank == 0 else {"group_src": 0}),
+        )
         if rank == 1:
             got = []
             for _ in range(THREADS):
@@ -206,7 +228,9 @@ def concurrent_sends(rank, world, group, key, plain):
 @pytest.mark.parametrize("plain", [False, True], ids=["shared_memory", "plain_wire"])
 def test_concurrent_sends_on_one_link_each_go_whole(cluster, plain):
     try:
-        errors, got = cluster().run(concurrent_sends, args=(unique_key("sends"), plain), timeout=240)
+        errors, got = cluster().run(
+            concurrent_sends, args=(unique_key("sends"), plain), timeout=240
+        )
     except BaseException:
         cluster().close()
         raise

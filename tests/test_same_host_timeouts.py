@@ -9,6 +9,7 @@ and time out, saying so.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from datetime import timedelta
@@ -44,15 +45,15 @@ def _memfds() -> int:
     """How many memfd segments this process holds a descriptor of."""
     count = 0
     for fd in os.listdir("/proc/self/fd"):
-        try:
+        with contextlib.suppress(OSError):
             count += "memfd:cudarecv" in os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            pass
     return count
 
 
 def _link_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith(("cudarecv-send-", "cudarecv-recv-"))]
+    return [
+        t for t in threading.enumerate() if t.name.startswith(("cudarecv-send-", "cudarecv-recv-"))
+    ]
 
 
 def _threads_left(before: set[int], pg: object) -> list[str]:
@@ -76,16 +77,26 @@ def timed_out_send_then_other_tags(rank, world, group, key, negotiate):
     ways round, then rank 1 takes A late (its messages are still posted), then the group goes."""
     before = {t.ident for t in _link_threads()}
     pg = _group(rank, world, key)
-    kw = dict(group=pg, bucket_bytes=1 << 12, transport="auto",
-              **({"group_dst": 1} if rank == 0 else {"group_src": 0}))
+    kw = dict(
+        group=pg,
+        bucket_bytes=1 << 12,
+        transport="auto",
+        **({"group_dst": 1} if rank == 0 else {"group_src": 0}),
+    )
     fill = 1.0 if rank == 0 else 0.0
     warm, a, b = (TensorDict(x=torch.full((4096,), fill * k)) for k in (1, 2, 3))
     routes = []
     for _ in range(negotiate):
         if rank == 0:
-            routes.append(_outcome(cudarecv.isend(warm, init_tag=0, timeout=LONG, return_early=True, **kw)[0]))
+            routes.append(
+                _outcome(cudarecv.isend(warm, init_tag=0, timeout=LONG, return_early=True, **kw)[0])
+            )
         else:
-            routes.append(_outcome(cudarecv.irecv(warm, init_tag=0, timeout=LONG, return_premature=True, **kw)[0]))
+            routes.append(
+                _outcome(
+                    cudarecv.irecv(warm, init_tag=0, timeout=LONG, return_premature=True, **kw)[0]
+                )
+            )
     if rank == 0:
         fds = _memfds()
         first = _outcome(cudarecv.isend(a, init_tag=1, timeout=SHORT, return_early=True, **kw)[0])
@@ -98,8 +109,12 @@ def timed_out_send_then_other_tags(rank, world, group, key, negotiate):
         result = routes, first, kept, second
     else:
         wait_flag(f"{key}_a")
-        first = _outcome(cudarecv.irecv(b, init_tag=2, timeout=LONG, return_premature=True, **kw)[0])
-        second = _outcome(cudarecv.irecv(a, init_tag=1, timeout=LONG, return_premature=True, **kw)[0])
+        first = _outcome(
+            cudarecv.irecv(b, init_tag=2, timeout=LONG, return_premature=True, **kw)[0]
+        )
+        second = _outcome(
+            cudarecv.irecv(a, init_tag=1, timeout=LONG, return_premature=True, **kw)[0]
+        )
         exact = bool((b["x"] == 3.0).all()), bool((a["x"] == 2.0).all())
         set_flag(f"{key}_late")
         result = routes, first, second, exact
@@ -109,7 +124,9 @@ def timed_out_send_then_other_tags(rank, world, group, key, negotiate):
 
 
 def _check_timed_out_send(results, negotiated: bool) -> None:
-    ((routes, first, kept, second), sender_left), ((_, got_b, got_a, exact), receiver_left) = results
+    ((routes, first, kept, second), sender_left), ((_, got_b, got_a, exact), receiver_left) = (
+        results
+    )
     if negotiated:
         assert routes[-1] == ("ok", "shared memory"), routes
     assert first[0] == "TransferTimeout" and "refused for sends" in first[1], first
@@ -123,7 +140,9 @@ def _check_timed_out_send(results, negotiated: bool) -> None:
 
 def test_a_timed_out_send_through_shared_memory_leaves_other_tags_usable(cluster):
     try:
-        results = cluster().run(timed_out_send_then_other_tags, args=(unique_key("send_late"), 2), timeout=240)
+        results = cluster().run(
+            timed_out_send_then_other_tags, args=(unique_key("send_late"), 2), timeout=240
+        )
     finally:
         cluster().close()  # (whatever failed may have left messages posted)
     _check_timed_out_send(results, negotiated=True)
@@ -131,7 +150,9 @@ def test_a_timed_out_send_through_shared_memory_leaves_other_tags_usable(cluster
 
 def test_a_timed_out_offer_lets_its_segments_go_and_other_tags_go_on(cluster):
     try:
-        results = cluster().run(timed_out_send_then_other_tags, args=(unique_key("offer_late"), 0), timeout=240)
+        results = cluster().run(
+            timed_out_send_then_other_tags, args=(unique_key("offer_late"), 0), timeout=240
+        )
     finally:
         cluster().close()
     _check_timed_out_send(results, negotiated=False)
@@ -141,20 +162,39 @@ def receives_out_of_order(rank, world, group, key, negotiate):
     """Rank 0 sends A (init_tag 1) then B (init_tag 2) with a short timeout; rank 1 posts B's receive, then A's
     (after ``negotiate`` transfers on init_tag 0: 0 leaves A the offer of a fresh link)."""
     pg = _group(rank, world, key)
-    kw = dict(group=pg, bucket_bytes=1 << 12, transport="auto",
-              **({"group_dst": 1} if rank == 0 else {"group_src": 0}))
-    warm, a, b = (TensorDict(x=torch.full((4096,), float(k) if rank == 0 else 0.0)) for k in (1, 2, 3))
+    kw = dict(
+        group=pg,
+        bucket_bytes=1 << 12,
+        transport="auto",
+        **({"group_dst": 1} if rank == 0 else {"group_src": 0}),
+    )
+    warm, a, b = (
+        TensorDict(x=torch.full((4096,), float(k) if rank == 0 else 0.0)) for k in (1, 2, 3)
+    )
     routes = []
     for _ in range(negotiate):
         call = cudarecv.isend if rank == 0 else cudarecv.irecv
-        routes.append(_outcome(call(warm, init_tag=0, timeout=LONG, **{"return_early" if rank == 0 else
-                                                                          "return_premature": True}, **kw)[0]))
+        routes.append(
+            _outcome(
+                call(
+                    warm,
+                    init_tag=0,
+                    timeout=LONG,
+                    **{"return_early" if rank == 0 else "return_premature": True},
+                    **kw,
+                )[0]
+            )
+        )
     if rank == 0:
-        pair = [cudarecv.isend(td, init_tag=k, timeout=SHORT, return_early=True, **kw)[0]
-                for k, td in ((1, a), (2, b))]
+        pair = [
+            cudarecv.isend(td, init_tag=k, timeout=SHORT, return_early=True, **kw)[0]
+            for k, td in ((1, a), (2, b))
+        ]
     else:
-        pair = [cudarecv.irecv(td, init_tag=k, timeout=SHORT, return_premature=True, **kw)[0]
-                for k, td in ((2, b), (1, a))]
+        pair = [
+            cudarecv.irecv(td, init_tag=k, timeout=SHORT, return_premature=True, **kw)[0]
+            for k, td in ((2, b), (1, a))
+        ]
     outcomes = [_outcome(t) for t in pair]
     set_flag(f"{key}_done_{rank}")
     wait_flag(f"{key}_done_{1 - rank}")  # neither drops the group while the other uses it
@@ -164,8 +204,9 @@ def receives_out_of_order(rank, world, group, key, negotiate):
 @pytest.mark.parametrize("negotiate", [0, 2], ids=["fresh_link", "shared_link"])
 def test_receives_posted_out_of_order_time_out_saying_so(cluster, negotiate):
     try:
-        (routes, sent), (_, received) = cluster().run(receives_out_of_order, args=(unique_key("order"), negotiate),
-                                                      timeout=120)
+        (routes, sent), (_, received) = cluster().run(
+            receives_out_of_order, args=(unique_key("order"), negotiate), timeout=120
+        )
     finally:
         cluster().close()  # the pair's messages stay posted
     if negotiate:
@@ -175,11 +216,14 @@ def test_receives_posted_out_of_order_time_out_saying_so(cluster, negotiate):
     assert "queued behind" not in first[1], first  # B's receive ran: it waited for B's header
     # before: "receive of the fast-wire header (tag 1073741825): rank 0 did not answer within 2 s (does the sender
     # send on the fast wire too ...?)"
-    assert ("queued behind an earlier receive from rank 0 on this link's thread" in later[1]
-            and "were the receives posted in the order of its sends?" in later[1]), later
+    assert (
+        "queued behind an earlier receive from rank 0 on this link's thread" in later[1]
+        and "were the receives posted in the order of its sends?" in later[1]
+    ), later
     # (its tags are refused all the same: the sender's A may still come on them)
-    assert "tags 1073741825 and 1342177281 for any tensordict, are refused for receives" in later[1], later
-
+    assert (
+        "tags 1073741825 and 1342177281 for any tensordict, are refused for receives" in later[1]
+    ), later
 
 
 def queued_receive_times_out(rank, world, group, key):
@@ -187,21 +231,34 @@ def queued_receive_times_out(rank, world, group, key):
     behind R1), then, once R2 has timed out, R3 (init_tag 0 again); only then rank 0 sends R1's and R3's
     tensordicts (the first with the offer, after its header on the header's tag)."""
     pg = _group(rank, world, key)
-    kw = dict(group=pg, bucket_bytes=1 << 12, transport="auto",
-              **({"group_dst": 1} if rank == 0 else {"group_src": 0}))
+    kw = dict(
+        group=pg,
+        bucket_bytes=1 << 12,
+        transport="auto",
+        **({"group_dst": 1} if rank == 0 else {"group_src": 0}),
+    )
     one, three = (TensorDict(x=torch.full((4096,), float(k) if rank == 0 else 0.0)) for k in (1, 3))
     if rank == 0:
         wait_flag(f"{key}_posted")
-        result = [_outcome(cudarecv.isend(td, init_tag=0, timeout=LONG, return_early=True, **kw)[0])
-                  for td in (one, three)]
+        result = [
+            _outcome(cudarecv.isend(td, init_tag=0, timeout=LONG, return_early=True, **kw)[0])
+            for td in (one, three)
+        ]
     else:
         first = cudarecv.irecv(one, init_tag=0, timeout=LONG, return_premature=True, **kw)[0]
-        queued = _outcome(cudarecv.irecv(TensorDict(x=torch.zeros(8)), init_tag=5, timeout=SHORT,
-                                         return_premature=True, **kw)[0])
+        queued = _outcome(
+            cudarecv.irecv(
+                TensorDict(x=torch.zeros(8)), init_tag=5, timeout=SHORT, return_premature=True, **kw
+            )[0]
+        )
         third = cudarecv.irecv(three, init_tag=0, timeout=LONG, return_premature=True, **kw)[0]
         set_flag(f"{key}_posted")
-        result = [queued, _outcome(first), _outcome(third),
-                  (bool((one["x"] == 1.0).all()), bool((three["x"] == 3.0).all()))]
+        result = [
+            queued,
+            _outcome(first),
+            _outcome(third),
+            (bool((one["x"] == 1.0).all()), bool((three["x"] == 3.0).all())),
+        ]
     set_flag(f"{key}_done_{rank}")
     wait_flag(f"{key}_done_{1 - rank}")
     return result
@@ -209,12 +266,18 @@ def queued_receive_times_out(rank, world, group, key):
 
 def test_a_receive_timed_out_in_the_queue_keeps_the_links_order(cluster):
     try:
-        sent, (queued, first, third, exact) = cluster().run(queued_receive_times_out, args=(unique_key("queue"),),
-                                                            timeout=240)
+        sent, (queued, first, third, exact) = cluster().run(
+            queued_receive_times_out, args=(unique_key("queue"),), timeout=240
+        )
     finally:
         cluster().close()
-    assert queued[0] == "TransferTimeout" and "queued behind an earlier receive" in queued[1], queued
+    assert queued[0] == "TransferTimeout" and "queued behind an earlier receive" in queued[1], (
+        queued
+    )
     # before: R2's timeout gave the link a new thread, where R3 posted its header receive beside R1's: it took
     # the offer (OutOfStepError) and R1, whose offer receive then waited for R3's header, timed out after 60 s
-    assert first == ("ok", "wire") and third == ("ok", "shared memory") and exact == (True, True), (first, third)
+    assert first == ("ok", "wire") and third == ("ok", "shared memory") and exact == (True, True), (
+        first,
+        third,
+    )
     assert sent == [("ok", "wire"), ("ok", "shared memory")], sent

@@ -25,16 +25,25 @@ from cudarecv.testing.launch import Cluster, Ranks
 from held import threads
 from rawwire import store
 
-SHAPES = {"0.weight": (7, 5), "0.bias": (7,), "2.weight": (3, 7), "2.bias": (3,)}  # uneven on 2, 4 ranks
+SHAPES = {
+    "0.weight": (7, 5),
+    "0.bias": (7,),
+    "2.weight": (3, 7),
+    "2.bias": (3,),
+}  # uneven on 2, 4 ranks
 
 
 def model() -> torch.nn.Module:
-    return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3)).double()
+    return torch.nn.Sequential(
+        torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3)
+    ).double()
 
 
 def whole(name: str, version: int) -> torch.Tensor:
     shape = SHAPES[name]
-    return (torch.arange(torch.Size(shape).numel(), dtype=torch.float64) + 1000.0 * version).reshape(shape)
+    return (
+        torch.arange(torch.Size(shape).numel(), dtype=torch.float64) + 1000.0 * version
+    ).reshape(shape)
 
 
 def oracle_slice(shape, mesh, placements) -> tuple[slice, ...]:
@@ -50,7 +59,9 @@ def set_version(td: TensorDict, version: int) -> None:
     with torch.no_grad():
         for key, t in td.items(True, True):
             name = ".".join(key)
-            t.to_local().copy_(whole(name, version)[oracle_slice(t.shape, t.device_mesh, t.placements)])
+            t.to_local().copy_(
+                whole(name, version)[oracle_slice(t.shape, t.device_mesh, t.placements)]
+            )
 
 
 def holds(td: TensorDict, version: int) -> bool:
@@ -74,9 +85,17 @@ def expect_on(mesh, placements_of) -> TensorDict:
     leaves = {}
     for name, shape in SHAPES.items():
         placements = placements_of(name)
-        local = torch.zeros(whole(name, 0)[oracle_slice(shape, mesh, placements)].shape, dtype=torch.float64)
-        leaves[tuple(name.split("."))] = DTensor.from_local(local, mesh, placements, run_check=False, shape=shape,
-                                                            stride=torch.empty(shape).stride())
+        local = torch.zeros(
+            whole(name, 0)[oracle_slice(shape, mesh, placements)].shape, dtype=torch.float64
+        )
+        leaves[tuple(name.split("."))] = DTensor.from_local(
+            local,
+            mesh,
+            placements,
+            run_check=False,
+            shape=shape,
+            stride=torch.empty(shape).stride(),
+        )
     return TensorDict(leaves, [])
 
 
@@ -87,10 +106,19 @@ def no_gathers(monkeypatch_like: dict) -> None:
     def refuse(name):
         def call(*args, **kwargs):
             raise AssertionError(f"a push called {name}")
+
         return call
 
-    for name in ("all_gather", "all_gather_into_tensor", "all_gather_object", "gather", "broadcast",
-                 "all_reduce", "reduce_scatter_tensor", "all_to_all_single"):
+    for name in (
+        "all_gather",
+        "all_gather_into_tensor",
+        "all_gather_object",
+        "gather",
+        "broadcast",
+        "all_reduce",
+        "reduce_scatter_tensor",
+        "all_to_all_single",
+    ):
         monkeypatch_like[("dist", name)] = getattr(dist, name)
         setattr(dist, name, refuse(f"torch.distributed.{name}"))
     for name in ("full_tensor", "redistribute"):
@@ -109,9 +137,14 @@ def meshes():
     """Every mesh any case uses, created on every rank in one order."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    return {"t2": DeviceMesh("cpu", [0, 1]), "t4": DeviceMesh("cpu", [0, 1, 2, 3]),
-            "hsdp": DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=("replicate", "shard")), "r2": DeviceMesh("cpu", [2, 3]),
-            "r45": DeviceMesh("cpu", [4, 5]), "r2d": DeviceMesh("cpu", [[2, 3], [4, 5]])}
+    return {
+        "t2": DeviceMesh("cpu", [0, 1]),
+        "t4": DeviceMesh("cpu", [0, 1, 2, 3]),
+        "hsdp": DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=("replicate", "shard")),
+        "r2": DeviceMesh("cpu", [2, 3]),
+        "r45": DeviceMesh("cpu", [4, 5]),
+        "r2d": DeviceMesh("cpu", [[2, 3], [4, 5]]),
+    }
 
 
 def tensor_parallel(name: str):
@@ -119,25 +152,40 @@ def tensor_parallel(name: str):
     (columns of its weight), its bias whole on each."""
     from torch.distributed.tensor import Replicate, Shard
 
-    return {"0.weight": [Shard(0)], "0.bias": [Shard(0)], "2.weight": [Shard(1)], "2.bias": [Replicate()]}[name]
+    return {
+        "0.weight": [Shard(0)],
+        "0.bias": [Shard(0)],
+        "2.weight": [Shard(1)],
+        "2.bias": [Replicate()],
+    }[name]
 
 
 def two_d(name: str):
     from torch.distributed.tensor import Replicate, Shard
 
-    return {"0.weight": [Shard(0), Shard(1)], "0.bias": [Replicate(), Shard(0)], "2.weight": [Shard(1), Shard(0)],
-            "2.bias": [Shard(0), Replicate()]}[name]
+    return {
+        "0.weight": [Shard(0), Shard(1)],
+        "0.bias": [Replicate(), Shard(0)],
+        "2.weight": [Shard(1), Shard(0)],
+        "2.bias": [Shard(0), Replicate()],
+    }[name]
 
 
 VERSIONS = 3
 CASES = {  # trainer ranks and their mesh; receiver rank -> its layout: a mesh and placements, "module", or None
-    "fsdp2_to_full_and_tp": ([0, 1], "t2", {2: ("r2", tensor_parallel), 3: ("r2", tensor_parallel), 4: "module",
-                                             5: None}),
+    "fsdp2_to_full_and_tp": (
+        [0, 1],
+        "t2",
+        {2: ("r2", tensor_parallel), 3: ("r2", tensor_parallel), 4: "module", 5: None},
+    ),
     "fsdp4_to_tp": ([0, 1, 2, 3], "t4", {4: ("r45", tensor_parallel), 5: ("r45", tensor_parallel)}),
     "hsdp_to_full": ([0, 1, 2, 3], "hsdp", {4: "module", 5: None}),
     "fsdp2_to_2d": ([0, 1], "t2", {r: ("r2d", two_d) for r in (2, 3, 4, 5)}),
-    "columns_to_tp_and_full": ([0, 1], "t2", {2: ("r2", tensor_parallel), 3: ("r2", tensor_parallel), 4: "module",
-                                              5: None}),
+    "columns_to_tp_and_full": (
+        [0, 1],
+        "t2",
+        {2: ("r2", tensor_parallel), 3: ("r2", tensor_parallel), 4: "module", 5: None},
+    ),
 }
 
 
@@ -169,8 +217,9 @@ def case(rank: int, world: int, group, name: str, mode: str, transport: str) -> 
             fully_shard(net, mesh=m[mesh])
             td = TensorDict.from_module(net)
         set_version(td, 1)
-        with cudarecv.WeightSender(td, dst=sorted(receivers), mode=mode, transport=transport, verify=True,
-                                   timeout=30) as sender:
+        with cudarecv.WeightSender(
+            td, dst=sorted(receivers), mode=mode, transport=transport, verify=True, timeout=30
+        ) as sender:
             saved: dict = {}
             no_gathers(saved)
             try:
@@ -183,7 +232,9 @@ def case(rank: int, world: int, group, name: str, mode: str, transport: str) -> 
                     out.setdefault("pushed", []).append(sender.push())
             finally:
                 restore(saved)
-            out["plan"] = {r: [(n, b.starts, b.sizes) for n, b in p] for r, p in sender.plan.items()}
+            out["plan"] = {
+                r: [(n, b.starts, b.sizes) for n, b in p] for r, p in sender.plan.items()
+            }
             out["transports"] = sender.transports
             dist.barrier()  # (latest mode: the receivers have the last version before the sender closes)
         out["threads_left"] = threads() - before
@@ -198,7 +249,9 @@ def case(rank: int, world: int, group, name: str, mode: str, transport: str) -> 
         expect = model()
     else:
         expect = expect_on(m[layout[0]], layout[1])
-    with cudarecv.WeightReceiver(src=trainers, expect=expect, timeout=30, transport=transport) as receiver:
+    with cudarecv.WeightReceiver(
+        src=trainers, expect=expect, timeout=30, transport=transport
+    ) as receiver:
         seen = []
         while not seen or seen[-1][0] < VERSIONS:
             version = receiver.pull()
@@ -207,15 +260,20 @@ def case(rank: int, world: int, group, name: str, mode: str, transport: str) -> 
         net = model()  # load_into: a module sharded as `expect` (its DTensor parameters' local shards), or whole
         if isinstance(expect, TensorDict):
             for key, t in expect.items(True, True):
-                setattr(net.get_submodule(key[0]), key[1], torch.nn.Parameter(t.clone(), requires_grad=False))
-        out["loaded"] = receiver.load_into(net) == VERSIONS and holds(TensorDict.from_module(net), VERSIONS)
+                setattr(
+                    net.get_submodule(key[0]),
+                    key[1],
+                    torch.nn.Parameter(t.clone(), requires_grad=False),
+                )
+        out["loaded"] = receiver.load_into(net) == VERSIONS and holds(
+            TensorDict.from_module(net), VERSIONS
+        )
         out["plan"] = {r: [(n, b.starts, b.sizes) for n, b in p] for r, p in receiver.plan.items()}
         out["transport"] = receiver.transport
         out["staged"] = receiver.staged_bytes
         dist.barrier()
     out["threads_left"] = threads() - before
     return out
-
 
 
 @pytest.fixture(scope="module")
@@ -226,22 +284,33 @@ def six():
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("name,mode,transport", [
-    ("fsdp2_to_full_and_tp", "sync", "auto"), ("fsdp2_to_full_and_tp", "latest", "wire"),
-    ("fsdp4_to_tp", "sync", "wire"), ("hsdp_to_full", "sync", "auto"), ("fsdp2_to_2d", "sync", "auto"),
-    ("columns_to_tp_and_full", "sync", "wire")])
+@pytest.mark.parametrize(
+    "name,mode,transport",
+    [
+        ("fsdp2_to_full_and_tp", "sync", "auto"),
+        ("fsdp2_to_full_and_tp", "latest", "wire"),
+        ("fsdp4_to_tp", "sync", "wire"),
+        ("hsdp_to_full", "sync", "auto"),
+        ("fsdp2_to_2d", "sync", "auto"),
+        ("columns_to_tp_and_full", "sync", "wire"),
+    ],
+)
 def test_sharded_trainers_push_every_element_once_into_any_layout(six, name, mode, transport):
     results = six().run(case, args=(name, mode, transport), timeout=300)
     trainers, _, receivers = CASES[name]
     for out in results:
         rank = out["rank"]
-        assert not out.get("threads_left"), f"rank {rank}: threads left after close(): {out['threads_left']}"
+        assert not out.get("threads_left"), (
+            f"rank {rank}: threads left after close(): {out['threads_left']}"
+        )
         if rank in trainers:
             assert out["pushed"] == list(range(1, VERSIONS + 1)), out
             assert out["gathers_refused"], "the pushes ran with gathering calls allowed"
         elif rank in receivers:
             versions = [v for v, _ in out["seen"]]
-            assert all(ok for _, ok in out["seen"]), f"rank {rank} got a wrong element: {out['seen']}"
+            assert all(ok for _, ok in out["seen"]), (
+                f"rank {rank} got a wrong element: {out['seen']}"
+            )
             assert out["loaded"], f"rank {rank}: load_into left the module without the last version"
             if mode == "sync":
                 assert versions == list(range(1, VERSIONS + 1)), out["seen"]
@@ -251,12 +320,24 @@ def test_sharded_trainers_push_every_element_once_into_any_layout(six, name, mod
             # the pieces of this receiver, as the trainers planned them, are what it planned to get, and each
             # element of what it holds comes from one trainer once: the bytes it receives are its layout's
             planned = {t: sorted(results[t]["plan"][rank]) for t in trainers}
-            assert planned == {t: sorted(out["plan"].get(t, [])) for t in trainers}, (planned, out["plan"])
+            assert planned == {t: sorted(out["plan"].get(t, [])) for t in trainers}, (
+                planned,
+                out["plan"],
+            )
             # pieces land in place where they are one block of this receiver's layout: only column blocks of a
             # matrix cut by rows here (trainers cut by columns, into whole or row-cut weights) are staged, x 2 buffers
-            strided = [(n, s) for t in trainers for n, _, s in out["plan"].get(t, []) if n.endswith("weight")
-                       and name in TRAINER_PLACEMENTS and _strided_here(name, rank, n)]
-            assert out["staged"] == 2 * sum(-(-_numel(s) * 8 // 16) * 16 for _, s in strided), (out["staged"], strided)
+            strided = [
+                (n, s)
+                for t in trainers
+                for n, _, s in out["plan"].get(t, [])
+                if n.endswith("weight")
+                and name in TRAINER_PLACEMENTS
+                and _strided_here(name, rank, n)
+            ]
+            assert out["staged"] == 2 * sum(-(-_numel(s) * 8 // 16) * 16 for _, s in strided), (
+                out["staged"],
+                strided,
+            )
     for receiver in receivers:
         got = sum(_numel(s) for t in trainers for _, _, s in results[t]["plan"][receiver])
         held_ = sum(torch.Size(s).numel() for s in _held_shapes(name, receiver))
@@ -286,16 +367,22 @@ def _held_shapes(name: str, rank: int) -> list[tuple[int, ...]]:
     if len(ranks) == 1:
         coordinate = coordinate[1:]
     mesh_shape = (len(ranks), len(ranks[0])) if len(ranks) > 1 else (len(ranks[0]),)
-    return [_compute_local_shape_and_global_offset(shape, mesh_shape, coordinate, layout[1](name))[0]
-            for name, shape in SHAPES.items()]
+    return [
+        _compute_local_shape_and_global_offset(shape, mesh_shape, coordinate, layout[1](name))[0]
+        for name, shape in SHAPES.items()
+    ]
 
 
 # -- the geometry, against torch's own cut ---------------------------------------------------------------
 
+
 def _placements(draw, ndim: int, mesh_ndim: int):
     from torch.distributed.tensor import Replicate, Shard
 
-    return [draw(st.sampled_from([Replicate()] + [Shard(d) for d in range(ndim)])) for _ in range(mesh_ndim)]
+    return [
+        draw(st.sampled_from([Replicate()] + [Shard(d) for d in range(ndim)]))
+        for _ in range(mesh_ndim)
+    ]
 
 
 @st.composite
@@ -320,7 +407,9 @@ def test_boxes_are_torchs_cut_and_every_element_is_sent_once(layout):
     count = torch.zeros(shape, dtype=torch.int64)
     for coordinate in coordinates(mesh_shape):
         box = shard_box(shape, mesh_shape, placements, coordinate)
-        local, offset = _compute_local_shape_and_global_offset(shape, mesh_shape, list(coordinate), placements)
+        local, offset = _compute_local_shape_and_global_offset(
+            shape, mesh_shape, list(coordinate), placements
+        )
         assert box.sizes == tuple(local), (coordinate, box, local)
         if box.numel:
             assert box.starts == tuple(offset), (coordinate, box, offset)
@@ -344,7 +433,9 @@ def test_a_leafwise_version_lands_where_its_leaves_lie():
     tensors = [torch.arange(12.0).view(3, 4), torch.arange(5), torch.zeros(0)]
     schema = Schema.of(keys, tensors, leafwise=True)
     assert Schema.from_json(schema.to_json()) == schema
-    assert schema.fingerprint != Schema.of(keys, tensors).fingerprint  # an even receiver refuses a leafwise push
+    assert (
+        schema.fingerprint != Schema.of(keys, tensors).fingerprint
+    )  # an even receiver refuses a leafwise push
     with pytest.raises(SchemaError, match="message cut"):
         Schema.from_json(schema.to_json().replace(b'"leaf"', b'"odd"'))
     storage = torch.zeros(schema.total, dtype=torch.uint8)  # the sender's snapshot
@@ -359,7 +450,9 @@ def test_a_leafwise_version_lands_where_its_leaves_lie():
         piece.copy_(message)
     assert torch.equal(whole[:3], tensors[0]) and (whole[3:] == -1).all()
     assert torch.equal(slot.td["steps"], tensors[1]) and slot.digest() == checksum(messages)
-    refilled = torch.zeros(6, 4)  # a same-host snapshot, copied message by message where each leaf lies
+    refilled = torch.zeros(
+        6, 4
+    )  # a same-host snapshot, copied message by message where each leaf lies
     other = Slot.placed_at(schema, 16, torch.device("cpu"), False, [refilled[3:], None, None])
     other.fill(storage)
     assert torch.equal(refilled[3:], tensors[0]) and other.digest() == slot.digest()
@@ -390,7 +483,10 @@ def strided_leaves(rank, world, group):
         for version in (1, 2):
             receiver.pull()
             shifted = base + (100.0 if version == 2 else 0.0)
-            got.append(torch.equal(receiver.td["t"], shifted.t()) and torch.equal(receiver.td["c"], shifted[:, 1:3]))
+            got.append(
+                torch.equal(receiver.td["t"], shifted.t())
+                and torch.equal(receiver.td["c"], shifted[:, 1:3])
+            )
         return got
 
 
@@ -398,8 +494,14 @@ def test_a_weight_sender_takes_strided_leaves(cluster):
     assert cluster().run(strided_leaves)[1] == [True, True]
 
 
-WANTS = {1: {"0.weight": (slice(0, 4),), "2.weight": (slice(None), slice(3, 7))},  # rows of one, columns of the other
-         2: {"0.weight": (slice(4, 7),), "2.weight": (slice(None), slice(0, 3))}, 3: None}
+WANTS = {
+    1: {
+        "0.weight": (slice(0, 4),),
+        "2.weight": (slice(None), slice(3, 7)),
+    },  # rows of one, columns of the other
+    2: {"0.weight": (slice(4, 7),), "2.weight": (slice(None), slice(0, 3))},
+    3: None,
+}
 
 
 def sliced(rank, world, group):
@@ -407,7 +509,9 @@ def sliced(rank, world, group):
     matrices (``want``), receiver 3 everything; each checks every element it holds of each version."""
     if rank == 0:
         td = TensorDict({name: whole(name, 1) for name in SHAPES}, []).unflatten_keys(".")
-        with cudarecv.WeightSender(td, dst=[1, 2, 3], sliced=True, verify=True, timeout=30) as sender:
+        with cudarecv.WeightSender(
+            td, dst=[1, 2, 3], sliced=True, verify=True, timeout=30
+        ) as sender:
             for version in (1, 2, 3):
                 for name in SHAPES:
                     td[tuple(name.split("."))].copy_(whole(name, version))
@@ -423,16 +527,28 @@ def sliced(rank, world, group):
     with cudarecv.WeightReceiver(src=[0], expect=expect, want=want, timeout=30) as receiver:
         right, retired = [], None
         for version in (1, 2, 3):
-            if version == 3 and rank == 1:  # as a failed relay forward does: rank 0's receiver renews its slot in
-                index = receiver._slots.spare()  # the spare buffer, which is then never written again
+            if (
+                version == 3 and rank == 1
+            ):  # as a failed relay forward does: rank 0's receiver renews its slot in
+                index = (
+                    receiver._slots.spare()
+                )  # the spare buffer, which is then never written again
                 retired = receiver._slots.own[index].storage
                 kept, inner = retired.clone(), receiver._inner[0][2]
                 inner._slots.renew(index, inner.schema, inner._puller.piece, torch.device("cpu"))
             assert receiver.pull() == version
-            right.append(all(torch.equal(receiver.td[tuple(name.split("."))],
-                                         whole(name, version)[(want or {}).get(name, (slice(None),))])
-                             for name in SHAPES))
-        staged = 0 if retired is None else receiver.staged_bytes  # (rank 1: the renewed slot's own storage)
+            right.append(
+                all(
+                    torch.equal(
+                        receiver.td[tuple(name.split("."))],
+                        whole(name, version)[(want or {}).get(name, (slice(None),))],
+                    )
+                    for name in SHAPES
+                )
+            )
+        staged = (
+            0 if retired is None else receiver.staged_bytes
+        )  # (rank 1: the renewed slot's own storage)
         untouched = retired is None or torch.equal(retired, kept)
         dist.barrier()
     return right, staged, untouched
@@ -448,47 +564,74 @@ def test_a_plain_trainer_sends_each_receiver_the_slices_it_wants(six):
     # 4 x 5 + 7 + 3 x 4 + 3 float64 (160 + 64 + 96 + 32 bytes, each aligned to 16)
     assert results[1] == ([True, True, True], 352, True), results[1]
     biases = 7 + 3
-    assert results[0] == {1: 4 * 5 + 3 * 4 + biases, 2: 3 * 5 + 3 * 3 + biases, 3: 7 * 5 + 3 * 7 + biases}
+    assert results[0] == {
+        1: 4 * 5 + 3 * 4 + biases,
+        2: 3 * 5 + 3 * 3 + biases,
+        3: 7 * 5 + 3 * 7 + biases,
+    }
 
 
 def test_want_is_checked_naming_the_leaf():
     from cudarecv.weights.sharded.layout import narrowed, wanting_all
 
-    layout = wanting_all(cudarecv.weights.sharded.layout.sender_layout([("w",), ("b",)],
-                                                                       [torch.zeros(4, 6), torch.zeros(4)]))
-    assert narrowed(layout, {"w": (slice(1, 3), slice(2, None))}, set()).parts[0].box == Box((1, 2), (2, 4))
-    assert narrowed(layout, {"w": [slice(1, 3)]}, set()).parts[0].box == Box((1, 0), (2, 6))  # (a list, one slice)
-    assert narrowed(layout, {"w": slice(0, 4)}, set()).parts[0].box == Box((0, 0), (4, 6))  # (a slice alone)
+    layout = wanting_all(
+        cudarecv.weights.sharded.layout.sender_layout(
+            [("w",), ("b",)], [torch.zeros(4, 6), torch.zeros(4)]
+        )
+    )
+    assert narrowed(layout, {"w": (slice(1, 3), slice(2, None))}, set()).parts[0].box == Box(
+        (1, 2), (2, 4)
+    )
+    assert narrowed(layout, {"w": [slice(1, 3)]}, set()).parts[0].box == Box(
+        (1, 0), (2, 6)
+    )  # (a list, one slice)
+    assert narrowed(layout, {"w": slice(0, 4)}, set()).parts[0].box == Box(
+        (0, 0), (4, 6)
+    )  # (a slice alone)
     assert narrowed(layout, {"w": (slice(0, 4, 1),)}, set()).parts[0].box == Box((0, 0), (4, 6))
-    for want, match in [({"x": (slice(0, 1),)}, "'x', which the sender does not send"),
-                        ({"w": (slice(3, 3),)}, "empty"), ({"w": (slice(4, None),)}, "empty"),
-                        ({"w": (slice(0, 4, 2),)}, "step-1 slices"), ({"b": (slice(0, 1),) * 2}, "up to 1"),
-                        ({"w": (slice(-2, None),)}, "negative bound -2: count from the start"),
-                        ({"w": (slice(0, -1),)}, "negative bound -1"),
-                        ({"w": (slice(0, 5),)}, "reaches past dimension 0 of the leaf, of size 4"),
-                        ({"w": (slice(None), slice(2, 7))}, "reaches past dimension 1 of the leaf, of size 6"),
-                        ({"w": (slice(9, 12),)}, "reaches past dimension 0")]:
+    for want, match in [
+        ({"x": (slice(0, 1),)}, "'x', which the sender does not send"),
+        ({"w": (slice(3, 3),)}, "empty"),
+        ({"w": (slice(4, None),)}, "empty"),
+        ({"w": (slice(0, 4, 2),)}, "step-1 slices"),
+        ({"b": (slice(0, 1),) * 2}, "up to 1"),
+        ({"w": (slice(-2, None),)}, "negative bound -2: count from the start"),
+        ({"w": (slice(0, -1),)}, "negative bound -1"),
+        ({"w": (slice(0, 5),)}, "reaches past dimension 0 of the leaf, of size 4"),
+        ({"w": (slice(None), slice(2, 7))}, "reaches past dimension 1 of the leaf, of size 6"),
+        ({"w": (slice(9, 12),)}, "reaches past dimension 0"),
+    ]:
         with pytest.raises(cudarecv.ArgumentError, match=match):
             narrowed(layout, want, set())
-    for want, match in [({"w": (slice(0, 2.5),)}, r"bound 2\.5 \(float\): bounds are ints or None"),
-                        ({"w": (slice("0", 2),)}, r"bound '0' \(str\)"), ({"w": (slice(True, 2),)}, "bound True"),
-                        ({"w": (slice(0, 4, 1.0),)}, r"step 1.0 \(float\)"),
-                        ({"w": (0,)}, r"holds 0 \(int\), not a slice \(index 0 alone is slice\(0, 1\)\)"),
-                        ({"w": ((0, 2),)}, r"holds \(0, 2\) \(tuple\), not a slice"),
-                        ({"w": (Ellipsis,)}, "not a slice"), ({"w": None}, "holds None"),
-                        ({("w",): (slice(0, 1),)}, "as a string"), ({3: (slice(0, 1),)}, "names leaf 3"),
-                        ([("w", (slice(0, 1),))], "`want` must be a dict, got list"), ("w", "got str")]:
+    for want, match in [
+        ({"w": (slice(0, 2.5),)}, r"bound 2\.5 \(float\): bounds are ints or None"),
+        ({"w": (slice("0", 2),)}, r"bound '0' \(str\)"),
+        ({"w": (slice(True, 2),)}, "bound True"),
+        ({"w": (slice(0, 4, 1.0),)}, r"step 1.0 \(float\)"),
+        ({"w": (0,)}, r"holds 0 \(int\), not a slice \(index 0 alone is slice\(0, 1\)\)"),
+        ({"w": ((0, 2),)}, r"holds \(0, 2\) \(tuple\), not a slice"),
+        ({"w": (Ellipsis,)}, "not a slice"),
+        ({"w": None}, "holds None"),
+        ({("w",): (slice(0, 1),)}, "as a string"),
+        ({3: (slice(0, 1),)}, "names leaf 3"),
+        ([("w", (slice(0, 1),))], "`want` must be a dict, got list"),
+        ("w", "got str"),
+    ]:
         with pytest.raises(cudarecv.ArgumentTypeError, match=match) as raised:
             narrowed(layout, want, set())
-        assert "`want" in str(raised.value) and 'e.g. {"up.weight": (slice(0, 512),)' in str(raised.value)
+        assert "`want" in str(raised.value) and 'e.g. {"up.weight": (slice(0, 512),)' in str(
+            raised.value
+        )
     with pytest.raises(cudarecv.ArgumentError, match="gives as a DTensor"):
         narrowed(layout, {"w": (slice(0, 1),)}, {0})
 
 
-BAD_WANTS = [({"w": (slice(0, 2.5),)}, "ArgumentTypeError", "bound 2.5 (float)"),
-             ({"w": (slice(0, 4, 2),)}, "ArgumentError", "step 2"),
-             ({"w": (slice(0, 5),)}, "ArgumentError", "reaches past dimension 0 of the leaf, of size 4"),
-             ([("w", slice(0, 1))], "ArgumentTypeError", "`want` must be a dict")]
+BAD_WANTS = [
+    ({"w": (slice(0, 2.5),)}, "ArgumentTypeError", "bound 2.5 (float)"),
+    ({"w": (slice(0, 4, 2),)}, "ArgumentError", "step 2"),
+    ({"w": (slice(0, 5),)}, "ArgumentError", "reaches past dimension 0 of the leaf, of size 4"),
+    ([("w", slice(0, 1))], "ArgumentTypeError", "`want` must be a dict"),
+]
 
 
 def bad_wants(rank, world, group):
@@ -498,7 +641,9 @@ def bad_wants(rank, world, group):
     for want, _, _ in BAD_WANTS:
         try:
             if rank == 0:
-                cudarecv.WeightSender(TensorDict(w=torch.zeros(4, 6)), dst=[1], sliced=True, timeout=20)
+                cudarecv.WeightSender(
+                    TensorDict(w=torch.zeros(4, 6)), dst=[1], sliced=True, timeout=20
+                )
             else:
                 cudarecv.WeightReceiver(src=[0], want=want, timeout=20)
             out.append(None)
@@ -510,11 +655,15 @@ def bad_wants(rank, world, group):
 def test_a_malformed_want_raises_a_cudarecv_error_on_the_receiver_and_tells_the_sender(cluster):
     results = cluster().run(bad_wants, timeout=120)
     for (want, kind, text), sent, got in zip(BAD_WANTS, results[0], results[1]):
-        assert got is not None and got[0] == kind and text in got[1] and "`want" in got[1], (want, got)
+        assert got is not None and got[0] == kind and text in got[1] and "`want" in got[1], (
+            want,
+            got,
+        )
         assert sent is not None and sent[0] == "ReceiverFailed" and text in sent[1], (want, sent)
 
 
 # -- failures, refusals and closing ---------------------------------------------------------------------
+
 
 def dead_trainer(rank, world, group, transport, how):
     """Trainers 0 and 1 (FSDP2) push to a tensor-parallel pair (ranks 2, 3); trainer 1 is SIGKILLed (or SIGSTOPped)
@@ -540,8 +689,9 @@ def dead_trainer(rank, world, group, transport, how):
             sender.push()  # (rank 0's pieces: the receivers take them, then wait for rank 1's)
             store().set("pushed_3", "1")
             return sender.version
-    with cudarecv.WeightReceiver(src=[0, 1], expect=expect_on(pair, tensor_parallel), timeout=30,
-                                 transport=transport) as receiver:
+    with cudarecv.WeightReceiver(
+        src=[0, 1], expect=expect_on(pair, tensor_parallel), timeout=30, transport=transport
+    ) as receiver:
         for version in (1, 2):
             assert receiver.pull() == version and holds(receiver.td, version)
         signals, outcome = store(), None
@@ -554,7 +704,12 @@ def dead_trainer(rank, world, group, transport, how):
                 outcome = ("pulled version 3",)
             except (cudarecv.PeerError, cudarecv.TransferTimeout, cudarecv.WaitTimeout) as error:
                 if pushed:
-                    outcome = type(error).__name__, str(error), receiver.version, holds(receiver.td, 2)
+                    outcome = (
+                        type(error).__name__,
+                        str(error),
+                        receiver.version,
+                        holds(receiver.td, 2),
+                    )
         if how == "stop":
             signals.set(f"checked_{rank}", "1")
             if rank == 2:
@@ -572,9 +727,13 @@ def test_a_dead_or_stopped_trainer_rank_is_named_and_no_receiver_publishes_a_mix
     for rank in (2, 3):
         kind, message, version, whole = results[rank]
         if how == "kill":
-            assert kind == "PeerError" and "link to rank 1 of the group failed" in message, results[rank]
+            assert kind == "PeerError" and "link to rank 1 of the group failed" in message, results[
+                rank
+            ]
         else:  # nothing of version 3 came from rank 1: the pull names it and goes on (a stalled rank)
-            assert kind == "WaitTimeout" and "from rank(s) [1] no version newer than 2" in message, results[rank]
+            assert (
+                kind == "WaitTimeout" and "from rank(s) [1] no version newer than 2" in message
+            ), results[rank]
         assert version == 2 and whole, results[rank]
 
 
@@ -591,7 +750,9 @@ def refusals(rank, world, group):
         net = model()
         fully_shard(net, mesh=trainers)
         try:  # (rank 1 is never answered: it waits 1 s for that, rank 0 up to 5 s for its refusal)
-            cudarecv.WeightSender(TensorDict.from_module(net), dst=[2], timeout=5 if rank == 0 else 1)
+            cudarecv.WeightSender(
+                TensorDict.from_module(net), dst=[2], timeout=5 if rank == 0 else 1
+            )
         except cudarecv.Error as error:
             out.append((type(error).__name__, str(error)))
         partial = DTensor.from_local(torch.zeros(4), trainers, [Partial()], run_check=False)
@@ -614,11 +775,21 @@ def test_a_receiver_missing_a_trainer_rank_and_a_partial_leaf_are_refused(six):
     finally:
         six().close()  # rank 1's layout, never read, is still on its link to rank 2: the next test needs new groups
     kind, message = results[2][0]
-    assert kind == "SchemaError" and "pass every rank of the sender's mesh as `src`" in message, results[2]
-    assert results[0][0][0] == "SchemaError" and "receiver rank 2 rejected the weights" in results[0][0][1], results[0]
-    assert results[1][0][0] == "TransferTimeout" and "rank 2" in results[1][0][1], results[1]  # (never asked)
+    assert kind == "SchemaError" and "pass every rank of the sender's mesh as `src`" in message, (
+        results[2]
+    )
+    assert (
+        results[0][0][0] == "SchemaError"
+        and "receiver rank 2 rejected the weights" in results[0][0][1]
+    ), results[0]
+    assert results[1][0][0] == "TransferTimeout" and "rank 2" in results[1][0][1], results[
+        1
+    ]  # (never asked)
     for trainer in (0, 1):
-        assert results[trainer][1][0] == "ArgumentError" and "leaf 'w' is placed Partial" in results[trainer][1][1]
+        assert (
+            results[trainer][1][0] == "ArgumentError"
+            and "leaf 'w' is placed Partial" in results[trainer][1][1]
+        )
 
 
 def closing(rank, world, group):

@@ -39,7 +39,9 @@ WANTED = 3  # versions the receiver must get while the trainers push
 ATTEMPTS = 30  # pulls it may try for them (a pull may time out: the next carries on with it)
 OUTRUN = 6  # pulls while the trainers outrun a receiver whose asks straddle their pushes
 PUSHING = 200.0  # the trainers' own bound on pushing (a safety net, not an ordering: the receiver says when)
-OVERDUE = TIMEOUT + SLACK + 5.0  # a pull still running then has broken its bound: the trainers are stopped
+OVERDUE = (
+    TIMEOUT + SLACK + 5.0
+)  # a pull still running then has broken its bound: the trainers are stopped
 
 
 def more_pushes(signals, count: int) -> None:
@@ -78,17 +80,26 @@ def trainer(rank: int, mesh, trainers, transport: str, signals) -> dict:
 
     local = torch.zeros(ROWS // 2, COLS, dtype=torch.float64)
     td = TensorDict(
-        {"w": DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=(ROWS, COLS), stride=(COLS, 1))}, []
+        {
+            "w": DTensor.from_local(
+                local, mesh, [Shard(0)], run_check=False, shape=(ROWS, COLS), stride=(COLS, 1)
+            )
+        },
+        [],
     )
     before = threads()
-    with cudarecv.WeightSender(td, dst=[2], mode="latest", transport=transport, timeout=30) as sender:
+    with cudarecv.WeightSender(
+        td, dst=[2], mode="latest", transport=transport, timeout=30
+    ) as sender:
         end, version = time.monotonic() + PUSHING, 0
         while True:
             version += 1
             local.fill_(version)
             sender.push()
             stop = torch.tensor([float(signals.check(["done"]) or time.monotonic() > end)])
-            dist.all_reduce(stop, op=dist.ReduceOp.MAX, group=trainers)  # (both ranks pushed `version`)
+            dist.all_reduce(
+                stop, op=dist.ReduceOp.MAX, group=trainers
+            )  # (both ranks pushed `version`)
             if rank == 0:
                 signals.set(f"pushed/{version}", "1")
                 signals.set("latest", str(version))
@@ -131,7 +142,10 @@ def receiver(transport: str, outrun: bool, signals) -> dict:
     pulls: list[tuple] = []
     after: list[tuple] = []  # (outrun: the pulls once the trainers stopped)
     with cudarecv.WeightReceiver(src=[0, 1], expect=expect, timeout=30, transport=transport) as got:
-        while len(pulls) < (OUTRUN if outrun else ATTEMPTS) and sum(isinstance(p[0], int) for p in pulls) < WANTED:
+        while (
+            len(pulls) < (OUTRUN if outrun else ATTEMPTS)
+            and sum(isinstance(p[0], int) for p in pulls) < WANTED
+        ):
             pulls.append(timed_pull(got, signals))
             if pulls[-1][-1] > TIMEOUT + SLACK:
                 break  # (the bound broke: the trainers were stopped, the test fails on it)
@@ -140,9 +154,20 @@ def receiver(transport: str, outrun: bool, signals) -> dict:
         last = int(signals.get("latest"))
         while outrun and got.version < last and len(after) < 3:
             after.append(timed_pull(got, signals))
-        final = got.version, bool(torch.equal(got.td["w"], torch.full((ROWS, COLS), float(last), dtype=torch.float64)))
+        final = (
+            got.version,
+            bool(
+                torch.equal(got.td["w"], torch.full((ROWS, COLS), float(last), dtype=torch.float64))
+            ),
+        )
     dist.barrier()
-    return {"pulls": pulls, "after": after, "last": last, "final": final, "threads_left": threads() - before}
+    return {
+        "pulls": pulls,
+        "after": after,
+        "last": last,
+        "final": final,
+        "threads_left": threads() - before,
+    }
 
 
 def slow_receiver(rank: int, world: int, group, transport: str, outrun: bool):
@@ -167,7 +192,9 @@ def check_pulls(results: list, pulls: list) -> list[int]:
     numbers = [v for v, _, _ in versions]
     assert numbers == sorted(set(numbers)), pulls
     for rank in range(3):
-        assert not results[rank]["threads_left"], f"rank {rank}: threads left: {results[rank]['threads_left']}"
+        assert not results[rank]["threads_left"], (
+            f"rank {rank}: threads left: {results[rank]['threads_left']}"
+        )
     return numbers
 
 
@@ -193,7 +220,9 @@ def test_a_receiver_slower_than_a_trainer_step_gets_whole_versions_within_each_p
     with Cluster(3, pg_timeout=60.0) as ranks:
         results = ranks.run(slow_receiver, args=("wire", False), timeout=300)
     numbers = check_pulls(results, results[2]["pulls"])
-    assert len(numbers) >= WANTED, f"{len(numbers)} versions in {len(results[2]['pulls'])} pulls: {results[2]}"
+    assert len(numbers) >= WANTED, (
+        f"{len(numbers)} versions in {len(results[2]['pulls'])} pulls: {results[2]}"
+    )
     for rank in (0, 1):
         assert results[rank]["pushed"] > numbers[-1], results[rank]  # (pushing all along)
 
@@ -207,8 +236,12 @@ def carried_on(rank: int, world: int, group):
     mesh, signals = DeviceMesh("cpu", [0, 1]), store()
     if rank < 2:
         local = torch.zeros(ROWS // 2, COLS, dtype=torch.float64)
-        w = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=(ROWS, COLS), stride=(COLS, 1))
-        with cudarecv.WeightSender(TensorDict({"w": w}, []), dst=[2], mode="latest", timeout=30) as sender:
+        w = DTensor.from_local(
+            local, mesh, [Shard(0)], run_check=False, shape=(ROWS, COLS), stride=(COLS, 1)
+        )
+        with cudarecv.WeightSender(
+            TensorDict({"w": w}, []), dst=[2], mode="latest", timeout=30
+        ) as sender:
             for version in (1, 2):
                 if version == 2:
                     signals.wait(["timed_out"], timedelta(seconds=60))
@@ -226,7 +259,9 @@ def carried_on(rank: int, world: int, group):
         except cudarecv.WaitTimeout as error:
             late = ("WaitTimeout", str(error), time.monotonic() - start)
         signals.set("timed_out", "1")
-        deadline = time.monotonic() + 60  # the pull that went on publishes version 2 (its own threads' doing)
+        deadline = (
+            time.monotonic() + 60
+        )  # the pull that went on publishes version 2 (its own threads' doing)
         while got.version < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
         start = time.monotonic()
@@ -242,9 +277,13 @@ def test_a_pull_that_ran_out_goes_on_and_the_next_pull_returns_its_version():
         results = ranks.run(carried_on, timeout=200)
     first, late, second, elapsed, whole = results[2]
     assert first == 1, results[2]
-    assert late[0] == "WaitTimeout" and "from rank(s) [0, 1] no version newer than 1 began" in late[1], late
+    assert (
+        late[0] == "WaitTimeout" and "from rank(s) [0, 1] no version newer than 1 began" in late[1]
+    ), late
     assert late[2] <= 0.5 + SLACK, late
-    assert second == 2 and whole and elapsed < 1.0, results[2]  # (published already: returned at once)
+    assert second == 2 and whole and elapsed < 1.0, results[
+        2
+    ]  # (published already: returned at once)
 
 
 # -- the rounds of a pull, against a model of the trainers -------------------------------------------------
@@ -281,7 +320,9 @@ def simulate(
             if newest(rank, asked) > floor:
                 held[rank] = newest(rank, asked)
             else:  # it answers as it publishes floor + 1
-                assert last is None or floor + 1 <= last, f"rank {rank} asked for {floor + 1}, past the last {last}"
+                assert last is None or floor + 1 <= last, (
+                    f"rank {rank} asked for {floor + 1}, past the last {last}"
+                )
                 held[rank] = floor + 1
                 answered = max(answered, floor + 1 + phases[rank])
         now = answered + round_time * draw.uniform(0.8, 1.2)
@@ -316,15 +357,24 @@ def test_trainers_that_stop_leave_no_pull_waiting_for_a_version_past_their_last(
 def test_a_receiver_faster_than_a_step_catches_up_and_a_slow_one_asks_every_rank_afresh():
     lineup = Lineup(4, latest=True, retake={0, 1})
     assert lineup.first([4, 4]) == {0: 4, 1: 4}
-    assert lineup.next([6, 7]) == {0: 6} and lineup.phase == "catch up"  # rank 0 is asked for 7 or newer
+    assert (
+        lineup.next([6, 7]) == {0: 6} and lineup.phase == "catch up"
+    )  # rank 0 is asked for 7 or newer
     assert lineup.next([7, 7]) == {}
     lineup = Lineup(4, latest=True, retake={0, 1})
     lineup.first([4, 4])
     assert lineup.next([7, 8]) == {0: 7}
-    assert lineup.next([11, 8]) == {0: 10, 1: 10} and lineup.phase == "fresh"  # rank 0 too: 11 again, or newer
-    assert lineup.next([15, 16]) == {0: 15, 1: 15}  # a push fell between their answers: afresh again
+    assert (
+        lineup.next([11, 8]) == {0: 10, 1: 10} and lineup.phase == "fresh"
+    )  # rank 0 too: 11 again, or newer
+    assert lineup.next([15, 16]) == {
+        0: 15,
+        1: 15,
+    }  # a push fell between their answers: afresh again
     assert lineup.next([17, 17]) == {}
-    zero_copy = Lineup(4, latest=True, retake={1})  # (rank 0 cannot take the version it holds again)
+    zero_copy = Lineup(
+        4, latest=True, retake={1}
+    )  # (rank 0 cannot take the version it holds again)
     zero_copy.first([4, 4])
     zero_copy.next([7, 8])
     assert zero_copy.next([11, 8]) == {1: 10}

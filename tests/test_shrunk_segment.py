@@ -62,8 +62,10 @@ def test_a_writer_cannot_shrink_a_segment_under_its_reader(sealed):
     ctx = mp.get_context("spawn")
     to_writer, writer_end = ctx.Pipe()
     to_reader, reader_end = ctx.Pipe()
-    procs = [ctx.Process(target=lying_writer, args=(writer_end, sealed)),
-             ctx.Process(target=reader, args=(reader_end, to_writer))]
+    procs = [
+        ctx.Process(target=lying_writer, args=(writer_end, sealed)),
+        ctx.Process(target=reader, args=(reader_end, to_writer)),
+    ]
     for p in procs:
         p.start()
     try:  # (the reader's end, not only its message: a reader killed by SIGBUS sends none)

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # source checkout without pip install
     sys.path.insert(0, str(ROOT))
 
-from cudarecv.cuda import kernels
+from cudarecv.cuda import kernels  # noqa: E402
 from cudarecv.cuda import tag_kernel as _tag_kernel  # noqa: E402
 from cudarecv.plan.tags import MAX_TAG, int_generator_many, tag_map, tag_sequence  # noqa: E402
 
@@ -119,7 +119,10 @@ def test_tag_sequence_validation() -> None:
         tag_sequence(0, 2.0)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="n must be >= 0"):
         tag_sequence(0, -1)
-    with pytest.raises(ValueError, match=r"init_tag must be >= 0 with pseudo_rand=True: numpy seeds are non-negative"):
+    with pytest.raises(
+        ValueError,
+        match=r"init_tag must be >= 0 with pseudo_rand=True: numpy seeds are non-negative",
+    ):
         tag_sequence(-1, 3, pseudo_rand=True)
     with pytest.raises(ValueError, match="outside int64"):
         tag_sequence(2**63, 1)
@@ -143,8 +146,12 @@ def test_nvrtc_error_carries_log(monkeypatch: pytest.MonkeyPatch) -> None:
         from cupy.cuda import nvrtc  # noqa: F401
     except Exception as exc:
         pytest.skip(f"cupy (with NVRTC) cannot be imported: {exc!r}")
-    monkeypatch.setattr(_tag_kernel, "kernel_source", lambda: 'extern "C" __global__ void f(int *x) { x[0] = 1 }')
-    with pytest.raises(_tag_kernel.KernelCompileError, match=r"(?s)NVRTC failed to compile.*error: expected a"):
+    monkeypatch.setattr(
+        _tag_kernel, "kernel_source", lambda: 'extern "C" __global__ void f(int *x) { x[0] = 1 }'
+    )
+    with pytest.raises(
+        _tag_kernel.KernelCompileError, match=r"(?s)NVRTC failed to compile.*error: expected a"
+    ):
         _tag_kernel.compile_ptx()
 
 

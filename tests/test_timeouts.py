@@ -47,9 +47,13 @@ def mismatched_peers(rank, world, group, case):
         outcome = _attempt(cudarecv.recv, td, 0, bucket_bytes=1 << 20, timeout=1.5)
     else:  # another init_tag
         outcome = _attempt(cudarecv.recv, td, 0, init_tag=5, timeout=1.5)
-    again = _attempt(cudarecv.recv, td, 0, timeout=1.5)  # the same tensordict on that link: refused at once
+    again = _attempt(
+        cudarecv.recv, td, 0, timeout=1.5
+    )  # the same tensordict on that link: refused at once
     other = make("nested", 0.0)
-    cudarecv.recv(other, 0, timeout=20)  # the link itself still works: this takes the stock messages
+    cudarecv.recv(
+        other, 0, timeout=20
+    )  # the link itself still works: this takes the stock messages
     signals.set(f"{case}_done", "1")
     return outcome, again, same(other, make("nested", 3.0))
 
@@ -67,7 +71,9 @@ def test_a_mismatched_peer_times_out_naming_it_and_the_cause(cluster, case):
         assert "fast-wire header" in message and "bucket_bytes on both ends" in message
     else:
         assert "tags 5..9" in message and "init_tag=5" in message
-    assert again[0] == "LinkError" and "rank 0" in again[1] and "new process groups" in again[1], again
+    assert again[0] == "LinkError" and "rank 0" in again[1] and "new process groups" in again[1], (
+        again
+    )
     assert other_ok, "another tensordict on the same link did not get the stock sender's values"
 
 
@@ -80,7 +86,9 @@ def unanswered_send(rank, world, group):
         return outcome
     signals.wait(["unanswered_send"])
     late = make("flat", 0.0)
-    cudarecv.recv(late, 0, bucket_bytes=64, timeout=20)  # the send still in flight lands here, whole
+    cudarecv.recv(
+        late, 0, bucket_bytes=64, timeout=20
+    )  # the send still in flight lands here, whole
     return same(late, make("flat", 4.0))
 
 
@@ -90,7 +98,11 @@ def test_a_send_nobody_receives_times_out(cluster):
     finally:
         cluster().close()
     kind, message, _ = outcome
-    assert kind == "TransferTimeout" and "send of the fast-wire header" in message and "rank 1" in message
+    assert (
+        kind == "TransferTimeout"
+        and "send of the fast-wire header" in message
+        and "rank 1" in message
+    )
     assert took >= 1.0
     assert late_ok
 
@@ -102,9 +114,13 @@ def unwaited_receive(rank, world, group, key):
     if rank == 0:
         signals.wait([key])  # the unwaited receive has ended
         cudarecv.send(make("nested", 2.0), 1, bucket_bytes=1 << 20, init_tag=3, timeout=5)
-        cudarecv.send(make("flat", 5.0), 1, bucket_bytes=1 << 20, init_tag=4, timeout=5, transport="wire")
+        cudarecv.send(
+            make("flat", 5.0), 1, bucket_bytes=1 << 20, init_tag=4, timeout=5, transport="wire"
+        )
         return None
-    [transfer] = cudarecv.irecv(make("flat", 0.0), 0, bucket_bytes=1 << 20, timeout=1.0, return_premature=True)
+    [transfer] = cudarecv.irecv(
+        make("flat", 0.0), 0, bucket_bytes=1 << 20, timeout=1.0, return_premature=True
+    )
     ended = threading.Event()
     transfer.add_done_callback(lambda _: ended.set())
     fired = ended.wait(10)  # never transfer.wait(): its own deadline must end it
@@ -119,7 +135,8 @@ def unwaited_receive(rank, world, group, key):
 def test_an_unwaited_receive_times_out_and_the_link_goes_on(cluster):
     try:
         _, (fired, ((kind, message, _), _), later_ok, wire_ok) = cluster().run(
-            unwaited_receive, args=(unique_key("unwaited"),))
+            unwaited_receive, args=(unique_key("unwaited"),)
+        )
     finally:
         cluster().close()  # the receive that timed out stays posted on this link
     assert fired, "a receive nobody waited for did not end at its own timeout"
@@ -133,7 +150,9 @@ def group_timeout(rank, world, group):
     signals = store()
     signals.set(f"short-timeout-ready/{rank}", "1")
     signals.wait([f"short-timeout-ready/{r}" for r in range(world)])
-    short = dist.ProcessGroupGloo(dist.PrefixStore("short-timeout", signals), rank, world, timedelta(seconds=2))
+    short = dist.ProcessGroupGloo(
+        dist.PrefixStore("short-timeout", signals), rank, world, timedelta(seconds=2)
+    )
     td = TensorDict(a=torch.zeros(3))
     if rank == 0:  # silent until the receiver gave up
         signals.wait(["short-timeout-done"])
@@ -147,7 +166,9 @@ def group_timeout(rank, world, group):
 def test_without_timeout_the_group_timeout_bounds_the_wait(cluster):
     _, (outcome, took) = cluster().run(group_timeout)
     kind, message, _ = outcome
-    assert kind == "TransferTimeout" and "2 s" in message and "closed every link" in message, outcome
+    assert kind == "TransferTimeout" and "2 s" in message and "closed every link" in message, (
+        outcome
+    )
     assert 2.0 <= took < 20  # bounded by the group's 2 s, not the default 30 min
 
 
@@ -169,7 +190,9 @@ def test_a_short_wait_raises_wait_timeout_and_the_transfer_goes_on(cluster):
     _, ((outcome, took), ok) = cluster().run(short_caller_wait)
     kind, message, usable = outcome
     assert kind == "WaitTimeout" and usable and "0.3 s" in message and "goes on" in message, outcome
-    assert "from rank 0" in message and "receive of" in message, outcome  # the peer, and what it waited for
+    assert "from rank 0" in message and "receive of" in message, (
+        outcome
+    )  # the peer, and what it waited for
     assert took >= 0.3 and ok
 
 
@@ -206,31 +229,51 @@ def deadlines_thread_comes_and_goes(rank, world, group, key):
     ended = thread is None or (thread.join(30) or not thread.is_alive())
     late = None
     if rank == 1:
-        [t] = cudarecv.irecv(make("flat", 0.0), **peer, bucket_bytes=1 << 10, init_tag=9, timeout=1.0,
-                             return_premature=True)
+        [t] = cudarecv.irecv(
+            make("flat", 0.0),
+            **peer,
+            bucket_bytes=1 << 10,
+            init_tag=9,
+            timeout=1.0,
+            return_premature=True,
+        )
         restarted = _deadlines_thread()
-        fired = t.ended(drive=False)  # waited on without driving, never with t.wait(): its deadline must end it
+        fired = t.ended(
+            drive=False
+        )  # waited on without driving, never with t.wait(): its deadline must end it
         started = time.monotonic()
         fired.wait()
-        late = (restarted is not None and restarted is not thread, t.failed, time.monotonic() - started,
-                type(t._error).__name__)
+        late = (
+            restarted is not None and restarted is not thread,
+            t.failed,
+            time.monotonic() - started,
+            type(t._error).__name__,
+        )
         del t, fired
         gc.collect()
         again = _deadlines_thread()
         late += (again is None or (again.join(30) or not again.is_alive()),)
     signals.set(f"{key}_done_{rank}", "1")
-    signals.wait([f"{key}_done_{1 - rank}"], timedelta(seconds=60))  # neither drops the group while the other uses it
+    signals.wait(
+        [f"{key}_done_{1 - rank}"], timedelta(seconds=60)
+    )  # neither drops the group while the other uses it
     return ended, same(td, make("nested", 4.0)), late
 
 
 def test_the_deadlines_thread_ends_when_it_watches_nothing_and_starts_again():
     from cudarecv.testing.launch import Cluster
 
-    with Cluster(2, pg_timeout=30.0) as ranks:  # (new ranks: no timed transfer of an earlier test is in flight)
-        results = ranks.run(deadlines_thread_comes_and_goes, args=(unique_key("deadlines"),), timeout=120)
+    with Cluster(
+        2, pg_timeout=30.0
+    ) as ranks:  # (new ranks: no timed transfer of an earlier test is in flight)
+        results = ranks.run(
+            deadlines_thread_comes_and_goes, args=(unique_key("deadlines"),), timeout=120
+        )
     for rank, (ended, ok, _) in enumerate(results):
         assert ok, rank
-        assert ended, f"rank {rank}: cudarecv-deadlines still runs with nothing to watch"  # before: it never ended
+        assert ended, (
+            f"rank {rank}: cudarecv-deadlines still runs with nothing to watch"
+        )  # before: it never ended
     restarted, failed, took, kind, ended_again = results[1][2]
     assert restarted and failed and kind == "TransferTimeout" and took < 30, results[1][2]
     assert ended_again, "cudarecv-deadlines still runs after the timed-out receive ended"
@@ -278,4 +321,7 @@ def test_a_deadline_kept_while_the_thread_decides_to_end_is_kept():
     if thread is not None:
         thread.join(10)
     assert deadlines.thread is None and (thread is None or not thread.is_alive())
-    assert not any(t.name == "cudarecv-deadlines" and t is thread and t.is_alive() for t in threading.enumerate())
+    assert not any(
+        t.name == "cudarecv-deadlines" and t is thread and t.is_alive()
+        for t in threading.enumerate()
+    )

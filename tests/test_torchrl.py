@@ -18,7 +18,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("torchrl", reason="the torchrl extra is not installed (pip install 'cudarecv[torchrl]')")
+pytest.importorskip(
+    "torchrl", reason="the torchrl extra is not installed (pip install 'cudarecv[torchrl]')"
+)
 
 import torch  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
@@ -35,8 +37,14 @@ WORKERS = 2
 
 @contextlib.contextmanager
 def collector(cls, policy, scheme, frames=20):
-    coll = cls([make_env] * WORKERS, policy, frames_per_batch=frames, total_frames=-1, device="cpu",
-               weight_sync_schemes={"policy": scheme})
+    coll = cls(
+        [make_env] * WORKERS,
+        policy,
+        frames_per_batch=frames,
+        total_frames=-1,
+        device="cpu",
+        weight_sync_schemes={"policy": scheme},
+    )
     try:
         yield coll
     finally:
@@ -55,11 +63,20 @@ def update(coll, policy, value, **kwargs):
 
 def test_backend_is_registered_and_arguments_checked():
     scheme = WeightSyncScheme.from_backend(BACKEND, timeout=5.0, sync=False)
-    assert isinstance(scheme, CudarecvWeightSyncScheme) and scheme.timeout == 5.0 and not scheme.sync
-    for kwargs, name in [({"strategy": "state_dict"}, "strategy"), ({"sync": 1}, "sync"), ({"timeout": 0}, "timeout"),
-                         ({"connect_timeout": -1}, "connect_timeout"),
-                         ({"transport": "carrier pigeon"}, "transport"), ({"bucket_bytes": -1}, "bucket_bytes"),
-                         ({"host": ""}, "host"), ({"device": "warp drive"}, "device"), ({"zero_copy": 1}, "zero_copy")]:
+    assert (
+        isinstance(scheme, CudarecvWeightSyncScheme) and scheme.timeout == 5.0 and not scheme.sync
+    )
+    for kwargs, name in [
+        ({"strategy": "state_dict"}, "strategy"),
+        ({"sync": 1}, "sync"),
+        ({"timeout": 0}, "timeout"),
+        ({"connect_timeout": -1}, "connect_timeout"),
+        ({"transport": "carrier pigeon"}, "transport"),
+        ({"bucket_bytes": -1}, "bucket_bytes"),
+        ({"host": ""}, "host"),
+        ({"device": "warp drive"}, "device"),
+        ({"zero_copy": 1}, "zero_copy"),
+    ]:
         with pytest.raises(cudarecv.ArgumentError, match=f"`{name}`"):
             CudarecvWeightSyncScheme(**kwargs)
 
@@ -97,7 +114,11 @@ def test_multisync_workers_act_with_every_version(zero_copy):
             for worker in range(WORKERS):  # dim 0 is the worker
                 assert markers(batch[worker]) == {i / 4}, (i, worker, markers(batch[worker]))
         # explicit weights: sent as they are, the trainer's policy untouched
-        other = TensorDict.from_module(marker_policy(1 << 20)).data.clone().apply(lambda t: t.fill_(9.5))
+        other = (
+            TensorDict.from_module(marker_policy(1 << 20))
+            .data.clone()
+            .apply(lambda t: t.fill_(9.5))
+        )
         coll.update_policy_weights_(other)
         assert markers(next(batches)) == {9.5} and policy.module.bias.item() == 15 / 4
         with pytest.raises(cudarecv.ArgumentError, match="worker_ids"):
@@ -106,15 +127,21 @@ def test_multisync_workers_act_with_every_version(zero_copy):
             coll.update_policy_weights_(TensorDict({"bias": torch.zeros(1)}, []))
         update(coll, policy, 20.0)  # the refused calls sent nothing: the link is in step
         assert markers(next(batches)) == {20.0}
-        set_marker(policy, 33.0)  # changed, not sent: workers act with what was sent (no alias of the trainer's)
+        set_marker(
+            policy, 33.0
+        )  # changed, not sent: workers act with what was sent (no alias of the trainer's)
         assert markers(next(batches)) | markers(next(batches)) == {20.0}
 
 
 @pytest.mark.parametrize("zero_copy", [False, True], ids=["copy", "zero_copy"])
 def test_multiasync_actions_never_see_half_a_version(zero_copy):
-    policy = marker_policy(4 << 20)  # 4 MB: a switch that copied in place would be caught in the middle
+    policy = marker_policy(
+        4 << 20
+    )  # 4 MB: a switch that copied in place would be caught in the middle
     sent = [0.0]
-    with collector(MultiAsyncCollector, policy, CudarecvWeightSyncScheme(timeout=30.0, zero_copy=zero_copy)) as coll:
+    with collector(
+        MultiAsyncCollector, policy, CudarecvWeightSyncScheme(timeout=30.0, zero_copy=zero_copy)
+    ) as coll:
         batches = iter(coll)
         next(batches)
         for i in range(1, 21):
@@ -123,15 +150,21 @@ def test_multiasync_actions_never_see_half_a_version(zero_copy):
             seen = set()
             for _ in range(WORKERS + 1):  # batches collected before the update may still be queued
                 seen |= markers(next(batches))
-                assert seen <= set(sent), f"actions computed with no version that was sent: {seen - set(sent)}"
+                assert seen <= set(sent), (
+                    f"actions computed with no version that was sent: {seen - set(sent)}"
+                )
                 if float(i) in seen:
                     break
-            assert float(i) in seen, f"version {i} not acted with in {WORKERS + 1} batches after the update"
+            assert float(i) in seen, (
+                f"version {i} not acted with in {WORKERS + 1} batches after the update"
+            )
 
 
 def test_latest_mode_never_waits_and_workers_catch_up():
     policy = marker_policy(1 << 20)
-    with collector(MultiSyncCollector, policy, CudarecvWeightSyncScheme(sync=False, timeout=30.0)) as coll:
+    with collector(
+        MultiSyncCollector, policy, CudarecvWeightSyncScheme(sync=False, timeout=30.0)
+    ) as coll:
         batches = iter(coll)
         next(batches)
         for i in range(1, 6):
@@ -157,14 +190,23 @@ def test_dead_worker_is_named_within_the_timeout():
         start = time.monotonic()
         with pytest.raises(cudarecv.Error, match=r"worker") as info:
             update(coll, policy, 2.0)
-        assert time.monotonic() - start < timeout + 5, "the dead worker was not reported within the timeout"
-        assert isinstance(info.value, (cudarecv.PeerError, cudarecv.TransferTimeout, cudarecv.ReceiverFailed))
+        assert time.monotonic() - start < timeout + 5, (
+            "the dead worker was not reported within the timeout"
+        )
+        assert isinstance(
+            info.value, (cudarecv.PeerError, cudarecv.TransferTimeout, cudarecv.ReceiverFailed)
+        )
 
 
 def test_readme_example_runs():
     root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, "examples/torchrl_collector.py"], cwd=root, capture_output=True, text=True,
-                          timeout=180)
+    proc = subprocess.run(
+        [sys.executable, "examples/torchrl_collector.py"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stderr
     for k in range(5):
         assert f"batch {k} collected with weights [{float(k)}]" in proc.stdout, proc.stdout
@@ -176,9 +218,17 @@ def test_distributed_collector_syncs_through_cudarecv():
     from cudarecv.testing.rl import free_ports
 
     policy = marker_policy(1 << 20)
-    coll = DistributedCollector([make_env] * WORKERS, policy, frames_per_batch=20, total_frames=10**12, launcher="mp",
-                                backend="gloo", sync=True, tcp_port=free_ports(3),
-                                weight_sync_schemes={"policy": CudarecvWeightSyncScheme(timeout=30.0)})
+    coll = DistributedCollector(
+        [make_env] * WORKERS,
+        policy,
+        frames_per_batch=20,
+        total_frames=10**12,
+        launcher="mp",
+        backend="gloo",
+        sync=True,
+        tcp_port=free_ports(3),
+        weight_sync_schemes={"policy": CudarecvWeightSyncScheme(timeout=30.0)},
+    )
     try:
         batches = iter(coll)
         assert markers(next(batches)) == {0.0}
@@ -192,7 +242,9 @@ def test_distributed_collector_syncs_through_cudarecv():
 def test_latest_mode_names_a_dead_worker_once_and_goes_on():
     policy = marker_policy(1 << 16)
     timeout = 10.0
-    with collector(MultiSyncCollector, policy, CudarecvWeightSyncScheme(sync=False, timeout=timeout)) as coll:
+    with collector(
+        MultiSyncCollector, policy, CudarecvWeightSyncScheme(sync=False, timeout=timeout)
+    ) as coll:
         next(iter(coll))
         scheme = coll._weight_sync_schemes["policy"]
         coll.procs[1].kill()
@@ -204,7 +256,9 @@ def test_latest_mode_names_a_dead_worker_once_and_goes_on():
             except cudarecv.PeerError as error:
                 raised = error
             time.sleep(0.05)
-        assert raised is not None and "worker" in str(raised), "the dead worker was not named within the timeout"
+        assert raised is not None and "worker" in str(raised), (
+            "the dead worker was not named within the timeout"
+        )
         update(coll, policy, 2.0)  # named once; the live worker keeps getting versions
         assert scheme.version >= 2 and len(scheme._trainer.sender.ranks) == 1
 
@@ -220,7 +274,9 @@ def test_a_shut_down_scheme_leaves_no_thread_and_is_collectable():
         num_workers = 1
 
     policy = marker_policy(1 << 10)
-    before = set(threading.enumerate())  # (earlier tests' collectors, never shut down, keep their schemes' threads)
+    before = set(
+        threading.enumerate()
+    )  # (earlier tests' collectors, never shut down, keep their schemes' threads)
     trainer = CudarecvWeightSyncScheme(timeout=10.0, connect_timeout=30.0)
     trainer.init_on_sender(model_id="policy", context=Context(), model=policy, weights=policy)
     worker = pickle.loads(pickle.dumps(trainer))
@@ -233,12 +289,19 @@ def test_a_shut_down_scheme_leaves_no_thread_and_is_collectable():
     set_marker(policy, 1.0)
     trainer.send(weights=policy)  # returns once the worker acts with it
     assert trainer.version == worker.version == 2
-    refs = [weakref.ref(worker), weakref.ref(trainer), weakref.ref(worker._worker.receiver), weakref.ref(worker._group)]
+    refs = [
+        weakref.ref(worker),
+        weakref.ref(trainer),
+        weakref.ref(worker._worker.receiver),
+        weakref.ref(worker._group),
+    ]
     worker.shutdown()
     trainer.shutdown()
     del worker, trainer
     gc.collect()
-    started = set(threading.enumerate()) - before  # (but the process-wide one that keeps transfers' deadlines)
+    started = (
+        set(threading.enumerate()) - before
+    )  # (but the process-wide one that keeps transfers' deadlines)
     assert [t.name for t in started if t.name != "cudarecv-deadlines"] == []
     assert [ref() for ref in refs] == [None] * len(refs)
 
@@ -248,9 +311,13 @@ def test_weights_the_policy_replaced_are_the_ones_sent():
     with collector(MultiSyncCollector, policy, CudarecvWeightSyncScheme(timeout=30.0)) as coll:
         batches = iter(coll)
         assert markers(next(batches)) == {0.0}
-        policy.load_state_dict({k: torch.full_like(v, 2.0) for k, v in policy.state_dict().items()}, assign=True)
+        policy.load_state_dict(
+            {k: torch.full_like(v, 2.0) for k, v in policy.state_dict().items()}, assign=True
+        )
         coll.update_policy_weights_()
-        assert markers(next(batches)) == {2.0}, "the weights load_state_dict(assign=True) replaced were sent"
+        assert markers(next(batches)) == {2.0}, (
+            "the weights load_state_dict(assign=True) replaced were sent"
+        )
         with torch.no_grad():
             for p in policy.parameters():
                 p.data = torch.full_like(p, 3.0)
@@ -292,7 +359,9 @@ def exit_child(sync: bool, role: str, port: int) -> tuple:
         scheme.init_on_receiver(model_id="policy", model=policy, worker_idx=0)
         scheme.connect(worker_idx=0)
     store.set(role, "1")
-    store.wait(["trainer", "worker"])  # (sync: the worker's thread switched to version 2 before the send returned)
+    store.wait(
+        ["trainer", "worker"]
+    )  # (sync: the worker's thread switched to version 2 before the send returned)
     print("RESULT", role, scheme.version, flush=True)
     return scheme, policy, store
 
@@ -303,13 +372,25 @@ def _exit_run(sync: bool) -> list[tuple[int, str]]:
 
     import torch.distributed as dist
 
-    store = dist.TCPStore("127.0.0.1", 0, 3, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    store = dist.TCPStore(
+        "127.0.0.1", 0, 3, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+    )
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
     here = str(Path(__file__).resolve().parent)
-    procs = [subprocess.Popen([sys.executable, "-c", EXIT_CHILD.format(here=here, sync=sync, role=role,
-                                                                         port=store.port)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for role in ("trainer", "worker")]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                EXIT_CHILD.format(here=here, sync=sync, role=role, port=store.port),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for role in ("trainer", "worker")
+    ]
     ended = []
     for proc in procs:
         try:
@@ -327,6 +408,9 @@ def test_schemes_never_shut_down_exit_cleanly(sync):
     with 0 (not SIGABRT: the worker's thread inside gloo at interpreter shutdown, nor a hang)."""
     for run in range(EXIT_RUNS):
         ended = _exit_run(sync)
-        assert [rc for rc, _ in ended] == [0, 0], (run, ended)  # SIGABRT is -6, a hang is killed (-9)
+        assert [rc for rc, _ in ended] == [0, 0], (
+            run,
+            ended,
+        )  # SIGABRT is -6, a hang is killed (-9)
         assert "RESULT trainer 2" in ended[0][1], (run, ended)
         assert not sync or "RESULT worker 2" in ended[1][1], (run, ended)

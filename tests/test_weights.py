@@ -6,6 +6,7 @@ Every case runs on real spawned ranks over gloo. Rank 0 is the trainer
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -29,8 +30,14 @@ def fan_out(rank, world, group, steps, standalone, fanout):
     model = policy()
     if rank == 0:
         peers = {"group": group, "group_dst": [1, 2, 3]} if standalone else {"dst": [1, 2, 3]}
-        with cudarecv.WeightSender(TensorDict.from_module(model), **peers, bucket_bytes=256, timeout=20,
-                                   fanout=fanout, verify=fanout == "relay") as sender:
+        with cudarecv.WeightSender(
+            TensorDict.from_module(model),
+            **peers,
+            bucket_bytes=256,
+            timeout=20,
+            fanout=fanout,
+            verify=fanout == "relay",
+        ) as sender:
             for version in range(1, steps + 1):
                 set_version(model, version)
                 if version % 2:
@@ -76,13 +83,17 @@ def push_values(rank, world, group, transport):
     model = policy()
     set_version(model, 1)
     if rank == 0:
-        with cudarecv.WeightSender(TensorDict.from_module(model), dst=1, timeout=20, transport=transport) as sender:
+        with cudarecv.WeightSender(
+            TensorDict.from_module(model), dst=1, timeout=20, transport=transport
+        ) as sender:
             other = policy()
             set_version(other, 7)
             version = sender.push(values=TensorDict.from_module(other))
             refused = []
-            for bad in (TensorDict({"0": {"weight": torch.zeros(3)}}, []),  # another schema
-                        TensorDict.from_module(other).data.to(torch.float64)):  # another dtype
+            for bad in (
+                TensorDict({"0": {"weight": torch.zeros(3)}}, []),  # another schema
+                TensorDict.from_module(other).data.to(torch.float64),
+            ):  # another dtype
                 with pytest.raises(cudarecv.ArgumentError, match="`values`") as info:
                     sender.push(values=bad)
                 refused.append(str(info.value))
@@ -107,10 +118,8 @@ def _memfds() -> int:
     """cudarecv's shared segments this process still has a descriptor of."""
     names = []
     for fd in os.listdir("/proc/self/fd"):
-        try:
+        with contextlib.suppress(OSError):  # (the listing's own descriptor, closed by now)
             names.append(os.readlink(f"/proc/self/fd/{fd}"))
-        except OSError:  # (the listing's own descriptor, closed by now)
-            pass
     return sum(name.startswith("/memfd:cudarecv") for name in names)
 
 
@@ -132,22 +141,39 @@ def schema_mismatch(rank, world, group):
 
 def test_schema_mismatch_at_handshake_names_first_key(cluster):
     (sender_error, sender_fds), (receiver_error, receiver_fds) = cluster().run(schema_mismatch)
-    assert receiver_error and "'0.bias'" in receiver_error and "[16]" in receiver_error and "[32]" in receiver_error
-    assert sender_error and "receiver rank 1 rejected" in sender_error and "'0.bias'" in receiver_error
-    assert (sender_fds, receiver_fds) == (0, 0), "refused handshakes left shared segments' descriptors open"
+    assert (
+        receiver_error
+        and "'0.bias'" in receiver_error
+        and "[16]" in receiver_error
+        and "[32]" in receiver_error
+    )
+    assert (
+        sender_error and "receiver rank 1 rejected" in sender_error and "'0.bias'" in receiver_error
+    )
+    assert (sender_fds, receiver_fds) == (0, 0), (
+        "refused handshakes left shared segments' descriptors open"
+    )
 
 
 def bad_headers(rank, world, group, transport):
     """A wrong fingerprint, then a corrupted payload: each rejected and drained, then a good push."""
     model = policy()
     if rank == 0:
-        sender = cudarecv.WeightSender(TensorDict.from_module(model), dst=1, bucket_bytes=128, timeout=20,
-                                       verify=True, transport=transport)
+        sender = cudarecv.WeightSender(
+            TensorDict.from_module(model),
+            dst=1,
+            bucket_bytes=128,
+            timeout=20,
+            verify=True,
+            transport=transport,
+        )
         assert sender.transports == {1: "shared memory" if transport == "auto" else "wire"}
         set_version(model, 1)
         sender.push()
         snapshot = sender._pool.snapshots[0]
-        snapshot.header = PushHeader(2, sender.schema.total, sender.bucket_bytes, bytes(16))  # a wrong fingerprint
+        snapshot.header = PushHeader(
+            2, sender.schema.total, sender.bucket_bytes, bytes(16)
+        )  # a wrong fingerprint
         told = []  # through shared memory the receiver tells the sender it rejected a version (the wire: not)
         try:
             Transfer(fanout.send(sender._s, sender._s.members[0], snapshot, 20)).wait(20)
@@ -172,7 +198,9 @@ def bad_headers(rank, world, group, transport):
             receiver.pull()
             out.append("accepted")
         except expected as error:
-            out.append((type(error).__name__, str(error), receiver.version, holds_version(receiver.td, 1)))
+            out.append(
+                (type(error).__name__, str(error), receiver.version, holds_version(receiver.td, 1))
+            )
     out.append((receiver.pull(), holds_version(receiver.td, 4)))
     return out
 
@@ -184,7 +212,11 @@ def test_bad_header_and_corruption_are_rejected_and_next_pull_works(cluster, tra
     assert told == (["ChecksumError", "ChecksumError"] if transport == "auto" else []), told
     assert out[0] == 1
     fingerprint, corrupted, last = out[1:]
-    assert fingerprint[0] == "PushHeaderError" and "fingerprint" in fingerprint[1] and "drained" in fingerprint[1]
+    assert (
+        fingerprint[0] == "PushHeaderError"
+        and "fingerprint" in fingerprint[1]
+        and "drained" in fingerprint[1]
+    )
     assert corrupted[0] == "ChecksumError" and "corrupted" in corrupted[1]
     for _, _, version, intact in (fingerprint, corrupted):
         assert version == 1 and intact, "the last good version was not kept intact"
@@ -197,7 +229,9 @@ def dying_sender(rank, world, group, timeout, transport):
     its header alone, so a death after it delivers the version)."""
     weights = TensorDict(w=torch.zeros(32 << 20), b=torch.zeros(1000))  # 128 MB
     if rank == 0:
-        sender = cudarecv.WeightSender(weights, dst=1, bucket_bytes=1 << 20, timeout=20, transport=transport)
+        sender = cudarecv.WeightSender(
+            weights, dst=1, bucket_bytes=1 << 20, timeout=20, transport=transport
+        )
         weights.apply_(lambda t: t.fill_(1.0))
         sender.push()
         weights.apply_(lambda t: t.fill_(2.0))
@@ -208,7 +242,9 @@ def dying_sender(rank, world, group, timeout, transport):
                 works = post(lane, sending, tensors, tags)
                 posted.extend(t for t in tensors if sending and t.numel() == 1 << 20)
                 if len(posted) >= 8:
-                    os.kill(os.getpid(), signal.SIGKILL)  # the trainer is killed with 8 of the push's 128 chunks posted
+                    os.kill(
+                        os.getpid(), signal.SIGKILL
+                    )  # the trainer is killed with 8 of the push's 128 chunks posted
                 return works
 
             staging.Lane.post = post_then_die
@@ -217,7 +253,9 @@ def dying_sender(rank, world, group, timeout, transport):
 
             def copy_then_die(dst, src):
                 copy(dst, src)
-                os.kill(os.getpid(), signal.SIGKILL)  # the trainer is killed with one leaf of the snapshot written
+                os.kill(
+                    os.getpid(), signal.SIGKILL
+                )  # the trainer is killed with one leaf of the snapshot written
 
             snapshots.copy_bytes = copy_then_die
         sender.push()
@@ -243,12 +281,15 @@ def dying_sender(rank, world, group, timeout, transport):
 @pytest.mark.parametrize("transport", ["wire", "auto"])
 def test_sender_killed_mid_push(cluster, transport):
     # (the receiver's timeout bounds the runs where gloo never fails its posted receives, about 1 in 5 on the wire)
-    exit_code, (outcome, took, version, intact, again, route) = cluster().run(dying_sender, args=(15.0, transport),
-                                                                             may_die={0})
+    exit_code, (outcome, took, version, intact, again, route) = cluster().run(
+        dying_sender, args=(15.0, transport), may_die={0}
+    )
     assert isinstance(exit_code, RankExit) and exit_code == -signal.SIGKILL
     assert route == ("wire" if transport == "wire" else "shared memory")
     assert outcome.startswith(("TransferTimeout", "PeerError")) and "rank 0" in outcome, outcome
-    assert took < 15.0 + 10.0  # the receiver's timeout (room for its handshake on a loaded machine), and some
+    assert (
+        took < 15.0 + 10.0
+    )  # the receiver's timeout (room for its handshake on a loaded machine), and some
     assert version == 1 and intact, "the last good version was damaged"
     assert "broken" in again and "connect a new one" in again
 
@@ -259,9 +300,13 @@ def silent_sender(rank, world, group, key):
         sender = cudarecv.WeightSender(TensorDict.from_module(model), dst=1, timeout=20)
         set_version(model, 1)
         sender.push()
-        store().wait([f"{key}_timed_out"])  # says nothing while the receiver waits (and is kept open)
+        store().wait(
+            [f"{key}_timed_out"]
+        )  # says nothing while the receiver waits (and is kept open)
         return None
-    receiver = cudarecv.WeightReceiver(src=0, timeout=20)  # a loaded machine may take a while to shake hands
+    receiver = cudarecv.WeightReceiver(
+        src=0, timeout=20
+    )  # a loaded machine may take a while to shake hands
     receiver.pull()
     start = time.monotonic()
     try:
@@ -274,7 +319,9 @@ def silent_sender(rank, world, group, key):
 
 
 def test_silent_sender_times_out(cluster):
-    message, took, version, intact = cluster().run(silent_sender, args=(unique_key("silent"),), timeout=60)[1]
+    message, took, version, intact = cluster().run(
+        silent_sender, args=(unique_key("silent"),), timeout=60
+    )[1]
     cluster().close()  # gloo cannot cancel the abandoned receive: the next test needs new groups
     assert "rank 0" in message and "1 s" in message
     assert 0.9 < took < 1.0 + 10.0  # the pull's 1 s, with room for a loaded machine
@@ -300,8 +347,9 @@ def silent_handshake(rank, world, group, key, seconds):
 
 def test_a_silent_handshake_fails_within_the_receivers_timeout(cluster):
     seconds = 0.2
-    (kind, message), took = cluster().run(silent_handshake, args=(unique_key("silent_handshake"), seconds),
-                                          timeout=60)[1]
+    (kind, message), took = cluster().run(
+        silent_handshake, args=(unique_key("silent_handshake"), seconds), timeout=60
+    )[1]
     cluster().close()  # gloo cannot cancel the abandoned receive: the next test needs new groups
     assert kind == "TransferTimeout" and "rank 0" in message and "handshake" in message, message
     # its own time, never a wait for the thread still in gloo after it (that was 1 s more)
@@ -338,7 +386,11 @@ def latest_held_snapshot(rank, world, group, key):
 
 def test_latest_mode_names_the_zero_copy_holder_a_push_waits_for(cluster):
     message = cluster().run(latest_held_snapshot, args=(unique_key("latest_held"),), timeout=60)[0]
-    assert "held by zero-copy receivers" in message and "(1, 1)" in message and "0 being sent" in message, message
+    assert (
+        "held by zero-copy receivers" in message
+        and "(1, 1)" in message
+        and "0 being sent" in message
+    ), message
 
 
 def close_under_a_waiting_push(rank, world, group, key):
@@ -375,8 +427,9 @@ def close_under_a_waiting_push(rank, world, group, key):
 
 
 def test_closing_the_sender_ends_a_push_waiting_for_a_snapshot(cluster):
-    [(kind, message, took)] = cluster().run(close_under_a_waiting_push, args=(unique_key("close_waiting"),),
-                                            timeout=60)[0]
+    [(kind, message, took)] = cluster().run(
+        close_under_a_waiting_push, args=(unique_key("close_waiting"),), timeout=60
+    )[0]
     assert kind == "UsageError" and "closed" in message, message
     assert took < 10, f"the push waited its whole timeout ({took:.1f} s) after close()"
 
@@ -390,7 +443,9 @@ def soak(rank, world, group, pulls, warmup):
     model = policy(hidden=256)  # parameters that require grad, as a trainer's do
     assert all(p.requires_grad for p in model.parameters())
     if rank == 0:
-        sender = cudarecv.WeightSender(TensorDict.from_module(model), dst=1, bucket_bytes=8192, timeout=30)
+        sender = cudarecv.WeightSender(
+            TensorDict.from_module(model), dst=1, bucket_bytes=8192, timeout=30
+        )
         for _ in range(warmup):
             sender.push()
         rss = _rss_bytes()
@@ -405,16 +460,25 @@ def soak(rank, world, group, pulls, warmup):
     native_threads = len(os.listdir("/proc/self/task"))
     for _ in range(pulls):
         receiver.pull()
-    return (_rss_bytes() - rss, threading.active_count() - threads,
-            len(os.listdir("/proc/self/task")) - native_threads, receiver.version)
+    return (
+        _rss_bytes() - rss,
+        threading.active_count() - threads,
+        len(os.listdir("/proc/self/task")) - native_threads,
+        receiver.version,
+    )
 
 
 def test_soak_1000_pulls_memory_flat(cluster):
     (sender_grown, graph_nodes, storage_grad), (grown, threads, native, version) = cluster().run(
-        soak, args=(1000, 100), timeout=240)
+        soak, args=(1000, 100), timeout=240
+    )
     assert version == 1100
-    assert graph_nodes == 0 and not storage_grad, f"{graph_nodes} autograd nodes hang off the sender's storage"
-    assert sender_grown < 4 << 20, f"the sender's resident memory grew by {sender_grown / 2**20:.1f} MiB"
+    assert graph_nodes == 0 and not storage_grad, (
+        f"{graph_nodes} autograd nodes hang off the sender's storage"
+    )
+    assert sender_grown < 4 << 20, (
+        f"the sender's resident memory grew by {sender_grown / 2**20:.1f} MiB"
+    )
     assert grown < 4 << 20, f"resident memory grew by {grown / 2**20:.1f} MiB over 1000 pulls"
     assert threads == 0 and native == 0
 
@@ -474,8 +538,11 @@ def test_schema_json_roundtrip_and_tampering():
     schema = Schema.of(paths, tensors)
     raw = schema.to_json()
     assert Schema.from_json(raw) == schema
-    for tampered in (raw.replace(b'"float32"', b'"float64"', 1), raw.replace(b'"offset":0', b'"offset":8', 1),
-                     b"\x80\x04not json", b'{"format":"cudarecv-weights","version":1}'):
+    for tampered in (
+        raw.replace(b'"float32"', b'"float64"', 1),
+        raw.replace(b'"offset":0', b'"offset":8', 1),
+        b"\x80\x04not json",
+        b'{"format":"cudarecv-weights","version":1}',
+    ):
         with pytest.raises(SchemaError):
             Schema.from_json(tampered)
-

@@ -55,7 +55,9 @@ def child(mode: str, rank: int, port: int, thread: bool) -> None:
     for name in ("cudarecv", "actor"):
         logging.getLogger(name).addHandler(_SlowHandler())
     store = dist.TCPStore("127.0.0.1", port, 3, is_master=False, timeout=timedelta(seconds=30))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=20))
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=20)
+    )
     model = policy()
     if rank == 0:
         sender = cudarecv.WeightSender(TensorDict.from_module(model), dst=1, mode=mode, timeout=20)
@@ -67,7 +69,9 @@ def child(mode: str, rank: int, port: int, thread: bool) -> None:
         print("RESULT", holds_version(receiver.td, 1), flush=True)
         if thread:
             cudarecv.start_thread(_take_versions, "actor-weights", (receiver,))
-    store.set(f"{mode}-{rank}", "1")  # a latest-mode push returns before the pull: the sender waits for it
+    store.set(
+        f"{mode}-{rank}", "1"
+    )  # a latest-mode push returns before the pull: the sender waits for it
     store.wait([f"{mode}-0", f"{mode}-1"])
 
 
@@ -81,12 +85,24 @@ def _take_versions(receiver: cudarecv.WeightReceiver) -> None:
 
 
 def _run(mode: str, thread: bool = False) -> list[tuple[int, str]]:
-    store = dist.TCPStore("127.0.0.1", 0, 3, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    store = dist.TCPStore(
+        "127.0.0.1", 0, 3, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+    )
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
-    procs = [subprocess.Popen([sys.executable, "-c", CHILD.format(here=str(HERE), mode=mode, rank=rank,
-                                                                    thread=thread, port=store.port)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank in range(2)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                CHILD.format(here=str(HERE), mode=mode, rank=rank, thread=thread, port=store.port),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(2)
+    ]
     ended = []
     for proc in procs:
         try:

@@ -49,16 +49,21 @@ def dead_receiver(rank, world, group, key):
     model = policy(hidden=512)  # ~20 kB per version
     if rank == 0:
         failures = []
-        with cudarecv.WeightSender(TensorDict.from_module(model), dst=[1, 2, 3], bucket_bytes=4096,
-                                   timeout=20) as sender:
+        with cudarecv.WeightSender(
+            TensorDict.from_module(model), dst=[1, 2, 3], bucket_bytes=4096, timeout=20
+        ) as sender:
             for version in range(1, STEPS + 1):
                 set_version(model, version)
-                if version == 3:  # version 2 may fit in the link's buffers before rank 2 is gone; 3 may not
+                if (
+                    version == 3
+                ):  # version 2 may fit in the link's buffers before rank 2 is gone; 3 may not
                     wait_gone(int(store().get(f"{key}_pid")))
                 try:
                     if version % 2:
                         assert sender.push() == version
-                        if version == 1:  # rank 2 dies only now: a push's sends may end after a receiver has it
+                        if (
+                            version == 1
+                        ):  # rank 2 dies only now: a push's sends may end after a receiver has it
                             store().set(f"{key}_pushed", "1")
                     else:
                         for future in sender.push(wait=False):
@@ -77,14 +82,20 @@ def dead_receiver(rank, world, group, key):
 
 
 def test_dead_receiver_is_dropped_and_the_others_get_every_version(four):
-    (failures, ranks), seen1, died, seen3 = four().run(dead_receiver, args=(unique_key("dead"),), may_die={2},
-                                                       timeout=120)
+    (failures, ranks), seen1, died, seen3 = four().run(
+        dead_receiver, args=(unique_key("dead"),), may_die={2}, timeout=120
+    )
     assert isinstance(died, RankExit) and died == -signal.SIGKILL
     assert len(failures) == 1, failures
     version, kind, message = failures[0]
     assert version in (2, 3) and kind in ("PeerError", "TransferTimeout"), failures
     assert "rank 2" in message and "dropped" in message, message
-    raw = ("pair.cc", "GLHF", "Connection closed by peer", "gloo/transport")  # gloo's text: a cause, never ours
+    raw = (
+        "pair.cc",
+        "GLHF",
+        "Connection closed by peer",
+        "gloo/transport",
+    )  # gloo's text: a cause, never ours
     assert not any(text in message for text in raw), message
     assert not any(text in why for why in ranks[1].values() for text in raw), ranks[1]
     _only_rank_2_was_dropped(*ranks)
@@ -102,12 +113,16 @@ def died_between_pushes(rank, world, group, key, mode, wait):
         outcomes = []
         logged = _Records()
         logging.getLogger("cudarecv").addHandler(logged)
-        with cudarecv.WeightSender(TensorDict.from_module(model), dst=[1, 2, 3], mode=mode, timeout=10) as sender:
+        with cudarecv.WeightSender(
+            TensorDict.from_module(model), dst=[1, 2, 3], mode=mode, timeout=10
+        ) as sender:
             set_version(model, 1)
             sender.push()
             signals.set(f"{key}_pushed", "1")
             deadline = time.monotonic() + 60  # (a bound, not an expectation: it is heard at once)
-            while 2 in sender.ranks and time.monotonic() < deadline:  # dropped by its listener, between pushes
+            while (
+                2 in sender.ranks and time.monotonic() < deadline
+            ):  # dropped by its listener, between pushes
                 time.sleep(0.01)
             assert 2 not in sender.ranks, "the sender never heard that rank 2 died"
             for version in (2, 3):
@@ -121,9 +136,13 @@ def died_between_pushes(rank, world, group, key, mode, wait):
                     outcomes.append("ok")
                 except cudarecv.Error as error:
                     outcomes.append((type(error).__name__, str(error)))
-            signals.wait([f"{key}_got_1", f"{key}_got_3"])  # (latest: not closed before they pulled version 3)
+            signals.wait(
+                [f"{key}_got_1", f"{key}_got_3"]
+            )  # (latest: not closed before they pulled version 3)
         logging.getLogger("cudarecv").removeHandler(logged)
-        return outcomes, [(r.levelname, r.getMessage()) for r in logged.records if "dropped" in r.getMessage()]
+        return outcomes, [
+            (r.levelname, r.getMessage()) for r in logged.records if "dropped" in r.getMessage()
+        ]
     # (the others wait for version 2 while the sender waits to hear rank 2 die: a loaded machine may take long)
     with cudarecv.WeightReceiver(src=0, expect=model, timeout=10 if rank == 2 else 120) as receiver:
         receiver.pull()
@@ -139,13 +158,26 @@ def died_between_pushes(rank, world, group, key, mode, wait):
 @pytest.mark.parametrize("mode, wait", [("sync", True), ("sync", False), ("latest", True)])
 def test_a_receiver_that_dies_between_pushes_is_named_by_the_next_push(four, mode, wait):
     (outcomes, logged), got1, died, got3 = four().run(
-        died_between_pushes, args=(unique_key(f"between_{mode}_{wait}"), mode, wait), may_die={2}, timeout=120)
+        died_between_pushes,
+        args=(unique_key(f"between_{mode}_{wait}"), mode, wait),
+        may_die={2},
+        timeout=120,
+    )
     assert isinstance(died, RankExit) and got1 and got3
-    assert len(outcomes) == 2 and outcomes[0] != "ok", f"the push after rank 2 died named nobody: {outcomes}"
+    assert len(outcomes) == 2 and outcomes[0] != "ok", (
+        f"the push after rank 2 died named nobody: {outcomes}"
+    )
     assert outcomes[1] == "ok", outcomes  # named once
     kind, message = outcomes[0]
-    assert kind == "PeerError" and "rank 2" in message and "dropped" in message and "version 2" in message, message
-    assert [level for level, _ in logged] == ["WARNING"] and "rank 2" in logged[0][1], logged  # with its reason
+    assert (
+        kind == "PeerError"
+        and "rank 2" in message
+        and "dropped" in message
+        and "version 2" in message
+    ), message
+    assert [level for level, _ in logged] == ["WARNING"] and "rank 2" in logged[0][1], (
+        logged
+    )  # with its reason
 
 
 class _Records(logging.Handler):
@@ -165,14 +197,18 @@ def slow_receiver(rank, world, group):
     signals = store()
     if rank == 0:
         failures = []
-        with cudarecv.WeightSender(TensorDict.from_module(model), dst=[1, 2, 3], timeout=5.0) as sender:
+        with cudarecv.WeightSender(
+            TensorDict.from_module(model), dst=[1, 2, 3], timeout=5.0
+        ) as sender:
             for version in range(1, STEPS + 1):
                 set_version(model, version)
                 started = time.monotonic()
                 try:
                     sender.push()
                 except (TimeoutError, RuntimeError) as error:
-                    failures.append((version, type(error).__name__, str(error), time.monotonic() - started))
+                    failures.append(
+                        (version, type(error).__name__, str(error), time.monotonic() - started)
+                    )
                     signals.set("slow_receiver_dropped", "1")
             return failures, (sender.ranks, sender.dropped)
     receiver = cudarecv.WeightReceiver(src=0, expect=model, timeout=5 if rank == 2 else 20)
@@ -196,15 +232,23 @@ def test_slow_receiver_is_dropped_after_its_timeout_and_the_others_go_on(four):
         four().close()  # the dropped receiver's link was closed by gloo: the next test needs new groups
     assert len(failures) == 1, failures
     version, kind, message, took = failures[0]
-    assert version == 2 and kind == "TransferTimeout" and "rank 2" in message and "dropped" in message, failures
+    assert (
+        version == 2 and kind == "TransferTimeout" and "rank 2" in message and "dropped" in message
+    ), failures
     assert took >= 5.0
     _only_rank_2_was_dropped(*ranks)
     for seen in (seen1, seen3):
         assert [v for v, _ in seen] == list(range(1, STEPS + 1)), seen
         assert all(ok for _, ok in seen)
     outcome, got = slow
-    assert outcome in ("WaitTimeout", "TransferTimeout", "PeerError")  # nothing more comes: it waits, bounded
-    assert [v for v, _ in got] in ([], [2]) and all(ok for _, ok in got), f"the dropped receiver got {got}"
+    assert outcome in (
+        "WaitTimeout",
+        "TransferTimeout",
+        "PeerError",
+    )  # nothing more comes: it waits, bounded
+    assert [v for v, _ in got] in ([], [2]) and all(ok for _, ok in got), (
+        f"the dropped receiver got {got}"
+    )
 
 
 def stopped_receiver(rank, world, group, transport, key):
@@ -215,8 +259,13 @@ def stopped_receiver(rank, world, group, transport, key):
     signals = store()
     if rank == 0:
         failures = []
-        with cudarecv.WeightSender(TensorDict.from_module(model), dst=[1, 2, 3], bucket_bytes=4096, timeout=5.0,
-                                   transport=transport) as sender:
+        with cudarecv.WeightSender(
+            TensorDict.from_module(model),
+            dst=[1, 2, 3],
+            bucket_bytes=4096,
+            timeout=5.0,
+            transport=transport,
+        ) as sender:
             for version in range(1, STEPS + 1):
                 set_version(model, version)
                 if version == 2:
@@ -226,12 +275,16 @@ def stopped_receiver(rank, world, group, transport, key):
                 try:
                     sender.push()
                 except (TimeoutError, RuntimeError) as error:
-                    failures.append((version, type(error).__name__, str(error), time.monotonic() - started))
+                    failures.append(
+                        (version, type(error).__name__, str(error), time.monotonic() - started)
+                    )
             os.kill(pid, signal.SIGCONT)
             return failures, (sender.ranks, sender.dropped)
     # ranks 1 and 3 outwait the sender's 5 s on rank 2; rank 2's close waits its whole timeout for an answer to its
     # BYE that a sender which dropped it never gives (bounded, documented): 8 s, not 20
-    with cudarecv.WeightReceiver(src=0, expect=model, timeout=20 if rank != 2 else 8, transport=transport) as receiver:
+    with cudarecv.WeightReceiver(
+        src=0, expect=model, timeout=20 if rank != 2 else 8, transport=transport
+    ) as receiver:
         if rank != 2:
             return _pull_all(receiver, STEPS)
         receiver.pull()
@@ -241,7 +294,9 @@ def stopped_receiver(rank, world, group, transport, key):
         got = []
         try:
             while True:
-                version = pull.wait(5) if pull is not None else receiver.pull(timeout=5)  # (either may come)
+                version = (
+                    pull.wait(5) if pull is not None else receiver.pull(timeout=5)
+                )  # (either may come)
                 pull = None
                 got.append((version, holds_version(receiver.td, version)))
         except (TimeoutError, RuntimeError) as error:
@@ -252,12 +307,15 @@ def stopped_receiver(rank, world, group, transport, key):
 def test_a_stopped_receiver_is_dropped_and_the_others_get_every_version(four, transport):
     try:
         (failures, ranks), seen1, stopped, seen3 = four().run(
-            stopped_receiver, args=(transport, unique_key(f"stopped_{transport}")), timeout=120)
+            stopped_receiver, args=(transport, unique_key(f"stopped_{transport}")), timeout=120
+        )
     finally:
         four().close()  # the dropped receiver's link was closed by gloo: the next test needs new groups
     assert len(failures) == 1, failures
     version, kind, message, took = failures[0]
-    assert version == 2 and kind == "TransferTimeout" and "rank 2" in message and "dropped" in message, failures
+    assert (
+        version == 2 and kind == "TransferTimeout" and "rank 2" in message and "dropped" in message
+    ), failures
     assert took < 60, failures  # its timeout (5 s) and the time to say so, not a hang
     _only_rank_2_was_dropped(*ranks)
     for seen in (seen1, seen3):
@@ -265,19 +323,26 @@ def test_a_stopped_receiver_is_dropped_and_the_others_get_every_version(four, tr
         assert all(ok for _, ok in seen), "a healthy receiver got wrong or mixed weights"
     outcome, got = stopped
     assert outcome in ("WaitTimeout", "TransferTimeout", "PeerError", "LinkError"), stopped
-    assert all(ok for _, ok in got) and [v for v, _ in got] in ([], [2]), f"the stopped receiver got {got}"
+    assert all(ok for _, ok in got) and [v for v, _ in got] in ([], [2]), (
+        f"the stopped receiver got {got}"
+    )
 
 
 # -- handshakes a receiver must reject, answering the sender ----------------------------
 
+
 def _schema_doc(leaves, total):
     """A schema document that checks out except for what the case breaks."""
-    schema = Schema(tuple(Leaf(tuple(k), torch.float32, tuple(s), off) for k, s, off in leaves), total)
+    schema = Schema(
+        tuple(Leaf(tuple(k), torch.float32, tuple(s), off) for k, s, off in leaves), total
+    )
     return schema.to_json()
 
 
 def _deep(depth=100_000):
-    return b'{"format":"cudarecv-weights","version":1,"leaves":' + b"[" * depth + b"]" * depth + b"}"
+    return (
+        b'{"format":"cudarecv-weights","version":1,"leaves":' + b"[" * depth + b"]" * depth + b"}"
+    )
 
 
 def _overflowing():
@@ -321,7 +386,9 @@ def test_every_schema_rejection_is_answered(cluster):
     for case, (status, reason), error in zip(cases, answers, errors):
         assert status == wire.REFUSED and reason, f"{case}: the sender got {status, reason}"
         assert error is not None, f"{case}: the receiver accepted the schema"
-        assert reason in error[0], f"{case}: the sender was told {reason!r}, the receiver raised {error[0]!r}"
+        assert reason in error[0], (
+            f"{case}: the sender was told {reason!r}, the receiver raised {error[0]!r}"
+        )
         assert error[1] < 10, f"{case}: the receiver took {error[1]:.1f} s"
 
 
@@ -341,6 +408,7 @@ def test_empty_weights_are_refused_at_construction(cluster):
 
 
 # -- a pull future waited on briefly ----------------------------------------------------
+
 
 def short_wait(rank, world, group):
     model = policy()
@@ -364,7 +432,13 @@ def short_wait(rank, world, group):
             waits.append((str(error), time.monotonic() - started))
     signals.set("short_wait_go", "1")
     first = future.wait(20)
-    return waits, first, holds_version(receiver.td, 1), receiver.pull(), holds_version(receiver.td, 2)
+    return (
+        waits,
+        first,
+        holds_version(receiver.td, 1),
+        receiver.pull(),
+        holds_version(receiver.td, 2),
+    )
 
 
 def test_a_short_wait_on_a_pull_never_fails_it(cluster):
@@ -377,13 +451,17 @@ def test_a_short_wait_on_a_pull_never_fails_it(cluster):
 
 # -- push headers that lie about their lengths ------------------------------------------
 
+
 def _rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-LYING = {"2e7_bytes_in_1_byte_pieces": (20_000_000, 1), "1e15_bytes": (10**15, 1),
-         "1e15_bytes_in_one_piece": (10**15, 10**15)}
+LYING = {
+    "2e7_bytes_in_1_byte_pieces": (20_000_000, 1),
+    "1e15_bytes": (10**15, 1),
+    "1e15_bytes_in_one_piece": (10**15, 10**15),
+}
 
 
 def lying_push_headers(rank, world, group, cases):
@@ -424,7 +502,9 @@ def test_a_push_header_lying_about_lengths_is_refused_before_anything_is_sized(c
         cluster().close()
     for case, (outcome, took, grown, after) in zip(cases, results):
         assert "handshake" in outcome and "not drained" in outcome, f"{case}: {outcome}"
-        assert took < 15, f"{case}: took {took:.1f} s"  # refused at once, not after the 30 s timeout
+        assert took < 15, (
+            f"{case}: took {took:.1f} s"
+        )  # refused at once, not after the 30 s timeout
         assert grown < 32 << 20, f"{case}: resident memory grew by {grown / 2**20:.0f} MiB"
         assert "broken" in after, f"{case}: after a lying header the receiver said {after!r}"
 
@@ -433,8 +513,12 @@ def oversize_push_header(rank, world, group):
     model = policy()
     if rank == 0:
         sender = cudarecv.WeightSender(TensorDict.from_module(model), dst=1, timeout=20)
-        header = wire.PushHeader(1, sender.schema.total, sender.schema.total, sender.schema.fingerprint)
-        raw_send(group, 1, header.pack() + b"\x01" * 40, sender._s.tags.header)  # a valid header, then more
+        header = wire.PushHeader(
+            1, sender.schema.total, sender.schema.total, sender.schema.fingerprint
+        )
+        raw_send(
+            group, 1, header.pack() + b"\x01" * 40, sender._s.tags.header
+        )  # a valid header, then more
         return None
     receiver = cudarecv.WeightReceiver(src=0, timeout=10)
     try:

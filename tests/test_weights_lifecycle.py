@@ -33,11 +33,14 @@ def latest_with_a_stopped_actor(rank, world, group, key):
     model = policy()
     signals = store()
     if rank == 0:
-        with cudarecv.WeightSender(TensorDict.from_module(model), dst=[1, 2], mode="latest",
-                                   bucket_bytes=512, timeout=30) as sender:
+        with cudarecv.WeightSender(
+            TensorDict.from_module(model), dst=[1, 2], mode="latest", bucket_bytes=512, timeout=30
+        ) as sender:
             set_version(model, 1)
             sender.push()
-            signals.wait([f"{key}_stopped", f"{key}_first"])  # both hold version 1; rank 2 pulls no more
+            signals.wait(
+                [f"{key}_stopped", f"{key}_first"]
+            )  # both hold version 1; rank 2 pulls no more
             for version in range(2, PUSHES + 1):
                 set_version(model, version)
                 assert sender.push() == version  # never waits for rank 2: else this never ends
@@ -74,20 +77,27 @@ def three():
 
 
 def test_latest_mode_a_stopped_actor_never_holds_up_the_trainer_and_gets_the_newest(three):
-    (ranks, buffers), fast, slow = three().run(latest_with_a_stopped_actor,
-                                                 args=(unique_key("lifecycle_latest"),), timeout=120)
+    (ranks, buffers), fast, slow = three().run(
+        latest_with_a_stopped_actor, args=(unique_key("lifecycle_latest"),), timeout=120
+    )
     assert ranks == [1, 2] and buffers == 4  # receivers + 2: fixed, never one per push
-    assert slow == [(1, True), (PUSHES, True)], f"the stopped actor got {slow}: not the newest, or a mix"
+    assert slow == [(1, True), (PUSHES, True)], (
+        f"the stopped actor got {slow}: not the newest, or a mix"
+    )
     versions = [v for v, _ in fast]
     assert all(ok for _, ok in fast), "the fast actor saw a mix of two versions"
-    assert versions == sorted(set(versions)) and versions[0] == 1 and versions[-1] == PUSHES, versions
+    assert versions == sorted(set(versions)) and versions[0] == 1 and versions[-1] == PUSHES, (
+        versions
+    )
 
 
 def latest_pull_waits_for_newer(rank, world, group, key):
     model = policy()
     signals = store()
     if rank == 0:
-        with cudarecv.WeightSender(TensorDict.from_module(model), dst=1, mode="latest", timeout=30) as sender:
+        with cudarecv.WeightSender(
+            TensorDict.from_module(model), dst=1, mode="latest", timeout=30
+        ) as sender:
             set_version(model, 1)
             sender.push()
             signals.wait([f"{key}_waited"])
@@ -110,7 +120,9 @@ def latest_pull_waits_for_newer(rank, world, group, key):
             except cudarecv.WaitTimeout as error:
                 out.append((str(error), time.monotonic() - started))
         signals.set(f"{key}_waited", "1")
-        got = receiver.pull()  # carries on with the pull under way: version 2 or 3, whichever was newest
+        got = (
+            receiver.pull()
+        )  # carries on with the pull under way: version 2 or 3, whichever was newest
         out.append((got, holds_version(receiver.td, got)))
         if got < 3:
             out.append((receiver.pull(), holds_version(receiver.td, 3)))
@@ -119,7 +131,9 @@ def latest_pull_waits_for_newer(rank, world, group, key):
 
 
 def test_latest_pull_waits_only_until_a_newer_version_exists(cluster):
-    out = cluster().run(latest_pull_waits_for_newer, args=(unique_key("lifecycle_newer"),), timeout=90)[1]
+    out = cluster().run(
+        latest_pull_waits_for_newer, args=(unique_key("lifecycle_newer"),), timeout=90
+    )[1]
     assert out[0] == 1
     for message, took in out[1:3]:
         assert took >= 0.3 and "rank 0" in message and "newer than 1" in message, message
@@ -132,7 +146,9 @@ def sender_closes(rank, world, group, key, mode):
     model = policy()
     signals = store()
     if rank == 0:
-        sender = cudarecv.WeightSender(TensorDict.from_module(model), dst=[1, 2], mode=mode, timeout=60)
+        sender = cudarecv.WeightSender(
+            TensorDict.from_module(model), dst=[1, 2], mode=mode, timeout=60
+        )
         for version in (1, 2):
             set_version(model, version)
             sender.push()
@@ -170,9 +186,12 @@ def sender_closes(rank, world, group, key, mode):
 
 @pytest.mark.parametrize("mode", ["sync", "latest"])
 def test_sender_close_reaches_every_receiver_at_once(three, mode):
-    close_took, pending, later = three().run(sender_closes, args=(unique_key(f"lifecycle_close_{mode}"), mode),
-                                              timeout=120)
-    assert close_took < 30, f"close took {close_took:.1f} s of its 60 s"  # the receivers answered, no timeout
+    close_took, pending, later = three().run(
+        sender_closes, args=(unique_key(f"lifecycle_close_{mode}"), mode), timeout=120
+    )
+    assert close_took < 30, (
+        f"close took {close_took:.1f} s of its 60 s"
+    )  # the receivers answered, no timeout
     for outcome, took, again, version, intact in (pending, later):
         assert "closed" in outcome and "rank 0" in outcome and "version 2" in outcome, outcome
         assert took < 30, f"told after {took:.1f} s: that is the 60 s timeout, not the close"
@@ -186,7 +205,9 @@ def receiver_leaves(rank, world, group, key, mode):
     signals = store()
     steps = 8
     if rank == 0:
-        with cudarecv.WeightSender(TensorDict.from_module(model), dst=[1, 2], mode=mode, timeout=60) as sender:
+        with cudarecv.WeightSender(
+            TensorDict.from_module(model), dst=[1, 2], mode=mode, timeout=60
+        ) as sender:
             errors = []
             for version in range(1, steps + 1):
                 set_version(model, version)
@@ -195,7 +216,9 @@ def receiver_leaves(rank, world, group, key, mode):
                 except cudarecv.Error as error:
                     errors.append(f"{type(error).__name__}: {error}")
                 if version == 3:
-                    signals.wait([f"{key}_left"])  # rank 2 closed: the next pushes go to rank 1 only
+                    signals.wait(
+                        [f"{key}_left"]
+                    )  # rank 2 closed: the next pushes go to rank 1 only
             deadline = time.monotonic() + 30
             while 2 in sender.ranks and time.monotonic() < deadline:
                 time.sleep(0.01)
@@ -205,7 +228,9 @@ def receiver_leaves(rank, world, group, key, mode):
         return errors, ranks, dropped
     with cudarecv.WeightReceiver(src=0, expect=model, timeout=60) as receiver:
         if rank == 2:
-            for _ in range(2 if mode == "sync" else 1):  # latest: a second pull would wait for version 4
+            for _ in range(
+                2 if mode == "sync" else 1
+            ):  # latest: a second pull would wait for version 4
                 receiver.pull()
             receiver.close()  # the sender may have version 3 in flight to it: taken, then told
             signals.set(f"{key}_left", "1")
@@ -227,7 +252,8 @@ def receiver_leaves(rank, world, group, key, mode):
 @pytest.mark.parametrize("mode", ["sync", "latest"])
 def test_receiver_close_reaches_the_sender_which_goes_on_with_the_others(three, mode):
     (errors, ranks, dropped), seen, (after, version, intact) = three().run(
-        receiver_leaves, args=(unique_key(f"lifecycle_leave_{mode}"), mode), timeout=120)
+        receiver_leaves, args=(unique_key(f"lifecycle_leave_{mode}"), mode), timeout=120
+    )
     assert errors == [], errors  # a push in flight to the closing receiver ended cleanly
     assert ranks == [1] and dropped == {2: "closed by its receiver"}, (ranks, dropped)
     assert all(ok for _, ok in seen)
@@ -236,7 +262,12 @@ def test_receiver_close_reaches_the_sender_which_goes_on_with_the_others(three, 
         assert versions == list(range(1, 9)), versions
     else:
         assert versions == sorted(set(versions)) and versions[-1] == 8, versions
-    assert "closed" in after and version == (2 if mode == "sync" else version) and 1 <= version <= 3 and intact
+    assert (
+        "closed" in after
+        and version == (2 if mode == "sync" else version)
+        and 1 <= version <= 3
+        and intact
+    )
 
 
 def receiver_cannot_start(rank, world, group, why):
@@ -248,8 +279,12 @@ def receiver_cannot_start(rank, world, group, why):
             return "no error"
         except cudarecv.Error as error:
             return type(error).__name__, str(error), time.monotonic() - started
-    kwargs = {"cuda": {"device": "cuda:0"}, "timeout": {"timeout": -1}, "device": {"device": "no-such"},
-              "pin_memory": {"device": "meta", "pin_memory": True}}[why]
+    kwargs = {
+        "cuda": {"device": "cuda:0"},
+        "timeout": {"timeout": -1},
+        "device": {"device": "no-such"},
+        "pin_memory": {"device": "meta", "pin_memory": True},
+    }[why]
     try:
         cudarecv.WeightReceiver(src=0, **kwargs)
         return "no error"
@@ -262,9 +297,13 @@ def test_a_receiver_that_cannot_start_tells_the_sender_at_once(cluster, why):
     if why == "cuda" and torch.cuda.is_available():
         pytest.skip("this machine has CUDA: device='cuda:0' works here")
     (kind, message, took), (receiver_kind, receiver_message) = cluster().run(
-        receiver_cannot_start, args=(why,), timeout=90)
+        receiver_cannot_start, args=(why,), timeout=90
+    )
     assert kind == "ReceiverFailed" and "rank 1" in message, (kind, message)
-    assert receiver_message in message or receiver_message[:60] in message, (message, receiver_message)
+    assert receiver_message in message or receiver_message[:60] in message, (
+        message,
+        receiver_message,
+    )
     assert receiver_kind in ("UsageError", "ArgumentError")
     assert took < 30, f"the sender learnt it after {took:.1f} s: its 60 s timeout, not the answer"
 
@@ -280,7 +319,11 @@ def test_latest_mode_arguments():
 
 def _cudarecv_threads() -> set[str]:
     """cudarecv's threads alive now, but the process-wide one that keeps transfers' deadlines."""
-    return {t.name for t in threading.enumerate() if t.name.startswith("cudarecv-") and t.name != "cudarecv-deadlines"}
+    return {
+        t.name
+        for t in threading.enumerate()
+        if t.name.startswith("cudarecv-") and t.name != "cudarecv-deadlines"
+    }
 
 
 def close_and_collect(rank, world, group, key, mode, fanout):
@@ -293,7 +336,9 @@ def close_and_collect(rank, world, group, key, mode, fanout):
     model = policy()
     td = TensorDict.from_module(model) if rank == 0 else TensorDict.from_module(policy()).clone()
     if rank == 0:
-        end = cudarecv.WeightSender(td, group=group, group_dst=[1, 2], mode=mode, fanout=fanout, timeout=10)
+        end = cudarecv.WeightSender(
+            td, group=group, group_dst=[1, 2], mode=mode, fanout=fanout, timeout=10
+        )
         for version in (1, 2):
             set_version(model, version)
             end.push()
@@ -327,12 +372,17 @@ def close_and_collect(rank, world, group, key, mode, fanout):
 
 @pytest.mark.parametrize("mode, fanout", [("sync", "star"), ("latest", "star"), ("sync", "relay")])
 def test_close_stops_every_thread_and_lets_go_of_the_weights_and_the_group(three, mode, fanout):
-    results = three().run(close_and_collect, args=(unique_key(f"lifecycle_collect_{mode}_{fanout}"), mode, fanout),
-                          timeout=120)
+    results = three().run(
+        close_and_collect,
+        args=(unique_key(f"lifecycle_collect_{mode}_{fanout}"), mode, fanout),
+        timeout=120,
+    )
     assert [outcome for outcome, _, _ in results] == [3, True, True], results
     for rank, (_, threads, alive) in enumerate(results):
         assert threads == [], f"rank {rank}: threads still running after close(): {threads}"
-        assert alive == [], f"rank {rank}: still held after close(), destroy_process_group() and gc: {alive}"
+        assert alive == [], (
+            f"rank {rank}: still held after close(), destroy_process_group() and gc: {alive}"
+        )
 
 
 def receiver_outlives_its_sender(rank, world, group, key, transport):
@@ -344,7 +394,9 @@ def receiver_outlives_its_sender(rank, world, group, key, transport):
     signals = store()
     if rank == 0:
         signals.set(f"{key}_sender_pid", str(os.getpid()))
-        sender = cudarecv.WeightSender(TensorDict.from_module(model), dst=1, timeout=20, transport=transport)
+        sender = cudarecv.WeightSender(
+            TensorDict.from_module(model), dst=1, timeout=20, transport=transport
+        )
         set_version(model, 1)
         sender.push()
         signals.wait([f"{key}_pulled"])
@@ -359,7 +411,12 @@ def receiver_outlives_its_sender(rank, world, group, key, transport):
         outcome = "closed"
     except Exception as error:  # noqa: BLE001 - what the test is about
         outcome = f"{type(error).__name__}: {error}"
-    return outcome, time.monotonic() - start, holds_version(receiver.td, 1), sorted(_cudarecv_threads() - before)
+    return (
+        outcome,
+        time.monotonic() - start,
+        holds_version(receiver.td, 1),
+        sorted(_cudarecv_threads() - before),
+    )
 
 
 @pytest.mark.parametrize("transport", ["auto", "wire"])
@@ -369,8 +426,11 @@ def test_a_receiver_closes_quietly_after_its_sender_died(cluster, transport):
     goes on: no error, its version readable, no thread left."""
     try:
         code, (outcome, took, intact, threads) = cluster().run(
-            receiver_outlives_its_sender, args=(unique_key(f"outlived-{transport}"), transport), may_die={0},
-            timeout=120)
+            receiver_outlives_its_sender,
+            args=(unique_key(f"outlived-{transport}"), transport),
+            may_die={0},
+            timeout=120,
+        )
     finally:
         cluster().close()  # rank 0 is gone: the next test needs new ranks
     assert code == -signal.SIGKILL

@@ -21,8 +21,13 @@ HIDDEN = 256  # ~10 kB per version
 def many(rank, world, group, mode, transport, key):
     model = policy(HIDDEN)
     if rank == 0:
-        with cudarecv.WeightSender(TensorDict.from_module(model), dst=list(range(1, world)), mode=mode,
-                                   transport=transport, timeout=120.0) as sender:
+        with cudarecv.WeightSender(
+            TensorDict.from_module(model),
+            dst=list(range(1, world)),
+            mode=mode,
+            transport=transport,
+            timeout=120.0,
+        ) as sender:
             for version in range(1, VERSIONS + 1):
                 set_version(model, version)
                 assert sender.push() == version
@@ -30,7 +35,9 @@ def many(rank, world, group, mode, transport, key):
                 store().wait([f"{key}_{r}" for r in range(1, world)])
             return sender.ranks, dict(sender.dropped)
     seen = []
-    with cudarecv.WeightReceiver(src=0, expect=model, transport=transport, timeout=120.0) as receiver:
+    with cudarecv.WeightReceiver(
+        src=0, expect=model, transport=transport, timeout=120.0
+    ) as receiver:
         while not seen or seen[-1][0] < VERSIONS:
             version = receiver.pull()
             with receiver.reading() as td:
@@ -40,17 +47,26 @@ def many(rank, world, group, mode, transport, key):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize(("mode", "transport"), [("sync", "auto"), ("latest", "wire")])  # each mode, each transport
+@pytest.mark.parametrize(
+    ("mode", "transport"), [("sync", "auto"), ("latest", "wire")]
+)  # each mode, each transport
 def test_seven_receivers_on_two_cores_get_whole_versions(mode, transport):
     with Cluster(WORLD, pg_timeout=120.0) as ranks:
-        (served, dropped), *actors = ranks.run(many, args=(mode, transport, unique_key(f"many_{mode}")),
-                                               timeout=600)
-    failed = {r: why for r, why in dropped.items() if why != "closed by its receiver"}  # (a done actor closes)
+        (served, dropped), *actors = ranks.run(
+            many, args=(mode, transport, unique_key(f"many_{mode}")), timeout=600
+        )
+    failed = {
+        r: why for r, why in dropped.items() if why != "closed by its receiver"
+    }  # (a done actor closes)
     assert not failed and set(served) | set(dropped) == set(range(1, WORLD)), (served, dropped)
     for rank, seen in enumerate(actors, start=1):
         versions = [v for v, _ in seen]
-        assert all(whole for _, whole in seen), f"actor {rank} held a mixed or wrong version: {seen}"
+        assert all(whole for _, whole in seen), (
+            f"actor {rank} held a mixed or wrong version: {seen}"
+        )
         if mode == "sync":
             assert versions == list(range(1, VERSIONS + 1)), f"actor {rank}: {versions}"
         else:
-            assert versions == sorted(set(versions)) and versions[-1] == VERSIONS, f"actor {rank}: {versions}"
+            assert versions == sorted(set(versions)) and versions[-1] == VERSIONS, (
+                f"actor {rank}: {versions}"
+            )

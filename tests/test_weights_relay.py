@@ -30,8 +30,14 @@ def middle_leaves(rank, world, group, key):
     model = policy()
     signals = store()
     if rank == 0:
-        with cudarecv.WeightSender(TensorDict.from_module(model), dst=[1, 2, 3], fanout="relay", bucket_bytes=512,
-                                   timeout=30, verify=True) as sender:
+        with cudarecv.WeightSender(
+            TensorDict.from_module(model),
+            dst=[1, 2, 3],
+            fanout="relay",
+            bucket_bytes=512,
+            timeout=30,
+            verify=True,
+        ) as sender:
             errors = []
             for version in range(1, STEPS + 1):
                 set_version(model, version)
@@ -62,8 +68,9 @@ def middle_leaves(rank, world, group, key):
 
 
 def test_a_receiver_leaving_mid_chain_is_bridged(four):
-    (errors, ranks), first, (left_at, intact), last = four().run(middle_leaves, args=(unique_key("relay_leave"),),
-                                                                  timeout=120)
+    (errors, ranks), first, (left_at, intact), last = four().run(
+        middle_leaves, args=(unique_key("relay_leave"),), timeout=120
+    )
     assert errors == [] and ranks == [1, 3], (errors, ranks)
     for seen in (first, last):
         assert [v for v, _ in seen] == list(range(1, STEPS + 1)) and all(ok for _, ok in seen), seen
@@ -77,11 +84,19 @@ def head_fails(rank, world, group, key, how):
     the chain 2 -> 3, with nothing rebuilt."""
     model = policy()
     signals = store()
-    timeout = 4.0 if how == "stop" else 30.0  # (stop: each hop waits for the one before its own timeout longer)
+    timeout = (
+        4.0 if how == "stop" else 30.0
+    )  # (stop: each hop waits for the one before its own timeout longer)
     if rank == 0:
         failures = []
-        with cudarecv.WeightSender(TensorDict.from_module(model), dst=[1, 2, 3], fanout="relay", bucket_bytes=256,
-                                   timeout=timeout, verify=True) as sender:
+        with cudarecv.WeightSender(
+            TensorDict.from_module(model),
+            dst=[1, 2, 3],
+            fanout="relay",
+            bucket_bytes=256,
+            timeout=timeout,
+            verify=True,
+        ) as sender:
             for version in range(1, STEPS + 1):
                 set_version(model, version)
                 try:
@@ -96,14 +111,18 @@ def head_fails(rank, world, group, key, how):
                 wait_stopped(pid)
                 os.kill(pid, signal.SIGKILL)
         return failures, ranks, sorted(dropped)
-    with cudarecv.WeightReceiver(src=0, expect=model, timeout=timeout if rank == 1 else 60) as receiver:
+    with cudarecv.WeightReceiver(
+        src=0, expect=model, timeout=timeout if rank == 1 else 60
+    ) as receiver:
         if rank == 1:
             receiver.pull()
             landed = relay.Relay.landed
 
             def landed_then_fail(self, i: int) -> None:
                 landed(self, i)
-                if i == 1:  # mid-push by construction: chunk 0 is on its way down, the rest still to come
+                if (
+                    i == 1
+                ):  # mid-push by construction: chunk 0 is on its way down, the rest still to come
                     signals.set(f"{key}_pid", str(os.getpid()))
                     os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
 
@@ -116,7 +135,9 @@ def head_fails(rank, world, group, key, how):
                 version = receiver.pull()
             except cudarecv.RelayLost as error:
                 assert error.link_usable
-                lost.append((receiver.version, holds_version(receiver.td, receiver.version), str(error)))
+                lost.append(
+                    (receiver.version, holds_version(receiver.td, receiver.version), str(error))
+                )
                 continue
             seen.append((version, holds_version(receiver.td, version)))
         signals.wait([f"{key}_read"])  # stay served until the sender has looked
@@ -128,18 +149,25 @@ def head_fails(rank, world, group, key, how):
 def test_a_relay_chain_heals_around_a_receiver_that_fails_mid_push(four, how):
     try:
         (failures, ranks, dropped), head, (seen2, lost2), (seen3, lost3) = four().run(
-            head_fails, args=(unique_key(f"relay_{how}"), how), may_die={1}, timeout=120)
+            head_fails, args=(unique_key(f"relay_{how}"), how), may_die={1}, timeout=120
+        )
     finally:
         four().close()  # rank 1 is dead: the next test needs new groups
     assert isinstance(head, RankExit) and head == -signal.SIGKILL, head
-    assert [(v, kind) for v, kind, _ in failures] == [(2, "PeerError" if how == "kill" else "TransferTimeout")], \
-        failures
+    assert [(v, kind) for v, kind, _ in failures] == [
+        (2, "PeerError" if how == "kill" else "TransferTimeout")
+    ], failures
     assert "rank 1" in failures[0][2] and "dropped" in failures[0][2], failures
     assert ranks == [2, 3] and dropped == [1], (ranks, dropped)
     for seen, lost in ((seen2, lost2), (seen3, lost3)):
-        assert [v for v, _ in seen] == [1] + list(range(3, STEPS + 1)) and all(ok for _, ok in seen), seen
+        assert [v for v, _ in seen] == [1] + list(range(3, STEPS + 1)) and all(
+            ok for _, ok in seen
+        ), seen
         assert len(lost) == 1 and lost[0][:2] == (1, True), lost  # version 1 kept, whole
-    assert "rank 1" in lost2[0][2] and "rank 1" in lost3[0][2], (lost2, lost3)  # rank 3 heard it in band
+    assert "rank 1" in lost2[0][2] and "rank 1" in lost3[0][2], (
+        lost2,
+        lost3,
+    )  # rank 3 heard it in band
 
 
 def hop_held(rank, world, group, key):
@@ -150,8 +178,13 @@ def hop_held(rank, world, group, key):
     signals = store()
     if rank == 0:
         outcomes = []
-        with cudarecv.WeightSender(TensorDict.from_module(model), dst=[1, 2, 3], fanout="relay", bucket_bytes=256,
-                                   timeout=3.0) as sender:
+        with cudarecv.WeightSender(
+            TensorDict.from_module(model),
+            dst=[1, 2, 3],
+            fanout="relay",
+            bucket_bytes=256,
+            timeout=3.0,
+        ) as sender:
             for version in (1, 2, 3):
                 set_version(model, version)
                 try:
@@ -169,7 +202,9 @@ def hop_held(rank, world, group, key):
 
             def held(self):
                 steps = forward(self)
-                yield next(steps)  # (its first step runs where the forward is made, on the pull's thread)
+                yield next(
+                    steps
+                )  # (its first step runs where the forward is made, on the pull's thread)
                 if self.version == 2:  # the rest on rank 1's forwarding thread: its pulls go on
                     signals.wait([f"{key}_lost"], datetime.timedelta(seconds=120))
                 yield from steps
@@ -192,7 +227,8 @@ def hop_held(rank, world, group, key):
 
 def test_a_hop_that_times_out_on_a_live_one_loses_one_version_and_goes_on(four):
     (outcomes, ranks), (got1, lost1), (got2, lost2), (got3, lost3) = four().run(
-        hop_held, args=(unique_key("relay_held"),), timeout=180)
+        hop_held, args=(unique_key("relay_held"),), timeout=180
+    )
     assert outcomes == ["ok", "RelayLost", "ok"] and ranks == [1, 2, 3], (outcomes, ranks)
     assert got1 == [(1, True), (2, True), (3, True)] and lost1 == [], (got1, lost1)
     for got, lost in ((got2, lost2), (got3, lost3)):
@@ -232,7 +268,11 @@ def test_relay_messages_roundtrip_and_corruption():
     assert wire.read_ask(ask) == wire.Ask(wire.GOT, 5, wire.LOST, 2)
     header = wire.PushHeader(4, 1024, 256, bytes(16), relayed=True, up=1, down=3)
     assert wire.PushHeader.unpack(header.pack()) == header
-    for message, read in ((trailer, wire.read_trailer), (ask, wire.read_ask), (header.pack(), wire.PushHeader.unpack)):
+    for message, read in (
+        (trailer, wire.read_trailer),
+        (ask, wire.read_ask),
+        (header.pack(), wire.PushHeader.unpack),
+    ):
         flipped = bytearray(message)
         flipped[9] ^= 1
         with pytest.raises(cudarecv.OutOfStepError):
@@ -249,8 +289,15 @@ def corrupted_in_the_chain(rank, world, group, key, fanout, transport):
     model = policy()
     signals = store()
     if rank == 0:
-        with cudarecv.WeightSender(TensorDict.from_module(model), dst=[1, 2, 3], fanout=fanout, bucket_bytes=256,
-                                   timeout=30, verify=True, transport=transport) as sender:
+        with cudarecv.WeightSender(
+            TensorDict.from_module(model),
+            dst=[1, 2, 3],
+            fanout=fanout,
+            bucket_bytes=256,
+            timeout=30,
+            verify=True,
+            transport=transport,
+        ) as sender:
             transports = set(sender.transports.values())
             set_version(model, 1)
             sender.push()
@@ -280,19 +327,26 @@ def corrupted_in_the_chain(rank, world, group, key, fanout, transport):
         return out
 
 
-@pytest.mark.parametrize("fanout, transport, carried", [("relay", "auto", "wire"), ("star", "auto", "shared memory"),
-                                                        ("star", "wire", "wire")])
+@pytest.mark.parametrize(
+    "fanout, transport, carried",
+    [("relay", "auto", "wire"), ("star", "auto", "shared memory"), ("star", "wire", "wire")],
+)
 def test_a_corrupted_version_is_rejected_along_the_chain(four, fanout, transport, carried):
     (ranks, transports, outcome), *receivers = four().run(
-        corrupted_in_the_chain, args=(unique_key("relay_corrupt"), fanout, transport), timeout=100)
+        corrupted_in_the_chain, args=(unique_key("relay_corrupt"), fanout, transport), timeout=100
+    )
     assert ranks == [1, 2, 3] and transports == {carried}, (ranks, transports)
     for out in receivers:
         assert out == [1, (1, True), (3, True)], out
     if (fanout, carried) == ("star", "wire"):
-        assert outcome == 2, outcome  # the sender has no word from a wire star receiver: its pull raised
+        assert outcome == 2, (
+            outcome
+        )  # the sender has no word from a wire star receiver: its pull raised
     else:
         kind, message = outcome
-        assert kind == "ChecksumError" and "rank 1 rejected it" in message and "corrupted" in message, outcome
+        assert (
+            kind == "ChecksumError" and "rank 1 rejected it" in message and "corrupted" in message
+        ), outcome
         assert "reached ranks []" in message and "dropped" not in message, message
 
 
@@ -303,9 +357,13 @@ def collective_while_forwarding(rank, world, group):
     import torch.distributed as dist
 
     actors = dist.new_group([1, 2, 3])  # every rank creates it (a collective over the world)
-    weights = TensorDict(w=torch.zeros(1 << 20))  # 4 MiB in 64 KiB chunks: rank 1 forwards for a while
+    weights = TensorDict(
+        w=torch.zeros(1 << 20)
+    )  # 4 MiB in 64 KiB chunks: rank 1 forwards for a while
     if rank == 0:
-        with cudarecv.WeightSender(weights, dst=[1, 2, 3], fanout="relay", bucket_bytes=64 << 10, timeout=30) as sender:
+        with cudarecv.WeightSender(
+            weights, dst=[1, 2, 3], fanout="relay", bucket_bytes=64 << 10, timeout=30
+        ) as sender:
             for version in range(1, 4):
                 weights["w"].fill_(version)
                 sender.push()
@@ -317,7 +375,9 @@ def collective_while_forwarding(rank, world, group):
             total = torch.tensor([float(receiver.td["w"][-1])])
             dist.all_reduce(total, group=actors)
             sums.append((version, total.item()))
-        dist.barrier(group=actors)  # the others are done with rank 1's forwards before anyone closes
+        dist.barrier(
+            group=actors
+        )  # the others are done with rank 1's forwards before anyone closes
         return sums
 
 

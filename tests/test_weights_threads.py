@@ -17,7 +17,9 @@ import cudarecv
 from rawwire import store, unique_key
 
 PER_THREAD = 25
-LEAF = 1 << 15  # floats per leaf (128 KiB): a copy takes long enough for two threads' pushes to overlap
+LEAF = (
+    1 << 15
+)  # floats per leaf (128 KiB): a copy takes long enough for two threads' pushes to overlap
 TIMEOUT = 20
 
 
@@ -38,7 +40,9 @@ def two_pushing_threads(rank, world, group, key, mode):
     signals = store()
     total = 2 * PER_THREAD
     if rank == 0:
-        with cudarecv.WeightSender(weights(0.0), dst=[1, 2, 3], mode=mode, timeout=TIMEOUT) as sender:
+        with cudarecv.WeightSender(
+            weights(0.0), dst=[1, 2, 3], mode=mode, timeout=TIMEOUT
+        ) as sender:
             transports = sender.transports
             start = threading.Barrier(2, timeout=TIMEOUT)
             pushed: dict[int, float] = {}
@@ -63,7 +67,9 @@ def two_pushing_threads(rank, world, group, key, mode):
             signals.wait([f"{key}_done_{r}" for r in (1, 2, 3)])
         return transports, pushed, errors, len(alive)
     transport = "wire" if rank == 1 else "auto"
-    with cudarecv.WeightReceiver(src=0, timeout=TIMEOUT, transport=transport, zero_copy=rank == 3) as receiver:
+    with cudarecv.WeightReceiver(
+        src=0, timeout=TIMEOUT, transport=transport, zero_copy=rank == 3
+    ) as receiver:
         seen = []
         try:
             while receiver.version < total:
@@ -80,14 +86,18 @@ def two_pushing_threads(rank, world, group, key, mode):
 @pytest.mark.parametrize("mode", ["sync", "latest"])
 def test_two_threads_pushing_on_one_sender(four, mode):
     (transports, pushed, errors, alive), *receivers = four().run(
-        two_pushing_threads, args=(unique_key("push_threads"), mode), timeout=100)
+        two_pushing_threads, args=(unique_key("push_threads"), mode), timeout=100
+    )
     assert errors == [] and alive == 0, errors
     assert transports == {1: "wire", 2: "shared memory", 3: "shared memory"}, transports
     assert sorted(pushed) == list(range(1, 2 * PER_THREAD + 1)), sorted(pushed)
     for rank, seen in enumerate(receivers, start=1):
         assert all(isinstance(s, tuple) for s in seen), (rank, seen[-1])
         versions = [v for v, _ in seen]
-        assert versions == sorted(set(versions)) and versions[-1] == 2 * PER_THREAD, (rank, versions)
+        assert versions == sorted(set(versions)) and versions[-1] == 2 * PER_THREAD, (
+            rank,
+            versions,
+        )
         if mode == "sync":
             assert versions == list(range(1, 2 * PER_THREAD + 1)), (rank, versions)
         torn = [(v, value, pushed.get(v)) for v, value in seen if value != pushed.get(v)]
@@ -117,7 +127,9 @@ def two_pulling_threads(rank, world, group, key):
                 start.wait()
                 for _ in range(PER_THREAD):
                     version = receiver.pull()
-                    with receiver.reading() as td:  # this version, or one another pull published since
+                    with (
+                        receiver.reading() as td
+                    ):  # this version, or one another pull published since
                         seen[thread].append((version, whole(td)))
             except Exception as error:  # noqa: BLE001 - reported to the test
                 seen[thread].append(f"{type(error).__name__}: {error}")
@@ -132,13 +144,16 @@ def two_pulling_threads(rank, world, group, key):
 
 
 def test_two_threads_pulling_on_one_receiver(cluster):
-    failure, (seen, alive, version) = cluster().run(two_pulling_threads, args=(unique_key("pull_threads"),),
-                                                    timeout=100)
+    failure, (seen, alive, version) = cluster().run(
+        two_pulling_threads, args=(unique_key("pull_threads"),), timeout=100
+    )
     assert alive == 0
     for pulls in seen:
         assert all(isinstance(p, tuple) for p in pulls), pulls[-1]
         versions = [v for v, _ in pulls]
         assert versions == sorted(set(versions)), versions
-        assert all(value is not None and value >= v for v, value in pulls), f"torn or older: {pulls}"
+        assert all(value is not None and value >= v for v, value in pulls), (
+            f"torn or older: {pulls}"
+        )
     assert sorted(v for pulls in seen for v, _ in pulls) == list(range(1, 2 * PER_THREAD + 1))
     assert version == 2 * PER_THREAD and failure is None, failure

@@ -36,7 +36,9 @@ def bad_environment(rank, world, group, name, value):
     return "no error", ""
 
 
-@pytest.mark.parametrize("name, value", [("CUDARECV_TRANSPORT", "shm"), ("CUDARECV_DIRECT_READ", "maybe")])
+@pytest.mark.parametrize(
+    "name, value", [("CUDARECV_TRANSPORT", "shm"), ("CUDARECV_DIRECT_READ", "maybe")]
+)
 def test_a_receivers_bad_environment_reaches_the_sender(cluster, name, value):
     (sent, said), (received, why) = cluster().run(bad_environment, args=(name, value), timeout=100)
     assert received == "ArgumentError" and name in why, (received, why)

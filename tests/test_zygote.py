@@ -27,8 +27,13 @@ def test_a_scripts_own_functions_run_on_the_ranks(tmp_path):
     functions it defines can be sent to the ranks."""
     script = tmp_path / "ranks_script.py"
     script.write_text(SCRIPT)
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     results = eval(done.stdout.strip().splitlines()[-1])  # noqa: S307 - our own script's printed list
-    assert [(rank, name) for rank, name, _ in results] == [(0, "__mp_main__"), (1, "__mp_main__")], results
+    assert [(rank, name) for rank, name, _ in results] == [
+        (0, "__mp_main__"),
+        (1, "__mp_main__"),
+    ], results
     assert len({pid for *_, pid in results}) == 2

@@ -26,9 +26,13 @@ class Forwarding:
         self._port, self._key, self.die_after_start = port, key, die_after_start
 
     def _call(self, name: str, *args: Any) -> None:
-        with Client(("127.0.0.1", self._port), authkey=self._key) as conn:  # (a connection per call: calls overlap)
+        with Client(
+            ("127.0.0.1", self._port), authkey=self._key
+        ) as conn:  # (a connection per call: calls overlap)
             conn.send((name, args))
-            assert conn.recv() == "taken"  # (the test process has the call: a death from here on is the engine's)
+            assert (
+                conn.recv() == "taken"
+            )  # (the test process has the call: a death from here on is the engine's)
             error = conn.recv()
         if error is not None:
             raise RuntimeError(f"the engine's {name} failed: {error}")
@@ -76,15 +80,18 @@ def main() -> None:
     else:
         client = Forwarding(int(sys.argv[1]), bytes.fromhex(sys.argv[2]), die_after_start=False)
     model = tiny_llm.model(seed=11)
-    trainer = CudarecvTrainerEngine.trainer_init(CudarecvTrainerInitInfo(timeout=30.0), client=client,
-                                                 source=ModuleSource(model))
+    trainer = CudarecvTrainerEngine.trainer_init(
+        CudarecvTrainerInitInfo(timeout=30.0), client=client, source=ModuleSource(model)
+    )
     trainer.send_weights()
     print("sent 1", flush=True)
     copy = snapshots.copy_bytes
 
     def copy_then_die(dst: torch.Tensor, src: torch.Tensor) -> None:
         copy(dst, src)
-        os.kill(os.getpid(), signal.SIGKILL)  # one leaf of version 2 written into the shared snapshot
+        os.kill(
+            os.getpid(), signal.SIGKILL
+        )  # one leaf of version 2 written into the shared snapshot
 
     snapshots.copy_bytes = copy_then_die
     client.die_after_start = when == "after-start"

@@ -8,8 +8,9 @@ from .errors import ArgumentError
 MAX_TIMEOUT = 1e6
 
 
-def check_timeout(timeout: object, name: str = "timeout", or_none: bool = False,
-                  or_zero: bool = False) -> float | None:
+def check_timeout(
+    timeout: object, name: str = "timeout", or_none: bool = False, or_zero: bool = False
+) -> float | None:
     """``timeout`` as float seconds: positive (or zero, with ``or_zero``: a poll), finite, at most
     :data:`MAX_TIMEOUT`, or None with ``or_none`` (no bound of the call's own); else an
     :class:`ArgumentError` naming ``name``.
@@ -22,12 +23,17 @@ def check_timeout(timeout: object, name: str = "timeout", or_none: bool = False,
     if timeout is None and or_none:
         return None
     low_ok = (lambda t: t >= 0) if or_zero else (lambda t: t > 0)
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (low_ok(timeout)
-                                                                                   and timeout <= MAX_TIMEOUT):
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, (int, float))
+        or not (low_ok(timeout) and timeout <= MAX_TIMEOUT)
+    ):
         what = "a non-negative" if or_zero else "a positive"
         fallback = " or None" if or_none else ""
-        raise ArgumentError(f"`{name}` must be {what} number of seconds up to {MAX_TIMEOUT:g}{fallback}, "
-                            f"got {timeout!r}")
+        raise ArgumentError(
+            f"`{name}` must be {what} number of seconds up to {MAX_TIMEOUT:g}{fallback}, "
+            f"got {timeout!r}"
+        )
     return float(timeout)
 
 

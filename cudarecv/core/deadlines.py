@@ -37,10 +37,14 @@ class Deadlines:
         self.linger = linger
         self._heap: list[tuple[float, int, weakref.ref]] = []
         self._count = 0  # a tie-break, so the heap never compares transfers
-        self._prune_at = _PRUNE_MIN  # the heap's size at which entries of ended transfers are let go
+        self._prune_at = (
+            _PRUNE_MIN  # the heap's size at which entries of ended transfers are let go
+        )
         self._cond = threading.Condition(threading.Lock())
         self._thread: threading.Thread | None = None
-        self._watched: "weakref.WeakSet[Any]" = weakref.WeakSet()  # kept transfers that have not ended
+        self._watched: weakref.WeakSet[Any] = (
+            weakref.WeakSet()
+        )  # kept transfers that have not ended
         self._stopped = False
 
     @property
@@ -61,11 +65,15 @@ class Deadlines:
             heapq.heappush(self._heap, (deadline, self._count, weakref.ref(transfer)))
             self._watched.add(transfer)
             if len(self._heap) >= self._prune_at:  # most transfers end long before their deadline
-                self._heap = [entry for entry in self._heap if (t := entry[2]()) is not None and not t.settled]
+                self._heap = [
+                    entry for entry in self._heap if (t := entry[2]()) is not None and not t.settled
+                ]
                 heapq.heapify(self._heap)
                 self._prune_at = max(_PRUNE_MIN, 2 * len(self._heap))
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="cudarecv-deadlines", daemon=True)
+                self._thread = threading.Thread(
+                    target=self._run, name="cudarecv-deadlines", daemon=True
+                )
                 self._thread.start()
             elif self._heap[0][1] == self._count:
                 self._cond.notify()  # the new deadline is the earliest

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 from .log import logger
 from .shutdown import at_exit, start_thread
@@ -22,7 +22,7 @@ class Driver:
     """
 
     def __init__(self, name: str) -> None:
-        self._jobs: "queue.SimpleQueue[Callable[[], None] | None]" = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self.thread = start_thread(self._loop, name)
         at_exit(self.stop)  # no thread left inside gloo at interpreter shutdown
 

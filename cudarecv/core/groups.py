@@ -15,11 +15,12 @@ import torch.distributed as dist
 from .errors import TransferTimeout
 
 #: the groups formed with ``bounded=True`` (see :func:`bounded`)
-_BOUNDED: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_BOUNDED: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
-def store_group(store: Any, prefix: str, rank: int, size: int, timeout: float, what: str,
-                bounded: bool = False) -> Any:
+def store_group(
+    store: Any, prefix: str, rank: int, size: int, timeout: float, what: str, bounded: bool = False
+) -> Any:
     """This process's rank of the gloo group that the ``size`` processes calling it with ``prefix`` form (each
     within ``timeout`` s; the group's own operations time out after ``timeout`` too). ``what`` names the group
     in the error when it cannot be formed (a member that never came). ``bounded``: a pair whose transfers' gloo
@@ -31,10 +32,14 @@ def store_group(store: Any, prefix: str, rank: int, size: int, timeout: float, w
         >>> cudarecv.send(td, group=group, group_dst=1)
     """
     try:
-        group = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, datetime.timedelta(seconds=timeout))
+        group = dist.ProcessGroupGloo(
+            dist.PrefixStore(prefix, store), rank, size, datetime.timedelta(seconds=timeout)
+        )
     except RuntimeError as error:  # (gloo's rendezvous times out with a RuntimeError)
-        raise TransferTimeout(f"{what} could not be formed within {timeout:g} s: not every one of its {size} "
-                              "processes came (the backend's message is this error's __cause__)") from error
+        raise TransferTimeout(
+            f"{what} could not be formed within {timeout:g} s: not every one of its {size} "
+            "processes came (the backend's message is this error's __cause__)"
+        ) from error
     if bounded:
         _BOUNDED.add(group)
     return group

@@ -23,7 +23,8 @@ import ctypes
 import importlib.util
 import os
 import threading
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 from torch import Tensor
@@ -73,7 +74,9 @@ def _setting(env: str, allowed: tuple[str, ...]) -> str:
     """The environment variable ``env``, checked: one of ``allowed`` or ``"auto"`` (unset)."""
     choice = os.environ.get(env, "auto")
     if choice != "auto" and choice not in allowed:
-        raise ArgumentError(f"the environment variable {env}={choice!r} must be one of auto, {', '.join(allowed)}")
+        raise ArgumentError(
+            f"the environment variable {env}={choice!r} must be one of auto, {', '.join(allowed)}"
+        )
     return choice
 
 
@@ -98,8 +101,10 @@ def _choose() -> bool:
         if STREAMING is None:
             choice, why = host_copy_setting()
             on = bool(_LIB.cudarecv_copy_streaming(choice == "stream"))
-            _say(f"host copies: {'streaming' if on else 'memcpy'} ({why}"
-                 f"{'' if on or choice == 'memcpy' else '; this CPU has no AVX2'})")
+            _say(
+                f"host copies: {'streaming' if on else 'memcpy'} ({why}"
+                f"{'' if on or choice == 'memcpy' else '; this CPU has no AVX2'})"
+            )
             STREAMING = on
     return STREAMING
 
@@ -152,9 +157,11 @@ class CopyTable:
     """
 
     def __init__(self, rows: Sequence[tuple[int, int, int]] | np.ndarray) -> None:
-        self._table = np.array(rows, dtype=np.uint64, order="C").reshape(-1, 3)  # a copy, rows contiguous
+        self._table = np.array(rows, dtype=np.uint64, order="C").reshape(
+            -1, 3
+        )  # a copy, rows contiguous
 
-    def reversed(self) -> "CopyTable":
+    def reversed(self) -> CopyTable:
         """The same copies the other way (sources and destinations swapped)."""
         return CopyTable(self._table[:, [1, 0, 2]])
 
@@ -163,7 +170,9 @@ class CopyTable:
         if _LIB is not None:
             if STREAMING is None:
                 _choose()
-            _LIB.cudarecv_copy_many(self._table.ctypes.data + start * self._table.strides[0], stop - start)
+            _LIB.cudarecv_copy_many(
+                self._table.ctypes.data + start * self._table.strides[0], stop - start
+            )
         else:
             for dst, src, n in self._table[start:stop].tolist():
                 ctypes.memmove(dst, src, n)
@@ -173,7 +182,14 @@ class CopyTable:
 _libc = ctypes.CDLL(None, use_errno=True)
 _readv = getattr(_libc, "process_vm_readv", None)
 if _readv is not None:
-    _readv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
+    _readv.argtypes = [
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_ulong,
+        ctypes.c_void_p,
+        ctypes.c_ulong,
+        ctypes.c_ulong,
+    ]
     _readv.restype = ctypes.c_ssize_t
 IOV_MAX = 1024  # iovecs per process_vm_readv call
 
@@ -202,12 +218,18 @@ def read_process(pid: int, local: np.ndarray, remote: np.ndarray) -> int:
     got = 0
     for start in range(0, len(local), IOV_MAX):
         count = min(IOV_MAX, len(local) - start)
-        want = int(local[start:start + count, 1].sum())
-        n = _readv(pid, local.ctypes.data + start * 16, count, remote.ctypes.data + start * 16, count, 0)
-        if n < 0 and ctypes.get_errno() == 14:  # EFAULT: the first region is not mapped, nothing was read
+        want = int(local[start : start + count, 1].sum())
+        n = _readv(
+            pid, local.ctypes.data + start * 16, count, remote.ctypes.data + start * 16, count, 0
+        )
+        if (
+            n < 0 and ctypes.get_errno() == 14
+        ):  # EFAULT: the first region is not mapped, nothing was read
             break
         if n < 0:
-            raise OSError(ctypes.get_errno(), f"process_vm_readv: {os.strerror(ctypes.get_errno())}")
+            raise OSError(
+                ctypes.get_errno(), f"process_vm_readv: {os.strerror(ctypes.get_errno())}"
+            )
         got += n
         if n < want:
             break
@@ -229,7 +251,9 @@ class DirectRead(NamedTuple):
 
     def describe(self) -> str:
         """``"leaves on, storages off"``..."""
-        return f"leaves {'on' if self.leaves else 'off'}, storages {'on' if self.storages else 'off'}"
+        return (
+            f"leaves {'on' if self.leaves else 'off'}, storages {'on' if self.storages else 'off'}"
+        )
 
 
 DEFAULT_DIRECT_READ = DirectRead(leaves=False, storages=False)
@@ -258,9 +282,12 @@ def direct_read_choice() -> tuple[DirectRead, str]:
     if kept is None:
         return DEFAULT_DIRECT_READ, "the default; `python -m cudarecv tune` measures this machine"
     value, why = kept
-    if not (isinstance(value, dict) and set(value) == set(DirectRead._fields)
-            and all(isinstance(v, bool) for v in value.values())):
-        raise _tuned.refused(f"direct_read={value!r} must be {{\"leaves\": bool, \"storages\": bool}}")
+    if not (
+        isinstance(value, dict)
+        and set(value) == set(DirectRead._fields)
+        and all(isinstance(v, bool) for v in value.values())
+    ):
+        raise _tuned.refused(f'direct_read={value!r} must be {{"leaves": bool, "storages": bool}}')
     return DirectRead(**value), why
 
 
@@ -281,7 +308,9 @@ def direct_read_pays() -> DirectRead:
         DirectRead(leaves=False, storages=False)
     """
     global DIRECT_PAYS
-    if direct_read_setting() != "auto":  # (the environment may change between transfers: read each time)
+    if (
+        direct_read_setting() != "auto"
+    ):  # (the environment may change between transfers: read each time)
         pays, why = direct_read_choice()
         _say(f"direct reads of same-host peers: {pays.describe()} ({why})")
         return pays

@@ -35,7 +35,9 @@ class Link:
         """The process group's own timeout in seconds (what bounds a wait without ``timeout=``), if readable."""
         pg = self.pg
         getters = [lambda: pg.options._timeout]
-        getters += [lambda d=d: pg._get_backend(torch.device(d)).options._timeout for d in ("cpu", "cuda")]
+        getters += [
+            lambda d=d: pg._get_backend(torch.device(d)).options._timeout for d in ("cpu", "cuda")
+        ]
         for get in getters:
             try:
                 return get().total_seconds()
@@ -47,12 +49,16 @@ class Link:
 def as_rank(value: object, name: str) -> int:
     """An int rank from ``value`` (numpy ints too, as torch.distributed takes them)."""
     if isinstance(value, bool):
-        raise ArgumentTypeError(f"`{name}` must be an int rank (or, where it takes several, a list of them), got bool")
+        raise ArgumentTypeError(
+            f"`{name}` must be an int rank (or, where it takes several, a list of them), got bool"
+        )
     try:
         return operator.index(value)
     except TypeError:
-        raise ArgumentTypeError(f"`{name}` must be an int rank (or, where it takes several, a list of them), "
-                                f"got {type(value).__name__}") from None
+        raise ArgumentTypeError(
+            f"`{name}` must be an int rank (or, where it takes several, a list of them), "
+            f"got {type(value).__name__}"
+        ) from None
 
 
 def _check_group(group: object) -> None:
@@ -64,8 +70,13 @@ def _check_group(group: object) -> None:
         )
 
 
-def resolve(peer: int | None, group_peer: int | None, group: object | None,
-            peer_name: str, group_peer_name: str) -> Link:
+def resolve(
+    peer: int | None,
+    group_peer: int | None,
+    group: object | None,
+    peer_name: str,
+    group_peer_name: str,
+) -> Link:
     """Check the peer arguments of one call and return its :class:`Link`.
 
     ``peer_name``/``group_peer_name`` are ``"src"``/``"group_src"`` or
@@ -140,13 +151,20 @@ def resolve(peer: int | None, group_peer: int | None, group: object | None,
 
 
 # what a backend's error says, by a phrase of its text, in cudarecv's words
-_SAYS = (("closed by peer", "the peer closed the connection"), ("reset by peer", "the connection was reset"),
-         ("broken pipe", "the connection was reset"), ("timed out", "the process group's wait timed out"))
+_SAYS = (
+    ("closed by peer", "the peer closed the connection"),
+    ("reset by peer", "the connection was reset"),
+    ("broken pipe", "the connection was reset"),
+    ("timed out", "the process group's wait timed out"),
+)
 
 
 def peer_failure(error: BaseException) -> str:
     """What a failed wait on the process group means, never the backend's own text (it stays the raised
     error's ``__cause__``)."""
     text = str(error).lower()
-    said = next((said for phrase, said in _SAYS if phrase in text), f"{type(error).__name__} from the process group")
+    said = next(
+        (said for phrase, said in _SAYS if phrase in text),
+        f"{type(error).__name__} from the process group",
+    )
     return f"{said} (the backend's message is this error's __cause__)"

@@ -4,13 +4,19 @@ must not grow with the number of distinct calls."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable, Hashable, TypeVar
+from collections.abc import Callable, Hashable
+from typing import TypeVar
 
 V = TypeVar("V")
 
 
-def lru_get(cache: "OrderedDict[Hashable, V]", key: Hashable, build: Callable[[], V], limit: int,
-            evict: Callable[[V], None] | None = None) -> V:
+def lru_get(
+    cache: OrderedDict[Hashable, V],
+    key: Hashable,
+    build: Callable[[], V],
+    limit: int,
+    evict: Callable[[V], None] | None = None,
+) -> V:
     """``cache[key]``, built with ``build()`` on a miss; the least recently used entry goes
     (``evict(value)`` first) once more than ``limit`` are kept.
 

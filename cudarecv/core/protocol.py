@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import copy
 import traceback
-from typing import Any, Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
+from typing import Any
 
 from .errors import Error
 
@@ -62,7 +63,11 @@ def frameless(error: BaseException) -> None:
         item = todo.pop()
         if item is not None and id(item) not in seen:
             seen.add(id(item))
-            if item.__traceback__ is not None and not isinstance(item, Error) and hasattr(item, "add_note"):
+            if (
+                item.__traceback__ is not None
+                and not isinstance(item, Error)
+                and hasattr(item, "add_note")
+            ):
                 frames = "".join(traceback.format_tb(item.__traceback__))
                 item.add_note(f"raised at (in cudarecv's transfer):\n{frames}")
             item.__traceback__ = None

@@ -25,8 +25,16 @@ class Record:
     record whose every field is checked anyway (a handshake's preamble); ``error`` is raised for anything else, its
     message ending with ``hint`` (what it means for the link, and the likely fix)."""
 
-    def __init__(self, name: str, magic: bytes, fields: str, size: int | None = None, crc: bool = True,
-                 error: type[Error] = OutOfStepError, hint: str = "the link is out of step") -> None:
+    def __init__(
+        self,
+        name: str,
+        magic: bytes,
+        fields: str,
+        size: int | None = None,
+        crc: bool = True,
+        error: type[Error] = OutOfStepError,
+        hint: str = "the link is out of step",
+    ) -> None:
         if len(magic) != 4:
             raise ValueError("a record's magic is 4 bytes")
         self.name, self.magic, self.crc, self.error, self.hint = name, magic, crc, error, hint
@@ -48,14 +56,20 @@ class Record:
         buffer's room), the magic, the CRC and zero padding; else :attr:`error` saying the message is none."""
         raw = bytes(raw)
         if len(raw) < self.size:
-            raise self.error(f"a {self.name} of {len(raw)} bytes is shorter than its {self.size}: {self.hint}")
-        if any(raw[self.size:]):
-            raise self.error(f"a message is longer than the {self.size} bytes of a {self.name}: {self.hint}")
+            raise self.error(
+                f"a {self.name} of {len(raw)} bytes is shorter than its {self.size}: {self.hint}"
+            )
+        if any(raw[self.size :]):
+            raise self.error(
+                f"a message is longer than the {self.size} bytes of a {self.name}: {self.hint}"
+            )
         end = self.fields.size
-        if raw[:4] != self.magic or (self.crc and _CRC.unpack_from(raw, end)[0] != zlib.crc32(raw[:end])):
+        if raw[:4] != self.magic or (
+            self.crc and _CRC.unpack_from(raw, end)[0] != zlib.crc32(raw[:end])
+        ):
             what = "bad magic or checksum" if self.crc else "bad magic"
             raise self.error(f"the message is not a cudarecv {self.name} ({what}): {self.hint}")
-        if any(raw[end + (_CRC.size if self.crc else 0):self.size]):
+        if any(raw[end + (_CRC.size if self.crc else 0) : self.size]):
             raise self.error(f"a {self.name}'s padding is not zeros: {self.hint}")
         return self.fields.unpack_from(raw)[1:]
 
@@ -70,8 +84,16 @@ class Table(Record):
         ((1,), [(3, 4096)])
     """
 
-    def __init__(self, name: str, magic: bytes, fields: str, each: str, most: int, error: type[Error] = OutOfStepError,
-                 hint: str = "the link is out of step") -> None:
+    def __init__(
+        self,
+        name: str,
+        magic: bytes,
+        fields: str,
+        each: str,
+        most: int,
+        error: type[Error] = OutOfStepError,
+        hint: str = "the link is out of step",
+    ) -> None:
         super().__init__(name, magic, fields + "I", error=error, hint=hint)
         self.each, self.most = struct.Struct("<" + each), most
 
@@ -81,7 +103,9 @@ class Table(Record):
 
     def pack(self, *values: object, entries: list[tuple] = ()) -> bytes:  # type: ignore[override]
         """The table of ``values`` (the fields after the magic, less the count) and ``entries``."""
-        body = self.fields.pack(self.magic, *values, len(entries)) + b"".join(self.each.pack(*e) for e in entries)
+        body = self.fields.pack(self.magic, *values, len(entries)) + b"".join(
+            self.each.pack(*e) for e in entries
+        )
         return body + _CRC.pack(zlib.crc32(body))
 
     def peek(self, raw: bytes) -> tuple | None:
@@ -93,13 +117,21 @@ class Table(Record):
         entry is read, then the magic and CRC; else :attr:`error`."""
         raw = bytes(raw)
         if len(raw) < self.size_of(0):
-            raise self.error(f"a {self.name} of {len(raw)} bytes is shorter than its {self.size_of(0)}: {self.hint}")
+            raise self.error(
+                f"a {self.name} of {len(raw)} bytes is shorter than its {self.size_of(0)}: {self.hint}"
+            )
         *values, count = self.fields.unpack_from(raw)
         if count > self.most or len(raw) != self.size_of(count):
-            raise self.error(f"a {self.name} of {len(raw)} bytes says it holds {count} entries (at most {self.most}): "
-                             f"{self.hint}")
+            raise self.error(
+                f"a {self.name} of {len(raw)} bytes says it holds {count} entries (at most {self.most}): "
+                f"{self.hint}"
+            )
         end = len(raw) - _CRC.size
         if values[0] != self.magic or _CRC.unpack_from(raw, end)[0] != zlib.crc32(raw[:end]):
-            raise self.error(f"the message is not a cudarecv {self.name} (bad magic or checksum): {self.hint}")
-        entries = [self.each.unpack_from(raw, self.fields.size + i * self.each.size) for i in range(count)]
+            raise self.error(
+                f"the message is not a cudarecv {self.name} (bad magic or checksum): {self.hint}"
+            )
+        entries = [
+            self.each.unpack_from(raw, self.fields.size + i * self.each.size) for i in range(count)
+        ]
         return tuple(values[1:]), entries

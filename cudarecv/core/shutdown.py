@@ -23,8 +23,9 @@ import contextlib
 import threading
 import time
 import weakref
+from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -40,8 +41,12 @@ _DRIVEN: dict = {}  # transfer -> the thread driving it now (in Transfer.settle)
 _LOCK = threading.Lock()  # guards _DRIVEN's entries and _exiting
 _exiting = False  # set by the exit hook: no transfer starts waiting after it looked
 _BACKGROUND: set = set()  # transfers handed to a background thread, until they end
-_STOPS: list[Callable[[], Callable[[float], None] | None]] = []  # at_exit's, each behind a (weak) reference
-_THREADS: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()  # start_thread's (a running one is referenced)
+_STOPS: list[
+    Callable[[], Callable[[float], None] | None]
+] = []  # at_exit's, each behind a (weak) reference
+_THREADS: weakref.WeakSet[threading.Thread] = (
+    weakref.WeakSet()
+)  # start_thread's (a running one is referenced)
 
 
 @contextlib.contextmanager
@@ -114,7 +119,11 @@ def _at_exit() -> None:
     end = time.monotonic() + GRACE
     for transfer in stuck:
         if not transfer.left_by(end, me):
-            logger.warning("at exit: %s still waits after %g s; the process may abort (SIGABRT)", transfer.what, GRACE)
+            logger.warning(
+                "at exit: %s still waits after %g s; the process may abort (SIGABRT)",
+                transfer.what,
+                GRACE,
+            )
     end = time.monotonic() + GRACE
     for ref in _STOPS:
         stop = ref()
@@ -128,18 +137,27 @@ def _at_exit() -> None:
         if thread is not me and thread.is_alive():
             thread.join(max(end - time.monotonic(), 0.0))
             if thread.is_alive():
-                logger.warning("at exit: thread %s still runs after %g s; the process may abort (SIGABRT)",
-                               thread.name, GRACE)
+                logger.warning(
+                    "at exit: thread %s still runs after %g s; the process may abort (SIGABRT)",
+                    thread.name,
+                    GRACE,
+                )
 
 
 def _close_links(waiting: list[Any]) -> None:
     """Close every link of the gloo group the ``waiting`` transfers wait on (a wait of 1 ms that runs out makes
     gloo close them all), so their waits end with an error."""
     link = waiting[0].link
-    logger.warning("at exit: closing every link of process group %s, where %d transfer(s) still wait: %s",
-                   _group_name(link.pg), len(waiting), "; ".join(t.what for t in waiting))
+    logger.warning(
+        "at exit: closing every link of process group %s, where %d transfer(s) still wait: %s",
+        _group_name(link.pg),
+        len(waiting),
+        "; ".join(t.what for t in waiting),
+    )
     with contextlib.suppress(Exception):  # the wait runs out: that is the point
-        link.pg.recv([torch.zeros(1, dtype=torch.uint8)], link.peer, MAX_TAG).wait(timedelta(milliseconds=1))
+        link.pg.recv([torch.zeros(1, dtype=torch.uint8)], link.peer, MAX_TAG).wait(
+            timedelta(milliseconds=1)
+        )
 
 
 def _group_name(pg: Any) -> str:

@@ -15,10 +15,10 @@ import torch
 from .errors import ArgumentError
 from .lru import lru_get
 
-_STREAMS: dict[int, "torch.cuda.Stream"] = {}
+_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
-def dedicated_stream(device: torch.device) -> "torch.cuda.Stream":
+def dedicated_stream(device: torch.device) -> torch.cuda.Stream:
     """cudarecv's own stream on ``device``, created once per device and reused.
 
     Example:
@@ -33,10 +33,10 @@ def dedicated_stream(device: torch.device) -> "torch.cuda.Stream":
     return stream
 
 
-_COPY_STREAMS: dict[int, "torch.cuda.Stream"] = {}
+_COPY_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
-def copy_stream(device: torch.device) -> "torch.cuda.Stream":
+def copy_stream(device: torch.device) -> torch.cuda.Stream:
     """cudarecv's second stream on ``device``, for staging copies that overlap the wire."""
     index = _index(device)
     stream = _COPY_STREAMS.get(index)
@@ -45,7 +45,7 @@ def copy_stream(device: torch.device) -> "torch.cuda.Stream":
     return stream
 
 
-def transfer_stream(device: torch.device, stream: "torch.cuda.Stream | None") -> "torch.cuda.Stream":
+def transfer_stream(device: torch.device, stream: torch.cuda.Stream | None) -> torch.cuda.Stream:
     """The stream a transfer to/from ``device`` runs on: the caller's ``stream`` or the dedicated one."""
     if stream is None:
         return dedicated_stream(device)
@@ -57,7 +57,7 @@ def transfer_stream(device: torch.device, stream: "torch.cuda.Stream | None") ->
     return stream
 
 
-def follow_caller(stream: "torch.cuda.Stream") -> None:
+def follow_caller(stream: torch.cuda.Stream) -> None:
     """Order ``stream`` after the caller's current stream (what it queued comes first),
     without blocking either the caller's stream or the host."""
     stream.wait_stream(torch.cuda.current_stream(stream.device))
@@ -85,7 +85,7 @@ def _index(device: torch.device) -> int:
 class EventWork:
     """A recorded CUDA event seen as a ``Work``: ``wait()`` blocks the host until it fires."""
 
-    def __init__(self, event: "torch.cuda.Event") -> None:
+    def __init__(self, event: torch.cuda.Event) -> None:
         self.event = event
 
     def wait(self, timeout: Any = None) -> bool:
@@ -99,7 +99,7 @@ class EventWork:
         return self.event.query()
 
 
-def record(stream: "torch.cuda.Stream") -> "torch.cuda.Event":
+def record(stream: torch.cuda.Stream) -> torch.cuda.Event:
     """A new event recorded on ``stream``; waiting for it blocks the host thread in the OS
     (``cudaEventBlockingSync``) rather than spinning a core."""
     event = torch.cuda.Event(blocking=True)
@@ -134,7 +134,9 @@ class StagingPool:
         self._buffers: OrderedDict[tuple[str, int], list[torch.Tensor]] = OrderedDict()
         self._fences: dict[int, Any] = {}
 
-    def buffers(self, place: str | torch.device, nbytes: int, count: int | None = None) -> list[torch.Tensor]:
+    def buffers(
+        self, place: str | torch.device, nbytes: int, count: int | None = None
+    ) -> list[torch.Tensor]:
         """``min(count, depth)`` uint8 buffers of ``nbytes`` on ``place``, reused across calls."""
         count = self.depth if count is None else min(count, self.depth)
         found = lru_get(self._buffers, (str(place), nbytes), list, self.sizes, evict=self._retire)
@@ -161,4 +163,3 @@ def _allocate(place: str | torch.device, nbytes: int) -> torch.Tensor:
     if str(place) == "pinned":
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     return torch.empty(nbytes, dtype=torch.uint8, device=place)
-

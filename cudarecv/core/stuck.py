@@ -14,7 +14,8 @@ receive its own). So such a call is refused at once too; other tags (another
 from __future__ import annotations
 
 import weakref
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from .errors import LinkError
 from .link import Link
@@ -51,7 +52,9 @@ def check(td: Any, link: Link, tags: Sequence[int] = (), sending: bool = False) 
     """Raise :class:`LinkError` if an earlier transfer of ``td`` on ``link``, or one in the same direction
     on any of ``tags`` there, left messages behind."""
     entry = _STUCK.get(id(td))
-    found = None if entry is None or entry[0]() is not td else entry[1].get((id(link.pg), link.peer))
+    found = (
+        None if entry is None or entry[0]() is not td else entry[1].get((id(link.pg), link.peer))
+    )
     if found is not None and found[0]() is link.pg:
         raise LinkError(
             f"an earlier transfer of this tensordict with rank {link.peer} failed ({found[1]}); a late message "
@@ -75,6 +78,9 @@ def check(td: Any, link: Link, tags: Sequence[int] = (), sending: bool = False) 
 def _shared(taken: Sequence[int], tags: Sequence[int]) -> int | None:
     """A tag in both (None if none)."""
     if isinstance(taken, range) and isinstance(tags, range):
-        low, high = max(taken.start, tags.start), min(taken.stop, tags.stop)  # (step 1: plan.tags' ranges)
+        low, high = (
+            max(taken.start, tags.start),
+            min(taken.stop, tags.stop),
+        )  # (step 1: plan.tags' ranges)
         return low if low < high else None
     return next((tag for tag in tags if tag in taken), None)

@@ -29,11 +29,17 @@ MAX_INIT_TAG = 1 << 28  # so both ranges stay apart and below WEIGHTS
 
 WEIGHTS = (1 << 30) + (1 << 29)  # weight-sync tags: past the fast wire's
 TAG_PREAMBLE, TAG_SCHEMA, TAG_STATUS = (WEIGHTS + k for k in range(3))  # the handshake
-TAG_LAYOUT = WEIGHTS + 3  # sharded weight sync: what each end of a pair sends or wants, ahead of the handshake
+TAG_LAYOUT = (
+    WEIGHTS + 3
+)  # sharded weight sync: what each end of a pair sends or wants, ahead of the handshake
 SESSIONS = 1 << 26  # a sender's session: random, in the preamble; 4 tags each
 SESSIONS_BASE = WEIGHTS + 64
-BACK_TAGS = SESSIONS_BASE + 4 * SESSIONS  # past every weight-sync tag: the same-host transports' words back
-RELAY_TAGS = BACK_TAGS + (1 << 20)  # past the words back: a relay chain's hops, each push its own two
+BACK_TAGS = (
+    SESSIONS_BASE + 4 * SESSIONS
+)  # past every weight-sync tag: the same-host transports' words back
+RELAY_TAGS = BACK_TAGS + (
+    1 << 20
+)  # past the words back: a relay chain's hops, each push its own two
 RELAY_PUSHES = 1 << 26  # (so RELAY_TAGS + 2 * RELAY_PUSHES stays below MAX_TAG)
 
 

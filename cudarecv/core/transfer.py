@@ -36,11 +36,13 @@ never join an autograd graph, whatever the leaves require.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import time
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -53,7 +55,11 @@ from .link import Link
 from .protocol import ErrorHook, Protocol, Stage, StartClock, Submit, again, frameless
 from .transport import park
 
-WIRE, SHARED_MEMORY, CUDA_IPC = "wire", "shared memory", "cuda ipc"  # what carried a payload (Transfer.transport)
+WIRE, SHARED_MEMORY, CUDA_IPC = (
+    "wire",
+    "shared memory",
+    "cuda ipc",
+)  # what carried a payload (Transfer.transport)
 _UNBOUNDED = timedelta(days=3650)  # a gloo wait that never runs out (see the module docstring)
 BOUNDED_GRACE = 1.0  # seconds a gloo wait on a bounded pair lasts past its transfer's deadline
 
@@ -74,9 +80,18 @@ class Transfer(torch.futures.Future):
         >>> other_stream.wait_event(transfer.event)  # on a GPU: order another stream too
     """
 
-    def __init__(self, protocol: Protocol, stream: Any = None, on_error: ErrorHook | None = None,
-                 timeout: float | None = None, driver: Submit | None = None, link: Link | None = None,
-                 raise_first: bool = True, what: str | None = None, route: Any = None) -> None:
+    def __init__(
+        self,
+        protocol: Protocol,
+        stream: Any = None,
+        on_error: ErrorHook | None = None,
+        timeout: float | None = None,
+        driver: Submit | None = None,
+        link: Link | None = None,
+        raise_first: bool = True,
+        what: str | None = None,
+        route: Any = None,
+    ) -> None:
         super().__init__()
         self._route = route  # where the payload went, if a same-host transport may take it (:mod:`cudarecv.samehost.sides`)
         #: what the transfer does, for a caller's :class:`WaitTimeout` (e.g. ``"pull from rank 0"``)
@@ -89,8 +104,12 @@ class Transfer(torch.futures.Future):
         self._works: Sequence[Any] = ()
         self._finished = False
         self.failed = False  # whether the transfer ended in an error
-        self._error: BaseException | None = None  # its error (also the C++ future's), without frames
-        self._expired = False  # whether it failed by its own timeout (its driver may still wait in gloo)
+        self._error: BaseException | None = (
+            None  # its error (also the C++ future's), without frames
+        )
+        self._expired = (
+            False  # whether it failed by its own timeout (its driver may still wait in gloo)
+        )
         #: what it waits for, if its protocol said (:class:`Stage`: a string, or an object whose ``str()`` says it
         #: as the transfer goes on, e.g. which payload message); a failure names it
         self.stage: Any = None
@@ -129,7 +148,9 @@ class Transfer(torch.futures.Future):
             except BaseException as error:
                 self._fail(error)
         if raise_error and self._error is not None:
-            raise again(self._error)  # (not while handling the original: it is the copy's cause or itself)
+            raise again(
+                self._error
+            )  # (not while handling the original: it is the copy's cause or itself)
 
     def _fail(self, error: BaseException) -> None:
         """End the transfer with ``error`` (as ``on_error`` rewrites it).
@@ -170,7 +191,9 @@ class Transfer(torch.futures.Future):
             if not self._finished and time.monotonic() >= self.deadline():
                 self._expired = True
                 stage = None if self.stage is None else str(self.stage)  # (as it stands now)
-                error = TransferTimeout(f"{stage or 'the transfer'} did not finish within {self.timeout:g} s")
+                error = TransferTimeout(
+                    f"{stage or 'the transfer'} did not finish within {self.timeout:g} s"
+                )
                 error.stage = stage  # for an error hook that names what was waited for
                 error.in_flight = not all(work.is_completed() for work in self._works)
                 self._fail(error)
@@ -250,8 +273,10 @@ class Transfer(torch.futures.Future):
         cudarecv-deadlines, which ends it then); raise :class:`WaitTimeout` past ``timeout``."""
         self.settle_in_background()
         if not self._settled.wait(timeout):
-            raise WaitTimeout(f"{self.what} has not finished after {timeout:g} s; it goes on "
-                              "(wait again, or check done())")
+            raise WaitTimeout(
+                f"{self.what} has not finished after {timeout:g} s; it goes on "
+                "(wait again, or check done())"
+            )
 
     @property
     def settled(self) -> bool:
@@ -266,6 +291,7 @@ class Transfer(torch.futures.Future):
     def left_by(self, end: float, me: threading.Thread) -> bool:
         """Wait until ``end`` (``time.monotonic()``) for the transfer to end and its driver (if not ``me``) to
         leave it; whether both did (the exit hook's wait)."""
+
         def left() -> float:
             return max(end - time.monotonic(), 0.0)
 
@@ -277,12 +303,12 @@ class Transfer(torch.futures.Future):
             helper.join(left())
         return True
 
-    def turn(self) -> "Turn":
+    def turn(self) -> Turn:
         """A work that completes when this transfer ends, for the next transfer on its :class:`~cudarecv.core.turns.Line`
         to wait on before it posts anything."""
         return Turn(self)
 
-    def ended(self, drive: bool = True) -> "Ended":
+    def ended(self, drive: bool = True) -> Ended:
         """A work that completes when this transfer ends, for another protocol to yield (``drive=False``: its
         wait never drives it on the waiter's thread, so a wait in gloo that outlives its deadline holds only
         the transfer's own driver)."""
@@ -290,11 +316,18 @@ class Transfer(torch.futures.Future):
 
     def settle(self) -> None:
         """Drive the transfer to its end on this thread; never raises (the error is the future's)."""
-        with self._driving, shutdown.driving(self) as may_wait:  # (its waits are the exit hook's to end)
-            if not may_wait:  # the exit hook has ended the waits: a thread back from gloo after it would abort
+        with (
+            self._driving,
+            shutdown.driving(self) as may_wait,
+        ):  # (its waits are the exit hook's to end)
+            if (
+                not may_wait
+            ):  # the exit hook has ended the waits: a thread back from gloo after it would abort
                 with self._state:
                     if not self._finished:
-                        self._fail(LinkError(f"{self.what} was still waiting when the process exited"))
+                        self._fail(
+                            LinkError(f"{self.what} was still waiting when the process exited")
+                        )
                 return
             while not self._finished and self._waited():
                 # no frame of this thread holds a work now: the last step sets the result, the waiter
@@ -388,20 +421,28 @@ def _note_stage(error: BaseException, stage: Any) -> None:
     the transfer's error hook: a peer that died mid-payload is then named there, not at the header."""
     if stage is None or getattr(error, "stage", None) is not None:
         return
-    try:
+    # (an exception type that takes no attributes: the hook names the call)
+    with contextlib.suppress(AttributeError, TypeError):
         error.stage = str(stage)
-    except (AttributeError, TypeError):  # an exception type that takes no attributes: the hook names the call
-        pass
 
 
-def run_standing(protocol: Protocol, link: Link, stream: Any = None, on_error: ErrorHook | None = None) -> Any:
+def run_standing(
+    protocol: Protocol, link: Link, stream: Any = None, on_error: ErrorHook | None = None
+) -> Any:
     """Drive ``protocol`` to its end on this thread with no deadline (a receive that may wait
     for as long as the peer likes) and return its result; raises its error.
 
     Its gloo waits never time out (see the module docstring) and are ended at exit.
     """
-    transfer = Transfer(protocol, stream, on_error=on_error, timeout=math.inf, driver=_here, link=link,
-                        raise_first=False)
+    transfer = Transfer(
+        protocol,
+        stream,
+        on_error=on_error,
+        timeout=math.inf,
+        driver=_here,
+        link=link,
+        raise_first=False,
+    )
     transfer.settle()
     return transfer.wait()
 

@@ -25,7 +25,8 @@ import os
 import threading
 import weakref
 from collections import deque
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch.distributed as dist
 from torch import Tensor
@@ -36,8 +37,9 @@ from .link import Link
 from .log import logger
 
 
-def post(link: Link, sending: bool, tensors: Sequence[Tensor], tags: Sequence[int],
-         batch: bool = False) -> list[Any]:
+def post(
+    link: Link, sending: bool, tensors: Sequence[Tensor], tags: Sequence[int], batch: bool = False
+) -> list[Any]:
     """Post a send (``sending``) or receive of every tensor with its tag; return the works.
 
     On NCCL, ``batch`` posts them as one coalesced group call (the group's communicator, even for one
@@ -59,7 +61,9 @@ def post(link: Link, sending: bool, tensors: Sequence[Tensor], tags: Sequence[in
     return works
 
 
-BATCH_ENV = "CUDARECV_NCCL_BATCH"  # "1": batch the stock wire's per-leaf messages, "0": one op each, "auto"
+BATCH_ENV = (
+    "CUDARECV_NCCL_BATCH"  # "1": batch the stock wire's per-leaf messages, "0": one op each, "auto"
+)
 
 
 def nccl_batching(link: Link) -> bool:
@@ -69,7 +73,9 @@ def nccl_batching(link: Link) -> bool:
     stock tensordict peer posts one op per leaf: set ``0`` on the cudarecv end."""
     setting = os.environ.get(BATCH_ENV, "auto")
     if setting not in ("0", "1", "auto"):
-        raise ArgumentError(f"the environment variable {BATCH_ENV}={setting!r} must be 0, 1 or auto")
+        raise ArgumentError(
+            f"the environment variable {BATCH_ENV}={setting!r} must be 0, 1 or auto"
+        )
     if setting != "auto":
         return setting == "1"
     return link.pg.size() == 2
@@ -85,7 +91,9 @@ _PARKING = threading.Lock()
 PARKED_WARN = 1024  # the logger warns each time the kept entries pass this, then twice as many
 PARKED_MAX = 1 << 16
 _warn_at = PARKED_WARN
-_scan_at = PARKED_WARN  # the entries' count at which completed ones are let go (twice those kept then)
+_scan_at = (
+    PARKED_WARN  # the entries' count at which completed ones are let go (twice those kept then)
+)
 
 
 def park(works: Sequence[Any], pg: Any = None) -> None:
@@ -103,12 +111,18 @@ def park(works: Sequence[Any], pg: Any = None) -> None:
             return
         _warn_at = min(2 * _warn_at, PARKED_MAX)
     if dropped:
-        logger.warning("more than %d posted works of failed transfers and unanswered messages are kept: the %d "
-                       "oldest were dropped; a dropped one still pending cancels its message and closes its link",
-                       PARKED_MAX, dropped)
+        logger.warning(
+            "more than %d posted works of failed transfers and unanswered messages are kept: the %d "
+            "oldest were dropped; a dropped one still pending cancels its message and closes its link",
+            PARKED_MAX,
+            dropped,
+        )
     else:
-        logger.warning("%d posted works of failed transfers and unanswered messages are kept alive (dropping one "
-                       "still pending would close its link); they are freed at exit", kept)
+        logger.warning(
+            "%d posted works of failed transfers and unanswered messages are kept alive (dropping one "
+            "still pending would close its link); they are freed at exit",
+            kept,
+        )
 
 
 def release(pg: Any) -> None:
@@ -140,7 +154,9 @@ def _completed(item: Any) -> bool:
     return check is not None and bool(check())  # a protocol's frame may hold works: kept
 
 
-_COALESCING: "weakref.WeakKeyDictionary[Any, threading.Lock]" = weakref.WeakKeyDictionary()  # per group
+_COALESCING: weakref.WeakKeyDictionary[Any, threading.Lock] = (
+    weakref.WeakKeyDictionary()
+)  # per group
 _COALESCING_LOCK = threading.Lock()
 
 
@@ -153,14 +169,22 @@ def _coalescing(pg: Any) -> threading.Lock:
         return lock
 
 
-def _coalesced(link: Link, sending: bool, tensors: Sequence[Tensor], tags: Sequence[int]) -> list[Any]:
+def _coalesced(
+    link: Link, sending: bool, tensors: Sequence[Tensor], tags: Sequence[int]
+) -> list[Any]:
     device = tensors[0].device
     pg = link.pg
-    with _coalescing(pg):  # batches from several threads must not mix in the group's one coalescing state
+    with _coalescing(
+        pg
+    ):  # batches from several threads must not mix in the group's one coalescing state
         if link.registered:
             op = dist.isend if sending else dist.irecv
             return dist.batch_isend_irecv(
-                [dist.P2POp(op, t, group=pg, tag=tag, group_peer=link.peer) for t, tag in zip(tensors, tags)])
+                [
+                    dist.P2POp(op, t, group=pg, tag=tag, group_peer=link.peer)
+                    for t, tag in zip(tensors, tags)
+                ]
+            )
         if not hasattr(pg, "_start_coalescing"):
             raise UsageError(
                 f"the standalone group {type(pg).__name__} cannot coalesce point-to-point ops; "

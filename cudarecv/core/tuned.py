@@ -48,7 +48,10 @@ def machine() -> str:
     model = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+            model = next(
+                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
+                model,
+            )
     except OSError:
         pass
     return f"{socket.gethostname()} / {model} / {os.cpu_count()} CPUs"
@@ -56,7 +59,9 @@ def machine() -> str:
 
 def refused(what: str) -> ArgumentError:
     """The error for a bad tune file: ``what`` is wrong in it, and the fix."""
-    return ArgumentError(f"{path()}: {what}; run `python -m cudarecv tune` again, or delete the file")
+    return ArgumentError(
+        f"{path()}: {what}; run `python -m cudarecv tune` again, or delete the file"
+    )
 
 
 #: what an unreadable location raises (the process may not search a directory of the path, or read the file; a
@@ -74,21 +79,28 @@ def _read_all() -> dict[str, Any]:
         return {}
     except OSError as error:
         if error.errno in _UNREADABLE:
-            logger.warning("the tune file %s cannot be read by this process (%s): nothing tuned, the defaults are "
-                           "used; set XDG_CACHE_HOME to a directory it may read (where `python -m cudarecv tune` "
-                           "ran as this user), or the settings' environment variables", where,
-                           error.strerror or type(error).__name__)
+            logger.warning(
+                "the tune file %s cannot be read by this process (%s): nothing tuned, the defaults are "
+                "used; set XDG_CACHE_HOME to a directory it may read (where `python -m cudarecv tune` "
+                "ran as this user), or the settings' environment variables",
+                where,
+                error.strerror or type(error).__name__,
+            )
             return {}
         raise refused(f"cannot be read ({error.strerror})") from None
     try:
         data = json.loads(raw)
     except ValueError as error:
         raise refused(f"not JSON ({error})") from None
-    if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("machines"), dict):
+    if (
+        not isinstance(data, dict)
+        or data.get("format") != FORMAT
+        or not isinstance(data.get("machines"), dict)
+    ):
         raise refused(f"not a cudarecv tune file of format {FORMAT}")
     for key, entry in data["machines"].items():
         if not (isinstance(entry, dict) and isinstance(entry.get("settings"), dict)):
-            raise refused(f"the entry of {key!r} has no \"settings\" object")
+            raise refused(f'the entry of {key!r} has no "settings" object')
     return data["machines"]
 
 
@@ -125,10 +137,15 @@ def save(settings: dict[str, Any], measured: dict[str, Any], at: str) -> Path:
         partial = where.with_name(f"{where.name}.{os.getpid()}.tmp")
         try:
             where.parent.mkdir(parents=True, exist_ok=True)
-            partial.write_text(json.dumps({"format": FORMAT, "machines": machines}, indent=2, sort_keys=True) + "\n")
+            partial.write_text(
+                json.dumps({"format": FORMAT, "machines": machines}, indent=2, sort_keys=True)
+                + "\n"
+            )
             os.replace(partial, where)
         except OSError as error:
-            raise UsageError(f"the tune file {where} cannot be written ({error.strerror or error}): point "
-                             "XDG_CACHE_HOME at a folder this process may write, then run tune again") from error
+            raise UsageError(
+                f"the tune file {where} cannot be written ({error.strerror or error}): point "
+                "XDG_CACHE_HOME at a folder this process may write, then run tune again"
+            ) from error
         _entry = machines[machine()]
     return where

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, Hashable
+from collections.abc import Hashable
+from typing import Any
 
 from .link import Link
 
@@ -27,7 +28,9 @@ class Line:
     """The transfers of one link and tag key in flight, in joining order (see the module docstring)."""
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()  # held from :meth:`earlier` to :meth:`join`, across the transfer's first step
+        self.lock = (
+            threading.Lock()
+        )  # held from :meth:`earlier` to :meth:`join`, across the transfer's first step
         self._pending: list[weakref.ref] = []
 
     def earlier(self) -> list[Any]:
@@ -41,7 +44,9 @@ class Line:
         self._pending.append(weakref.ref(transfer))
 
 
-_LINES: "weakref.WeakKeyDictionary[Any, dict[tuple[int, Hashable], Line]]" = weakref.WeakKeyDictionary()
+_LINES: weakref.WeakKeyDictionary[Any, dict[tuple[int, Hashable], Line]] = (
+    weakref.WeakKeyDictionary()
+)
 _LOCK = threading.Lock()
 
 

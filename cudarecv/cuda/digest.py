@@ -14,7 +14,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import blake3
 import numpy as np
@@ -34,7 +34,9 @@ _THREADED_FROM = 1 << 20  # below this, one thread hashes faster than several
 def digest(storage: Tensor) -> bytes:
     """The 16-byte BLAKE3 digest of ``storage`` (a contiguous uint8 tensor) on its own device."""
     if storage.dtype != torch.uint8 or storage.dim() != 1 or not storage.is_contiguous():
-        raise ArgumentError(f"digest() takes a contiguous 1-d uint8 tensor, got {storage.dtype} {list(storage.shape)}")
+        raise ArgumentError(
+            f"digest() takes a contiguous 1-d uint8 tensor, got {storage.dtype} {list(storage.shape)}"
+        )
     if storage.device.type == "cuda":
         if _kernels.gpu_available() and storage.data_ptr() % 4 == 0:
             return _digest_on_device(storage)
@@ -57,7 +59,9 @@ def digest_parts(parts: Sequence[Tensor]) -> bytes:
 def _digest_on_device(storage: Tensor) -> bytes:
     import cupy
 
-    device = storage.device.index if storage.device.index is not None else torch.cuda.current_device()
+    device = (
+        storage.device.index if storage.device.index is not None else torch.cuda.current_device()
+    )
     chunks_kernel = _kernels.function(KERNEL_FILE, "blake3_chunks", device)
     parents_kernel = _kernels.function(KERNEL_FILE, "blake3_parents", device)
     n = storage.numel()
@@ -69,7 +73,9 @@ def _digest_on_device(storage: Tensor) -> bytes:
     root = torch.zeros(4, dtype=torch.int32, device=storage.device)
     with cupy.cuda.Device(device), cupy.cuda.ExternalStream(stream.cuda_stream):
         data, cvs, up, out = (cupy.asarray(t) for t in (storage, level, above, root))
-        chunks_kernel((-(-chunks // _BLOCK),), (_BLOCK,), (data, np.uint64(n), np.uint64(chunks), cvs, out))
+        chunks_kernel(
+            (-(-chunks // _BLOCK),), (_BLOCK,), (data, np.uint64(n), np.uint64(chunks), cvs, out)
+        )
         count = chunks
         while count > 1:
             parents = (count + 1) // 2

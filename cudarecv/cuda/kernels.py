@@ -19,11 +19,15 @@ def kernel_source(name: str) -> str:
     try:
         return files("cudarecv.kernels").joinpath(name).read_text(encoding="utf-8")
     except OSError as exc:
-        raise UsageError(f"cannot read the CUDA source cudarecv/kernels/{name}: reinstall cudarecv "
-                                f"(pip install -e .)") from exc
+        raise UsageError(
+            f"cannot read the CUDA source cudarecv/kernels/{name}: reinstall cudarecv "
+            f"(pip install -e .)"
+        ) from exc
 
 
-def compile_source(source: str, name: str, arch: str | None = None, options: tuple[str, ...] = ()) -> str:
+def compile_source(
+    source: str, name: str, arch: str | None = None, options: tuple[str, ...] = ()
+) -> str:
     """Compile CUDA ``source`` to PTX with NVRTC (via ``cupy.cuda.nvrtc``); no GPU needed.
 
     ``arch`` is e.g. ``"compute_90"`` (default: NVRTC's own). Raises
@@ -35,7 +39,9 @@ def compile_source(source: str, name: str, arch: str | None = None, options: tup
     try:
         from cupy.cuda import nvrtc
     except ImportError as exc:
-        raise UsageError(f"compiling {name} needs cupy with NVRTC: pip install 'cudarecv[gpu]' ({exc})") from exc
+        raise UsageError(
+            f"compiling {name} needs cupy with NVRTC: pip install 'cudarecv[gpu]' ({exc})"
+        ) from exc
 
     opts = tuple(options) + ((f"-arch={arch}",) if arch else ())
     prog = nvrtc.createProgram(source, name, (), ())
@@ -47,7 +53,9 @@ def compile_source(source: str, name: str, arch: str | None = None, options: tup
                 log = nvrtc.getProgramLog(prog)
             except Exception:  # pragma: no cover - log unavailable
                 log = "<no NVRTC log>"
-            raise KernelCompileError(f"NVRTC failed to compile {name} with options {list(opts)}: {exc}\n{log}") from exc
+            raise KernelCompileError(
+                f"NVRTC failed to compile {name} with options {list(opts)}: {exc}\n{log}"
+            ) from exc
         ptx = nvrtc.getPTX(prog)
     finally:
         nvrtc.destroyProgram(prog)
@@ -71,11 +79,15 @@ def oldest_arch() -> str:
     try:
         from cupy.cuda import nvrtc
     except ImportError as exc:
-        raise UsageError(f"asking NVRTC for its architectures needs cupy: pip install 'cudarecv[gpu]' ({exc})") from exc
+        raise UsageError(
+            f"asking NVRTC for its architectures needs cupy: pip install 'cudarecv[gpu]' ({exc})"
+        ) from exc
     archs = sorted(int(a) for a in nvrtc.getSupportedArchs() if int(a) >= OLDEST_ARCH)
     if not archs:
-        raise KernelCompileError(f"this NVRTC ({nvrtc.getVersion()}) compiles for no architecture from "
-                                 f"compute_{OLDEST_ARCH} on: {nvrtc.getSupportedArchs()}")
+        raise KernelCompileError(
+            f"this NVRTC ({nvrtc.getVersion()}) compiles for no architecture from "
+            f"compute_{OLDEST_ARCH} on: {nvrtc.getSupportedArchs()}"
+        )
     return f"compute_{archs[0]}"
 
 

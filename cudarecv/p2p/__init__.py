@@ -1,2 +1,1 @@
-"""The drop-in calls: ``isend/irecv/send/recv`` and ``install()``, and stock tensordict's own.
-"""
+"""The drop-in calls: ``isend/irecv/send/recv`` and ``install()``, and stock tensordict's own."""

@@ -10,7 +10,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import operator
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from tensordict import TensorDictBase
 from torch import Tensor
@@ -35,8 +36,9 @@ from ..wire.staging import host_waits, lane_for
 from .failures import explaining, waited_for
 
 
-def _check_options(init_tag: object, pseudo_rand: object, consolidated: object,
-                   bucket_bytes: object) -> int:
+def _check_options(
+    init_tag: object, pseudo_rand: object, consolidated: object, bucket_bytes: object
+) -> int:
     """Check the options of a call before anything else; return ``init_tag`` as an int."""
     check_bucket_bytes(bucket_bytes)
     if consolidated and bucket_bytes is None:
@@ -46,10 +48,15 @@ def _check_options(init_tag: object, pseudo_rand: object, consolidated: object,
     try:
         init_tag = operator.index(init_tag)  # numpy integers too, as stock takes them
     except TypeError:
-        raise ArgumentTypeError(f"`init_tag` must be an int, got {type(init_tag).__name__}") from None
+        raise ArgumentTypeError(
+            f"`init_tag` must be an int, got {type(init_tag).__name__}"
+        ) from None
     if init_tag < 0:
-        fix = ("`pseudo_rand=True` seeds numpy with it, which takes non-negative seeds only" if pseudo_rand
-               else "gloo takes tags 0..2**31 - 1")
+        fix = (
+            "`pseudo_rand=True` seeds numpy with it, which takes non-negative seeds only"
+            if pseudo_rand
+            else "gloo takes tags 0..2**31 - 1"
+        )
         raise ArgumentError(f"`init_tag={init_tag}` is negative, but {fix}: pass init_tag >= 0")
     if bucket_bytes is not None:
         check_init_tag(init_tag)
@@ -66,8 +73,9 @@ def _check_tags(init_tag: int, leaves: int, pseudo_rand: bool) -> None:
         )
 
 
-def _wire_tags(plan: Plan, init_tag: int, pseudo_rand: bool, consolidated: bool,
-               bucket_bytes: int | None) -> Sequence[int]:
+def _wire_tags(
+    plan: Plan, init_tag: int, pseudo_rand: bool, consolidated: bool, bucket_bytes: int | None
+) -> Sequence[int]:
     """The tags a call's messages take."""
     if bucket_bytes is not None:
         return header_tag(init_tag), piece_tag(init_tag)
@@ -77,15 +85,24 @@ def _wire_tags(plan: Plan, init_tag: int, pseudo_rand: bool, consolidated: bool,
 
 
 @contextlib.contextmanager
-def _claimed(td: Any, link: Link, sending: bool, init_tag: int, pseudo_rand: bool, consolidated: bool,
-             bucket_bytes: int | None,
-             user: TensorDictBase | None = None) -> Iterator[tuple[TensorDictBase, Plan, Sequence[int]]]:
+def _claimed(
+    td: Any,
+    link: Link,
+    sending: bool,
+    init_tag: int,
+    pseudo_rand: bool,
+    consolidated: bool,
+    bucket_bytes: int | None,
+    user: TensorDictBase | None = None,
+) -> Iterator[tuple[TensorDictBase, Plan, Sequence[int]]]:
     """:func:`_prepare`, then the plan is this call's (its :attr:`~cudarecv.plan.plan.Plan.claim` held) until the
     body has started its transfer and :func:`_track` marked it: two threads that call with one tensordict at once
     take turns, the later one waiting for the earlier one's transfer (outside the lock, in :func:`_prepare`) as for
     any previous one. The body only starts a transfer (its first step posts; it waits for nothing)."""
     while True:
-        inner, plan, tags = _prepare(td, link, sending, init_tag, pseudo_rand, consolidated, bucket_bytes, user)
+        inner, plan, tags = _prepare(
+            td, link, sending, init_tag, pseudo_rand, consolidated, bucket_bytes, user
+        )
         with plan.claim:
             if plan.in_flight is None:
                 yield inner, plan, tags
@@ -93,9 +110,16 @@ def _claimed(td: Any, link: Link, sending: bool, init_tag: int, pseudo_rand: boo
         # another thread started a transfer of this plan meanwhile: wait for it (in _prepare), then look again
 
 
-def _prepare(td: Any, link: Link, sending: bool, init_tag: int, pseudo_rand: bool, consolidated: bool,
-             bucket_bytes: int | None,
-             user: TensorDictBase | None = None) -> tuple[TensorDictBase, Plan, Sequence[int]]:
+def _prepare(
+    td: Any,
+    link: Link,
+    sending: bool,
+    init_tag: int,
+    pseudo_rand: bool,
+    consolidated: bool,
+    bucket_bytes: int | None,
+    user: TensorDictBase | None = None,
+) -> tuple[TensorDictBase, Plan, Sequence[int]]:
     """The call's tensordict, plan and tags, once :mod:`.stuck` lets them on ``link``."""
     inner = unwrap(td)
     fast_wire = bucket_bytes is not None
@@ -114,7 +138,9 @@ def _prepare(td: Any, link: Link, sending: bool, init_tag: int, pseudo_rand: boo
             plan = forget_plan(inner)
             plan.check()
     tags = _wire_tags(plan, init_tag, pseudo_rand, consolidated, bucket_bytes)
-    stuck.check(user if user is not None else inner, link, tags, sending)  # (after the previous one: it may fail)
+    stuck.check(
+        user if user is not None else inner, link, tags, sending
+    )  # (after the previous one: it may fail)
     return inner, plan, tags
 
 
@@ -134,20 +160,55 @@ def _last_tag(plan: Plan, init_tag: int, pseudo_rand: bool) -> int:
     return plan.tags(init_tag, n, pseudo_rand)[-1] if n else init_tag - 1
 
 
-def _start_send(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolidated: bool,
-                bucket_bytes: int | None, stream: Any, timeout: float | None,
-                transport: str = "auto") -> tuple[Transfer, Plan]:
+def _start_send(
+    td: Any,
+    link: Link,
+    init_tag: int,
+    pseudo_rand: bool,
+    consolidated: bool,
+    bucket_bytes: int | None,
+    stream: Any,
+    timeout: float | None,
+    transport: str = "auto",
+) -> tuple[Transfer, Plan]:
     user = unwrap(td)  # what a failure is recorded against (a consolidated copy is new every call)
     if consolidated and not user.is_consolidated():
         td = user.consolidate(metadata=True)  # as stock does: a copy, every call
-    with _claimed(td, link, True, init_tag, pseudo_rand, consolidated, bucket_bytes, user) as (inner, plan, tags):
-        return _begin_send(user, inner, plan, tags, link, init_tag, pseudo_rand, consolidated, bucket_bytes, stream,
-                           timeout, transport)
+    with _claimed(td, link, True, init_tag, pseudo_rand, consolidated, bucket_bytes, user) as (
+        inner,
+        plan,
+        tags,
+    ):
+        return _begin_send(
+            user,
+            inner,
+            plan,
+            tags,
+            link,
+            init_tag,
+            pseudo_rand,
+            consolidated,
+            bucket_bytes,
+            stream,
+            timeout,
+            transport,
+        )
 
 
-def _begin_send(user: TensorDictBase, inner: TensorDictBase, plan: Plan, tags: Sequence[int], link: Link,
-                init_tag: int, pseudo_rand: bool, consolidated: bool, bucket_bytes: int | None, stream: Any,
-                timeout: float | None, transport: str) -> tuple[Transfer, Plan]:
+def _begin_send(
+    user: TensorDictBase,
+    inner: TensorDictBase,
+    plan: Plan,
+    tags: Sequence[int],
+    link: Link,
+    init_tag: int,
+    pseudo_rand: bool,
+    consolidated: bool,
+    bucket_bytes: int | None,
+    stream: Any,
+    timeout: float | None,
+    transport: str,
+) -> tuple[Transfer, Plan]:
     """Start the send (its plan claimed: :func:`_claimed`)."""
     route = Carried()
     if consolidated:
@@ -162,13 +223,26 @@ def _begin_send(user: TensorDictBase, inner: TensorDictBase, plan: Plan, tags: S
             chunks = plan.chunks(inner, bucket_bytes)
 
             def fill(data: Tensor, key: str, i: int, offset: int, length: int) -> None:
-                copy_bytes(data[offset:offset + length], chunks[i])
+                copy_bytes(data[offset : offset + length], chunks[i])
 
             def wire(head: Any, offer: bytes | None) -> Any:
                 return _fast_wire.send(lane, head, chunks, init_tag, offer=offer)
 
-            protocol = wire(header, None) if side is None else side.send(
-                lane, header, init_tag, fill, wire, allowed(transport), route, storage=storage, chunks=chunks)
+            protocol = (
+                wire(header, None)
+                if side is None
+                else side.send(
+                    lane,
+                    header,
+                    init_tag,
+                    fill,
+                    wire,
+                    allowed(transport),
+                    route,
+                    storage=storage,
+                    chunks=chunks,
+                )
+            )
     else:
         if bucket_bytes is None:
             _check_tags(init_tag, len(plan.tensors), pseudo_rand)
@@ -177,7 +251,9 @@ def _begin_send(user: TensorDictBase, inner: TensorDictBase, plan: Plan, tags: S
         lane = lane_for(link, plan.device, stream, plan.pool)
         side = None if bucket_bytes is None else sending_side(link, transport, plan.device)
         if bucket_bytes is None:
-            protocol = _stock_wire.send_leaves(lane, plan, plan.tags(init_tag, len(plan.tensors), pseudo_rand))
+            protocol = _stock_wire.send_leaves(
+                lane, plan, plan.tags(init_tag, len(plan.tensors), pseudo_rand)
+            )
         else:
             place = _fast_wire.staging_place(lane, plan)
 
@@ -193,12 +269,19 @@ def _begin_send(user: TensorDictBase, inner: TensorDictBase, plan: Plan, tags: S
                 plan.pack_piece(bucket_bytes, i, place)
 
             def wire(head: Any, offer: bytes | None) -> Any:
-                return _fast_wire.send(lane, head, plan.pieces(bucket_bytes, place), init_tag, pack=pack, offer=offer)
+                return _fast_wire.send(
+                    lane, head, plan.pieces(bucket_bytes, place), init_tag, pack=pack, offer=offer
+                )
 
             header = plan.bucket_header.for_transfer(bucket_bytes, init_tag)
             table = plan.address_bytes if plan.device.type == "cpu" else None
-            protocol = wire(header, None) if side is None else side.send(
-                lane, header, init_tag, fill, wire, allowed(transport), route, table=table)
+            protocol = (
+                wire(header, None)
+                if side is None
+                else side.send(
+                    lane, header, init_tag, fill, wire, allowed(transport), route, table=table
+                )
+            )
             if lane.nccl and plan.device.type != "cuda":
                 protocol = host_waits(lane, protocol)  # the leaves were read once send() returns
     what, cause = waited_for(True, plan, init_tag, pseudo_rand, consolidated, bucket_bytes)
@@ -206,11 +289,22 @@ def _begin_send(user: TensorDictBase, inner: TensorDictBase, plan: Plan, tags: S
     # a fast-wire send on the wire posts its header and (from host memory) its whole payload in its first step:
     # under its link and tag's lock, two threads' sends on one init_tag never interleave their messages (a send
     # through a same-host side runs on the link's thread, in call order)
-    alone = line(link, ("send", header_tag(init_tag))).lock if bucket_bytes is not None and side is None else None
+    alone = (
+        line(link, ("send", header_tag(init_tag))).lock
+        if bucket_bytes is not None and side is None
+        else None
+    )
     with alone if alone is not None else contextlib.nullcontext():
-        transfer = Transfer(protocol, lane.stream, on_error=on_error, timeout=timeout, link=link,
-                            what=f"{what} to rank {link.peer} ({cause})", route=route,
-                            driver=None if side is None else side.driver.submit)
+        transfer = Transfer(
+            protocol,
+            lane.stream,
+            on_error=on_error,
+            timeout=timeout,
+            link=link,
+            what=f"{what} to rank {link.peer} ({cause})",
+            route=route,
+            driver=None if side is None else side.driver.submit,
+        )
     if side is not None:
         transfer.add_done_callback(functools.partial(side.ended, route))
         transfer.settle_in_background()  # on the link's thread, in call order
@@ -219,17 +313,52 @@ def _begin_send(user: TensorDictBase, inner: TensorDictBase, plan: Plan, tags: S
     return transfer, plan
 
 
-def _start_recv(td: Any, link: Link, init_tag: int, pseudo_rand: bool, consolidated: bool,
-                bucket_bytes: int | None, stream: Any, timeout: float | None,
-                transport: str = "auto") -> tuple[Transfer, Plan]:
-    with _claimed(td, link, False, init_tag, pseudo_rand, consolidated, bucket_bytes) as (inner, plan, tags):
-        return _begin_recv(td, inner, plan, tags, link, init_tag, pseudo_rand, consolidated, bucket_bytes, stream,
-                           timeout, transport)
+def _start_recv(
+    td: Any,
+    link: Link,
+    init_tag: int,
+    pseudo_rand: bool,
+    consolidated: bool,
+    bucket_bytes: int | None,
+    stream: Any,
+    timeout: float | None,
+    transport: str = "auto",
+) -> tuple[Transfer, Plan]:
+    with _claimed(td, link, False, init_tag, pseudo_rand, consolidated, bucket_bytes) as (
+        inner,
+        plan,
+        tags,
+    ):
+        return _begin_recv(
+            td,
+            inner,
+            plan,
+            tags,
+            link,
+            init_tag,
+            pseudo_rand,
+            consolidated,
+            bucket_bytes,
+            stream,
+            timeout,
+            transport,
+        )
 
 
-def _begin_recv(td: Any, inner: TensorDictBase, plan: Plan, tags: Sequence[int], link: Link, init_tag: int,
-                pseudo_rand: bool, consolidated: bool, bucket_bytes: int | None, stream: Any, timeout: float | None,
-                transport: str) -> tuple[Transfer, Plan]:
+def _begin_recv(
+    td: Any,
+    inner: TensorDictBase,
+    plan: Plan,
+    tags: Sequence[int],
+    link: Link,
+    init_tag: int,
+    pseudo_rand: bool,
+    consolidated: bool,
+    bucket_bytes: int | None,
+    stream: Any,
+    timeout: float | None,
+    transport: str,
+) -> tuple[Transfer, Plan]:
     """Start the receive (its plan claimed: :func:`_claimed`); a fast-wire one in its turn on its link and tags."""
     route = Carried()
     side = None if bucket_bytes is None else receiving_side(link)
@@ -240,19 +369,32 @@ def _begin_recv(td: Any, inner: TensorDictBase, plan: Plan, tags: Sequence[int],
         if bucket_bytes is None:
             protocol = _stock_wire.recv_storage(lane, storage, td)
         else:
+
             def copy(data: Tensor, key: str, i: int, offset: int, length: int, piece: int) -> None:
                 with lane.on_stream():
-                    copy_bytes(storage[offset:offset + length], data[offset:offset + length])
+                    copy_bytes(storage[offset : offset + length], data[offset : offset + length])
 
-            table = storage_table(storage) if storage.device.type == "cpu" else None  # (direct route)
-            protocol = _fast_wire.recv(lane, plan.chunk_header(inner), lambda piece: plan.chunks(inner, piece),
-                                       init_tag, td, copy_shared=copy, table=table, **shared)
+            table = (
+                storage_table(storage) if storage.device.type == "cpu" else None
+            )  # (direct route)
+            protocol = _fast_wire.recv(
+                lane,
+                plan.chunk_header(inner),
+                lambda piece: plan.chunks(inner, piece),
+                init_tag,
+                td,
+                copy_shared=copy,
+                table=table,
+                **shared,
+            )
     else:
         if bucket_bytes is None:
             _check_tags(init_tag, len(plan.tensors), pseudo_rand)
         lane = lane_for(link, plan.device, stream, plan.pool)
         if bucket_bytes is None:
-            protocol = _stock_wire.recv_leaves(lane, plan, plan.tags(init_tag, len(plan.tensors), pseudo_rand), td)
+            protocol = _stock_wire.recv_leaves(
+                lane, plan, plan.tags(init_tag, len(plan.tensors), pseudo_rand), td
+            )
         else:
             place = _fast_wire.staging_place(lane, plan)
 
@@ -262,12 +404,21 @@ def _begin_recv(td: Any, inner: TensorDictBase, plan: Plan, tags: Sequence[int],
                 with lane.on_stream():
                     plan.unpack(piece, i, place)
 
-            protocol = _fast_wire.recv(lane, plan.bucket_header, lambda piece: plan.pieces(piece, place),
-                                       init_tag, td, landed=lambda piece, i: plan.unpack(piece, i, place),
-                                       copy_shared=copy, table=plan.address_table if plan.device.type == "cpu" else None,
-                                       **shared)
+            protocol = _fast_wire.recv(
+                lane,
+                plan.bucket_header,
+                lambda piece: plan.pieces(piece, place),
+                init_tag,
+                td,
+                landed=lambda piece, i: plan.unpack(piece, i, place),
+                copy_shared=copy,
+                table=plan.address_table if plan.device.type == "cpu" else None,
+                **shared,
+            )
             if lane.nccl and plan.device.type != "cuda":
-                protocol = host_waits(lane, protocol)  # the leaves hold the bytes once recv() returns
+                protocol = host_waits(
+                    lane, protocol
+                )  # the leaves hold the bytes once recv() returns
     what, cause = waited_for(False, plan, init_tag, pseudo_rand, consolidated, bucket_bytes)
     on_error = explaining(inner, link, timeout, what, cause, tags, False, route)
     # a fast-wire receive takes its turn among the link's receives on its tags (core.turns); a stock one posts
@@ -275,13 +426,24 @@ def _begin_recv(td: Any, inner: TensorDictBase, plan: Plan, tags: Sequence[int],
     queue = line(link, ("recv", header_tag(init_tag))) if bucket_bytes is not None else None
     with queue.lock if queue is not None else contextlib.nullcontext():
         if queue is not None:
-            protocol = _in_turn(protocol, queue.earlier(), route, lambda: stuck.check(inner, link, tags, False))
-        driven = side is not None and side.driven  # the sender may wait for its DONE: it must not wait for our wait()
+            protocol = _in_turn(
+                protocol, queue.earlier(), route, lambda: stuck.check(inner, link, tags, False)
+            )
+        driven = (
+            side is not None and side.driven
+        )  # the sender may wait for its DONE: it must not wait for our wait()
         if driven:
             protocol = side.queued(protocol, route)  # in call order, on the link's thread
-        transfer = Transfer(protocol, lane.stream, on_error=on_error, timeout=timeout, link=link,
-                            what=f"{what} from rank {link.peer} ({cause})", route=route,
-                            driver=side.submit if driven else None)
+        transfer = Transfer(
+            protocol,
+            lane.stream,
+            on_error=on_error,
+            timeout=timeout,
+            link=link,
+            what=f"{what} from rank {link.peer} ({cause})",
+            route=route,
+            driver=side.submit if driven else None,
+        )
         if queue is not None:
             queue.join(transfer)
         if driven:
@@ -292,7 +454,9 @@ def _begin_recv(td: Any, inner: TensorDictBase, plan: Plan, tags: Sequence[int],
     return transfer, plan
 
 
-def _in_turn(protocol: Protocol, earlier: list[Transfer], route: Carried, recheck: Callable[[], None]) -> Protocol:
+def _in_turn(
+    protocol: Protocol, earlier: list[Transfer], route: Carried, recheck: Callable[[], None]
+) -> Protocol:
     """``protocol`` once the ``earlier`` receives on its link and tags have ended (:mod:`cudarecv.core.turns`),
     posting nothing before; ``recheck()`` then raises if one of them left its tags refused (it timed out: a late
     message of it could be taken by this receive)."""
@@ -305,10 +469,21 @@ def _in_turn(protocol: Protocol, earlier: list[Transfer], route: Carried, rechec
     return (yield from protocol)
 
 
-def isend(td: Any, dst: int | None = None, *, group: Any = None, group_dst: int | None = None,
-          init_tag: int = 0, pseudo_rand: bool = False, return_early: bool = False,
-          consolidated: bool = False, bucket_bytes: int | None = None, stream: Any = None,
-          timeout: float | None = None, transport: str = "auto") -> Any:
+def isend(
+    td: Any,
+    dst: int | None = None,
+    *,
+    group: Any = None,
+    group_dst: int | None = None,
+    init_tag: int = 0,
+    pseudo_rand: bool = False,
+    return_early: bool = False,
+    consolidated: bool = False,
+    bucket_bytes: int | None = None,
+    stream: Any = None,
+    timeout: float | None = None,
+    transport: str = "auto",
+) -> Any:
     """Send the leaves of ``td`` to ``dst``, a call's messages posted as one batch.
 
     Same arguments, wire and results as ``TensorDictBase.isend`` (tensordict
@@ -339,18 +514,30 @@ def isend(td: Any, dst: int | None = None, *, group: Any = None, group_dst: int 
     timeout = check_timeout(timeout, or_none=True)
     check_transport(transport)
     link = resolve(dst, group_dst, group, "dst", "group_dst")
-    transfer, plan = _start_send(td, link, init_tag, pseudo_rand, consolidated, bucket_bytes, stream, timeout,
-                                 transport)
+    transfer, plan = _start_send(
+        td, link, init_tag, pseudo_rand, consolidated, bucket_bytes, stream, timeout, transport
+    )
     if return_early:
         return [transfer] if consolidated or bucket_bytes is not None or plan.tensors else []
     transfer.wait()
     return None if consolidated else _last_tag(plan, init_tag, pseudo_rand)
 
 
-def irecv(td: Any, src: int | None = None, *, group: Any = None, group_src: int | None = None,
-          return_premature: bool = False, init_tag: int = 0, pseudo_rand: bool = False,
-          consolidated: bool = False, bucket_bytes: int | None = None, stream: Any = None,
-          timeout: float | None = None, transport: str = "auto") -> Any:
+def irecv(
+    td: Any,
+    src: int | None = None,
+    *,
+    group: Any = None,
+    group_src: int | None = None,
+    return_premature: bool = False,
+    init_tag: int = 0,
+    pseudo_rand: bool = False,
+    consolidated: bool = False,
+    bucket_bytes: int | None = None,
+    stream: Any = None,
+    timeout: float | None = None,
+    transport: str = "auto",
+) -> Any:
     """Receive into the leaves of ``td`` in place what :func:`isend` or stock tensordict sends.
 
     Same arguments, wire and results as ``TensorDictBase.irecv`` (tensordict
@@ -372,33 +559,66 @@ def irecv(td: Any, src: int | None = None, *, group: Any = None, group_src: int 
     timeout = check_timeout(timeout, or_none=True)
     check_transport(transport)
     link = resolve(src, group_src, group, "src", "group_src")
-    transfer, plan = _start_recv(td, link, init_tag, pseudo_rand, consolidated, bucket_bytes, stream, timeout,
-                                 transport)
+    transfer, plan = _start_recv(
+        td, link, init_tag, pseudo_rand, consolidated, bucket_bytes, stream, timeout, transport
+    )
     if return_premature:  # stock returns one work per leaf: none for a tensordict without leaves
         return [transfer] if consolidated or bucket_bytes is not None or plan.tensors else []
     transfer.wait()
     return None
 
 
-def send(td: Any, dst: int | None = None, *, group: Any = None, group_dst: int | None = None,
-         init_tag: int = 0, pseudo_rand: bool = False, consolidated: bool = False,
-         bucket_bytes: int | None = None, stream: Any = None, timeout: float | None = None,
-         transport: str = "auto") -> None:
+def send(
+    td: Any,
+    dst: int | None = None,
+    *,
+    group: Any = None,
+    group_dst: int | None = None,
+    init_tag: int = 0,
+    pseudo_rand: bool = False,
+    consolidated: bool = False,
+    bucket_bytes: int | None = None,
+    stream: Any = None,
+    timeout: float | None = None,
+    transport: str = "auto",
+) -> None:
     """Blocking :func:`isend`; same arguments and wire as ``TensorDictBase.send``."""
-    isend(td, dst, group=group, group_dst=group_dst, init_tag=init_tag, pseudo_rand=pseudo_rand,
-          consolidated=consolidated, bucket_bytes=bucket_bytes, stream=stream, timeout=timeout, transport=transport)
+    isend(
+        td,
+        dst,
+        group=group,
+        group_dst=group_dst,
+        init_tag=init_tag,
+        pseudo_rand=pseudo_rand,
+        consolidated=consolidated,
+        bucket_bytes=bucket_bytes,
+        stream=stream,
+        timeout=timeout,
+        transport=transport,
+    )
 
 
-def recv(td: Any, src: int | None = None, *, group: Any = None, group_src: int | None = None,
-         init_tag: int = 0, pseudo_rand: bool = False, consolidated: bool = False,
-         bucket_bytes: int | None = None, stream: Any = None, timeout: float | None = None,
-         transport: str = "auto") -> int | None:
+def recv(
+    td: Any,
+    src: int | None = None,
+    *,
+    group: Any = None,
+    group_src: int | None = None,
+    init_tag: int = 0,
+    pseudo_rand: bool = False,
+    consolidated: bool = False,
+    bucket_bytes: int | None = None,
+    stream: Any = None,
+    timeout: float | None = None,
+    transport: str = "auto",
+) -> int | None:
     """Blocking :func:`irecv`; returns the last tag (``None`` when ``consolidated``), as stock."""
     init_tag = _check_options(init_tag, pseudo_rand, consolidated, bucket_bytes)
     timeout = check_timeout(timeout, or_none=True)
     check_transport(transport)
     link = resolve(src, group_src, group, "src", "group_src")
-    transfer, plan = _start_recv(td, link, init_tag, pseudo_rand, consolidated, bucket_bytes, stream, timeout,
-                                 transport)
+    transfer, plan = _start_recv(
+        td, link, init_tag, pseudo_rand, consolidated, bucket_bytes, stream, timeout, transport
+    )
     transfer.wait()
     return None if consolidated else _last_tag(plan, init_tag, pseudo_rand)

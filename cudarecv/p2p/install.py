@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from tensordict import TensorDictBase
 
@@ -22,7 +23,9 @@ _MISSING = object()
 _saved: dict[tuple[type, str], Any] = {}
 
 
-def _as_method(name: str, function: Callable[..., Any], stock: Callable[..., Any]) -> Callable[..., Any]:
+def _as_method(
+    name: str, function: Callable[..., Any], stock: Callable[..., Any]
+) -> Callable[..., Any]:
     peer_name = "dst" if name.endswith("send") else "src"
 
     @functools.wraps(function)

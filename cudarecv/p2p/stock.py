@@ -14,7 +14,8 @@ Example:
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from tensordict import TensorDictBase
 
@@ -33,7 +34,9 @@ except ImportError:  # tensordict 0.14: on TensorDictBase, where install() puts 
 
 def _original(name: str) -> Callable[..., Any]:
     method = vars(_holder)[name]
-    return getattr(method, "__stock__", method)  # installed before this module loaded: what it replaced
+    return getattr(
+        method, "__stock__", method
+    )  # installed before this module loaded: what it replaced
 
 
 class Stock:

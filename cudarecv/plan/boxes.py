@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 from ..core.errors import ArgumentError
 
@@ -35,38 +35,50 @@ class Box:
     sizes: tuple[int, ...]
 
     @classmethod
-    def full(cls, shape: Sequence[int]) -> "Box":
+    def full(cls, shape: Sequence[int]) -> Box:
         return cls((0,) * len(shape), tuple(shape))
 
     @property
     def numel(self) -> int:
         return math.prod(self.sizes)
 
-    def __and__(self, other: "Box") -> "Box | None":
+    def __and__(self, other: Box) -> Box | None:
         """The overlap of two boxes of one tensor, or None where they share no element."""
         starts = tuple(max(a, b) for a, b in zip(self.starts, other.starts))
-        ends = tuple(min(a + n, b + m) for a, n, b, m in zip(self.starts, self.sizes, other.starts, other.sizes))
+        ends = tuple(
+            min(a + n, b + m)
+            for a, n, b, m in zip(self.starts, self.sizes, other.starts, other.sizes)
+        )
         sizes = tuple(e - s for s, e in zip(starts, ends))
         if any(n <= 0 for n in sizes):
             return None
         return Box(starts, sizes)
 
-    def within(self, outer: "Box") -> tuple[slice, ...]:
+    def within(self, outer: Box) -> tuple[slice, ...]:
         """The index of this box in a tensor that holds ``outer`` (which contains it)."""
-        return tuple(slice(s - o, s - o + n) for s, o, n in zip(self.starts, outer.starts, self.sizes))
+        return tuple(
+            slice(s - o, s - o + n) for s, o, n in zip(self.starts, outer.starts, self.sizes)
+        )
 
-    def split(self, dim: int, parts: int, index: int) -> "Box":
+    def split(self, dim: int, parts: int, index: int) -> Box:
         """Chunk ``index`` of this box cut in ``parts`` along ``dim``."""
         start, length = chunk(self.sizes[dim], parts, index)
-        return Box(self.starts[:dim] + (self.starts[dim] + start,) + self.starts[dim + 1:],
-                   self.sizes[:dim] + (length,) + self.sizes[dim + 1:])
+        return Box(
+            self.starts[:dim] + (self.starts[dim] + start,) + self.starts[dim + 1 :],
+            self.sizes[:dim] + (length,) + self.sizes[dim + 1 :],
+        )
 
     def to_json(self) -> list[list[int]]:
         return [[s, n] for s, n in zip(self.starts, self.sizes)]
 
 
-def shard_box(shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[object],
-              coordinate: Sequence[int], name: str = "a leaf") -> Box:
+def shard_box(
+    shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    placements: Sequence[object],
+    coordinate: Sequence[int],
+    name: str = "a leaf",
+) -> Box:
     """The box that the rank at ``coordinate`` of a mesh of ``mesh_shape`` holds of a tensor of ``shape`` placed
     by ``placements`` (``Shard(d)``: cut dimension ``d`` along that mesh dimension; ``Replicate()``: whole),
     applied in mesh-dimension order as DTensor applies them. Raises :class:`ArgumentError` naming ``name`` for a
@@ -76,10 +88,14 @@ def shard_box(shape: Sequence[int], mesh_shape: Sequence[int], placements: Seque
     box = Box.full(shape)
     for mesh_dim, placement in enumerate(placements):
         if type(placement) is Shard:
-            box = box.split(placement.dim % max(len(shape), 1), mesh_shape[mesh_dim], coordinate[mesh_dim])
+            box = box.split(
+                placement.dim % max(len(shape), 1), mesh_shape[mesh_dim], coordinate[mesh_dim]
+            )
         elif not isinstance(placement, Replicate):
-            raise ArgumentError(f"{name} is placed {type(placement).__name__} ({placement}) on mesh dimension {mesh_dim}: weight sync sends "
-                                "Shard(d) and Replicate() leaves; redistribute it to one of those first")
+            raise ArgumentError(
+                f"{name} is placed {type(placement).__name__} ({placement}) on mesh dimension {mesh_dim}: weight sync sends "
+                "Shard(d) and Replicate() leaves; redistribute it to one of those first"
+            )
     return box
 
 
@@ -88,15 +104,28 @@ def coordinates(mesh_shape: Sequence[int]) -> Iterable[tuple[int, ...]]:
     return itertools.product(*(range(n) for n in mesh_shape))
 
 
-def duty(shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[object], coordinate: Sequence[int],
-         name: str = "a leaf") -> Box | None:
+def duty(
+    shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    placements: Sequence[object],
+    coordinate: Sequence[int],
+    name: str = "a leaf",
+) -> Box | None:
     """The box the rank at ``coordinate`` sends, so that every element is sent once: the ranks that hold one
     box (replicas) cut it between them along its first dimension (its largest, if the first has fewer elements
     than replicas); None where its share is empty."""
     mine = shard_box(shape, mesh_shape, placements, coordinate, name)
-    replicas = [c for c in coordinates(mesh_shape) if shard_box(shape, mesh_shape, placements, c, name) == mine]
+    replicas = [
+        c
+        for c in coordinates(mesh_shape)
+        if shard_box(shape, mesh_shape, placements, c, name) == mine
+    ]
     if not mine.sizes:  # a scalar: the first replica sends it
         return mine if replicas.index(tuple(coordinate)) == 0 else None
-    dim = 0 if mine.sizes[0] >= len(replicas) else max(range(len(mine.sizes)), key=lambda d: mine.sizes[d])
+    dim = (
+        0
+        if mine.sizes[0] >= len(replicas)
+        else max(range(len(mine.sizes)), key=lambda d: mine.sizes[d])
+    )
     share = mine.split(dim, len(replicas), replicas.index(tuple(coordinate)))
     return share if share.numel else None

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import json
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from torch import Tensor
 
@@ -23,7 +24,10 @@ from .walk import Path, format_path
 
 #: the most bytes a description may take on the wire, and once unpacked (a receiver refuses a longer one)
 MAX_DESCRIPTION = 16 << 20
-_KINDS = {1: "buckets (non-consolidated)", 2: "chunks (consolidated)"}  # (plan.header's kinds, by number)
+_KINDS = {
+    1: "buckets (non-consolidated)",
+    2: "chunks (consolidated)",
+}  # (plan.header's kinds, by number)
 
 
 @dataclass(frozen=True)
@@ -51,13 +55,28 @@ class Layout:
     storage: int | None = None
 
 
-def describe(kind: int, paths: Sequence[Path], tensors: Sequence[Tensor], offsets: Sequence[int] | None = None,
-             storage_bytes: int | None = None) -> bytes:
+def describe(
+    kind: int,
+    paths: Sequence[Path],
+    tensors: Sequence[Tensor],
+    offsets: Sequence[int] | None = None,
+    storage_bytes: int | None = None,
+) -> bytes:
     """The description of a plan's leaves (``offsets`` and ``storage_bytes``: a consolidated storage's), as bytes
     for the wire."""
-    leaves = [[format_path(path), str(t.dtype).removeprefix("torch."), list(t.shape), t.numel() * t.element_size(),
-               None if offsets is None else offsets[i]] for i, (path, t) in enumerate(zip(paths, tensors))]
-    text = json.dumps({"kind": int(kind), "leaves": leaves, "storage": storage_bytes}, separators=(",", ":"))
+    leaves = [
+        [
+            format_path(path),
+            str(t.dtype).removeprefix("torch."),
+            list(t.shape),
+            t.numel() * t.element_size(),
+            None if offsets is None else offsets[i],
+        ]
+        for i, (path, t) in enumerate(zip(paths, tensors))
+    ]
+    text = json.dumps(
+        {"kind": int(kind), "leaves": leaves, "storage": storage_bytes}, separators=(",", ":")
+    )
     return zlib.compress(text.encode(), 1)
 
 
@@ -85,8 +104,14 @@ def _count(value: Any) -> bool:
 
 def _leaf(item: Any) -> Leaf:
     path, dtype, shape, nbytes, offset = item
-    if not (isinstance(path, str) and isinstance(dtype, str) and isinstance(shape, list) and all(map(_count, shape))
-            and _count(nbytes) and (offset is None or _count(offset))):
+    if not (
+        isinstance(path, str)
+        and isinstance(dtype, str)
+        and isinstance(shape, list)
+        and all(map(_count, shape))
+        and _count(nbytes)
+        and (offset is None or _count(offset))
+    ):
         raise ValueError("not a described leaf")
     return Leaf(path, dtype, tuple(shape), nbytes, offset)
 
@@ -107,16 +132,24 @@ def difference(sender: Layout, receiver: Layout) -> str | None:
         if r is not None and r.path not in theirs:
             return f"key {r.path!r}: this tensordict has it ({r.words()}); the sender sends no such key"
         if s is None or r is None or s.path != r.path:  # (the same keys in another order)
-            return (f"leaf {i}: the sender sends key {s.path if s else None!r} there, this tensordict has "
-                    f"{r.path if r else None!r}")
+            return (
+                f"leaf {i}: the sender sends key {s.path if s else None!r} there, this tensordict has "
+                f"{r.path if r else None!r}"
+            )
         if (s.dtype, s.shape, s.nbytes) != (r.dtype, r.shape, r.nbytes):
-            what = "shape" if s.shape != r.shape else "dtype" if s.dtype != r.dtype else "byte count"
+            what = (
+                "shape" if s.shape != r.shape else "dtype" if s.dtype != r.dtype else "byte count"
+            )
             return f"key {s.path!r} differs in {what}: the sender sends {s.words()}; this tensordict has {r.words()}"
     for s, r in zip(sender.leaves, receiver.leaves):
         if s.offset != r.offset:
-            return (f"key {s.path!r} differs in its place in the consolidated storage: the sender's is at byte "
-                    f"{s.offset}, this tensordict's at byte {r.offset}")
+            return (
+                f"key {s.path!r} differs in its place in the consolidated storage: the sender's is at byte "
+                f"{s.offset}, this tensordict's at byte {r.offset}"
+            )
     if sender.storage != receiver.storage:
-        return (f"the consolidated storage: the sender's holds {sender.storage} bytes, this tensordict's "
-                f"{receiver.storage}")
+        return (
+            f"the consolidated storage: the sender's holds {sender.storage} bytes, this tensordict's "
+            f"{receiver.storage}"
+        )
     return None

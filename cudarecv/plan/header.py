@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from enum import IntEnum
-from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -47,7 +47,9 @@ class PayloadRoute(IntEnum):
     WIRE = 0  #: the messages after the header, on the process group
     SEGMENT = 1  #: a shared host segment of the sender's (memfd)
     STORAGE = 2  #: the sender's consolidated storage, where torch keeps it in shared memory
-    DIRECT = 3  #: the sender's leaves (or private storage), read by the receiver with process_vm_readv
+    DIRECT = (
+        3  #: the sender's leaves (or private storage), read by the receiver with process_vm_readv
+    )
     DEVICE_SEGMENT = 4  #: a CUDA IPC segment of the sender's
 
 
@@ -64,17 +66,27 @@ class PayloadKind(IntEnum):
 
 KIND_BUCKETS, KIND_CHUNKS = PayloadKind  # (by name at module level too, as ``re`` has its flags)
 KIND_NAMES = {KIND_BUCKETS: "buckets (non-consolidated)", KIND_CHUNKS: "chunks (consolidated)"}
-RECORD = Record("header", MAGIC, "HHIIQQ16sQI", size=64,
-                hint="the sender does not use the fast wire; pass the same bucket_bytes on both sides "
-                     "(not drained, the link is out of step)")
+RECORD = Record(
+    "header",
+    MAGIC,
+    "HHIIQQ16sQI",
+    size=64,
+    hint="the sender does not use the fast wire; pass the same bucket_bytes on both sides "
+    "(not drained, the link is out of step)",
+)
 SIZE = RECORD.size
 MAX_MESSAGES = 1 << 16  # payload messages per transfer: a bound both ends enforce
 #: senders' storages a fast-wire link keeps mapped at once (the storage route); a receiver keeps the memory of each
 #: mapped, even once the sender has let go of it, until another storage takes its slot
 STORAGE_SLOTS = 2
 #: the slots of each route's segment byte
-ROUTE_SLOTS = {PayloadRoute.WIRE: 1, PayloadRoute.SEGMENT: 2, PayloadRoute.STORAGE: STORAGE_SLOTS,
-               PayloadRoute.DIRECT: 1, PayloadRoute.DEVICE_SEGMENT: 2}
+ROUTE_SLOTS = {
+    PayloadRoute.WIRE: 1,
+    PayloadRoute.SEGMENT: 2,
+    PayloadRoute.STORAGE: STORAGE_SLOTS,
+    PayloadRoute.DIRECT: 1,
+    PayloadRoute.DEVICE_SEGMENT: 2,
+}
 
 DRAIN_FLOOR = 1 << 20  # a receiver drains a mismatched payload of up to max(2 x its own size, this)
 
@@ -101,7 +113,9 @@ class Header:
     #: where the payload is (:class:`PayloadRoute`), in slot ``segment``
     transport: int = PayloadRoute.WIRE
     segment: int = 0
-    offer: bool = False  #: an offer of shared segments follows the header (:mod:`cudarecv.samehost.sides`)
+    offer: bool = (
+        False  #: an offer of shared segments follows the header (:mod:`cudarecv.samehost.sides`)
+    )
     seq: int = 0
     init_tag: int = 0  #: the transfer's ``init_tag`` (set by the sender: :meth:`for_transfer`)
     described: bool = False  #: the sender's layout follows the header (and the offer) on its tag
@@ -109,33 +123,63 @@ class Header:
     #: asked (a sender's first transfer of its schema on a link, a receiver's mismatch); never on the wire itself
     describe: Callable[[], bytes] | None = field(default=None, compare=False, repr=False)
 
-    def for_transfer(self, piece: int, init_tag: int) -> "Header":
+    def for_transfer(self, piece: int, init_tag: int) -> Header:
         """This header for a transfer with ``init_tag`` in messages of ``piece`` bytes."""
         return replace(self, piece=piece, init_tag=init_tag)
 
     def pack(self) -> bytes:
-        route = self.transport | self.segment << 8 | int(self.offer) << 16 | int(self.described) << 17
-        return RECORD.pack(VERSION, self.kind, self.leaves, route, self.total, self.piece, self.schema, self.seq,
-                           self.init_tag)
+        route = (
+            self.transport | self.segment << 8 | int(self.offer) << 16 | int(self.described) << 17
+        )
+        return RECORD.pack(
+            VERSION,
+            self.kind,
+            self.leaves,
+            route,
+            self.total,
+            self.piece,
+            self.schema,
+            self.seq,
+            self.init_tag,
+        )
 
     @classmethod
-    def unpack(cls, raw: bytes) -> "Header":
+    def unpack(cls, raw: bytes) -> Header:
         """Parse and check a received record; raises :class:`OutOfStepError` if it is not one,
         or if its lengths are impossible (more than :data:`MAX_MESSAGES` messages)."""
         version, kind, leaves, route, total, piece, schema, seq, init_tag = RECORD.unpack(raw)
         out_of_step = "not drained, the link is out of step"
         if version != VERSION or kind not in KIND_NAMES:
-            raise OutOfStepError(f"unsupported cudarecv header (version {version}, kind {kind}; {out_of_step})")
+            raise OutOfStepError(
+                f"unsupported cudarecv header (version {version}, kind {kind}; {out_of_step})"
+            )
         if piece <= 0 or messages(total, piece) > MAX_MESSAGES:
             raise OutOfStepError(
                 f"the header announces {total} bytes in messages of {piece} bytes, more than the "
                 f"{MAX_MESSAGES} messages a transfer may have: a corrupt or hostile sender ({out_of_step})"
             )
         transport, segment, offer = route & 0xFF, route >> 8 & 0xFF, bool(route >> 16 & 1)
-        if transport not in ROUTE_SLOTS or segment >= ROUTE_SLOTS[PayloadRoute(transport)] or route >> 18:
-            raise OutOfStepError(f"the header names an unknown payload route {route:#x} ({out_of_step})")
-        return cls(PayloadKind(kind), leaves, total, piece, schema, PayloadRoute(transport), segment, offer, seq,
-                   init_tag, bool(route >> 17 & 1))
+        if (
+            transport not in ROUTE_SLOTS
+            or segment >= ROUTE_SLOTS[PayloadRoute(transport)]
+            or route >> 18
+        ):
+            raise OutOfStepError(
+                f"the header names an unknown payload route {route:#x} ({out_of_step})"
+            )
+        return cls(
+            PayloadKind(kind),
+            leaves,
+            total,
+            piece,
+            schema,
+            PayloadRoute(transport),
+            segment,
+            offer,
+            seq,
+            init_tag,
+            bool(route >> 17 & 1),
+        )
 
 
 def piece_sizes(total: int, piece: int) -> list[int]:
@@ -160,8 +204,12 @@ def check_pieces(total: int, bucket_bytes: int, what: str = "payload") -> None:
         )
 
 
-def schema_digest(paths: Sequence[Path], tensors: Sequence[torch.Tensor],
-                  offsets: Iterable[int] | None = None, storage_bytes: int = 0) -> bytes:
+def schema_digest(
+    paths: Sequence[Path],
+    tensors: Sequence[torch.Tensor],
+    offsets: Iterable[int] | None = None,
+    storage_bytes: int = 0,
+) -> bytes:
     """A 16-byte fingerprint of the leaves' keys, dtypes, shapes and byte counts.
 
     With ``offsets`` (consolidated storage), each leaf's byte offset in the

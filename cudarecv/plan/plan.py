@@ -21,8 +21,8 @@ import operator
 import threading
 import weakref
 from collections import OrderedDict, defaultdict
+from collections.abc import Sequence
 from functools import cached_property
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -54,12 +54,16 @@ class Plan:
         self._staging: dict[str, Tensor] = {}
         self._parts: dict[str, list[Tensor]] = {}
         self._adopted: dict[str, Tensor] = {}  # places whose staging is a buffer given to the plan
-        self.pool = streams.StagingPool()  # staging rings and their fences, for this tensordict alone
+        self.pool = (
+            streams.StagingPool()
+        )  # staging rings and their fences, for this tensordict alone
         self.in_flight = None  # the transfer still using the staging buffers, if any
         #: held by a call from its look at :attr:`in_flight` until its own transfer is started and marked there
         #: (two threads calling with one tensordict at once take turns: :mod:`cudarecv.p2p.calls`)
         self.claim = threading.Lock()
-        self.skeleton: Skeleton | None = None  # an unlocked tensordict's dicts as last walked (see plan_for)
+        self.skeleton: Skeleton | None = (
+            None  # an unlocked tensordict's dicts as last walked (see plan_for)
+        )
 
     def matches(self, paths: list[Path], tensors: list[Tensor], layout: bool) -> bool:
         return (
@@ -77,8 +81,12 @@ class Plan:
         """
         if not pseudo_rand:
             return range(init_tag, init_tag + count)
-        return lru_get(self._tags, (init_tag, count),
-                       lambda: tag_sequence(init_tag, count, pseudo_rand=True).tolist(), CACHED)
+        return lru_get(
+            self._tags,
+            (init_tag, count),
+            lambda: tag_sequence(init_tag, count, pseudo_rand=True).tolist(),
+            CACHED,
+        )
 
     def check(self, strided: bool = False) -> None:
         """Raise if a leaf cannot travel (once per plan). ``strided``: a leaf need not be contiguous (what is sent
@@ -95,7 +103,8 @@ class Plan:
             for path, t in zip(self.paths, self.tensors):
                 first.setdefault(t.device, format_path(path))
             raise ArgumentError(
-                "the leaves are on several devices (" + ", ".join(f"{k!r} on {d}" for d, k in first.items())
+                "the leaves are on several devices ("
+                + ", ".join(f"{k!r} on {d}" for d, k in first.items())
                 + "): one transfer moves one device's memory; call `td = td.to(device)` once"
             )
         self._checked = not strided
@@ -134,7 +143,7 @@ class Plan:
         """Use ``buffer`` (at least :attr:`total` bytes, e.g. a shared segment) as the staging of ``place``."""
         if self._adopted.get(place) is not buffer:
             self._adopted[place] = buffer
-            self._staging[place] = buffer[:self.total]
+            self._staging[place] = buffer[: self.total]
             self._parts.pop(place, None)
             for key in [k for k in self._pieces if k[1] == place]:
                 del self._pieces[key]
@@ -143,7 +152,9 @@ class Plan:
         """The staging buffer split per leaf (for per-leaf messages staged all at once)."""
         parts = self._parts.get(place)
         if parts is None:
-            parts = self._parts[place] = list(self.staging(place).split(self.nbytes)) if self.tensors else []
+            parts = self._parts[place] = (
+                list(self.staging(place).split(self.nbytes)) if self.tensors else []
+            )
         return parts
 
     def pieces(self, piece: int, place: str = "cpu") -> list[Tensor]:
@@ -171,7 +182,9 @@ class Plan:
         if layout.host:
             layout.packs.run(layout.bounds[index], layout.bounds[index + 1])
         else:
-            torch._foreach_copy_(layout.staging_parts[index], layout.leaf_parts[index], non_blocking=True)
+            torch._foreach_copy_(
+                layout.staging_parts[index], layout.leaf_parts[index], non_blocking=True
+            )
 
     def unpack(self, piece: int, index: int, place: str = "cpu") -> None:
         """Copy message ``index`` from the staging buffer into the leaves."""
@@ -179,17 +192,20 @@ class Plan:
         if layout.host:
             layout.unpacks.run(layout.bounds[index], layout.bounds[index + 1])
         else:
-            torch._foreach_copy_(layout.leaf_parts[index], layout.staging_parts[index], non_blocking=True)
+            torch._foreach_copy_(
+                layout.leaf_parts[index], layout.staging_parts[index], non_blocking=True
+            )
 
-    def _bucket_layout(self, piece: int, place: str) -> "_Layout":
+    def _bucket_layout(self, piece: int, place: str) -> _Layout:
         return lru_get(self._pieces, (piece, place), lambda: _Layout(self, piece, place), CACHED)
 
     @cached_property
     def address_table(self) -> np.ndarray:
         """(address, bytes) of each leaf in send order, as ``struct iovec`` rows (host leaves: what a peer on this
         machine reads straight out of this process, :mod:`cudarecv.samehost.sides`)."""
-        return np.array([(t.data_ptr(), n) for t, n in zip(self.byte_views, self.nbytes)],
-                        dtype=np.uint64).reshape(-1, 2)
+        return np.array(
+            [(t.data_ptr(), n) for t, n in zip(self.byte_views, self.nbytes)], dtype=np.uint64
+        ).reshape(-1, 2)
 
     @cached_property
     def address_bytes(self) -> Tensor:
@@ -197,10 +213,16 @@ class Plan:
         return torch.from_numpy(self.address_table.view(np.uint8).reshape(-1))
 
     @cached_property
-    def bucket_header(self) -> "header.Header":
+    def bucket_header(self) -> header.Header:
         digest = header.schema_digest(self.paths, self.tensors)
-        return header.Header(header.KIND_BUCKETS, len(self.tensors), self.total, 1, digest,
-                             describe=functools.partial(describe, header.KIND_BUCKETS, self.paths, self.tensors))
+        return header.Header(
+            header.KIND_BUCKETS,
+            len(self.tensors),
+            self.total,
+            1,
+            digest,
+            describe=functools.partial(describe, header.KIND_BUCKETS, self.paths, self.tensors),
+        )
 
     # -- consolidated ------------------------------------------------------------
     def storage(self, td: TensorDictBase) -> Tensor:
@@ -231,15 +253,19 @@ class Plan:
             offsets.append(ptr - start)
         self._storage = current
         self._chunk_header = header.Header(
-            header.KIND_CHUNKS, len(self.tensors), current.numel(), 1,
+            header.KIND_CHUNKS,
+            len(self.tensors),
+            current.numel(),
+            1,
             header.schema_digest(self.paths, self.tensors, offsets, current.numel()),
-            describe=functools.partial(describe, header.KIND_CHUNKS, self.paths, self.tensors, offsets,
-                                       current.numel()),
+            describe=functools.partial(
+                describe, header.KIND_CHUNKS, self.paths, self.tensors, offsets, current.numel()
+            ),
         )
         self._chunks: OrderedDict[int, list[Tensor]] = OrderedDict()
         return current
 
-    def chunk_header(self, td: TensorDictBase) -> "header.Header":
+    def chunk_header(self, td: TensorDictBase) -> header.Header:
         self.storage(td)
         return self._chunk_header
 
@@ -250,6 +276,8 @@ class Plan:
 
 
 _shape = operator.attrgetter("shape")
+
+
 class _Layout:
     """A plan's staging on ``place`` cut into messages of ``piece`` bytes: per message its staging slice
     and what it holds of the leaves (a leaf may span several messages): where leaves and staging are
@@ -258,7 +286,9 @@ class _Layout:
 
     def __init__(self, plan: Plan, piece: int, place: str) -> None:
         self.pieces = header.cut(plan.staging(place), piece)
-        self.host = plan.device.type == "cpu" and bool(self.pieces) and self.pieces[0].device.type == "cpu"
+        self.host = (
+            plan.device.type == "cpu" and bool(self.pieces) and self.pieces[0].device.type == "cpu"
+        )
         self.leaf_parts: list[list[Tensor]] = [[] for _ in self.pieces]
         self.staging_parts: list[list[Tensor]] = [[] for _ in self.pieces]
         rows, counts = [], [0] * len(self.pieces)
@@ -269,12 +299,14 @@ class _Layout:
             while done < n:
                 index, at = divmod(offset + done, piece)
                 take = min(n - done, piece - at)
-                if self.host:  # addresses only: thousands of views per layout would cost memory and time
+                if (
+                    self.host
+                ):  # addresses only: thousands of views per layout would cost memory and time
                     rows.append((base + offset + done, view.data_ptr() + done, take))
                     counts[index] += 1
                 else:
-                    self.leaf_parts[index].append(view[done:done + take])
-                    self.staging_parts[index].append(self.pieces[index][at:at + take])
+                    self.leaf_parts[index].append(view[done : done + take])
+                    self.staging_parts[index].append(self.pieces[index][at : at + take])
                 done += take
             offset += n
         self.packs = CopyTable(rows)
@@ -292,9 +324,12 @@ def _signature(tensors: list[Tensor]) -> tuple[list, ...]:
     A leaf that is not plain (sparse, nested: refused by :meth:`Plan.check`) has None for
     all but its dtype: a strided nested tensor has no shape at all."""
     plain = [t.layout is torch.strided and not t.is_nested for t in tensors]
-    return ([t.data_ptr() if ok else None for t, ok in zip(tensors, plain)],
-            [t.is_contiguous() if ok else None for t, ok in zip(tensors, plain)],
-            list(map(_dtype, tensors)), [t.shape if ok else None for t, ok in zip(tensors, plain)])
+    return (
+        [t.data_ptr() if ok else None for t, ok in zip(tensors, plain)],
+        [t.is_contiguous() if ok else None for t, ok in zip(tensors, plain)],
+        list(map(_dtype, tensors)),
+        [t.shape if ok else None for t, ok in zip(tensors, plain)],
+    )
 
 
 def _unchanged(tensors: list[Tensor], signature: tuple[list, ...], layout: bool) -> bool:
@@ -304,9 +339,17 @@ def _unchanged(tensors: list[Tensor], signature: tuple[list, ...], layout: bool)
     would set off the garbage collector's full passes, tens of ms each on a large heap."""
     ptrs, contiguous, dtypes, shapes = signature
     try:
-        return (list(map(Tensor.data_ptr, tensors)) == ptrs and list(map(Tensor.is_contiguous, tensors)) == contiguous
-                and (not layout or (list(map(_dtype, tensors)) == dtypes
-                                    and all(map(operator.eq, map(_shape, tensors), shapes)))))
+        return (
+            list(map(Tensor.data_ptr, tensors)) == ptrs
+            and list(map(Tensor.is_contiguous, tensors)) == contiguous
+            and (
+                not layout
+                or (
+                    list(map(_dtype, tensors)) == dtypes
+                    and all(map(operator.eq, map(_shape, tensors), shapes))
+                )
+            )
+        )
     except RuntimeError:  # a leaf without data pointer or strides: compare in full
         return _signature(tensors) == signature
 
@@ -354,8 +397,14 @@ def plan_for(td: TensorDictBase, layout: bool = True) -> Plan:
     entry = _PLANS.get(key)
     if entry is not None and entry[0]() is td:
         skeleton = entry[1].skeleton
-        if skeleton is not None and skeleton.unchanged(td) and _unchanged(entry[1].tensors, entry[1].signature, layout):
-            return entry[1]  # the same dicts, keys and leaf tensors: the walk would find the same leaves
+        if (
+            skeleton is not None
+            and skeleton.unchanged(td)
+            and _unchanged(entry[1].tensors, entry[1].signature, layout)
+        ):
+            return entry[
+                1
+            ]  # the same dicts, keys and leaf tensors: the walk would find the same leaves
     paths, tensors = walk(td)
     if entry is not None and entry[0]() is td and entry[1].matches(paths, tensors, layout):
         plan = entry[1]

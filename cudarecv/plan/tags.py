@@ -112,7 +112,9 @@ def _mulhi64(a: np.ndarray, c_lo: np.uint64, c_hi: np.uint64) -> np.ndarray:
     return a_hi * c_hi + (p_lh >> _U64_32) + (p_hl >> _U64_32) + (mid >> _U64_32)
 
 
-def _pcg_step(hi: np.ndarray, lo: np.ndarray, inc_hi: np.ndarray, inc_lo: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _pcg_step(
+    hi: np.ndarray, lo: np.ndarray, inc_hi: np.ndarray, inc_lo: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """``state = state * PCG_MULT + inc  (mod 2**128)`` with uint64 halves (numpy wraps mod 2**64)."""
     new_lo = lo * _PCG_LO
     new_hi = _mulhi64(lo, _PCG_LO_LO, _PCG_LO_HI) + lo * _PCG_HI + hi * _PCG_LO
@@ -162,8 +164,12 @@ def int_generator_many(seeds: Iterable[int] | np.ndarray) -> np.ndarray:
     """
     if isinstance(seeds, np.ndarray):
         arr = seeds.reshape(-1)
-        if arr.dtype == np.bool_ or not (np.issubdtype(arr.dtype, np.integer) or arr.dtype == object):
-            raise ArgumentTypeError(f"seeds must be non-negative integers, got an array of dtype {arr.dtype}")
+        if arr.dtype == np.bool_ or not (
+            np.issubdtype(arr.dtype, np.integer) or arr.dtype == object
+        ):
+            raise ArgumentTypeError(
+                f"seeds must be non-negative integers, got an array of dtype {arr.dtype}"
+            )
     else:
         values = list(seeds)
         arr = np.array(values)
@@ -175,7 +181,9 @@ def int_generator_many(seeds: Iterable[int] | np.ndarray) -> np.ndarray:
         return np.zeros(0, dtype=np.int64)
     if np.issubdtype(arr.dtype, np.integer):
         if np.issubdtype(arr.dtype, np.signedinteger) and (arr < 0).any():
-            raise ArgumentError("seeds must be non-negative: numpy's SeedSequence rejects negative ints")
+            raise ArgumentError(
+                "seeds must be non-negative: numpy's SeedSequence rejects negative ints"
+            )
         # Seeds below 2**128 all hash like 4 words (missing words hash as 0).
         return _tags_from_words(_words_of_uint64(arr))
     return _int_generator_objects(arr)
@@ -189,14 +197,18 @@ def _int_generator_objects(arr: np.ndarray) -> np.ndarray:
             raise ArgumentTypeError(f"seeds must be non-negative integers, got {type(v).__name__}")
         v = operator.index(v)
         if v < 0:
-            raise ArgumentError("seeds must be non-negative: numpy's SeedSequence rejects negative ints")
+            raise ArgumentError(
+                "seeds must be non-negative: numpy's SeedSequence rejects negative ints"
+            )
         values.append(v)
     n_words = np.array([max(_POOL_SIZE, (v.bit_length() + 31) // 32) for v in values])
     out = np.empty(len(values), dtype=np.int64)
     for k in np.unique(n_words).tolist():
         idx = np.flatnonzero(n_words == k)
         group = [values[i] for i in idx.tolist()]
-        words = np.array([[(v >> (32 * w)) & _M32 for v in group] for w in range(k)], dtype=np.uint32)
+        words = np.array(
+            [[(v >> (32 * w)) & _M32 for v in group] for w in range(k)], dtype=np.uint32
+        )
         out[idx] = _tags_from_words(words)
     return out
 
@@ -238,7 +250,9 @@ def _kernel_wanted() -> bool:
 
 def _check_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ArgumentTypeError(f"{name} must be an int, got {type(value).__name__} ({value!r}); pass e.g. {name}=0")
+        raise ArgumentTypeError(
+            f"{name} must be an int, got {type(value).__name__} ({value!r}); pass e.g. {name}=0"
+        )
     return int(value)
 
 
@@ -264,11 +278,13 @@ def tag_sequence(init_tag: int, n: int, *, pseudo_rand: bool = False) -> np.ndar
     if not isinstance(pseudo_rand, (bool, np.bool_)):
         raise ArgumentTypeError(f"pseudo_rand must be a bool, got {type(pseudo_rand).__name__}")
     if not pseudo_rand:
-        if n and not (-(2**63) <= init_tag and init_tag + n - 1 < 2**63):
+        if n and not (init_tag >= -(2**63) and init_tag + n - 1 < 2**63):
             raise ArgumentError(
                 f"init_tag={init_tag} with n={n} gives tags outside int64; pass a smaller init_tag"
             )
-        return np.arange(init_tag, init_tag + n, dtype=np.int64) if n else np.zeros(0, dtype=np.int64)
+        return (
+            np.arange(init_tag, init_tag + n, dtype=np.int64) if n else np.zeros(0, dtype=np.int64)
+        )
     if init_tag < 0:
         raise ArgumentError(
             f"init_tag must be >= 0 with pseudo_rand=True: numpy seeds are non-negative; "
@@ -277,7 +293,9 @@ def tag_sequence(init_tag: int, n: int, *, pseudo_rand: bool = False) -> np.ndar
     if n == 0:
         return np.zeros(0, dtype=np.int64)
     mapping = tag_map()
-    first = int(mapping[init_tag]) if init_tag <= MAX_TAG else int(int_generator_many([init_tag])[0])
+    first = (
+        int(mapping[init_tag]) if init_tag <= MAX_TAG else int(int_generator_many([init_tag])[0])
+    )
     if n == 1:
         return np.array([first], dtype=np.int64)
     nxt = mapping[1:].tolist()  # nxt[t] == _int_generator(t + 1) for t in 0..9999

@@ -20,6 +20,7 @@ from ..core.errors import ArgumentTypeError
 
 Path = tuple  # a leaf's key path; lazy-stack members appear as int indices
 
+
 def unwrap(td: Any) -> TensorDictBase:
     """The tensordict behind ``td``: the ``_tensordict`` of a tensorclass, else ``td``."""
     if _is_tensorclass(type(td)):
@@ -59,6 +60,7 @@ def _walk_into(td: Any, prefix: Path, paths: list[Path], tensors: list[Tensor]) 
         get = items.__getitem__
     else:
         keys = td.sorted_keys
+
         def get(key: str) -> Any:
             return td._get_str(key, NO_DEFAULT)
 
@@ -89,7 +91,7 @@ class Skeleton:
         self._nodes = nodes
 
     @classmethod
-    def of(cls, td: TensorDictBase) -> "Skeleton | None":
+    def of(cls, td: TensorDictBase) -> Skeleton | None:
         """The skeleton of ``td``, or None if it holds anything but plain tensordicts and tensors."""
         nodes: list[tuple[weakref.ref, dict, list, list]] = []
         pending = [td]
@@ -113,8 +115,13 @@ class Skeleton:
             return False
         for ref, items, keys, values in self._nodes:
             node = ref()
-            if (node is None or node._tensordict is not items or len(items) != len(keys) or list(items) != keys
-                    or not all(map(operator.is_, items.values(), values))):
+            if (
+                node is None
+                or node._tensordict is not items
+                or len(items) != len(keys)
+                or list(items) != keys
+                or not all(map(operator.is_, items.values(), values))
+            ):
                 return False
         return True
 

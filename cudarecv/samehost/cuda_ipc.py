@@ -30,7 +30,9 @@ from torch import Tensor
 from ..core.log import logger
 from .shared_memory import MappingError, offer_kind, offer_table, open_offer, seal_offer
 
-OFFER = offer_table("CUDA IPC offer", "64s64sQI")  # memory handle, event handle, bytes, the writer's device ordinal
+OFFER = offer_table(
+    "CUDA IPC offer", "64s64sQI"
+)  # memory handle, event handle, bytes, the writer's device ordinal
 KIND = 2
 
 
@@ -54,8 +56,14 @@ def _exports(index: int) -> str | None:
     try:
         DeviceSegment(1, torch.device("cuda", index))
     except Exception as error:  # noqa: BLE001 - whatever refuses it: the reason is the answer
-        reason = f"exporting a CUDA IPC handle on cuda:{index} failed: {type(error).__name__}: {error}"
-        logger.warning("CUDA IPC is off for cuda:%d in this process: %s; its transfers go on the wire", index, reason)
+        reason = (
+            f"exporting a CUDA IPC handle on cuda:{index} failed: {type(error).__name__}: {error}"
+        )
+        logger.warning(
+            "CUDA IPC is off for cuda:%d in this process: %s; its transfers go on the wire",
+            index,
+            reason,
+        )
         return reason
     return None
 
@@ -65,8 +73,15 @@ class _Pointer:
     ``release(ptr)`` (free, or close the opened handle) runs on ``device`` once the last view is gone."""
 
     def __init__(self, ptr: int, nbytes: int, device: torch.device, release: Any) -> None:
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3}
-        weakref.finalize(self, _release, release, ptr, device).atexit = False  # (the process's end frees it)
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 3,
+        }
+        weakref.finalize(
+            self, _release, release, ptr, device
+        ).atexit = False  # (the process's end frees it)
 
 
 def _release(release: Any, ptr: int, device: torch.device) -> None:
@@ -83,8 +98,10 @@ def _view(ptr: int, nbytes: int, device: torch.device, release: Any) -> Tensor:
     reader with stale bytes; that is refused here (the offer is then declined and the wire carries it)."""
     view = torch.as_tensor(_Pointer(ptr, nbytes, device, release), device=device)
     if view.data_ptr() != ptr or view.device != device:
-        raise MappingError(f"torch gave a copy of the device memory at {ptr:#x} (on {view.device}, at "
-                           f"{view.data_ptr():#x}) instead of a view on {device}")
+        raise MappingError(
+            f"torch gave a copy of the device memory at {ptr:#x} (on {view.device}, at "
+            f"{view.data_ptr():#x}) instead of a view on {device}"
+        )
     return view
 
 
@@ -116,7 +133,9 @@ class DeviceSegment:
 class DeviceMapping:
     """The reader's view of another process's :class:`DeviceSegment`, opened once."""
 
-    def __init__(self, handle: bytes, event_handle: bytes, capacity: int, device: torch.device) -> None:
+    def __init__(
+        self, handle: bytes, event_handle: bytes, capacity: int, device: torch.device
+    ) -> None:
         from cupy.cuda import runtime
 
         self.device = torch.device("cuda", _index(device))
@@ -125,7 +144,9 @@ class DeviceMapping:
             try:
                 self._ptr = runtime.ipcOpenMemHandle(handle, runtime.cudaIpcMemLazyEnablePeerAccess)
             except Exception as error:  # noqa: BLE001 - cupy's CUDARuntimeError
-                raise MappingError(f"cannot open the peer's CUDA IPC handle: {error}", lasting=False) from None
+                raise MappingError(
+                    f"cannot open the peer's CUDA IPC handle: {error}", lasting=False
+                ) from None
             self.written = torch.cuda.Event.from_ipc_handle(self.device, event_handle)
         #: the payload bytes (read them only; the handle is closed with the last view of it)
         self.data: Tensor = _view(self._ptr, capacity, self.device, runtime.ipcCloseMemHandle)
@@ -141,7 +162,9 @@ class DeviceMapping:
 
 def offer(segments: list[DeviceSegment]) -> bytes:
     """What a reader needs to open ``segments``."""
-    return seal_offer(OFFER, KIND, [(s.handle, s.event_handle, s.capacity, s.device.index) for s in segments])
+    return seal_offer(
+        OFFER, KIND, [(s.handle, s.event_handle, s.capacity, s.device.index) for s in segments]
+    )
 
 
 def is_device_offer(raw: bytes) -> bool:
@@ -152,4 +175,7 @@ def map_offer(raw: bytes, most_bytes: int, device: torch.device) -> list[DeviceM
     """Open every segment of a device offer on ``device``; raises :class:`MappingError` with the reason
     this process cannot (another machine, no CUDA or cupy, a bad handle, ...)."""
     _, entries = open_offer(raw, OFFER, KIND, 2, available(device), most_bytes)
-    return [DeviceMapping(handle, event_handle, capacity, device) for handle, event_handle, capacity, _ in entries]
+    return [
+        DeviceMapping(handle, event_handle, capacity, device)
+        for handle, event_handle, capacity, _ in entries
+    ]

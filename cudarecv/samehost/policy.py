@@ -30,8 +30,8 @@ def check_transport(transport: object) -> str:
     the arguments: a receiver's refusal then reaches its sender)."""
     if not isinstance(transport, str) or transport not in TRANSPORTS:
         raise ArgumentError(
-            f"`transport` must be one of {TRANSPORTS} (\"auto\": shared memory with a cudarecv peer on this "
-            f"machine, else the wire; \"wire\": always the socket or NCCL), got {transport!r}"
+            f'`transport` must be one of {TRANSPORTS} ("auto": shared memory with a cudarecv peer on this '
+            f'machine, else the wire; "wire": always the socket or NCCL), got {transport!r}'
         )
     _environment()
     return transport
@@ -73,7 +73,9 @@ class Carried:
         self.behind = "thread"
 
 
-_SAID: "weakref.WeakKeyDictionary[Any, set]" = weakref.WeakKeyDictionary()  # what was logged, per group
+_SAID: weakref.WeakKeyDictionary[Any, set] = (
+    weakref.WeakKeyDictionary()
+)  # what was logged, per group
 _SAID_LOCK = threading.Lock()
 
 
@@ -84,5 +86,11 @@ def chose(link: Link, role: str, transport: str, reason: str) -> None:
         if (link.peer, role, reason) in said:
             return
         said.add((link.peer, role, reason))
-    logger.info("%s rank %d of a %s group: %s (%s)", "sending to" if role == "send" else "receiving from",
-                link.peer, link.backend, transport, reason)
+    logger.info(
+        "%s rank %d of a %s group: %s (%s)",
+        "sending to" if role == "send" else "receiving from",
+        link.peer,
+        link.backend,
+        transport,
+        reason,
+    )

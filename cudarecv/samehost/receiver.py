@@ -20,7 +20,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -42,7 +43,15 @@ from .policy import DEVICE, ENV, HOST, STOP_WAIT, Carried, chose
 from .records import READY_SIZE, Status, Word, back, read_ready
 from .routes import Copy
 from .sender import BACK
-from .shared_memory import HOST_OFFER, STORAGE, STORAGE_OFFER_SIZE, MappingError, StorageMapping, map_offer, offer_kind
+from .shared_memory import (
+    HOST_OFFER,
+    STORAGE,
+    STORAGE_OFFER_SIZE,
+    MappingError,
+    StorageMapping,
+    map_offer,
+    offer_kind,
+)
 
 MAX_SEGMENT_BYTES = 1 << 48
 #: seconds a receiver sleeps on a progress word that stopped moving (a futex: no CPU) before it waits for the
@@ -65,12 +74,20 @@ class RecvSide:
     def __init__(self, peer: int) -> None:
         self.peer = peer  # (not the link: the group's registry of sides holds it weakly)
         self.channels = {HOST: Channel(), DEVICE: Channel()}
-        self.storages: dict[int, StorageMapping | None] = {}  # the sender's storages per slot (None: not mappable)
-        self.direct: int | None = None  # the sender's pid, if this process reads its storages itself
+        self.storages: dict[
+            int, StorageMapping | None
+        ] = {}  # the sender's storages per slot (None: not mappable)
+        self.direct: int | None = (
+            None  # the sender's pid, if this process reads its storages itself
+        )
         self.direct_leaves = False  # ... and its leaves
         self.declined: str | None = None  # why the last offer was declined
-        self.said: dict[int, list[Any]] = {}  # the last ANSWER or DONE sent on each back tag, until the next
-        self.staging: Tensor | None = None  # a direct read into device leaves lands here first (reused)
+        self.said: dict[
+            int, list[Any]
+        ] = {}  # the last ANSWER or DONE sent on each back tag, until the next
+        self.staging: Tensor | None = (
+            None  # a direct read into device leaves lands here first (reused)
+        )
         self.staging_fence: Any = None  # the event after the copies out of it
         self.driver_name = f"cudarecv-recv-{self.peer}"
         self.driver = Driver(self.driver_name)
@@ -93,7 +110,11 @@ class RecvSide:
         once its turn came leaves that thread in gloo, maybe for good: it is told to end once the wait returns, and
         later receives get a thread of their own. One that failed while still queued leaves the thread running an
         earlier receive, whose turn later ones await."""
-        if transfer.failed and not carried.waiting and threading.current_thread() is not self.driver.thread:
+        if (
+            transfer.failed
+            and not carried.waiting
+            and threading.current_thread() is not self.driver.thread
+        ):
             self.driver.stop(0.0)
             self.driver = Driver(self.driver_name)
 
@@ -121,8 +142,13 @@ class RecvSide:
         try:
             self.say(lane, Word.DONE, Status.OK, seq, k)
         except RuntimeError as error:
-            logger.info("same host: transfer %d from rank %d is in, its DONE not delivered (the sender's link "
-                        "closed: %s)", seq, lane.link.peer, str(error).splitlines()[0])
+            logger.info(
+                "same host: transfer %d from rank %d is in, its DONE not delivered (the sender's link "
+                "closed: %s)",
+                seq,
+                lane.link.peer,
+                str(error).splitlines()[0],
+            )
 
     def _done_once_copied(self, lane: Lane, event: Any, seq: int, k: int) -> None:
         """(On the link's thread, after the receive that queued the copies:) DONE once they ran."""
@@ -138,14 +164,18 @@ class RecvSide:
             yield [EventWork(record(stream))]
             self.done(lane, seq, k)
         else:
-            self.driver.submit(functools.partial(self._done_once_copied, lane, record(stream), seq, k))
+            self.driver.submit(
+                functools.partial(self._done_once_copied, lane, record(stream), seq, k)
+            )
 
     # -- offers ----------------------------------------------------------------------------------------
     def take_offer(self, lane: Lane, raw: bytes, allow: bool, header: Header) -> None:
         """Map the offered segments (host memory, or CUDA IPC onto the lane's GPU) if this end may and can; answer
         the sender either way. A storage offer (the storage route) is answered by the transfer's DONE instead."""
         if (offer_kind(raw) == STORAGE) != (header.transport == PayloadRoute.STORAGE):
-            raise OutOfStepError("the offer does not go with the header's route: the link is out of step")
+            raise OutOfStepError(
+                "the offer does not go with the header's route: the link is out of step"
+            )
         if header.transport == PayloadRoute.STORAGE:
             self.storages[header.segment] = self._map_storage(raw, allow)
             return
@@ -156,9 +186,11 @@ class RecvSide:
         else:
             try:
                 if kind == DEVICE:
-                    mappings = cuda_ipc.map_offer(raw[:cuda_ipc.OFFER.size_of(2)], MAX_SEGMENT_BYTES, lane.device)
+                    mappings = cuda_ipc.map_offer(
+                        raw[: cuda_ipc.OFFER.size_of(2)], MAX_SEGMENT_BYTES, lane.device
+                    )
                 else:
-                    mappings = map_offer(raw[:HOST_OFFER.size_of(2)], MAX_SEGMENT_BYTES)
+                    mappings = map_offer(raw[: HOST_OFFER.size_of(2)], MAX_SEGMENT_BYTES)
             except MappingError as error:
                 reason, lasting = str(error), error.lasting
             except Exception as error:  # noqa: BLE001 - whatever stops the mapping (a CUDA error too): not now
@@ -169,31 +201,60 @@ class RecvSide:
             status = Status.NO if lasting else Status.NO_NOW
             if lasting:
                 ch.state, ch.mappings = "wire", []  # (declined for now: what was mapped stays)
-            chose(lane.link, "recv", WIRE, f"declined the {kind} offer{'' if lasting else ' for now'}: {reason}")
+            chose(
+                lane.link,
+                "recv",
+                WIRE,
+                f"declined the {kind} offer{'' if lasting else ' for now'}: {reason}",
+            )
         else:
             ch.state, ch.mappings = "shared", mappings
-            chose(lane.link, "recv", SHARED_MEMORY if kind == HOST else CUDA_IPC, f"took the {kind} offer")
+            chose(
+                lane.link,
+                "recv",
+                SHARED_MEMORY if kind == HOST else CUDA_IPC,
+                f"took the {kind} offer",
+            )
             if kind == HOST:
                 pays = direct_read_pays() if may_read_process(mappings[0].pid) is None else None
                 self.direct = mappings[0].pid if pays is not None and pays.storages else None
                 self.direct_leaves = pays is not None and pays.leaves
-                status = (Status.DIRECT if self.direct_leaves else Status.DIRECT_STORAGES if self.direct is not None
-                          else Status.OK)
+                status = (
+                    Status.DIRECT
+                    if self.direct_leaves
+                    else Status.DIRECT_STORAGES
+                    if self.direct is not None
+                    else Status.OK
+                )
         self.say(lane, Word.ANSWER, status, 0, BACK[kind])
 
     def _map_storage(self, raw: bytes, allow: bool) -> StorageMapping | None:
         if not allow:
-            self.declined = f"this receiver's transport is \"wire\" (the call's `transport` or {ENV})"
+            self.declined = (
+                f"this receiver's transport is \"wire\" (the call's `transport` or {ENV})"
+            )
             return None
         try:
             return StorageMapping(raw[:STORAGE_OFFER_SIZE], MAX_SEGMENT_BYTES)
         except Exception as error:  # noqa: BLE001 - whatever stops the mapping: the payload comes on the wire
-            self.declined = str(error) if isinstance(error, MappingError) else f"{type(error).__name__}: {error}"
+            self.declined = (
+                str(error)
+                if isinstance(error, MappingError)
+                else f"{type(error).__name__}: {error}"
+            )
             return None
 
     # -- routes ----------------------------------------------------------------------------------------
-    def receive(self, lane: Lane, header: Header, init_tag: int, copy: Copy, problem: str | None, carried: Carried,
-                table: np.ndarray | None = None) -> Any:
+    def receive(
+        self,
+        lane: Lane,
+        header: Header,
+        init_tag: int,
+        copy: Copy,
+        problem: str | None,
+        carried: Carried,
+        table: np.ndarray | None = None,
+    ) -> Any:
         """A sub-protocol: take the payload the header's route names (see the module docstring), copying with
         ``copy`` (nothing when ``problem``: a mismatched header), or read the sender's leaves into those of
         ``table`` (their addresses and sizes). Returns whether the payload was taken (False: a storage this
@@ -201,22 +262,34 @@ class RecvSide:
         if header.transport == PayloadRoute.STORAGE:
             return (yield from routes.take_storage(self, lane, header, copy, problem, carried))
         if header.transport == PayloadRoute.DIRECT:
-            return (yield from routes.read_direct(self, lane, header, init_tag, table, copy, problem, carried))
+            return (
+                yield from routes.read_direct(
+                    self, lane, header, init_tag, table, copy, problem, carried
+                )
+            )
         kind = DEVICE if header.transport == PayloadRoute.DEVICE_SEGMENT else HOST
         ch = self.channels[kind]
         if ch.state != "shared" or header.segment >= len(ch.mappings):
-            raise OutOfStepError(f"the header names {kind} segment {header.segment}, which this receiver never "
-                                 "mapped: the link is out of step")
+            raise OutOfStepError(
+                f"the header names {kind} segment {header.segment}, which this receiver never "
+                "mapped: the link is out of step"
+            )
         mapping = ch.mappings[header.segment]
         if header.total > mapping.capacity:
-            raise OutOfStepError(f"the header announces {header.total} bytes in a segment of {mapping.capacity}: "
-                                 "the link is out of step")
+            raise OutOfStepError(
+                f"the header announces {header.total} bytes in a segment of {mapping.capacity}: "
+                "the link is out of step"
+            )
         piece, total, key = header.piece, header.total, f"{kind}:{header.segment}"
         count, done = len(piece_sizes(total, piece)), 0  # messages, and how many are copied out
         stage = SegmentStage(kind, header.segment, count, piece_tag(init_tag))
         carried.transport = CUDA_IPC if kind == DEVICE else SHARED_MEMORY
         # a host receiver of device memory copies on the device's stream too (and waits for it, below)
-        stream = lane.stream if lane.stream is not None or kind == HOST else dedicated_stream(mapping.device)
+        stream = (
+            lane.stream
+            if lane.stream is not None or kind == HOST
+            else dedicated_stream(mapping.device)
+        )
 
         def on_stream() -> Any:
             return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
@@ -231,7 +304,9 @@ class RecvSide:
                     return  # no progress published (no native copies), or a word past the end, which no honest
                     #         writer publishes: the rest is copied once the READY says it is in
 
-                end = min((done + 1) * piece, total)  # (the receiver's own plan: never past its buffers)
+                end = min(
+                    (done + 1) * piece, total
+                )  # (the receiver's own plan: never past its buffers)
                 if written >= end:
                     with on_stream():
                         copy(mapping.data, key, done, done * piece, end - done * piece, piece)
@@ -266,9 +341,11 @@ class SegmentStage:
         self.copied = 0  # messages copied out, in order, before the READY
 
     def __str__(self) -> str:
-        return (f"receive of the fast-wire payload through {self.kind} segment {self.segment}: message "
-                f"{min(self.copied + 1, self.count)} of {self.count} ({self.copied} copied), then the sender's "
-                f"READY on tag {self.tag}")
+        return (
+            f"receive of the fast-wire payload through {self.kind} segment {self.segment}: message "
+            f"{min(self.copied + 1, self.count)} of {self.count} ({self.copied} copied), then the sender's "
+            f"READY on tag {self.tag}"
+        )
 
 
 def ch_back(kind: str, segment: int) -> int:

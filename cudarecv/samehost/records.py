@@ -10,9 +10,13 @@ from enum import IntEnum
 from ..core.errors import OutOfStepError
 from ..core.records import Record
 
-BACK = Record("same-host answer", b"CDRB", "HHQ", size=32)  # kind, status, the transfer number it is about
+BACK = Record(
+    "same-host answer", b"CDRB", "HHQ", size=32
+)  # kind, status, the transfer number it is about
 BACK_SIZE = BACK.size
-READY = Record("READY message", b"CDRP", "IQQQ", size=48)  # message index, transfer number, offset, length
+READY = Record(
+    "READY message", b"CDRP", "IQQQ", size=48
+)  # message index, transfer number, offset, length
 READY_SIZE = READY.size
 
 
@@ -29,7 +33,9 @@ class Status(IntEnum):
     OK = 0  #: mapped (ANSWER) or read (DONE)
     NO = 1  #: never on this link direction (another machine or user, a receiver on the wire), or not read (DONE)
     DIRECT = 2  #: OK, and the receiver reads the sender's host leaves and storages itself
-    DIRECT_STORAGES = 3  #: OK, and the receiver reads the sender's consolidated host storages itself
+    DIRECT_STORAGES = (
+        3  #: OK, and the receiver reads the sender's consolidated host storages itself
+    )
     NO_NOW = 4  #: not these segments (they could not be opened now: memory, descriptors): offer again later
 
 
@@ -43,8 +49,10 @@ def read_back(raw: bytes, word: Word, seq: int) -> Status:
     ``word`` about transfer ``seq``; raises :class:`OutOfStepError` otherwise."""
     got, status, got_seq = BACK.unpack(raw)
     if (got, got_seq) != (word, seq) or status not in Status._value2member_map_:
-        raise OutOfStepError(f"the receiver's same-host message is kind {got} (status {status}) for transfer "
-                             f"{got_seq}, expected kind {int(word)} for {seq}: the link is out of step")
+        raise OutOfStepError(
+            f"the receiver's same-host message is kind {got} (status {status}) for transfer "
+            f"{got_seq}, expected kind {int(word)} for {seq}: the link is out of step"
+        )
     return Status(status)
 
 
@@ -59,5 +67,7 @@ def read_ready(raw: bytes, seq: int, total: int) -> None:
     got = READY.unpack(raw)
     want = (0, seq, 0, total)
     if tuple(got) != want:
-        raise OutOfStepError(f"READY message 0 names (index, transfer, offset, length) {tuple(got)}, "
-                             f"the plan {want}: not read; the link is out of step")
+        raise OutOfStepError(
+            f"READY message 0 names (index, transfer, offset, length) {tuple(got)}, "
+            f"the plan {want}: not read; the link is out of step"
+        )

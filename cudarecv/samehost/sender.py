@@ -21,7 +21,8 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections import OrderedDict
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -62,12 +63,20 @@ class Channel:
         self.route = PayloadRoute.SEGMENT if kind == HOST else PayloadRoute.DEVICE_SEGMENT
         self.state = "new"
         self.segments: list[Any] = []
-        self.previous: list[Any] | None = None  # the segments shared before a re-offer, until it is answered
+        self.previous: list[Any] | None = (
+            None  # the segments shared before a re-offer, until it is answered
+        )
         self.offered = 0  # the bytes of the last offer's segments
         self.next = 0  # the segment the next transfer takes
-        self.retry_at = 0  # the side's transfer count from which an offer declined for now is made again
-        self.wait = 1  # transfers between the next declined offer and a new one (doubles up to RETRY_MAX)
-        self.too_big: int | None = None  # a re-offer of this size was declined: larger ones go on the wire for now
+        self.retry_at = (
+            0  # the side's transfer count from which an offer declined for now is made again
+        )
+        self.wait = (
+            1  # transfers between the next declined offer and a new one (doubles up to RETRY_MAX)
+        )
+        self.too_big: int | None = (
+            None  # a re-offer of this size was declined: larger ones go on the wire for now
+        )
 
     @property
     def capacity(self) -> int:
@@ -77,7 +86,9 @@ class Channel:
         """Whether a transfer of ``total`` bytes, the side's ``seq``-th, carries an offer of new segments."""
         if self.state == "new":
             return seq >= self.retry_at
-        return self.state == "shared" and (seq >= self.retry_at or self.too_big is None or total < self.too_big)
+        return self.state == "shared" and (
+            seq >= self.retry_at or self.too_big is None or total < self.too_big
+        )
 
 
 class SendSide:
@@ -91,12 +102,22 @@ class SendSide:
         self.held: dict[int, list[Any]] = {}
         self.direct = False  # whether the receiver reads host leaves straight out of this process
         self.direct_storages = False  # ... and consolidated host storages
-        self.slots: OrderedDict[tuple[int, int, int], int] = OrderedDict()  # storages offered: their slot
-        self.declined: OrderedDict[tuple[int, int, int], None] = OrderedDict()  # storages the receiver cannot map
+        self.slots: OrderedDict[tuple[int, int, int], int] = (
+            OrderedDict()
+        )  # storages offered: their slot
+        self.declined: OrderedDict[tuple[int, int, int], None] = (
+            OrderedDict()
+        )  # storages the receiver cannot map
         self.seq = 0  # the transfers through shared memory (named in their headers)
-        self.transfers = 0  # every transfer of the side (a declined offer is made again after some of them)
-        self.failed: str | None = None  # why the link left shared memory for the wire, after a failure
-        self.running: Carried | None = None  # the send on the link's thread now (it may be stuck there)
+        self.transfers = (
+            0  # every transfer of the side (a declined offer is made again after some of them)
+        )
+        self.failed: str | None = (
+            None  # why the link left shared memory for the wire, after a failure
+        )
+        self.running: Carried | None = (
+            None  # the send on the link's thread now (it may be stuck there)
+        )
         self.driver_name = f"cudarecv-send-{self.peer}"
         self.driver = Driver(self.driver_name)
 
@@ -110,7 +131,11 @@ class SendSide:
         ran out of its own time with messages posted) leaves the thread in gloo, maybe for good: the link leaves
         shared memory (as after any failed send), the thread is told to end once its wait returns, and later
         sends get a thread of their own."""
-        if transfer.failed and self.running is carried and threading.current_thread() is not self.driver.thread:
+        if (
+            transfer.failed
+            and self.running is carried
+            and threading.current_thread() is not self.driver.thread
+        ):
             self.running = None
             self._abandon("TransferTimeout: it ran out of its own time")
             self.driver.stop(0.0)
@@ -120,10 +145,16 @@ class SendSide:
         """A transfer failed: what was posted for the segments may never complete (a DONE that never comes), so
         they and the back tags are never touched again (their works parked, the segments let go: a receiver that
         took the failed transfer's header late still reads it whole); later transfers go on the wire."""
-        park([fence[0] for fence in self.fences.values()] + [w for held in self.held.values() for w in held])
+        park(
+            [fence[0] for fence in self.fences.values()]
+            + [w for held in self.held.values() for w in held]
+        )
         if any(ch.state in ("offered", "shared") for ch in self.channels.values()):
-            logger.info("sending to rank %d: shared memory left for the wire after a failed transfer (%s)",
-                        self.peer, why)
+            logger.info(
+                "sending to rank %d: shared memory left for the wire after a failed transfer (%s)",
+                self.peer,
+                why,
+            )
         for ch in self.channels.values():
             ch.state, ch.segments, ch.previous = "wire", [], None
         self.fences, self.held, self.failed = {}, {}, why
@@ -139,14 +170,28 @@ class SendSide:
                 return None
             ch = self.channels[kind] = Channel(kind, device)
         elif ch.device != device:
-            chose(link, "send", WIRE, f"this link's device segments are on {ch.device}; {device} goes on the wire")
+            chose(
+                link,
+                "send",
+                WIRE,
+                f"this link's device segments are on {ch.device}; {device} goes on the wire",
+            )
             return None
         return ch
 
-    def send(self, lane: Lane, header: Header, init_tag: int, fill: Callable[[Tensor, str, int, int, int], None],
-             wire: Callable[[Header, bytes | None], Any], allow: bool, carried: Carried,
-             storage: Tensor | None = None, chunks: list[Tensor] | None = None,
-             table: Tensor | None = None) -> Any:
+    def send(
+        self,
+        lane: Lane,
+        header: Header,
+        init_tag: int,
+        fill: Callable[[Tensor, str, int, int, int], None],
+        wire: Callable[[Header, bytes | None], Any],
+        allow: bool,
+        carried: Carried,
+        storage: Tensor | None = None,
+        chunks: list[Tensor] | None = None,
+        table: Tensor | None = None,
+    ) -> Any:
         """The protocol of one fast-wire send on this link (run on :attr:`driver`).
 
         ``fill(data, key, i, offset, length)`` writes message i into segment ``data`` (``key`` names it);
@@ -165,14 +210,19 @@ class SendSide:
             host = ch is not None and ch.kind == HOST and ch.state == "shared"
             where = shared_storage(storage) if host and storage is not None else None
             if where is not None and (where[1], where[2], where[4]) not in self.declined:
-                yield from routes.send_storage(self, lane, header, init_tag, where, chunks or [], carried)
+                yield from routes.send_storage(
+                    self, lane, header, init_tag, where, chunks or [], carried
+                )
                 return None
             if host and self.direct and table is not None:
                 yield from routes.send_direct(self, lane, header, init_tag, table, carried)
                 return None
             if host and self.direct_storages and storage is not None and storage.numel():
-                row = torch.from_numpy(np.array([[storage.data_ptr(), storage.numel()]], dtype=np.uint64)
-                                       .view(np.uint8).reshape(-1))
+                row = torch.from_numpy(
+                    np.array([[storage.data_ptr(), storage.numel()]], dtype=np.uint64)
+                    .view(np.uint8)
+                    .reshape(-1)
+                )
                 yield from routes.send_direct(self, lane, header, init_tag, row, carried)
                 return None
             if ch is not None and ch.state == "shared" and header.total <= ch.capacity:
@@ -215,8 +265,15 @@ class SendSide:
                 segments = [cuda_ipc.DeviceSegment(max(total, 1), ch.device) for _ in range(2)]
                 raw = cuda_ipc.offer(segments)
         except Exception as error:  # noqa: BLE001 - memory, descriptors, a refused IPC export: not now
-            logger.warning("sending to rank %d: %s segments of %d bytes could not be made (%s: %s); this transfer "
-                           "goes on the wire", self.peer, ch.kind, total, type(error).__name__, error)
+            logger.warning(
+                "sending to rank %d: %s segments of %d bytes could not be made (%s: %s); this transfer "
+                "goes on the wire",
+                self.peer,
+                ch.kind,
+                total,
+                type(error).__name__,
+                error,
+            )
             self._declined_for_now(ch, total)
             return None
         ch.segments, ch.next, ch.offered = segments, 0, total
@@ -239,22 +296,36 @@ class SendSide:
             if ch.kind == HOST:
                 self.direct = status == Status.DIRECT
                 self.direct_storages = status in (Status.DIRECT, Status.DIRECT_STORAGES)
-            route = {Status.DIRECT: "the receiver reads leaves and storages itself",
-                     Status.DIRECT_STORAGES: "the receiver reads consolidated storages itself"}.get(status, "segments")
-            chose(lane.link, "send", SHARED_MEMORY if ch.kind == HOST else CUDA_IPC,
-                  f"the receiver took the offer; {route}")
+            route = {
+                Status.DIRECT: "the receiver reads leaves and storages itself",
+                Status.DIRECT_STORAGES: "the receiver reads consolidated storages itself",
+            }.get(status, "segments")
+            chose(
+                lane.link,
+                "send",
+                SHARED_MEMORY if ch.kind == HOST else CUDA_IPC,
+                f"the receiver took the offer; {route}",
+            )
         elif status == Status.NO_NOW:
             self._declined_for_now(ch, ch.offered)
-            chose(lane.link, "send", WIRE if ch.state == "new" else ch.kind,
-                  f"the receiver could not map {ch.kind} segments of {ch.offered} bytes now (it logs why); "
-                  "they are offered again later")
+            chose(
+                lane.link,
+                "send",
+                WIRE if ch.state == "new" else ch.kind,
+                f"the receiver could not map {ch.kind} segments of {ch.offered} bytes now (it logs why); "
+                "they are offered again later",
+            )
         else:
             ch.state, ch.segments, ch.previous = "wire", [], None
-            chose(lane.link, "send", WIRE, f"the receiver declined the {ch.kind} offer (it logs why)")
+            chose(
+                lane.link, "send", WIRE, f"the receiver declined the {ch.kind} offer (it logs why)"
+            )
 
     def expect(self, lane: Lane, k: int, seq: int) -> None:
         """Post the receive of the word back on ``BACK_TAGS + k`` about transfer ``seq``."""
-        buffer = torch.zeros(BACK_SIZE + ROOM, dtype=torch.uint8)  # (room: gloo aborts on a longer message)
+        buffer = torch.zeros(
+            BACK_SIZE + ROOM, dtype=torch.uint8
+        )  # (room: gloo aborts on a longer message)
         self.fences[k] = (lane.post(False, [buffer], [BACK_TAGS + k])[0], buffer, seq)
 
     def take(self, k: int, word: Word) -> Any:
@@ -274,14 +345,22 @@ class SendSide:
     def post(self, lane: Lane, data: bytes, tag: int) -> list[Any]:
         return lane.post(True, [wire_bytes(lane, data)], [tag])
 
-    def post_header(self, lane: Lane, header: Header, init_tag: int, offer: bytes | None = None) -> list[Any]:
+    def post_header(
+        self, lane: Lane, header: Header, init_tag: int, offer: bytes | None = None
+    ) -> list[Any]:
         """Send ``header`` and what goes with it on its tag (``offer``; the sender's layout the first time the link
         carries its schema: :func:`~cudarecv.wire.layouts.announce`)."""
         _, messages = announce(lane.link, header, offer)
         return [work for data in messages for work in self.post(lane, data, header_tag(init_tag))]
 
-    def _shared(self, lane: Lane, ch: Channel, header: Header, init_tag: int,
-                fill: Callable[[Tensor, str, int, int, int], None]) -> Any:
+    def _shared(
+        self,
+        lane: Lane,
+        ch: Channel,
+        header: Header,
+        init_tag: int,
+        fill: Callable[[Tensor, str, int, int, int], None],
+    ) -> Any:
         k = ch.next
         ch.next ^= 1
         back = ch.back + k
@@ -289,9 +368,13 @@ class SendSide:
             yield from self.take(back, Word.DONE)  # the receiver is done reading this segment
         self.seq += 1
         seq, segment = self.seq, ch.segments[k]
-        progress = isinstance(segment, Segment) and lane.stream is None  # (host bytes, written as fill returns)
+        progress = (
+            isinstance(segment, Segment) and lane.stream is None
+        )  # (host bytes, written as fill returns)
         if progress:
-            segment.start(seq)  # before the header: a receiver that has the header sees this transfer's word
+            segment.start(
+                seq
+            )  # before the header: a receiver that has the header sees this transfer's word
         head = dataclasses.replace(header, transport=ch.route, segment=k, seq=seq)
         held = self.post_header(lane, head, init_tag)
         offset = 0

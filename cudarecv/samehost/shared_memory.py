@@ -58,14 +58,19 @@ from ..core.records import Table
 from .machine import machine_key
 
 NONCE = 16
-WRITING, WRITTEN = 16, 24  # two u64 stamps after the nonce: the version being written, the last one written
+WRITING, WRITTEN = (
+    16,
+    24,
+)  # two u64 stamps after the nonce: the version being written, the last one written
 # the fast wire's progress words (written with the native build only): the transfer being written, how many
 # of its payload bytes are in
 PROGRESS_SEQ, PROGRESS_BYTES = 32, 40
 DATA_OFFSET = 64  # the nonce and stamps, then the payload from this offset (cache-line aligned)
 _STAMP = struct.Struct("<Q")
 PAGE = 4096
-SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL  # a segment's file cannot shrink, nor be sealed otherwise
+SEALS = (
+    fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
+)  # a segment's file cannot shrink, nor be sealed otherwise
 
 
 @functools.cache
@@ -84,7 +89,14 @@ def _round_up(n: int) -> int:
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 MADV_POPULATE_WRITE = 23  # Linux 5.14: allocate a range's pages without writing them
@@ -107,8 +119,18 @@ def _sleep_on(address: int, value: int, timeout: float) -> bool:
     """Sleep in the kernel while the 32-bit word at ``address`` holds ``value``, up to ``timeout`` s; False
     if the time ran out (True: woken, or the word had changed already)."""
     span = _Timespec(int(timeout), int(timeout % 1 * 1e9))
-    if _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(address), FUTEX_WAIT, ctypes.c_uint32(value), ctypes.byref(span),
-                     None, 0) == 0:
+    if (
+        _libc.syscall(
+            _SYS_FUTEX,
+            ctypes.c_void_p(address),
+            FUTEX_WAIT,
+            ctypes.c_uint32(value),
+            ctypes.byref(span),
+            None,
+            0,
+        )
+        == 0
+    ):
         return True
     return ctypes.get_errno() != _ETIMEDOUT
 
@@ -134,7 +156,9 @@ class Segment:
         self.nonce = os.urandom(NONCE)
         size = _round_up(DATA_OFFSET + capacity)
         self.fd: int | None = os.memfd_create("cudarecv", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        self._closer = weakref.finalize(self, os.close, self.fd)  # (a segment dropped unoffered: a failed send)
+        self._closer = weakref.finalize(
+            self, os.close, self.fd
+        )  # (a segment dropped unoffered: a failed send)
         try:
             os.fchmod(self.fd, 0o600)
             os.ftruncate(self.fd, size)
@@ -144,10 +168,12 @@ class Segment:
             self.close_fd()
             raise
         ctypes.memmove(self._map, self.nonce, NONCE)
-        self._words = ctypes.addressof(self._map)  # where the progress words are (PROGRESS_SEQ, PROGRESS_BYTES)
+        self._words = ctypes.addressof(
+            self._map
+        )  # where the progress words are (PROGRESS_SEQ, PROGRESS_BYTES)
         whole = torch.frombuffer(self._map, dtype=torch.uint8)
         #: the payload bytes, writable
-        self.data: Tensor = whole[DATA_OFFSET:DATA_OFFSET + capacity]
+        self.data: Tensor = whole[DATA_OFFSET : DATA_OFFSET + capacity]
 
     def populate(self) -> None:
         """Allocate every page now, where a first write of each (page faults: about 0.1 s per GB) would fall
@@ -206,8 +232,10 @@ def _check_sealed(fd: int) -> None:
     except OSError:
         seals = 0  # not a memfd, or one made without MFD_ALLOW_SEALING
     if seals & SEALS != SEALS:
-        raise MappingError("the peer's segment is not sealed against shrinking (F_SEAL_SHRINK): a sender that "
-                           "could cut it under this mapping would kill this process with SIGBUS")
+        raise MappingError(
+            "the peer's segment is not sealed against shrinking (F_SEAL_SHRINK): a sender that "
+            "could cut it under this mapping would kill this process with SIGBUS"
+        )
 
 
 class Mapping:
@@ -218,8 +246,10 @@ class Mapping:
         try:
             own = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
         except OSError as error:
-            raise MappingError(f"cannot open the peer's segment: {error.strerror}",
-                               lasting=error.errno not in TRANSIENT) from None
+            raise MappingError(
+                f"cannot open the peer's segment: {error.strerror}",
+                lasting=error.errno not in TRANSIENT,
+            ) from None
         try:
             _check_sealed(own)
             if os.fstat(own).st_size < size:
@@ -229,12 +259,16 @@ class Mapping:
             os.close(own)  # the mapping keeps the memory
         if ctypes.string_at(self._map, NONCE) != nonce:
             raise MappingError("the peer's segment does not hold the nonce it announced")
-        self._words = ctypes.addressof(self._map)  # where the progress words are (PROGRESS_SEQ, PROGRESS_BYTES)
+        self._words = ctypes.addressof(
+            self._map
+        )  # where the progress words are (PROGRESS_SEQ, PROGRESS_BYTES)
         self.pid = pid
         self.capacity = capacity
-        whole = torch.frombuffer(self._map, dtype=torch.uint8)  # read-only pages: nothing here writes them
+        whole = torch.frombuffer(
+            self._map, dtype=torch.uint8
+        )  # read-only pages: nothing here writes them
         #: the payload bytes, read-only (never write: the pages are mapped PROT_READ)
-        self.data: Tensor = whole[DATA_OFFSET:DATA_OFFSET + capacity]
+        self.data: Tensor = whole[DATA_OFFSET : DATA_OFFSET + capacity]
 
     def written(self) -> int:
         """The last version the writer stamped as wholly written (read before copying it out)."""
@@ -253,7 +287,9 @@ class Mapping:
         """Sleep until the writer's count of bytes moves from ``seen`` (in the kernel: a futex on its low 32 bits,
         which the writer wakes after each store); False if it stood still for ``timeout`` s (or, on a machine
         without futexes here, at once)."""
-        return _SYS_FUTEX is not None and _sleep_on(self._words + PROGRESS_BYTES, seen & 0xFFFFFFFF, timeout)
+        return _SYS_FUTEX is not None and _sleep_on(
+            self._words + PROGRESS_BYTES, seen & 0xFFFFFFFF, timeout
+        )
 
     def writing(self) -> int:
         """The version the writer is writing or last wrote (read after copying: if it is still the one
@@ -269,11 +305,20 @@ def offer_table(name: str, each: str) -> Table:
     """The record of an offer of segments each described by struct ``each``: a version, the offer's kind, this
     process's machine key and pid, the entries (:class:`~cudarecv.core.records.Table`); a malformed one raises
     :class:`MappingError` (the payload comes on the wire)."""
-    return Table(name, b"CDRO", "HH32sI", each=each, most=MAX_SEGMENTS, error=MappingError,
-                 hint="the payload comes on the wire")
+    return Table(
+        name,
+        b"CDRO",
+        "HH32sI",
+        each=each,
+        most=MAX_SEGMENTS,
+        error=MappingError,
+        hint="the payload comes on the wire",
+    )
 
 
-HOST_OFFER = offer_table("host-memory offer", "iQ16s")  # each host segment: fd, payload bytes, nonce
+HOST_OFFER = offer_table(
+    "host-memory offer", "iQ16s"
+)  # each host segment: fd, payload bytes, nonce
 
 
 def seal_offer(table: Table, kind: int, entries: list[tuple]) -> bytes:
@@ -287,8 +332,9 @@ def offer_kind(raw: bytes) -> int | None:
     return None if head is None else head[1]
 
 
-def open_offer(raw: bytes, table: Table, kind: int, capacity_at: int, problem: str | None,
-               most_bytes: int) -> tuple[int, list[tuple]]:
+def open_offer(
+    raw: bytes, table: Table, kind: int, capacity_at: int, problem: str | None, most_bytes: int
+) -> tuple[int, list[tuple]]:
     """Check an offer (``table``'s form, checksum, ``kind``, this process's ``problem`` with such segments, the
     machine, field ``capacity_at`` of each entry: the segment's bytes, within ``most_bytes``); return the peer's pid
     and the entries. Raises :class:`MappingError` with the reason this process cannot map them."""
@@ -304,8 +350,10 @@ def open_offer(raw: bytes, table: Table, kind: int, capacity_at: int, problem: s
     for entry in entries:
         capacity = entry[capacity_at]
         if not 0 < capacity <= most_bytes:
-            raise MappingError(f"an offered segment of {capacity} bytes is out of range (at most {most_bytes})",
-                               lasting=capacity <= 0)
+            raise MappingError(
+                f"an offered segment of {capacity} bytes is out of range (at most {most_bytes})",
+                lasting=capacity <= 0,
+            )
     return pid, entries
 
 
@@ -322,7 +370,9 @@ def map_offer(raw: bytes, most_bytes: int) -> list[Mapping]:
     return [Mapping(pid, fd, capacity, nonce) for fd, capacity, nonce in entries]
 
 
-STORAGE_OFFER = offer_table("storage offer", "iQQQQ")  # fd, the file's device and inode, its bytes, the payload's offset
+STORAGE_OFFER = offer_table(
+    "storage offer", "iQQQQ"
+)  # fd, the file's device and inode, its bytes, the payload's offset
 STORAGE = 3  # the kind of an offer of a tensor storage in torch's shared memory
 STORAGE_OFFER_SIZE = STORAGE_OFFER.size_of(1)
 

@@ -29,7 +29,8 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -44,7 +45,7 @@ from .shared_memory import available
 
 # a group's sides, per (peer, role); they end when the group is garbage-collected (a plain isend/irecv link has
 # no close): nothing of theirs refers to the group, and an idle driver holds no job (cudarecv.core.driver)
-_SIDES: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+_SIDES: weakref.WeakKeyDictionary[Any, dict] = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
 
 
@@ -54,7 +55,9 @@ def side_of(link: Link, role: str, make: Callable[[], Any] | None) -> Any:
         sides = _SIDES.get(link.pg)
         if sides is None:
             sides = _SIDES[link.pg] = {}
-            weakref.finalize(link.pg, close_all, sides).atexit = False  # (at exit, idle daemon threads just end)
+            weakref.finalize(
+                link.pg, close_all, sides
+            ).atexit = False  # (at exit, idle daemon threads just end)
         side = sides.get((link.peer, role))
         if side is None and make is not None:
             side = sides[(link.peer, role)] = make()

@@ -32,12 +32,16 @@ def nccl_pair_problem(shared_gpu: bool) -> str | None:
     if shared_gpu:
         version = nccl_version()
         if version is None or version[:2] < NCCL_SHARED_MIN:
-            return (f"two NCCL ranks on one GPU (CUDARECV_NCCL_SHARED_GPU=1) need NCCL >= "
-                    f"{NCCL_SHARED_MIN[0]}.{NCCL_SHARED_MIN[1]} (NCCL_MULTI_RANK_GPU_ENABLE=1); "
-                    f"this torch has NCCL {version}")
+            return (
+                f"two NCCL ranks on one GPU (CUDARECV_NCCL_SHARED_GPU=1) need NCCL >= "
+                f"{NCCL_SHARED_MIN[0]}.{NCCL_SHARED_MIN[1]} (NCCL_MULTI_RANK_GPU_ENABLE=1); "
+                f"this torch has NCCL {version}"
+            )
         return None
     count = torch.cuda.device_count()
     if count < 2:
-        return (f"two NCCL ranks need 2 GPUs (this machine: {count}), or one GPU with NCCL >= 2.30 "
-                "and CUDARECV_NCCL_SHARED_GPU=1")
+        return (
+            f"two NCCL ranks need 2 GPUs (this machine: {count}), or one GPU with NCCL >= 2.30 "
+            "and CUDARECV_NCCL_SHARED_GPU=1"
+        )
     return None

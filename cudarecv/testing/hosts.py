@@ -34,7 +34,7 @@ import subprocess
 import sys
 import time
 import uuid
-from typing import Sequence
+from collections.abc import Sequence
 
 from cudarecv import Error
 
@@ -43,7 +43,7 @@ NIC = "eth0"  # every host's one network interface, as on a real node
 MASTER_PORT = 29500  # ports are per namespace: the same on every run
 _SECONDS = 30  # the most any one ``ip``/``tc`` command may take
 _COUNTER = itertools.count()
-_LIVE: set["SimulatedHosts"] = set()
+_LIVE: set[SimulatedHosts] = set()
 _RATE = re.compile(r"^\d+(\.\d+)?(bit|kbit|mbit|gbit|tbit)$")
 
 
@@ -70,9 +70,11 @@ def unavailable() -> str | None:
     if missing:
         return f"{' and '.join(missing)} not found (install iproute2)"
     if os.geteuid() != 0:
-        return "network namespaces need root or CAP_NET_ADMIN (running as uid %d)" % os.geteuid()
+        return f"network namespaces need root or CAP_NET_ADMIN (running as uid {os.geteuid()})"
     name = f"{PREFIX}{os.getpid()}probe"
-    made = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True, timeout=_SECONDS)
+    made = subprocess.run(
+        ["ip", "netns", "add", name], capture_output=True, text=True, timeout=_SECONDS
+    )
     subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=_SECONDS)
     if made.returncode != 0:
         return f"`ip netns add` failed: {made.stderr.strip() or made.returncode}"
@@ -90,14 +92,18 @@ def _sh(*argv: str) -> None:
 
 def _netns_pids(name: str) -> list[int]:
     """The processes in network namespace ``name``, wherever they were started from."""
-    listed = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True, timeout=_SECONDS)
+    listed = subprocess.run(
+        ["ip", "netns", "pids", name], capture_output=True, text=True, timeout=_SECONDS
+    )
     return [int(pid) for pid in listed.stdout.split()]
 
 
 def _sweep_stale() -> None:
     """Delete namespaces left by runs whose process is gone (killed before teardown), and kill what
     still runs in them."""
-    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=_SECONDS).stdout
+    listed = subprocess.run(
+        ["ip", "netns", "list"], capture_output=True, text=True, timeout=_SECONDS
+    ).stdout
     for line in listed.splitlines():
         name = line.split()[0] if line.split() else ""
         found = re.match(rf"^{PREFIX}(\d+)x\d+-", name)
@@ -148,11 +154,33 @@ class SimulatedHosts:
         for i, host in enumerate(self.hosts):
             port = f"p{i}"
             _sh("ip", "netns", "add", host)
-            _sh("ip", "link", "add", NIC, "netns", host, "type", "veth", "peer", "name", port, "netns", self.switch)
+            _sh(
+                "ip",
+                "link",
+                "add",
+                NIC,
+                "netns",
+                host,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                port,
+                "netns",
+                self.switch,
+            )
             _sh("ip", "-n", self.switch, "link", "set", port, "master", "br0")
             _sh("ip", "-n", self.switch, "link", "set", port, "up")
             for conf in ("all", NIC):  # 127.x on a NIC needs route_localnet
-                _sh("ip", "netns", "exec", host, "sysctl", "-qw", f"net.ipv4.conf.{conf}.route_localnet=1")
+                _sh(
+                    "ip",
+                    "netns",
+                    "exec",
+                    host,
+                    "sysctl",
+                    "-qw",
+                    f"net.ipv4.conf.{conf}.route_localnet=1",
+                )
             _sh("ip", "-n", host, "link", "set", "lo", "up")
             _sh("ip", "-n", host, "addr", "add", f"{address(i)}/24", "dev", NIC)
             _sh("ip", "-n", host, "link", "set", NIC, "up")
@@ -163,40 +191,114 @@ class SimulatedHosts:
         parent = ["root"]
         if delay is not None:
             try:
-                _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem",
-                    "delay", delay, "limit", "100000")
+                _sh(
+                    "ip",
+                    "netns",
+                    "exec",
+                    ns,
+                    "tc",
+                    "qdisc",
+                    "add",
+                    "dev",
+                    dev,
+                    "root",
+                    "handle",
+                    "1:",
+                    "netem",
+                    "delay",
+                    delay,
+                    "limit",
+                    "100000",
+                )
             except HostsError as error:
                 if "unknown" in str(error).lower():
-                    raise HostsError("`delay` needs tc's netem qdisc (kernel module sch_netem), which this kernel "
-                                     "does not have: pass delay=None") from None
+                    raise HostsError(
+                        "`delay` needs tc's netem qdisc (kernel module sch_netem), which this kernel "
+                        "does not have: pass delay=None"
+                    ) from None
                 raise
             parent = ["parent", "1:"]
         if self.rate is not None:
-            _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, *parent, "tbf", "rate", self.rate,
-                "burst", "256kb", "latency", "50ms")
+            _sh(
+                "ip",
+                "netns",
+                "exec",
+                ns,
+                "tc",
+                "qdisc",
+                "add",
+                "dev",
+                dev,
+                *parent,
+                "tbf",
+                "rate",
+                self.rate,
+                "burst",
+                "256kb",
+                "latency",
+                "50ms",
+            )
 
     # -- running ------------------------------------------------------------------------
-    def popen(self, host: int, argv: Sequence[str], env: dict[str, str] | None = None,
-              **kwargs: object) -> subprocess.Popen:
+    def popen(
+        self, host: int, argv: Sequence[str], env: dict[str, str] | None = None, **kwargs: object
+    ) -> subprocess.Popen:
         """Start ``argv`` inside host ``host`` (its output as ``kwargs`` say; default: inherited)."""
         full_env = {**os.environ, "GLOO_SOCKET_IFNAME": NIC, **(env or {})}
-        proc = subprocess.Popen(["ip", "netns", "exec", self.hosts[host], *argv], env=full_env,
-                                start_new_session=True, **kwargs)
+        proc = subprocess.Popen(
+            ["ip", "netns", "exec", self.hosts[host], *argv],
+            env=full_env,
+            start_new_session=True,
+            **kwargs,
+        )
         self._procs[proc] = host
         return proc
 
-    def torchrun_command(self, host: int, script: str, args: Sequence[str] = (), *, nproc_per_node: int = 1,
-                         nnodes: int | None = None, run_id: str | None = None) -> list[str]:
+    def torchrun_command(
+        self,
+        host: int,
+        script: str,
+        args: Sequence[str] = (),
+        *,
+        nproc_per_node: int = 1,
+        nnodes: int | None = None,
+        run_id: str | None = None,
+    ) -> list[str]:
         """The torchrun command host ``host`` runs: c10d rendezvous at host 0. On real nodes it is the
         same with their addresses (``--local-addr`` is needed here only because a namespace's
         hostname does not resolve to its address)."""
-        return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes or self.n),
-                "--nproc-per-node", str(nproc_per_node), "--rdzv-backend", "c10d",
-                "--rdzv-endpoint", f"{address(0)}:{MASTER_PORT}", "--rdzv-id", run_id or uuid.uuid4().hex[:12],
-                "--local-addr", address(host), "--max-restarts", "0", script, *args]
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            str(nnodes or self.n),
+            "--nproc-per-node",
+            str(nproc_per_node),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"{address(0)}:{MASTER_PORT}",
+            "--rdzv-id",
+            run_id or uuid.uuid4().hex[:12],
+            "--local-addr",
+            address(host),
+            "--max-restarts",
+            "0",
+            script,
+            *args,
+        ]
 
-    def torchrun(self, script: str, args: Sequence[str] = (), *, nproc_per_node: int = 1, hosts: int | None = None,
-                 env: dict[str, str] | None = None, log_dir: str | None = None) -> list[subprocess.Popen]:
+    def torchrun(
+        self,
+        script: str,
+        args: Sequence[str] = (),
+        *,
+        nproc_per_node: int = 1,
+        hosts: int | None = None,
+        env: dict[str, str] | None = None,
+        log_dir: str | None = None,
+    ) -> list[subprocess.Popen]:
         """Start ``script`` with torchrun on every host (or the first ``hosts``); each rank sees
         ``CUDARECV_HOST`` (its host's index).
 
@@ -208,19 +310,33 @@ class SimulatedHosts:
         run_id = uuid.uuid4().hex[:12]
         procs = []
         for i in range(count):
-            command = self.torchrun_command(i, script, args, nproc_per_node=nproc_per_node, nnodes=count,
-                                            run_id=run_id)
+            command = self.torchrun_command(
+                i, script, args, nproc_per_node=nproc_per_node, nnodes=count, run_id=run_id
+            )
             out = open(os.path.join(log_dir, f"host{i}.log"), "wb") if log_dir else None  # noqa: SIM115
             try:
-                procs.append(self.popen(i, command, {**(env or {}), "CUDARECV_HOST": str(i)},
-                                        stdout=out, stderr=subprocess.STDOUT if out else None))
+                procs.append(
+                    self.popen(
+                        i,
+                        command,
+                        {**(env or {}), "CUDARECV_HOST": str(i)},
+                        stdout=out,
+                        stderr=subprocess.STDOUT if out else None,
+                    )
+                )
             finally:
                 if out is not None:
                     out.close()
         return procs
 
-    def wait(self, procs: Sequence[subprocess.Popen], timeout: float, *,
-             may_fail: Sequence[int] = (), log_dir: str | None = None) -> list[int]:
+    def wait(
+        self,
+        procs: Sequence[subprocess.Popen],
+        timeout: float,
+        *,
+        may_fail: Sequence[int] = (),
+        log_dir: str | None = None,
+    ) -> list[int]:
         """Wait up to ``timeout`` s for every host's job; return the exit codes.
 
         Raises:
@@ -235,14 +351,20 @@ class SimulatedHosts:
                 for i, proc in enumerate(procs):
                     if codes[i] is None:
                         codes[i] = proc.poll()
-                failed = [i for i, c in enumerate(codes) if c not in (None, 0) and i not in may_fail]
+                failed = [
+                    i for i, c in enumerate(codes) if c not in (None, 0) and i not in may_fail
+                ]
                 if failed:
-                    raise HostsError(f"the job on host(s) {failed} exited with {[codes[i] for i in failed]}"
-                                     + _tail(log_dir, failed[0]))
+                    raise HostsError(
+                        f"the job on host(s) {failed} exited with {[codes[i] for i in failed]}"
+                        + _tail(log_dir, failed[0])
+                    )
                 if time.monotonic() > deadline:
                     late = [i for i, c in enumerate(codes) if c is None]
-                    raise HostsError(f"the job on host(s) {late} did not finish within {timeout:g} s"
-                                     + _tail(log_dir, late[0]))
+                    raise HostsError(
+                        f"the job on host(s) {late} did not finish within {timeout:g} s"
+                        + _tail(log_dir, late[0])
+                    )
                 time.sleep(0.05)
         except BaseException:
             self.kill(procs)
@@ -260,7 +382,11 @@ class SimulatedHosts:
             HostsError: a process of those hosts was still there 10 s after its SIGKILL.
         """
         chosen = list(procs if procs is not None else self._procs)
-        hosts = range(self.n) if procs is None else sorted({self._procs[p] for p in chosen if p in self._procs})
+        hosts = (
+            range(self.n)
+            if procs is None
+            else sorted({self._procs[p] for p in chosen if p in self._procs})
+        )
         for pid in self._stop_all(hosts):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
@@ -298,10 +424,14 @@ class SimulatedHosts:
             self.kill()
         finally:
             for ns in [*self.hosts, self.switch]:
-                with contextlib.suppress(subprocess.TimeoutExpired):  # the next start sweeps what is left
-                    subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=_SECONDS)
+                with contextlib.suppress(
+                    subprocess.TimeoutExpired
+                ):  # the next start sweeps what is left
+                    subprocess.run(
+                        ["ip", "netns", "del", ns], capture_output=True, timeout=_SECONDS
+                    )
 
-    def __enter__(self) -> "SimulatedHosts":
+    def __enter__(self) -> SimulatedHosts:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -26,14 +26,16 @@ process would, and talks to it over a socket of its own.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable
+from typing import Any
 
 import torch.distributed as dist
 
@@ -60,13 +62,29 @@ class Cluster:
         ...     results = cluster.run(fn, args=(1 << 20,))  # fn(rank, world, group, 1 << 20)
     """
 
-    def __init__(self, world_size: int = 2, *, pg_timeout: float = 30.0, start_timeout: float = 120.0,
-                 backend: str = "gloo", env: dict[str, str] | None = None, exit_timeout: float = 60.0) -> None:
+    def __init__(
+        self,
+        world_size: int = 2,
+        *,
+        pg_timeout: float = 30.0,
+        start_timeout: float = 120.0,
+        backend: str = "gloo",
+        env: dict[str, str] | None = None,
+        exit_timeout: float = 60.0,
+    ) -> None:
         self.world_size = world_size
         self.exit_timeout = exit_timeout  # generous: a rank's shutdown took 9.5 s at load 11 on 2 cores, 20-30+ s at 33
-        self._died: set[int] = set()  # ranks that died where run() allowed it: their exit code is theirs
-        self._store = dist.TCPStore(HOST, 0, world_size + 1, is_master=True, wait_for_workers=False,
-                                    timeout=timedelta(seconds=start_timeout))
+        self._died: set[int] = (
+            set()
+        )  # ranks that died where run() allowed it: their exit code is theirs
+        self._store = dist.TCPStore(
+            HOST,
+            0,
+            world_size + 1,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=start_timeout),
+        )
         environ = dict(os.environ, **(env or {}))
         self._conns: list[Connection] = []
         self._procs = []
@@ -75,15 +93,27 @@ class Cluster:
             for rank in range(world_size):
                 ours, theirs = socket.socketpair()
                 self._conns.append(Connection(ours.detach()))
-                self._procs.append(zygote().fork(_rank_main, (rank, world_size, self._store.port, pg_timeout,
-                                                              backend, environ), theirs))
+                self._procs.append(
+                    zygote().fork(
+                        _rank_main,
+                        (rank, world_size, self._store.port, pg_timeout, backend, environ),
+                        theirs,
+                    )
+                )
         except BaseException:  # (a Ctrl-C too): no rank forked so far is left behind
             self.kill()
             raise
         self._collect(start_timeout, "start")
 
-    def run(self, fn: Callable[..., Any], *, args: tuple = (), timeout: float = 60.0,
-            standalone: bool = False, may_die: frozenset[int] | set[int] = frozenset()) -> list[Any]:
+    def run(
+        self,
+        fn: Callable[..., Any],
+        *,
+        args: tuple = (),
+        timeout: float = 60.0,
+        standalone: bool = False,
+        may_die: frozenset[int] | set[int] = frozenset(),
+    ) -> list[Any]:
         """Call ``fn`` on every rank; return the results in rank order.
 
         A rank in ``may_die`` that dies gives :class:`RankExit` as its result
@@ -99,23 +129,25 @@ class Cluster:
         if self._closed:
             raise RankError("this cluster was closed after an earlier failure; start a new one")
         for conn in self._conns:
-            try:
+            with contextlib.suppress(OSError):  # that rank is gone: collecting says how
                 conn.send((fn, args, standalone))
-            except OSError:  # that rank is gone: collecting says how
-                pass
         results = self._collect(timeout, getattr(fn, "__name__", "fn"), frozenset(may_die))
         if any(isinstance(r, RankExit) for r in results):
             self.close()
         return results
 
-    def _collect(self, timeout: float, what: str, may_die: frozenset[int] = frozenset()) -> list[Any]:
+    def _collect(
+        self, timeout: float, what: str, may_die: frozenset[int] = frozenset()
+    ) -> list[Any]:
         out: dict[int, Any] = {}
         raised: set[int] = set()  # back in their loop, like the ranks in ``out``
         deadline = time.monotonic() + timeout
         try:
             while len(out) < self.world_size:
                 waiting = {self._conns[r]: r for r in range(self.world_size) if r not in out}
-                for conn in wait(list(waiting), timeout=max(0.0, min(0.2, deadline - time.monotonic()))):
+                for conn in wait(
+                    list(waiting), timeout=max(0.0, min(0.2, deadline - time.monotonic()))
+                ):
                     rank = waiting[conn]
                     try:
                         ok, value = conn.recv()
@@ -123,7 +155,9 @@ class Cluster:
                         self._procs[rank].join(self.exit_timeout)
                         code = self._procs[rank].exitcode
                         if rank not in may_die:
-                            raise RankError(f"{what}: rank {rank} died ({_exit_status(code)})") from None
+                            raise RankError(
+                                f"{what}: rank {rank} died ({_exit_status(code)})"
+                            ) from None
                         out[rank] = RankExit(code)
                         self._died.add(rank)
                         continue
@@ -133,7 +167,9 @@ class Cluster:
                     out[rank] = value
                 if len(out) < self.world_size and time.monotonic() > deadline:
                     missing = [r for r in range(self.world_size) if r not in out]
-                    raise RankError(f"{what}: rank(s) {missing} did not finish within {timeout:.0f} s") from None
+                    raise RankError(
+                        f"{what}: rank(s) {missing} did not finish within {timeout:.0f} s"
+                    ) from None
         except BaseException as exc:
             if isinstance(exc, KeyboardInterrupt):  # Ctrl-C: stop now, whatever the ranks are doing
                 self.kill()
@@ -157,7 +193,9 @@ class Cluster:
         self._closed = True
         failures = self._stop(busy=set())
         if failures:
-            raise RankError(f"{len(failures)} rank(s) did not exit normally: " + "; ".join(failures))
+            raise RankError(
+                f"{len(failures)} rank(s) did not exit normally: " + "; ".join(failures)
+            )
 
     def kill(self) -> None:
         """Stop every rank now (SIGKILL), whatever it is doing, and close the cluster; what they were doing is
@@ -169,7 +207,9 @@ class Cluster:
             p.kill()
         deadline = time.monotonic() + GRACE
         for p in self._procs:
-            p.join(max(deadline - time.monotonic(), 0.0))  # (its zygote's report: at once, once it died)
+            p.join(
+                max(deadline - time.monotonic(), 0.0)
+            )  # (its zygote's report: at once, once it died)
         for conn in self._conns:
             conn.close()
 
@@ -178,10 +218,8 @@ class Cluster:
         failed call) get :data:`GRACE` s and may be killed unreported. Returns what went wrong."""
         for conn, p in zip(self._conns, self._procs):
             if p.is_alive():
-                try:
+                with contextlib.suppress(OSError):
                     conn.send(None)
-                except OSError:
-                    pass
         deadline = time.monotonic() + self.exit_timeout
         failures = []
         for rank, p in enumerate(self._procs):
@@ -190,14 +228,16 @@ class Cluster:
                 p.kill()
                 p.join(5)
                 if rank not in busy:
-                    failures.append(f"rank {rank} did not exit within {self.exit_timeout:g} s (killed)")
+                    failures.append(
+                        f"rank {rank} did not exit within {self.exit_timeout:g} s (killed)"
+                    )
             elif rank not in busy | self._died and p.exitcode != 0:
                 failures.append(f"rank {rank} {_exit_status(p.exitcode)}")
         for conn in self._conns:
             conn.close()
         return failures
 
-    def __enter__(self) -> "Cluster":
+    def __enter__(self) -> Cluster:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -242,26 +282,44 @@ def _exit_status(code: int | None) -> str:
     return f"exited with code {code}"
 
 
-def run(fn: Callable[..., Any], world_size: int = 2, *, args: tuple = (), timeout: float = 120.0,
-        pg_timeout: float = 30.0, standalone: bool = False) -> list[Any]:
+def run(
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    *,
+    args: tuple = (),
+    timeout: float = 120.0,
+    pg_timeout: float = 30.0,
+    standalone: bool = False,
+) -> list[Any]:
     """Start ranks, run ``fn`` once on each, stop them (see :class:`Cluster`)."""
     with Cluster(world_size, pg_timeout=pg_timeout, start_timeout=timeout) as cluster:
         return cluster.run(fn, args=args, timeout=timeout, standalone=standalone)
 
 
-def _rank_main(conn: Connection, rank: int, world_size: int, port: int, pg_timeout: float, backend: str,
-               environ: dict[str, str]) -> None:
+def _rank_main(
+    conn: Connection,
+    rank: int,
+    world_size: int,
+    port: int,
+    pg_timeout: float,
+    backend: str,
+    environ: dict[str, str],
+) -> None:
     os.environ.clear()  # the parent's, as at Cluster creation (not the zygote's, from its start)
     os.environ.update(environ)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     try:
         timeout = timedelta(seconds=pg_timeout)
         store = dist.TCPStore(HOST, port, world_size + 1, is_master=False, timeout=timeout)
-        if backend == "nccl":  # one GPU per rank, or ranks sharing GPUs (NCCL_MULTI_RANK_GPU_ENABLE=1)
+        if (
+            backend == "nccl"
+        ):  # one GPU per rank, or ranks sharing GPUs (NCCL_MULTI_RANK_GPU_ENABLE=1)
             import torch
 
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world_size, timeout=timeout
+        )
         prefix = dist.PrefixStore("standalone", store)
         if backend == "gloo":
             standalone = dist.ProcessGroupGloo(prefix, rank, world_size, timeout)

@@ -13,9 +13,10 @@ Run ``python -m cudarecv.testing.nvml`` to print the table.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, TypeVar
 
 __all__ = ["GpuInfo", "format_topology", "gpu_count", "topology"]
 

@@ -39,8 +39,13 @@ class _Marker(nn.Module):
         self.big = nn.Parameter(torch.zeros(max(floats, 2)))
 
     def forward(self, th: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        first, last = self.big[0], self.big[-1]  # a copy in place writes big front to back, bias before or after
-        action = (self.bias + 1000.7071 * (first - last) + 0.3183 * (self.bias - first)).expand(*th.shape, 1)
+        first, last = (
+            self.big[0],
+            self.big[-1],
+        )  # a copy in place writes big front to back, bias before or after
+        action = (self.bias + 1000.7071 * (first - last) + 0.3183 * (self.bias - first)).expand(
+            *th.shape, 1
+        )
         return action, torch.full(th.shape, time.monotonic(), dtype=torch.float64)
 
 

@@ -34,8 +34,9 @@ from __future__ import annotations
 import contextlib
 import struct
 import threading
+from collections.abc import Iterator
 from datetime import timedelta
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -44,7 +45,9 @@ from cudarecv import Error
 
 __all__ = ["NcclRuleError", "StrictNccl", "stand_in_cuda"]
 
-_DESCRIPTOR = struct.Struct("<QQ")  # bytes (what NCCL's count x type size must agree on), element size
+_DESCRIPTOR = struct.Struct(
+    "<QQ"
+)  # bytes (what NCCL's count x type size must agree on), element size
 _COMMS = {"group": 0, "pair": 1}
 _SEQ_BITS = 28  # posting indices per (communicator, direction, peer): tags stay below 2**31
 
@@ -56,7 +59,7 @@ class NcclRuleError(Error, RuntimeError):
 class _Work:
     """The ops of one call: waited for within the group's timeout (a timeout says which rule it broke)."""
 
-    def __init__(self, group: "StrictNccl", ops: list["_Op"]) -> None:
+    def __init__(self, group: StrictNccl, ops: list[_Op]) -> None:
         self._group, self._ops = group, ops
 
     def is_completed(self) -> bool:
@@ -74,18 +77,39 @@ class _Work:
 class _Op:
     """One NCCL send or receive, as two gloo messages: its descriptor (size) and its payload."""
 
-    def __init__(self, group: "StrictNccl", sending: bool, tensor: torch.Tensor, peer: int, comm: str,
-                 index: int) -> None:
+    def __init__(
+        self,
+        group: StrictNccl,
+        sending: bool,
+        tensor: torch.Tensor,
+        peer: int,
+        comm: str,
+        index: int,
+    ) -> None:
         self.group, self.sending, self.tensor, self.peer, self.comm, self.index = (
-            group, sending, tensor, peer, comm, index)
+            group,
+            sending,
+            tensor,
+            peer,
+            comm,
+            index,
+        )
         self.done = False
         self._tag = (_COMMS[comm] << (_SEQ_BITS + 1)) | (index << 1)
-        flat = tensor.detach().reshape(-1).view(torch.uint8) if tensor.numel() else torch.zeros(0, dtype=torch.uint8)
+        flat = (
+            tensor.detach().reshape(-1).view(torch.uint8)
+            if tensor.numel()
+            else torch.zeros(0, dtype=torch.uint8)
+        )
         self._flat = flat
         if sending:
-            descriptor = torch.frombuffer(bytearray(_DESCRIPTOR.pack(flat.numel(), tensor.element_size())),
-                                          dtype=torch.uint8)
-            self._works = [group.gloo_send(descriptor, peer, self._tag), group.gloo_send(flat, peer, self._tag + 1)]
+            descriptor = torch.frombuffer(
+                bytearray(_DESCRIPTOR.pack(flat.numel(), tensor.element_size())), dtype=torch.uint8
+            )
+            self._works = [
+                group.gloo_send(descriptor, peer, self._tag),
+                group.gloo_send(flat, peer, self._tag + 1),
+            ]
         else:
             self._descriptor = torch.zeros(_DESCRIPTOR.size, dtype=torch.uint8)
             self._works = [group.gloo_recv(self._descriptor, peer, self._tag)]
@@ -100,12 +124,18 @@ class _Op:
         self._wait(self._works[0], "its peer posted no matching op on that communicator")
         if not self.sending:
             nbytes, _ = _DESCRIPTOR.unpack(self._descriptor.numpy().tobytes())
-            if nbytes != self._flat.numel():  # (NCCL moves count x type size bytes: those must agree)
+            if (
+                nbytes != self._flat.numel()
+            ):  # (NCCL moves count x type size bytes: those must agree)
                 scratch = torch.empty(nbytes, dtype=torch.uint8)
                 self._wait(self.group.gloo_recv(scratch, self.peer, self._tag + 1), "draining")
-                raise NcclRuleError(f"{self.what()} expects {self._flat.numel()} bytes; the peer's matching op sent "
-                                    f"{nbytes}: NCCL matches by order, not tag, and would move garbage or hang")
-            self._wait(self.group.gloo_recv(self._flat, self.peer, self._tag + 1), "the payload never came")
+                raise NcclRuleError(
+                    f"{self.what()} expects {self._flat.numel()} bytes; the peer's matching op sent "
+                    f"{nbytes}: NCCL matches by order, not tag, and would move garbage or hang"
+                )
+            self._wait(
+                self.group.gloo_recv(self._flat, self.peer, self._tag + 1), "the payload never came"
+            )
         else:
             self._wait(self._works[1], "its peer never took the payload")
         self.done = True
@@ -114,8 +144,10 @@ class _Op:
         try:
             work.wait(timedelta(seconds=self.group.timeout))
         except Exception as error:  # noqa: BLE001 - gloo's timeout or a closed link: the rule it broke
-            raise NcclRuleError(f"{self.what()} did not complete within {self.group.timeout:g} s: {why} "
-                                "(NCCL would hang here)") from error
+            raise NcclRuleError(
+                f"{self.what()} did not complete within {self.group.timeout:g} s: {why} "
+                "(NCCL would hang here)"
+            ) from error
 
 
 class StrictNccl(dist.ProcessGroupGloo):
@@ -125,8 +157,12 @@ class StrictNccl(dist.ProcessGroupGloo):
     each op as ``(communicator, "send" | "recv", peer, bytes)`` for tests.
     """
 
-    def __init__(self, store: Any, rank: int, size: int, timeout: float = 20.0, name: str = "strict") -> None:
-        super().__init__(dist.PrefixStore(f"{name}/data", store), rank, size, timedelta(seconds=timeout))
+    def __init__(
+        self, store: Any, rank: int, size: int, timeout: float = 20.0, name: str = "strict"
+    ) -> None:
+        super().__init__(
+            dist.PrefixStore(f"{name}/data", store), rank, size, timedelta(seconds=timeout)
+        )
         self.timeout = timeout
         self._meta = dist.PrefixStore(f"{name}/meta", store)
         self._lock = threading.Lock()
@@ -159,12 +195,16 @@ class StrictNccl(dist.ProcessGroupGloo):
 
     def _start_coalescing(self) -> None:  # (a backend's takes no device, unlike ProcessGroup's)
         me = threading.current_thread()
-        if not self._group_ready:  # NCCL makes the communicator inside the first op, before anything is posted
+        if (
+            not self._group_ready
+        ):  # NCCL makes the communicator inside the first op, before anything is posted
             self._first_batch()
         with self._lock:
             if self._coalescing is not None:
-                raise NcclRuleError(f"{me.name} starts coalescing while {self._coalescing.name} coalesces on the "
-                                    "same group: the coalescing state is one per group, and the two batches mix")
+                raise NcclRuleError(
+                    f"{me.name} starts coalescing while {self._coalescing.name} coalesces on the "
+                    "same group: the coalescing state is one per group, and the two batches mix"
+                )
             self._coalescing, self._batch = me, []
 
     def _end_coalescing(self) -> _Work:
@@ -180,8 +220,10 @@ class StrictNccl(dist.ProcessGroupGloo):
         me = threading.current_thread()
         with self._lock:
             if self._coalescing is not None and self._coalescing is not me:
-                raise NcclRuleError(f"{me.name} posts an op while {self._coalescing.name} coalesces on the same "
-                                    "group: torch puts it in the other thread's batch")
+                raise NcclRuleError(
+                    f"{me.name} posts an op while {self._coalescing.name} coalesces on the same "
+                    "group: torch puts it in the other thread's batch"
+                )
             comm = "group" if self._coalescing is me else "pair"
             key = (comm, sending, peer)
             index = self._next.get(key, 0)
@@ -189,7 +231,14 @@ class StrictNccl(dist.ProcessGroupGloo):
             if index >= 1 << _SEQ_BITS:
                 raise NcclRuleError("more ops on one communicator than this stand-in counts")
             op = _Op(self, sending, tensors[0], peer, comm, index)
-            self.ops.append((comm, "send" if sending else "recv", peer, tensors[0].numel() * tensors[0].element_size()))
+            self.ops.append(
+                (
+                    comm,
+                    "send" if sending else "recv",
+                    peer,
+                    tensors[0].numel() * tensors[0].element_size(),
+                )
+            )
             if comm == "group":
                 self._batch.append(op)
         return _Work(self, [op]) if comm == "pair" else _Work(self, [])
@@ -205,7 +254,8 @@ class StrictNccl(dist.ProcessGroupGloo):
             raise NcclRuleError(
                 f"rank {self.rank()}'s first batched op on this group of {self.size()}: NCCL creates the group's "
                 f"communicator with every rank of the group at once, and rank(s) {absent} made no batched op "
-                f"within {self.timeout:g} s (NCCL would hang here)") from error
+                f"within {self.timeout:g} s (NCCL would hang here)"
+            ) from error
         self._group_ready = True
 
 
@@ -223,7 +273,7 @@ class _Stream:
     def wait_event(self, event: Any) -> None:
         pass
 
-    def record_event(self, event: Any = None) -> "_Event":
+    def record_event(self, event: Any = None) -> _Event:
         return event or _Event()
 
     def synchronize(self) -> None:
@@ -236,7 +286,9 @@ class _Stream:
 class _Event:
     """A CUDA event stood in by the CPU: it has fired."""
 
-    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
+    def __init__(
+        self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False
+    ) -> None:
         pass
 
     def record(self, stream: Any = None) -> None:
@@ -283,7 +335,9 @@ def stand_in_cuda(memory: str = "device") -> Iterator[None]:
     }
     if memory == "device":
         real = staging.wire_can_touch
-        patches[(staging, "wire_can_touch")] = lambda lane, tensors: lane.nccl or real(lane, tensors)
+        patches[(staging, "wire_can_touch")] = lambda lane, tensors: (
+            lane.nccl or real(lane, tensors)
+        )
     saved = {key: getattr(*key) for key in patches}
     try:
         for (owner, name), value in patches.items():

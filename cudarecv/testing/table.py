@@ -15,8 +15,14 @@ from collections.abc import Collection, Mapping, Sequence
 Cells = Mapping[str, str]
 
 
-def text(columns: Sequence[str], sections: Mapping[str | None, Sequence[Cells]], *, left: Collection[str] = (),
-         notes: Sequence[str] = (), commented: bool = True) -> str:
+def text(
+    columns: Sequence[str],
+    sections: Mapping[str | None, Sequence[Cells]],
+    *,
+    left: Collection[str] = (),
+    notes: Sequence[str] = (),
+    commented: bool = True,
+) -> str:
     """Rows of cells (keyed by column) under their section headings, columns padded to fit.
 
     ``sections`` maps a heading (``"case: <name>"`` lines; ``None`` for none) to its rows;
@@ -28,7 +34,9 @@ def text(columns: Sequence[str], sections: Mapping[str | None, Sequence[Cells]],
     widths = {c: max([len(c)] + [len(row[c]) for row in rows]) for c in columns}
 
     def line(cells: Cells, prefix: str) -> str:
-        padded = (cells[c].ljust(widths[c]) if c in left else cells[c].rjust(widths[c]) for c in columns)
+        padded = (
+            cells[c].ljust(widths[c]) if c in left else cells[c].rjust(widths[c]) for c in columns
+        )
         return (prefix + "  ".join(padded)).rstrip()
 
     mark, indent = ("# ", "  ") if commented else ("", "")
@@ -45,10 +53,13 @@ def text(columns: Sequence[str], sections: Mapping[str | None, Sequence[Cells]],
 
 def markdown(columns: Sequence[str], rows: Sequence[Cells], *, left: Collection[str] = ()) -> str:
     """A GitHub markdown table (``|`` in cells escaped)."""
+
     def cell(value: str) -> str:
         return value.replace("|", "\\|")
 
-    lines = ["| " + " | ".join(cell(c) for c in columns) + " |",
-             "|" + "|".join(":---" if c in left else "---:" for c in columns) + "|"]
+    lines = [
+        "| " + " | ".join(cell(c) for c in columns) + " |",
+        "|" + "|".join(":---" if c in left else "---:" for c in columns) + "|",
+    ]
     lines += ["| " + " | ".join(cell(row[c]) for c in columns) + " |" for row in rows]
     return "\n".join(lines) + "\n"

@@ -10,15 +10,28 @@ from typing import Any
 import torch
 
 #: the size the tests use: 0.56 M parameters
-TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+TINY = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 
 
 def config(**sizes: int) -> Any:
     """A Qwen2 config of ``sizes`` (default :data:`TINY`): vocabulary 1024, untied embeddings."""
     from transformers import Qwen2Config
 
-    return Qwen2Config(vocab_size=1024, max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=1,
-                       eos_token_id=2, pad_token_id=3, **{**TINY, **sizes})
+    return Qwen2Config(
+        vocab_size=1024,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=3,
+        **{**TINY, **sizes},
+    )
 
 
 def model(seed: int = 0, **sizes: int) -> torch.nn.Module:
@@ -45,6 +58,5 @@ def greedy(module: torch.nn.Module, prompts: list[list[int]], tokens: int) -> li
             ids = torch.tensor([prompt])
             for _ in range(tokens):
                 ids = torch.cat([ids, module(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-            out.append(ids[0, len(prompt):].tolist())
+            out.append(ids[0, len(prompt) :].tolist())
     return out
-

@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib
 import os
 import pickle
@@ -33,9 +34,10 @@ import sys
 import threading
 import time
 import types
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle, send_handle
-from typing import Any, Callable
+from typing import Any
 
 #: imported once by the zygote for every rank it forks (torch does not initialize CUDA at import)
 PRELOAD = ["numpy", "torch", "torch.distributed", "tensordict"]
@@ -49,7 +51,7 @@ class ZygoteError(RuntimeError):
 class Forked:
     """A rank forked by the zygote, with ``multiprocessing.Process``'s ways to watch it."""
 
-    def __init__(self, zygote: "Zygote", pid: int) -> None:
+    def __init__(self, zygote: Zygote, pid: int) -> None:
         self._zygote = zygote
         self.pid = pid
 
@@ -66,10 +68,8 @@ class Forked:
 
     def kill(self) -> None:
         if self.is_alive():  # (reaped ones are not signalled: their pid may be another's by now)
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
 
 class Zygote:
@@ -80,8 +80,12 @@ class Zygote:
         # a session of its own, and so of its ranks': a terminal's Ctrl-C (SIGINT to its foreground process
         # group) reaches the parent only, which stops its ranks (a Cluster kills them when interrupted); a
         # rank interrupted at any moment of its own (connecting, in a call, exiting) would print a traceback
-        self._proc = subprocess.Popen([sys.executable, "-m", __name__, str(theirs.fileno())],
-                                      pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, start_new_session=True)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", __name__, str(theirs.fileno())],
+            pass_fds=[theirs.fileno()],
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         theirs.close()
         self._conn = Connection(ours.detach())
         self._lock = threading.Lock()
@@ -116,7 +120,9 @@ class Zygote:
                 if pid in self._exits:
                     return self._exits[pid]
                 left = POLL if deadline is None else min(POLL, deadline - time.monotonic())
-                if self._conn.poll(max(left, 0.0)):  # (reports already there are read even with no time left)
+                if self._conn.poll(
+                    max(left, 0.0)
+                ):  # (reports already there are read even with no time left)
                     self._recv()
                 elif left <= 0:
                     return None
@@ -160,7 +166,9 @@ def main(fd: int) -> None:
     Returns in the zygote when the parent closed its end, and in each forked rank once
     its target returned (the rank then exits as a script does).
     """
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is for the parent, which then stops the ranks
+    signal.signal(
+        signal.SIGINT, signal.SIG_IGN
+    )  # a Ctrl-C is for the parent, which then stops the ranks
     for name in PRELOAD:
         importlib.import_module(name)
     conn = Connection(fd)
@@ -175,7 +183,11 @@ def main(fd: int) -> None:
                 pid = children.pop(key.fd)
                 selector.unregister(key.fd)
                 os.close(key.fd)
-                if not _tell(conn, ("exited", pid, os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])), children):
+                if not _tell(
+                    conn,
+                    ("exited", pid, os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])),
+                    children,
+                ):
                     return
                 continue
             try:
@@ -226,7 +238,9 @@ def _main_module() -> tuple[str, str] | None:
     main = sys.modules["__main__"]
     spec = getattr(main, "__spec__", None)
     if spec is not None:
-        return None if spec.name.endswith("__main__") or spec.name == __name__ else ("name", spec.name)
+        return (
+            None if spec.name.endswith("__main__") or spec.name == __name__ else ("name", spec.name)
+        )
     path = getattr(main, "__file__", None)
     return ("path", os.path.abspath(path)) if path and path.endswith(".py") else None
 
@@ -235,10 +249,15 @@ def _run(spec: tuple, handle: int) -> None:
     path, cwd, main, payload = spec
     sys.path[:] = path
     os.chdir(cwd)
-    if main is not None:  # the parent's __main__ run again as __mp_main__ (its guarded part does not run), as spawn does
+    if (
+        main is not None
+    ):  # the parent's __main__ run again as __mp_main__ (its guarded part does not run), as spawn does
         how, where = main
-        found = runpy.run_module(where, run_name="__mp_main__", alter_sys=True) if how == "name" else \
-            runpy.run_path(where, run_name="__mp_main__")
+        found = (
+            runpy.run_module(where, run_name="__mp_main__", alter_sys=True)
+            if how == "name"
+            else runpy.run_path(where, run_name="__mp_main__")
+        )
         module = types.ModuleType("__mp_main__")
         module.__dict__.update(found)
         sys.modules["__main__"] = sys.modules["__mp_main__"] = module

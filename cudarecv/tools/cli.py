@@ -24,7 +24,7 @@ import importlib
 import math
 import re
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 from cudarecv import ArgumentError
 
@@ -43,7 +43,9 @@ class OptionError(ArgumentError):
 def error(command: str, message: str) -> None:
     """Print ``cudarecv <command>: error: <message>`` on stderr (the one error form of the tools;
     ``cudarecv: error: <message>`` without a command)."""
-    sys.stderr.write((f"{PROG} {command}: error: {message}" if command else f"{PROG}: error: {message}") + "\n")
+    sys.stderr.write(
+        (f"{PROG} {command}: error: {message}" if command else f"{PROG}: error: {message}") + "\n"
+    )
     sys.stderr.flush()  # (one write: see console.progress)
 
 
@@ -52,6 +54,7 @@ def error(command: str, message: str) -> None:
 
 def int_at_least(minimum: int) -> Callable[[str], int]:
     """An argparse ``type``: an integer >= ``minimum``."""
+
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -143,6 +146,8 @@ def _main(argv: list[str] | None) -> int:
         commands[name] = module.register(subparsers)
         commands[name].description = plain(module.__doc__)
     args, unknown = parser.parse_known_args(argv)
-    if unknown:  # argparse would report them as the top-level parser's: say which subcommand refused them
+    if (
+        unknown
+    ):  # argparse would report them as the top-level parser's: say which subcommand refused them
         commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     return int(args.func(args) or 0)

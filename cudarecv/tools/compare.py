@@ -43,8 +43,24 @@ from .console import available_memory, machine, progress, tail, versions
 
 BACKEND = "gloo"
 CONSOLIDATED_LEAVES = 200
-DEFAULTS = dict(leaves=2000, leaf_bytes="8KiB", consolidated_mib=256, bucket_bytes="1MiB", iters=5, warmup=1, rounds=1)
-QUICK = dict(leaves=64, leaf_bytes="1KiB", consolidated_mib=1, bucket_bytes="16KiB", iters=2, warmup=1, rounds=1)
+DEFAULTS = dict(
+    leaves=2000,
+    leaf_bytes="8KiB",
+    consolidated_mib=256,
+    bucket_bytes="1MiB",
+    iters=5,
+    warmup=1,
+    rounds=1,
+)
+QUICK = dict(
+    leaves=64,
+    leaf_bytes="1KiB",
+    consolidated_mib=1,
+    bucket_bytes="16KiB",
+    iters=2,
+    warmup=1,
+    rounds=1,
+)
 NOTE = "time = median of the receiver's timed transfers; GB/s = bytes / time / 1e9"
 COLUMNS = report.COLUMNS  # its check column: ok, WRONG (wrong values) or FAIL (a rank failed)
 
@@ -58,25 +74,45 @@ def plan(args: argparse.Namespace) -> list[tuple[str, dict, str | None]]:
     pick = {k: base[k] if getattr(args, k) is None else getattr(args, k) for k in DEFAULTS}
     leaf_bytes = tb.parse_size(pick["leaf_bytes"])
     if leaf_bytes % 4:
-        raise OptionError(f"must be a multiple of 4 bytes (float32 leaves), got {leaf_bytes}", "--leaf-bytes")
+        raise OptionError(
+            f"must be a multiple of 4 bytes (float32 leaves), got {leaf_bytes}", "--leaf-bytes"
+        )
     bucket = tb.format_size(tb.parse_size(pick["bucket_bytes"]))
     timing = dict(iters=pick["iters"], warmup=pick["warmup"])
     out = []
     name = f"{pick['leaves']} x {tb.format_size(leaf_bytes)}"
     for impl, mode, stock_mode in tb.leaf_modes(bucket):
-        out.append((name, dict(leaves=pick["leaves"], leaf_bytes=leaf_bytes, impl=impl, mode=mode, **timing),
-                    stock_mode))
+        out.append(
+            (
+                name,
+                dict(leaves=pick["leaves"], leaf_bytes=leaf_bytes, impl=impl, mode=mode, **timing),
+                stock_mode,
+            )
+        )
     mib = pick["consolidated_mib"]
     if mib:
         total = mib << 20
         name = f"consolidated {mib}MiB"
         for impl, mode, stock_mode in tb.consolidated_modes(bucket):
-            out.append((name, dict(leaves=min(CONSOLIDATED_LEAVES, total // 4), total_bytes=total, impl=impl,
-                                   mode=mode, **timing), stock_mode))
+            out.append(
+                (
+                    name,
+                    dict(
+                        leaves=min(CONSOLIDATED_LEAVES, total // 4),
+                        total_bytes=total,
+                        impl=impl,
+                        mode=mode,
+                        **timing,
+                    ),
+                    stock_mode,
+                )
+            )
     for _, case, _ in out:
         try:
             tb.check_case(case)
-        except ValueError as exc:  # the options above keep every case well formed; never a traceback
+        except (
+            ValueError
+        ) as exc:  # the options above keep every case well formed; never a traceback
             raise OptionError(str(exc)) from None
     _check_memory(out)
     return out
@@ -100,6 +136,7 @@ def _check_memory(todo: list[tuple[str, dict, str | None]]) -> None:
 def format_table(rows: list[report.Row], failed: set[int], header: list[str]) -> str:
     """The report's table (same cells, via :func:`cudarecv.tools.report.row_cells`); the check of a row
     whose ranks failed (``id(row)`` in ``failed``) reads FAIL."""
+
     def cells(r: report.Row) -> dict[str, str]:
         cell = report.row_cells(r)
         if r.seconds <= 0:  # never completed
@@ -122,23 +159,53 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         help="time stock tensordict vs cudarecv vs raw torch.distributed transfers on 2 local ranks",
     )
     d, q = DEFAULTS, QUICK
-    p.add_argument("--leaves", type=int_at_least(1), metavar="N",
-                   help=f"leaves of the many-leaves tensordict (default {d['leaves']}; --quick {q['leaves']})")
-    p.add_argument("--leaf-bytes", type=size, metavar="SIZE",
-                   help=f"bytes per leaf, e.g. 8KiB or 8192 (default {d['leaf_bytes']}; --quick {q['leaf_bytes']})")
-    p.add_argument("--consolidated-mib", type=int_at_least(0), metavar="MIB",
-                   help=f"MiB of the consolidated tensordict, 0 skips it (default {d['consolidated_mib']}; "
-                        f"--quick {q['consolidated_mib']})")
-    p.add_argument("--bucket-bytes", type=size, metavar="SIZE",
-                   help=f"fast-wire message size for buckets and chunks (default {d['bucket_bytes']}; "
-                        f"--quick {q['bucket_bytes']})")
-    p.add_argument("--iters", type=int_at_least(1), metavar="N",
-                   help=f"timed transfers per mode and round (default {d['iters']}; --quick {q['iters']})")
-    p.add_argument("--warmup", type=int_at_least(0), metavar="N",
-                   help=f"untimed transfers first (default {d['warmup']})")
-    p.add_argument("--rounds", type=int_at_least(1), metavar="N",
-                   help=f"repeat all modes N times, alternating them (default {d['rounds']})")
-    p.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test (a few seconds)")
+    p.add_argument(
+        "--leaves",
+        type=int_at_least(1),
+        metavar="N",
+        help=f"leaves of the many-leaves tensordict (default {d['leaves']}; --quick {q['leaves']})",
+    )
+    p.add_argument(
+        "--leaf-bytes",
+        type=size,
+        metavar="SIZE",
+        help=f"bytes per leaf, e.g. 8KiB or 8192 (default {d['leaf_bytes']}; --quick {q['leaf_bytes']})",
+    )
+    p.add_argument(
+        "--consolidated-mib",
+        type=int_at_least(0),
+        metavar="MIB",
+        help=f"MiB of the consolidated tensordict, 0 skips it (default {d['consolidated_mib']}; "
+        f"--quick {q['consolidated_mib']})",
+    )
+    p.add_argument(
+        "--bucket-bytes",
+        type=size,
+        metavar="SIZE",
+        help=f"fast-wire message size for buckets and chunks (default {d['bucket_bytes']}; "
+        f"--quick {q['bucket_bytes']})",
+    )
+    p.add_argument(
+        "--iters",
+        type=int_at_least(1),
+        metavar="N",
+        help=f"timed transfers per mode and round (default {d['iters']}; --quick {q['iters']})",
+    )
+    p.add_argument(
+        "--warmup",
+        type=int_at_least(0),
+        metavar="N",
+        help=f"untimed transfers first (default {d['warmup']})",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int_at_least(1),
+        metavar="N",
+        help=f"repeat all modes N times, alternating them (default {d['rounds']})",
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="tiny sizes, for a smoke test (a few seconds)"
+    )
     p.set_defaults(func=run)
     return p
 
@@ -154,11 +221,15 @@ def run(args: argparse.Namespace) -> int:
     keys = list(dict.fromkeys((name, case["impl"], case["mode"]) for name, case, _ in todo))
     times: dict[tuple, list[float]] = {k: [] for k in keys}
     errors: dict[tuple, list[str]] = {k: [] for k in keys}
-    transports: dict[tuple, str] = {}  # what carried each mode's payload (cudarecv: shared memory on one machine)
+    transports: dict[
+        tuple, str
+    ] = {}  # what carried each mode's payload (cudarecv: shared memory on one machine)
     crashed: set[tuple] = set()  # modes whose ranks failed (else an error is a wrong value)
     total, done = rounds * len(todo), 0
-    progress(f"cudarecv compare: {len(todo)} modes x {rounds} round(s) on 2 local ranks ({BACKEND}), "
-              f"{todo[0][1]['iters']} timed + {todo[0][1]['warmup']} warm-up transfers each")
+    progress(
+        f"cudarecv compare: {len(todo)} modes x {rounds} round(s) on 2 local ranks ({BACKEND}), "
+        f"{todo[0][1]['iters']} timed + {todo[0][1]['warmup']} warm-up transfers each"
+    )
     t_start = time.perf_counter()
     cluster = None
     try:
@@ -172,7 +243,9 @@ def run(args: argparse.Namespace) -> int:
                         error("compare", f"cannot start the 2 local ranks: {exc}")
                         return 1
                 try:
-                    result = tb.summarize(case, cluster.run(tb.time_case, args=(case,), timeout=600))
+                    result = tb.summarize(
+                        case, cluster.run(tb.time_case, args=(case,), timeout=600)
+                    )
                 except RankError as exc:
                     cluster = None  # closed by the failure: start fresh ranks for the next mode
                     errors[key].append(str(exc))
@@ -184,11 +257,15 @@ def run(args: argparse.Namespace) -> int:
                     if not result["ok"]:
                         errors[key].append(result["error"])
                     seconds = result["seconds"]
-                    status = (f"{report.format_time(seconds):>10}  {result['bytes'] / seconds / 1e9:7.2f} GB/s  "
-                              + ("ok" if result["ok"] else f"WRONG: {result['error']}"))
+                    status = (
+                        f"{report.format_time(seconds):>10}  {result['bytes'] / seconds / 1e9:7.2f} GB/s  "
+                        + ("ok" if result["ok"] else f"WRONG: {result['error']}")
+                    )
                 done += 1
-                progress(f"[{done:>{len(str(total))}}/{total}] {name:<22} {case['impl']:<8} {case['mode']:<22} "
-                          f"{status}")
+                progress(
+                    f"[{done:>{len(str(total))}}/{total}] {name:<22} {case['impl']:<8} {case['mode']:<22} "
+                    f"{status}"
+                )
     except KeyboardInterrupt:
         error("compare", "interrupted")
         return 130
@@ -202,10 +279,19 @@ def run(args: argparse.Namespace) -> int:
     for key in keys:
         name, impl, mode = key
         case, ts = cases[key], sorted(times[key])
-        row = report.Row(name=f"{name} {impl} {mode}", seconds=tb.median(ts) if ts else 0.0, case=name,
-                          impl=impl, mode=mode, nbytes=tb.payload_bytes(case), leaves=case["leaves"],
-                          stock_mode=stock_modes[key], backend=BACKEND, ok=not errors[key],
-                          transport=transports.get(key))
+        row = report.Row(
+            name=f"{name} {impl} {mode}",
+            seconds=tb.median(ts) if ts else 0.0,
+            case=name,
+            impl=impl,
+            mode=mode,
+            nbytes=tb.payload_bytes(case),
+            leaves=case["leaves"],
+            stock_mode=stock_modes[key],
+            backend=BACKEND,
+            ok=not errors[key],
+            transport=transports.get(key),
+        )
         rows.append(row)
         if key in crashed:
             crashed_rows.add(id(row))
@@ -222,13 +308,17 @@ def run(args: argparse.Namespace) -> int:
     sys.stdout.write(format_table(rows, crashed_rows, header))
     failed = [k for k in keys if errors[k]]
     if failed:
-        sys.stdout.write(f"# checks: {len(failed)} of {len(keys)} modes FAILED (WRONG values or a rank failed)\n")
+        sys.stdout.write(
+            f"# checks: {len(failed)} of {len(keys)} modes FAILED (WRONG values or a rank failed)\n"
+        )
         sys.stdout.flush()
         for name, impl, mode in failed:
             for problem in dict.fromkeys(errors[(name, impl, mode)]):
                 error("compare", f"{name}: {impl} {mode}: {tail(problem)}")
         return 1
-    sys.stdout.write(f"# checks: all {len(keys)} modes delivered the right values "
-                     f"({time.perf_counter() - t_start:.1f} s)\n")
+    sys.stdout.write(
+        f"# checks: all {len(keys)} modes delivered the right values "
+        f"({time.perf_counter() - t_start:.1f} s)\n"
+    )
     sys.stdout.flush()
     return 0

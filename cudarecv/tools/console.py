@@ -52,7 +52,7 @@ def versions() -> str:
 def tail(error: str, lines: int = 8) -> str:
     """The end of a rank's traceback (where it raised), not all of it."""
     text = error.strip().splitlines()
-    return "\n".join(text if len(text) <= lines else [text[0], "  ...", *text[-(lines - 2):]])
+    return "\n".join(text if len(text) <= lines else [text[0], "  ...", *text[-(lines - 2) :]])
 
 
 def progress(text: str) -> None:

@@ -83,7 +83,9 @@ from .cli import OptionError, error, int_at_least, positive_float, size_or_zero
 from .console import available_memory, progress, tail, versions
 from .transfer_ranks import format_size
 
-DEFAULTS = dict(actors=2, steps=200, model_mib=4.0, bucket_bytes="1MiB", timeout=60.0, seed=0, slow_seconds=2.0)
+DEFAULTS = dict(
+    actors=2, steps=200, model_mib=4.0, bucket_bytes="1MiB", timeout=60.0, seed=0, slow_seconds=2.0
+)
 QUICK = dict(steps=40, hidden=64)
 IMPLS = ("cudarecv", "stock")
 OBS, ARMS, RULE_WIDTH = 16, 8, 32  # context size, arms, width of the hidden rule
@@ -93,10 +95,32 @@ VERSION_KEY = "cudarecv_demo/version"
 PROCESS_BYTES = 400 << 20  # a rank's own footprint (torch imported, gloo), roughly
 DONE_KEY = "cudarecv_demo/done"
 TICK = 1.0  # seconds between progress refreshes: the demo is never silent for long
-LINE_EVERY = 2.0  # seconds between progress lines without tqdm (each a line of its own, not a redrawn bar)
-TRAINER_COLUMNS = ("impl", "steps/s", "vs stock", "push p50", "push p99", "push max", "reward first", "reward last")
-ACTOR_COLUMNS = ("impl", "actor", "pulls", "episodes", "p50 ms", "p99 ms", "lag avg", "lag max", "reward",
-                 "checksum", "check")
+LINE_EVERY = (
+    2.0  # seconds between progress lines without tqdm (each a line of its own, not a redrawn bar)
+)
+TRAINER_COLUMNS = (
+    "impl",
+    "steps/s",
+    "vs stock",
+    "push p50",
+    "push p99",
+    "push max",
+    "reward first",
+    "reward last",
+)
+ACTOR_COLUMNS = (
+    "impl",
+    "actor",
+    "pulls",
+    "episodes",
+    "p50 ms",
+    "p99 ms",
+    "lag avg",
+    "lag max",
+    "reward",
+    "checksum",
+    "check",
+)
 LEFT = {"impl", "check"}
 TRAINER_NOTES = (
     "steps/s: training steps per second of wall time, from the first push until every actor holds",
@@ -160,7 +184,9 @@ class Bandit:
         g = torch.Generator().manual_seed(seed)  # the rule: the same on every rank
         self.a = torch.randn(OBS, RULE_WIDTH, generator=g).to(device)
         self.b = torch.randn(RULE_WIDTH, ARMS, generator=g).to(device)
-        self.gen = torch.Generator(device).manual_seed(seed * 1000 + stream + 1)  # the contexts: one stream per rank
+        self.gen = torch.Generator(device).manual_seed(
+            seed * 1000 + stream + 1
+        )  # the contexts: one stream per rank
 
     def contexts(self, batch: int) -> torch.Tensor:
         return torch.randn(batch, OBS, generator=self.gen, device=self.a.device)
@@ -172,8 +198,13 @@ class Bandit:
 
 def make_policy(hidden: int, device: Any = None) -> nn.Sequential:
     """The policy MLP: context -> hidden -> hidden -> arm logits."""
-    return nn.Sequential(nn.Linear(OBS, hidden, device=device), nn.Tanh(), nn.Linear(hidden, hidden, device=device),
-                         nn.Tanh(), nn.Linear(hidden, ARMS, device=device))
+    return nn.Sequential(
+        nn.Linear(OBS, hidden, device=device),
+        nn.Tanh(),
+        nn.Linear(hidden, hidden, device=device),
+        nn.Tanh(),
+        nn.Linear(hidden, ARMS, device=device),
+    )
 
 
 def param_count(hidden: int) -> int:
@@ -190,10 +221,15 @@ def hidden_for(mib: float) -> int:
 def _meta(device: Any) -> Any:
     from tensordict import TensorDict
 
-    return TensorDict({"t_push": torch.zeros((), dtype=torch.float64, device=device),
-                       "version": torch.zeros((), dtype=torch.int64, device=device),
-                       "step": torch.zeros((), dtype=torch.int64, device=device),
-                       "last": torch.zeros((), dtype=torch.int64, device=device)}, batch_size=[])
+    return TensorDict(
+        {
+            "t_push": torch.zeros((), dtype=torch.float64, device=device),
+            "version": torch.zeros((), dtype=torch.int64, device=device),
+            "step": torch.zeros((), dtype=torch.int64, device=device),
+            "last": torch.zeros((), dtype=torch.int64, device=device),
+        },
+        batch_size=[],
+    )
 
 
 def weights_td(policy: nn.Module, meta: Any) -> Any:
@@ -277,8 +313,15 @@ class _Bar:
             self.bar = None
             progress(self.line())
         else:
-            self.bar = tqdm(total=total, desc=desc, unit="step", file=sys.stderr, mininterval=TICK,
-                            dynamic_ncols=True, leave=True)
+            self.bar = tqdm(
+                total=total,
+                desc=desc,
+                unit="step",
+                file=sys.stderr,
+                mininterval=TICK,
+                dynamic_ncols=True,
+                leave=True,
+            )
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._tick, daemon=True, name="cudarecv-demo-bar")
         self._thread.start()
@@ -328,13 +371,20 @@ class _Pushed:
         self.params = TensorDict.from_module(policy)
         self.meta = _meta(device)
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.td = weights_td(policy, self.meta) if self.stream is None else TensorDict(
-            {"policy": self.params.detach().clone(), "meta": self.meta}, batch_size=[])
+        self.td = (
+            weights_td(policy, self.meta)
+            if self.stream is None
+            else TensorDict(
+                {"policy": self.params.detach().clone(), "meta": self.meta}, batch_size=[]
+            )
+        )
 
     def stamp(self, store: Any, version: int, step: int, last: bool) -> None:
         """Stamp the next version (the store says it is the trainer's latest)."""
         if self.stream is not None:
-            torch.cuda.current_stream().wait_stream(self.stream)  # the previous push has read the snapshot
+            torch.cuda.current_stream().wait_stream(
+                self.stream
+            )  # the previous push has read the snapshot
             with torch.no_grad():
                 self.td["policy"].update_(self.params)
         self.meta["version"].fill_(version)
@@ -347,12 +397,20 @@ class _Pushed:
 class _CudarecvPush:
     """Weight sync with cudarecv: sync (start a push, finish it during the next step) or latest."""
 
-    def __init__(self, cfg: Config, policy: nn.Module, device: torch.device, ranks: list[int]) -> None:
+    def __init__(
+        self, cfg: Config, policy: nn.Module, device: torch.device, ranks: list[int]
+    ) -> None:
         self.cfg, self.device, self.ranks = cfg, device, ranks
         self.pushed = _Pushed(policy, device, _version_key(cfg))
-        self.sender = cudarecv.WeightSender(self.pushed.td, dst=ranks, bucket_bytes=cfg.bucket_bytes,
-                                            timeout=cfg.timeout, verify=cfg.verify, stream=self.pushed.stream,
-                                            mode=cfg.mode)
+        self.sender = cudarecv.WeightSender(
+            self.pushed.td,
+            dst=ranks,
+            bucket_bytes=cfg.bucket_bytes,
+            timeout=cfg.timeout,
+            verify=cfg.verify,
+            stream=self.pushed.stream,
+            mode=cfg.mode,
+        )
         self.in_flight: _Background | None = None
         self.bytes, self.leaves = self.sender.schema.total, len(self.sender.schema.leaves)
         self.fanout, self.bucket_bytes = self.sender.fanout, self.sender.bucket_bytes
@@ -374,7 +432,9 @@ class _CudarecvPush:
     def finish(self, store: Any) -> None:
         if self.in_flight is not None:
             self.in_flight.result()
-        _wait_done(store, self.cfg, len(self.ranks))  # latest: the actors take the last version first
+        _wait_done(
+            store, self.cfg, len(self.ranks)
+        )  # latest: the actors take the last version first
 
     def close(self) -> None:
         """Close the sender (after the push in flight, if any, has ended: each of its waits is bounded)."""
@@ -390,14 +450,21 @@ class _CudarecvPush:
 class _StockPush:
     """Weight sync as stock tensordict does it: init_remote once, then send(consolidated=True)."""
 
-    def __init__(self, cfg: Config, policy: nn.Module, device: torch.device, ranks: list[int]) -> None:
+    def __init__(
+        self, cfg: Config, policy: nn.Module, device: torch.device, ranks: list[int]
+    ) -> None:
         self.ranks, self.cfg = ranks, cfg
         self.params = TensorDict_from_module(policy)
-        self.td = weights_td(policy, _meta(device)).consolidate(metadata=True)  # a copy: stamped and refreshed
+        self.td = weights_td(policy, _meta(device)).consolidate(
+            metadata=True
+        )  # a copy: stamped and refreshed
         for rank in ranks:
             self.td.init_remote(dst=rank)
         self.version = 0
-        self.bytes, self.leaves = self.td._consolidated["storage"].numel(), len(list(self.td.keys(True, True)))
+        self.bytes, self.leaves = (
+            self.td._consolidated["storage"].numel(),
+            len(list(self.td.keys(True, True))),
+        )
         self.fanout, self.bucket_bytes = "star", None  # one send per actor, in turn, of one message
 
     def push(self, store: Any, step: int, last: bool) -> float:
@@ -442,7 +509,9 @@ def _wait_done(store: Any, cfg: Config, actors: int) -> None:
     deadline = time.monotonic() + cfg.timeout
     while store.add(_done_key(cfg), 0) < actors:
         if time.monotonic() > deadline:
-            raise TimeoutError(f"the actors did not all take the last version within {cfg.timeout:g} s")
+            raise TimeoutError(
+                f"the actors did not all take the last version within {cfg.timeout:g} s"
+            )
         time.sleep(0.01)
 
 
@@ -457,8 +526,9 @@ class _Background:
 
     def __init__(self, finish: Callable[[], Any], device: torch.device) -> None:
         self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(finish, device), daemon=True,
-                                        name="cudarecv-demo-transfer")
+        self._thread = threading.Thread(
+            target=self._run, args=(finish, device), daemon=True, name="cudarecv-demo-transfer"
+        )
         self._thread.start()
 
     def _run(self, finish: Callable[[], Any], device: torch.device) -> None:
@@ -480,17 +550,21 @@ class _Background:
             raise self.error
 
 
-def _pushing(transfers: list[Any], ranks: list[int], version: int, timeout: float,
-             device: torch.device) -> _Background:
+def _pushing(
+    transfers: list[Any], ranks: list[int], version: int, timeout: float, device: torch.device
+) -> _Background:
     """Finish a push to every actor in the background (bounded by ``timeout`` in all)."""
+
     def finish() -> None:
         deadline = time.monotonic() + timeout
         for rank, transfer in zip(ranks, transfers):
             try:
                 transfer.wait(max(deadline - time.monotonic(), 1e-3))
             except Exception as error:  # re-raised naming the actor
-                raise RuntimeError(f"the push of version {version} to actor rank {rank} failed: "
-                                   f"{error}") from error
+                raise RuntimeError(
+                    f"the push of version {version} to actor rank {rank} failed: {error}"
+                ) from error
+
     return _Background(finish, device)
 
 
@@ -506,21 +580,34 @@ def _trainer(cfg: Config, device: torch.device) -> dict[str, Any]:
     pushes: list[float] = []
     push = _CudarecvPush if cfg.impl == "cudarecv" else _StockPush
     # the bar first: it ticks from the handshake on
-    with closing(_Bar(cfg.steps, f"trainer ({_label(cfg, cfg.impl)})")) as bar, \
-            closing(push(cfg, policy, device, ranks)) as sync:
+    with (
+        closing(_Bar(cfg.steps, f"trainer ({_label(cfg, cfg.impl)})")) as bar,
+        closing(push(cfg, policy, device, ranks)) as sync,
+    ):
         started = time.perf_counter()
         pushes.append(sync.push(store, step=0, last=False))  # version 1: the initial weights
         for step in range(1, cfg.steps + 1):
             rewards.append(_train_step(policy, opt, env))
             pushes.append(sync.push(store, step=step, last=step == cfg.steps))
-            recent = rewards[-max(1, cfg.steps // 10):]
+            recent = rewards[-max(1, cfg.steps // 10) :]
             bar.update(reward=f"{sum(recent) / len(recent):.3f}", version=str(sync.version))
         sync.finish(store)
-        seconds = time.perf_counter() - started  # every actor holds the last version: each impl's whole cost
-    return dict(role="trainer", impl=cfg.impl, rewards=rewards, pushes=pushes, seconds=seconds,
-                versions=sync.version, bytes=sync.bytes, leaves=sync.leaves, fanout=sync.fanout,
-                bucket_bytes=sync.bucket_bytes,
-                digest=digest(TensorDict_from_module(policy)))
+        seconds = (
+            time.perf_counter() - started
+        )  # every actor holds the last version: each impl's whole cost
+    return dict(
+        role="trainer",
+        impl=cfg.impl,
+        rewards=rewards,
+        pushes=pushes,
+        seconds=seconds,
+        versions=sync.version,
+        bytes=sync.bytes,
+        leaves=sync.leaves,
+        fanout=sync.fanout,
+        bucket_bytes=sync.bucket_bytes,
+        digest=digest(TensorDict_from_module(policy)),
+    )
 
 
 @dataclass
@@ -552,9 +639,21 @@ def _actor(rank: int, cfg: Config, device: torch.device) -> dict[str, Any]:
     run = _cudarecv_actor if cfg.impl == "cudarecv" else _stock_actor
     version, nbytes, final = run(rank, cfg, device, skeleton, env, store, stats)
     store.add(_done_key(cfg), 1)
-    return dict(role="actor", impl=cfg.impl, rank=rank, device=str(device), pulls=len(stats.latencies) + stats.bad,
-                latencies=stats.latencies, lags=stats.lags, rewards=stats.rewards, verified=stats.verified,
-                bad=stats.bad, version=version, bytes=nbytes, digest=final)
+    return dict(
+        role="actor",
+        impl=cfg.impl,
+        rank=rank,
+        device=str(device),
+        pulls=len(stats.latencies) + stats.bad,
+        latencies=stats.latencies,
+        lags=stats.lags,
+        rewards=stats.rewards,
+        verified=stats.verified,
+        bad=stats.bad,
+        version=version,
+        bytes=nbytes,
+        digest=final,
+    )
 
 
 def _between_pulls(rank: int, cfg: Config, meta: Any) -> None:
@@ -564,19 +663,35 @@ def _between_pulls(rank: int, cfg: Config, meta: Any) -> None:
         time.sleep(cfg.slow_seconds)  # --slow-actor: busy elsewhere between pulls
 
 
-def _cudarecv_actor(rank: int, cfg: Config, device: torch.device, skeleton: nn.Module, env: Bandit, store: Any,
-                    stats: _ActorStats) -> tuple[int, int, str]:
-    receiver = cudarecv.WeightReceiver(src=0, device=device, expect=weights_td(skeleton, _meta("meta")),
-                                       timeout=cfg.timeout)
-    views: dict[int, tuple[Any, dict[str, torch.Tensor]]] = {}  # per receiver storage: its meta and params
+def _cudarecv_actor(
+    rank: int,
+    cfg: Config,
+    device: torch.device,
+    skeleton: nn.Module,
+    env: Bandit,
+    store: Any,
+    stats: _ActorStats,
+) -> tuple[int, int, str]:
+    receiver = cudarecv.WeightReceiver(
+        src=0, device=device, expect=weights_td(skeleton, _meta("meta")), timeout=cfg.timeout
+    )
+    views: dict[
+        int, tuple[Any, dict[str, torch.Tensor]]
+    ] = {}  # per receiver storage: its meta and params
     try:
         while True:
             asked = time.time()
             transfer = receiver.pull(wait=False)  # the receiver's thread finishes it
             landed: list[float] = []
-            transfer.add_done_callback(lambda _, at=landed: at.append(time.time()))  # runs as it is published
-            played = 0  # act with what we have meanwhile: sync, one episode per version as stock's actor
-            while receiver.version > 0 and (played < 1 if cfg.mode == "sync" else not transfer.done()):
+            transfer.add_done_callback(
+                lambda _, at=landed: at.append(time.time())
+            )  # runs as it is published
+            played = (
+                0  # act with what we have meanwhile: sync, one episode per version as stock's actor
+            )
+            while receiver.version > 0 and (
+                played < 1 if cfg.mode == "sync" else not transfer.done()
+            ):
                 _episode(receiver, skeleton, env, store, _version_key(cfg), stats, views)
                 played += 1
             try:
@@ -595,8 +710,15 @@ def _cudarecv_actor(rank: int, cfg: Config, device: torch.device, skeleton: nn.M
     return receiver.version, receiver.schema.total, digest(receiver.td["policy"])
 
 
-def _stock_actor(rank: int, cfg: Config, device: torch.device, skeleton: nn.Module, env: Bandit, store: Any,
-                 stats: _ActorStats) -> tuple[int, int, str]:
+def _stock_actor(
+    rank: int,
+    cfg: Config,
+    device: torch.device,
+    skeleton: nn.Module,
+    env: Bandit,
+    store: Any,
+    stats: _ActorStats,
+) -> tuple[int, int, str]:
     from tensordict import TensorDict
 
     td = TensorDict.from_remote_init(src=0, device=device)
@@ -614,8 +736,15 @@ def _stock_actor(rank: int, cfg: Config, device: torch.device, skeleton: nn.Modu
     return int(td["meta", "version"]), td._consolidated["storage"].numel(), digest(td["policy"])
 
 
-def _episode(receiver: Any, skeleton: nn.Module, env: Bandit, store: Any, key: str, stats: _ActorStats,
-             views: dict[int, tuple[Any, dict[str, torch.Tensor]]]) -> None:
+def _episode(
+    receiver: Any,
+    skeleton: nn.Module,
+    env: Bandit,
+    store: Any,
+    key: str,
+    stats: _ActorStats,
+    views: dict[int, tuple[Any, dict[str, torch.Tensor]]],
+) -> None:
     """Play one episode with the latest version; record its reward and version lag."""
     with receiver.reading() as td:  # the version acted with stays put meanwhile
         if id(td) not in views:
@@ -673,8 +802,16 @@ def trainer_cells(cfg: Config, trainer: dict[str, Any], stock: dict[str, Any]) -
 def actor_cells(cfg: Config, actor: dict[str, Any], trainer: dict[str, Any]) -> dict[str, str]:
     """One row of the actors' table: cells keyed by column."""
     lat = actor["latencies"]
-    ok = actor["bad"] == 0 and actor["digest"] == trainer["digest"] and actor["version"] == trainer["versions"]
-    checked = f"{actor['verified']}/{actor['pulls']}" if cfg.verify and actor["impl"] == "cudarecv" else "off"
+    ok = (
+        actor["bad"] == 0
+        and actor["digest"] == trainer["digest"]
+        and actor["version"] == trainer["versions"]
+    )
+    checked = (
+        f"{actor['verified']}/{actor['pulls']}"
+        if cfg.verify and actor["impl"] == "cudarecv"
+        else "off"
+    )
     return {
         "impl": _label(cfg, actor["impl"]),
         "actor": str(actor["rank"]) + ("*" if cfg.slow_actor == actor["rank"] else ""),
@@ -693,17 +830,32 @@ def actor_cells(cfg: Config, actor: dict[str, Any], trainer: dict[str, Any]) -> 
 def _describe(cfg: Config, trainer: dict[str, Any]) -> list[str]:
     where = "cpu" if cfg.device == "cpu" else f"cuda ({torch.cuda.device_count()} GPU(s))"
     piece = trainer.get("bucket_bytes", cfg.bucket_bytes)
-    bucket = "one message" if piece is None or piece >= trainer["bytes"] else f"{format_size(piece)} messages"
-    actors = "1 actor (rank 1)" if cfg.actors == 1 else f"{cfg.actors} actors (ranks 1-{cfg.actors})"
-    slow = [] if cfg.slow_actor is None else [f"slow actor: rank {cfg.slow_actor} sleeps {cfg.slow_seconds:g} s "
-                                              "after every version it takes"]
+    bucket = (
+        "one message"
+        if piece is None or piece >= trainer["bytes"]
+        else f"{format_size(piece)} messages"
+    )
+    actors = (
+        "1 actor (rank 1)" if cfg.actors == 1 else f"{cfg.actors} actors (ranks 1-{cfg.actors})"
+    )
+    slow = (
+        []
+        if cfg.slow_actor is None
+        else [
+            f"slow actor: rank {cfg.slow_actor} sleeps {cfg.slow_seconds:g} s "
+            "after every version it takes"
+        ]
+    )
     return [
         f"cudarecv demo: trainer (rank 0) -> {actors}; {cfg.backend} {cfg.network}, weights on {where}"
-        if cfg.network == "loopback" else f"cudarecv demo: trainer (rank 0) -> {actors}; {cfg.backend}, weights on {where}",
+        if cfg.network == "loopback"
+        else f"cudarecv demo: trainer (rank 0) -> {actors}; {cfg.backend}, weights on {where}",
         *([] if cfg.network == "loopback" else [f"ranks: {cfg.network}"]),
         *slow,
-        (f"policy: MLP {OBS}-{cfg.hidden}-{cfg.hidden}-{ARMS}, {param_count(cfg.hidden):,} float32 params, "
-         f"{report.human_bytes(trainer['bytes'])} per version"),
+        (
+            f"policy: MLP {OBS}-{cfg.hidden}-{cfg.hidden}-{ARMS}, {param_count(cfg.hidden):,} float32 params, "
+            f"{report.human_bytes(trainer['bytes'])} per version"
+        ),
         f"cudarecv: mode {cfg.mode}, fan-out {trainer.get('fanout', 'star')}, {bucket}, "
         f"checksums {'on' if cfg.verify else 'off'}",
         f"stock: init_remote, then send/recv(consolidated=True); {trainer['versions']} versions each",
@@ -714,10 +866,16 @@ def _describe(cfg: Config, trainer: dict[str, Any]) -> list[str]:
 def report_text(cfg: Config, trainers: list[dict[str, Any]], actors: list[dict[str, Any]]) -> str:
     """Both tables with their notes, every line within 100 columns."""
     by_impl = {t["impl"]: t for t in trainers}
-    out = table.text(TRAINER_COLUMNS, {None: [trainer_cells(cfg, t, by_impl["stock"]) for t in trainers]}, left=LEFT,
-                     notes=_describe(cfg, trainers[0]))
+    out = table.text(
+        TRAINER_COLUMNS,
+        {None: [trainer_cells(cfg, t, by_impl["stock"]) for t in trainers]},
+        left=LEFT,
+        notes=_describe(cfg, trainers[0]),
+    )
     out += "#\n" + "".join(f"# {note}\n" for note in TRAINER_NOTES)
-    out += table.text(ACTOR_COLUMNS, {None: [actor_cells(cfg, a, by_impl[a["impl"]]) for a in actors]}, left=LEFT)
+    out += table.text(
+        ACTOR_COLUMNS, {None: [actor_cells(cfg, a, by_impl[a["impl"]]) for a in actors]}, left=LEFT
+    )
     out += "#\n" + "".join(f"# {note}\n" for note in ACTOR_NOTES)
     return out
 
@@ -728,50 +886,119 @@ def report_text(cfg: Config, trainers: list[dict[str, Any]], actors: list[dict[s
 def register(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``demo`` subcommand."""
     p = subparsers.add_parser(  # its description: cli.main's, from this module's docstring
-        "demo", help="RL weight sync: a trainer pushes its policy to local actors, cudarecv vs stock")
+        "demo",
+        help="RL weight sync: a trainer pushes its policy to local actors, cudarecv vs stock",
+    )
     d, q = DEFAULTS, QUICK
-    p.add_argument("--actors", type=int_at_least(1), metavar="N",
-                   help=f"actor processes (default {d['actors']}; with --hosts N or under torchrun: the ranks - 1)")
-    p.add_argument("--steps", type=int_at_least(1), metavar="N",
-                   help=f"training steps, one push each (default {d['steps']}; --quick {q['steps']})")
+    p.add_argument(
+        "--actors",
+        type=int_at_least(1),
+        metavar="N",
+        help=f"actor processes (default {d['actors']}; with --hosts N or under torchrun: the ranks - 1)",
+    )
+    p.add_argument(
+        "--steps",
+        type=int_at_least(1),
+        metavar="N",
+        help=f"training steps, one push each (default {d['steps']}; --quick {q['steps']})",
+    )
     size = p.add_mutually_exclusive_group()
-    size.add_argument("--hidden", type=int_at_least(1), metavar="N",
-                      help=f"hidden width of the policy MLP (--quick {q['hidden']})")
-    size.add_argument("--model-mib", type=positive_float, metavar="X",
-                      help=f"policy size: about X MiB of float32 parameters (default {d['model_mib']:g})")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="where the weights live (cuda: NCCL if every rank gets its own GPU, else gloo)")
-    p.add_argument("--mode", choices=("sync", "latest"), default="sync",
-                   help="cudarecv's mode: every version to every actor, or the newest when each is ready")
-    p.add_argument("--slow-actor", type=int, metavar="RANK", help="make that actor sleep after every pull")
-    p.add_argument("--slow-seconds", type=positive_float, metavar="S", default=d["slow_seconds"],
-                   help=f"how long --slow-actor sleeps after each pull (default {d['slow_seconds']:g})")
-    p.add_argument("--bucket-bytes", type=size_or_zero, metavar="SIZE", default=d["bucket_bytes"],
-                   help=f"bytes per message, e.g. 1MiB; 0 = cudarecv's default (default {d['bucket_bytes']})")
-    p.add_argument("--verify", action="store_true", help="send and check a checksum with every push")
-    p.add_argument("--timeout", type=positive_float, metavar="S", default=d["timeout"],
-                   help=f"seconds any wait may take before the demo gives up (default {d['timeout']:g})")
-    p.add_argument("--seed", type=int, default=d["seed"], help=f"seed of the task and the policy (default {d['seed']})")
-    p.add_argument("--quick", action="store_true", help="tiny and fast (a few seconds), for a smoke test")
-    p.add_argument("--kill-actor", type=int, metavar="RANK",
-                   help="make that actor die abruptly halfway through (shows how a failure ends the demo)")
-    p.add_argument("--hosts", type=int_at_least(2), metavar="N",
-                   help="run the ranks on N simulated hosts (network namespaces, torchrun; needs root)")
-    p.add_argument("--link", metavar="RATE", default="1gbit", type=_link,
-                   help="with --hosts: each host's link speed each way, as tc writes it (default 1gbit)")
+    size.add_argument(
+        "--hidden",
+        type=int_at_least(1),
+        metavar="N",
+        help=f"hidden width of the policy MLP (--quick {q['hidden']})",
+    )
+    size.add_argument(
+        "--model-mib",
+        type=positive_float,
+        metavar="X",
+        help=f"policy size: about X MiB of float32 parameters (default {d['model_mib']:g})",
+    )
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the weights live (cuda: NCCL if every rank gets its own GPU, else gloo)",
+    )
+    p.add_argument(
+        "--mode",
+        choices=("sync", "latest"),
+        default="sync",
+        help="cudarecv's mode: every version to every actor, or the newest when each is ready",
+    )
+    p.add_argument(
+        "--slow-actor", type=int, metavar="RANK", help="make that actor sleep after every pull"
+    )
+    p.add_argument(
+        "--slow-seconds",
+        type=positive_float,
+        metavar="S",
+        default=d["slow_seconds"],
+        help=f"how long --slow-actor sleeps after each pull (default {d['slow_seconds']:g})",
+    )
+    p.add_argument(
+        "--bucket-bytes",
+        type=size_or_zero,
+        metavar="SIZE",
+        default=d["bucket_bytes"],
+        help=f"bytes per message, e.g. 1MiB; 0 = cudarecv's default (default {d['bucket_bytes']})",
+    )
+    p.add_argument(
+        "--verify", action="store_true", help="send and check a checksum with every push"
+    )
+    p.add_argument(
+        "--timeout",
+        type=positive_float,
+        metavar="S",
+        default=d["timeout"],
+        help=f"seconds any wait may take before the demo gives up (default {d['timeout']:g})",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=d["seed"],
+        help=f"seed of the task and the policy (default {d['seed']})",
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="tiny and fast (a few seconds), for a smoke test"
+    )
+    p.add_argument(
+        "--kill-actor",
+        type=int,
+        metavar="RANK",
+        help="make that actor die abruptly halfway through (shows how a failure ends the demo)",
+    )
+    p.add_argument(
+        "--hosts",
+        type=int_at_least(2),
+        metavar="N",
+        help="run the ranks on N simulated hosts (network namespaces, torchrun; needs root)",
+    )
+    p.add_argument(
+        "--link",
+        metavar="RATE",
+        default="1gbit",
+        type=_link,
+        help="with --hosts: each host's link speed each way, as tc writes it (default 1gbit)",
+    )
     p.set_defaults(func=run)
     return p
 
 
 def _link(text: str) -> str:
     if not sim.is_rate(text):
-        raise argparse.ArgumentTypeError(f"not a link rate: {text!r}; write it as tc does, like 1gbit or 100mbit")
+        raise argparse.ArgumentTypeError(
+            f"not a link rate: {text!r}; write it as tc does, like 1gbit or 100mbit"
+        )
     return text
 
 
 def _actor_rank(value: int | None, actors: int, flag: str) -> None:
     if value is not None and not 1 <= value <= actors:
-        raise OptionError(f"must be an actor's rank, 1..{actors} (--actors {actors}), got {value}", flag)
+        raise OptionError(
+            f"must be an actor's rank, 1..{actors} (--actors {actors}), got {value}", flag
+        )
 
 
 def make_config(args: argparse.Namespace) -> Config:
@@ -784,12 +1011,20 @@ def make_config(args: argparse.Namespace) -> Config:
             args.actors = ranks - 1
         if (args.actors + 1) % ranks if world is None else args.actors + 1 != ranks:
             flag = "--hosts" if world is None else "--actors"
-            raise OptionError(f"{args.actors} actors and a trainer are {args.actors + 1} ranks, which "
-                              + (f"{ranks} hosts cannot share evenly" if world is None else
-                                 f"is not this torchrun run's {ranks}"), flag)
+            raise OptionError(
+                f"{args.actors} actors and a trainer are {args.actors + 1} ranks, which "
+                + (
+                    f"{ranks} hosts cannot share evenly"
+                    if world is None
+                    else f"is not this torchrun run's {ranks}"
+                ),
+                flag,
+            )
         if args.device != "cpu" and args.hosts is not None:
-            raise OptionError("simulated hosts are for the CPU path: on GPU nodes run the demo under torchrun",
-                              "--device")
+            raise OptionError(
+                "simulated hosts are for the CPU path: on GPU nodes run the demo under torchrun",
+                "--device",
+            )
     elif args.actors is None:
         args.actors = DEFAULTS["actors"]
     if args.hidden is not None:
@@ -812,11 +1047,26 @@ def make_config(args: argparse.Namespace) -> Config:
     if world is not None:
         nodes = os.environ.get("GROUP_WORLD_SIZE", "?")
         link = os.environ.get("CUDARECV_LINK")
-        network = (f"{nodes} simulated hosts ({link} links)" if link else f"{nodes} nodes") + ", launched with torchrun"
-    cfg = Config(actors=args.actors, steps=steps, hidden=hidden, device=args.device, backend=backend,
-                 bucket_bytes=bucket, verify=args.verify, timeout=float(args.timeout), seed=args.seed,
-                 threads=threads, mode=args.mode, slow_actor=args.slow_actor,
-                 slow_seconds=float(args.slow_seconds), kill_actor=args.kill_actor, network=network)
+        network = (
+            f"{nodes} simulated hosts ({link} links)" if link else f"{nodes} nodes"
+        ) + ", launched with torchrun"
+    cfg = Config(
+        actors=args.actors,
+        steps=steps,
+        hidden=hidden,
+        device=args.device,
+        backend=backend,
+        bucket_bytes=bucket,
+        verify=args.verify,
+        timeout=float(args.timeout),
+        seed=args.seed,
+        threads=threads,
+        mode=args.mode,
+        slow_actor=args.slow_actor,
+        slow_seconds=float(args.slow_seconds),
+        kill_actor=args.kill_actor,
+        network=network,
+    )
     _check_memory(cfg)
     return cfg
 
@@ -828,7 +1078,9 @@ def _check_memory(cfg: Config) -> None:
     model = param_count(cfg.hidden) * 4
     on_host = cfg.device == "cpu"
     snapshots = 1 if cfg.mode == "sync" else cfg.actors + 2
-    need = cfg.world * PROCESS_BYTES + (model * (5 + snapshots + 2 * cfg.actors) if on_host else 5 * model)
+    need = cfg.world * PROCESS_BYTES + (
+        model * (5 + snapshots + 2 * cfg.actors) if on_host else 5 * model
+    )
     available = available_memory()
     if available is not None and need > 0.8 * available:
         raise OptionError(
@@ -840,7 +1092,9 @@ def _check_memory(cfg: Config) -> None:
 def _run_timeout(cfg: Config) -> float:
     """A bound on one pass (each wait inside is bounded by ``--timeout`` already)."""
     model = param_count(cfg.hidden) * 4
-    per_step = 2.0 + model * cfg.actors / 50e6 + model / 20e6  # generous: 50 MB/s pushes, slow training
+    per_step = (
+        2.0 + model * cfg.actors / 50e6 + model / 20e6
+    )  # generous: 50 MB/s pushes, slow training
     if cfg.slow_actor is not None:
         per_step += cfg.slow_seconds  # lockstep waits for the slow actor every step
     return 2 * cfg.timeout + cfg.steps * per_step
@@ -852,13 +1106,15 @@ class _Heartbeat:
     def __init__(self, what: str) -> None:
         self.what, self.started = what, time.monotonic()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._beat, daemon=True, name="cudarecv-demo-heartbeat")
+        self._thread = threading.Thread(
+            target=self._beat, daemon=True, name="cudarecv-demo-heartbeat"
+        )
 
     def _beat(self) -> None:
         while not self._stop.wait(2.0):
             progress(f"cudarecv demo: {self.what} ({time.monotonic() - self.started:.0f} s)")
 
-    def __enter__(self) -> "_Heartbeat":
+    def __enter__(self) -> _Heartbeat:
         progress(f"cudarecv demo: {self.what}")
         self._thread.start()
         return self
@@ -886,8 +1142,10 @@ def run(args: argparse.Namespace) -> int:
         reason = sim.unavailable()
         if reason is None:
             return _run_hosts(args, cfg)
-        progress(f"cudarecv demo: --hosts {args.hosts} needs network namespaces ({reason}); "
-                 "running every rank on this host instead")
+        progress(
+            f"cudarecv demo: --hosts {args.hosts} needs network namespaces ({reason}); "
+            "running every rank on this host instead"
+        )
         args.hosts = None
     try:
         cfg = make_config(args)
@@ -903,9 +1161,13 @@ def run(args: argparse.Namespace) -> int:
     except RankError as exc:  # the failed call has stopped every rank
         error("demo", _explain(exc))
         return 1
-    except KeyboardInterrupt:  # every rank is gone already (_train); only the parent says so, in one line
+    except (
+        KeyboardInterrupt
+    ):  # every rank is gone already (_train); only the parent says so, in one line
         if training.is_set() and _tqdm() is not None:
-            print(file=sys.stderr)  # below the trainer's bar, which a killed trainer leaves without a newline
+            print(
+                file=sys.stderr
+            )  # below the trainer's bar, which a killed trainer leaves without a newline
         error("demo", "interrupted")
         return 130
     return _finish(cfg, trainers, actors, time.perf_counter() - t_start)
@@ -925,14 +1187,22 @@ def _train(cfg: Config, training: threading.Event) -> tuple[list[dict], list[dic
     actors: list[dict] = []
     cluster: Cluster | None = None
     try:
-        with _Heartbeat(f"starting a trainer and {cfg.actors} actor(s) ({cfg.backend}, weights on {cfg.device}; "
-                        f"policy {report.human_bytes(model)}, {cfg.steps} steps)"):
-            cluster = Cluster(cfg.world, backend=cfg.backend, pg_timeout=cfg.timeout,
-                              start_timeout=max(120.0, cfg.timeout))
+        with _Heartbeat(
+            f"starting a trainer and {cfg.actors} actor(s) ({cfg.backend}, weights on {cfg.device}; "
+            f"policy {report.human_bytes(model)}, {cfg.steps} steps)"
+        ):
+            cluster = Cluster(
+                cfg.world,
+                backend=cfg.backend,
+                pg_timeout=cfg.timeout,
+                start_timeout=max(120.0, cfg.timeout),
+            )
         for impl in IMPLS:
             progress(f"cudarecv demo: training with {_label(cfg, impl)}")
             training.set()
-            results = cluster.run(demo_rank, args=(replace(cfg, impl=impl),), timeout=_run_timeout(cfg))
+            results = cluster.run(
+                demo_rank, args=(replace(cfg, impl=impl),), timeout=_run_timeout(cfg)
+            )
             trainers.append(results[0])
             actors += results[1:]
         with _Heartbeat("stopping the ranks"):
@@ -952,8 +1222,10 @@ def _finish(cfg: Config, trainers: list[dict], actors: list[dict], elapsed: floa
     if failed:
         text += f"# checks: {', '.join(failed)} FAILED ({elapsed:.1f} s)\n"
     else:
-        text += (f"# checks: every actor holds the trainer's final weights, version {trainers[0]['versions']}, "
-                 f"with both ({elapsed:.1f} s)\n")
+        text += (
+            f"# checks: every actor holds the trainer's final weights, version {trainers[0]['versions']}, "
+            f"with both ({elapsed:.1f} s)\n"
+        )
     sys.stdout.write(text)
     sys.stdout.flush()
     return 1 if failed else 0
@@ -972,7 +1244,9 @@ def _run_rank(cfg: Config) -> int:
     try:
         rank = dist.get_rank()
         if rank == 0:
-            progress(f"cudarecv demo: a trainer and {cfg.actors} actor(s) under torchrun, {cfg.world} ranks")
+            progress(
+                f"cudarecv demo: a trainer and {cfg.actors} actor(s) under torchrun, {cfg.world} ranks"
+            )
         mine = []
         for impl in IMPLS:
             if rank == 0:
@@ -993,19 +1267,44 @@ def _run_rank(cfg: Config) -> int:
 def _run_hosts(args: argparse.Namespace, cfg: Config) -> int:
     """``--hosts N``: the same demo under torchrun on N simulated hosts (this process only launches).
     Ctrl-C stops every rank on every host at once (they print nothing more), then returns 130."""
-    argv = ["cudarecv", "demo", "--actors", str(cfg.actors), "--steps", str(cfg.steps), "--hidden", str(cfg.hidden),
-            "--mode", cfg.mode, "--bucket-bytes", str(cfg.bucket_bytes or 0), "--timeout", str(cfg.timeout),
-            "--seed", str(cfg.seed), "--slow-seconds", str(cfg.slow_seconds)]
+    argv = [
+        "cudarecv",
+        "demo",
+        "--actors",
+        str(cfg.actors),
+        "--steps",
+        str(cfg.steps),
+        "--hidden",
+        str(cfg.hidden),
+        "--mode",
+        cfg.mode,
+        "--bucket-bytes",
+        str(cfg.bucket_bytes or 0),
+        "--timeout",
+        str(cfg.timeout),
+        "--seed",
+        str(cfg.seed),
+        "--slow-seconds",
+        str(cfg.slow_seconds),
+    ]
     argv += ["--verify"] if cfg.verify else []
     for flag, value in (("--slow-actor", cfg.slow_actor), ("--kill-actor", cfg.kill_actor)):
         argv += [flag, str(value)] if value is not None else []
     try:
         with sim.SimulatedHosts(args.hosts, rate=args.link) as hosts:
-            progress(f"cudarecv demo: {args.hosts} simulated hosts ({args.link} links, 127.100.0.1-{args.hosts}), "
-                     f"{cfg.world // args.hosts} rank(s) each, launched with torchrun")
-            procs = hosts.torchrun("-m", argv, nproc_per_node=cfg.world // args.hosts,
-                                   env={"TORCH_CPP_LOG_LEVEL": "ERROR", "CUDARECV_LINK": args.link})
-            hosts.wait(procs, timeout=2 * _run_timeout(cfg) + 120)  # a failed host ends the run at once
+            progress(
+                f"cudarecv demo: {args.hosts} simulated hosts ({args.link} links, 127.100.0.1-{args.hosts}), "
+                f"{cfg.world // args.hosts} rank(s) each, launched with torchrun"
+            )
+            procs = hosts.torchrun(
+                "-m",
+                argv,
+                nproc_per_node=cfg.world // args.hosts,
+                env={"TORCH_CPP_LOG_LEVEL": "ERROR", "CUDARECV_LINK": args.link},
+            )
+            hosts.wait(
+                procs, timeout=2 * _run_timeout(cfg) + 120
+            )  # a failed host ends the run at once
     except sim.HostsError as exc:  # (the others' torchrun would wait 300 s in its exit barrier)
         error("demo", str(exc))
         return 1

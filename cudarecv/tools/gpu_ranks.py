@@ -22,8 +22,9 @@ Rank 0 sends, rank 1 receives. Rows are labelled with :func:`label`, e.g.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -59,11 +60,15 @@ def check_gpu_case(case: dict, backend: str) -> None:
     if case["impl"] in ("stock", "raw"):
         gpu = [p == "cuda" for p in places(case)]
         if backend == "gloo" and any(gpu):
-            raise ValueError(f"{case['impl']} {case['mode']!r}: gloo carries host memory only; "
-                             "use cpu or pinned places (cudarecv stages CUDA memory itself)")
+            raise ValueError(
+                f"{case['impl']} {case['mode']!r}: gloo carries host memory only; "
+                "use cpu or pinned places (cudarecv stages CUDA memory itself)"
+            )
         if backend == "nccl" and not all(gpu):
-            raise ValueError(f"{case['impl']} {case['mode']!r}: NCCL carries CUDA memory only; "
-                             "use cuda places (cudarecv stages host memory itself)")
+            raise ValueError(
+                f"{case['impl']} {case['mode']!r}: NCCL carries CUDA memory only; "
+                "use cuda places (cudarecv stages host memory itself)"
+            )
 
 
 # --------------------------------------------------------------------------- workloads (in the ranks)
@@ -99,7 +104,13 @@ class GpuWorkload:
                 else:
                     td = built.consolidate(metadata=True)
             else:
-                td = built.to(_device()) if place == "cuda" else built.pin_memory() if place == "pinned" else built
+                td = (
+                    built.to(_device())
+                    if place == "cuda"
+                    else built.pin_memory()
+                    if place == "pinned"
+                    else built
+                )
             del built
             cache[place] = td
         return cache[place]
@@ -110,21 +121,27 @@ class GpuWorkload:
             if place == "cuda":
                 self._flat[place] = torch.zeros(self.nbytes, dtype=torch.uint8, device=_device())
             else:
-                self._flat[place] = torch.zeros(self.nbytes, dtype=torch.uint8, pin_memory=place == "pinned")
+                self._flat[place] = torch.zeros(
+                    self.nbytes, dtype=torch.uint8, pin_memory=place == "pinned"
+                )
         return self._flat[place]
 
     def base(self, device: torch.device) -> torch.Tensor:
         """The check's float32 pattern on ``device`` (as long as the longest leaf)."""
         key = str(device)
         if key not in self._base:
-            self._base[key] = (torch.arange(max(tb.leaf_sizes(self.case))) % 251).to(torch.float32).to(device)
+            self._base[key] = (
+                (torch.arange(max(tb.leaf_sizes(self.case))) % 251).to(torch.float32).to(device)
+            )
         return self._base[key]
 
     def flat_base(self, device: torch.device) -> torch.Tensor:
         key = str(device)
         if key not in self._flat_base:
             period = torch.arange(251, dtype=torch.uint8)
-            self._flat_base[key] = period.repeat(self.nbytes // 251 + 1)[: self.nbytes].clone().to(device)
+            self._flat_base[key] = (
+                period.repeat(self.nbytes // 251 + 1)[: self.nbytes].clone().to(device)
+            )
         return self._flat_base[key]
 
 
@@ -135,8 +152,11 @@ def _build_workload(key: tuple, case: dict) -> GpuWorkload:
     if torch.cuda.is_initialized():
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
-    return GpuWorkload(key, {k: case[k] for k in ("leaves", "leaf_bytes", "total_bytes") if k in case},
-                       tb.payload_bytes(case))
+    return GpuWorkload(
+        key,
+        {k: case[k] for k in ("leaves", "leaf_bytes", "total_bytes") if k in case},
+        tb.payload_bytes(case),
+    )
 
 
 def workload(case: dict) -> GpuWorkload:
@@ -174,6 +194,7 @@ def make_op(rank: int, case: dict, group: Any) -> tb.Op:
         buf = w.flat(place)
         base = w.flat_base(buf.device)
         if group is None:
+
             def send() -> None:
                 dist.send(buf, dst=RECEIVER)
                 land()
@@ -182,6 +203,7 @@ def make_op(rank: int, case: dict, group: Any) -> tb.Op:
                 dist.recv(buf, src=SENDER)
                 land()
         else:
+
             def send() -> None:
                 group.send([buf], RECEIVER, 0).wait()
                 land()
@@ -189,6 +211,7 @@ def make_op(rank: int, case: dict, group: Any) -> tb.Op:
             def recv() -> None:
                 group.recv([buf], SENDER, 0).wait()
                 land()
+
         return tb.Op(send, recv, flat=buf, base=base)
 
     td = w.td(place, kind in ("consolidated", "chunks"))
@@ -196,6 +219,7 @@ def make_op(rank: int, case: dict, group: Any) -> tb.Op:
     base = w.base(leaves[0].device)
     if case["impl"] == "raw":  # per-leaf dist.irecv
         if group is None:
+
             def send() -> None:
                 for work in [dist.isend(t, dst=RECEIVER, tag=i) for i, t in enumerate(leaves)]:
                     work.wait()
@@ -206,6 +230,7 @@ def make_op(rank: int, case: dict, group: Any) -> tb.Op:
                     work.wait()
                 land()
         else:
+
             def send() -> None:
                 for work in [group.send([t], RECEIVER, i) for i, t in enumerate(leaves)]:
                     work.wait()
@@ -215,6 +240,7 @@ def make_op(rank: int, case: dict, group: Any) -> tb.Op:
                 for work in [group.recv([t], SENDER, i) for i, t in enumerate(leaves)]:
                     work.wait()
                 land()
+
         return tb.Op(send, recv, leaves, base=base)
 
     opts = tb.mode_options(kind, piece, case["mode"])
@@ -232,7 +258,9 @@ def make_op(rank: int, case: dict, group: Any) -> tb.Op:
         else:
             for transfer in cudarecv.irecv(td, **frm, **opts, return_premature=True):
                 transfer.wait()
-                op.transport[0] = transfer.transport  # (what a row's label claims is checked against it)
+                op.transport[0] = (
+                    transfer.transport
+                )  # (what a row's label claims is checked against it)
         land()
 
     op.recv = recv
@@ -242,9 +270,13 @@ def make_op(rank: int, case: dict, group: Any) -> tb.Op:
 # --------------------------------------------------------------------------- entry points (in the ranks)
 
 
-def time_gpu_suite(rank: int, world_size: int, group: Any, cases: Sequence[dict], rounds: int = 1) -> list[dict]:
+def time_gpu_suite(
+    rank: int, world_size: int, group: Any, cases: Sequence[dict], rounds: int = 1
+) -> list[dict]:
     """:func:`cudarecv.tools.transfer_ranks.time_suite` with each case on its place (CPU, pinned, GPU)."""
-    return tb.time_suite(rank, world_size, group, cases, rounds, op_for=lambda case: make_op(rank, case, group))
+    return tb.time_suite(
+        rank, world_size, group, cases, rounds, op_for=lambda case: make_op(rank, case, group)
+    )
 
 
 def matmul_interference(rank: int, world_size: int, group: Any, cfg: dict) -> dict:
@@ -263,19 +295,34 @@ def matmul_interference(rank: int, world_size: int, group: Any, cfg: dict) -> di
     """
     import cudarecv
 
-    case = {"leaves": cfg["leaves"], "total_bytes": cfg["total_bytes"], "impl": "cudarecv", "mode": cfg["mode"],
-            "send_place": cfg["send_place"], "recv_place": cfg["recv_place"], "iters": 1, "warmup": 1}
+    case = {
+        "leaves": cfg["leaves"],
+        "total_bytes": cfg["total_bytes"],
+        "impl": "cudarecv",
+        "mode": cfg["mode"],
+        "send_place": cfg["send_place"],
+        "recv_place": cfg["recv_place"],
+        "iters": 1,
+        "warmup": 1,
+    }
     kind, piece = tb.parse_mode("cudarecv", cfg["mode"])
     opts = tb.mode_options(kind, piece, cfg["mode"])
     op = make_op(rank, case, group)
-    td = workload(case).td(cfg["recv_place"] if rank == RECEIVER else cfg["send_place"],
-                           kind in ("consolidated", "chunks"))
+    td = workload(case).td(
+        cfg["recv_place"] if rank == RECEIVER else cfg["send_place"],
+        kind in ("consolidated", "chunks"),
+    )
     _, frm = tb.peers(group)
     tb.timed(rank, op, 1, group)  # warm-up: plans, staging, streams, communicators
     recv_alone = tb.timed(rank, op, 3, group)
 
-    out: dict[str, Any] = {"rank": rank, "alone": [], "during": [], "recv_alone": list(recv_alone),
-                           "recv_during": []}
+    out: dict[str, Any] = {
+        "rank": rank,
+        "alone": [],
+        "during": [],
+        "recv_alone": list(recv_alone),
+        "recv_during": [],
+    }
     if rank == RECEIVER:
         dtype = getattr(torch, cfg.get("dtype", "bfloat16"))
         n = cfg.get("n", 8192)
@@ -301,7 +348,7 @@ def matmul_interference(rank: int, world_size: int, group: Any, cfg: dict) -> di
         out["matmuls"], out["matmul_seconds"] = count, per_matmul
 
     for r in range(cfg.get("rounds", 6)):
-        for what in (("alone", "during") if r % 2 == 0 else ("during", "alone")):
+        for what in ("alone", "during") if r % 2 == 0 else ("during", "alone"):
             tb.sync(group)
             if rank == SENDER:
                 if what == "during":
@@ -344,7 +391,9 @@ def fanout_on_gpu(rank: int, world_size: int, group: Any, total_bytes: int, roun
         sender = receiver = None
         if method != "broadcast":
             if rank == 0:
-                sender = cudarecv.WeightSender(td, dst=dsts, fanout=method, bucket_bytes=4 << 20, timeout=120)
+                sender = cudarecv.WeightSender(
+                    td, dst=dsts, fanout=method, bucket_bytes=4 << 20, timeout=120
+                )
             else:
                 receiver = cudarecv.WeightReceiver(src=0, device=device, timeout=120)
         for step in range(1, rounds + 1):
@@ -361,7 +410,9 @@ def fanout_on_gpu(rank: int, world_size: int, group: Any, total_bytes: int, roun
             else:
                 receiver.pull()
             torch.cuda.synchronize()
-            stamp = torch.tensor([start if rank == 0 else time.perf_counter()], dtype=torch.float64, device=device)
+            stamp = torch.tensor(
+                [start if rank == 0 else time.perf_counter()], dtype=torch.float64, device=device
+            )
             every = [torch.zeros(1, dtype=torch.float64, device=device) for _ in range(world_size)]
             dist.all_gather(every, stamp)
             if rank == 0:

@@ -38,7 +38,9 @@ LEAVES = 16
 
 
 def _model(total: int) -> TensorDict:
-    return TensorDict({f"layer{i:02d}": torch.zeros(total // LEAVES // 4) for i in range(LEAVES)}, batch_size=[])
+    return TensorDict(
+        {f"layer{i:02d}": torch.zeros(total // LEAVES // 4) for i in range(LEAVES)}, batch_size=[]
+    )
 
 
 def nic_bytes() -> tuple[int, int]:
@@ -54,16 +56,29 @@ def nic_bytes() -> tuple[int, int]:
 class _Case:
     """One method to K receivers on the subgroup ``group``: set up once, then ``round(fill)``."""
 
-    def __init__(self, method: str, k: int, group: Any, td: TensorDict, timeout: float,
-                 bucket_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        method: str,
+        k: int,
+        group: Any,
+        td: TensorDict,
+        timeout: float,
+        bucket_bytes: int | None = None,
+    ) -> None:
         self.method, self.k, self.group, self.td = method, k, group, td
         rank = dist.get_rank()
         self.flat = torch.zeros(sum(v.numel() for v in td.values()), dtype=torch.float32)
         self.sender = self.receiver = self.remote = None
         if method in ("relay", "star"):
             if rank == 0:
-                self.sender = cudarecv.WeightSender(td, group=group, group_dst=list(range(1, k + 1)), fanout=method,
-                                                    timeout=timeout, bucket_bytes=bucket_bytes)
+                self.sender = cudarecv.WeightSender(
+                    td,
+                    group=group,
+                    group_dst=list(range(1, k + 1)),
+                    fanout=method,
+                    timeout=timeout,
+                    bucket_bytes=bucket_bytes,
+                )
             else:
                 self.receiver = cudarecv.WeightReceiver(group=group, group_src=0, timeout=timeout)
         elif method == "stock":
@@ -103,15 +118,24 @@ class _Case:
             self.receiver.close()
 
 
-def run(out: str, ks: list[int], mib: float, rounds: int, timeout: float = 120.0,
-        methods: tuple[str, ...] = METHODS, bucket_bytes: int | None = None) -> None:
+def run(
+    out: str,
+    ks: list[int],
+    mib: float,
+    rounds: int,
+    timeout: float = 120.0,
+    methods: tuple[str, ...] = METHODS,
+    bucket_bytes: int | None = None,
+) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
     if max(ks) >= world:
         raise SystemExit(f"--ks {ks} needs {max(ks) + 1} ranks, this run has {world}")
     total = int(mib * (1 << 20)) // (LEAVES * 4) * LEAVES * 4
     td = _model(total)
-    groups = {k: dist.new_group(list(range(k + 1))) for k in ks}  # collectives: every rank creates every one
+    groups = {
+        k: dist.new_group(list(range(k + 1))) for k in ks
+    }  # collectives: every rank creates every one
     results: dict[str, Any] = {"bytes": total, "rounds": rounds, "cases": []}
     for k in ks:
         for method in methods:
@@ -129,8 +153,10 @@ def run(out: str, ks: list[int], mib: float, rounds: int, timeout: float = 120.0
                 if member:
                     case.round(fill)
                 end = time.monotonic()
-                stamps = torch.tensor([start if rank == 0 else 0.0, end if 0 < rank <= k else 0.0],
-                                      dtype=torch.float64)
+                stamps = torch.tensor(
+                    [start if rank == 0 else 0.0, end if 0 < rank <= k else 0.0],
+                    dtype=torch.float64,
+                )
                 every = [torch.zeros(2, dtype=torch.float64) for _ in range(world)]
                 dist.all_gather(every, stamps)
                 latency = max(e[1].item() for e in every) - every[0][0].item()
@@ -139,17 +165,30 @@ def run(out: str, ks: list[int], mib: float, rounds: int, timeout: float = 120.0
                 if member and rank > 0:
                     checks = checks and case.holds(fill)
             after = nic_bytes()
-            moved = torch.tensor([after[0] - before[0], after[1] - before[1], int(checks)], dtype=torch.float64)
+            moved = torch.tensor(
+                [after[0] - before[0], after[1] - before[1], int(checks)], dtype=torch.float64
+            )
             every = [torch.zeros(3, dtype=torch.float64) for _ in range(world)]
             dist.all_gather(every, moved)
             if case is not None:
                 case.close()
             dist.barrier()
             busiest = max(max(e[0].item(), e[1].item()) for e in every[: k + 1])
-            results["cases"].append({"method": method, "k": k, "seconds": seconds, "busiest_link_bytes": busiest,
-                                     "busy_seconds": busy, "ok": all(e[2].item() == 1 for e in every[1: k + 1])})
+            results["cases"].append(
+                {
+                    "method": method,
+                    "k": k,
+                    "seconds": seconds,
+                    "busiest_link_bytes": busiest,
+                    "busy_seconds": busy,
+                    "ok": all(e[2].item() == 1 for e in every[1 : k + 1]),
+                }
+            )
             if rank == 0:
-                print(f"K={k} {method}: median {sorted(seconds)[len(seconds) // 2] * 1e3:.0f} ms", flush=True)
+                print(
+                    f"K={k} {method}: median {sorted(seconds)[len(seconds) // 2] * 1e3:.0f} ms",
+                    flush=True,
+                )
     if rank == 0:
         with open(os.path.join(out, "hosts_bench.json"), "w") as f:
             json.dump(results, f)
@@ -162,14 +201,24 @@ def main() -> None:
     parser.add_argument("--ks", default="1,2,4", help="receiver counts, e.g. 1,2,4,6")
     parser.add_argument("--mib", type=float, default=64.0, help="model size in MiB")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--methods", default=",".join(METHODS), help=f"a subset of {','.join(METHODS)}")
-    parser.add_argument("--bucket-bytes", type=int, help="relay and star: bytes per message (default: cudarecv's)")
+    parser.add_argument(
+        "--methods", default=",".join(METHODS), help=f"a subset of {','.join(METHODS)}"
+    )
+    parser.add_argument(
+        "--bucket-bytes", type=int, help="relay and star: bytes per message (default: cudarecv's)"
+    )
     args = parser.parse_args()
     methods = tuple(args.methods.split(","))
     if not set(methods) <= set(METHODS):
         parser.error(f"--methods: choose among {','.join(METHODS)}, got {args.methods}")
-    run(args.out, [int(k) for k in args.ks.split(",")], args.mib, args.rounds, methods=methods,
-        bucket_bytes=args.bucket_bytes)
+    run(
+        args.out,
+        [int(k) for k in args.ks.split(",")],
+        args.mib,
+        args.rounds,
+        methods=methods,
+        bucket_bytes=args.bucket_bytes,
+    )
 
 
 if __name__ == "__main__":

@@ -38,23 +38,30 @@ import math
 import re
 import sys
 import textwrap
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from cudarecv import ArgumentError
 
 from ..testing import table
 from .cli import error
 
-NOTE = ("time = median of the bench's rounds (stats.median; bench/'s rounds are the receiver's own timed "
-        "transfers); GB/s = bytes / time / 1e9")
+NOTE = (
+    "time = median of the bench's rounds (stats.median; bench/'s rounds are the receiver's own timed "
+    "transfers); GB/s = bytes / time / 1e9"
+)
 RATIO_NOTE = "vs stock / vs raw = their time / this time (> 1: this row is faster)"
 CHECK_NOTE = "check = the checked transfer's values: ok, WRONG, or - (not checked)"
-LINK_NOTE = "link = the busiest host link's bytes (its NIC counters) / the rounds' time / the link rate"
-LEGACY_NOTE = ("{n} row(s) from an older bench JSON: time = their extra_info.seconds (the receiver's median; "
-               "their stats timed something else)")
+LINK_NOTE = (
+    "link = the busiest host link's bytes (its NIC counters) / the rounds' time / the link rate"
+)
+LEGACY_NOTE = (
+    "{n} row(s) from an older bench JSON: time = their extra_info.seconds (the receiver's median; "
+    "their stats timed something else)"
+)
 MATPLOTLIB_HINT = 'pip install "cudarecv[tools]"'  # matplotlib, the tools extra
 
 
@@ -75,10 +82,16 @@ class Row:
     leaves: int | None = None
     stock_mode: str | None = None
     backend: str | None = None
-    ok: bool | None = None  # extra_info ok: the checked transfer's values were right (None: not checked)
+    ok: bool | None = (
+        None  # extra_info ok: the checked transfer's values were right (None: not checked)
+    )
     legacy: bool = False  # seconds came from an older JSON's extra_info.seconds
-    link_util: float | None = None  # extra_info link_utilisation (fan-out across hosts): busiest link's share
-    transport: str | None = None  # extra_info transport: what carried cudarecv's payload (wire, shared memory, ...)
+    link_util: float | None = (
+        None  # extra_info link_utilisation (fan-out across hosts): busiest link's share
+    )
+    transport: str | None = (
+        None  # extra_info transport: what carried cudarecv's payload (wire, shared memory, ...)
+    )
     vs_stock: float | None = None
     vs_raw: float | None = None
 
@@ -138,7 +151,9 @@ def parse_rows(data: dict[str, Any]) -> list[Row]:
         extra = bench.get("extra_info") or {}
         if not isinstance(extra, dict):
             extra = {}
-        legacy = extra.get("seconds") is not None  # written before the benches timed through a virtual clock
+        legacy = (
+            extra.get("seconds") is not None
+        )  # written before the benches timed through a virtual clock
         if legacy:
             seconds = _number(extra["seconds"], "extra_info.seconds", name)
         else:
@@ -163,7 +178,9 @@ def parse_rows(data: dict[str, Any]) -> list[Row]:
                 backend=_opt_str(extra.get("backend")),
                 ok=ok,
                 legacy=legacy,
-                link_util=None if util is None else _number(util, "extra_info.link_utilisation", name),
+                link_util=None
+                if util is None
+                else _number(util, "extra_info.link_utilisation", name),
                 transport=_opt_str(extra.get("transport")),
             )
         )
@@ -267,7 +284,9 @@ def header_line(data: dict[str, Any]) -> str:
     mi = data.get("machine_info") if isinstance(data.get("machine_info"), dict) else {}
     cpu = mi.get("cpu") if isinstance(mi.get("cpu"), dict) else {}
     parts = []
-    host = " ".join(str(x) for x in (mi.get("node"), cpu.get("brand_raw") or mi.get("processor")) if x)
+    host = " ".join(
+        str(x) for x in (mi.get("node"), cpu.get("brand_raw") or mi.get("processor")) if x
+    )
     if host:
         parts.append(host)
     if mi.get("gpu"):
@@ -287,8 +306,21 @@ def header_line(data: dict[str, Any]) -> str:
     return "machine: " + (" | ".join(parts) if parts else "unknown")
 
 
-COLUMNS = ("size (B)", "size", "leaves", "impl", "mode", "backend", "transport", "time", "GB/s", "vs stock",
-           "vs raw", "link", "check")
+COLUMNS = (
+    "size (B)",
+    "size",
+    "leaves",
+    "impl",
+    "mode",
+    "backend",
+    "transport",
+    "time",
+    "GB/s",
+    "vs stock",
+    "vs raw",
+    "link",
+    "check",
+)
 LEFT = {"impl", "mode", "backend", "transport", "case", "check"}
 
 
@@ -343,7 +375,11 @@ def best_vs_stock(rows: Sequence[Row]) -> dict[str, Row]:
     """Per case, its cudarecv row with the highest ``vs stock`` among the rows not checked WRONG."""
     out = {}
     for case, group in group_cases(rows).items():
-        candidates = [r for r in group if r.impl == "cudarecv" and r.vs_stock is not None and r.ok is not False]
+        candidates = [
+            r
+            for r in group
+            if r.impl == "cudarecv" and r.vs_stock is not None and r.ok is not False
+        ]
         if candidates:
             out[case] = max(candidates, key=lambda r: r.vs_stock)  # type: ignore[arg-type, return-value]
     return out
@@ -356,32 +392,48 @@ def summary(rows: Sequence[Row]) -> list[str]:
     other = len(rows) - len(categorized)
     wrong = [r for r in categorized if r.ok is False]
     ok = sum(r.ok is True for r in categorized)
-    lines = [f"rows: {len(categorized)} in {len(cases)} case(s)" + (f" (+{other} other)" if other else "")
-             + f"; checked: {ok} ok, {len(wrong)} WRONG, {len(categorized) - ok - len(wrong)} not checked"]
+    lines = [
+        f"rows: {len(categorized)} in {len(cases)} case(s)"
+        + (f" (+{other} other)" if other else "")
+        + f"; checked: {ok} ok, {len(wrong)} WRONG, {len(categorized) - ok - len(wrong)} not checked"
+    ]
     if wrong:
         lines.append("WRONG values: " + "; ".join(f"{r.case}: {r.impl} {r.mode}" for r in wrong))
     best = best_vs_stock(rows)
     if best:
-        lines.append("best cudarecv vs stock per case (stock's time / cudarecv's; WRONG rows excluded):")
-        lines += [f"  {case}: {format_ratio(r.vs_stock)} {r.mode} (vs stock {r.stock_mode or r.mode})"
-                  for case, r in best.items()]
+        lines.append(
+            "best cudarecv vs stock per case (stock's time / cudarecv's; WRONG rows excluded):"
+        )
+        lines += [
+            f"  {case}: {format_ratio(r.vs_stock)} {r.mode} (vs stock {r.stock_mode or r.mode})"
+            for case, r in best.items()
+        ]
     else:
-        lines.append("best cudarecv vs stock: - (no case has a cudarecv row with a stock reference)")
+        lines.append(
+            "best cudarecv vs stock: - (no case has a cudarecv row with a stock reference)"
+        )
     return lines
 
 
 def format_text(data: dict[str, Any], rows: Sequence[Row]) -> str:
     """Fixed-width table, one section per case, comment lines prefixed with '#', then the summary."""
     cases = group_cases(rows)
-    out = table.text(_columns(rows), {case: [row_cells(r) for r in group] for case, group in cases.items()},
-                     left=LEFT, notes=notes(data, rows))
+    out = table.text(
+        _columns(rows),
+        {case: [row_cells(r) for r in group] for case, group in cases.items()},
+        left=LEFT,
+        notes=notes(data, rows),
+    )
     if not cases:
         out += "# (no benchmarks with extra_info case/impl)\n"
     other = [r for r in rows if not r.categorized]
     if other:
-        out += "#\n" + table.text(["name", "median"], {None: [{"name": r.name, "median": format_time(r.seconds)}
-                                                            for r in other]},
-                                   left={"name"}, notes=["other benchmarks (no case/impl extra_info)"])
+        out += "#\n" + table.text(
+            ["name", "median"],
+            {None: [{"name": r.name, "median": format_time(r.seconds)} for r in other]},
+            left={"name"},
+            notes=["other benchmarks (no case/impl extra_info)"],
+        )
     return out + "#\n" + "".join(f"# {line}\n" for line in summary(rows))
 
 
@@ -394,7 +446,10 @@ def format_markdown(data: dict[str, Any], rows: Sequence[Row]) -> str:
     other = [r for r in rows if not r.categorized]
     if other:
         out += "\nOther benchmarks:\n\n" + table.markdown(
-            ["name", "median"], [{"name": r.name, "median": format_time(r.seconds)} for r in other], left={"name"})
+            ["name", "median"],
+            [{"name": r.name, "median": format_time(r.seconds)} for r in other],
+            left={"name"},
+        )
     lines = summary(rows)
     out += "\n" + "  \n".join(line for line in lines if not line.startswith("  ")) + "\n"
     per_case = [line.strip() for line in lines if line.startswith("  ")]
@@ -453,14 +508,22 @@ def panels(rows: Sequence[Row]) -> list[Panel]:
             out.append(Panel(title, "sizes", family))
         else:
             for case, group in cases.items():
-                out.append(Panel(f"{case}\n({human_bytes(group[0].nbytes)}, {_where(group)})", "modes", group))
+                out.append(
+                    Panel(
+                        f"{case}\n({human_bytes(group[0].nbytes)}, {_where(group)})", "modes", group
+                    )
+                )
     return out
 
 
 def _where(rows: Sequence[Row]) -> str:
     """'200 leaves, gloo': the leaves and backends of a panel's rows."""
     leaves = sorted({r.leaves for r in rows if r.leaves is not None})
-    parts = [f"{leaves[0]} leaves" if len(leaves) == 1 else f"{leaves[0]}-{leaves[-1]} leaves"] if leaves else []
+    parts = (
+        [f"{leaves[0]} leaves" if len(leaves) == 1 else f"{leaves[0]}-{leaves[-1]} leaves"]
+        if leaves
+        else []
+    )
     return ", ".join(parts + [b for b in dict.fromkeys(r.backend for r in rows) if b])
 
 
@@ -473,12 +536,25 @@ def _size_panel(ax: Any, panel: Panel, others: list[str]) -> None:
     for (impl, mode), points in lines.items():
         points = sorted(points, key=lambda r: r.nbytes)
         i = modes.index(mode)
-        ax.plot([r.nbytes for r in points], [r.gbps for r in points], color=impl_color(impl, others),
-                marker=MARKERS[i % len(MARKERS)], linestyle=LINESTYLES[i % len(LINESTYLES)], label=f"{impl} {mode}")
+        ax.plot(
+            [r.nbytes for r in points],
+            [r.gbps for r in points],
+            color=impl_color(impl, others),
+            marker=MARKERS[i % len(MARKERS)],
+            linestyle=LINESTYLES[i % len(LINESTYLES)],
+            label=f"{impl} {mode}",
+        )
         bad = [r for r in points if r.ok is False]
         if bad:
-            ax.scatter([r.nbytes for r in bad], [r.gbps for r in bad], marker="x", s=90, color="red", zorder=5,
-                       label=wrong_label)
+            ax.scatter(
+                [r.nbytes for r in bad],
+                [r.gbps for r in bad],
+                marker="x",
+                s=90,
+                color="red",
+                zorder=5,
+                label=wrong_label,
+            )
             wrong_label = "_nolegend_"
     sizes = sorted({r.nbytes for r in panel.rows})
     ax.set_xscale("log")
@@ -506,15 +582,26 @@ def _mode_panel(ax: Any, panel: Panel, others: list[str]) -> None:
     top = max(values)  # type: ignore[type-var]
     for y, r in zip(ys, rows):
         wrong = r.ok is False
-        ax.text(r.gbps + top * 0.01, y, f"{r.gbps:.2f}" + ("  WRONG" if wrong else ""), va="center", fontsize=7,
-                color="red" if wrong else "black")
+        ax.text(
+            r.gbps + top * 0.01,
+            y,
+            f"{r.gbps:.2f}" + ("  WRONG" if wrong else ""),
+            va="center",
+            fontsize=7,
+            color="red" if wrong else "black",
+        )
     ax.set_xlim(0, top * 1.2)
     ax.set_ylim(-0.6, len(rows) - 0.4)
     ax.set_xlabel("GB/s")
     ax.grid(True, axis="x", alpha=0.3)
     impls = list(dict.fromkeys(r.impl for r in rows))
-    ax.legend(handles=[Patch(color=impl_color(i, others), label=i) for i in impls], fontsize=7, loc="upper left",
-              bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+    ax.legend(
+        handles=[Patch(color=impl_color(i, others), label=i) for i in impls],
+        fontsize=7,
+        loc="upper left",
+        bbox_to_anchor=(1.01, 1.0),
+        borderaxespad=0.0,
+    )
 
 
 def plot_figure(data: dict[str, Any], rows: Sequence[Row]) -> Any:
@@ -528,8 +615,13 @@ def plot_figure(data: dict[str, Any], rows: Sequence[Row]) -> Any:
 
     ncols = 1 if len(todo) == 1 else 2
     nrows = math.ceil(len(todo) / ncols)
-    heights = [max(3.4 if p.kind == "sizes" else 1.4 + 0.28 * len(p.rows) for p in todo[i * ncols:(i + 1) * ncols])
-               for i in range(nrows)]
+    heights = [
+        max(
+            3.4 if p.kind == "sizes" else 1.4 + 0.28 * len(p.rows)
+            for p in todo[i * ncols : (i + 1) * ncols]
+        )
+        for i in range(nrows)
+    ]
     fig = Figure(figsize=(8.5 * ncols, sum(heights) + 1.0), layout="constrained")
     FigureCanvasAgg(fig)
     grid = fig.add_gridspec(nrows, ncols, height_ratios=heights)
@@ -539,8 +631,11 @@ def plot_figure(data: dict[str, Any], rows: Sequence[Row]) -> Any:
         (_size_panel if panel.kind == "sizes" else _mode_panel)(ax, panel, others)
         ax.set_title(panel.title, fontsize=9)
     subtitle = "\n".join(textwrap.wrap(header_line(data), 150))
-    fig.suptitle(f"cudarecv benchmarks: GB/s = bytes / time / 1e9, time = median of the bench's rounds "
-                 f"(colour: impl; marker and line style: mode)\n{subtitle}", fontsize=9)
+    fig.suptitle(
+        f"cudarecv benchmarks: GB/s = bytes / time / 1e9, time = median of the bench's rounds "
+        f"(colour: impl; marker and line style: mode)\n{subtitle}",
+        fontsize=9,
+    )
     return fig
 
 
@@ -567,7 +662,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("bench_json", metavar="BENCH.json", help="output of pytest --benchmark-json")
     png = p.add_mutually_exclusive_group()
-    png.add_argument("--png", metavar="OUT.png", help="plot path (default: BENCH.json with a .png suffix)")
+    png.add_argument(
+        "--png", metavar="OUT.png", help="plot path (default: BENCH.json with a .png suffix)"
+    )
     png.add_argument("--no-png", action="store_true", help="do not write a plot")
     p.add_argument("--markdown", action="store_true", help="print a GitHub markdown table")
     p.set_defaults(func=run)

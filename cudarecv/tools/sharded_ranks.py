@@ -70,8 +70,9 @@ def _actor_layout(model: torch.nn.Module, mesh: Any) -> TensorDict:
     for name, p in model.named_parameters():
         placements = _placements(name)
         local, _ = compute_local_shape_and_global_offset(p.shape, mesh, placements)
-        leaves[tuple(name.split("."))] = DTensor.from_local(torch.zeros(local), mesh, placements, run_check=False,
-                                                            shape=p.shape, stride=p.stride())
+        leaves[tuple(name.split("."))] = DTensor.from_local(
+            torch.zeros(local), mesh, placements, run_check=False, shape=p.shape, stride=p.stride()
+        )
     return TensorDict(leaves, [])
 
 
@@ -89,14 +90,23 @@ def _slices(td: TensorDict) -> dict[tuple, tuple[slice, ...]]:
 class _Method:
     """One way to get the trainer's version to the actors: set up once, then ``round()``; ``holds(fill)``."""
 
-    def __init__(self, method: str, trainers: list[int], actors: list[int], meshes: dict, mib: float,
-                 timeout: float) -> None:
+    def __init__(
+        self,
+        method: str,
+        trainers: list[int],
+        actors: list[int],
+        meshes: dict,
+        mib: float,
+        timeout: float,
+    ) -> None:
         from torch.distributed.fsdp import fully_shard
 
         rank = dist.get_rank()
         self.method, self.trainer, self.actor = method, rank in trainers, rank in actors
         self.sender = self.receiver = None
-        self.mine: TensorDict | None = None  # an actor's slice (gather_relay: copied out of the whole)
+        self.mine: TensorDict | None = (
+            None  # an actor's slice (gather_relay: copied out of the whole)
+        )
         if self.trainer:
             net = _model(mib)
             fully_shard(net, mesh=meshes["trainers"])
@@ -104,17 +114,27 @@ class _Method:
             self.td = TensorDict.from_module(net)
             if method == "sharded":
                 self.sender = cudarecv.WeightSender(self.td, dst=actors, timeout=timeout)
-            elif rank == trainers[0]:  # (the other trainer ranks take part in each all-gather, and drop its result)
-                self.whole = TensorDict({k: torch.zeros(t.shape) for k, t in self.td.items(True, True)}, [])
-                self.sender = cudarecv.WeightSender(self.whole, dst=actors, fanout="relay", timeout=timeout)
+            elif (
+                rank == trainers[0]
+            ):  # (the other trainer ranks take part in each all-gather, and drop its result)
+                self.whole = TensorDict(
+                    {k: torch.zeros(t.shape) for k, t in self.td.items(True, True)}, []
+                )
+                self.sender = cudarecv.WeightSender(
+                    self.whole, dst=actors, fanout="relay", timeout=timeout
+                )
         elif self.actor:
             layout = _actor_layout(_model(mib), meshes["actors"])
             if method == "sharded":
-                self.receiver = cudarecv.WeightReceiver(src=trainers, expect=layout, timeout=timeout)
+                self.receiver = cudarecv.WeightReceiver(
+                    src=trainers, expect=layout, timeout=timeout
+                )
             else:
                 self.receiver = cudarecv.WeightReceiver(src=trainers[0], timeout=timeout)
                 self.cut = _slices(layout)
-                self.mine = TensorDict({k: t.to_local().clone() for k, t in layout.items(True, True)}, [])
+                self.mine = TensorDict(
+                    {k: t.to_local().clone() for k, t in layout.items(True, True)}, []
+                )
 
     def fill(self, value: float) -> None:
         if self.trainer:
@@ -142,8 +162,11 @@ class _Method:
     def holds(self, value: float) -> bool:
         if not self.actor:
             return True
-        got = self.mine if self.mine is not None else TensorDict(
-            {k: t.to_local() for k, t in self.receiver.td.items(True, True)}, [])
+        got = (
+            self.mine
+            if self.mine is not None
+            else TensorDict({k: t.to_local() for k, t in self.receiver.td.items(True, True)}, [])
+        )
         return all(bool((t == value).all()) for t in got.values(True, True))
 
     def close(self) -> None:
@@ -158,8 +181,14 @@ def _resident() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def run(out: str, trainers: int, mib: float, rounds: int, timeout: float = 300.0,
-        methods: tuple[str, ...] = METHODS) -> None:
+def run(
+    out: str,
+    trainers: int,
+    mib: float,
+    rounds: int,
+    timeout: float = 300.0,
+    methods: tuple[str, ...] = METHODS,
+) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=timeout))
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -167,10 +196,18 @@ def run(out: str, trainers: int, mib: float, rounds: int, timeout: float = 300.0
     if not 0 < trainers < world:
         raise SystemExit(f"--trainers {trainers} leaves no actor in a world of {world}")
     trainer_ranks, actor_ranks = list(range(trainers)), list(range(trainers, world))
-    meshes = {"trainers": DeviceMesh("cpu", trainer_ranks), "actors": DeviceMesh("cpu", actor_ranks)}  # every rank
+    meshes = {
+        "trainers": DeviceMesh("cpu", trainer_ranks),
+        "actors": DeviceMesh("cpu", actor_ranks),
+    }  # every rank
     model_bytes = sum(p.numel() * 4 for p in _model(mib).parameters())
-    results: dict[str, Any] = {"bytes": model_bytes, "rounds": rounds, "trainers": trainers,
-                               "actors": len(actor_ranks), "cases": []}
+    results: dict[str, Any] = {
+        "bytes": model_bytes,
+        "rounds": rounds,
+        "trainers": trainers,
+        "actors": len(actor_ranks),
+        "cases": [],
+    }
     for method in methods:
         case = _Method(method, trainer_ranks, actor_ranks, meshes, mib, timeout)
         case.fill(0.0)
@@ -184,25 +221,35 @@ def run(out: str, trainers: int, mib: float, rounds: int, timeout: float = 300.0
             start = time.monotonic()
             case.round()
             end = time.monotonic()
-            stamps = torch.tensor([start if rank == 0 else 0.0, end if rank in actor_ranks else 0.0],
-                                  dtype=torch.float64)
+            stamps = torch.tensor(
+                [start if rank == 0 else 0.0, end if rank in actor_ranks else 0.0],
+                dtype=torch.float64,
+            )
             every = [torch.zeros(2, dtype=torch.float64) for _ in range(world)]
             dist.all_gather(every, stamps)
             seconds.append(max(e[1].item() for e in every) - every[0][0].item())
             checks = checks and case.holds(float(step))
         after = nic_bytes()
-        moved = torch.tensor([after[0] - before[0], after[1] - before[1], int(checks), _resident()],
-                             dtype=torch.float64)
+        moved = torch.tensor(
+            [after[0] - before[0], after[1] - before[1], int(checks), _resident()],
+            dtype=torch.float64,
+        )
         every = [torch.zeros(4, dtype=torch.float64) for _ in range(world)]
         dist.all_gather(every, moved)
         case.close()
         del case  # (its buffers go before the next method's are made)
         gc.collect()
         dist.barrier()
-        results["cases"].append({"method": method, "seconds": seconds, "ok": all(e[2].item() == 1 for e in every),
-                                 "tx_per_version": [e[0].item() / rounds for e in every],
-                                 "rx_per_version": [e[1].item() / rounds for e in every],
-                                 "resident": [e[3].item() for e in every]})
+        results["cases"].append(
+            {
+                "method": method,
+                "seconds": seconds,
+                "ok": all(e[2].item() == 1 for e in every),
+                "tx_per_version": [e[0].item() / rounds for e in every],
+                "rx_per_version": [e[1].item() / rounds for e in every],
+                "resident": [e[3].item() for e in every],
+            }
+        )
         if rank == 0:
             print(f"{method}: median {sorted(seconds)[len(seconds) // 2] * 1e3:.0f} ms", flush=True)
     if rank == 0:
@@ -214,10 +261,14 @@ def run(out: str, trainers: int, mib: float, rounds: int, timeout: float = 300.0
 def main() -> None:
     parser = argparse.ArgumentParser(description=plain(__doc__))
     parser.add_argument("out")
-    parser.add_argument("--trainers", type=int, default=4, help="trainer ranks (the rest are actors)")
+    parser.add_argument(
+        "--trainers", type=int, default=4, help="trainer ranks (the rest are actors)"
+    )
     parser.add_argument("--mib", type=float, default=256.0, help="model size in MiB")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--methods", default=",".join(METHODS), help=f"a subset of {','.join(METHODS)}")
+    parser.add_argument(
+        "--methods", default=",".join(METHODS), help=f"a subset of {','.join(METHODS)}"
+    )
     args = parser.parse_args()
     methods = tuple(args.methods.split(","))
     if not set(methods) <= set(METHODS):

@@ -55,8 +55,9 @@ import math
 import re
 import resource
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -67,14 +68,33 @@ SENDER, RECEIVER = 0, 1
 
 MODES: dict[str, tuple[str, ...]] = {
     "stock": ("per-leaf", "per-leaf pseudo_rand", "consolidated"),
-    "cudarecv": ("per-leaf", "per-leaf pseudo_rand", "consolidated", "buckets <N>", "chunks <N>",
-                 "buckets <N> wire", "chunks <N> wire", "chunks <N> shared"),
+    "cudarecv": (
+        "per-leaf",
+        "per-leaf pseudo_rand",
+        "consolidated",
+        "buckets <N>",
+        "chunks <N>",
+        "buckets <N> wire",
+        "chunks <N> wire",
+        "chunks <N> shared",
+    ),
     "raw": ("flat recv", "per-leaf dist.irecv", "buckets <N>"),
 }
 
-_SUFFIXES = ("wire", "shared")  # after ``buckets <N>``/``chunks <N>``: transport="wire"; a shared-memory storage
-_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30,
-          "kb": 1000, "mb": 1000**2, "gb": 1000**3}
+_SUFFIXES = (
+    "wire",
+    "shared",
+)  # after ``buckets <N>``/``chunks <N>``: transport="wire"; a shared-memory storage
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+}
 
 
 # --------------------------------------------------------------------------- sizes and modes
@@ -117,10 +137,15 @@ def parse_mode(impl: str, mode: str) -> tuple[str, int | None]:
         kind, piece = words[0], parse_size(words[1])
     else:
         kind, piece = " ".join(words), None
-    allowed = [m.replace(" <N>", "").removesuffix(f" {suffix}") for m in MODES[impl]
-               if (m.split()[-1] if m.split()[-1] in _SUFFIXES else "") == suffix]
+    allowed = [
+        m.replace(" <N>", "").removesuffix(f" {suffix}")
+        for m in MODES[impl]
+        if (m.split()[-1] if m.split()[-1] in _SUFFIXES else "") == suffix
+    ]
     if kind not in allowed or (piece is None and kind in ("buckets", "chunks")):
-        raise ValueError(f"unknown mode {mode!r} for impl {impl!r}; pick one of {list(MODES[impl])}")
+        raise ValueError(
+            f"unknown mode {mode!r} for impl {impl!r}; pick one of {list(MODES[impl])}"
+        )
     return kind, piece
 
 
@@ -146,16 +171,24 @@ def check_case(case: dict) -> None:
     if not isinstance(leaves, int) or leaves <= 0:
         raise ValueError(f"`leaves` must be a positive int, got {leaves!r}")
     if ("leaf_bytes" in case) == ("total_bytes" in case):
-        raise ValueError("give exactly one of `leaf_bytes` (plain tensordict) and `total_bytes` (consolidated)")
+        raise ValueError(
+            "give exactly one of `leaf_bytes` (plain tensordict) and `total_bytes` (consolidated)"
+        )
     size = case.get("leaf_bytes") or case.get("total_bytes")
     if not isinstance(size, int) or size <= 0 or size % 4:
-        raise ValueError(f"byte counts must be positive multiples of 4 (float32 leaves), got {size!r}")
+        raise ValueError(
+            f"byte counts must be positive multiples of 4 (float32 leaves), got {size!r}"
+        )
     if "total_bytes" in case and case["total_bytes"] // 4 < leaves:
-        raise ValueError(f"{case['total_bytes']} bytes cannot hold {leaves} non-empty float32 leaves")
+        raise ValueError(
+            f"{case['total_bytes']} bytes cannot hold {leaves} non-empty float32 leaves"
+        )
     for key in ("iters", "warmup"):
         value = case.get(key, 1)
         if not isinstance(value, int) or value < (1 if key == "iters" else 0):
-            raise ValueError(f"`{key}` must be an int >= {1 if key == 'iters' else 0}, got {value!r}")
+            raise ValueError(
+                f"`{key}` must be an int >= {1 if key == 'iters' else 0}, got {value!r}"
+            )
 
 
 def payload_bytes(case: dict) -> int:
@@ -221,7 +254,9 @@ class Workload:
         """The tensordict consolidated into shared memory (``consolidate(share_memory=True)``), apart from
         :meth:`consolidated` (moving that one would change every other mode)."""
         if self._cons_shared is None:
-            self._cons_shared = self.per_leaf().contiguous().consolidate(metadata=True, share_memory=True)
+            self._cons_shared = (
+                self.per_leaf().contiguous().consolidate(metadata=True, share_memory=True)
+            )
         return self._cons_shared
 
     def per_leaf(self) -> Any:
@@ -343,7 +378,9 @@ class Op:
     leaves: list[torch.Tensor] = field(default_factory=list)  # float32 leaves, or
     flat: torch.Tensor | None = None  # one uint8 buffer
     base: torch.Tensor | None = None  # the check's pattern: float32 for leaves, uint8 for flat
-    transport: list[str] = field(default_factory=lambda: ["wire"])  # what carried the last receive (cudarecv)
+    transport: list[str] = field(
+        default_factory=lambda: ["wire"]
+    )  # what carried the last receive (cudarecv)
 
 
 def peers(group: Any) -> tuple[dict, dict]:
@@ -365,10 +402,18 @@ def make_op(case: dict, group: Any) -> Op:
     if impl == "raw" and kind == "flat recv":
         buf = w.flat()
         if group is None:
-            return Op(lambda: dist.send(buf, dst=RECEIVER), lambda: dist.recv(buf, src=SENDER),
-                      flat=buf, base=w.flat_base())
-        return Op(lambda: group.send([buf], RECEIVER, 0).wait(), lambda: group.recv([buf], SENDER, 0).wait(),
-                  flat=buf, base=w.flat_base())
+            return Op(
+                lambda: dist.send(buf, dst=RECEIVER),
+                lambda: dist.recv(buf, src=SENDER),
+                flat=buf,
+                base=w.flat_base(),
+            )
+        return Op(
+            lambda: group.send([buf], RECEIVER, 0).wait(),
+            lambda: group.recv([buf], SENDER, 0).wait(),
+            flat=buf,
+            base=w.flat_base(),
+        )
 
     if case["mode"].endswith(" shared"):
         td = w.consolidated_shared()
@@ -387,29 +432,45 @@ def make_op(case: dict, group: Any) -> Op:
         def recv() -> None:
             for work in [post(False, t, i) for i, t in enumerate(leaves)]:
                 work.wait()
+
         return Op(send, recv, leaves, base=w.base)
 
     options = mode_options(kind, piece, case["mode"])
     if impl == "stock":  # tensordict 0.14 has consolidated= on send/recv only: the same one message
-        send, recv = ((Stock.isend, Stock.irecv) if STOCK_CONSOLIDATED_ISEND or not options.get("consolidated")
-                      else (Stock.send, Stock.recv))
-        return Op(lambda: send(td, **to, **options), lambda: recv(td, **frm, **options), leaves, base=w.base)
+        send, recv = (
+            (Stock.isend, Stock.irecv)
+            if STOCK_CONSOLIDATED_ISEND or not options.get("consolidated")
+            else (Stock.send, Stock.recv)
+        )
+        return Op(
+            lambda: send(td, **to, **options),
+            lambda: recv(td, **frm, **options),
+            leaves,
+            base=w.base,
+        )
     op = Op(lambda: cudarecv.isend(td, **to, **options), None, leaves, base=w.base)
 
     def recv() -> None:
         for transfer in cudarecv.irecv(td, **frm, **options, return_premature=True):
             transfer.wait()
             op.transport[0] = transfer.transport
+
     op.recv = recv
     return op
 
 
 def _raw_poster(group: Any) -> Callable[[bool, torch.Tensor, int], Any]:
     """``post(sending, tensor, tag)``: one raw send to / receive from the peer, on ``group`` or the default group."""
+
     def post(sending: bool, t: torch.Tensor, tag: int) -> Any:
         if group is None:
-            return dist.isend(t, dst=RECEIVER, tag=tag) if sending else dist.irecv(t, src=SENDER, tag=tag)
+            return (
+                dist.isend(t, dst=RECEIVER, tag=tag)
+                if sending
+                else dist.irecv(t, src=SENDER, tag=tag)
+            )
         return group.send([t], RECEIVER, tag) if sending else group.recv([t], SENDER, tag)
+
     return post
 
 
@@ -485,14 +546,18 @@ def _mismatch(op: Op, stamp: int) -> str | None:
         if torch.equal(op.flat, expected):
             return None
         bad = int((op.flat != expected).nonzero()[0, 0])
-        return f"flat buffer differs from byte {bad} on ({int(op.flat[bad])} != {int(expected[bad])})"
+        return (
+            f"flat buffer differs from byte {bad} on ({int(op.flat[bad])} != {int(expected[bad])})"
+        )
     for i, t in enumerate(op.leaves):
         flat = t.view(-1)
         expected = torch.add(op.base[: flat.numel()], float(256 * ((i + stamp) % 4096)))
         if not torch.equal(flat, expected):
             bad = int((flat != expected).nonzero()[0, 0])
-            return (f"leaf {i} of {len(op.leaves)} differs at element {bad} "
-                    f"({float(flat[bad])} != {float(expected[bad])})")
+            return (
+                f"leaf {i} of {len(op.leaves)} differs at element {bad} "
+                f"({float(flat[bad])} != {float(expected[bad])})"
+            )
     return None
 
 
@@ -524,8 +589,14 @@ def time_case(rank: int, world_size: int, group: Any, case: dict) -> dict:
     return time_suite(rank, world_size, group, [case], rounds=1)[0]
 
 
-def time_suite(rank: int, world_size: int, group: Any, cases: Sequence[dict], rounds: int = 1,
-               op_for: Callable[[dict], Op] | None = None) -> list[dict]:
+def time_suite(
+    rank: int,
+    world_size: int,
+    group: Any,
+    cases: Sequence[dict],
+    rounds: int = 1,
+    op_for: Callable[[dict], Op] | None = None,
+) -> list[dict]:
     """Run several cases of one workload side by side, to beat noise (the one suite timer).
 
     Each case first runs its ``warmup`` iterations; then ``rounds`` rounds each
@@ -538,7 +609,9 @@ def time_suite(rank: int, world_size: int, group: Any, cases: Sequence[dict], ro
     if world_size != 2:
         raise ValueError(f"transfer timings need exactly 2 ranks, got {world_size}")
     if len({(c["leaves"], c.get("leaf_bytes"), c.get("total_bytes")) for c in cases}) > 1:
-        raise ValueError("the cases of one suite must share their workload (leaves, leaf_bytes/total_bytes)")
+        raise ValueError(
+            "the cases of one suite must share their workload (leaves, leaf_bytes/total_bytes)"
+        )
     ops = [op_for(case) if op_for is not None else make_op(case, group) for case in cases]
     times: list[list[float]] = [[] for _ in cases]
     cpu: list[list[float]] = [[] for _ in cases]
@@ -551,8 +624,16 @@ def time_suite(rank: int, world_size: int, group: Any, cases: Sequence[dict], ro
     out = []
     for op, t, c in zip(ops, times, cpu):
         problem = verify(rank, op, group)
-        out.append({"rank": rank, "seconds": t, "cpu_seconds": c, "ok": problem is None, "error": problem,
-                    "transport": op.transport[0]})
+        out.append(
+            {
+                "rank": rank,
+                "seconds": t,
+                "cpu_seconds": c,
+                "ok": problem is None,
+                "error": problem,
+                "transport": op.transport[0],
+            }
+        )
     return out
 
 
@@ -587,10 +668,20 @@ def summarize(case: dict, per_rank: Sequence[dict]) -> dict:
     return row
 
 
-def run_suite_once(ranks: Any, name: str, targets: list[str], *, rank_fn: Callable[..., list[dict]],
-                   cases: Callable[[str], list[dict]], rounds: int, row_mode: Callable[[dict], str],
-                   target_lines: Callable[[str, dict], list[str]], results: dict, errors: dict,
-                   what: str = "case") -> dict[tuple[str, str], dict]:
+def run_suite_once(
+    ranks: Any,
+    name: str,
+    targets: list[str],
+    *,
+    rank_fn: Callable[..., list[dict]],
+    cases: Callable[[str], list[dict]],
+    rounds: int,
+    row_mode: Callable[[dict], str],
+    target_lines: Callable[[str, dict], list[str]],
+    results: dict,
+    errors: dict,
+    what: str = "case",
+) -> dict[tuple[str, str], dict]:
     """The rows of the bench suite ``name``, keyed by (impl, ``row_mode(case)``): run once per session.
 
     The first call runs all of ``cases(name)`` interleaved in ``ranks.get()``'s ranks
@@ -665,12 +756,18 @@ def replay(benchmark: Any, clock: VirtualClock, seconds: Sequence[float]) -> Non
         raise ValueError(f"replay needs finite, non-negative times, got {times!r}")
     timer = getattr(benchmark, "_timer", clock)  # pytest-benchmark's fixture keeps its timer there
     if timer is not clock:
-        raise RuntimeError(f"{getattr(benchmark, 'name', 'this bench')} is timed by {timer!r}, not by {clock!r}: "
-                           "mark it @pytest.mark.benchmark(timer=clock)")
+        raise RuntimeError(
+            f"{getattr(benchmark, 'name', 'this bench')} is timed by {timer!r}, not by {clock!r}: "
+            "mark it @pytest.mark.benchmark(timer=clock)"
+        )
     pending = iter(times)
     # after the rounds, --benchmark-cprofile calls the target again (profiled, not timed): 0.0 then
-    benchmark.pedantic(lambda: clock.advance(next(pending, 0.0)), setup=clock.restart, rounds=len(times),
-                       iterations=1)
+    benchmark.pedantic(
+        lambda: clock.advance(next(pending, 0.0)),
+        setup=clock.restart,
+        rounds=len(times),
+        iterations=1,
+    )
 
 
 def median(sorted_values: list[float]) -> float:

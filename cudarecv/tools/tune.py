@@ -29,8 +29,9 @@ import math
 import os
 import threading
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -91,7 +92,9 @@ def _copies_at_once(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
     for thread in threads:
         thread.join(timeout=WAIT)
     if len(spans) < len(pairs):
-        raise RuntimeError(f"{len(pairs) - len(spans)} of {len(pairs)} copies did not end within {WAIT} s")
+        raise RuntimeError(
+            f"{len(pairs) - len(spans)} of {len(pairs)} copies did not end within {WAIT} s"
+        )
     return max(end for _, end in spans) - min(start for start, _ in spans)
 
 
@@ -99,8 +102,10 @@ def measure_host_copy(rounds: int) -> tuple[str, dict[str, float]]:
     """The faster native copy here (``"stream"`` or ``"memcpy"``) and the best time of each: two copies of
     ``COPY_BYTES`` at once, as a sender filling a segment and a receiver emptying one, streaming and not
     alternating round by round. Needs the native build."""
-    pairs = [(torch.zeros(COPY_BYTES, dtype=torch.uint8), torch.ones(COPY_BYTES, dtype=torch.uint8))
-             for _ in range(2)]  # (pages touched)
+    pairs = [
+        (torch.zeros(COPY_BYTES, dtype=torch.uint8), torch.ones(COPY_BYTES, dtype=torch.uint8))
+        for _ in range(2)
+    ]  # (pages touched)
     times = {"stream": math.inf, "memcpy": math.inf}
     for _ in range(rounds):
         for choice in times:
@@ -149,8 +154,10 @@ def tune(rounds: int) -> int:
     if NATIVE:
         choice, times = measure_host_copy(rounds)
         settings["host_copy"], measured["host_copy"] = choice, times
-        print(f"host copies, 2 x {COPY_BYTES >> 20} MiB at once (best of {rounds}): stream {times['stream'] * 1e3:.2f} ms, "
-              f"memcpy {times['memcpy'] * 1e3:.2f} ms -> {choice}")
+        print(
+            f"host copies, 2 x {COPY_BYTES >> 20} MiB at once (best of {rounds}): stream {times['stream'] * 1e3:.2f} ms, "
+            f"memcpy {times['memcpy'] * 1e3:.2f} ms -> {choice}"
+        )
         set_streaming(choice == "stream")  # (the direct reads' copies as a transfer's would be)
     else:
         print(f"host copies: memmove ({WHY_NOT_NATIVE}); nothing to choose")
@@ -159,9 +166,14 @@ def tune(rounds: int) -> int:
     if "not allowed" in times:
         print(f"direct reads: off (this process may not read itself: {times['not allowed']})")
     else:
-        print(f"direct reads of {READ_BYTES >> 20} MiB (best of {rounds}): "
-              + "; ".join(f"{name} {t['read_s'] * 1e3:.2f} ms vs copies {t['copy_s'] * 1e3:.2f} ms"
-                          for name, t in times.items()) + f" -> {pays.describe()}")
+        print(
+            f"direct reads of {READ_BYTES >> 20} MiB (best of {rounds}): "
+            + "; ".join(
+                f"{name} {t['read_s'] * 1e3:.2f} ms vs copies {t['copy_s'] * 1e3:.2f} ms"
+                for name, t in times.items()
+            )
+            + f" -> {pays.describe()}"
+        )
     where = save(settings, measured, datetime.now(timezone.utc).isoformat(timespec="seconds"))
     logger.info("tuned %s: %s", machine(), settings)
     print(f"kept in {where}")
@@ -175,7 +187,9 @@ def show() -> int:
     """Print the settings in effect and why; 0."""
     print(f"machine: {machine()}")
     kept = entry()
-    print(f"tune file: {path()} ({'tuned ' + kept.get('at', '?') if kept else 'no entry for this machine'})")
+    print(
+        f"tune file: {path()} ({'tuned ' + kept.get('at', '?') if kept else 'no entry for this machine'})"
+    )
     copy, why = host_copy_setting()
     print(f"host copies: {copy if NATIVE else 'memmove'} ({why if NATIVE else WHY_NOT_NATIVE})")
     pays, why = direct_read_choice()
@@ -195,9 +209,20 @@ def run(args: argparse.Namespace) -> int:
 def register(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``tune`` subcommand."""
     p = subparsers.add_parser(
-        "tune", help="measure this machine's host copies and direct reads, and keep the faster choice")
-    p.add_argument("--rounds", type=int_at_least(1), default=5, metavar="N",
-                   help="runs of each measurement, the best one counts (default 5)")
-    p.add_argument("--show", action="store_true", help="print the settings in effect and why, measuring nothing")
+        "tune",
+        help="measure this machine's host copies and direct reads, and keep the faster choice",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int_at_least(1),
+        default=5,
+        metavar="N",
+        help="runs of each measurement, the best one counts (default 5)",
+    )
+    p.add_argument(
+        "--show",
+        action="store_true",
+        help="print the settings in effect and why, measuring nothing",
+    )
     p.set_defaults(func=run)
     return p

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import datetime
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.distributed as dist
 from tensordict import TensorDictBase
@@ -24,12 +25,30 @@ class Trainer:
     """The trainer's end (see the module docstring): ``key(*parts)`` names the scheme's store keys; ``workers()``
     lists the collector's worker processes; ``current()`` gives the policy's weights now."""
 
-    def __init__(self, sender: WeightSender, store: Any, key: Callable[..., str], name: str, sync: bool,
-                 timeout: float, workers: Callable[[], list], current: Callable[[], TensorDictBase] | None,
-                 pointers: list[int]) -> None:
-        self.sender, self.store, self.key, self.name, self.sync, self.timeout = sender, store, key, name, sync, timeout
+    def __init__(
+        self,
+        sender: WeightSender,
+        store: Any,
+        key: Callable[..., str],
+        name: str,
+        sync: bool,
+        timeout: float,
+        workers: Callable[[], list],
+        current: Callable[[], TensorDictBase] | None,
+        pointers: list[int],
+    ) -> None:
+        self.sender, self.store, self.key, self.name, self.sync, self.timeout = (
+            sender,
+            store,
+            key,
+            name,
+            sync,
+            timeout,
+        )
         self._workers, self._current, self._pointers = workers, current, pointers
-        self._reported_dead: set[int] = set()  # the collector's exited worker processes already named
+        self._reported_dead: set[int] = (
+            set()
+        )  # the collector's exited worker processes already named
 
     def replaced(self) -> TensorDictBase | None:
         """The policy's current weights if they are no longer the tensors the sender was built on (the policy's
@@ -38,7 +57,11 @@ class Trainer:
         if self._current is None:
             return None
         current = self._current()
-        return None if [t.data_ptr() for t in current.values(True, True)] == self._pointers else current
+        return (
+            None
+            if [t.data_ptr() for t in current.values(True, True)] == self._pointers
+            else current
+        )
 
     def push(self, values: TensorDictBase | None) -> int:
         """Send the next version (``values``, or the sender's ``td``); with ``sync``, return once every worker acts
@@ -46,8 +69,12 @@ class Trainer:
         sender = self.sender
         dropped, before = dict(sender.dropped), sender.version
         try:
-            pushed = sender.push(wait=False, values=values)  # sync: one transfer per worker, under way
-        except PeerError as error:  # latest: a worker lost between calls, named after the version was published
+            pushed = sender.push(
+                wait=False, values=values
+            )  # sync: one transfer per worker, under way
+        except (
+            PeerError
+        ) as error:  # latest: a worker lost between calls, named after the version was published
             if sender.version == before or self._unnamed(dropped):
                 raise self._named(error, dropped) from error
             pushed = []  # its process was named exited already: named once
@@ -58,19 +85,28 @@ class Trainer:
             self._wait_switched(version, pushed, ranks, dropped)
         # who was lost since the last call, though every worker left has the version (said once each; a worker
         # whose thread failed closes its receiver, so it is dropped too, its reason on the store)
-        named = [f"worker {self._worker_of(r)} (rank {r}): {self._said(r) or why}" for r, why in self._unnamed(dropped)]
+        named = [
+            f"worker {self._worker_of(r)} (rank {r}): {self._said(r) or why}"
+            for r, why in self._unnamed(dropped)
+        ]
         dead = self._newly_dead()
         if dead:
             named.append(f"worker process(es) {dead} of the collector exited")
         if named:
-            raise PeerError(f"weight sync of {self.name!r}, version {version} (every worker left has it): "
-                            + "; ".join(named))
+            raise PeerError(
+                f"weight sync of {self.name!r}, version {version} (every worker left has it): "
+                + "; ".join(named)
+            )
         return version
 
     def _unnamed(self, before: dict[int, str]) -> list[tuple[int, str]]:
         """The receivers dropped since ``before`` whose worker process was not named exited already."""
         exited = {str(i) for i in self._reported_dead}
-        return [(r, why) for r, why in self.sender.dropped.items() if r not in before and self._worker_of(r) not in exited]
+        return [
+            (r, why)
+            for r, why in self.sender.dropped.items()
+            if r not in before and self._worker_of(r) not in exited
+        ]
 
     def _named(self, error: Error, before: dict[int, str]) -> Error:
         """``error`` with the workers dropped since ``before`` named."""
@@ -93,7 +129,9 @@ class Trainer:
         key = self.key("failed", rank)
         return self.store.get(key).decode() if self.store.check([key]) else None
 
-    def _wait_switched(self, version: int, pushed: list[Any], ranks: list[int], dropped: dict[int, str]) -> None:
+    def _wait_switched(
+        self, version: int, pushed: list[Any], ranks: list[int], dropped: dict[int, str]
+    ) -> None:
         """Wait until every worker of ``ranks`` (``pushed`` to) acts with ``version``; name those that fail or never
         do. Both waits block: the transfers' futures (a worker that died or failed is named as soon as its transfer
         fails), then the store's wait for each worker's word that it switched (or why it could not), for what is
@@ -112,22 +150,34 @@ class Trainer:
             named = ", ".join(f"worker {self._worker_of(r)} (rank {r})" for r in missing)
             dead = self._newly_dead()
             if dead:
-                raise PeerError(f"weight sync of {self.name!r}, version {version}: worker process(es) "
-                                f"{dead} died; {named} did not switch to it") from None
-            raise TransferTimeout(f"weight sync of {self.name!r}: {named} did not switch to version "
-                                  f"{version} within {self.timeout:g} s (its policy's forward held it, or "
-                                  "it stopped)") from None
+                raise PeerError(
+                    f"weight sync of {self.name!r}, version {version}: worker process(es) "
+                    f"{dead} died; {named} did not switch to it"
+                ) from None
+            raise TransferTimeout(
+                f"weight sync of {self.name!r}: {named} did not switch to version "
+                f"{version} within {self.timeout:g} s (its policy's forward held it, or "
+                "it stopped)"
+            ) from None
         said = {rank: self.store.get(key).decode() for rank, key in keys.items()}
         for key in keys.values():
             self.store.delete_key(key)
-        failed = [f"worker {self._worker_of(r)} (rank {r}): {why.removeprefix(FAILED)}"
-                  for r, why in said.items() if why.startswith(FAILED)]
+        failed = [
+            f"worker {self._worker_of(r)} (rank {r}): {why.removeprefix(FAILED)}"
+            for r, why in said.items()
+            if why.startswith(FAILED)
+        ]
         if failed:
-            raise ReceiverFailed(f"weight sync of {self.name!r}, version {version}: " + "; ".join(failed))
+            raise ReceiverFailed(
+                f"weight sync of {self.name!r}, version {version}: " + "; ".join(failed)
+            )
 
     def _newly_dead(self) -> list[int]:
         """The collector's worker processes that exited since the last call named them (named from now on)."""
-        dead = [i for i, proc in enumerate(self._workers()) if hasattr(proc, "is_alive") and not proc.is_alive()
-                and i not in self._reported_dead]
+        dead = [
+            i
+            for i, proc in enumerate(self._workers())
+            if hasattr(proc, "is_alive") and not proc.is_alive() and i not in self._reported_dead
+        ]
         self._reported_dead.update(dead)
         return dead

@@ -4,13 +4,22 @@ forward sees half of a version)."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
-from .. import ReceiverFailed, SenderClosed, TransferTimeout, WaitTimeout, WeightReceiver, start_thread
+from .. import (
+    ReceiverFailed,
+    SenderClosed,
+    TransferTimeout,
+    WaitTimeout,
+    WeightReceiver,
+    start_thread,
+)
 from .trainer import FAILED
 
 
@@ -18,12 +27,24 @@ class Worker:
     """A worker's end (see the module docstring): ``policy()`` is the module to update, ``key(*parts)`` names the
     scheme's store keys, ``rank`` this worker's in the scheme's group."""
 
-    def __init__(self, receiver: WeightReceiver, store: Any, key: Callable[..., str], rank: int, name: str,
-                 sync: bool, timeout: float, device: Any, policy: Callable[[], nn.Module]) -> None:
+    def __init__(
+        self,
+        receiver: WeightReceiver,
+        store: Any,
+        key: Callable[..., str],
+        rank: int,
+        name: str,
+        sync: bool,
+        timeout: float,
+        device: Any,
+        policy: Callable[[], nn.Module],
+    ) -> None:
         self.receiver, self.store, self.key, self.rank, self.name = receiver, store, key, rank, name
         self.sync, self.timeout, self.device, self._policy = sync, timeout, device, policy
         self.stopping = threading.Event()
-        self._gate = threading.RLock()  # held by every forward of the worker's policy, and by a switch
+        self._gate = (
+            threading.RLock()
+        )  # held by every forward of the worker's policy, and by a switch
         self._hooks: tuple[Any, Any] | None = None
         self._wrapped: dict[int, tuple[TensorDict, TensorDict]] = {}
         self._reading: Any = None  # the hold on the version the worker's policy uses
@@ -90,7 +111,10 @@ class Worker:
                 raise TransferTimeout(f"the policy's forward held it for {self.timeout:g} s")
             try:
                 current = TensorDict.from_module(model)
-                if all(t.device == self.device for t in current.values(True, True)) or self.version == 0:
+                if (
+                    all(t.device == self.device for t in current.values(True, True))
+                    or self.version == 0
+                ):
                     self._as_module_tensors(td, current).to_module(model)
                 else:  # the collector moved the policy to another device: copy into it
                     current.data.update_(td)
@@ -114,9 +138,15 @@ class Worker:
         wrapped = TensorDict({}, batch_size=[])
         for path, held in current.items(True, True):
             view = td.get(path)
-            wrapped.set(path, nn.Parameter(view, requires_grad=held.requires_grad)
-                        if isinstance(held, nn.Parameter) else view)
-        if len(self._wrapped) >= self.receiver.buffer_count:  # the buffers the receiver hands out take turns
+            wrapped.set(
+                path,
+                nn.Parameter(view, requires_grad=held.requires_grad)
+                if isinstance(held, nn.Parameter)
+                else view,
+            )
+        if (
+            len(self._wrapped) >= self.receiver.buffer_count
+        ):  # the buffers the receiver hands out take turns
             self._wrapped.clear()
         self._wrapped[id(td)] = (td, wrapped)
         return wrapped
@@ -141,10 +171,8 @@ class Worker:
     def close(self) -> None:
         """Close the receiver (that ends the thread's pull), join the thread, let go of the version held."""
         self.stopping.set()
-        try:
+        with contextlib.suppress(Exception):  # the trainer is gone already
             self.receiver.close()
-        except Exception:  # noqa: BLE001 - the trainer is gone already
-            pass
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.timeout)
         if self._reading is not None:

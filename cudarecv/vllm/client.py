@@ -8,7 +8,12 @@ from typing import Any
 
 from .. import ArgumentError, ReceiverFailed
 
-_METHODS = ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update")
+_METHODS = (
+    "init_weight_transfer_engine",
+    "start_weight_update",
+    "update_weights",
+    "finish_weight_update",
+)
 
 
 class LLMClient:
@@ -89,6 +94,8 @@ def as_client(client: Any) -> Any:
         return LLMClient(client)
     missing = [name for name in _METHODS if not callable(getattr(client, name, None))]
     if missing:
-        raise ArgumentError(f"`client` must be vLLM's LLM object or a weight-sync client (HTTPVLLMWeightSyncClient, "
-                            f"RayVLLMWeightSyncClient); {type(client).__name__} has no {', '.join(missing)}")
+        raise ArgumentError(
+            f"`client` must be vLLM's LLM object or a weight-sync client (HTTPVLLMWeightSyncClient, "
+            f"RayVLLMWeightSyncClient); {type(client).__name__} has no {', '.join(missing)}"
+        )
     return SpokenClient(client)

@@ -8,7 +8,11 @@ import math
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from vllm.distributed.weight_transfer.base import TrainerInitInfo, WeightTransferInitInfo, WeightTransferUpdateInfo
+from vllm.distributed.weight_transfer.base import (
+    TrainerInitInfo,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
 
 from .. import ArgumentError, WeightSender
 
@@ -51,15 +55,30 @@ class CudarecvTrainerInitInfo(TrainerInitInfo):
 
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
-            raise ArgumentError(f"`rank` must be this trainer rank, an int >= 0 (0 sends), got {self.rank!r}")
+            raise ArgumentError(
+                f"`rank` must be this trainer rank, an int >= 0 (0 sends), got {self.rank!r}"
+            )
         if not isinstance(self.host, str) or not self.host:
-            raise ArgumentError(f"`host` must be the address of the trainer's machine, got {self.host!r}")
-        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port < 65536:
-            raise ArgumentError(f"`port` must be a port number (0: any free one), got {self.port!r}")
+            raise ArgumentError(
+                f"`host` must be the address of the trainer's machine, got {self.host!r}"
+            )
+        if (
+            isinstance(self.port, bool)
+            or not isinstance(self.port, int)
+            or not 0 <= self.port < 65536
+        ):
+            raise ArgumentError(
+                f"`port` must be a port number (0: any free one), got {self.port!r}"
+            )
         if self.dtype is not None:
             dtype_of(self.dtype, "dtype")
-        self.timeout = WeightSender.check_options(timeout=self.timeout, transport=self.transport, mode=self.mode,
-                                                  bucket_bytes=self.bucket_bytes, verify=self.verify)["timeout"]
+        self.timeout = WeightSender.check_options(
+            timeout=self.timeout,
+            transport=self.transport,
+            mode=self.mode,
+            bucket_bytes=self.bucket_bytes,
+            verify=self.verify,
+        )["timeout"]
 
 
 @dataclass
@@ -74,7 +93,11 @@ class CudarecvInitInfo(WeightTransferInitInfo):
     transport: str = "auto"
 
     def __post_init__(self) -> None:
-        if not self.session or not isinstance(self.port, int) or not (self.timeout > 0 and math.isfinite(self.timeout)):
+        if (
+            not self.session
+            or not isinstance(self.port, int)
+            or not (self.timeout > 0 and math.isfinite(self.timeout))
+        ):
             raise ArgumentError(f"malformed cudarecv init info: {self!r}")
 
 
@@ -95,5 +118,7 @@ def dtype_of(name: str, what: str):
 
     dtype = getattr(torch, str(name).removeprefix("torch."), None)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ArgumentError(f"`{what}` must name a floating-point torch dtype (\"bfloat16\", \"float32\"), got {name!r}")
+        raise ArgumentError(
+            f'`{what}` must name a floating-point torch dtype ("bfloat16", "float32"), got {name!r}'
+        )
     return dtype

@@ -9,9 +9,14 @@ from .info import BACKEND
 
 def register() -> None:
     """Register both sides of the backend (the worker's lazily: vLLM imports it when an engine is built)."""
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+    from vllm.distributed.weight_transfer.factory import (
+        WeightTransferEngineFactory,
+        WeightTransferTrainerFactory,
+    )
 
-    for factory, module, name in ((WeightTransferEngineFactory, "cudarecv.vllm.worker", "CudarecvWeightTransferEngine"),
-                                  (WeightTransferTrainerFactory, "cudarecv.vllm.trainer", "CudarecvTrainerEngine")):
+    for factory, module, name in (
+        (WeightTransferEngineFactory, "cudarecv.vllm.worker", "CudarecvWeightTransferEngine"),
+        (WeightTransferTrainerFactory, "cudarecv.vllm.trainer", "CudarecvTrainerEngine"),
+    ):
         if BACKEND not in factory._registry:
             factory.register_engine(BACKEND, module, name)

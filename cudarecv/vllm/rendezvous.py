@@ -22,5 +22,11 @@ def member_key(session: str, index: int) -> str:
 def group_of(store: Any, session: str, rank: int, size: int, timeout: float) -> Any:
     """This process's rank of the session's gloo group (every member calls it; bounded by ``timeout``)."""
     who = "the trainer" if rank == 0 else f"vLLM worker {rank - 1}"
-    return store_group(store, f"cudarecv/vllm/{session}/group", rank, size, timeout,
-                       f"cudarecv weight transfer: for {who}, the group of the trainer and {size - 1} vLLM worker(s)")
+    return store_group(
+        store,
+        f"cudarecv/vllm/{session}/group",
+        rank,
+        size,
+        timeout,
+        f"cudarecv weight transfer: for {who}, the group of the trainer and {size - 1} vLLM worker(s)",
+    )

@@ -16,7 +16,8 @@ Example:
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 ARCHITECTURES = ("Qwen2ForCausalLM",)
 _COLUMN = re.compile(r"\.mlp\.(gate|up)_proj\.weight$")
@@ -25,8 +26,9 @@ _HEADS = re.compile(r"\.self_attn\.([qkv])_proj\.(weight|bias)$")
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 
 
-def worker_slices(config: Any, architecture: str, shapes: Mapping[str, Sequence[int]], tp_rank: int,
-                  tp_size: int) -> dict[str, tuple[slice, ...]] | None:
+def worker_slices(
+    config: Any, architecture: str, shapes: Mapping[str, Sequence[int]], tp_rank: int, tp_size: int
+) -> dict[str, tuple[slice, ...]] | None:
     """The slices tensor-parallel rank ``tp_rank`` of ``tp_size`` loads of each checkpoint tensor (``shapes``:
     name -> whole shape), for the names it cuts; None where the architecture is not mapped (or ``tp_size`` is 1):
     the worker then receives every tensor whole."""
@@ -42,13 +44,19 @@ def worker_slices(config: Any, architecture: str, shapes: Mapping[str, Sequence[
     want: dict[str, tuple[slice, ...]] = {}
     for name, shape in shapes.items():
         if name in _VOCAB:
-            start, end = vocab_range_from_global_vocab_size(pad_vocab_size(shape[0]), tp_rank, tp_size)
-            if start < shape[0]:  # (a rank whose rows are all padding takes the tensor whole, and reads none of it)
+            start, end = vocab_range_from_global_vocab_size(
+                pad_vocab_size(shape[0]), tp_rank, tp_size
+            )
+            if (
+                start < shape[0]
+            ):  # (a rank whose rows are all padding takes the tensor whole, and reads none of it)
                 want[name] = (slice(start, min(end, shape[0])),)
         elif found := _HEADS.search(name):
             if found.group(1) == "q":
                 per, index = heads // tp_size, tp_rank
-            elif tp_size >= kv_heads:  # one k/v head per rank, each replicated on tp_size // kv_heads ranks
+            elif (
+                tp_size >= kv_heads
+            ):  # one k/v head per rank, each replicated on tp_size // kv_heads ranks
                 per, index = 1, tp_rank // (tp_size // kv_heads)
             else:
                 per, index = kv_heads // tp_size, tp_rank
@@ -62,8 +70,11 @@ def worker_slices(config: Any, architecture: str, shapes: Mapping[str, Sequence[
     return want
 
 
-def whole_leaves(weights: Mapping[str, Any], shapes: Mapping[str, Sequence[int]],
-                 want: Mapping[str, tuple[slice, ...]] | None) -> Any:
+def whole_leaves(
+    weights: Mapping[str, Any],
+    shapes: Mapping[str, Sequence[int]],
+    want: Mapping[str, tuple[slice, ...]] | None,
+) -> Any:
     """``weights`` (name -> tensor, the slices ``want`` says where it names one) as vLLM's loaders take them: each
     sliced one put where it lies in a tensor of its whole shape (the rest left unwritten: the loaders read only
     this slice), made as the loaders ask for it (vLLM's layer-wise reload keeps a layer's until the layer is

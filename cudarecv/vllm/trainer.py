@@ -7,8 +7,9 @@ import json
 import logging
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import asdict
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,24 +41,38 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
     init_info_cls = CudarecvTrainerInitInfo
 
     def __init__(self, *, client: Any, source: WeightSource, info: CudarecvTrainerInitInfo) -> None:
-        super().__init__(client=as_client(client) if info.is_sender else client, source=source,
-                         is_sender=info.is_sender)
+        super().__init__(
+            client=as_client(client) if info.is_sender else client,
+            source=source,
+            is_sender=info.is_sender,
+        )
         self.info = info
         self.sender: WeightSender | None = None
         self._store: Any = None
         self._group: Any = None
-        self._td: TensorDict | None = None  # the weights as they travel (the engine's dtype), flat on "."
-        self._shared: dict[str, int] = {}  # leaves that are the source's own tensors: their data pointers
-        self.dtype: torch.dtype | None = None  # what the weights travel and load in (the engine's, unless set)
+        self._td: TensorDict | None = (
+            None  # the weights as they travel (the engine's dtype), flat on "."
+        )
+        self._shared: dict[
+            str, int
+        ] = {}  # leaves that are the source's own tensors: their data pointers
+        self.dtype: torch.dtype | None = (
+            None  # what the weights travel and load in (the engine's, unless set)
+        )
         self.sliced = False  # whether each worker receives only the slices it loads (a tensor-parallel engine)
 
     @classmethod
-    def trainer_init(cls, init_info: CudarecvTrainerInitInfo, *, client: Any,
-                     source: WeightSource | None = None) -> "CudarecvTrainerEngine":
+    def trainer_init(
+        cls, init_info: CudarecvTrainerInitInfo, *, client: Any, source: WeightSource | None = None
+    ) -> CudarecvTrainerEngine:
         if not isinstance(init_info, CudarecvTrainerInitInfo):
-            raise ArgumentError(f"`init_info` must be a CudarecvTrainerInitInfo, got {type(init_info).__name__}")
+            raise ArgumentError(
+                f"`init_info` must be a CudarecvTrainerInitInfo, got {type(init_info).__name__}"
+            )
         if source is None:
-            raise ArgumentError("`source` is required: the weights to send (vLLM's ModuleSource(model))")
+            raise ArgumentError(
+                "`source` is required: the weights to send (vLLM's ModuleSource(model))"
+            )
         engine = cls(client=client, source=source, info=init_info)
         if not engine.is_sender:
             for _ in source:  # (rank 0 reads the source once: a sharded one gathers on every rank)
@@ -74,39 +89,76 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
     def _connect(self) -> None:
         info = self.info
         session = os.urandom(6).hex()
-        self._store = dist.TCPStore(info.host, info.port, is_master=True, wait_for_workers=False,
-                                    timeout=seconds(info.timeout))
-        worker_info = CudarecvInitInfo(host=info.host, port=self._store.port, session=session,
-                                       timeout=info.timeout, transport=info.transport)
-        with _Call(lambda: self.client.init_weight_transfer_engine(asdict(worker_info)),
-                   "init_weight_transfer_engine", 2 * info.timeout):  # (an error here first; the engine's its context)
+        self._store = dist.TCPStore(
+            info.host,
+            info.port,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=seconds(info.timeout),
+        )
+        worker_info = CudarecvInitInfo(
+            host=info.host,
+            port=self._store.port,
+            session=session,
+            timeout=info.timeout,
+            transport=info.transport,
+        )
+        with _Call(
+            lambda: self.client.init_weight_transfer_engine(asdict(worker_info)),
+            "init_weight_transfer_engine",
+            2 * info.timeout,
+        ):  # (an error here first; the engine's its context)
             try:
-                first = json.loads(self._store.get(member_key(session, 0)))  # (bounded by the store's timeout)
+                first = json.loads(
+                    self._store.get(member_key(session, 0))
+                )  # (bounded by the store's timeout)
             except RuntimeError:
-                raise TransferTimeout(f"cudarecv weight transfer: no vLLM worker joined within {info.timeout:g} s "
-                                      f"(is the engine started with weight_transfer_config={{'backend': 'cudarecv'}}, "
-                                      f"and can it reach {info.host}:{self._store.port}?)") from None
+                raise TransferTimeout(
+                    f"cudarecv weight transfer: no vLLM worker joined within {info.timeout:g} s "
+                    f"(is the engine started with weight_transfer_config={{'backend': 'cudarecv'}}, "
+                    f"and can it reach {info.host}:{self._store.port}?)"
+                ) from None
             workers = int(first["workers"])
             self._group = group_of(self._store, session, 0, workers + 1, info.timeout)
             joined = [json.loads(self._store.get(member_key(session, i))) for i in range(workers)]
             if len({(w["workers"], w["dtype"], w.get("sliced", False)) for w in joined}) != 1:
-                raise UsageError(f"the engine's workers disagree on their number, dtype or slicing: {joined}")
+                raise UsageError(
+                    f"the engine's workers disagree on their number, dtype or slicing: {joined}"
+                )
             dtype = dtype_of(info.dtype or first["dtype"], "dtype")
-            self.sliced = bool(first.get("sliced"))  # a tensor-parallel engine: each worker receives what it loads
+            self.sliced = bool(
+                first.get("sliced")
+            )  # a tensor-parallel engine: each worker receives what it loads
             self._td, self.dtype = self._weights(dtype), dtype
-            self.sender = WeightSender(self._td.unflatten_keys("."), group=self._group,
-                                       group_dst=list(range(1, workers + 1)), timeout=info.timeout, mode=info.mode,
-                                       verify=info.verify, bucket_bytes=info.bucket_bytes, transport=info.transport,
-                                       sliced=self.sliced)
-        log.info("cudarecv weight transfer to %d vLLM worker(s) (%s, %s, %s)", workers, dtype,
-                 info.mode, ", ".join(sorted(set(self.sender.transports.values()))))
+            self.sender = WeightSender(
+                self._td.unflatten_keys("."),
+                group=self._group,
+                group_dst=list(range(1, workers + 1)),
+                timeout=info.timeout,
+                mode=info.mode,
+                verify=info.verify,
+                bucket_bytes=info.bucket_bytes,
+                transport=info.transport,
+                sliced=self.sliced,
+            )
+        log.info(
+            "cudarecv weight transfer to %d vLLM worker(s) (%s, %s, %s)",
+            workers,
+            dtype,
+            info.mode,
+            ", ".join(sorted(set(self.sender.transports.values()))),
+        )
 
     def _weights(self, dtype: torch.dtype) -> TensorDict:
         """The tensordict that travels: each source tensor itself where it is already a plain contiguous tensor
         of ``dtype``, else a buffer of ``dtype`` that :meth:`send_weights` copies it into."""
         leaves = {}
         for name, tensor in self.source:
-            if type(tensor) in (torch.Tensor, torch.nn.Parameter) and tensor.dtype == dtype and tensor.is_contiguous():
+            if (
+                type(tensor) in (torch.Tensor, torch.nn.Parameter)
+                and tensor.dtype == dtype
+                and tensor.is_contiguous()
+            ):
                 leaves[name] = tensor.detach()
                 self._shared[name] = tensor.data_ptr()
             else:
@@ -126,7 +178,10 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
         if not self.sliced:
             return {rank: self.nbytes for rank in self.sender.transports}
         sizes = {name: t.element_size() for name, t in self._td.items()}
-        return {rank: sum(box.numel * sizes[name] for name, box in pieces) for rank, pieces in self.sender.plan.items()}
+        return {
+            rank: sum(box.numel * sizes[name] for name, box in pieces)
+            for rank, pieces in self.sender.plan.items()
+        }
 
     # -- an update -------------------------------------------------------------------------------------------
     def send_weights(self) -> int | None:
@@ -149,8 +204,11 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
         version = self.sender.push()
         self._start(version)
         try:  # (the workers load it now: bounded, as every answer of the engine)
-            _Call(lambda: self.client.update_weights({"version": version}), "update_weights",
-                  self.info.timeout + 30.0).join()
+            _Call(
+                lambda: self.client.update_weights({"version": version}),
+                "update_weights",
+                self.info.timeout + 30.0,
+            ).join()
         except BaseException:
             self._close_session(version)
             raise
@@ -163,8 +221,11 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
         try:
             self.client.finish_weight_update()
         except Exception as error:  # noqa: BLE001 - a worker whose update failed closed its session itself
-            log.info("after the failed update %d, the engine's update session was already closed (%s)", version,
-                     type(error).__name__)
+            log.info(
+                "after the failed update %d, the engine's update session was already closed (%s)",
+                version,
+                type(error).__name__,
+            )
 
     def _start(self, version: int) -> None:
         """The engine's ``start_weight_update``. A trainer that died between its start and its update left the
@@ -175,8 +236,11 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
         except Exception as error:  # noqa: BLE001 - what the engine says differs by client (an RPC, an HTTP 500)
             if "already active" not in str(error):
                 raise
-            log.warning("the vLLM engine refused to start update %d: an update is already active (a previous "
-                        "trainer's, which died); closing it, then starting again", version)
+            log.warning(
+                "the vLLM engine refused to start update %d: an update is already active (a previous "
+                "trainer's, which died); closing it, then starting again",
+                version,
+            )
             self.client.finish_weight_update()
             self.client.start_weight_update()
 
@@ -186,13 +250,20 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
         try:
             if sender is not None:
                 sender.close()
-            shut = getattr(self.client, "shutdown_weight_transfer_engine", None) if self.is_sender else None
+            shut = (
+                getattr(self.client, "shutdown_weight_transfer_engine", None)
+                if self.is_sender
+                else None
+            )
             if shut is not None and self._store is not None:
                 try:  # (bounded: an engine still busy with this trainer's call answers late or never)
                     _Call(shut, "shutdown_weight_transfer_engine", self.info.timeout).join()
                 except Exception as error:  # noqa: BLE001 - the trainer's side is closed; the engine's is said
-                    log.warning("the vLLM engine did not release this trainer's connection: %s: %s",
-                                type(error).__name__, error)
+                    log.warning(
+                        "the vLLM engine did not release this trainer's connection: %s: %s",
+                        type(error).__name__,
+                        error,
+                    )
         finally:
             self._group = self._store = self._td = None
             self._shared.clear()
@@ -206,10 +277,12 @@ class _Call:
 
     def __init__(self, call: Callable[[], Any], what: str, timeout: float) -> None:
         self.what, self.timeout, self._error = what, timeout, None
-        self._thread = threading.Thread(target=self._run, args=(call,), name=f"cudarecv-vllm-{what}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, args=(call,), name=f"cudarecv-vllm-{what}", daemon=True
+        )
         self._thread.start()
 
-    def __enter__(self) -> "_Call":
+    def __enter__(self) -> _Call:
         return self
 
     def __exit__(self, kind: Any, error: Any, trace: Any) -> None:
@@ -229,7 +302,11 @@ class _Call:
 
     def join(self) -> None:
         self._thread.join(self.timeout)
-        if self._thread.is_alive():  # (the thread ends with the engine's answer: it holds nothing of ours)
-            raise TransferTimeout(f"the vLLM engine did not answer {self.what} within {self.timeout:g} s")
+        if (
+            self._thread.is_alive()
+        ):  # (the thread ends with the engine's answer: it holds nothing of ours)
+            raise TransferTimeout(
+                f"the vLLM engine did not answer {self.what} within {self.timeout:g} s"
+            )
         if self._error is not None:
             raise self._error

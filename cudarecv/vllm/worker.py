@@ -12,8 +12,9 @@ import json
 import logging
 import socket
 import threading
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,53 +41,99 @@ class CudarecvWeightTransferEngine(WeightTransferEngine[CudarecvInitInfo, Cudare
         self._receiver: WeightReceiver | None = None
         self._group: Any = None
         self._store: Any = None
-        self._landed = threading.Condition()  # guards the two below; notified as the taking thread learns more
+        self._landed = (
+            threading.Condition()
+        )  # guards the two below; notified as the taking thread learns more
         self._version = 0  # the last version landed (whole and checked), which update_weights loads
         self._failure: BaseException | None = None  # why the taking thread stopped, if it failed
         self._taking: threading.Thread | None = None
         self._shapes: dict[str, tuple[int, ...]] = {}  # each checkpoint tensor's whole shape
-        self._want: dict[str, tuple[slice, ...]] | None = None  # the slices this worker loads, if it takes slices
+        self._want: dict[str, tuple[slice, ...]] | None = (
+            None  # the slices this worker loads, if it takes slices
+        )
 
     # -- the handshake -------------------------------------------------------------------------------------
     def init_transfer_engine(self, init_info: CudarecvInitInfo) -> None:
         """Join the trainer's group and take its schema, checked against this engine's checkpoint."""
         self.shutdown()  # (a trainer that connects again replaces the last one)
-        workers, index = self.parallel_config.world_size, self.parallel_config.rank  # (one engine: TP x PP workers)
+        workers, index = (
+            self.parallel_config.world_size,
+            self.parallel_config.rank,
+        )  # (one engine: TP x PP workers)
         dtype = self.model_config.dtype
         try:
-            self._store = dist.TCPStore(init_info.host, init_info.port, is_master=False,
-                                        timeout=seconds(init_info.timeout))
+            self._store = dist.TCPStore(
+                init_info.host, init_info.port, is_master=False, timeout=seconds(init_info.timeout)
+            )
             expect = expected_weights(self.model_config.model, dtype)
             if expect is None:
-                log.warning("vLLM worker %d: no local safetensors checkpoint at %r to check the trainer's weights "
-                            "against; taking them as the trainer names them", index, self.model_config.model)
-            self._shapes = {} if expect is None else {k: tuple(t.shape) for k, t in expect.flatten_keys(".").items()}
+                log.warning(
+                    "vLLM worker %d: no local safetensors checkpoint at %r to check the trainer's weights "
+                    "against; taking them as the trainer names them",
+                    index,
+                    self.model_config.model,
+                )
+            self._shapes = (
+                {}
+                if expect is None
+                else {k: tuple(t.shape) for k, t in expect.flatten_keys(".").items()}
+            )
             self._want = self._slices()
-            self._store.set(member_key(init_info.session, index), json.dumps(
-                {"workers": workers, "dtype": str(dtype).removeprefix("torch."), "host": socket.gethostname(),
-                 "sliced": self._want is not None}))
-            self._group = group_of(self._store, init_info.session, index + 1, workers + 1, init_info.timeout)
-            source = 0 if self._want is None else [0]  # (sliced: the trainer sends each worker what it loads)
-            self._receiver = WeightReceiver(group=self._group, group_src=source, device=self.device, expect=expect,
-                                            want=self._want, timeout=init_info.timeout,
-                                            transport=init_info.transport)
+            self._store.set(
+                member_key(init_info.session, index),
+                json.dumps(
+                    {
+                        "workers": workers,
+                        "dtype": str(dtype).removeprefix("torch."),
+                        "host": socket.gethostname(),
+                        "sliced": self._want is not None,
+                    }
+                ),
+            )
+            self._group = group_of(
+                self._store, init_info.session, index + 1, workers + 1, init_info.timeout
+            )
+            source = (
+                0 if self._want is None else [0]
+            )  # (sliced: the trainer sends each worker what it loads)
+            self._receiver = WeightReceiver(
+                group=self._group,
+                group_src=source,
+                device=self.device,
+                expect=expect,
+                want=self._want,
+                timeout=init_info.timeout,
+                transport=init_info.transport,
+            )
         except BaseException:
             self.shutdown()
             raise
         self._version, self._failure = 0, None
-        self._taking = start_thread(self._take_versions, f"cudarecv-vllm-worker-{index}", (self._receiver,))
-        log.info("vLLM worker %d joined the trainer's weight sync (%s)", index, self._receiver.transport)
+        self._taking = start_thread(
+            self._take_versions, f"cudarecv-vllm-worker-{index}", (self._receiver,)
+        )
+        log.info(
+            "vLLM worker %d joined the trainer's weight sync (%s)", index, self._receiver.transport
+        )
 
     def _slices(self) -> dict[str, tuple[slice, ...]] | None:
         """What this worker's loaders read of each checkpoint tensor, if a tensor-parallel worker of a mapped
         architecture with its checkpoint at hand (else None: it receives each tensor whole)."""
         if not self._shapes or self.parallel_config.pipeline_parallel_size != 1:
             return None
-        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+        from vllm.distributed import (
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
+        )
 
         architectures = getattr(self.model_config.hf_config, "architectures", None) or [""]
-        return worker_slices(self.model_config.hf_config, architectures[0], self._shapes,
-                             get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size())
+        return worker_slices(
+            self.model_config.hf_config,
+            architectures[0],
+            self._shapes,
+            get_tensor_model_parallel_rank(),
+            get_tensor_model_parallel_world_size(),
+        )
 
     def _take_versions(self, receiver: WeightReceiver) -> None:
         """The taking thread: every version the trainer pushes, as it comes, until the receiver closes or fails."""
@@ -96,7 +143,9 @@ class CudarecvWeightTransferEngine(WeightTransferEngine[CudarecvInitInfo, Cudare
             except WaitTimeout:
                 continue  # nothing pushed meanwhile: the pull goes on
             except Error as error:
-                if receiver is self._receiver:  # (else: shutdown() or a new trainer closed it under the pull)
+                if (
+                    receiver is self._receiver
+                ):  # (else: shutdown() or a new trainer closed it under the pull)
                     log.warning("vLLM worker: the trainer's versions stopped: %s", error)
                     error.__traceback__ = None  # (its frames would keep this engine)
                     with self._landed:
@@ -122,20 +171,32 @@ class CudarecvWeightTransferEngine(WeightTransferEngine[CudarecvInitInfo, Cudare
         asks once its push returned: it has landed, or the receiver failed and says why)."""
         receiver = self._receiver
         if receiver is None:
-            raise UsageError("the cudarecv weight transfer is not initialized: the trainer calls "
-                             "init_weight_transfer_engine first")
+            raise UsageError(
+                "the cudarecv weight transfer is not initialized: the trainer calls "
+                "init_weight_transfer_engine first"
+            )
         with self._landed:
-            if not self._landed.wait_for(lambda: self._version >= update_info.version or self._failure is not None,
-                                         timeout=receiver.timeout):
-                raise UsageError(f"the trainer announced version {update_info.version}, which did not land within "
-                                 f"{receiver.timeout:g} s (the last landed: {self._version})")
+            if not self._landed.wait_for(
+                lambda: self._version >= update_info.version or self._failure is not None,
+                timeout=receiver.timeout,
+            ):
+                raise UsageError(
+                    f"the trainer announced version {update_info.version}, which did not land within "
+                    f"{receiver.timeout:g} s (the last landed: {self._version})"
+                )
             if self._version != update_info.version:
                 if self._failure is not None:
                     raise UsageError(f"version {update_info.version} did not land: {self._failure}")
-                raise UsageError(f"the trainer announced version {update_info.version}, but version "
-                                 f"{self._version} landed")
+                raise UsageError(
+                    f"the trainer announced version {update_info.version}, but version "
+                    f"{self._version} landed"
+                )
         with receiver.reading() as weights:  # (no pull writes into these buffers while they load)
-            load(self.model, self.model_config, whole_leaves(weights.flatten_keys("."), self._shapes, self._want))
+            load(
+                self.model,
+                self.model_config,
+                whole_leaves(weights.flatten_keys("."), self._shapes, self._want),
+            )
 
     def finish_weight_update(self) -> None:
         """Nothing left: ``receive_weights`` loaded the version whole."""
@@ -154,11 +215,16 @@ class CudarecvWeightTransferEngine(WeightTransferEngine[CudarecvInitInfo, Cudare
             self._group = self._store = None
 
 
-def load(model: torch.nn.Module, model_config: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+def load(
+    model: torch.nn.Module, model_config: Any, weights: Iterable[tuple[str, torch.Tensor]]
+) -> None:
     """Load ``weights`` (checkpoint names and whole tensors) into a served ``model`` with vLLM's layer-wise reload
     (which repacks each layer as loading did)."""
     from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
-    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+    from vllm.model_executor.model_loader.reload import (
+        finalize_layerwise_reload,
+        initialize_layerwise_reload,
+    )
 
     initialize_layerwise_reload(model)
     with disable_mtp_completeness_check():
@@ -177,7 +243,9 @@ def expected_weights(model: str, dtype: torch.dtype) -> TensorDict | None:
     shapes: dict[str, list[int]] = {}
     for file in files:
         with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 - a safetensors handle, not a dict
                 shapes[name] = f.get_slice(name).get_shape()
-    return TensorDict({name: torch.empty(shape, dtype=dtype, device="meta") for name, shape in shapes.items()},
-                      batch_size=[]).unflatten_keys(".")
+    return TensorDict(
+        {name: torch.empty(shape, dtype=dtype, device="meta") for name, shape in shapes.items()},
+        batch_size=[],
+    ).unflatten_keys(".")

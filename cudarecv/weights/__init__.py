@@ -1,2 +1,1 @@
-"""Weight sync: :class:`WeightSender` and :class:`WeightReceiver`, their wire and the relay.
-"""
+"""Weight sync: :class:`WeightSender` and :class:`WeightReceiver`, their wire and the relay."""

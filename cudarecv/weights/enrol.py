@@ -13,14 +13,29 @@ from .session import Member, Session
 from .snapshots import SnapshotPool
 
 
-def enrol(session: Session, pool: SnapshotPool, lanes: list[Any], raw: bytes, session_id: int,
-          idents: list[int] | None = None, pids: list[int] | None = None) -> list[Member]:
+def enrol(
+    session: Session,
+    pool: SnapshotPool,
+    lanes: list[Any],
+    raw: bytes,
+    session_id: int,
+    idents: list[int] | None = None,
+    pids: list[int] | None = None,
+) -> list[Member]:
     """The handshake with the receivers at the ends of ``lanes`` (schema ``raw``): their members, not served
     yet. Receivers that joined through a store have ``idents`` (and ``pids``): the snapshots' descriptors then
     stay open for the next to join; else they are closed once these have mapped them."""
     try:
-        answers = handshake.offer(lanes, raw, session.piece, session.mode, session_id, pool.offer,
-                                  session.shared_kind, session.timeout)
+        answers = handshake.offer(
+            lanes,
+            raw,
+            session.piece,
+            session.mode,
+            session_id,
+            pool.offer,
+            session.shared_kind,
+            session.timeout,
+        )
     finally:
         if not session.elastic:
             pool.close_fds()
@@ -37,15 +52,21 @@ def serve(session: Session, pool: SnapshotPool, members: list[Member]) -> None:
     for member in members:
         member.shared = member.shared and session.fanout != "relay"
         member.alias = member.shared and member.alias and session.shared_kind == SHARED_MEMORY
-    if (session.mode == "sync" and session.shared_kind == SHARED_MEMORY and any(m.shared for m in members)
-            and not pool.populated):
+    if (
+        session.mode == "sync"
+        and session.shared_kind == SHARED_MEMORY
+        and any(m.shared for m in members)
+        and not pool.populated
+    ):
         # the first push would pay for allocating its snapshot's pages (about 0.7 s per GB): here, once; and
         # for the second snapshot, which zero-copy pushes take turns with
-        for segment in pool.segments[:2 if any(m.alias for m in members) else 1]:
+        for segment in pool.segments[: 2 if any(m.alias for m in members) else 1]:
             segment.populate()
         pool.populated = True
     with session.cond:
         session.members.extend(members)
     for member in members:
-        if member.lane.link.backend != "nccl":  # the receiver's asks and BYE (see cudarecv.weights.wire)
+        if (
+            member.lane.link.backend != "nccl"
+        ):  # the receiver's asks and BYE (see cudarecv.weights.wire)
             start_listening(session, pool, member)

@@ -8,7 +8,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ..core.errors import (
     ChecksumError,
@@ -51,8 +52,14 @@ def chain_of(session: Session, live: list[Member]) -> list[Member]:
     return sorted(wire, key=lambda m: (m.host != here, m.host, m.rank))
 
 
-def protocol(session: Session, chain: list[Member], hop: int | None, member: Member, snapshot: Snapshot,
-             limit: float) -> tuple[Any, float]:
+def protocol(
+    session: Session,
+    chain: list[Member],
+    hop: int | None,
+    member: Member,
+    snapshot: Snapshot,
+    limit: float,
+) -> tuple[Any, float]:
     """The protocol that pushes ``snapshot`` to ``member`` (``chain[hop]``, or by the star if ``hop`` is None), and
     how long it may take: ``limit``; in a relay chain, as long as the hop after it waits (so a hop that timed out
     on a stopped one before it has ``limit`` to say so)."""
@@ -74,20 +81,31 @@ def send(session: Session, member: Member, snapshot: Snapshot, limit: float) -> 
         yield from send_from(lane, [wire_bytes(lane, header.pack())], [session.tags.header])
         yield from _confirmed(session, member, header.version, limit)
         return
-    head = yield from send_from(lane, [wire_bytes(lane, snapshot.header.pack())], [session.tags.header], defer=True)
+    head = yield from send_from(
+        lane, [wire_bytes(lane, snapshot.header.pack())], [session.tags.header], defer=True
+    )
     yield from send_from(lane, snapshot.chunks, [session.tags.payload] * len(snapshot.chunks))
     if head:
         yield head
 
 
-def _relayed(session: Session, chain: list[Member], i: int, snapshot: Snapshot, limit: float) -> Any:
+def _relayed(
+    session: Session, chain: list[Member], i: int, snapshot: Snapshot, limit: float
+) -> Any:
     """Relay, to ``chain[i]``: its header (naming its hops); the payload and the trailer to the head of the
     chain only; then the receiver's word that it has the version."""
     member, lane = chain[i], chain[i].lane
-    header = dataclasses.replace(snapshot.header, relayed=True, hop=i, wait_ms=min(math.ceil(hop_limit(limit, i) * 1e3), MAX_WAIT_MS),
-                                 up=lane.link.pg.rank() if i == 0 else chain[i - 1].rank,
-                                 down=chain[i + 1].rank if i + 1 < len(chain) else -1)
-    head = yield from send_from(lane, [wire_bytes(lane, header.pack())], [session.tags.header], defer=True)
+    header = dataclasses.replace(
+        snapshot.header,
+        relayed=True,
+        hop=i,
+        wait_ms=min(math.ceil(hop_limit(limit, i) * 1e3), MAX_WAIT_MS),
+        up=lane.link.pg.rank() if i == 0 else chain[i - 1].rank,
+        down=chain[i + 1].rank if i + 1 < len(chain) else -1,
+    )
+    head = yield from send_from(
+        lane, [wire_bytes(lane, header.pack())], [session.tags.header], defer=True
+    )
     if i == 0:
         payload, trailer = session.tags.relay(header.version)
         yield from send_from(lane, snapshot.chunks, [payload] * len(snapshot.chunks))
@@ -100,8 +118,13 @@ def _relayed(session: Session, chain: list[Member], i: int, snapshot: Snapshot, 
 def _confirmed(session: Session, member: Member, version: int, limit: float) -> Any:
     """Wait for the receiver's word on ``version`` (relay, shared memory): raises if it did not publish it."""
     if member.lane.nccl:  # no listener on NCCL: the word comes here, in order on the pair's stream
-        ask = read_ask((yield from read_bytes(member.lane, ASK_SIZE, session.tags.ask, "acknowledgement",
-                                              out_of_step)))
+        ask = read_ask(
+            (
+                yield from read_bytes(
+                    member.lane, ASK_SIZE, session.tags.ask, "acknowledgement", out_of_step
+                )
+            )
+        )
         if ask.kind != GOT:
             raise out_of_step("the receiver sent no acknowledgement")
         member.got = ask
@@ -117,7 +140,9 @@ class Got:
 
     def _said(self) -> bool:
         m = self.member
-        return m.gone is not None or m.leaving or (m.got is not None and m.got.version >= self.version)
+        return (
+            m.gone is not None or m.leaving or (m.got is not None and m.got.version >= self.version)
+        )
 
     def is_completed(self) -> bool:
         with self.session.cond:
@@ -126,36 +151,59 @@ class Got:
     def wait(self, timeout: Any = None) -> bool:
         m = self.member
         with self.session.cond:
-            if not self.session.cond.wait_for(self._said, timeout=max(self.deadline - time.monotonic(), 0.0)):
+            if not self.session.cond.wait_for(
+                self._said, timeout=max(self.deadline - time.monotonic(), 0.0)
+            ):
                 raise TransferTimeout(f"{m.who} did not confirm version {self.version}")
             gone, got, leaving = m.gone, m.got, m.leaving
         if got is not None and got.version >= self.version:
-            if got.version == self.version and got.status == LOST and m.lane.nccl:  # the communicator broke
-                raise PeerError(f"push of version {self.version}: {m.who} did not get it: rank {got.rank} before "
-                                "it in the relay chain failed during the push, and on NCCL that broke its link")
-            if got.version == self.version and got.status == LOST:  # it stays served: its links are in step
-                raise RelayLost(f"push of version {self.version}: {m.who} did not get it: "
-                                f"{'receiver' if self.session.elastic else 'rank'} {got.rank} before it in the "
-                                "relay chain failed during the push; it keeps its last version, stays served and "
-                                "gets the next through the chain healed")
-            if got.version == self.version and got.status == REJECTED:  # it stays served: its link is in step
+            if (
+                got.version == self.version and got.status == LOST and m.lane.nccl
+            ):  # the communicator broke
+                raise PeerError(
+                    f"push of version {self.version}: {m.who} did not get it: rank {got.rank} before "
+                    "it in the relay chain failed during the push, and on NCCL that broke its link"
+                )
+            if (
+                got.version == self.version and got.status == LOST
+            ):  # it stays served: its links are in step
+                raise RelayLost(
+                    f"push of version {self.version}: {m.who} did not get it: "
+                    f"{'receiver' if self.session.elastic else 'rank'} {got.rank} before it in the "
+                    "relay chain failed during the push; it keeps its last version, stays served and "
+                    "gets the next through the chain healed"
+                )
+            if (
+                got.version == self.version and got.status == REJECTED
+            ):  # it stays served: its link is in step
                 if self.session.verify:
-                    raise ChecksumError(f"push of version {self.version}: {m.who} rejected it: the BLAKE3 "
-                                        "digest of what it received, or its header, did not match what was sent "
-                                        "(corrupted on the way); it keeps its last version and stays served")
-                raise PushHeaderError(f"push of version {self.version}: {m.who} rejected its header; it keeps "
-                                      "its last version and stays served")
+                    raise ChecksumError(
+                        f"push of version {self.version}: {m.who} rejected it: the BLAKE3 "
+                        "digest of what it received, or its header, did not match what was sent "
+                        "(corrupted on the way); it keeps its last version and stays served"
+                    )
+                raise PushHeaderError(
+                    f"push of version {self.version}: {m.who} rejected its header; it keeps "
+                    "its last version and stays served"
+                )
             return True
         if gone is not None and not leaving:
             raise PeerError(gone)
         return True
 
 
-def dropping(session: Session, pool: SnapshotPool, member: Member, version: int, timeout: float,
-             told: bool = True) -> Callable[[BaseException, float], BaseException]:
+def dropping(
+    session: Session,
+    pool: SnapshotPool,
+    member: Member,
+    version: int,
+    timeout: float,
+    told: bool = True,
+) -> Callable[[BaseException, float], BaseException]:
     """The error hook of a transfer of ``version`` to ``member``: name it, and drop it (``told``: the error
     reaches the caller, a push's future; else the next push names it). A receiver that rejected the version
     (its word), or lost it to a failure before it in the relay chain (logged), stays served."""
+
     def dropped(error: BaseException, elapsed: float) -> BaseException:
         if isinstance(error, RelayLost):
             logger.warning("weight sender: %s", error)
@@ -164,10 +212,17 @@ def dropping(session: Session, pool: SnapshotPool, member: Member, version: int,
             return error
         seconds = timeout if isinstance(error, TimeoutError) else elapsed
         if isinstance(error, Error) and not isinstance(error, TimeoutError):
-            failure = error  # it names the rank already (a dead one, or one upstream in a relay chain)
+            failure = (
+                error  # it names the rank already (a dead one, or one upstream in a relay chain)
+            )
         else:
-            failure = link_error(member.lane.link, f"push of version {version}", error, seconds,
-                                 f"did not take version {version}")
+            failure = link_error(
+                member.lane.link,
+                f"push of version {version}",
+                error,
+                seconds,
+                f"did not take version {version}",
+            )
         text = str(failure)
         if "is dropped from this sender" not in text:
             text += f"; {member.who} is dropped from this sender"

@@ -44,16 +44,29 @@ from .wire import (
 )
 
 
-def offer(lanes: list[Lane], raw: bytes, piece: int, mode: str, session: int, shared: bytes, shared_kind: str,
-          timeout: float) -> list[tuple[str, bool, bool]]:
+def offer(
+    lanes: list[Lane],
+    raw: bytes,
+    piece: int,
+    mode: str,
+    session: int,
+    shared: bytes,
+    shared_kind: str,
+    timeout: float,
+) -> list[tuple[str, bool, bool]]:
     """The sender's end: offer the schema ``raw`` (and on gloo links the ``shared`` segments) to every receiver
     at once, then read every answer; return each receiver's host, whether it mapped the segments and whether
     it reads the versions where they lie (zero-copy). Raises :class:`SchemaError` or :class:`ReceiverFailed`
     naming a receiver that refused or could not start."""
+
     def hello(lane: Lane) -> Any:
         extra = shared if lane.link.backend == "gloo" or shared_kind == CUDA_IPC else b""
-        head = yield from send_from(lane, [wire_bytes(lane, preamble(len(raw), piece, mode, session, len(extra)))],
-                                    [TAG_PREAMBLE], defer=True)
+        head = yield from send_from(
+            lane,
+            [wire_bytes(lane, preamble(len(raw), piece, mode, session, len(extra)))],
+            [TAG_PREAMBLE],
+            defer=True,
+        )
         yield from send_bytes(lane, raw, TAG_SCHEMA)
         if extra:
             yield from send_bytes(lane, extra, TAG_SCHEMA)
@@ -61,16 +74,32 @@ def offer(lanes: list[Lane], raw: bytes, piece: int, mode: str, session: int, sh
             yield head
 
     def reply(lane: Lane) -> Any:
-        return (yield from read_bytes(lane, STATUS_SIZE, TAG_STATUS, "handshake answer", SchemaError))
+        return (
+            yield from read_bytes(lane, STATUS_SIZE, TAG_STATUS, "handshake answer", SchemaError)
+        )
 
     def control(protocol: Any, lane: Lane, silent: str, hint: str = "") -> Transfer:
         what = "weight-sync handshake"
-        return Transfer(protocol, lane.stream, on_error=_hinted(naming(lane.link, what, timeout, silent), hint),
-                        timeout=timeout, link=lane.link, raise_first=False, what=f"{what} with rank {lane.link.peer}")
+        return Transfer(
+            protocol,
+            lane.stream,
+            on_error=_hinted(naming(lane.link, what, timeout, silent), hint),
+            timeout=timeout,
+            link=lane.link,
+            raise_first=False,
+            what=f"{what} with rank {lane.link.peer}",
+        )
 
     # a receiver that never takes the schema was most likely never built (or names another sender): say so
-    offers = [(lane, control(hello(lane), lane, "took no schema", _build_hint(lane.link, "WeightReceiver", "src")))
-              for lane in lanes]
+    offers = [
+        (
+            lane,
+            control(
+                hello(lane), lane, "took no schema", _build_hint(lane.link, "WeightReceiver", "src")
+            ),
+        )
+        for lane in lanes
+    ]
     answers = [(lane, control(reply(lane), lane, "sent no answer")) for lane in lanes]
     try:
         for _, transfer in offers + answers:
@@ -102,8 +131,10 @@ def _build_hint(link: Link, other_end: str, argument: str) -> str:
         name, rank = f"group_{argument}", me
     named = f"`{name}={rank}`" if argument == "src" else f"`{name}` including {rank}"
     where = "" if link.registered else " on this group"
-    return (f"it must build a `{other_end}` with {named} (this rank){where} within that time (did it build "
-            f"none, name another rank, or start later than this timeout allows?)")
+    return (
+        f"it must build a `{other_end}` with {named} (this rank){where} within that time (did it build "
+        f"none, name another rank, or start later than this timeout allows?)"
+    )
 
 
 def _hinted(hook: Any, hint: str) -> Any:
@@ -132,7 +163,9 @@ def _answer_lane(link: Link) -> Lane | None:
         return Lane(link)
     if not torch.cuda.is_available():
         return None  # NCCL without CUDA cannot carry an answer: the sender's timeout tells it
-    return lane_for(link, torch.device("cuda", torch.cuda.current_device()), None, streams.StagingPool())
+    return lane_for(
+        link, torch.device("cuda", torch.cuda.current_device()), None, streams.StagingPool()
+    )
 
 
 def refuse(link: Link, timeout: float, failure: BaseException) -> None:
@@ -143,9 +176,16 @@ def refuse(link: Link, timeout: float, failure: BaseException) -> None:
             answer(lane, timeout, None, lambda schema, piece: [], failure=failure)
 
 
-def answer(lane: Lane, timeout: float, expect: Any, allocate: Any, failure: BaseException | None = None,
-               allow: bool = False, device: torch.device | None = None,
-               zero_copy: bool = False) -> tuple[Schema, int, Offer, list[Any], list]:
+def answer(
+    lane: Lane,
+    timeout: float,
+    expect: Any,
+    allocate: Any,
+    failure: BaseException | None = None,
+    allow: bool = False,
+    device: torch.device | None = None,
+    zero_copy: bool = False,
+) -> tuple[Schema, int, Offer, list[Any], list]:
     """Read the sender's offer, check it and allocate; answer the sender either way.
 
     With ``failure`` (this receiver could not start), answer with it and raise it. With ``allow``
@@ -159,26 +199,58 @@ def answer(lane: Lane, timeout: float, expect: Any, allocate: Any, failure: Base
         return max(timeout - (time.monotonic() - started), 1e-3)
 
     def answer(status: int, text: str = "") -> None:
-        run(send_bytes(lane, status_message(status, text), TAG_STATUS), lane, left(), what, "took no answer")
+        run(
+            send_bytes(lane, status_message(status, text), TAG_STATUS),
+            lane,
+            left(),
+            what,
+            "took no answer",
+        )
 
     # a sender that never offers was most likely never built (or sends to other ranks): the timeout says so
-    hook = _hinted(naming(lane.link, what, timeout, "sent nothing"), _build_hint(lane.link, "WeightSender", "dst"))
-    offer = read_preamble(Transfer(read_bytes(lane, PREAMBLE_SIZE, TAG_PREAMBLE, "handshake preamble", SchemaError),
-                                   lane.stream, on_error=hook, timeout=timeout, link=lane.link,
-                                   what=f"{what} with rank {lane.link.peer}").wait())
+    hook = _hinted(
+        naming(lane.link, what, timeout, "sent nothing"),
+        _build_hint(lane.link, "WeightSender", "dst"),
+    )
+    offer = read_preamble(
+        Transfer(
+            read_bytes(lane, PREAMBLE_SIZE, TAG_PREAMBLE, "handshake preamble", SchemaError),
+            lane.stream,
+            on_error=hook,
+            timeout=timeout,
+            link=lane.link,
+            what=f"{what} with rank {lane.link.peer}",
+        ).wait()
+    )
     length, piece = offer.length, offer.piece
     try:
         check_offer(length, piece)
     except SchemaError as error:  # the schema itself cannot be received: refuse at once
         answer(REFUSED if failure is None else FAILED, str(error if failure is None else failure))
         raise
-    raw = run(read_bytes(lane, length, TAG_SCHEMA, "weight schema", SchemaError), lane, left(), what)
+    raw = run(
+        read_bytes(lane, length, TAG_SCHEMA, "weight schema", SchemaError), lane, left(), what
+    )
     shared = b""
-    if 0 < offer.shared <= max(HOST_OFFER.size_of(MAX_SEGMENTS), cuda_ipc.OFFER.size_of(MAX_SEGMENTS)):
-        shared = run(read_bytes(lane, offer.shared, TAG_SCHEMA, "same-host offer", SchemaError), lane, left(), what)
+    if (
+        0
+        < offer.shared
+        <= max(HOST_OFFER.size_of(MAX_SEGMENTS), cuda_ipc.OFFER.size_of(MAX_SEGMENTS))
+    ):
+        shared = run(
+            read_bytes(lane, offer.shared, TAG_SCHEMA, "same-host offer", SchemaError),
+            lane,
+            left(),
+            what,
+        )
     elif offer.shared:
-        answer(REFUSED if failure is None else FAILED, f"a same-host offer of {offer.shared} bytes is out of range")
-        raise SchemaError(f"the handshake announces a same-host offer of {offer.shared} bytes: out of range")
+        answer(
+            REFUSED if failure is None else FAILED,
+            f"a same-host offer of {offer.shared} bytes is out of range",
+        )
+        raise SchemaError(
+            f"the handshake announces a same-host offer of {offer.shared} bytes: out of range"
+        )
     if failure is not None:
         answer(FAILED, f"{type(failure).__name__}: {failure}")
         raise ReceiverFailed(str(failure))
@@ -189,7 +261,9 @@ def answer(lane: Lane, timeout: float, expect: Any, allocate: Any, failure: Base
         if difference:
             raise SchemaError(f"the sender's weights do not match `expect`: {difference}")
     except Exception as error:  # noqa: BLE001 - every reason to refuse goes back to the sender
-        problem = str(error) if isinstance(error, SchemaError) else f"{type(error).__name__}: {error}"
+        problem = (
+            str(error) if isinstance(error, SchemaError) else f"{type(error).__name__}: {error}"
+        )
         answer(REFUSED, problem)
         raise SchemaError(problem) from error
     try:  # allocate before answering, so that the sender learns if it fails
@@ -205,10 +279,18 @@ def answer(lane: Lane, timeout: float, expect: Any, allocate: Any, failure: Base
                 mappings = cuda_ipc.map_offer(shared, schema.total, device)
             else:
                 mappings = map_offer(shared, schema.total)
-            route = "shared zero-copy" if zero_copy and not cuda_ipc.is_device_offer(shared) else "shared"
+            route = (
+                "shared zero-copy"
+                if zero_copy and not cuda_ipc.is_device_offer(shared)
+                else "shared"
+            )
             if any(m.capacity != schema.total for m in mappings):
                 mappings, route = [], "wire: the offered segments do not hold the weights' bytes"
         except Exception as error:  # noqa: BLE001 - whatever stops the mapping (a CUDA error too): the wire
-            route = f"wire: {error}" if isinstance(error, MappingError) else f"wire: {type(error).__name__}: {error}"
+            route = (
+                f"wire: {error}"
+                if isinstance(error, MappingError)
+                else f"wire: {type(error).__name__}: {error}"
+            )
     answer(ACCEPTED, f"{host_id()}\n{route}")
     return schema, piece, offer, slots, mappings

@@ -16,7 +16,18 @@ from ..core.transfer import Transfer
 from ..wire.control import read_bytes
 from ..wire.staging import Lane
 from .link import Unanswered, naming
-from .wire import BYE, CLOSED, FREED, GOT, HEADER_SIZE, PUSH, RELEASED, PushHeader, SessionTags, ask_message
+from .wire import (
+    BYE,
+    CLOSED,
+    FREED,
+    GOT,
+    HEADER_SIZE,
+    PUSH,
+    RELEASED,
+    PushHeader,
+    SessionTags,
+    ask_message,
+)
 
 
 def header_too_long(text: str) -> OutOfStepError:
@@ -28,7 +39,9 @@ class Inbox:
 
     def __init__(self, lane: Lane, tags: SessionTags, driver: Driver) -> None:
         self.lane, self.tags, self.driver = lane, tags, driver
-        self.asks = Unanswered(lane, tags.ask)  # this receiver's words, until the sender shows it took them
+        self.asks = Unanswered(
+            lane, tags.ask
+        )  # this receiver's words, until the sender shows it took them
         self.answered = 0  # the mark of the last GOT: a sync sender's next push shows it took it
         self.sender_closed: str | None = None  # why no version comes any more
         self.released = False  # the sender answered our BYE
@@ -40,17 +53,27 @@ class Inbox:
         """Post the next header receive; its transfer waits as long as the sender likes (a wait still blocked at
         exit is ended by the exit hook, :mod:`cudarecv.core.shutdown`)."""
         lane = self.lane
-        return Transfer(self._next_header(), lane.stream, timeout=math.inf, driver=self.driver.submit,
-                        link=lane.link, raise_first=False,
-                        on_error=naming(lane.link, "weight sync", math.inf, "sent nothing"),
-                        what=f"the next weight-sync header from rank {lane.link.peer}")
+        return Transfer(
+            self._next_header(),
+            lane.stream,
+            timeout=math.inf,
+            driver=self.driver.submit,
+            link=lane.link,
+            raise_first=False,
+            on_error=naming(lane.link, "weight sync", math.inf, "sent nothing"),
+            what=f"the next weight-sync header from rank {lane.link.peer}",
+        )
 
     def _next_header(self) -> Any:
         lane = self.lane  # bound now: close() lets go of it
-        raw = yield from read_bytes(lane, HEADER_SIZE, self.tags.header, "weight-push header", header_too_long)
+        raw = yield from read_bytes(
+            lane, HEADER_SIZE, self.tags.header, "weight-push header", header_too_long
+        )
         header = PushHeader.unpack(raw)
         if header.kind == CLOSED:
-            self.sender_closed = f"the sender (rank {lane.link.peer}) closed after version {header.version}"
+            self.sender_closed = (
+                f"the sender (rank {lane.link.peer}) closed after version {header.version}"
+            )
             if self.claim_bye():
                 self.asks.post(ask_message(BYE))  # its listener ends
         elif header.kind == RELEASED:
@@ -60,8 +83,9 @@ class Inbox:
     def header(self) -> Any:
         """A sub-protocol: the next header (the standing receive's, or one posted now on NCCL)."""
         if self.standing is None:
-            raw = yield from read_bytes(self.lane, HEADER_SIZE, self.tags.header, "weight-push header",
-                                        header_too_long)
+            raw = yield from read_bytes(
+                self.lane, HEADER_SIZE, self.tags.header, "weight-push header", header_too_long
+            )
             return PushHeader.unpack(raw)
         standing = self.standing
         yield [standing.ended()]

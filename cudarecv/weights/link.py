@@ -10,9 +10,17 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from ..core.errors import ArgumentError, LinkError, MismatchError, OutOfStepError, PeerError, TransferTimeout
+from ..core.errors import (
+    ArgumentError,
+    LinkError,
+    MismatchError,
+    OutOfStepError,
+    PeerError,
+    TransferTimeout,
+)
 from ..core.link import Link, as_rank, peer_failure
 from ..core.transfer import Transfer
 from ..wire.control import wire_bytes
@@ -31,32 +39,49 @@ def check_peers(value: Any, name: str) -> list[int] | None:
     return peers
 
 
-def link_error(link: Link, what: str, error: BaseException, seconds: float, silent: str) -> LinkError:
+def link_error(
+    link: Link, what: str, error: BaseException, seconds: float, silent: str
+) -> LinkError:
     """``error`` on the link to ``link.peer`` as a :class:`TransferTimeout` or :class:`PeerError` naming the peer.
 
     ``seconds``: the time that ran out (a timeout) or that had passed (a failure);
     ``silent`` says what the peer did not do, e.g. ``"sent nothing"``.
     """
     if isinstance(error, TimeoutError):
-        return TransferTimeout(f"{what}: rank {link.peer} of the group {silent} within {seconds:g} s")
-    return PeerError(f"{what}: the link to rank {link.peer} of the group failed after {seconds:.3g} s "
-                     f"(did its process die?): {peer_failure(error)}")
+        return TransferTimeout(
+            f"{what}: rank {link.peer} of the group {silent} within {seconds:g} s"
+        )
+    return PeerError(
+        f"{what}: the link to rank {link.peer} of the group failed after {seconds:.3g} s "
+        f"(did its process die?): {peer_failure(error)}"
+    )
 
 
-def naming(link: Link, what: str, timeout: float, silent: str) -> Callable[[BaseException, float], BaseException]:
+def naming(
+    link: Link, what: str, timeout: float, silent: str
+) -> Callable[[BaseException, float], BaseException]:
     """An error hook that names the peer (ours: a mismatch or a lie, stays as it is)."""
+
     def named(error: BaseException, elapsed: float) -> BaseException:
         if isinstance(error, (MismatchError, OutOfStepError)):
             return error
-        return link_error(link, what, error, timeout if isinstance(error, TimeoutError) else elapsed, silent)
+        return link_error(
+            link, what, error, timeout if isinstance(error, TimeoutError) else elapsed, silent
+        )
 
     return named
 
 
 def run(protocol: Any, lane: Lane, timeout: float, what: str, silent: str = "sent nothing") -> Any:
     """Drive a control-message protocol to its end within ``timeout`` seconds."""
-    return Transfer(protocol, lane.stream, on_error=naming(lane.link, what, timeout, silent), timeout=timeout,
-                    link=lane.link, what=f"{what} with rank {lane.link.peer}").wait()
+    return Transfer(
+        protocol,
+        lane.stream,
+        on_error=naming(lane.link, what, timeout, silent),
+        timeout=timeout,
+        link=lane.link,
+        what=f"{what} with rank {lane.link.peer}",
+    ).wait()
 
 
 def send_bytes(lane: Lane, data: bytes, tag: int) -> Any:
@@ -86,16 +111,22 @@ class Unanswered:
         self._lane: Lane | None = lane
         self._tag = tag
         self._lock = threading.Lock()
-        self._posted: list[tuple[int, tuple[Any, ...]]] = []  # (sequence number, works), oldest first
+        self._posted: list[
+            tuple[int, tuple[Any, ...]]
+        ] = []  # (sequence number, works), oldest first
         self._count = 0
-        self._leave = weakref.finalize(self, _leave, self._posted, weakref.ref(lane.link.pg))  # also if never closed
+        self._leave = weakref.finalize(
+            self, _leave, self._posted, weakref.ref(lane.link.pg)
+        )  # also if never closed
 
     def post(self, data: bytes) -> int:
         """Post ``data`` and return its sequence number (a mark for :meth:`taken`); nothing once forgotten."""
         with self._lock:  # posted under the lock: the numbers follow the order gloo matches them in
             if self._lane is None:
                 return self._count
-            protocol = send_from(self._lane, [wire_bytes(self._lane, data)], [self._tag], defer=True)
+            protocol = send_from(
+                self._lane, [wire_bytes(self._lane, data)], [self._tag], defer=True
+            )
             try:
                 next(protocol)
                 works: tuple[Any, ...] = ()

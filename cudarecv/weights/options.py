@@ -18,14 +18,19 @@ def check_mode(mode: object, buffers: object = None, fanout: object = "auto") ->
     """``mode``, ``buffers`` (latest mode's snapshots) and ``fanout`` go together, else an ArgumentError."""
     if not isinstance(mode, str) or mode not in MODES:
         raise ArgumentError(f"`mode` must be one of {MODES}, got {mode!r}")
-    if buffers is not None and (mode != "latest" or isinstance(buffers, bool) or not isinstance(buffers, int)
-                                or buffers < 2):
-        raise ArgumentError(f"`buffers` is for mode='latest', an int >= 2; got {buffers!r} with mode={mode!r}")
+    if buffers is not None and (
+        mode != "latest" or isinstance(buffers, bool) or not isinstance(buffers, int) or buffers < 2
+    ):
+        raise ArgumentError(
+            f"`buffers` is for mode='latest', an int >= 2; got {buffers!r} with mode={mode!r}"
+        )
     if not isinstance(fanout, str) or fanout not in FANOUTS:
         raise ArgumentError(f"`fanout` must be one of {FANOUTS}, got {fanout!r}")
     if fanout == "relay" and mode != "sync":
-        raise ArgumentError("fanout='relay' is for mode='sync': in 'latest' mode each receiver pulls at its own "
-                            "pace, and a chain would make each wait for the one before it; use fanout='star'")
+        raise ArgumentError(
+            "fanout='relay' is for mode='sync': in 'latest' mode each receiver pulls at its own "
+            "pace, and a chain would make each wait for the one before it; use fanout='star'"
+        )
 
 
 def check_flag(value: object, name: str) -> bool:
@@ -58,25 +63,36 @@ def check_options(**options: Any) -> dict[str, Any]:
         elif name in ("verify", "zero_copy"):
             out[name] = check_flag(value, name)
         elif name not in ("mode", "buffers", "fanout"):
-            raise ArgumentError(f"`{name}` is no weight-sync option (timeouts, bucket_bytes, transport, mode, "
-                                "buffers, fanout, verify, zero_copy)")
+            raise ArgumentError(
+                f"`{name}` is no weight-sync option (timeouts, bucket_bytes, transport, mode, "
+                "buffers, fanout, verify, zero_copy)"
+            )
     if {"mode", "buffers", "fanout"} & set(options):
-        check_mode(options.get("mode", "sync"), options.get("buffers"), options.get("fanout", "auto"))
+        check_mode(
+            options.get("mode", "sync"), options.get("buffers"), options.get("fanout", "auto")
+        )
         out.update({k: options[k] for k in ("mode", "buffers", "fanout") if k in options})
     return out
 
 
-def check_receiver(timeout: object, transport: object, zero_copy: object, device: Any,
-                   pin_memory: bool) -> tuple[float, torch.device]:
+def check_receiver(
+    timeout: object, transport: object, zero_copy: object, device: Any, pin_memory: bool
+) -> tuple[float, torch.device]:
     """A weight receiver's options checked together: its timeout, and its device with an index (threads use it)."""
     timeout = check_options(timeout=timeout, transport=transport, zero_copy=zero_copy)["timeout"]
     if zero_copy and pin_memory:
-        raise ArgumentError("`zero_copy=True` publishes the sender's shared snapshots, which are not "
-                            "page-locked: drop `pin_memory=True` or `zero_copy`")
+        raise ArgumentError(
+            "`zero_copy=True` publishes the sender's shared snapshots, which are not "
+            "page-locked: drop `pin_memory=True` or `zero_copy`"
+        )
     try:
         device = streams.explicit(device if device is not None else "cpu")
     except (RuntimeError, TypeError) as error:
-        raise ArgumentError(f"`device` must name a device (\"cpu\", \"cuda:0\"), got {device!r}: {error}") from None
+        raise ArgumentError(
+            f'`device` must name a device ("cpu", "cuda:0"), got {device!r}: {error}'
+        ) from None
     if pin_memory and device.type != "cpu":
-        raise ArgumentError(f"`pin_memory=True` is for host memory, but `device` is {device}: drop one")
+        raise ArgumentError(
+            f"`pin_memory=True` is for host memory, but `device` is {device}: drop one"
+        )
     return timeout, device

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -44,10 +45,34 @@ from .wire import ASK, CLOSED, GOT, LANDED, LOST, REJECTED, RELEASED, PushHeader
 class Puller:
     """What one receiver's pulls share: its schema, lane, slots, shared snapshots, relay part and inbox."""
 
-    def __init__(self, schema: Schema, piece: int, mode: str, lane: Lane, device: torch.device, slots: Slots,
-                 mappings: list[Any], zero_copy: bool, hop: Hop, inbox: Inbox, driver: Driver) -> None:
-        self.schema, self.piece, self.mode, self.lane, self.device = schema, piece, mode, lane, device
-        self.slots, self.mappings, self.zero_copy, self.hop, self.inbox = slots, mappings, zero_copy, hop, inbox
+    def __init__(
+        self,
+        schema: Schema,
+        piece: int,
+        mode: str,
+        lane: Lane,
+        device: torch.device,
+        slots: Slots,
+        mappings: list[Any],
+        zero_copy: bool,
+        hop: Hop,
+        inbox: Inbox,
+        driver: Driver,
+    ) -> None:
+        self.schema, self.piece, self.mode, self.lane, self.device = (
+            schema,
+            piece,
+            mode,
+            lane,
+            device,
+        )
+        self.slots, self.mappings, self.zero_copy, self.hop, self.inbox = (
+            slots,
+            mappings,
+            zero_copy,
+            hop,
+            inbox,
+        )
         self.driver = driver
         self.version = 0
         self.broken: str | None = None  # why this receiver takes no more pulls
@@ -61,26 +86,41 @@ class Puller:
         sender has none newer (never with ``zero_copy``: that version is held where it lies in the sender's
         snapshot)."""
         if floor is not None and floor < self.version and self.zero_copy:
-            raise UsageError(f"a zero-copy receiver holds version {self.version} in the sender's snapshot: it "
-                             f"cannot take it again (asked past {floor})")
+            raise UsageError(
+                f"a zero-copy receiver holds version {self.version} in the sender's snapshot: it "
+                f"cannot take it again (asked past {floor})"
+            )
         if self.inbox.sender_closed:
-            raise SenderClosed(f"{self.inbox.sender_closed}; version {self.version} stays readable in receiver.td")
+            raise SenderClosed(
+                f"{self.inbox.sender_closed}; version {self.version} stays readable in receiver.td"
+            )
         index = self.slots.spare()
         forward = self.hop.forward_of(index)
         if forward is not None:  # relay: the forward of an earlier version may still read this slot
             with contextlib.suppress(Exception):
                 forward.wait()  # bounded by its own timeout
-            if forward.failed:  # a parked send may read it for as long as it likes: never write it again
+            if (
+                forward.failed
+            ):  # a parked send may read it for as long as it likes: never write it again
                 self.slots.renew(index, self.schema, self.piece, self.device)
         slot = self.slots.wait_unread(index, limit)
         if self.lane.stream is not None:
             streams.follow_caller(self.lane.stream)
         link = self.lane.link
-        return Transfer(self._pull(slot, index, limit, floor), self.lane.stream, timeout=math.inf,
-                        driver=self.driver.submit, on_error=self._failing(limit, link, index), link=link,
-                        raise_first=False, what=f"pull of a version newer than {self.version} from rank {link.peer}")
+        return Transfer(
+            self._pull(slot, index, limit, floor),
+            self.lane.stream,
+            timeout=math.inf,
+            driver=self.driver.submit,
+            on_error=self._failing(limit, link, index),
+            link=link,
+            raise_first=False,
+            what=f"pull of a version newer than {self.version} from rank {link.peer}",
+        )
 
-    def _failing(self, timeout: float, link: Link, index: int) -> Callable[[BaseException, float], BaseException]:
+    def _failing(
+        self, timeout: float, link: Link, index: int
+    ) -> Callable[[BaseException, float], BaseException]:
         def failed(error: BaseException, elapsed: float) -> BaseException:
             relaying = self.hop.broken()  # (the hops after this one hear who failed)
             if relaying is not None:
@@ -89,24 +129,32 @@ class Puller:
                     # a hop before this one failed, not its own link: the sender hears who (on NCCL, where it
                     # reads the word in turn, it then drops this receiver: the communicator broke)
                     with contextlib.suppress(Exception):
-                        self.inbox.asks.post(ask_message(GOT, relaying.version, LOST, relaying.lost))
+                        self.inbox.asks.post(
+                            ask_message(GOT, relaying.version, LOST, relaying.lost)
+                        )
                 if lost is not None:
                     return lost
             if isinstance(error, Error) and error.link_usable and not isinstance(error, RelayLost):
-                return error  # drained, the link in step (or the sender closed): the next pull is told
+                return (
+                    error  # drained, the link in step (or the sender closed): the next pull is told
+                )
             if isinstance(error, OutOfStepError):
                 self.broken = str(error)
                 return error
             seconds = timeout if isinstance(error, TimeoutError) else elapsed
-            if isinstance(error, RelayLost):  # (NCCL: the communicator broke with the hop that failed)
-                replaced: BaseException = PeerError(f"{error}; on NCCL the communicator broke with it: this "
-                                                    "receiver is broken")
+            if isinstance(
+                error, RelayLost
+            ):  # (NCCL: the communicator broke with the hop that failed)
+                replaced: BaseException = PeerError(
+                    f"{error}; on NCCL the communicator broke with it: this receiver is broken"
+                )
             elif isinstance(error, Error) and not isinstance(error, TimeoutError):
                 replaced = error
             else:
                 replaced = link_error(link, "pull", error, seconds, "sent no complete version")
             self.broken = str(replaced)
             return replaced
+
         return failed
 
     def _lost(self, error: BaseException, relaying: Any, index: int) -> RelayLost | None:
@@ -118,16 +166,20 @@ class Puller:
         hop whose link broke is let go of (it died, or left)."""
         if relaying.up == self.hop.sender or self.lane.nccl or isinstance(error, OutOfStepError):
             return None
-        if isinstance(error, RelayLost):  # (the hop before said so in its trailer: everything arrived)
+        if isinstance(
+            error, RelayLost
+        ):  # (the hop before said so in its trailer: everything arrived)
             return error
         if not isinstance(error, Error) or (isinstance(error, TimeoutError) and relaying.overdue()):
             return None
         self.slots.renew(index, self.schema, self.piece, self.device)
         if isinstance(error, PeerError):
             self.hop.forget(relaying.up)
-        lost = RelayLost(f"pull of version {relaying.version}: the link to rank {relaying.up}, the hop before this "
-                         f"receiver in the relay chain, failed during the push ({error}); version {self.version} "
-                         "stays published, and the next version comes through the chain healed")
+        lost = RelayLost(
+            f"pull of version {relaying.version}: the link to rank {relaying.up}, the hop before this "
+            f"receiver in the relay chain, failed during the push ({error}); version {self.version} "
+            "stays published, and the next version comes through the chain healed"
+        )
         lost.__cause__ = error
         return lost
 
@@ -138,13 +190,16 @@ class Puller:
         # listener reads them in order), in sync mode those up to our last GOT (its push waited for it)
         mark = inbox.asks.mark() if self.mode == "latest" else inbox.answered
         if self.mode == "latest":  # ask for a version newer than ours (or than the floor)
-            sent = yield from send_from(lane, [wire_bytes(lane, ask_message(ASK, asked))], [inbox.tags.ask],
-                                        defer=True)
+            sent = yield from send_from(
+                lane, [wire_bytes(lane, ask_message(ASK, asked))], [inbox.tags.ask], defer=True
+            )
             if sent:
                 yield sent
         header = yield from inbox.header()
         if header.kind == CLOSED:
-            raise SenderClosed(f"{inbox.sender_closed}; version {self.version} stays readable in receiver.td")
+            raise SenderClosed(
+                f"{inbox.sender_closed}; version {self.version} stays readable in receiver.td"
+            )
         if header.kind == RELEASED:
             raise UsageError("this WeightReceiver closed while the pull waited")
         taken = inbox.asks.taken(mark)
@@ -156,35 +211,55 @@ class Puller:
         if (header.total, header.piece) != (total, piece):  # never sized from the header
             raise OutOfStepError(
                 f"a push of {header.total} bytes in {header.piece}-byte messages does not match the handshake "
-                f"({total} bytes in {piece}-byte messages): not drained, the link is out of step")
+                f"({total} bytes in {piece}-byte messages): not drained, the link is out of step"
+            )
         problem = None
         if header.fingerprint != self.schema.fingerprint:
-            problem = (f"a push with fingerprint {header.fingerprint.hex()} does not match the handshake "
-                       f"({self.schema.fingerprint.hex()})")
-        elif header.version <= asked or header.version < self.version:  # (asked below it: the held one is taken)
-            problem = (f"version {header.version} is not newer than the current {self.version}" if floor is None else
-                       f"version {header.version} is not newer than {asked}, asked for, or older than the current "
-                       f"{self.version}")
+            problem = (
+                f"a push with fingerprint {header.fingerprint.hex()} does not match the handshake "
+                f"({self.schema.fingerprint.hex()})"
+            )
+        elif (
+            header.version <= asked or header.version < self.version
+        ):  # (asked below it: the held one is taken)
+            problem = (
+                f"version {header.version} is not newer than the current {self.version}"
+                if floor is None
+                else f"version {header.version} is not newer than {asked}, asked for, or older than the current "
+                f"{self.version}"
+            )
         if header.shared:
             slot = yield from self._take_shared(header, slot, problem)
         elif header.relayed:
-            yield from self.hop.receive(header, slot, index, self.version)  # forwarded, published or not
+            yield from self.hop.receive(
+                header, slot, index, self.version
+            )  # forwarded, published or not
         elif problem:
             yield from drain(lane, self.schema.message_sizes(piece), inbox.tags.payload)
         else:
             yield from recv_into(lane, slot.pieces, [inbox.tags.payload] * len(slot.pieces))
         if problem:
             inbox.tell(header, REJECTED)
-            raise PushHeaderError(f"{problem}: rejected and drained; version {self.version} stays published")
+            raise PushHeaderError(
+                f"{problem}: rejected and drained; version {self.version} stays published"
+            )
         if lane.stream is not None:
-            yield [streams.EventWork(streams.record(lane.stream))]  # verify and publish landed bytes only
+            yield [
+                streams.EventWork(streams.record(lane.stream))
+            ]  # verify and publish landed bytes only
         if header.verify:
-            with torch.cuda.stream(lane.stream) if lane.stream is not None else contextlib.nullcontext():
+            with (
+                torch.cuda.stream(lane.stream)
+                if lane.stream is not None
+                else contextlib.nullcontext()
+            ):
                 got = slot.digest()
             if got != header.checksum:
                 inbox.tell(header, REJECTED)
-                raise ChecksumError(f"version {header.version} arrived corrupted (BLAKE3 {got.hex()} != "
-                                    f"{header.checksum.hex()}): rejected; version {self.version} stays published")
+                raise ChecksumError(
+                    f"version {header.version} arrived corrupted (BLAKE3 {got.hex()} != "
+                    f"{header.checksum.hex()}): rejected; version {self.version} stays published"
+                )
         self.slots.publish(slot, header.version)
         self.version = header.version
         inbox.tell(header, LANDED)
@@ -197,11 +272,15 @@ class Puller:
         version overtook the copy, or overwrote the snapshot (the stamps of :mod:`cudarecv.samehost.shared_memory`)."""
         lane, total = self.lane, self.schema.total
         if not 0 <= header.segment < len(self.mappings):
-            raise OutOfStepError(f"a push names shared segment {header.segment}, but the handshake mapped "
-                                 f"{len(self.mappings)}: the link is out of step")
+            raise OutOfStepError(
+                f"a push names shared segment {header.segment}, but the handshake mapped "
+                f"{len(self.mappings)}: the link is out of step"
+            )
         if problem is not None:
             return slot
-        mapping = self.mappings[header.segment]  # (its capacity is the schema's total: checked at the handshake)
+        mapping = self.mappings[
+            header.segment
+        ]  # (its capacity is the schema's total: checked at the handshake)
         if isinstance(mapping, cuda_ipc.DeviceMapping):
             mapping.before_read(lane.stream)
             with lane.on_stream():
@@ -211,16 +290,22 @@ class Puller:
             alias = self.slots.aliases[header.segment]
             with self.slots.cond:
                 if alias.version is not None or alias.readers:
-                    raise OutOfStepError(f"a push of version {header.version} names shared segment "
-                                         f"{header.segment}, which this zero-copy receiver still holds (version "
-                                         f"{alias.version}): the link is out of step")
+                    raise OutOfStepError(
+                        f"a push of version {header.version} names shared segment "
+                        f"{header.segment}, which this zero-copy receiver still holds (version "
+                        f"{alias.version}): the link is out of step"
+                    )
             if not mapping.written() == mapping.writing() == header.version:
-                raise TransferTimeout(f"the sender's shared snapshot does not hold version {header.version} "
-                                      f"whole (the sender stopped waiting for this receiver: it was too slow); "
-                                      f"version {self.version} stays published")
+                raise TransferTimeout(
+                    f"the sender's shared snapshot does not hold version {header.version} "
+                    f"whole (the sender stopped waiting for this receiver: it was too slow); "
+                    f"version {self.version} stays published"
+                )
             return alias
         written = mapping.written()
-        if lane.stream is None:  # one thread's memcpy (placed: one per message): actors share the trainer's cores
+        if (
+            lane.stream is None
+        ):  # one thread's memcpy (placed: one per message): actors share the trainer's cores
             slot.fill(mapping.data[:total])
         else:
             with lane.on_stream():
@@ -230,5 +315,6 @@ class Puller:
             raise TransferTimeout(
                 f"version {header.version} was overwritten in the sender's shared snapshot before this receiver "
                 f"had copied it (the sender stopped waiting for this receiver: it was too slow); version "
-                f"{self.version} stays published")
+                f"{self.version} stays published"
+            )
         return slot

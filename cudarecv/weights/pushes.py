@@ -51,33 +51,59 @@ class Pushes:
 class SyncPushes(Pushes):
     """Sync mode: every receiver gets every version (see the module docstring)."""
 
-    def push(self, plan: Any, live: list[Member], limit: float, wait: bool, stream: Any) -> int | list[Transfer]:
+    def push(
+        self, plan: Any, live: list[Member], limit: float, wait: bool, stream: Any
+    ) -> int | list[Transfer]:
         session, pool = self.session, self.pool
         target = pool.sync_target(limit)
         pool.copy_in(plan, target, stream)
         version, pushes = session.version, []
-        with session.cond:  # (a receiver's BYE, and its RELEASED queued after what is in flight, wait for this)
-            live = [m for m in live if m.served]  # one that said BYE meanwhile may be released already: skip it
+        with (
+            session.cond
+        ):  # (a receiver's BYE, and its RELEASED queued after what is in flight, wait for this)
+            live = [
+                m for m in live if m.served
+            ]  # one that said BYE meanwhile may be released already: skip it
             chain = chain_of(session, live)
             session.chain = [m.rank for m in chain]
             hops = {id(m): i for i, m in enumerate(chain)}
             for member in live:
-                sending, seconds = protocol(session, chain, hops.get(id(member)), member, target, limit)
+                sending, seconds = protocol(
+                    session, chain, hops.get(id(member)), member, target, limit
+                )
                 member.sending = Transfer(
-                    sending, member.lane.stream, timeout=seconds,
-                    driver=member.driver.submit, link=member.lane.link, raise_first=False,
+                    sending,
+                    member.lane.stream,
+                    timeout=seconds,
+                    driver=member.driver.submit,
+                    link=member.lane.link,
+                    raise_first=False,
                     on_error=dropping(session, pool, member, version, limit),
-                    what=f"push of version {version} to {member.who}")
+                    what=f"push of version {version} to {member.who}",
+                )
                 pushes.append((member, member.sending))
-            for member in [] if session.elastic else self.untold(live):  # dropped since the last push: named here
+            for member in (
+                [] if session.elastic else self.untold(live)
+            ):  # dropped since the last push: named here
                 error = PeerError(f"push of version {version}: {member.gone}")
-                pushes.append((member, Transfer(_failing(error), raise_first=False,
-                                                what=f"push of version {version} to {member.who}")))
-        if not wait:  # each is driven on its receiver's thread from the start: none waits for another
+                pushes.append(
+                    (
+                        member,
+                        Transfer(
+                            _failing(error),
+                            raise_first=False,
+                            what=f"push of version {version} to {member.who}",
+                        ),
+                    )
+                )
+        if (
+            not wait
+        ):  # each is driven on its receiver's thread from the start: none waits for another
             self._in_flight = pushes
             return [transfer for _, transfer in pushes]
         _finish(pushes, version, session.elastic)
         return version
+
 
 class LatestPushes(Pushes):
     """Latest mode: the newest version is published; each receiver takes it when it asks."""
@@ -96,8 +122,10 @@ class LatestPushes(Pushes):
                 serve(session, pool, member)
         untold = [] if session.elastic else self.untold(live)
         if untold:
-            raise PeerError(f"version {session.version} is published to ranks {session.ranks()}; "
-                            + "; ".join(f"{m.who}: {m.gone}" for m in untold))
+            raise PeerError(
+                f"version {session.version} is published to ranks {session.ranks()}; "
+                + "; ".join(f"{m.who}: {m.gone}" for m in untold)
+            )
         return session.version
 
 
@@ -114,7 +142,9 @@ def _finish(pushes: list[tuple[Member, Transfer]], version: int, elastic: bool) 
                 errors.append(error)
     if errors:
         reached = [m.rank for m, t in pushes if not t.failed]
-        raise type(errors[0])(f"{errors[0]} (version {version} reached ranks {reached})") from errors[0]
+        raise type(errors[0])(
+            f"{errors[0]} (version {version} reached ranks {reached})"
+        ) from errors[0]
 
 
 def _failing(error: BaseException) -> Any:

@@ -29,7 +29,8 @@ import contextlib
 import math
 import threading
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from tensordict import TensorDict
@@ -89,14 +90,36 @@ class WeightReceiver:
         >>> receiver.load_into(policy)   # or read receiver.td
     """
 
-    def __new__(cls, src: Any = None, *args: Any, group_src: Any = None, expect: Any = None, want: Any = None,
-                **kwargs: Any) -> Any:
-        return super().__new__(_kind(src, group_src, expect, want, kwargs.get("store")) if cls is WeightReceiver
-                               else cls)
+    def __new__(
+        cls,
+        src: Any = None,
+        *args: Any,
+        group_src: Any = None,
+        expect: Any = None,
+        want: Any = None,
+        **kwargs: Any,
+    ) -> Any:
+        return super().__new__(
+            _kind(src, group_src, expect, want, kwargs.get("store"))
+            if cls is WeightReceiver
+            else cls
+        )
 
-    def __init__(self, src: int | None = None, *, group: Any = None, group_src: int | None = None,
-                 device: Any = None, pin_memory: bool = False, expect: Any = None, timeout: float = 60.0,
-                 stream: Any = None, transport: str = "auto", zero_copy: bool = False, want: Any = None) -> None:
+    def __init__(
+        self,
+        src: int | None = None,
+        *,
+        group: Any = None,
+        group_src: int | None = None,
+        device: Any = None,
+        pin_memory: bool = False,
+        expect: Any = None,
+        timeout: float = 60.0,
+        stream: Any = None,
+        transport: str = "auto",
+        zero_copy: bool = False,
+        want: Any = None,
+    ) -> None:
         self.timeout = 60.0  # until checked: the time given to answer the sender
         try:
             self.timeout, device = check_receiver(timeout, transport, zero_copy, device, pin_memory)
@@ -104,7 +127,9 @@ class WeightReceiver:
         except Exception as error:  # noqa: BLE001 - raised below, after the sender is told
             problem = error
         try:
-            link = resolve(src, group_src, group, "src", "group_src")  # before this, nobody to answer
+            link = resolve(
+                src, group_src, group, "src", "group_src"
+            )  # before this, nobody to answer
         except Exception:
             if problem is not None:
                 raise problem from None
@@ -117,16 +142,28 @@ class WeightReceiver:
             handshake.refuse(link, self.timeout, error)
             raise
         self.schema, piece, offer, own, mappings = handshake.answer(
-            lane, self.timeout, expect, lambda schema, piece: self._own_slots(schema, piece, device, pin_memory),
-            allow=allowed(transport), device=device, zero_copy=zero_copy and device.type == "cpu")
+            lane,
+            self.timeout,
+            expect,
+            lambda schema, piece: self._own_slots(schema, piece, device, pin_memory),
+            allow=allowed(transport),
+            device=device,
+            zero_copy=zero_copy and device.type == "cpu",
+        )
         #: what carries the versions: ``"shared memory"`` (the sender's snapshots, mapped read-only: this
         #: receiver is on the sender's machine), ``"cuda ipc"`` (its GPU snapshots, opened once) or ``"wire"``
-        self.transport = WIRE if not mappings else (
-            CUDA_IPC if isinstance(mappings[0], cuda_ipc.DeviceMapping) else SHARED_MEMORY)
+        self.transport = (
+            WIRE
+            if not mappings
+            else (CUDA_IPC if isinstance(mappings[0], cuda_ipc.DeviceMapping) else SHARED_MEMORY)
+        )
         #: whether versions are published where they lie in the sender's shared snapshots (no copy; see ``zero_copy``)
         self.zero_copy = zero_copy and self.transport == SHARED_MEMORY and device.type == "cpu"
-        aliases = [Slot(self.schema, piece, device, False, m.data[:self.schema.total])
-                   for m in mappings] if self.zero_copy else []
+        aliases = (
+            [Slot(self.schema, piece, device, False, m.data[: self.schema.total]) for m in mappings]
+            if self.zero_copy
+            else []
+        )
         #: the sender's mode, learnt in the handshake: ``"sync"`` or ``"latest"``
         self.mode = offer.mode
         tags = SessionTags.of(offer.session)
@@ -134,23 +171,45 @@ class WeightReceiver:
         self._closed = False
         self._pending: Transfer | None = None  # the pull under way (one at a time)
         self._pulling = False  # a thread's pull is under way: another's waits for its turn
-        self._driver = Driver(f"cudarecv-pull-{link.peer}")  # drives every receive (the caller keeps the time)
+        self._driver = Driver(
+            f"cudarecv-pull-{link.peer}"
+        )  # drives every receive (the caller keeps the time)
         self._inbox = Inbox(lane, tags, self._driver)
         self._slots = Slots(own, aliases, self._cond, self._inbox.freed)
         self._hop = Hop(lane, tags, device)
-        self._puller = Puller(self.schema, piece, self.mode, lane, device, self._slots, mappings, self.zero_copy,
-                              self._hop, self._inbox, self._driver)
+        self._puller = Puller(
+            self.schema,
+            piece,
+            self.mode,
+            lane,
+            device,
+            self._slots,
+            mappings,
+            self.zero_copy,
+            self._hop,
+            self._inbox,
+            self._driver,
+        )
 
-    def _own_slots(self, schema: Any, piece: int, device: torch.device, pin_memory: bool) -> list[Slot]:
+    def _own_slots(
+        self, schema: Any, piece: int, device: torch.device, pin_memory: bool
+    ) -> list[Slot]:
         """The two storages of this receiver's own that pulls land in."""
         return [Slot(schema, piece, device, pin_memory) for _ in range(2)]
 
     # -- reading -----------------------------------------------------------------------------------------
-    version = property(lambda self: self._puller.version, doc="The version published (0: none yet).")
+    version = property(
+        lambda self: self._puller.version, doc="The version published (0: none yet)."
+    )
 
-    arriving = property(lambda self: self._pending is not None and not self._pending.settled
-                        and self._pending.timeout != math.inf,
-                        doc="Whether a pull is under way and its version has begun to arrive (its own clock runs).")
+    arriving = property(
+        lambda self: (
+            self._pending is not None
+            and not self._pending.settled
+            and self._pending.timeout != math.inf
+        ),
+        doc="Whether a pull is under way and its version has begun to arrive (its own clock runs).",
+    )
 
     @property
     def buffer_count(self) -> int:
@@ -216,10 +275,14 @@ class WeightReceiver:
         timeout bounds it); ``close()`` ends the wait at once."""
         with self._cond:
             if not self._cond.wait_for(lambda: self._closed or not self._pulling, timeout=limit):
-                raise WaitTimeout(f"another thread's pull held this WeightReceiver for {limit:g} s (pulls from "
-                                  "several threads take turns)")
+                raise WaitTimeout(
+                    f"another thread's pull held this WeightReceiver for {limit:g} s (pulls from "
+                    "several threads take turns)"
+                )
             if self._closed:
-                raise UsageError("this WeightReceiver closed while a pull waited for another thread's pull")
+                raise UsageError(
+                    "this WeightReceiver closed while a pull waited for another thread's pull"
+                )
             self._pulling = True
         try:
             yield
@@ -231,9 +294,13 @@ class WeightReceiver:
     def _pull_in_turn(self, wait: bool, limit: float) -> int | Transfer:
         """:meth:`pull`, in this thread's turn."""
         if self._puller.broken:
-            raise BrokenError(f"this WeightReceiver is broken ({self._puller.broken}): close it and connect a new one")
+            raise BrokenError(
+                f"this WeightReceiver is broken ({self._puller.broken}): close it and connect a new one"
+            )
         transfer = self._pending
-        if transfer is None or transfer.settled:  # else: a pull under way (wait=False, or a wait that ran out)
+        if (
+            transfer is None or transfer.settled
+        ):  # else: a pull under way (wait=False, or a wait that ran out)
             transfer = self._pending = self._puller.start(limit)
         if not wait:
             return transfer
@@ -242,11 +309,16 @@ class WeightReceiver:
         except WaitTimeout:
             if transfer.timeout != math.inf:  # a version is arriving: its own clock bounds the rest
                 return transfer.wait()
-            hint = ("the sender has pushed nothing newer yet" if self.mode == "latest"
-                    else "the sender pushed nothing: is it still pushing, to this rank?")
-            raise WaitTimeout(f"pull from rank {self._lane.link.peer}: no version newer than {self.version} began "
-                              f"to arrive within {limit:g} s ({hint}); the pull goes on: the next pull() carries "
-                              "on waiting") from None
+            hint = (
+                "the sender has pushed nothing newer yet"
+                if self.mode == "latest"
+                else "the sender pushed nothing: is it still pushing, to this rank?"
+            )
+            raise WaitTimeout(
+                f"pull from rank {self._lane.link.peer}: no version newer than {self.version} began "
+                f"to arrive within {limit:g} s ({hint}); the pull goes on: the next pull() carries "
+                "on waiting"
+            ) from None
 
     # -- ending ------------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -265,18 +337,35 @@ class WeightReceiver:
         inbox, broken = self._inbox, self._puller.broken
         self._slots.keep_own_copy(busy=self._pending is not None and not self._pending.settled)
         bye = None
-        if inbox.standing is not None and not broken and not inbox.sender_closed and inbox.claim_bye():
+        if (
+            inbox.standing is not None
+            and not broken
+            and not inbox.sender_closed
+            and inbox.claim_bye()
+        ):
             try:
                 bye = inbox.bye()
             except Exception as error:  # noqa: BLE001 - the sender's process is gone: nobody to tell, close goes on
-                logger.info("a weight receiver closes without telling its sender, which is gone: %s",
-                            peer_failure(error))
+                logger.info(
+                    "a weight receiver closes without telling its sender, which is gone: %s",
+                    peer_failure(error),
+                )
         if bye is not None:
             with contextlib.suppress(Exception):
-                Transfer(self._farewell(), self._lane.stream, timeout=self.timeout, driver=self._driver.submit,
-                         link=self._lane.link, raise_first=False).wait()
-            if inbox.released:  # the sender answered BYE, so it took it and every word before: waited at once
-                for work in inbox.asks.taken(bye):  # (parked, they kept the group's gloo context until exit)
+                Transfer(
+                    self._farewell(),
+                    self._lane.stream,
+                    timeout=self.timeout,
+                    driver=self._driver.submit,
+                    link=self._lane.link,
+                    raise_first=False,
+                ).wait()
+            if (
+                inbox.released
+            ):  # the sender answered BYE, so it took it and every word before: waited at once
+                for work in inbox.asks.taken(
+                    bye
+                ):  # (parked, they kept the group's gloo context until exit)
                     work.wait()
         self._driver.stop(0.0 if broken else max(deadline - time.monotonic(), 0.0))
         self._hop.close(deadline)
@@ -297,9 +386,11 @@ class WeightReceiver:
                 slot = self._slots.own[index].writable()
                 yield from self._hop.receive(header, slot, index, self.version)
             elif header.kind == PUSH and not header.shared:  # (a shared push sends nothing more)
-                yield from drain(lane, self.schema.message_sizes(self._puller.piece), inbox.tags.payload)
+                yield from drain(
+                    lane, self.schema.message_sizes(self._puller.piece), inbox.tags.payload
+                )
 
-    def __enter__(self) -> "WeightReceiver":
+    def __enter__(self) -> WeightReceiver:
         return self
 
     def __exit__(self, *exc: object) -> None:

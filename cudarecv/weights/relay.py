@@ -25,8 +25,9 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -50,19 +51,25 @@ from .wire import BROKEN, INTACT, TRAILER_SIZE, read_trailer, trailer_message
 class Relay:
     """One push's chunks on their way through this receiver to ``down`` (see the module docstring)."""
 
-    def __init__(self, down: Lane, pieces: Sequence[Tensor], tag: int, trailer_tag: int, version: int) -> None:
+    def __init__(
+        self, down: Lane, pieces: Sequence[Tensor], tag: int, trailer_tag: int, version: int
+    ) -> None:
         self.down = down
         self.pieces = pieces
         self.tag, self.trailer_tag, self.version = tag, trailer_tag, version
         self._cond = threading.Condition()
-        self._events: list[Any] = []  # per landed chunk: the CUDA event after which it is there (or None)
+        self._events: list[
+            Any
+        ] = []  # per landed chunk: the CUDA event after which it is there (or None)
         self._broken: int | None = None  # the rank that failed upstream, once known
         self._ended = False
 
     def landed(self, i: int) -> None:
         """Chunk ``i`` is in its piece (called in order, on the stream that wrote it, if any)."""
         stream = self.down.stream
-        event = streams.record(torch.cuda.current_stream(stream.device)) if stream is not None else None
+        event = (
+            streams.record(torch.cuda.current_stream(stream.device)) if stream is not None else None
+        )
         with self._cond:  # the receive lands chunks in order: the i-th call is chunk i
             self._events.append(event)
             self._cond.notify_all()
@@ -83,14 +90,20 @@ class Relay:
             with self._cond:
                 event = self._events[i] if i < len(self._events) else None
             if event is not None:
-                self.down.stream.wait_event(event)  # the chunk's bytes (or a broken push's leftovers)
+                self.down.stream.wait_event(
+                    event
+                )  # the chunk's bytes (or a broken push's leftovers)
             works = yield from send_from(self.down, [piece], [self.tag], defer=True)
             pending.extend(works or ())
         yield [_Landed(self, len(self.pieces))]  # the push has ended: intact, or broken upstream
         with self._cond:
             status, rank = (INTACT, -1) if self._broken is None else (BROKEN, self._broken)
-        works = yield from send_from(self.down, [wire_bytes(self.down, trailer_message(self.version, status, rank))],
-                                     [self.trailer_tag], defer=True)
+        works = yield from send_from(
+            self.down,
+            [wire_bytes(self.down, trailer_message(self.version, status, rank))],
+            [self.trailer_tag],
+            defer=True,
+        )
         pending.extend(works or ())
         if pending:
             yield pending
@@ -112,7 +125,9 @@ class _Landed:
 
     def wait(self, timeout: Any = None) -> bool:
         with self.relay._cond:
-            self.relay._cond.wait_for(self._ready)  # the pull always ends the relay (landed or broken)
+            self.relay._cond.wait_for(
+                self._ready
+            )  # the pull always ends the relay (landed or broken)
         return True
 
 
@@ -134,7 +149,9 @@ class Hop:
         self._forwarders: dict[int, Driver] = {}
         self._receivers: dict[int, Driver] = {}
         self._forwards: dict[int, Transfer] = {}  # own slot -> the forward that may still read it
-        self._last: dict[tuple[str, int], Transfer] = {}  # ("forward" or "receive", rank) -> the last one
+        self._last: dict[
+            tuple[str, int], Transfer
+        ] = {}  # ("forward" or "receive", rank) -> the last one
         self._forming: list[_Forming] = []  # pairs forming now (joined receivers)
         self.relaying: _Relaying | None = None
         self.lost_at: int | None = None
@@ -145,38 +162,75 @@ class Hop:
         ``wait_ms`` is this hop's); raises :class:`RelayLost` naming the rank that failed upstream if the push
         broke there (``version``: the one this receiver keeps)."""
         if header.down >= 0 and header.down == header.up:
-            raise OutOfStepError(f"a relay header names rank {header.up} as both hops: the link is out of step")
+            raise OutOfStepError(
+                f"a relay header names rank {header.up} as both hops: the link is out of step"
+            )
         wait = header.wait_ms / 1e3
-        self.relaying, self.lost_at = _Relaying(None, header.up, header.version, time.monotonic(), wait), None
+        self.relaying, self.lost_at = (
+            _Relaying(None, header.up, header.version, time.monotonic(), wait),
+            None,
+        )
         up, down = yield from self._lanes(header, wait)
         payload, trailer = self.tags.relay(header.version)
         relay = None
         if down is not None:
             relay = self.relaying.relay = Relay(down, slot.pieces, payload, trailer, header.version)
             forward = Transfer(
-                relay.forward(), down.stream, timeout=wait * (header.hop + 2) / (header.hop + 1),  # the next hop's
-                driver=self._driver(self._forwarders, "forward", header.down).submit, link=down.link,
-                on_error=_naming(down.link, f"forward of version {header.version}", wait, "took no complete version"),
-                raise_first=False, what=f"forward of version {header.version} to rank {header.down}")
+                relay.forward(),
+                down.stream,
+                timeout=wait * (header.hop + 2) / (header.hop + 1),  # the next hop's
+                driver=self._driver(self._forwarders, "forward", header.down).submit,
+                link=down.link,
+                on_error=_naming(
+                    down.link,
+                    f"forward of version {header.version}",
+                    wait,
+                    "took no complete version",
+                ),
+                raise_first=False,
+                what=f"forward of version {header.version} to rank {header.down}",
+            )
             self._forwards[index] = self._last["forward", header.down] = forward
         receiving = self._receive_from(up, header, slot, relay, payload, trailer)
-        if up is self.lane or up.nccl:  # the head of the chain (from the sender), or NCCL (a failed peer breaks
-            status, rank = yield from receiving  # the communicator: no healing): on the pull's own thread
+        if (
+            up is self.lane or up.nccl
+        ):  # the head of the chain (from the sender), or NCCL (a failed peer breaks
+            (
+                status,
+                rank,
+            ) = yield from receiving  # the communicator: no healing): on the pull's own thread
         else:  # on a thread of its own per hop before: one that stops holds no later pull of this receiver
-            left = max(wait - (time.monotonic() - self.relaying.started), 0.0)  # (the pull's own deadline)
+            left = max(
+                wait - (time.monotonic() - self.relaying.started), 0.0
+            )  # (the pull's own deadline)
             transfer = self._last["receive", header.up] = Transfer(
-                receiving, up.stream, timeout=left, driver=self._driver(self._receivers, "receive", header.up).submit,
-                link=up.link, raise_first=False, what=f"receive of version {header.version} from rank {header.up}",
-                on_error=_naming(up.link, f"receive of version {header.version}", wait, "sent no complete version"))
+                receiving,
+                up.stream,
+                timeout=left,
+                driver=self._driver(self._receivers, "receive", header.up).submit,
+                link=up.link,
+                raise_first=False,
+                what=f"receive of version {header.version} from rank {header.up}",
+                on_error=_naming(
+                    up.link,
+                    f"receive of version {header.version}",
+                    wait,
+                    "sent no complete version",
+                ),
+            )
             yield [transfer.ended(drive=False)]
             status, rank = transfer.wait()
-        if up.stream is not None and up is not self.lane:  # (landed on the hop's stream: the pull's follows it)
+        if (
+            up.stream is not None and up is not self.lane
+        ):  # (landed on the hop's stream: the pull's follows it)
             self.lane.stream.wait_stream(up.stream)
         if status == BROKEN:
             self.lost_at = rank
-            raise RelayLost(f"pull of version {header.version}: rank {rank} before this receiver in the relay "
-                            f"chain failed during the push (did its process die?): version {version} stays "
-                            "published, and the next version comes through the chain healed")
+            raise RelayLost(
+                f"pull of version {header.version}: rank {rank} before this receiver in the relay "
+                f"chain failed during the push (did its process die?): version {version} stays "
+                "published, and the next version comes through the chain healed"
+            )
         self.relaying = None
         if relay is not None:
             relay.end()
@@ -185,24 +239,37 @@ class Hop:
         """A sub-protocol: the lanes to the hop before and (or None: none, or its pair never formed) the hop after.
         Pairs still to form (receivers that joined through a store) form at once, each on a thread of its own,
         within half the hop's time (the rest is the transfer's)."""
-        for kind, rank, drivers in (("receive", header.up, self._receivers), ("forward", header.down, self._forwarders)):
+        for kind, rank, drivers in (
+            ("receive", header.up, self._receivers),
+            ("forward", header.down, self._forwarders),
+        ):
             self._unjam(kind, rank, drivers)
-        wanted = [r for r in (header.up, header.down) if r >= 0 and r != self.sender and r not in self._peers]
+        wanted = [
+            r
+            for r in (header.up, header.down)
+            if r >= 0 and r != self.sender and r not in self._peers
+        ]
         if wanted and self.connect is not None:
             forming = [_Forming(self.connect, r, header.version, wait / 2) for r in wanted]
             self._forming.extend(forming)
             yield forming
             for pair in forming:
                 self._forming.remove(pair)
-                with contextlib.suppress(TransferTimeout):  # (a pair that did form is kept, whatever the other did)
+                with contextlib.suppress(
+                    TransferTimeout
+                ):  # (a pair that did form is kept, whatever the other did)
                     self._lane(pair.rank, pair.link())
         up = self._peer(header.up, "the hop before this receiver")
         down = None
         if header.down >= 0:
             try:
                 down = self._peer(header.down, "the hop after this receiver")
-            except TransferTimeout as error:  # a pair of joined receivers that never formed: the next one is gone
-                logger.warning("weight receiver: version %d is not forwarded: %s", header.version, error)
+            except (
+                TransferTimeout
+            ) as error:  # a pair of joined receivers that never formed: the next one is gone
+                logger.warning(
+                    "weight receiver: version %d is not forwarded: %s", header.version, error
+                )
         return up, down
 
     def _unjam(self, kind: str, rank: int, drivers: dict[int, Driver]) -> None:
@@ -224,32 +291,43 @@ class Hop:
         if driver is not None:
             driver.stop(0.0)
 
-    def _receive_from(self, up: Lane, header: Any, slot: Any, relay: Relay | None, payload: int,
-                      trailer: int) -> Any:
+    def _receive_from(
+        self, up: Lane, header: Any, slot: Any, relay: Relay | None, payload: int, trailer: int
+    ) -> Any:
         """A sub-protocol: the payload from the hop before into ``slot``, each chunk to ``relay`` as it lands;
         returns the trailer's (status, the rank that failed). On gloo the trailer's receive is posted first, so
         the hop's forward never waits on a receive this one never posts (if it runs out of time meanwhile)."""
         tags = [payload] * len(slot.pieces)
         early = None
-        if not up.nccl:  # (gloo matches by tag; NCCL in posting order: there it comes after the payload)
+        if (
+            not up.nccl
+        ):  # (gloo matches by tag; NCCL in posting order: there it comes after the payload)
             early = torch.zeros(TRAILER_SIZE + ROOM, dtype=torch.uint8)
             posted = up.post(False, [early], [trailer])
-        if relay is not None and up.nccl and wire_can_touch(up, slot.pieces):  # one chunk at a time: each forwarded
-            for i, piece in enumerate(slot.pieces):                              # once its receive is on the stream
+        if (
+            relay is not None and up.nccl and wire_can_touch(up, slot.pieces)
+        ):  # one chunk at a time: each forwarded
+            for i, piece in enumerate(slot.pieces):  # once its receive is on the stream
                 yield from recv_into(up, [piece], tags[:1], landed=lambda _, i=i: relay.landed(i))
         else:
-            yield from recv_into(up, slot.pieces, tags, landed=relay.landed if relay is not None else None)
+            yield from recv_into(
+                up, slot.pieces, tags, landed=relay.landed if relay is not None else None
+            )
         if early is None:
             raw = yield from read_bytes(up, TRAILER_SIZE, trailer, "relay trailer", header_too_long)
         else:
             yield posted
             if early[TRAILER_SIZE:].any():
-                raise header_too_long(f"the relay trailer is longer than its {TRAILER_SIZE} bytes: the peer speaks "
-                                      "another protocol or version on this tag")
+                raise header_too_long(
+                    f"the relay trailer is longer than its {TRAILER_SIZE} bytes: the peer speaks "
+                    "another protocol or version on this tag"
+                )
             raw = early[:TRAILER_SIZE].numpy().tobytes()
         status, got, rank = read_trailer(raw)
         if got != header.version:
-            raise OutOfStepError(f"the relay trailer is for version {got}, not {header.version}: out of step")
+            raise OutOfStepError(
+                f"the relay trailer is for version {got}, not {header.version}: out of step"
+            )
         return status, rank
 
     def broken(self) -> _Relaying | None:
@@ -290,13 +368,17 @@ class Hop:
         if self.connect is not None:
             raise TransferTimeout(f"the pair with receiver {rank}, {what}, did not form")
         if not 0 <= rank < link.pg.size() or rank == link.pg.rank():
-            raise OutOfStepError(f"a relay header names rank {rank} as {what}, in a group of {link.pg.size()} "
-                                 f"where this is rank {link.pg.rank()}: the link is out of step")
+            raise OutOfStepError(
+                f"a relay header names rank {rank} as {what}, in a group of {link.pg.size()} "
+                f"where this is rank {link.pg.rank()}: the link is out of step"
+            )
         return self._lane(rank, Link(link.pg, rank, link.registered, link.backend))
 
     def _lane(self, rank: int, peer: Link) -> Lane:
         stream = None
-        if self.lane.stream is not None:  # forwards run on a stream of their own, next to the receives
+        if (
+            self.lane.stream is not None
+        ):  # forwards run on a stream of their own, next to the receives
             stream = torch.cuda.Stream(device=self.lane.stream.device)
         lane = self._peers[rank] = lane_for(peer, self.device, stream, streams.StagingPool())
         return lane
@@ -346,13 +428,19 @@ class _Relaying:
         return time.monotonic() - self.started > 1.5 * self.wait
 
 
-def _naming(link: Link, what: str, wait: float, silent: str) -> Callable[[BaseException, float], BaseException]:
+def _naming(
+    link: Link, what: str, wait: float, silent: str
+) -> Callable[[BaseException, float], BaseException]:
     """The error hook of a transfer with another receiver: the link's failures (gloo's, a timeout) name the peer;
     any other error (this receiver's own: out of memory, a bug) stays as it is."""
     hook = naming(link, what, wait, silent)
 
     def named(error: BaseException, elapsed: float) -> BaseException:
-        if isinstance(error, TimeoutError) or type(error) is RuntimeError or isinstance(error, dist.DistError):
+        if (
+            isinstance(error, TimeoutError)
+            or type(error) is RuntimeError
+            or isinstance(error, dist.DistError)
+        ):
             return hook(error, elapsed)
         return error
 
@@ -363,19 +451,28 @@ class _Forming:
     """A work that completes once the pair with receiver ``rank`` has formed or failed to, on a thread of its
     own (bounded by its ``limit``); :meth:`link` is it, or raises why not."""
 
-    def __init__(self, connect: Callable[[int, int, float], Link], rank: int, version: int, limit: float) -> None:
+    def __init__(
+        self, connect: Callable[[int, int, float], Link], rank: int, version: int, limit: float
+    ) -> None:
         self.rank = rank
         self._link: Link | None = None
         self._error: BaseException | None = None
         self._done = threading.Event()
         start_thread(self._form, f"cudarecv-pair-{rank}", (connect, rank, version, limit))
 
-    def _form(self, connect: Callable[[int, int, float], Link], rank: int, version: int, limit: float) -> None:
+    def _form(
+        self, connect: Callable[[int, int, float], Link], rank: int, version: int, limit: float
+    ) -> None:
         try:
             self._link = connect(rank, version, limit)
         except BaseException as error:  # noqa: BLE001 - raised by link(), on the pull's thread
-            self._error = error if isinstance(error, TransferTimeout) else TransferTimeout(
-                f"the pair with receiver {rank} did not form: {type(error).__name__}: {error}")
+            self._error = (
+                error
+                if isinstance(error, TransferTimeout)
+                else TransferTimeout(
+                    f"the pair with receiver {rank} did not form: {type(error).__name__}: {error}"
+                )
+            )
         finally:
             self._done.set()
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -26,14 +26,33 @@ from ..plan.header import MAX_MESSAGES, check_pieces, cut, piece_sizes
 
 ALIGN = 16
 MAX_SCHEMA_BYTES = 64 << 20
-MAX_BYTES = 1 << 48  # a total or a leaf larger than this is no real model: refused before anything is sized
+MAX_BYTES = (
+    1 << 48
+)  # a total or a leaf larger than this is no real model: refused before anything is sized
 
 
-DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
-    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-    torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint32, torch.uint64,
-)}
+DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.complex64,
+        torch.complex128,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
+        torch.uint16,
+        torch.uint32,
+        torch.uint64,
+    )
+}
 
 
 def check_size(value: object, what: str) -> int:
@@ -84,11 +103,13 @@ class Schema:
     leafwise: bool = False  # messages cut from each leaf's bytes (see the module docstring)
 
     @classmethod
-    def of(cls, keys: Sequence[tuple], tensors: Sequence[Tensor], leafwise: bool = False) -> "Schema":
+    def of(cls, keys: Sequence[tuple], tensors: Sequence[Tensor], leafwise: bool = False) -> Schema:
         leaves, offset = [], 0
         for key, t in zip(keys, tensors):
             if str(t.dtype).removeprefix("torch.") not in DTYPES:
-                raise SchemaError(f"leaf {'.'.join(map(str, key))!r} has dtype {t.dtype}, which weight sync does not carry")
+                raise SchemaError(
+                    f"leaf {'.'.join(map(str, key))!r} has dtype {t.dtype}, which weight sync does not carry"
+                )
             leaves.append(Leaf(tuple(str(k) for k in key), t.dtype, tuple(t.shape), offset))
             offset += aligned(leaves[-1].nbytes)
         return cls(tuple(leaves), offset, leafwise)
@@ -100,9 +121,14 @@ class Schema:
             "total_bytes": self.total,
             "fingerprint": self.fingerprint.hex(),
             "leaves": [
-                {"key": list(l.key), "dtype": str(l.dtype).removeprefix("torch."), "shape": list(l.shape),
-                 "offset": l.offset, "nbytes": l.nbytes}
-                for l in self.leaves
+                {
+                    "key": list(leaf.key),
+                    "dtype": str(leaf.dtype).removeprefix("torch."),
+                    "shape": list(leaf.shape),
+                    "offset": leaf.offset,
+                    "nbytes": leaf.nbytes,
+                }
+                for leaf in self.leaves
             ],
         }
         if self.leafwise:
@@ -110,7 +136,7 @@ class Schema:
         return json.dumps(doc, separators=(",", ":")).encode()
 
     @classmethod
-    def from_json(cls, raw: bytes) -> "Schema":
+    def from_json(cls, raw: bytes) -> Schema:
         """Parse and check a received schema; raises :class:`SchemaError` on anything off.
 
         Checked before anything is sized from it: strict types, at least one leaf,
@@ -123,23 +149,36 @@ class Schema:
         except SchemaError:
             raise
         except Exception as error:  # noqa: BLE001 - json and int() raise many kinds (RecursionError too)
-            raise SchemaError(f"malformed weight schema: {type(error).__name__}: {error}"[:200]) from None
-        expected = cls.of([l.key for l in schema.leaves], [_Shape(l.dtype, l.shape) for l in schema.leaves],
-                          schema.leafwise)
+            raise SchemaError(
+                f"malformed weight schema: {type(error).__name__}: {error}"[:200]
+            ) from None
+        expected = cls.of(
+            [leaf.key for leaf in schema.leaves],
+            [_Shape(leaf.dtype, leaf.shape) for leaf in schema.leaves],
+            schema.leafwise,
+        )
         if schema != expected or schema.to_json() != raw or schema.fingerprint.hex() != fingerprint:
-            raise SchemaError("the weight schema does not check out (offsets, total bytes or fingerprint)")
+            raise SchemaError(
+                "the weight schema does not check out (offsets, total bytes or fingerprint)"
+            )
         return schema
 
     @classmethod
-    def _parse(cls, raw: bytes) -> tuple["Schema", object]:
+    def _parse(cls, raw: bytes) -> tuple[Schema, object]:
         doc = json.loads(raw.decode())
-        if not isinstance(doc, dict) or doc.get("format") != "cudarecv-weights" or doc.get("version") != 1:
+        if (
+            not isinstance(doc, dict)
+            or doc.get("format") != "cudarecv-weights"
+            or doc.get("version") != 1
+        ):
             raise SchemaError("not a cudarecv weight schema")
         items, total, messages = doc["leaves"], doc["total_bytes"], doc.get("messages", "even")
         if messages not in ("even", "leaf"):
             raise SchemaError(f"unknown message cut {messages!r}: 'even' or 'leaf'")
         if not isinstance(items, list) or not items:
-            raise SchemaError("the weight schema has no leaves: weight sync needs at least one tensor")
+            raise SchemaError(
+                "the weight schema has no leaves: weight sync needs at least one tensor"
+            )
         check_size(total, "total_bytes")
         leaves, seen = [], set()
         for item in items:
@@ -156,20 +195,29 @@ class Schema:
                 raise SchemaError(f"bad shape {shape!r} for {name!r}")
             for size in shape:
                 check_size(size, f"a dimension of {name!r}")
-            leaf = Leaf(tuple(key), DTYPES[dtype], tuple(shape), check_size(item["offset"], f"the offset of {name!r}"))
+            leaf = Leaf(
+                tuple(key),
+                DTYPES[dtype],
+                tuple(shape),
+                check_size(item["offset"], f"the offset of {name!r}"),
+            )
             check_size(leaf.nbytes, f"the size of {name!r}")
             leaves.append(leaf)
-        for key in seen:  # a key that is also the prefix of another would be a tensor and a tensordict
+        for (
+            key
+        ) in seen:  # a key that is also the prefix of another would be a tensor and a tensordict
             for end in range(1, len(key)):
                 if key[:end] in seen:
-                    raise SchemaError(f"key {'.'.join(key[:end])!r} is a leaf and also holds {'.'.join(key)!r}")
+                    raise SchemaError(
+                        f"key {'.'.join(key[:end])!r} is a leaf and also holds {'.'.join(key)!r}"
+                    )
         return cls(tuple(leaves), total, messages == "leaf"), doc["fingerprint"]
 
     @property
     def fingerprint(self) -> bytes:
         h = hashlib.blake2b(digest_size=16)
-        for l in self.leaves:
-            h.update(json.dumps([l.key, str(l.dtype), l.shape, l.offset]).encode())
+        for leaf in self.leaves:
+            h.update(json.dumps([leaf.key, str(leaf.dtype), leaf.shape, leaf.offset]).encode())
         h.update(struct.pack("<q", self.total))
         if self.leafwise:
             h.update(b"messages: leaf")
@@ -177,12 +225,19 @@ class Schema:
 
     def views(self, storage: Tensor) -> list[Tensor]:
         """Each leaf as a typed view into ``storage`` (uint8, ``total`` bytes)."""
-        return [storage[l.offset:l.offset + l.nbytes].view(l.dtype).view(l.shape) for l in self.leaves]
+        return [
+            storage[leaf.offset : leaf.offset + leaf.nbytes].view(leaf.dtype).view(leaf.shape)
+            for leaf in self.leaves
+        ]
 
     def messages(self, piece: int) -> list[tuple[int, int]]:
         """Where each message a version travels in lies in the storage, and its byte count (``piece``: the sender's
         message size)."""
-        spans = [(0, self.total)] if not self.leafwise else [(l.offset, l.nbytes) for l in self.leaves]
+        spans = (
+            [(0, self.total)]
+            if not self.leafwise
+            else [(leaf.offset, leaf.nbytes) for leaf in self.leaves]
+        )
         found = []
         for start, length in spans:
             for size in piece_sizes(length, piece):
@@ -198,7 +253,9 @@ class Schema:
         """The messages of a version held in ``storage`` (uint8, laid out as this schema), as views of it."""
         if not self.leafwise:
             return cut(storage, piece)
-        return self.cut_leaves([storage[l.offset:l.offset + l.nbytes] for l in self.leaves], piece)
+        return self.cut_leaves(
+            [storage[leaf.offset : leaf.offset + leaf.nbytes] for leaf in self.leaves], piece
+        )
 
     def cut_leaves(self, leaf_bytes: Sequence[Tensor], piece: int) -> list[Tensor]:
         """A leafwise schema's messages as views of each leaf's bytes (1-d uint8, wherever each lies)."""
@@ -209,14 +266,16 @@ class Schema:
         if not self.leafwise:
             check_pieces(self.total, piece, "weights")
         elif (count := len(self.messages(piece))) > MAX_MESSAGES:
-            raise ArgumentError(f"`bucket_bytes={piece}` cuts {len(self.leaves)} pieces of weights into "
-                                f"{count} messages, more than the {MAX_MESSAGES} a version "
-                                "may have (a piece takes one at least): pass a larger bucket_bytes, or fewer leaves")
+            raise ArgumentError(
+                f"`bucket_bytes={piece}` cuts {len(self.leaves)} pieces of weights into "
+                f"{count} messages, more than the {MAX_MESSAGES} a version "
+                "may have (a piece takes one at least): pass a larger bucket_bytes, or fewer leaves"
+            )
 
     def first_difference(self, keys: Sequence[tuple], tensors: Sequence[Tensor]) -> str | None:
         """How ``tensors`` (named by ``keys``) differ from the schema, naming the first differing key."""
         mine = {tuple(map(str, k)): (t.dtype, tuple(t.shape)) for k, t in zip(keys, tensors)}
-        theirs = {l.key: (l.dtype, l.shape) for l in self.leaves}
+        theirs = {leaf.key: (leaf.dtype, leaf.shape) for leaf in self.leaves}
         if not mine:
             return "`expect` has no tensors"
         for key in sorted(set(mine) | set(theirs)):

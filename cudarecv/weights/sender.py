@@ -27,7 +27,8 @@ import contextlib
 import math
 import os
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from ..core import streams
 from ..core.checks import check_timeout
@@ -101,10 +102,14 @@ class WeightSender:
         >>> version = async_sender.push()  # returns at once; actors pull the newest when ready
     """
 
-    _leafwise = False  # messages cut from each leaf's bytes (a sharded sender's pieces: see weights.schema)
+    _leafwise = (
+        False  # messages cut from each leaf's bytes (a sharded sender's pieces: see weights.schema)
+    )
 
     def __new__(cls, td: Any = None, *args: Any, **kwargs: Any) -> Any:
-        if cls is WeightSender and kwargs.get("store") is not None:  # receivers join through a store
+        if (
+            cls is WeightSender and kwargs.get("store") is not None
+        ):  # receivers join through a store
             from .membership.sender import ElasticSender
 
             return super().__new__(ElasticSender)
@@ -115,55 +120,126 @@ class WeightSender:
             return super().__new__(ShardedSender)
         return super().__new__(cls)
 
-    def __init__(self, td: Any, dst: Any = None, *, group: Any = None, group_dst: Any = None,
-                 bucket_bytes: int | None = None, timeout: float = 60.0, verify: bool = False,
-                 stream: Any = None, mode: str = "sync", buffers: int | None = None, fanout: str = "auto",
-                 transport: str = "auto", sliced: bool = False) -> None:
-        timeout = check_options(timeout=timeout, transport=transport, bucket_bytes=bucket_bytes)["timeout"]
+    def __init__(
+        self,
+        td: Any,
+        dst: Any = None,
+        *,
+        group: Any = None,
+        group_dst: Any = None,
+        bucket_bytes: int | None = None,
+        timeout: float = 60.0,
+        verify: bool = False,
+        stream: Any = None,
+        mode: str = "sync",
+        buffers: int | None = None,
+        fanout: str = "auto",
+        transport: str = "auto",
+        sliced: bool = False,
+    ) -> None:
+        timeout = check_options(timeout=timeout, transport=transport, bucket_bytes=bucket_bytes)[
+            "timeout"
+        ]
         check_mode(mode, buffers, fanout)
         dsts, group_dsts = check_peers(dst, "dst"), check_peers(group_dst, "group_dst")
         if (dsts is None) == (group_dsts is None):
-            raise ArgumentError("pass exactly one of `dst` and `group_dst` (a rank or a list of ranks), or `store` "
-                                "and `name` (receivers that join through the store)")
-        links = [resolve(d, None, group, "dst", "group_dst") for d in dsts] if dsts is not None else [
-            resolve(None, d, group, "dst", "group_dst") for d in group_dsts]
+            raise ArgumentError(
+                "pass exactly one of `dst` and `group_dst` (a rank or a list of ranks), or `store` "
+                "and `name` (receivers that join through the store)"
+            )
+        links = (
+            [resolve(d, None, group, "dst", "group_dst") for d in dsts]
+            if dsts is not None
+            else [resolve(None, d, group, "dst", "group_dst") for d in group_dsts]
+        )
         if mode == "latest" and any(link.backend == "nccl" for link in links):
-            raise UsageError("mode='latest' needs a gloo link (NCCL runs a pair's sends and receives in order on "
-                             "one stream, so a receiver's ask could not pass a posted receive): use a gloo group "
-                             "for weight sync (GPU weights are staged through page-locked memory)")
-        self._begin(td, links, bucket_bytes, timeout, verify, stream, mode, buffers or len(links) + 2, fanout, transport)
+            raise UsageError(
+                "mode='latest' needs a gloo link (NCCL runs a pair's sends and receives in order on "
+                "one stream, so a receiver's ask could not pass a posted receive): use a gloo group "
+                "for weight sync (GPU weights are staged through page-locked memory)"
+            )
+        self._begin(
+            td,
+            links,
+            bucket_bytes,
+            timeout,
+            verify,
+            stream,
+            mode,
+            buffers or len(links) + 2,
+            fanout,
+            transport,
+        )
         lanes = [lane_for(link, self._device, stream, streams.StagingPool()) for link in links]
         members = enrol(self._s, self._pool, lanes, self._raw, self._session_id)
         if fanout == "auto":
-            self._s.fanout = "relay" if mode == "sync" and any(m.host != host_id() for m in members) else "star"
+            self._s.fanout = (
+                "relay" if mode == "sync" and any(m.host != host_id() for m in members) else "star"
+            )
         serve(self._s, self._pool, members)
 
-    def _begin(self, td: Any, links: list[Any], bucket_bytes: int | None, timeout: float, verify: bool,
-               stream: Any, mode: str, buffers: int, fanout: str, transport: str, elastic: bool = False) -> None:
+    def _begin(
+        self,
+        td: Any,
+        links: list[Any],
+        bucket_bytes: int | None,
+        timeout: float,
+        verify: bool,
+        stream: Any,
+        mode: str,
+        buffers: int,
+        fanout: str,
+        transport: str,
+        elastic: bool = False,
+    ) -> None:
         """What a sender is before any receiver: the weights' plan and schema, the session, the snapshots."""
         self._td = unwrap(td)
         plan = plan_for(self._td)
-        plan.check(strided=True)  # (each push copies the leaves into a snapshot: views of a shard may be strided)
+        plan.check(
+            strided=True
+        )  # (each push copies the leaves into a snapshot: views of a shard may be strided)
         if not plan.tensors:
             raise ArgumentError("`td` has no tensors: weight sync needs at least one leaf to send")
         schema = Schema.of(plan.paths, plan.tensors, self._leafwise)
         self._raw = schema.to_json()
         if len(self._raw) > MAX_SCHEMA_BYTES:
-            raise ArgumentError(f"the schema of `td` takes {len(self._raw)} bytes of JSON, more than "
-                                f"{MAX_SCHEMA_BYTES}: send fewer, larger leaves")
+            raise ArgumentError(
+                f"the schema of `td` takes {len(self._raw)} bytes of JSON, more than "
+                f"{MAX_SCHEMA_BYTES}: send fewer, larger leaves"
+            )
         # a relay moves chunks; "auto" may choose it after the handshake, so it chunks too when it may
-        chunk = RELAY_CHUNK if fanout == "relay" or (fanout == "auto" and mode == "sync") else math.inf
+        chunk = (
+            RELAY_CHUNK if fanout == "relay" or (fanout == "auto" and mode == "sync") else math.inf
+        )
         piece = bucket_bytes or max(min(schema.total, chunk), 1)
         schema.check_pieces(piece)
         self._device = plan.device
-        self._stream = streams.transfer_stream(plan.device, stream) if plan.device.type == "cuda" else None  # (no lane)
-        sharing = allowed(transport) and fanout != "relay" and (  # shared segments receivers here map read-only
-            cuda_ipc.available(plan.device) is None if plan.device.type == "cuda"
-            else available() is None and (elastic or any(link.backend == "gloo" for link in links)))
+        self._stream = (
+            streams.transfer_stream(plan.device, stream) if plan.device.type == "cuda" else None
+        )  # (no lane)
+        sharing = (
+            allowed(transport)
+            and fanout != "relay"
+            and (  # shared segments receivers here map read-only
+                cuda_ipc.available(plan.device) is None
+                if plan.device.type == "cuda"
+                else available() is None
+                and (elastic or any(link.backend == "gloo" for link in links))
+            )
+        )
         kind = (CUDA_IPC if plan.device.type == "cuda" else SHARED_MEMORY) if sharing else WIRE
         self._session_id = int.from_bytes(os.urandom(4), "little") % SESSIONS
-        self._s = Session(schema, piece, SessionTags.of(self._session_id), timeout, bool(verify), mode, fanout, kind,
-                          elastic=elastic)
+        self._s = Session(
+            schema,
+            piece,
+            SessionTags.of(self._session_id),
+            timeout,
+            bool(verify),
+            mode,
+            fanout,
+            kind,
+            elastic=elastic,
+        )
         count = (SYNC_SHARED if kind == SHARED_MEMORY else 1) if mode == "sync" else buffers
         self._pool = SnapshotPool(self._s, self._device, count)
         self._pushing = False  # a thread's push is under way: another's waits for its turn
@@ -173,19 +249,27 @@ class WeightSender:
     check_options = staticmethod(check_options)
 
     # -- what it is --------------------------------------------------------------------------------------
-    schema = property(lambda self: self._s.schema, doc="The weights' schema (keys, dtypes, shapes, offsets).")
+    schema = property(
+        lambda self: self._s.schema, doc="The weights' schema (keys, dtypes, shapes, offsets)."
+    )
     timeout = property(lambda self: self._s.timeout, doc="Seconds any wait may take.")
-    mode = property(lambda self: self._s.mode, doc="``\"sync\"`` or ``\"latest\"``.")
-    fanout = property(lambda self: self._s.fanout, doc="``\"star\"`` or ``\"relay\"``: the fan-out chosen.")
+    mode = property(lambda self: self._s.mode, doc='``"sync"`` or ``"latest"``.')
+    fanout = property(
+        lambda self: self._s.fanout, doc='``"star"`` or ``"relay"``: the fan-out chosen.'
+    )
     version = property(lambda self: self._s.version, doc="The last version pushed (0: none yet).")
-    bucket_bytes = property(lambda self: self._s.piece,
-                            doc="Bytes per payload message (the last message of a push may be shorter).")
+    bucket_bytes = property(
+        lambda self: self._s.piece,
+        doc="Bytes per payload message (the last message of a push may be shorter).",
+    )
 
     @property
     def transports(self) -> dict[int, str]:
         """What carries the pushes to each receiver still served: ``"shared memory"`` (a receiver on this
         machine mapping the sender's host snapshots), ``"cuda ipc"`` (its GPU snapshots) or ``"wire"``."""
-        return {m.rank: self._s.shared_kind if m.shared else WIRE for m in self._s.members if m.served}
+        return {
+            m.rank: self._s.shared_kind if m.shared else WIRE for m in self._s.members if m.served
+        }
 
     @property
     def ranks(self) -> list[int]:
@@ -195,11 +279,16 @@ class WeightSender:
     @property
     def dropped(self) -> dict[int, str]:
         """The receivers no longer served, and why (a failure named, or ``"closed by its receiver"``)."""
-        return {m.rank: m.gone if m.gone is not None else "closed by its receiver"
-                for m in self._s.members if not m.served}
+        return {
+            m.rank: m.gone if m.gone is not None else "closed by its receiver"
+            for m in self._s.members
+            if not m.served
+        }
 
     # -- pushing -----------------------------------------------------------------------------------------
-    def push(self, wait: bool = True, timeout: float | None = None, values: Any = None) -> int | list[Transfer]:
+    def push(
+        self, wait: bool = True, timeout: float | None = None, values: Any = None
+    ) -> int | list[Transfer]:
         """Send the current values of ``td`` to every receiver still served, as the next version.
 
         ``sync`` mode: returns the new version number once every receiver has it, or with ``wait=False`` one
@@ -229,10 +318,14 @@ class WeightSender:
         cond = self._s.cond
         with cond:
             if not cond.wait_for(lambda: self._s.closed or not self._pushing, timeout=limit):
-                raise WaitTimeout(f"another thread's push held this WeightSender for {limit:g} s (pushes from "
-                                  "several threads take turns)")
+                raise WaitTimeout(
+                    f"another thread's push held this WeightSender for {limit:g} s (pushes from "
+                    "several threads take turns)"
+                )
             if self._s.closed:
-                raise UsageError("this WeightSender was closed while a push waited for another thread's push")
+                raise UsageError(
+                    "this WeightSender was closed while a push waited for another thread's push"
+                )
             self._pushing = True
         try:
             yield
@@ -247,8 +340,10 @@ class WeightSender:
         live = [m for m in self._s.members if m.served]
         if not live and not self._s.elastic:
             self._pushes.untold(live)
-            raise PeerError(f"no receiver of this WeightSender is left ({self.dropped}): "
-                            "connect new receivers with a new WeightSender")
+            raise PeerError(
+                f"no receiver of this WeightSender is left ({self.dropped}): "
+                "connect new receivers with a new WeightSender"
+            )
         stream = live[0].lane.stream if live else self._stream
         return self._pushes.push(self._plan(values), live, limit, wait, stream)
 
@@ -257,14 +352,22 @@ class WeightSender:
         schema = self._s.schema
         plan = plan_for(self._td if values is None else unwrap(values))
         if [tuple(map(str, p)) for p in plan.paths] != [leaf.key for leaf in schema.leaves] or any(
-                tuple(t.shape) != leaf.shape or t.dtype != leaf.dtype for t, leaf in zip(plan.tensors, schema.leaves)):
+            tuple(t.shape) != leaf.shape or t.dtype != leaf.dtype
+            for t, leaf in zip(plan.tensors, schema.leaves)
+        ):
             if values is not None:
-                raise ArgumentError("`values` must have the keys, shapes and dtypes of the sender's `td` "
-                                    f"({len(schema.leaves)} leaves, {schema.total} bytes)")
-            raise SchemaError("the tensordict changed structure since the handshake: build a new WeightSender")
+                raise ArgumentError(
+                    "`values` must have the keys, shapes and dtypes of the sender's `td` "
+                    f"({len(schema.leaves)} leaves, {schema.total} bytes)"
+                )
+            raise SchemaError(
+                "the tensordict changed structure since the handshake: build a new WeightSender"
+            )
         if values is not None and plan.device != self._device:
-            raise ArgumentError(f"`values` are on {plan.device}, the sender's `td` on {self._device}: "
-                                f"pass them on {self._device}")
+            raise ArgumentError(
+                f"`values` are on {plan.device}, the sender's `td` on {self._device}: "
+                f"pass them on {self._device}"
+            )
         return plan
 
     # -- ending ------------------------------------------------------------------------------------------
@@ -289,9 +392,13 @@ class WeightSender:
         def left() -> float:
             return max(deadline - time.monotonic(), 0.0)
 
-        for member in members:  # a failed receiver's thread may wait on its link for good: not joined
+        for (
+            member
+        ) in members:  # a failed receiver's thread may wait on its link for good: not joined
             member.driver.stop(0.0 if member.failed else left())
-        for member in members:  # each listener ends with its receiver's BYE (a failed one may never)
+        for (
+            member
+        ) in members:  # each listener ends with its receiver's BYE (a failed one may never)
             if member.listener is not None and not member.failed:
                 member.listener.join(left())
         # let go of the weights, the snapshots and the process group (a group kept alive past
@@ -302,7 +409,7 @@ class WeightSender:
         for member in members:
             member.lane, member.sending = None, None
 
-    def __enter__(self) -> "WeightSender":
+    def __enter__(self) -> WeightSender:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -21,7 +21,9 @@ from .wire import ASK, ASK_SIZE, BYE, FREED, GOT, LANDED, RELEASED, PushHeader, 
 
 def start_listening(session: Session, pool: SnapshotPool, member: Member) -> None:
     """Start ``member``'s listener thread (gloo links: NCCL runs a pair's messages in order, no listener)."""
-    member.listener = start_thread(_listen, f"cudarecv-listen-{member.rank}", (session, pool, member))
+    member.listener = start_thread(
+        _listen, f"cudarecv-listen-{member.rank}", (session, pool, member)
+    )
 
 
 def _listen(session: Session, pool: SnapshotPool, member: Member) -> None:
@@ -29,20 +31,31 @@ def _listen(session: Session, pool: SnapshotPool, member: Member) -> None:
     lane = member.lane
     while True:
         try:
-            ask = read_ask(run_standing(
-                read_bytes(lane, ASK_SIZE, session.tags.ask, "receiver message", out_of_step), lane.link,
-                lane.stream, on_error=naming(lane.link, "weight sync", math.inf, "sent nothing")))
+            ask = read_ask(
+                run_standing(
+                    read_bytes(lane, ASK_SIZE, session.tags.ask, "receiver message", out_of_step),
+                    lane.link,
+                    lane.stream,
+                    on_error=naming(lane.link, "weight sync", math.inf, "sent nothing"),
+                )
+            )
             kind, version = ask.kind, ask.version
-            if (kind == ASK and session.mode != "latest") or (kind == GOT and session.fanout == "star"
-                                                               and not member.shared) or (
-                    kind == FREED and not member.alias):
-                raise OutOfStepError(f"the receiver sent a message this {session.mode} {session.fanout} sender "
-                                     "never asks for: out of step")
+            if (
+                (kind == ASK and session.mode != "latest")
+                or (kind == GOT and session.fanout == "star" and not member.shared)
+                or (kind == FREED and not member.alias)
+            ):
+                raise OutOfStepError(
+                    f"the receiver sent a message this {session.mode} {session.fanout} sender "
+                    "never asks for: out of step"
+                )
             if kind == FREED:
                 with session.cond:
                     if not pool.let_go(member, version):
-                        raise OutOfStepError(f"the receiver let go of version {version}, which it does not "
-                                             "hold: out of step")
+                        raise OutOfStepError(
+                            f"the receiver let go of version {version}, which it does not "
+                            "hold: out of step"
+                        )
                 continue
         except Exception as error:  # noqa: BLE001 - a dead or lying receiver is dropped
             with session.cond:
@@ -52,19 +65,25 @@ def _listen(session: Session, pool: SnapshotPool, member: Member) -> None:
                 pool.retire(member)
                 session.cond.notify_all()
                 sending, gone = member.sending, member.gone
-            if sending is not None and gone is not None:  # (its send may wait in gloo for good: it fails now)
+            if (
+                sending is not None and gone is not None
+            ):  # (its send may wait in gloo for good: it fails now)
                 sending.abort(PeerError(gone))
             return
         if kind == BYE:
             with session.cond:  # (atomic with a push posting to the receivers still served)
                 member.leaving = True
                 session.cond.notify_all()
-                member.driver.submit(lambda: last_word(session, pool, member, RELEASED))  # after what is in flight
+                member.driver.submit(
+                    lambda: last_word(session, pool, member, RELEASED)
+                )  # after what is in flight
             return
         if kind == GOT:
             with session.cond:
                 member.got = ask
-                if ask.status != LANDED:  # a zero-copy receiver did not publish it: it holds nothing of it
+                if (
+                    ask.status != LANDED
+                ):  # a zero-copy receiver did not publish it: it holds nothing of it
                     pool.let_go(member, version)
                 session.cond.notify_all()
             continue
@@ -76,8 +95,14 @@ def _listen(session: Session, pool: SnapshotPool, member: Member) -> None:
 def serve(session: Session, pool: SnapshotPool, member: Member) -> None:
     """Latest mode, under the lock: start a reply if ``member`` asked and a newer version exists."""
     latest = pool.latest
-    if (member.served and not member.replying and member.asked is not None and latest is not None
-            and latest.header.version > member.asked and not session.closed):
+    if (
+        member.served
+        and not member.replying
+        and member.asked is not None
+        and latest is not None
+        and latest.header.version > member.asked
+        and not session.closed
+    ):
         member.replying = True
         member.driver.submit(lambda: _reply(session, pool, member))
 
@@ -89,10 +114,15 @@ def _reply(session: Session, pool: SnapshotPool, member: Member) -> None:
         snapshot.readers += 1
         member.asked = None
     version = snapshot.header.version
-    transfer = Transfer(send(session, member, snapshot, session.timeout), member.lane.stream,
-                        timeout=session.timeout, link=member.lane.link,
-                        on_error=dropping(session, pool, member, version, session.timeout, told=False),
-                        raise_first=False, what=f"version {version} to {member.who}")
+    transfer = Transfer(
+        send(session, member, snapshot, session.timeout),
+        member.lane.stream,
+        timeout=session.timeout,
+        link=member.lane.link,
+        on_error=dropping(session, pool, member, version, session.timeout, told=False),
+        raise_first=False,
+        what=f"version {version} to {member.who}",
+    )
     with session.cond:
         member.sending = transfer
         gone = member.gone  # (its listener found it dead before the transfer was known)
@@ -104,7 +134,9 @@ def _reply(session: Session, pool: SnapshotPool, member: Member) -> None:
         snapshot.readers -= 1
         through_segment = member.shared and snapshot.segment is not None
         if transfer.failed and not (through_segment and session.shared_kind == SHARED_MEMORY):
-            pool.replace(snapshot)  # its parked send may still read the buffer: never write it again
+            pool.replace(
+                snapshot
+            )  # its parked send may still read the buffer: never write it again
         member.replying = False
         serve(session, pool, member)  # it may have asked again meanwhile
         session.cond.notify_all()
@@ -116,14 +148,23 @@ def last_word(session: Session, pool: SnapshotPool, member: Member, kind: int) -
         if member.said_last or member.gone is not None:
             return
         member.said_last = True
-    header = PushHeader(session.version, session.schema.total, session.piece, session.schema.fingerprint, kind=kind)
+    header = PushHeader(
+        session.version, session.schema.total, session.piece, session.schema.fingerprint, kind=kind
+    )
     with contextlib.suppress(Exception):  # a receiver gone meanwhile: nothing left to tell
-        run(send_bytes(member.lane, header.pack(), session.tags.header), member.lane, session.timeout,
-            "weight-sync close", "took no close message")
+        run(
+            send_bytes(member.lane, header.pack(), session.tags.header),
+            member.lane,
+            session.timeout,
+            "weight-sync close",
+            "took no close message",
+        )
     if kind == RELEASED:
         with session.cond:
             if member.gone is None:
                 logger.info("weight sender: %s closed its receiver: no longer served", member.who)
             member.gone = member.gone or "closed by its receiver"
-            pool.retire(member)  # its published version stays readable: where it lies, never written again
+            pool.retire(
+                member
+            )  # its published version stays readable: where it lies, never written again
             session.cond.notify_all()

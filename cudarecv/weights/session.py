@@ -16,13 +16,17 @@ from .wire import Ask, SessionTags
 class Member:
     """The sender's view of one receiver: its lane, its driver, and why it is gone (if it is)."""
 
-    def __init__(self, lane: Lane, host: str = "", ident: int | None = None, pid: int | None = None) -> None:
+    def __init__(
+        self, lane: Lane, host: str = "", ident: int | None = None, pid: int | None = None
+    ) -> None:
         self.lane = lane
         #: its rank in the group, or (a receiver that joined through a store) its number among the joins
         self.rank = lane.link.peer if ident is None else ident
         self.host, self.pid = host, pid
         #: how errors and the log name it
-        self.who = f"rank {self.rank}" if ident is None else f"receiver {ident} (host {host}, pid {pid})"
+        self.who = (
+            f"rank {self.rank}" if ident is None else f"receiver {ident} (host {host}, pid {pid})"
+        )
         self.driver = Driver(f"cudarecv-push-{self.rank}")
         self.gone: str | None = None  # why it is no longer served
         self.leaving = False  # it said BYE: nothing new is sent to it
@@ -31,10 +35,16 @@ class Member:
         self.said_last = False  # CLOSED or RELEASED sent (once)
         self.named = False  # its failure reached the caller, in a push's error
         self.listener: threading.Thread | None = None
-        self.got: Ask | None = None  # relay, shared memory: the receiver's last word on a version (GOT)
-        self.shared = False  # it maps the sender's shared segments (same host): pushes send only headers
+        self.got: Ask | None = (
+            None  # relay, shared memory: the receiver's last word on a version (GOT)
+        )
+        self.shared = (
+            False  # it maps the sender's shared segments (same host): pushes send only headers
+        )
         self.alias = False  # zero-copy: it publishes the versions where they lie in the segments
-        self.holding: dict[int, Any] = {}  # zero-copy: the snapshot of each version it may still read
+        self.holding: dict[
+            int, Any
+        ] = {}  # zero-copy: the snapshot of each version it may still read
         #: the last transfer of a version to it (a push's or a reply's): failed at once when its listener finds
         #: the link dead, so that no push waits its whole timeout on a send to a dead receiver
         self.sending: Any = None
@@ -64,7 +74,9 @@ class Session:
     cond: threading.Condition = field(default_factory=threading.Condition)
     members: list[Member] = field(default_factory=list)
     version: int = 0
-    chain: list[int] = field(default_factory=list)  # the ranks (ids) of the last push's relay chain, in order
+    chain: list[int] = field(
+        default_factory=list
+    )  # the ranks (ids) of the last push's relay chain, in order
     closed: bool = False
     #: receivers join and leave through a store: a push never raises for one that failed (it is dropped and
     #: logged), and one with no receiver at all is no error

@@ -7,7 +7,8 @@ once a newer version is published and no reader is left on it."""
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from tensordict import TensorDict
@@ -24,50 +25,85 @@ class Slot:
     given, zero-copy) the sender's shared snapshot, mapped read-only. :meth:`placed_at` builds one whose leaves lie
     where the caller says (a sharded receiver's pieces, landed in place)."""
 
-    def __init__(self, schema: Schema, piece: int, device: torch.device, pin_memory: bool,
-                 storage: Tensor | None = None, leaves: list[Tensor] | None = None) -> None:
+    def __init__(
+        self,
+        schema: Schema,
+        piece: int,
+        device: torch.device,
+        pin_memory: bool,
+        storage: Tensor | None = None,
+        leaves: list[Tensor] | None = None,
+    ) -> None:
         self.alias = storage is not None and leaves is None
         if storage is None:
-            storage = torch.zeros(schema.total, dtype=torch.uint8, device=device, pin_memory=pin_memory)
+            storage = torch.zeros(
+                schema.total, dtype=torch.uint8, device=device, pin_memory=pin_memory
+            )
         self.storage = storage
-        self.version: int | None = None  # an alias: the version it holds, until the sender is told it is FREED
+        self.version: int | None = (
+            None  # an alias: the version it holds, until the sender is told it is FREED
+        )
         self.placed = leaves is not None
         views = leaves if leaves is not None else schema.views(self.storage)
-        self.td = TensorDict({leaf.key: v for leaf, v in zip(schema.leaves, views)}, batch_size=[]).lock_()
+        self.td = TensorDict(
+            {leaf.key: v for leaf, v in zip(schema.leaves, views)}, batch_size=[]
+        ).lock_()
         if len(self.td.keys(True, True)) != len(schema.leaves):
             raise SchemaError("the schema's keys do not make one leaf each")
         #: the messages a version lands in, in order
-        self.pieces = schema.cut_leaves([_bytes(v) for v in views], piece) if self.placed else schema.cut(
-            self.storage, piece)
-        self._whole = None if schema.leafwise else self.storage  # the digest's input at once, if one storage
+        self.pieces = (
+            schema.cut_leaves([_bytes(v) for v in views], piece)
+            if self.placed
+            else schema.cut(self.storage, piece)
+        )
+        self._whole = (
+            None if schema.leafwise else self.storage
+        )  # the digest's input at once, if one storage
         self._messages = schema.messages(piece) if self.placed else []
         self._schema, self._piece = schema, piece
         self.readers = 0
 
     @classmethod
-    def placed_at(cls, schema: Schema, piece: int, device: torch.device, pin_memory: bool,
-                  places: list[Tensor | None]) -> "Slot":
+    def placed_at(
+        cls,
+        schema: Schema,
+        piece: int,
+        device: torch.device,
+        pin_memory: bool,
+        places: list[Tensor | None],
+    ) -> Slot:
         """A slot of a leafwise ``schema`` whose leaf i lies at ``places[i]`` (a contiguous tensor of its dtype and
         shape, written in place by each pull), or, where that is None, in a storage of the slot's own."""
         if not schema.leafwise:
             raise UsageError("only a leafwise schema's messages can land where their leaves lie")
-        sizes = [aligned(leaf.nbytes) for leaf, place in zip(schema.leaves, places) if place is None]
+        sizes = [
+            aligned(leaf.nbytes) for leaf, place in zip(schema.leaves, places) if place is None
+        ]
         storage = torch.zeros(sum(sizes), dtype=torch.uint8, device=device, pin_memory=pin_memory)
         own = iter(storage.split(sizes) if sizes else [])
         leaves = []
         for leaf, place in zip(schema.leaves, places):
             if place is None:
-                place = next(own)[:leaf.nbytes].view(leaf.dtype).view(leaf.shape)
-            elif (place.dtype, tuple(place.shape)) != (leaf.dtype, leaf.shape) or not place.is_contiguous():
-                raise UsageError(f"leaf {leaf.name!r} cannot land in a {place.dtype} {list(place.shape)} "
-                                 f"{'' if place.is_contiguous() else 'strided '}tensor")
+                place = next(own)[: leaf.nbytes].view(leaf.dtype).view(leaf.shape)
+            elif (place.dtype, tuple(place.shape)) != (
+                leaf.dtype,
+                leaf.shape,
+            ) or not place.is_contiguous():
+                raise UsageError(
+                    f"leaf {leaf.name!r} cannot land in a {place.dtype} {list(place.shape)} "
+                    f"{'' if place.is_contiguous() else 'strided '}tensor"
+                )
             leaves.append(place)
         return cls(schema, piece, device, pin_memory, storage, leaves)
 
-    def writable(self) -> "Slot":
+    def writable(self) -> Slot:
         """This slot, or, placed (its leaves lie in its owner's buffers, which only the owner's pulls may write),
         one like it in storage of its own: where a closing receiver lands what it forwards."""
-        return Slot(self._schema, self._piece, self.storage.device, self.storage.is_pinned()) if self.placed else self
+        return (
+            Slot(self._schema, self._piece, self.storage.device, self.storage.is_pinned())
+            if self.placed
+            else self
+        )
 
     def digest(self) -> bytes:
         """BLAKE3 of what landed: the messages in order (``verify``)."""
@@ -78,25 +114,32 @@ class Slot:
         current stream for device memory)."""
         if not self.placed:
             if source.device.type == self.storage.device.type == "cpu":
-                copy_bytes(self.storage, source[:self.storage.numel()])
+                copy_bytes(self.storage, source[: self.storage.numel()])
             else:
-                self.storage.copy_(source[:self.storage.numel()], non_blocking=True)
+                self.storage.copy_(source[: self.storage.numel()], non_blocking=True)
             return
-        for (start, size), piece in zip(self._messages, self.pieces):  # each message where its leaf lies
-            piece.copy_(source[start:start + size], non_blocking=True)
+        for (start, size), piece in zip(
+            self._messages, self.pieces
+        ):  # each message where its leaf lies
+            piece.copy_(source[start : start + size], non_blocking=True)
 
 
 def _bytes(tensor: Tensor) -> Tensor:
     """A contiguous tensor's bytes, as a 1-d uint8 view."""
-    return tensor.reshape(-1).view(torch.uint8) if tensor.numel() else torch.empty(0, dtype=torch.uint8,
-                                                                                     device=tensor.device)
+    return (
+        tensor.reshape(-1).view(torch.uint8)
+        if tensor.numel()
+        else torch.empty(0, dtype=torch.uint8, device=tensor.device)
+    )
 
 
 class Slots:
     """The receiver's two own slots and its zero-copy aliases (one per shared snapshot), which is published, and
     who reads it; ``freed(version)`` tells the sender an alias's snapshot may be written again."""
 
-    def __init__(self, own: list[Slot], aliases: list[Slot], cond: Any, freed: Callable[[int], None]) -> None:
+    def __init__(
+        self, own: list[Slot], aliases: list[Slot], cond: Any, freed: Callable[[int], None]
+    ) -> None:
         self.own, self.aliases, self.cond, self._freed = own, aliases, cond, freed
         self.published: Slot | None = None
         self._spare: Callable[[], int] | None = None
@@ -163,7 +206,12 @@ class Slots:
         with self.cond:
             previous, self.published = self.published, slot
             slot.version = version
-            if previous is not None and previous is not slot and previous.alias and previous.readers == 0:
+            if (
+                previous is not None
+                and previous is not slot
+                and previous.alias
+                and previous.readers == 0
+            ):
                 self._free(previous)
             self.cond.notify_all()
 
@@ -182,7 +230,9 @@ class Slots:
             if alias is None or not alias.alias or alias.readers or busy:
                 return
             own = self.own[0]
-            if own.placed:  # its leaves lie in the owner's buffers (which copied what they need): let go only
+            if (
+                own.placed
+            ):  # its leaves lie in the owner's buffers (which copied what they need): let go only
                 self.published = None
                 self._free(alias)
                 return
@@ -204,22 +254,32 @@ def load_into(td: TensorDict, module: torch.nn.Module, strict: bool) -> None:
             missing.append(name)
             continue
         if source.shape != tensor.shape or source.dtype != tensor.dtype:
-            raise SchemaError(f"{name!r}: received {source.dtype} {list(source.shape)}, "
-                              f"module has {tensor.dtype} {list(tensor.shape)}")
-        if _placed(source) != _placed(tensor):  # a DTensor: its local shard, never a collective copy
-            raise SchemaError(f"{name!r}: received {_placed(source) or 'a whole tensor'}, the module holds "
-                              f"{_placed(tensor) or 'a whole tensor'}")
+            raise SchemaError(
+                f"{name!r}: received {source.dtype} {list(source.shape)}, "
+                f"module has {tensor.dtype} {list(tensor.shape)}"
+            )
+        if _placed(source) != _placed(
+            tensor
+        ):  # a DTensor: its local shard, never a collective copy
+            raise SchemaError(
+                f"{name!r}: received {_placed(source) or 'a whole tensor'}, the module holds "
+                f"{_placed(tensor) or 'a whole tensor'}"
+            )
         pairs.append((_local(tensor), _local(source)))
     extra = len(td.keys(True, True)) - len(pairs)
     if strict and (missing or extra):
-        raise SchemaError(f"load_into: module names not received: {missing}; "
-                          f"{extra} received leaves not in the module (pass strict=False to skip)")
+        raise SchemaError(
+            f"load_into: module names not received: {missing}; "
+            f"{extra} received leaves not in the module (pass strict=False to skip)"
+        )
     with torch.no_grad():
         for tensor, source in pairs:
             tensor.copy_(source, non_blocking=True)
     if any(s.device.type == "cpu" and t.device.type == "cuda" for t, s in pairs):
         # a copy out of host memory may still be queued: finish it before the next pull may write into it
-        torch.cuda.current_stream(next(t for t, _ in pairs if t.device.type == "cuda").device).synchronize()
+        torch.cuda.current_stream(
+            next(t for t, _ in pairs if t.device.type == "cuda").device
+        ).synchronize()
 
 
 def _placed(tensor: Tensor) -> tuple | None:

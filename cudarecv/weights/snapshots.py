@@ -12,7 +12,8 @@ writable ones are kept: new ones are the sender's own, sent on the wire).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -35,17 +36,28 @@ class Snapshot:
     """One sender-side storage of the weights, with the version it holds and its readers; in a shared segment
     (index ``segment`` of the handshake's offer) when receivers may map it."""
 
-    def __init__(self, schema: Schema, piece: int, device: torch.device, shared: tuple[int, Any] | None = None) -> None:
+    def __init__(
+        self,
+        schema: Schema,
+        piece: int,
+        device: torch.device,
+        shared: tuple[int, Any] | None = None,
+    ) -> None:
         self.segment, self.shared = (shared[0], shared[1]) if shared is not None else (None, None)
-        self.storage = shared[1].data if shared is not None else torch.zeros(schema.total, dtype=torch.uint8,
-                                                                              device=device)
+        self.storage = (
+            shared[1].data
+            if shared is not None
+            else torch.zeros(schema.total, dtype=torch.uint8, device=device)
+        )
         self.views = schema.views(self.storage)
         self.chunks = schema.cut(self.storage, piece)  # the messages it is sent in
         self._whole = None if schema.leafwise else self.storage
         self.header: PushHeader | None = None
         self.readers = 0  # replies in flight that send from it
         self.writing = False
-        self.holders = 0  # zero-copy receivers that may read it where it lies (sent to them, not yet FREED)
+        self.holders = (
+            0  # zero-copy receivers that may read it where it lies (sent to them, not yet FREED)
+        )
         self.retired = False  # a zero-copy receiver that held it is gone: it may read it still, never write it again
 
     def digest(self) -> bytes:
@@ -60,7 +72,9 @@ class SnapshotPool:
         self.session, self.device = session, device
         kind = session.shared_kind
         if kind == CUDA_IPC:
-            self.segments: list[Any] = [cuda_ipc.DeviceSegment(session.schema.total, device) for _ in range(count)]
+            self.segments: list[Any] = [
+                cuda_ipc.DeviceSegment(session.schema.total, device) for _ in range(count)
+            ]
             #: what receivers on this machine need to map the snapshots (sent in the handshake)
             self.offer = cuda_ipc.offer(self.segments)
         elif kind == SHARED_MEMORY:
@@ -68,11 +82,15 @@ class SnapshotPool:
             self.offer = offer(self.segments)
         else:
             self.segments, self.offer = [], b""
-        self.snapshots = [Snapshot(session.schema, session.piece, device, (i, s) if self.segments else None)
-                          for i, s in enumerate(self.segments or [None] * count)]
+        self.snapshots = [
+            Snapshot(session.schema, session.piece, device, (i, s) if self.segments else None)
+            for i, s in enumerate(self.segments or [None] * count)
+        ]
         self.latest: Snapshot | None = None
         self.populated = False  # the shared snapshots' pages allocated (once, for the first receiver to map them)
-        self.torn = False  # sync: a dropped receiver's send may still read the storage: use a new one
+        self.torn = (
+            False  # sync: a dropped receiver's send may still read the storage: use a new one
+        )
 
     def close_fds(self) -> None:
         """Every receiver that could map the segments has (or none will): nothing names them now."""
@@ -103,8 +121,10 @@ class SnapshotPool:
         with self.session.cond:
             self._replenish()
             if not self._wait(lambda: self._unheld() is not None, limit):
-                raise WaitTimeout(f"zero-copy receivers held every shared snapshot for {limit:g} s "
-                                  f"((rank, version): {self.session.held()}; a reading() kept across pushes?)")
+                raise WaitTimeout(
+                    f"zero-copy receivers held every shared snapshot for {limit:g} s "
+                    f"((rank, version): {self.session.held()}; a reading() kept across pushes?)"
+                )
             return self._unheld()
 
     def latest_target(self, limit: float) -> Snapshot:
@@ -112,8 +132,10 @@ class SnapshotPool:
         ``limit`` s), marked as being written."""
         with self.session.cond:
             if not self._wait(lambda: self._free() is not None, limit):
-                raise WaitTimeout(f"no snapshot buffer of {len(self.snapshots)} was free for {limit:g} s: "
-                                  f"{self._busy()}")
+                raise WaitTimeout(
+                    f"no snapshot buffer of {len(self.snapshots)} was free for {limit:g} s: "
+                    f"{self._busy()}"
+                )
             target = self._free()
             target.writing = True
             return target
@@ -123,20 +145,39 @@ class SnapshotPool:
 
     def _free(self) -> Snapshot | None:
         self._replenish()
-        return next((s for s in self.snapshots if s is not self.latest and s.readers == 0 and not s.writing
-                     and s.holders == 0 and not s.retired), None)
+        return next(
+            (
+                s
+                for s in self.snapshots
+                if s is not self.latest
+                and s.readers == 0
+                and not s.writing
+                and s.holders == 0
+                and not s.retired
+            ),
+            None,
+        )
 
     def _busy(self) -> str:
         """Under the lock: why no snapshot buffer is free (latest mode)."""
         sent, held = sum(s.readers > 0 for s in self.snapshots), self.session.held()
-        return (f"{sent} being sent, 1 the latest version" + (
-            f", held by zero-copy receivers ((rank, version): {held}; a reading() kept across pushes?)"
-            if held else "") + "; pass a larger `buffers`")
+        return (
+            f"{sent} being sent, 1 the latest version"
+            + (
+                f", held by zero-copy receivers ((rank, version): {held}; a reading() kept across pushes?)"
+                if held
+                else ""
+            )
+            + "; pass a larger `buffers`"
+        )
 
     def _replenish(self) -> None:
         """Under the lock: keep two snapshots that can be written once zero-copy receivers that left hold others
         forever (new ones are the sender's own, sent on the wire)."""
-        while any(s.retired for s in self.snapshots) and sum(not s.retired for s in self.snapshots) < 2:
+        while (
+            any(s.retired for s in self.snapshots)
+            and sum(not s.retired for s in self.snapshots) < 2
+        ):
             self.snapshots.append(self.own())
 
     def replace(self, snapshot: Snapshot) -> None:
@@ -172,18 +213,25 @@ class SnapshotPool:
         session = self.session
         if stream is not None:
             streams.follow_caller(stream)
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext(), torch.no_grad():
+        with (
+            torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext(),
+            torch.no_grad(),
+        ):
             host = isinstance(target.shared, Segment)
             if host:  # a receiver dropped while it copies sees that its version was overwritten
                 target.shared.begin_write(session.version + 1)
-            if host and plan.device.type == "cpu":  # (one thread: the receivers' copies share the cores)
+            if (
+                host and plan.device.type == "cpu"
+            ):  # (one thread: the receivers' copies share the cores)
                 for view, leaf in zip(target.views, plan.detached):
                     if leaf.is_contiguous():
                         copy_bytes(view, leaf)
                     else:  # (a strided view, e.g. a piece of a shard for a sharded receiver)
                         view.copy_(leaf)
             else:
-                torch._foreach_copy_(target.views, plan.detached, non_blocking=True)  # never an autograd node
+                torch._foreach_copy_(
+                    target.views, plan.detached, non_blocking=True
+                )  # never an autograd node
             digest = target.digest() if session.verify else bytes(16)
             if host:
                 target.shared.end_write(session.version + 1)
@@ -192,5 +240,11 @@ class SnapshotPool:
         if stream is not None:  # the caller's next writes (an optimizer step) wait for the copy
             torch.cuda.current_stream(stream.device).wait_stream(stream)
         session.version += 1
-        target.header = PushHeader(session.version, session.schema.total, session.piece,
-                                   session.schema.fingerprint, digest, session.verify)
+        target.header = PushHeader(
+            session.version,
+            session.schema.total,
+            session.piece,
+            session.schema.fingerprint,
+            digest,
+            session.verify,
+        )

@@ -20,9 +20,9 @@ of ``CLOSED`` and ``RELEASED``; once both are through, nothing is left posted.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum, IntFlag
-from typing import Sequence
 
 from torch import Tensor
 
@@ -46,7 +46,7 @@ class SessionTags:
     ask: int
 
     @classmethod
-    def of(cls, session: int) -> "SessionTags":
+    def of(cls, session: int) -> SessionTags:
         return cls(session, *session_tags(session))
 
     def relay(self, version: int) -> tuple[int, int]:
@@ -78,7 +78,9 @@ class HeaderKind(IntEnum):
     RELEASED = 2
 
 
-PUSH, CLOSED, RELEASED = HeaderKind  # (each message's kinds by name at module level too, as ``re`` has its flags)
+PUSH, CLOSED, RELEASED = (
+    HeaderKind  # (each message's kinds by name at module level too, as ``re`` has its flags)
+)
 _OUT_OF_STEP = "not drained, the link is out of step"
 HEADER = Record("weight-push header", b"CDRS", "HHIQQQ16s16siiiiI", size=96, hint=_OUT_OF_STEP)
 HEADER_SIZE = HEADER.size
@@ -108,21 +110,73 @@ class PushHeader:
     segment: int = -1
 
     def pack(self) -> bytes:
-        flags = ((Flag.VERIFY if self.verify else 0) | (Flag.RELAY if self.relayed else 0)
-                 | (Flag.SHARED if self.shared else 0))
-        return HEADER.pack(FORMAT, flags, self.kind, self.version, self.total, self.piece, self.fingerprint,
-                           self.checksum, self.up, self.down, self.segment, self.hop, self.wait_ms)
+        flags = (
+            (Flag.VERIFY if self.verify else 0)
+            | (Flag.RELAY if self.relayed else 0)
+            | (Flag.SHARED if self.shared else 0)
+        )
+        return HEADER.pack(
+            FORMAT,
+            flags,
+            self.kind,
+            self.version,
+            self.total,
+            self.piece,
+            self.fingerprint,
+            self.checksum,
+            self.up,
+            self.down,
+            self.segment,
+            self.hop,
+            self.wait_ms,
+        )
 
     @classmethod
-    def unpack(cls, raw: bytes) -> "PushHeader":
+    def unpack(cls, raw: bytes) -> PushHeader:
         """The header in ``raw``; :class:`OutOfStepError` if it is none or its fields are not a header's."""
-        fmt, flags, kind, version, total, piece, fingerprint, checksum, up, down, segment, hop, wait_ms = HEADER.unpack(raw)
-        if fmt != FORMAT or piece <= 0 or hop < 0 or kind not in iter(HeaderKind) or flags & ~(Flag.VERIFY | Flag.RELAY | Flag.SHARED):
-            raise OutOfStepError(f"a weight-push header of format {fmt}, kind {kind}, flags {flags}, {piece}-byte "
-                                 f"messages is not this cudarecv version's: {_OUT_OF_STEP}")
+        (
+            fmt,
+            flags,
+            kind,
+            version,
+            total,
+            piece,
+            fingerprint,
+            checksum,
+            up,
+            down,
+            segment,
+            hop,
+            wait_ms,
+        ) = HEADER.unpack(raw)
+        if (
+            fmt != FORMAT
+            or piece <= 0
+            or hop < 0
+            or kind not in iter(HeaderKind)
+            or flags & ~(Flag.VERIFY | Flag.RELAY | Flag.SHARED)
+        ):
+            raise OutOfStepError(
+                f"a weight-push header of format {fmt}, kind {kind}, flags {flags}, {piece}-byte "
+                f"messages is not this cudarecv version's: {_OUT_OF_STEP}"
+            )
         flags = Flag(flags)
-        return cls(version, total, piece, fingerprint, checksum, Flag.VERIFY in flags, HeaderKind(kind),
-                   Flag.RELAY in flags, up, down, hop, wait_ms, Flag.SHARED in flags, segment)
+        return cls(
+            version,
+            total,
+            piece,
+            fingerprint,
+            checksum,
+            Flag.VERIFY in flags,
+            HeaderKind(kind),
+            Flag.RELAY in flags,
+            up,
+            down,
+            hop,
+            wait_ms,
+            Flag.SHARED in flags,
+            segment,
+        )
 
 
 MAX_WAIT_MS = 2**32 - 1  # a header's ``wait_ms`` field (about 50 days)
@@ -184,8 +238,10 @@ def read_ask(raw: bytes) -> Ask:
     """The :class:`Ask` of a receiver's message; raises :class:`OutOfStepError` if it is none."""
     kind, version, status, rank = ASK_RECORD.unpack(raw)
     if kind not in iter(AskKind) or status not in iter(Got):
-        raise OutOfStepError(f"a receiver message of kind {kind}, status {status} is no cudarecv ask: "
-                             "the link is out of step")
+        raise OutOfStepError(
+            f"a receiver message of kind {kind}, status {status} is no cudarecv ask: "
+            "the link is out of step"
+        )
     return Ask(AskKind(kind), version, Got(status), rank)
 
 
@@ -213,7 +269,9 @@ def read_trailer(raw: bytes) -> tuple[Trailer, int, int]:
     """``(status, version, rank)`` of a relay trailer; raises :class:`OutOfStepError` if it is none."""
     status, version, rank = TRAILER.unpack(raw)
     if status not in iter(Trailer):
-        raise OutOfStepError(f"a relay trailer of status {status} is no cudarecv trailer: the link is out of step")
+        raise OutOfStepError(
+            f"a relay trailer of status {status} is no cudarecv trailer: the link is out of step"
+        )
     return Trailer(status), version, rank
 
 
@@ -236,8 +294,13 @@ class Answer(IntEnum):
 
 REFUSED, ACCEPTED, FAILED = Answer
 REASON_BYTES = STATUS_SIZE - 9  # what fits after the magic and status, before the CRC
-ANSWER = Record("handshake answer", b"CDRN", f"B{REASON_BYTES}s", size=STATUS_SIZE,
-                hint="is the peer a WeightReceiver of this cudarecv version?")
+ANSWER = Record(
+    "handshake answer",
+    b"CDRN",
+    f"B{REASON_BYTES}s",
+    size=STATUS_SIZE,
+    hint="is the peer a WeightReceiver of this cudarecv version?",
+)
 
 
 def status_message(status: Answer, text: str = "") -> bytes:
@@ -250,13 +313,20 @@ def read_status(raw: bytes) -> tuple[Answer, str]:
     Raises :class:`OutOfStepError` if ``raw`` is no answer (its length, magic, CRC or status is off)."""
     status, reason = ANSWER.unpack(raw)
     if status not in iter(Answer):
-        raise OutOfStepError(f"the handshake's answer of status {status} is not a cudarecv WeightReceiver's: "
-                             "is the peer one of this cudarecv version?")
+        raise OutOfStepError(
+            f"the handshake's answer of status {status} is not a cudarecv WeightReceiver's: "
+            "is the peer one of this cudarecv version?"
+        )
     return Answer(status), reason.rstrip(b"\x00").decode(errors="replace")
 
 
-PREAMBLE = Record("weight-sync handshake", b"CDRH", "IQQIII", crc=False,
-                  hint="is the peer a WeightSender of this cudarecv version?")
+PREAMBLE = Record(
+    "weight-sync handshake",
+    b"CDRH",
+    "IQQIII",
+    crc=False,
+    hint="is the peer a WeightSender of this cudarecv version?",
+)
 PREAMBLE_SIZE = PREAMBLE.size
 PREAMBLE_FORMAT = 6  # 5: the handshake's answer is a record (magic, CRC); 6: push header format 4
 
@@ -283,13 +353,17 @@ def read_preamble(raw: bytes) -> Offer:
     weight sender of this version (the lengths are the receiver's to check: :func:`check_offer`)."""
     fmt, length, piece, mode, session, shared = PREAMBLE.unpack(raw)
     if fmt != PREAMBLE_FORMAT or mode >= len(MODES) or session >= SESSIONS:
-        raise OutOfStepError(f"a weight-sync handshake of format {fmt}, mode {mode}, session {session} is not this "
-                             f"cudarecv version's: {PREAMBLE.hint}")
+        raise OutOfStepError(
+            f"a weight-sync handshake of format {fmt}, mode {mode}, session {session} is not this "
+            f"cudarecv version's: {PREAMBLE.hint}"
+        )
     return Offer(length, piece, MODES[mode], session, shared)
 
 
 def check_offer(length: int, piece: int) -> None:
     """The lengths a preamble announces must be plausible before anything is sized from them."""
     if not 0 < length <= MAX_SCHEMA_BYTES or not 0 < piece <= MAX_BYTES:
-        raise SchemaError(f"the handshake announces a schema of {length} bytes and {piece}-byte messages: "
-                          "out of range")
+        raise SchemaError(
+            f"the handshake announces a schema of {length} bytes and {piece}-byte messages: "
+            "out of range"
+        )

@@ -10,7 +10,8 @@ no message lengths: there both ends use the exact size.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -33,7 +34,9 @@ def wire_bytes(lane: Lane, data: bytes) -> Tensor:
     return device
 
 
-def read_bytes(lane: Lane, size: int, tag: int, what: str, error: Callable[[str], Exception]) -> Any:
+def read_bytes(
+    lane: Lane, size: int, tag: int, what: str, error: Callable[[str], Exception]
+) -> Any:
     """Receive one message of ``size`` bytes with ``tag`` and return its bytes (a sub-protocol).
 
     A shorter message comes back zero-filled (its parser rejects it); on gloo a
@@ -47,8 +50,10 @@ def read_bytes(lane: Lane, size: int, tag: int, what: str, error: Callable[[str]
         yield from recv_into(lane, [raw], [tag])
         data = raw.numpy()
         if data[size:].any():
-            raise error(f"the {what} message is longer than its {size} bytes: the peer speaks another "
-                        "protocol or version on this tag")
+            raise error(
+                f"the {what} message is longer than its {size} bytes: the peer speaks another "
+                "protocol or version on this tag"
+            )
         return data[:size].tobytes()
     raw = torch.empty(size, dtype=torch.uint8, device=lane.stream.device)
     host = lane.pool.buffers("pinned", size, count=1)[0]

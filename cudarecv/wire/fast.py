@@ -27,7 +27,8 @@ raises :class:`~cudarecv.core.errors.OutOfStepError` saying so.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from torch import Tensor
 
@@ -41,7 +42,9 @@ from . import layouts
 from .control import read_bytes, wire_bytes
 from .staging import Lane, drain, recv_into, send_from
 
-OFFER_SIZE = 512  # a same-host offer (:mod:`cudarecv.samehost.sides`), which may follow a header on its tag
+OFFER_SIZE = (
+    512  # a same-host offer (:mod:`cudarecv.samehost.sides`), which may follow a header on its tag
+)
 
 
 def staging_place(lane: Lane, plan: Plan) -> str:
@@ -51,17 +54,26 @@ def staging_place(lane: Lane, plan: Plan) -> str:
     return "pinned" if plan.device.type == "cuda" else "cpu"
 
 
-def send(lane: Lane, header: Header, pieces: list[Tensor], init_tag: int,
-         pack: Callable[[], None] | None = None, offer: bytes | None = None) -> Protocol:
+def send(
+    lane: Lane,
+    header: Header,
+    pieces: list[Tensor],
+    init_tag: int,
+    pack: Callable[[], None] | None = None,
+    offer: bytes | None = None,
+) -> Protocol:
     """Send ``header`` then ``pieces``, all posted in the first step.
 
     ``pack()`` (if given) writes the pieces; it runs once the header is
     posted, so the receiver checks the header and posts its receives meanwhile.
     ``offer`` (a same-host offer, :mod:`cudarecv.samehost.sides`) goes right after the header.
     """
-    header, first = layouts.announce(lane.link, header, offer)  # the header, the offer, perhaps its layout
-    head = yield from send_from(lane, [wire_bytes(lane, m) for m in first], [header_tag(init_tag)] * len(first),
-                                defer=True)
+    header, first = layouts.announce(
+        lane.link, header, offer
+    )  # the header, the offer, perhaps its layout
+    head = yield from send_from(
+        lane, [wire_bytes(lane, m) for m in first], [header_tag(init_tag)] * len(first), defer=True
+    )
     if pack is not None:
         pack()
     yield from send_from(lane, pieces, [piece_tag(init_tag)] * len(pieces))
@@ -74,10 +86,19 @@ def _too_long(text: str) -> OutOfStepError:
     return OutOfStepError(f"{text} (not drained, the link is out of step)")
 
 
-def recv(lane: Lane, expected: Header, pieces_for: Callable[[int], list[Tensor]], init_tag: int,
-         result: object, landed: Callable[[int, int], None] | None = None, side: Any = None,
-         allow: bool = False, copy_shared: Callable[..., None] | None = None, route: Any = None,
-         table: Any = None) -> Protocol:
+def recv(
+    lane: Lane,
+    expected: Header,
+    pieces_for: Callable[[int], list[Tensor]],
+    init_tag: int,
+    result: object,
+    landed: Callable[[int, int], None] | None = None,
+    side: Any = None,
+    allow: bool = False,
+    copy_shared: Callable[..., None] | None = None,
+    route: Any = None,
+    table: Any = None,
+) -> Protocol:
     """Receive a header, check it against ``expected``, then the payload.
 
     ``pieces_for(piece_bytes)`` returns the receive buffers for the sender's
@@ -92,16 +113,23 @@ def recv(lane: Lane, expected: Header, pieces_for: Callable[[int], list[Tensor]]
     """
     raw = yield from read_bytes(lane, SIZE, header_tag(init_tag), "fast-wire header", _too_long)
     header = Header.unpack(raw)
-    if header.init_tag != init_tag:  # (on gloo the tags keep transfers apart; NCCL matches in posting order)
+    if (
+        header.init_tag != init_tag
+    ):  # (on gloo the tags keep transfers apart; NCCL matches in posting order)
         raise OutOfStepError(
             f"this receive (init_tag {init_tag}) took the fast-wire header of the sender's transfer with init_tag "
             f"{header.init_tag}: NCCL ignores tags and matches messages in posting order, so fast-wire receives "
-            "must be posted in the order of the sender's sends (not drained, the link is out of step)")
+            "must be posted in the order of the sender's sends (not drained, the link is out of step)"
+        )
     tag = piece_tag(init_tag)
     if header.offer:
         if side is None:
-            raise OutOfStepError("the sender offers shared memory on a link that cannot take it: out of step")
-        offer = yield from read_bytes(lane, OFFER_SIZE, header_tag(init_tag), "same-host offer", _too_long)
+            raise OutOfStepError(
+                "the sender offers shared memory on a link that cannot take it: out of step"
+            )
+        offer = yield from read_bytes(
+            lane, OFFER_SIZE, header_tag(init_tag), "same-host offer", _too_long
+        )
         side.take_offer(lane, offer, allow, header)
     if header.described:
         yield from layouts.take(lane, header, init_tag, _too_long)
@@ -110,7 +138,9 @@ def recv(lane: Lane, expected: Header, pieces_for: Callable[[int], list[Tensor]]
     yield [Stage(payload)]  # from here a failure is the payload's, not the header's
     if header.transport:
         if side is None:
-            raise OutOfStepError("the payload comes through shared memory on a link that has none: out of step")
+            raise OutOfStepError(
+                "the payload comes through shared memory on a link that has none: out of step"
+            )
         took = yield from side.receive(lane, header, init_tag, copy_shared, problem, route, table)
         if took:
             if problem:
@@ -123,7 +153,11 @@ def recv(lane: Lane, expected: Header, pieces_for: Callable[[int], list[Tensor]]
                 f"{problem}; its {header.total} bytes are more than this receiver drains ({limit}): "
                 "not drained, the link is out of step; the tensordict was left untouched"
             )
-        yield [Stage(f"drain of a mismatched fast-wire payload ({header.total} bytes on tag {tag}; {problem})")]
+        yield [
+            Stage(
+                f"drain of a mismatched fast-wire payload ({header.total} bytes on tag {tag}; {problem})"
+            )
+        ]
         yield from drain(lane, piece_sizes(header.total, header.piece), tag)
         raise _rejected(problem)
     pieces = pieces_for(header.piece)
@@ -135,8 +169,12 @@ def recv(lane: Lane, expected: Header, pieces_for: Callable[[int], list[Tensor]]
 
     # (on gloo the host sees each message land: it counts them, so a failure names the one it waited for)
     payload.counted = not lane.nccl and (landed is not None or lane.stream is None)
-    yield from recv_into(lane, pieces, [tag] * len(pieces),
-                         landed=on_piece if payload.counted or landed is not None else None)
+    yield from recv_into(
+        lane,
+        pieces,
+        [tag] * len(pieces),
+        landed=on_piece if payload.counted or landed is not None else None,
+    )
     return result
 
 
@@ -154,25 +192,35 @@ class PayloadStage:
     def __str__(self) -> str:
         if not self.counted or self.count == 0:
             return f"receive of the fast-wire payload ({self.count} {self.kind}s of {self.piece} bytes on tag {self.tag})"
-        return (f"receive of the fast-wire payload, {self.kind} {min(self.landed + 1, self.count)} of {self.count} "
-                f"({self.landed} in; {self.piece} bytes each on tag {self.tag})")
+        return (
+            f"receive of the fast-wire payload, {self.kind} {min(self.landed + 1, self.count)} of {self.count} "
+            f"({self.landed} in; {self.piece} bytes each on tag {self.tag})"
+        )
 
 
 def _rejected(problem: str) -> HeaderError:
-    return HeaderError(f"{problem}: the payload was drained and the tensordict left untouched; "
-                       "receive into a tensordict with the sender's keys, shapes and dtypes "
-                       "(and, consolidated, the same layout)")
+    return HeaderError(
+        f"{problem}: the payload was drained and the tensordict left untouched; "
+        "receive into a tensordict with the sender's keys, shapes and dtypes "
+        "(and, consolidated, the same layout)"
+    )
 
 
 def _mismatch(expected: Header, got: Header, theirs: bytes | None) -> str | None:
     """What differs between the sender's header ``got`` and this receive's ``expected`` (None: nothing): the first
     key that differs and how on both sides, from the sender's layout ``theirs`` (:mod:`.layouts`), then both
     headers in short."""
+
     def summary(h: Header) -> str:
-        return f"{KIND_NAMES[h.kind]} of {h.leaves} leaves, {h.total} bytes, schema {h.schema.hex()}"
+        return (
+            f"{KIND_NAMES[h.kind]} of {h.leaves} leaves, {h.total} bytes, schema {h.schema.hex()}"
+        )
 
     if (expected.kind, expected.leaves, expected.total, expected.schema) == (
-        got.kind, got.leaves, got.total, got.schema
+        got.kind,
+        got.leaves,
+        got.total,
+        got.schema,
     ):
         return None
     both = f"the sender sends {summary(got)}; this tensordict expects {summary(expected)}"
@@ -181,7 +229,11 @@ def _mismatch(expected: Header, got: Header, theirs: bytes | None) -> str | None
     sender = None if theirs is None else describe.parse(theirs)
     ours = None if expected.describe is None else describe.parse(expected.describe())
     detail = None if sender is None or ours is None else describe.difference(sender, ours)
-    if detail is None:  # (not told: it was described to a receive that did not keep it, or an older schema)
-        return (f"fast-wire mismatch ({both}); the sender's keys are not known here (it describes a layout once per "
-                "link, and this process did not keep it), compare the tensordicts' keys, shapes and dtypes")
+    if (
+        detail is None
+    ):  # (not told: it was described to a receive that did not keep it, or an older schema)
+        return (
+            f"fast-wire mismatch ({both}); the sender's keys are not known here (it describes a layout once per "
+            "link, and this process did not keep it), compare the tensordicts' keys, shapes and dtypes"
+        )
     return f"fast-wire mismatch at {detail} ({both})"

@@ -17,7 +17,8 @@ import struct
 import threading
 import weakref
 from collections import OrderedDict
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ..core.link import Link
 from ..core.tags import header_tag
@@ -30,8 +31,12 @@ KEEP = 16  # schemas remembered per link at each end
 _LENGTH = struct.Struct("<Q")
 
 # per group (weakly) and peer: the schemas this process described as a sender, and those it learned as a receiver
-_SENT: "weakref.WeakKeyDictionary[Any, dict[int, OrderedDict[bytes, None]]]" = weakref.WeakKeyDictionary()
-_KNOWN: "weakref.WeakKeyDictionary[Any, dict[int, OrderedDict[bytes, bytes]]]" = weakref.WeakKeyDictionary()
+_SENT: weakref.WeakKeyDictionary[Any, dict[int, OrderedDict[bytes, None]]] = (
+    weakref.WeakKeyDictionary()
+)
+_KNOWN: weakref.WeakKeyDictionary[Any, dict[int, OrderedDict[bytes, bytes]]] = (
+    weakref.WeakKeyDictionary()
+)
 _LOCK = threading.Lock()
 
 
@@ -58,7 +63,9 @@ def announce(link: Link, header: Header, offer: bytes | None = None) -> tuple[He
         _seen(sent, header.schema, None)
     if first and header.describe is not None:
         raw = header.describe()
-        if len(raw) <= MAX_DESCRIPTION:  # (a larger one is not sent: a mismatch is then said by fingerprint)
+        if (
+            len(raw) <= MAX_DESCRIPTION
+        ):  # (a larger one is not sent: a mismatch is then said by fingerprint)
             header = dataclasses.replace(header, described=True)
             tail = [_LENGTH.pack(len(raw)), raw]
     return header, [header.pack(), *([] if offer is None else [offer]), *tail]

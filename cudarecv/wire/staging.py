@@ -23,9 +23,10 @@ On NCCL the host never waits for the wire: ``Work.wait()`` orders the stream.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -74,8 +75,10 @@ def lane_for(link: Link, device: torch.device, stream: Any, pool: _cuda.StagingP
             )
         return Lane(link, None, pool)
     if not torch.cuda.is_available():
-        raise UsageError(f"the {link.backend} backend with a tensordict on {device} needs CUDA, "
-                           "which this process cannot use")
+        raise UsageError(
+            f"the {link.backend} backend with a tensordict on {device} needs CUDA, "
+            "which this process cannot use"
+        )
     if device.type != "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     lane_stream = _cuda.transfer_stream(device, stream)
@@ -118,9 +121,13 @@ def _host_ready(lane: Lane, buffer: Tensor) -> None:
         event.synchronize()
 
 
-def recv_into(lane: Lane, dests: Sequence[Tensor], tags: Sequence[int],
-              staging: Sequence[Tensor] | None = None,
-              landed: Callable[[int], None] | None = None) -> Any:
+def recv_into(
+    lane: Lane,
+    dests: Sequence[Tensor],
+    tags: Sequence[int],
+    staging: Sequence[Tensor] | None = None,
+    landed: Callable[[int], None] | None = None,
+) -> Any:
     """Receive message i into ``dests[i]`` (contiguous); ``landed(i)`` once it is there.
 
     ``landed`` runs on the stream that wrote ``dests[i]`` (the transfer stream, or
@@ -164,7 +171,9 @@ def _recv_full(lane: Lane, dests, tags, staging, landed) -> Any:
     _host_ready(lane, base)
     yield lane.post(False, staging, tags)
     with lane.on_stream():
-        torch._foreach_copy_([_byte(d) for d in dests], [_byte(s) for s in staging], non_blocking=True)
+        torch._foreach_copy_(
+            [_byte(d) for d in dests], [_byte(s) for s in staging], non_blocking=True
+        )
         for i in range(len(dests) if landed else 0):
             landed(i)
         lane.pool.set_fence(base, _cuda.record(lane.stream))
@@ -230,13 +239,20 @@ def _recv_ring_nccl(lane: Lane, dests, tags, landed) -> Any:
 def drain(lane: Lane, sizes: Sequence[int], tag: int) -> Any:
     """Receive and drop messages of ``sizes`` bytes on ``tag`` (keeps a link in step after a rejected header); one
     scratch message, nothing per piece."""
-    scratch = torch.empty(max(sizes, default=0), dtype=torch.uint8, device=lane.stream.device if lane.nccl else "cpu")
+    scratch = torch.empty(
+        max(sizes, default=0), dtype=torch.uint8, device=lane.stream.device if lane.nccl else "cpu"
+    )
     for size in sizes:
         yield from recv_into(lane, [scratch[:size]], [tag])
 
 
-def send_from(lane: Lane, srcs: Sequence[Tensor], tags: Sequence[int],
-              staging: Sequence[Tensor] | None = None, defer: bool = False) -> Any:
+def send_from(
+    lane: Lane,
+    srcs: Sequence[Tensor],
+    tags: Sequence[int],
+    staging: Sequence[Tensor] | None = None,
+    defer: bool = False,
+) -> Any:
     """Send ``srcs[i]`` as message i.
 
     With ``defer``, works posted straight from the wire's memory are returned
@@ -260,7 +276,9 @@ def send_from(lane: Lane, srcs: Sequence[Tensor], tags: Sequence[int],
     # gloo from CUDA memory: D2H into pinned staging (full, or a ring of two), then send
     if staging is not None:
         with lane.on_stream():
-            torch._foreach_copy_([_byte(s) for s in staging], [_byte(t) for t in srcs], non_blocking=True)
+            torch._foreach_copy_(
+                [_byte(s) for s in staging], [_byte(t) for t in srcs], non_blocking=True
+            )
             copied = _cuda.record(lane.stream)
         yield [_cuda.EventWork(copied)]
         yield lane.post(True, staging, tags)

@@ -29,7 +29,9 @@ def _full_staging(lane: Lane, plan: Plan) -> list[Tensor] | None:
 
 
 def send_leaves(lane: Lane, plan: Plan, tags: list[int]) -> Protocol:
-    lane.batched = lane.nccl and nccl_batching(lane.link)  # (a leaf per message, as one batch where agreed)
+    lane.batched = lane.nccl and nccl_batching(
+        lane.link
+    )  # (a leaf per message, as one batch where agreed)
     yield from send_from(lane, plan.tensors, tags, staging=_full_staging(lane, plan))
     return None
 

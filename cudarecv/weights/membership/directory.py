@@ -37,8 +37,9 @@ import os
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 from ...core.checks import MAX_TIMEOUT
 from ...core.errors import (
@@ -79,7 +80,9 @@ class SenderRecord:
     timeout: float  # how long a receiver's heartbeat may stand still before it is dropped
 
     def to_json(self) -> str:
-        return json.dumps({"host": self.host, "pid": self.pid, "mode": self.mode, "timeout": self.timeout})
+        return json.dumps(
+            {"host": self.host, "pid": self.pid, "mode": self.mode, "timeout": self.timeout}
+        )
 
     @classmethod
     def parse(cls, raw: bytes, key: str) -> SenderRecord:
@@ -88,12 +91,23 @@ class SenderRecord:
         if mode not in ("sync", "latest"):
             raise _bad(key, "a sender's record", f"its mode is {mode!r}, not 'sync' or 'latest'")
         timeout = fields.get("timeout")
-        if (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout)
-                or not 0 < timeout <= MAX_TIMEOUT):
-            raise _bad(key, "a sender's record", f"its timeout is {timeout!r}, not a number of seconds in (0, "
-                       f"{MAX_TIMEOUT:g}]")
-        return cls(_host(fields, key, "a sender's record"), _pid(fields, key, "a sender's record"), mode,
-                   float(timeout))
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, (int, float))
+            or not math.isfinite(timeout)
+            or not 0 < timeout <= MAX_TIMEOUT
+        ):
+            raise _bad(
+                key,
+                "a sender's record",
+                f"its timeout is {timeout!r}, not a number of seconds in (0, {MAX_TIMEOUT:g}]",
+            )
+        return cls(
+            _host(fields, key, "a sender's record"),
+            _pid(fields, key, "a sender's record"),
+            mode,
+            float(timeout),
+        )
 
 
 @dataclass(frozen=True)
@@ -122,7 +136,9 @@ class JoinRecord:
             return cls("closing", token=fields["closing"])
         if fields.get("skip") is True:
             return cls("skip")
-        return cls("join", _host(fields, key, "a join request"), _pid(fields, key, "a join request"))
+        return cls(
+            "join", _host(fields, key, "a join request"), _pid(fields, key, "a join request")
+        )
 
 
 class Directory:
@@ -130,10 +146,14 @@ class Directory:
 
     def __init__(self, store: Any, name: Any, timeout: float) -> None:
         if store is None or not hasattr(store, "add") or not hasattr(store, "wait"):
-            raise ArgumentError(f"`store` must be a torch.distributed.Store (TCPStore, FileStore), got {store!r}")
+            raise ArgumentError(
+                f"`store` must be a torch.distributed.Store (TCPStore, FileStore), got {store!r}"
+            )
         if not isinstance(name, str) or not name or "/" in name:
-            raise ArgumentError(f"`name` must be a non-empty string without '/' (the sender's name in the store), "
-                                f"got {name!r}")
+            raise ArgumentError(
+                f"`name` must be a non-empty string without '/' (the sender's name in the store), "
+                f"got {name!r}"
+            )
         # a client of its own: a push takes its version's number in the store, and must not wait behind a
         # blocking wait of the caller's on its client (a TCPStore client runs one operation at a time); its calls
         # wait at most ``timeout`` for a store that stopped answering
@@ -151,15 +171,23 @@ class Directory:
         except StoreError:
             raise
         except Exception as error:  # noqa: BLE001 - DistNetworkError, DistStoreError, RuntimeError, by store
-            raise StoreError(f"weight sync {self.name!r}: the store failed to {what} {key!r} ({error}): is its "
-                             "server (the TCPStore's master process) still up?", key) from error
+            raise StoreError(
+                f"weight sync {self.name!r}: the store failed to {what} {key!r} ({error}): is its "
+                "server (the TCPStore's master process) still up?",
+                key,
+            ) from error
 
     def count(self, key: str, step: int, store: Any = None) -> int:
         """Add ``step`` to the counter ``key`` (0: read it): its value, checked."""
         store = self.store if store is None else store
         value = self.call("add to", key, lambda: store.add(key, step))
         if not 0 <= value <= MAX_COUNT:
-            raise _bad(key, "a counter", f"it holds {value}", "delete the key (no sender of the name may run then)")
+            raise _bad(
+                key,
+                "a counter",
+                f"it holds {value}",
+                "delete the key (no sender of the name may run then)",
+            )
         return value
 
     def read(self, key: str, store: Any = None) -> bytes | None:
@@ -169,7 +197,9 @@ class Directory:
             return None
         value = self.call("read", key, lambda: store.get(key))
         if len(value) > MAX_RECORD_BYTES:
-            raise _bad(key, "a record", f"it holds {len(value)} bytes, more than {MAX_RECORD_BYTES}")
+            raise _bad(
+                key, "a record", f"it holds {len(value)} bytes, more than {MAX_RECORD_BYTES}"
+            )
         return value
 
     def set_once(self, key: str, value: str) -> bytes:
@@ -201,7 +231,11 @@ class Directory:
         sender = self.key(f"g{generation}", "sender")
         self.call("write", sender, lambda: self.store.set(sender, record.to_json()))
         # (after the record: a receiver that reads `current` finds the record there)
-        self.call("write", self.key("current"), lambda: self.store.set(self.key("current"), str(generation)))
+        self.call(
+            "write",
+            self.key("current"),
+            lambda: self.store.set(self.key("current"), str(generation)),
+        )
         return generation, version
 
     def next_version(self) -> int:
@@ -231,18 +265,26 @@ class Directory:
     def close(self, generation: int, k: int, token: str) -> None:
         """Wake the generation's admission thread, waiting for join ``k``: the sender closed (a receiver's
         request written there first wakes it as well)."""
-        self.set_once(self.key(f"g{generation}", "join", k), JoinRecord("closing", token=token).to_json())
+        self.set_once(
+            self.key(f"g{generation}", "join", k), JoinRecord("closing", token=token).to_json()
+        )
 
     # -- a receiver's side -------------------------------------------------------------------------------
     def current(self, newer_than: int, limit: float, closing: threading.Event) -> int:
         """The newest generation above ``newer_than`` whose sender record is there, waiting up to ``limit`` s for
         the next to announce itself (:class:`UsageError` at once if ``closing`` is set meanwhile)."""
-        if not self.wait_for(self.key(f"g{newer_than + 1}", "sender"), time.monotonic() + limit, closing):
+        if not self.wait_for(
+            self.key(f"g{newer_than + 1}", "sender"), time.monotonic() + limit, closing
+        ):
             if newer_than:
-                raise SenderClosed(f"weight sender {self.name!r}: no new sender came within {limit:g} s (the last, "
-                                   f"generation {newer_than}, is gone)")
-            raise WaitTimeout(f"no weight sender named {self.name!r} came within {limit:g} s (is the trainer up, "
-                              "with this store?)")
+                raise SenderClosed(
+                    f"weight sender {self.name!r}: no new sender came within {limit:g} s (the last, "
+                    f"generation {newer_than}, is gone)"
+                )
+            raise WaitTimeout(
+                f"no weight sender named {self.name!r} came within {limit:g} s (is the trainer up, "
+                "with this store?)"
+            )
         named = self.newest()
         newest = named if named is not None and named > newer_than else newer_than + 1
         while newest > newer_than + 1 and self.read(self.key(f"g{newest}", "sender")) is None:
@@ -268,15 +310,24 @@ class Directory:
             k = self.count(self.key(f"g{generation}", "joins"), 1)
             key = self.key(f"g{generation}", "join", k)
             there = self.set_once(key, mine)
-            if k > 1:  # (the number before: if it is still unwritten, its receiver died or is late: skip it)
-                self.set_once(self.key(f"g{generation}", "join", k - 1), JoinRecord("skip").to_json())
+            if (
+                k > 1
+            ):  # (the number before: if it is still unwritten, its receiver died or is late: skip it)
+                self.set_once(
+                    self.key(f"g{generation}", "join", k - 1), JoinRecord("skip").to_json()
+                )
             if there.decode(errors="replace") == mine:
                 return k
             if JoinRecord.parse(there, key).kind == "closing":
-                raise SenderClosed(f"weight sender {self.name!r} (generation {generation}) closed as this receiver "
-                                   "asked to join it")
-        raise StoreError(f"weight sync {self.name!r}: {JOIN_TRIES} join numbers in a row were marked skipped before "
-                         "this receiver wrote its request (is the store very slow?)", self.key(f"g{generation}", "joins"))
+                raise SenderClosed(
+                    f"weight sender {self.name!r} (generation {generation}) closed as this receiver "
+                    "asked to join it"
+                )
+        raise StoreError(
+            f"weight sync {self.name!r}: {JOIN_TRIES} join numbers in a row were marked skipped before "
+            "this receiver wrote its request (is the store very slow?)",
+            self.key(f"g{generation}", "joins"),
+        )
 
     def pair(self, generation: int, k: int) -> str:
         """The prefix on which the sender and receiver ``k`` form their group."""
@@ -311,11 +362,16 @@ def closing_token() -> str:
 
 
 # -- checking records -----------------------------------------------------------------------------------------
-def _bad(key: str, what: str, problem: str,
-         fix: str = "is another program writing under cudarecv/weights/? Delete the key, or give the sender "
-                    "another `name`") -> StoreRecordError:
-    return StoreRecordError(f"the store's key {key!r} should hold {what} written by cudarecv, but {problem}: {fix}",
-                            key)
+def _bad(
+    key: str,
+    what: str,
+    problem: str,
+    fix: str = "is another program writing under cudarecv/weights/? Delete the key, or give the sender "
+    "another `name`",
+) -> StoreRecordError:
+    return StoreRecordError(
+        f"the store's key {key!r} should hold {what} written by cudarecv, but {problem}: {fix}", key
+    )
 
 
 def _object(raw: bytes, key: str, what: str) -> dict[str, Any]:
@@ -331,7 +387,11 @@ def _object(raw: bytes, key: str, what: str) -> dict[str, Any]:
 def _host(fields: dict[str, Any], key: str, what: str) -> str:
     host = fields.get("host")
     if not isinstance(host, str) or not 0 < len(host) <= MAX_HOST_CHARS:
-        raise _bad(key, what, f"its host is {str(host)[:40]!r}, not a name of at most {MAX_HOST_CHARS} characters")
+        raise _bad(
+            key,
+            what,
+            f"its host is {str(host)[:40]!r}, not a name of at most {MAX_HOST_CHARS} characters",
+        )
     return host
 
 

@@ -21,10 +21,17 @@ class Edges:
     :class:`~cudarecv.weights.relay.Hop` calls for a neighbour it has no lane to yet."""
 
     def __init__(self, directory: Directory, generation: int, ident: int, timeout: float) -> None:
-        self.directory, self.generation, self.ident, self.timeout = directory, generation, ident, timeout
+        self.directory, self.generation, self.ident, self.timeout = (
+            directory,
+            generation,
+            ident,
+            timeout,
+        )
         self._lock = threading.Lock()
-        self.store: Any = None  # a client of its own, at the first pair (formed on the pulls' thread: never
-                                # behind the caller's wait on theirs)
+        self.store: Any = (
+            None  # a client of its own, at the first pair (formed on the pulls' thread: never
+        )
+        # behind the caller's wait on theirs)
 
     def __call__(self, peer: int, version: int, limit: float) -> Link:
         """The link to receiver ``peer``, formed within ``limit`` s (at most ``timeout``; :class:`TransferTimeout`
@@ -33,7 +40,13 @@ class Edges:
         with self._lock:  # (the pairs of one push form at once)
             if self.store is None:
                 self.store = own_client(self.directory.store)
-        group = store_group(self.store, self.directory.edge(self.generation, self.ident, peer, version),
-                            rank, 2, min(limit, self.timeout), f"receiver {self.ident} of weight sender "
-                            f"{self.directory.name!r}: its relay pair with receiver {peer}")
+        group = store_group(
+            self.store,
+            self.directory.edge(self.generation, self.ident, peer, version),
+            rank,
+            2,
+            min(limit, self.timeout),
+            f"receiver {self.ident} of weight sender "
+            f"{self.directory.name!r}: its relay pair with receiver {peer}",
+        )
         return resolve(None, 1 - rank, group, "src", "group_src")

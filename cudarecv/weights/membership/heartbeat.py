@@ -52,8 +52,14 @@ class Heartbeat:
         """Whether the sender said it dropped the join followed: read at every beat, and here (a pull's) only if
         the last beat is older than a period (this process was stopped: the thread has not beaten since)."""
         joined = self._joined
-        if not self.dropped.is_set() and joined is not None and time.monotonic() - self._beaten > joined[2]:
-            with contextlib.suppress(Exception):  # (a store that fails: the pull says what became of the sender)
+        if (
+            not self.dropped.is_set()
+            and joined is not None
+            and time.monotonic() - self._beaten > joined[2]
+        ):
+            with contextlib.suppress(
+                Exception
+            ):  # (a store that fails: the pull says what became of the sender)
                 self._beat(count=False)
         return self.dropped.is_set()
 
@@ -64,8 +70,11 @@ class Heartbeat:
                 self._beat()
             except Exception as error:  # noqa: BLE001 - the store failed (or holds garbage): the next beat tries again
                 if not failing:  # (said once per run of failures)
-                    logger.warning("weight receiver of %r: its heartbeat failed (the store?): %s",
-                                   self.directory.name, error)
+                    logger.warning(
+                        "weight receiver of %r: its heartbeat failed (the store?): %s",
+                        self.directory.name,
+                        error,
+                    )
                 failing = True
             else:
                 failing = False

@@ -72,20 +72,35 @@ class ElasticReceiver(WeightReceiver):
         >>> receiver.load_into(policy)
     """
 
-    def __init__(self, src: Any = None, *, store: Any = None, name: Any = None, timeout: float = 60.0,
-                 **options: Any) -> None:
-        given = (["src"] if src is not None else []) + sorted(k for k in ("group", "group_src", "want") if k in options)
+    def __init__(
+        self,
+        src: Any = None,
+        *,
+        store: Any = None,
+        name: Any = None,
+        timeout: float = 60.0,
+        **options: Any,
+    ) -> None:
+        given = (["src"] if src is not None else []) + sorted(
+            k for k in ("group", "group_src", "want") if k in options
+        )
         if given:
-            raise ArgumentError(f"a receiver with `store` takes no {', '.join(map(repr, given))}: it joins the "
-                                "sender named `name` through the store (drop `store` and `name` to receive from a "
-                                "rank of a group)")
+            raise ArgumentError(
+                f"a receiver with `store` takes no {', '.join(map(repr, given))}: it joins the "
+                "sender named `name` through the store (drop `store` and `name` to receive from a "
+                "rank of a group)"
+            )
         self.timeout = check_timeout(timeout)
         self._directory = Directory(store, name, self.timeout)
         self._options = options
-        self._lock = threading.Lock()  # (the receiver joined, the join under way, closing: one change at a time)
+        self._lock = (
+            threading.Lock()
+        )  # (the receiver joined, the join under way, closing: one change at a time)
         self._closing = threading.Event()
         self._current: WeightReceiver | None = None
-        self._previous: WeightReceiver | None = None  # the last sender's, readable while it holds the newer version
+        self._previous: WeightReceiver | None = (
+            None  # the last sender's, readable while it holds the newer version
+        )
         #: the generation of the sender joined, and this receiver's number among its joins
         self.generation, self.id = 0, 0
         self._dead = 0  # a generation found dead (it took no join): never joined again
@@ -93,7 +108,9 @@ class ElasticReceiver(WeightReceiver):
         self._heartbeat = Heartbeat(self._directory)  # (the sender drops one that stops beating)
         try:
             joining = Joining(None, threading.Event())
-            self._join(joining, again=False)  # (on the caller's thread: nobody can close it before it returns)
+            self._join(
+                joining, again=False
+            )  # (on the caller's thread: nobody can close it before it returns)
             if joining.error is not None:
                 raise joining.error
         except BaseException:
@@ -107,8 +124,9 @@ class ElasticReceiver(WeightReceiver):
         with self._lock:
             if self._joining is None:
                 self._joining = Joining(cause, threading.Event())
-                self._joining.thread = start_thread(self._join, f"cudarecv-rejoin-{self._directory.name}",
-                                                    (self._joining, again))
+                self._joining.thread = start_thread(
+                    self._join, f"cudarecv-rejoin-{self._directory.name}", (self._joining, again)
+                )
             return self._joining
 
     def _join(self, joining: Joining, again: bool) -> None:
@@ -117,11 +135,17 @@ class ElasticReceiver(WeightReceiver):
         try:
             try:
                 self._join_newest(again)
-            except TransferTimeout as error:  # the generation tried took no join: it died; wait for the next one
+            except (
+                TransferTimeout
+            ) as error:  # the generation tried took no join: it died; wait for the next one
                 if joining.cause is None or not again:
                     raise
-                logger.info("weight receiver %d of %r: %s; waiting for the next sender", self.id,
-                            self._directory.name, error)
+                logger.info(
+                    "weight receiver %d of %r: %s; waiting for the next sender",
+                    self.id,
+                    self._directory.name,
+                    error,
+                )
                 self._join_newest(False)
         except BaseException as error:  # noqa: BLE001 - the pull (or the constructor) that waits raises it
             joining.error = error
@@ -137,9 +161,15 @@ class ElasticReceiver(WeightReceiver):
         beat = directory.sender(generation).timeout  # (its record came first)
         k = directory.join(generation)
         try:
-            group = store_group(directory.store, directory.pair(generation, k), 1, 2, timeout,
-                                f"receiver {k} of weight sender {directory.name!r}: its pair with the sender",
-                                bounded=True)
+            group = store_group(
+                directory.store,
+                directory.pair(generation, k),
+                1,
+                2,
+                timeout,
+                f"receiver {k} of weight sender {directory.name!r}: its pair with the sender",
+                bounded=True,
+            )
         except TransferTimeout:
             self._dead = generation
             raise
@@ -151,21 +181,39 @@ class ElasticReceiver(WeightReceiver):
                 raise UsageError("this WeightReceiver was closed while it joined its sender")
             old, self._current = self._current, joined
             self.generation, self.id = generation, k
-            if old is not None and old.version > (self._previous.version if self._previous is not None else 0):
+            if old is not None and old.version > (
+                self._previous.version if self._previous is not None else 0
+            ):
                 old, self._previous = self._previous, old  # (the older of the two is closed below)
-        self._heartbeat.follow(generation, k, beat)  # (a store call: not under the lock close() takes)
+        self._heartbeat.follow(
+            generation, k, beat
+        )  # (a store call: not under the lock close() takes)
         if old is not None:
             old.close()  # (its last version stays readable)
-        logger.info("weight receiver: joined sender %r (generation %d) as receiver %d", directory.name,
-                    generation, k)
+        logger.info(
+            "weight receiver: joined sender %r (generation %d) as receiver %d",
+            directory.name,
+            generation,
+            k,
+        )
 
     # -- what it is --------------------------------------------------------------------------------------
     schema = property(lambda self: self._current.schema, doc="The weights' schema.")
-    mode = property(lambda self: self._current.mode, doc="The sender's mode: ``\"sync\"`` or ``\"latest\"``.")
-    transport = property(lambda self: self._current.transport, doc="What carries the versions (see WeightReceiver).")
-    zero_copy = property(lambda self: self._current.zero_copy, doc="Whether versions are read where they lie.")
-    arriving = property(lambda self: self._current.arriving, doc="Whether a version has begun to arrive.")
-    buffer_count = property(lambda self: self._readable().buffer_count, doc="See WeightReceiver.buffer_count.")
+    mode = property(
+        lambda self: self._current.mode, doc='The sender\'s mode: ``"sync"`` or ``"latest"``.'
+    )
+    transport = property(
+        lambda self: self._current.transport, doc="What carries the versions (see WeightReceiver)."
+    )
+    zero_copy = property(
+        lambda self: self._current.zero_copy, doc="Whether versions are read where they lie."
+    )
+    arriving = property(
+        lambda self: self._current.arriving, doc="Whether a version has begun to arrive."
+    )
+    buffer_count = property(
+        lambda self: self._readable().buffer_count, doc="See WeightReceiver.buffer_count."
+    )
 
     def _readable(self) -> WeightReceiver:
         """The receiver whose version is published: the one holding the newer version of the current sender's
@@ -216,36 +264,55 @@ class ElasticReceiver(WeightReceiver):
                 self._await(joining, left, limit)
                 continue
             if left <= 0:
-                raise WaitTimeout(f"no version newer than {held} from sender {self._directory.name!r} within "
-                                  f"{limit:g} s (it joined generation {self.generation} again meanwhile); the next "
-                                  "pull() goes on waiting")
-            if self._heartbeat.said_dropped():  # (stopped too long, or a transfer to it failed): join again
-                self._start_join(PeerError(f"weight sender {self._directory.name!r} dropped receiver {self.id} "
-                                           "(was its process stopped?)"), again=True)
+                raise WaitTimeout(
+                    f"no version newer than {held} from sender {self._directory.name!r} within "
+                    f"{limit:g} s (it joined generation {self.generation} again meanwhile); the next "
+                    "pull() goes on waiting"
+                )
+            if (
+                self._heartbeat.said_dropped()
+            ):  # (stopped too long, or a transfer to it failed): join again
+                self._start_join(
+                    PeerError(
+                        f"weight sender {self._directory.name!r} dropped receiver {self.id} "
+                        "(was its process stopped?)"
+                    ),
+                    again=True,
+                )
                 continue
             current = self._current
             try:
                 version = current.pull(True, left)
-            except RelayLost as error:  # (a hop before this one failed: the next version comes healed)
+            except (
+                RelayLost
+            ) as error:  # (a hop before this one failed: the next version comes healed)
                 logger.info("weight receiver %d of %r: %s", self.id, self._directory.name, error)
                 continue
             except GONE as error:
                 if self._closing.is_set():
                     raise
-                logger.info("weight receiver %d of %r: its sender is gone (%s): joining %s", self.id,
-                            self._directory.name, error, "the next sender of the name"
-                            if isinstance(error, SenderClosed) else "again")
+                logger.info(
+                    "weight receiver %d of %r: its sender is gone (%s): joining %s",
+                    self.id,
+                    self._directory.name,
+                    error,
+                    "the next sender of the name" if isinstance(error, SenderClosed) else "again",
+                )
                 self._start_join(error, again=not isinstance(error, SenderClosed))
                 continue
-            if version > held:  # (a new sender's first version may be one this receiver had: pull on)
+            if (
+                version > held
+            ):  # (a new sender's first version may be one this receiver had: pull on)
                 return version
 
     def _await(self, joining: Joining, left: float, limit: float) -> None:
         """Wait up to ``left`` s for the join under way; raise why the last sender is gone if it failed."""
         if not joining.done.wait(max(left, 0.0)):
-            raise WaitTimeout(f"receiver of weight sender {self._directory.name!r}: no version within {limit:g} s: "
-                              f"its sender is gone ({joining.cause}) and the join of the next is under way; the "
-                              "next pull() waits for it")
+            raise WaitTimeout(
+                f"receiver of weight sender {self._directory.name!r}: no version within {limit:g} s: "
+                f"its sender is gone ({joining.cause}) and the join of the next is under way; the "
+                "next pull() waits for it"
+            )
         with self._lock:
             if self._joining is joining:
                 self._joining = None
@@ -269,4 +336,6 @@ class ElasticReceiver(WeightReceiver):
         if previous is not None:
             previous.close()
         if joining is not None and joining.thread is not None:
-            joining.thread.join(JOIN_STEPS * self.timeout)  # (it sees the close after its step under way)
+            joining.thread.join(
+                JOIN_STEPS * self.timeout
+            )  # (it sees the close after its step under way)

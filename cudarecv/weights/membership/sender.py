@@ -54,19 +54,47 @@ class ElasticSender(WeightSender):
         >>> sender.receivers         # [{"id": 1, "host": ..., "pid": ..., "transport": "wire", "state": "served"}]
     """
 
-    def __init__(self, td: Any, dst: Any = None, *, store: Any = None, name: Any = None,
-                 bucket_bytes: int | None = None, timeout: float = 60.0, verify: bool = False, stream: Any = None,
-                 mode: str = "sync", buffers: int | None = None, fanout: str = "auto", transport: str = "auto",
-                 **rest: Any) -> None:
+    def __init__(
+        self,
+        td: Any,
+        dst: Any = None,
+        *,
+        store: Any = None,
+        name: Any = None,
+        bucket_bytes: int | None = None,
+        timeout: float = 60.0,
+        verify: bool = False,
+        stream: Any = None,
+        mode: str = "sync",
+        buffers: int | None = None,
+        fanout: str = "auto",
+        transport: str = "auto",
+        **rest: Any,
+    ) -> None:
         if dst is not None or rest:
             given = (["dst"] if dst is not None else []) + sorted(rest)
-            raise ArgumentError(f"a sender with `store` takes no {', '.join(map(repr, given))}: its receivers join "
-                                "through the store (drop `store` and `name` to send to ranks of a group)")
-        timeout = check_options(timeout=timeout, transport=transport, bucket_bytes=bucket_bytes)["timeout"]
+            raise ArgumentError(
+                f"a sender with `store` takes no {', '.join(map(repr, given))}: its receivers join "
+                "through the store (drop `store` and `name` to send to ranks of a group)"
+            )
+        timeout = check_options(timeout=timeout, transport=transport, bucket_bytes=bucket_bytes)[
+            "timeout"
+        ]
         check_mode(mode, buffers, fanout)
         self._directory = Directory(store, name, timeout)
-        self._begin(td, [], bucket_bytes, timeout, verify, stream, mode, buffers or LATEST_BUFFERS, fanout,
-                    transport, elastic=True)
+        self._begin(
+            td,
+            [],
+            bucket_bytes,
+            timeout,
+            verify,
+            stream,
+            mode,
+            buffers or LATEST_BUFFERS,
+            fanout,
+            transport,
+            elastic=True,
+        )
         try:
             self._generation, self._s.version = self._directory.announce(mode, timeout)
         except BaseException:
@@ -78,17 +106,27 @@ class ElasticSender(WeightSender):
         self._gone: list[dict] = []  # the receivers no longer served: id, host, pid, why
         self._stopped: set[int] = set()  # ids of those whose driver was told to stop
         self._stopping = threading.Event()
-        self._token = closing_token()  # (its closing record: only this process can end its admissions)
+        self._token = (
+            closing_token()
+        )  # (its closing record: only this process can end its admissions)
         self._waiting = 1  # the number of the join the admission thread waits for
         self._store_failing = False  # a push's store call failed: said once, until one works again
         self._fence: str | None = None  # why it was fenced, if it was (every later push raises it)
-        self._admission = start_thread(self._admit_all, f"cudarecv-admit-{name}", (self._directory.store.clone(),))
-        logger.info("weight sender %r: generation %d, version %d, receivers join through the store", name,
-                    self._generation, self._s.version)
+        self._admission = start_thread(
+            self._admit_all, f"cudarecv-admit-{name}", (self._directory.store.clone(),)
+        )
+        logger.info(
+            "weight sender %r: generation %d, version %d, receivers join through the store",
+            name,
+            self._generation,
+            self._s.version,
+        )
 
     # -- who is served -----------------------------------------------------------------------------------
-    generation = property(lambda self: self._generation,
-                          doc="This sender's generation under its name (a trainer that restarts is the next).")
+    generation = property(
+        lambda self: self._generation,
+        doc="This sender's generation under its name (a trainer that restarts is the next).",
+    )
 
     @property
     def receivers(self) -> list[dict]:
@@ -96,10 +134,20 @@ class ElasticSender(WeightSender):
         (``"shared memory"``, ``"cuda ipc"``, ``"wire"``, or ``"relay"``: in the last push's relay chain) and
         ``state`` (``"served"``, or why it is not: it closed, or the failure that dropped it)."""
         with self._s.cond:
-            present = [{"id": m.rank, "host": m.host, "pid": m.pid,
-                        "transport": self._s.shared_kind if m.shared else "relay" if m.rank in self._s.chain else WIRE,
-                        "state": "served" if m.served else (m.gone or "closed by its receiver")}
-                       for m in self._s.members]
+            present = [
+                {
+                    "id": m.rank,
+                    "host": m.host,
+                    "pid": m.pid,
+                    "transport": self._s.shared_kind
+                    if m.shared
+                    else "relay"
+                    if m.rank in self._s.chain
+                    else WIRE,
+                    "state": "served" if m.served else (m.gone or "closed by its receiver"),
+                }
+                for m in self._s.members
+            ]
             return sorted(self._gone + present, key=lambda r: r["id"])
 
     @property
@@ -125,8 +173,11 @@ class ElasticSender(WeightSender):
                 continue
             except Exception as error:  # noqa: BLE001 - the store is gone: nobody can join any more
                 if not self._stopping.is_set():
-                    logger.error("weight sender %r: its store failed, no receiver can join from now on: %s",
-                                 name, error)
+                    logger.error(
+                        "weight sender %r: its store failed, no receiver can join from now on: %s",
+                        name,
+                        error,
+                    )
                 return
             if record is None:
                 continue
@@ -134,21 +185,42 @@ class ElasticSender(WeightSender):
             if record.kind == "closing" and record.token == self._token:
                 return
             if record.kind == "closing":
-                logger.warning("weight sender %r: join %d skipped: a closing record that is not this sender's",
-                               name, k)
+                logger.warning(
+                    "weight sender %r: join %d skipped: a closing record that is not this sender's",
+                    name,
+                    k,
+                )
             elif record.kind == "join":
                 self._joins = [t for t in self._joins if t.is_alive()]
-                self._joins.append(start_thread(self._admit, f"cudarecv-join-{name}-{k}", (store.clone(), k, record)))
+                self._joins.append(
+                    start_thread(
+                        self._admit, f"cudarecv-join-{name}-{k}", (store.clone(), k, record)
+                    )
+                )
 
     def _admit(self, store: Any, k: int, record: JoinRecord) -> None:
         """Join ``k``: its pair, its handshake, then served from the next push on. A failure is logged."""
         who = f"receiver {k} (host {record.host}, pid {record.pid})"
         timeout = self._s.timeout
         try:
-            group = store_group(store, self._directory.pair(self._generation, k), 0, 2, timeout,
-                                f"weight sender {self._directory.name!r}: the pair with {who}", bounded=True)
-            lane = lane_for(resolve(None, 1, group, "dst", "group_dst"), self._device, self._stream, StagingPool())
-            members = enrol(self._s, self._pool, [lane], self._raw, self._session_id, [k], [record.pid])
+            group = store_group(
+                store,
+                self._directory.pair(self._generation, k),
+                0,
+                2,
+                timeout,
+                f"weight sender {self._directory.name!r}: the pair with {who}",
+                bounded=True,
+            )
+            lane = lane_for(
+                resolve(None, 1, group, "dst", "group_dst"),
+                self._device,
+                self._stream,
+                StagingPool(),
+            )
+            members = enrol(
+                self._s, self._pool, [lane], self._raw, self._session_id, [k], [record.pid]
+            )
             if self._stopping.is_set():  # (never served: its driver goes, its pair with it)
                 members[0].driver.stop(timeout)
                 raise ArgumentError("the sender closed while it joined")
@@ -156,10 +228,16 @@ class ElasticSender(WeightSender):
             serve(self._s, self._pool, members)
         except Exception as error:  # noqa: BLE001 - a receiver that could not join is its own to report
             if not self._stopping.is_set():
-                logger.warning("weight sender %r: %s could not join: %s", self._directory.name, who, error)
+                logger.warning(
+                    "weight sender %r: %s could not join: %s", self._directory.name, who, error
+                )
             return
-        logger.info("weight sender %r: %s joined (%s)", self._directory.name, who,
-                    self._s.shared_kind if members[0].shared else WIRE)
+        logger.info(
+            "weight sender %r: %s joined (%s)",
+            self._directory.name,
+            who,
+            self._s.shared_kind if members[0].shared else WIRE,
+        )
 
     def _prune(self) -> None:
         """At a push: drop the receivers whose heartbeat stood still for ``timeout`` (:mod:`.heartbeat`); let go
@@ -170,41 +248,77 @@ class ElasticSender(WeightSender):
         try:
             silent = self._silence.silent(list(served))
         except Exception as error:  # noqa: BLE001 - the store failed: no beat read this time
-            logger.warning("weight sender %r: could not read the receivers' heartbeats: %s", self._directory.name,
-                           error)
+            logger.warning(
+                "weight sender %r: could not read the receivers' heartbeats: %s",
+                self._directory.name,
+                error,
+            )
             silent = []
         for ident in silent:
-            error = PeerError(f"{served[ident].who} sent no heartbeat for {self._s.timeout:g} s (was its process "
-                              "stopped?)")
+            error = PeerError(
+                f"{served[ident].who} sent no heartbeat for {self._s.timeout:g} s (was its process "
+                "stopped?)"
+            )
             with self._s.cond:
                 if served[ident].served:
-                    dropping(self._s, self._pool, served[ident], self._s.version, self._s.timeout, told=False)(error, 0)
+                    dropping(
+                        self._s,
+                        self._pool,
+                        served[ident],
+                        self._s.version,
+                        self._s.timeout,
+                        told=False,
+                    )(error, 0)
                     self._s.cond.notify_all()
-        with self._s.cond:  # (every one dropped is told, through the store: one that goes on joins again)
-            dropped = [m.rank for m in self._s.members if m.gone is not None and m.rank not in self._told]
+        with (
+            self._s.cond
+        ):  # (every one dropped is told, through the store: one that goes on joins again)
+            dropped = [
+                m.rank for m in self._s.members if m.gone is not None and m.rank not in self._told
+            ]
         for ident in dropped:
             try:
                 self._silence.said(ident)
             except Exception as error:  # noqa: BLE001 - the store failed: the next push tells it
-                logger.warning("weight sender %r: could not tell receiver %d it was dropped: %s",
-                               self._directory.name, ident, error)
+                logger.warning(
+                    "weight sender %r: could not tell receiver %d it was dropped: %s",
+                    self._directory.name,
+                    ident,
+                    error,
+                )
                 break
             self._told.add(ident)
         with self._s.cond:
             for member in self._s.members:
                 if not member.served and member.rank not in self._stopped:
                     self._stopped.add(member.rank)
-                    member.driver.stop(0.0)  # it ends once what it runs now ends (bounded: a bounded pair)
-            done = [m for m in self._s.members if not m.served and not m.driver.thread.is_alive()
-                    and (m.listener is None or not m.listener.is_alive())]
+                    member.driver.stop(
+                        0.0
+                    )  # it ends once what it runs now ends (bounded: a bounded pair)
+            done = [
+                m
+                for m in self._s.members
+                if not m.served
+                and not m.driver.thread.is_alive()
+                and (m.listener is None or not m.listener.is_alive())
+            ]
             self._s.members = [m for m in self._s.members if m not in done]
-            self._gone += [{"id": m.rank, "host": m.host, "pid": m.pid,
-                            "transport": self._s.shared_kind if m.shared else WIRE,
-                            "state": m.gone or "closed by its receiver"} for m in done]
+            self._gone += [
+                {
+                    "id": m.rank,
+                    "host": m.host,
+                    "pid": m.pid,
+                    "transport": self._s.shared_kind if m.shared else WIRE,
+                    "state": m.gone or "closed by its receiver",
+                }
+                for m in done
+            ]
             self._stopped -= {m.rank for m in done}
             self._told -= {m.rank for m in done}
         for member in done:
-            release(member.lane.link.pg)  # (the failed transfers' works on its pair, parked, hold the pair)
+            release(
+                member.lane.link.pg
+            )  # (the failed transfers' works on its pair, parked, hold the pair)
             member.lane, member.sending = None, None
 
     # -- pushing -----------------------------------------------------------------------------------------
@@ -225,15 +339,21 @@ class ElasticSender(WeightSender):
         (else it is fenced: :meth:`_fenced`). A store that fails is logged, and the push numbered here."""
         name = self._directory.name
         try:
-            number = self._directory.next_version()  # (first: a generation named after this read numbers above it)
+            number = (
+                self._directory.next_version()
+            )  # (first: a generation named after this read numbers above it)
             newest = self._directory.newest()
             newer = newest if newest is not None and newest > self._generation else None
             if newer is not None:  # (one that wrote its record; `current` alone may be garbage)
                 self._directory.sender(newer)
         except StoreError as error:
             if not self._store_failing:
-                logger.warning("weight sender %r: the store failed (%s); the push goes on, numbered by this "
-                               "process, and receivers cannot join until the store answers again", name, error)
+                logger.warning(
+                    "weight sender %r: the store failed (%s); the push goes on, numbered by this "
+                    "process, and receivers cannot join until the store answers again",
+                    name,
+                    error,
+                )
             self._store_failing = True
             return
         if self._store_failing:
@@ -242,13 +362,17 @@ class ElasticSender(WeightSender):
         if newer is not None:
             self._fenced(newer)
         with self._s.cond:
-            self._s.version = max(self._s.version, number - 1)  # (the push's copy takes the next: `number`)
+            self._s.version = max(
+                self._s.version, number - 1
+            )  # (the push's copy takes the next: `number`)
 
     def _fenced(self, newer: int) -> None:
         """A newer generation took the name: close (the receivers move to it), then raise :class:`SenderFenced`."""
-        text = (f"weight sender {self._directory.name!r} (generation {self._generation}, version {self._s.version}) "
-                f"was fenced: generation {newer} took the name in the store, so this sender closed and its receivers "
-                "move to the newer one; run one trainer per name (or give each its own `name`)")
+        text = (
+            f"weight sender {self._directory.name!r} (generation {self._generation}, version {self._s.version}) "
+            f"was fenced: generation {newer} took the name in the store, so this sender closed and its receivers "
+            "move to the newer one; run one trainer per name (or give each its own `name`)"
+        )
         logger.error("%s", text)
         self._fence = text
         self.close()
@@ -264,7 +388,9 @@ class ElasticSender(WeightSender):
         try:
             self._directory.close(self._generation, self._waiting, self._token)
         except Exception as error:  # noqa: BLE001 - the store is gone: the admission thread ends on its own
-            logger.info("weight sender %r closes without its store: %s", self._directory.name, error)
+            logger.info(
+                "weight sender %r closes without its store: %s", self._directory.name, error
+            )
         self._admission.join(max(deadline - time.monotonic(), 0.0))
         for thread in self._joins:
             thread.join(max(deadline - time.monotonic(), 0.0))

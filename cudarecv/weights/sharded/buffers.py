@@ -21,12 +21,28 @@ class Buffers:
     one's leaves as plain local tensors (:attr:`views`); their tensordicts hold DTensors where ``dtensors``
     (leaf index -> the expected DTensor) says."""
 
-    def __init__(self, wanted: Layout, source: Layout, dtensors: dict[int, Any], device: torch.device,
-                 pin_memory: bool) -> None:
-        self.parts, self._dtensors, self._device, self._pin = wanted.parts, dtensors, device, pin_memory
-        sizes = [p.box.sizes if p.box is not None else self._empty_shape(i, source) for i, p in enumerate(self.parts)]
-        self._schema = Schema.of([p.key for p in self.parts], [torch.empty(s, dtype=p.dtype, device="meta")
-                                                                for s, p in zip(sizes, self.parts)])
+    def __init__(
+        self,
+        wanted: Layout,
+        source: Layout,
+        dtensors: dict[int, Any],
+        device: torch.device,
+        pin_memory: bool,
+    ) -> None:
+        self.parts, self._dtensors, self._device, self._pin = (
+            wanted.parts,
+            dtensors,
+            device,
+            pin_memory,
+        )
+        sizes = [
+            p.box.sizes if p.box is not None else self._empty_shape(i, source)
+            for i, p in enumerate(self.parts)
+        ]
+        self._schema = Schema.of(
+            [p.key for p in self.parts],
+            [torch.empty(s, dtype=p.dtype, device="meta") for s, p in zip(sizes, self.parts)],
+        )
         self.views: list[list[torch.Tensor]] = []
         own = []
         for _ in range(2):
@@ -35,11 +51,18 @@ class Buffers:
             self.views.append(views)
         self.slots = Slots(own, [], threading.Condition(), lambda version: None)
 
-    def places(self, moved: list[tuple[int, Box]]) -> list[dict[tuple[str, ...], torch.Tensor | None]]:
+    def places(
+        self, moved: list[tuple[int, Box]]
+    ) -> list[dict[tuple[str, ...], torch.Tensor | None]]:
         """Where each of a sender rank's pieces (leaf index, box of the whole) lies in each buffer: its block, if
         one contiguous block (else None: staged, then copied)."""
-        return [{self.parts[j].key: _contiguous(views[j][box.within(self.parts[j].box)]) for j, box in moved}
-                for views in self.views]
+        return [
+            {
+                self.parts[j].key: _contiguous(views[j][box.within(self.parts[j].box)])
+                for j, box in moved
+            }
+            for views in self.views
+        ]
 
     def retire(self, index: int) -> None:
         """A sender rank's receiver renewed its slot ``index``: a parked send may read its pieces in buffer
@@ -55,12 +78,22 @@ class Buffers:
         if self._dtensors:
             from torch.distributed.tensor import DTensor
 
-            slot.td = TensorDict({p.key: DTensor.from_local(v, self._dtensors[i].device_mesh,
-                                                             self._dtensors[i].placements, run_check=False,
-                                                             shape=self._dtensors[i].shape,
-                                                             stride=self._dtensors[i].stride())
-                                  if i in self._dtensors else v
-                                  for i, (p, v) in enumerate(zip(self.parts, views))}, batch_size=[]).lock_()
+            slot.td = TensorDict(
+                {
+                    p.key: DTensor.from_local(
+                        v,
+                        self._dtensors[i].device_mesh,
+                        self._dtensors[i].placements,
+                        run_check=False,
+                        shape=self._dtensors[i].shape,
+                        stride=self._dtensors[i].stride(),
+                    )
+                    if i in self._dtensors
+                    else v
+                    for i, (p, v) in enumerate(zip(self.parts, views))
+                },
+                batch_size=[],
+            ).lock_()
         return slot, views
 
     def _empty_shape(self, index: int, source: Layout) -> tuple[int, ...]:

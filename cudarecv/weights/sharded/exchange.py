@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from typing import Callable
+from collections.abc import Callable
 
 from ...core.errors import ArgumentError, Error, ReceiverFailed, SchemaError
 from ...core.link import Link, resolve
@@ -23,21 +23,33 @@ from ..link import check_peers, run, send_bytes
 from ..schema import MAX_SCHEMA_BYTES
 from .layout import Layout
 
-LENGTH = Record("sharded layout length", b"CDRL", "Q", hint="is the peer a sharded WeightSender or WeightReceiver "
-                "(`src` a list) of this cudarecv version?")
+LENGTH = Record(
+    "sharded layout length",
+    b"CDRL",
+    "Q",
+    hint="is the peer a sharded WeightSender or WeightReceiver "
+    "(`src` a list) of this cudarecv version?",
+)
 WHAT = "sharded weight-sync layout exchange"
 
 
-def peer_links(value: object, group_value: object, group: object, name: str,
-               group_name: str) -> tuple[list[int], list[Link], bool]:
+def peer_links(
+    value: object, group_value: object, group: object, name: str, group_name: str
+) -> tuple[list[int], list[Link], bool]:
     """The peers given as ``name`` (global ranks) or ``group_name`` (ranks in ``group``), exactly one, and their
     links, both in rank order (the order every exchange goes in); and whether they were global ranks."""
     peers, group_peers = check_peers(value, name), check_peers(group_value, group_name)
     if (peers is None) == (group_peers is None):
-        raise ArgumentError(f"pass exactly one of `{name}` and `{group_name}` (a rank or a list of ranks)")
+        raise ArgumentError(
+            f"pass exactly one of `{name}` and `{group_name}` (a rank or a list of ranks)"
+        )
     given = peers is not None
-    links = [resolve(p, None, group, name, group_name) if given else resolve(None, p, group, name, group_name)
-             for p in (peers if given else group_peers)]
+    links = [
+        resolve(p, None, group, name, group_name)
+        if given
+        else resolve(None, p, group, name, group_name)
+        for p in (peers if given else group_peers)
+    ]
     order = sorted(range(len(links)), key=lambda i: links[i].peer)
     return [(peers if given else group_peers)[i] for i in order], [links[i] for i in order], given
 
@@ -48,11 +60,22 @@ def _send(lane: Lane, raw: bytes, timeout: float, silent: str) -> None:
 
 
 def _read(lane: Lane, timeout: float, silent: str) -> bytes:
-    (length,) = LENGTH.unpack(run(read_bytes(lane, LENGTH.size, TAG_LAYOUT, "layout length", SchemaError),
-                                  lane, timeout, WHAT, silent))
+    (length,) = LENGTH.unpack(
+        run(
+            read_bytes(lane, LENGTH.size, TAG_LAYOUT, "layout length", SchemaError),
+            lane,
+            timeout,
+            WHAT,
+            silent,
+        )
+    )
     if not 0 < length <= MAX_SCHEMA_BYTES:
-        raise SchemaError(f"rank {lane.link.peer} announces a layout of {length} bytes: out of range")
-    return run(read_bytes(lane, length, TAG_LAYOUT, "layout", SchemaError), lane, timeout, WHAT, silent)
+        raise SchemaError(
+            f"rank {lane.link.peer} announces a layout of {length} bytes: out of range"
+        )
+    return run(
+        read_bytes(lane, length, TAG_LAYOUT, "layout", SchemaError), lane, timeout, WHAT, silent
+    )
 
 
 def offer(lanes: list[Lane], layout: Layout, timeout: float) -> list[Layout]:
@@ -60,7 +83,12 @@ def offer(lanes: list[Lane], layout: Layout, timeout: float) -> list[Layout]:
     :class:`SchemaError` or :class:`ReceiverFailed` naming a receiver that refused or failed."""
     raw = layout.to_json()
     for lane in lanes:
-        _send(lane, raw, timeout, "took no layout (is it a WeightReceiver with `src` a list of this mesh's ranks?)")
+        _send(
+            lane,
+            raw,
+            timeout,
+            "took no layout (is it a WeightReceiver with `src` a list of this mesh's ranks?)",
+        )
     wanted = []
     for lane in lanes:
         answer = _read(lane, timeout, "sent no layout")
@@ -68,8 +96,10 @@ def offer(lanes: list[Lane], layout: Layout, timeout: float) -> list[Layout]:
         if refusal is not None:
             kind, reason = refusal
             error = SchemaError if kind == "refused" else ReceiverFailed
-            raise error(f"receiver rank {lane.link.peer} {'rejected the weights' if kind == 'refused' else 'could not start'}: "
-                        f"{reason}")
+            raise error(
+                f"receiver rank {lane.link.peer} {'rejected the weights' if kind == 'refused' else 'could not start'}: "
+                f"{reason}"
+            )
         wanted.append(Layout.from_json(answer))
     return wanted
 
@@ -80,16 +110,24 @@ def _refusal(raw: bytes) -> tuple[str, str] | None:
         doc = json.loads(raw.decode())
     except (ValueError, UnicodeDecodeError):
         return None  # (the layout's own parse says what is wrong)
-    if isinstance(doc, dict) and set(doc) == {"kind", "refused"} and doc["kind"] in ("refused", "failed"):
+    if (
+        isinstance(doc, dict)
+        and set(doc) == {"kind", "refused"}
+        and doc["kind"] in ("refused", "failed")
+    ):
         return doc["kind"], str(doc["refused"])[:2000]
     return None
 
 
-def answer(lanes: list[Lane], timeout: float, want: Callable[[list[Layout]], Layout]) -> tuple[list[Layout], Layout]:
+def answer(
+    lanes: list[Lane], timeout: float, want: Callable[[list[Layout]], Layout]
+) -> tuple[list[Layout], Layout]:
     """A receiver's end: read every sender's layout, decide what it wants (``want`` may raise: a
     :class:`SchemaError` is sent back as a refusal, anything else as a failure) and answer every sender."""
-    layouts = [Layout.from_json(_read(lane, timeout, "sent no layout (is it a sharded WeightSender?)"))
-               for lane in lanes]
+    layouts = [
+        Layout.from_json(_read(lane, timeout, "sent no layout (is it a sharded WeightSender?)"))
+        for lane in lanes
+    ]
     try:
         wanted = want(layouts)
     except Exception as error:
@@ -97,7 +135,9 @@ def answer(lanes: list[Lane], timeout: float, want: Callable[[list[Layout]], Lay
         text = str(error) if kind == "refused" else f"{type(error).__name__}: {error}"
         refusal = json.dumps({"kind": kind, "refused": text}).encode()
         for lane in lanes:
-            with contextlib.suppress(Error):  # a sender gone: the reason is this side's error, raised below
+            with contextlib.suppress(
+                Error
+            ):  # a sender gone: the reason is this side's error, raised below
                 _send(lane, refusal, timeout, "took no answer")
         raise
     raw = wanted.to_json()

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import json
 import operator
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 from tensordict import TensorDict
@@ -63,13 +64,25 @@ class Layout:
     parts: tuple[Part, ...]
 
     def to_json(self) -> bytes:
-        return json.dumps({"format": FORMAT, "version": 1, "leaves": [
-            {"key": list(p.key), "dtype": str(p.dtype).removeprefix("torch."), "shape": list(p.shape),
-             "box": None if p.box is None else p.box.to_json()} for p in self.parts]},
-            separators=(",", ":")).encode()
+        return json.dumps(
+            {
+                "format": FORMAT,
+                "version": 1,
+                "leaves": [
+                    {
+                        "key": list(p.key),
+                        "dtype": str(p.dtype).removeprefix("torch."),
+                        "shape": list(p.shape),
+                        "box": None if p.box is None else p.box.to_json(),
+                    }
+                    for p in self.parts
+                ],
+            },
+            separators=(",", ":"),
+        ).encode()
 
     @classmethod
-    def from_json(cls, raw: bytes) -> "Layout":
+    def from_json(cls, raw: bytes) -> Layout:
         """Parse and check a received layout: strict types, unique keys, known dtypes, sizes in range and every
         box inside its leaf. Raises :class:`SchemaError` on anything off."""
         try:
@@ -84,10 +97,12 @@ class Layout:
         except SchemaError:
             raise
         except Exception as error:  # noqa: BLE001 - json and the fields' checks raise many kinds
-            raise SchemaError(f"malformed sharded layout: {type(error).__name__}: {error}"[:200]) from None
+            raise SchemaError(
+                f"malformed sharded layout: {type(error).__name__}: {error}"[:200]
+            ) from None
         return cls(tuple(parts))
 
-    def difference(self, other: "Layout") -> str | None:
+    def difference(self, other: Layout) -> str | None:
         """How ``other``'s leaves (keys, dtypes, whole shapes) differ from these, naming the first key."""
         mine = {p.key: (p.dtype, p.shape) for p in self.parts}
         theirs = {p.key: (p.dtype, p.shape) for p in other.parts}
@@ -117,20 +132,29 @@ def _part(item: Any, seen: set) -> Part:
         raise SchemaError(f"bad shape {shape!r} for {name!r}")
     shape = tuple(check_size(n, f"a dimension of {name!r}") for n in shape)
     if box is not None:
-        if not (isinstance(box, list) and len(box) == len(shape)
-                and all(isinstance(d, list) and len(d) == 2 for d in box)):
+        if not (
+            isinstance(box, list)
+            and len(box) == len(shape)
+            and all(isinstance(d, list) and len(d) == 2 for d in box)
+        ):
             raise SchemaError(f"bad box {box!r} for {name!r} of shape {list(shape)}")
         starts = tuple(check_size(s, f"a box start of {name!r}") for s, _ in box)
         sizes = tuple(check_size(n, f"a box size of {name!r}") for _, n in box)
-        if any(s + n > whole for s, n, whole in zip(starts, sizes, shape)) or any(n == 0 for n in sizes):
-            raise SchemaError(f"the box {box} of {name!r} is empty or reaches past its shape {list(shape)}")
+        if any(s + n > whole for s, n, whole in zip(starts, sizes, shape)) or any(
+            n == 0 for n in sizes
+        ):
+            raise SchemaError(
+                f"the box {box} of {name!r} is empty or reaches past its shape {list(shape)}"
+            )
         box = Box(starts, sizes)
     return Part(tuple(key), DTYPES[dtype], shape, box)
 
 
 def _checked_dtype(key: tuple, tensor: Tensor) -> torch.dtype:
     if str(tensor.dtype).removeprefix("torch.") not in DTYPES:
-        raise SchemaError(f"leaf {'.'.join(key)!r} has dtype {tensor.dtype}, which weight sync does not carry")
+        raise SchemaError(
+            f"leaf {'.'.join(key)!r} has dtype {tensor.dtype}, which weight sync does not carry"
+        )
     return tensor.dtype
 
 
@@ -141,13 +165,17 @@ def held(tensor: Any, name: str) -> tuple[Tensor, Box]:
     mesh = tensor.device_mesh
     coordinate = mesh.get_coordinate()
     if coordinate is None:
-        raise ArgumentError(f"leaf {name!r} is a DTensor on a mesh of ranks {mesh.mesh.flatten().tolist()}, "
-                            "which this rank is not part of")
+        raise ArgumentError(
+            f"leaf {name!r} is a DTensor on a mesh of ranks {mesh.mesh.flatten().tolist()}, "
+            "which this rank is not part of"
+        )
     box = shard_box(tensor.shape, mesh.shape, tensor.placements, coordinate, f"leaf {name!r}")
     local = tensor.to_local()
     if tuple(local.shape) != box.sizes:
-        raise ArgumentError(f"leaf {name!r}: its local tensor is {list(local.shape)}, where its placements "
-                            f"{tensor.placements} give {list(box.sizes)}: a padded or strided shard")
+        raise ArgumentError(
+            f"leaf {name!r}: its local tensor is {list(local.shape)}, where its placements "
+            f"{tensor.placements} give {list(box.sizes)}: a padded or strided shard"
+        )
     return local, box
 
 
@@ -157,18 +185,35 @@ def sender_layout(keys: Sequence[tuple], tensors: Sequence[Any]) -> Layout:
     DTensor leaves; with no DTensor leaf (``sliced=True``), every leaf whole from this one rank. Raises
     :class:`ArgumentError` if the DTensor leaves are on meshes of different ranks."""
     DTensor = dtensor_type()
-    meshes = {tuple(t.device_mesh.mesh.flatten().tolist()): t.device_mesh for t in tensors if isinstance(t, DTensor)}
+    meshes = {
+        tuple(t.device_mesh.mesh.flatten().tolist()): t.device_mesh
+        for t in tensors
+        if isinstance(t, DTensor)
+    }
     if not meshes:  # plain tensors (``WeightSender(sliced=True)``): one rank sends every leaf whole
-        return Layout(tuple(Part(tuple(map(str, k)), _checked_dtype(k, t), tuple(t.shape),
-                                 Box.full(t.shape) if t.numel() else None) for k, t in zip(keys, tensors)))
+        return Layout(
+            tuple(
+                Part(
+                    tuple(map(str, k)),
+                    _checked_dtype(k, t),
+                    tuple(t.shape),
+                    Box.full(t.shape) if t.numel() else None,
+                )
+                for k, t in zip(keys, tensors)
+            )
+        )
     if len(meshes) != 1:
-        raise ArgumentError(f"the DTensor leaves of `td` lie on meshes of different ranks {sorted(meshes)}: a sharded "
-                            "WeightSender sends from one mesh (every rank of it builds one)")
+        raise ArgumentError(
+            f"the DTensor leaves of `td` lie on meshes of different ranks {sorted(meshes)}: a sharded "
+            "WeightSender sends from one mesh (every rank of it builds one)"
+        )
     mesh = next(iter(meshes.values()))
     coordinate = mesh.get_coordinate()
     if coordinate is None:
-        raise ArgumentError(f"this rank is not part of the mesh of `td`'s DTensor leaves ({sorted(meshes)[0]}): "
-                            "a sharded WeightSender is built on the ranks of that mesh")
+        raise ArgumentError(
+            f"this rank is not part of the mesh of `td`'s DTensor leaves ({sorted(meshes)[0]}): "
+            "a sharded WeightSender is built on the ranks of that mesh"
+        )
     parts = []
     for key, t in zip(keys, tensors):
         key, name = tuple(map(str, key)), ".".join(map(str, key))
@@ -193,8 +238,10 @@ def receiver_layout(keys: Sequence[tuple], tensors: Sequence[Any]) -> Layout:
 
 
 #: how ``want`` is written, for the messages that refuse it
-WANT_FORM = ('`want` maps leaf names to slices of the whole leaf, one per leading dimension, step 1, with int bounds '
-             'from 0 to its size, e.g. {"up.weight": (slice(0, 512),), "down.weight": (slice(None), slice(0, 512))}')
+WANT_FORM = (
+    "`want` maps leaf names to slices of the whole leaf, one per leading dimension, step 1, with int bounds "
+    'from 0 to its size, e.g. {"up.weight": (slice(0, 512),), "down.weight": (slice(None), slice(0, 512))}'
+)
 
 
 def check_want(want: Any) -> dict[str, tuple[slice, ...]]:
@@ -209,8 +256,10 @@ def check_want(want: Any) -> dict[str, tuple[slice, ...]]:
     checked = {}
     for name, index in want.items():
         if not isinstance(name, str) or not name:
-            raise ArgumentTypeError(f"`want` names leaf {name!r} ({type(name).__name__}): name each leaf by its "
-                                    f"key joined with dots, as a string (\"a.b\" for key (\"a\", \"b\")); {WANT_FORM}")
+            raise ArgumentTypeError(
+                f"`want` names leaf {name!r} ({type(name).__name__}): name each leaf by its "
+                f'key joined with dots, as a string ("a.b" for key ("a", "b")); {WANT_FORM}'
+            )
         slices = tuple(index) if isinstance(index, (tuple, list)) else (index,)
         checked[name] = tuple(_checked_slice(name, s) for s in slices)
     return checked
@@ -220,15 +269,24 @@ def _checked_slice(name: str, index: Any) -> slice:
     """One slice of ``want[name]``, its bounds as ints (see :func:`check_want`)."""
     entry = f"`want[{name!r}]`"
     if not isinstance(index, slice):
-        hint = (f" (index {index} alone is slice({index}, {index + 1}))"
-                if isinstance(index, int) and not isinstance(index, bool) else "")
-        raise ArgumentTypeError(f"{entry} holds {index!r} ({type(index).__name__}), not a slice{hint}; {WANT_FORM}")
+        hint = (
+            f" (index {index} alone is slice({index}, {index + 1}))"
+            if isinstance(index, int) and not isinstance(index, bool)
+            else ""
+        )
+        raise ArgumentTypeError(
+            f"{entry} holds {index!r} ({type(index).__name__}), not a slice{hint}; {WANT_FORM}"
+        )
     if index.step is not None and (isinstance(index.step, bool) or not isinstance(index.step, int)):
-        raise ArgumentTypeError(f"{entry} = {index!r} has the step {index.step!r} ({type(index.step).__name__}): "
-                                f"leave the step out (or 1); {WANT_FORM}")
+        raise ArgumentTypeError(
+            f"{entry} = {index!r} has the step {index.step!r} ({type(index.step).__name__}): "
+            f"leave the step out (or 1); {WANT_FORM}"
+        )
     if index.step not in (None, 1):
-        raise ArgumentError(f"{entry} = {index!r} has step {index.step!r}: only step-1 slices (a block of the leaf) "
-                            f"travel; take every element of the range and drop what you do not need; {WANT_FORM}")
+        raise ArgumentError(
+            f"{entry} = {index!r} has step {index.step!r}: only step-1 slices (a block of the leaf) "
+            f"travel; take every element of the range and drop what you do not need; {WANT_FORM}"
+        )
     bounds = []
     for bound in (index.start, index.stop):
         if bound is None:
@@ -239,11 +297,15 @@ def _checked_slice(name: str, index: Any) -> slice:
                 raise TypeError
             bound = operator.index(bound)  # (an int, or an integer type such as numpy's)
         except TypeError:
-            raise ArgumentTypeError(f"{entry} = {index!r} has the bound {bound!r} ({type(bound).__name__}): bounds "
-                                    f"are ints or None; {WANT_FORM}") from None
+            raise ArgumentTypeError(
+                f"{entry} = {index!r} has the bound {bound!r} ({type(bound).__name__}): bounds "
+                f"are ints or None; {WANT_FORM}"
+            ) from None
         if bound < 0:
-            raise ArgumentError(f"{entry} = {index!r} has the negative bound {bound}: count from the start of the "
-                                f"dimension (size - {-bound} for {bound}); {WANT_FORM}")
+            raise ArgumentError(
+                f"{entry} = {index!r} has the negative bound {bound}: count from the start of the "
+                f"dimension (size - {-bound} for {bound}); {WANT_FORM}"
+            )
         bounds.append(bound)
     return slice(bounds[0], bounds[1])
 
@@ -259,33 +321,55 @@ def narrowed(layout: Layout, want: Mapping[str, Sequence[slice]], dtensors: set[
     parts = list(layout.parts)
     for name, index in want.items():
         if name not in by_name:
-            raise ArgumentError(f"`want` names {name!r}, which the sender does not send (leaves: "
-                                f"{sorted(by_name)[:5]}...)")
+            raise ArgumentError(
+                f"`want` names {name!r}, which the sender does not send (leaves: "
+                f"{sorted(by_name)[:5]}...)"
+            )
         i = by_name[name]
         if i in dtensors:
-            raise ArgumentError(f"`want` names {name!r}, which `expect` gives as a DTensor: its placements say "
-                                "what this receiver wants; drop one of the two")
+            raise ArgumentError(
+                f"`want` names {name!r}, which `expect` gives as a DTensor: its placements say "
+                "what this receiver wants; drop one of the two"
+            )
         shape = parts[i].shape
         if len(index) > len(shape):
-            raise ArgumentError(f"`want[{name!r}]` = {index!r} has {len(index)} slices, but the leaf has "
-                                f"{len(shape)} dimension(s) {list(shape)}: give up to {len(shape)} step-1 slices")
+            raise ArgumentError(
+                f"`want[{name!r}]` = {index!r} has {len(index)} slices, but the leaf has "
+                f"{len(shape)} dimension(s) {list(shape)}: give up to {len(shape)} step-1 slices"
+            )
         for dim, (s, n) in enumerate(zip(index, shape)):
             if max(s.start or 0, n if s.stop is None else s.stop) > n:
-                raise ArgumentError(f"`want[{name!r}]` = {index!r} reaches past dimension {dim} of the leaf, of size "
-                                    f"{n} (shape {list(shape)}): bounds run from 0 to {n}")
-        ranges = [s.indices(n)[:2] for s, n in zip(index, shape)] + [(0, n) for n in shape[len(index):]]
+                raise ArgumentError(
+                    f"`want[{name!r}]` = {index!r} reaches past dimension {dim} of the leaf, of size "
+                    f"{n} (shape {list(shape)}): bounds run from 0 to {n}"
+                )
+        ranges = [s.indices(n)[:2] for s, n in zip(index, shape)] + [
+            (0, n) for n in shape[len(index) :]
+        ]
         if any(stop <= start for start, stop in ranges):
-            raise ArgumentError(f"`want[{name!r}]` = {index!r} is empty for its {list(shape)} elements: want "
-                                "some of every leaf, or leave the leaf out of `want` to take it whole")
-        parts[i] = Part(parts[i].key, parts[i].dtype, shape, Box(tuple(a for a, _ in ranges),
-                                                                  tuple(b - a for a, b in ranges)))
+            raise ArgumentError(
+                f"`want[{name!r}]` = {index!r} is empty for its {list(shape)} elements: want "
+                "some of every leaf, or leave the leaf out of `want` to take it whole"
+            )
+        parts[i] = Part(
+            parts[i].key,
+            parts[i].dtype,
+            shape,
+            Box(tuple(a for a, _ in ranges), tuple(b - a for a, b in ranges)),
+        )
     return Layout(tuple(parts))
 
 
 def wanting_all(source: Layout) -> Layout:
     """A receiver's layout without ``expect``: every leaf whole."""
-    return Layout(tuple(Part(p.key, p.dtype, p.shape, Box.full(p.shape) if torch.Size(p.shape).numel() else None)
-                        for p in source.parts))
+    return Layout(
+        tuple(
+            Part(
+                p.key, p.dtype, p.shape, Box.full(p.shape) if torch.Size(p.shape).numel() else None
+            )
+            for p in source.parts
+        )
+    )
 
 
 def in_order(wanted: Layout, source: Layout) -> Layout:
@@ -316,17 +400,27 @@ def uncovered(wanted: Layout, moved: dict[int, list[tuple[int, Box]]]) -> str | 
         for a in range(len(boxes)):
             for b in range(a + 1, len(boxes)):
                 if boxes[a][1] & boxes[b][1] is not None:
-                    return (f"leaf {part.name!r}: ranks {boxes[a][0]} and {boxes[b][0]} both send elements "
-                            f"{(boxes[a][1] & boxes[b][1]).to_json()}: are they on one mesh, as one sender?")
+                    return (
+                        f"leaf {part.name!r}: ranks {boxes[a][0]} and {boxes[b][0]} both send elements "
+                        f"{(boxes[a][1] & boxes[b][1]).to_json()}: are they on one mesh, as one sender?"
+                    )
         if sum(box.numel for _, box in boxes) != part.box.numel:
             got = sum(box.numel for _, box in boxes)
-            return (f"leaf {part.name!r}: the sources {sorted(moved)} send {got} of the {part.box.numel} elements "
-                    "wanted here: pass every rank of the sender's mesh as `src`")
+            return (
+                f"leaf {part.name!r}: the sources {sorted(moved)} send {got} of the {part.box.numel} elements "
+                "wanted here: pass every rank of the sender's mesh as `src`"
+            )
     return None
 
 
-def piece_views(parts: Sequence[Part], moved: list[tuple[int, Box]], tensors: Sequence[Tensor],
-                boxes: Sequence[Box]) -> TensorDict:
+def piece_views(
+    parts: Sequence[Part],
+    moved: list[tuple[int, Box]],
+    tensors: Sequence[Tensor],
+    boxes: Sequence[Box],
+) -> TensorDict:
     """The pieces ``moved`` as views of ``tensors`` (leaf ``i`` holding ``boxes[i]`` of the whole), keyed like
     their leaves: what a pair's weight sender sends, or its receiver's buffers are shaped as."""
-    return TensorDict({parts[i].key: tensors[i][box.within(boxes[i])] for i, box in moved}, batch_size=[])
+    return TensorDict(
+        {parts[i].key: tensors[i][box.within(boxes[i])] for i, box in moved}, batch_size=[]
+    )

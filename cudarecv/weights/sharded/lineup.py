@@ -48,7 +48,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Collection, Sequence
+from collections.abc import Collection, Sequence
 
 
 class Lineup:
@@ -83,7 +83,9 @@ class Lineup:
             return self._asking("catch up", {i: top - 1 for i, v in enumerate(held) if v < top})
         # a rank asked to catch up (or afresh) answered past what the others hold: the trainers push faster than
         # this receiver takes a round, so every rank is asked at one moment, the ones holding `top` too
-        return self._asking("fresh", {i: top - 1 for i, v in enumerate(held) if v < top or i in self._retake})
+        return self._asking(
+            "fresh", {i: top - 1 for i, v in enumerate(held) if v < top or i in self._retake}
+        )
 
     def _asking(self, phase: str, floors: dict[int, int]) -> dict[int, int]:
         self.phase, self.floors = phase, floors

@@ -71,26 +71,49 @@ class ShardedReceiver(WeightReceiver):
         >>> receiver.pull(); receiver.td["w"].to_local()           # this rank's 64 x 16 columns
     """
 
-    def __init__(self, src: Any = None, *, group: Any = None, group_src: Any = None, device: Any = None,
-                 pin_memory: bool = False, expect: Any = None, timeout: float = 60.0, stream: Any = None,
-                 transport: str = "auto", zero_copy: bool = False, want: Any = None) -> None:
+    def __init__(
+        self,
+        src: Any = None,
+        *,
+        group: Any = None,
+        group_src: Any = None,
+        device: Any = None,
+        pin_memory: bool = False,
+        expect: Any = None,
+        timeout: float = 60.0,
+        stream: Any = None,
+        transport: str = "auto",
+        zero_copy: bool = False,
+        want: Any = None,
+    ) -> None:
         self._closed, self._inner = False, []
         self.timeout, device = check_receiver(timeout, transport, zero_copy, device, pin_memory)
         if zero_copy:
-            raise ArgumentError("`zero_copy=True` publishes one sender's snapshot where it lies; a receiver of "
-                                "pieces (`src` a list, `want`, or DTensors in `expect`) puts them together in buffers "
-                                "of its own: drop `zero_copy`")
-        bad_want = _form_of(want)  # before anything is sent; the sender ranks are told (below), as they wait for it
+            raise ArgumentError(
+                "`zero_copy=True` publishes one sender's snapshot where it lies; a receiver of "
+                "pieces (`src` a list, `want`, or DTensors in `expect`) puts them together in buffers "
+                "of its own: drop `zero_copy`"
+            )
+        bad_want = _form_of(
+            want
+        )  # before anything is sent; the sender ranks are told (below), as they wait for it
         self._device = device
-        self._dtensors: dict[int, Any] = {}  # leaf index -> the expected DTensor (its mesh and placements)
+        self._dtensors: dict[
+            int, Any
+        ] = {}  # leaf index -> the expected DTensor (its mesh and placements)
         self._moved: dict[int, list[tuple[int, Box]]] = {}
         try:
-            peers, links, global_ranks = exchange.peer_links(src, group_src, group, "src", "group_src")
+            peers, links, global_ranks = exchange.peer_links(
+                src, group_src, group, "src", "group_src"
+            )
             lanes = [lane_for(link, device, stream, streams.StagingPool()) for link in links]
-            layouts, self.schema = exchange.answer(lanes, self.timeout,
-                                                   lambda found: self._want(found, expect, want, peers, bad_want))
+            layouts, self.schema = exchange.answer(
+                lanes, self.timeout, lambda found: self._want(found, expect, want, peers, bad_want)
+            )
         except Error as error:
-            if bad_want is not None and error is not bad_want:  # (the caller's to fix first, whatever else failed)
+            if (
+                bad_want is not None and error is not bad_want
+            ):  # (the caller's to fix first, whatever else failed)
                 raise bad_want from error
             raise
         self._source = layouts[0]
@@ -100,24 +123,47 @@ class ShardedReceiver(WeightReceiver):
         self._version = 0
         self._turn_lock = threading.Lock()
         self._pending: Transfer | None = None
-        self._collected = True  # whether a caller took the pending pull's outcome (not: its wait ran out)
+        self._collected = (
+            True  # whether a caller took the pending pull's outcome (not: its wait ran out)
+        )
         self._lineup: Lineup | None = None  # the rounds of the pull under way
-        self._round: dict[int, Transfer] = {}  # its round's pulls started so far (index of the rank's receiver ->)
+        self._round: dict[
+            int, Transfer
+        ] = {}  # its round's pulls started so far (index of the rank's receiver ->)
         self._driver = Driver(f"cudarecv-pull-{'-'.join(map(str, peers))}")
         # a sender rank on this machine: its pieces are read where they lie in its snapshot (zero-copy), and copied
         # once, into this receiver's own buffer
-        options = dict(device=device, pin_memory=pin_memory, timeout=self.timeout, stream=stream, transport=transport,
-                       zero_copy=device.type == "cpu" and not pin_memory)
+        options = dict(
+            device=device,
+            pin_memory=pin_memory,
+            timeout=self.timeout,
+            stream=stream,
+            transport=transport,
+            zero_copy=device.type == "cpu" and not pin_memory,
+        )
         try:
             for peer in peers:
                 moved = self._moved[peer]
                 if not moved:
                     continue
-                shapes = TensorDict({self._source.parts[j].key: torch.empty(box.sizes, dtype=self._source.parts[j].dtype,
-                                                                             device="meta") for j, box in moved}, [])
+                shapes = TensorDict(
+                    {
+                        self._source.parts[j].key: torch.empty(
+                            box.sizes, dtype=self._source.parts[j].dtype, device="meta"
+                        )
+                        for j, box in moved
+                    },
+                    [],
+                )
                 where = {"src": peer} if global_ranks else {"group": group, "group_src": peer}
-                receiver = PieceReceiver(places=self._buffers.places(moved), spare=self._slots.spare,
-                                         retire=self._buffers.retire, **where, expect=shapes, **options)
+                receiver = PieceReceiver(
+                    places=self._buffers.places(moved),
+                    spare=self._slots.spare,
+                    retire=self._buffers.retire,
+                    **where,
+                    expect=shapes,
+                    **options,
+                )
                 self._inner.append((peer, moved, receiver))
         except BaseException:
             self.close()
@@ -126,7 +172,14 @@ class ShardedReceiver(WeightReceiver):
         self.mode = self._inner[0][2].mode
         self.zero_copy = False
 
-    def _want(self, layouts: list[Layout], expect: Any, want: Any, ranks: list[int], bad_want: Error | None) -> Layout:
+    def _want(
+        self,
+        layouts: list[Layout],
+        expect: Any,
+        want: Any,
+        ranks: list[int],
+        bad_want: Error | None,
+    ) -> Layout:
         """What this receiver wants of the layouts of the sender ranks ``ranks`` (``want``: slices of named leaves);
         raises ``bad_want`` (what is wrong with ``want``'s form) first, then :class:`ArgumentError` if ``want`` does
         not fit the leaves, :class:`SchemaError` if the sender ranks disagree, ``expect`` does not match, or their
@@ -137,7 +190,9 @@ class ShardedReceiver(WeightReceiver):
         for rank, layout in zip(ranks[1:], layouts[1:]):
             problem = first.difference(layout)
             if problem:
-                raise SchemaError(f"sender ranks {ranks[0]} and {rank} send different weights: {problem}")
+                raise SchemaError(
+                    f"sender ranks {ranks[0]} and {rank} send different weights: {problem}"
+                )
         if expect is None:
             wanted = wanting_all(first)
         else:
@@ -149,7 +204,11 @@ class ShardedReceiver(WeightReceiver):
             wanted = in_order(mine, first)
             by_key = {tuple(map(str, k)): t for k, t in zip(keys, tensors)}
             DTensor = dtensor_type()
-            self._dtensors = {i: by_key[p.key] for i, p in enumerate(first.parts) if isinstance(by_key[p.key], DTensor)}
+            self._dtensors = {
+                i: by_key[p.key]
+                for i, p in enumerate(first.parts)
+                if isinstance(by_key[p.key], DTensor)
+            }
         if want is not None:
             wanted = narrowed(wanted, want, set(self._dtensors))
         self._moved = {rank: pieces(layout, wanted) for rank, layout in zip(ranks, layouts)}
@@ -157,12 +216,16 @@ class ShardedReceiver(WeightReceiver):
         if problem:
             raise SchemaError(problem)
         if not any(self._moved.values()):
-            raise SchemaError("this receiver wants no element of any leaf (every shard of `expect` here is empty)")
+            raise SchemaError(
+                "this receiver wants no element of any leaf (every shard of `expect` here is empty)"
+            )
         return wanted
 
     # -- reading -----------------------------------------------------------------------------------------
     version = property(lambda self: self._version, doc="The version published (0: none yet).")
-    buffer_count = property(lambda self: 2, doc="Two buffers of the wanted layout, published in turn.")
+    buffer_count = property(
+        lambda self: 2, doc="Two buffers of the wanted layout, published in turn."
+    )
 
     @property
     def transport(self) -> str:
@@ -186,7 +249,10 @@ class ShardedReceiver(WeightReceiver):
     @property
     def plan(self) -> dict[int, list[tuple[str, Box]]]:
         """Sender rank -> the pieces it sends here: (leaf name, :class:`~cudarecv.plan.boxes.Box` of the whole leaf)."""
-        return {rank: [(self._source.parts[i].name, box) for i, box in moved] for rank, moved in self._moved.items()}
+        return {
+            rank: [(self._source.parts[i].name, box) for i, box in moved]
+            for rank, moved in self._moved.items()
+        }
 
     @property
     def td(self) -> TensorDict:
@@ -220,20 +286,29 @@ class ShardedReceiver(WeightReceiver):
         limit = self.timeout if timeout is None else check_timeout(timeout)
         deadline = time.monotonic() + limit
         if not self._turn_lock.acquire(timeout=limit):
-            raise WaitTimeout(f"another thread's pull held this WeightReceiver for {limit:g} s (pulls from several "
-                              "threads take turns)")
+            raise WaitTimeout(
+                f"another thread's pull held this WeightReceiver for {limit:g} s (pulls from several "
+                "threads take turns)"
+            )
         try:
             transfer = self._pending
             if transfer is None or (transfer.settled and self._collected):
-                transfer = self._pending = Transfer(self._pulling(limit), timeout=math.inf, driver=self._driver.submit,
-                                                    raise_first=False, what=f"pull from ranks {self._ranks()}")
+                transfer = self._pending = Transfer(
+                    self._pulling(limit),
+                    timeout=math.inf,
+                    driver=self._driver.submit,
+                    raise_first=False,
+                    what=f"pull from ranks {self._ranks()}",
+                )
             self._collected = not wait  # (wait=False: the caller holds the future)
             if not wait:
                 return transfer
             try:
                 version = transfer.wait(max(deadline - time.monotonic(), 0.0))
             except WaitTimeout:
-                raise WaitTimeout(self._late(limit)) from None  # (not collected: the next pull carries on with it)
+                raise WaitTimeout(
+                    self._late(limit)
+                ) from None  # (not collected: the next pull carries on with it)
             except BaseException:
                 self._collected = True
                 raise
@@ -248,40 +323,63 @@ class ShardedReceiver(WeightReceiver):
     def _late(self, limit: float) -> str:
         """Why a pull ran out of ``limit`` s, for its :class:`WaitTimeout`: the ranks nothing came from, or what the
         round under way waits for."""
-        lineup, published, goes_on = self._lineup, self._version, "the pull goes on: the next pull() carries on with it"
+        lineup, published, goes_on = (
+            self._lineup,
+            self._version,
+            "the pull goes on: the next pull() carries on with it",
+        )
         silent = [rank for rank, _, r in self._inner if r.version <= published and not r.arriving]
         if lineup is None or (silent and lineup.phase == "first"):
-            return (f"pull from ranks {self._ranks()}: from rank(s) {silent} no version newer than {published} began "
-                    f"to arrive within {limit:g} s (are they still pushing?); {goes_on}")
+            return (
+                f"pull from ranks {self._ranks()}: from rank(s) {silent} no version newer than {published} began "
+                f"to arrive within {limit:g} s (are they still pushing?); {goes_on}"
+            )
         held = {rank: r.version for rank, _, r in self._inner}
-        floors, pulls = lineup.floors, dict(self._round)  # (the round's asks, and its pulls started so far)
-        waiting = [self._inner[i][0] for i in sorted(floors) if i not in pulls or not pulls[i].settled]
+        floors, pulls = (
+            lineup.floors,
+            dict(self._round),
+        )  # (the round's asks, and its pulls started so far)
+        waiting = [
+            self._inner[i][0] for i in sorted(floors) if i not in pulls or not pulls[i].settled
+        ]
         goal = min(floors.values(), default=published) + 1
-        why = {"first": "the first round",
-               "catch up": "the rank(s) behind, for the newest version another rank sent",
-               "fresh": "every rank again at one moment, as the trainers push faster than this receiver takes a "
-                        "round"}[lineup.phase]
-        return (f"pull from ranks {self._ranks()}: the sender ranks did not all send one version within {limit:g} s "
-                f"(the version of each rank's pieces: {held}; round {lineup.rounds} asks {why}, for version {goal} "
-                f"or newer, and waits for rank(s) {waiting}); {goes_on}")
+        why = {
+            "first": "the first round",
+            "catch up": "the rank(s) behind, for the newest version another rank sent",
+            "fresh": "every rank again at one moment, as the trainers push faster than this receiver takes a "
+            "round",
+        }[lineup.phase]
+        return (
+            f"pull from ranks {self._ranks()}: the sender ranks did not all send one version within {limit:g} s "
+            f"(the version of each rank's pieces: {held}; round {lineup.rounds} asks {why}, for version {goal} "
+            f"or newer, and waits for rank(s) {waiting}); {goes_on}"
+        )
 
     def _pulling(self, limit: float) -> Any:
         """The pull's protocol: rounds of pulls from the sender ranks, as :class:`Lineup` says (the first from every
         rank, then from the ranks behind, then from every rank at one moment again), until all hold one version
         newer than the published (each landing its pieces in the spare buffer); then copy what did
         not land in place and publish."""
-        index = self._slots.spare()  # (constant until this pull publishes: the buffer every piece lands in)
+        index = (
+            self._slots.spare()
+        )  # (constant until this pull publishes: the buffer every piece lands in)
         self._slots.wait_unread(index, limit)
         # a piece's own clock, once its version arrives: the receiver's timeout at least, since the caller's (say
         # 1 s) may be shorter than a version takes, and the pull goes on past the caller's wait
         clock = max(limit, self.timeout)
         receivers = [r for _, _, r in self._inner]
-        lineup = self._lineup = Lineup(self._version, latest=self.mode == "latest",
-                                       retake={i for i, r in enumerate(receivers) if not r.zero_copy})
+        lineup = self._lineup = Lineup(
+            self._version,
+            latest=self.mode == "latest",
+            retake={i for i, r in enumerate(receivers) if not r.zero_copy},
+        )
         asks = lineup.first([r.version for r in receivers])
         while asks:
             self._round = {}
-            for i, floor in asks.items():  # (each asks on its own thread: the ranks are asked at one moment)
+            for (
+                i,
+                floor,
+            ) in asks.items():  # (each asks on its own thread: the ranks are asked at one moment)
                 self._round[i] = receivers[i].pull_above(floor, clock)
             pulls = list(self._round.values())
             yield [t.ended() for t in pulls]
@@ -290,15 +388,22 @@ class ShardedReceiver(WeightReceiver):
             asks = lineup.next([r.version for r in receivers])
         versions = [r.version for r in receivers]
         version = versions[0]
-        slot, views = self._slots.own[index], self._buffers.views[index]  # (a new one if a rank's receiver retired it)
+        slot, views = (
+            self._slots.own[index],
+            self._buffers.views[index],
+        )  # (a new one if a rank's receiver retired it)
         if self._device.type == "cuda":
-            torch.cuda.synchronize(self._device)  # every piece's copy on its receiver's stream is done
+            torch.cuda.synchronize(
+                self._device
+            )  # every piece's copy on its receiver's stream is done
         for _, moved, receiver in self._inner:
             with receiver.reading() as td:
                 for leaf, box in moved:
                     part = self.schema.parts[leaf]
                     place, piece = views[leaf][box.within(part.box)], td[part.key]
-                    if piece.data_ptr() != place.data_ptr() or piece.numel() != place.numel():  # (not landed in place)
+                    if (
+                        piece.data_ptr() != place.data_ptr() or piece.numel() != place.numel()
+                    ):  # (not landed in place)
                         place.copy_(piece)
         if self._device.type == "cuda":
             torch.cuda.synchronize(self._device)
@@ -336,17 +441,31 @@ class PieceReceiver(WeightReceiver):
     ``places[b]``: piece name -> its contiguous block of buffer ``b`` (None: strided there, staged); ``spare``:
     which buffer the next pull lands in (the sharded receiver's spare, never its published one)."""
 
-    def __init__(self, *, places: list[dict[tuple[str, ...], torch.Tensor | None]], spare: Any, retire: Any,
-                 **options: Any) -> None:
+    def __init__(
+        self,
+        *,
+        places: list[dict[tuple[str, ...], torch.Tensor | None]],
+        spare: Any,
+        retire: Any,
+        **options: Any,
+    ) -> None:
         self._places = places
         super().__init__(**options)
         self._slots.place(spare, retire)
 
-    def _own_slots(self, schema: Schema, piece: int, device: torch.device, pin_memory: bool) -> list[Slot]:
-        if not schema.leafwise:  # (a sender rank that cuts evenly: its version lands in own slots, copied out)
+    def _own_slots(
+        self, schema: Schema, piece: int, device: torch.device, pin_memory: bool
+    ) -> list[Slot]:
+        if (
+            not schema.leafwise
+        ):  # (a sender rank that cuts evenly: its version lands in own slots, copied out)
             return super()._own_slots(schema, piece, device, pin_memory)
-        return [Slot.placed_at(schema, piece, device, pin_memory, [places[leaf.key] for leaf in schema.leaves])
-                for places in self._places]
+        return [
+            Slot.placed_at(
+                schema, piece, device, pin_memory, [places[leaf.key] for leaf in schema.leaves]
+            )
+            for places in self._places
+        ]
 
     def pull_above(self, floor: int, limit: float) -> Transfer:
         """Start a pull, for a round of the sharded pull, of a version newer than ``floor`` (latest mode: past the
@@ -356,8 +475,10 @@ class PieceReceiver(WeightReceiver):
             raise UsageError("this WeightReceiver is closed")
         with self._turn(limit):
             if self._puller.broken:
-                raise BrokenError(f"this WeightReceiver is broken ({self._puller.broken}): close it and connect a "
-                                  "new one")
+                raise BrokenError(
+                    f"this WeightReceiver is broken ({self._puller.broken}): close it and connect a "
+                    "new one"
+                )
             transfer = self._pending
             if transfer is None or transfer.settled:  # (else: a pull left under way, carried on)
                 transfer = self._pending = self._puller.start(limit, floor)

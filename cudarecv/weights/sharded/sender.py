@@ -45,14 +45,37 @@ class ShardedSender(WeightSender):
         >>> sender.push()   # each rank sends what it holds, to the receivers that want it
     """
 
-    def __init__(self, td: Any, dst: Any = None, *, group: Any = None, group_dst: Any = None,
-                 bucket_bytes: int | None = None, timeout: float = 60.0, verify: bool = False,
-                 stream: Any = None, mode: str = "sync", buffers: int | None = None, fanout: str = "auto",
-                 transport: str = "auto", sliced: bool = True) -> None:
+    def __init__(
+        self,
+        td: Any,
+        dst: Any = None,
+        *,
+        group: Any = None,
+        group_dst: Any = None,
+        bucket_bytes: int | None = None,
+        timeout: float = 60.0,
+        verify: bool = False,
+        stream: Any = None,
+        mode: str = "sync",
+        buffers: int | None = None,
+        fanout: str = "auto",
+        transport: str = "auto",
+        sliced: bool = True,
+    ) -> None:
         self._closed, self._senders = False, []
-        options = dict(bucket_bytes=bucket_bytes, timeout=timeout, verify=verify, stream=stream, mode=mode,
-                       buffers=buffers, fanout=fanout, transport=transport)
-        self._timeout = check_options(timeout=timeout, transport=transport, bucket_bytes=bucket_bytes)["timeout"]
+        options = dict(
+            bucket_bytes=bucket_bytes,
+            timeout=timeout,
+            verify=verify,
+            stream=stream,
+            mode=mode,
+            buffers=buffers,
+            fanout=fanout,
+            transport=transport,
+        )
+        self._timeout = check_options(
+            timeout=timeout, transport=transport, bucket_bytes=bucket_bytes
+        )["timeout"]
         check_mode(mode, buffers, fanout)
         peers, links, global_ranks = exchange.peer_links(dst, group_dst, group, "dst", "group_dst")
         keys, tensors = walk(unwrap(td))
@@ -68,7 +91,9 @@ class ShardedSender(WeightSender):
         for peer, want in zip(peers, wanted):
             problem = self._layout.difference(want)
             if problem:  # (the receiver checked it: a receiver that lies about it is refused here)
-                raise SchemaError(f"receiver rank {peer} answered a layout that does not match: {problem}")
+                raise SchemaError(
+                    f"receiver rank {peer} answered a layout that does not match: {problem}"
+                )
             self._moved[peer] = pieces(self._layout, in_order(want, self._layout))
         # receivers that want the same pieces of this rank share one sender (a relay chain across hosts)
         groups: dict[tuple, list[int]] = {}
@@ -79,7 +104,9 @@ class ShardedSender(WeightSender):
         self._turn_lock = threading.Lock()
         try:
             for moved, members in groups.items():
-                views = piece_views(self._layout.parts, list(moved), [t for t, _ in locals_], self._boxes)
+                views = piece_views(
+                    self._layout.parts, list(moved), [t for t, _ in locals_], self._boxes
+                )
                 where = {"dst": members} if global_ranks else {"group": group, "group_dst": members}
                 self._senders.append((list(moved), PieceSender(views, **where, **options)))
         except BaseException:
@@ -87,10 +114,13 @@ class ShardedSender(WeightSender):
             raise
 
     # -- what it is --------------------------------------------------------------------------------------
-    schema = property(lambda self: self._layout, doc="This rank's layout: each leaf's whole shape and the box it "
-                                                     "sends (a :class:`~cudarecv.weights.sharded.layout.Layout`).")
+    schema = property(
+        lambda self: self._layout,
+        doc="This rank's layout: each leaf's whole shape and the box it "
+        "sends (a :class:`~cudarecv.weights.sharded.layout.Layout`).",
+    )
     timeout = property(lambda self: self._timeout, doc="Seconds any wait may take.")
-    mode = property(lambda self: self._mode, doc="``\"sync\"`` or ``\"latest\"``.")
+    mode = property(lambda self: self._mode, doc='``"sync"`` or ``"latest"``.')
     version = property(lambda self: self._versions, doc="The last version pushed (0: none yet).")
 
     @property
@@ -107,7 +137,10 @@ class ShardedSender(WeightSender):
     def plan(self) -> dict[int, list[tuple[str, Box]]]:
         """Receiver rank -> the pieces this rank sends it: (leaf name, :class:`~cudarecv.plan.boxes.Box` of the whole
         leaf); a receiver that gets nothing from this rank maps to ``[]``."""
-        return {rank: [(self._layout.parts[i].name, box) for i, box in moved] for rank, moved in self._moved.items()}
+        return {
+            rank: [(self._layout.parts[i].name, box) for i, box in moved]
+            for rank, moved in self._moved.items()
+        }
 
     @property
     def transports(self) -> dict[int, str]:
@@ -131,15 +164,19 @@ class ShardedSender(WeightSender):
         return out
 
     # -- pushing -----------------------------------------------------------------------------------------
-    def push(self, wait: bool = True, timeout: float | None = None, values: Any = None) -> int | list[Transfer]:
+    def push(
+        self, wait: bool = True, timeout: float | None = None, values: Any = None
+    ) -> int | list[Transfer]:
         """Send this rank's pieces of the current values of ``td`` to every receiver that wants some, as the next
         version (see :meth:`WeightSender.push`; ``values``: a tensordict like ``td``, DTensors placed alike)."""
         if self._closed:
             raise UsageError("this WeightSender is closed")
         limit = self._timeout if timeout is None else check_timeout(timeout)
         if not self._turn_lock.acquire(timeout=limit):
-            raise WaitTimeout(f"another thread's push held this WeightSender for {limit:g} s (pushes from several "
-                              "threads take turns)")
+            raise WaitTimeout(
+                f"another thread's push held this WeightSender for {limit:g} s (pushes from several "
+                "threads take turns)"
+            )
         try:
             return self._push(wait, limit, values)
         finally:
@@ -148,14 +185,20 @@ class ShardedSender(WeightSender):
     def _push(self, wait: bool, limit: float, values: Any) -> int | list[Transfer]:
         live = [(moved, s) for moved, s in self._senders if s.ranks]
         if self._senders and not live:
-            raise PeerError(f"no receiver of this WeightSender is left ({self.dropped}): "
-                            "connect new receivers with a new WeightSender")
+            raise PeerError(
+                f"no receiver of this WeightSender is left ({self.dropped}): "
+                "connect new receivers with a new WeightSender"
+            )
         locals_ = self._values(values)
         self._versions += 1
         transfers: list[Transfer] = []
         failures: list[BaseException] = []
         for moved, sender in live:
-            piece_values = None if locals_ is None else piece_views(self._layout.parts, moved, locals_, self._boxes)
+            piece_values = (
+                None
+                if locals_ is None
+                else piece_views(self._layout.parts, moved, locals_, self._boxes)
+            )
             try:
                 out = sender.push(wait=False, timeout=limit, values=piece_values)
             except Exception as error:  # noqa: BLE001 - the other groups still get the version; raised below
@@ -187,9 +230,11 @@ class ShardedSender(WeightSender):
         for key, t, part, box in zip(self._keys, tensors, self._layout.parts, self._boxes):
             local, mine = held(t, ".".join(key))
             if tuple(t.shape) != part.shape or t.dtype != part.dtype or mine != box:
-                raise ArgumentError(f"`values`: leaf {part.name!r} is {t.dtype} {list(t.shape)} holding "
-                                    f"{mine.to_json()}, the sender's `td` {part.dtype} {list(part.shape)} holding "
-                                    f"{box.to_json()}: pass values placed like `td`")
+                raise ArgumentError(
+                    f"`values`: leaf {part.name!r} is {t.dtype} {list(t.shape)} holding "
+                    f"{mine.to_json()}, the sender's `td` {part.dtype} {list(part.shape)} holding "
+                    f"{box.to_json()}: pass values placed like `td`"
+                )
             out.append(local)
         return out
 
