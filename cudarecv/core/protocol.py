@@ -45,8 +45,8 @@ class Stage:
         >>> yield [Stage("drain of a mismatched payload")]  # a timeout then says so, not "the header"
     """
 
-    def __init__(self, what: str) -> None:
-        self.what = what
+    def __init__(self, what: object) -> None:
+        self.what = what  # read as str(what) when the time runs out (a live count of what landed, say)
 
     def is_completed(self) -> bool:
         return True
@@ -71,7 +71,7 @@ def frameless(error: BaseException) -> None:
                 frames = "".join(traceback.format_tb(item.__traceback__))
                 item.add_note(f"raised at (in cudarecv's transfer):\n{frames}")
             item.__traceback__ = None
-            todo += (item.__cause__, item.__context__)
+            todo += [e for e in (item.__cause__, item.__context__) if e is not None]
 
 
 def again(error: BaseException) -> BaseException:

@@ -423,7 +423,7 @@ def _note_stage(error: BaseException, stage: Any) -> None:
         return
     # (an exception type that takes no attributes: the hook names the call)
     with contextlib.suppress(AttributeError, TypeError):
-        error.stage = str(stage)
+        error.stage = str(stage)  # type: ignore[attr-defined]
 
 
 def run_standing(

@@ -11,7 +11,7 @@ import contextlib
 import functools
 import operator
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, SupportsIndex, cast
 
 from tensordict import TensorDictBase
 from torch import Tensor
@@ -46,7 +46,7 @@ def _check_options(
     if isinstance(init_tag, bool):
         raise ArgumentTypeError("`init_tag` must be an int, got bool")
     try:
-        init_tag = operator.index(init_tag)  # numpy integers too, as stock takes them
+        init_tag = operator.index(cast(SupportsIndex, init_tag))  # numpy integers too, as stock takes them
     except TypeError:
         raise ArgumentTypeError(
             f"`init_tag` must be an int, got {type(init_tag).__name__}"
@@ -148,7 +148,7 @@ def _track(plan: Plan, transfer: Transfer) -> None:
     """Mark ``transfer`` as using the plan's staging until it finishes."""
     plan.in_flight = transfer
 
-    def release(done: Transfer) -> None:
+    def release(done: object) -> None:
         if plan.in_flight is done:
             plan.in_flight = None  # no reference left from the plan cache to the tensordict
 
@@ -362,7 +362,7 @@ def _begin_recv(
     """Start the receive (its plan claimed: :func:`_claimed`); a fast-wire one in its turn on its link and tags."""
     route = Carried()
     side = None if bucket_bytes is None else receiving_side(link)
-    shared = dict(side=side, allow=side is not None and allowed(transport), route=route)
+    allow = side is not None and allowed(transport)
     if consolidated:
         storage = plan.storage(inner)  # raises, naming the fix, if td is not consolidated
         lane = lane_for(link, storage.device, stream, plan.pool)
@@ -385,7 +385,9 @@ def _begin_recv(
                 td,
                 copy_shared=copy,
                 table=table,
-                **shared,
+                side=side,
+                allow=allow,
+                route=route,
             )
     else:
         if bucket_bytes is None:
@@ -413,7 +415,9 @@ def _begin_recv(
                 landed=lambda piece, i: plan.unpack(piece, i, place),
                 copy_shared=copy,
                 table=plan.address_table if plan.device.type == "cpu" else None,
-                **shared,
+                side=side,
+                allow=allow,
+                route=route,
             )
             if lane.nccl and plan.device.type != "cuda":
                 protocol = host_waits(
@@ -429,11 +433,10 @@ def _begin_recv(
             protocol = _in_turn(
                 protocol, queue.earlier(), route, lambda: stuck.check(inner, link, tags, False)
             )
-        driven = (
-            side is not None and side.driven
-        )  # the sender may wait for its DONE: it must not wait for our wait()
-        if driven:
-            protocol = side.queued(protocol, route)  # in call order, on the link's thread
+        # driven by the side's thread: the sender may wait for its DONE, it must not wait for our wait()
+        driven = side if side is not None and side.driven else None
+        if driven is not None:
+            protocol = driven.queued(protocol, route)  # in call order, on the link's thread
         transfer = Transfer(
             protocol,
             lane.stream,
@@ -442,12 +445,12 @@ def _begin_recv(
             link=link,
             what=f"{what} from rank {link.peer} ({cause})",
             route=route,
-            driver=side.submit if driven else None,
+            driver=driven.submit if driven is not None else None,
         )
         if queue is not None:
             queue.join(transfer)
-        if driven:
-            transfer.add_done_callback(functools.partial(side.ended, route))
+        if driven is not None:
+            transfer.add_done_callback(functools.partial(driven.ended, route))
             transfer.settle_in_background()  # (handed to the link's thread before the next receive joins)
     if lane.stream is not None or (bucket_bytes is not None and not consolidated):
         _track(plan, transfer)  # it uses the plan's staging: the next transfer waits for it

@@ -23,6 +23,7 @@ import weakref
 from collections import OrderedDict, defaultdict
 from collections.abc import Sequence
 from functools import cached_property
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,6 +34,7 @@ from ..core import streams
 from ..core.errors import ArgumentError
 from ..core.host_copy import CopyTable
 from ..core.lru import lru_get
+from ..core.transfer import Transfer
 from . import header
 from .describe import describe
 from .tags import tag_sequence
@@ -57,7 +59,7 @@ class Plan:
         self.pool = (
             streams.StagingPool()
         )  # staging rings and their fences, for this tensordict alone
-        self.in_flight = None  # the transfer still using the staging buffers, if any
+        self.in_flight: Transfer | None = None  # the transfer still using the staging buffers, if any
         #: held by a call from its look at :attr:`in_flight` until its own transfer is started and marked there
         #: (two threads calling with one tensordict at once take turns: :mod:`cudarecv.p2p.calls`)
         self.claim = threading.Lock()
@@ -99,7 +101,7 @@ class Plan:
                 raise ArgumentError(f"leaf {format_path(path)!r} cannot travel: {problem}")
         devices = {t.device for t in self.tensors}
         if len(devices) > 1:
-            first = {}
+            first: dict[torch.device, str] = {}
             for path, t in zip(self.paths, self.tensors):
                 first.setdefault(t.device, format_path(path))
             raise ArgumentError(
@@ -410,19 +412,26 @@ def plan_for(td: TensorDictBase, layout: bool = True) -> Plan:
         plan = entry[1]
     else:
         plan = Plan(paths, tensors)
-        _PLANS[key] = (weakref.ref(td, lambda _, key=key, plans=_PLANS: plans.pop(key, None)), plan)
+        _PLANS[key] = (weakref.ref(td, functools.partial(_forget, key)), plan)
     if not locked:
         plan.skeleton = Skeleton.of(td)
     if locked:
-        if td._cache is None:
-            td._cache = defaultdict(dict)
-        td._cache[_LOCKED_KEY] = plan
+        held: Any = td  # (tensordict's private per-instance cache; its annotation there is not its value)
+        if held._cache is None:
+            held._cache = defaultdict(dict)
+        held._cache[_LOCKED_KEY] = plan
     return plan
+
+
+def _forget(key: int, _: object) -> None:
+    """The weakref callback of a cached plan: its tensordict is gone."""
+    _PLANS.pop(key, None)
 
 
 def forget_plan(td: TensorDictBase) -> Plan:
     """Drop the cached plan of ``td`` (its staging may be written late) and build a new one."""
     _PLANS.pop(id(td), None)
-    if getattr(td, "_cache", None) is not None:
-        td._cache.pop(_LOCKED_KEY, None)
+    cache = getattr(td, "_cache", None)
+    if cache is not None:
+        cache.pop(_LOCKED_KEY, None)
     return plan_for(td)

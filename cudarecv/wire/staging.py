@@ -145,15 +145,17 @@ def recv_into(
             if lane.nccl:
                 for work in works:
                     work.wait()  # orders the transfer stream; the host goes on
-                for i in range(n if landed else 0):
-                    landed(i)
+                if landed is not None:
+                    for i in range(n):
+                        landed(i)
                 return
         if landed is None:
             yield works  # one step for the whole batch
-        for i, work in enumerate(works if landed else ()):
-            yield [work]
-            with lane.on_stream():
-                landed(i)
+        else:
+            for i, work in enumerate(works):
+                yield [work]
+                with lane.on_stream():
+                    landed(i)
         if copies_from_host:
             lane.pool.set_fence(_base(dests[0]), _cuda.record(lane.stream))
         return
