@@ -55,6 +55,7 @@ class Plan:
         self._pieces: OrderedDict[tuple[int, str], _Layout] = OrderedDict()
         self._staging: dict[str, Tensor] = {}
         self._parts: dict[str, list[Tensor]] = {}
+        self._storage: Tensor | None = None  # the consolidated storage last checked (storage())
         self._adopted: dict[str, Tensor] = {}  # places whose staging is a buffer given to the plan
         self.pool = (
             streams.StagingPool()
@@ -229,9 +230,9 @@ class Plan:
     # -- consolidated ------------------------------------------------------------
     def storage(self, td: TensorDictBase) -> Tensor:
         """The consolidated storage of ``td``, checked to hold every leaf (cached)."""
-        storage = getattr(self, "_storage", None)
+        storage = self._storage
         consolidated = getattr(td, "_consolidated", None)
-        current = consolidated.get("storage") if isinstance(consolidated, dict) else None
+        current: Tensor | None = consolidated.get("storage") if isinstance(consolidated, dict) else None
         if storage is not None and current is storage:
             return storage
         if current is None:

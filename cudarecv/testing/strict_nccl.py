@@ -181,10 +181,10 @@ class StrictNccl(dist.ProcessGroupGloo):
 
     # -- the underlying gloo (not NCCL's API) --------------------------------------------------------------
     def gloo_send(self, tensor: torch.Tensor, peer: int, tag: int) -> Any:
-        return super().send([tensor], peer, tag)
+        return super().send([tensor], peer, tag)  # type: ignore[misc]  # (gloo's: torch's stubs omit it)
 
     def gloo_recv(self, tensor: torch.Tensor, peer: int, tag: int) -> Any:
-        return super().recv([tensor], peer, tag)
+        return super().recv([tensor], peer, tag)  # type: ignore[misc]  # (gloo's: torch's stubs omit it)
 
     # -- NCCL's point-to-point API, as torch exposes it on a backend ---------------------------------------
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Any:

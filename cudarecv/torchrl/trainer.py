@@ -7,12 +7,12 @@ from __future__ import annotations
 import datetime
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch.distributed as dist
 from tensordict import TensorDictBase
 
-from .. import Error, PeerError, ReceiverFailed, TransferTimeout, WeightSender
+from .. import Error, PeerError, ReceiverFailed, Transfer, TransferTimeout, WeightSender
 
 FAILED = "failed: "  # what a worker's switched key says when it could not take the version
 
@@ -69,9 +69,8 @@ class Trainer:
         sender = self.sender
         dropped, before = dict(sender.dropped), sender.version
         try:
-            pushed = sender.push(
-                wait=False, values=values
-            )  # sync: one transfer per worker, under way
+            # sync: one transfer per worker, under way
+            pushed = cast(list[Transfer], sender.push(wait=False, values=values))
         except (
             PeerError
         ) as error:  # latest: a worker lost between calls, named after the version was published

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from tensordict import TensorDict, TensorDictBase
 from torch import nn
@@ -55,7 +55,7 @@ class Worker:
 
     def start(self, thread_name: str) -> None:
         """Version 1 into the policy, then a thread that takes every next version."""
-        self._switch(self.receiver.pull())
+        self._switch(cast(int, self.receiver.pull()))  # (waited: the version number)
         self._thread = start_thread(self._take_versions, thread_name)  # (joined at exit too)
 
     def td(self) -> TensorDictBase:
@@ -70,7 +70,7 @@ class Worker:
         receiver."""
         while not self.stopping.is_set():
             try:
-                version = self.receiver.pull(timeout=self.timeout)
+                version = cast(int, self.receiver.pull(timeout=self.timeout))  # (waited)
             except WaitTimeout:
                 continue  # the trainer pushed nothing meanwhile: the pull goes on
             except SenderClosed:

@@ -9,7 +9,7 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import asdict
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -169,7 +169,7 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
     def nbytes(self) -> int:
         """Bytes of one version (in :attr:`dtype`), what each worker receives unless the engine is tensor-parallel
         (each worker then receives the slices it loads: :meth:`bytes_to`); 0 on a rank that does not send."""
-        return sum(t.nbytes for t in self._td.values()) if self._td is not None else 0
+        return sum(t.nbytes for t in _leaves(self._td).values()) if self._td is not None else 0
 
     def bytes_to(self) -> dict[int, int]:
         """Worker (its rank in the trainer's group, 1 on) -> the bytes one version moves to it."""
@@ -177,10 +177,12 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
             return {}
         if not self.sliced:
             return {rank: self.nbytes for rank in self.sender.transports}
-        sizes = {name: t.element_size() for name, t in self._td.items()}
+        assert self._td is not None  # (a sender has its tensordict)
+        sizes = {name: t.element_size() for name, t in _leaves(self._td).items()}
+        sharded: Any = self.sender  # (sliced: a sharded sender, whose plan says what each worker loads)
         return {
             rank: sum(box.numel * sizes[name] for name, box in pieces)
-            for rank, pieces in self.sender.plan.items()
+            for rank, pieces in sharded.plan.items()
         }
 
     # -- an update -------------------------------------------------------------------------------------------
@@ -201,7 +203,7 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
             raise UsageError("this cudarecv trainer engine is shut down")
         # (sync mode: returns once every worker holds it, or raises naming one that does not; latest mode: at once,
         # and each worker's update waits, bounded, for it to land)
-        version = self.sender.push()
+        version = cast(int, self.sender.push())  # (waited: the version number)
         self._start(version)
         try:  # (the workers load it now: bounded, as every answer of the engine)
             _Call(
@@ -269,6 +271,11 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
             self._shared.clear()
 
 
+def _leaves(td: TensorDict) -> dict[str, torch.Tensor]:
+    """The leaves of a flat tensordict of tensors, by name."""
+    return {name: cast(torch.Tensor, t) for name, t in td.items()}
+
+
 class _Call:
     """One call of the engine's client on a thread of its own, so that waiting for its answer is bounded (a client
     may wait for ever). ``join`` waits for it (bounded) and raises what it raised; as a context manager (while
@@ -276,7 +283,8 @@ class _Call:
     of the block wins over the call's (which becomes its context)."""
 
     def __init__(self, call: Callable[[], Any], what: str, timeout: float) -> None:
-        self.what, self.timeout, self._error = what, timeout, None
+        self.what, self.timeout = what, timeout
+        self._error: BaseException | None = None
         self._thread = threading.Thread(
             target=self._run, args=(call,), name=f"cudarecv-vllm-{what}", daemon=True
         )

@@ -14,7 +14,7 @@ import socket
 import threading
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -93,9 +93,8 @@ class CudarecvWeightTransferEngine(WeightTransferEngine[CudarecvInitInfo, Cudare
             self._group = group_of(
                 self._store, init_info.session, index + 1, workers + 1, init_info.timeout
             )
-            source = (
-                0 if self._want is None else [0]
-            )  # (sliced: the trainer sends each worker what it loads)
+            # (sliced: the trainer sends each worker what it loads)
+            source: Any = 0 if self._want is None else [0]
             self._receiver = WeightReceiver(
                 group=self._group,
                 group_src=source,
@@ -139,7 +138,7 @@ class CudarecvWeightTransferEngine(WeightTransferEngine[CudarecvInitInfo, Cudare
         """The taking thread: every version the trainer pushes, as it comes, until the receiver closes or fails."""
         while True:
             try:
-                version = receiver.pull()
+                version = cast(int, receiver.pull())  # (waited: the version number)
             except WaitTimeout:
                 continue  # nothing pushed meanwhile: the pull goes on
             except Error as error:
@@ -228,7 +227,7 @@ def load(
 
     initialize_layerwise_reload(model)
     with disable_mtp_completeness_check():
-        model.load_weights(weights)
+        cast(Any, model).load_weights(weights)  # (vLLM's model class, which torch's Module does not type)
     finalize_layerwise_reload(model, model_config)
 
 
