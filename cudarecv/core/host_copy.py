@@ -61,6 +61,8 @@ def _native() -> ctypes.CDLL:
     if _LIB is None:
         raise RuntimeError(f"cudarecv's native host copies are not built: {WHY_NOT_NATIVE}")
     return _LIB
+
+
 ENV = "CUDARECV_HOST_COPY"  # "stream", "memcpy", or "auto" (as tuned, else DEFAULT_HOST_COPY; the default)
 HOST_COPIES = ("stream", "memcpy")
 DEFAULT_HOST_COPY = "memcpy"

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import functools
 import operator
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, SupportsIndex, cast
 

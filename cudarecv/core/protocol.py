@@ -46,7 +46,9 @@ class Stage:
     """
 
     def __init__(self, what: object) -> None:
-        self.what = what  # read as str(what) when the time runs out (a live count of what landed, say)
+        self.what = (
+            what  # read as str(what) when the time runs out (a live count of what landed, say)
+        )
 
     def is_completed(self) -> bool:
         return True

@@ -13,8 +13,8 @@ Example:
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
 import zlib
+from collections.abc import Sequence
 
 from .errors import Error, OutOfStepError
 

@@ -46,7 +46,9 @@ def _check_options(
     if isinstance(init_tag, bool):
         raise ArgumentTypeError("`init_tag` must be an int, got bool")
     try:
-        init_tag = operator.index(cast(SupportsIndex, init_tag))  # numpy integers too, as stock takes them
+        init_tag = operator.index(
+            cast(SupportsIndex, init_tag)
+        )  # numpy integers too, as stock takes them
     except TypeError:
         raise ArgumentTypeError(
             f"`init_tag` must be an int, got {type(init_tag).__name__}"

@@ -60,7 +60,9 @@ class Plan:
         self.pool = (
             streams.StagingPool()
         )  # staging rings and their fences, for this tensordict alone
-        self.in_flight: Transfer | None = None  # the transfer still using the staging buffers, if any
+        self.in_flight: Transfer | None = (
+            None  # the transfer still using the staging buffers, if any
+        )
         #: held by a call from its look at :attr:`in_flight` until its own transfer is started and marked there
         #: (two threads calling with one tensordict at once take turns: :mod:`cudarecv.p2p.calls`)
         self.claim = threading.Lock()
@@ -232,7 +234,9 @@ class Plan:
         """The consolidated storage of ``td``, checked to hold every leaf (cached)."""
         storage = self._storage
         consolidated = getattr(td, "_consolidated", None)
-        current: Tensor | None = consolidated.get("storage") if isinstance(consolidated, dict) else None
+        current: Tensor | None = (
+            consolidated.get("storage") if isinstance(consolidated, dict) else None
+        )
         if storage is not None and current is storage:
             return storage
         if current is None:
@@ -417,7 +421,9 @@ def plan_for(td: TensorDictBase, layout: bool = True) -> Plan:
     if not locked:
         plan.skeleton = Skeleton.of(td)
     if locked:
-        held: Any = td  # (tensordict's private per-instance cache; its annotation there is not its value)
+        held: Any = (
+            td  # (tensordict's private per-instance cache; its annotation there is not its value)
+        )
         if held._cache is None:
             held._cache = defaultdict(dict)
         held._cache[_LOCKED_KEY] = plan

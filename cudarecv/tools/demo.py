@@ -68,7 +68,7 @@ import time
 from collections.abc import Callable
 from contextlib import closing
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -83,10 +83,10 @@ from .cli import OptionError, error, int_at_least, positive_float, size_or_zero
 from .console import available_memory, progress, tail, versions
 from .transfer_ranks import format_size
 
-DEFAULTS = dict(
+DEFAULTS: dict[str, Any] = dict(
     actors=2, steps=200, model_mib=4.0, bucket_bytes="1MiB", timeout=60.0, seed=0, slow_seconds=2.0
 )
-QUICK = dict(steps=40, hidden=64)
+QUICK: dict[str, int] = dict(steps=40, hidden=64)
 IMPLS = ("cudarecv", "stock")
 OBS, ARMS, RULE_WIDTH = 16, 8, 32  # context size, arms, width of the hidden rule
 BATCH, ACTOR_BATCH = 256, 64  # contexts per training step / per actor episode
@@ -306,7 +306,10 @@ class _Bar:
 
     def __init__(self, total: int, desc: str) -> None:
         self.total, self.desc = total, desc
-        self.count, self.postfix = 0, {}  # (read by the thread: each update replaces them whole)
+        self.count, self.postfix = (
+            0,
+            dict[str, Any](),
+        )  # (read by the thread: each update replaces them whole)
         self.started = time.monotonic()
         tqdm = _tqdm()
         if tqdm is None:
@@ -425,7 +428,7 @@ class _CudarecvPush:
         if self.cfg.mode == "latest":
             self.sender.push()  # a snapshot: the actors take it when they are ready
         else:
-            transfers = self.sender.push(wait=False)
+            transfers = cast(list[cudarecv.Transfer], self.sender.push(wait=False))
             self.in_flight = _pushing(transfers, self.ranks, version, self.cfg.timeout, self.device)
         return time.perf_counter() - start
 
@@ -663,6 +666,11 @@ def _between_pulls(rank: int, cfg: Config, meta: Any) -> None:
         time.sleep(cfg.slow_seconds)  # --slow-actor: busy elsewhere between pulls
 
 
+def _stamping(at: list[float]) -> Callable[[object], None]:
+    """A done-callback that appends the time it runs at to ``at`` (this pull's own list)."""
+    return lambda _: at.append(time.time())
+
+
 def _cudarecv_actor(
     rank: int,
     cfg: Config,
@@ -681,11 +689,10 @@ def _cudarecv_actor(
     try:
         while True:
             asked = time.time()
-            transfer = receiver.pull(wait=False)  # the receiver's thread finishes it
+            # the receiver's thread finishes it
+            transfer = cast(cudarecv.Transfer, receiver.pull(wait=False))
             landed: list[float] = []
-            transfer.add_done_callback(
-                lambda _, at=landed: at.append(time.time())
-            )  # runs as it is published
+            transfer.add_done_callback(_stamping(landed))  # runs as it is published
             played = (
                 0  # act with what we have meanwhile: sync, one episode per version as stock's actor
             )
@@ -829,11 +836,11 @@ def actor_cells(cfg: Config, actor: dict[str, Any], trainer: dict[str, Any]) -> 
 
 def _describe(cfg: Config, trainer: dict[str, Any]) -> list[str]:
     where = "cpu" if cfg.device == "cpu" else f"cuda ({torch.cuda.device_count()} GPU(s))"
-    piece = trainer.get("bucket_bytes", cfg.bucket_bytes)
+    bucket_bytes = trainer.get("bucket_bytes", cfg.bucket_bytes)
     bucket = (
         "one message"
-        if piece is None or piece >= trainer["bytes"]
-        else f"{format_size(piece)} messages"
+        if bucket_bytes is None or bucket_bytes >= trainer["bytes"]
+        else f"{format_size(bucket_bytes)} messages"
     )
     actors = (
         "1 actor (rank 1)" if cfg.actors == 1 else f"{cfg.actors} actors (ranks 1-{cfg.actors})"

@@ -179,7 +179,9 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
             return {rank: self.nbytes for rank in self.sender.transports}
         assert self._td is not None  # (a sender has its tensordict)
         sizes = {name: t.element_size() for name, t in _leaves(self._td).items()}
-        sharded: Any = self.sender  # (sliced: a sharded sender, whose plan says what each worker loads)
+        sharded: Any = (
+            self.sender
+        )  # (sliced: a sharded sender, whose plan says what each worker loads)
         return {
             rank: sum(box.numel * sizes[name] for name, box in pieces)
             for rank, pieces in sharded.plan.items()

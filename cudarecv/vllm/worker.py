@@ -227,7 +227,9 @@ def load(
 
     initialize_layerwise_reload(model)
     with disable_mtp_completeness_check():
-        cast(Any, model).load_weights(weights)  # (vLLM's model class, which torch's Module does not type)
+        cast(Any, model).load_weights(
+            weights
+        )  # (vLLM's model class, which torch's Module does not type)
     finalize_layerwise_reload(model, model_config)
 
 
