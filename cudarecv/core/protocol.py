@@ -6,12 +6,26 @@ from __future__ import annotations
 
 import copy
 import traceback
+import typing
 from collections.abc import Callable, Generator, Sequence
+from datetime import timedelta
 from typing import Any
 
 from .errors import Error
 
-Protocol = Generator[Sequence[Any], None, Any]
+
+class Work(typing.Protocol):
+    """What a protocol yields: torch.distributed's ``Work`` (a posted send or receive) or one of cudarecv's
+    own that look like it (:class:`StartClock`, :class:`Stage`, a CUDA event's, a word from a peer)."""
+
+    def is_completed(self) -> bool: ...
+
+    def wait(self, timeout: timedelta = ...) -> bool: ...
+
+
+#: a transfer's protocol: each step yields the works to see done before the next; it returns the transfer's
+#: result (what the caller gets from ``wait()``: the received tensordict, a version, None for a send)
+Protocol = Generator[Sequence[Work], None, Any]
 #: rewrites a transfer's error (e.g. to name the peer); gets the error and the seconds since the start
 ErrorHook = Callable[[BaseException, float], BaseException]
 #: hands a job to a thread its owner keeps (e.g. one per peer)
@@ -34,7 +48,7 @@ class StartClock:
     def is_completed(self) -> bool:
         return True
 
-    def wait(self, timeout: Any = None) -> bool:
+    def wait(self, timeout: timedelta | None = None) -> bool:
         return True
 
 
@@ -53,7 +67,7 @@ class Stage:
     def is_completed(self) -> bool:
         return True
 
-    def wait(self, timeout: Any = None) -> bool:
+    def wait(self, timeout: timedelta | None = None) -> bool:
         return True
 
 

@@ -13,6 +13,8 @@ import operator
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, SupportsIndex, cast
 
+import torch
+import torch.distributed as dist
 from tensordict import TensorDictBase
 from torch import Tensor
 
@@ -23,9 +25,9 @@ from ..core.host_copy import copy_bytes
 from ..core.link import Link, resolve
 from ..core.protocol import Protocol
 from ..core.tags import MAX_TAG, check_init_tag, header_tag, piece_tag
-from ..core.transfer import Transfer
+from ..core.transfer import Transfer, Transport
 from ..core.turns import line
-from ..plan.header import check_pieces
+from ..plan.header import Header, check_pieces
 from ..plan.plan import Plan, forget_plan, plan_for
 from ..plan.walk import unwrap
 from ..samehost.policy import Carried, allowed, check_transport
@@ -169,9 +171,9 @@ def _start_send(
     pseudo_rand: bool,
     consolidated: bool,
     bucket_bytes: int | None,
-    stream: Any,
+    stream: torch.cuda.Stream | None,
     timeout: float | None,
-    transport: str = "auto",
+    transport: Transport = "auto",
 ) -> tuple[Transfer, Plan]:
     user = unwrap(td)  # what a failure is recorded against (a consolidated copy is new every call)
     if consolidated and not user.is_consolidated():
@@ -207,9 +209,9 @@ def _begin_send(
     pseudo_rand: bool,
     consolidated: bool,
     bucket_bytes: int | None,
-    stream: Any,
+    stream: torch.cuda.Stream | None,
     timeout: float | None,
-    transport: str,
+    transport: Transport,
 ) -> tuple[Transfer, Plan]:
     """Start the send (its plan claimed: :func:`_claimed`)."""
     route = Carried()
@@ -227,7 +229,7 @@ def _begin_send(
             def fill(data: Tensor, key: str, i: int, offset: int, length: int) -> None:
                 copy_bytes(data[offset : offset + length], chunks[i])
 
-            def wire(head: Any, offer: bytes | None) -> Any:
+            def wire(head: Header, offer: bytes | None) -> Protocol:
                 return _fast_wire.send(lane, head, chunks, init_tag, offer=offer)
 
             protocol = (
@@ -270,7 +272,7 @@ def _begin_send(
                 plan.adopt(place, data)
                 plan.pack_piece(bucket_bytes, i, place)
 
-            def wire(head: Any, offer: bytes | None) -> Any:
+            def wire(head: Header, offer: bytes | None) -> Protocol:
                 return _fast_wire.send(
                     lane, head, plan.pieces(bucket_bytes, place), init_tag, pack=pack, offer=offer
                 )
@@ -322,9 +324,9 @@ def _start_recv(
     pseudo_rand: bool,
     consolidated: bool,
     bucket_bytes: int | None,
-    stream: Any,
+    stream: torch.cuda.Stream | None,
     timeout: float | None,
-    transport: str = "auto",
+    transport: Transport = "auto",
 ) -> tuple[Transfer, Plan]:
     with _claimed(td, link, False, init_tag, pseudo_rand, consolidated, bucket_bytes) as (
         inner,
@@ -357,9 +359,9 @@ def _begin_recv(
     pseudo_rand: bool,
     consolidated: bool,
     bucket_bytes: int | None,
-    stream: Any,
+    stream: torch.cuda.Stream | None,
     timeout: float | None,
-    transport: str,
+    transport: Transport,
 ) -> tuple[Transfer, Plan]:
     """Start the receive (its plan claimed: :func:`_claimed`); a fast-wire one in its turn on its link and tags."""
     route = Carried()
@@ -478,16 +480,16 @@ def isend(
     td: Any,
     dst: int | None = None,
     *,
-    group: Any = None,
+    group: dist.ProcessGroup | None = None,
     group_dst: int | None = None,
     init_tag: int = 0,
     pseudo_rand: bool = False,
     return_early: bool = False,
     consolidated: bool = False,
     bucket_bytes: int | None = None,
-    stream: Any = None,
+    stream: torch.cuda.Stream | None = None,
     timeout: float | None = None,
-    transport: str = "auto",
+    transport: Transport = "auto",
 ) -> Any:
     """Send the leaves of ``td`` to ``dst``, a call's messages posted as one batch.
 
@@ -532,16 +534,16 @@ def irecv(
     td: Any,
     src: int | None = None,
     *,
-    group: Any = None,
+    group: dist.ProcessGroup | None = None,
     group_src: int | None = None,
     return_premature: bool = False,
     init_tag: int = 0,
     pseudo_rand: bool = False,
     consolidated: bool = False,
     bucket_bytes: int | None = None,
-    stream: Any = None,
+    stream: torch.cuda.Stream | None = None,
     timeout: float | None = None,
-    transport: str = "auto",
+    transport: Transport = "auto",
 ) -> Any:
     """Receive into the leaves of ``td`` in place what :func:`isend` or stock tensordict sends.
 
@@ -577,15 +579,15 @@ def send(
     td: Any,
     dst: int | None = None,
     *,
-    group: Any = None,
+    group: dist.ProcessGroup | None = None,
     group_dst: int | None = None,
     init_tag: int = 0,
     pseudo_rand: bool = False,
     consolidated: bool = False,
     bucket_bytes: int | None = None,
-    stream: Any = None,
+    stream: torch.cuda.Stream | None = None,
     timeout: float | None = None,
-    transport: str = "auto",
+    transport: Transport = "auto",
 ) -> None:
     """Blocking :func:`isend`; same arguments and wire as ``TensorDictBase.send``."""
     isend(
@@ -607,15 +609,15 @@ def recv(
     td: Any,
     src: int | None = None,
     *,
-    group: Any = None,
+    group: dist.ProcessGroup | None = None,
     group_src: int | None = None,
     init_tag: int = 0,
     pseudo_rand: bool = False,
     consolidated: bool = False,
     bucket_bytes: int | None = None,
-    stream: Any = None,
+    stream: torch.cuda.Stream | None = None,
     timeout: float | None = None,
-    transport: str = "auto",
+    transport: Transport = "auto",
 ) -> int | None:
     """Blocking :func:`irecv`; returns the last tag (``None`` when ``consolidated``), as stock."""
     init_tag = _check_options(init_tag, pseudo_rand, consolidated, bucket_bytes)

@@ -50,7 +50,7 @@ OFFER_SIZE = (
 def staging_place(lane: Lane, plan: Plan) -> str:
     """Where the buckets' staging buffer lives: on the wire's side of the link."""
     if lane.nccl:
-        return str(plan.device) if plan.device.type == "cuda" else str(lane.stream.device)
+        return str(plan.device) if plan.device.type == "cuda" else str(lane.cuda.device)
     return "pinned" if plan.device.type == "cuda" else "cpu"
 
 
