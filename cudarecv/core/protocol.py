@@ -33,7 +33,7 @@ Submit = Callable[[Callable[[], None]], None]
 
 
 class StartClock:
-    """A work a protocol yields to start its transfer's own clock now, with ``seconds``.
+    """A work a protocol yields to start its transfer's own clock now, with ``timeout`` (seconds).
 
     Until then a transfer created with ``timeout=math.inf`` has no deadline of its own.
 
@@ -42,8 +42,8 @@ class StartClock:
         >>> yield [StartClock(timeout)]              # the payload must come within timeout
     """
 
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
 
     def is_completed(self) -> bool:
         return True

@@ -149,7 +149,7 @@ class Transfer(torch.futures.Future):
                     self._works = next(self._protocol) if first else self._protocol.send(None)
                 for work in self._works:
                     if isinstance(work, StartClock):
-                        self.started, self.timeout = time.monotonic(), work.seconds
+                        self.started, self.timeout = time.monotonic(), work.timeout
                         DEADLINES.keep(self)
                     elif isinstance(work, Stage):
                         self.stage = work.what
@@ -272,7 +272,9 @@ class Transfer(torch.futures.Future):
             helper.join(1.0)
         if self._error is not None:
             raise again(self._error)
-        if self.event is not None and self._stream is not None:  # (an event: recorded on the stream)
+        if (
+            self.event is not None and self._stream is not None
+        ):  # (an event: recorded on the stream)
             torch.cuda.current_stream(self._stream.device).wait_event(self.event)
         return super().wait()
 

@@ -374,7 +374,9 @@ def _begin_recv(
             protocol = _stock_wire.recv_storage(lane, storage, td)
         else:
 
-            def copy(data: Tensor, key: str, i: int, offset: int, length: int, piece: int) -> None:
+            def copy(
+                data: Tensor, key: str, i: int, offset: int, length: int, bucket_bytes: int
+            ) -> None:
                 with lane.on_stream():
                     copy_bytes(storage[offset : offset + length], data[offset : offset + length])
 
@@ -384,7 +386,7 @@ def _begin_recv(
             protocol = _fast_wire.recv(
                 lane,
                 plan.chunk_header(inner),
-                lambda piece: plan.chunks(inner, piece),
+                lambda bucket_bytes: plan.chunks(inner, bucket_bytes),
                 init_tag,
                 td,
                 copy_shared=copy,
@@ -404,19 +406,21 @@ def _begin_recv(
         else:
             place = _fast_wire.staging_place(lane, plan)
 
-            def copy(data: Tensor, key: str, i: int, offset: int, length: int, piece: int) -> None:
+            def copy(
+                data: Tensor, key: str, i: int, offset: int, length: int, bucket_bytes: int
+            ) -> None:
                 place = f"shared:{key}"  # (a place per segment of the link: the plan keeps one staging each)
                 plan.adopt(place, data)
                 with lane.on_stream():
-                    plan.unpack(piece, i, place)
+                    plan.unpack(bucket_bytes, i, place)
 
             protocol = _fast_wire.recv(
                 lane,
                 plan.bucket_header,
-                lambda piece: plan.pieces(piece, place),
+                lambda bucket_bytes: plan.pieces(bucket_bytes, place),
                 init_tag,
                 td,
-                landed=lambda piece, i: plan.unpack(piece, i, place),
+                landed=lambda bucket_bytes, i: plan.unpack(bucket_bytes, i, place),
                 copy_shared=copy,
                 table=plan.address_table if plan.device.type == "cpu" else None,
                 side=side,

@@ -4,13 +4,13 @@ stage its own timeout struck in, and which tags and tensordicts the link refuses
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from tensordict import TensorDictBase
 
 from ..core import stuck
 from ..core.errors import Error, PeerError, TransferTimeout
 from ..core.link import Link, peer_failure
+from ..core.protocol import ErrorHook
 from ..core.tags import header_tag
 from ..plan.plan import Plan
 from ..samehost.policy import Carried
@@ -25,7 +25,7 @@ def explaining(
     tags: Sequence[int],
     sending: bool,
     route: Carried | None = None,
-) -> Any:
+) -> ErrorHook:
     """The error hook of one call: name the peer, what was waited for (``waited_for``, or the stage its
     own timeout struck in) and the likely cause; a link left with messages in flight is refused for ``td``
     from then on, and after a timeout for the call's ``tags`` in its direction too (:mod:`.stuck`), but for

@@ -162,9 +162,9 @@ class Plan:
             )
         return parts
 
-    def pieces(self, piece: int, place: str = "cpu") -> list[Tensor]:
-        """The staging buffer cut into messages of at most ``piece`` bytes (cached)."""
-        return self._bucket_layout(piece, place).pieces
+    def pieces(self, bucket_bytes: int, place: str = "cpu") -> list[Tensor]:
+        """The staging buffer cut into messages of at most ``bucket_bytes`` bytes (cached)."""
+        return self._bucket_layout(bucket_bytes, place).pieces
 
     def pack(self, place: str = "cpu") -> None:
         """Copy every leaf into the staging buffer on ``place``, in one op.
@@ -180,10 +180,10 @@ class Plan:
         else:
             torch._foreach_copy_(self.staging_parts(place), self.byte_views, non_blocking=True)
 
-    def pack_piece(self, piece: int, index: int, place: str) -> None:
+    def pack_piece(self, bucket_bytes: int, index: int, place: str) -> None:
         """Copy the leaves' bytes of message ``index`` into the staging buffer (one message at a time;
         in host memory one native call for all its leaves, about half the time of a ``cat``)."""
-        layout = self._bucket_layout(piece, place)
+        layout = self._bucket_layout(bucket_bytes, place)
         if layout.host:
             layout.packs.run(layout.bounds[index], layout.bounds[index + 1])
         else:
@@ -191,9 +191,9 @@ class Plan:
                 layout.staging_parts[index], layout.leaf_parts[index], non_blocking=True
             )
 
-    def unpack(self, piece: int, index: int, place: str = "cpu") -> None:
+    def unpack(self, bucket_bytes: int, index: int, place: str = "cpu") -> None:
         """Copy message ``index`` from the staging buffer into the leaves."""
-        layout = self._bucket_layout(piece, place)
+        layout = self._bucket_layout(bucket_bytes, place)
         if layout.host:
             layout.unpacks.run(layout.bounds[index], layout.bounds[index + 1])
         else:
@@ -201,8 +201,10 @@ class Plan:
                 layout.leaf_parts[index], layout.staging_parts[index], non_blocking=True
             )
 
-    def _bucket_layout(self, piece: int, place: str) -> _Layout:
-        return lru_get(self._pieces, (piece, place), lambda: _Layout(self, piece, place), CACHED)
+    def _bucket_layout(self, bucket_bytes: int, place: str) -> _Layout:
+        return lru_get(
+            self._pieces, (bucket_bytes, place), lambda: _Layout(self, bucket_bytes, place), CACHED
+        )
 
     @cached_property
     def address_table(self) -> np.ndarray:
@@ -276,23 +278,25 @@ class Plan:
         self.storage(td)
         return self._chunk_header
 
-    def chunks(self, td: TensorDictBase, piece: int) -> list[Tensor]:
-        """The consolidated storage cut into messages of at most ``piece`` bytes (cached)."""
+    def chunks(self, td: TensorDictBase, bucket_bytes: int) -> list[Tensor]:
+        """The consolidated storage cut into messages of at most ``bucket_bytes`` bytes (cached)."""
         storage = self.storage(td)
-        return lru_get(self._chunks, piece, lambda: header.cut(storage, piece), CACHED)
+        return lru_get(
+            self._chunks, bucket_bytes, lambda: header.cut(storage, bucket_bytes), CACHED
+        )
 
 
 _shape = operator.attrgetter("shape")
 
 
 class _Layout:
-    """A plan's staging on ``place`` cut into messages of ``piece`` bytes: per message its staging slice
+    """A plan's staging on ``place`` cut into messages of ``bucket_bytes`` bytes: per message its staging slice
     and what it holds of the leaves (a leaf may span several messages): where leaves and staging are
     host memory, native copy tables that pack and unpack it (message i: rows ``bounds[i]`` to
     ``bounds[i + 1]``), else the matching leaf and staging views."""
 
-    def __init__(self, plan: Plan, piece: int, place: str) -> None:
-        self.pieces = header.cut(plan.staging(place), piece)
+    def __init__(self, plan: Plan, bucket_bytes: int, place: str) -> None:
+        self.pieces = header.cut(plan.staging(place), bucket_bytes)
         self.host = (
             plan.device.type == "cpu" and bool(self.pieces) and self.pieces[0].device.type == "cpu"
         )
@@ -304,8 +308,8 @@ class _Layout:
         for view, n in zip(plan.byte_views, plan.nbytes):
             done = 0
             while done < n:
-                index, at = divmod(offset + done, piece)
-                take = min(n - done, piece - at)
+                index, at = divmod(offset + done, bucket_bytes)
+                take = min(n - done, bucket_bytes - at)
                 if (
                     self.host
                 ):  # addresses only: thousands of views per layout would cost memory and time

@@ -280,7 +280,7 @@ class RecvSide:
                 f"the header announces {header.total} bytes in a segment of {mapping.capacity}: "
                 "the link is out of step"
             )
-        piece, total, key = header.piece, header.total, f"{kind}:{header.segment}"
+        piece, total, key = header.bucket_bytes, header.total, f"{kind}:{header.segment}"
         count, done = len(piece_sizes(total, piece)), 0  # messages, and how many are copied out
         stage = SegmentStage(kind, header.segment, count, piece_tag(init_tag))
         carried.transport = CUDA_IPC if kind == DEVICE else SHARED_MEMORY

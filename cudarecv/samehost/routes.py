@@ -182,9 +182,9 @@ def read_direct(
             "is partly written; the link is out of step"
         )
     if staging is not None:
-        for i, n in enumerate(piece_sizes(header.total, header.piece)):
+        for i, n in enumerate(piece_sizes(header.total, header.bucket_bytes)):
             with lane.on_stream():
-                copy(staging, "direct", i, i * header.piece, n, header.piece)
+                copy(staging, "direct", i, i * header.bucket_bytes, n, header.bucket_bytes)
         if lane.stream is not None:
             side.staging_fence = record(lane.stream)  # the next direct read waits for these copies
     return True
