@@ -65,7 +65,7 @@ class _Work:
     def is_completed(self) -> bool:
         return all(op.done for op in self._ops)
 
-    def wait(self, timeout: Any = None) -> bool:
+    def wait(self, timeout: timedelta | None = None) -> bool:
         for op in self._ops:
             op.finish()
         return True
@@ -158,7 +158,7 @@ class StrictNccl(dist.ProcessGroupGloo):
     """
 
     def __init__(
-        self, store: Any, rank: int, size: int, timeout: float = 20.0, name: str = "strict"
+        self, store: dist.Store, rank: int, size: int, timeout: float = 20.0, name: str = "strict"
     ) -> None:
         super().__init__(
             dist.PrefixStore(f"{name}/data", store), rank, size, timedelta(seconds=timeout)

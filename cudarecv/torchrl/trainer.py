@@ -7,7 +7,7 @@ from __future__ import annotations
 import datetime
 import time
 from collections.abc import Callable
-from typing import Any, cast
+from typing import cast
 
 import torch.distributed as dist
 from tensordict import TensorDictBase
@@ -28,7 +28,7 @@ class Trainer:
     def __init__(
         self,
         sender: WeightSender,
-        store: Any,
+        store: dist.Store,
         key: Callable[..., str],
         name: str,
         sync: bool,
@@ -129,7 +129,7 @@ class Trainer:
         return self.store.get(key).decode() if self.store.check([key]) else None
 
     def _wait_switched(
-        self, version: int, pushed: list[Any], ranks: list[int], dropped: dict[int, str]
+        self, version: int, pushed: list[Transfer], ranks: list[int], dropped: dict[int, str]
     ) -> None:
         """Wait until every worker of ``ranks`` (``pushed`` to) acts with ``version``; name those that fail or never
         do. Both waits block: the transfers' futures (a worker that died or failed is named as soon as its transfer

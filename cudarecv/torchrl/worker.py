@@ -9,6 +9,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, cast
 
+import torch.distributed as dist
 from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
@@ -30,7 +31,7 @@ class Worker:
     def __init__(
         self,
         receiver: WeightReceiver,
-        store: Any,
+        store: dist.Store,
         key: Callable[..., str],
         rank: int,
         name: str,
@@ -128,7 +129,7 @@ class Worker:
             previous.__exit__(None, None, None)
         self.version = version
         if self.sync:
-            self.store.set(self.key("switched", self.rank, version), b"")
+            self.store.set(self.key("switched", self.rank, version), "")  # (stored as b"")
 
     def _as_module_tensors(self, td: TensorDict, current: TensorDictBase) -> TensorDict:
         """``td``'s views as the module holds them (parameters as ``nn.Parameter``), made once per buffer."""

@@ -9,6 +9,7 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import asdict
+from types import TracebackType
 from typing import Any, cast
 
 import torch
@@ -284,7 +285,7 @@ class _Call:
     this thread does its part, e.g. the rendezvous during the engine's init) it joins on the way out, and an error
     of the block wins over the call's (which becomes its context)."""
 
-    def __init__(self, call: Callable[[], Any], what: str, timeout: float) -> None:
+    def __init__(self, call: Callable[[], object], what: str, timeout: float) -> None:
         self.what, self.timeout = what, timeout
         self._error: BaseException | None = None
         self._thread = threading.Thread(
@@ -295,7 +296,12 @@ class _Call:
     def __enter__(self) -> _Call:
         return self
 
-    def __exit__(self, kind: Any, error: Any, trace: Any) -> None:
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
         if error is None:
             self.join()
             return
@@ -304,7 +310,7 @@ class _Call:
         except BaseException as answer:  # noqa: BLE001 - the block's error propagates, this one as its context
             error.__context__ = answer
 
-    def _run(self, call: Callable[[], Any]) -> None:
+    def _run(self, call: Callable[[], object]) -> None:
         try:
             call()
         except BaseException as error:  # noqa: BLE001 - raised by join, on the caller's thread
