@@ -147,7 +147,7 @@ def resolve(
         size = pg.size()
         if not 0 <= value < size:
             raise ArgumentError(
-                f"`{group_peer_name}={group_peer}` is outside `group` of {size} ranks: "
+                f"`{group_peer_name}={value}` is outside `group` of {size} ranks: "
                 f"pass a rank in 0..{size - 1}"
             )
         group_rank = value

@@ -68,7 +68,7 @@ import time
 from collections.abc import Callable
 from contextlib import closing
 from dataclasses import dataclass, replace
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 from torch import nn
@@ -83,11 +83,15 @@ from .cli import OptionError, error, int_at_least, positive_float, size_or_zero
 from .console import available_memory, progress, tail, versions
 from .transfer_ranks import format_size
 
+if TYPE_CHECKING:
+    from tensordict import TensorDict, TensorDictBase
+    from torch.distributed import Store
+
 DEFAULTS: dict[str, Any] = dict(
     actors=2, steps=200, model_mib=4.0, bucket_bytes="1MiB", timeout=60.0, seed=0, slow_seconds=2.0
 )
 QUICK: dict[str, int] = dict(steps=40, hidden=64)
-IMPLS = ("cudarecv", "stock")
+IMPLS: tuple[Impl, ...] = ("cudarecv", "stock")
 OBS, ARMS, RULE_WIDTH = 16, 8, 32  # context size, arms, width of the hidden rule
 BATCH, ACTOR_BATCH = 256, 64  # contexts per training step / per actor episode
 ENV_SECONDS = 0.01  # what an episode waits for its environment, besides the policy's compute
@@ -144,6 +148,13 @@ ACTOR_NOTES = (
 )
 
 
+#: where the policy and its weights live; the process group's backend; the WeightSender's mode; what runs
+Device = Literal["cpu", "cuda"]
+Backend = Literal["gloo", "nccl"]
+Mode = Literal["sync", "latest"]
+Impl = Literal["cudarecv", "stock"]
+
+
 @dataclass(frozen=True)
 class Config:
     """Everything a rank needs (pickled to the spawned ranks)."""
@@ -151,15 +162,15 @@ class Config:
     actors: int
     steps: int
     hidden: int
-    device: str  # "cpu" or "cuda"
-    backend: str  # "gloo" or "nccl"
+    device: Device
+    backend: Backend
     bucket_bytes: int | None
     verify: bool
     timeout: float
     seed: int
     threads: int
-    mode: str = "sync"  # cudarecv's mode: "sync" or "latest"
-    impl: str = "cudarecv"  # which implementation this pass runs: "cudarecv" or "stock"
+    mode: Mode = "sync"  # cudarecv's mode
+    impl: Impl = "cudarecv"  # which implementation this pass runs
     slow_actor: int | None = None
     slow_seconds: float = 2.0
     kill_actor: int | None = None
@@ -218,7 +229,7 @@ def hidden_for(mib: float) -> int:
     return max(1, round((-b + math.sqrt(b * b + 4 * (target - ARMS))) / 2))
 
 
-def _meta(device: Any) -> Any:
+def _meta(device: torch.device | str) -> TensorDict:
     from tensordict import TensorDict
 
     return TensorDict(
@@ -232,14 +243,14 @@ def _meta(device: Any) -> Any:
     )
 
 
-def weights_td(policy: nn.Module, meta: Any) -> Any:
+def weights_td(policy: nn.Module, meta: TensorDict) -> TensorDict:
     """What is pushed: the policy's parameters (shared, not copied) and the ``meta`` leaves."""
     from tensordict import TensorDict
 
     return TensorDict({"policy": TensorDict.from_module(policy), "meta": meta}, batch_size=[])
 
 
-def digest(td: Any) -> str:
+def digest(td: TensorDictBase) -> str:
     """A hash of the leaves' bytes, in key order."""
     h = hashlib.blake2b(digest_size=16)
     for key in sorted(td.keys(True, True), key=lambda k: (k,) if isinstance(k, str) else k):
@@ -268,7 +279,7 @@ def _device(rank: int, cfg: Config) -> torch.device:
     return torch.device("cuda", rank % torch.cuda.device_count())
 
 
-def _store() -> Any:
+def _store() -> Store:
     from torch.distributed import distributed_c10d as c10d
 
     return c10d._get_default_store()
@@ -382,7 +393,7 @@ class _Pushed:
             )
         )
 
-    def stamp(self, store: Any, version: int, step: int, last: bool) -> None:
+    def stamp(self, store: Store, version: int, step: int, last: bool) -> None:
         """Stamp the next version (the store says it is the trainer's latest)."""
         if self.stream is not None:
             torch.cuda.current_stream().wait_stream(
@@ -418,7 +429,7 @@ class _CudarecvPush:
         self.bytes, self.leaves = self.sender.schema.total, len(self.sender.schema.leaves)
         self.fanout, self.bucket_bytes = self.sender.fanout, self.sender.bucket_bytes
 
-    def push(self, store: Any, step: int, last: bool) -> float:
+    def push(self, store: Store, step: int, last: bool) -> float:
         """Push the next version; return the seconds the trainer spent on it."""
         start = time.perf_counter()
         if self.in_flight is not None:
@@ -432,7 +443,7 @@ class _CudarecvPush:
             self.in_flight = _pushing(transfers, self.ranks, version, self.cfg.timeout, self.device)
         return time.perf_counter() - start
 
-    def finish(self, store: Any) -> None:
+    def finish(self, store: Store) -> None:
         if self.in_flight is not None:
             self.in_flight.result()
         _wait_done(
@@ -470,7 +481,7 @@ class _StockPush:
         )
         self.fanout, self.bucket_bytes = "star", None  # one send per actor, in turn, of one message
 
-    def push(self, store: Any, step: int, last: bool) -> float:
+    def push(self, store: Store, step: int, last: bool) -> float:
         start = time.perf_counter()
         self.version += 1
         with torch.no_grad():
@@ -485,7 +496,7 @@ class _StockPush:
             self.td.send(dst=rank, consolidated=True)
         return time.perf_counter() - start
 
-    def finish(self, store: Any) -> None:
+    def finish(self, store: Store) -> None:
         _wait_done(store, self.cfg, len(self.ranks))
 
     def close(self) -> None:
@@ -507,7 +518,7 @@ def _version_key(cfg: Config) -> str:
     return f"{VERSION_KEY}/{cfg.impl}/{cfg.mode}"
 
 
-def _wait_done(store: Any, cfg: Config, actors: int) -> None:
+def _wait_done(store: Store, cfg: Config, actors: int) -> None:
     """Wait (bounded by ``--timeout``) until every actor holds the last version."""
     deadline = time.monotonic() + cfg.timeout
     while store.add(_done_key(cfg), 0) < actors:
@@ -527,14 +538,14 @@ class _Background:
     and touches the transfers again only after :meth:`result` has joined.
     """
 
-    def __init__(self, finish: Callable[[], Any], device: torch.device) -> None:
+    def __init__(self, finish: Callable[[], object], device: torch.device) -> None:
         self.error: BaseException | None = None
         self._thread = threading.Thread(
             target=self._run, args=(finish, device), daemon=True, name="cudarecv-demo-transfer"
         )
         self._thread.start()
 
-    def _run(self, finish: Callable[[], Any], device: torch.device) -> None:
+    def _run(self, finish: Callable[[], object], device: torch.device) -> None:
         try:
             if device.type == "cuda":
                 torch.cuda.set_device(device)  # the current device is per thread
@@ -554,7 +565,11 @@ class _Background:
 
 
 def _pushing(
-    transfers: list[Any], ranks: list[int], version: int, timeout: float, device: torch.device
+    transfers: list[cudarecv.Transfer],
+    ranks: list[int],
+    version: int,
+    timeout: float,
+    device: torch.device,
 ) -> _Background:
     """Finish a push to every actor in the background (bounded by ``timeout`` in all)."""
 
@@ -677,7 +692,7 @@ def _cudarecv_actor(
     device: torch.device,
     skeleton: nn.Module,
     env: Bandit,
-    store: Any,
+    store: Store,
     stats: _ActorStats,
 ) -> tuple[int, int, str]:
     receiver = cudarecv.WeightReceiver(
@@ -723,7 +738,7 @@ def _stock_actor(
     device: torch.device,
     skeleton: nn.Module,
     env: Bandit,
-    store: Any,
+    store: Store,
     stats: _ActorStats,
 ) -> tuple[int, int, str]:
     from tensordict import TensorDict
@@ -747,7 +762,7 @@ def _episode(
     receiver: Any,
     skeleton: nn.Module,
     env: Bandit,
-    store: Any,
+    store: Store,
     key: str,
     stats: _ActorStats,
     views: dict[int, tuple[Any, dict[str, torch.Tensor]]],
@@ -1043,7 +1058,7 @@ def make_config(args: argparse.Namespace) -> Config:
     bucket = args.bucket_bytes or None  # 0: the WeightSender's default
     _actor_rank(args.kill_actor, args.actors, "--kill-actor")
     _actor_rank(args.slow_actor, args.actors, "--slow-actor")
-    backend = "gloo"
+    backend: Backend = "gloo"
     if args.device == "cuda":
         gpus = torch.cuda.device_count()
         if gpus == 0:
