@@ -71,9 +71,9 @@ def protocol(
 def send(session: Session, member: Member, snapshot: Snapshot, limit: float) -> Any:
     """Star: the header and the payload on the wire, or (a receiver mapping the snapshot) the header alone; the
     receiver copies the version out, or (zero-copy) publishes it where it lies and holds it until FREED."""
-    lane = member.lane
+    lane, pushed = member.lane, snapshot.pushed
     if member.shared and snapshot.segment is not None:
-        header = dataclasses.replace(snapshot.header, shared=True, segment=snapshot.segment)
+        header = dataclasses.replace(pushed, shared=True, segment=snapshot.segment)
         if member.alias:
             with session.cond:
                 snapshot.holders += 1
@@ -82,7 +82,7 @@ def send(session: Session, member: Member, snapshot: Snapshot, limit: float) -> 
         yield from _confirmed(session, member, header.version, limit)
         return
     head = yield from send_from(
-        lane, [wire_bytes(lane, snapshot.header.pack())], [session.tags.header], defer=True
+        lane, [wire_bytes(lane, pushed.pack())], [session.tags.header], defer=True
     )
     yield from send_from(lane, snapshot.chunks, [session.tags.payload] * len(snapshot.chunks))
     if head:
@@ -96,7 +96,7 @@ def _relayed(
     chain only; then the receiver's word that it has the version."""
     member, lane = chain[i], chain[i].lane
     header = dataclasses.replace(
-        snapshot.header,
+        snapshot.pushed,
         relayed=True,
         hop=i,
         wait_ms=min(math.ceil(hop_limit(limit, i) * 1e3), MAX_WAIT_MS),

@@ -16,7 +16,18 @@ from .fanout import dropping, out_of_step, send
 from .link import naming, run, send_bytes
 from .session import OWED, Member, Session, Standing
 from .snapshots import SnapshotPool
-from .wire import ASK, ASK_SIZE, BYE, FREED, GOT, LANDED, RELEASED, PushHeader, read_ask
+from .wire import (
+    ASK,
+    ASK_SIZE,
+    BYE,
+    FREED,
+    GOT,
+    LANDED,
+    RELEASED,
+    HeaderKind,
+    PushHeader,
+    read_ask,
+)
 
 
 def start_listening(session: Session, pool: SnapshotPool, member: Member) -> None:
@@ -103,6 +114,7 @@ def serve(session: Session, pool: SnapshotPool, member: Member) -> None:
         and not member.replying
         and member.asked is not None
         and latest is not None
+        and latest.header is not None
         and latest.header.version > member.asked
         and not session.closed
     ):
@@ -114,6 +126,8 @@ def _reply(session: Session, pool: SnapshotPool, member: Member) -> None:
     """Latest mode, on the receiver's driver: send it the newest snapshot."""
     with session.cond:
         snapshot = pool.latest
+        # (a reply is started only once a version is published, and a newer one replaces it)
+        assert snapshot is not None and snapshot.header is not None
         snapshot.readers += 1
         member.asked = None
     version = snapshot.header.version
@@ -145,11 +159,10 @@ def _reply(session: Session, pool: SnapshotPool, member: Member) -> None:
         session.cond.notify_all()
 
 
-def last_word(session: Session, pool: SnapshotPool, member: Member, kind: int) -> None:
+def last_word(session: Session, pool: SnapshotPool, member: Member, kind: HeaderKind) -> None:
     """Send ``member`` the sender's last header (CLOSED or RELEASED), once."""
-    with (
-        session.cond
-    ):  # (said once: CLOSED leaves it closing until its BYE; RELEASED answers that BYE)
+    # (said once: CLOSED leaves it closing until its BYE; RELEASED answers that BYE)
+    with session.cond:
         if not member.move_if(
             Standing.CLOSING if member.standing is Standing.SERVED else Standing.DONE, frm=OWED
         ):
