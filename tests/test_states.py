@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import importlib
 import re
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -211,3 +213,45 @@ def test_the_last_words_take_a_receiver_to_done_either_way():
     # served both; rank 1 said BYE and was RELEASED; rank 2 was told CLOSED and answered BYE
     assert seen == ["SERVED", "SERVED", "DONE", "SERVED", "DONE"], seen
     assert dropped == {1: "closed by its receiver", 2: "closed by its receiver"} and served == []
+
+
+@pytest.mark.timeout(300)
+def test_a_joined_receiver_loses_its_sender_and_joins_the_next_one():
+    """JOINING -> JOINED on the first sender of the name; it closes: LOST, then JOINED on the next; CLOSED."""
+    import datetime
+
+    from churn import WAIT, fork_process, master_store, store_client, trainer, weights
+
+    name, seconds = unique_key("membership"), 8.0
+    with master_store() as store:
+        trainers = [fork_process(trainer, ("127.0.0.1", store.port, name, "latest", seconds))]
+        receiver = None
+        try:
+            receiver = cudarecv.WeightReceiver(
+                store=store_client(store.port), name=name, expect=weights(), timeout=seconds
+            )
+            assert receiver.membership is Membership.JOINED and receiver.generation == 1
+            held = receiver.pull()
+            store.set(f"{name}/trainer/1/close", "1")
+            trainers[0].join(WAIT)
+            assert trainers[0].exitcode == 0, trainers[0].exitcode
+            trainers.append(
+                fork_process(trainer, ("127.0.0.1", store.port, name, "latest", seconds))
+            )
+            store.wait([f"{name}/trainer/2/version"], datetime.timedelta(seconds=WAIT))
+            deadline = time.monotonic() + WAIT
+            while receiver.generation != 2:  # (the first pulls may still find the first's versions)
+                assert time.monotonic() < deadline, receiver.membership
+                with contextlib.suppress(cudarecv.WaitTimeout):
+                    held = max(held, receiver.pull())
+            assert receiver.membership is Membership.JOINED and receiver.pull() > held
+        finally:
+            if receiver is not None:
+                receiver.close()
+            store.set(f"{name}/trainer/2/close", "1")
+            for process in trainers:
+                process.join(WAIT)
+                process.kill()
+    assert receiver.membership is Membership.CLOSED
+    with pytest.raises(cudarecv.UsageError, match="is closed"):
+        receiver.pull()
