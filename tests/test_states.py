@@ -17,6 +17,7 @@ from tensordict import TensorDict
 import cudarecv
 from cudarecv.core.lifecycle import IllegalMove, Lifecycle, mermaid
 from cudarecv.weights.membership.receiver import Membership
+from cudarecv.weights.relay import Passage, Relay
 from cudarecv.weights.session import Member, Standing
 from policies import policy, set_version
 from rawwire import store, unique_key
@@ -89,6 +90,7 @@ DESIGN = Path(__file__).resolve().parents[1] / "docs" / "design.md"
 LIFECYCLES = {
     "cudarecv.weights.session.MOVES": Standing.ENROLLED,
     "cudarecv.weights.membership.receiver.MOVES": Membership.JOINING,
+    "cudarecv.weights.relay.MOVES": Passage.FORWARDING,
 }
 
 
@@ -167,6 +169,15 @@ def test_a_joined_receiver_waits_for_a_next_sender_only_once_it_lost_its_own():
         joined.move(step)
     joined.move(Membership.CLOSED)
     assert not joined.move_if(Membership.JOINED)  # (a join that ends after the close: let go of)
+
+
+def test_a_push_through_a_hop_ends_once_and_the_first_end_says_the_trailer():
+    relay = Relay(SimpleNamespace(stream=None), [], tag=1, trailer_tag=2, version=7)
+    relay.end(broken=3)  # (the pull failed: rank 3 before it in the chain)
+    relay.end()  # (a close racing it: too late)
+    assert relay.passage.state is Passage.BROKEN
+    with pytest.raises(IllegalMove, match="relay of version 7: no move from BROKEN to LANDED"):
+        relay.passage.move(Passage.LANDED)
 
 
 def last_words(rank, world, group, key):
