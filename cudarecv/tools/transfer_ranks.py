@@ -57,7 +57,7 @@ import resource
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
@@ -99,6 +99,17 @@ _UNITS = {
 
 # --------------------------------------------------------------------------- sizes and modes
 
+#: what a mode does, once its size is taken off (``buckets``: cudarecv's fast wire, or raw bucketing)
+Kind = Literal[
+    "per-leaf",
+    "per-leaf pseudo_rand",
+    "consolidated",
+    "buckets",
+    "chunks",
+    "flat recv",
+    "per-leaf dist.irecv",
+]
+
 
 def parse_size(text: str | int) -> int:
     """``"1MiB"`` -> 1048576, ``"256KiB"`` -> 262144, ``"4096"`` -> 4096 (also kB/MB/GB)."""
@@ -123,7 +134,7 @@ def format_size(n: int) -> str:
     return f"{n}B"
 
 
-def parse_mode(impl: str, mode: str) -> tuple[str, int | None]:
+def parse_mode(impl: str, mode: str) -> tuple[Kind, int | None]:
     """Check ``impl``/``mode``; return (mode kind, bucket bytes or None).
 
     Kinds: ``per-leaf``, ``per-leaf pseudo_rand``, ``consolidated``, ``buckets``,
@@ -146,10 +157,10 @@ def parse_mode(impl: str, mode: str) -> tuple[str, int | None]:
         raise ValueError(
             f"unknown mode {mode!r} for impl {impl!r}; pick one of {list(MODES[impl])}"
         )
-    return kind, bucket_bytes
+    return cast(Kind, kind), bucket_bytes  # (one of MODES[impl]'s, checked)
 
 
-def mode_options(kind: str, bucket_bytes: int | None, mode: str = "") -> dict:
+def mode_options(kind: Kind, bucket_bytes: int | None, mode: str = "") -> dict:
     """cudarecv/stock keyword arguments of a mode kind (and bucket bytes) from :func:`parse_mode`
     (``mode``: the mode's name, whose ``wire`` suffix forces the wire)."""
     out: dict[str, Any] = {}
