@@ -137,7 +137,9 @@ class _Method:
             layout = _actor_layout(_model(mib), meshes["actors"])
             if method == "sharded":
                 self.receiver = cudarecv.WeightReceiver(
-                    src=trainers, expect=layout, timeout=timeout
+                    src=trainers,  # type: ignore[arg-type]  # (a rank list: ShardedReceiver's, issue 43 item 1)
+                    expect=layout,
+                    timeout=timeout,
                 )
             else:
                 self.receiver = cudarecv.WeightReceiver(src=trainers[0], timeout=timeout)
