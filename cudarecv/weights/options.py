@@ -3,7 +3,7 @@ integrations that configure them ahead, e.g. :mod:`cudarecv.torchrl`, use the sa
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -12,6 +12,15 @@ from ..core.checks import check_bucket_bytes, check_timeout
 from ..core.errors import ArgumentError
 from ..samehost.policy import check_transport
 from .wire import FANOUTS, MODES
+
+#: a sender's mode: every receiver gets every version (``"sync"``), or each pull the newest (``"latest"``)
+Mode = Literal["sync", "latest"]
+#: a sender's fan-out: to every receiver (``"star"``), through a chain of them (``"relay"``), or picked at the
+#: handshake (``"auto"``: relay when a receiver is on another host, in sync mode)
+Fanout = Literal["star", "relay", "auto"]
+#: what may carry the versions: shared memory or CUDA IPC on one machine, else the wire (``"auto"``), or always
+#: the wire (``"wire"``)
+Transport = Literal["auto", "wire"]
 
 
 def check_mode(mode: object, buffers: object = None, fanout: object = "auto") -> None:
@@ -73,6 +82,22 @@ def check_options(**options: Any) -> dict[str, Any]:
         )
         out.update({k: options[k] for k in ("mode", "buffers", "fanout") if k in options})
     return out
+
+
+def check_sender(
+    timeout: object,
+    bucket_bytes: object,
+    transport: object,
+    mode: object,
+    buffers: object,
+    fanout: object,
+) -> float:
+    """A weight sender's options checked together, before it resolves any link: its timeout, in seconds."""
+    timeout = check_options(timeout=timeout, transport=transport, bucket_bytes=bucket_bytes)[
+        "timeout"
+    ]
+    check_mode(mode, buffers, fanout)
+    return timeout
 
 
 def check_receiver(
