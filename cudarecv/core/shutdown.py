@@ -93,7 +93,7 @@ def start_thread(target: Callable[..., Any], name: str, args: tuple = ()) -> thr
         >>> def take_versions():
         ...     while True:
         ...         receiver.pull()
-        >>> cudarecv.start_thread(take_versions, "actor-weights")
+        >>> start_thread(take_versions, "actor-weights")  # from cudarecv.core.shutdown
     """
     thread = threading.Thread(target=target, args=args, name=name, daemon=True)
     _THREADS.add(thread)
