@@ -10,6 +10,7 @@ version) or ``"latest"`` (a push never waits; each pull gets the newest).
   sender's name (no process group shared by all; a restarted trainer is joined again).
 - :class:`ShardedSender` / :class:`ShardedReceiver`: an FSDP2 trainer's DTensor shards, every rank sending what
   it holds, into receivers of any layout (whole, tensor-parallel, or the slices each wants).
+- ``Mode``, ``Fanout``, ``Transport``: the ``Literal`` types of the options ``mode``, ``fanout``, ``transport``.
 - Integrations: a TorchRL weight-sync scheme (:mod:`cudarecv.torchrl`) and a vLLM weight-transfer backend
   (:mod:`cudarecv.vllm`).
 
@@ -59,6 +60,9 @@ _EXPORTS = {
     "ElasticReceiver": ".weights.membership.elastic_receiver",
     "ShardedSender": ".weights.sharded.sharded_sender",
     "ShardedReceiver": ".weights.sharded.sharded_receiver",
+    "Mode": ".weights.options",
+    "Fanout": ".weights.options",
+    "Transport": ".weights.options",
     "store_group": ".core.groups",
     "Error": ".core.errors",
     "ArgumentError": ".core.errors",
@@ -91,10 +95,12 @@ __all__ = [
     "ElasticReceiver",
     "ElasticSender",
     "Error",
+    "Fanout",
     "HeaderError",
     "KernelCompileError",
     "LinkError",
     "MismatchError",
+    "Mode",
     "OutOfStepError",
     "PeerError",
     "PushHeaderError",
@@ -109,6 +115,7 @@ __all__ = [
     "StoreRecordError",
     "Transfer",
     "TransferTimeout",
+    "Transport",
     "UsageError",
     "WaitTimeout",
     "WeightReceiver",
@@ -157,6 +164,7 @@ if TYPE_CHECKING:
     from .plan.tags import tag_sequence
     from .weights.membership.elastic_receiver import ElasticReceiver
     from .weights.membership.elastic_sender import ElasticSender
+    from .weights.options import Fanout, Mode, Transport
     from .weights.receiver import WeightReceiver
     from .weights.sender import WeightSender
     from .weights.sharded.sharded_receiver import ShardedReceiver

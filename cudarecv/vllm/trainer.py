@@ -176,7 +176,7 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
         """Worker (its rank in the trainer's group, 1 on) -> the bytes one version moves to it."""
         if self.sender is None:
             return {}
-        if not self.sliced:
+        if not isinstance(self.sender, ShardedSender):
             return {rank: self.nbytes for rank in self.sender.transports}
         sizes = {name: t.element_size() for name, t in self._td.items()}
         return {

@@ -93,25 +93,27 @@ def check_sender(
     fanout: object,
 ) -> float:
     """A weight sender's options checked together, before it resolves any link: its timeout, in seconds."""
-    timeout = check_options(timeout=timeout, transport=transport, bucket_bytes=bucket_bytes)[
+    seconds: float = check_options(timeout=timeout, transport=transport, bucket_bytes=bucket_bytes)[
         "timeout"
     ]
     check_mode(mode, buffers, fanout)
-    return timeout
+    return seconds
 
 
 def check_receiver(
     timeout: object, transport: object, zero_copy: object, device: Any, pin_memory: bool
 ) -> tuple[float, torch.device]:
     """A weight receiver's options checked together: its timeout, and its device with an index (threads use it)."""
-    timeout = check_options(timeout=timeout, transport=transport, zero_copy=zero_copy)["timeout"]
+    seconds: float = check_options(timeout=timeout, transport=transport, zero_copy=zero_copy)[
+        "timeout"
+    ]
     if zero_copy and pin_memory:
         raise ArgumentError(
             "`zero_copy=True` publishes the sender's shared snapshots, which are not "
             "page-locked: drop `pin_memory=True` or `zero_copy`"
         )
     try:
-        device = streams.explicit(device if device is not None else "cpu")
+        device = streams.explicit(torch.device(device if device is not None else "cpu"))
     except (RuntimeError, TypeError) as error:
         raise ArgumentError(
             f'`device` must name a device ("cpu", "cuda:0"), got {device!r}: {error}'
@@ -120,4 +122,4 @@ def check_receiver(
         raise ArgumentError(
             f"`pin_memory=True` is for host memory, but `device` is {device}: drop one"
         )
-    return timeout, device
+    return seconds, device

@@ -38,7 +38,7 @@ from ...core.errors import (
 from ...core.groups import store_group
 from ...core.log import logger
 from ...core.shutdown import start_thread
-from ..options import Transport
+from ..options import Transport, check_options
 from ..receiver import WeightReceiver
 from .directory import Directory
 from .edges import Edges
@@ -111,7 +111,7 @@ class ElasticReceiver:
         transport: Transport = "auto",
         zero_copy: bool = False,
     ) -> None:
-        self.timeout = check_timeout(timeout)
+        self.timeout: float = check_options(timeout=timeout)["timeout"]
         self._directory = Directory(store, name, self.timeout)
         # every join's receiver is built with these
         self._options: dict[str, Any] = dict(
