@@ -63,7 +63,6 @@ _EXPORTS = {
     "Mode": ".weights.options",
     "Fanout": ".weights.options",
     "Transport": ".weights.options",
-    "store_group": ".core.groups",
     "Error": ".core.errors",
     "ArgumentError": ".core.errors",
     "ArgumentTypeError": ".core.errors",
@@ -127,7 +126,6 @@ __all__ = [
     "isend",
     "recv",
     "send",
-    "store_group",
     "tag_sequence",
     "uninstall",
 ]
@@ -157,7 +155,6 @@ if TYPE_CHECKING:
         UsageError,
         WaitTimeout,
     )
-    from .core.groups import store_group
     from .core.transfer import Transfer
     from .p2p.calls import irecv, isend, recv, send
     from .p2p.install import install, installed, is_installed, uninstall
