@@ -1,4 +1,7 @@
-"""The actor's end of a weight sync: :class:`WeightReceiver`.
+"""The actor's end of a weight sync: :class:`WeightReceiver`, a receiver from one sender rank of a process group
+(its siblings, each built of plain ones: ``ElasticReceiver`` in :mod:`~cudarecv.weights.membership.elastic_receiver`,
+joining a named sender through a store; ``ShardedReceiver`` in :mod:`~cudarecv.weights.sharded.sharded_receiver`,
+receiving from every rank of a sharded sender).
 
 The receiver keeps two storages: the published one (``receiver.td``, the last
 complete, verified version) and the one the next pull lands in. A pull that
@@ -397,7 +400,11 @@ def _check_plain(src: object, group_src: object, expect: Any) -> None:
             "a list of sender ranks is a sharded sender's mesh: build a cudarecv.ShardedReceiver "
             "(src=[...]) for it; a WeightReceiver takes one `src` or `group_src`"
         )
-    if expect is not None and is_sharded(expected(expect)[1]):
+    try:
+        sharded = expect is not None and is_sharded(expected(expect)[1])
+    except Exception:  # noqa: BLE001 - a malformed `expect` is the handshake's to report, as ever
+        sharded = False
+    if sharded:
         raise ArgumentError(
             "`expect` holds DTensor leaves: build a cudarecv.ShardedReceiver (src=[the sender's "
             "ranks]), which receives the pieces of a sharded sender into that layout"
