@@ -158,7 +158,7 @@ class Config:
     timeout: float
     seed: int
     threads: int
-    mode: str = "sync"  # cudarecv's mode: "sync" or "latest"
+    mode: cudarecv.Mode = "sync"  # cudarecv's mode
     impl: str = "cudarecv"  # which implementation this pass runs: "cudarecv" or "stock"
     slow_actor: int | None = None
     slow_seconds: float = 2.0

@@ -103,7 +103,8 @@ class _Method:
 
         rank = dist.get_rank()
         self.method, self.trainer, self.actor = method, rank in trainers, rank in actors
-        self.sender = self.receiver = None
+        self.sender: cudarecv.ShardedSender | cudarecv.WeightSender | None = None
+        self.receiver: cudarecv.ShardedReceiver | cudarecv.WeightReceiver | None = None
         self.mine: TensorDict | None = (
             None  # an actor's slice (gather_relay: copied out of the whole)
         )
