@@ -98,8 +98,7 @@ class SendChannel:
 
     def leave(self) -> None:
         """For the wire, for good, whatever the state (a failed transfer; a declined offer): the segments let go."""
-        if self.state is not ChannelState.WIRE:
-            self.move(ChannelState.WIRE)
+        self._life.move_if(ChannelState.WIRE)  # (False: left already; every other state may leave)
         self.segments, self.previous = [], None
 
     @property

@@ -21,7 +21,7 @@ import contextlib
 import functools
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -50,7 +50,7 @@ from . import cuda_ipc
 from .channels import BACK, ChannelState, RecvChannel, back_tag
 from .policy import DEVICE, ENV, HOST, STOP_WAIT, Carried, Kind, chose
 from .records import READY_SIZE, Status, Word, back, read_ready
-from .routes import STORAGE_BACK, Copy
+from .routes import STORAGE_BACK, Copy, Steps
 from .shared_memory import (
     HOST_OFFER,
     STORAGE,
@@ -65,6 +65,10 @@ MAX_SEGMENT_BYTES = 1 << 48
 #: seconds a receiver sleeps on a progress word that stopped moving (a futex: no CPU) before it waits for the
 #: READY on the process group instead (which also tells a dead sender)
 FOLLOW_WAIT = 0.002
+
+if TYPE_CHECKING:
+    from ..core.protocol import Protocol
+    from ..core.transfer import Transfer
 
 
 class RecvSide:
@@ -87,7 +91,7 @@ class RecvSide:
         self.staging: Tensor | None = (
             None  # a direct read into device leaves lands here first (reused)
         )
-        self.staging_fence: Any = None  # the event after the copies out of it
+        self.staging_fence: torch.cuda.Event | None = None  # the event after the copies out of it
         self.driver_name = f"cudarecv-recv-{self.peer}"
         self.driver = Driver(self.driver_name)
 
@@ -98,7 +102,7 @@ class RecvSide:
     def submit(self, job: Callable[[], None]) -> None:
         self.driver.submit(job)
 
-    def queued(self, protocol: Any, carried: Carried) -> Any:
+    def queued(self, protocol: Protocol, carried: Carried) -> Protocol:
         """``protocol`` (a receive) posting nothing before the link's earlier receives have ended, on the link's
         thread: an offer follows its header on the header's tag, and would be taken by the header receive of a
         later transfer with the same ``init_tag`` posted meanwhile. ``carried.waiting`` says whether it still
@@ -108,7 +112,7 @@ class RecvSide:
         carried.waiting = False
         return (yield from protocol)
 
-    def ended(self, carried: Carried, transfer: Any) -> None:
+    def ended(self, carried: Carried, transfer: Transfer) -> None:
         """A driven receive ended. One that failed elsewhere than on the link's thread (it ran out of its own time)
         once its turn came leaves that thread in gloo, maybe for good: it is told to end once the wait returns, and
         later receives get a thread of their own. One that failed while still queued leaves the thread running an
@@ -153,12 +157,12 @@ class RecvSide:
                 str(error).splitlines()[0],
             )
 
-    def _done_once_copied(self, lane: Lane, event: Any, seq: int, k: int) -> None:
+    def _done_once_copied(self, lane: Lane, event: torch.cuda.Event, seq: int, k: int) -> None:
         """(On the link's thread, after the receive that queued the copies:) DONE once they ran."""
         event.synchronize()
         self.done(lane, seq, k)
 
-    def finish(self, lane: Lane, stream: Any, seq: int, k: int) -> Any:
+    def finish(self, lane: Lane, stream: torch.cuda.Stream | None, seq: int, k: int) -> Steps[None]:
         """A sub-protocol: say DONE for transfer ``seq`` on back tag ``k`` once the copies on ``stream`` (None: the
         host's, done) have run, without holding up the caller of a device receiver (see the module docstring)."""
         if stream is None:
@@ -258,7 +262,7 @@ class RecvSide:
         problem: str | None,
         carried: Carried,
         table: np.ndarray | None = None,
-    ) -> Any:
+    ) -> Steps[bool]:
         """A sub-protocol: take the payload the header's route names (see the module docstring), copying with
         ``copy`` (nothing when ``problem``: a mismatched header), or read the sender's leaves into those of
         ``table`` (their addresses and sizes). Returns whether the payload was taken (False: a storage this
@@ -343,7 +347,7 @@ class RecvSide:
         copy: Copy,
         problem: str | None,
         carried: Carried,
-    ) -> Any:
+    ) -> Steps[bool]:
         """The direct route: take the sender's table of leaves, or of its one consolidated storage (checked
         against this tensordict's ``table``: the same sizes), and read them straight into the leaves or storage,
         then DONE (NO if the read fell short). Off the host (no ``table``) they are read into a reused host
@@ -408,7 +412,7 @@ class RecvSide:
                 )  # the next direct read waits for these copies
         return True
 
-    def _direct_staging(self, nbytes: int) -> Any:
+    def _direct_staging(self, nbytes: int) -> Steps[Tensor]:
         """A sub-protocol: this side's host buffer for a direct read of ``nbytes``, once the copies out of its
         previous use have run (reused: one per link, grown when too small)."""
         if self.staging_fence is not None:
@@ -420,7 +424,7 @@ class RecvSide:
 
     def _take_storage(
         self, lane: Lane, header: Header, copy: Copy, problem: str | None, carried: Carried
-    ) -> Any:
+    ) -> Steps[bool]:
         """The storage route: one copy straight out of the sender's storage (checked against the mapping),
         then DONE; or NO if it could not be mapped."""
         if (

@@ -15,12 +15,18 @@ side: :meth:`SendSide._send_storage <cudarecv.samehost.send_side.SendSide._send_
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Generator, Sequence
+from typing import Any, TypeVar
 
 from torch import Tensor
 
 from ..plan.header import STORAGE_SLOTS
 from .shared_memory import StorageWhere
+
+R = TypeVar("R")
+#: a side's sub-protocol (``yield from`` it in a transfer's protocol, :mod:`cudarecv.core.protocol`): it yields
+#: the works the host waits on (gloo works, CUDA events, stages: open) and returns an ``R``
+Steps = Generator[Sequence[Any], None, R]
 
 STORAGE_BACK = 2  # the back tag (BACK_TAGS + this) of both routes' DONE
 DECLINED = 64  # storages a sender remembers the receiver could not map

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -43,8 +43,11 @@ from . import cuda_ipc
 from .channels import ChannelState, SendChannel
 from .policy import HOST, STOP_WAIT, Carried, Kind, chose, kind_of, unavailable
 from .records import BACK_SIZE, Status, Word, read_back, ready
-from .routes import STORAGE_BACK, StorageSlots
+from .routes import STORAGE_BACK, Steps, StorageSlots
 from .shared_memory import Segment, StorageWhere, offer, shared_storage, storage_offer
+
+if TYPE_CHECKING:
+    from ..core.transfer import Transfer
 
 
 class SendSide:
@@ -77,7 +80,7 @@ class SendSide:
         self.driver.stop(STOP_WAIT)
         self.channels, self.fences, self.held = {}, {}, {}
 
-    def ended(self, carried: Carried, transfer: Any) -> None:
+    def ended(self, carried: Carried, transfer: Transfer) -> None:
         """A driven send ended. One that failed elsewhere than on the link's thread while that thread ran it (it
         ran out of its own time with messages posted) leaves the thread in gloo, maybe for good: the link leaves
         shared memory (as after any failed send), the thread is told to end once its wait returns, and later
@@ -144,7 +147,7 @@ class SendSide:
         storage: Tensor | None = None,
         chunks: list[Tensor] | None = None,
         table: Tensor | None = None,
-    ) -> Any:
+    ) -> Steps[Any]:
         """The protocol of one fast-wire send on this link (run on :attr:`driver`).
 
         ``fill(data, key, i, offset, length)`` writes message i into segment ``data`` (``key`` names it);
@@ -242,7 +245,7 @@ class SendSide:
         ch.segments, ch.previous, ch.next = kept or [], None, 0
         ch.retry.declined(self.transfers, None if kept is None else total)
 
-    def _answer(self, lane: Lane, ch: SendChannel) -> Any:
+    def _answer(self, lane: Lane, ch: SendChannel) -> Steps[None]:
         status = yield from self.take(ch.back, Word.ANSWER)
         if status in (Status.OK, Status.DIRECT, Status.DIRECT_STORAGES):
             ch.move(ChannelState.SHARED)
@@ -283,7 +286,7 @@ class SendSide:
         )  # (room: gloo aborts on a longer message)
         self.fences[k] = (lane.post(False, [buffer], [BACK_TAGS + k])[0], buffer, seq)
 
-    def take(self, k: int, word: Word) -> Any:
+    def take(self, k: int, word: Word) -> Steps[Status]:
         work, buffer, seq = self.fences[k]
         yield [work]
         del self.fences[k]
@@ -291,7 +294,7 @@ class SendSide:
         self.held.pop(k, None)
         return status
 
-    def _quiet(self, ch: SendChannel) -> Any:
+    def _quiet(self, ch: SendChannel) -> Steps[None]:
         for k in (ch.back, ch.back + 1):
             if k in self.fences:
                 yield from self.take(k, Word.DONE)
@@ -315,7 +318,7 @@ class SendSide:
         header: Header,
         init_tag: int,
         fill: Callable[[Tensor, str, int, int, int], None],
-    ) -> Any:
+    ) -> Steps[None]:
         k = ch.next
         ch.next ^= 1
         back = ch.back + k
@@ -358,7 +361,7 @@ class SendSide:
         where: StorageWhere,
         chunks: list[Tensor],
         carried: Carried,
-    ) -> Any:
+    ) -> Steps[None]:
         """The storage route: the header names the storage's slot (after an offer the first time); the receiver
         copies the bytes straight out of this process's storage and says DONE, or NO (it cannot map it: then
         the chunks follow on the wire and the storage never takes this route again)."""
@@ -384,7 +387,7 @@ class SendSide:
 
     def _send_direct(
         self, lane: Lane, header: Header, init_tag: int, table: Tensor, carried: Carried
-    ) -> Any:
+    ) -> Steps[None]:
         """The direct route: the header, then the leaves' (or the consolidated storage's) addresses and sizes;
         the receiver reads them straight out of this process (one copy in all, by the kernel) and says DONE."""
         self.seq += 1
