@@ -26,12 +26,14 @@ RETRY_MAX = 1024  # transfers at most between two offers declined for now
 class ChannelState(enum.Enum):
     """Where a channel stands (the sender's end has all four; the receiver's never ``OFFERED``)."""
 
-    NEW = "new"  #: nothing offered yet, or the last offer was declined for now
-    OFFERED = (
-        "offered"  #: (sender) segments offered after a header; the receiver's ANSWER is on its way
-    )
-    SHARED = "shared"  #: payloads go through the segments (the receiver mapped them)
-    WIRE = "wire"  #: declined for good, or (sender) a transfer failed: the segments are never touched again
+    #: nothing offered yet, or the last offer was declined for now
+    NEW = "new"
+    #: (sender) segments offered after a header; the receiver's ANSWER is on its way
+    OFFERED = "offered"
+    #: payloads go through the segments (the receiver mapped them)
+    SHARED = "shared"
+    #: declined for good, or (sender) a transfer failed: the segments are never touched again
+    WIRE = "wire"
 
 
 #: the sender's moves: an offer goes out (NEW, SHARED: a larger re-offer), its ANSWER comes back (SHARED; NEW
@@ -54,13 +56,12 @@ INITIAL = ChannelState.NEW
 class Retry:
     """When a channel whose offer was declined for now offers again: these travel together."""
 
-    at: int = 0  #: the side's transfer count from which an offer declined for now is made again
-    wait: int = (
-        1  #: transfers between the next declined offer and a new one (doubles up to RETRY_MAX)
-    )
-    too_big: int | None = (
-        None  #: a re-offer of this size was declined: larger ones go on the wire for now
-    )
+    #: the side's transfer count from which an offer declined for now is made again
+    at: int = 0
+    #: transfers between the next declined offer and a new one (doubles up to RETRY_MAX)
+    wait: int = 1
+    #: a re-offer of this size was declined: larger ones go on the wire for now
+    too_big: int | None = None
 
     def declined(self, transfers: int, total: int | None) -> None:
         """An offer (of ``total`` bytes, if a re-offer that keeps the shared segments) was declined for now."""
@@ -81,9 +82,8 @@ class SendChannel:
         self._life = Lifecycle(f"the {kind} channel's sender", INITIAL, SEND_MOVES)
         # host: shared_memory.Segment, device: cuda_ipc.DeviceSegment (one kind per channel)
         self.segments: list[Any] = []
-        self.previous: list[Any] | None = (
-            None  # the segments shared before a re-offer, until answered
-        )
+        # the segments shared before a re-offer, until answered
+        self.previous: list[Any] | None = None
         self.offered = 0  # the bytes of the last offer's segments
         self.next = 0  # the segment the next transfer takes
         self.retry = Retry()

@@ -77,20 +77,16 @@ class RecvSide:
     def __init__(self, peer: int) -> None:
         self.peer = peer  # (not the link: the group's registry of sides holds it weakly)
         self.channels = self._new_channels()
-        self.storages: dict[
-            int, StorageMapping | None
-        ] = {}  # the sender's storages per slot (None: not mappable)
-        self.direct: int | None = (
-            None  # the sender's pid, if this process reads its storages itself
-        )
+        # the sender's storages per slot (None: not mappable)
+        self.storages: dict[int, StorageMapping | None] = {}
+        # the sender's pid, if this process reads its storages itself
+        self.direct: int | None = None
         self.direct_leaves = False  # ... and its leaves
         self.declined: str | None = None  # why the last offer was declined
-        self.said: dict[
-            int, list[Any]
-        ] = {}  # the last ANSWER or DONE sent on each back tag, until the next
-        self.staging: Tensor | None = (
-            None  # a direct read into device leaves lands here first (reused)
-        )
+        # the last ANSWER or DONE sent on each back tag, until the next
+        self.said: dict[int, list[Any]] = {}
+        # a direct read into device leaves lands here first (reused)
+        self.staging: Tensor | None = None
         self.staging_fence: torch.cuda.Event | None = None  # the event after the copies out of it
         self.driver_name = f"cudarecv-recv-{self.peer}"
         self.driver = Driver(self.driver_name)
@@ -456,7 +452,7 @@ class SegmentStage:
     """What a receive through a segment waits for (a :class:`~cudarecv.core.protocol.Stage`'s text, as it goes):
     the sender's messages in the segment, those copied out so far, and its READY."""
 
-    def __init__(self, kind: str, segment: int, count: int, tag: int) -> None:
+    def __init__(self, kind: Kind, segment: int, count: int, tag: int) -> None:
         self.kind, self.segment, self.count, self.tag = kind, segment, count, tag
         self.copied = 0  # messages copied out, in order, before the READY
 

@@ -63,15 +63,12 @@ class SendSide:
         self.direct_storages = False  # ... and consolidated host storages
         self.storages = StorageSlots()  # the storage route's: storages offered, and those declined
         self.seq = 0  # the transfers through shared memory (named in their headers)
-        self.transfers = (
-            0  # every transfer of the side (a declined offer is made again after some of them)
-        )
-        self.failed: str | None = (
-            None  # why the link left shared memory for the wire, after a failure
-        )
-        self.running: Carried | None = (
-            None  # the send on the link's thread now (it may be stuck there)
-        )
+        # every transfer of the side (a declined offer is made again after some of them)
+        self.transfers = 0
+        # why the link left shared memory for the wire, after a failure
+        self.failed: str | None = None
+        # the send on the link's thread now (it may be stuck there)
+        self.running: Carried | None = None
         self.driver_name = f"cudarecv-send-{self.peer}"
         self.driver = Driver(self.driver_name)
 
