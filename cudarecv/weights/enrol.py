@@ -9,7 +9,7 @@ from typing import Any
 from ..core.transfer import SHARED_MEMORY
 from . import handshake
 from .serving import start_listening
-from .session import Member, Session
+from .session import Member, Session, Standing
 from .snapshots import SnapshotPool
 
 
@@ -64,6 +64,8 @@ def serve(session: Session, pool: SnapshotPool, members: list[Member]) -> None:
             segment.populate()
         pool.populated = True
     with session.cond:
+        for member in members:
+            member.move(Standing.SERVED)
         session.members.extend(members)
     for member in members:
         if (

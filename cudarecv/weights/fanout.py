@@ -27,7 +27,7 @@ from ..samehost.machine import host_id
 from ..wire.control import read_bytes, wire_bytes
 from ..wire.staging import send_from
 from .link import link_error, send_bytes
-from .session import Member, Session
+from .session import OWED, Member, Session, Standing
 from .snapshots import Snapshot, SnapshotPool
 from .wire import ASK_SIZE, GOT, LOST, MAX_WAIT_MS, REJECTED, hop_limit, read_ask, trailer_message
 
@@ -71,9 +71,9 @@ def protocol(
 def send(session: Session, member: Member, snapshot: Snapshot, limit: float) -> Any:
     """Star: the header and the payload on the wire, or (a receiver mapping the snapshot) the header alone; the
     receiver copies the version out, or (zero-copy) publishes it where it lies and holds it until FREED."""
-    lane = member.lane
+    lane, pushed = member.lane, snapshot.pushed
     if member.shared and snapshot.segment is not None:
-        header = dataclasses.replace(snapshot.header, shared=True, segment=snapshot.segment)
+        header = dataclasses.replace(pushed, shared=True, segment=snapshot.segment)
         if member.alias:
             with session.cond:
                 snapshot.holders += 1
@@ -82,7 +82,7 @@ def send(session: Session, member: Member, snapshot: Snapshot, limit: float) -> 
         yield from _confirmed(session, member, header.version, limit)
         return
     head = yield from send_from(
-        lane, [wire_bytes(lane, snapshot.header.pack())], [session.tags.header], defer=True
+        lane, [wire_bytes(lane, pushed.pack())], [session.tags.header], defer=True
     )
     yield from send_from(lane, snapshot.chunks, [session.tags.payload] * len(snapshot.chunks))
     if head:
@@ -96,7 +96,7 @@ def _relayed(
     chain only; then the receiver's word that it has the version."""
     member, lane = chain[i], chain[i].lane
     header = dataclasses.replace(
-        snapshot.header,
+        snapshot.pushed,
         relayed=True,
         hop=i,
         wait_ms=min(math.ceil(hop_limit(limit, i) * 1e3), MAX_WAIT_MS),
@@ -140,9 +140,7 @@ class Got:
 
     def _said(self) -> bool:
         m = self.member
-        return (
-            m.gone is not None or m.leaving or (m.got is not None and m.got.version >= self.version)
-        )
+        return not m.served or (m.got is not None and m.got.version >= self.version)
 
     def is_completed(self) -> bool:
         with self.session.cond:
@@ -155,7 +153,7 @@ class Got:
                 self._said, timeout=max(self.deadline - time.monotonic(), 0.0)
             ):
                 raise TransferTimeout(f"{m.who} did not confirm version {self.version}")
-            gone, got, leaving = m.gone, m.got, m.leaving
+            failed, got = m.why if m.failed else None, m.got
         if got is not None and got.version >= self.version:
             if (
                 got.version == self.version and got.status == LOST and m.lane.nccl
@@ -187,8 +185,8 @@ class Got:
                     "its last version and stays served"
                 )
             return True
-        if gone is not None and not leaving:
-            raise PeerError(gone)
+        if failed is not None:
+            raise PeerError(failed)
         return True
 
 
@@ -226,9 +224,11 @@ def dropping(
         text = str(failure)
         if "is dropped from this sender" not in text:
             text += f"; {member.who} is dropped from this sender"
-        if member.gone is None:  # (once: its listener may have heard it die first, and said so)
+        # (once: its listener may have heard it die first, and said so; a push's error names it at once)
+        if member.move_if(Standing.NAMED if told else Standing.DROPPED, frm=OWED, why=text):
             logger.warning("weight sender: %s", text)
-        member.gone, member.named = text, member.named or told
+        elif told:
+            member.move_if(Standing.NAMED, frm={Standing.DROPPED})
         pool.retire(member)
         if not member.shared or session.shared_kind == CUDA_IPC:
             # its send (or, CUDA IPC, its copy) may still read the storage, long after this; a receiver of host
