@@ -25,6 +25,7 @@ from .wire import (
     HEADER_SIZE,
     PUSH,
     RELEASED,
+    Got,
     PushHeader,
     SessionTags,
     ask_message,
@@ -133,7 +134,7 @@ class Inbox:
         """Whether this call is the one to send BYE (once: not after the sender's CLOSED, which it answered)."""
         return self.farewell.move_if(Farewell.BYE_SAID, frm={Farewell.OPEN})
 
-    def tell(self, header: PushHeader, status: int) -> None:
+    def tell(self, header: PushHeader, status: Got) -> None:
         """Relay fan-out or shared memory: tell the sender what became of the push (its blocking push waits for
         every word; a shared snapshot is not written again before it)."""
         if header.relayed or header.shared:
