@@ -19,6 +19,7 @@ import cudarecv
 from cudarecv.core.lifecycle import IllegalMove, Lifecycle, mermaid
 from cudarecv.samehost import channels
 from cudarecv.samehost.channels import ChannelState, RecvChannel, SendChannel
+from cudarecv.weights.inbox import Farewell
 from cudarecv.weights.membership.receiver import Membership
 from cudarecv.weights.relay import Passage, Relay
 from cudarecv.weights.session import Member, Standing
@@ -94,6 +95,7 @@ LIFECYCLES = {
     "cudarecv.weights.session.MOVES": Standing.ENROLLED,
     "cudarecv.weights.membership.receiver.MOVES": Membership.JOINING,
     "cudarecv.weights.relay.MOVES": Passage.FORWARDING,
+    "cudarecv.weights.inbox.MOVES": Farewell.OPEN,
 }
 
 
@@ -181,6 +183,19 @@ def test_a_push_through_a_hop_ends_once_and_the_first_end_says_the_trailer():
     assert relay.passage.state is Passage.BROKEN
     with pytest.raises(IllegalMove, match="relay of version 7: no move from BROKEN to LANDED"):
         relay.passage.move(Passage.LANDED)
+
+
+def test_a_receiver_says_bye_once_and_hears_no_release_it_did_not_ask_for():
+    from cudarecv.weights.inbox import MOVES
+
+    link = Lifecycle("the link to weight sender rank 0", Farewell.OPEN, MOVES)
+    with pytest.raises(IllegalMove, match="no move from OPEN to RELEASED"):
+        link.move(Farewell.RELEASED)
+    assert link.move_if(Farewell.BYE_SAID, frm={Farewell.OPEN})
+    assert not link.move_if(Farewell.BYE_SAID, frm={Farewell.OPEN})  # (once)
+    link.move(Farewell.CLOSED)  # the sender's CLOSED crossed it
+    with pytest.raises(IllegalMove, match="no move from CLOSED to RELEASED"):
+        link.move(Farewell.RELEASED)
 
 
 def last_words(rank, world, group, key):
