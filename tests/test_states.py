@@ -12,10 +12,14 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 from tensordict import TensorDict
 
 import cudarecv
 from cudarecv.core.lifecycle import IllegalMove, Lifecycle, mermaid
+from cudarecv.samehost import channels
+from cudarecv.samehost.channels import ChannelState, RecvChannel, SendChannel
+from cudarecv.weights.inbox import Farewell
 from cudarecv.weights.membership.elastic_receiver import Membership
 from cudarecv.weights.relay import Passage, Relay
 from cudarecv.weights.session import Member, Standing
@@ -91,6 +95,7 @@ LIFECYCLES = {
     "cudarecv.weights.session.MOVES": Standing.ENROLLED,
     "cudarecv.weights.membership.elastic_receiver.MOVES": Membership.JOINING,
     "cudarecv.weights.relay.MOVES": Passage.FORWARDING,
+    "cudarecv.weights.inbox.MOVES": Farewell.OPEN,
 }
 
 
@@ -180,6 +185,19 @@ def test_a_push_through_a_hop_ends_once_and_the_first_end_says_the_trailer():
         relay.passage.move(Passage.LANDED)
 
 
+def test_a_receiver_says_bye_once_and_hears_no_release_it_did_not_ask_for():
+    from cudarecv.weights.inbox import MOVES
+
+    link = Lifecycle("the link to weight sender rank 0", Farewell.OPEN, MOVES)
+    with pytest.raises(IllegalMove, match="no move from OPEN to RELEASED"):
+        link.move(Farewell.RELEASED)
+    assert link.move_if(Farewell.BYE_SAID, frm={Farewell.OPEN})
+    assert not link.move_if(Farewell.BYE_SAID, frm={Farewell.OPEN})  # (once)
+    link.move(Farewell.CLOSED)  # the sender's CLOSED crossed it
+    with pytest.raises(IllegalMove, match="no move from CLOSED to RELEASED"):
+        link.move(Farewell.RELEASED)
+
+
 def last_words(rank, world, group, key):
     """Rank 1 leaves after version 1 (BYE, then the sender's RELEASED); rank 2 stays until the sender closes
     (CLOSED, then its BYE in answer). The sender reports each receiver's standing as it goes."""
@@ -266,3 +284,52 @@ def test_a_joined_receiver_loses_its_sender_and_joins_the_next_one():
     assert receiver.membership is Membership.CLOSED
     with pytest.raises(cudarecv.UsageError, match="is closed"):
         receiver.pull()
+
+
+# -- the same-host channel (cudarecv.samehost.channels) --------------------------------------------------------
+
+
+@pytest.mark.parametrize("table", ["SEND_MOVES", "RECV_MOVES"])
+def test_design_md_draws_the_channel_tables(table):
+    name = f"cudarecv.samehost.channels.{table}"
+    assert _diagrams()[name] == mermaid(getattr(channels, table), channels.INITIAL), name
+
+
+def test_a_sending_channel_moves_only_as_its_table_lists():
+    ch = SendChannel("host", torch.device("cpu"))
+    with pytest.raises(IllegalMove, match=r"host channel's sender: no move from NEW to SHARED"):
+        ch.move(ChannelState.SHARED)  # never shared before the receiver answered an offer
+    assert ch.state is ChannelState.NEW
+    for to in (ChannelState.OFFERED, ChannelState.SHARED, ChannelState.OFFERED, ChannelState.NEW):
+        ch.move(to)  # offered, taken; re-offered, declined for now with nothing kept
+    ch.leave()  # a failed transfer
+    assert ch.state is ChannelState.WIRE and ch.segments == [] and ch.previous is None
+    for to in ChannelState:  # final: the segments are never touched again
+        with pytest.raises(IllegalMove, match="none, final"):
+            ch.move(to)
+    ch.leave()  # (a side's failure leaves every channel, some left already)
+    assert ch.state is ChannelState.WIRE
+
+
+def test_a_receiving_channel_is_never_offered_and_wire_is_final():
+    ch = RecvChannel("device")
+    with pytest.raises(IllegalMove, match="device channel's receiver: no move from NEW to OFFERED"):
+        ch.move(ChannelState.OFFERED, [])
+    ch.move(ChannelState.SHARED, ["a"])
+    ch.move(ChannelState.SHARED, ["b"])  # a larger re-offer mapped: its mappings replace the old
+    assert ch.mappings == ["b"]
+    ch.move(ChannelState.WIRE, [])
+    with pytest.raises(IllegalMove):
+        ch.move(ChannelState.SHARED, ["c"])
+    assert ch.state is ChannelState.WIRE and ch.mappings == []
+
+
+def test_a_channels_state_is_set_nowhere_but_its_move():
+    """No module of samehost assigns a state (``x.state = ...``, ``x.state, y = ...``) past the table, nor
+    names one by the strings it once was."""
+    package = Path(channels.__file__).parent
+    for path in sorted(package.glob("*.py")):
+        text = path.read_text()
+        assert not re.search(r"\.state\s*(?:,[^=\n]*)?=(?!=)", text), path.name
+        if path.name != "channels.py":  # (the enum's values)
+            assert not re.search(r"[\"'](new|offered|shared)[\"']", text), path.name

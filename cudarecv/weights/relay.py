@@ -117,8 +117,8 @@ class Relay:
             pending.extend(works or ())
         yield [_Landed(self, len(self.pieces))]  # the push has ended: intact, or broken upstream
         with self._cond:
-            intact = self.passage.state is Passage.LANDED
-            status, rank = (INTACT, -1) if intact else (BROKEN, self._broken)
+            # (the rank that failed is known once BROKEN: the trailer names it)
+            status, rank = (INTACT, -1) if self._broken is None else (BROKEN, self._broken)
         works = yield from send_from(
             self.down,
             [wire_bytes(self.down, trailer_message(self.version, status, rank))],
