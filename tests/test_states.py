@@ -12,11 +12,15 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 from tensordict import TensorDict
 
 import cudarecv
 from cudarecv.core.lifecycle import IllegalMove, Lifecycle, mermaid
-from cudarecv.weights.membership.receiver import Membership
+from cudarecv.samehost import channels
+from cudarecv.samehost.channels import ChannelState, RecvChannel, SendChannel
+from cudarecv.weights.inbox import Farewell
+from cudarecv.weights.membership.elastic_receiver import Membership
 from cudarecv.weights.relay import Passage, Relay
 from cudarecv.weights.session import Member, Standing
 from policies import policy, set_version
@@ -89,8 +93,9 @@ DESIGN = Path(__file__).resolve().parents[1] / "docs" / "design.md"
 #: every lifecycle table docs/design.md draws (its block says ``%% <module>.<table>``), and its first state
 LIFECYCLES = {
     "cudarecv.weights.session.MOVES": Standing.ENROLLED,
-    "cudarecv.weights.membership.receiver.MOVES": Membership.JOINING,
+    "cudarecv.weights.membership.elastic_receiver.MOVES": Membership.JOINING,
     "cudarecv.weights.relay.MOVES": Passage.FORWARDING,
+    "cudarecv.weights.inbox.MOVES": Farewell.OPEN,
 }
 
 
@@ -159,7 +164,7 @@ def test_a_receiver_is_served_only_once_enrolled_and_closing_ones_take_no_failur
 
 
 def test_a_joined_receiver_waits_for_a_next_sender_only_once_it_lost_its_own():
-    from cudarecv.weights.membership.receiver import MOVES
+    from cudarecv.weights.membership.elastic_receiver import MOVES
 
     joined = Lifecycle("receiver of 'policy'", Membership.JOINING, MOVES)
     joined.move(Membership.JOINED)
@@ -178,6 +183,19 @@ def test_a_push_through_a_hop_ends_once_and_the_first_end_says_the_trailer():
     assert relay.passage.state is Passage.BROKEN
     with pytest.raises(IllegalMove, match="relay of version 7: no move from BROKEN to LANDED"):
         relay.passage.move(Passage.LANDED)
+
+
+def test_a_receiver_says_bye_once_and_hears_no_release_it_did_not_ask_for():
+    from cudarecv.weights.inbox import MOVES
+
+    link = Lifecycle("the link to weight sender rank 0", Farewell.OPEN, MOVES)
+    with pytest.raises(IllegalMove, match="no move from OPEN to RELEASED"):
+        link.move(Farewell.RELEASED)
+    assert link.move_if(Farewell.BYE_SAID, frm={Farewell.OPEN})
+    assert not link.move_if(Farewell.BYE_SAID, frm={Farewell.OPEN})  # (once)
+    link.move(Farewell.CLOSED)  # the sender's CLOSED crossed it
+    with pytest.raises(IllegalMove, match="no move from CLOSED to RELEASED"):
+        link.move(Farewell.RELEASED)
 
 
 def last_words(rank, world, group, key):
@@ -238,7 +256,7 @@ def test_a_joined_receiver_loses_its_sender_and_joins_the_next_one():
         trainers = [fork_process(trainer, ("127.0.0.1", store.port, name, "latest", seconds))]
         receiver = None
         try:
-            receiver = cudarecv.WeightReceiver(
+            receiver = cudarecv.ElasticReceiver(
                 store=store_client(store.port), name=name, expect=weights(), timeout=seconds
             )
             assert receiver.membership is Membership.JOINED and receiver.generation == 1
@@ -266,3 +284,52 @@ def test_a_joined_receiver_loses_its_sender_and_joins_the_next_one():
     assert receiver.membership is Membership.CLOSED
     with pytest.raises(cudarecv.UsageError, match="is closed"):
         receiver.pull()
+
+
+# -- the same-host channel (cudarecv.samehost.channels) --------------------------------------------------------
+
+
+@pytest.mark.parametrize("table", ["SEND_MOVES", "RECV_MOVES"])
+def test_design_md_draws_the_channel_tables(table):
+    name = f"cudarecv.samehost.channels.{table}"
+    assert _diagrams()[name] == mermaid(getattr(channels, table), channels.INITIAL), name
+
+
+def test_a_sending_channel_moves_only_as_its_table_lists():
+    ch = SendChannel("host", torch.device("cpu"))
+    with pytest.raises(IllegalMove, match=r"host channel's sender: no move from NEW to SHARED"):
+        ch.move(ChannelState.SHARED)  # never shared before the receiver answered an offer
+    assert ch.state is ChannelState.NEW
+    for to in (ChannelState.OFFERED, ChannelState.SHARED, ChannelState.OFFERED, ChannelState.NEW):
+        ch.move(to)  # offered, taken; re-offered, declined for now with nothing kept
+    ch.leave()  # a failed transfer
+    assert ch.state is ChannelState.WIRE and ch.segments == [] and ch.previous is None
+    for to in ChannelState:  # final: the segments are never touched again
+        with pytest.raises(IllegalMove, match="none, final"):
+            ch.move(to)
+    ch.leave()  # (a side's failure leaves every channel, some left already)
+    assert ch.state is ChannelState.WIRE
+
+
+def test_a_receiving_channel_is_never_offered_and_wire_is_final():
+    ch = RecvChannel("device")
+    with pytest.raises(IllegalMove, match="device channel's receiver: no move from NEW to OFFERED"):
+        ch.move(ChannelState.OFFERED, [])
+    ch.move(ChannelState.SHARED, ["a"])
+    ch.move(ChannelState.SHARED, ["b"])  # a larger re-offer mapped: its mappings replace the old
+    assert ch.mappings == ["b"]
+    ch.move(ChannelState.WIRE, [])
+    with pytest.raises(IllegalMove):
+        ch.move(ChannelState.SHARED, ["c"])
+    assert ch.state is ChannelState.WIRE and ch.mappings == []
+
+
+def test_a_channels_state_is_set_nowhere_but_its_move():
+    """No module of samehost assigns a state (``x.state = ...``, ``x.state, y = ...``) past the table, nor
+    names one by the strings it once was."""
+    package = Path(channels.__file__).parent
+    for path in sorted(package.glob("*.py")):
+        text = path.read_text()
+        assert not re.search(r"\.state\s*(?:,[^=\n]*)?=(?!=)", text), path.name
+        if path.name != "channels.py":  # (the enum's values)
+            assert not re.search(r"[\"'](new|offered|shared)[\"']", text), path.name

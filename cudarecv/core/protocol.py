@@ -59,10 +59,8 @@ class Stage:
         >>> yield [Stage("drain of a mismatched payload")]  # a timeout then says so, not "the header"
     """
 
-    def __init__(self, what: object) -> None:
-        self.what = (
-            what  # read as str(what) when the time runs out (a live count of what landed, say)
-        )
+    def __init__(self, what: object) -> None:  # (its str() as it stands when a timeout names it)
+        self.what = what
 
     def is_completed(self) -> bool:
         return True

@@ -97,7 +97,7 @@ def start_thread(target: Callable[..., object], name: str, args: tuple = ()) -> 
         >>> def take_versions():
         ...     while True:
         ...         receiver.pull()
-        >>> cudarecv.start_thread(take_versions, "actor-weights")
+        >>> start_thread(take_versions, "actor-weights")  # from cudarecv.core.shutdown
     """
     thread = threading.Thread(target=target, args=args, name=name, daemon=True)
     _THREADS.add(thread)

@@ -62,9 +62,6 @@ Route = Literal["wire", "shared memory", "cuda ipc"]
 WIRE: Route = "wire"
 SHARED_MEMORY: Route = "shared memory"
 CUDA_IPC: Route = "cuda ipc"
-#: what a call lets carry its payload (its ``transport=``): a same-host transport where one may (``"auto"``),
-#: or the wire alone (``"wire"``)
-Transport = Literal["auto", "wire"]
 
 
 class Carrier(typing.Protocol):

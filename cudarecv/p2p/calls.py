@@ -23,12 +23,12 @@ from ..core.host_copy import copy_bytes
 from ..core.link import Link, resolve
 from ..core.protocol import Protocol
 from ..core.tags import MAX_TAG, header_tag, piece_tag
-from ..core.transfer import Transfer, Transport
+from ..core.transfer import Transfer
 from ..core.turns import line
 from ..plan.header import Header, check_pieces
 from ..plan.plan import Plan, forget_plan, plan_for
 from ..plan.walk import unwrap
-from ..samehost.policy import Carried, allowed
+from ..samehost.policy import Carried, Transport, allowed
 from ..samehost.sides import receiving_side, sending_side, storage_table
 from ..wire import fast as _fast_wire
 from ..wire import stock as _stock_wire

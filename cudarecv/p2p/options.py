@@ -13,8 +13,7 @@ import torch
 from ..core.checks import check_bucket_bytes, check_timeout
 from ..core.errors import ArgumentError, ArgumentTypeError
 from ..core.tags import check_init_tag
-from ..core.transfer import Transport
-from ..samehost.policy import check_transport
+from ..samehost.policy import Transport, check_transport
 
 
 @dataclass(frozen=True)
@@ -58,8 +57,7 @@ def call_options(
 
 
 def _transport(transport: object) -> Transport:
-    check_transport(transport)
-    return cast(Transport, transport)
+    return check_transport(transport)
 
 
 def _init_tag(

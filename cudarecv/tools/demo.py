@@ -148,10 +148,9 @@ ACTOR_NOTES = (
 )
 
 
-#: where the policy and its weights live; the process group's backend; the WeightSender's mode; what runs
+#: where the policy and its weights live; the process group's backend; which implementation runs
 Device = Literal["cpu", "cuda"]
 Backend = Literal["gloo", "nccl"]
-Mode = Literal["sync", "latest"]
 Impl = Literal["cudarecv", "stock"]
 
 
@@ -169,7 +168,7 @@ class Config:
     timeout: float
     seed: int
     threads: int
-    mode: Mode = "sync"  # cudarecv's mode
+    mode: cudarecv.Mode = "sync"  # cudarecv's mode
     impl: Impl = "cudarecv"  # which implementation this pass runs
     slow_actor: int | None = None
     slow_seconds: float = 2.0

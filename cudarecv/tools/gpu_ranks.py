@@ -394,7 +394,11 @@ def fanout_on_gpu(rank: int, world_size: int, group: Any, total_bytes: int, roun
         if method != "broadcast":
             if rank == 0:
                 sender = cudarecv.WeightSender(
-                    td, dst=dsts, fanout=method, bucket_bytes=4 << 20, timeout=120
+                    td,
+                    dst=dsts,
+                    fanout="relay" if method == "relay" else "star",
+                    bucket_bytes=4 << 20,
+                    timeout=120,
                 )
             else:
                 receiver = cudarecv.WeightReceiver(src=0, device=device, timeout=120)

@@ -75,7 +75,7 @@ class _Case:
                     td,
                     group=group,
                     group_dst=list(range(1, k + 1)),
-                    fanout=method,
+                    fanout="relay" if method == "relay" else "star",
                     timeout=timeout,
                     bucket_bytes=bucket_bytes,
                 )

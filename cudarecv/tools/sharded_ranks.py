@@ -4,8 +4,8 @@ Ranks 0..T-1 are the trainer (FSDP2 over their mesh), ranks T..T+R-1 the actors 
 even layers column-parallel, odd layers row-parallel, as Megatron cuts an MLP), one rank per simulated host.
 Each way of getting a new version from the trainer to the actors is timed in turn, round by round:
 
-- ``sharded``: ``WeightSender(TensorDict.from_module(model), dst=actors)`` on every trainer rank,
-  ``WeightReceiver(src=trainers, expect=<the actor's DTensors>)`` on every actor: each byte goes once from the
+- ``sharded``: ``ShardedSender(TensorDict.from_module(model), dst=actors)`` on every trainer rank,
+  ``ShardedReceiver(src=trainers, expect=<the actor's DTensors>)`` on every actor: each byte goes once from the
   trainer rank that holds it to the actor that needs it;
 - ``gather_relay``: what users do today: ``full_tensor()`` of every parameter on the trainer ranks (FSDP2's
   all-gather), then rank 0 pushes the whole model down a relay chain (``WeightSender(fanout="relay")``), and
@@ -113,7 +113,8 @@ class _Method:
 
         rank = dist.get_rank()
         self.method, self.trainer, self.actor = method, rank in trainers, rank in actors
-        self.sender = self.receiver = None
+        self.sender: cudarecv.ShardedSender | cudarecv.WeightSender | None = None
+        self.receiver: cudarecv.ShardedReceiver | cudarecv.WeightReceiver | None = None
         self.mine: TensorDict | None = (
             None  # an actor's slice (gather_relay: copied out of the whole)
         )
@@ -123,7 +124,7 @@ class _Method:
             net.to_empty(device="cpu")  # this rank's shards only (filled each round)
             self.td = TensorDict.from_module(net)
             if method == "sharded":
-                self.sender = cudarecv.WeightSender(self.td, dst=actors, timeout=timeout)
+                self.sender = cudarecv.ShardedSender(self.td, dst=actors, timeout=timeout)
             elif (
                 rank == trainers[0]
             ):  # (the other trainer ranks take part in each all-gather, and drop its result)
@@ -136,10 +137,8 @@ class _Method:
         elif self.actor:
             layout = _actor_layout(_model(mib), meshes["actors"])
             if method == "sharded":
-                self.receiver = cudarecv.WeightReceiver(
-                    src=trainers,  # type: ignore[arg-type]  # (a rank list: ShardedReceiver's, issue 43 item 1)
-                    expect=layout,
-                    timeout=timeout,
+                self.receiver = cudarecv.ShardedReceiver(
+                    src=trainers, expect=layout, timeout=timeout
                 )
             else:
                 self.receiver = cudarecv.WeightReceiver(src=trainers[0], timeout=timeout)

@@ -19,8 +19,8 @@ from .. import (
     TransferTimeout,
     WaitTimeout,
     WeightReceiver,
-    start_thread,
 )
+from ..core.shutdown import start_thread  # (joined at exit: pyproject.toml's contract allows it)
 from .trainer import FAILED
 
 

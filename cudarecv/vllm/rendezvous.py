@@ -8,7 +8,7 @@ import datetime
 
 import torch.distributed as dist
 
-from .. import store_group
+from ..core.groups import store_group  # (an internal helper: pyproject.toml's contract allows it)
 
 
 def seconds(value: float) -> datetime.timedelta:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine, WeightSource
 
-from .. import ArgumentError, TransferTimeout, UsageError, WeightSender
+from .. import ArgumentError, ShardedSender, TransferTimeout, UsageError, WeightSender
 from .client import as_client
 from .info import CudarecvInitInfo, CudarecvTrainerInitInfo, dtype_of
 from .rendezvous import group_of, member_key, seconds
@@ -48,7 +48,7 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
             is_sender=info.is_sender,
         )
         self.info = info
-        self.sender: WeightSender | None = None
+        self.sender: WeightSender | ShardedSender | None = None
         self._store: Any = None
         self._group: Any = None
         self._td: TensorDict | None = (
@@ -131,7 +131,9 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
                 first.get("sliced")
             )  # a tensor-parallel engine: each worker receives what it loads
             self._td, self.dtype = self._weights(dtype), dtype
-            self.sender = WeightSender(
+            # a tensor-parallel engine's workers each want slices: a sender of each worker's slices
+            sender = ShardedSender if self.sliced else WeightSender
+            self.sender = sender(
                 self._td.unflatten_keys("."),
                 group=self._group,
                 group_dst=list(range(1, workers + 1)),
@@ -140,7 +142,6 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
                 verify=info.verify,
                 bucket_bytes=info.bucket_bytes,
                 transport=info.transport,
-                sliced=self.sliced,
             )
         log.info(
             "cudarecv weight transfer to %d vLLM worker(s) (%s, %s, %s)",
@@ -176,7 +177,7 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
         """Worker (its rank in the trainer's group, 1 on) -> the bytes one version moves to it."""
         if self.sender is None:
             return {}
-        if not self.sliced:
+        if not isinstance(self.sender, ShardedSender):
             return {rank: self.nbytes for rank in self.sender.transports}
         assert self._td is not None  # (a sender has its tensordict)
         sizes = {name: t.element_size() for name, t in _leaves(self._td).items()}

@@ -21,7 +21,8 @@ import torch.distributed as dist
 from tensordict import TensorDict
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
-from .. import Error, UsageError, WaitTimeout, WeightReceiver, start_thread
+from .. import Error, ShardedReceiver, UsageError, WaitTimeout, WeightReceiver
+from ..core.shutdown import start_thread  # (joined at exit: pyproject.toml's contract allows it)
 from .info import CudarecvInitInfo, CudarecvUpdateInfo
 from .rendezvous import group_of, member_key, seconds
 from .slices import whole_leaves, worker_slices
@@ -38,7 +39,7 @@ class CudarecvWeightTransferEngine(WeightTransferEngine[CudarecvInitInfo, Cudare
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._receiver: WeightReceiver | None = None
+        self._receiver: WeightReceiver | ShardedReceiver | None = None
         self._group: Any = None
         self._store: Any = None
         self._landed = (
@@ -93,16 +94,17 @@ class CudarecvWeightTransferEngine(WeightTransferEngine[CudarecvInitInfo, Cudare
             self._group = group_of(
                 self._store, init_info.session, index + 1, workers + 1, init_info.timeout
             )
-            # (sliced: the trainer sends each worker what it loads)
-            source: Any = 0 if self._want is None else [0]
-            self._receiver = WeightReceiver(
+            options = dict(
                 group=self._group,
-                group_src=source,
                 device=self.device,
                 expect=expect,
-                want=self._want,
                 timeout=init_info.timeout,
                 transport=init_info.transport,
+            )
+            self._receiver = (
+                WeightReceiver(group_src=0, **options)
+                if self._want is None  # (else sliced: the trainer sends each worker what it loads)
+                else ShardedReceiver(group_src=[0], want=self._want, **options)
             )
         except BaseException:
             self.shutdown()
@@ -134,7 +136,7 @@ class CudarecvWeightTransferEngine(WeightTransferEngine[CudarecvInitInfo, Cudare
             get_tensor_model_parallel_world_size(),
         )
 
-    def _take_versions(self, receiver: WeightReceiver) -> None:
+    def _take_versions(self, receiver: WeightReceiver | ShardedReceiver) -> None:
         """The taking thread: every version the trainer pushes, as it comes, until the receiver closes or fails."""
         while True:
             try:
