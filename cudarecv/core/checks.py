@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+from typing import Literal, overload
+
 from .errors import ArgumentError
 
 #: the longest timeout taken, in seconds (11.6 days); past about 9.2e9 s a thread's wait overflows
 MAX_TIMEOUT = 1e6
 
 
+@overload
+def check_timeout(
+    timeout: object, name: str = ..., or_none: Literal[False] = ..., or_zero: bool = ...
+) -> float: ...
+@overload
+def check_timeout(
+    timeout: object, name: str = ..., or_none: bool = ..., or_zero: bool = ...
+) -> float | None: ...
 def check_timeout(
     timeout: object, name: str = "timeout", or_none: bool = False, or_zero: bool = False
 ) -> float | None:

@@ -16,7 +16,7 @@ import json
 import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tensordict import TensorDict
@@ -26,16 +26,20 @@ from ...core.errors import ArgumentError, ArgumentTypeError, SchemaError
 from ...plan.boxes import Box, duty, shard_box
 from ..schema import DTYPES, check_size
 
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
 FORMAT = "cudarecv-sharded"
 
 
-def dtensor_type() -> type:
+def dtensor_type() -> type[DTensor]:
+    """DTensor's class, imported when first needed (torch.distributed.tensor is slow to import)."""
     from torch.distributed.tensor import DTensor
 
     return DTensor
 
 
-def is_sharded(tensors: Sequence[Any]) -> bool:
+def is_sharded(tensors: Sequence[Tensor]) -> bool:
     """Whether any of ``tensors`` is a DTensor (the sharded weight sync's case)."""
     if not tensors:
         return False
@@ -91,7 +95,8 @@ class Layout:
                 raise SchemaError("not a cudarecv sharded layout")
             if not isinstance(doc["leaves"], list) or not doc["leaves"]:
                 raise SchemaError("a sharded layout with no leaves")
-            parts, seen = [], set()
+            parts: list[Part] = []
+            seen: set[tuple[str, ...]] = set()
             for item in doc["leaves"]:
                 parts.append(_part(item, seen))
         except SchemaError:
@@ -118,7 +123,7 @@ class Layout:
         return None
 
 
-def _part(item: Any, seen: set) -> Part:
+def _part(item: Any, seen: set[tuple[str, ...]]) -> Part:
     key, dtype, shape, box = item["key"], item["dtype"], item["shape"], item["box"]
     if not (isinstance(key, list) and key and all(isinstance(k, str) and k for k in key)):
         raise SchemaError(f"bad key {key!r}: a list of non-empty strings")
@@ -150,7 +155,7 @@ def _part(item: Any, seen: set) -> Part:
     return Part(tuple(key), DTYPES[dtype], shape, box)
 
 
-def _checked_dtype(key: tuple, tensor: Tensor) -> torch.dtype:
+def _checked_dtype(key: tuple[str, ...], tensor: Tensor) -> torch.dtype:
     if str(tensor.dtype).removeprefix("torch.") not in DTYPES:
         raise SchemaError(
             f"leaf {'.'.join(key)!r} has dtype {tensor.dtype}, which weight sync does not carry"
@@ -158,7 +163,7 @@ def _checked_dtype(key: tuple, tensor: Tensor) -> torch.dtype:
     return tensor.dtype
 
 
-def held(tensor: Any, name: str) -> tuple[Tensor, Box]:
+def held(tensor: Tensor, name: str) -> tuple[Tensor, Box]:
     """The local tensor of a leaf and the box of the whole it holds (a plain tensor: the whole)."""
     if not isinstance(tensor, dtensor_type()):
         return tensor, Box.full(tensor.shape)
@@ -179,7 +184,7 @@ def held(tensor: Any, name: str) -> tuple[Tensor, Box]:
     return local, box
 
 
-def sender_layout(keys: Sequence[tuple], tensors: Sequence[Any]) -> Layout:
+def sender_layout(keys: Sequence[tuple[str, ...]], tensors: Sequence[Tensor]) -> Layout:
     """The layout a sender rank sends: each DTensor leaf's share (:func:`~cudarecv.plan.boxes.duty`: replicas
     split it, so every element is sent by one rank), and each plain leaf as replicated over the mesh of the
     DTensor leaves; with no DTensor leaf (a ``ShardedSender`` of plain tensors), every leaf whole from this one rank. Raises
@@ -227,7 +232,7 @@ def sender_layout(keys: Sequence[tuple], tensors: Sequence[Any]) -> Layout:
     return Layout(tuple(parts))
 
 
-def receiver_layout(keys: Sequence[tuple], tensors: Sequence[Any]) -> Layout:
+def receiver_layout(keys: Sequence[tuple[str, ...]], tensors: Sequence[Tensor]) -> Layout:
     """The layout a receiver wants: the whole of each plain leaf, the local box of each DTensor leaf."""
     parts = []
     for key, t in zip(keys, tensors):
@@ -287,7 +292,7 @@ def _checked_slice(name: str, index: Any) -> slice:
             f"{entry} = {index!r} has step {index.step!r}: only step-1 slices (a block of the leaf) "
             f"travel; take every element of the range and drop what you do not need; {WANT_FORM}"
         )
-    bounds = []
+    bounds: list[int | None] = []
     for bound in (index.start, index.stop):
         if bound is None:
             bounds.append(None)
@@ -399,10 +404,11 @@ def uncovered(wanted: Layout, moved: dict[int, list[tuple[int, Box]]]) -> str | 
         boxes = [(rank, box) for rank, found in moved.items() for i, box in found if i == index]
         for a in range(len(boxes)):
             for b in range(a + 1, len(boxes)):
-                if boxes[a][1] & boxes[b][1] is not None:
+                twice = boxes[a][1] & boxes[b][1]
+                if twice is not None:
                     return (
                         f"leaf {part.name!r}: ranks {boxes[a][0]} and {boxes[b][0]} both send elements "
-                        f"{(boxes[a][1] & boxes[b][1]).to_json()}: are they on one mesh, as one sender?"
+                        f"{twice.to_json()}: are they on one mesh, as one sender?"
                     )
         if sum(box.numel for _, box in boxes) != part.box.numel:
             got = sum(box.numel for _, box in boxes)
