@@ -36,7 +36,7 @@ from torch import Tensor
 
 from ..core import streams
 from ..core.driver import Driver
-from ..core.errors import OutOfStepError, PeerError, RelayLost, TransferTimeout
+from ..core.errors import OutOfStepError, PeerError, RelayLost, TransferTimeout, UsageError
 from ..core.lifecycle import Lifecycle
 from ..core.link import Link
 from ..core.log import logger
@@ -44,7 +44,7 @@ from ..core.shutdown import start_thread
 from ..core.transfer import Transfer
 from ..core.transport import release
 from ..wire.control import ROOM, read_bytes, wire_bytes
-from ..wire.staging import Lane, lane_for, recv_into, send_from, wire_can_touch
+from ..wire.staging import Landed, Lane, lane_for, recv_into, send_from, wire_can_touch
 from .inbox import header_too_long
 from .link import naming
 from .wire import BROKEN, INTACT, TRAILER_SIZE, read_trailer, trailer_message
@@ -110,9 +110,8 @@ class Relay:
             with self._cond:
                 event = self._events[i] if i < len(self._events) else None
             if event is not None:
-                self.down.stream.wait_event(
-                    event
-                )  # the chunk's bytes (or a broken push's leftovers)
+                # the chunk's bytes (or a broken push's leftovers); an event: it landed on a CUDA stream
+                self.down.cuda.wait_event(event)
             works = yield from send_from(self.down, [piece], [self.tag], defer=True)
             pending.extend(works or ())
         yield [_Landed(self, len(self.pieces))]  # the push has ended: intact, or broken upstream
@@ -171,7 +170,8 @@ class Hop:
         device: torch.device,
         connect: Callable[[int, int, float], Link] | None = None,
     ) -> None:
-        self.lane, self.tags, self.device = lane, tags, device
+        self._sender_lane: Lane | None = lane  # (None once closed: its link and staging let go of)
+        self.tags, self.device = tags, device
         self.sender = lane.link.peer
         self.connect = connect
         self._peers: dict[int, Lane] = {}
@@ -184,6 +184,13 @@ class Hop:
         self._forming: list[_Forming] = []  # pairs forming now (joined receivers)
         self.relaying: _Relaying | None = None
         self.lost_at: int | None = None
+
+    @property
+    def lane(self) -> Lane:
+        """The lane to the sender, until :meth:`close`."""
+        if self._sender_lane is None:
+            raise UsageError("this weight receiver is closed")
+        return self._sender_lane
 
     def receive(self, header: Any, slot: Any, index: int, version: int) -> Any:
         """A sub-protocol: receive the payload from the hop before this one into ``slot`` (own slot ``index``) and
@@ -252,7 +259,7 @@ class Hop:
         if (
             up.stream is not None and up is not self.lane
         ):  # (landed on the hop's stream: the pull's follows it)
-            self.lane.stream.wait_stream(up.stream)
+            self.lane.cuda.wait_stream(up.stream)
         if status == BROKEN:
             self.lost_at = rank
             raise RelayLost(
@@ -337,7 +344,7 @@ class Hop:
             relay is not None and up.nccl and wire_can_touch(up, slot.pieces)
         ):  # one chunk at a time: each forwarded
             for i, piece in enumerate(slot.pieces):  # once its receive is on the stream
-                yield from recv_into(up, [piece], tags[:1], landed=lambda _, i=i: relay.landed(i))
+                yield from recv_into(up, [piece], tags[:1], landed=_landing(relay, i))
         else:
             yield from recv_into(
                 up, slot.pieces, tags, landed=relay.landed if relay is not None else None
@@ -436,7 +443,12 @@ class Hop:
                 release(pair.link().pg)
         for rank in {*self._peers, *self._forwarders, *self._receivers}:
             self.forget(rank, max(deadline - time.monotonic(), 0.0))
-        self._forwards, self._last, self._forming, self.lane = {}, {}, [], None
+        self._forwards, self._last, self._forming, self._sender_lane = {}, {}, [], None
+
+
+def _landing(relay: Relay, i: int) -> Landed:
+    """``landed`` of a receive of chunk ``i`` alone: tells ``relay`` that chunk ``i`` of the push landed."""
+    return lambda _: relay.landed(i)
 
 
 @dataclass

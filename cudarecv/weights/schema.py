@@ -17,6 +17,7 @@ import json
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -67,6 +68,16 @@ def aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
+class Shaped(Protocol):
+    """What :meth:`Schema.of` reads of each leaf: a tensor, or a :class:`_Shape` standing for one."""
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def shape(self) -> Sequence[int]: ...
+
+
 @dataclass(frozen=True)
 class _Shape:
     """What :meth:`Schema.of` reads of a tensor, to recompute a received layout."""
@@ -103,7 +114,9 @@ class Schema:
     leafwise: bool = False  # messages cut from each leaf's bytes (see the module docstring)
 
     @classmethod
-    def of(cls, keys: Sequence[tuple], tensors: Sequence[Tensor], leafwise: bool = False) -> Schema:
+    def of(
+        cls, keys: Sequence[tuple[str, ...]], tensors: Sequence[Shaped], leafwise: bool = False
+    ) -> Schema:
         leaves, offset = [], 0
         for key, t in zip(keys, tensors):
             if str(t.dtype).removeprefix("torch.") not in DTYPES:

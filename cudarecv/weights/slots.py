@@ -7,8 +7,10 @@ once a newer version is published and no reader is left on it."""
 from __future__ import annotations
 
 import contextlib
+import sys
+import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from tensordict import TensorDict
@@ -18,6 +20,10 @@ from ..core.errors import SchemaError, UsageError, WaitTimeout
 from ..core.host_copy import copy_bytes
 from .schema import Schema, aligned
 from .wire import checksum
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import Placement
 
 
 class Slot:
@@ -138,7 +144,11 @@ class Slots:
     who reads it; ``freed(version)`` tells the sender an alias's snapshot may be written again."""
 
     def __init__(
-        self, own: list[Slot], aliases: list[Slot], cond: Any, freed: Callable[[int], None]
+        self,
+        own: list[Slot],
+        aliases: list[Slot],
+        cond: threading.Condition,
+        freed: Callable[[int], None],
     ) -> None:
         self.own, self.aliases, self.cond, self._freed = own, aliases, cond, freed
         self.published: Slot | None = None
@@ -239,7 +249,9 @@ class Slots:
             if own.readers:
                 return
             own.fill(alias.storage)
-        self.publish(own, alias.version)
+            version = alias.version
+        assert version is not None  # (a published slot holds its version: publish() set it)
+        self.publish(own, version)
 
 
 def load_into(td: TensorDict, module: torch.nn.Module, strict: bool) -> None:
@@ -282,11 +294,24 @@ def load_into(td: TensorDict, module: torch.nn.Module, strict: bool) -> None:
         ).synchronize()
 
 
-def _placed(tensor: Tensor) -> tuple | None:
+def _placed(tensor: Tensor) -> tuple[tuple[int, ...], tuple[Placement, ...]] | None:
     """A DTensor's mesh ranks and placements (None for a plain tensor)."""
-    mesh = getattr(tensor, "device_mesh", None)
-    return None if mesh is None else (tuple(mesh.mesh.flatten().tolist()), tuple(tensor.placements))
+    dtensor = _dtensor(tensor)
+    if dtensor is None:
+        return None
+    return tuple(dtensor.device_mesh.mesh.flatten().tolist()), tuple(dtensor.placements)
 
 
 def _local(tensor: Tensor) -> Tensor:
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    dtensor = _dtensor(tensor)
+    return tensor if dtensor is None else dtensor.to_local()
+
+
+def _dtensor(tensor: Tensor) -> DTensor | None:
+    """``tensor`` as a DTensor, or None for a plain tensor. No DTensor exists before torch.distributed.tensor is
+    imported, and importing it takes a second: a receiver of plain tensors never does."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return None
+    from torch.distributed.tensor import DTensor
+
+    return tensor if isinstance(tensor, DTensor) else None

@@ -274,27 +274,34 @@ class ElasticReceiver:
     def closed(self) -> bool:
         return self._membership.state is Membership.CLOSED
 
-    schema = property(lambda self: self._current.schema, doc="The weights' schema.")
+    schema = property(lambda self: self._joined.schema, doc="The weights' schema.")
     mode = property(
-        lambda self: self._current.mode, doc='The sender\'s mode: ``"sync"`` or ``"latest"``.'
+        lambda self: self._joined.mode, doc='The sender\'s mode: ``"sync"`` or ``"latest"``.'
     )
     transport = property(
-        lambda self: self._current.transport, doc="What carries the versions (see WeightReceiver)."
+        lambda self: self._joined.transport, doc="What carries the versions (see WeightReceiver)."
     )
     zero_copy = property(
-        lambda self: self._current.zero_copy, doc="Whether versions are read where they lie."
+        lambda self: self._joined.zero_copy, doc="Whether versions are read where they lie."
     )
     arriving = property(
-        lambda self: self._current.arriving, doc="Whether a version has begun to arrive."
+        lambda self: self._joined.arriving, doc="Whether a version has begun to arrive."
     )
     buffer_count = property(
         lambda self: self._readable().buffer_count, doc="See WeightReceiver.buffer_count."
     )
 
+    @property
+    def _joined(self) -> WeightReceiver:
+        """The receiver of the sender joined last (there is one once the constructor has returned)."""
+        if self._current is None:
+            raise AssertionError("an ElasticReceiver that never joined")  # a bug: __init__ raised
+        return self._current
+
     def _readable(self) -> WeightReceiver:
         """The receiver whose version is published: the one holding the newer version of the current sender's
         and the last one's (a new sender's versions count only once they are newer)."""
-        current, previous = self._current, self._previous
+        current, previous = self._joined, self._previous
         return previous if previous is not None and previous.version >= current.version else current
 
     @property
@@ -329,7 +336,7 @@ class ElasticReceiver:
             raise UsageError("this WeightReceiver is closed")
         limit = self.timeout if timeout is None else check_timeout(timeout)
         if not wait:
-            return self._current.pull(False, limit)
+            return self._joined.pull(False, limit)
         deadline = time.monotonic() + limit
         held = self.version
         while True:
@@ -357,7 +364,7 @@ class ElasticReceiver:
                     again=True,
                 )
                 continue
-            current = self._current
+            current = self._joined
             try:
                 version = current.pull(True, left)
             except (

@@ -58,7 +58,7 @@ class Buffers:
         one contiguous block (else None: staged, then copied)."""
         return [
             {
-                self.parts[j].key: _contiguous(views[j][box.within(self.parts[j].box)])
+                self.parts[j].key: _contiguous(views[j][box.within(self.parts[j].known_box)])
                 for j, box in moved
             }
             for views in self.views

@@ -43,15 +43,13 @@ def peer_links(
         raise ArgumentError(
             f"pass exactly one of `{name}` and `{group_name}` (a rank or a list of ranks)"
         )
-    given = peers is not None
-    links = [
-        resolve(p, None, group, name, group_name)
-        if given
-        else resolve(None, p, group, name, group_name)
-        for p in (peers if given else group_peers)
-    ]
+    if peers is not None:
+        ranks, links = peers, [resolve(p, None, group, name, group_name) for p in peers]
+    else:
+        assert group_peers is not None  # (exactly one of the two: checked above)
+        ranks, links = group_peers, [resolve(None, p, group, name, group_name) for p in group_peers]
     order = sorted(range(len(links)), key=lambda i: links[i].peer)
-    return [(peers if given else group_peers)[i] for i in order], [links[i] for i in order], given
+    return [ranks[i] for i in order], [links[i] for i in order], peers is not None
 
 
 def _send(lane: Lane, raw: bytes, timeout: float, silent: str) -> None:

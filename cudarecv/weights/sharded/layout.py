@@ -60,6 +60,13 @@ class Part:
     def name(self) -> str:
         return ".".join(self.key)
 
+    @property
+    def known_box(self) -> Box:
+        """``box``, of a leaf known to have one (every leaf of a pair's :func:`pieces` has)."""
+        if self.box is None:
+            raise AssertionError(f"leaf {self.name!r} has no box here")  # a bug: pieces() skips it
+        return self.box
+
 
 @dataclass(frozen=True)
 class Layout:

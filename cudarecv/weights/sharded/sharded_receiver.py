@@ -423,7 +423,7 @@ class ShardedReceiver:
             with receiver.reading() as td:
                 for leaf, box in moved:
                     part = self.layout.parts[leaf]
-                    place, piece = views[leaf][box.within(part.box)], td[part.key]
+                    place, piece = views[leaf][box.within(part.known_box)], td[part.key]
                     if (
                         piece.data_ptr() != place.data_ptr() or piece.numel() != place.numel()
                     ):  # (not landed in place)
