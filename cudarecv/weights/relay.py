@@ -26,9 +26,10 @@ import contextlib
 import enum
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -47,7 +48,20 @@ from ..wire.control import ROOM, read_bytes, wire_bytes
 from ..wire.staging import Landed, Lane, lane_for, recv_into, send_from, wire_can_touch
 from .inbox import header_too_long
 from .link import naming
-from .wire import BROKEN, INTACT, TRAILER_SIZE, read_trailer, trailer_message
+from .wire import (
+    BROKEN,
+    INTACT,
+    TRAILER_SIZE,
+    PushHeader,
+    SessionTags,
+    Trailer,
+    read_trailer,
+    trailer_message,
+)
+
+if TYPE_CHECKING:
+    from ..core.protocol import Protocol, Work
+    from .slots import Slot
 
 
 class Passage(enum.Enum):
@@ -79,9 +93,8 @@ class Relay:
         self.pieces = pieces
         self.tag, self.trailer_tag, self.version = tag, trailer_tag, version
         self._cond = threading.Condition()
-        self._events: list[
-            Any
-        ] = []  # per landed chunk: the CUDA event after which it is there (or None)
+        #: per landed chunk: the CUDA event after which it is there (None: no stream, it is there)
+        self._events: list[torch.cuda.Event | None] = []
         self._broken: int | None = None  # the rank that failed upstream (BROKEN)
         self.passage = Lifecycle(f"relay of version {version}", Passage.FORWARDING, MOVES)
 
@@ -102,9 +115,9 @@ class Relay:
                 self._broken = broken
             self._cond.notify_all()
 
-    def forward(self) -> Any:
+    def forward(self) -> Protocol:
         """The protocol that sends every chunk on as it lands, then the trailer."""
-        pending: list[Any] = []
+        pending: list[dist.Work] = []
         for i, piece in enumerate(self.pieces):
             yield [_Landed(self, i)]
             with self._cond:
@@ -145,7 +158,7 @@ class _Landed:
         with self.relay._cond:
             return self._ready()
 
-    def wait(self, timeout: Any = None) -> bool:
+    def wait(self, timeout: timedelta | None = None) -> bool:
         with self.relay._cond:
             self.relay._cond.wait_for(
                 self._ready
@@ -166,7 +179,7 @@ class Hop:
     def __init__(
         self,
         lane: Lane,
-        tags: Any,
+        tags: SessionTags,
         device: torch.device,
         connect: Callable[[int, int, float], Link] | None = None,
     ) -> None:
@@ -192,7 +205,7 @@ class Hop:
             raise UsageError("this weight receiver is closed")
         return self._sender_lane
 
-    def receive(self, header: Any, slot: Any, index: int, version: int) -> Any:
+    def receive(self, header: PushHeader, slot: Slot, index: int, version: int) -> Protocol:
         """A sub-protocol: receive the payload from the hop before this one into ``slot`` (own slot ``index``) and
         forward each chunk to the hop after it as it lands (within as long as the hop after it waits: the header's
         ``wait_ms`` is this hop's); raises :class:`RelayLost` naming the rank that failed upstream if the push
@@ -271,7 +284,9 @@ class Hop:
         if relay is not None:
             relay.end()
 
-    def _lanes(self, header: Any, wait: float) -> Any:
+    def _lanes(
+        self, header: PushHeader, wait: float
+    ) -> Generator[Sequence[Work], None, tuple[Lane, Lane | None]]:
         """A sub-protocol: the lanes to the hop before and (or None: none, or its pair never formed) the hop after.
         Pairs still to form (receivers that joined through a store) form at once, each on a thread of its own,
         within half the hop's time (the rest is the transfer's)."""
@@ -328,8 +343,14 @@ class Hop:
             driver.stop(0.0)
 
     def _receive_from(
-        self, up: Lane, header: Any, slot: Any, relay: Relay | None, payload: int, trailer: int
-    ) -> Any:
+        self,
+        up: Lane,
+        header: PushHeader,
+        slot: Slot,
+        relay: Relay | None,
+        payload: int,
+        trailer: int,
+    ) -> Generator[Sequence[Work], None, tuple[Trailer, int]]:
         """A sub-protocol: the payload from the hop before into ``slot``, each chunk to ``relay`` as it lands;
         returns the trailer's (status, the rank that failed). On gloo the trailer's receive is posted first, so
         the hop's forward never waits on a receive this one never posts (if it runs out of time meanwhile)."""
@@ -526,6 +547,6 @@ class _Forming:
     def is_completed(self) -> bool:
         return self._done.is_set()
 
-    def wait(self, timeout: Any = None) -> bool:
+    def wait(self, timeout: timedelta | None = None) -> bool:
         self._done.wait()  # (bounded by the pair's own limit)
         return True

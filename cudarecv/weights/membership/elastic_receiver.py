@@ -47,6 +47,7 @@ from .edges import Edges
 from .heartbeat import Heartbeat
 
 if TYPE_CHECKING:
+    import torch.distributed as dist
     from torch.distributed import Store
     from typing_extensions import Self
 
@@ -103,7 +104,7 @@ class JoinedReceiver(WeightReceiver):
     ``ident`` of generation ``generation``, whose links to its neighbours in a relay chain form through the store
     too (:class:`.edges.Edges`)."""
 
-    def __init__(self, group: Any, edges: Edges, **options: Any) -> None:
+    def __init__(self, group: dist.ProcessGroup, edges: Edges, **options: Any) -> None:
         self._edges = edges  # (before the handshake: the relay's hop is built with it)
         super().__init__(group=group, group_src=0, **options)
 

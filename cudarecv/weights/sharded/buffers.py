@@ -5,7 +5,7 @@ every sender rank's pieces land in, in place where a piece is one block of the l
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from tensordict import TensorDict
@@ -14,6 +14,9 @@ from ...plan.boxes import Box
 from ..schema import Schema
 from ..slots import Slot, Slots
 from .layout import Layout
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 
 class Buffers:
@@ -25,7 +28,7 @@ class Buffers:
         self,
         wanted: Layout,
         source: Layout,
-        dtensors: dict[int, Any],
+        dtensors: dict[int, DTensor],
         device: torch.device,
         pin_memory: bool,
     ) -> None:

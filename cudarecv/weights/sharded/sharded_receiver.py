@@ -27,6 +27,7 @@ import contextlib
 import math
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -60,7 +61,10 @@ from .layout import (
 from .lineup import Lineup
 
 if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
     from typing_extensions import Self
+
+    from ...core.protocol import Protocol
 
 
 class ShardedReceiver:
@@ -112,9 +116,8 @@ class ShardedReceiver:
             want
         )  # before anything is sent; the sender ranks are told (below), as they wait for it
         self._device = device
-        self._dtensors: dict[
-            int, Any
-        ] = {}  # leaf index -> the expected DTensor (its mesh and placements)
+        #: leaf index -> the expected DTensor (its mesh and placements)
+        self._dtensors: dict[int, DTensor] = {}
         self._moved: dict[int, list[tuple[int, Box]]] = {}
         try:
             peers, links, global_ranks = exchange.peer_links(
@@ -220,9 +223,7 @@ class ShardedReceiver:
             by_key = {tuple(map(str, k)): t for k, t in zip(keys, tensors)}
             DTensor = dtensor_type()
             self._dtensors = {
-                i: by_key[p.key]
-                for i, p in enumerate(first.parts)
-                if isinstance(by_key[p.key], DTensor)
+                i: t for i, p in enumerate(first.parts) if isinstance(t := by_key[p.key], DTensor)
             }
         if want is not None:
             wanted = narrowed(wanted, want, set(self._dtensors))
@@ -378,7 +379,7 @@ class ShardedReceiver:
             f"or newer, and waits for rank(s) {waiting}); {goes_on}"
         )
 
-    def _pulling(self, limit: float) -> Any:
+    def _pulling(self, limit: float) -> Protocol:
         """The pull's protocol: rounds of pulls from the sender ranks, as :class:`Lineup` says (the first from every
         rank, then from the ranks behind, then from every rank at one moment again), until all hold one version
         newer than the published (each landing its pieces in the spare buffer); then copy what did
@@ -474,8 +475,8 @@ class PieceReceiver(WeightReceiver):
         self,
         *,
         places: list[dict[tuple[str, ...], torch.Tensor | None]],
-        spare: Any,
-        retire: Any,
+        spare: Callable[[], int],
+        retire: Callable[[int], None],
         **options: Any,
     ) -> None:
         self._places = places

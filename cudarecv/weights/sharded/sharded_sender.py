@@ -27,6 +27,7 @@ from . import exchange
 from .layout import held, in_order, piece_views, pieces, sender_layout
 
 if TYPE_CHECKING:
+    from torch import Tensor
     from typing_extensions import Self
 
 
@@ -221,7 +222,7 @@ class ShardedSender:
             raise failures[0]
         return self._versions
 
-    def _values(self, values: Any) -> list | None:
+    def _values(self, values: Any) -> list[Tensor] | None:
         """The local tensors of ``values``, checked to be placed like ``td``'s."""
         if values is None:
             return None
