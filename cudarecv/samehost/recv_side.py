@@ -282,8 +282,9 @@ class RecvSide:
                 f"the header announces {header.total} bytes in a segment of {mapping.capacity}: "
                 "the link is out of step"
             )
-        piece, total, key = header.bucket_bytes, header.total, f"{kind}:{header.segment}"
-        count, done = len(piece_sizes(total, piece)), 0  # messages, and how many are copied out
+        bucket_bytes, total, key = header.bucket_bytes, header.total, f"{kind}:{header.segment}"
+        # messages, and how many are copied out
+        count, done = len(piece_sizes(total, bucket_bytes)), 0
         stage = SegmentStage(kind, header.segment, count, piece_tag(init_tag))
         carried.transport = CUDA_IPC if kind == DEVICE else SHARED_MEMORY
         # a host receiver of device memory copies on the device's stream too (and waits for it, below)
@@ -307,11 +308,18 @@ class RecvSide:
                     #         writer publishes: the rest is copied once the READY says it is in
 
                 end = min(
-                    (done + 1) * piece, total
+                    (done + 1) * bucket_bytes, total
                 )  # (the receiver's own plan: never past its buffers)
                 if written >= end:
                     with on_stream():
-                        copy(mapping.data, key, done, done * piece, end - done * piece, piece)
+                        copy(
+                            mapping.data,
+                            key,
+                            done,
+                            done * bucket_bytes,
+                            end - done * bucket_bytes,
+                            bucket_bytes,
+                        )
                     done += 1
                     stage.copied = done
                 elif not mapping.follow(written, FOLLOW_WAIT):
@@ -329,7 +337,15 @@ class RecvSide:
                 if kind == DEVICE:
                     mapping.before_read(stream)
                 for i in range(done, count):
-                    copy(mapping.data, key, i, i * piece, min(piece, total - i * piece), piece)
+                    offset = i * bucket_bytes
+                    copy(
+                        mapping.data,
+                        key,
+                        i,
+                        offset,
+                        min(bucket_bytes, total - offset),
+                        bucket_bytes,
+                    )
         yield from self.finish(lane, stream, header.seq, back_tag(kind, header.segment))
         return True
 

@@ -30,7 +30,8 @@ Steps = Generator[Sequence[Any], None, R]
 
 STORAGE_BACK = 2  # the back tag (BACK_TAGS + this) of both routes' DONE
 DECLINED = 64  # storages a sender remembers the receiver could not map
-#: copies a segment's message, or a direct read's, into the tensordict: ``copy(data, key, i, offset, length, piece)``
+#: copies a segment's message, or a direct read's, into the tensordict:
+#: ``copy(data, key, i, offset, length, bucket_bytes)`` (``bucket_bytes``: the sender's message size)
 Copy = Callable[[Tensor, str, int, int, int, int], None]
 
 
