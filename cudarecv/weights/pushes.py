@@ -50,10 +50,10 @@ class SyncPushes(Pushes):
     """Sync mode: every receiver gets every version (see the module docstring)."""
 
     def push(
-        self, plan: Any, live: list[Member], limit: float, wait: bool, stream: Any
+        self, plan: Any, live: list[Member], timeout: float, wait: bool, stream: Any
     ) -> int | list[Transfer]:
         session, pool = self.session, self.pool
-        target = pool.sync_target(limit)
+        target = pool.sync_target(timeout)
         pool.copy_in(plan, target, stream)
         version, pushes = session.version, []
         with (
@@ -66,17 +66,17 @@ class SyncPushes(Pushes):
             session.chain = [m.rank for m in chain]
             hops = {id(m): i for i, m in enumerate(chain)}
             for member in live:
-                sending, seconds = protocol(
-                    session, chain, hops.get(id(member)), member, target, limit
+                sending, transfer_timeout = protocol(
+                    session, chain, hops.get(id(member)), member, target, timeout
                 )
                 member.sending = Transfer(
                     sending,
                     member.lane.stream,
-                    timeout=seconds,
+                    timeout=transfer_timeout,
                     driver=member.driver.submit,
                     link=member.lane.link,
                     raise_first=False,
-                    on_error=dropping(session, pool, member, version, limit),
+                    on_error=dropping(session, pool, member, version, timeout),
                     what=f"push of version {version} to {member.who}",
                 )
                 pushes.append((member, member.sending))
@@ -106,9 +106,9 @@ class SyncPushes(Pushes):
 class LatestPushes(Pushes):
     """Latest mode: the newest version is published; each receiver takes it when it asks."""
 
-    def push(self, plan: Any, live: list[Member], limit: float, wait: bool, stream: Any) -> int:
+    def push(self, plan: Any, live: list[Member], timeout: float, wait: bool, stream: Any) -> int:
         session, pool = self.session, self.pool
-        target = pool.latest_target(limit)
+        target = pool.latest_target(timeout)
         try:
             pool.copy_in(plan, target, stream)
         finally:

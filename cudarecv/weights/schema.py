@@ -4,7 +4,7 @@ bytes, fingerprint), as JSON parsed and checked field by field, never unpickled.
 Layout of the sender's storage: the leaves in stock send order, each at an offset aligned to 16 bytes, in one
 uint8 buffer. Both ends build their views from the same :class:`Schema`.
 
-A version travels in messages of at most the sender's ``piece`` bytes: cut evenly from the whole storage, or, in a
+A version travels in messages of at most the sender's ``bucket_bytes``: cut evenly from the whole storage, or, in a
 *leafwise* schema (a sharded sender's pieces, ``"messages": "leaf"`` in the JSON), from each leaf's bytes alone, so
 that a receiver can land each message where its leaf goes (:meth:`Schema.cut`); the padding between leaves is then
 never sent, and ``verify``'s digest is that of the messages' digests, in order.
@@ -243,8 +243,8 @@ class Schema:
             for leaf in self.leaves
         ]
 
-    def messages(self, piece: int) -> list[tuple[int, int]]:
-        """Where each message a version travels in lies in the storage, and its byte count (``piece``: the sender's
+    def messages(self, bucket_bytes: int) -> list[tuple[int, int]]:
+        """Where each message a version travels in lies in the storage, and its byte count (``bucket_bytes``: the sender's
         message size)."""
         spans = (
             [(0, self.total)]
@@ -253,34 +253,34 @@ class Schema:
         )
         found = []
         for start, length in spans:
-            for size in piece_sizes(length, piece):
+            for size in piece_sizes(length, bucket_bytes):
                 found.append((start, size))
                 start += size
         return found
 
-    def message_sizes(self, piece: int) -> list[int]:
+    def message_sizes(self, bucket_bytes: int) -> list[int]:
         """The byte count of each message a version travels in."""
-        return [size for _, size in self.messages(piece)]
+        return [size for _, size in self.messages(bucket_bytes)]
 
-    def cut(self, storage: Tensor, piece: int) -> list[Tensor]:
+    def cut(self, storage: Tensor, bucket_bytes: int) -> list[Tensor]:
         """The messages of a version held in ``storage`` (uint8, laid out as this schema), as views of it."""
         if not self.leafwise:
-            return cut(storage, piece)
+            return cut(storage, bucket_bytes)
         return self.cut_leaves(
-            [storage[leaf.offset : leaf.offset + leaf.nbytes] for leaf in self.leaves], piece
+            [storage[leaf.offset : leaf.offset + leaf.nbytes] for leaf in self.leaves], bucket_bytes
         )
 
-    def cut_leaves(self, leaf_bytes: Sequence[Tensor], piece: int) -> list[Tensor]:
+    def cut_leaves(self, leaf_bytes: Sequence[Tensor], bucket_bytes: int) -> list[Tensor]:
         """A leafwise schema's messages as views of each leaf's bytes (1-d uint8, wherever each lies)."""
-        return [m for b in leaf_bytes for m in cut(b, piece)]
+        return [m for b in leaf_bytes for m in cut(b, bucket_bytes)]
 
-    def check_pieces(self, piece: int) -> None:
-        """Refuse a ``piece`` that cuts a version into more than :data:`MAX_MESSAGES` messages."""
+    def check_pieces(self, bucket_bytes: int) -> None:
+        """Refuse a ``bucket_bytes`` that cuts a version into more than :data:`MAX_MESSAGES` messages."""
         if not self.leafwise:
-            check_pieces(self.total, piece, "weights")
-        elif (count := len(self.messages(piece))) > MAX_MESSAGES:
+            check_pieces(self.total, bucket_bytes, "weights")
+        elif (count := len(self.messages(bucket_bytes))) > MAX_MESSAGES:
             raise ArgumentError(
-                f"`bucket_bytes={piece}` cuts {len(self.leaves)} pieces of weights into "
+                f"`bucket_bytes={bucket_bytes}` cuts {len(self.leaves)} pieces of weights into "
                 f"{count} messages, more than the {MAX_MESSAGES} a version "
                 "may have (a piece takes one at least): pass a larger bucket_bytes, or fewer leaves"
             )

@@ -34,7 +34,7 @@ class Slot:
     def __init__(
         self,
         schema: Schema,
-        piece: int,
+        bucket_bytes: int,
         device: torch.device,
         pin_memory: bool,
         storage: Tensor | None = None,
@@ -58,22 +58,22 @@ class Slot:
             raise SchemaError("the schema's keys do not make one leaf each")
         #: the messages a version lands in, in order
         self.pieces = (
-            schema.cut_leaves([_bytes(v) for v in views], piece)
+            schema.cut_leaves([_bytes(v) for v in views], bucket_bytes)
             if self.placed
-            else schema.cut(self.storage, piece)
+            else schema.cut(self.storage, bucket_bytes)
         )
         self._whole = (
             None if schema.leafwise else self.storage
         )  # the digest's input at once, if one storage
-        self._messages = schema.messages(piece) if self.placed else []
-        self._schema, self._piece = schema, piece
+        self._messages = schema.messages(bucket_bytes) if self.placed else []
+        self._schema, self._bucket_bytes = schema, bucket_bytes
         self.readers = 0
 
     @classmethod
     def placed_at(
         cls,
         schema: Schema,
-        piece: int,
+        bucket_bytes: int,
         device: torch.device,
         pin_memory: bool,
         places: list[Tensor | None],
@@ -100,13 +100,13 @@ class Slot:
                     f"{'' if place.is_contiguous() else 'strided '}tensor"
                 )
             leaves.append(place)
-        return cls(schema, piece, device, pin_memory, storage, leaves)
+        return cls(schema, bucket_bytes, device, pin_memory, storage, leaves)
 
     def writable(self) -> Slot:
         """This slot, or, placed (its leaves lie in its owner's buffers, which only the owner's pulls may write),
         one like it in storage of its own: where a closing receiver lands what it forwards."""
         return (
-            Slot(self._schema, self._piece, self.storage.device, self.storage.is_pinned())
+            Slot(self._schema, self._bucket_bytes, self.storage.device, self.storage.is_pinned())
             if self.placed
             else self
         )
@@ -124,10 +124,10 @@ class Slot:
             else:
                 self.storage.copy_(source[: self.storage.numel()], non_blocking=True)
             return
-        for (start, size), piece in zip(
+        for (start, size), message in zip(
             self._messages, self.pieces
         ):  # each message where its leaf lies
-            piece.copy_(source[start : start + size], non_blocking=True)
+            message.copy_(source[start : start + size], non_blocking=True)
 
 
 def _bytes(tensor: Tensor) -> Tensor:
@@ -194,19 +194,19 @@ class Slots:
             return self._spare()
         return 1 if self.published is self.own[0] else 0
 
-    def wait_unread(self, index: int, limit: float) -> Slot:
-        """Own slot ``index`` once no reader holds it (waiting up to ``limit`` s)."""
+    def wait_unread(self, index: int, timeout: float) -> Slot:
+        """Own slot ``index`` once no reader holds it (waiting up to ``timeout`` s)."""
         slot = self.own[index]
         with self.cond:
-            if not self.cond.wait_for(lambda: slot.readers == 0, timeout=limit):
-                raise WaitTimeout(f"a reader held the spare weights buffer for {limit:g} s")
+            if not self.cond.wait_for(lambda: slot.readers == 0, timeout=timeout):
+                raise WaitTimeout(f"a reader held the spare weights buffer for {timeout:g} s")
         return slot
 
-    def renew(self, index: int, schema: Schema, piece: int, device: torch.device) -> None:
+    def renew(self, index: int, schema: Schema, bucket_bytes: int, device: torch.device) -> None:
         """Own slot ``index`` may be read by a parked send for good: never write it again (a placed one: nor its
         owner's buffer, which the owner replaces)."""
         old = self.own[index]
-        self.own[index] = Slot(schema, piece, device, old.storage.is_pinned())
+        self.own[index] = Slot(schema, bucket_bytes, device, old.storage.is_pinned())
         if old.placed and self._retire is not None:
             self._retire(index)
 

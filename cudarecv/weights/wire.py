@@ -182,12 +182,12 @@ class PushHeader:
 MAX_WAIT_MS = 2**32 - 1  # a header's ``wait_ms`` field (about 50 days)
 
 
-def hop_limit(limit: float, hop: int) -> float:
-    """How long hop ``hop`` of a relay chain waits for its version (``limit``: the sender's push timeout):
-    ``limit`` more than the hop before it, so a hop that times out on a stopped receiver before it still has
-    ``limit`` to tell the hops after it (its trailer says BROKEN) and the sender (its word says LOST), and they
+def hop_limit(timeout: float, hop: int) -> float:
+    """How long hop ``hop`` of a relay chain waits for its version (``timeout``: the sender's push timeout):
+    ``timeout`` more than the hop before it, so a hop that times out on a stopped receiver before it still has
+    ``timeout`` to tell the hops after it (its trailer says BROKEN) and the sender (its word says LOST), and they
     never time out on a live one. The sender waits for hop ``hop``'s word as long as hop ``hop + 1`` waits."""
-    return limit * (hop + 1)
+    return timeout * (hop + 1)
 
 
 # -- the receiver's messages -----------------------------------------------------------

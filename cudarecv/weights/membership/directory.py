@@ -270,19 +270,19 @@ class Directory:
         )
 
     # -- a receiver's side -------------------------------------------------------------------------------
-    def current(self, newer_than: int, limit: float, closing: threading.Event) -> int:
-        """The newest generation above ``newer_than`` whose sender record is there, waiting up to ``limit`` s for
+    def current(self, newer_than: int, timeout: float, closing: threading.Event) -> int:
+        """The newest generation above ``newer_than`` whose sender record is there, waiting up to ``timeout`` s for
         the next to announce itself (:class:`UsageError` at once if ``closing`` is set meanwhile)."""
         if not self.wait_for(
-            self.key(f"g{newer_than + 1}", "sender"), time.monotonic() + limit, closing
+            self.key(f"g{newer_than + 1}", "sender"), time.monotonic() + timeout, closing
         ):
             if newer_than:
                 raise SenderClosed(
-                    f"weight sender {self.name!r}: no new sender came within {limit:g} s (the last, "
+                    f"weight sender {self.name!r}: no new sender came within {timeout:g} s (the last, "
                     f"generation {newer_than}, is gone)"
                 )
             raise WaitTimeout(
-                f"no weight sender named {self.name!r} came within {limit:g} s (is the trainer up, "
+                f"no weight sender named {self.name!r} came within {timeout:g} s (is the trainer up, "
                 "with this store?)"
             )
         named = self.newest()

@@ -335,10 +335,10 @@ class ElasticReceiver:
         receiver's transfer, no rejoin."""
         if self.closed:
             raise UsageError("this WeightReceiver is closed")
-        limit = self.timeout if timeout is None else check_timeout(timeout)
+        timeout = self.timeout if timeout is None else check_timeout(timeout)
         if not wait:
-            return self._joined.pull(False, limit)
-        deadline = time.monotonic() + limit
+            return self._joined.pull(False, timeout)
+        deadline = time.monotonic() + timeout
         held = self.version
         while True:
             if self.closed:
@@ -346,12 +346,12 @@ class ElasticReceiver:
             left = deadline - time.monotonic()
             joining = self._joining
             if joining is not None:
-                self._await(joining, left, limit)
+                self._await(joining, left, timeout)
                 continue
             if left <= 0:
                 raise WaitTimeout(
                     f"no version newer than {held} from sender {self._directory.name!r} within "
-                    f"{limit:g} s (it joined generation {self.generation} again meanwhile); the next "
+                    f"{timeout:g} s (it joined generation {self.generation} again meanwhile); the next "
                     "pull() goes on waiting"
                 )
             if (
@@ -390,11 +390,11 @@ class ElasticReceiver:
             ):  # (a new sender's first version may be one this receiver had: pull on)
                 return version
 
-    def _await(self, joining: Joining, left: float, limit: float) -> None:
+    def _await(self, joining: Joining, left: float, timeout: float) -> None:
         """Wait up to ``left`` s for the join under way; raise why the last sender is gone if it failed."""
         if not joining.done.wait(max(left, 0.0)):
             raise WaitTimeout(
-                f"receiver of weight sender {self._directory.name!r}: no version within {limit:g} s: "
+                f"receiver of weight sender {self._directory.name!r}: no version within {timeout:g} s: "
                 f"its sender is gone ({joining.cause}) and the join of the next is under way; the "
                 "next pull() waits for it"
             )

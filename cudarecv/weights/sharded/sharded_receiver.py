@@ -307,18 +307,18 @@ class ShardedReceiver:
         returns its version at once if it was published meanwhile."""
         if self._closed:
             raise UsageError("this WeightReceiver is closed")
-        limit = self.timeout if timeout is None else check_timeout(timeout)
-        deadline = time.monotonic() + limit
-        if not self._turn_lock.acquire(timeout=limit):
+        timeout = self.timeout if timeout is None else check_timeout(timeout)
+        deadline = time.monotonic() + timeout
+        if not self._turn_lock.acquire(timeout=timeout):
             raise WaitTimeout(
-                f"another thread's pull held this WeightReceiver for {limit:g} s (pulls from several "
+                f"another thread's pull held this WeightReceiver for {timeout:g} s (pulls from several "
                 "threads take turns)"
             )
         try:
             transfer = self._pending
             if transfer is None or (transfer.settled and self._collected):
                 transfer = self._pending = Transfer(
-                    self._pulling(limit),
+                    self._pulling(timeout),
                     timeout=math.inf,
                     driver=self._driver.submit,
                     raise_first=False,
@@ -331,7 +331,7 @@ class ShardedReceiver:
                 version = transfer.wait(max(deadline - time.monotonic(), 0.0))
             except WaitTimeout:
                 raise WaitTimeout(
-                    self._late(limit)
+                    self._late(timeout)
                 ) from None  # (not collected: the next pull carries on with it)
             except BaseException:
                 self._collected = True
@@ -344,8 +344,8 @@ class ShardedReceiver:
     def _ranks(self) -> list[int]:
         return [rank for rank, _, _ in self._inner]
 
-    def _late(self, limit: float) -> str:
-        """Why a pull ran out of ``limit`` s, for its :class:`WaitTimeout`: the ranks nothing came from, or what the
+    def _late(self, timeout: float) -> str:
+        """Why a pull ran out of ``timeout`` s, for its :class:`WaitTimeout`: the ranks nothing came from, or what the
         round under way waits for."""
         lineup, published, goes_on = (
             self._lineup,
@@ -356,7 +356,7 @@ class ShardedReceiver:
         if lineup is None or (silent and lineup.phase == "first"):
             return (
                 f"pull from ranks {self._ranks()}: from rank(s) {silent} no version newer than {published} began "
-                f"to arrive within {limit:g} s (are they still pushing?); {goes_on}"
+                f"to arrive within {timeout:g} s (are they still pushing?); {goes_on}"
             )
         held = {rank: r.version for rank, _, r in self._inner}
         floors, pulls = (
@@ -374,12 +374,12 @@ class ShardedReceiver:
             "round",
         }[lineup.phase]
         return (
-            f"pull from ranks {self._ranks()}: the sender ranks did not all send one version within {limit:g} s "
+            f"pull from ranks {self._ranks()}: the sender ranks did not all send one version within {timeout:g} s "
             f"(the version of each rank's pieces: {held}; round {lineup.rounds} asks {why}, for version {goal} "
             f"or newer, and waits for rank(s) {waiting}); {goes_on}"
         )
 
-    def _pulling(self, limit: float) -> Protocol:
+    def _pulling(self, timeout: float) -> Protocol:
         """The pull's protocol: rounds of pulls from the sender ranks, as :class:`Lineup` says (the first from every
         rank, then from the ranks behind, then from every rank at one moment again), until all hold one version
         newer than the published (each landing its pieces in the spare buffer); then copy what did
@@ -387,10 +387,10 @@ class ShardedReceiver:
         index = (
             self._slots.spare()
         )  # (constant until this pull publishes: the buffer every piece lands in)
-        self._slots.wait_unread(index, limit)
+        self._slots.wait_unread(index, timeout)
         # a piece's own clock, once its version arrives: the receiver's timeout at least, since the caller's (say
         # 1 s) may be shorter than a version takes, and the pull goes on past the caller's wait
-        clock = max(limit, self.timeout)
+        clock = max(timeout, self.timeout)
         receivers = [r for _, _, r in self._inner]
         lineup = self._lineup = Lineup(
             self._version,
@@ -497,13 +497,13 @@ class PieceReceiver(WeightReceiver):
             for places in self._places
         ]
 
-    def pull_above(self, floor: int, limit: float) -> Transfer:
+    def pull_above(self, floor: int, timeout: float) -> Transfer:
         """Start a pull, for a round of the sharded pull, of a version newer than ``floor`` (latest mode: past the
         version held, to wait for the one the other ranks hold, or just below it, to take it again if the sender
-        has none newer; sync mode takes the next version pushed); ``limit``: its clock once the version arrives."""
+        has none newer; sync mode takes the next version pushed); ``timeout``: its clock once the version arrives."""
         if self._closed:
             raise UsageError("this WeightReceiver is closed")
-        with self._turn(limit):
+        with self._turn(timeout):
             if self._puller.broken:
                 raise BrokenError(
                     f"this WeightReceiver is broken ({self._puller.broken}): close it and connect a "
@@ -511,5 +511,5 @@ class PieceReceiver(WeightReceiver):
                 )
             transfer = self._pending
             if transfer is None or transfer.settled:  # (else: a pull left under way, carried on)
-                transfer = self._pending = self._puller.start(limit, floor)
+                transfer = self._pending = self._puller.start(timeout, floor)
             return transfer

@@ -174,18 +174,18 @@ class ShardedSender:
         version (see :meth:`WeightSender.push`; ``values``: a tensordict like ``td``, DTensors placed alike)."""
         if self._closed:
             raise UsageError("this WeightSender is closed")
-        limit = self._timeout if timeout is None else check_timeout(timeout)
-        if not self._turn_lock.acquire(timeout=limit):
+        timeout = self._timeout if timeout is None else check_timeout(timeout)
+        if not self._turn_lock.acquire(timeout=timeout):
             raise WaitTimeout(
-                f"another thread's push held this WeightSender for {limit:g} s (pushes from several "
+                f"another thread's push held this WeightSender for {timeout:g} s (pushes from several "
                 "threads take turns)"
             )
         try:
-            return self._push(wait, limit, values)
+            return self._push(wait, timeout, values)
         finally:
             self._turn_lock.release()
 
-    def _push(self, wait: bool, limit: float, values: Any) -> int | list[Transfer]:
+    def _push(self, wait: bool, timeout: float, values: Any) -> int | list[Transfer]:
         live = [(moved, s) for moved, s in self._senders if s.ranks]
         if self._senders and not live:
             raise PeerError(
@@ -203,7 +203,7 @@ class ShardedSender:
                 else piece_views(self._layout.parts, moved, locals_, self._boxes)
             )
             try:
-                out = sender.push(wait=False, timeout=limit, values=piece_values)
+                out = sender.push(wait=False, timeout=timeout, values=piece_values)
             except Exception as error:  # noqa: BLE001 - the other groups still get the version; raised below
                 failures.append(error)
                 continue
