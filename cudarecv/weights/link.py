@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..core.errors import (
     ArgumentError,
@@ -25,6 +25,11 @@ from ..core.link import Link, as_rank, peer_failure
 from ..core.transfer import Transfer
 from ..wire.control import wire_bytes
 from ..wire.staging import Lane, send_from
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from ..core.protocol import Protocol
 
 
 def check_peers(value: Any, name: str) -> list[int] | None:
@@ -72,7 +77,9 @@ def naming(
     return named
 
 
-def run(protocol: Any, lane: Lane, timeout: float, what: str, silent: str = "sent nothing") -> Any:
+def run(
+    protocol: Protocol, lane: Lane, timeout: float, what: str, silent: str = "sent nothing"
+) -> Any:
     """Drive a control-message protocol to its end within ``timeout`` seconds."""
     return Transfer(
         protocol,
@@ -84,7 +91,7 @@ def run(protocol: Any, lane: Lane, timeout: float, what: str, silent: str = "sen
     ).wait()
 
 
-def send_bytes(lane: Lane, data: bytes, tag: int) -> Any:
+def send_bytes(lane: Lane, data: bytes, tag: int) -> Protocol:
     """A protocol that sends ``data`` as one message on ``tag``."""
     yield from send_from(lane, [wire_bytes(lane, data)], [tag])
 
@@ -112,7 +119,7 @@ class Unanswered:
         self._tag = tag
         self._lock = threading.Lock()
         self._posted: list[
-            tuple[int, tuple[Any, ...]]
+            tuple[int, tuple[dist.Work, ...]]
         ] = []  # (sequence number, works), oldest first
         self._count = 0
         self._leave = weakref.finalize(
@@ -129,7 +136,7 @@ class Unanswered:
             )
             try:
                 next(protocol)
-                works: tuple[Any, ...] = ()
+                works: tuple[dist.Work, ...] = ()
             except StopIteration as posted:
                 works = tuple(posted.value or ())
             self._count += 1
@@ -142,7 +149,7 @@ class Unanswered:
         with self._lock:
             return self._count
 
-    def taken(self, mark: int) -> list[Any]:
+    def taken(self, mark: int) -> list[dist.Work]:
         """The works of the messages up to ``mark``, which the peer has taken (the caller knows it): to be
         waited for, which lets them go."""
         with self._lock:
@@ -163,7 +170,9 @@ class Unanswered:
 _LEFT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _leave(posted: list[tuple[int, tuple[Any, ...]]], group: weakref.ref) -> None:
+def _leave(
+    posted: list[tuple[int, tuple[dist.Work, ...]]], group: weakref.ref[dist.ProcessGroup]
+) -> None:
     pg = group()
     if pg is not None:
         _LEFT.setdefault(pg, []).extend(work for _, works in posted for work in works)

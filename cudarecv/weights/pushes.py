@@ -13,7 +13,7 @@ sender's (receivers joining through a store) logs it instead, and raises for no 
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..core.errors import MismatchError, PeerError
 from ..core.transfer import Transfer
@@ -21,6 +21,12 @@ from .fanout import chain_of, dropping, protocol
 from .serving import serve
 from .session import Member, Session, Standing
 from .snapshots import SnapshotPool
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..core.protocol import Protocol
+    from ..plan.plan import Plan
 
 
 class Pushes:
@@ -50,7 +56,12 @@ class SyncPushes(Pushes):
     """Sync mode: every receiver gets every version (see the module docstring)."""
 
     def push(
-        self, plan: Any, live: list[Member], timeout: float, wait: bool, stream: Any
+        self,
+        plan: Plan,
+        live: list[Member],
+        timeout: float,
+        wait: bool,
+        stream: torch.cuda.Stream | None,
     ) -> int | list[Transfer]:
         session, pool = self.session, self.pool
         target = pool.sync_target(timeout)
@@ -106,7 +117,14 @@ class SyncPushes(Pushes):
 class LatestPushes(Pushes):
     """Latest mode: the newest version is published; each receiver takes it when it asks."""
 
-    def push(self, plan: Any, live: list[Member], timeout: float, wait: bool, stream: Any) -> int:
+    def push(
+        self,
+        plan: Plan,
+        live: list[Member],
+        timeout: float,
+        wait: bool,
+        stream: torch.cuda.Stream | None,
+    ) -> int:
         session, pool = self.session, self.pool
         target = pool.latest_target(timeout)
         try:
@@ -145,7 +163,7 @@ def _finish(pushes: list[tuple[Member, Transfer]], version: int, elastic: bool) 
         ) from errors[0]
 
 
-def _failing(error: BaseException) -> Any:
+def _failing(error: BaseException) -> Protocol:
     """A protocol that fails at once with ``error``."""
     yield from ()
     raise error

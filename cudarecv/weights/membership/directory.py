@@ -39,7 +39,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from ...core.checks import MAX_TIMEOUT
 from ...core.errors import (
@@ -51,6 +51,9 @@ from ...core.errors import (
     WaitTimeout,
 )
 from ...samehost.machine import host_id
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 #: how long one wait of the admission thread for the next join lasts before it waits again (the sender's close
 #: wakes it at once, with a record of its own; a store whose wait runs out logs a warning, hence not shorter)
@@ -177,7 +180,7 @@ class Directory:
                 key,
             ) from error
 
-    def count(self, key: str, step: int, store: Any = None) -> int:
+    def count(self, key: str, step: int, store: dist.Store | None = None) -> int:
         """Add ``step`` to the counter ``key`` (0: read it): its value, checked."""
         store = self.store if store is None else store
         value = self.call("add to", key, lambda: store.add(key, step))
@@ -190,7 +193,7 @@ class Directory:
             )
         return value
 
-    def read(self, key: str, store: Any = None) -> bytes | None:
+    def read(self, key: str, store: dist.Store | None = None) -> bytes | None:
         """The value of ``key``, or None if it is not set (never blocks), at most :data:`MAX_RECORD_BYTES`."""
         store = self.store if store is None else store
         if not self.call("look up", key, lambda: store.check([key])):
@@ -247,7 +250,7 @@ class Directory:
         raw = self.read(self.key("current"))
         return None if raw is None else _number(raw)
 
-    def next_join(self, store: Any, generation: int, k: int) -> JoinRecord | None:
+    def next_join(self, store: dist.Store, generation: int, k: int) -> JoinRecord | None:
         """The record at join ``k`` (on ``store``, the admission thread's own client), waiting up to
         :data:`ADMISSION_WAIT` s for it: None if none came (wait again); :class:`StoreRecordError` if it is not
         cudarecv's. A number taken and never written is marked ``skip`` by the receiver after it, and the sender's
@@ -344,11 +347,11 @@ class Directory:
         return self.key(f"g{generation}", "edge", f"{min(a, b)}-{max(a, b)}", version)
 
 
-def own_client(store: Any, timeout: float | None = None) -> Any:
+def own_client(store: dist.Store, timeout: float | None = None) -> dist.Store:
     """A client of ``store`` of cudarecv's own (TCPStore and FileStore clone; a store that cannot is shared),
     whose calls wait at most ``timeout`` s (a clone's clones too; the caller's own client is left as it is)."""
     try:
-        client = store.clone()
+        client = store.clone()  # type: ignore[attr-defined]  # torch's stubs lack Store.clone (torch has it)
     except Exception:  # noqa: BLE001 - e.g. a HashStore, in one process: no client to wait behind
         return store
     if timeout is not None:

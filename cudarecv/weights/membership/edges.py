@@ -9,11 +9,14 @@ for the chains after it, and let go of once its link breaks (the neighbour died 
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ...core.groups import store_group
 from ...core.link import Link, resolve
 from .directory import Directory, own_client
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 
 class Edges:
@@ -28,10 +31,9 @@ class Edges:
             timeout,
         )
         self._lock = threading.Lock()
-        self.store: Any = (
-            None  # a client of its own, at the first pair (formed on the pulls' thread: never
-        )
-        # behind the caller's wait on theirs)
+        # a client of its own, at the first pair (formed on the pulls' thread: never behind the caller's wait on
+        # theirs)
+        self.store: dist.Store | None = None
 
     def __call__(self, peer: int, version: int, limit: float) -> Link:
         """The link to receiver ``peer``, formed within ``limit`` s (at most ``timeout``; :class:`TransferTimeout`
