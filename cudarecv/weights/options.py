@@ -92,20 +92,16 @@ def check_sender(
     fanout: object,
 ) -> float:
     """A weight sender's options checked together, before it resolves any link: its timeout, in seconds."""
-    seconds: float = check_options(timeout=timeout, transport=transport, bucket_bytes=bucket_bytes)[
-        "timeout"
-    ]
+    checked = check_options(timeout=timeout, transport=transport, bucket_bytes=bucket_bytes)
     check_mode(mode, buffers, fanout)
-    return seconds
+    return float(checked["timeout"])
 
 
 def check_receiver(
     timeout: object, transport: object, zero_copy: object, device: Any, pin_memory: bool
 ) -> tuple[float, torch.device]:
     """A weight receiver's options checked together: its timeout, and its device with an index (threads use it)."""
-    seconds: float = check_options(timeout=timeout, transport=transport, zero_copy=zero_copy)[
-        "timeout"
-    ]
+    checked = check_options(timeout=timeout, transport=transport, zero_copy=zero_copy)
     if zero_copy and pin_memory:
         raise ArgumentError(
             "`zero_copy=True` publishes the sender's shared snapshots, which are not "
@@ -121,4 +117,4 @@ def check_receiver(
         raise ArgumentError(
             f"`pin_memory=True` is for host memory, but `device` is {device}: drop one"
         )
-    return seconds, device
+    return float(checked["timeout"]), device
