@@ -16,6 +16,7 @@ from ..core.transfer import Transfer
 from ..wire.control import read_bytes
 from ..wire.staging import Lane
 from .link import Unanswered, naming
+from .transports.wire import rules
 from .wire import (
     BYE,
     CLOSED,
@@ -47,7 +48,7 @@ class Inbox:
         self.released = False  # the sender answered our BYE
         self._bye = False  # BYE sent (once)
         self._lock = threading.Lock()
-        self.standing = self._listen() if lane.link.backend != "nccl" else None
+        self.standing = self._listen() if rules(lane.link).standing else None
 
     def _listen(self) -> Transfer:
         """Post the next header receive; its transfer waits as long as the sender likes (a wait still blocked at

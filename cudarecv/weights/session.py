@@ -10,6 +10,8 @@ from typing import Any
 from ..core.driver import Driver
 from ..wire.staging import Lane
 from .schema import Schema
+from .transports.base import Transport
+from .transports.registry import WIRE
 from .wire import Ask, SessionTags
 
 
@@ -38,9 +40,9 @@ class Member:
         self.got: Ask | None = (
             None  # relay, shared memory: the receiver's last word on a version (GOT)
         )
-        self.shared = (
-            False  # it maps the sender's shared segments (same host): pushes send only headers
-        )
+        #: what carries its pushes: the session's transport if it took the offer (and no relay chain needs it on
+        #: the wire), else the wire
+        self.transport: Transport = WIRE
         self.alias = False  # zero-copy: it publishes the versions where they lie in the segments
         self.holding: dict[
             int, Any
@@ -70,7 +72,9 @@ class Session:
     verify: bool
     mode: str
     fanout: str
-    shared_kind: str  # what the snapshots are: "shared memory", "cuda ipc" (segments receivers map) or "wire"
+    transport: (
+        Transport  # where the snapshots lie, offered to every receiver (the wire: the sender's own)
+    )
     cond: threading.Condition = field(default_factory=threading.Condition)
     members: list[Member] = field(default_factory=list)
     version: int = 0

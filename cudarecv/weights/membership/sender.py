@@ -30,7 +30,6 @@ from ...core.link import resolve
 from ...core.log import logger
 from ...core.shutdown import start_thread
 from ...core.streams import StagingPool
-from ...core.transfer import WIRE
 from ...core.transport import release
 from ...wire.staging import lane_for
 from ..enrol import enrol, serve
@@ -139,11 +138,7 @@ class ElasticSender(WeightSender):
                     "id": m.rank,
                     "host": m.host,
                     "pid": m.pid,
-                    "transport": self._s.shared_kind
-                    if m.shared
-                    else "relay"
-                    if m.rank in self._s.chain
-                    else WIRE,
+                    "transport": "relay" if m.rank in self._s.chain else m.transport.name,
                     "state": "served" if m.served else (m.gone or "closed by its receiver"),
                 }
                 for m in self._s.members
@@ -236,7 +231,7 @@ class ElasticSender(WeightSender):
             "weight sender %r: %s joined (%s)",
             self._directory.name,
             who,
-            self._s.shared_kind if members[0].shared else WIRE,
+            members[0].transport.name,
         )
 
     def _prune(self) -> None:
@@ -308,7 +303,7 @@ class ElasticSender(WeightSender):
                     "id": m.rank,
                     "host": m.host,
                     "pid": m.pid,
-                    "transport": self._s.shared_kind if m.shared else WIRE,
+                    "transport": m.transport.name,
                     "state": m.gone or "closed by its receiver",
                 }
                 for m in done
