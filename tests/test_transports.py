@@ -143,7 +143,7 @@ class Relabelled(Wire):
     def offer(self, segments: list) -> bytes:
         return self.OFFER
 
-    def map(self, offer: bytes, total: int, device: torch.device) -> list:
+    def map(self, offer: bytes, total: int, device: torch.device | None) -> list:
         self.mapped += 1
         return []
 

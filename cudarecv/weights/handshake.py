@@ -271,7 +271,9 @@ def answer(
         problem = f"the receiver cannot allocate 2 x {schema.total} bytes: {type(error).__name__}: {error}"
         answer(FAILED, problem)
         raise ReceiverFailed(problem) from error
-    mappings, route, transport = [], "wire", WIRE
+    mappings: list[Any] = []
+    route = "wire"
+    transport: Transport = WIRE  # (until an offer is taken)
     taking = accepting(shared) if shared and allow else None
     if taking is not None:
         try:

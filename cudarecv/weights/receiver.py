@@ -140,7 +140,7 @@ class WeightReceiver:
         except Exception as error:
             handshake.refuse(link, self.timeout, error)
             raise
-        self.schema, piece, offer, own, transport, mappings = handshake.answer(
+        self.schema, piece, offer, own, carrier, mappings = handshake.answer(
             lane,
             self.timeout,
             expect,
@@ -151,9 +151,9 @@ class WeightReceiver:
         )
         #: what carries the versions: ``"shared memory"`` (the sender's snapshots, mapped read-only: this
         #: receiver is on the sender's machine), ``"cuda ipc"`` (its GPU snapshots, opened once) or ``"wire"``
-        self.transport: str = transport.name
+        self.transport: str = carrier.name
         #: whether versions are published where they lie in the sender's shared snapshots (no copy; see ``zero_copy``)
-        self.zero_copy = zero_copy and transport.zero_copy and device.type == "cpu"
+        self.zero_copy = zero_copy and carrier.zero_copy and device.type == "cpu"
         aliases = (
             [Slot(self.schema, piece, device, False, m.data[: self.schema.total]) for m in mappings]
             if self.zero_copy
@@ -179,7 +179,7 @@ class WeightReceiver:
             lane,
             device,
             self._slots,
-            transport,
+            carrier,
             mappings,
             self.zero_copy,
             self._hop,

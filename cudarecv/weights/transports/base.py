@@ -113,7 +113,7 @@ class Transport(ABC):
         """A sub-protocol: what a push of ``snapshot`` sends on ``lane`` (star fan-out)."""
 
     # -- the receiver --------------------------------------------------------------------------------------------
-    def map(self, offer: bytes, total: int, device: torch.device) -> list[Any]:
+    def map(self, offer: bytes, total: int, device: torch.device | None) -> list[Any]:
         """Receiver: open what ``offer`` names (each of ``total`` bytes); raises with why it cannot."""
         raise NotImplementedError(f"the {self.name} transport offers nothing to map")
 
@@ -143,6 +143,7 @@ class HeaderOnly(Transport):
         return snapshot.segment is not None
 
     def push(self, lane: Lane, snapshot: Snapshot, tags: SessionTags) -> Protocol:
+        assert snapshot.header is not None  # (written by the push before it sends)
         header = dataclasses.replace(snapshot.header, shared=True, segment=snapshot.segment)
         yield from send_from(lane, [wire_bytes(lane, header.pack())], [tags.header])
 

@@ -39,7 +39,8 @@ class CudaIpc(HeaderOnly):
     def after_write(self, segment: Any, version: int, stream: Any) -> None:
         segment.written.record(stream)  # receivers' copies wait for it
 
-    def map(self, offer: bytes, total: int, device: torch.device) -> list[Any]:
+    def map(self, offer: bytes, total: int, device: torch.device | None) -> list[Any]:
+        assert device is not None  # (a receiver always says where its weights live)
         return cuda_ipc.map_offer(offer, total, device)
 
     def land(

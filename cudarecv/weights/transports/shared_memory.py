@@ -66,7 +66,7 @@ class SharedMemory(HeaderOnly):
     def after_write(self, segment: Any, version: int, stream: Any) -> None:
         segment.end_write(version)
 
-    def map(self, offer: bytes, total: int, device: torch.device) -> list[Any]:
+    def map(self, offer: bytes, total: int, device: torch.device | None) -> list[Any]:
         return host.map_offer(offer, total)
 
     def land(

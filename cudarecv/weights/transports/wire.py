@@ -30,6 +30,7 @@ class Wire(Transport):
         return True
 
     def push(self, lane: Lane, snapshot: Snapshot, tags: SessionTags) -> Protocol:
+        assert snapshot.header is not None  # (written by the push before it sends)
         head = yield from send_header(lane, snapshot.header.pack(), tags.header)
         yield from send_from(lane, snapshot.chunks, [tags.payload] * len(snapshot.chunks))
         if head:
