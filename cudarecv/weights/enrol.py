@@ -66,7 +66,6 @@ def serve(session: Session, pool: SnapshotPool, members: list[Member]) -> None:
     with session.cond:
         session.members.extend(members)
     for member in members:
-        if rules(
-            member.lane.link
-        ).standing:  # the receiver's asks and BYE (see cudarecv.weights.wire)
+        # the receiver's asks and BYE (see cudarecv.weights.wire); on NCCL they are read in turn
+        if rules(member.lane.link).standing:
             start_listening(session, pool, member)
