@@ -146,8 +146,3 @@ class HeaderOnly(Transport):
         assert snapshot.header is not None  # (written by the push before it sends)
         header = dataclasses.replace(snapshot.header, shared=True, segment=snapshot.segment)
         yield from send_from(lane, [wire_bytes(lane, header.pack())], [tags.header])
-
-
-def send_header(lane: Lane, header: bytes, tag: int) -> Protocol:
-    """A sub-protocol: ``header`` on ``lane``, its work returned unwaited (the payload may follow it)."""
-    return (yield from send_from(lane, [wire_bytes(lane, header)], [tag], defer=True))

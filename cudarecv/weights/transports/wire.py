@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Literal
 
 from ...core.link import Link
 from ...core.transfer import WIRE
+from ...wire.control import wire_bytes
 from ...wire.staging import Lane, send_from
-from .base import Need, Protocol, Transport, send_header
+from .base import Need, Protocol, Transport
 
 if TYPE_CHECKING:
     from ..snapshots import Snapshot
@@ -31,7 +32,9 @@ class Wire(Transport):
 
     def push(self, lane: Lane, snapshot: Snapshot, tags: SessionTags) -> Protocol:
         assert snapshot.header is not None  # (written by the push before it sends)
-        head = yield from send_header(lane, snapshot.header.pack(), tags.header)
+        header = [wire_bytes(lane, snapshot.header.pack())]
+        # the header's work is waited for after the payload's are posted
+        head = yield from send_from(lane, header, [tags.header], defer=True)
         yield from send_from(lane, snapshot.chunks, [tags.payload] * len(snapshot.chunks))
         if head:
             yield head
