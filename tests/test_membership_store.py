@@ -251,7 +251,10 @@ def test_a_receiver_never_publishes_an_older_version_than_it_held():
                 return json.loads(store.get("peek/pulled")) if store.check(["peek/pulled"]) else []
 
             push_until(a, td, lambda: len(pulled()) >= 5, "the receiver did not pull from A")
-            held = pulled()[-1]
+            held = a.version  # (sync mode: the receiver has it; its pull records it a moment later)
+            deadline = time.monotonic() + WAIT
+            while pulled()[-1] < held:
+                assert time.monotonic() < deadline, ("the receiver did not record A's newest", held)
             a.close()
             store.set(key("back", "version"), "0")  # (the next sender numbers from 1 again)
             b = cudarecv.WeightSender(td, store=store, name="back", mode="sync", timeout=TIMEOUT)

@@ -21,8 +21,7 @@ from tensordict import TensorDict
 import cudarecv
 from cudarecv.core import host_copy, tags
 from cudarecv.plan.header import STORAGE_SLOTS, Header
-from cudarecv.samehost import policy, records, sides
-from cudarecv.samehost import receiver as receiver_side
+from cudarecv.samehost import policy, records, recv_side, sides
 from cudarecv.samehost import shared_memory as _shared_memory
 from cudarecv.samehost.shared_memory import Mapping, Segment, map_offer, offer
 from cudarecv.testing.launch import Cluster, RankExit
@@ -392,7 +391,7 @@ def group_dropped_after_sending(rank, world, group, key):
         gc.collect()
         signals.set(f"{key}_dropped", "1")
         return None
-    done = receiver_side.RecvSide.done
+    done = recv_side.RecvSide.done
 
     def after_the_drop(side, lane, seq, k):
         signals.wait([f"{key}_dropped"])
@@ -401,14 +400,14 @@ def group_dropped_after_sending(rank, world, group, key):
     got = []
     for k in range(3):
         if k == 2:
-            receiver_side.RecvSide.done = after_the_drop
+            recv_side.RecvSide.done = after_the_drop
         try:
             [transfer] = cudarecv.irecv(
                 td, group=pg, group_src=0, bucket_bytes=1 << 16, timeout=30, return_premature=True
             )
             transfer.wait()
         finally:
-            receiver_side.RecvSide.done = done
+            recv_side.RecvSide.done = done
         got.append((transfer.transport, bool((td["x"] == k + 1).all())))
     return got
 
@@ -948,7 +947,7 @@ def storage_unmappable(rank, world, group, key):
     with pytest.MonkeyPatch.context() as patch:
         if rank == 1:
             patch.setattr(
-                receiver_side, "StorageMapping", refuse
+                recv_side, "StorageMapping", refuse
             )  # fault injection: this process alone
         for step in range(4):
             if rank == 0:

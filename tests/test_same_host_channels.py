@@ -14,8 +14,8 @@ from tensordict import TensorDict
 
 import cudarecv
 from cudarecv.plan.plan import plan_for
-from cudarecv.samehost import cuda_ipc, sender
-from cudarecv.samehost import receiver as receiver_side
+from cudarecv.samehost import cuda_ipc, recv_side, send_side
+from cudarecv.samehost.channels import ChannelState, SendChannel
 from cudarecv.samehost.shared_memory import MappingError
 from rawwire import store, unique_key
 
@@ -53,7 +53,7 @@ def declined_reoffer(rank, world, group, key):
     pg = _group(rank, world, key)
     small, large = 1000, 100_000
     if rank == 1:
-        real, refused = receiver_side.map_offer, []
+        real, refused = recv_side.map_offer, []
 
         def refuse_large(raw, most):
             mappings = real(raw, most)
@@ -64,14 +64,14 @@ def declined_reoffer(rank, world, group, key):
                 )
             return mappings
 
-        receiver_side.map_offer = refuse_large
+        recv_side.map_offer = refuse_large
     try:
         return _routes(
             rank, pg, [small, small, small, large, small, small, large, large, large, small]
         )
     finally:
         if rank == 1:
-            receiver_side.map_offer = real
+            recv_side.map_offer = real
 
 
 def test_an_offer_declined_for_now_keeps_the_segments_shared(cluster):
@@ -94,7 +94,7 @@ def segments_fail(rank, world, group, key, failures):
     pg = _group(rank, world, key)
     records = []
     if rank == 0:
-        real, left = sender.Segment, [failures]
+        real, left = send_side.Segment, [failures]
 
         class NoMemory(real):
             def __init__(self, capacity):
@@ -103,7 +103,7 @@ def segments_fail(rank, world, group, key, failures):
                     raise OSError(12, "Cannot allocate memory")
                 super().__init__(capacity)
 
-        sender.Segment = NoMemory
+        send_side.Segment = NoMemory
         handler = logging.Handler()
         handler.emit = lambda record: records.append(record.getMessage())
         logging.getLogger("cudarecv").addHandler(handler)
@@ -111,7 +111,7 @@ def segments_fail(rank, world, group, key, failures):
         routes, exact = _routes(rank, pg, [1000] * 8)
     finally:
         if rank == 0:
-            sender.Segment = real
+            send_side.Segment = real
             logging.getLogger("cudarecv").removeHandler(handler)
     return routes, exact, [r for r in records if "could not be made" in r]
 
@@ -175,22 +175,29 @@ def test_a_refused_cuda_ipc_export_is_probed_once_and_said(monkeypatch, caplog):
     assert sum("CUDA IPC is off for cuda:0" in r.getMessage() for r in caplog.records) == 1
 
 
+NEW, OFFERED, SHARED, WIRE = ChannelState
+#: the legal moves that lead a new channel to each state
+PATHS = {NEW: [], OFFERED: [OFFERED], SHARED: [OFFERED, SHARED], WIRE: [WIRE]}
+
+
 @pytest.mark.parametrize(
     "state, seq, total, may",
     [
-        ("new", 3, 10, False),
-        ("new", 4, 10, True),
-        ("shared", 0, 99, True),
-        ("shared", 0, 100, False),
-        ("shared", 4, 100, True),
-        ("offered", 9, 1, False),
-        ("wire", 9, 1, False),
+        (NEW, 3, 10, False),
+        (NEW, 4, 10, True),
+        (SHARED, 0, 99, True),
+        (SHARED, 0, 100, False),
+        (SHARED, 4, 100, True),
+        (OFFERED, 9, 1, False),
+        (WIRE, 9, 1, False),
     ],
 )
 def test_when_a_channel_offers_again(state, seq, total, may):
     """After a decline for now at transfer 0 (retry after 4): a new channel waits, a shared one re-offers sizes
     below the declined one at once and the declined size after the wait; offered and wire ones never."""
-    ch = sender.Channel("host", torch.device("cpu"))
-    ch.state, ch.retry_at = state, 4
-    ch.too_big = 100 if state == "shared" else None
+    ch = SendChannel("host", torch.device("cpu"))
+    for to in PATHS[state]:
+        ch.move(to)
+    ch.retry.at = 4
+    ch.retry.too_big = 100 if state is SHARED else None
     assert ch.may_offer(seq, total) is may

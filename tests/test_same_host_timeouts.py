@@ -21,7 +21,8 @@ from tensordict import TensorDict
 
 import cudarecv
 from cudarecv.samehost import sides
-from cudarecv.samehost.sender import SendSide
+from cudarecv.samehost.channels import ChannelState
+from cudarecv.samehost.send_side import SendSide
 from rawwire import set_flag, store, unique_key, wait_flag
 
 SHORT = 2.0  # seconds: the own timeout of the transfer expected to time out
@@ -131,7 +132,7 @@ def _check_timed_out_send(results, negotiated: bool) -> None:
         assert routes[-1] == ("ok", "shared memory"), routes
     assert first[0] == "TransferTimeout" and "refused for sends" in first[1], first
     # before: the side kept its state ("shared", or "new" and the two segments A offered)
-    assert kept == ("wire", 0, 0), kept
+    assert kept == (ChannelState.WIRE, 0, 0), kept
     # before: B waited behind A on the link's stuck thread and timed out after 60 s on both ends
     assert second == ("ok", "wire") and got_b == ("ok", "wire"), (second, got_b)
     assert got_a[0] == "ok" and exact == (True, True), (got_a, exact)

@@ -45,7 +45,7 @@ class Stage:
         >>> yield [Stage("drain of a mismatched payload")]  # a timeout then says so, not "the header"
     """
 
-    def __init__(self, what: str) -> None:
+    def __init__(self, what: object) -> None:  # (its str() as it stands when a timeout names it)
         self.what = what
 
     def is_completed(self) -> bool:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 
@@ -18,32 +18,46 @@ from ..core.transfer import WIRE
 from . import cuda_ipc
 from .shared_memory import available
 
-TRANSPORTS = ("auto", "wire")
+#: a call's ``transport``: "auto" lets a same-host transport carry the payload, "wire" never does
+Transport = Literal["auto", "wire"]
+TRANSPORTS: tuple[Transport, ...] = get_args(Transport)
 #: ``CUDARECV_TRANSPORT=wire`` turns every same-host transport off (the default, ``auto``, allows them)
 ENV = "CUDARECV_TRANSPORT"
-HOST, DEVICE = "host", "device"  # a side's channels: the kinds of memory it shares
+#: a side's channels: the kinds of memory it shares
+Kind = Literal["host", "device"]
+HOST: Kind = "host"
+DEVICE: Kind = "device"
+#: which end of a link direction a side is
+Role = Literal["send", "recv"]
 STOP_WAIT = 1.0  # seconds a side's closing waits for its (idle) thread to end
 
 
-def check_transport(transport: object) -> str:
+def check_transport(transport: object) -> Transport:
     """``transport`` is one of :data:`TRANSPORTS`, and the environment's settings are valid (checked here, with
     the arguments: a receiver's refusal then reaches its sender)."""
-    if not isinstance(transport, str) or transport not in TRANSPORTS:
+    known = _known(transport)
+    if known is None:
         raise ArgumentError(
             f'`transport` must be one of {TRANSPORTS} ("auto": shared memory with a cudarecv peer on this '
             f'machine, else the wire; "wire": always the socket or NCCL), got {transport!r}'
         )
     _environment()
-    return transport
+    return known
 
 
-def _environment() -> str:
+def _known(value: object) -> Transport | None:
+    """``value`` as one of :data:`TRANSPORTS`, or None."""
+    return next((t for t in TRANSPORTS if isinstance(value, str) and value == t), None)
+
+
+def _environment() -> Transport:
     """:data:`ENV`, checked, and the direct route's variable, ``CUDARECV_DIRECT_READ``, with it."""
     env = os.environ.get(ENV, "auto")
-    if env not in TRANSPORTS:
+    known = _known(env)
+    if known is None:
         raise ArgumentError(f"the environment variable {ENV}={env!r} must be one of {TRANSPORTS}")
     direct_read_setting()
-    return env
+    return known
 
 
 def allowed(transport: str) -> bool:
@@ -52,7 +66,7 @@ def allowed(transport: str) -> bool:
     return _environment() == "auto" and transport == "auto"
 
 
-def kind_of(device: torch.device) -> str:
+def kind_of(device: torch.device) -> Kind:
     """The channel of memory on ``device``: :data:`HOST` or :data:`DEVICE`."""
     return HOST if device.type == "cpu" else DEVICE
 
@@ -73,13 +87,12 @@ class Carried:
         self.behind = "thread"
 
 
-_SAID: weakref.WeakKeyDictionary[Any, set] = (
-    weakref.WeakKeyDictionary()
-)  # what was logged, per group
+# what was logged, per group: (peer, role, reason)
+_SAID: weakref.WeakKeyDictionary[Any, set[tuple[int, Role, str]]] = weakref.WeakKeyDictionary()
 _SAID_LOCK = threading.Lock()
 
 
-def chose(link: Link, role: str, transport: str, reason: str) -> None:
+def chose(link: Link, role: Role, transport: str, reason: str) -> None:
     """Log the transport a link direction takes, and why (once per link, role and reason)."""
     with _SAID_LOCK:
         said = _SAID.setdefault(link.pg, set())

@@ -48,6 +48,7 @@ import mmap
 import os
 import struct
 import weakref
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -377,23 +378,38 @@ STORAGE = 3  # the kind of an offer of a tensor storage in torch's shared memory
 STORAGE_OFFER_SIZE = STORAGE_OFFER.size_of(1)
 
 
-def shared_storage(tensor: Tensor) -> tuple[int, int, int, int, int] | None:
+class StorageWhere(NamedTuple):
+    """Where the bytes of a tensor in torch's shared memory lie (a row of :data:`STORAGE_OFFER`)."""
+
+    fd: int
+    dev: int  #: the file's device and inode: never reused while it lives
+    ino: int
+    size: int  #: the file's bytes
+    offset: int  #: of the tensor's first byte
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        """What names the storage's bytes across transfers (its file and offset; not the fd, one per open)."""
+        return self.dev, self.ino, self.offset
+
+
+def shared_storage(tensor: Tensor) -> StorageWhere | None:
     """Where the bytes of host ``tensor`` lie if torch shares its storage by file descriptor (its default
-    on Linux): (fd, device, inode, file bytes, offset of the tensor's first byte); else None.
+    on Linux); else None.
 
     Never moves the storage (``_share_fd_cpu_`` would, for one shared by file name)."""
     if tensor.device.type != "cpu":
         return None
     whole = tensor.untyped_storage()
     try:
-        fd = whole._get_shared_fd()
+        fd = whole._get_shared_fd()  # type: ignore[attr-defined]  # (private: missing from torch's stubs)
     except RuntimeError:  # not in shared memory, or shared by file name
         return None
     st = os.fstat(fd)
-    return fd, st.st_dev, st.st_ino, st.st_size, tensor.data_ptr() - whole.data_ptr()
+    return StorageWhere(fd, st.st_dev, st.st_ino, st.st_size, tensor.data_ptr() - whole.data_ptr())
 
 
-def storage_offer(where: tuple[int, int, int, int, int]) -> bytes:
+def storage_offer(where: StorageWhere) -> bytes:
     """What a reader needs to map a storage :func:`shared_storage` found."""
     return seal_offer(STORAGE_OFFER, STORAGE, [where])
 

@@ -2,7 +2,7 @@
 
 When both ends of a fast-wire link (``bucket_bytes``, gloo) are cudarecv processes on one machine, the
 payload need not cross a socket. A link direction (a group, a peer, who sends) has a
-:class:`~cudarecv.samehost.sender.SendSide` at the sender and a :class:`~cudarecv.samehost.receiver.RecvSide`
+:class:`~cudarecv.samehost.send_side.SendSide` at the sender and a :class:`~cudarecv.samehost.recv_side.RecvSide`
 at the receiver, kept per group here and ended with it. Each side has one thread that drives the link's
 fast-wire transfers in call order (headers, offers and words back stay in step), and one *channel* per kind
 of memory: host memory (memfd segments, :mod:`~cudarecv.samehost.shared_memory`) and device memory (CUDA IPC
@@ -15,7 +15,8 @@ An offer declined for good (another machine, boot, network namespace or user; a 
 that channel on the wire; one declined for now (the segments could not be opened: memory, descriptors) is
 made again later, and a larger re-offer that is declined keeps the segments already shared. Host memory
 also has two routes that skip the segments (the sender's storage in torch's shared memory, and direct
-reads of the sender's memory): see :mod:`~cudarecv.samehost.sender`.
+reads of the sender's memory): see :mod:`~cudarecv.samehost.routes`. Each side's channels move through
+the states of :mod:`~cudarecv.samehost.channels` (docs/design.md draws them).
 
 Headers, READY and the words back stay on the process group, so timeouts, the header check and a dead peer
 are detected as on the wire. Order: a receiver must post its receives in the order of the sender's sends as
@@ -30,7 +31,7 @@ import os
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -38,19 +39,24 @@ from torch import Tensor
 
 from ..core.link import Link
 from ..core.transfer import WIRE
-from .policy import ENV, allowed, chose, unavailable
-from .receiver import RecvSide
-from .sender import SendSide
+from .policy import ENV, Role, allowed, chose, unavailable
+from .recv_side import RecvSide
+from .send_side import SendSide
 from .shared_memory import available
 
-# a group's sides, per (peer, role); they end when the group is garbage-collected (a plain isend/irecv link has
-# no close): nothing of theirs refers to the group, and an idle driver holds no job (cudarecv.core.driver)
-_SIDES: weakref.WeakKeyDictionary[Any, dict] = weakref.WeakKeyDictionary()
+Side = SendSide | RecvSide
+#: a group's sides, per (peer, role)
+Sides = dict[tuple[int, Role], Side]
+S = TypeVar("S", SendSide, RecvSide)
+
+# a group's sides; they end when the group is garbage-collected (a plain isend/irecv link has no close):
+# nothing of theirs refers to the group, and an idle driver holds no job (cudarecv.core.driver)
+_SIDES: weakref.WeakKeyDictionary[Any, Sides] = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
 
 
-def side_of(link: Link, role: str, make: Callable[[], Any] | None) -> Any:
-    """The side of ``link`` in ``role`` ("send" or "recv"), made with ``make()`` the first time (None: don't)."""
+def side_of(link: Link, role: Role, kind: type[S], make: Callable[[], S] | None) -> S | None:
+    """The side of ``link`` in ``role`` (a ``kind``), made with ``make()`` the first time (None: don't)."""
     with _LOCK:
         sides = _SIDES.get(link.pg)
         if sides is None:
@@ -61,23 +67,24 @@ def side_of(link: Link, role: str, make: Callable[[], Any] | None) -> Any:
         side = sides.get((link.peer, role))
         if side is None and make is not None:
             side = sides[(link.peer, role)] = make()
+        assert side is None or isinstance(side, kind)  # (the role says which)
         return side
 
 
-def sides_of(pg: Any) -> dict:
+def sides_of(pg: Any) -> Sides:
     """The sides of group ``pg``, per (peer, role) (for tests and diagnostics)."""
     with _LOCK:
         return dict(_SIDES.get(pg, {}))
 
 
-def close_all(sides: dict) -> None:
+def close_all(sides: Sides) -> None:
     """A group went away: stop its sides' threads and let go of their segments and mappings."""
     for side in list(sides.values()):
         side.close()
     sides.clear()
 
 
-def sending_side(link: Link, transport: str, device: torch.device) -> Any:
+def sending_side(link: Link, transport: str, device: torch.device) -> SendSide | None:
     """The link's sending side when this transfer goes through it (on its thread; perhaps through shared
     memory or CUDA IPC), else None: the transfer goes on the wire as it always did."""
     if link.backend != "gloo":  # NCCL's own intra-node path is peer to peer already
@@ -85,17 +92,21 @@ def sending_side(link: Link, transport: str, device: torch.device) -> Any:
     problem = unavailable(device)
     if not allowed(transport):
         problem = f"the call's `transport` is {transport!r}, {ENV}={os.environ.get(ENV, 'auto')!r}"
-    side = side_of(link, "send", (lambda: SendSide(link.peer)) if problem is None else None)
-    if side is None:  # a side made earlier is kept (it keeps the order of the link's sends)
+    if problem is None:
+        return side_of(link, "send", SendSide, lambda: SendSide(link.peer))
+    side = side_of(
+        link, "send", SendSide, None
+    )  # one made earlier is kept: it orders the link's sends
+    if side is None:
         chose(link, "send", WIRE, problem)
     return side
 
 
-def receiving_side(link: Link) -> Any:
+def receiving_side(link: Link) -> RecvSide | None:
     """The link's receiving side (its thread, its mappings); None on links that cannot share memory."""
     if link.backend != "gloo" or available() is not None:
         return None
-    return side_of(link, "recv", lambda: RecvSide(link.peer))
+    return side_of(link, "recv", RecvSide, lambda: RecvSide(link.peer))
 
 
 def storage_table(storage: Tensor) -> np.ndarray:

@@ -8,7 +8,7 @@ from typing import Any
 
 from . import handshake
 from .serving import start_listening
-from .session import Member, Session
+from .session import Member, Session, Standing
 from .snapshots import SnapshotPool
 from .transports.registry import WIRE
 from .transports.wire import rules
@@ -64,6 +64,8 @@ def serve(session: Session, pool: SnapshotPool, members: list[Member]) -> None:
         session.transport.warm(pool.segments, any(m.alias for m in members))
         pool.populated = True
     with session.cond:
+        for member in members:
+            member.move(Standing.SERVED)
         session.members.extend(members)
     for member in members:
         # the receiver's asks and BYE (see cudarecv.weights.wire); on NCCL they are read in turn

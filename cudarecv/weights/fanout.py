@@ -26,7 +26,7 @@ from ..samehost.machine import host_id
 from ..wire.control import read_bytes, wire_bytes
 from ..wire.staging import send_from
 from .link import link_error, send_bytes
-from .session import Member, Session
+from .session import OWED, Member, Session, Standing
 from .snapshots import Snapshot, SnapshotPool
 from .transports.registry import WIRE
 from .wire import ASK_SIZE, GOT, LOST, MAX_WAIT_MS, REJECTED, hop_limit, read_ask, trailer_message
@@ -73,7 +73,7 @@ def send(session: Session, member: Member, snapshot: Snapshot, limit: float) -> 
     the snapshot where it lies, the header alone); then, header alone, the receiver's word: it copied the version
     out, or (zero-copy) published it where it lies and holds it until FREED."""
     transport = member.transport if member.transport.carries(snapshot) else WIRE
-    version = snapshot.header.version
+    version = snapshot.pushed.version
     if transport.header_only and member.alias:
         with session.cond:
             snapshot.holders += 1
@@ -90,7 +90,7 @@ def _relayed(
     chain only; then the receiver's word that it has the version."""
     member, lane = chain[i], chain[i].lane
     header = dataclasses.replace(
-        snapshot.header,
+        snapshot.pushed,
         relayed=True,
         hop=i,
         wait_ms=min(math.ceil(hop_limit(limit, i) * 1e3), MAX_WAIT_MS),
@@ -134,9 +134,7 @@ class Got:
 
     def _said(self) -> bool:
         m = self.member
-        return (
-            m.gone is not None or m.leaving or (m.got is not None and m.got.version >= self.version)
-        )
+        return not m.served or (m.got is not None and m.got.version >= self.version)
 
     def is_completed(self) -> bool:
         with self.session.cond:
@@ -149,7 +147,7 @@ class Got:
                 self._said, timeout=max(self.deadline - time.monotonic(), 0.0)
             ):
                 raise TransferTimeout(f"{m.who} did not confirm version {self.version}")
-            gone, got, leaving = m.gone, m.got, m.leaving
+            failed, got = m.why if m.failed else None, m.got
         if got is not None and got.version >= self.version:
             if (
                 got.version == self.version and got.status == LOST and m.lane.nccl
@@ -181,8 +179,8 @@ class Got:
                     "its last version and stays served"
                 )
             return True
-        if gone is not None and not leaving:
-            raise PeerError(gone)
+        if failed is not None:
+            raise PeerError(failed)
         return True
 
 
@@ -220,9 +218,11 @@ def dropping(
         text = str(failure)
         if "is dropped from this sender" not in text:
             text += f"; {member.who} is dropped from this sender"
-        if member.gone is None:  # (once: its listener may have heard it die first, and said so)
+        # (once: its listener may have heard it die first, and said so; a push's error names it at once)
+        if member.move_if(Standing.NAMED if told else Standing.DROPPED, frm=OWED, why=text):
             logger.warning("weight sender: %s", text)
-        member.gone, member.named = text, member.named or told
+        elif told:
+            member.move_if(Standing.NAMED, frm={Standing.DROPPED})
         pool.retire(member)
         if not member.transport.stamped:
             # its send (or, CUDA IPC, its copy) may still read the storage, long after this; a receiver of host

@@ -6,12 +6,13 @@ sender shows it took them."""
 from __future__ import annotations
 
 import contextlib
+import enum
 import math
-import threading
 from typing import Any
 
 from ..core.driver import Driver
 from ..core.errors import OutOfStepError
+from ..core.lifecycle import Lifecycle
 from ..core.transfer import Transfer
 from ..wire.control import read_bytes
 from ..wire.staging import Lane
@@ -25,6 +26,7 @@ from .wire import (
     HEADER_SIZE,
     PUSH,
     RELEASED,
+    Got,
     PushHeader,
     SessionTags,
     ask_message,
@@ -33,6 +35,27 @@ from .wire import (
 
 def header_too_long(text: str) -> OutOfStepError:
     return OutOfStepError(f"{text} (not drained, the link is out of step)")
+
+
+class Farewell(enum.Enum):
+    """The last words on a receiver's link, as the receiver sees them (docs/design.md draws :data:`MOVES`; the
+    sender's view is :class:`~cudarecv.weights.session.Standing`)."""
+
+    #: nobody said a last word yet
+    OPEN = "open"
+    #: this receiver said BYE (its close()): the sender's RELEASED, after what it still had in flight, to come
+    BYE_SAID = "bye said"
+    #: the sender said CLOSED: no version comes any more; this receiver answered BYE (unless it had said it)
+    CLOSED = "closed"
+    #: the sender answered this receiver's BYE: it took it and every word before
+    RELEASED = "released"
+
+
+#: the moves of a receiver's last words: each side says one (CLOSED may cross this receiver's BYE)
+MOVES: dict[Farewell, frozenset[Farewell]] = {
+    Farewell.OPEN: frozenset({Farewell.BYE_SAID, Farewell.CLOSED}),
+    Farewell.BYE_SAID: frozenset({Farewell.RELEASED, Farewell.CLOSED}),
+}
 
 
 class Inbox:
@@ -44,10 +67,10 @@ class Inbox:
             lane, tags.ask
         )  # this receiver's words, until the sender shows it took them
         self.answered = 0  # the mark of the last GOT: a sync sender's next push shows it took it
-        self.sender_closed: str | None = None  # why no version comes any more
-        self.released = False  # the sender answered our BYE
-        self._bye = False  # BYE sent (once)
-        self._lock = threading.Lock()
+        self.farewell = Lifecycle(
+            f"the link to weight sender rank {lane.link.peer}", Farewell.OPEN, MOVES
+        )
+        self._closed_why = ""  # (CLOSED: why no version comes any more)
         self.standing = self._listen() if rules(lane.link).standing else None
 
     def _listen(self) -> Transfer:
@@ -72,14 +95,26 @@ class Inbox:
         )
         header = PushHeader.unpack(raw)
         if header.kind == CLOSED:
-            self.sender_closed = (
+            self._closed_why = (
                 f"the sender (rank {lane.link.peer}) closed after version {header.version}"
             )
-            if self.claim_bye():
+            if self.farewell.move_if(Farewell.CLOSED, frm={Farewell.OPEN}):
                 self.asks.post(ask_message(BYE))  # its listener ends
+            else:  # (it crossed this receiver's BYE)
+                self.farewell.move_if(Farewell.CLOSED)
         elif header.kind == RELEASED:
-            self.released = True
+            self.farewell.move_if(Farewell.RELEASED)
         return header
+
+    @property
+    def sender_closed(self) -> str | None:
+        """Why no version comes any more (the sender said CLOSED), or None."""
+        return self._closed_why if self.farewell.state is Farewell.CLOSED else None
+
+    @property
+    def released(self) -> bool:
+        """Whether the sender answered this receiver's BYE."""
+        return self.farewell.state is Farewell.RELEASED
 
     def header(self) -> Any:
         """A sub-protocol: the next header (the standing receive's, or one posted now on NCCL)."""
@@ -97,12 +132,10 @@ class Inbox:
         return header
 
     def claim_bye(self) -> bool:
-        """Whether this call is the one to send BYE (once)."""
-        with self._lock:
-            first, self._bye = not self._bye, True
-            return first
+        """Whether this call is the one to send BYE (once: not after the sender's CLOSED, which it answered)."""
+        return self.farewell.move_if(Farewell.BYE_SAID, frm={Farewell.OPEN})
 
-    def tell(self, header: PushHeader, status: int) -> None:
+    def tell(self, header: PushHeader, status: Got) -> None:
         """Relay fan-out or shared memory: tell the sender what became of the push (its blocking push waits for
         every word; a shared snapshot is not written again before it)."""
         if header.relayed or header.shared:

@@ -19,7 +19,7 @@ from ..core.errors import MismatchError, PeerError
 from ..core.transfer import Transfer
 from .fanout import chain_of, dropping, protocol
 from .serving import serve
-from .session import Member, Session
+from .session import Member, Session, Standing
 from .snapshots import SnapshotPool
 
 
@@ -34,10 +34,8 @@ class Pushes:
         """The receivers not in ``live`` dropped for a failure that no push's error has named yet (a receiver
         that died between pushes, found by its listener): named from now on."""
         with self.session.cond:
-            untold = [m for m in self.session.members if m not in live and m.failed and not m.named]
-            for member in untold:
-                member.named = True
-        return untold
+            others = [m for m in self.session.members if m not in live]
+            return [m for m in others if m.move_if(Standing.NAMED, frm={Standing.DROPPED})]
 
     def finish_in_flight(self) -> None:
         """The push in flight must be out before the storage is reused; its failures were reported on its
@@ -85,7 +83,7 @@ class SyncPushes(Pushes):
             for member in (
                 [] if session.elastic else self.untold(live)
             ):  # dropped since the last push: named here
-                error = PeerError(f"push of version {version}: {member.gone}")
+                error = PeerError(f"push of version {version}: {member.why}")
                 pushes.append(
                     (
                         member,
@@ -124,7 +122,7 @@ class LatestPushes(Pushes):
         if untold:
             raise PeerError(
                 f"version {session.version} is published to ranks {session.ranks()}; "
-                + "; ".join(f"{m.who}: {m.gone}" for m in untold)
+                + "; ".join(f"{m.who}: {m.why}" for m in untold)
             )
         return session.version
 

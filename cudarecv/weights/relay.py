@@ -23,6 +23,7 @@ caller does once ``pull()`` has returned. :class:`Hop` is the receiver's part in
 from __future__ import annotations
 
 import contextlib
+import enum
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -36,6 +37,7 @@ from torch import Tensor
 from ..core import streams
 from ..core.driver import Driver
 from ..core.errors import OutOfStepError, PeerError, RelayLost, TransferTimeout
+from ..core.lifecycle import Lifecycle
 from ..core.link import Link
 from ..core.log import logger
 from ..core.shutdown import start_thread
@@ -48,8 +50,27 @@ from .link import naming
 from .wire import BROKEN, INTACT, TRAILER_SIZE, read_trailer, trailer_message
 
 
+class Passage(enum.Enum):
+    """One push on its way through a hop (:class:`Relay`); docs/design.md draws :data:`MOVES`."""
+
+    #: chunks land and go on to the hop after as they do
+    FORWARDING = "forwarding"
+    #: every chunk landed: the trailer says INTACT
+    LANDED = "landed"
+    #: the push failed upstream (or this receiver closed mid-push): the chunks owed go on, the trailer says
+    #: BROKEN naming the rank that failed
+    BROKEN = "broken"
+
+
+#: a push through a hop ends once, intact or broken (the first to end it wins: a pull that fails, a close)
+MOVES: dict[Passage, frozenset[Passage]] = {
+    Passage.FORWARDING: frozenset({Passage.LANDED, Passage.BROKEN}),
+}
+
+
 class Relay:
-    """One push's chunks on their way through this receiver to ``down`` (see the module docstring)."""
+    """One push's chunks on their way through this receiver to ``down`` (see the module docstring); where it
+    stands is a :class:`Passage`."""
 
     def __init__(
         self, down: Lane, pieces: Sequence[Tensor], tag: int, trailer_tag: int, version: int
@@ -61,8 +82,8 @@ class Relay:
         self._events: list[
             Any
         ] = []  # per landed chunk: the CUDA event after which it is there (or None)
-        self._broken: int | None = None  # the rank that failed upstream, once known
-        self._ended = False
+        self._broken: int | None = None  # the rank that failed upstream (BROKEN)
+        self.passage = Lifecycle(f"relay of version {version}", Passage.FORWARDING, MOVES)
 
     def landed(self, i: int) -> None:
         """Chunk ``i`` is in its piece (called in order, on the stream that wrote it, if any)."""
@@ -77,8 +98,7 @@ class Relay:
     def end(self, broken: int | None = None) -> None:
         """Every chunk has landed (``broken=None``), or the push failed upstream at rank ``broken``."""
         with self._cond:
-            self._ended = True
-            if broken is not None and self._broken is None:
+            if self.passage.move_if(Passage.LANDED if broken is None else Passage.BROKEN):
                 self._broken = broken
             self._cond.notify_all()
 
@@ -97,6 +117,7 @@ class Relay:
             pending.extend(works or ())
         yield [_Landed(self, len(self.pieces))]  # the push has ended: intact, or broken upstream
         with self._cond:
+            # (the rank that failed is known once BROKEN: the trailer names it)
             status, rank = (INTACT, -1) if self._broken is None else (BROKEN, self._broken)
         works = yield from send_from(
             self.down,
@@ -117,7 +138,9 @@ class _Landed:
         self.relay, self.i = relay, i
 
     def _ready(self) -> bool:
-        return self.relay._ended or len(self.relay._events) > self.i
+        return (
+            self.relay.passage.state is not Passage.FORWARDING or len(self.relay._events) > self.i
+        )
 
     def is_completed(self) -> bool:
         with self.relay._cond:

@@ -47,7 +47,7 @@ from .options import check_mode, check_options
 from .pushes import LatestPushes, SyncPushes
 from .schema import MAX_SCHEMA_BYTES, Schema
 from .serving import last_word
-from .session import Session
+from .session import CLOSED_BY_RECEIVER, OWED, Session
 from .sharded.layout import is_sharded
 from .snapshots import SnapshotPool
 from .transports.base import Need
@@ -277,11 +277,7 @@ class WeightSender:
     @property
     def dropped(self) -> dict[int, str]:
         """The receivers no longer served, and why (a failure named, or ``"closed by its receiver"``)."""
-        return {
-            m.rank: m.gone if m.gone is not None else "closed by its receiver"
-            for m in self._s.members
-            if not m.served
-        }
+        return {m.rank: m.why or CLOSED_BY_RECEIVER for m in self._s.members if not m.served}
 
     # -- pushing -----------------------------------------------------------------------------------------
     def push(
@@ -383,7 +379,7 @@ class WeightSender:
             self._s.cond.notify_all()  # a push waiting for a free snapshot (another thread's) ends now
         members = self._s.members
         for member in members:
-            if member.listener is not None and member.gone is None:
+            if member.listener is not None and member.standing in OWED:
                 member.driver.submit(lambda m=member: last_word(self._s, self._pool, m, CLOSED))
         deadline = time.monotonic() + self._s.timeout
 

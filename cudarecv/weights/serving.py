@@ -14,9 +14,20 @@ from ..core.transfer import Transfer, run_standing
 from ..wire.control import read_bytes
 from .fanout import dropping, out_of_step, send
 from .link import naming, run, send_bytes
-from .session import Member, Session
+from .session import OWED, Member, Session, Standing
 from .snapshots import SnapshotPool
-from .wire import ASK, ASK_SIZE, BYE, FREED, GOT, LANDED, RELEASED, PushHeader, read_ask
+from .wire import (
+    ASK,
+    ASK_SIZE,
+    BYE,
+    FREED,
+    GOT,
+    LANDED,
+    RELEASED,
+    HeaderKind,
+    PushHeader,
+    read_ask,
+)
 
 
 def start_listening(session: Session, pool: SnapshotPool, member: Member) -> None:
@@ -59,12 +70,13 @@ def _listen(session: Session, pool: SnapshotPool, member: Member) -> None:
                 continue
         except Exception as error:  # noqa: BLE001 - a dead or lying receiver is dropped
             with session.cond:
-                if member.gone is None and not member.said_last:
-                    member.gone = f"{error}; {member.who} is dropped from this sender"
-                    logger.warning("weight sender: %s", member.gone)
+                # (not once the sender's last word is said: the receiver may close its end then)
+                why = f"{error}; {member.who} is dropped from this sender"
+                if member.move_if(Standing.DROPPED, frm=OWED, why=why):
+                    logger.warning("weight sender: %s", why)
                 pool.retire(member)
                 session.cond.notify_all()
-                sending, gone = member.sending, member.gone
+                sending, gone = member.sending, member.why if member.failed else None
             if (
                 sending is not None and gone is not None
             ):  # (its send may wait in gloo for good: it fails now)
@@ -72,11 +84,13 @@ def _listen(session: Session, pool: SnapshotPool, member: Member) -> None:
             return
         if kind == BYE:
             with session.cond:  # (atomic with a push posting to the receivers still served)
-                member.leaving = True
+                # its BYE: it leaves (RELEASED follows what is in flight to it), or answers CLOSED; a receiver
+                # dropped meanwhile (a push to it failed) stays dropped
+                if member.move_if(Standing.LEAVING, frm={Standing.SERVED}):
+                    member.driver.submit(lambda: last_word(session, pool, member, RELEASED))
+                else:
+                    member.move_if(Standing.DONE, frm={Standing.CLOSING})
                 session.cond.notify_all()
-                member.driver.submit(
-                    lambda: last_word(session, pool, member, RELEASED)
-                )  # after what is in flight
             return
         if kind == GOT:
             with session.cond:
@@ -100,6 +114,7 @@ def serve(session: Session, pool: SnapshotPool, member: Member) -> None:
         and not member.replying
         and member.asked is not None
         and latest is not None
+        and latest.header is not None
         and latest.header.version > member.asked
         and not session.closed
     ):
@@ -111,6 +126,8 @@ def _reply(session: Session, pool: SnapshotPool, member: Member) -> None:
     """Latest mode, on the receiver's driver: send it the newest snapshot."""
     with session.cond:
         snapshot = pool.latest
+        # (a reply is started only once a version is published, and a newer one replaces it)
+        assert snapshot is not None and snapshot.header is not None
         snapshot.readers += 1
         member.asked = None
     version = snapshot.header.version
@@ -125,7 +142,7 @@ def _reply(session: Session, pool: SnapshotPool, member: Member) -> None:
     )
     with session.cond:
         member.sending = transfer
-        gone = member.gone  # (its listener found it dead before the transfer was known)
+        gone = member.why if member.failed else None  # (its listener found it dead first)
     if gone is not None:
         transfer.abort(PeerError(gone))
     with contextlib.suppress(Exception):  # a failure drops the receiver (its hook)
@@ -143,12 +160,14 @@ def _reply(session: Session, pool: SnapshotPool, member: Member) -> None:
         session.cond.notify_all()
 
 
-def last_word(session: Session, pool: SnapshotPool, member: Member, kind: int) -> None:
+def last_word(session: Session, pool: SnapshotPool, member: Member, kind: HeaderKind) -> None:
     """Send ``member`` the sender's last header (CLOSED or RELEASED), once."""
+    # (said once: CLOSED leaves it closing until its BYE; RELEASED answers that BYE)
     with session.cond:
-        if member.said_last or member.gone is not None:
+        if not member.move_if(
+            Standing.CLOSING if member.standing is Standing.SERVED else Standing.DONE, frm=OWED
+        ):
             return
-        member.said_last = True
     header = PushHeader(
         session.version, session.schema.total, session.piece, session.schema.fingerprint, kind=kind
     )
@@ -162,9 +181,7 @@ def last_word(session: Session, pool: SnapshotPool, member: Member, kind: int) -
         )
     if kind == RELEASED:
         with session.cond:
-            if member.gone is None:
-                logger.info("weight sender: %s closed its receiver: no longer served", member.who)
-            member.gone = member.gone or "closed by its receiver"
+            logger.info("weight sender: %s closed its receiver: no longer served", member.who)
             pool.retire(
                 member
             )  # its published version stays readable: where it lies, never written again

@@ -53,6 +53,12 @@ class Snapshot:
         )
         self.retired = False  # a zero-copy receiver that held it is gone: it may read it still, never write it again
 
+    @property
+    def pushed(self) -> PushHeader:
+        """The header of the version it holds: a snapshot goes out only once a version is written in it."""
+        assert self.header is not None, "a snapshot is sent before a version is written in it"
+        return self.header
+
     def digest(self) -> bytes:
         """BLAKE3 of the version it holds, as sent: its messages in order (``verify``)."""
         return checksum(self.chunks, self._whole)

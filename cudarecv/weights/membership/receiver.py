@@ -17,6 +17,7 @@ of, never served.
 from __future__ import annotations
 
 import contextlib
+import enum
 import threading
 import time
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from ...core.errors import (
     WaitTimeout,
 )
 from ...core.groups import store_group
+from ...core.lifecycle import Lifecycle
 from ...core.log import logger
 from ...core.shutdown import start_thread
 from ..receiver import WeightReceiver
@@ -48,6 +50,36 @@ GONE = (SenderClosed, PeerError, TransferTimeout, BrokenError)
 #: the steps of a join that may each take the receiver's ``timeout``: finding the sender, forming the pair, the
 #: handshake
 JOIN_STEPS = 3
+
+
+class Membership(enum.Enum):
+    """Where a receiver that joins through a store stands with the senders of its name (docs/design.md draws
+    :data:`MOVES`)."""
+
+    #: its first join, in the constructor
+    JOINING = "joining"
+    #: a sender's receiver serves its pulls, no join under way
+    JOINED = "joined"
+    #: its sender is gone (closed, died, fenced, or dropped it): a join of the newest sender under way
+    LOST = "lost"
+    #: the generation it tried took no join (it died): waiting for the next one to take the name
+    WAITING = "waiting"
+    #: the join failed (a pull raised why the last sender is gone): the next pull joins again
+    ORPHANED = "orphaned"
+    #: closed (by its user, or its constructor failed): a join that ends now is let go of
+    CLOSED = "closed"
+
+
+#: the moves a joined receiver's membership may make
+MOVES: dict[Membership, frozenset[Membership]] = {
+    Membership.JOINING: frozenset({Membership.JOINED, Membership.CLOSED}),
+    Membership.JOINED: frozenset({Membership.LOST, Membership.CLOSED}),
+    Membership.LOST: frozenset(
+        {Membership.JOINED, Membership.WAITING, Membership.ORPHANED, Membership.CLOSED}
+    ),
+    Membership.WAITING: frozenset({Membership.JOINED, Membership.ORPHANED, Membership.CLOSED}),
+    Membership.ORPHANED: frozenset({Membership.LOST, Membership.CLOSED}),
+}
 
 
 @dataclass
@@ -96,7 +128,8 @@ class ElasticReceiver(WeightReceiver):
         self._lock = (
             threading.Lock()
         )  # (the receiver joined, the join under way, closing: one change at a time)
-        self._closing = threading.Event()
+        self._closing = threading.Event()  # (set with CLOSED: it ends a wait for a sender at once)
+        self._membership = Lifecycle(f"receiver of {name!r}", Membership.JOINING, MOVES)
         self._current: WeightReceiver | None = None
         self._previous: WeightReceiver | None = (
             None  # the last sender's, readable while it holds the newer version
@@ -123,6 +156,7 @@ class ElasticReceiver(WeightReceiver):
         included), unless a join is under way already: the join under way."""
         with self._lock:
             if self._joining is None:
+                self._membership.move_if(Membership.LOST)  # (closed meanwhile: the join sees it)
                 self._joining = Joining(cause, threading.Event())
                 self._joining.thread = start_thread(
                     self._join, f"cudarecv-rejoin-{self._directory.name}", (self._joining, again)
@@ -140,6 +174,7 @@ class ElasticReceiver(WeightReceiver):
             ) as error:  # the generation tried took no join: it died; wait for the next one
                 if joining.cause is None or not again:
                     raise
+                self._membership.move_if(Membership.WAITING, frm={Membership.LOST})
                 logger.info(
                     "weight receiver %d of %r: %s; waiting for the next sender",
                     self.id,
@@ -149,6 +184,7 @@ class ElasticReceiver(WeightReceiver):
                 self._join_newest(False)
         except BaseException as error:  # noqa: BLE001 - the pull (or the constructor) that waits raises it
             joining.error = error
+            self._membership.move_if(Membership.ORPHANED, frm={Membership.LOST, Membership.WAITING})
         finally:
             joining.done.set()
 
@@ -176,9 +212,10 @@ class ElasticReceiver(WeightReceiver):
         joined = WeightReceiver(group=group, group_src=0, timeout=timeout, **self._options)
         joined._hop.connect = Edges(directory, generation, k, timeout)  # (a relay's neighbours)
         with self._lock:
-            if self._closing.is_set():  # (closed while it joined: let go of, never served)
+            if self.closed:  # (closed while it joined: let go of, never served)
                 joined.close()
                 raise UsageError("this WeightReceiver was closed while it joined its sender")
+            self._membership.move(Membership.JOINED)
             old, self._current = self._current, joined
             self.generation, self.id = generation, k
             if old is not None and old.version > (
@@ -198,6 +235,15 @@ class ElasticReceiver(WeightReceiver):
         )
 
     # -- what it is --------------------------------------------------------------------------------------
+    @property
+    def membership(self) -> Membership:
+        """Where it stands with the senders of its name (:class:`Membership`)."""
+        return self._membership.state
+
+    @property
+    def closed(self) -> bool:
+        return self._membership.state is Membership.CLOSED
+
     schema = property(lambda self: self._current.schema, doc="The weights' schema.")
     mode = property(
         lambda self: self._current.mode, doc='The sender\'s mode: ``"sync"`` or ``"latest"``.'
@@ -248,7 +294,7 @@ class ElasticReceiver(WeightReceiver):
         none can be joined, raise why the last one is gone. The whole pull takes at most ``timeout``: a join
         still under way then goes on, and the next pull waits for it. ``wait=False`` returns the joined
         receiver's transfer, no rejoin."""
-        if self._closing.is_set():
+        if self.closed:
             raise UsageError("this WeightReceiver is closed")
         limit = self.timeout if timeout is None else check_timeout(timeout)
         if not wait:
@@ -256,7 +302,7 @@ class ElasticReceiver(WeightReceiver):
         deadline = time.monotonic() + limit
         held = self.version
         while True:
-            if self._closing.is_set():
+            if self.closed:
                 raise UsageError("this WeightReceiver was closed while it pulled")
             left = deadline - time.monotonic()
             joining = self._joining
@@ -289,7 +335,7 @@ class ElasticReceiver(WeightReceiver):
                 logger.info("weight receiver %d of %r: %s", self.id, self._directory.name, error)
                 continue
             except GONE as error:
-                if self._closing.is_set():
+                if self.closed:
                     raise
                 logger.info(
                     "weight receiver %d of %r: its sender is gone (%s): joining %s",
@@ -326,8 +372,9 @@ class ElasticReceiver(WeightReceiver):
         """Leave the sender (it stops serving this receiver at once); the last version stays readable. From
         another thread too: a pull waiting for a sender ends at once, and a join under way is let go of."""
         with self._lock:
-            if self._closing.is_set():
+            if self.closed:
                 return
+            self._membership.move(Membership.CLOSED)
             self._closing.set()
             joining, current, previous = self._joining, self._current, self._previous
         self._heartbeat.close(self.timeout)

@@ -36,6 +36,7 @@ from ..enrol import enrol, serve
 from ..fanout import dropping
 from ..options import check_mode, check_options
 from ..sender import WeightSender
+from ..session import CLOSED_BY_RECEIVER
 from .directory import Directory, JoinRecord, closing_token
 from .heartbeat import Silence
 
@@ -139,7 +140,7 @@ class ElasticSender(WeightSender):
                     "host": m.host,
                     "pid": m.pid,
                     "transport": "relay" if m.rank in self._s.chain else m.transport.name,
-                    "state": "served" if m.served else (m.gone or "closed by its receiver"),
+                    "state": "served" if m.served else (m.why or CLOSED_BY_RECEIVER),
                 }
                 for m in self._s.members
             ]
@@ -268,9 +269,7 @@ class ElasticSender(WeightSender):
         with (
             self._s.cond
         ):  # (every one dropped is told, through the store: one that goes on joins again)
-            dropped = [
-                m.rank for m in self._s.members if m.gone is not None and m.rank not in self._told
-            ]
+            dropped = [m.rank for m in self._s.members if m.ended and m.rank not in self._told]
         for ident in dropped:
             try:
                 self._silence.said(ident)
@@ -304,7 +303,7 @@ class ElasticSender(WeightSender):
                     "host": m.host,
                     "pid": m.pid,
                     "transport": m.transport.name,
-                    "state": m.gone or "closed by its receiver",
+                    "state": m.why or CLOSED_BY_RECEIVER,
                 }
                 for m in done
             ]

@@ -143,6 +143,5 @@ class HeaderOnly(Transport):
         return snapshot.segment is not None
 
     def push(self, lane: Lane, snapshot: Snapshot, tags: SessionTags) -> Protocol:
-        assert snapshot.header is not None  # (written by the push before it sends)
-        header = dataclasses.replace(snapshot.header, shared=True, segment=snapshot.segment)
+        header = dataclasses.replace(snapshot.pushed, shared=True, segment=snapshot.segment)
         yield from send_from(lane, [wire_bytes(lane, header.pack())], [tags.header])

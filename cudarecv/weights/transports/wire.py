@@ -31,8 +31,7 @@ class Wire(Transport):
         return True
 
     def push(self, lane: Lane, snapshot: Snapshot, tags: SessionTags) -> Protocol:
-        assert snapshot.header is not None  # (written by the push before it sends)
-        header = [wire_bytes(lane, snapshot.header.pack())]
+        header = [wire_bytes(lane, snapshot.pushed.pack())]
         # the header's work is waited for after the payload's are posted
         head = yield from send_from(lane, header, [tags.header], defer=True)
         yield from send_from(lane, snapshot.chunks, [tags.payload] * len(snapshot.chunks))

@@ -20,15 +20,15 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from ..core.driver import Driver
+from ..core.errors import OutOfStepError
 from ..core.link import Link
 from ..core.log import logger
 from ..core.tags import BACK_TAGS, header_tag, piece_tag
@@ -38,57 +38,16 @@ from ..plan.header import Header, PayloadRoute, piece_sizes
 from ..wire.control import ROOM, wire_bytes
 from ..wire.fast import OFFER_SIZE
 from ..wire.layouts import announce
-from ..wire.staging import Lane
-from . import cuda_ipc, routes
-from .policy import DEVICE, HOST, STOP_WAIT, Carried, chose, kind_of, unavailable
+from ..wire.staging import Lane, send_from
+from . import cuda_ipc
+from .channels import ChannelState, SendChannel
+from .policy import HOST, STOP_WAIT, Carried, Kind, chose, kind_of, unavailable
 from .records import BACK_SIZE, Status, Word, read_back, ready
-from .shared_memory import Segment, offer, shared_storage
+from .routes import STORAGE_BACK, Steps, StorageSlots
+from .shared_memory import Segment, StorageWhere, offer, shared_storage, storage_offer
 
-#: the back tags of each channel (``BACK_TAGS + base + k`` for segment k; its ANSWER on ``base``) and of the
-#: host routes that skip the segments (their DONE)
-BACK = {HOST: 0, DEVICE: 3}
-RETRY_MAX = 1024  # transfers at most between two offers declined for now
-
-
-class Channel:
-    """One kind of memory a link direction shares: its segments and their state.
-
-    States: ``new`` (nothing offered yet, or the last offer was declined for now), ``offered`` (an answer is
-    on its way), ``shared`` (payloads go through the segments), ``wire`` (declined for good, or a transfer
-    failed: its posted messages may never complete, so the segments are left alone).
-    """
-
-    def __init__(self, kind: str, device: torch.device) -> None:
-        self.kind, self.device, self.back = kind, device, BACK[kind]
-        self.route = PayloadRoute.SEGMENT if kind == HOST else PayloadRoute.DEVICE_SEGMENT
-        self.state = "new"
-        self.segments: list[Any] = []
-        self.previous: list[Any] | None = (
-            None  # the segments shared before a re-offer, until it is answered
-        )
-        self.offered = 0  # the bytes of the last offer's segments
-        self.next = 0  # the segment the next transfer takes
-        self.retry_at = (
-            0  # the side's transfer count from which an offer declined for now is made again
-        )
-        self.wait = (
-            1  # transfers between the next declined offer and a new one (doubles up to RETRY_MAX)
-        )
-        self.too_big: int | None = (
-            None  # a re-offer of this size was declined: larger ones go on the wire for now
-        )
-
-    @property
-    def capacity(self) -> int:
-        return self.segments[0].capacity if self.segments else 0
-
-    def may_offer(self, seq: int, total: int) -> bool:
-        """Whether a transfer of ``total`` bytes, the side's ``seq``-th, carries an offer of new segments."""
-        if self.state == "new":
-            return seq >= self.retry_at
-        return self.state == "shared" and (
-            seq >= self.retry_at or self.too_big is None or total < self.too_big
-        )
+if TYPE_CHECKING:
+    from ..core.transfer import Transfer
 
 
 class SendSide:
@@ -96,28 +55,20 @@ class SendSide:
 
     def __init__(self, peer: int) -> None:
         self.peer = peer  # (not the link: the group's registry of sides holds it weakly)
-        self.channels: dict[str, Channel] = {}
+        self.channels: dict[Kind, SendChannel] = {}
         # per back tag (BACK_TAGS + k): the receive of the word back posted, and the sends kept until it comes
         self.fences: dict[int, tuple[Any, Tensor, int]] = {}
         self.held: dict[int, list[Any]] = {}
         self.direct = False  # whether the receiver reads host leaves straight out of this process
         self.direct_storages = False  # ... and consolidated host storages
-        self.slots: OrderedDict[tuple[int, int, int], int] = (
-            OrderedDict()
-        )  # storages offered: their slot
-        self.declined: OrderedDict[tuple[int, int, int], None] = (
-            OrderedDict()
-        )  # storages the receiver cannot map
+        self.storages = StorageSlots()  # the storage route's: storages offered, and those declined
         self.seq = 0  # the transfers through shared memory (named in their headers)
-        self.transfers = (
-            0  # every transfer of the side (a declined offer is made again after some of them)
-        )
-        self.failed: str | None = (
-            None  # why the link left shared memory for the wire, after a failure
-        )
-        self.running: Carried | None = (
-            None  # the send on the link's thread now (it may be stuck there)
-        )
+        # every transfer of the side (a declined offer is made again after some of them)
+        self.transfers = 0
+        # why the link left shared memory for the wire, after a failure
+        self.failed: str | None = None
+        # the send on the link's thread now (it may be stuck there)
+        self.running: Carried | None = None
         self.driver_name = f"cudarecv-send-{self.peer}"
         self.driver = Driver(self.driver_name)
 
@@ -126,7 +77,7 @@ class SendSide:
         self.driver.stop(STOP_WAIT)
         self.channels, self.fences, self.held = {}, {}, {}
 
-    def ended(self, carried: Carried, transfer: Any) -> None:
+    def ended(self, carried: Carried, transfer: Transfer) -> None:
         """A driven send ended. One that failed elsewhere than on the link's thread while that thread ran it (it
         ran out of its own time with messages posted) leaves the thread in gloo, maybe for good: the link leaves
         shared memory (as after any failed send), the thread is told to end once its wait returns, and later
@@ -149,17 +100,19 @@ class SendSide:
             [fence[0] for fence in self.fences.values()]
             + [w for held in self.held.values() for w in held]
         )
-        if any(ch.state in ("offered", "shared") for ch in self.channels.values()):
+        if any(
+            ch.state in (ChannelState.OFFERED, ChannelState.SHARED) for ch in self.channels.values()
+        ):
             logger.info(
                 "sending to rank %d: shared memory left for the wire after a failed transfer (%s)",
                 self.peer,
                 why,
             )
         for ch in self.channels.values():
-            ch.state, ch.segments, ch.previous = "wire", [], None
+            ch.leave()
         self.fences, self.held, self.failed = {}, {}, why
 
-    def _channel(self, link: Link, device: torch.device) -> Channel | None:
+    def _channel(self, link: Link, device: torch.device) -> SendChannel | None:
         """The channel of memory on ``device``, made the first time (None: that memory cannot be shared)."""
         kind = kind_of(device)
         ch = self.channels.get(kind)
@@ -168,7 +121,7 @@ class SendSide:
             if problem is not None:
                 chose(link, "send", WIRE, f"{device}: {problem}")
                 return None
-            ch = self.channels[kind] = Channel(kind, device)
+            ch = self.channels[kind] = SendChannel(kind, device)
         elif ch.device != device:
             chose(
                 link,
@@ -191,7 +144,7 @@ class SendSide:
         storage: Tensor | None = None,
         chunks: list[Tensor] | None = None,
         table: Tensor | None = None,
-    ) -> Any:
+    ) -> Steps[Any]:
         """The protocol of one fast-wire send on this link (run on :attr:`driver`).
 
         ``fill(data, key, i, offset, length)`` writes message i into segment ``data`` (``key`` names it);
@@ -205,17 +158,16 @@ class SendSide:
         ch = self._channel(lane.link, lane.device) if allow else None
         self.running = carried
         try:
-            if ch is not None and ch.state == "offered":
+            if ch is not None and ch.state is ChannelState.OFFERED:
                 yield from self._answer(lane, ch)
-            host = ch is not None and ch.kind == HOST and ch.state == "shared"
+            shared = ch is not None and ch.state is ChannelState.SHARED
+            host = shared and ch is not None and ch.kind == HOST
             where = shared_storage(storage) if host and storage is not None else None
-            if where is not None and (where[1], where[2], where[4]) not in self.declined:
-                yield from routes.send_storage(
-                    self, lane, header, init_tag, where, chunks or [], carried
-                )
+            if where is not None and not self.storages.was_declined(where):
+                yield from self._send_storage(lane, header, init_tag, where, chunks or [], carried)
                 return None
             if host and self.direct and table is not None:
-                yield from routes.send_direct(self, lane, header, init_tag, table, carried)
+                yield from self._send_direct(lane, header, init_tag, table, carried)
                 return None
             if host and self.direct_storages and storage is not None and storage.numel():
                 row = torch.from_numpy(
@@ -223,9 +175,9 @@ class SendSide:
                     .view(np.uint8)
                     .reshape(-1)
                 )
-                yield from routes.send_direct(self, lane, header, init_tag, row, carried)
+                yield from self._send_direct(lane, header, init_tag, row, carried)
                 return None
-            if ch is not None and ch.state == "shared" and header.total <= ch.capacity:
+            if ch is not None and shared and header.total <= ch.capacity:
                 carried.transport = SHARED_MEMORY if ch.kind == HOST else CUDA_IPC
                 yield from self._shared(lane, ch, header, init_tag, fill)
                 return None
@@ -236,13 +188,13 @@ class SendSide:
                 if offer_bytes is not None:
                     header = dataclasses.replace(header, offer=True)
             result = yield from wire(header, offer_bytes)
-            if offer_bytes is not None:
+            if ch is not None and offer_bytes is not None:
                 # the receiver took the offer (and mapped the segments, or not) before it posted the receives
                 # of the payload, which the sends just completed into: nothing need name the segments now
                 for segment in ch.segments:
                     segment.close_fd()
                 self.expect(lane, ch.back, 0)
-                ch.state = "offered"
+                ch.move(ChannelState.OFFERED)
             return result
         except BaseException as error:
             if self.running is carried:  # (not once :meth:`ended` gave up on it)
@@ -253,17 +205,18 @@ class SendSide:
                 self.running = None
 
     # -- negotiation -------------------------------------------------------------------------------------
-    def _offer(self, ch: Channel, total: int) -> bytes | None:
+    def _offer(self, ch: SendChannel, total: int) -> bytes | None:
         """New segments for ``total`` bytes and their offer; None if they could not be made (logged: the
         channel keeps what it shared, or is offered again later)."""
-        ch.previous = ch.segments if ch.state == "shared" else None
+        ch.previous = ch.segments if ch.state is ChannelState.SHARED else None
+        segments: list[Any]
         try:
             if ch.kind == HOST:
-                segments = [Segment(max(total, 1)) for _ in range(2)]
-                raw = offer(segments)
+                host = [Segment(max(total, 1)) for _ in range(2)]
+                segments, raw = list(host), offer(host)
             else:
-                segments = [cuda_ipc.DeviceSegment(max(total, 1), ch.device) for _ in range(2)]
-                raw = cuda_ipc.offer(segments)
+                device = [cuda_ipc.DeviceSegment(max(total, 1), ch.device) for _ in range(2)]
+                segments, raw = list(device), cuda_ipc.offer(device)
         except Exception as error:  # noqa: BLE001 - memory, descriptors, a refused IPC export: not now
             logger.warning(
                 "sending to rank %d: %s segments of %d bytes could not be made (%s: %s); this transfer "
@@ -279,20 +232,22 @@ class SendSide:
         ch.segments, ch.next, ch.offered = segments, 0, total
         return raw + bytes(OFFER_SIZE - len(raw))
 
-    def _declined_for_now(self, ch: Channel, total: int) -> None:
-        """An offer of ``total`` bytes did not happen or was declined for now: back to what was shared (larger
-        transfers on the wire for a while), or to ``new``; offered again after ``ch.wait`` transfers."""
-        if ch.previous is not None:
-            ch.segments, ch.state, ch.too_big = ch.previous, "shared", total
-        else:
-            ch.segments, ch.state = [], "new"
-        ch.previous, ch.next = None, 0
-        ch.retry_at, ch.wait = self.transfers + ch.wait, min(2 * ch.wait, RETRY_MAX)
+    def _declined_for_now(self, ch: SendChannel, total: int) -> None:
+        """An offer of ``total`` bytes did not happen (the channel stays where it was) or was declined for now
+        (OFFERED): back to what was shared (larger transfers on the wire for a while), or to NEW; offered
+        again after ``ch.retry.wait`` transfers."""
+        kept = ch.previous
+        if ch.state is ChannelState.OFFERED:
+            ch.move(ChannelState.NEW if kept is None else ChannelState.SHARED)
+        ch.segments, ch.previous, ch.next = kept or [], None, 0
+        ch.retry.declined(self.transfers, None if kept is None else total)
 
-    def _answer(self, lane: Lane, ch: Channel) -> Any:
+    def _answer(self, lane: Lane, ch: SendChannel) -> Steps[None]:
         status = yield from self.take(ch.back, Word.ANSWER)
         if status in (Status.OK, Status.DIRECT, Status.DIRECT_STORAGES):
-            ch.state, ch.previous, ch.wait, ch.too_big = "shared", None, 1, None
+            ch.move(ChannelState.SHARED)
+            ch.previous = None
+            ch.retry.taken()
             if ch.kind == HOST:
                 self.direct = status == Status.DIRECT
                 self.direct_storages = status in (Status.DIRECT, Status.DIRECT_STORAGES)
@@ -311,12 +266,12 @@ class SendSide:
             chose(
                 lane.link,
                 "send",
-                WIRE if ch.state == "new" else ch.kind,
+                WIRE if ch.state is ChannelState.NEW else ch.kind,
                 f"the receiver could not map {ch.kind} segments of {ch.offered} bytes now (it logs why); "
                 "they are offered again later",
             )
         else:
-            ch.state, ch.segments, ch.previous = "wire", [], None
+            ch.leave()
             chose(
                 lane.link, "send", WIRE, f"the receiver declined the {ch.kind} offer (it logs why)"
             )
@@ -328,7 +283,7 @@ class SendSide:
         )  # (room: gloo aborts on a longer message)
         self.fences[k] = (lane.post(False, [buffer], [BACK_TAGS + k])[0], buffer, seq)
 
-    def take(self, k: int, word: Word) -> Any:
+    def take(self, k: int, word: Word) -> Steps[Status]:
         work, buffer, seq = self.fences[k]
         yield [work]
         del self.fences[k]
@@ -336,7 +291,7 @@ class SendSide:
         self.held.pop(k, None)
         return status
 
-    def _quiet(self, ch: Channel) -> Any:
+    def _quiet(self, ch: SendChannel) -> Steps[None]:
         for k in (ch.back, ch.back + 1):
             if k in self.fences:
                 yield from self.take(k, Word.DONE)
@@ -356,11 +311,11 @@ class SendSide:
     def _shared(
         self,
         lane: Lane,
-        ch: Channel,
+        ch: SendChannel,
         header: Header,
         init_tag: int,
         fill: Callable[[Tensor, str, int, int, int], None],
-    ) -> Any:
+    ) -> Steps[None]:
         k = ch.next
         ch.next ^= 1
         back = ch.back + k
@@ -393,3 +348,53 @@ class SendSide:
         # and READY, so it can still get the bytes if this process exits right after (the wire's promise too)
         yield held
         self.held[back] = []
+
+    # -- the host routes that skip the segments (:mod:`~cudarecv.samehost.routes`) ---------------------------
+    def _send_storage(
+        self,
+        lane: Lane,
+        header: Header,
+        init_tag: int,
+        where: StorageWhere,
+        chunks: list[Tensor],
+        carried: Carried,
+    ) -> Steps[None]:
+        """The storage route: the header names the storage's slot (after an offer the first time); the receiver
+        copies the bytes straight out of this process's storage and says DONE, or NO (it cannot map it: then
+        the chunks follow on the wire and the storage never takes this route again)."""
+        slot, new = self.storages.slot(where)
+        offered = storage_offer(where) if new else None
+        self.seq += 1
+        head = dataclasses.replace(
+            header,
+            transport=PayloadRoute.STORAGE,
+            segment=slot,
+            offer=offered is not None,
+            seq=self.seq,
+        )
+        padded = None if offered is None else offered + bytes(OFFER_SIZE - len(offered))
+        self.held[STORAGE_BACK] = self.post_header(lane, head, init_tag, padded)
+        self.expect(lane, STORAGE_BACK, self.seq)
+        status = yield from self.take(STORAGE_BACK, Word.DONE)
+        if status == Status.OK:
+            carried.transport = SHARED_MEMORY
+        else:
+            self.storages.decline(where)
+            yield from send_from(lane, chunks, [piece_tag(init_tag)] * len(chunks))
+
+    def _send_direct(
+        self, lane: Lane, header: Header, init_tag: int, table: Tensor, carried: Carried
+    ) -> Steps[None]:
+        """The direct route: the header, then the leaves' (or the consolidated storage's) addresses and sizes;
+        the receiver reads them straight out of this process (one copy in all, by the kernel) and says DONE."""
+        self.seq += 1
+        head = dataclasses.replace(header, transport=PayloadRoute.DIRECT, segment=0, seq=self.seq)
+        self.held[STORAGE_BACK] = self.post_header(lane, head, init_tag)
+        self.held[STORAGE_BACK] += lane.post(True, [table], [piece_tag(init_tag)])
+        self.expect(lane, STORAGE_BACK, self.seq)
+        if (yield from self.take(STORAGE_BACK, Word.DONE)) != Status.OK:
+            raise OutOfStepError(
+                "the receiver could not read this process's memory (a region was not mapped): "
+                "its tensordict may be partly written"
+            )
+        carried.transport = SHARED_MEMORY

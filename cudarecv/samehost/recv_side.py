@@ -21,7 +21,7 @@ import contextlib
 import functools
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -29,20 +29,28 @@ from torch import Tensor
 
 from ..core.driver import Driver
 from ..core.errors import OutOfStepError
-from ..core.host_copy import direct_read_pays, may_read_process
+from ..core.host_copy import direct_read_pays, may_read_process, read_process
 from ..core.log import logger
 from ..core.protocol import Stage
 from ..core.streams import EventWork, dedicated_stream, record
 from ..core.tags import BACK_TAGS, piece_tag
 from ..core.transfer import CUDA_IPC, SHARED_MEMORY, WIRE
-from ..plan.header import Header, PayloadRoute, piece_sizes
+from ..plan.header import (
+    KIND_BUCKETS,
+    KIND_CHUNKS,
+    KIND_NAMES,
+    Header,
+    PayloadRoute,
+    drain_limit,
+    piece_sizes,
+)
 from ..wire.control import ROOM, wire_bytes
 from ..wire.staging import Lane
-from . import cuda_ipc, routes
-from .policy import DEVICE, ENV, HOST, STOP_WAIT, Carried, chose
+from . import cuda_ipc
+from .channels import BACK, ChannelState, RecvChannel, back_tag
+from .policy import DEVICE, ENV, HOST, STOP_WAIT, Carried, Kind, chose
 from .records import READY_SIZE, Status, Word, back, read_ready
-from .routes import Copy
-from .sender import BACK
+from .routes import STORAGE_BACK, Copy, Steps
 from .shared_memory import (
     HOST_OFFER,
     STORAGE,
@@ -58,14 +66,9 @@ MAX_SEGMENT_BYTES = 1 << 48
 #: READY on the process group instead (which also tells a dead sender)
 FOLLOW_WAIT = 0.002
 
-
-class Channel:
-    """The receiver's mappings of one kind of the sender's segments: ``new``, ``shared`` (mapped) or ``wire``
-    (an offer declined for good)."""
-
-    def __init__(self) -> None:
-        self.state = "new"
-        self.mappings: list[Any] = []
+if TYPE_CHECKING:
+    from ..core.protocol import Protocol
+    from ..core.transfer import Transfer
 
 
 class RecvSide:
@@ -73,29 +76,29 @@ class RecvSide:
 
     def __init__(self, peer: int) -> None:
         self.peer = peer  # (not the link: the group's registry of sides holds it weakly)
-        self.channels = {HOST: Channel(), DEVICE: Channel()}
-        self.storages: dict[
-            int, StorageMapping | None
-        ] = {}  # the sender's storages per slot (None: not mappable)
-        self.direct: int | None = (
-            None  # the sender's pid, if this process reads its storages itself
-        )
+        self.channels = self._new_channels()
+        # the sender's storages per slot (None: not mappable)
+        self.storages: dict[int, StorageMapping | None] = {}
+        # the sender's pid, if this process reads its storages itself
+        self.direct: int | None = None
         self.direct_leaves = False  # ... and its leaves
         self.declined: str | None = None  # why the last offer was declined
-        self.said: dict[
-            int, list[Any]
-        ] = {}  # the last ANSWER or DONE sent on each back tag, until the next
-        self.staging: Tensor | None = (
-            None  # a direct read into device leaves lands here first (reused)
-        )
-        self.staging_fence: Any = None  # the event after the copies out of it
+        # the last ANSWER or DONE sent on each back tag, until the next
+        self.said: dict[int, list[Any]] = {}
+        # a direct read into device leaves lands here first (reused)
+        self.staging: Tensor | None = None
+        self.staging_fence: torch.cuda.Event | None = None  # the event after the copies out of it
         self.driver_name = f"cudarecv-recv-{self.peer}"
         self.driver = Driver(self.driver_name)
+
+    @staticmethod
+    def _new_channels() -> dict[Kind, RecvChannel]:
+        return {HOST: RecvChannel(HOST), DEVICE: RecvChannel(DEVICE)}
 
     def submit(self, job: Callable[[], None]) -> None:
         self.driver.submit(job)
 
-    def queued(self, protocol: Any, carried: Carried) -> Any:
+    def queued(self, protocol: Protocol, carried: Carried) -> Protocol:
         """``protocol`` (a receive) posting nothing before the link's earlier receives have ended, on the link's
         thread: an offer follows its header on the header's tag, and would be taken by the header receive of a
         later transfer with the same ``init_tag`` posted meanwhile. ``carried.waiting`` says whether it still
@@ -105,7 +108,7 @@ class RecvSide:
         carried.waiting = False
         return (yield from protocol)
 
-    def ended(self, carried: Carried, transfer: Any) -> None:
+    def ended(self, carried: Carried, transfer: Transfer) -> None:
         """A driven receive ended. One that failed elsewhere than on the link's thread (it ran out of its own time)
         once its turn came leaves that thread in gloo, maybe for good: it is told to end once the wait returns, and
         later receives get a thread of their own. One that failed while still queued leaves the thread running an
@@ -121,13 +124,13 @@ class RecvSide:
     def close(self) -> None:
         """Stop the thread and let go of the mappings (the group is gone)."""
         self.driver.stop(STOP_WAIT)
-        self.channels = {HOST: Channel(), DEVICE: Channel()}
+        self.channels = self._new_channels()
         self.storages, self.direct, self.said, self.staging = {}, None, {}, None
 
     @property
     def driven(self) -> bool:
         """Whether this link's receives run on :attr:`driver` (the sender may wait for their DONE)."""
-        return any(ch.state != "wire" for ch in self.channels.values())
+        return any(ch.state is not ChannelState.WIRE for ch in self.channels.values())
 
     def say(self, lane: Lane, word: Word, status: Status, seq: int, k: int) -> None:
         """Send an ANSWER or DONE on back tag ``BACK_TAGS + k``. Its work is held until the next on that tag: the
@@ -150,12 +153,12 @@ class RecvSide:
                 str(error).splitlines()[0],
             )
 
-    def _done_once_copied(self, lane: Lane, event: Any, seq: int, k: int) -> None:
+    def _done_once_copied(self, lane: Lane, event: torch.cuda.Event, seq: int, k: int) -> None:
         """(On the link's thread, after the receive that queued the copies:) DONE once they ran."""
         event.synchronize()
         self.done(lane, seq, k)
 
-    def finish(self, lane: Lane, stream: Any, seq: int, k: int) -> Any:
+    def finish(self, lane: Lane, stream: torch.cuda.Stream | None, seq: int, k: int) -> Steps[None]:
         """A sub-protocol: say DONE for transfer ``seq`` on back tag ``k`` once the copies on ``stream`` (None: the
         host's, done) have run, without holding up the caller of a device receiver (see the module docstring)."""
         if stream is None:
@@ -179,8 +182,9 @@ class RecvSide:
         if header.transport == PayloadRoute.STORAGE:
             self.storages[header.segment] = self._map_storage(raw, allow)
             return
-        kind = DEVICE if cuda_ipc.is_device_offer(raw) else HOST
-        ch, reason, lasting, mappings = self.channels[kind], None, True, []
+        kind: Kind = DEVICE if cuda_ipc.is_device_offer(raw) else HOST
+        ch, reason, lasting = self.channels[kind], None, True
+        mappings: list[Any] = []  # host: shared_memory.Mapping, device: cuda_ipc.DeviceMapping
         if not allow:
             reason = f"this receiver's transport is \"wire\" (the call's `transport` or {ENV})"
         else:
@@ -200,7 +204,7 @@ class RecvSide:
         if reason is not None:
             status = Status.NO if lasting else Status.NO_NOW
             if lasting:
-                ch.state, ch.mappings = "wire", []  # (declined for now: what was mapped stays)
+                ch.move(ChannelState.WIRE, [])  # (declined for now: what was mapped stays)
             chose(
                 lane.link,
                 "recv",
@@ -208,7 +212,7 @@ class RecvSide:
                 f"declined the {kind} offer{'' if lasting else ' for now'}: {reason}",
             )
         else:
-            ch.state, ch.mappings = "shared", mappings
+            ch.move(ChannelState.SHARED, mappings)
             chose(
                 lane.link,
                 "recv",
@@ -254,22 +258,20 @@ class RecvSide:
         problem: str | None,
         carried: Carried,
         table: np.ndarray | None = None,
-    ) -> Any:
+    ) -> Steps[bool]:
         """A sub-protocol: take the payload the header's route names (see the module docstring), copying with
         ``copy`` (nothing when ``problem``: a mismatched header), or read the sender's leaves into those of
         ``table`` (their addresses and sizes). Returns whether the payload was taken (False: a storage this
         receiver could not map, whose payload follows on the wire)."""
         if header.transport == PayloadRoute.STORAGE:
-            return (yield from routes.take_storage(self, lane, header, copy, problem, carried))
+            return (yield from self._take_storage(lane, header, copy, problem, carried))
         if header.transport == PayloadRoute.DIRECT:
             return (
-                yield from routes.read_direct(
-                    self, lane, header, init_tag, table, copy, problem, carried
-                )
+                yield from self._read_direct(lane, header, init_tag, table, copy, problem, carried)
             )
-        kind = DEVICE if header.transport == PayloadRoute.DEVICE_SEGMENT else HOST
+        kind: Kind = DEVICE if header.transport == PayloadRoute.DEVICE_SEGMENT else HOST
         ch = self.channels[kind]
-        if ch.state != "shared" or header.segment >= len(ch.mappings):
+        if ch.state is not ChannelState.SHARED or header.segment >= len(ch.mappings):
             raise OutOfStepError(
                 f"the header names {kind} segment {header.segment}, which this receiver never "
                 "mapped: the link is out of step"
@@ -328,7 +330,121 @@ class RecvSide:
                     mapping.before_read(stream)
                 for i in range(done, count):
                     copy(mapping.data, key, i, i * piece, min(piece, total - i * piece), piece)
-        yield from self.finish(lane, stream, header.seq, ch_back(kind, header.segment))
+        yield from self.finish(lane, stream, header.seq, back_tag(kind, header.segment))
+        return True
+
+    # -- the host routes that skip the segments (:mod:`~cudarecv.samehost.routes`) ---------------------------
+    def _read_direct(
+        self,
+        lane: Lane,
+        header: Header,
+        init_tag: int,
+        table: np.ndarray | None,
+        copy: Copy,
+        problem: str | None,
+        carried: Carried,
+    ) -> Steps[bool]:
+        """The direct route: take the sender's table of leaves, or of its one consolidated storage (checked
+        against this tensordict's ``table``: the same sizes), and read them straight into the leaves or storage,
+        then DONE (NO if the read fell short). Off the host (no ``table``) they are read into a reused host
+        buffer, DONE said at once (the sender's memory is read), then copied out of it on the transfer's
+        stream."""
+        leaves = header.kind == KIND_BUCKETS
+        what = "leaves" if leaves else "storage"
+        pid = self.direct
+        if (
+            self.channels[HOST].state is not ChannelState.SHARED
+            or pid is None
+            or not (self.direct_leaves if leaves else header.kind == KIND_CHUNKS)
+        ):
+            raise OutOfStepError(
+                f"the sender names its {what} for a direct read this receiver never agreed to: "
+                "the link is out of step"
+            )
+        size = 16 * (header.leaves if leaves else 1)
+        if problem is not None and size > drain_limit(0 if table is None else 16 * len(table)):
+            raise OutOfStepError(
+                f"{problem}; its table of {header.leaves} leaves is more than this receiver drains: "
+                "not drained, the link is out of step; the tensordict was left untouched"
+            )
+        buffer = torch.zeros(size + ROOM, dtype=torch.uint8)
+        yield lane.post(False, [buffer], [piece_tag(init_tag)])
+        raw = buffer.numpy()
+        if raw[size:].any():
+            raise OutOfStepError(
+                f"the sender's table of its {what} is longer than its header says: out of step"
+            )
+        if problem is not None:
+            self.say(lane, Word.DONE, Status.OK, header.seq, STORAGE_BACK)
+            return True
+        remote = raw[:size].view(np.uint64).reshape(-1, 2)
+        staging = None
+        if table is None:
+            staging = yield from self._direct_staging(header.total)
+            local = np.array([[staging.data_ptr(), header.total]], dtype=np.uint64)
+            sizes = remote[:, 1].sum(keepdims=True)
+        else:
+            local, sizes = table, remote[:, 1]
+        if not np.array_equal(sizes, local[:, 1]):
+            raise OutOfStepError(
+                f"the sender's table of its {what} names other sizes than this tensordict's "
+                f"{what}: not read; the link is out of step"
+            )
+        carried.transport = SHARED_MEMORY
+        status = Status.OK if read_process(pid, local, remote) == header.total else Status.NO
+        self.say(lane, Word.DONE, status, header.seq, STORAGE_BACK)  # (the sender's memory is read)
+        if status != Status.OK:
+            raise OutOfStepError(
+                f"the sender's table of its {what} names memory it does not have: the tensordict "
+                "is partly written; the link is out of step"
+            )
+        if staging is not None:
+            for i, n in enumerate(piece_sizes(header.total, header.piece)):
+                with lane.on_stream():
+                    copy(staging, "direct", i, i * header.piece, n, header.piece)
+            if lane.stream is not None:
+                self.staging_fence = record(
+                    lane.stream
+                )  # the next direct read waits for these copies
+        return True
+
+    def _direct_staging(self, nbytes: int) -> Steps[Tensor]:
+        """A sub-protocol: this side's host buffer for a direct read of ``nbytes``, once the copies out of its
+        previous use have run (reused: one per link, grown when too small)."""
+        if self.staging_fence is not None:
+            yield [EventWork(self.staging_fence)]
+            self.staging_fence = None
+        if self.staging is None or self.staging.numel() < nbytes:
+            self.staging = torch.empty(nbytes, dtype=torch.uint8)
+        return self.staging[:nbytes]
+
+    def _take_storage(
+        self, lane: Lane, header: Header, copy: Copy, problem: str | None, carried: Carried
+    ) -> Steps[bool]:
+        """The storage route: one copy straight out of the sender's storage (checked against the mapping),
+        then DONE; or NO if it could not be mapped."""
+        if (
+            self.channels[HOST].state is not ChannelState.SHARED
+            or header.kind != KIND_CHUNKS
+            or header.segment not in self.storages
+        ):
+            raise OutOfStepError(
+                f"the header names storage slot {header.segment} of a {KIND_NAMES[header.kind]} "
+                "transfer, which this receiver never mapped: the link is out of step"
+            )
+        mapping = self.storages[header.segment]
+        if mapping is None:
+            self.say(lane, Word.DONE, Status.NO, header.seq, STORAGE_BACK)
+            return False
+        if header.total > mapping.capacity:
+            raise OutOfStepError(
+                f"the header announces {header.total} bytes in a storage of {mapping.capacity}: "
+                "the link is out of step"
+            )
+        carried.transport = SHARED_MEMORY
+        if problem is None:
+            copy(mapping.data, f"storage:{header.segment}", 0, 0, header.total, header.total)
+        yield from self.finish(lane, lane.stream, header.seq, STORAGE_BACK)
         return True
 
 
@@ -336,7 +452,7 @@ class SegmentStage:
     """What a receive through a segment waits for (a :class:`~cudarecv.core.protocol.Stage`'s text, as it goes):
     the sender's messages in the segment, those copied out so far, and its READY."""
 
-    def __init__(self, kind: str, segment: int, count: int, tag: int) -> None:
+    def __init__(self, kind: Kind, segment: int, count: int, tag: int) -> None:
         self.kind, self.segment, self.count, self.tag = kind, segment, count, tag
         self.copied = 0  # messages copied out, in order, before the READY
 
@@ -346,8 +462,3 @@ class SegmentStage:
             f"{min(self.copied + 1, self.count)} of {self.count} ({self.copied} copied), then the sender's "
             f"READY on tag {self.tag}"
         )
-
-
-def ch_back(kind: str, segment: int) -> int:
-    """The back tag (``BACK_TAGS + this``) of segment ``segment`` of a channel of ``kind``."""
-    return BACK[kind] + segment
