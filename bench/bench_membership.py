@@ -6,8 +6,8 @@ Nine ranks on this machine (a trainer and 8 actors, gloo over loopback), a 16 MB
   same-host transport (``auto``: shared memory), over the wire (``transport="wire"``) and through a relay
   chain on the wire (``relay``: ``fanout="relay"``; joined receivers' neighbours form pairs of their own), with
   the 8 as ranks of the world group (``dst=[1..8]``) and as receivers that joined one by one through a
-  TCPStore (``WeightSender(store=..., name=...)``); the modes alternate round by round;
-- ``join``: latest mode, from an actor's ``WeightReceiver(store=..., name=...)`` until its first ``pull()``
+  TCPStore (``ElasticSender(store=..., name=...)``); the modes alternate round by round;
+- ``join``: latest mode, from an actor's ``ElasticReceiver(store=..., name=...)`` until its first ``pull()``
   returned the version published (the pair formed, the handshake, the transfer), 8 actors x 3 joins each.
 
 Each bench's rounds are the times its mode measured, replayed through a virtual clock (``stats.median``).
@@ -92,12 +92,12 @@ def time_membership(rank: int, world: int, group) -> dict:
                 )
             continue
         if rank == 0:
-            ends[who, transport] = cudarecv.WeightSender(
+            ends[who, transport] = cudarecv.ElasticSender(
                 _model(0), store=store, name=name, **_sending(transport)
             )
         for joiner in range(1, world):  # one by one
             if rank == joiner:
-                ends[who, transport] = cudarecv.WeightReceiver(
+                ends[who, transport] = cudarecv.ElasticReceiver(
                     store=store, name=name, transport=_sending(transport)["transport"]
                 )
             dist.barrier()
@@ -120,14 +120,14 @@ def time_membership(rank: int, world: int, group) -> dict:
     # join-to-first-version: latest mode, a version published before each join
     sender = None
     if rank == 0:
-        sender = cudarecv.WeightSender(_model(1), store=store, name="bench-join", mode="latest")
+        sender = cudarecv.ElasticSender(_model(1), store=store, name="bench-join", mode="latest")
         sender.push()
     dist.barrier()
     for _ in range(JOINS):
         for joiner in range(1, world):
             if rank == joiner:
                 started = time.perf_counter()
-                receiver = cudarecv.WeightReceiver(store=store, name="bench-join")
+                receiver = cudarecv.ElasticReceiver(store=store, name="bench-join")
                 version = receiver.pull()
                 out["join"].append(time.perf_counter() - started)
                 with receiver.reading() as td:
@@ -182,7 +182,7 @@ def test_join_to_first_version(benchmark, nine_ranks):
     benchmark.extra_info.update(
         case=f"join to first version, {MODEL_BYTES // 10**6} MB",
         impl="cudarecv",
-        mode="WeightReceiver(store=...) + first pull (latest)",
+        mode="ElasticReceiver(store=...) + first pull (latest)",
         bytes=MODEL_BYTES,
         backend="gloo",
         ok=results["ok"],

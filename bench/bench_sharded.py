@@ -2,7 +2,7 @@
 tensor-parallel actors on 4 more hosts (1 Gbit/s links, :mod:`cudarecv.testing.hosts`), one torchrun launch on 8
 hosts running both ways side by side (:mod:`cudarecv.tools.sharded_ranks`):
 
-- ``cudarecv sharded``: ``WeightSender`` of the FSDP2 model's DTensors on every trainer rank, ``WeightReceiver(src=
+- ``cudarecv sharded``: ``ShardedSender`` of the FSDP2 model's DTensors on every trainer rank, ``ShardedReceiver(src=
   trainers, expect=<tensor-parallel DTensors>)`` on every actor: each byte once, from the rank holding it to the
   rank needing it, no gather;
 - ``full_tensor + relay``: the way users do it today: ``full_tensor()`` of every parameter (FSDP2's all-gather),

@@ -1,18 +1,35 @@
-"""cudarecv: TensorDict point-to-point transfers over torch.distributed, at wire speed.
+"""cudarecv: weight sync for RL, and TensorDict point-to-point transfers over torch.distributed, at wire speed.
 
-Drop-in, wire-compatible versions of tensordict's ``isend/irecv/send/recv``,
-with cached plans, a native fast wire (``bucket_bytes``) and fast
-pseudo-random tags.
+Weight sync: a trainer pushes its policy's weights every step, each actor pulls the newest complete, checked
+version. The structure travels once (a handshake); every version is then one transfer of bytes, over the wire,
+shared memory or CUDA IPC on one machine, or a relay chain across hosts. Mode ``"sync"`` (every actor gets every
+version) or ``"latest"`` (a push never waits; each pull gets the newest).
+
+- :class:`WeightSender` / :class:`WeightReceiver`: the ranks of a process group.
+- :class:`ElasticSender` / :class:`ElasticReceiver`: actors join and leave at any time through a store, by the
+  sender's name (no process group shared by all; a restarted trainer is joined again).
+- :class:`ShardedSender` / :class:`ShardedReceiver`: an FSDP2 trainer's DTensor shards, every rank sending what
+  it holds, into receivers of any layout (whole, tensor-parallel, or the slices each wants).
+- ``Mode``, ``Fanout``, ``Transport``: the ``Literal`` types of the options ``mode``, ``fanout``, ``transport``.
+- Integrations: a TorchRL weight-sync scheme (:mod:`cudarecv.torchrl`) and a vLLM weight-transfer backend
+  (:mod:`cudarecv.vllm`).
 
 Example:
-    >>> import cudarecv
+    >>> sender = cudarecv.WeightSender(TensorDict.from_module(policy), dst=[1, 2], mode="latest")
+    >>> sender.push()                                   # trainer, every step
+    >>> receiver = cudarecv.WeightReceiver(src=0, expect=policy)
+    >>> receiver.pull(); receiver.load_into(policy)     # each actor, when it likes
+
+Drop-in, wire-compatible versions of tensordict's ``isend/irecv/send/recv``, with cached plans, a native fast
+wire (``bucket_bytes``) and fast pseudo-random tags:
+
     >>> cudarecv.irecv(td, src=0)                       # as td.irecv(src=0)
     >>> cudarecv.recv(td, src=0, bucket_bytes=1 << 20)  # fast wire, both ends
     >>> with cudarecv.installed():                      # or make them the methods
     ...     td.recv(src=0)
 
-The names below load their module on first use, so ``import cudarecv`` (and
-the pytest plugin it ships) does not import torch until something needs it.
+The names below load their module on first use, so ``import cudarecv`` (and the pytest plugin it ships) does
+not import torch until something needs it.
 """
 
 from __future__ import annotations
@@ -38,8 +55,14 @@ _EXPORTS = {
     "uninstall": ".p2p.install",
     "tag_sequence": ".plan.tags",
     "WeightSender": ".weights.sender",
-    "store_group": ".core.groups",
     "WeightReceiver": ".weights.receiver",
+    "ElasticSender": ".weights.membership.elastic_sender",
+    "ElasticReceiver": ".weights.membership.elastic_receiver",
+    "ShardedSender": ".weights.sharded.sharded_sender",
+    "ShardedReceiver": ".weights.sharded.sharded_receiver",
+    "Mode": ".weights.options",
+    "Fanout": ".weights.options",
+    "Transport": ".weights.options",
     "Error": ".core.errors",
     "ArgumentError": ".core.errors",
     "ArgumentTypeError": ".core.errors",
@@ -62,18 +85,21 @@ _EXPORTS = {
     "StoreRecordError": ".core.errors",
     "ReceiverFailed": ".core.errors",
     "RelayLost": ".core.errors",
-    "start_thread": ".core.shutdown",
 }
 __all__ = [
     "ArgumentError",
     "ArgumentTypeError",
     "BrokenError",
     "ChecksumError",
+    "ElasticReceiver",
+    "ElasticSender",
     "Error",
+    "Fanout",
     "HeaderError",
     "KernelCompileError",
     "LinkError",
     "MismatchError",
+    "Mode",
     "OutOfStepError",
     "PeerError",
     "PushHeaderError",
@@ -82,10 +108,13 @@ __all__ = [
     "SchemaError",
     "SenderClosed",
     "SenderFenced",
+    "ShardedReceiver",
+    "ShardedSender",
     "StoreError",
     "StoreRecordError",
     "Transfer",
     "TransferTimeout",
+    "Transport",
     "UsageError",
     "WaitTimeout",
     "WeightReceiver",
@@ -97,8 +126,6 @@ __all__ = [
     "isend",
     "recv",
     "send",
-    "start_thread",
-    "store_group",
     "tag_sequence",
     "uninstall",
 ]
@@ -128,14 +155,17 @@ if TYPE_CHECKING:
         UsageError,
         WaitTimeout,
     )
-    from .core.groups import store_group
-    from .core.shutdown import start_thread
     from .core.transfer import Transfer
     from .p2p.calls import irecv, isend, recv, send
     from .p2p.install import install, installed, is_installed, uninstall
     from .plan.tags import tag_sequence
+    from .weights.membership.elastic_receiver import ElasticReceiver
+    from .weights.membership.elastic_sender import ElasticSender
+    from .weights.options import Fanout, Mode, Transport
     from .weights.receiver import WeightReceiver
     from .weights.sender import WeightSender
+    from .weights.sharded.sharded_receiver import ShardedReceiver
+    from .weights.sharded.sharded_sender import ShardedSender
 
 
 def __getattr__(name: str) -> Any:

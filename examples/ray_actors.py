@@ -1,7 +1,7 @@
 """Ray actors join a trainer's weight sync through a store, and one is killed and replaced while it pushes.
 
 No process group is shared by the trainer and the actors: the trainer hosts a TCPStore and a named
-``WeightSender``; each Ray actor builds a ``WeightReceiver(store=..., name=...)`` when it starts and pulls the
+``WeightSender``; each Ray actor builds a ``ElasticReceiver(store=..., name=...)`` when it starts and pulls the
 newest version whenever it wants one. ``ray.kill`` of an actor never makes a push raise (the sender drops it and
 logs it); its replacement joins and gets the newest version on its first pull.
 
@@ -42,7 +42,7 @@ class Actor:
 
     def __init__(self, host: str, port: int) -> None:
         store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=60))
-        self.receiver = cudarecv.WeightReceiver(store=store, name=NAME, timeout=60)
+        self.receiver = cudarecv.ElasticReceiver(store=store, name=NAME, timeout=60)
 
     def pull(self) -> tuple[int, bool]:
         """The newest version, and whether every weight of it is that version's (never a mix)."""
@@ -73,7 +73,7 @@ def main() -> None:
         host, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60)
     )
     td = policy(0)
-    sender = cudarecv.WeightSender(td, store=store, name=NAME, mode="latest", timeout=60)
+    sender = cudarecv.ElasticSender(td, store=store, name=NAME, mode="latest", timeout=60)
     actors = [Actor.remote(host, store.port) for _ in range(args.actors)]
     pulled: list[tuple[int, bool]] = []
     for step in range(1, args.pushes + 1):

@@ -46,7 +46,7 @@ def trainer(conn: Any, host: str, port: int, name: str, mode: str, timeout: floa
     conn.close()
     store = store_client(port, host)
     td = weights()
-    sender = cudarecv.WeightSender(td, store=store, name=name, mode=mode, timeout=timeout)
+    sender = cudarecv.ElasticSender(td, store=store, name=name, mode=mode, timeout=timeout)
     # (a client of the pusher's own: this thread's wait below holds its client, one operation at a time)
     pusher = Pusher(sender, td, store.clone(), f"{name}/trainer/{sender.generation}/version")
     store.wait([f"{name}/trainer/{sender.generation}/close"], datetime.timedelta(seconds=WAIT))
@@ -60,7 +60,7 @@ def actor(conn: Any, host: str, port: int, name: str, index: int, timeout: float
     if conn is not None:
         conn.close()
     store = store_client(port, host)
-    receiver = cudarecv.WeightReceiver(store=store, name=name, timeout=timeout)
+    receiver = cudarecv.ElasticReceiver(store=store, name=name, timeout=timeout)
     stats = {
         "pulled": 0,
         "first": None,

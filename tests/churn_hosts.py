@@ -17,7 +17,7 @@ def main(
 ) -> None:
     with churn.master_store(address) as store:
         td = churn.weights(1)
-        sender = cudarecv.WeightSender(td, store=store, name="hosts", mode=mode, timeout=timeout)
+        sender = cudarecv.ElasticSender(td, store=store, name="hosts", mode=mode, timeout=timeout)
         sender.push()
         pusher = churn.Pusher(sender, td)
         fleets = [

@@ -60,7 +60,7 @@ def sharded_relay(rank: int) -> object:
         net = sharded_model()
         fully_shard(net, mesh=mesh)
         td = TensorDict.from_module(net)
-        with cudarecv.WeightSender(td, dst=[2, 3], timeout=TIMEOUT, verify=True) as sender:
+        with cudarecv.ShardedSender(td, dst=[2, 3], timeout=TIMEOUT, verify=True) as sender:
             set_sharded_version(td, 1)
             sender.push()
             transports = (
@@ -70,7 +70,7 @@ def sharded_relay(rank: int) -> object:
                 set_sharded_version(td, version)
                 sender.push()
             return sender.fanout, transports
-    with cudarecv.WeightReceiver(src=[0, 1], timeout=TIMEOUT) as receiver:
+    with cudarecv.ShardedReceiver(src=[0, 1], timeout=TIMEOUT) as receiver:
         return [(receiver.pull(), sharded_holds(receiver.td, version)) for version in (1, 2, 3)]
 
 

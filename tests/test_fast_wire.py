@@ -141,7 +141,7 @@ def test_header_roundtrip_and_corruption():
     h = _header.Header(_header.KIND_BUCKETS, 3, 1000, 64, bytes(range(16)))
     raw = h.pack()
     assert len(raw) == _header.SIZE and _header.Header.unpack(raw) == h
-    assert _header.piece_sizes(h.total, h.piece) == [64] * 15 + [40]
+    assert _header.piece_sizes(h.total, h.bucket_bytes) == [64] * 15 + [40]
     corrupted = bytearray(raw)
     corrupted[20] ^= 1
     with pytest.raises(cudarecv.OutOfStepError, match="not a cudarecv header"):
@@ -541,7 +541,7 @@ def test_a_layout_from_the_wire_is_checked_and_a_bad_one_ignored():
     assert [describe.parse(raw) for raw in bad] == [None] * len(bad)
 
     other = _changed(td, "shape")
-    got = dataclasses.replace(plan_for(other).bucket_header, piece=16)
+    got = dataclasses.replace(plan_for(other).bucket_header, bucket_bytes=16)
     for theirs in (
         None,
         bad[3],

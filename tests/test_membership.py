@@ -65,7 +65,7 @@ def test_receivers_come_and_go_while_the_trainer_pushes(mode, events, seed):
     name = f"churn-{mode}"
     with master_store() as store:
         td = weights()
-        sender = cudarecv.WeightSender(td, store=store, name=name, mode=mode, timeout=TIMEOUT)
+        sender = cudarecv.ElasticSender(td, store=store, name=name, mode=mode, timeout=TIMEOUT)
         fleet = Fleet(store, store.port, name, TIMEOUT, seed)
         try:
             td["w"].fill_(1)
@@ -158,35 +158,35 @@ def test_a_trainer_that_restarts_is_found_again(end):
 def test_a_sender_with_a_store_pushes_with_nobody_joined_and_refuses_what_needs_a_group():
     with master_store() as store:
         td = weights()
-        with pytest.raises(cudarecv.ArgumentError, match="takes no 'dst'"):
-            cudarecv.WeightSender(td, dst=1, store=store, name="p")
+        with pytest.raises(TypeError, match="'dst'"):  # (receivers join through the store)
+            cudarecv.ElasticSender(td, dst=1, store=store, name="p")
         with pytest.raises(cudarecv.ArgumentError, match="fanout='relay' is for mode='sync'"):
-            cudarecv.WeightSender(td, store=store, name="p", fanout="relay", mode="latest")
+            cudarecv.ElasticSender(td, store=store, name="p", fanout="relay", mode="latest")
         with pytest.raises(
             cudarecv.ArgumentError, match="`name` must be a non-empty string without '/'"
         ):
-            cudarecv.WeightSender(td, store=store, name="a/b")
+            cudarecv.ElasticSender(td, store=store, name="a/b")
         with pytest.raises(
             cudarecv.ArgumentError, match="`store` must be a torch.distributed.Store"
         ):
-            cudarecv.WeightSender(td, store=object(), name="p")
-        with pytest.raises(cudarecv.ArgumentError, match="takes no 'src'"):
-            cudarecv.WeightReceiver(0, store=store, name="p")
-        with pytest.raises(cudarecv.ArgumentError, match="takes no 'want'"):
-            cudarecv.WeightReceiver(store=store, name="p", want={"w": (slice(0, 2),)})
+            cudarecv.ElasticSender(td, store=object(), name="p")
+        with pytest.raises(TypeError, match="'src'"):
+            cudarecv.ElasticReceiver(store, "p", src=0)
+        with pytest.raises(TypeError, match="'want'"):
+            cudarecv.ElasticReceiver(store=store, name="p", want={"w": (slice(0, 2),)})
         with pytest.raises(
             cudarecv.WaitTimeout, match="no weight sender named 'nobody' came within"
         ):
-            cudarecv.WeightReceiver(store=store, name="nobody", timeout=0.5)
+            cudarecv.ElasticReceiver(store=store, name="nobody", timeout=0.5)
         for mode in ("sync", "latest"):
-            with cudarecv.WeightSender(
+            with cudarecv.ElasticSender(
                 td, store=store, name=f"alone-{mode}", mode=mode, timeout=5
             ) as sender:
                 assert [sender.push() for _ in range(3)] == [1, 2, 3] and sender.receivers == []
                 threads = {t.name for t in threading.enumerate()}
                 assert f"cudarecv-admit-alone-{mode}" in threads
         assert not any(t.name.startswith("cudarecv-admit") for t in threading.enumerate())
-        again = cudarecv.WeightSender(
+        again = cudarecv.ElasticSender(
             td, store=store, name="alone-sync", timeout=5
         )  # the next generation
         assert (
@@ -258,7 +258,7 @@ def relay_actor(conn, port: int, name: str, index: int) -> None:
 
     conn.close()
     store = store_client(port)
-    receiver = cudarecv.WeightReceiver(store=store, name=name, timeout=TIMEOUT)
+    receiver = cudarecv.ElasticReceiver(store=store, name=name, timeout=TIMEOUT)
     store.set(f"relay/{index}/id", str(receiver.id))
     if index == 2:
         landed = relay.Relay.landed
@@ -294,7 +294,7 @@ def test_a_relay_chain_of_joined_receivers_heals_in_place_and_takes_newcomers():
     name = "relay"
     with master_store() as store:
         td = weights()
-        sender = cudarecv.WeightSender(
+        sender = cudarecv.ElasticSender(
             td,
             store=store,
             name=name,
@@ -367,7 +367,7 @@ def idle_actor(conn, port: int, name: str) -> None:
     once continued and told, it pulls again: from a new join, the newest version."""
     conn.close()
     store = store_client(port)
-    receiver = cudarecv.WeightReceiver(store=store, name=name, timeout=TIMEOUT)
+    receiver = cudarecv.ElasticReceiver(store=store, name=name, timeout=TIMEOUT)
     version = receiver.pull(timeout=WAIT)
     store.set("idle/first", json.dumps([os.getpid(), receiver.id, version]))
     store.wait(["idle/pull"], datetime.timedelta(seconds=WAIT))  # (stopped while it waits here)
@@ -386,7 +386,7 @@ def test_a_stopped_receiver_that_asks_for_nothing_is_dropped_and_joins_again():
     name = "idle"
     with master_store() as store:
         td = weights()
-        sender = cudarecv.WeightSender(td, store=store, name=name, mode="latest", timeout=TIMEOUT)
+        sender = cudarecv.ElasticSender(td, store=store, name=name, mode="latest", timeout=TIMEOUT)
         actor = None
         try:
             td["w"].fill_(1)

@@ -20,6 +20,7 @@ from tensordict import TensorDict
 
 import cudarecv
 from churn import WAIT, fork_process, master_store, store_client, weights
+from cudarecv.core.shutdown import start_thread
 
 TIMEOUT = 8.0  # the senders' timeout (a number taken and never written is skipped after it)
 
@@ -64,7 +65,9 @@ def puller(conn, weights_port: int, signals_port: int, name: str, tag: str, time
     sender's numbers may overtake)."""
     conn.close()
     signals = store_client(signals_port)
-    receiver = cudarecv.WeightReceiver(store=store_client(weights_port), name=name, timeout=timeout)
+    receiver = cudarecv.ElasticReceiver(
+        store=store_client(weights_port), name=name, timeout=timeout
+    )
     signals.set(f"{tag}/id", str(receiver.id))
     seen = []
     while not signals.check([f"{tag}/stop"]):
@@ -115,7 +118,7 @@ def test_a_store_that_dies_never_makes_a_push_raise(mode, thread_errors):
             signals.wait(["server/port"], datetime.timedelta(seconds=WAIT))
             port = int(signals.get("server/port"))
             td = weights()
-            sender = cudarecv.WeightSender(
+            sender = cudarecv.ElasticSender(
                 td, store=store_client(port), name="dies", mode=mode, timeout=TIMEOUT
             )
             actor = fork_process(puller, (port, signals.port, "dies", "a", 60.0))
@@ -154,14 +157,14 @@ def test_a_second_live_sender_fences_the_first_and_receivers_never_go_back(threa
     SenderFenced (and so does every later one); the receiver moves to B and its versions only increase, whole."""
     with master_store() as store:
         td_a, td_b = weights(), weights()
-        a = cudarecv.WeightSender(td_a, store=store, name="two", mode="sync", timeout=TIMEOUT)
+        a = cudarecv.ElasticSender(td_a, store=store, name="two", mode="sync", timeout=TIMEOUT)
         actor = fork_process(puller, (store.port, store.port, "two", "f", 60.0))
         b = None
         try:
             push_until(
                 a, td_a, lambda: len(seen(store, "f")) >= 3, "the receiver did not pull from A"
             )
-            b = cudarecv.WeightSender(td_b, store=store, name="two", mode="sync", timeout=TIMEOUT)
+            b = cudarecv.ElasticSender(td_b, store=store, name="two", mode="sync", timeout=TIMEOUT)
             assert b.generation == a.generation + 1 and b.version >= a.version, (
                 a.version,
                 b.version,
@@ -197,7 +200,7 @@ def peeking_puller(conn, port: int, name: str) -> None:
     receiver publishes (version, whole): a receiver must never publish an older version than it held."""
     conn.close()
     signals = store_client(port)
-    receiver = cudarecv.WeightReceiver(store=store_client(port), name=name, timeout=60.0)
+    receiver = cudarecv.ElasticReceiver(store=store_client(port), name=name, timeout=60.0)
     stop = threading.Event()
     pulls = store_client(port)
 
@@ -210,9 +213,7 @@ def peeking_puller(conn, port: int, name: str) -> None:
                 continue
             pulls.set("peek/pulled", json.dumps(got))
 
-    thread = cudarecv.start_thread(
-        pull, "puller"
-    )  # (its own client: this thread's waits hold `signals`)
+    thread = start_thread(pull, "puller")  # (its own client: this thread's waits hold `signals`)
     n = 0
     while not signals.check(["peek/stop"]):
         n += 1
@@ -233,7 +234,7 @@ def test_a_receiver_never_publishes_an_older_version_than_it_held():
     go back) until the new sender's versions pass it; every pull returns a newer version."""
     with master_store() as store:
         td = weights()
-        a = cudarecv.WeightSender(td, store=store, name="back", mode="sync", timeout=TIMEOUT)
+        a = cudarecv.ElasticSender(td, store=store, name="back", mode="sync", timeout=TIMEOUT)
         actor = fork_process(peeking_puller, (store.port, "back"))
         b = None
         asked = 0
@@ -257,7 +258,7 @@ def test_a_receiver_never_publishes_an_older_version_than_it_held():
                 assert time.monotonic() < deadline, ("the receiver did not record A's newest", held)
             a.close()
             store.set(key("back", "version"), "0")  # (the next sender numbers from 1 again)
-            b = cudarecv.WeightSender(td, store=store, name="back", mode="sync", timeout=TIMEOUT)
+            b = cudarecv.ElasticSender(td, store=store, name="back", mode="sync", timeout=TIMEOUT)
             answers = []
             deadline = time.monotonic() + WAIT
             while (
@@ -292,7 +293,7 @@ def closing_puller(conn, port: int, name: str) -> None:
     main thread closes the receiver then; what the pull ended with (and when) in the store."""
     conn.close()
     signals = store_client(port)
-    receiver = cudarecv.WeightReceiver(store=store_client(port), name=name, timeout=60.0)
+    receiver = cudarecv.ElasticReceiver(store=store_client(port), name=name, timeout=60.0)
     outcome: list = []
     pulls = store_client(port)  # (the pull thread's own client: this thread's waits hold `signals`)
 
@@ -304,7 +305,7 @@ def closing_puller(conn, port: int, name: str) -> None:
         except cudarecv.Error as error:
             outcome.append([type(error).__name__, str(error), time.monotonic()])
 
-    thread = cudarecv.start_thread(pull, "puller")
+    thread = start_thread(pull, "puller")
     signals.wait(["close/now"], datetime.timedelta(seconds=WAIT))  # (the first sender closed)
     deadline = time.monotonic() + WAIT
     while not any(
@@ -324,7 +325,9 @@ def test_close_from_another_thread_ends_a_pull_that_waits_for_the_next_sender():
     with UsageError, and it never joins the next sender (which then serves nobody)."""
     with master_store() as store:
         td = weights()
-        first = cudarecv.WeightSender(td, store=store, name="closing", mode="sync", timeout=TIMEOUT)
+        first = cudarecv.ElasticSender(
+            td, store=store, name="closing", mode="sync", timeout=TIMEOUT
+        )
         actor = fork_process(closing_puller, (store.port, "closing"))
         second = None
         try:
@@ -333,7 +336,7 @@ def test_close_from_another_thread_ends_a_pull_that_waits_for_the_next_sender():
             )
             first.close()
             store.set("close/now", "1")
-            second = cudarecv.WeightSender(
+            second = cudarecv.ElasticSender(
                 td, store=store, name="closing", mode="sync", timeout=TIMEOUT
             )
             push_until(second, td, lambda: store.check(["close/outcome"]), "the pull did not end")
@@ -365,7 +368,7 @@ def test_garbage_join_requests_are_skipped_and_honest_receivers_still_join(threa
     name = "joins"
     with master_store() as store:
         td = weights()
-        sender = cudarecv.WeightSender(td, store=store, name=name, mode="latest", timeout=TIMEOUT)
+        sender = cudarecv.ElasticSender(td, store=store, name=name, mode="latest", timeout=TIMEOUT)
         actor = None
         try:
             for garbage in (
@@ -428,7 +431,7 @@ def test_a_senders_record_that_cudarecv_did_not_write_is_refused_naming_the_key(
         store.set(key(name, f"g{generation}", "sender"), garbage)
         store.set(key(name, "current"), str(generation))
         with pytest.raises(cudarecv.StoreRecordError, match=re.escape(problem)) as caught:
-            cudarecv.WeightReceiver(store=store, name=name, timeout=5.0)
+            cudarecv.ElasticReceiver(store=store, name=name, timeout=5.0)
     assert caught.value.key == key(name, "g1", "sender") and "another `name`" in str(
         caught.value
     ), caught.value
@@ -444,7 +447,7 @@ def test_garbage_in_current_and_the_version_counter_neither_blocks_nor_fences(th
     name = "current"
     with master_store() as store:
         td = weights()
-        sender = cudarecv.WeightSender(td, store=store, name=name, mode="latest", timeout=TIMEOUT)
+        sender = cudarecv.ElasticSender(td, store=store, name=name, mode="latest", timeout=TIMEOUT)
         actors = []
         versions = []
         try:
@@ -484,7 +487,7 @@ def beat_counter(conn, port: int, name: str) -> None:
     """An actor that joins and then only beats (it pulls once): its id in the store, then it waits to be told."""
     conn.close()
     signals = store_client(port)
-    receiver = cudarecv.WeightReceiver(store=store_client(port), name=name, timeout=60.0)
+    receiver = cudarecv.ElasticReceiver(store=store_client(port), name=name, timeout=60.0)
     receiver.pull(timeout=WAIT)
     signals.set("beat/id", str(receiver.id))
     signals.wait(["beat/stop"], datetime.timedelta(seconds=WAIT))
@@ -497,7 +500,7 @@ def test_a_tiny_timeout_in_the_senders_record_does_not_make_the_heartbeat_spin()
     name = "spin"
     with master_store() as store:
         td = weights()
-        sender = cudarecv.WeightSender(td, store=store, name=name, mode="latest", timeout=TIMEOUT)
+        sender = cudarecv.ElasticSender(td, store=store, name=name, mode="latest", timeout=TIMEOUT)
         store.set(
             key(name, "g1", "sender"), json.dumps({**RECORD, "mode": "latest", "timeout": 1e-9})
         )
@@ -527,7 +530,7 @@ def dying_puller(conn, port: int, name: str) -> None:
 
     conn.close()
     signals = store_client(port)
-    receiver = cudarecv.WeightReceiver(
+    receiver = cudarecv.ElasticReceiver(
         store=store_client(port), name=name, timeout=60.0, transport="wire"
     )
     receiver.pull(timeout=WAIT)
@@ -555,7 +558,7 @@ def test_a_receiver_killed_mid_pull_is_dropped_when_its_link_fails_not_after_the
     with master_store() as store:
         td = TensorDict(w=torch.zeros(1 << 22), b=torch.zeros(1 << 20))
         timeout = 20.0
-        sender = cudarecv.WeightSender(
+        sender = cudarecv.ElasticSender(
             td,
             store=store,
             name=name,

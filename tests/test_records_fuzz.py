@@ -127,8 +127,8 @@ def test_fast_wire_header_fuzzed():
         if isinstance(got, fast.Header):
             assert (
                 got.pack() == raw[: fast.SIZE]
-                and got.piece > 0
-                and fast.messages(got.total, got.piece) <= fast.MAX_MESSAGES
+                and got.bucket_bytes > 0
+                and fast.messages(got.total, got.bucket_bytes) <= fast.MAX_MESSAGES
             )
             assert (
                 got.transport in set(fast.PayloadRoute)

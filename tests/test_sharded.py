@@ -217,7 +217,7 @@ def case(rank: int, world: int, group, name: str, mode: str, transport: str) -> 
             fully_shard(net, mesh=m[mesh])
             td = TensorDict.from_module(net)
         set_version(td, 1)
-        with cudarecv.WeightSender(
+        with cudarecv.ShardedSender(
             td, dst=sorted(receivers), mode=mode, transport=transport, verify=True, timeout=30
         ) as sender:
             saved: dict = {}
@@ -249,7 +249,7 @@ def case(rank: int, world: int, group, name: str, mode: str, transport: str) -> 
         expect = model()
     else:
         expect = expect_on(m[layout[0]], layout[1])
-    with cudarecv.WeightReceiver(
+    with cudarecv.ShardedReceiver(
         src=trainers, expect=expect, timeout=30, transport=transport
     ) as receiver:
         seen = []
@@ -505,13 +505,11 @@ WANTS = {
 
 
 def sliced(rank, world, group):
-    """A plain trainer (one rank, ``sliced=True``) pushes 3 versions; receivers 1 and 2 want slices of the two
+    """A plain trainer (one rank, a ``ShardedSender`` of plain tensors) pushes 3 versions; receivers 1 and 2 want slices of the two
     matrices (``want``), receiver 3 everything; each checks every element it holds of each version."""
     if rank == 0:
         td = TensorDict({name: whole(name, 1) for name in SHAPES}, []).unflatten_keys(".")
-        with cudarecv.WeightSender(
-            td, dst=[1, 2, 3], sliced=True, verify=True, timeout=30
-        ) as sender:
+        with cudarecv.ShardedSender(td, dst=[1, 2, 3], verify=True, timeout=30) as sender:
             for version in (1, 2, 3):
                 for name in SHAPES:
                     td[tuple(name.split("."))].copy_(whole(name, version))
@@ -524,7 +522,7 @@ def sliced(rank, world, group):
         return None
     want = WANTS[rank]
     expect = model() if rank == 2 else None
-    with cudarecv.WeightReceiver(src=[0], expect=expect, want=want, timeout=30) as receiver:
+    with cudarecv.ShardedReceiver(src=[0], expect=expect, want=want, timeout=30) as receiver:
         right, retired = [], None
         for version in (1, 2, 3):
             if (
@@ -555,7 +553,7 @@ def sliced(rank, world, group):
 
 
 def test_a_plain_trainer_sends_each_receiver_the_slices_it_wants(six):
-    """``WeightSender(sliced=True)`` and ``WeightReceiver(want=...)``: each receiver gets exactly its slices (rows,
+    """``ShardedSender`` of plain tensors and ``ShardedReceiver(want=...)``: each receiver gets exactly its slices (rows,
     or columns taken whole along their rows: no staging), the others' leaves whole; a sender rank's receiver that
     renews a slot (a relay forward of it failed) has its buffer replaced, never written again."""
     results = six().run(sliced, timeout=300)
@@ -641,11 +639,9 @@ def bad_wants(rank, world, group):
     for want, _, _ in BAD_WANTS:
         try:
             if rank == 0:
-                cudarecv.WeightSender(
-                    TensorDict(w=torch.zeros(4, 6)), dst=[1], sliced=True, timeout=20
-                )
+                cudarecv.ShardedSender(TensorDict(w=torch.zeros(4, 6)), dst=[1], timeout=20)
             else:
-                cudarecv.WeightReceiver(src=[0], want=want, timeout=20)
+                cudarecv.ShardedReceiver(src=[0], want=want, timeout=20)
             out.append(None)
         except Exception as error:  # noqa: BLE001 - what each side raised is the result
             out.append((type(error).__name__, str(error)))
@@ -677,7 +673,7 @@ def dead_trainer(rank, world, group, transport, how):
         net = model()
         fully_shard(net, mesh=trainers)
         td = TensorDict.from_module(net)
-        with cudarecv.WeightSender(td, dst=[2, 3], transport=transport, timeout=30) as sender:
+        with cudarecv.ShardedSender(td, dst=[2, 3], transport=transport, timeout=30) as sender:
             for version in (1, 2):
                 set_version(td, version)
                 sender.push()
@@ -689,7 +685,7 @@ def dead_trainer(rank, world, group, transport, how):
             sender.push()  # (rank 0's pieces: the receivers take them, then wait for rank 1's)
             store().set("pushed_3", "1")
             return sender.version
-    with cudarecv.WeightReceiver(
+    with cudarecv.ShardedReceiver(
         src=[0, 1], expect=expect_on(pair, tensor_parallel), timeout=30, transport=transport
     ) as receiver:
         for version in (1, 2):
@@ -750,20 +746,20 @@ def refusals(rank, world, group):
         net = model()
         fully_shard(net, mesh=trainers)
         try:  # (rank 1 is never answered: it waits 1 s for that, rank 0 up to 5 s for its refusal)
-            cudarecv.WeightSender(
+            cudarecv.ShardedSender(
                 TensorDict.from_module(net), dst=[2], timeout=5 if rank == 0 else 1
             )
         except cudarecv.Error as error:
             out.append((type(error).__name__, str(error)))
         partial = DTensor.from_local(torch.zeros(4), trainers, [Partial()], run_check=False)
         try:
-            cudarecv.WeightSender(TensorDict(w=partial), dst=[2], timeout=5)
+            cudarecv.ShardedSender(TensorDict(w=partial), dst=[2], timeout=5)
         except cudarecv.Error as error:
             out.append((type(error).__name__, str(error)))
         return out
     if rank == 2:
         try:
-            cudarecv.WeightReceiver(src=[0], timeout=5)
+            cudarecv.ShardedReceiver(src=[0], timeout=5)
         except cudarecv.Error as error:
             out.append((type(error).__name__, str(error)))
     return out
@@ -802,7 +798,7 @@ def closing(rank, world, group):
         net = model()
         fully_shard(net, mesh=m["t2"])
         td = TensorDict.from_module(net)
-        sender = cudarecv.WeightSender(td, dst=[2, 3, 4], timeout=30)
+        sender = cudarecv.ShardedSender(td, dst=[2, 3, 4], timeout=30)
         set_version(td, 1)
         sender.push()
         dist.barrier()  # (receiver 4 has closed)
@@ -817,7 +813,7 @@ def closing(rank, world, group):
         dist.barrier()
         return None
     expect = model() if rank == 4 else expect_on(m["r2"], tensor_parallel)
-    receiver = cudarecv.WeightReceiver(src=[0, 1], expect=expect, timeout=30)
+    receiver = cudarecv.ShardedReceiver(src=[0, 1], expect=expect, timeout=30)
     receiver.pull()
     if rank == 4:
         receiver.close()

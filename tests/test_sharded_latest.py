@@ -88,7 +88,7 @@ def trainer(rank: int, mesh, trainers, transport: str, signals) -> dict:
         [],
     )
     before = threads()
-    with cudarecv.WeightSender(
+    with cudarecv.ShardedSender(
         td, dst=[2], mode="latest", transport=transport, timeout=30
     ) as sender:
         end, version = time.monotonic() + PUSHING, 0
@@ -141,7 +141,9 @@ def receiver(transport: str, outrun: bool, signals) -> dict:
     expect = TensorDict({"w": torch.zeros(ROWS, COLS, dtype=torch.float64)}, [])
     pulls: list[tuple] = []
     after: list[tuple] = []  # (outrun: the pulls once the trainers stopped)
-    with cudarecv.WeightReceiver(src=[0, 1], expect=expect, timeout=30, transport=transport) as got:
+    with cudarecv.ShardedReceiver(
+        src=[0, 1], expect=expect, timeout=30, transport=transport
+    ) as got:
         while (
             len(pulls) < (OUTRUN if outrun else ATTEMPTS)
             and sum(isinstance(p[0], int) for p in pulls) < WANTED
@@ -239,7 +241,7 @@ def carried_on(rank: int, world: int, group):
         w = DTensor.from_local(
             local, mesh, [Shard(0)], run_check=False, shape=(ROWS, COLS), stride=(COLS, 1)
         )
-        with cudarecv.WeightSender(
+        with cudarecv.ShardedSender(
             TensorDict({"w": w}, []), dst=[2], mode="latest", timeout=30
         ) as sender:
             for version in (1, 2):
@@ -250,7 +252,7 @@ def carried_on(rank: int, world: int, group):
             dist.barrier()  # (the receiver has checked and closed)
         return None
     expect = TensorDict({"w": torch.zeros(ROWS, COLS, dtype=torch.float64)}, [])
-    with cudarecv.WeightReceiver(src=[0, 1], expect=expect, timeout=30) as got:
+    with cudarecv.ShardedReceiver(src=[0, 1], expect=expect, timeout=30) as got:
         first = got.pull(timeout=30)
         start = time.monotonic()
         try:

@@ -20,7 +20,7 @@ from cudarecv.core.lifecycle import IllegalMove, Lifecycle, mermaid
 from cudarecv.samehost import channels
 from cudarecv.samehost.channels import ChannelState, RecvChannel, SendChannel
 from cudarecv.weights.inbox import Farewell
-from cudarecv.weights.membership.receiver import Membership
+from cudarecv.weights.membership.elastic_receiver import Membership
 from cudarecv.weights.relay import Passage, Relay
 from cudarecv.weights.session import Member, Standing
 from policies import policy, set_version
@@ -93,7 +93,7 @@ DESIGN = Path(__file__).resolve().parents[1] / "docs" / "design.md"
 #: every lifecycle table docs/design.md draws (its block says ``%% <module>.<table>``), and its first state
 LIFECYCLES = {
     "cudarecv.weights.session.MOVES": Standing.ENROLLED,
-    "cudarecv.weights.membership.receiver.MOVES": Membership.JOINING,
+    "cudarecv.weights.membership.elastic_receiver.MOVES": Membership.JOINING,
     "cudarecv.weights.relay.MOVES": Passage.FORWARDING,
     "cudarecv.weights.inbox.MOVES": Farewell.OPEN,
 }
@@ -164,7 +164,7 @@ def test_a_receiver_is_served_only_once_enrolled_and_closing_ones_take_no_failur
 
 
 def test_a_joined_receiver_waits_for_a_next_sender_only_once_it_lost_its_own():
-    from cudarecv.weights.membership.receiver import MOVES
+    from cudarecv.weights.membership.elastic_receiver import MOVES
 
     joined = Lifecycle("receiver of 'policy'", Membership.JOINING, MOVES)
     joined.move(Membership.JOINED)
@@ -256,7 +256,7 @@ def test_a_joined_receiver_loses_its_sender_and_joins_the_next_one():
         trainers = [fork_process(trainer, ("127.0.0.1", store.port, name, "latest", seconds))]
         receiver = None
         try:
-            receiver = cudarecv.WeightReceiver(
+            receiver = cudarecv.ElasticReceiver(
                 store=store_client(store.port), name=name, expect=weights(), timeout=seconds
             )
             assert receiver.membership is Membership.JOINED and receiver.generation == 1

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 import cudarecv
+from cudarecv.core.shutdown import start_thread
 from policies import holds_version, policy, set_version
 
 HERE = Path(__file__).resolve().parent
@@ -51,7 +52,7 @@ class _SlowHandler(logging.Handler):
 def child(mode: str, rank: int, port: int, thread: bool) -> None:
     """One rank of one run: push (rank 0) or pull (rank 1) version 1, print it, meet at a barrier on the
     store, leave everything open; with ``thread``, the receiver's process goes on pulling on a thread of its
-    own (``cudarecv.start_thread``), as an actor does."""
+    own (``cudarecv.core.shutdown.start_thread``), as an actor does."""
     for name in ("cudarecv", "actor"):
         logging.getLogger(name).addHandler(_SlowHandler())
     store = dist.TCPStore("127.0.0.1", port, 3, is_master=False, timeout=timedelta(seconds=30))
@@ -68,7 +69,7 @@ def child(mode: str, rank: int, port: int, thread: bool) -> None:
         receiver.pull()
         print("RESULT", holds_version(receiver.td, 1), flush=True)
         if thread:
-            cudarecv.start_thread(_take_versions, "actor-weights", (receiver,))
+            start_thread(_take_versions, "actor-weights", (receiver,))
     store.set(
         f"{mode}-{rank}", "1"
     )  # a latest-mode push returns before the pull: the sender waits for it
@@ -124,7 +125,7 @@ def test_sender_and_receiver_never_closed_exit_cleanly(mode):
 
 
 def test_an_applications_pulling_thread_exits_cleanly():
-    """The receiver's process pulls on a thread started with ``cudarecv.start_thread``, blocked in a pull when
+    """The receiver's process pulls on a thread started with ``cudarecv.core.shutdown.start_thread``, blocked in a pull when
     the process exits: the hook ends that pull and joins the thread."""
     for run in range(RUNS):
         ended = _run("sync", thread=True)

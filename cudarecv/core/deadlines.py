@@ -8,9 +8,12 @@ import math
 import threading
 import time
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING
 
 from .log import logger
+
+if TYPE_CHECKING:
+    from .transfer import Transfer
 
 #: seconds the exit hook waits for this thread to end
 STOP_WAIT = 5.0
@@ -42,7 +45,7 @@ class Deadlines:
         )
         self._cond = threading.Condition(threading.Lock())
         self._thread: threading.Thread | None = None
-        self._watched: weakref.WeakSet[Any] = (
+        self._watched: weakref.WeakSet[Transfer] = (
             weakref.WeakSet()
         )  # kept transfers that have not ended
         self._stopped = False
@@ -53,7 +56,7 @@ class Deadlines:
         with self._cond:
             return self._thread
 
-    def keep(self, transfer: Any) -> None:
+    def keep(self, transfer: Transfer) -> None:
         """Fail ``transfer`` when its own deadline passes (none: nothing to keep)."""
         deadline = transfer.deadline()
         if deadline == math.inf:
@@ -78,7 +81,7 @@ class Deadlines:
             elif self._heap[0][1] == self._count:
                 self._cond.notify()  # the new deadline is the earliest
 
-    def ended(self, transfer: Any) -> None:
+    def ended(self, transfer: Transfer) -> None:
         """``transfer`` has ended: its deadline need not be kept; the thread ends if nothing else is watched."""
         with self._cond:
             if transfer in self._watched:
@@ -94,7 +97,7 @@ class Deadlines:
                 logger.exception("failing %s at its deadline raised", transfer.what)
             del transfer  # no reference from this thread while it sleeps
 
-    def _next(self) -> Any:
+    def _next(self) -> Transfer | None:
         """The next transfer whose deadline has passed, once it has; None once stopped, or once nothing is watched
         (the thread then ends: under the lock, so that the next :meth:`keep` starts a new one)."""
         with self._cond:

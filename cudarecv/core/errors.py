@@ -89,7 +89,7 @@ class RelayLost(Error, RuntimeError):
 
 
 class StoreError(Error, RuntimeError):
-    """The store through which receivers join a named sender (``WeightSender(store=..., name=...)``) failed: its
+    """The store through which receivers join a named sender (``ElasticSender(td, store, name)``) failed: its
     server is gone or unreachable. ``key``: the key being read or written. No weight-sync link is concerned (a
     sender already joined goes on serving without the store)."""
 

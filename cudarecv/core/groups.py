@@ -8,19 +8,25 @@ from __future__ import annotations
 
 import datetime
 import weakref
-from typing import Any
+from typing import cast
 
 import torch.distributed as dist
 
 from .errors import TransferTimeout
 
 #: the groups formed with ``bounded=True`` (see :func:`bounded`)
-_BOUNDED: weakref.WeakSet[Any] = weakref.WeakSet()
+_BOUNDED: weakref.WeakSet[dist.ProcessGroup] = weakref.WeakSet()
 
 
 def store_group(
-    store: Any, prefix: str, rank: int, size: int, timeout: float, what: str, bounded: bool = False
-) -> Any:
+    store: dist.Store,
+    prefix: str,
+    rank: int,
+    size: int,
+    timeout: float,
+    what: str,
+    bounded: bool = False,
+) -> dist.ProcessGroup:
     """This process's rank of the gloo group that the ``size`` processes calling it with ``prefix`` form (each
     within ``timeout`` s; the group's own operations time out after ``timeout`` too). ``what`` names the group
     in the error when it cannot be formed (a member that never came). ``bounded``: a pair whose transfers' gloo
@@ -40,12 +46,13 @@ def store_group(
             f"{what} could not be formed within {timeout:g} s: not every one of its {size} "
             "processes came (the backend's message is this error's __cause__)"
         ) from error
+    pg = cast(dist.ProcessGroup, group)  # (a standalone backend: see Link.pg)
     if bounded:
-        _BOUNDED.add(group)
-    return group
+        _BOUNDED.add(pg)
+    return pg
 
 
-def bounded(pg: Any) -> bool:
+def bounded(pg: dist.ProcessGroup) -> bool:
     """Whether ``pg`` is a pair formed with ``bounded=True``: an elastic sender's pair with one receiver, where a
     transfer that failed drops the receiver (it joins again on a new pair), so closing the pair's links (what a
     gloo wait that runs out does) once a transfer's deadline has passed costs nothing. gloo may leave a send to

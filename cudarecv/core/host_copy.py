@@ -54,6 +54,15 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
 
 _LIB, WHY_NOT_NATIVE = _load()
 NATIVE = _LIB is not None  # whether the native copies were built
+
+
+def _native() -> ctypes.CDLL:
+    """The native library, for the calls that need :data:`NATIVE` (their callers check it first)."""
+    if _LIB is None:
+        raise RuntimeError(f"cudarecv's native host copies are not built: {WHY_NOT_NATIVE}")
+    return _LIB
+
+
 ENV = "CUDARECV_HOST_COPY"  # "stream", "memcpy", or "auto" (as tuned, else DEFAULT_HOST_COPY; the default)
 HOST_COPIES = ("stream", "memcpy")
 DEFAULT_HOST_COPY = "memcpy"
@@ -100,7 +109,7 @@ def _choose() -> bool:
     with _choosing:
         if STREAMING is None:
             choice, why = host_copy_setting()
-            on = bool(_LIB.cudarecv_copy_streaming(choice == "stream"))
+            on = bool(_native().cudarecv_copy_streaming(choice == "stream"))
             _say(
                 f"host copies: {'streaming' if on else 'memcpy'} ({why}"
                 f"{'' if on or choice == 'memcpy' else '; this CPU has no AVX2'})"
@@ -114,7 +123,7 @@ def set_streaming(on: bool) -> bool:
     returns whether streaming is on (AVX2 only). Needs :data:`NATIVE`."""
     global STREAMING
     with _choosing:
-        STREAMING = bool(_LIB.cudarecv_copy_streaming(int(on)))
+        STREAMING = bool(_native().cudarecv_copy_streaming(int(on)))
     return STREAMING
 
 
@@ -131,12 +140,12 @@ def copy(dst: int, src: int, n: int) -> None:
 def publish(address: int, value: int) -> None:
     """Store ``value`` in the 8-byte word at ``address``, ordered after every store before it: a reader that
     loads it with :func:`observe` sees them. Needs the native build (:data:`NATIVE`)."""
-    _LIB.cudarecv_publish(address, value)
+    _native().cudarecv_publish(address, value)
 
 
 def observe(address: int) -> int:
     """Load the 8-byte word at ``address``, ordered before every load after it. Needs :data:`NATIVE`."""
-    return _LIB.cudarecv_observe(address)
+    return int(_native().cudarecv_observe(address))
 
 
 def copy_bytes(dst: Tensor, src: Tensor) -> None:
@@ -215,6 +224,7 @@ def read_process(pid: int, local: np.ndarray, remote: np.ndarray) -> int:
     """Copy each region ``remote[i]`` (address, bytes) of process ``pid`` into ``local[i]`` (uint64 arrays of
     shape (n, 2), the layout of ``struct iovec``); the GIL is released. Returns the bytes read, fewer than
     asked if a remote region is not mapped."""
+    assert _readv is not None  # (callers ask first whether process_vm_readv may be used)
     got = 0
     for start in range(0, len(local), IOV_MAX):
         count = min(IOV_MAX, len(local) - start)

@@ -7,8 +7,12 @@ segfaults the process there, so the range is checked here.
 
 from __future__ import annotations
 
+import functools
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, SupportsIndex, cast
 
 import torch
 import torch.distributed as dist
@@ -22,7 +26,9 @@ from .errors import ArgumentError, ArgumentTypeError, UsageError
 class Link:
     """One end of a point-to-point link: call ``pg.send/recv(..., peer, tag)``."""
 
-    pg: object  # a ProcessGroup or a standalone backend (ProcessGroupGloo/NCCL)
+    #: a ProcessGroup or a standalone backend (ProcessGroupGloo/NCCL): the backend has the same send, recv,
+    #: size, rank and name, which torch's stubs give the ProcessGroup only, so both are typed as one
+    pg: dist.ProcessGroup
     peer: int  # the peer's rank in ``pg``
     registered: bool  # whether torch.distributed knows ``pg`` (P2POp accepts it)
     backend: str = ""  # "gloo", "nccl", ... (read from the group when not given)
@@ -34,9 +40,10 @@ class Link:
     def group_timeout(self) -> float | None:
         """The process group's own timeout in seconds (what bounds a wait without ``timeout=``), if readable."""
         pg = self.pg
-        getters = [lambda: pg.options._timeout]
+        getters: list[Callable[[], timedelta]] = [lambda: cast(Any, pg).options._timeout]
         getters += [
-            lambda d=d: pg._get_backend(torch.device(d)).options._timeout for d in ("cpu", "cuda")
+            functools.partial(lambda d: pg._get_backend(torch.device(d)).options._timeout, d)
+            for d in ("cpu", "cuda")
         ]
         for get in getters:
             try:
@@ -53,7 +60,7 @@ def as_rank(value: object, name: str) -> int:
             f"`{name}` must be an int rank (or, where it takes several, a list of them), got bool"
         )
     try:
-        return operator.index(value)
+        return operator.index(cast(SupportsIndex, value))  # (anything else: TypeError)
     except TypeError:
         raise ArgumentTypeError(
             f"`{name}` must be an int rank (or, where it takes several, a list of them), "
@@ -61,13 +68,14 @@ def as_rank(value: object, name: str) -> int:
         ) from None
 
 
-def _check_group(group: object) -> None:
+def _check_group(group: object) -> dist.ProcessGroup | None:
     """``group`` is a process group (registered or standalone) or a backend object built on a store."""
     if group is not None and not isinstance(group, (dist.ProcessGroup, _C_Backend)):
         raise ArgumentTypeError(
             f"`group` must be a torch.distributed process group (e.g. from dist.new_group(...), or "
             f"dist.ProcessGroupGloo(store, rank, size)), got {type(group).__name__}; pass None for the default group"
         )
+    return cast("dist.ProcessGroup | None", group)  # (a backend: see Link.pg)
 
 
 def resolve(
@@ -82,7 +90,7 @@ def resolve(
     ``peer_name``/``group_peer_name`` are ``"src"``/``"group_src"`` or
     ``"dst"``/``"group_dst"``, used in the messages.
     """
-    _check_group(group)
+    pg = _check_group(group)
     if group_peer is not None:
         if group is None:
             raise ArgumentError(
@@ -102,7 +110,7 @@ def resolve(
         peer = value = as_rank(peer, peer_name)
         name = peer_name
     else:
-        group_peer = value = as_rank(group_peer, group_peer_name)
+        value = as_rank(group_peer, group_peer_name)
         name = group_peer_name
 
     if group is None:
@@ -112,8 +120,9 @@ def resolve(
                 "torch.distributed.init_process_group(...) first, or pass a standalone "
                 f"`group` with `{group_peer_name}`"
             )
-        group = c10d._get_default_group()
-    registered = group in c10d._world.pg_map
+        pg = c10d._get_default_group()
+    assert pg is not None  # (resolved: the default group when None)
+    registered = pg in c10d._world.pg_map
     if peer is not None:
         if not registered:
             raise ArgumentError(
@@ -127,7 +136,7 @@ def resolve(
                 f"`{peer_name}={peer}` is outside the world of {world} ranks: "
                 f"pass a rank in 0..{world - 1}"
             )
-        ranks = dist.get_process_group_ranks(group)
+        ranks = dist.get_process_group_ranks(pg)
         if peer not in ranks:
             raise ArgumentError(
                 f"`{peer_name}={peer}` is not a member of `group` (global ranks {ranks}): "
@@ -135,19 +144,19 @@ def resolve(
             )
         group_rank = ranks.index(peer)
     else:
-        size = group.size()
-        if not 0 <= group_peer < size:
+        size = pg.size()
+        if not 0 <= value < size:
             raise ArgumentError(
-                f"`{group_peer_name}={group_peer}` is outside `group` of {size} ranks: "
+                f"`{group_peer_name}={value}` is outside `group` of {size} ranks: "
                 f"pass a rank in 0..{size - 1}"
             )
-        group_rank = group_peer
-    if group_rank == group.rank():
+        group_rank = value
+    if group_rank == pg.rank():
         raise ArgumentError(
             f"`{name}={value}` is this process's own rank: a rank cannot send to or "
             "receive from itself; pass the peer's rank"
         )
-    return Link(group, group_rank, registered)
+    return Link(pg, group_rank, registered)
 
 
 # what a backend's error says, by a phrase of its text, in cudarecv's words

@@ -7,12 +7,13 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import TypeVar
 
+K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
 
 
 def lru_get(
-    cache: OrderedDict[Hashable, V],
-    key: Hashable,
+    cache: OrderedDict[K, V],
+    key: K,
     build: Callable[[], V],
     limit: int,
     evict: Callable[[V], None] | None = None,

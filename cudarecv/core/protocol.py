@@ -6,12 +6,26 @@ from __future__ import annotations
 
 import copy
 import traceback
+import typing
 from collections.abc import Callable, Generator, Sequence
+from datetime import timedelta
 from typing import Any
 
 from .errors import Error
 
-Protocol = Generator[Sequence[Any], None, Any]
+
+class Work(typing.Protocol):
+    """What a protocol yields: torch.distributed's ``Work`` (a posted send or receive) or one of cudarecv's
+    own that look like it (:class:`StartClock`, :class:`Stage`, a CUDA event's, a word from a peer)."""
+
+    def is_completed(self) -> bool: ...
+
+    def wait(self, timeout: timedelta = ...) -> bool: ...
+
+
+#: a transfer's protocol: each step yields the works to see done before the next; it returns the transfer's
+#: result (what the caller gets from ``wait()``: the received tensordict, a version, None for a send)
+Protocol = Generator[Sequence[Work], None, Any]
 #: rewrites a transfer's error (e.g. to name the peer); gets the error and the seconds since the start
 ErrorHook = Callable[[BaseException, float], BaseException]
 #: hands a job to a thread its owner keeps (e.g. one per peer)
@@ -19,7 +33,7 @@ Submit = Callable[[Callable[[], None]], None]
 
 
 class StartClock:
-    """A work a protocol yields to start its transfer's own clock now, with ``seconds``.
+    """A work a protocol yields to start its transfer's own clock now, with ``timeout`` (seconds).
 
     Until then a transfer created with ``timeout=math.inf`` has no deadline of its own.
 
@@ -28,13 +42,13 @@ class StartClock:
         >>> yield [StartClock(timeout)]              # the payload must come within timeout
     """
 
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
 
     def is_completed(self) -> bool:
         return True
 
-    def wait(self, timeout: Any = None) -> bool:
+    def wait(self, timeout: timedelta | None = None) -> bool:
         return True
 
 
@@ -51,7 +65,7 @@ class Stage:
     def is_completed(self) -> bool:
         return True
 
-    def wait(self, timeout: Any = None) -> bool:
+    def wait(self, timeout: timedelta | None = None) -> bool:
         return True
 
 
@@ -71,7 +85,7 @@ def frameless(error: BaseException) -> None:
                 frames = "".join(traceback.format_tb(item.__traceback__))
                 item.add_note(f"raised at (in cudarecv's transfer):\n{frames}")
             item.__traceback__ = None
-            todo += (item.__cause__, item.__context__)
+            todo += [e for e in (item.__cause__, item.__context__) if e is not None]
 
 
 def again(error: BaseException) -> BaseException:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import struct
 import zlib
+from collections.abc import Sequence
 
 from .errors import Error, OutOfStepError
 
@@ -101,7 +102,7 @@ class Table(Record):
         """The bytes of a table of ``count`` entries."""
         return self.fields.size + count * self.each.size + _CRC.size
 
-    def pack(self, *values: object, entries: list[tuple] = ()) -> bytes:  # type: ignore[override]
+    def pack(self, *values: object, entries: Sequence[tuple] = ()) -> bytes:
         """The table of ``values`` (the fields after the magic, less the count) and ``entries``."""
         body = self.fields.pack(self.magic, *values, len(entries)) + b"".join(
             self.each.pack(*e) for e in entries
@@ -112,7 +113,7 @@ class Table(Record):
         """The fields of ``raw`` unchecked (to tell which table it is), or None if it is too short to hold them."""
         return self.fields.unpack_from(raw)[1:-1] if len(raw) >= self.fields.size else None
 
-    def unpack(self, raw: bytes | bytearray | memoryview) -> tuple[tuple, list[tuple]]:  # type: ignore[override]
+    def unpack(self, raw: bytes | bytearray | memoryview) -> tuple[tuple, list[tuple]]:
         """``(fields, entries)`` of ``raw``, its length checked against the count (at most :attr:`most`) before an
         entry is read, then the magic and CRC; else :attr:`error`."""
         raw = bytes(raw)

@@ -25,13 +25,17 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
 from .deadlines import DEADLINES
 from .log import logger
 from .tags import MAX_TAG
+
+if TYPE_CHECKING:
+    from .transfer import Transfer
 
 #: seconds the exit hook waits (at most, each time) for the waits it ended to leave gloo and for the threads it
 #: stops (they end at once unless stuck: a wait that did not end then never will, and the process exits
@@ -50,7 +54,7 @@ _THREADS: weakref.WeakSet[threading.Thread] = (
 
 
 @contextlib.contextmanager
-def driving(transfer: Any) -> Iterator[bool]:
+def driving(transfer: Transfer) -> Iterator[bool]:
     """While ``transfer`` is driven on this thread (its gloo waits are the exit hook's to end); yields False
     once the hook has looked (the transfer must not start waiting: it fails instead)."""
     with _LOCK:  # (atomic with the exit hook's look at what is driven)
@@ -65,12 +69,12 @@ def driving(transfer: Any) -> Iterator[bool]:
             del _DRIVEN[transfer]
 
 
-def in_background(transfer: Any) -> None:
+def in_background(transfer: Transfer) -> None:
     """``transfer`` is handed to a background thread (the hook waits for it at exit)."""
     _BACKGROUND.add(transfer)
 
 
-def ended(transfer: Any) -> None:
+def ended(transfer: Transfer) -> None:
     """``transfer`` has ended: no background thread drives it any more."""
     _BACKGROUND.discard(transfer)
 
@@ -83,7 +87,7 @@ def at_exit(stop: Callable[[float], None]) -> None:
     _STOPS.append(weakref.WeakMethod(stop) if hasattr(stop, "__self__") else lambda: stop)
 
 
-def start_thread(target: Callable[..., Any], name: str, args: tuple = ()) -> threading.Thread:
+def start_thread(target: Callable[..., object], name: str, args: tuple = ()) -> threading.Thread:
     """Start a daemon thread running ``target(*args)`` that cudarecv's exit hook joins (bounded) once it has
     ended the gloo waits still blocked: for a thread of yours that calls cudarecv (e.g. one that pulls every
     next version), so that it does not free a gloo work while the interpreter finalizes (see the module
@@ -93,7 +97,7 @@ def start_thread(target: Callable[..., Any], name: str, args: tuple = ()) -> thr
         >>> def take_versions():
         ...     while True:
         ...         receiver.pull()
-        >>> cudarecv.start_thread(take_versions, "actor-weights")
+        >>> start_thread(take_versions, "actor-weights")  # from cudarecv.core.shutdown
     """
     thread = threading.Thread(target=target, args=args, name=name, daemon=True)
     _THREADS.add(thread)
@@ -110,7 +114,7 @@ def _at_exit() -> None:
     with _LOCK:  # from now on a transfer that would start waiting fails (driving)
         _exiting = True
         stuck = {t for t, thread in _DRIVEN.items() if thread is not me} | set(_BACKGROUND)
-    groups: dict[int, list[Any]] = {}
+    groups: dict[int, list[Transfer]] = {}
     for transfer in stuck:
         if transfer.link is not None and transfer.link.backend == "gloo":
             groups.setdefault(id(transfer.link.pg), []).append(transfer)
@@ -144,10 +148,11 @@ def _at_exit() -> None:
                 )
 
 
-def _close_links(waiting: list[Any]) -> None:
+def _close_links(waiting: list[Transfer]) -> None:
     """Close every link of the gloo group the ``waiting`` transfers wait on (a wait of 1 ms that runs out makes
     gloo close them all), so their waits end with an error."""
     link = waiting[0].link
+    assert link is not None  # (grouped by their links' group)
     logger.warning(
         "at exit: closing every link of process group %s, where %d transfer(s) still wait: %s",
         _group_name(link.pg),
@@ -160,7 +165,7 @@ def _close_links(waiting: list[Any]) -> None:
         )
 
 
-def _group_name(pg: Any) -> str:
+def _group_name(pg: dist.ProcessGroup) -> str:
     """The group's name and this process's rank in it, as far as a group (perhaps destroyed) says."""
     name = type(pg).__name__
     with contextlib.suppress(Exception):

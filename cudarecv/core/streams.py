@@ -8,7 +8,7 @@ transfers that touch a GPU.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any
+from datetime import timedelta
 
 import torch
 
@@ -88,7 +88,7 @@ class EventWork:
     def __init__(self, event: torch.cuda.Event) -> None:
         self.event = event
 
-    def wait(self, timeout: Any = None) -> bool:
+    def wait(self, timeout: timedelta | None = None) -> bool:
         """Block in ``cudaEventSynchronize`` until the event fires (:func:`record`'s events sleep
         there, no polling). ``timeout`` is not taken: CUDA cannot bound the wait, and a transfer's
         own deadline is kept without its driver (:mod:`cudarecv.core.transfer`)."""
@@ -132,7 +132,7 @@ class StagingPool:
         self.sizes = sizes
         self.allocations = 0
         self._buffers: OrderedDict[tuple[str, int], list[torch.Tensor]] = OrderedDict()
-        self._fences: dict[int, Any] = {}
+        self._fences: dict[int, torch.cuda.Event] = {}
 
     def buffers(
         self, place: str | torch.device, nbytes: int, count: int | None = None
@@ -145,11 +145,11 @@ class StagingPool:
             self.allocations += 1
         return found[:count]
 
-    def fence(self, buffer: torch.Tensor) -> Any:
+    def fence(self, buffer: torch.Tensor) -> torch.cuda.Event | None:
         """The event of the last stream copy into or out of ``buffer`` (or None)."""
         return self._fences.get(buffer.data_ptr())
 
-    def set_fence(self, buffer: torch.Tensor, event: Any) -> None:
+    def set_fence(self, buffer: torch.Tensor, event: torch.cuda.Event) -> None:
         self._fences[buffer.data_ptr()] = event
 
     def _retire(self, buffers: list[torch.Tensor]) -> None:

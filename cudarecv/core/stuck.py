@@ -14,17 +14,28 @@ receive its own). So such a call is refused at once too; other tags (another
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Collection, Hashable, Sequence
+from typing import Any, TypeVar
 
 from .errors import LinkError
 from .link import Link
+
+K = TypeVar("K", bound=Hashable)
 
 # id(td) -> (weakref to td, {(id(group), peer): (weakref to the group, why)}); held weakly, the group is
 # collectable once destroyed (its id may then be another group's: the weakref tells them apart)
 _STUCK: dict[int, tuple[weakref.ref, dict[tuple[int, int], tuple[weakref.ref, str]]]] = {}
 # (id(group), peer, sending) -> (weakref to the group, [(a failed transfer's tags, why)]), gone with the group
-_TAGS: dict[tuple[int, int, bool], tuple[weakref.ref, list[tuple[Sequence[int], str]]]] = {}
+_TAGS: dict[tuple[int, int, bool], tuple[weakref.ref, list[tuple[Collection[int], str]]]] = {}
+
+
+def _forgetting(table: dict[K, Any], key: K) -> Callable[[object], None]:
+    """A weakref callback that drops ``table[key]`` once its referent is gone."""
+
+    def forget(_: object) -> None:
+        table.pop(key, None)
+
+    return forget
 
 
 def mark(td: Any, link: Link, why: str, tags: Sequence[int] = (), sending: bool = False) -> None:
@@ -33,18 +44,18 @@ def mark(td: Any, link: Link, why: str, tags: Sequence[int] = (), sending: bool 
     key = id(td)
     entry = _STUCK.get(key)
     if entry is None or entry[0]() is not td:
-        entry = _STUCK[key] = (weakref.ref(td, lambda _, key=key: _STUCK.pop(key, None)), {})
+        entry = _STUCK[key] = (weakref.ref(td, _forgetting(_STUCK, key)), {})
     entry[1][(id(link.pg), link.peer)] = (weakref.ref(link.pg), why)
     if tags:
         _taken(link, sending).append((tags if isinstance(tags, range) else frozenset(tags), why))
 
 
-def _taken(link: Link, sending: bool) -> list[tuple[Sequence[int], str]]:
+def _taken(link: Link, sending: bool) -> list[tuple[Collection[int], str]]:
     """The failed transfers' tags on ``link`` in one direction (a new list for a new group)."""
     key = (id(link.pg), link.peer, sending)
     entry = _TAGS.get(key)
     if entry is None or entry[0]() is not link.pg:
-        entry = _TAGS[key] = (weakref.ref(link.pg, lambda _, key=key: _TAGS.pop(key, None)), [])
+        entry = _TAGS[key] = (weakref.ref(link.pg, _forgetting(_TAGS, key)), [])
     return entry[1]
 
 
@@ -61,10 +72,10 @@ def check(td: Any, link: Link, tags: Sequence[int] = (), sending: bool = False) 
             "of it may still land or be taken by the next one, so this link is not used for it again: build "
             "new process groups (or use another tensordict)"
         )
-    entry = _TAGS.get((id(link.pg), link.peer, sending))
-    if entry is None or entry[0]() is not link.pg:
+    failed = _TAGS.get((id(link.pg), link.peer, sending))
+    if failed is None or failed[0]() is not link.pg:
         return
-    for taken, why in entry[1]:
+    for taken, why in failed[1]:
         tag = _shared(taken, tags)
         if tag is not None:
             raise LinkError(
@@ -75,7 +86,7 @@ def check(td: Any, link: Link, tags: Sequence[int] = (), sending: bool = False) 
             )
 
 
-def _shared(taken: Sequence[int], tags: Sequence[int]) -> int | None:
+def _shared(taken: Collection[int], tags: Sequence[int]) -> int | None:
     """A tag in both (None if none)."""
     if isinstance(taken, range) and isinstance(tags, range):
         low, high = (

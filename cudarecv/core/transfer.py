@@ -40,9 +40,10 @@ import contextlib
 import math
 import threading
 import time
+import typing
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -52,14 +53,24 @@ from .deadlines import DEADLINES
 from .errors import LinkError, TransferTimeout, WaitTimeout
 from .groups import bounded
 from .link import Link
-from .protocol import ErrorHook, Protocol, Stage, StartClock, Submit, again, frameless
+from .protocol import ErrorHook, Protocol, Stage, StartClock, Submit, Work, again, frameless
 from .transport import park
 
-WIRE, SHARED_MEMORY, CUDA_IPC = (
-    "wire",
-    "shared memory",
-    "cuda ipc",
-)  # what carried a payload (Transfer.transport)
+#: what carried a payload (:attr:`Transfer.transport`): the process group's sockets or NCCL, or a same-host
+#: transport
+Route = Literal["wire", "shared memory", "cuda ipc"]
+WIRE: Route = "wire"
+SHARED_MEMORY: Route = "shared memory"
+CUDA_IPC: Route = "cuda ipc"
+
+
+class Carrier(typing.Protocol):
+    """Where a transfer's payload went, as a same-host transport decides while it runs
+    (:class:`cudarecv.samehost.policy.Carried`)."""
+
+    transport: Route
+
+
 _UNBOUNDED = timedelta(days=3650)  # a gloo wait that never runs out (see the module docstring)
 BOUNDED_GRACE = 1.0  # seconds a gloo wait on a bounded pair lasts past its transfer's deadline
 
@@ -83,14 +94,14 @@ class Transfer(torch.futures.Future):
     def __init__(
         self,
         protocol: Protocol,
-        stream: Any = None,
+        stream: torch.cuda.Stream | None = None,
         on_error: ErrorHook | None = None,
         timeout: float | None = None,
         driver: Submit | None = None,
         link: Link | None = None,
         raise_first: bool = True,
         what: str | None = None,
-        route: Any = None,
+        route: Carrier | None = None,
     ) -> None:
         super().__init__()
         self._route = route  # where the payload went, if a same-host transport may take it (:mod:`cudarecv.samehost.sides`)
@@ -101,7 +112,7 @@ class Transfer(torch.futures.Future):
         self._stream = stream
         self._on_error = on_error
         self._driver = driver
-        self._works: Sequence[Any] = ()
+        self._works: Sequence[Work] = ()
         self._finished = False
         self.failed = False  # whether the transfer ended in an error
         self._error: BaseException | None = (
@@ -112,7 +123,7 @@ class Transfer(torch.futures.Future):
         )
         #: what it waits for, if its protocol said (:class:`Stage`: a string, or an object whose ``str()`` says it
         #: as the transfer goes on, e.g. which payload message); a failure names it
-        self.stage: Any = None
+        self.stage: object = None
         self._driving = threading.Lock()  # one thread drives (waits on works) at a time
         self._state = threading.RLock()  # guards every step and the end
         self._settled = threading.Event()  # set once finished or failed
@@ -121,7 +132,7 @@ class Transfer(torch.futures.Future):
         self.started = time.monotonic()
         #: the transfer's own time budget in seconds (None: the process group's timeout)
         self.timeout = timeout
-        self.event: Any = None
+        self.event: torch.cuda.Event | None = None
         self._advance(first=True, raise_error=raise_first)
         if timeout is not None:
             self.settle_in_background()  # its clock runs from now: so must its progress
@@ -135,7 +146,7 @@ class Transfer(torch.futures.Future):
                     self._works = next(self._protocol) if first else self._protocol.send(None)
                 for work in self._works:
                     if isinstance(work, StartClock):
-                        self.started, self.timeout = time.monotonic(), work.seconds
+                        self.started, self.timeout = time.monotonic(), work.timeout
                         DEADLINES.keep(self)
                     elif isinstance(work, Stage):
                         self.stage = work.what
@@ -209,7 +220,7 @@ class Transfer(torch.futures.Future):
                 self._fail(error)
 
     @property
-    def transport(self) -> str:
+    def transport(self) -> Route:
         """What carried the payload: ``"wire"`` (the process group's sockets or NCCL), ``"shared memory"``
         or ``"cuda ipc"`` (same-host transports); decided as the transfer runs (final once it ended)."""
         return WIRE if self._route is None else self._route.transport
@@ -258,7 +269,9 @@ class Transfer(torch.futures.Future):
             helper.join(1.0)
         if self._error is not None:
             raise again(self._error)
-        if self.event is not None:
+        if (
+            self.event is not None and self._stream is not None
+        ):  # (an event: recorded on the stream)
             torch.cuda.current_stream(self._stream.device).wait_event(self.event)
         return super().wait()
 
@@ -386,7 +399,7 @@ class Ended:
     def is_completed(self) -> bool:
         return self.transfer.settled
 
-    def wait(self, timeout: Any = None) -> bool:
+    def wait(self, timeout: timedelta | None = None) -> bool:
         if self.drive:
             self.transfer.settle()  # drives it here if its own driver has not yet (it may be queued behind us)
         else:
@@ -408,7 +421,7 @@ class Turn:
     def is_completed(self) -> bool:
         return self.transfer.settled
 
-    def wait(self, timeout: Any = None) -> bool:
+    def wait(self, timeout: timedelta | None = None) -> bool:
         transfer = self.transfer
         if not transfer._helped:
             transfer.settle()  # (waits for the lock while another thread drives it)
@@ -416,18 +429,21 @@ class Turn:
         return True
 
 
-def _note_stage(error: BaseException, stage: Any) -> None:
+def _note_stage(error: BaseException, stage: object) -> None:
     """Say on a failed wait's ``error`` (the backend's) the stage it struck in, as ``error.stage`` (a string), for
     the transfer's error hook: a peer that died mid-payload is then named there, not at the header."""
     if stage is None or getattr(error, "stage", None) is not None:
         return
     # (an exception type that takes no attributes: the hook names the call)
     with contextlib.suppress(AttributeError, TypeError):
-        error.stage = str(stage)
+        error.stage = str(stage)  # type: ignore[attr-defined]
 
 
 def run_standing(
-    protocol: Protocol, link: Link, stream: Any = None, on_error: ErrorHook | None = None
+    protocol: Protocol,
+    link: Link,
+    stream: torch.cuda.Stream | None = None,
+    on_error: ErrorHook | None = None,
 ) -> Any:
     """Drive ``protocol`` to its end on this thread with no deadline (a receive that may wait
     for as long as the peer likes) and return its result; raises its error.

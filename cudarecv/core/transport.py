@@ -26,7 +26,6 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Sequence
-from typing import Any
 
 import torch.distributed as dist
 from torch import Tensor
@@ -39,7 +38,7 @@ from .log import logger
 
 def post(
     link: Link, sending: bool, tensors: Sequence[Tensor], tags: Sequence[int], batch: bool = False
-) -> list[Any]:
+) -> list[dist.Work]:
     """Post a send (``sending``) or receive of every tensor with its tag; return the works.
 
     On NCCL, ``batch`` posts them as one coalesced group call (the group's communicator, even for one
@@ -51,7 +50,7 @@ def post(
         return _coalesced(link, sending, tensors, tags)
     op = link.pg.send if sending else link.pg.recv
     peer = link.peer
-    works: list[Any] = []
+    works: list[dist.Work] = []
     try:
         for t, tag in zip(tensors, tags):
             works.append(op([t], peer, tag))
@@ -86,7 +85,7 @@ def nccl_batching(link: Link) -> bool:
 #: entry goes once every work in it reports completion (NCCL works, ended transfers; gloo reports a
 #: send or receive complete only once something waited for it), or, past :data:`PARKED_MAX` entries,
 #: oldest first, said by the logger (a bound on memory: one entry is about a kilobyte).
-_PARKED: deque = deque()
+_PARKED: deque[tuple[weakref.ref[dist.ProcessGroup] | None, tuple[object, ...]]] = deque()
 _PARKING = threading.Lock()
 PARKED_WARN = 1024  # the logger warns each time the kept entries pass this, then twice as many
 PARKED_MAX = 1 << 16
@@ -96,7 +95,7 @@ _scan_at = (
 )
 
 
-def park(works: Sequence[Any], pg: Any = None) -> None:
+def park(works: Sequence[object], pg: dist.ProcessGroup | None = None) -> None:
     """Keep ``works`` alive until they can no longer matter (see ``_PARKED``); ``pg``: the group they are on,
     which :func:`release` names once its peer is gone."""
     global _warn_at
@@ -125,7 +124,7 @@ def park(works: Sequence[Any], pg: Any = None) -> None:
         )
 
 
-def release(pg: Any) -> None:
+def release(pg: dist.ProcessGroup) -> None:
     """Let go of what is parked on ``pg``, pending or not: its peer is gone for good (a receiver that left an
     elastic sender), so nothing is cancelled that could still arrive; the group goes with the last of it."""
     with _PARKING:
@@ -145,7 +144,7 @@ def _sweep() -> tuple[int, int]:
     return len(kept), dropped
 
 
-def _completed(item: Any) -> bool:
+def _completed(item: object) -> bool:
     """Whether ``item`` (a work, a transfer, a protocol's frame) is done with its link."""
     settled = getattr(item, "settled", None)  # a transfer: it has ended
     if settled is not None:
@@ -154,13 +153,13 @@ def _completed(item: Any) -> bool:
     return check is not None and bool(check())  # a protocol's frame may hold works: kept
 
 
-_COALESCING: weakref.WeakKeyDictionary[Any, threading.Lock] = (
+_COALESCING: weakref.WeakKeyDictionary[dist.ProcessGroup, threading.Lock] = (
     weakref.WeakKeyDictionary()
 )  # per group
 _COALESCING_LOCK = threading.Lock()
 
 
-def _coalescing(pg: Any) -> threading.Lock:
+def _coalescing(pg: dist.ProcessGroup) -> threading.Lock:
     """The lock of ``pg``'s coalescing state (one per group in torch, not per thread)."""
     with _COALESCING_LOCK:
         lock = _COALESCING.get(pg)
@@ -171,7 +170,7 @@ def _coalescing(pg: Any) -> threading.Lock:
 
 def _coalesced(
     link: Link, sending: bool, tensors: Sequence[Tensor], tags: Sequence[int]
-) -> list[Any]:
+) -> list[dist.Work]:
     device = tensors[0].device
     pg = link.pg
     with _coalescing(

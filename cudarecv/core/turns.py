@@ -19,9 +19,14 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Hashable
-from typing import Any
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
 
 from .link import Link
+
+if TYPE_CHECKING:
+    from .transfer import Transfer
 
 
 class Line:
@@ -31,20 +36,20 @@ class Line:
         self.lock = (
             threading.Lock()
         )  # held from :meth:`earlier` to :meth:`join`, across the transfer's first step
-        self._pending: list[weakref.ref] = []
+        self._pending: list[weakref.ref[Transfer]] = []
 
-    def earlier(self) -> list[Any]:
+    def earlier(self) -> list[Transfer]:
         """The transfers that joined before and have not ended (call under :attr:`lock`)."""
         alive = [(ref, t) for ref in self._pending if (t := ref()) is not None and not t.settled]
         self._pending = [ref for ref, _ in alive]
         return [t for _, t in alive]
 
-    def join(self, transfer: Any) -> None:
+    def join(self, transfer: Transfer) -> None:
         """``transfer`` is the latest (call under :attr:`lock`, after :meth:`earlier`)."""
         self._pending.append(weakref.ref(transfer))
 
 
-_LINES: weakref.WeakKeyDictionary[Any, dict[tuple[int, Hashable], Line]] = (
+_LINES: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple[int, Hashable], Line]] = (
     weakref.WeakKeyDictionary()
 )
 _LOCK = threading.Lock()

@@ -43,7 +43,7 @@ def digest(storage: Tensor) -> bytes:
         storage = storage.cpu()  # no cupy here: hash a host copy
     data = storage.numpy()
     threads = blake3.blake3.AUTO if data.size >= _THREADED_FROM else 1
-    return blake3.blake3(data, max_threads=threads).digest(DIGEST_BYTES)
+    return blake3.blake3(data.data, max_threads=threads).digest(DIGEST_BYTES)
 
 
 def digest_parts(parts: Sequence[Tensor]) -> bytes:

@@ -9,58 +9,32 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import operator
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from tensordict import TensorDictBase
 from torch import Tensor
 
 from ..core import stuck
-from ..core.checks import check_bucket_bytes, check_timeout
-from ..core.errors import ArgumentError, ArgumentTypeError
+from ..core.errors import ArgumentError
 from ..core.host_copy import copy_bytes
 from ..core.link import Link, resolve
 from ..core.protocol import Protocol
-from ..core.tags import MAX_TAG, check_init_tag, header_tag, piece_tag
+from ..core.tags import MAX_TAG, header_tag, piece_tag
 from ..core.transfer import Transfer
 from ..core.turns import line
-from ..plan.header import check_pieces
+from ..plan.header import Header, check_pieces
 from ..plan.plan import Plan, forget_plan, plan_for
 from ..plan.walk import unwrap
-from ..samehost.policy import Carried, allowed, check_transport
+from ..samehost.policy import Carried, Transport, allowed
 from ..samehost.sides import receiving_side, sending_side, storage_table
 from ..wire import fast as _fast_wire
 from ..wire import stock as _stock_wire
 from ..wire.staging import host_waits, lane_for
 from .failures import explaining, waited_for
-
-
-def _check_options(
-    init_tag: object, pseudo_rand: object, consolidated: object, bucket_bytes: object
-) -> int:
-    """Check the options of a call before anything else; return ``init_tag`` as an int."""
-    check_bucket_bytes(bucket_bytes)
-    if consolidated and bucket_bytes is None:
-        return 0  # one message with tag 0: stock ignores init_tag and pseudo_rand here
-    if isinstance(init_tag, bool):
-        raise ArgumentTypeError("`init_tag` must be an int, got bool")
-    try:
-        init_tag = operator.index(init_tag)  # numpy integers too, as stock takes them
-    except TypeError:
-        raise ArgumentTypeError(
-            f"`init_tag` must be an int, got {type(init_tag).__name__}"
-        ) from None
-    if init_tag < 0:
-        fix = (
-            "`pseudo_rand=True` seeds numpy with it, which takes non-negative seeds only"
-            if pseudo_rand
-            else "gloo takes tags 0..2**31 - 1"
-        )
-        raise ArgumentError(f"`init_tag={init_tag}` is negative, but {fix}: pass init_tag >= 0")
-    if bucket_bytes is not None:
-        check_init_tag(init_tag)
-    return init_tag
+from .options import CallOptions, call_options
 
 
 def _check_tags(init_tag: int, leaves: int, pseudo_rand: bool) -> None:
@@ -73,15 +47,13 @@ def _check_tags(init_tag: int, leaves: int, pseudo_rand: bool) -> None:
         )
 
 
-def _wire_tags(
-    plan: Plan, init_tag: int, pseudo_rand: bool, consolidated: bool, bucket_bytes: int | None
-) -> Sequence[int]:
+def _wire_tags(plan: Plan, call: CallOptions) -> Sequence[int]:
     """The tags a call's messages take."""
-    if bucket_bytes is not None:
-        return header_tag(init_tag), piece_tag(init_tag)
-    if consolidated:
+    if call.fast_wire:
+        return header_tag(call.init_tag), piece_tag(call.init_tag)
+    if call.consolidated:
         return (0,)
-    return plan.tags(init_tag, len(plan.tensors), pseudo_rand)
+    return plan.tags(call.init_tag, len(plan.tensors), call.pseudo_rand)
 
 
 @contextlib.contextmanager
@@ -89,10 +61,7 @@ def _claimed(
     td: Any,
     link: Link,
     sending: bool,
-    init_tag: int,
-    pseudo_rand: bool,
-    consolidated: bool,
-    bucket_bytes: int | None,
+    call: CallOptions,
     user: TensorDictBase | None = None,
 ) -> Iterator[tuple[TensorDictBase, Plan, Sequence[int]]]:
     """:func:`_prepare`, then the plan is this call's (its :attr:`~cudarecv.plan.plan.Plan.claim` held) until the
@@ -100,9 +69,7 @@ def _claimed(
     take turns, the later one waiting for the earlier one's transfer (outside the lock, in :func:`_prepare`) as for
     any previous one. The body only starts a transfer (its first step posts; it waits for nothing)."""
     while True:
-        inner, plan, tags = _prepare(
-            td, link, sending, init_tag, pseudo_rand, consolidated, bucket_bytes, user
-        )
+        inner, plan, tags = _prepare(td, link, sending, call, user)
         with plan.claim:
             if plan.in_flight is None:
                 yield inner, plan, tags
@@ -114,15 +81,12 @@ def _prepare(
     td: Any,
     link: Link,
     sending: bool,
-    init_tag: int,
-    pseudo_rand: bool,
-    consolidated: bool,
-    bucket_bytes: int | None,
+    call: CallOptions,
     user: TensorDictBase | None = None,
 ) -> tuple[TensorDictBase, Plan, Sequence[int]]:
     """The call's tensordict, plan and tags, once :mod:`.stuck` lets them on ``link``."""
     inner = unwrap(td)
-    fast_wire = bucket_bytes is not None
+    fast_wire = call.fast_wire
     plan = plan_for(inner, layout=fast_wire)  # the stock wire posts the leaves themselves
     if not fast_wire and plan.device.type == "cuda":
         plan = plan_for(inner)  # staged through host memory: the byte layout is used
@@ -137,7 +101,7 @@ def _prepare(
             # receives it left posted may still land in its buffers: start afresh
             plan = forget_plan(inner)
             plan.check()
-    tags = _wire_tags(plan, init_tag, pseudo_rand, consolidated, bucket_bytes)
+    tags = _wire_tags(plan, call)
     stuck.check(
         user if user is not None else inner, link, tags, sending
     )  # (after the previous one: it may fail)
@@ -148,51 +112,32 @@ def _track(plan: Plan, transfer: Transfer) -> None:
     """Mark ``transfer`` as using the plan's staging until it finishes."""
     plan.in_flight = transfer
 
-    def release(done: Transfer) -> None:
+    def release(done: object) -> None:
         if plan.in_flight is done:
             plan.in_flight = None  # no reference left from the plan cache to the tensordict
 
     transfer.add_done_callback(release)
 
 
-def _last_tag(plan: Plan, init_tag: int, pseudo_rand: bool) -> int:
+def _last_tag(plan: Plan, call: CallOptions) -> int:
     n = len(plan.tensors)
-    return plan.tags(init_tag, n, pseudo_rand)[-1] if n else init_tag - 1
+    return plan.tags(call.init_tag, n, call.pseudo_rand)[-1] if n else call.init_tag - 1
 
 
 def _start_send(
     td: Any,
     link: Link,
-    init_tag: int,
-    pseudo_rand: bool,
-    consolidated: bool,
-    bucket_bytes: int | None,
-    stream: Any,
-    timeout: float | None,
-    transport: str = "auto",
+    call: CallOptions,
 ) -> tuple[Transfer, Plan]:
     user = unwrap(td)  # what a failure is recorded against (a consolidated copy is new every call)
-    if consolidated and not user.is_consolidated():
+    if call.consolidated and not user.is_consolidated():
         td = user.consolidate(metadata=True)  # as stock does: a copy, every call
-    with _claimed(td, link, True, init_tag, pseudo_rand, consolidated, bucket_bytes, user) as (
+    with _claimed(td, link, True, call, user) as (
         inner,
         plan,
         tags,
     ):
-        return _begin_send(
-            user,
-            inner,
-            plan,
-            tags,
-            link,
-            init_tag,
-            pseudo_rand,
-            consolidated,
-            bucket_bytes,
-            stream,
-            timeout,
-            transport,
-        )
+        return _begin_send(user, inner, plan, tags, link, call)
 
 
 def _begin_send(
@@ -201,32 +146,30 @@ def _begin_send(
     plan: Plan,
     tags: Sequence[int],
     link: Link,
-    init_tag: int,
-    pseudo_rand: bool,
-    consolidated: bool,
-    bucket_bytes: int | None,
-    stream: Any,
-    timeout: float | None,
-    transport: str,
+    call: CallOptions,
 ) -> tuple[Transfer, Plan]:
     """Start the send (its plan claimed: :func:`_claimed`)."""
     route = Carried()
-    if consolidated:
+    if call.consolidated:
         storage = plan.storage(inner)
-        lane = lane_for(link, storage.device, stream, plan.pool)
-        side = None if bucket_bytes is None else sending_side(link, transport, storage.device)
-        if bucket_bytes is None:
+        lane = lane_for(link, storage.device, call.stream, plan.pool)
+        side = (
+            None
+            if call.bucket_bytes is None
+            else sending_side(link, call.transport, storage.device)
+        )
+        if call.bucket_bytes is None:
             protocol = _stock_wire.send_storage(lane, storage)
         else:
-            check_pieces(storage.numel(), bucket_bytes, "consolidated storage")
-            header = plan.chunk_header(inner).for_transfer(bucket_bytes, init_tag)
-            chunks = plan.chunks(inner, bucket_bytes)
+            check_pieces(storage.numel(), call.bucket_bytes, "consolidated storage")
+            header = plan.chunk_header(inner).for_transfer(call.bucket_bytes, call.init_tag)
+            chunks = plan.chunks(inner, call.bucket_bytes)
 
             def fill(data: Tensor, key: str, i: int, offset: int, length: int) -> None:
                 copy_bytes(data[offset : offset + length], chunks[i])
 
-            def wire(head: Any, offer: bytes | None) -> Any:
-                return _fast_wire.send(lane, head, chunks, init_tag, offer=offer)
+            def wire(head: Header, offer: bytes | None) -> Protocol:
+                return _fast_wire.send(lane, head, chunks, call.init_tag, offer=offer)
 
             protocol = (
                 wire(header, None)
@@ -234,28 +177,31 @@ def _begin_send(
                 else side.send(
                     lane,
                     header,
-                    init_tag,
+                    call.init_tag,
                     fill,
                     wire,
-                    allowed(transport),
+                    allowed(call.transport),
                     route,
                     storage=storage,
                     chunks=chunks,
                 )
             )
     else:
-        if bucket_bytes is None:
-            _check_tags(init_tag, len(plan.tensors), pseudo_rand)
+        if call.bucket_bytes is None:
+            _check_tags(call.init_tag, len(plan.tensors), call.pseudo_rand)
         else:
-            check_pieces(plan.total, bucket_bytes)
-        lane = lane_for(link, plan.device, stream, plan.pool)
-        side = None if bucket_bytes is None else sending_side(link, transport, plan.device)
-        if bucket_bytes is None:
+            check_pieces(plan.total, call.bucket_bytes)
+        lane = lane_for(link, plan.device, call.stream, plan.pool)
+        side = (
+            None if call.bucket_bytes is None else sending_side(link, call.transport, plan.device)
+        )
+        if call.bucket_bytes is None:
             protocol = _stock_wire.send_leaves(
-                lane, plan, plan.tags(init_tag, len(plan.tensors), pseudo_rand)
+                lane, plan, plan.tags(call.init_tag, len(plan.tensors), call.pseudo_rand)
             )
         else:
             place = _fast_wire.staging_place(lane, plan)
+            bucket_bytes = call.bucket_bytes
 
             def pack() -> None:
                 with lane.on_stream():
@@ -268,30 +214,42 @@ def _begin_send(
                 plan.adopt(place, data)
                 plan.pack_piece(bucket_bytes, i, place)
 
-            def wire(head: Any, offer: bytes | None) -> Any:
+            def wire(head: Header, offer: bytes | None) -> Protocol:
                 return _fast_wire.send(
-                    lane, head, plan.pieces(bucket_bytes, place), init_tag, pack=pack, offer=offer
+                    lane,
+                    head,
+                    plan.pieces(bucket_bytes, place),
+                    call.init_tag,
+                    pack=pack,
+                    offer=offer,
                 )
 
-            header = plan.bucket_header.for_transfer(bucket_bytes, init_tag)
+            header = plan.bucket_header.for_transfer(bucket_bytes, call.init_tag)
             table = plan.address_bytes if plan.device.type == "cpu" else None
             protocol = (
                 wire(header, None)
                 if side is None
                 else side.send(
-                    lane, header, init_tag, fill, wire, allowed(transport), route, table=table
+                    lane,
+                    header,
+                    call.init_tag,
+                    fill,
+                    wire,
+                    allowed(call.transport),
+                    route,
+                    table=table,
                 )
             )
             if lane.nccl and plan.device.type != "cuda":
                 protocol = host_waits(lane, protocol)  # the leaves were read once send() returns
-    what, cause = waited_for(True, plan, init_tag, pseudo_rand, consolidated, bucket_bytes)
-    on_error = explaining(user, link, timeout, what, cause, tags, True)
+    what, cause = waited_for(True, plan, call)
+    on_error = explaining(user, link, call.timeout, what, cause, tags, True)
     # a fast-wire send on the wire posts its header and (from host memory) its whole payload in its first step:
     # under its link and tag's lock, two threads' sends on one init_tag never interleave their messages (a send
     # through a same-host side runs on the link's thread, in call order)
     alone = (
-        line(link, ("send", header_tag(init_tag))).lock
-        if bucket_bytes is not None and side is None
+        line(link, ("send", header_tag(call.init_tag))).lock
+        if call.bucket_bytes is not None and side is None
         else None
     )
     with alone if alone is not None else contextlib.nullcontext():
@@ -299,7 +257,7 @@ def _begin_send(
             protocol,
             lane.stream,
             on_error=on_error,
-            timeout=timeout,
+            timeout=call.timeout,
             link=link,
             what=f"{what} to rank {link.peer} ({cause})",
             route=route,
@@ -308,7 +266,7 @@ def _begin_send(
     if side is not None:
         transfer.add_done_callback(functools.partial(side.ended, route))
         transfer.settle_in_background()  # on the link's thread, in call order
-    if lane.stream is not None or (bucket_bytes is not None and not consolidated):
+    if lane.stream is not None or (call.bucket_bytes is not None and not call.consolidated):
         _track(plan, transfer)  # it uses the plan's staging: the next transfer waits for it
     return transfer, plan
 
@@ -316,33 +274,14 @@ def _begin_send(
 def _start_recv(
     td: Any,
     link: Link,
-    init_tag: int,
-    pseudo_rand: bool,
-    consolidated: bool,
-    bucket_bytes: int | None,
-    stream: Any,
-    timeout: float | None,
-    transport: str = "auto",
+    call: CallOptions,
 ) -> tuple[Transfer, Plan]:
-    with _claimed(td, link, False, init_tag, pseudo_rand, consolidated, bucket_bytes) as (
+    with _claimed(td, link, False, call) as (
         inner,
         plan,
         tags,
     ):
-        return _begin_recv(
-            td,
-            inner,
-            plan,
-            tags,
-            link,
-            init_tag,
-            pseudo_rand,
-            consolidated,
-            bucket_bytes,
-            stream,
-            timeout,
-            transport,
-        )
+        return _begin_recv(td, inner, plan, tags, link, call)
 
 
 def _begin_recv(
@@ -351,26 +290,22 @@ def _begin_recv(
     plan: Plan,
     tags: Sequence[int],
     link: Link,
-    init_tag: int,
-    pseudo_rand: bool,
-    consolidated: bool,
-    bucket_bytes: int | None,
-    stream: Any,
-    timeout: float | None,
-    transport: str,
+    call: CallOptions,
 ) -> tuple[Transfer, Plan]:
     """Start the receive (its plan claimed: :func:`_claimed`); a fast-wire one in its turn on its link and tags."""
     route = Carried()
-    side = None if bucket_bytes is None else receiving_side(link)
-    shared = dict(side=side, allow=side is not None and allowed(transport), route=route)
-    if consolidated:
+    side = None if call.bucket_bytes is None else receiving_side(link)
+    allow = side is not None and allowed(call.transport)
+    if call.consolidated:
         storage = plan.storage(inner)  # raises, naming the fix, if td is not consolidated
-        lane = lane_for(link, storage.device, stream, plan.pool)
-        if bucket_bytes is None:
+        lane = lane_for(link, storage.device, call.stream, plan.pool)
+        if call.bucket_bytes is None:
             protocol = _stock_wire.recv_storage(lane, storage, td)
         else:
 
-            def copy(data: Tensor, key: str, i: int, offset: int, length: int, piece: int) -> None:
+            def copy(
+                data: Tensor, key: str, i: int, offset: int, length: int, bucket_bytes: int
+            ) -> None:
                 with lane.on_stream():
                     copy_bytes(storage[offset : offset + length], data[offset : offset + length])
 
@@ -380,76 +315,83 @@ def _begin_recv(
             protocol = _fast_wire.recv(
                 lane,
                 plan.chunk_header(inner),
-                lambda piece: plan.chunks(inner, piece),
-                init_tag,
+                lambda bucket_bytes: plan.chunks(inner, bucket_bytes),
+                call.init_tag,
                 td,
                 copy_shared=copy,
                 table=table,
-                **shared,
+                side=side,
+                allow=allow,
+                route=route,
             )
     else:
-        if bucket_bytes is None:
-            _check_tags(init_tag, len(plan.tensors), pseudo_rand)
-        lane = lane_for(link, plan.device, stream, plan.pool)
-        if bucket_bytes is None:
+        if call.bucket_bytes is None:
+            _check_tags(call.init_tag, len(plan.tensors), call.pseudo_rand)
+        lane = lane_for(link, plan.device, call.stream, plan.pool)
+        if call.bucket_bytes is None:
             protocol = _stock_wire.recv_leaves(
-                lane, plan, plan.tags(init_tag, len(plan.tensors), pseudo_rand), td
+                lane, plan, plan.tags(call.init_tag, len(plan.tensors), call.pseudo_rand), td
             )
         else:
             place = _fast_wire.staging_place(lane, plan)
 
-            def copy(data: Tensor, key: str, i: int, offset: int, length: int, piece: int) -> None:
+            def copy(
+                data: Tensor, key: str, i: int, offset: int, length: int, bucket_bytes: int
+            ) -> None:
                 place = f"shared:{key}"  # (a place per segment of the link: the plan keeps one staging each)
                 plan.adopt(place, data)
                 with lane.on_stream():
-                    plan.unpack(piece, i, place)
+                    plan.unpack(bucket_bytes, i, place)
 
             protocol = _fast_wire.recv(
                 lane,
                 plan.bucket_header,
-                lambda piece: plan.pieces(piece, place),
-                init_tag,
+                lambda bucket_bytes: plan.pieces(bucket_bytes, place),
+                call.init_tag,
                 td,
-                landed=lambda piece, i: plan.unpack(piece, i, place),
+                landed=lambda bucket_bytes, i: plan.unpack(bucket_bytes, i, place),
                 copy_shared=copy,
                 table=plan.address_table if plan.device.type == "cpu" else None,
-                **shared,
+                side=side,
+                allow=allow,
+                route=route,
             )
             if lane.nccl and plan.device.type != "cuda":
                 protocol = host_waits(
                     lane, protocol
                 )  # the leaves hold the bytes once recv() returns
-    what, cause = waited_for(False, plan, init_tag, pseudo_rand, consolidated, bucket_bytes)
-    on_error = explaining(inner, link, timeout, what, cause, tags, False, route)
+    what, cause = waited_for(False, plan, call)
+    on_error = explaining(inner, link, call.timeout, what, cause, tags, False, route)
     # a fast-wire receive takes its turn among the link's receives on its tags (core.turns); a stock one posts
     # every message at once, and gloo matches them in posting order
-    queue = line(link, ("recv", header_tag(init_tag))) if bucket_bytes is not None else None
+    queue = (
+        line(link, ("recv", header_tag(call.init_tag))) if call.bucket_bytes is not None else None
+    )
     with queue.lock if queue is not None else contextlib.nullcontext():
         if queue is not None:
             protocol = _in_turn(
                 protocol, queue.earlier(), route, lambda: stuck.check(inner, link, tags, False)
             )
-        driven = (
-            side is not None and side.driven
-        )  # the sender may wait for its DONE: it must not wait for our wait()
-        if driven:
-            protocol = side.queued(protocol, route)  # in call order, on the link's thread
+        # driven by the side's thread: the sender may wait for its DONE, it must not wait for our wait()
+        driven = side if side is not None and side.driven else None
+        if driven is not None:
+            protocol = driven.queued(protocol, route)  # in call order, on the link's thread
         transfer = Transfer(
             protocol,
             lane.stream,
             on_error=on_error,
-            timeout=timeout,
+            timeout=call.timeout,
             link=link,
             what=f"{what} from rank {link.peer} ({cause})",
             route=route,
-            driver=side.submit if driven else None,
+            driver=driven.submit if driven is not None else None,
         )
         if queue is not None:
             queue.join(transfer)
-        if driven:
-            transfer.add_done_callback(functools.partial(side.ended, route))
+        if driven is not None:
+            transfer.add_done_callback(functools.partial(driven.ended, route))
             transfer.settle_in_background()  # (handed to the link's thread before the next receive joins)
-    if lane.stream is not None or (bucket_bytes is not None and not consolidated):
+    if lane.stream is not None or (call.bucket_bytes is not None and not call.consolidated):
         _track(plan, transfer)  # it uses the plan's staging: the next transfer waits for it
     return transfer, plan
 
@@ -473,16 +415,16 @@ def isend(
     td: Any,
     dst: int | None = None,
     *,
-    group: Any = None,
+    group: dist.ProcessGroup | None = None,
     group_dst: int | None = None,
     init_tag: int = 0,
     pseudo_rand: bool = False,
     return_early: bool = False,
     consolidated: bool = False,
     bucket_bytes: int | None = None,
-    stream: Any = None,
+    stream: torch.cuda.Stream | None = None,
     timeout: float | None = None,
-    transport: str = "auto",
+    transport: Transport = "auto",
 ) -> Any:
     """Send the leaves of ``td`` to ``dst``, a call's messages posted as one batch.
 
@@ -510,33 +452,31 @@ def isend(
     Example:
         >>> cudarecv.isend(td, dst=1, bucket_bytes=1 << 20)
     """
-    init_tag = _check_options(init_tag, pseudo_rand, consolidated, bucket_bytes)
-    timeout = check_timeout(timeout, or_none=True)
-    check_transport(transport)
-    link = resolve(dst, group_dst, group, "dst", "group_dst")
-    transfer, plan = _start_send(
-        td, link, init_tag, pseudo_rand, consolidated, bucket_bytes, stream, timeout, transport
+    call = call_options(
+        init_tag, pseudo_rand, consolidated, bucket_bytes, stream, timeout, transport
     )
+    link = resolve(dst, group_dst, group, "dst", "group_dst")
+    transfer, plan = _start_send(td, link, call)
     if return_early:
-        return [transfer] if consolidated or bucket_bytes is not None or plan.tensors else []
+        return [transfer] if call.consolidated or call.fast_wire or plan.tensors else []
     transfer.wait()
-    return None if consolidated else _last_tag(plan, init_tag, pseudo_rand)
+    return None if call.consolidated else _last_tag(plan, call)
 
 
 def irecv(
     td: Any,
     src: int | None = None,
     *,
-    group: Any = None,
+    group: dist.ProcessGroup | None = None,
     group_src: int | None = None,
     return_premature: bool = False,
     init_tag: int = 0,
     pseudo_rand: bool = False,
     consolidated: bool = False,
     bucket_bytes: int | None = None,
-    stream: Any = None,
+    stream: torch.cuda.Stream | None = None,
     timeout: float | None = None,
-    transport: str = "auto",
+    transport: Transport = "auto",
 ) -> Any:
     """Receive into the leaves of ``td`` in place what :func:`isend` or stock tensordict sends.
 
@@ -555,15 +495,13 @@ def irecv(
     Example:
         >>> cudarecv.irecv(td, src=0, bucket_bytes=1 << 20)
     """
-    init_tag = _check_options(init_tag, pseudo_rand, consolidated, bucket_bytes)
-    timeout = check_timeout(timeout, or_none=True)
-    check_transport(transport)
-    link = resolve(src, group_src, group, "src", "group_src")
-    transfer, plan = _start_recv(
-        td, link, init_tag, pseudo_rand, consolidated, bucket_bytes, stream, timeout, transport
+    call = call_options(
+        init_tag, pseudo_rand, consolidated, bucket_bytes, stream, timeout, transport
     )
+    link = resolve(src, group_src, group, "src", "group_src")
+    transfer, plan = _start_recv(td, link, call)
     if return_premature:  # stock returns one work per leaf: none for a tensordict without leaves
-        return [transfer] if consolidated or bucket_bytes is not None or plan.tensors else []
+        return [transfer] if call.consolidated or call.fast_wire or plan.tensors else []
     transfer.wait()
     return None
 
@@ -572,15 +510,15 @@ def send(
     td: Any,
     dst: int | None = None,
     *,
-    group: Any = None,
+    group: dist.ProcessGroup | None = None,
     group_dst: int | None = None,
     init_tag: int = 0,
     pseudo_rand: bool = False,
     consolidated: bool = False,
     bucket_bytes: int | None = None,
-    stream: Any = None,
+    stream: torch.cuda.Stream | None = None,
     timeout: float | None = None,
-    transport: str = "auto",
+    transport: Transport = "auto",
 ) -> None:
     """Blocking :func:`isend`; same arguments and wire as ``TensorDictBase.send``."""
     isend(
@@ -602,23 +540,21 @@ def recv(
     td: Any,
     src: int | None = None,
     *,
-    group: Any = None,
+    group: dist.ProcessGroup | None = None,
     group_src: int | None = None,
     init_tag: int = 0,
     pseudo_rand: bool = False,
     consolidated: bool = False,
     bucket_bytes: int | None = None,
-    stream: Any = None,
+    stream: torch.cuda.Stream | None = None,
     timeout: float | None = None,
-    transport: str = "auto",
+    transport: Transport = "auto",
 ) -> int | None:
     """Blocking :func:`irecv`; returns the last tag (``None`` when ``consolidated``), as stock."""
-    init_tag = _check_options(init_tag, pseudo_rand, consolidated, bucket_bytes)
-    timeout = check_timeout(timeout, or_none=True)
-    check_transport(transport)
-    link = resolve(src, group_src, group, "src", "group_src")
-    transfer, plan = _start_recv(
-        td, link, init_tag, pseudo_rand, consolidated, bucket_bytes, stream, timeout, transport
+    call = call_options(
+        init_tag, pseudo_rand, consolidated, bucket_bytes, stream, timeout, transport
     )
+    link = resolve(src, group_src, group, "src", "group_src")
+    transfer, plan = _start_recv(td, link, call)
     transfer.wait()
-    return None if consolidated else _last_tag(plan, init_tag, pseudo_rand)
+    return None if call.consolidated else _last_tag(plan, call)

@@ -4,16 +4,17 @@ stage its own timeout struck in, and which tags and tensordicts the link refuses
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from tensordict import TensorDictBase
 
 from ..core import stuck
 from ..core.errors import Error, PeerError, TransferTimeout
 from ..core.link import Link, peer_failure
+from ..core.protocol import ErrorHook
 from ..core.tags import header_tag
 from ..plan.plan import Plan
 from ..samehost.policy import Carried
+from .options import CallOptions
 
 
 def explaining(
@@ -25,7 +26,7 @@ def explaining(
     tags: Sequence[int],
     sending: bool,
     route: Carried | None = None,
-) -> Any:
+) -> ErrorHook:
     """The error hook of one call: name the peer, what was waited for (``waited_for``, or the stage its
     own timeout struck in) and the likely cause; a link left with messages in flight is refused for ``td``
     from then on, and after a timeout for the call's ``tags`` in its direction too (:mod:`.stuck`), but for
@@ -106,24 +107,18 @@ def tag_span(tags: Sequence[int]) -> str:
     return f"{tags[0]} and {len(tags) - 1} others"
 
 
-def waited_for(
-    sending: bool,
-    plan: Plan,
-    init_tag: int,
-    pseudo_rand: bool,
-    consolidated: bool,
-    bucket_bytes: int | None,
-) -> tuple[str, str]:
+def waited_for(sending: bool, plan: Plan, call: CallOptions) -> tuple[str, str]:
     """What a call waits for, and the likely cause if it never comes, for its timeout message."""
     verb = "send" if sending else "receive"
     peer = "the receiver post the matching receive" if sending else "the sender send"
-    if bucket_bytes is not None:
+    init_tag = call.init_tag
+    if call.fast_wire:
         what = f"{verb} of the fast-wire header (tag {header_tag(init_tag)})"
         return (
             what,
             f"does {peer} on the fast wire too (bucket_bytes on both ends), with init_tag={init_tag}?",
         )
-    if consolidated:
+    if call.consolidated:
         return (
             f"{verb} of the consolidated storage (tag 0)",
             f"does {peer} with consolidated=True, no bucket_bytes?",
@@ -131,10 +126,11 @@ def waited_for(
     n = len(plan.tensors)
     tags = (
         f"pseudo-random tags from init_tag={init_tag}"
-        if pseudo_rand
+        if call.pseudo_rand
         else f"tags {init_tag}..{init_tag + n - 1}"
     )
     return (
         f"{verb} of {n} leaves ({tags})",
-        f"does {peer} on the stock wire (no bucket_bytes) with init_tag={init_tag}, pseudo_rand={pseudo_rand}?",
+        f"does {peer} on the stock wire (no bucket_bytes) with init_tag={init_tag}, "
+        f"pseudo_rand={call.pseudo_rand}?",
     )

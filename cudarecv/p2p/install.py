@@ -35,8 +35,8 @@ def _as_method(
             return stock(self, *args, **kwargs)
         return function(self, *args, **kwargs)
 
-    method.__cudarecv__ = True
-    method.__stock__ = stock  # what it replaced (cudarecv.p2p.stock reads it)
+    method.__cudarecv__ = True  # type: ignore[attr-defined]
+    method.__stock__ = stock  # type: ignore[attr-defined]  # what it replaced (cudarecv.p2p.stock reads it)
     return method
 
 

@@ -22,14 +22,14 @@ from tensordict import TensorDictBase
 try:  # tensordict >= 0.15
     from tensordict.utils import _int_generator as int_generator
 except ImportError:  # tensordict 0.14
-    from tensordict.utils import int_generator
+    from tensordict.utils import int_generator  # type: ignore[no-redef]
 
 __all__ = ["STOCK_CONSOLIDATED_ISEND", "Stock", "int_generator"]
 
 try:  # tensordict >= 0.15: the methods live on a mixin that installing never touches
     from tensordict._base.distributed import _Distributed as _holder
 except ImportError:  # tensordict 0.14: on TensorDictBase, where install() puts cudarecv's
-    _holder = TensorDictBase
+    _holder = TensorDictBase  # type: ignore[misc]
 
 
 def _original(name: str) -> Callable[..., Any]:

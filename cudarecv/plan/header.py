@@ -2,22 +2,22 @@
 
 Layout (little-endian)::
 
-    magic     4s   b"CDRV"
-    version   u16  4 (since 3 the record carries init_tag, since 4 a description of the sender's
-                   layout may follow; a peer of another version is out of step)
-    kind      u16  1 = buckets (non-consolidated), 2 = chunks (consolidated storage)
-    leaves    u32  number of leaves
-    route     u32  where the payload is: byte 0 a :class:`PayloadRoute` (the wire, a shared
-                   host segment, the sender's storage in shared memory, the sender's leaves
-                   read directly, a CUDA IPC segment: :mod:`cudarecv.samehost`),
-                   byte 1 the segment or storage slot, bit 16 an offer follows, bit 17 the
-                   sender's layout follows (after the offer, if any: :mod:`cudarecv.wire.layouts`)
-    total     u64  payload bytes
-    piece     u64  bytes per payload message (the sender's bucket_bytes)
-    schema    16s  blake2b-128 of the schema (keys, dtypes, shapes, byte counts, offsets)
-    seq       u64  the sender's transfer number on this link (shared segments)
-    init_tag  u32  the transfer's init_tag (NCCL ignores tags: a receiver checks it took its own transfer)
-    crc       u32  crc32 of the 60 bytes above
+    magic        4s   b"CDRV"
+    version      u16  4 (since 3 the record carries init_tag, since 4 a description of the sender's
+                      layout may follow; a peer of another version is out of step)
+    kind         u16  1 = buckets (non-consolidated), 2 = chunks (consolidated storage)
+    leaves       u32  number of leaves
+    route        u32  where the payload is: byte 0 a :class:`PayloadRoute` (the wire, a shared
+                      host segment, the sender's storage in shared memory, the sender's leaves
+                      read directly, a CUDA IPC segment: :mod:`cudarecv.samehost`),
+                      byte 1 the segment or storage slot, bit 16 an offer follows, bit 17 the
+                      sender's layout follows (after the offer, if any: :mod:`cudarecv.wire.layouts`)
+    total        u64  payload bytes
+    bucket_bytes u64  bytes per payload message (the sender's bucket_bytes)
+    schema       16s  blake2b-128 of the schema (keys, dtypes, shapes, byte counts, offsets)
+    seq          u64  the sender's transfer number on this link (shared segments)
+    init_tag     u32  the transfer's init_tag (NCCL ignores tags: a receiver checks it took its own transfer)
+    crc          u32  crc32 of the 60 bytes above
 
 Nothing read from the wire is ever unpickled: the receiver compares the record
 with the one it computes for its own tensordict. Nothing is sized from a record
@@ -91,9 +91,9 @@ ROUTE_SLOTS = {
 DRAIN_FLOOR = 1 << 20  # a receiver drains a mismatched payload of up to max(2 x its own size, this)
 
 
-def messages(total: int, piece: int) -> int:
-    """How many messages of at most ``piece`` bytes carry ``total`` bytes."""
-    return -(-total // piece)
+def messages(total: int, bucket_bytes: int) -> int:
+    """How many messages of at most ``bucket_bytes`` bytes carry ``total`` bytes."""
+    return -(-total // bucket_bytes)
 
 
 def drain_limit(own_total: int) -> int:
@@ -108,7 +108,7 @@ class Header:
     kind: PayloadKind
     leaves: int
     total: int
-    piece: int
+    bucket_bytes: int
     schema: bytes
     #: where the payload is (:class:`PayloadRoute`), in slot ``segment``
     transport: int = PayloadRoute.WIRE
@@ -123,9 +123,9 @@ class Header:
     #: asked (a sender's first transfer of its schema on a link, a receiver's mismatch); never on the wire itself
     describe: Callable[[], bytes] | None = field(default=None, compare=False, repr=False)
 
-    def for_transfer(self, piece: int, init_tag: int) -> Header:
-        """This header for a transfer with ``init_tag`` in messages of ``piece`` bytes."""
-        return replace(self, piece=piece, init_tag=init_tag)
+    def for_transfer(self, bucket_bytes: int, init_tag: int) -> Header:
+        """This header for a transfer with ``init_tag`` in messages of ``bucket_bytes`` bytes."""
+        return replace(self, bucket_bytes=bucket_bytes, init_tag=init_tag)
 
     def pack(self) -> bytes:
         route = (
@@ -137,7 +137,7 @@ class Header:
             self.leaves,
             route,
             self.total,
-            self.piece,
+            self.bucket_bytes,
             self.schema,
             self.seq,
             self.init_tag,
@@ -147,15 +147,17 @@ class Header:
     def unpack(cls, raw: bytes) -> Header:
         """Parse and check a received record; raises :class:`OutOfStepError` if it is not one,
         or if its lengths are impossible (more than :data:`MAX_MESSAGES` messages)."""
-        version, kind, leaves, route, total, piece, schema, seq, init_tag = RECORD.unpack(raw)
+        version, kind, leaves, route, total, bucket_bytes, schema, seq, init_tag = RECORD.unpack(
+            raw
+        )
         out_of_step = "not drained, the link is out of step"
         if version != VERSION or kind not in KIND_NAMES:
             raise OutOfStepError(
                 f"unsupported cudarecv header (version {version}, kind {kind}; {out_of_step})"
             )
-        if piece <= 0 or messages(total, piece) > MAX_MESSAGES:
+        if bucket_bytes <= 0 or messages(total, bucket_bytes) > MAX_MESSAGES:
             raise OutOfStepError(
-                f"the header announces {total} bytes in messages of {piece} bytes, more than the "
+                f"the header announces {total} bytes in messages of {bucket_bytes} bytes, more than the "
                 f"{MAX_MESSAGES} messages a transfer may have: a corrupt or hostile sender ({out_of_step})"
             )
         transport, segment, offer = route & 0xFF, route >> 8 & 0xFF, bool(route >> 16 & 1)
@@ -171,7 +173,7 @@ class Header:
             PayloadKind(kind),
             leaves,
             total,
-            piece,
+            bucket_bytes,
             schema,
             PayloadRoute(transport),
             segment,
@@ -182,15 +184,15 @@ class Header:
         )
 
 
-def piece_sizes(total: int, piece: int) -> list[int]:
-    """``total`` bytes cut into messages of at most ``piece`` bytes."""
-    full, rest = divmod(total, piece)
-    return [piece] * full + ([rest] if rest else [])
+def piece_sizes(total: int, bucket_bytes: int) -> list[int]:
+    """``total`` bytes cut into messages of at most ``bucket_bytes`` bytes."""
+    full, rest = divmod(total, bucket_bytes)
+    return [bucket_bytes] * full + ([rest] if rest else [])
 
 
-def cut(buffer: torch.Tensor, piece: int) -> list[torch.Tensor]:
-    """``buffer`` as views of at most ``piece`` bytes each, in order."""
-    sizes = piece_sizes(buffer.numel(), piece)
+def cut(buffer: torch.Tensor, bucket_bytes: int) -> list[torch.Tensor]:
+    """``buffer`` as views of at most ``bucket_bytes`` bytes each, in order."""
+    sizes = piece_sizes(buffer.numel(), bucket_bytes)
     return list(buffer.split(sizes)) if sizes else []
 
 

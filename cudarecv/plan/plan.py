@@ -23,6 +23,7 @@ import weakref
 from collections import OrderedDict, defaultdict
 from collections.abc import Sequence
 from functools import cached_property
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,6 +34,7 @@ from ..core import streams
 from ..core.errors import ArgumentError
 from ..core.host_copy import CopyTable
 from ..core.lru import lru_get
+from ..core.transfer import Transfer
 from . import header
 from .describe import describe
 from .tags import tag_sequence
@@ -53,11 +55,14 @@ class Plan:
         self._pieces: OrderedDict[tuple[int, str], _Layout] = OrderedDict()
         self._staging: dict[str, Tensor] = {}
         self._parts: dict[str, list[Tensor]] = {}
+        self._storage: Tensor | None = None  # the consolidated storage last checked (storage())
         self._adopted: dict[str, Tensor] = {}  # places whose staging is a buffer given to the plan
         self.pool = (
             streams.StagingPool()
         )  # staging rings and their fences, for this tensordict alone
-        self.in_flight = None  # the transfer still using the staging buffers, if any
+        self.in_flight: Transfer | None = (
+            None  # the transfer still using the staging buffers, if any
+        )
         #: held by a call from its look at :attr:`in_flight` until its own transfer is started and marked there
         #: (two threads calling with one tensordict at once take turns: :mod:`cudarecv.p2p.calls`)
         self.claim = threading.Lock()
@@ -99,7 +104,7 @@ class Plan:
                 raise ArgumentError(f"leaf {format_path(path)!r} cannot travel: {problem}")
         devices = {t.device for t in self.tensors}
         if len(devices) > 1:
-            first = {}
+            first: dict[torch.device, str] = {}
             for path, t in zip(self.paths, self.tensors):
                 first.setdefault(t.device, format_path(path))
             raise ArgumentError(
@@ -157,9 +162,9 @@ class Plan:
             )
         return parts
 
-    def pieces(self, piece: int, place: str = "cpu") -> list[Tensor]:
-        """The staging buffer cut into messages of at most ``piece`` bytes (cached)."""
-        return self._bucket_layout(piece, place).pieces
+    def pieces(self, bucket_bytes: int, place: str = "cpu") -> list[Tensor]:
+        """The staging buffer cut into messages of at most ``bucket_bytes`` bytes (cached)."""
+        return self._bucket_layout(bucket_bytes, place).pieces
 
     def pack(self, place: str = "cpu") -> None:
         """Copy every leaf into the staging buffer on ``place``, in one op.
@@ -175,10 +180,10 @@ class Plan:
         else:
             torch._foreach_copy_(self.staging_parts(place), self.byte_views, non_blocking=True)
 
-    def pack_piece(self, piece: int, index: int, place: str) -> None:
+    def pack_piece(self, bucket_bytes: int, index: int, place: str) -> None:
         """Copy the leaves' bytes of message ``index`` into the staging buffer (one message at a time;
         in host memory one native call for all its leaves, about half the time of a ``cat``)."""
-        layout = self._bucket_layout(piece, place)
+        layout = self._bucket_layout(bucket_bytes, place)
         if layout.host:
             layout.packs.run(layout.bounds[index], layout.bounds[index + 1])
         else:
@@ -186,9 +191,9 @@ class Plan:
                 layout.staging_parts[index], layout.leaf_parts[index], non_blocking=True
             )
 
-    def unpack(self, piece: int, index: int, place: str = "cpu") -> None:
+    def unpack(self, bucket_bytes: int, index: int, place: str = "cpu") -> None:
         """Copy message ``index`` from the staging buffer into the leaves."""
-        layout = self._bucket_layout(piece, place)
+        layout = self._bucket_layout(bucket_bytes, place)
         if layout.host:
             layout.unpacks.run(layout.bounds[index], layout.bounds[index + 1])
         else:
@@ -196,8 +201,10 @@ class Plan:
                 layout.leaf_parts[index], layout.staging_parts[index], non_blocking=True
             )
 
-    def _bucket_layout(self, piece: int, place: str) -> _Layout:
-        return lru_get(self._pieces, (piece, place), lambda: _Layout(self, piece, place), CACHED)
+    def _bucket_layout(self, bucket_bytes: int, place: str) -> _Layout:
+        return lru_get(
+            self._pieces, (bucket_bytes, place), lambda: _Layout(self, bucket_bytes, place), CACHED
+        )
 
     @cached_property
     def address_table(self) -> np.ndarray:
@@ -227,9 +234,11 @@ class Plan:
     # -- consolidated ------------------------------------------------------------
     def storage(self, td: TensorDictBase) -> Tensor:
         """The consolidated storage of ``td``, checked to hold every leaf (cached)."""
-        storage = getattr(self, "_storage", None)
+        storage = self._storage
         consolidated = getattr(td, "_consolidated", None)
-        current = consolidated.get("storage") if isinstance(consolidated, dict) else None
+        current: Tensor | None = (
+            consolidated.get("storage") if isinstance(consolidated, dict) else None
+        )
         if storage is not None and current is storage:
             return storage
         if current is None:
@@ -269,23 +278,25 @@ class Plan:
         self.storage(td)
         return self._chunk_header
 
-    def chunks(self, td: TensorDictBase, piece: int) -> list[Tensor]:
-        """The consolidated storage cut into messages of at most ``piece`` bytes (cached)."""
+    def chunks(self, td: TensorDictBase, bucket_bytes: int) -> list[Tensor]:
+        """The consolidated storage cut into messages of at most ``bucket_bytes`` bytes (cached)."""
         storage = self.storage(td)
-        return lru_get(self._chunks, piece, lambda: header.cut(storage, piece), CACHED)
+        return lru_get(
+            self._chunks, bucket_bytes, lambda: header.cut(storage, bucket_bytes), CACHED
+        )
 
 
 _shape = operator.attrgetter("shape")
 
 
 class _Layout:
-    """A plan's staging on ``place`` cut into messages of ``piece`` bytes: per message its staging slice
+    """A plan's staging on ``place`` cut into messages of ``bucket_bytes`` bytes: per message its staging slice
     and what it holds of the leaves (a leaf may span several messages): where leaves and staging are
     host memory, native copy tables that pack and unpack it (message i: rows ``bounds[i]`` to
     ``bounds[i + 1]``), else the matching leaf and staging views."""
 
-    def __init__(self, plan: Plan, piece: int, place: str) -> None:
-        self.pieces = header.cut(plan.staging(place), piece)
+    def __init__(self, plan: Plan, bucket_bytes: int, place: str) -> None:
+        self.pieces = header.cut(plan.staging(place), bucket_bytes)
         self.host = (
             plan.device.type == "cpu" and bool(self.pieces) and self.pieces[0].device.type == "cpu"
         )
@@ -297,8 +308,8 @@ class _Layout:
         for view, n in zip(plan.byte_views, plan.nbytes):
             done = 0
             while done < n:
-                index, at = divmod(offset + done, piece)
-                take = min(n - done, piece - at)
+                index, at = divmod(offset + done, bucket_bytes)
+                take = min(n - done, bucket_bytes - at)
                 if (
                     self.host
                 ):  # addresses only: thousands of views per layout would cost memory and time
@@ -410,19 +421,28 @@ def plan_for(td: TensorDictBase, layout: bool = True) -> Plan:
         plan = entry[1]
     else:
         plan = Plan(paths, tensors)
-        _PLANS[key] = (weakref.ref(td, lambda _, key=key, plans=_PLANS: plans.pop(key, None)), plan)
+        _PLANS[key] = (weakref.ref(td, functools.partial(_forget, key)), plan)
     if not locked:
         plan.skeleton = Skeleton.of(td)
     if locked:
-        if td._cache is None:
-            td._cache = defaultdict(dict)
-        td._cache[_LOCKED_KEY] = plan
+        held: Any = (
+            td  # (tensordict's private per-instance cache; its annotation there is not its value)
+        )
+        if held._cache is None:
+            held._cache = defaultdict(dict)
+        held._cache[_LOCKED_KEY] = plan
     return plan
+
+
+def _forget(key: int, _: object) -> None:
+    """The weakref callback of a cached plan: its tensordict is gone."""
+    _PLANS.pop(key, None)
 
 
 def forget_plan(td: TensorDictBase) -> Plan:
     """Drop the cached plan of ``td`` (its staging may be written late) and build a new one."""
     _PLANS.pop(id(td), None)
-    if getattr(td, "_cache", None) is not None:
-        td._cache.pop(_LOCKED_KEY, None)
+    cache = getattr(td, "_cache", None)
+    if cache is not None:
+        cache.pop(_LOCKED_KEY, None)
     return plan_for(td)

@@ -282,7 +282,7 @@ class RecvSide:
                 f"the header announces {header.total} bytes in a segment of {mapping.capacity}: "
                 "the link is out of step"
             )
-        piece, total, key = header.piece, header.total, f"{kind}:{header.segment}"
+        piece, total, key = header.bucket_bytes, header.total, f"{kind}:{header.segment}"
         count, done = len(piece_sizes(total, piece)), 0  # messages, and how many are copied out
         stage = SegmentStage(kind, header.segment, count, piece_tag(init_tag))
         carried.transport = CUDA_IPC if kind == DEVICE else SHARED_MEMORY
@@ -399,9 +399,9 @@ class RecvSide:
                 "is partly written; the link is out of step"
             )
         if staging is not None:
-            for i, n in enumerate(piece_sizes(header.total, header.piece)):
+            for i, n in enumerate(piece_sizes(header.total, header.bucket_bytes)):
                 with lane.on_stream():
-                    copy(staging, "direct", i, i * header.piece, n, header.piece)
+                    copy(staging, "direct", i, i * header.bucket_bytes, n, header.bucket_bytes)
             if lane.stream is not None:
                 self.staging_fence = record(
                     lane.stream

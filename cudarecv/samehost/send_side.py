@@ -333,7 +333,7 @@ class SendSide:
         head = dataclasses.replace(header, transport=ch.route, segment=k, seq=seq)
         held = self.post_header(lane, head, init_tag)
         offset = 0
-        for i, length in enumerate(piece_sizes(header.total, header.piece)):
+        for i, length in enumerate(piece_sizes(header.total, header.bucket_bytes)):
             with lane.on_stream():
                 fill(segment.data, f"{ch.kind}:{k}", i, offset, length)
             offset += length

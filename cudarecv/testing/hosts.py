@@ -245,7 +245,7 @@ class SimulatedHosts:
     ) -> subprocess.Popen:
         """Start ``argv`` inside host ``host`` (its output as ``kwargs`` say; default: inherited)."""
         full_env = {**os.environ, "GLOO_SOCKET_IFNAME": NIC, **(env or {})}
-        proc = subprocess.Popen(
+        proc = subprocess.Popen(  # type: ignore[call-overload]  # (kwargs: Popen's, from the caller)
             ["ip", "netns", "exec", self.hosts[host], *argv],
             env=full_env,
             start_new_session=True,
@@ -369,7 +369,7 @@ class SimulatedHosts:
         except BaseException:
             self.kill(procs)
             raise
-        return [int(c) for c in codes]
+        return [c for c in codes if c is not None]  # (all of them by now)
 
     def kill(self, procs: Sequence[subprocess.Popen] | None = None) -> None:
         """Kill jobs and every process on their hosts (default: every host), quietly.

@@ -144,13 +144,15 @@ class Cluster:
         deadline = time.monotonic() + timeout
         try:
             while len(out) < self.world_size:
-                waiting = {self._conns[r]: r for r in range(self.world_size) if r not in out}
+                waiting: dict[Any, int] = {
+                    self._conns[r]: r for r in range(self.world_size) if r not in out
+                }
                 for conn in wait(
                     list(waiting), timeout=max(0.0, min(0.2, deadline - time.monotonic()))
                 ):
                     rank = waiting[conn]
                     try:
-                        ok, value = conn.recv()
+                        ok, value = self._conns[rank].recv()
                     except (EOFError, OSError):  # it died: its exit code says how
                         self._procs[rank].join(self.exit_timeout)
                         code = self._procs[rank].exitcode
@@ -158,6 +160,7 @@ class Cluster:
                             raise RankError(
                                 f"{what}: rank {rank} died ({_exit_status(code)})"
                             ) from None
+                        assert code is not None  # (joined: its pipe closed as it died)
                         out[rank] = RankExit(code)
                         self._died.add(rank)
                         continue
@@ -321,6 +324,7 @@ def _rank_main(
             backend, store=store, rank=rank, world_size=world_size, timeout=timeout
         )
         prefix = dist.PrefixStore("standalone", store)
+        standalone: dist.ProcessGroupGloo | dist.ProcessGroupNCCL
         if backend == "gloo":
             standalone = dist.ProcessGroupGloo(prefix, rank, world_size, timeout)
         else:

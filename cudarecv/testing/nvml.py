@@ -123,7 +123,7 @@ def _peer_relation(nvml: ModuleType, handle: Any, other: Any) -> str:
     if status is not None and status == getattr(nvml, "NVML_P2P_STATUS_OK", 0):
         return "NVLink"
     level = _try(nvml.nvmlDeviceGetTopologyCommonAncestor, handle, other)
-    return _ANCESTOR_NAMES.get(level, UNKNOWN)
+    return UNKNOWN if level is None else _ANCESTOR_NAMES.get(level, UNKNOWN)
 
 
 def _peers(nvml: ModuleType, index: int, found: dict[int, Any]) -> dict[int, str]:

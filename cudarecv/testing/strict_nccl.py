@@ -65,7 +65,7 @@ class _Work:
     def is_completed(self) -> bool:
         return all(op.done for op in self._ops)
 
-    def wait(self, timeout: Any = None) -> bool:
+    def wait(self, timeout: timedelta | None = None) -> bool:
         for op in self._ops:
             op.finish()
         return True
@@ -158,7 +158,7 @@ class StrictNccl(dist.ProcessGroupGloo):
     """
 
     def __init__(
-        self, store: Any, rank: int, size: int, timeout: float = 20.0, name: str = "strict"
+        self, store: dist.Store, rank: int, size: int, timeout: float = 20.0, name: str = "strict"
     ) -> None:
         super().__init__(
             dist.PrefixStore(f"{name}/data", store), rank, size, timedelta(seconds=timeout)
@@ -181,10 +181,10 @@ class StrictNccl(dist.ProcessGroupGloo):
 
     # -- the underlying gloo (not NCCL's API) --------------------------------------------------------------
     def gloo_send(self, tensor: torch.Tensor, peer: int, tag: int) -> Any:
-        return super().send([tensor], peer, tag)
+        return super().send([tensor], peer, tag)  # type: ignore[misc]  # (gloo's: torch's stubs omit it)
 
     def gloo_recv(self, tensor: torch.Tensor, peer: int, tag: int) -> Any:
-        return super().recv([tensor], peer, tag)
+        return super().recv([tensor], peer, tag)  # type: ignore[misc]  # (gloo's: torch's stubs omit it)
 
     # -- NCCL's point-to-point API, as torch exposes it on a backend ---------------------------------------
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Any:

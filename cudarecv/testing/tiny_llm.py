@@ -5,9 +5,12 @@ a served engine's tokens are compared with)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import Qwen2ForCausalLM
 
 #: the size the tests use: 0.56 M parameters
 TINY = dict(
@@ -34,7 +37,7 @@ def config(**sizes: int) -> Any:
     )
 
 
-def model(seed: int = 0, **sizes: int) -> torch.nn.Module:
+def model(seed: int = 0, **sizes: int) -> Qwen2ForCausalLM:
     """A fresh model with random weights from ``seed``."""
     from transformers import Qwen2ForCausalLM
 

@@ -37,7 +37,6 @@ import types
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle, send_handle
-from typing import Any
 
 #: imported once by the zygote for every rank it forks (torch does not initialize CUDA at import)
 PRELOAD = ["numpy", "torch", "torch.distributed", "tensordict"]
@@ -100,7 +99,7 @@ class Zygote:
             self._conn.close()
             raise
 
-    def fork(self, target: Callable[..., Any], args: tuple, conn: socket.socket) -> Forked:
+    def fork(self, target: Callable[..., object], args: tuple, conn: socket.socket) -> Forked:
         """Run ``target(Connection(conn), *args)`` in a new rank; ``conn`` is closed here."""
         spec = (sys.path, os.getcwd(), _main_module(), pickle.dumps((target, args)))
         with self._lock:

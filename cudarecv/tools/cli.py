@@ -144,7 +144,7 @@ def _main(argv: list[str] | None) -> int:
     for name in SUBCOMMANDS:
         module = importlib.import_module(f"cudarecv.tools.{name}")
         commands[name] = module.register(subparsers)
-        commands[name].description = plain(module.__doc__)
+        commands[name].description = plain(module.__doc__ or "")
     args, unknown = parser.parse_known_args(argv)
     if (
         unknown

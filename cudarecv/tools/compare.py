@@ -43,7 +43,8 @@ from .console import available_memory, machine, progress, tail, versions
 
 BACKEND = "gloo"
 CONSOLIDATED_LEAVES = 200
-DEFAULTS = dict(
+#: the options' defaults (sizes as text or bytes, counts as ints)
+DEFAULTS: dict[str, Any] = dict(
     leaves=2000,
     leaf_bytes="8KiB",
     consolidated_mib=256,
@@ -52,7 +53,7 @@ DEFAULTS = dict(
     warmup=1,
     rounds=1,
 )
-QUICK = dict(
+QUICK: dict[str, Any] = dict(
     leaves=64,
     leaf_bytes="1KiB",
     consolidated_mib=1,
@@ -145,7 +146,9 @@ def format_table(rows: list[report.Row], failed: set[int], header: list[str]) ->
             cell["check"] = "FAIL"
         return cell
 
-    sections = {case: [cells(r) for r in group] for case, group in report.group_cases(rows).items()}
+    sections: dict[str | None, list[dict[str, str]]] = {
+        case: [cells(r) for r in group] for case, group in report.group_cases(rows).items()
+    }
     return table.text(COLUMNS, sections, left=report.LEFT, notes=header)
 
 

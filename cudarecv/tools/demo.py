@@ -68,7 +68,7 @@ import time
 from collections.abc import Callable
 from contextlib import closing
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 from torch import nn
@@ -83,11 +83,15 @@ from .cli import OptionError, error, int_at_least, positive_float, size_or_zero
 from .console import available_memory, progress, tail, versions
 from .transfer_ranks import format_size
 
-DEFAULTS = dict(
+if TYPE_CHECKING:
+    from tensordict import TensorDict, TensorDictBase
+    from torch.distributed import Store
+
+DEFAULTS: dict[str, Any] = dict(
     actors=2, steps=200, model_mib=4.0, bucket_bytes="1MiB", timeout=60.0, seed=0, slow_seconds=2.0
 )
-QUICK = dict(steps=40, hidden=64)
-IMPLS = ("cudarecv", "stock")
+QUICK: dict[str, int] = dict(steps=40, hidden=64)
+IMPLS: tuple[Impl, ...] = ("cudarecv", "stock")
 OBS, ARMS, RULE_WIDTH = 16, 8, 32  # context size, arms, width of the hidden rule
 BATCH, ACTOR_BATCH = 256, 64  # contexts per training step / per actor episode
 ENV_SECONDS = 0.01  # what an episode waits for its environment, besides the policy's compute
@@ -144,6 +148,12 @@ ACTOR_NOTES = (
 )
 
 
+#: where the policy and its weights live; the process group's backend; which implementation runs
+Device = Literal["cpu", "cuda"]
+Backend = Literal["gloo", "nccl"]
+Impl = Literal["cudarecv", "stock"]
+
+
 @dataclass(frozen=True)
 class Config:
     """Everything a rank needs (pickled to the spawned ranks)."""
@@ -151,15 +161,15 @@ class Config:
     actors: int
     steps: int
     hidden: int
-    device: str  # "cpu" or "cuda"
-    backend: str  # "gloo" or "nccl"
+    device: Device
+    backend: Backend
     bucket_bytes: int | None
     verify: bool
     timeout: float
     seed: int
     threads: int
-    mode: str = "sync"  # cudarecv's mode: "sync" or "latest"
-    impl: str = "cudarecv"  # which implementation this pass runs: "cudarecv" or "stock"
+    mode: cudarecv.Mode = "sync"  # cudarecv's mode
+    impl: Impl = "cudarecv"  # which implementation this pass runs
     slow_actor: int | None = None
     slow_seconds: float = 2.0
     kill_actor: int | None = None
@@ -218,7 +228,7 @@ def hidden_for(mib: float) -> int:
     return max(1, round((-b + math.sqrt(b * b + 4 * (target - ARMS))) / 2))
 
 
-def _meta(device: Any) -> Any:
+def _meta(device: torch.device | str) -> TensorDict:
     from tensordict import TensorDict
 
     return TensorDict(
@@ -232,14 +242,14 @@ def _meta(device: Any) -> Any:
     )
 
 
-def weights_td(policy: nn.Module, meta: Any) -> Any:
+def weights_td(policy: nn.Module, meta: TensorDict) -> TensorDict:
     """What is pushed: the policy's parameters (shared, not copied) and the ``meta`` leaves."""
     from tensordict import TensorDict
 
     return TensorDict({"policy": TensorDict.from_module(policy), "meta": meta}, batch_size=[])
 
 
-def digest(td: Any) -> str:
+def digest(td: TensorDictBase) -> str:
     """A hash of the leaves' bytes, in key order."""
     h = hashlib.blake2b(digest_size=16)
     for key in sorted(td.keys(True, True), key=lambda k: (k,) if isinstance(k, str) else k):
@@ -268,7 +278,7 @@ def _device(rank: int, cfg: Config) -> torch.device:
     return torch.device("cuda", rank % torch.cuda.device_count())
 
 
-def _store() -> Any:
+def _store() -> Store:
     from torch.distributed import distributed_c10d as c10d
 
     return c10d._get_default_store()
@@ -306,7 +316,10 @@ class _Bar:
 
     def __init__(self, total: int, desc: str) -> None:
         self.total, self.desc = total, desc
-        self.count, self.postfix = 0, {}  # (read by the thread: each update replaces them whole)
+        self.count, self.postfix = (
+            0,
+            dict[str, Any](),
+        )  # (read by the thread: each update replaces them whole)
         self.started = time.monotonic()
         tqdm = _tqdm()
         if tqdm is None:
@@ -379,7 +392,7 @@ class _Pushed:
             )
         )
 
-    def stamp(self, store: Any, version: int, step: int, last: bool) -> None:
+    def stamp(self, store: Store, version: int, step: int, last: bool) -> None:
         """Stamp the next version (the store says it is the trainer's latest)."""
         if self.stream is not None:
             torch.cuda.current_stream().wait_stream(
@@ -415,7 +428,7 @@ class _CudarecvPush:
         self.bytes, self.leaves = self.sender.schema.total, len(self.sender.schema.leaves)
         self.fanout, self.bucket_bytes = self.sender.fanout, self.sender.bucket_bytes
 
-    def push(self, store: Any, step: int, last: bool) -> float:
+    def push(self, store: Store, step: int, last: bool) -> float:
         """Push the next version; return the seconds the trainer spent on it."""
         start = time.perf_counter()
         if self.in_flight is not None:
@@ -425,11 +438,11 @@ class _CudarecvPush:
         if self.cfg.mode == "latest":
             self.sender.push()  # a snapshot: the actors take it when they are ready
         else:
-            transfers = self.sender.push(wait=False)
+            transfers = cast(list[cudarecv.Transfer], self.sender.push(wait=False))
             self.in_flight = _pushing(transfers, self.ranks, version, self.cfg.timeout, self.device)
         return time.perf_counter() - start
 
-    def finish(self, store: Any) -> None:
+    def finish(self, store: Store) -> None:
         if self.in_flight is not None:
             self.in_flight.result()
         _wait_done(
@@ -467,7 +480,7 @@ class _StockPush:
         )
         self.fanout, self.bucket_bytes = "star", None  # one send per actor, in turn, of one message
 
-    def push(self, store: Any, step: int, last: bool) -> float:
+    def push(self, store: Store, step: int, last: bool) -> float:
         start = time.perf_counter()
         self.version += 1
         with torch.no_grad():
@@ -482,7 +495,7 @@ class _StockPush:
             self.td.send(dst=rank, consolidated=True)
         return time.perf_counter() - start
 
-    def finish(self, store: Any) -> None:
+    def finish(self, store: Store) -> None:
         _wait_done(store, self.cfg, len(self.ranks))
 
     def close(self) -> None:
@@ -504,7 +517,7 @@ def _version_key(cfg: Config) -> str:
     return f"{VERSION_KEY}/{cfg.impl}/{cfg.mode}"
 
 
-def _wait_done(store: Any, cfg: Config, actors: int) -> None:
+def _wait_done(store: Store, cfg: Config, actors: int) -> None:
     """Wait (bounded by ``--timeout``) until every actor holds the last version."""
     deadline = time.monotonic() + cfg.timeout
     while store.add(_done_key(cfg), 0) < actors:
@@ -524,14 +537,14 @@ class _Background:
     and touches the transfers again only after :meth:`result` has joined.
     """
 
-    def __init__(self, finish: Callable[[], Any], device: torch.device) -> None:
+    def __init__(self, finish: Callable[[], object], device: torch.device) -> None:
         self.error: BaseException | None = None
         self._thread = threading.Thread(
             target=self._run, args=(finish, device), daemon=True, name="cudarecv-demo-transfer"
         )
         self._thread.start()
 
-    def _run(self, finish: Callable[[], Any], device: torch.device) -> None:
+    def _run(self, finish: Callable[[], object], device: torch.device) -> None:
         try:
             if device.type == "cuda":
                 torch.cuda.set_device(device)  # the current device is per thread
@@ -551,7 +564,11 @@ class _Background:
 
 
 def _pushing(
-    transfers: list[Any], ranks: list[int], version: int, timeout: float, device: torch.device
+    transfers: list[cudarecv.Transfer],
+    ranks: list[int],
+    version: int,
+    timeout: float,
+    device: torch.device,
 ) -> _Background:
     """Finish a push to every actor in the background (bounded by ``timeout`` in all)."""
 
@@ -663,13 +680,18 @@ def _between_pulls(rank: int, cfg: Config, meta: Any) -> None:
         time.sleep(cfg.slow_seconds)  # --slow-actor: busy elsewhere between pulls
 
 
+def _stamping(at: list[float]) -> Callable[[object], None]:
+    """A done-callback that appends the time it runs at to ``at`` (this pull's own list)."""
+    return lambda _: at.append(time.time())
+
+
 def _cudarecv_actor(
     rank: int,
     cfg: Config,
     device: torch.device,
     skeleton: nn.Module,
     env: Bandit,
-    store: Any,
+    store: Store,
     stats: _ActorStats,
 ) -> tuple[int, int, str]:
     receiver = cudarecv.WeightReceiver(
@@ -681,11 +703,10 @@ def _cudarecv_actor(
     try:
         while True:
             asked = time.time()
-            transfer = receiver.pull(wait=False)  # the receiver's thread finishes it
+            # the receiver's thread finishes it
+            transfer = cast(cudarecv.Transfer, receiver.pull(wait=False))
             landed: list[float] = []
-            transfer.add_done_callback(
-                lambda _, at=landed: at.append(time.time())
-            )  # runs as it is published
+            transfer.add_done_callback(_stamping(landed))  # runs as it is published
             played = (
                 0  # act with what we have meanwhile: sync, one episode per version as stock's actor
             )
@@ -716,7 +737,7 @@ def _stock_actor(
     device: torch.device,
     skeleton: nn.Module,
     env: Bandit,
-    store: Any,
+    store: Store,
     stats: _ActorStats,
 ) -> tuple[int, int, str]:
     from tensordict import TensorDict
@@ -740,7 +761,7 @@ def _episode(
     receiver: Any,
     skeleton: nn.Module,
     env: Bandit,
-    store: Any,
+    store: Store,
     key: str,
     stats: _ActorStats,
     views: dict[int, tuple[Any, dict[str, torch.Tensor]]],
@@ -829,11 +850,11 @@ def actor_cells(cfg: Config, actor: dict[str, Any], trainer: dict[str, Any]) -> 
 
 def _describe(cfg: Config, trainer: dict[str, Any]) -> list[str]:
     where = "cpu" if cfg.device == "cpu" else f"cuda ({torch.cuda.device_count()} GPU(s))"
-    piece = trainer.get("bucket_bytes", cfg.bucket_bytes)
+    bucket_bytes = trainer.get("bucket_bytes", cfg.bucket_bytes)
     bucket = (
         "one message"
-        if piece is None or piece >= trainer["bytes"]
-        else f"{format_size(piece)} messages"
+        if bucket_bytes is None or bucket_bytes >= trainer["bytes"]
+        else f"{format_size(bucket_bytes)} messages"
     )
     actors = (
         "1 actor (rank 1)" if cfg.actors == 1 else f"{cfg.actors} actors (ranks 1-{cfg.actors})"
@@ -1036,7 +1057,7 @@ def make_config(args: argparse.Namespace) -> Config:
     bucket = args.bucket_bytes or None  # 0: the WeightSender's default
     _actor_rank(args.kill_actor, args.actors, "--kill-actor")
     _actor_rank(args.slow_actor, args.actors, "--slow-actor")
-    backend = "gloo"
+    backend: Backend = "gloo"
     if args.device == "cuda":
         gpus = torch.cuda.device_count()
         if gpus == 0:

@@ -182,7 +182,7 @@ def make_op(rank: int, case: dict, group: Any) -> tb.Op:
 
     from ..p2p.stock import Stock
 
-    kind, piece = tb.parse_mode(case["impl"], case["mode"])
+    kind, bucket_bytes = tb.parse_mode(case["impl"], case["mode"])
     send_place, recv_place = places(case)
     place = recv_place if rank == RECEIVER else send_place
     gpu = place == "cuda" or _backend(group) == "nccl"
@@ -222,11 +222,13 @@ def make_op(rank: int, case: dict, group: Any) -> tb.Op:
 
             def send() -> None:
                 for work in [dist.isend(t, dst=RECEIVER, tag=i) for i, t in enumerate(leaves)]:
+                    assert work is not None  # (None only off the group)
                     work.wait()
                 land()
 
             def recv() -> None:
                 for work in [dist.irecv(t, src=SENDER, tag=i) for i, t in enumerate(leaves)]:
+                    assert work is not None  # (None only off the group)
                     work.wait()
                 land()
         else:
@@ -243,28 +245,27 @@ def make_op(rank: int, case: dict, group: Any) -> tb.Op:
 
         return tb.Op(send, recv, leaves, base=base)
 
-    opts = tb.mode_options(kind, piece, case["mode"])
+    opts = tb.mode_options(kind, bucket_bytes, case["mode"])
     impl = Stock if case["impl"] == "stock" else cudarecv
 
-    def send() -> None:
+    carried = [
+        "wire"
+    ]  # what carried the last receive (what a row's label claims is checked against it)
+
+    def send_td() -> None:
         impl.isend(td, **to, **opts)
         land()
 
-    op = tb.Op(send, lambda: None, leaves, base=base)
-
-    def recv() -> None:
+    def recv_td() -> None:
         if impl is Stock:
             impl.irecv(td, **frm, **opts)
         else:
             for transfer in cudarecv.irecv(td, **frm, **opts, return_premature=True):
                 transfer.wait()
-                op.transport[0] = (
-                    transfer.transport
-                )  # (what a row's label claims is checked against it)
+                carried[0] = transfer.transport
         land()
 
-    op.recv = recv
-    return op
+    return tb.Op(send_td, recv_td, leaves, base=base, transport=carried)
 
 
 # --------------------------------------------------------------------------- entry points (in the ranks)
@@ -305,8 +306,8 @@ def matmul_interference(rank: int, world_size: int, group: Any, cfg: dict) -> di
         "iters": 1,
         "warmup": 1,
     }
-    kind, piece = tb.parse_mode("cudarecv", cfg["mode"])
-    opts = tb.mode_options(kind, piece, cfg["mode"])
+    kind, bucket_bytes = tb.parse_mode("cudarecv", cfg["mode"])
+    opts = tb.mode_options(kind, bucket_bytes, cfg["mode"])
     op = make_op(rank, case, group)
     td = workload(case).td(
         cfg["recv_place"] if rank == RECEIVER else cfg["send_place"],
@@ -388,11 +389,16 @@ def fanout_on_gpu(rank: int, world_size: int, group: Any, total_bytes: int, roun
     seconds: dict[str, list[float]] = {m: [] for m in ("relay", "star", "broadcast")}
     ok: dict[str, bool] = {}
     for method in seconds:
-        sender = receiver = None
+        sender: cudarecv.WeightSender | None = None
+        receiver: cudarecv.WeightReceiver | None = None
         if method != "broadcast":
             if rank == 0:
                 sender = cudarecv.WeightSender(
-                    td, dst=dsts, fanout=method, bucket_bytes=4 << 20, timeout=120
+                    td,
+                    dst=dsts,
+                    fanout="relay" if method == "relay" else "star",
+                    bucket_bytes=4 << 20,
+                    timeout=120,
                 )
             else:
                 receiver = cudarecv.WeightReceiver(src=0, device=device, timeout=120)
@@ -405,9 +411,10 @@ def fanout_on_gpu(rank: int, world_size: int, group: Any, total_bytes: int, roun
             start = time.perf_counter()
             if method == "broadcast":
                 dist.broadcast(flat, src=0)
-            elif rank == 0:
+            elif sender is not None:
                 sender.push()
             else:
+                assert receiver is not None  # (rank > 0)
                 receiver.pull()
             torch.cuda.synchronize()
             stamp = torch.tensor(
@@ -418,7 +425,7 @@ def fanout_on_gpu(rank: int, world_size: int, group: Any, total_bytes: int, roun
             if rank == 0:
                 seconds[method].append(max(e.item() for e in every[1:]) - every[0].item())
         if rank > 0:
-            got = flat if method == "broadcast" else receiver.td["w"]
+            got = flat if receiver is None else receiver.td["w"]
             good = bool((got == (rounds % 256 if method == "broadcast" else float(rounds))).all())
         else:
             good = True

@@ -75,7 +75,7 @@ class _Case:
                     td,
                     group=group,
                     group_dst=list(range(1, k + 1)),
-                    fanout=method,
+                    fanout="relay" if method == "relay" else "star",
                     timeout=timeout,
                     bucket_bytes=bucket_bytes,
                 )
@@ -91,9 +91,10 @@ class _Case:
     def round(self, fill: float) -> None:
         rank = dist.get_rank()
         if self.method in ("relay", "star"):
-            if rank == 0:
+            if self.sender is not None:  # (rank 0)
                 self.sender.push()
             else:
+                assert self.receiver is not None
                 self.receiver.pull()
         elif self.method == "broadcast":
             if rank == 0:
@@ -109,6 +110,7 @@ class _Case:
         if self.method == "broadcast":
             return bool((self.flat == fill).all())
         got = self.receiver.td if self.receiver is not None else self.remote
+        assert got is not None  # (a receiving rank's)
         return all(bool((t == fill).all()) for t in got.values(True, True))
 
     def close(self) -> None:
@@ -150,7 +152,7 @@ def run(
                     td.apply_(lambda t, fill=fill: t.fill_(fill))
                 dist.barrier()
                 start = time.monotonic()
-                if member:
+                if case is not None:  # (a member)
                     case.round(fill)
                 end = time.monotonic()
                 stamps = torch.tensor(
@@ -162,7 +164,7 @@ def run(
                 latency = max(e[1].item() for e in every) - every[0][0].item()
                 seconds.append(latency)
                 busy += latency
-                if member and rank > 0:
+                if case is not None and rank > 0:
                     checks = checks and case.holds(fill)
             after = nic_bytes()
             moved = torch.tensor(

@@ -220,7 +220,7 @@ def compute_ratios(rows: Sequence[Row]) -> None:
     ``stock_mode`` (default: its own mode). vs raw: the first raw row of the case.
     """
     for case_rows in group_cases(rows).values():
-        stock = {}
+        stock: dict[str | None, Row] = {}
         for r in case_rows:
             if r.impl == "stock":
                 stock.setdefault(r.mode, r)
@@ -279,10 +279,15 @@ def _format_date(text: str) -> str:
     return when.strftime("%Y-%m-%d %H:%M:%S")
 
 
+def _dict(value: object) -> dict[str, Any]:
+    """``value`` if it is a dict (a JSON object), else an empty one."""
+    return value if isinstance(value, dict) else {}
+
+
 def header_line(data: dict[str, Any]) -> str:
     """One line describing the machine, date and commit from the JSON."""
-    mi = data.get("machine_info") if isinstance(data.get("machine_info"), dict) else {}
-    cpu = mi.get("cpu") if isinstance(mi.get("cpu"), dict) else {}
+    mi: dict[str, Any] = _dict(data.get("machine_info"))
+    cpu: dict[str, Any] = _dict(mi.get("cpu"))
     parts = []
     host = " ".join(
         str(x) for x in (mi.get("node"), cpu.get("brand_raw") or mi.get("processor")) if x
@@ -298,7 +303,7 @@ def header_line(data: dict[str, Any]) -> str:
         parts.append(f"Python {mi['python_version']}")
     if data.get("datetime"):
         parts.append(_format_date(str(data["datetime"])))
-    ci = data.get("commit_info") if isinstance(data.get("commit_info"), dict) else {}
+    ci: dict[str, Any] = _dict(data.get("commit_info"))
     if ci.get("id") and ci["id"] != "unversioned":
         parts.append(f"commit {str(ci['id'])[:10]}{' (dirty)' if ci.get('dirty') else ''}")
     if data.get("version"):
@@ -468,6 +473,12 @@ LINESTYLES = ("-", "--", "-.", ":")
 SIZE_IN_NAME = re.compile(r"(?<![\w.])\d+(?:\.\d+)?\s?(?:[KMGTP]i?B|kB|B)(?!\w)")
 
 
+def _measured(row: Row) -> float:
+    """A plotted row's GB/s (panels hold measured rows only: :func:`panels`)."""
+    assert row.gbps is not None
+    return row.gbps
+
+
 @dataclass
 class Panel:
     """One subplot: ``kind`` "sizes" (GB/s vs payload size, a line per impl and mode, the cases of
@@ -560,8 +571,8 @@ def _size_panel(ax: Any, panel: Panel, others: list[str]) -> None:
     ax.set_xscale("log")
     ax.set_xticks(sizes, [human_bytes(n) for n in sizes])
     ax.minorticks_off()
-    values = [r.gbps for r in panel.rows]
-    if min(values) > 0 and max(values) / min(values) > 100:  # type: ignore[operator]
+    values = [_measured(r) for r in panel.rows]
+    if min(values) > 0 and max(values) / min(values) > 100:
         ax.set_yscale("log")
     else:
         ax.set_ylim(bottom=0)  # a linear axis from 0: heights compare as ratios
@@ -576,16 +587,16 @@ def _mode_panel(ax: Any, panel: Panel, others: list[str]) -> None:
 
     rows = panel.rows
     ys = list(range(len(rows)))[::-1]  # input order, top to bottom
-    values = [r.gbps for r in rows]
+    values = [_measured(r) for r in rows]
     ax.barh(ys, values, color=[impl_color(r.impl, others) for r in rows], height=0.7)
     ax.set_yticks(ys, [f"{r.impl} {r.mode}" for r in rows], fontsize=7)
-    top = max(values)  # type: ignore[type-var]
-    for y, r in zip(ys, rows):
+    top = max(values)
+    for y, r, gbps in zip(ys, rows, values):
         wrong = r.ok is False
         ax.text(
-            r.gbps + top * 0.01,
+            gbps + top * 0.01,
             y,
-            f"{r.gbps:.2f}" + ("  WRONG" if wrong else ""),
+            f"{gbps:.2f}" + ("  WRONG" if wrong else ""),
             va="center",
             fontsize=7,
             color="red" if wrong else "black",

@@ -4,8 +4,8 @@ Ranks 0..T-1 are the trainer (FSDP2 over their mesh), ranks T..T+R-1 the actors 
 even layers column-parallel, odd layers row-parallel, as Megatron cuts an MLP), one rank per simulated host.
 Each way of getting a new version from the trainer to the actors is timed in turn, round by round:
 
-- ``sharded``: ``WeightSender(TensorDict.from_module(model), dst=actors)`` on every trainer rank,
-  ``WeightReceiver(src=trainers, expect=<the actor's DTensors>)`` on every actor: each byte goes once from the
+- ``sharded``: ``ShardedSender(TensorDict.from_module(model), dst=actors)`` on every trainer rank,
+  ``ShardedReceiver(src=trainers, expect=<the actor's DTensors>)`` on every actor: each byte goes once from the
   trainer rank that holds it to the actor that needs it;
 - ``gather_relay``: what users do today: ``full_tensor()`` of every parameter on the trainer ranks (FSDP2's
   all-gather), then rank 0 pushes the whole model down a relay chain (``WeightSender(fanout="relay")``), and
@@ -29,7 +29,7 @@ import math
 import os
 import time
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,16 @@ import cudarecv
 
 from .cli import plain
 from .host_ranks import nic_bytes
+
+if TYPE_CHECKING:
+    from tensordict import NestedKey
+    from torch.distributed.tensor import DTensor
+
+
+def _dtensors(td: TensorDict) -> list[tuple[NestedKey, DTensor]]:
+    """The leaves of ``td``, a model sharded by FSDP2 (DTensors)."""
+    return [(key, cast("DTensor", t)) for key, t in td.items(True, True)]
+
 
 METHODS = ("sharded", "gather_relay")
 LAYERS = 4
@@ -76,12 +86,12 @@ def _actor_layout(model: torch.nn.Module, mesh: Any) -> TensorDict:
     return TensorDict(leaves, [])
 
 
-def _slices(td: TensorDict) -> dict[tuple, tuple[slice, ...]]:
+def _slices(td: TensorDict) -> dict[NestedKey, tuple[slice, ...]]:
     """Each DTensor leaf's part of the whole, as torch cuts it."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    out = {}
-    for key, t in td.items(True, True):
+    out: dict[NestedKey, tuple[slice, ...]] = {}
+    for key, t in _dtensors(td):
         local, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
         out[key] = tuple(slice(o, o + n) for o, n in zip(offset, local))
     return out
@@ -103,7 +113,8 @@ class _Method:
 
         rank = dist.get_rank()
         self.method, self.trainer, self.actor = method, rank in trainers, rank in actors
-        self.sender = self.receiver = None
+        self.sender: cudarecv.ShardedSender | cudarecv.WeightSender | None = None
+        self.receiver: cudarecv.ShardedReceiver | cudarecv.WeightReceiver | None = None
         self.mine: TensorDict | None = (
             None  # an actor's slice (gather_relay: copied out of the whole)
         )
@@ -113,7 +124,7 @@ class _Method:
             net.to_empty(device="cpu")  # this rank's shards only (filled each round)
             self.td = TensorDict.from_module(net)
             if method == "sharded":
-                self.sender = cudarecv.WeightSender(self.td, dst=actors, timeout=timeout)
+                self.sender = cudarecv.ShardedSender(self.td, dst=actors, timeout=timeout)
             elif (
                 rank == trainers[0]
             ):  # (the other trainer ranks take part in each all-gather, and drop its result)
@@ -126,33 +137,33 @@ class _Method:
         elif self.actor:
             layout = _actor_layout(_model(mib), meshes["actors"])
             if method == "sharded":
-                self.receiver = cudarecv.WeightReceiver(
+                self.receiver = cudarecv.ShardedReceiver(
                     src=trainers, expect=layout, timeout=timeout
                 )
             else:
                 self.receiver = cudarecv.WeightReceiver(src=trainers[0], timeout=timeout)
                 self.cut = _slices(layout)
-                self.mine = TensorDict(
-                    {k: t.to_local().clone() for k, t in layout.items(True, True)}, []
-                )
+                self.mine = TensorDict({k: t.to_local().clone() for k, t in _dtensors(layout)}, [])
 
     def fill(self, value: float) -> None:
         if self.trainer:
             with torch.no_grad():
-                for t in self.td.values(True, True):
+                for _, t in _dtensors(self.td):
                     t.to_local().fill_(value)
 
     def round(self) -> None:
         if self.trainer and self.method == "sharded":
+            assert self.sender is not None  # (every trainer sends its shards)
             self.sender.push()
         elif self.trainer:
-            for key, t in self.td.items(True, True):
+            for key, t in _dtensors(self.td):
                 whole = t.full_tensor()  # FSDP2's all-gather, on every trainer rank
                 if self.sender is not None:
-                    self.whole[key].copy_(whole)
+                    cast(torch.Tensor, self.whole[key]).copy_(whole)
             if self.sender is not None:
                 self.sender.push()
         elif self.actor:
+            assert self.receiver is not None  # (every actor receives)
             self.receiver.pull()
             if self.mine is not None:
                 with self.receiver.reading() as td:
@@ -162,10 +173,11 @@ class _Method:
     def holds(self, value: float) -> bool:
         if not self.actor:
             return True
+        assert self.receiver is not None
         got = (
             self.mine
             if self.mine is not None
-            else TensorDict({k: t.to_local() for k, t in self.receiver.td.items(True, True)}, [])
+            else TensorDict({k: t.to_local() for k, t in _dtensors(self.receiver.td)}, [])
         )
         return all(bool((t == value).all()) for t in got.values(True, True))
 

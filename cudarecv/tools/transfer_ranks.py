@@ -57,7 +57,7 @@ import resource
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
@@ -99,6 +99,17 @@ _UNITS = {
 
 # --------------------------------------------------------------------------- sizes and modes
 
+#: what a mode does, once its size is taken off (``buckets``: cudarecv's fast wire, or raw bucketing)
+Kind = Literal[
+    "per-leaf",
+    "per-leaf pseudo_rand",
+    "consolidated",
+    "buckets",
+    "chunks",
+    "flat recv",
+    "per-leaf dist.irecv",
+]
+
 
 def parse_size(text: str | int) -> int:
     """``"1MiB"`` -> 1048576, ``"256KiB"`` -> 262144, ``"4096"`` -> 4096 (also kB/MB/GB)."""
@@ -123,7 +134,7 @@ def format_size(n: int) -> str:
     return f"{n}B"
 
 
-def parse_mode(impl: str, mode: str) -> tuple[str, int | None]:
+def parse_mode(impl: str, mode: str) -> tuple[Kind, int | None]:
     """Check ``impl``/``mode``; return (mode kind, bucket bytes or None).
 
     Kinds: ``per-leaf``, ``per-leaf pseudo_rand``, ``consolidated``, ``buckets``,
@@ -134,22 +145,22 @@ def parse_mode(impl: str, mode: str) -> tuple[str, int | None]:
     words = mode.split()
     suffix = words[2] if len(words) == 3 and words[2] in _SUFFIXES else ""
     if len(words) in (2, 3) and words[0] in ("buckets", "chunks") and (len(words) == 2 or suffix):
-        kind, piece = words[0], parse_size(words[1])
+        kind, bucket_bytes = words[0], parse_size(words[1])
     else:
-        kind, piece = " ".join(words), None
+        kind, bucket_bytes = " ".join(words), None
     allowed = [
         m.replace(" <N>", "").removesuffix(f" {suffix}")
         for m in MODES[impl]
         if (m.split()[-1] if m.split()[-1] in _SUFFIXES else "") == suffix
     ]
-    if kind not in allowed or (piece is None and kind in ("buckets", "chunks")):
+    if kind not in allowed or (bucket_bytes is None and kind in ("buckets", "chunks")):
         raise ValueError(
             f"unknown mode {mode!r} for impl {impl!r}; pick one of {list(MODES[impl])}"
         )
-    return kind, piece
+    return cast(Kind, kind), bucket_bytes  # (one of MODES[impl]'s, checked)
 
 
-def mode_options(kind: str, piece: int | None, mode: str = "") -> dict:
+def mode_options(kind: Kind, bucket_bytes: int | None, mode: str = "") -> dict:
     """cudarecv/stock keyword arguments of a mode kind (and bucket bytes) from :func:`parse_mode`
     (``mode``: the mode's name, whose ``wire`` suffix forces the wire)."""
     out: dict[str, Any] = {}
@@ -159,8 +170,8 @@ def mode_options(kind: str, piece: int | None, mode: str = "") -> dict:
         out["pseudo_rand"] = True
     if kind in ("consolidated", "chunks"):
         out["consolidated"] = True
-    if piece is not None:
-        out["bucket_bytes"] = piece
+    if bucket_bytes is not None:
+        out["bucket_bytes"] = bucket_bytes
     return out
 
 
@@ -395,7 +406,7 @@ def make_op(case: dict, group: Any) -> Op:
 
     from ..p2p.stock import STOCK_CONSOLIDATED_ISEND, Stock
 
-    kind, piece = parse_mode(case["impl"], case["mode"])
+    kind, bucket_bytes = parse_mode(case["impl"], case["mode"])
     impl, w = case["impl"], workload(case)
     to, frm = peers(group)
 
@@ -420,43 +431,44 @@ def make_op(case: dict, group: Any) -> Op:
     else:
         td = w.consolidated() if kind in ("consolidated", "chunks") else w.per_leaf()
     leaves = leaves_of(td)
-    if impl == "raw" and kind == "buckets":
-        return _raw_buckets(leaves, piece, group, w.base)
+    if impl == "raw" and kind == "buckets" and bucket_bytes is not None:
+        return _raw_buckets(leaves, bucket_bytes, group, w.base)
     if impl == "raw":  # per-leaf dist.irecv
         post = _raw_poster(group)
 
-        def send() -> None:
+        def raw_send() -> None:
             for work in [post(True, t, i) for i, t in enumerate(leaves)]:
                 work.wait()
 
-        def recv() -> None:
+        def raw_recv() -> None:
             for work in [post(False, t, i) for i, t in enumerate(leaves)]:
                 work.wait()
 
-        return Op(send, recv, leaves, base=w.base)
+        return Op(raw_send, raw_recv, leaves, base=w.base)
 
-    options = mode_options(kind, piece, case["mode"])
+    options = mode_options(kind, bucket_bytes, case["mode"])
     if impl == "stock":  # tensordict 0.14 has consolidated= on send/recv only: the same one message
-        send, recv = (
+        stock_send, stock_recv = (
             (Stock.isend, Stock.irecv)
             if STOCK_CONSOLIDATED_ISEND or not options.get("consolidated")
             else (Stock.send, Stock.recv)
         )
         return Op(
-            lambda: send(td, **to, **options),
-            lambda: recv(td, **frm, **options),
+            lambda: stock_send(td, **to, **options),
+            lambda: stock_recv(td, **frm, **options),
             leaves,
             base=w.base,
         )
-    op = Op(lambda: cudarecv.isend(td, **to, **options), None, leaves, base=w.base)
+    carried = ["wire"]  # what carried the last receive
 
-    def recv() -> None:
+    def receive() -> None:
         for transfer in cudarecv.irecv(td, **frm, **options, return_premature=True):
             transfer.wait()
-            op.transport[0] = transfer.transport
+            carried[0] = transfer.transport
 
-    op.recv = recv
-    return op
+    return Op(
+        lambda: cudarecv.isend(td, **to, **options), receive, leaves, base=w.base, transport=carried
+    )
 
 
 def _raw_poster(group: Any) -> Callable[[bool, torch.Tensor, int], Any]:
@@ -474,11 +486,13 @@ def _raw_poster(group: Any) -> Callable[[bool, torch.Tensor, int], Any]:
     return post
 
 
-def _raw_buckets(leaves: list[torch.Tensor], piece: int, group: Any, base: torch.Tensor) -> Op:
+def _raw_buckets(
+    leaves: list[torch.Tensor], bucket_bytes: int, group: Any, base: torch.Tensor
+) -> Op:
     """Hand-rolled bucketing with torch.distributed (see the module docstring)."""
     views = [t.reshape(-1).view(torch.uint8) for t in leaves]
     staging = torch.empty(sum(v.numel() for v in views), dtype=torch.uint8)
-    pieces = list(staging.split(piece))
+    pieces = list(staging.split(bucket_bytes))
     parts = list(staging.split([v.numel() for v in views]))
     post = _raw_poster(group)
 
@@ -525,24 +539,28 @@ def timed(rank: int, op: Op, count: int, group: Any, cpu: list[float] | None = N
 
 
 def _fill(op: Op, stamp: int, zero: bool) -> None:
+    base = op.base
+    assert base is not None  # (every op has its pattern)
     if op.flat is not None:
         if zero:
             op.flat.zero_()
         else:
-            torch.add(op.base, stamp % 256, out=op.flat)
+            torch.add(base, stamp % 256, out=op.flat)
         return
     for i, t in enumerate(op.leaves):
         flat = t.view(-1)
         if zero:
             flat.zero_()
         else:
-            torch.add(op.base[: flat.numel()], float(256 * ((i + stamp) % 4096)), out=flat)
+            torch.add(base[: flat.numel()], float(256 * ((i + stamp) % 4096)), out=flat)
 
 
 def _mismatch(op: Op, stamp: int) -> str | None:
     """None if the receiver holds the pattern stamped ``stamp``, else what differs."""
+    base = op.base
+    assert base is not None  # (every op has its pattern)
     if op.flat is not None:
-        expected = torch.add(op.base, stamp % 256)
+        expected = torch.add(base, stamp % 256)
         if torch.equal(op.flat, expected):
             return None
         bad = int((op.flat != expected).nonzero()[0, 0])
@@ -551,7 +569,7 @@ def _mismatch(op: Op, stamp: int) -> str | None:
         )
     for i, t in enumerate(op.leaves):
         flat = t.view(-1)
-        expected = torch.add(op.base[: flat.numel()], float(256 * ((i + stamp) % 4096)))
+        expected = torch.add(base[: flat.numel()], float(256 * ((i + stamp) % 4096)))
         if not torch.equal(flat, expected):
             bad = int((flat != expected).nonzero()[0, 0])
             return (

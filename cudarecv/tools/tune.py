@@ -161,16 +161,16 @@ def tune(rounds: int) -> int:
         set_streaming(choice == "stream")  # (the direct reads' copies as a transfer's would be)
     else:
         print(f"host copies: memmove ({WHY_NOT_NATIVE}); nothing to choose")
-    pays, times = measure_direct_read(rounds)
-    settings["direct_read"], measured["direct_read"] = pays._asdict(), times
-    if "not allowed" in times:
-        print(f"direct reads: off (this process may not read itself: {times['not allowed']})")
+    pays, reads = measure_direct_read(rounds)
+    settings["direct_read"], measured["direct_read"] = pays._asdict(), reads
+    if "not allowed" in reads:
+        print(f"direct reads: off (this process may not read itself: {reads['not allowed']})")
     else:
         print(
             f"direct reads of {READ_BYTES >> 20} MiB (best of {rounds}): "
             + "; ".join(
                 f"{name} {t['read_s'] * 1e3:.2f} ms vs copies {t['copy_s'] * 1e3:.2f} ms"
-                for name, t in times.items()
+                for name, t in reads.items()
             )
             + f" -> {pays.describe()}"
         )

@@ -15,7 +15,7 @@ from tensordict import TensorDict, TensorDictBase
 from torch import nn
 from torchrl.weight_update.weight_sync_schemes import WeightSyncScheme, register_weight_sync_backend
 
-from .. import ArgumentError, TransferTimeout, UsageError, WeightReceiver, WeightSender
+from .. import ArgumentError, TransferTimeout, Transport, UsageError, WeightReceiver, WeightSender
 from .trainer import Trainer, seconds
 from .worker import Worker
 
@@ -76,7 +76,7 @@ class CudarecvWeightSyncScheme(WeightSyncScheme):
         timeout: float = 60.0,
         connect_timeout: float = 120.0,
         host: str = "127.0.0.1",
-        transport: str = "auto",
+        transport: Transport = "auto",
         bucket_bytes: int | None = None,
         verify: bool = False,
         device: Any = None,
@@ -158,6 +158,14 @@ class CudarecvWeightSyncScheme(WeightSyncScheme):
             "it has no TorchRL transport"
         )
 
+    def _count(self) -> int:
+        """How many workers the scheme serves (set on the trainer's side, carried to the workers with it)."""
+        if self._workers is None:
+            raise UsageError(
+                "the cudarecv scheme has no workers yet: the collector calls init_on_sender() first"
+            )
+        return self._workers
+
     def _key(self, *parts: object) -> str:
         return "/".join(("cudarecv", self._session, *map(str, parts)))
 
@@ -165,7 +173,7 @@ class CudarecvWeightSyncScheme(WeightSyncScheme):
         prefix = dist.PrefixStore(self._key("group"), self._store)
         try:
             return dist.ProcessGroupGloo(
-                prefix, rank, self._workers + 1, seconds(self.connect_timeout)
+                prefix, rank, self._count() + 1, seconds(self.connect_timeout)
             )
         except RuntimeError as error:
             if rank == 0:
@@ -227,7 +235,7 @@ class CudarecvWeightSyncScheme(WeightSyncScheme):
         sender = WeightSender(
             source,
             group=self._group,
-            group_dst=list(range(1, self._workers + 1)),
+            group_dst=list(range(1, self._count() + 1)),
             timeout=self.timeout,
             mode="sync" if self.sync else "latest",
             bucket_bytes=self.bucket_bytes,
@@ -288,10 +296,10 @@ class CudarecvWeightSyncScheme(WeightSyncScheme):
             )
         if worker_ids is not None:
             wanted = {worker_ids} if isinstance(worker_ids, int) else set(worker_ids)
-            if wanted != set(range(self._workers)):
+            if wanted != set(range(self._count())):
                 raise ArgumentError(
                     f"`worker_ids={worker_ids!r}`: the cudarecv scheme sends every version to every "
-                    f"worker (0..{self._workers - 1}); pass None"
+                    f"worker (0..{self._count() - 1}); pass None"
                 )
         self._trainer.push(self._trainer.replaced() if weights is None else self._weights(weights))
 
@@ -323,10 +331,14 @@ class CudarecvWeightSyncScheme(WeightSyncScheme):
         takes every next version."""
         if worker_idx is not None:
             self._worker_id = worker_idx
+        if self._port is None:
+            raise UsageError(
+                "the cudarecv scheme has no store yet: the collector calls init_on_sender() first"
+            )
         self._store = dist.TCPStore(
             self.host,
             self._port,
-            self._workers + 1,
+            self._count() + 1,
             is_master=False,
             timeout=seconds(self.connect_timeout),
         )

@@ -7,12 +7,12 @@ from __future__ import annotations
 import datetime
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import cast
 
 import torch.distributed as dist
 from tensordict import TensorDictBase
 
-from .. import Error, PeerError, ReceiverFailed, TransferTimeout, WeightSender
+from .. import Error, PeerError, ReceiverFailed, Transfer, TransferTimeout, WeightSender
 
 FAILED = "failed: "  # what a worker's switched key says when it could not take the version
 
@@ -28,7 +28,7 @@ class Trainer:
     def __init__(
         self,
         sender: WeightSender,
-        store: Any,
+        store: dist.Store,
         key: Callable[..., str],
         name: str,
         sync: bool,
@@ -69,9 +69,8 @@ class Trainer:
         sender = self.sender
         dropped, before = dict(sender.dropped), sender.version
         try:
-            pushed = sender.push(
-                wait=False, values=values
-            )  # sync: one transfer per worker, under way
+            # sync: one transfer per worker, under way
+            pushed = cast(list[Transfer], sender.push(wait=False, values=values))
         except (
             PeerError
         ) as error:  # latest: a worker lost between calls, named after the version was published
@@ -130,7 +129,7 @@ class Trainer:
         return self.store.get(key).decode() if self.store.check([key]) else None
 
     def _wait_switched(
-        self, version: int, pushed: list[Any], ranks: list[int], dropped: dict[int, str]
+        self, version: int, pushed: list[Transfer], ranks: list[int], dropped: dict[int, str]
     ) -> None:
         """Wait until every worker of ``ranks`` (``pushed`` to) acts with ``version``; name those that fail or never
         do. Both waits block: the transfers' futures (a worker that died or failed is named as soon as its transfer

@@ -7,8 +7,9 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
+import torch.distributed as dist
 from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
@@ -18,8 +19,8 @@ from .. import (
     TransferTimeout,
     WaitTimeout,
     WeightReceiver,
-    start_thread,
 )
+from ..core.shutdown import start_thread  # (joined at exit: pyproject.toml's contract allows it)
 from .trainer import FAILED
 
 
@@ -30,7 +31,7 @@ class Worker:
     def __init__(
         self,
         receiver: WeightReceiver,
-        store: Any,
+        store: dist.Store,
         key: Callable[..., str],
         rank: int,
         name: str,
@@ -55,7 +56,7 @@ class Worker:
 
     def start(self, thread_name: str) -> None:
         """Version 1 into the policy, then a thread that takes every next version."""
-        self._switch(self.receiver.pull())
+        self._switch(cast(int, self.receiver.pull()))  # (waited: the version number)
         self._thread = start_thread(self._take_versions, thread_name)  # (joined at exit too)
 
     def td(self) -> TensorDictBase:
@@ -70,7 +71,7 @@ class Worker:
         receiver."""
         while not self.stopping.is_set():
             try:
-                version = self.receiver.pull(timeout=self.timeout)
+                version = cast(int, self.receiver.pull(timeout=self.timeout))  # (waited)
             except WaitTimeout:
                 continue  # the trainer pushed nothing meanwhile: the pull goes on
             except SenderClosed:
@@ -128,7 +129,7 @@ class Worker:
             previous.__exit__(None, None, None)
         self.version = version
         if self.sync:
-            self.store.set(self.key("switched", self.rank, version), b"")
+            self.store.set(self.key("switched", self.rank, version), "")  # (stored as b"")
 
     def _as_module_tensors(self, td: TensorDict, current: TensorDictBase) -> TensorDict:
         """``td``'s views as the module holds them (parameters as ``nn.Parameter``), made once per buffer."""

@@ -14,7 +14,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from .. import ArgumentError, WeightSender
+from .. import ArgumentError, Mode, Transport, WeightSender
 
 #: The name of the backend, on both sides: ``weight_transfer_config={"backend": BACKEND}``.
 BACKEND = "cudarecv"
@@ -46,10 +46,10 @@ class CudarecvTrainerInitInfo(TrainerInitInfo):
     host: str = "127.0.0.1"
     port: int = 0
     timeout: float = 120.0
-    mode: str = "sync"
+    mode: Mode = "sync"
     verify: bool = True
     bucket_bytes: int | None = None
-    transport: str = "auto"
+    transport: Transport = "auto"
     dtype: str | None = None
     rank: int = field(default=0, kw_only=True)
 

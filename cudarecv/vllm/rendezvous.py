@@ -5,9 +5,10 @@ process groups, and vLLM's, are never touched."""
 from __future__ import annotations
 
 import datetime
-from typing import Any
 
-from .. import store_group
+import torch.distributed as dist
+
+from ..core.groups import store_group  # (an internal helper: pyproject.toml's contract allows it)
 
 
 def seconds(value: float) -> datetime.timedelta:
@@ -19,7 +20,9 @@ def member_key(session: str, index: int) -> str:
     return f"cudarecv/vllm/{session}/worker/{index}"
 
 
-def group_of(store: Any, session: str, rank: int, size: int, timeout: float) -> Any:
+def group_of(
+    store: dist.Store, session: str, rank: int, size: int, timeout: float
+) -> dist.ProcessGroup:
     """This process's rank of the session's gloo group (every member calls it; bounded by ``timeout``)."""
     who = "the trainer" if rank == 0 else f"vLLM worker {rank - 1}"
     return store_group(

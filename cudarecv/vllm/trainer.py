@@ -9,14 +9,15 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import asdict
-from typing import Any
+from types import TracebackType
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine, WeightSource
 
-from .. import ArgumentError, TransferTimeout, UsageError, WeightSender
+from .. import ArgumentError, ShardedSender, TransferTimeout, UsageError, WeightSender
 from .client import as_client
 from .info import CudarecvInitInfo, CudarecvTrainerInitInfo, dtype_of
 from .rendezvous import group_of, member_key, seconds
@@ -47,7 +48,7 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
             is_sender=info.is_sender,
         )
         self.info = info
-        self.sender: WeightSender | None = None
+        self.sender: WeightSender | ShardedSender | None = None
         self._store: Any = None
         self._group: Any = None
         self._td: TensorDict | None = (
@@ -130,7 +131,9 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
                 first.get("sliced")
             )  # a tensor-parallel engine: each worker receives what it loads
             self._td, self.dtype = self._weights(dtype), dtype
-            self.sender = WeightSender(
+            # a tensor-parallel engine's workers each want slices: a sender of each worker's slices
+            sender = ShardedSender if self.sliced else WeightSender
+            self.sender = sender(
                 self._td.unflatten_keys("."),
                 group=self._group,
                 group_dst=list(range(1, workers + 1)),
@@ -139,7 +142,6 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
                 verify=info.verify,
                 bucket_bytes=info.bucket_bytes,
                 transport=info.transport,
-                sliced=self.sliced,
             )
         log.info(
             "cudarecv weight transfer to %d vLLM worker(s) (%s, %s, %s)",
@@ -169,18 +171,22 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
     def nbytes(self) -> int:
         """Bytes of one version (in :attr:`dtype`), what each worker receives unless the engine is tensor-parallel
         (each worker then receives the slices it loads: :meth:`bytes_to`); 0 on a rank that does not send."""
-        return sum(t.nbytes for t in self._td.values()) if self._td is not None else 0
+        return sum(t.nbytes for t in _leaves(self._td).values()) if self._td is not None else 0
 
     def bytes_to(self) -> dict[int, int]:
         """Worker (its rank in the trainer's group, 1 on) -> the bytes one version moves to it."""
         if self.sender is None:
             return {}
-        if not self.sliced:
+        if not isinstance(self.sender, ShardedSender):
             return {rank: self.nbytes for rank in self.sender.transports}
-        sizes = {name: t.element_size() for name, t in self._td.items()}
+        assert self._td is not None  # (a sender has its tensordict)
+        sizes = {name: t.element_size() for name, t in _leaves(self._td).items()}
+        sharded: Any = (
+            self.sender
+        )  # (sliced: a sharded sender, whose plan says what each worker loads)
         return {
             rank: sum(box.numel * sizes[name] for name, box in pieces)
-            for rank, pieces in self.sender.plan.items()
+            for rank, pieces in sharded.plan.items()
         }
 
     # -- an update -------------------------------------------------------------------------------------------
@@ -201,7 +207,7 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
             raise UsageError("this cudarecv trainer engine is shut down")
         # (sync mode: returns once every worker holds it, or raises naming one that does not; latest mode: at once,
         # and each worker's update waits, bounded, for it to land)
-        version = self.sender.push()
+        version = cast(int, self.sender.push())  # (waited: the version number)
         self._start(version)
         try:  # (the workers load it now: bounded, as every answer of the engine)
             _Call(
@@ -269,14 +275,20 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
             self._shared.clear()
 
 
+def _leaves(td: TensorDict) -> dict[str, torch.Tensor]:
+    """The leaves of a flat tensordict of tensors, by name."""
+    return {name: cast(torch.Tensor, t) for name, t in td.items()}
+
+
 class _Call:
     """One call of the engine's client on a thread of its own, so that waiting for its answer is bounded (a client
     may wait for ever). ``join`` waits for it (bounded) and raises what it raised; as a context manager (while
     this thread does its part, e.g. the rendezvous during the engine's init) it joins on the way out, and an error
     of the block wins over the call's (which becomes its context)."""
 
-    def __init__(self, call: Callable[[], Any], what: str, timeout: float) -> None:
-        self.what, self.timeout, self._error = what, timeout, None
+    def __init__(self, call: Callable[[], object], what: str, timeout: float) -> None:
+        self.what, self.timeout = what, timeout
+        self._error: BaseException | None = None
         self._thread = threading.Thread(
             target=self._run, args=(call,), name=f"cudarecv-vllm-{what}", daemon=True
         )
@@ -285,7 +297,12 @@ class _Call:
     def __enter__(self) -> _Call:
         return self
 
-    def __exit__(self, kind: Any, error: Any, trace: Any) -> None:
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
         if error is None:
             self.join()
             return
@@ -294,7 +311,7 @@ class _Call:
         except BaseException as answer:  # noqa: BLE001 - the block's error propagates, this one as its context
             error.__context__ = answer
 
-    def _run(self, call: Callable[[], Any]) -> None:
+    def _run(self, call: Callable[[], object]) -> None:
         try:
             call()
         except BaseException as error:  # noqa: BLE001 - raised by join, on the caller's thread

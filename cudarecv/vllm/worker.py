@@ -14,14 +14,15 @@ import socket
 import threading
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
-from .. import Error, UsageError, WaitTimeout, WeightReceiver, start_thread
+from .. import Error, ShardedReceiver, UsageError, WaitTimeout, WeightReceiver
+from ..core.shutdown import start_thread  # (joined at exit: pyproject.toml's contract allows it)
 from .info import CudarecvInitInfo, CudarecvUpdateInfo
 from .rendezvous import group_of, member_key, seconds
 from .slices import whole_leaves, worker_slices
@@ -38,7 +39,7 @@ class CudarecvWeightTransferEngine(WeightTransferEngine[CudarecvInitInfo, Cudare
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._receiver: WeightReceiver | None = None
+        self._receiver: WeightReceiver | ShardedReceiver | None = None
         self._group: Any = None
         self._store: Any = None
         self._landed = (
@@ -93,17 +94,17 @@ class CudarecvWeightTransferEngine(WeightTransferEngine[CudarecvInitInfo, Cudare
             self._group = group_of(
                 self._store, init_info.session, index + 1, workers + 1, init_info.timeout
             )
-            source = (
-                0 if self._want is None else [0]
-            )  # (sliced: the trainer sends each worker what it loads)
-            self._receiver = WeightReceiver(
+            options = dict(
                 group=self._group,
-                group_src=source,
                 device=self.device,
                 expect=expect,
-                want=self._want,
                 timeout=init_info.timeout,
                 transport=init_info.transport,
+            )
+            self._receiver = (
+                WeightReceiver(group_src=0, **options)
+                if self._want is None  # (else sliced: the trainer sends each worker what it loads)
+                else ShardedReceiver(group_src=[0], want=self._want, **options)
             )
         except BaseException:
             self.shutdown()
@@ -135,11 +136,11 @@ class CudarecvWeightTransferEngine(WeightTransferEngine[CudarecvInitInfo, Cudare
             get_tensor_model_parallel_world_size(),
         )
 
-    def _take_versions(self, receiver: WeightReceiver) -> None:
+    def _take_versions(self, receiver: WeightReceiver | ShardedReceiver) -> None:
         """The taking thread: every version the trainer pushes, as it comes, until the receiver closes or fails."""
         while True:
             try:
-                version = receiver.pull()
+                version = cast(int, receiver.pull())  # (waited: the version number)
             except WaitTimeout:
                 continue  # nothing pushed meanwhile: the pull goes on
             except Error as error:
@@ -228,7 +229,9 @@ def load(
 
     initialize_layerwise_reload(model)
     with disable_mtp_completeness_check():
-        model.load_weights(weights)
+        cast(Any, model).load_weights(
+            weights
+        )  # (vLLM's model class, which torch's Module does not type)
     finalize_layerwise_reload(model, model_config)
 
 

@@ -1,1 +1,4 @@
-"""Weight sync: :class:`WeightSender` and :class:`WeightReceiver`, their wire and the relay."""
+"""Weight sync: :class:`~cudarecv.WeightSender` and :class:`~cudarecv.WeightReceiver` (ranks of a process group),
+:class:`~cudarecv.ElasticSender` and :class:`~cudarecv.ElasticReceiver` (joined through a store, by name:
+:mod:`.membership`), :class:`~cudarecv.ShardedSender` and :class:`~cudarecv.ShardedReceiver` (DTensors or slices:
+:mod:`.sharded`); their wire and the relay."""

@@ -3,15 +3,23 @@ integrations that configure them ahead, e.g. :mod:`cudarecv.torchrl`, use the sa
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from ..core import streams
 from ..core.checks import check_bucket_bytes, check_timeout
 from ..core.errors import ArgumentError
+from ..samehost.policy import Transport as Transport  # (re-exported: cudarecv.Transport)
 from ..samehost.policy import check_transport
 from .wire import FANOUTS, MODES
+
+#: a sender's mode: every receiver gets every version (``"sync"``), or each pull the newest (``"latest"``)
+Mode = Literal["sync", "latest"]
+#: a sender's fan-out: to every receiver (``"star"``), through a chain of them (``"relay"``), or picked at the
+#: handshake (``"auto"``: relay when a receiver is on another host, in sync mode)
+Fanout = Literal["star", "relay", "auto"]
+# ``Transport`` (what may carry the versions: ``"auto"`` or ``"wire"``) is samehost.policy's, which checks it
 
 
 def check_mode(mode: object, buffers: object = None, fanout: object = "auto") -> None:
@@ -75,18 +83,36 @@ def check_options(**options: Any) -> dict[str, Any]:
     return out
 
 
+def check_sender(
+    timeout: object,
+    bucket_bytes: object,
+    transport: object,
+    mode: object,
+    buffers: object,
+    fanout: object,
+) -> float:
+    """A weight sender's options checked together, before it resolves any link: its timeout, in seconds."""
+    seconds: float = check_options(timeout=timeout, transport=transport, bucket_bytes=bucket_bytes)[
+        "timeout"
+    ]
+    check_mode(mode, buffers, fanout)
+    return seconds
+
+
 def check_receiver(
     timeout: object, transport: object, zero_copy: object, device: Any, pin_memory: bool
 ) -> tuple[float, torch.device]:
     """A weight receiver's options checked together: its timeout, and its device with an index (threads use it)."""
-    timeout = check_options(timeout=timeout, transport=transport, zero_copy=zero_copy)["timeout"]
+    seconds: float = check_options(timeout=timeout, transport=transport, zero_copy=zero_copy)[
+        "timeout"
+    ]
     if zero_copy and pin_memory:
         raise ArgumentError(
             "`zero_copy=True` publishes the sender's shared snapshots, which are not "
             "page-locked: drop `pin_memory=True` or `zero_copy`"
         )
     try:
-        device = streams.explicit(device if device is not None else "cpu")
+        device = streams.explicit(torch.device(device if device is not None else "cpu"))
     except (RuntimeError, TypeError) as error:
         raise ArgumentError(
             f'`device` must name a device ("cpu", "cuda:0"), got {device!r}: {error}'
@@ -95,4 +121,4 @@ def check_receiver(
         raise ArgumentError(
             f"`pin_memory=True` is for host memory, but `device` is {device}: drop one"
         )
-    return timeout, device
+    return seconds, device

@@ -1,4 +1,7 @@
-"""The actor's end of a weight sync: :class:`WeightReceiver`.
+"""The actor's end of a weight sync: :class:`WeightReceiver`, a receiver from one sender rank of a process group
+(its siblings, each built of plain ones: ``ElasticReceiver`` in :mod:`~cudarecv.weights.membership.elastic_receiver`,
+joining a named sender through a store; ``ShardedReceiver`` in :mod:`~cudarecv.weights.sharded.sharded_receiver`,
+receiving from every rank of a sharded sender).
 
 The receiver keeps two storages: the published one (``receiver.td``, the last
 complete, verified version) and the one the next pull lands in. A pull that
@@ -29,8 +32,8 @@ import contextlib
 import math
 import threading
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tensordict import TensorDict
@@ -38,8 +41,8 @@ from tensordict import TensorDict
 from ..core import streams
 from ..core.checks import check_timeout
 from ..core.driver import Driver
-from ..core.errors import BrokenError, UsageError, WaitTimeout
-from ..core.link import peer_failure, resolve
+from ..core.errors import ArgumentError, BrokenError, UsageError, WaitTimeout
+from ..core.link import Link, peer_failure, resolve
 from ..core.log import logger
 from ..core.transfer import Transfer
 from ..samehost.policy import allowed
@@ -47,26 +50,30 @@ from ..wire.staging import drain, lane_for
 from . import handshake
 from .handshake import expected
 from .inbox import Inbox
-from .options import check_receiver
+from .options import Transport, check_receiver
 from .pulling import Puller
 from .relay import Hop
 from .sharded.layout import is_sharded
 from .slots import Slot, Slots, load_into
 from .wire import PUSH, SessionTags
 
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
 
 class WeightReceiver:
     """Receive the versions a :class:`WeightSender` pushes; ``td`` is the latest complete one.
 
     Keyword Args:
-        src / group_src: the sender's rank (global, or in ``group``); exactly one, or ``store`` and ``name``: join
-            the sender named so in that store (no process group shared by all; docs/weight-sync.md). A list: every rank of a
-            sharded sender's mesh (docs/sharded.md), as with DTensor leaves in ``expect``.
+        src / group_src: the sender's rank (global, or in ``group``); exactly one. The other receivers:
+            :class:`~cudarecv.ElasticReceiver` joins a sender by name through a store (no process group shared by
+            all; docs/weight-sync.md), :class:`~cudarecv.ShardedReceiver` receives from every rank of a sharded
+            sender's mesh, into DTensors or slices (docs/sharded.md).
         group: the process group (a standalone one with ``group_src``).
         device: where the weights live (``"cpu"`` default, or a CUDA device).
         pin_memory: page-locked host storage (CPU only).
         expect: a tensordict or an ``nn.Module`` the weights must match (keys,
-            shapes, dtypes); a mismatch raises :class:`SchemaError` naming the
+            shapes, dtypes; plain tensors); a mismatch raises :class:`SchemaError` naming the
             first differing key, and the sender's construction fails too.
         timeout: seconds any wait may take.
         stream: the CUDA stream for GPU weights (default: cudarecv's dedicated stream).
@@ -76,8 +83,6 @@ class WeightReceiver:
             the sender's snapshot lies instead of copying it out: a pull copies nothing, and :attr:`td`'s tensors
             are views of memory mapped *read-only* (writing to them kills the process with SIGSEGV: copy what you
             must change, or use :meth:`load_into`). :attr:`zero_copy` says whether it is in use.
-        want: slices of named leaves, the rest whole (``{"w": (slice(0, 512),)}``: rows 0-511 of ``w``), from a
-            sender built with ``sliced=True`` or a sharded one (docs/sharded.md).
 
     Whatever makes the construction fail once the link is resolved (a bad argument, no CUDA, no memory, ``expect``
     not matching, a malformed schema) is sent back as the handshake's answer, so the sender fails at once too,
@@ -88,21 +93,6 @@ class WeightReceiver:
         >>> receiver.pull()              # blocks until a new version has landed
         >>> receiver.load_into(policy)   # or read receiver.td
     """
-
-    def __new__(
-        cls,
-        src: Any = None,
-        *args: Any,
-        group_src: Any = None,
-        expect: Any = None,
-        want: Any = None,
-        **kwargs: Any,
-    ) -> Any:
-        return super().__new__(
-            _kind(src, group_src, expect, want, kwargs.get("store"))
-            if cls is WeightReceiver
-            else cls
-        )
 
     def __init__(
         self,
@@ -115,13 +105,13 @@ class WeightReceiver:
         expect: Any = None,
         timeout: float = 60.0,
         stream: Any = None,
-        transport: str = "auto",
+        transport: Transport = "auto",
         zero_copy: bool = False,
-        want: Any = None,
     ) -> None:
         self.timeout = 60.0  # until checked: the time given to answer the sender
         try:
             self.timeout, device = check_receiver(timeout, transport, zero_copy, device, pin_memory)
+            _check_plain(src, group_src, expect)
             problem = None
         except Exception as error:  # noqa: BLE001 - raised below, after the sender is told
             problem = error
@@ -171,7 +161,7 @@ class WeightReceiver:
         )  # drives every receive (the caller keeps the time)
         self._inbox = Inbox(lane, tags, self._driver)
         self._slots = Slots(own, aliases, self._cond, self._inbox.freed)
-        self._hop = Hop(lane, tags, device)
+        self._hop = Hop(lane, tags, device, self._relay_links())
         self._puller = Puller(
             self.schema,
             piece,
@@ -186,6 +176,11 @@ class WeightReceiver:
             self._inbox,
             self._driver,
         )
+
+    def _relay_links(self) -> Callable[[int, int, float], Link] | None:
+        """How this receiver's links to the others in a relay chain form (see :class:`~.relay.Hop`): None, they
+        share its process group; a receiver that joined through a store forms each on the store."""
+        return None
 
     def _own_slots(
         self, schema: Any, piece: int, device: torch.device, pin_memory: bool
@@ -386,32 +381,27 @@ class WeightReceiver:
                     lane, self.schema.message_sizes(self._puller.piece), inbox.tags.payload
                 )
 
-    def __enter__(self) -> WeightReceiver:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
 
-def _kind(src: Any, group_src: Any, expect: Any, want: Any, store: Any) -> type:
-    """The receiver that ``WeightReceiver(...)`` builds: one that joins a named sender through a store, a
-    sharded (or sliced) sender's, or a plain one."""
-    if store is not None:
-        from .membership.receiver import ElasticReceiver
-
-        return ElasticReceiver
-    if want is not None or _of_sharded(src, group_src, expect):
-        from .sharded.receiver import ShardedReceiver
-
-        return ShardedReceiver
-    return WeightReceiver
-
-
-def _of_sharded(src: Any, group_src: Any, expect: Any) -> bool:
-    """Whether a receiver is a sharded sender's: several sender ranks (``src`` a list), or DTensors expected."""
+def _check_plain(src: object, group_src: object, expect: Any) -> None:
+    """A plain receiver has one sender rank and expects plain tensors: else an ArgumentError naming the
+    receiver to build (a sharded sender's)."""
     if isinstance(src, (list, tuple)) or isinstance(group_src, (list, tuple)):
-        return True
+        raise ArgumentError(
+            "a list of sender ranks is a sharded sender's mesh: build a cudarecv.ShardedReceiver "
+            "(src=[...]) for it; a WeightReceiver takes one `src` or `group_src`"
+        )
     try:
-        return expect is not None and is_sharded(expected(expect)[1])
-    except Exception:  # noqa: BLE001 - a bad `expect` is the constructor's to report
-        return False
+        sharded = expect is not None and is_sharded(expected(expect)[1])
+    except Exception:  # noqa: BLE001 - a malformed `expect` is the handshake's to report, as ever
+        sharded = False
+    if sharded:
+        raise ArgumentError(
+            "`expect` holds DTensor leaves: build a cudarecv.ShardedReceiver (src=[the sender's "
+            "ranks]), which receives the pieces of a sharded sender into that layout"
+        )

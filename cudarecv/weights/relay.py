@@ -162,12 +162,18 @@ class Hop:
 
     ``connect``: how the link to another receiver forms, given its rank, the version of the push naming it and a
     time limit (a receiver that joined through a store: a pair of their own, formed on a thread of its own,
-    :class:`cudarecv.weights.membership.edges.Edges`); by default that rank in this receiver's group."""
+    :class:`cudarecv.weights.membership.edges.Edges`); None (the default): that rank in this receiver's group."""
 
-    def __init__(self, lane: Lane, tags: Any, device: torch.device) -> None:
+    def __init__(
+        self,
+        lane: Lane,
+        tags: Any,
+        device: torch.device,
+        connect: Callable[[int, int, float], Link] | None = None,
+    ) -> None:
         self.lane, self.tags, self.device = lane, tags, device
         self.sender = lane.link.peer
-        self.connect: Callable[[int, int, float], Link] | None = None
+        self.connect = connect
         self._peers: dict[int, Lane] = {}
         self._forwarders: dict[int, Driver] = {}
         self._receivers: dict[int, Driver] = {}

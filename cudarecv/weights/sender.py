@@ -1,4 +1,7 @@
-"""The trainer's end of a weight sync: :class:`WeightSender`.
+"""The trainer's end of a weight sync: :class:`SessionSender`, what every sender of one session is, and
+:class:`WeightSender`, a sender to ranks of a process group (its siblings: ``ElasticSender`` in
+:mod:`~cudarecv.weights.membership.elastic_sender`, receivers joining through a store; ``ShardedSender`` in
+:mod:`~cudarecv.weights.sharded.sharded_sender`, one rank of a sharded sender, built of plain ones).
 
 A trainer holds a :class:`WeightSender` and pushes its policy's weights every step; each actor holds a
 :class:`~cudarecv.WeightReceiver`. The structure travels once, at construction (:mod:`~cudarecv.weights.handshake`);
@@ -28,12 +31,12 @@ import math
 import os
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..core import streams
 from ..core.checks import check_timeout
 from ..core.errors import ArgumentError, PeerError, SchemaError, UsageError, WaitTimeout
-from ..core.link import resolve
+from ..core.link import Link, resolve
 from ..core.tags import SESSIONS
 from ..core.transfer import Transfer
 from ..plan.plan import plan_for
@@ -43,7 +46,7 @@ from ..samehost.policy import allowed
 from ..wire.staging import lane_for
 from .enrol import enrol, serve
 from .link import check_peers
-from .options import check_mode, check_options
+from .options import Fanout, Mode, Transport, check_options, check_sender
 from .pushes import LatestPushes, SyncPushes
 from .schema import MAX_SCHEMA_BYTES, Schema
 from .serving import last_word
@@ -55,110 +58,43 @@ from .transports.registry import choose
 from .transports.wire import rules
 from .wire import CLOSED, SessionTags
 
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
 #: relay fan-out's chunk when ``bucket_bytes`` is None: small enough that filling the chain costs
 #: little (each hop adds one chunk's time), large enough that per-message costs stay negligible
 RELAY_CHUNK = 1 << 20
 
 
-class WeightSender:
-    """Push the values of ``td`` to one or more :class:`WeightReceiver` ranks, every step.
+class SessionSender:
+    """What every sender of one weight-sync session is, whoever its receivers are: the weights (``td``), their plan
+    and schema, the session's settings, the snapshots a version is copied into, and pushing and closing.
 
-    Args:
-        td: the weights (a tensordict or tensorclass; ``TensorDict.from_module(model)``
-            shares the model's parameters, so each push sends their current values).
-        dst: a global rank or a list of them. Exclusive with ``group_dst``.
-
-    Keyword Args:
-        group: the process group (a standalone one with ``group_dst``).
-        group_dst: a rank or ranks in ``group``.
-        bucket_bytes: bytes per payload message (default: 1 MiB in ``sync`` mode unless ``fanout="star"``, the
-            relay's chunk and faster than one message over loopback too; else the whole storage at once).
-        timeout: seconds any wait may take (handshake, each receiver's transfer).
-        verify: send a BLAKE3 digest with every push; receivers reject a corrupted payload.
-        stream: the CUDA stream for GPU weights (default: cudarecv's dedicated stream).
-        mode: ``"sync"`` (every receiver gets every version; a blocking push waits for them) or ``"latest"``
-            (push never waits; each pull gets the newest version).
-        buffers: ``latest`` mode: snapshot buffers kept (default: receivers + 2, so that a push never waits;
-            fewer bound memory, and a push then may wait for a transfer in flight, never for a receiver
-            between pulls).
-        fanout: ``"star"``, ``"relay"`` (``sync`` mode: through a chain of the receivers in the order given,
-            each forwarding the chunks it receives) or ``"auto"`` (relay when a receiver is on another host).
-        transport: ``"auto"`` (receivers on this machine map the sender's snapshots: shared memory for host
-            weights, CUDA IPC for GPU weights; a push then sends them only its header) or ``"wire"``.
-        store, name: instead of ``dst``: receivers join (and leave) at any time through this store, by this
-            name, with no process group shared by all (docs/weight-sync.md, receivers that join through a store).
-        sliced: send each receiver only the slices it wants (``WeightReceiver(src=[...], want=...)``, or DTensors
-            in its ``expect``), as a sharded sender of one rank does (implied by DTensor leaves).
-
-    Construction performs the handshake with every receiver and raises if one rejects the schema
-    (:class:`SchemaError`, naming it and the first differing key) or could not start (:class:`ReceiverFailed`).
-
-    With DTensor leaves in ``td`` (an FSDP2 model's), every rank of their mesh builds one, with the same ``dst``:
-    a sharded sender, each rank sending what it holds to the receivers that want it (docs/sharded.md).
-
-    Example:
-        >>> sender = WeightSender(TensorDict.from_module(policy), dst=[1, 2], bucket_bytes=1 << 20)
-        >>> version = sender.push()      # blocks until every receiver has the bytes
-        >>> async_sender = WeightSender(TensorDict.from_module(policy), dst=[1, 2], mode="latest")
-        >>> version = async_sender.push()  # returns at once; actors pull the newest when ready
+    Its subclasses say where the receivers come from, and call this ``__init__`` once they know the links they
+    have so far (``[]``: receivers join later): :class:`WeightSender` (ranks of a process group), and
+    :class:`~cudarecv.ElasticSender` (receivers that join through a store). Each checks its options first, with
+    :func:`~cudarecv.weights.options.check_sender`, before it resolves any link.
     """
 
     _leafwise = (
         False  # messages cut from each leaf's bytes (a sharded sender's pieces: see weights.schema)
     )
 
-    def __new__(cls, td: Any = None, *args: Any, **kwargs: Any) -> Any:
-        if (
-            cls is WeightSender and kwargs.get("store") is not None
-        ):  # receivers join through a store
-            from .membership.sender import ElasticSender
-
-            return super().__new__(ElasticSender)
-        # DTensor leaves (an FSDP2 model): one rank of a sharded sender
-        if cls is WeightSender and (kwargs.get("sliced") or _has_dtensors(td)):
-            from .sharded.sender import ShardedSender
-
-            return super().__new__(ShardedSender)
-        return super().__new__(cls)
-
     def __init__(
         self,
         td: Any,
-        dst: Any = None,
+        links: list[Link],
         *,
-        group: Any = None,
-        group_dst: Any = None,
-        bucket_bytes: int | None = None,
-        timeout: float = 60.0,
-        verify: bool = False,
-        stream: Any = None,
-        mode: str = "sync",
-        buffers: int | None = None,
-        fanout: str = "auto",
-        transport: str = "auto",
-        sliced: bool = False,
+        bucket_bytes: int | None,
+        timeout: float,
+        verify: bool,
+        stream: Any,
+        mode: Mode,
+        buffers: int,
+        fanout: Fanout,
+        transport: Transport,
+        elastic: bool = False,
     ) -> None:
-        timeout = check_options(timeout=timeout, transport=transport, bucket_bytes=bucket_bytes)[
-            "timeout"
-        ]
-        check_mode(mode, buffers, fanout)
-        dsts, group_dsts = check_peers(dst, "dst"), check_peers(group_dst, "group_dst")
-        if (dsts is None) == (group_dsts is None):
-            raise ArgumentError(
-                "pass exactly one of `dst` and `group_dst` (a rank or a list of ranks), or `store` "
-                "and `name` (receivers that join through the store)"
-            )
-        links = (
-            [resolve(d, None, group, "dst", "group_dst") for d in dsts]
-            if dsts is not None
-            else [resolve(None, d, group, "dst", "group_dst") for d in group_dsts]
-        )
-        if mode == "latest" and not all(rules(link).latest for link in links):
-            raise UsageError(
-                "mode='latest' needs a gloo link (NCCL runs a pair's sends and receives in order on "
-                "one stream, so a receiver's ask could not pass a posted receive): use a gloo group "
-                "for weight sync (GPU weights are staged through page-locked memory)"
-            )
         self._begin(
             td,
             links,
@@ -167,17 +103,11 @@ class WeightSender:
             verify,
             stream,
             mode,
-            buffers or len(links) + 2,
+            buffers,
             fanout,
             transport,
+            elastic,
         )
-        lanes = [lane_for(link, self._device, stream, streams.StagingPool()) for link in links]
-        members = enrol(self._s, self._pool, lanes, self._raw, self._session_id)
-        if fanout == "auto":
-            self._s.fanout = (
-                "relay" if mode == "sync" and any(m.host != host_id() for m in members) else "star"
-            )
-        serve(self._s, self._pool, members)
 
     def _begin(
         self,
@@ -403,11 +333,112 @@ class WeightSender:
         for member in members:
             member.lane, member.sending = None, None
 
-    def __enter__(self) -> WeightSender:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class WeightSender(SessionSender):
+    """Push the values of ``td`` to one or more :class:`~cudarecv.WeightReceiver` ranks of a process group, every
+    step.
+
+    Args:
+        td: the weights (a tensordict or tensorclass; ``TensorDict.from_module(model)``
+            shares the model's parameters, so each push sends their current values). Plain tensors: DTensor
+            leaves (an FSDP2 model's) take a :class:`~cudarecv.ShardedSender` on every rank of their mesh.
+        dst: a global rank or a list of them. Exclusive with ``group_dst``.
+
+    Keyword Args:
+        group: the process group (a standalone one with ``group_dst``).
+        group_dst: a rank or ranks in ``group``.
+        bucket_bytes: bytes per payload message (default: 1 MiB in ``sync`` mode unless ``fanout="star"``, the
+            relay's chunk and faster than one message over loopback too; else the whole storage at once).
+        timeout: seconds any wait may take (handshake, each receiver's transfer).
+        verify: send a BLAKE3 digest with every push; receivers reject a corrupted payload.
+        stream: the CUDA stream for GPU weights (default: cudarecv's dedicated stream).
+        mode: ``"sync"`` (every receiver gets every version; a blocking push waits for them) or ``"latest"``
+            (push never waits; each pull gets the newest version).
+        buffers: ``latest`` mode: snapshot buffers kept (default: receivers + 2, so that a push never waits;
+            fewer bound memory, and a push then may wait for a transfer in flight, never for a receiver
+            between pulls).
+        fanout: ``"star"``, ``"relay"`` (``sync`` mode: through a chain of the receivers in the order given,
+            each forwarding the chunks it receives) or ``"auto"`` (relay when a receiver is on another host).
+        transport: ``"auto"`` (receivers on this machine map the sender's snapshots: shared memory for host
+            weights, CUDA IPC for GPU weights; a push then sends them only its header) or ``"wire"``.
+
+    Construction performs the handshake with every receiver and raises if one rejects the schema
+    (:class:`SchemaError`, naming it and the first differing key) or could not start (:class:`ReceiverFailed`).
+
+    The other senders: :class:`~cudarecv.ElasticSender` (receivers join and leave at any time through a store, by
+    name) and :class:`~cudarecv.ShardedSender` (DTensor leaves, or each receiver sent only the slices it wants).
+
+    Example:
+        >>> sender = WeightSender(TensorDict.from_module(policy), dst=[1, 2], bucket_bytes=1 << 20)
+        >>> version = sender.push()      # blocks until every receiver has the bytes
+        >>> async_sender = WeightSender(TensorDict.from_module(policy), dst=[1, 2], mode="latest")
+        >>> version = async_sender.push()  # returns at once; actors pull the newest when ready
+    """
+
+    def __init__(
+        self,
+        td: Any,
+        dst: int | list[int] | None = None,
+        *,
+        group: Any = None,
+        group_dst: int | list[int] | None = None,
+        bucket_bytes: int | None = None,
+        timeout: float = 60.0,
+        verify: bool = False,
+        stream: Any = None,
+        mode: Mode = "sync",
+        buffers: int | None = None,
+        fanout: Fanout = "auto",
+        transport: Transport = "auto",
+    ) -> None:
+        timeout = check_sender(timeout, bucket_bytes, transport, mode, buffers, fanout)
+        dsts, group_dsts = check_peers(dst, "dst"), check_peers(group_dst, "group_dst")
+        if (dsts is None) == (group_dsts is None):
+            raise ArgumentError(
+                "pass exactly one of `dst` and `group_dst` (a rank or a list of ranks); for receivers "
+                "that join through a store, build a cudarecv.ElasticSender(td, store, name)"
+            )
+        if _has_dtensors(td):
+            raise ArgumentError(
+                "`td` holds DTensor leaves (an FSDP2 model's): build a cudarecv.ShardedSender, with "
+                "the same arguments, on every rank of their mesh"
+            )
+        links = (
+            [resolve(d, None, group, "dst", "group_dst") for d in dsts]
+            if dsts is not None
+            else [resolve(None, d, group, "dst", "group_dst") for d in group_dsts]
+        )
+        if mode == "latest" and not all(rules(link).latest for link in links):
+            raise UsageError(
+                "mode='latest' needs a gloo link (NCCL runs a pair's sends and receives in order on "
+                "one stream, so a receiver's ask could not pass a posted receive): use a gloo group "
+                "for weight sync (GPU weights are staged through page-locked memory)"
+            )
+        super().__init__(
+            td,
+            links,
+            bucket_bytes=bucket_bytes,
+            timeout=timeout,
+            verify=verify,
+            stream=stream,
+            mode=mode,
+            buffers=buffers or len(links) + 2,
+            fanout=fanout,
+            transport=transport,
+        )
+        lanes = [lane_for(link, self._device, stream, streams.StagingPool()) for link in links]
+        members = enrol(self._s, self._pool, lanes, self._raw, self._session_id)
+        if fanout == "auto":
+            self._s.fanout = (
+                "relay" if mode == "sync" and any(m.host != host_id() for m in members) else "star"
+            )
+        serve(self._s, self._pool, members)
 
 
 def _has_dtensors(td: Any) -> bool:

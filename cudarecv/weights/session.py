@@ -160,9 +160,8 @@ class Session:
     verify: bool
     mode: str
     fanout: str
-    transport: (
-        Transport  # where the snapshots lie, offered to every receiver (the wire: the sender's own)
-    )
+    #: where the snapshots lie, offered to every receiver (the wire: the sender's own)
+    transport: Transport
     cond: threading.Condition = field(default_factory=threading.Condition)
     members: list[Member] = field(default_factory=list)
     version: int = 0

@@ -10,13 +10,13 @@ no message lengths: there both ends use the exact size.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Generator, Sequence
 
 import torch
 from torch import Tensor
 
 from ..core import streams
+from ..core.protocol import Work
 from .staging import Lane, recv_into
 
 ROOM = 4096  # bytes past the expected size that a control receive still takes (gloo)
@@ -28,7 +28,7 @@ def wire_bytes(lane: Lane, data: bytes) -> Tensor:
     host = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     if not lane.nccl:
         return host
-    device = torch.empty(len(data), dtype=torch.uint8, device=lane.stream.device)
+    device = torch.empty(len(data), dtype=torch.uint8, device=lane.cuda.device)
     with lane.on_stream():
         device.copy_(host.pin_memory(), non_blocking=True)
     return device
@@ -36,7 +36,7 @@ def wire_bytes(lane: Lane, data: bytes) -> Tensor:
 
 def read_bytes(
     lane: Lane, size: int, tag: int, what: str, error: Callable[[str], Exception]
-) -> Any:
+) -> Generator[Sequence[Work], None, bytes]:
     """Receive one message of ``size`` bytes with ``tag`` and return its bytes (a sub-protocol).
 
     A shorter message comes back zero-filled (its parser rejects it); on gloo a
@@ -55,11 +55,11 @@ def read_bytes(
                 "protocol or version on this tag"
             )
         return data[:size].tobytes()
-    raw = torch.empty(size, dtype=torch.uint8, device=lane.stream.device)
+    raw = torch.empty(size, dtype=torch.uint8, device=lane.cuda.device)
     host = lane.pool.buffers("pinned", size, count=1)[0]
     yield from recv_into(lane, [raw], [tag])
     with lane.on_stream():
         host.copy_(raw, non_blocking=True)
-        arrived = streams.record(lane.stream)
+        arrived = streams.record(lane.cuda)
     yield [streams.EventWork(arrived)]
     return host.numpy().tobytes()

@@ -50,7 +50,7 @@ OFFER_SIZE = (
 def staging_place(lane: Lane, plan: Plan) -> str:
     """Where the buckets' staging buffer lives: on the wire's side of the link."""
     if lane.nccl:
-        return str(plan.device) if plan.device.type == "cuda" else str(lane.stream.device)
+        return str(plan.device) if plan.device.type == "cuda" else str(lane.cuda.device)
     return "pinned" if plan.device.type == "cuda" else "cpu"
 
 
@@ -101,7 +101,7 @@ def recv(
 ) -> Protocol:
     """Receive a header, check it against ``expected``, then the payload.
 
-    ``pieces_for(piece_bytes)`` returns the receive buffers for the sender's
+    ``pieces_for(bucket_bytes)`` returns the receive buffers for the sender's
     message size; ``landed(piece_bytes, i)`` (if given) runs as soon as piece i
     is in, while the next pieces are still on the wire. A mismatched payload is
     drained (the link stays in step) if it is at most :func:`drain_limit` bytes.
@@ -158,14 +158,14 @@ def recv(
                 f"drain of a mismatched fast-wire payload ({header.total} bytes on tag {tag}; {problem})"
             )
         ]
-        yield from drain(lane, piece_sizes(header.total, header.piece), tag)
+        yield from drain(lane, piece_sizes(header.total, header.bucket_bytes), tag)
         raise _rejected(problem)
-    pieces = pieces_for(header.piece)
+    pieces = pieces_for(header.bucket_bytes)
 
     def on_piece(i: int) -> None:
         payload.landed = i + 1
         if landed is not None:
-            landed(header.piece, i)
+            landed(header.bucket_bytes, i)
 
     # (on gloo the host sees each message land: it counts them, so a failure names the one it waited for)
     payload.counted = not lane.nccl and (landed is not None or lane.stream is None)
@@ -185,16 +185,20 @@ class PayloadStage:
 
     def __init__(self, header: Header, tag: int) -> None:
         self.kind = "bucket" if header.kind == PayloadKind.BUCKETS else "chunk"
-        self.count, self.piece, self.tag = messages(header.total, header.piece), header.piece, tag
+        self.count, self.bucket_bytes, self.tag = (
+            messages(header.total, header.bucket_bytes),
+            header.bucket_bytes,
+            tag,
+        )
         self.counted = False  # whether the messages in are counted (the host sees each land: gloo)
         self.landed = 0  # messages in, in order
 
     def __str__(self) -> str:
         if not self.counted or self.count == 0:
-            return f"receive of the fast-wire payload ({self.count} {self.kind}s of {self.piece} bytes on tag {self.tag})"
+            return f"receive of the fast-wire payload ({self.count} {self.kind}s of {self.bucket_bytes} bytes on tag {self.tag})"
         return (
             f"receive of the fast-wire payload, {self.kind} {min(self.landed + 1, self.count)} of {self.count} "
-            f"({self.landed} in; {self.piece} bytes each on tag {self.tag})"
+            f"({self.landed} in; {self.bucket_bytes} bytes each on tag {self.tag})"
         )
 
 

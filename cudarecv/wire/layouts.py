@@ -17,10 +17,11 @@ import struct
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
 from ..core.link import Link
+from ..core.protocol import Work
 from ..core.tags import header_tag
 from ..plan.describe import MAX_DESCRIPTION
 from ..plan.header import Header
@@ -71,7 +72,9 @@ def announce(link: Link, header: Header, offer: bytes | None = None) -> tuple[He
     return header, [header.pack(), *([] if offer is None else [offer]), *tail]
 
 
-def take(lane: Lane, header: Header, init_tag: int, error: Callable[[str], Exception]) -> Any:
+def take(
+    lane: Lane, header: Header, init_tag: int, error: Callable[[str], Exception]
+) -> Generator[Sequence[Work], None, None]:
     """A sub-protocol: the sender's layout after ``header`` (it said one follows), read and kept for the link;
     ``error(text)`` is raised for a length past :data:`~cudarecv.plan.describe.MAX_DESCRIPTION` (not read: the
     link is out of step)."""

@@ -23,18 +23,22 @@ On NCCL the host never waits for the wire: ``Work.wait()`` orders the stream.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from collections.abc import Callable, Generator, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from ..core import streams as _cuda
 from ..core.errors import ArgumentError, UsageError
 from ..core.link import Link
+from ..core.protocol import Protocol, Work
 from ..core.transport import post
+
+#: ``landed(i)``: message i is in its destination (run on the stream that wrote it)
+Landed = Callable[[int], None]
 
 
 @dataclass
@@ -42,7 +46,7 @@ class Lane:
     """One transfer's link, stream (``None`` when neither end touches CUDA) and staging pool."""
 
     link: Link
-    stream: Any = None
+    stream: torch.cuda.Stream | None = None
     pool: _cuda.StagingPool = field(default_factory=_cuda.StagingPool)
     #: whether this transfer's NCCL messages go as batches on the group's communicator (the stock wire's
     #: per-leaf messages, where :func:`~cudarecv.core.transport.nccl_batching` says) or as single ops on the
@@ -54,18 +58,28 @@ class Lane:
         return self.link.backend == "nccl"
 
     @property
+    def cuda(self) -> torch.cuda.Stream:
+        """The transfer's CUDA stream, on the paths that have one (CUDA memory, or NCCL)."""
+        assert self.stream is not None, "a CUDA path of a lane without a stream"
+        return self.stream
+
+    @property
     def device(self) -> torch.device:
         """The device whose memory the transfer touches (its stream's; the CPU without one)."""
         return self.stream.device if self.stream is not None else torch.device("cpu")
 
-    def on_stream(self) -> Any:
+    def on_stream(self) -> AbstractContextManager[object]:
         return torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
 
-    def post(self, sending: bool, tensors: Sequence[Tensor], tags: Sequence[int]) -> list[Any]:
+    def post(
+        self, sending: bool, tensors: Sequence[Tensor], tags: Sequence[int]
+    ) -> list[dist.Work]:
         return post(self.link, sending, tensors, tags, batch=self.batched)
 
 
-def lane_for(link: Link, device: torch.device, stream: Any, pool: _cuda.StagingPool) -> Lane:
+def lane_for(
+    link: Link, device: torch.device, stream: torch.cuda.Stream | None, pool: _cuda.StagingPool
+) -> Lane:
     """The transfer's lane: a CUDA stream when the memory or the backend is on a GPU."""
     if device.type != "cuda" and link.backend != "nccl":
         if stream is not None:
@@ -100,12 +114,12 @@ def _base(t: Tensor) -> Tensor:
     return t._base if t._base is not None else t
 
 
-def host_waits(lane: Lane, protocol: Any) -> Any:
+def host_waits(lane: Lane, protocol: Protocol) -> Protocol:
     """``protocol``, then the host waits for the lane's stream, so the transfer ends only once the stream's
     copies out of or into host memory have run (host leaves staged through device buffers on NCCL: pinned
     memory's copies are asynchronous, and the caller may write or read the leaves once the call returns)."""
     result = yield from protocol
-    yield [_cuda.EventWork(_cuda.record(lane.stream))]
+    yield [_cuda.EventWork(_cuda.record(lane.cuda))]
     return result
 
 
@@ -126,8 +140,8 @@ def recv_into(
     dests: Sequence[Tensor],
     tags: Sequence[int],
     staging: Sequence[Tensor] | None = None,
-    landed: Callable[[int], None] | None = None,
-) -> Any:
+    landed: Landed | None = None,
+) -> Protocol:
     """Receive message i into ``dests[i]`` (contiguous); ``landed(i)`` once it is there.
 
     ``landed`` runs on the stream that wrote ``dests[i]`` (the transfer stream, or
@@ -145,17 +159,19 @@ def recv_into(
             if lane.nccl:
                 for work in works:
                     work.wait()  # orders the transfer stream; the host goes on
-                for i in range(n if landed else 0):
-                    landed(i)
+                if landed is not None:
+                    for i in range(n):
+                        landed(i)
                 return
         if landed is None:
             yield works  # one step for the whole batch
-        for i, work in enumerate(works if landed else ()):
-            yield [work]
-            with lane.on_stream():
-                landed(i)
+        else:
+            for i, work in enumerate(works):
+                yield [work]
+                with lane.on_stream():
+                    landed(i)
         if copies_from_host:
-            lane.pool.set_fence(_base(dests[0]), _cuda.record(lane.stream))
+            lane.pool.set_fence(_base(dests[0]), _cuda.record(lane.cuda))
         return
     if staging is not None:
         yield from _recv_full(lane, dests, tags, staging, landed)
@@ -165,7 +181,13 @@ def recv_into(
         yield from _recv_ring_gloo(lane, dests, tags, landed)
 
 
-def _recv_full(lane: Lane, dests, tags, staging, landed) -> Any:
+def _recv_full(
+    lane: Lane,
+    dests: Sequence[Tensor],
+    tags: Sequence[int],
+    staging: Sequence[Tensor],
+    landed: Landed | None,
+) -> Protocol:
     """gloo into CUDA memory, every message at once through ``staging`` (pinned)."""
     base = _base(staging[0])
     _host_ready(lane, base)
@@ -174,17 +196,20 @@ def _recv_full(lane: Lane, dests, tags, staging, landed) -> Any:
         torch._foreach_copy_(
             [_byte(d) for d in dests], [_byte(s) for s in staging], non_blocking=True
         )
-        for i in range(len(dests) if landed else 0):
-            landed(i)
-        lane.pool.set_fence(base, _cuda.record(lane.stream))
+        if landed is not None:
+            for i in range(len(dests)):
+                landed(i)
+        lane.pool.set_fence(base, _cuda.record(lane.cuda))
 
 
-def _recv_ring_gloo(lane: Lane, dests, tags, landed) -> Any:
+def _recv_ring_gloo(
+    lane: Lane, dests: Sequence[Tensor], tags: Sequence[int], landed: Landed | None
+) -> Protocol:
     """gloo into CUDA memory: recv into two pinned buffers, H2D copies overlapping the next recv."""
     n = len(dests)
     ring = lane.pool.buffers("pinned", max(_nbytes(d) for d in dests), count=n)
 
-    def start(i: int) -> Any:
+    def start(i: int) -> dist.Work:
         _host_ready(lane, ring[i % 2])
         return lane.post(False, [ring[i % 2][: _nbytes(dests[i])]], [tags[i]])[0]
 
@@ -195,35 +220,38 @@ def _recv_ring_gloo(lane: Lane, dests, tags, landed) -> Any:
             _byte(dests[i]).copy_(ring[i % 2][: _nbytes(dests[i])], non_blocking=True)
             if landed:
                 landed(i)
-            lane.pool.set_fence(ring[i % 2], _cuda.record(lane.stream))
+            copied = _cuda.record(lane.cuda)
+            lane.pool.set_fence(ring[i % 2], copied)
         if i + 2 < n:
-            yield [_cuda.EventWork(lane.pool.fence(ring[i % 2]))]  # the pinned buffer is free again
+            yield [_cuda.EventWork(copied)]  # the pinned buffer is free again
             works[i + 2] = start(i + 2)
 
 
-def _device_ring(lane: Lane, nbytes: int, count: int) -> tuple[list[Tensor], Any]:
+def _device_ring(lane: Lane, nbytes: int, count: int) -> tuple[list[Tensor], torch.cuda.Stream]:
     """NCCL's ring of device buffers (allocated on the transfer stream, so the caching allocator orders their
     reuse after it) and the copy stream, ordered after the transfer stream (a buffer's memory may be a block
     freed there a moment ago)."""
     with lane.on_stream():
-        ring = lane.pool.buffers(lane.stream.device, nbytes, count=count)
-    copier = _cuda.copy_stream(lane.stream.device)
-    copier.wait_stream(lane.stream)
+        ring = lane.pool.buffers(lane.cuda.device, nbytes, count=count)
+    copier = _cuda.copy_stream(lane.cuda.device)
+    copier.wait_stream(lane.cuda)
     return ring, copier
 
 
-def _recv_ring_nccl(lane: Lane, dests, tags, landed) -> Any:
+def _recv_ring_nccl(
+    lane: Lane, dests: Sequence[Tensor], tags: Sequence[int], landed: Landed | None
+) -> Protocol:
     """NCCL into host memory: recv into two device buffers, D2H copies on a second stream."""
     ring, copier = _device_ring(lane, max(_nbytes(d) for d in dests), len(dests))
     for i, dest in enumerate(dests):
         buf = ring[i % 2][: _nbytes(dest)]
         freed = lane.pool.fence(ring[i % 2])
         if freed is not None:
-            lane.stream.wait_event(freed)  # the previous copy out of this buffer is done
+            lane.cuda.wait_event(freed)  # the previous copy out of this buffer is done
         with lane.on_stream():
             for work in lane.post(False, [buf], [tags[i]]):
                 work.wait()
-            arrived = _cuda.record(lane.stream)
+            arrived = _cuda.record(lane.cuda)
         copier.wait_event(arrived)
         with torch.cuda.stream(copier):
             _byte(dest).copy_(buf, non_blocking=True)
@@ -231,16 +259,17 @@ def _recv_ring_nccl(lane: Lane, dests, tags, landed) -> Any:
                 landed(i)
             lane.pool.set_fence(ring[i % 2], _cuda.record(copier))
     for buffer in ring:
-        if lane.pool.fence(buffer) is not None:
-            lane.stream.wait_event(lane.pool.fence(buffer))
-    yield [_cuda.EventWork(_cuda.record(lane.stream))]  # host memory: the host waits for the bytes
+        fence = lane.pool.fence(buffer)
+        if fence is not None:
+            lane.cuda.wait_event(fence)
+    yield [_cuda.EventWork(_cuda.record(lane.cuda))]  # host memory: the host waits for the bytes
 
 
-def drain(lane: Lane, sizes: Sequence[int], tag: int) -> Any:
+def drain(lane: Lane, sizes: Sequence[int], tag: int) -> Protocol:
     """Receive and drop messages of ``sizes`` bytes on ``tag`` (keeps a link in step after a rejected header); one
     scratch message, nothing per piece."""
     scratch = torch.empty(
-        max(sizes, default=0), dtype=torch.uint8, device=lane.stream.device if lane.nccl else "cpu"
+        max(sizes, default=0), dtype=torch.uint8, device=lane.cuda.device if lane.nccl else "cpu"
     )
     for size in sizes:
         yield from recv_into(lane, [scratch[:size]], [tag])
@@ -252,7 +281,7 @@ def send_from(
     tags: Sequence[int],
     staging: Sequence[Tensor] | None = None,
     defer: bool = False,
-) -> Any:
+) -> Generator[Sequence[Work], None, list[dist.Work] | None]:
     """Send ``srcs[i]`` as message i.
 
     With ``defer``, works posted straight from the wire's memory are returned
@@ -265,39 +294,41 @@ def send_from(
             if lane.nccl:
                 for work in works:
                     work.wait()
-                return
+                return None
         if defer:
             return works
         yield works
-        return
+        return None
     if lane.nccl:
         yield from _send_ring_nccl(lane, srcs, tags)
-        return
+        return None
     # gloo from CUDA memory: D2H into pinned staging (full, or a ring of two), then send
     if staging is not None:
         with lane.on_stream():
             torch._foreach_copy_(
                 [_byte(s) for s in staging], [_byte(t) for t in srcs], non_blocking=True
             )
-            copied = _cuda.record(lane.stream)
+            copied = _cuda.record(lane.cuda)
         yield [_cuda.EventWork(copied)]
         yield lane.post(True, staging, tags)
-        return
+        return None
     ring = lane.pool.buffers("pinned", max(_nbytes(t) for t in srcs), count=n)
-    sent: list[Any] = [None, None]
+    sent: list[dist.Work | None] = [None, None]
     for i in range(n):
-        if sent[i % 2] is not None:
-            yield [sent[i % 2]]
+        earlier = sent[i % 2]
+        if earlier is not None:
+            yield [earlier]
         buf = ring[i % 2][: _nbytes(srcs[i])]
         with lane.on_stream():
             buf.copy_(_byte(srcs[i]), non_blocking=True)
-            copied = _cuda.record(lane.stream)
+            copied = _cuda.record(lane.cuda)
         yield [_cuda.EventWork(copied)]
         sent[i % 2] = lane.post(True, [buf], [tags[i]])[0]
     yield [w for w in sent if w is not None]
+    return None
 
 
-def _send_ring_nccl(lane: Lane, srcs, tags) -> Any:
+def _send_ring_nccl(lane: Lane, srcs: Sequence[Tensor], tags: Sequence[int]) -> Protocol:
     """NCCL from host memory: H2D copies into two device buffers on a second stream, then send.
 
     Ends when the host memory has been read (the caller may then change it)."""
@@ -311,10 +342,10 @@ def _send_ring_nccl(lane: Lane, srcs, tags) -> Any:
         with torch.cuda.stream(copier):
             buf.copy_(_byte(src), non_blocking=True)
             copied = _cuda.record(copier)
-        lane.stream.wait_event(copied)
+        lane.cuda.wait_event(copied)
         with lane.on_stream():
             for work in lane.post(True, [buf], [tags[i]]):
                 work.wait()
-            lane.pool.set_fence(ring[i % 2], _cuda.record(lane.stream))
+            lane.pool.set_fence(ring[i % 2], _cuda.record(lane.cuda))
     if copied is not None:
         yield [_cuda.EventWork(copied)]

@@ -9,6 +9,7 @@ memory the wire cannot touch is staged (:mod:`cudarecv.wire.staging`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from torch import Tensor
@@ -28,7 +29,7 @@ def _full_staging(lane: Lane, plan: Plan) -> list[Tensor] | None:
     return None
 
 
-def send_leaves(lane: Lane, plan: Plan, tags: list[int]) -> Protocol:
+def send_leaves(lane: Lane, plan: Plan, tags: Sequence[int]) -> Protocol:
     lane.batched = lane.nccl and nccl_batching(
         lane.link
     )  # (a leaf per message, as one batch where agreed)
@@ -36,7 +37,7 @@ def send_leaves(lane: Lane, plan: Plan, tags: list[int]) -> Protocol:
     return None
 
 
-def recv_leaves(lane: Lane, plan: Plan, tags: list[int], result: Any) -> Protocol:
+def recv_leaves(lane: Lane, plan: Plan, tags: Sequence[int], result: Any) -> Protocol:
     lane.batched = lane.nccl and nccl_batching(lane.link)
     yield from recv_into(lane, plan.tensors, tags, staging=_full_staging(lane, plan))
     return result

@@ -182,7 +182,7 @@ def held(tensor: Any, name: str) -> tuple[Tensor, Box]:
 def sender_layout(keys: Sequence[tuple], tensors: Sequence[Any]) -> Layout:
     """The layout a sender rank sends: each DTensor leaf's share (:func:`~cudarecv.plan.boxes.duty`: replicas
     split it, so every element is sent by one rank), and each plain leaf as replicated over the mesh of the
-    DTensor leaves; with no DTensor leaf (``sliced=True``), every leaf whole from this one rank. Raises
+    DTensor leaves; with no DTensor leaf (a ``ShardedSender`` of plain tensors), every leaf whole from this one rank. Raises
     :class:`ArgumentError` if the DTensor leaves are on meshes of different ranks."""
     DTensor = dtensor_type()
     meshes = {
@@ -190,7 +190,7 @@ def sender_layout(keys: Sequence[tuple], tensors: Sequence[Any]) -> Layout:
         for t in tensors
         if isinstance(t, DTensor)
     }
-    if not meshes:  # plain tensors (``WeightSender(sliced=True)``): one rank sends every leaf whole
+    if not meshes:  # plain tensors (a ``ShardedSender`` of them): one rank sends every leaf whole
         return Layout(
             tuple(
                 Part(

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from ...core.protocol import Protocol
 from ...wire.control import wire_bytes
 from ...wire.staging import Lane, send_from
 
@@ -26,9 +26,6 @@ if TYPE_CHECKING:
     from ..slots import Slot
     from ..snapshots import Snapshot
     from ..wire import SessionTags
-
-#: a sub-protocol (a generator driven by a :class:`~cudarecv.Transfer`): what it yields are works
-Protocol = Generator[Any, Any, Any]
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ...core.protocol import Protocol
 from ...core.transfer import CUDA_IPC
 from ...samehost import cuda_ipc
 from ...wire.staging import Lane
-from .base import HeaderOnly, Need, Protocol
+from .base import HeaderOnly, Need
 
 if TYPE_CHECKING:
     from ..slots import Slot

@@ -11,10 +11,11 @@ import torch
 
 from ...core import streams
 from ...core.errors import TransferTimeout
+from ...core.protocol import Protocol
 from ...core.transfer import SHARED_MEMORY
 from ...samehost import shared_memory as host
 from ...wire.staging import Lane
-from .base import HeaderOnly, Need, Protocol
+from .base import HeaderOnly, Need
 
 if TYPE_CHECKING:
     from ..slots import Slot

@@ -12,10 +12,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from ...core.link import Link
+from ...core.protocol import Protocol
 from ...core.transfer import WIRE
 from ...wire.control import wire_bytes
 from ...wire.staging import Lane, send_from
-from .base import Need, Protocol, Transport
+from .base import Need, Transport
 
 if TYPE_CHECKING:
     from ..snapshots import Snapshot

@@ -1,5 +1,5 @@
-"""A sender rank of a sharded weight sync: :class:`ShardedSender`, what ``WeightSender(td, dst=[...])`` builds when
-``td`` has DTensor leaves (an FSDP2 model's ``TensorDict.from_module``).
+"""A sender rank of a sharded weight sync: :class:`ShardedSender` (``ShardedSender(td, dst=[...])``), for a ``td``
+with DTensor leaves (an FSDP2 model's ``TensorDict.from_module``), or plain tensors sent as slices.
 
 Every rank of the trainer's mesh builds one. At construction each exchanges layouts with every receiver
 (:mod:`~cudarecv.weights.sharded.exchange`) and computes, for each, the pieces it sends: the overlap of its share
@@ -12,7 +12,7 @@ pushes them all. Nothing is gathered: every byte leaves the rank that holds it f
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...core import streams
 from ...core.checks import check_timeout
@@ -21,10 +21,13 @@ from ...core.transfer import Transfer
 from ...plan.boxes import Box
 from ...plan.walk import unwrap, walk
 from ...wire.staging import lane_for
-from ..options import check_mode, check_options
+from ..options import Fanout, Mode, Transport, check_sender
 from ..sender import WeightSender
 from . import exchange
 from .layout import held, in_order, piece_views, pieces, sender_layout
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 
 class PieceSender(WeightSender):
@@ -34,33 +37,35 @@ class PieceSender(WeightSender):
     _leafwise = True
 
 
-class ShardedSender(WeightSender):
-    """One rank of a sharded sender (see the module docstring); built by :class:`~cudarecv.WeightSender` for a
-    ``td`` with DTensor leaves, with the same arguments, on every rank of their mesh; or, with ``sliced=True``
-    (which it always is), for plain tensors on one rank, sending each receiver the slices it wants.
+class ShardedSender:
+    """One rank of a sharded sender (see the module docstring), for a ``td`` with DTensor leaves, built with the
+    same arguments on every rank of their mesh; or for plain tensors on one rank, sending each receiver only the
+    slices it wants (a :class:`~cudarecv.ShardedReceiver` with ``want``). Its receivers are
+    :class:`~cudarecv.ShardedReceiver` s. It pushes through one plain :class:`~cudarecv.WeightSender` per group
+    of receivers that want the same pieces of this rank, and has their arguments (``dst`` or ``group_dst``, and
+    the keyword arguments); its :attr:`layout` says what it holds.
 
     Example:
         >>> fully_shard(model, mesh=init_device_mesh("cpu", (2,)))   # trainer ranks 0 and 1
-        >>> sender = WeightSender(TensorDict.from_module(model), dst=[2, 3])
+        >>> sender = cudarecv.ShardedSender(TensorDict.from_module(model), dst=[2, 3])
         >>> sender.push()   # each rank sends what it holds, to the receivers that want it
     """
 
     def __init__(
         self,
         td: Any,
-        dst: Any = None,
+        dst: int | list[int] | None = None,
         *,
         group: Any = None,
-        group_dst: Any = None,
+        group_dst: int | list[int] | None = None,
         bucket_bytes: int | None = None,
         timeout: float = 60.0,
         verify: bool = False,
         stream: Any = None,
-        mode: str = "sync",
+        mode: Mode = "sync",
         buffers: int | None = None,
-        fanout: str = "auto",
-        transport: str = "auto",
-        sliced: bool = True,
+        fanout: Fanout = "auto",
+        transport: Transport = "auto",
     ) -> None:
         self._closed, self._senders = False, []
         options = dict(
@@ -73,10 +78,7 @@ class ShardedSender(WeightSender):
             fanout=fanout,
             transport=transport,
         )
-        self._timeout = check_options(
-            timeout=timeout, transport=transport, bucket_bytes=bucket_bytes
-        )["timeout"]
-        check_mode(mode, buffers, fanout)
+        self._timeout = check_sender(timeout, bucket_bytes, transport, mode, buffers, fanout)
         peers, links, global_ranks = exchange.peer_links(dst, group_dst, group, "dst", "group_dst")
         keys, tensors = walk(unwrap(td))
         self._keys = [tuple(map(str, k)) for k in keys]
@@ -114,7 +116,7 @@ class ShardedSender(WeightSender):
             raise
 
     # -- what it is --------------------------------------------------------------------------------------
-    schema = property(
+    layout = property(
         lambda self: self._layout,
         doc="This rank's layout: each leaf's whole shape and the box it "
         "sends (a :class:`~cudarecv.weights.sharded.layout.Layout`).",
@@ -246,3 +248,9 @@ class ShardedSender(WeightSender):
         self._closed = True
         for _, sender in self._senders:
             sender.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

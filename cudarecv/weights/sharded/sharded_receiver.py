@@ -1,5 +1,5 @@
-"""A receiver of a sharded weight sync: :class:`ShardedReceiver`, what ``WeightReceiver(src=[...])`` builds (``src`` a
-list: every rank of the sender's mesh), or with ``expect`` holding DTensors.
+"""A receiver of a sharded weight sync: :class:`ShardedReceiver` (``ShardedReceiver(src=[...])``: every rank of
+the sender's mesh), into DTensors (``expect``) or slices (``want``).
 
 ``expect`` says the layout wanted: its plain tensors whole, its DTensor leaves as their local shard of the
 receivers' own mesh (``Shard(1)`` for a column-parallel matrix, ``Replicate()`` for a bias); without it every
@@ -27,7 +27,7 @@ import contextlib
 import math
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tensordict import TensorDict
@@ -40,7 +40,7 @@ from ...core.transfer import Transfer
 from ...plan.boxes import Box
 from ...wire.staging import lane_for
 from ..handshake import expected
-from ..options import check_receiver
+from ..options import Transport, check_receiver
 from ..receiver import WeightReceiver
 from ..schema import Schema
 from ..slots import Slot, load_into
@@ -59,32 +59,46 @@ from .layout import (
 )
 from .lineup import Lineup
 
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
-class ShardedReceiver(WeightReceiver):
-    """A receiver of a sharded sender (see the module docstring); built by :class:`~cudarecv.WeightReceiver` with
-    the same arguments.
+
+class ShardedReceiver:
+    """A receiver of a :class:`~cudarecv.ShardedSender` (see the module docstring): one plain
+    :class:`~cudarecv.WeightReceiver` per sender rank that sends it pieces, put together in buffers of its own.
+
+    Args:
+        src: every rank of the sender's mesh (global ranks; a list). Exclusive with ``group_src``.
+
+    Keyword Args:
+        group, group_src: the process group, and the sender's ranks in it (a list).
+        device, pin_memory, timeout, stream, transport: as :class:`~cudarecv.WeightReceiver`'s.
+        expect: the layout wanted: plain tensors whole, DTensor leaves as their local shard of this receiver's
+            mesh (without it: every leaf whole).
+        zero_copy: False (the pieces are put together in this receiver's own buffers).
+        want: slices of named leaves, the rest whole (``{"w": (slice(0, 512),)}``: rows 0-511 of ``w``).
 
     Example:
         >>> tp = init_device_mesh("cpu", (2,))     # receivers 2 and 3: a tensor-parallel pair
         >>> expect = TensorDict({"w": distribute_tensor(torch.empty(64, 32), tp, [Shard(1)])}, [])
-        >>> receiver = WeightReceiver(src=[0, 1], expect=expect)   # trainer ranks 0 and 1 (FSDP2)
-        >>> receiver.pull(); receiver.td["w"].to_local()           # this rank's 64 x 16 columns
+        >>> receiver = cudarecv.ShardedReceiver(src=[0, 1], expect=expect)   # trainer ranks 0 and 1 (FSDP2)
+        >>> receiver.pull(); receiver.td["w"].to_local()                     # this rank's 64 x 16 columns
     """
 
     def __init__(
         self,
-        src: Any = None,
+        src: int | list[int] | None = None,
         *,
         group: Any = None,
-        group_src: Any = None,
+        group_src: int | list[int] | None = None,
         device: Any = None,
         pin_memory: bool = False,
         expect: Any = None,
         timeout: float = 60.0,
         stream: Any = None,
-        transport: str = "auto",
+        transport: Transport = "auto",
         zero_copy: bool = False,
-        want: Any = None,
+        want: dict[str, tuple[slice, ...]] | None = None,
     ) -> None:
         self._closed, self._inner = False, []
         self.timeout, device = check_receiver(timeout, transport, zero_copy, device, pin_memory)
@@ -107,7 +121,8 @@ class ShardedReceiver(WeightReceiver):
                 src, group_src, group, "src", "group_src"
             )
             lanes = [lane_for(link, device, stream, streams.StagingPool()) for link in links]
-            layouts, self.schema = exchange.answer(
+            #: the layout this receiver holds: each leaf's whole shape and the box wanted of it
+            layouts, self.layout = exchange.answer(
                 lanes, self.timeout, lambda found: self._want(found, expect, want, peers, bad_want)
             )
         except Error as error:
@@ -117,7 +132,7 @@ class ShardedReceiver(WeightReceiver):
                 raise bad_want from error
             raise
         self._source = layouts[0]
-        self._buffers = Buffers(self.schema, self._source, self._dtensors, device, pin_memory)
+        self._buffers = Buffers(self.layout, self._source, self._dtensors, device, pin_memory)
         self._slots = self._buffers.slots
         self._cond = self._slots.cond
         self._version = 0
@@ -225,6 +240,14 @@ class ShardedReceiver(WeightReceiver):
     version = property(lambda self: self._version, doc="The version published (0: none yet).")
     buffer_count = property(
         lambda self: 2, doc="Two buffers of the wanted layout, published in turn."
+    )
+    arriving = property(
+        lambda self: (
+            self._pending is not None
+            and not self._pending.settled
+            and self._pending.timeout != math.inf
+        ),
+        doc="Whether a pull is under way and its version has begun to arrive (its own clock runs).",
     )
 
     @property
@@ -399,7 +422,7 @@ class ShardedReceiver(WeightReceiver):
         for _, moved, receiver in self._inner:
             with receiver.reading() as td:
                 for leaf, box in moved:
-                    part = self.schema.parts[leaf]
+                    part = self.layout.parts[leaf]
                     place, piece = views[leaf][box.within(part.box)], td[part.key]
                     if (
                         piece.data_ptr() != place.data_ptr() or piece.numel() != place.numel()
@@ -423,6 +446,12 @@ class ShardedReceiver(WeightReceiver):
         if hasattr(self, "_driver"):
             self._driver.stop(self.timeout)
         self._pending = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _form_of(want: Any) -> Error | None:

@@ -1,5 +1,5 @@
-"""A receiver that joins a named sender through a store: :class:`ElasticReceiver`, what
-``WeightReceiver(store=store, name="policy")`` builds.
+"""A receiver that joins a named sender through a store: :class:`ElasticReceiver`
+(``ElasticReceiver(store, "policy")``).
 
 It finds the sender's newest generation in the store (:mod:`.directory`), takes a join number, forms the gloo
 pair with the sender on a prefix of the store and runs a plain :class:`~cudarecv.WeightReceiver` over it. When
@@ -21,13 +21,13 @@ import enum
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import torch
 from tensordict import TensorDict
 
 from ...core.checks import check_timeout
 from ...core.errors import (
-    ArgumentError,
     BrokenError,
     PeerError,
     RelayLost,
@@ -40,10 +40,15 @@ from ...core.groups import store_group
 from ...core.lifecycle import Lifecycle
 from ...core.log import logger
 from ...core.shutdown import start_thread
+from ..options import Transport, check_options
 from ..receiver import WeightReceiver
 from .directory import Directory
 from .edges import Edges
 from .heartbeat import Heartbeat
+
+if TYPE_CHECKING:
+    from torch.distributed import Store
+    from typing_extensions import Self
 
 #: what a pull raises when its sender is gone, after which it looks for a new sender under the name
 GONE = (SenderClosed, PeerError, TransferTimeout, BrokenError)
@@ -93,38 +98,62 @@ class Joining:
     thread: threading.Thread | None = None
 
 
-class ElasticReceiver(WeightReceiver):
-    """A weight receiver that joins the sender named ``name`` in ``store`` (see the module docstring); the
-    other keyword arguments are :class:`~cudarecv.WeightReceiver`'s.
+class JoinedReceiver(WeightReceiver):
+    """The plain receiver an :class:`ElasticReceiver` runs over its pair with the sender it joined: receiver
+    ``ident`` of generation ``generation``, whose links to its neighbours in a relay chain form through the store
+    too (:class:`.edges.Edges`)."""
+
+    def __init__(self, group: Any, edges: Edges, **options: Any) -> None:
+        self._edges = edges  # (before the handshake: the relay's hop is built with it)
+        super().__init__(group=group, group_src=0, **options)
+
+    def _relay_links(self) -> Edges:
+        return self._edges
+
+
+class ElasticReceiver:
+    """A weight receiver that joins the :class:`~cudarecv.ElasticSender` named ``name`` in ``store``, and joins
+    again (its next generation) when that sender is gone (see the module docstring, and docs/weight-sync.md).
+
+    Args:
+        store: a ``torch.distributed`` store the sender reaches too (a client of the trainer's ``TCPStore``).
+        name: the sender's name in the store.
+
+    Keyword Args:
+        device, pin_memory, expect, timeout, stream, transport, zero_copy: as :class:`~cudarecv.WeightReceiver`'s
+            (``timeout`` bounds each step of a join too: finding the sender, forming the pair, the handshake).
 
     Example:
         >>> store = torch.distributed.TCPStore("trainer-host", 29600, is_master=False)
-        >>> receiver = WeightReceiver(store=store, name="policy", expect=policy)
+        >>> receiver = cudarecv.ElasticReceiver(store, "policy", expect=policy)
         >>> receiver.pull()              # the newest version (latest mode), or the next push (sync)
         >>> receiver.load_into(policy)
     """
 
     def __init__(
         self,
-        src: Any = None,
+        store: Store,
+        name: str,
         *,
-        store: Any = None,
-        name: Any = None,
+        device: Any = None,
+        pin_memory: bool = False,
+        expect: Any = None,
         timeout: float = 60.0,
-        **options: Any,
+        stream: Any = None,
+        transport: Transport = "auto",
+        zero_copy: bool = False,
     ) -> None:
-        given = (["src"] if src is not None else []) + sorted(
-            k for k in ("group", "group_src", "want") if k in options
-        )
-        if given:
-            raise ArgumentError(
-                f"a receiver with `store` takes no {', '.join(map(repr, given))}: it joins the "
-                "sender named `name` through the store (drop `store` and `name` to receive from a "
-                "rank of a group)"
-            )
-        self.timeout = check_timeout(timeout)
+        self.timeout: float = check_options(timeout=timeout)["timeout"]
         self._directory = Directory(store, name, self.timeout)
-        self._options = options
+        # every join's receiver is built with these
+        self._options: dict[str, Any] = dict(
+            device=device,
+            pin_memory=pin_memory,
+            expect=expect,
+            stream=stream,
+            transport=transport,
+            zero_copy=zero_copy,
+        )
         self._lock = (
             threading.Lock()
         )  # (the receiver joined, the join under way, closing: one change at a time)
@@ -209,8 +238,9 @@ class ElasticReceiver(WeightReceiver):
         except TransferTimeout:
             self._dead = generation
             raise
-        joined = WeightReceiver(group=group, group_src=0, timeout=timeout, **self._options)
-        joined._hop.connect = Edges(directory, generation, k, timeout)  # (a relay's neighbours)
+        joined = JoinedReceiver(
+            group, Edges(directory, generation, k, timeout), timeout=timeout, **self._options
+        )
         with self._lock:
             if self.closed:  # (closed while it joined: let go of, never served)
                 joined.close()
@@ -282,7 +312,8 @@ class ElasticReceiver(WeightReceiver):
         """Hold the latest version while reading it (see :meth:`WeightReceiver.reading`)."""
         return self._readable().reading()
 
-    def load_into(self, module: Any, strict: bool = True) -> int:
+    def load_into(self, module: torch.nn.Module, strict: bool = True) -> int:
+        """Copy the latest version into ``module`` (see :meth:`WeightReceiver.load_into`)."""
         return self._readable().load_into(module, strict)
 
     # -- pulling -----------------------------------------------------------------------------------------
@@ -386,3 +417,9 @@ class ElasticReceiver(WeightReceiver):
             joining.thread.join(
                 JOIN_STEPS * self.timeout
             )  # (it sees the close after its step under way)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,5 +1,5 @@
-"""A named sender that receivers join through a store: :class:`ElasticSender`, what
-``WeightSender(td, store=store, name="policy")`` builds.
+"""A named sender that receivers join through a store: :class:`ElasticSender`
+(``ElasticSender(td, store, "policy")``).
 
 No process group is shared by all: the sender announces itself in the store (:mod:`.directory`); an admission
 thread takes each join request in turn and hands it to a thread of its own, which forms the gloo pair of the
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...core.errors import ArgumentError, PeerError, SenderFenced, StoreError, StoreRecordError
 from ...core.groups import store_group
@@ -34,22 +34,35 @@ from ...core.transport import release
 from ...wire.staging import lane_for
 from ..enrol import enrol, serve
 from ..fanout import dropping
-from ..options import check_mode, check_options
-from ..sender import WeightSender
+from ..options import Fanout, Mode, Transport, check_sender
+from ..sender import SessionSender
 from ..session import CLOSED_BY_RECEIVER
 from .directory import Directory, JoinRecord, closing_token
 from .heartbeat import Silence
+
+if TYPE_CHECKING:
+    from torch.distributed import Store
 
 #: latest mode's snapshot buffers when ``buffers`` is not given (receivers come and go: no count to size by)
 LATEST_BUFFERS = 4
 
 
-class ElasticSender(WeightSender):
-    """A weight sender that receivers join and leave at any time through ``store`` (see the module docstring).
+class ElasticSender(SessionSender):
+    """A weight sender that receivers (:class:`~cudarecv.ElasticReceiver`) join and leave at any time through
+    ``store``, by ``name``: no process group shared by all (see the module docstring, and docs/weight-sync.md).
+
+    Args:
+        td: the weights, as :class:`~cudarecv.WeightSender`'s.
+        store: a ``torch.distributed`` store every receiver reaches (a ``TCPStore`` the trainer hosts).
+        name: the sender's name in the store; one sender (its newest generation) serves under a name.
+
+    Keyword Args:
+        bucket_bytes, timeout, verify, stream, mode, buffers, fanout, transport: as
+            :class:`~cudarecv.WeightSender`'s; ``buffers`` (latest mode) defaults to 4, receivers coming and going.
 
     Example:
         >>> store = torch.distributed.TCPStore("trainer-host", 29600, is_master=True, wait_for_workers=False)
-        >>> sender = WeightSender(TensorDict.from_module(policy), store=store, name="policy", mode="latest")
+        >>> sender = cudarecv.ElasticSender(TensorDict.from_module(policy), store, "policy", mode="latest")
         >>> sender.push()            # whoever has joined gets it; nobody joined is no error
         >>> sender.receivers         # [{"id": 1, "host": ..., "pid": ..., "transport": "wire", "state": "served"}]
     """
@@ -57,42 +70,31 @@ class ElasticSender(WeightSender):
     def __init__(
         self,
         td: Any,
-        dst: Any = None,
+        store: Store,
+        name: str,
         *,
-        store: Any = None,
-        name: Any = None,
         bucket_bytes: int | None = None,
         timeout: float = 60.0,
         verify: bool = False,
         stream: Any = None,
-        mode: str = "sync",
+        mode: Mode = "sync",
         buffers: int | None = None,
-        fanout: str = "auto",
-        transport: str = "auto",
-        **rest: Any,
+        fanout: Fanout = "auto",
+        transport: Transport = "auto",
     ) -> None:
-        if dst is not None or rest:
-            given = (["dst"] if dst is not None else []) + sorted(rest)
-            raise ArgumentError(
-                f"a sender with `store` takes no {', '.join(map(repr, given))}: its receivers join "
-                "through the store (drop `store` and `name` to send to ranks of a group)"
-            )
-        timeout = check_options(timeout=timeout, transport=transport, bucket_bytes=bucket_bytes)[
-            "timeout"
-        ]
-        check_mode(mode, buffers, fanout)
+        timeout = check_sender(timeout, bucket_bytes, transport, mode, buffers, fanout)
         self._directory = Directory(store, name, timeout)
-        self._begin(
+        super().__init__(
             td,
             [],
-            bucket_bytes,
-            timeout,
-            verify,
-            stream,
-            mode,
-            buffers or LATEST_BUFFERS,
-            fanout,
-            transport,
+            bucket_bytes=bucket_bytes,
+            timeout=timeout,
+            verify=verify,
+            stream=stream,
+            mode=mode,
+            buffers=buffers or LATEST_BUFFERS,
+            fanout=fanout,
+            transport=transport,
             elastic=True,
         )
         try:
