@@ -69,7 +69,8 @@ def test_a_writer_cannot_shrink_a_segment_under_its_reader(sealed):
     for p in procs:
         p.start()
     try:  # (the reader's end, not only its message: a reader killed by SIGBUS sends none)
-        mp.connection.wait([to_reader, procs[1].sentinel], WAIT)
+        # (the whole exchange: two spawned processes' starts, each importing torch, on a loaded machine)
+        mp.connection.wait([to_reader, procs[1].sentinel], 4 * WAIT)
         outcome = to_reader.recv() if to_reader.poll() else None
     finally:
         for p in procs:
@@ -78,6 +79,7 @@ def test_a_writer_cannot_shrink_a_segment_under_its_reader(sealed):
                 p.kill()
                 p.join(WAIT)
     assert [p.exitcode for p in procs] == [0, 0], [p.exitcode for p in procs]  # -7: SIGBUS
+    assert outcome is not None, f"the reader said nothing within {4 * WAIT:g} s"
     if sealed:
         assert outcome == ("refused: Operation not permitted", 7 * CAPACITY), outcome
     else:

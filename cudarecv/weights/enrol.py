@@ -6,11 +6,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..core.transfer import SHARED_MEMORY
 from . import handshake
 from .serving import start_listening
 from .session import Member, Session, Standing
 from .snapshots import SnapshotPool
+from .transports.registry import WIRE
+from .transports.wire import rules
 
 
 def enrol(
@@ -33,7 +34,7 @@ def enrol(
             session.mode,
             session_id,
             pool.offer,
-            session.shared_kind,
+            session.transport,
             session.timeout,
         )
     finally:
@@ -42,7 +43,9 @@ def enrol(
     members = []
     for i, (lane, (host, shared, alias)) in enumerate(zip(lanes, answers)):
         member = Member(lane, host, idents[i] if idents else None, pids[i] if pids else None)
-        member.shared, member.alias = shared, alias
+        if shared:  # it took the offer
+            member.transport = session.transport
+        member.alias = alias
         members.append(member)
     return members
 
@@ -50,25 +53,21 @@ def enrol(
 def serve(session: Session, pool: SnapshotPool, members: list[Member]) -> None:
     """Serve ``members`` from the next push on: what they map (not with relay fan-out), their listeners."""
     for member in members:
-        member.shared = member.shared and session.fanout != "relay"
-        member.alias = member.shared and member.alias and session.shared_kind == SHARED_MEMORY
+        if session.fanout == "relay" and member.transport.header_only:
+            member.transport = WIRE  # a relay chain moves payloads
+        member.alias = member.alias and member.transport.zero_copy
     if (
         session.mode == "sync"
-        and session.shared_kind == SHARED_MEMORY
-        and any(m.shared for m in members)
+        and any(m.transport is not WIRE for m in members)
         and not pool.populated
     ):
-        # the first push would pay for allocating its snapshot's pages (about 0.7 s per GB): here, once; and
-        # for the second snapshot, which zero-copy pushes take turns with
-        for segment in pool.segments[: 2 if any(m.alias for m in members) else 1]:
-            segment.populate()
+        session.transport.warm(pool.segments, any(m.alias for m in members))
         pool.populated = True
     with session.cond:
         for member in members:
             member.move(Standing.SERVED)
         session.members.extend(members)
     for member in members:
-        if (
-            member.lane.link.backend != "nccl"
-        ):  # the receiver's asks and BYE (see cudarecv.weights.wire)
+        # the receiver's asks and BYE (see cudarecv.weights.wire); on NCCL they are read in turn
+        if rules(member.lane.link).standing:
             start_listening(session, pool, member)

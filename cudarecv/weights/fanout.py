@@ -22,13 +22,13 @@ from ..core.errors import (
     TransferTimeout,
 )
 from ..core.log import logger
-from ..core.transfer import CUDA_IPC
 from ..samehost.machine import host_id
 from ..wire.control import read_bytes, wire_bytes
 from ..wire.staging import send_from
 from .link import link_error, send_bytes
 from .session import OWED, Member, Session, Standing
 from .snapshots import Snapshot, SnapshotPool
+from .transports.registry import WIRE
 from .wire import ASK_SIZE, GOT, LOST, MAX_WAIT_MS, REJECTED, hop_limit, read_ask, trailer_message
 
 
@@ -43,7 +43,7 @@ def chain_of(session: Session, live: list[Member]) -> list[Member]:
     the wire and one is on another host (a sender's ``"auto"`` with a group chose at its handshake)."""
     if session.mode != "sync" or session.fanout == "star":
         return []
-    wire = [m for m in live if not m.shared]
+    wire = [m for m in live if not m.transport.header_only]
     if not session.elastic:
         return wire
     here = host_id()
@@ -69,24 +69,18 @@ def protocol(
 
 
 def send(session: Session, member: Member, snapshot: Snapshot, limit: float) -> Any:
-    """Star: the header and the payload on the wire, or (a receiver mapping the snapshot) the header alone; the
-    receiver copies the version out, or (zero-copy) publishes it where it lies and holds it until FREED."""
-    lane, pushed = member.lane, snapshot.pushed
-    if member.shared and snapshot.segment is not None:
-        header = dataclasses.replace(pushed, shared=True, segment=snapshot.segment)
-        if member.alias:
-            with session.cond:
-                snapshot.holders += 1
-                member.holding[header.version] = snapshot
-        yield from send_from(lane, [wire_bytes(lane, header.pack())], [session.tags.header])
-        yield from _confirmed(session, member, header.version, limit)
-        return
-    head = yield from send_from(
-        lane, [wire_bytes(lane, pushed.pack())], [session.tags.header], defer=True
-    )
-    yield from send_from(lane, snapshot.chunks, [session.tags.payload] * len(snapshot.chunks))
-    if head:
-        yield head
+    """Star: what the receiver's transport sends (the header and the payload on the wire, or, a receiver reading
+    the snapshot where it lies, the header alone); then, header alone, the receiver's word: it copied the version
+    out, or (zero-copy) published it where it lies and holds it until FREED."""
+    transport = member.transport if member.transport.carries(snapshot) else WIRE
+    version = snapshot.pushed.version
+    if transport.header_only and member.alias:
+        with session.cond:
+            snapshot.holders += 1
+            member.holding[version] = snapshot
+    yield from transport.push(member.lane, snapshot, session.tags)
+    if transport.header_only:
+        yield from _confirmed(session, member, version, limit)
 
 
 def _relayed(
@@ -230,7 +224,7 @@ def dropping(
         elif told:
             member.move_if(Standing.NAMED, frm={Standing.DROPPED})
         pool.retire(member)
-        if not member.shared or session.shared_kind == CUDA_IPC:
+        if not member.transport.stamped:
             # its send (or, CUDA IPC, its copy) may still read the storage, long after this; a receiver of host
             # segments checks their stamps instead (a copy overtaken by a write is never published)
             pool.torn = True

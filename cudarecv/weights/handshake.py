@@ -19,16 +19,17 @@ from ..core import streams
 from ..core.errors import Error, ReceiverFailed, SchemaError, TransferTimeout
 from ..core.link import Link
 from ..core.tags import TAG_PREAMBLE, TAG_SCHEMA, TAG_STATUS
-from ..core.transfer import CUDA_IPC, Transfer
+from ..core.transfer import Transfer
 from ..core.transport import park
 from ..plan.walk import unwrap, walk
-from ..samehost import cuda_ipc
 from ..samehost.machine import host_id
-from ..samehost.shared_memory import HOST_OFFER, MAX_SEGMENTS, MappingError, map_offer
+from ..samehost.shared_memory import MappingError
 from ..wire.control import read_bytes, wire_bytes
 from ..wire.staging import Lane, lane_for, send_from
 from .link import naming, run, send_bytes
 from .schema import Schema
+from .transports.base import Transport
+from .transports.registry import WIRE, accepting, most_offer_bytes
 from .wire import (
     ACCEPTED,
     FAILED,
@@ -51,16 +52,16 @@ def offer(
     mode: str,
     session: int,
     shared: bytes,
-    shared_kind: str,
+    transport: Transport,
     timeout: float,
 ) -> list[tuple[str, bool, bool]]:
-    """The sender's end: offer the schema ``raw`` (and on gloo links the ``shared`` segments) to every receiver
-    at once, then read every answer; return each receiver's host, whether it mapped the segments and whether
+    """The sender's end: offer the schema ``raw`` (and where ``transport`` offers on the link, its ``shared``
+    segments) to every receiver at once, then read every answer; return each receiver's host, whether it mapped the segments and whether
     it reads the versions where they lie (zero-copy). Raises :class:`SchemaError` or :class:`ReceiverFailed`
     naming a receiver that refused or could not start."""
 
     def hello(lane: Lane) -> Any:
-        extra = shared if lane.link.backend == "gloo" or shared_kind == CUDA_IPC else b""
+        extra = shared if transport.offered_on(lane.link.backend) else b""
         head = yield from send_from(
             lane,
             [wire_bytes(lane, preamble(len(raw), piece, mode, session, len(extra)))],
@@ -185,12 +186,14 @@ def answer(
     allow: bool = False,
     device: torch.device | None = None,
     zero_copy: bool = False,
-) -> tuple[Schema, int, Offer, list[Any], list]:
+) -> tuple[Schema, int, Offer, list[Any], Transport, list]:
     """Read the sender's offer, check it and allocate; answer the sender either way.
 
     With ``failure`` (this receiver could not start), answer with it and raise it. With ``allow``
-    the shared segments the sender offers (same host) are mapped if this process can; the answer
-    says whether they were, and (``zero_copy``, host segments) that versions are read where they lie.
+    the shared segments the sender offers (same host) are mapped if this process can, by the transport whose
+    offer it is; the answer says whether they were, and (``zero_copy``, a transport that can) that versions are
+    read where they lie. Returns the schema, the message size, the preamble, the slots, the transport taken (the
+    wire if none) and what it mapped.
     """
     what = "weight-sync handshake"
     started = time.monotonic()
@@ -232,11 +235,7 @@ def answer(
         read_bytes(lane, length, TAG_SCHEMA, "weight schema", SchemaError), lane, left(), what
     )
     shared = b""
-    if (
-        0
-        < offer.shared
-        <= max(HOST_OFFER.size_of(MAX_SEGMENTS), cuda_ipc.OFFER.size_of(MAX_SEGMENTS))
-    ):
+    if 0 < offer.shared <= most_offer_bytes():
         shared = run(
             read_bytes(lane, offer.shared, TAG_SCHEMA, "same-host offer", SchemaError),
             lane,
@@ -272,20 +271,21 @@ def answer(
         problem = f"the receiver cannot allocate 2 x {schema.total} bytes: {type(error).__name__}: {error}"
         answer(FAILED, problem)
         raise ReceiverFailed(problem) from error
-    mappings, route = [], "wire"
-    if shared and allow:
+    mappings: list[Any] = []
+    route = "wire"
+    transport: Transport = WIRE  # (until an offer is taken)
+    taking = accepting(shared) if shared and allow else None
+    if taking is not None:
         try:
-            if cuda_ipc.is_device_offer(shared):
-                mappings = cuda_ipc.map_offer(shared, schema.total, device)
-            else:
-                mappings = map_offer(shared, schema.total)
-            route = (
-                "shared zero-copy"
-                if zero_copy and not cuda_ipc.is_device_offer(shared)
-                else "shared"
-            )
+            mappings = taking.map(shared, schema.total, device)
+            route = "shared zero-copy" if zero_copy and taking.zero_copy else "shared"
+            transport = taking
             if any(m.capacity != schema.total for m in mappings):
-                mappings, route = [], "wire: the offered segments do not hold the weights' bytes"
+                mappings, route, transport = (
+                    [],
+                    "wire: the offered segments do not hold the weights' bytes",
+                    WIRE,
+                )
         except Exception as error:  # noqa: BLE001 - whatever stops the mapping (a CUDA error too): the wire
             route = (
                 f"wire: {error}"
@@ -293,4 +293,4 @@ def answer(
                 else f"wire: {type(error).__name__}: {error}"
             )
     answer(ACCEPTED, f"{host_id()}\n{route}")
-    return schema, piece, offer, slots, mappings
+    return schema, piece, offer, slots, transport, mappings

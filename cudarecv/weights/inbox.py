@@ -17,6 +17,7 @@ from ..core.transfer import Transfer
 from ..wire.control import read_bytes
 from ..wire.staging import Lane
 from .link import Unanswered, naming
+from .transports.wire import rules
 from .wire import (
     BYE,
     CLOSED,
@@ -70,7 +71,7 @@ class Inbox:
             f"the link to weight sender rank {lane.link.peer}", Farewell.OPEN, MOVES
         )
         self._closed_why = ""  # (CLOSED: why no version comes any more)
-        self.standing = self._listen() if lane.link.backend != "nccl" else None
+        self.standing = self._listen() if rules(lane.link).standing else None
 
     def _listen(self) -> Transfer:
         """Post the next header receive; its transfer waits as long as the sender likes (a wait still blocked at

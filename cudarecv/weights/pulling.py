@@ -31,7 +31,6 @@ from ..core.errors import (
 from ..core.link import Link
 from ..core.protocol import StartClock
 from ..core.transfer import Transfer
-from ..samehost import cuda_ipc
 from ..wire.control import wire_bytes
 from ..wire.staging import Lane, drain, recv_into, send_from
 from .inbox import Inbox
@@ -39,6 +38,7 @@ from .link import link_error
 from .relay import Hop
 from .schema import Schema
 from .slots import Slot, Slots
+from .transports.base import Transport
 from .wire import ASK, CLOSED, GOT, LANDED, LOST, REJECTED, RELEASED, PushHeader, ask_message
 
 
@@ -53,6 +53,7 @@ class Puller:
         lane: Lane,
         device: torch.device,
         slots: Slots,
+        transport: Transport,
         mappings: list[Any],
         zero_copy: bool,
         hop: Hop,
@@ -73,7 +74,8 @@ class Puller:
             hop,
             inbox,
         )
-        self.driver = driver
+        #: what the handshake took (the wire: none): it lands the versions of pushes that send the header alone
+        self.transport, self.driver = transport, driver
         self.version = 0
         self.broken: str | None = None  # why this receiver takes no more pulls
 
@@ -281,11 +283,6 @@ class Puller:
         mapping = self.mappings[
             header.segment
         ]  # (its capacity is the schema's total: checked at the handshake)
-        if isinstance(mapping, cuda_ipc.DeviceMapping):
-            mapping.before_read(lane.stream)
-            with lane.on_stream():
-                slot.fill(mapping.data[:total])
-            return slot
         if self.zero_copy:
             alias = self.slots.aliases[header.segment]
             with self.slots.cond:
@@ -295,26 +292,13 @@ class Puller:
                         f"{header.segment}, which this zero-copy receiver still holds (version "
                         f"{alias.version}): the link is out of step"
                     )
-            if not mapping.written() == mapping.writing() == header.version:
+            if not self.transport.lies_whole(mapping, header.version):
                 raise TransferTimeout(
                     f"the sender's shared snapshot does not hold version {header.version} "
                     f"whole (the sender stopped waiting for this receiver: it was too slow); "
                     f"version {self.version} stays published"
                 )
             return alias
-        written = mapping.written()
-        if (
-            lane.stream is None
-        ):  # one thread's memcpy (placed: one per message): actors share the trainer's cores
-            slot.fill(mapping.data[:total])
-        else:
-            with lane.on_stream():
-                slot.fill(mapping.data[:total])
-            yield [streams.EventWork(streams.record(lane.stream))]  # over before the stamp is read
-        if not written == mapping.writing() == header.version:
-            raise TransferTimeout(
-                f"version {header.version} was overwritten in the sender's shared snapshot before this receiver "
-                f"had copied it (the sender stopped waiting for this receiver: it was too slow); version "
-                f"{self.version} stays published"
-            )
-        return slot
+        return (
+            yield from self.transport.land(mapping, slot, total, header.version, lane, self.version)
+        )

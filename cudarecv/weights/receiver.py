@@ -44,8 +44,7 @@ from ..core.driver import Driver
 from ..core.errors import ArgumentError, BrokenError, UsageError, WaitTimeout
 from ..core.link import Link, peer_failure, resolve
 from ..core.log import logger
-from ..core.transfer import CUDA_IPC, SHARED_MEMORY, WIRE, Transfer
-from ..samehost import cuda_ipc
+from ..core.transfer import Transfer
 from ..samehost.policy import allowed
 from ..wire.staging import drain, lane_for
 from . import handshake
@@ -131,7 +130,7 @@ class WeightReceiver:
         except Exception as error:
             handshake.refuse(link, self.timeout, error)
             raise
-        self.schema, piece, offer, own, mappings = handshake.answer(
+        self.schema, piece, offer, own, carrier, mappings = handshake.answer(
             lane,
             self.timeout,
             expect,
@@ -142,13 +141,9 @@ class WeightReceiver:
         )
         #: what carries the versions: ``"shared memory"`` (the sender's snapshots, mapped read-only: this
         #: receiver is on the sender's machine), ``"cuda ipc"`` (its GPU snapshots, opened once) or ``"wire"``
-        self.transport = (
-            WIRE
-            if not mappings
-            else (CUDA_IPC if isinstance(mappings[0], cuda_ipc.DeviceMapping) else SHARED_MEMORY)
-        )
+        self.transport: str = carrier.name
         #: whether versions are published where they lie in the sender's shared snapshots (no copy; see ``zero_copy``)
-        self.zero_copy = zero_copy and self.transport == SHARED_MEMORY and device.type == "cpu"
+        self.zero_copy = zero_copy and carrier.zero_copy and device.type == "cpu"
         aliases = (
             [Slot(self.schema, piece, device, False, m.data[: self.schema.total]) for m in mappings]
             if self.zero_copy
@@ -174,6 +169,7 @@ class WeightReceiver:
             lane,
             device,
             self._slots,
+            carrier,
             mappings,
             self.zero_copy,
             self._hop,

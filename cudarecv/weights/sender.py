@@ -38,13 +38,11 @@ from ..core.checks import check_timeout
 from ..core.errors import ArgumentError, PeerError, SchemaError, UsageError, WaitTimeout
 from ..core.link import Link, resolve
 from ..core.tags import SESSIONS
-from ..core.transfer import CUDA_IPC, SHARED_MEMORY, WIRE, Transfer
+from ..core.transfer import Transfer
 from ..plan.plan import plan_for
 from ..plan.walk import unwrap, walk
-from ..samehost import cuda_ipc
 from ..samehost.machine import host_id
 from ..samehost.policy import allowed
-from ..samehost.shared_memory import available
 from ..wire.staging import lane_for
 from .enrol import enrol, serve
 from .link import check_peers
@@ -54,7 +52,10 @@ from .schema import MAX_SCHEMA_BYTES, Schema
 from .serving import last_word
 from .session import CLOSED_BY_RECEIVER, OWED, Session
 from .sharded.layout import is_sharded
-from .snapshots import SYNC_SHARED, SnapshotPool
+from .snapshots import SnapshotPool
+from .transports.base import Need
+from .transports.registry import choose
+from .transports.wire import rules
 from .wire import CLOSED, SessionTags
 
 if TYPE_CHECKING:
@@ -147,17 +148,16 @@ class SessionSender:
         self._stream = (
             streams.transfer_stream(plan.device, stream) if plan.device.type == "cuda" else None
         )  # (no lane)
-        sharing = (
-            allowed(transport)
-            and fanout != "relay"
-            and (  # shared segments receivers here map read-only
-                cuda_ipc.available(plan.device) is None
-                if plan.device.type == "cuda"
-                else available() is None
-                and (elastic or any(link.backend == "gloo" for link in links))
+        # where the snapshots lie, offered to every receiver: segments receivers here read, or the sender's own
+        carrier = choose(
+            Need(
+                plan.device,
+                tuple(link.backend for link in links),
+                elastic,
+                fanout,
+                allowed(transport),
             )
         )
-        kind = (CUDA_IPC if plan.device.type == "cuda" else SHARED_MEMORY) if sharing else WIRE
         self._session_id = int.from_bytes(os.urandom(4), "little") % SESSIONS
         self._s = Session(
             schema,
@@ -167,10 +167,10 @@ class SessionSender:
             bool(verify),
             mode,
             fanout,
-            kind,
+            carrier,
             elastic=elastic,
         )
-        count = (SYNC_SHARED if kind == SHARED_MEMORY else 1) if mode == "sync" else buffers
+        count = carrier.sync_snapshots if mode == "sync" else buffers
         self._pool = SnapshotPool(self._s, self._device, count)
         self._pushing = False  # a thread's push is under way: another's waits for its turn
         self._pushes = (SyncPushes if mode == "sync" else LatestPushes)(self._s, self._pool)
@@ -197,9 +197,7 @@ class SessionSender:
     def transports(self) -> dict[int, str]:
         """What carries the pushes to each receiver still served: ``"shared memory"`` (a receiver on this
         machine mapping the sender's host snapshots), ``"cuda ipc"`` (its GPU snapshots) or ``"wire"``."""
-        return {
-            m.rank: self._s.shared_kind if m.shared else WIRE for m in self._s.members if m.served
-        }
+        return {m.rank: m.transport.name for m in self._s.members if m.served}
 
     @property
     def ranks(self) -> list[int]:
@@ -416,7 +414,7 @@ class WeightSender(SessionSender):
             if dsts is not None
             else [resolve(None, d, group, "dst", "group_dst") for d in group_dsts]
         )
-        if mode == "latest" and any(link.backend == "nccl" for link in links):
+        if mode == "latest" and not all(rules(link).latest for link in links):
             raise UsageError(
                 "mode='latest' needs a gloo link (NCCL runs a pair's sends and receives in order on "
                 "one stream, so a receiver's ask could not pass a posted receive): use a gloo group "

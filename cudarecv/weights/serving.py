@@ -10,7 +10,7 @@ import math
 from ..core.errors import OutOfStepError, PeerError
 from ..core.log import logger
 from ..core.shutdown import start_thread
-from ..core.transfer import SHARED_MEMORY, Transfer, run_standing
+from ..core.transfer import Transfer, run_standing
 from ..wire.control import read_bytes
 from .fanout import dropping, out_of_step, send
 from .link import naming, run, send_bytes
@@ -53,7 +53,7 @@ def _listen(session: Session, pool: SnapshotPool, member: Member) -> None:
             kind, version = ask.kind, ask.version
             if (
                 (kind == ASK and session.mode != "latest")
-                or (kind == GOT and session.fanout == "star" and not member.shared)
+                or (kind == GOT and session.fanout == "star" and not member.transport.header_only)
                 or (kind == FREED and not member.alias)
             ):
                 raise OutOfStepError(
@@ -149,8 +149,9 @@ def _reply(session: Session, pool: SnapshotPool, member: Member) -> None:
         transfer.wait()
     with session.cond:
         snapshot.readers -= 1
-        through_segment = member.shared and snapshot.segment is not None
-        if transfer.failed and not (through_segment and session.shared_kind == SHARED_MEMORY):
+        # a failed copy out of a stamped segment is never published: the segment may be written again
+        stamped = member.transport.stamped and member.transport.carries(snapshot)
+        if transfer.failed and not stamped:
             pool.replace(
                 snapshot
             )  # its parked send may still read the buffer: never write it again

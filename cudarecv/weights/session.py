@@ -13,6 +13,8 @@ from ..core.driver import Driver
 from ..core.lifecycle import Lifecycle
 from ..wire.staging import Lane
 from .schema import Schema
+from .transports.base import Transport
+from .transports.registry import WIRE
 from .wire import Ask, SessionTags
 
 if TYPE_CHECKING:
@@ -87,8 +89,9 @@ class Member:
         self.listener: threading.Thread | None = None
         #: relay, shared memory: the receiver's last word on a version (GOT)
         self.got: Ask | None = None
-        #: it maps the sender's shared segments (same host): pushes send only headers
-        self.shared = False
+        #: what carries its pushes: the session's transport if it took the offer (and no relay chain needs it on
+        #: the wire), else the wire
+        self.transport: Transport = WIRE
         #: zero-copy: it publishes the versions where they lie in the segments
         self.alias = False
         #: zero-copy: the snapshot of each version it may still read
@@ -157,7 +160,8 @@ class Session:
     verify: bool
     mode: str
     fanout: str
-    shared_kind: str  # what the snapshots are: "shared memory", "cuda ipc" (segments receivers map) or "wire"
+    #: where the snapshots lie, offered to every receiver (the wire: the sender's own)
+    transport: Transport
     cond: threading.Condition = field(default_factory=threading.Condition)
     members: list[Member] = field(default_factory=list)
     version: int = 0

@@ -20,16 +20,9 @@ import torch
 from ..core import streams
 from ..core.errors import UsageError, WaitTimeout
 from ..core.host_copy import copy_bytes
-from ..core.transfer import CUDA_IPC, SHARED_MEMORY
-from ..samehost import cuda_ipc
-from ..samehost.shared_memory import Segment, offer
 from .schema import Schema
 from .session import Member, Session
 from .wire import PushHeader, checksum
-
-#: sync mode's snapshots in host shared memory: the version zero-copy receivers publish, the one a reader
-#: may still hold, and the next one
-SYNC_SHARED = 3
 
 
 class Snapshot:
@@ -76,18 +69,10 @@ class SnapshotPool:
 
     def __init__(self, session: Session, device: torch.device, count: int) -> None:
         self.session, self.device = session, device
-        kind = session.shared_kind
-        if kind == CUDA_IPC:
-            self.segments: list[Any] = [
-                cuda_ipc.DeviceSegment(session.schema.total, device) for _ in range(count)
-            ]
-            #: what receivers on this machine need to map the snapshots (sent in the handshake)
-            self.offer = cuda_ipc.offer(self.segments)
-        elif kind == SHARED_MEMORY:
-            self.segments = [Segment(session.schema.total) for _ in range(count)]
-            self.offer = offer(self.segments)
-        else:
-            self.segments, self.offer = [], b""
+        transport = session.transport
+        self.segments: list[Any] = transport.segments(session.schema.total, device, count)
+        #: what receivers on this machine need to map the snapshots (sent in the handshake)
+        self.offer = transport.offer(self.segments)
         self.snapshots = [
             Snapshot(session.schema, session.piece, device, (i, s) if self.segments else None)
             for i, s in enumerate(self.segments or [None] * count)
@@ -223,11 +208,12 @@ class SnapshotPool:
             torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext(),
             torch.no_grad(),
         ):
-            host = isinstance(target.shared, Segment)
-            if host:  # a receiver dropped while it copies sees that its version was overwritten
-                target.shared.begin_write(session.version + 1)
+            # the transport of the segment it lies in (none: the sender's own storage)
+            lies_in = session.transport if target.shared is not None else None
+            if lies_in is not None:
+                lies_in.before_write(target.shared, session.version + 1)
             if (
-                host and plan.device.type == "cpu"
+                lies_in is not None and lies_in.host_memory and plan.device.type == "cpu"
             ):  # (one thread: the receivers' copies share the cores)
                 for view, leaf in zip(target.views, plan.detached):
                     if leaf.is_contiguous():
@@ -239,10 +225,8 @@ class SnapshotPool:
                     target.views, plan.detached, non_blocking=True
                 )  # never an autograd node
             digest = target.digest() if session.verify else bytes(16)
-            if host:
-                target.shared.end_write(session.version + 1)
-            elif target.shared is not None:
-                target.shared.written.record(stream)  # receivers' copies wait for it (CUDA IPC)
+            if lies_in is not None:  # (receivers check its stamps, or wait for its event)
+                lies_in.after_write(target.shared, session.version + 1, stream)
         if stream is not None:  # the caller's next writes (an optimizer step) wait for the copy
             torch.cuda.current_stream(stream.device).wait_stream(stream)
         session.version += 1

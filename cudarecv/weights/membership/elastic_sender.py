@@ -30,7 +30,6 @@ from ...core.link import resolve
 from ...core.log import logger
 from ...core.shutdown import start_thread
 from ...core.streams import StagingPool
-from ...core.transfer import WIRE
 from ...core.transport import release
 from ...wire.staging import lane_for
 from ..enrol import enrol, serve
@@ -142,11 +141,7 @@ class ElasticSender(SessionSender):
                     "id": m.rank,
                     "host": m.host,
                     "pid": m.pid,
-                    "transport": self._s.shared_kind
-                    if m.shared
-                    else "relay"
-                    if m.rank in self._s.chain
-                    else WIRE,
+                    "transport": "relay" if m.rank in self._s.chain else m.transport.name,
                     "state": "served" if m.served else (m.why or CLOSED_BY_RECEIVER),
                 }
                 for m in self._s.members
@@ -239,7 +234,7 @@ class ElasticSender(SessionSender):
             "weight sender %r: %s joined (%s)",
             self._directory.name,
             who,
-            self._s.shared_kind if members[0].shared else WIRE,
+            members[0].transport.name,
         )
 
     def _prune(self) -> None:
@@ -309,7 +304,7 @@ class ElasticSender(SessionSender):
                     "id": m.rank,
                     "host": m.host,
                     "pid": m.pid,
-                    "transport": self._s.shared_kind if m.shared else WIRE,
+                    "transport": m.transport.name,
                     "state": m.why or CLOSED_BY_RECEIVER,
                 }
                 for m in done
