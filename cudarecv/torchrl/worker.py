@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 import torch.distributed as dist
 from tensordict import TensorDict, TensorDictBase
@@ -56,7 +56,7 @@ class Worker:
 
     def start(self, thread_name: str) -> None:
         """Version 1 into the policy, then a thread that takes every next version."""
-        self._switch(cast(int, self.receiver.pull()))  # (waited: the version number)
+        self._switch(self.receiver.pull())
         self._thread = start_thread(self._take_versions, thread_name)  # (joined at exit too)
 
     def td(self) -> TensorDictBase:
@@ -71,7 +71,7 @@ class Worker:
         receiver."""
         while not self.stopping.is_set():
             try:
-                version = cast(int, self.receiver.pull(timeout=self.timeout))  # (waited)
+                version = self.receiver.pull(timeout=self.timeout)
             except WaitTimeout:
                 continue  # the trainer pushed nothing meanwhile: the pull goes on
             except SenderClosed:

@@ -207,7 +207,7 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
             raise UsageError("this cudarecv trainer engine is shut down")
         # (sync mode: returns once every worker holds it, or raises naming one that does not; latest mode: at once,
         # and each worker's update waits, bounded, for it to land)
-        version = cast(int, self.sender.push())  # (waited: the version number)
+        version = self.sender.push()
         self._start(version)
         try:  # (the workers load it now: bounded, as every answer of the engine)
             _Call(

@@ -140,7 +140,7 @@ class CudarecvWeightTransferEngine(WeightTransferEngine[CudarecvInitInfo, Cudare
         """The taking thread: every version the trainer pushes, as it comes, until the receiver closes or fails."""
         while True:
             try:
-                version = cast(int, receiver.pull())  # (waited: the version number)
+                version = receiver.pull()
             except WaitTimeout:
                 continue  # nothing pushed meanwhile: the pull goes on
             except Error as error:

@@ -36,6 +36,7 @@ from .wire import (
     PREAMBLE_SIZE,
     REFUSED,
     STATUS_SIZE,
+    Answer,
     Offer,
     check_offer,
     preamble,
@@ -201,7 +202,7 @@ def answer(
     def left() -> float:
         return max(timeout - (time.monotonic() - started), 1e-3)
 
-    def answer(status: int, text: str = "") -> None:
+    def answer(status: Answer, text: str = "") -> None:
         run(
             send_bytes(lane, status_message(status, text), TAG_STATUS),
             lane,

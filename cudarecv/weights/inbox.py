@@ -11,7 +11,7 @@ import math
 from typing import Any
 
 from ..core.driver import Driver
-from ..core.errors import OutOfStepError
+from ..core.errors import OutOfStepError, UsageError
 from ..core.lifecycle import Lifecycle
 from ..core.transfer import Transfer
 from ..wire.control import read_bytes
@@ -62,7 +62,8 @@ class Inbox:
     """What this receiver hears from its sender and says to it (see the module docstring)."""
 
     def __init__(self, lane: Lane, tags: SessionTags, driver: Driver) -> None:
-        self.lane, self.tags, self.driver = lane, tags, driver
+        self._lane: Lane | None = lane  # (None once :meth:`forget` let go of it)
+        self.tags, self.driver = tags, driver
         self.asks = Unanswered(
             lane, tags.ask
         )  # this receiver's words, until the sender shows it took them
@@ -72,6 +73,13 @@ class Inbox:
         )
         self._closed_why = ""  # (CLOSED: why no version comes any more)
         self.standing = self._listen() if rules(lane.link).standing else None
+
+    @property
+    def lane(self) -> Lane:
+        """The lane to the sender, until :meth:`forget` lets go of it (the receiver closed)."""
+        if self._lane is None:
+            raise UsageError("this weight receiver is closed")
+        return self._lane
 
     def _listen(self) -> Transfer:
         """Post the next header receive; its transfer waits as long as the sender likes (a wait still blocked at
@@ -143,7 +151,7 @@ class Inbox:
 
     def freed(self, version: int) -> None:
         """(Zero-copy:) this receiver no longer reads the snapshot of ``version``."""
-        if self.lane is not None:
+        if self._lane is not None:
             with contextlib.suppress(Exception):  # a sender gone: nothing is written there any more
                 self.asks.post(ask_message(FREED, version))
 
@@ -154,4 +162,4 @@ class Inbox:
     def forget(self) -> None:
         """At the end: let go of the link (what the sender never took stays with the group)."""
         self.asks.forget()
-        self.standing, self.lane = None, None
+        self.standing, self._lane = None, None

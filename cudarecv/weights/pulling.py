@@ -50,7 +50,6 @@ class Puller:
         schema: Schema,
         piece: int,
         mode: str,
-        lane: Lane,
         device: torch.device,
         slots: Slots,
         transport: Transport,
@@ -60,13 +59,7 @@ class Puller:
         inbox: Inbox,
         driver: Driver,
     ) -> None:
-        self.schema, self.piece, self.mode, self.lane, self.device = (
-            schema,
-            piece,
-            mode,
-            lane,
-            device,
-        )
+        self.schema, self.piece, self.mode, self.device = schema, piece, mode, device
         self.slots, self.mappings, self.zero_copy, self.hop, self.inbox = (
             slots,
             mappings,
@@ -78,6 +71,11 @@ class Puller:
         self.transport, self.driver = transport, driver
         self.version = 0
         self.broken: str | None = None  # why this receiver takes no more pulls
+
+    @property
+    def lane(self) -> Lane:
+        """The lane to the sender (the inbox's)."""
+        return self.inbox.lane
 
     def start(self, limit: float, floor: int | None = None) -> Transfer:
         """Start a pull into the spare own slot (driven on the receiver's thread; no clock of its own yet).

@@ -33,7 +33,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import torch
 from tensordict import TensorDict
@@ -46,7 +46,7 @@ from ..core.link import Link, peer_failure, resolve
 from ..core.log import logger
 from ..core.transfer import Transfer
 from ..samehost.policy import allowed
-from ..wire.staging import drain, lane_for
+from ..wire.staging import Lane, drain, lane_for
 from . import handshake
 from .handshake import expected
 from .inbox import Inbox
@@ -126,7 +126,7 @@ class WeightReceiver:
         try:
             if problem is not None:
                 raise problem
-            self._lane = lane = lane_for(link, device, stream, streams.StagingPool())
+            lane = lane_for(link, device, stream, streams.StagingPool())
         except Exception as error:
             handshake.refuse(link, self.timeout, error)
             raise
@@ -166,7 +166,6 @@ class WeightReceiver:
             self.schema,
             piece,
             self.mode,
-            lane,
             device,
             self._slots,
             carrier,
@@ -176,6 +175,11 @@ class WeightReceiver:
             self._inbox,
             self._driver,
         )
+
+    @property
+    def _lane(self) -> Lane:
+        """The lane to the sender (its inbox's, until close lets go of it)."""
+        return self._inbox.lane
 
     def _relay_links(self) -> Callable[[int, int, float], Link] | None:
         """How this receiver's links to the others in a relay chain form (see :class:`~.relay.Hop`): None, they
@@ -233,6 +237,10 @@ class WeightReceiver:
             return self.version
 
     # -- pulling -----------------------------------------------------------------------------------------
+    @overload
+    def pull(self, wait: Literal[True] = ..., timeout: float | None = ...) -> int: ...
+    @overload
+    def pull(self, wait: bool, timeout: float | None = ...) -> int | Transfer: ...
     def pull(self, wait: bool = True, timeout: float | None = None) -> int | Transfer:
         """Receive a version newer than the one held; return its number once it has landed and been verified.
 
@@ -363,7 +371,7 @@ class WeightReceiver:
         # let go of the process group: a group kept alive past destroy_process_group() by objects in
         # reference cycles is destroyed at interpreter exit, where gloo aborts the process
         inbox.forget()
-        self._pending = self._lane = self._puller.lane = None
+        self._pending = None
 
     def _farewell(self) -> Any:
         """Take what the sender still sends (a push in flight: drained) until its answer to BYE."""

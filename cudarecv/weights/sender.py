@@ -27,11 +27,11 @@ receiver carries on, and ``sender.ranks`` shows who is left. ``close()`` on eith
 from __future__ import annotations
 
 import contextlib
-import math
+import functools
 import os
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from ..core import streams
 from ..core.checks import check_timeout
@@ -39,7 +39,7 @@ from ..core.errors import ArgumentError, PeerError, SchemaError, UsageError, Wai
 from ..core.link import Link, resolve
 from ..core.tags import SESSIONS
 from ..core.transfer import Transfer
-from ..plan.plan import plan_for
+from ..plan.plan import Plan, plan_for
 from ..plan.walk import unwrap, walk
 from ..samehost.machine import host_id
 from ..samehost.policy import allowed
@@ -59,6 +59,7 @@ from .transports.wire import rules
 from .wire import CLOSED, SessionTags
 
 if TYPE_CHECKING:
+    from tensordict import TensorDictBase
     from typing_extensions import Self
 
 #: relay fan-out's chunk when ``bucket_bytes`` is None: small enough that filling the chain costs
@@ -124,7 +125,7 @@ class SessionSender:
         elastic: bool = False,
     ) -> None:
         """What a sender is before any receiver: the weights' plan and schema, the session, the snapshots."""
-        self._td = unwrap(td)
+        self._td: TensorDictBase | None = unwrap(td)  # (None once closed: let go of)
         plan = plan_for(self._td)
         plan.check(
             strided=True
@@ -139,10 +140,8 @@ class SessionSender:
                 f"{MAX_SCHEMA_BYTES}: send fewer, larger leaves"
             )
         # a relay moves chunks; "auto" may choose it after the handshake, so it chunks too when it may
-        chunk = (
-            RELAY_CHUNK if fanout == "relay" or (fanout == "auto" and mode == "sync") else math.inf
-        )
-        piece = bucket_bytes or max(min(schema.total, chunk), 1)
+        relaying = fanout == "relay" or (fanout == "auto" and mode == "sync")
+        piece = bucket_bytes or max(min(schema.total, RELAY_CHUNK) if relaying else schema.total, 1)
         schema.check_pieces(piece)
         self._device = plan.device
         self._stream = (
@@ -210,6 +209,14 @@ class SessionSender:
         return {m.rank: m.why or CLOSED_BY_RECEIVER for m in self._s.members if not m.served}
 
     # -- pushing -----------------------------------------------------------------------------------------
+    @overload
+    def push(
+        self, wait: Literal[True] = ..., timeout: float | None = ..., values: Any = ...
+    ) -> int: ...
+    @overload
+    def push(
+        self, wait: bool, timeout: float | None = ..., values: Any = ...
+    ) -> int | list[Transfer]: ...
     def push(
         self, wait: bool = True, timeout: float | None = None, values: Any = None
     ) -> int | list[Transfer]:
@@ -271,10 +278,13 @@ class SessionSender:
         stream = live[0].lane.stream if live else self._stream
         return self._pushes.push(self._plan(values), live, limit, wait, stream)
 
-    def _plan(self, values: Any) -> Any:
+    def _plan(self, values: Any) -> Plan:
         """The plan of what this push sends, checked against the handshake's schema."""
         schema = self._s.schema
-        plan = plan_for(self._td if values is None else unwrap(values))
+        td = self._td if values is None else unwrap(values)
+        if td is None:
+            raise UsageError("this WeightSender is closed")
+        plan = plan_for(td)
         if [tuple(map(str, p)) for p in plan.paths] != [leaf.key for leaf in schema.leaves] or any(
             tuple(t.shape) != leaf.shape or t.dtype != leaf.dtype
             for t, leaf in zip(plan.tensors, schema.leaves)
@@ -310,7 +320,9 @@ class SessionSender:
         members = self._s.members
         for member in members:
             if member.listener is not None and member.standing in OWED:
-                member.driver.submit(lambda m=member: last_word(self._s, self._pool, m, CLOSED))
+                member.driver.submit(
+                    functools.partial(last_word, self._s, self._pool, member, CLOSED)
+                )
         deadline = time.monotonic() + self._s.timeout
 
         def left() -> float:
@@ -331,7 +343,7 @@ class SessionSender:
         self._td = None
         self._pool.clear()
         for member in members:
-            member.lane, member.sending = None, None
+            member.let_go()
 
     def __enter__(self) -> Self:
         return self
@@ -409,11 +421,11 @@ class WeightSender(SessionSender):
                 "`td` holds DTensor leaves (an FSDP2 model's): build a cudarecv.ShardedSender, with "
                 "the same arguments, on every rank of their mesh"
             )
-        links = (
-            [resolve(d, None, group, "dst", "group_dst") for d in dsts]
-            if dsts is not None
-            else [resolve(None, d, group, "dst", "group_dst") for d in group_dsts]
-        )
+        if dsts is not None:
+            links = [resolve(d, None, group, "dst", "group_dst") for d in dsts]
+        else:
+            assert group_dsts is not None  # (exactly one of the two: checked above)
+            links = [resolve(None, d, group, "dst", "group_dst") for d in group_dsts]
         if mode == "latest" and not all(rules(link).latest for link in links):
             raise UsageError(
                 "mode='latest' needs a gloo link (NCCL runs a pair's sends and receives in order on "

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..core.driver import Driver
+from ..core.errors import UsageError
 from ..core.lifecycle import Lifecycle
 from ..wire.staging import Lane
 from .schema import Schema
@@ -71,7 +72,7 @@ class Member:
     def __init__(
         self, lane: Lane, host: str = "", ident: int | None = None, pid: int | None = None
     ) -> None:
-        self.lane = lane
+        self._lane: Lane | None = lane  # (None once let go of: :meth:`let_go`)
         #: its rank in the group, or (a receiver that joined through a store) its number among the joins
         self.rank = lane.link.peer if ident is None else ident
         self.host, self.pid = host, pid
@@ -99,6 +100,19 @@ class Member:
         #: the last transfer of a version to it (a push's or a reply's): failed at once when its listener finds
         #: the link dead, so that no push waits its whole timeout on a send to a dead receiver
         self.sending: Transfer | None = None
+
+    @property
+    def lane(self) -> Lane:
+        """Its lane, until the sender's close lets go of it."""
+        if self._lane is None:
+            raise UsageError(f"the weight sender closed: {self.who} has no link any more")
+        return self._lane
+
+    def let_go(self) -> None:
+        """At the sender's close: let go of its lane and last transfer (a process group kept alive past
+        destroy_process_group() by objects in reference cycles is destroyed at interpreter exit, where gloo aborts
+        the process)."""
+        self._lane, self.sending = None, None
 
     # -- its lifecycle -----------------------------------------------------------------------------------
     @property

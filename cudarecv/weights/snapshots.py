@@ -36,7 +36,9 @@ class Snapshot:
         device: torch.device,
         shared: tuple[int, Any] | None = None,
     ) -> None:
-        self.segment, self.shared = (shared[0], shared[1]) if shared is not None else (None, None)
+        #: its index in the offer, and the transport's segment it lies in (None: the sender's own storage)
+        self.segment: int | None = shared[0] if shared is not None else None
+        self.shared: Any = shared[1] if shared is not None else None
         self.storage = (
             shared[1].data
             if shared is not None
@@ -96,13 +98,15 @@ class SnapshotPool:
         self.snapshots, self.latest, self.segments = [], None, []
 
     # -- which snapshot a push writes -------------------------------------------------------------------
-    def _wait(self, ready: Callable[[], bool], limit: float) -> bool:
-        """Under the lock: wait up to ``limit`` s for ``ready()``; raises :class:`UsageError` if the sender is
-        closed meanwhile (by another thread)."""
-        ready = self.session.cond.wait_for(lambda: self.session.closed or ready(), timeout=limit)
+    def _wait(self, find: Callable[[], Snapshot | None], limit: float) -> Snapshot | None:
+        """Under the lock: wait up to ``limit`` s for ``find()`` to find a snapshot, and return it (None: none
+        came in time); raises :class:`UsageError` if the sender is closed meanwhile (by another thread)."""
+        came = self.session.cond.wait_for(
+            lambda: self.session.closed or find() is not None, timeout=limit
+        )
         if self.session.closed:
             raise UsageError("this WeightSender was closed while a push waited for a free snapshot")
-        return ready
+        return find() if came else None
 
     def sync_target(self, limit: float) -> Snapshot:
         """Sync mode: the snapshot the next version goes in, the first that no zero-copy receiver holds (waiting
@@ -111,23 +115,24 @@ class SnapshotPool:
             self.snapshots, self.torn = [self.own()], False
         with self.session.cond:
             self._replenish()
-            if not self._wait(lambda: self._unheld() is not None, limit):
+            target = self._wait(self._unheld, limit)
+            if target is None:
                 raise WaitTimeout(
                     f"zero-copy receivers held every shared snapshot for {limit:g} s "
                     f"((rank, version): {self.session.held()}; a reading() kept across pushes?)"
                 )
-            return self._unheld()
+            return target
 
     def latest_target(self, limit: float) -> Snapshot:
         """Latest mode: a snapshot that is neither the latest nor being sent, written or held (waiting up to
         ``limit`` s), marked as being written."""
         with self.session.cond:
-            if not self._wait(lambda: self._free() is not None, limit):
+            target = self._wait(self._free, limit)
+            if target is None:
                 raise WaitTimeout(
                     f"no snapshot buffer of {len(self.snapshots)} was free for {limit:g} s: "
                     f"{self._busy()}"
                 )
-            target = self._free()
             target.writing = True
             return target
 

@@ -21,7 +21,7 @@ import enum
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import torch
 from tensordict import TensorDict
@@ -50,6 +50,8 @@ if TYPE_CHECKING:
     import torch.distributed as dist
     from torch.distributed import Store
     from typing_extensions import Self
+
+    from ...core.transfer import Transfer
 
 #: what a pull raises when its sender is gone, after which it looks for a new sender under the name
 GONE = (SenderClosed, PeerError, TransferTimeout, BrokenError)
@@ -325,7 +327,11 @@ class ElasticReceiver:
         return self._readable().load_into(module, strict)
 
     # -- pulling -----------------------------------------------------------------------------------------
-    def pull(self, wait: bool = True, timeout: float | None = None) -> Any:
+    @overload
+    def pull(self, wait: Literal[True] = ..., timeout: float | None = ...) -> int: ...
+    @overload
+    def pull(self, wait: bool, timeout: float | None = ...) -> int | Transfer: ...
+    def pull(self, wait: bool = True, timeout: float | None = None) -> int | Transfer:
         """:meth:`WeightReceiver.pull`, always of a version newer than the one held (a version lost to a failure
         before this receiver in a relay chain is logged, and the pull waits for the next). When the sender is gone
         (it closed, died, was fenced, or dropped this receiver), join the newest sender of the name (the same one

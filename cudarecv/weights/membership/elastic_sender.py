@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from ...core.errors import ArgumentError, PeerError, SenderFenced, StoreError, StoreRecordError
 from ...core.groups import store_group
@@ -42,6 +42,8 @@ from .heartbeat import Silence
 
 if TYPE_CHECKING:
     from torch.distributed import Store
+
+    from ...core.transfer import Transfer
 
 #: latest mode's snapshot buffers when ``buffers`` is not given (receivers come and go: no count to size by)
 LATEST_BUFFERS = 4
@@ -115,7 +117,10 @@ class ElasticSender(SessionSender):
         self._store_failing = False  # a push's store call failed: said once, until one works again
         self._fence: str | None = None  # why it was fenced, if it was (every later push raises it)
         self._admission = start_thread(
-            self._admit_all, f"cudarecv-admit-{name}", (self._directory.store.clone(),)
+            self._admit_all,
+            f"cudarecv-admit-{name}",
+            # torch's stubs lack Store.clone (torch has it)
+            (self._directory.store.clone(),),  # type: ignore[attr-defined]
         )
         logger.info(
             "weight sender %r: generation %d, version %d, receivers join through the store",
@@ -253,7 +258,7 @@ class ElasticSender(SessionSender):
             )
             silent = []
         for ident in silent:
-            error = PeerError(
+            stopped = PeerError(
                 f"{served[ident].who} sent no heartbeat for {self._s.timeout:g} s (was its process "
                 "stopped?)"
             )
@@ -266,7 +271,7 @@ class ElasticSender(SessionSender):
                         self._s.version,
                         self._s.timeout,
                         told=False,
-                    )(error, 0)
+                    )(stopped, 0)
                     self._s.cond.notify_all()
         with (
             self._s.cond
@@ -315,16 +320,26 @@ class ElasticSender(SessionSender):
             release(
                 member.lane.link.pg
             )  # (the failed transfers' works on its pair, parked, hold the pair)
-            member.lane, member.sending = None, None
+            member.let_go()
 
     # -- pushing -----------------------------------------------------------------------------------------
-    def push(self, wait: bool = True, timeout: float | None = None, values: Any = None) -> Any:
+    @overload
+    def push(
+        self, wait: Literal[True] = ..., timeout: float | None = ..., values: Any = ...
+    ) -> int: ...
+    @overload
+    def push(
+        self, wait: bool, timeout: float | None = ..., values: Any = ...
+    ) -> int | list[Transfer]: ...
+    def push(
+        self, wait: bool = True, timeout: float | None = None, values: Any = None
+    ) -> int | list[Transfer]:
         """:meth:`WeightSender.push`; :class:`SenderFenced` if a newer sender took the name (this one closed)."""
         if self._fence is not None:
             raise SenderFenced(self._fence)
         return super().push(wait, timeout, values)
 
-    def _push(self, wait: bool, limit: float, values: Any) -> Any:
+    def _push(self, wait: bool, limit: float, values: Any) -> int | list[Transfer]:
         self._prune()
         self._number()
         return super()._push(wait, limit, values)

@@ -28,7 +28,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import torch
 from tensordict import TensorDict
@@ -295,6 +295,10 @@ class ShardedReceiver:
             return self._version
 
     # -- pulling -----------------------------------------------------------------------------------------
+    @overload
+    def pull(self, wait: Literal[True] = ..., timeout: float | None = ...) -> int: ...
+    @overload
+    def pull(self, wait: bool, timeout: float | None = ...) -> int | Transfer: ...
     def pull(self, wait: bool = True, timeout: float | None = None) -> int | Transfer:
         """Receive a version newer than the one held from every sender rank; publish it once every piece landed
         (see :meth:`WeightReceiver.pull`). Raises what a sender rank's pieces raised, naming its rank; nothing is

@@ -12,7 +12,7 @@ pushes them all. Nothing is gathered: every byte leaves the rank that holds it f
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from ...core import streams
 from ...core.checks import check_timeout
@@ -167,6 +167,14 @@ class ShardedSender:
         return out
 
     # -- pushing -----------------------------------------------------------------------------------------
+    @overload
+    def push(
+        self, wait: Literal[True] = ..., timeout: float | None = ..., values: Any = ...
+    ) -> int: ...
+    @overload
+    def push(
+        self, wait: bool, timeout: float | None = ..., values: Any = ...
+    ) -> int | list[Transfer]: ...
     def push(
         self, wait: bool = True, timeout: float | None = None, values: Any = None
     ) -> int | list[Transfer]:

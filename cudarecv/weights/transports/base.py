@@ -140,5 +140,9 @@ class HeaderOnly(Transport):
         return snapshot.segment is not None
 
     def push(self, lane: Lane, snapshot: Snapshot, tags: SessionTags) -> Protocol:
-        header = dataclasses.replace(snapshot.pushed, shared=True, segment=snapshot.segment)
+        segment = snapshot.segment
+        assert segment is not None, (
+            "a push by a segment of a snapshot in none"
+        )  # (carries() said it is in one)
+        header = dataclasses.replace(snapshot.pushed, shared=True, segment=segment)
         yield from send_from(lane, [wire_bytes(lane, header.pack())], [tags.header])
