@@ -389,7 +389,7 @@ def test_handshake_answer_and_preamble_fuzzed():
     def offer(raw: bytes) -> wire.Offer:
         got = wire.read_preamble(raw)
         wire.check_offer(
-            got.length, got.piece
+            got.length, got.bucket_bytes
         )  # what the receiver does before sizing anything from it
         return got
 
@@ -402,6 +402,6 @@ def test_handshake_answer_and_preamble_fuzzed():
         got = outcome(offer, raw)
         assert isinstance(got, (wire.Offer, cudarecv.OutOfStepError, cudarecv.SchemaError)), got
         if isinstance(got, wire.Offer):
-            assert 0 < got.length <= MAX_SCHEMA_BYTES and 0 < got.piece <= MAX_BYTES
+            assert 0 < got.length <= MAX_SCHEMA_BYTES and 0 < got.bucket_bytes <= MAX_BYTES
 
     preamble()

@@ -30,7 +30,7 @@ def enrol(
         answers = handshake.offer(
             lanes,
             raw,
-            session.piece,
+            session.bucket_bytes,
             session.mode,
             session_id,
             pool.offer,

@@ -58,17 +58,17 @@ def protocol(
     hop: int | None,
     member: Member,
     snapshot: Snapshot,
-    limit: float,
+    timeout: float,
 ) -> tuple[Any, float]:
     """The protocol that pushes ``snapshot`` to ``member`` (``chain[hop]``, or by the star if ``hop`` is None), and
-    how long it may take: ``limit``; in a relay chain, as long as the hop after it waits (so a hop that timed out
-    on a stopped one before it has ``limit`` to say so)."""
+    how long it may take: ``timeout``; in a relay chain, as long as the hop after it waits (so a hop that timed out
+    on a stopped one before it has ``timeout`` to say so)."""
     if hop is not None:
-        return _relayed(session, chain, hop, snapshot, limit), hop_limit(limit, hop + 1)
-    return send(session, member, snapshot, limit), limit
+        return _relayed(session, chain, hop, snapshot, timeout), hop_limit(timeout, hop + 1)
+    return send(session, member, snapshot, timeout), timeout
 
 
-def send(session: Session, member: Member, snapshot: Snapshot, limit: float) -> Any:
+def send(session: Session, member: Member, snapshot: Snapshot, timeout: float) -> Any:
     """Star: what the receiver's transport sends (the header and the payload on the wire, or, a receiver reading
     the snapshot where it lies, the header alone); then, header alone, the receiver's word: it copied the version
     out, or (zero-copy) published it where it lies and holds it until FREED."""
@@ -80,11 +80,11 @@ def send(session: Session, member: Member, snapshot: Snapshot, limit: float) -> 
             member.holding[version] = snapshot
     yield from transport.push(member.lane, snapshot, session.tags)
     if transport.header_only:
-        yield from _confirmed(session, member, version, limit)
+        yield from _confirmed(session, member, version, timeout)
 
 
 def _relayed(
-    session: Session, chain: list[Member], i: int, snapshot: Snapshot, limit: float
+    session: Session, chain: list[Member], i: int, snapshot: Snapshot, timeout: float
 ) -> Any:
     """Relay, to ``chain[i]``: its header (naming its hops); the payload and the trailer to the head of the
     chain only; then the receiver's word that it has the version."""
@@ -93,7 +93,7 @@ def _relayed(
         snapshot.pushed,
         relayed=True,
         hop=i,
-        wait_ms=min(math.ceil(hop_limit(limit, i) * 1e3), MAX_WAIT_MS),
+        wait_ms=min(math.ceil(hop_limit(timeout, i) * 1e3), MAX_WAIT_MS),
         up=lane.link.pg.rank() if i == 0 else chain[i - 1].rank,
         down=chain[i + 1].rank if i + 1 < len(chain) else -1,
     )
@@ -106,10 +106,10 @@ def _relayed(
         yield from send_bytes(lane, trailer_message(header.version), trailer)
     if head:
         yield head
-    yield from _confirmed(session, member, header.version, hop_limit(limit, i + 1))
+    yield from _confirmed(session, member, header.version, hop_limit(timeout, i + 1))
 
 
-def _confirmed(session: Session, member: Member, version: int, limit: float) -> Any:
+def _confirmed(session: Session, member: Member, version: int, timeout: float) -> Any:
     """Wait for the receiver's word on ``version`` (relay, shared memory): raises if it did not publish it."""
     if member.lane.nccl:  # no listener on NCCL: the word comes here, in order on the pair's stream
         ask = read_ask(
@@ -122,7 +122,7 @@ def _confirmed(session: Session, member: Member, version: int, limit: float) -> 
         if ask.kind != GOT:
             raise out_of_step("the receiver sent no acknowledgement")
         member.got = ask
-    yield [Got(session, member, version, time.monotonic() + limit + 1.0)]
+    yield [Got(session, member, version, time.monotonic() + timeout + 1.0)]
 
 
 class Got:

@@ -49,7 +49,7 @@ from .wire import (
 def offer(
     lanes: list[Lane],
     raw: bytes,
-    piece: int,
+    bucket_bytes: int,
     mode: str,
     session: int,
     shared: bytes,
@@ -65,7 +65,7 @@ def offer(
         extra = shared if transport.offered_on(lane.link.backend) else b""
         head = yield from send_from(
             lane,
-            [wire_bytes(lane, preamble(len(raw), piece, mode, session, len(extra)))],
+            [wire_bytes(lane, preamble(len(raw), bucket_bytes, mode, session, len(extra)))],
             [TAG_PREAMBLE],
             defer=True,
         )
@@ -175,7 +175,7 @@ def refuse(link: Link, timeout: float, failure: BaseException) -> None:
     lane = _answer_lane(link)
     if lane is not None:
         with contextlib.suppress(Error):  # the reason is this side's error, which the caller raises
-            answer(lane, timeout, None, lambda schema, piece: [], failure=failure)
+            answer(lane, timeout, None, lambda schema, bucket_bytes: [], failure=failure)
 
 
 def answer(
@@ -226,9 +226,9 @@ def answer(
             what=f"{what} with rank {lane.link.peer}",
         ).wait()
     )
-    length, piece = offer.length, offer.piece
+    length, bucket_bytes = offer.length, offer.bucket_bytes
     try:
-        check_offer(length, piece)
+        check_offer(length, bucket_bytes)
     except SchemaError as error:  # the schema itself cannot be received: refuse at once
         answer(REFUSED if failure is None else FAILED, str(error if failure is None else failure))
         raise
@@ -256,7 +256,7 @@ def answer(
         raise ReceiverFailed(str(failure))
     try:
         schema = Schema.from_json(raw)
-        schema.check_pieces(piece)
+        schema.check_pieces(bucket_bytes)
         difference = None if expect is None else schema.first_difference(*expected(expect))
         if difference:
             raise SchemaError(f"the sender's weights do not match `expect`: {difference}")
@@ -267,7 +267,7 @@ def answer(
         answer(REFUSED, problem)
         raise SchemaError(problem) from error
     try:  # allocate before answering, so that the sender learns if it fails
-        slots = allocate(schema, piece)
+        slots = allocate(schema, bucket_bytes)
     except Exception as error:  # noqa: BLE001 - the sender learns every reason
         problem = f"the receiver cannot allocate 2 x {schema.total} bytes: {type(error).__name__}: {error}"
         answer(FAILED, problem)
@@ -294,4 +294,4 @@ def answer(
                 else f"wire: {type(error).__name__}: {error}"
             )
     answer(ACCEPTED, f"{host_id()}\n{route}")
-    return schema, piece, offer, slots, transport, mappings
+    return schema, bucket_bytes, offer, slots, transport, mappings

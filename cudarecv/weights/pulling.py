@@ -48,7 +48,7 @@ class Puller:
     def __init__(
         self,
         schema: Schema,
-        piece: int,
+        bucket_bytes: int,
         mode: str,
         device: torch.device,
         slots: Slots,
@@ -59,7 +59,7 @@ class Puller:
         inbox: Inbox,
         driver: Driver,
     ) -> None:
-        self.schema, self.piece, self.mode, self.device = schema, piece, mode, device
+        self.schema, self.bucket_bytes, self.mode, self.device = schema, bucket_bytes, mode, device
         self.slots, self.mappings, self.zero_copy, self.hop, self.inbox = (
             slots,
             mappings,
@@ -77,7 +77,7 @@ class Puller:
         """The lane to the sender (the inbox's)."""
         return self.inbox.lane
 
-    def start(self, limit: float, floor: int | None = None) -> Transfer:
+    def start(self, timeout: float, floor: int | None = None) -> Transfer:
         """Start a pull into the spare own slot (driven on the receiver's thread; no clock of its own yet).
 
         ``floor`` (latest mode; None: the version held): ask for a version newer than ``floor``. A sharded
@@ -102,17 +102,17 @@ class Puller:
             if (
                 forward.failed
             ):  # a parked send may read it for as long as it likes: never write it again
-                self.slots.renew(index, self.schema, self.piece, self.device)
-        slot = self.slots.wait_unread(index, limit)
+                self.slots.renew(index, self.schema, self.bucket_bytes, self.device)
+        slot = self.slots.wait_unread(index, timeout)
         if self.lane.stream is not None:
             streams.follow_caller(self.lane.stream)
         link = self.lane.link
         return Transfer(
-            self._pull(slot, index, limit, floor),
+            self._pull(slot, index, timeout, floor),
             self.lane.stream,
             timeout=math.inf,
             driver=self.driver.submit,
-            on_error=self._failing(limit, link, index),
+            on_error=self._failing(timeout, link, index),
             link=link,
             raise_first=False,
             what=f"pull of a version newer than {self.version} from rank {link.peer}",
@@ -172,7 +172,7 @@ class Puller:
             return error
         if not isinstance(error, Error) or (isinstance(error, TimeoutError) and relaying.overdue()):
             return None
-        self.slots.renew(index, self.schema, self.piece, self.device)
+        self.slots.renew(index, self.schema, self.bucket_bytes, self.device)
         if isinstance(error, PeerError):
             self.hop.forget(relaying.up)
         lost = RelayLost(
@@ -183,7 +183,7 @@ class Puller:
         lost.__cause__ = error
         return lost
 
-    def _pull(self, slot: Slot, index: int, limit: float, floor: int | None = None) -> Any:
+    def _pull(self, slot: Slot, index: int, timeout: float, floor: int | None = None) -> Any:
         lane, inbox = self.lane, self.inbox
         asked = self.version if floor is None else floor
         # the words the sender has taken once this pull's push comes: in latest mode those before our ASK (its
@@ -206,12 +206,13 @@ class Puller:
         if taken:
             yield taken  # (returns at once) and lets them go
         # a version is arriving: it must land within the pull's timeout (a relay's hop: the time its header gives)
-        yield [StartClock(header.wait_ms / 1e3 if header.relayed else limit)]
-        total, piece = self.schema.total, self.piece
-        if (header.total, header.piece) != (total, piece):  # never sized from the header
+        yield [StartClock(header.wait_ms / 1e3 if header.relayed else timeout)]
+        total, bucket_bytes = self.schema.total, self.bucket_bytes
+        # never sized from the header
+        if (header.total, header.bucket_bytes) != (total, bucket_bytes):
             raise OutOfStepError(
-                f"a push of {header.total} bytes in {header.piece}-byte messages does not match the handshake "
-                f"({total} bytes in {piece}-byte messages): not drained, the link is out of step"
+                f"a push of {header.total} bytes in {header.bucket_bytes}-byte messages does not match the handshake "
+                f"({total} bytes in {bucket_bytes}-byte messages): not drained, the link is out of step"
             )
         problem = None
         if header.fingerprint != self.schema.fingerprint:
@@ -235,7 +236,7 @@ class Puller:
                 header, slot, index, self.version
             )  # forwarded, published or not
         elif problem:
-            yield from drain(lane, self.schema.message_sizes(piece), inbox.tags.payload)
+            yield from drain(lane, self.schema.message_sizes(bucket_bytes), inbox.tags.payload)
         else:
             yield from recv_into(lane, slot.pieces, [inbox.tags.payload] * len(slot.pieces))
         if problem:

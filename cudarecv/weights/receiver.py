@@ -53,6 +53,7 @@ from .inbox import Inbox
 from .options import Transport, check_receiver
 from .pulling import Puller
 from .relay import Hop
+from .schema import Schema
 from .sharded.layout import is_sharded
 from .slots import Slot, Slots, load_into
 from .wire import PUSH, SessionTags
@@ -130,11 +131,11 @@ class WeightReceiver:
         except Exception as error:
             handshake.refuse(link, self.timeout, error)
             raise
-        self.schema, piece, offer, own, carrier, mappings = handshake.answer(
+        self.schema, bucket_bytes, offer, own, carrier, mappings = handshake.answer(
             lane,
             self.timeout,
             expect,
-            lambda schema, piece: self._own_slots(schema, piece, device, pin_memory),
+            lambda schema, bucket_bytes: self._own_slots(schema, bucket_bytes, device, pin_memory),
             allow=allowed(transport),
             device=device,
             zero_copy=zero_copy and device.type == "cpu",
@@ -145,7 +146,10 @@ class WeightReceiver:
         #: whether versions are published where they lie in the sender's shared snapshots (no copy; see ``zero_copy``)
         self.zero_copy = zero_copy and carrier.zero_copy and device.type == "cpu"
         aliases = (
-            [Slot(self.schema, piece, device, False, m.data[: self.schema.total]) for m in mappings]
+            [
+                Slot(self.schema, bucket_bytes, device, False, m.data[: self.schema.total])
+                for m in mappings
+            ]
             if self.zero_copy
             else []
         )
@@ -164,7 +168,7 @@ class WeightReceiver:
         self._hop = Hop(lane, tags, device, self._relay_links())
         self._puller = Puller(
             self.schema,
-            piece,
+            bucket_bytes,
             self.mode,
             device,
             self._slots,
@@ -187,10 +191,10 @@ class WeightReceiver:
         return None
 
     def _own_slots(
-        self, schema: Any, piece: int, device: torch.device, pin_memory: bool
+        self, schema: Schema, bucket_bytes: int, device: torch.device, pin_memory: bool
     ) -> list[Slot]:
         """The two storages of this receiver's own that pulls land in."""
-        return [Slot(schema, piece, device, pin_memory) for _ in range(2)]
+        return [Slot(schema, bucket_bytes, device, pin_memory) for _ in range(2)]
 
     # -- reading -----------------------------------------------------------------------------------------
     version = property(
@@ -264,18 +268,18 @@ class WeightReceiver:
         """
         if self._closed:
             raise UsageError("this WeightReceiver is closed")
-        limit = self.timeout if timeout is None else check_timeout(timeout)
-        with self._turn(limit):
-            return self._pull_in_turn(wait, limit)
+        timeout = self.timeout if timeout is None else check_timeout(timeout)
+        with self._turn(timeout):
+            return self._pull_in_turn(wait, timeout)
 
     @contextlib.contextmanager
-    def _turn(self, limit: float) -> Iterator[None]:
-        """Pulls from several threads take turns: wait up to ``limit`` s for another thread's pull to end (its own
+    def _turn(self, timeout: float) -> Iterator[None]:
+        """Pulls from several threads take turns: wait up to ``timeout`` s for another thread's pull to end (its own
         timeout bounds it); ``close()`` ends the wait at once."""
         with self._cond:
-            if not self._cond.wait_for(lambda: self._closed or not self._pulling, timeout=limit):
+            if not self._cond.wait_for(lambda: self._closed or not self._pulling, timeout=timeout):
                 raise WaitTimeout(
-                    f"another thread's pull held this WeightReceiver for {limit:g} s (pulls from "
+                    f"another thread's pull held this WeightReceiver for {timeout:g} s (pulls from "
                     "several threads take turns)"
                 )
             if self._closed:
@@ -290,7 +294,7 @@ class WeightReceiver:
                 self._pulling = False
                 self._cond.notify_all()
 
-    def _pull_in_turn(self, wait: bool, limit: float) -> int | Transfer:
+    def _pull_in_turn(self, wait: bool, timeout: float) -> int | Transfer:
         """:meth:`pull`, in this thread's turn."""
         if self._puller.broken:
             raise BrokenError(
@@ -300,11 +304,11 @@ class WeightReceiver:
         if (
             transfer is None or transfer.settled
         ):  # else: a pull under way (wait=False, or a wait that ran out)
-            transfer = self._pending = self._puller.start(limit)
+            transfer = self._pending = self._puller.start(timeout)
         if not wait:
             return transfer
         try:
-            return transfer.wait(limit)
+            return transfer.wait(timeout)
         except WaitTimeout:
             if transfer.timeout != math.inf:  # a version is arriving: its own clock bounds the rest
                 return transfer.wait()
@@ -315,7 +319,7 @@ class WeightReceiver:
             )
             raise WaitTimeout(
                 f"pull from rank {self._lane.link.peer}: no version newer than {self.version} began "
-                f"to arrive within {limit:g} s ({hint}); the pull goes on: the next pull() carries "
+                f"to arrive within {timeout:g} s ({hint}); the pull goes on: the next pull() carries "
                 "on waiting"
             ) from None
 
@@ -386,7 +390,7 @@ class WeightReceiver:
                 yield from self._hop.receive(header, slot, index, self.version)
             elif header.kind == PUSH and not header.shared:  # (a shared push sends nothing more)
                 yield from drain(
-                    lane, self.schema.message_sizes(self._puller.piece), inbox.tags.payload
+                    lane, self.schema.message_sizes(self._puller.bucket_bytes), inbox.tags.payload
                 )
 
     def __enter__(self) -> Self:

@@ -113,15 +113,15 @@ class SessionSender:
     def _begin(
         self,
         td: Any,
-        links: list[Any],
+        links: list[Link],
         bucket_bytes: int | None,
         timeout: float,
         verify: bool,
         stream: Any,
-        mode: str,
+        mode: Mode,
         buffers: int,
-        fanout: str,
-        transport: str,
+        fanout: Fanout,
+        transport: Transport,
         elastic: bool = False,
     ) -> None:
         """What a sender is before any receiver: the weights' plan and schema, the session, the snapshots."""
@@ -141,8 +141,10 @@ class SessionSender:
             )
         # a relay moves chunks; "auto" may choose it after the handshake, so it chunks too when it may
         relaying = fanout == "relay" or (fanout == "auto" and mode == "sync")
-        piece = bucket_bytes or max(min(schema.total, RELAY_CHUNK) if relaying else schema.total, 1)
-        schema.check_pieces(piece)
+        bucket_bytes = bucket_bytes or max(
+            min(schema.total, RELAY_CHUNK) if relaying else schema.total, 1
+        )
+        schema.check_pieces(bucket_bytes)
         self._device = plan.device
         self._stream = (
             streams.transfer_stream(plan.device, stream) if plan.device.type == "cuda" else None
@@ -160,7 +162,7 @@ class SessionSender:
         self._session_id = int.from_bytes(os.urandom(4), "little") % SESSIONS
         self._s = Session(
             schema,
-            piece,
+            bucket_bytes,
             SessionTags.of(self._session_id),
             timeout,
             bool(verify),
@@ -188,7 +190,7 @@ class SessionSender:
     )
     version = property(lambda self: self._s.version, doc="The last version pushed (0: none yet).")
     bucket_bytes = property(
-        lambda self: self._s.piece,
+        lambda self: self._s.bucket_bytes,
         doc="Bytes per payload message (the last message of a push may be shorter).",
     )
 
@@ -238,19 +240,19 @@ class SessionSender:
         """
         if self._s.closed:
             raise UsageError("this WeightSender is closed")
-        limit = self._s.timeout if timeout is None else check_timeout(timeout)
-        with self._turn(limit):
-            return self._push(wait, limit, values)
+        timeout = self._s.timeout if timeout is None else check_timeout(timeout)
+        with self._turn(timeout):
+            return self._push(wait, timeout, values)
 
     @contextlib.contextmanager
-    def _turn(self, limit: float) -> Iterator[None]:
-        """Pushes from several threads take turns, in the order they get it: wait up to ``limit`` s for another
+    def _turn(self, timeout: float) -> Iterator[None]:
+        """Pushes from several threads take turns, in the order they get it: wait up to ``timeout`` s for another
         thread's push to end; ``close()`` ends the wait at once."""
         cond = self._s.cond
         with cond:
-            if not cond.wait_for(lambda: self._s.closed or not self._pushing, timeout=limit):
+            if not cond.wait_for(lambda: self._s.closed or not self._pushing, timeout=timeout):
                 raise WaitTimeout(
-                    f"another thread's push held this WeightSender for {limit:g} s (pushes from "
+                    f"another thread's push held this WeightSender for {timeout:g} s (pushes from "
                     "several threads take turns)"
                 )
             if self._s.closed:
@@ -265,7 +267,7 @@ class SessionSender:
                 self._pushing = False
                 cond.notify_all()
 
-    def _push(self, wait: bool, limit: float, values: Any) -> int | list[Transfer]:
+    def _push(self, wait: bool, timeout: float, values: Any) -> int | list[Transfer]:
         """:meth:`push`, in this thread's turn."""
         self._pushes.finish_in_flight()  # sync: the storage is reused, the previous push must be out
         live = [m for m in self._s.members if m.served]
@@ -276,7 +278,7 @@ class SessionSender:
                 "connect new receivers with a new WeightSender"
             )
         stream = live[0].lane.stream if live else self._stream
-        return self._pushes.push(self._plan(values), live, limit, wait, stream)
+        return self._pushes.push(self._plan(values), live, timeout, wait, stream)
 
     def _plan(self, values: Any) -> Plan:
         """The plan of what this push sends, checked against the handshake's schema."""

@@ -169,7 +169,11 @@ def last_word(session: Session, pool: SnapshotPool, member: Member, kind: Header
         ):
             return
     header = PushHeader(
-        session.version, session.schema.total, session.piece, session.schema.fingerprint, kind=kind
+        session.version,
+        session.schema.total,
+        session.bucket_bytes,
+        session.schema.fingerprint,
+        kind=kind,
     )
     with contextlib.suppress(Exception):  # a receiver gone meanwhile: nothing left to tell
         run(

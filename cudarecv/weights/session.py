@@ -13,6 +13,7 @@ from ..core.driver import Driver
 from ..core.errors import UsageError
 from ..core.lifecycle import Lifecycle
 from ..wire.staging import Lane
+from .options import Fanout, Mode
 from .schema import Schema
 from .transports.base import Transport
 from .transports.registry import WIRE
@@ -168,12 +169,12 @@ class Session:
     """A sender's state that its mechanisms (snapshots, fan-out, serving, drops) share; guarded by ``cond``."""
 
     schema: Schema
-    piece: int
+    bucket_bytes: int
     tags: SessionTags
     timeout: float
     verify: bool
-    mode: str
-    fanout: str
+    mode: Mode
+    fanout: Fanout
     #: where the snapshots lie, offered to every receiver (the wire: the sender's own)
     transport: Transport
     cond: threading.Condition = field(default_factory=threading.Condition)

@@ -32,7 +32,7 @@ class Snapshot:
     def __init__(
         self,
         schema: Schema,
-        piece: int,
+        bucket_bytes: int,
         device: torch.device,
         shared: tuple[int, Any] | None = None,
     ) -> None:
@@ -45,7 +45,7 @@ class Snapshot:
             else torch.zeros(schema.total, dtype=torch.uint8, device=device)
         )
         self.views = schema.views(self.storage)
-        self.chunks = schema.cut(self.storage, piece)  # the messages it is sent in
+        self.chunks = schema.cut(self.storage, bucket_bytes)  # the messages it is sent in
         self._whole = None if schema.leafwise else self.storage
         self.header: PushHeader | None = None
         self.readers = 0  # replies in flight that send from it
@@ -76,7 +76,9 @@ class SnapshotPool:
         #: what receivers on this machine need to map the snapshots (sent in the handshake)
         self.offer = transport.offer(self.segments)
         self.snapshots = [
-            Snapshot(session.schema, session.piece, device, (i, s) if self.segments else None)
+            Snapshot(
+                session.schema, session.bucket_bytes, device, (i, s) if self.segments else None
+            )
             for i, s in enumerate(self.segments or [None] * count)
         ]
         self.latest: Snapshot | None = None
@@ -92,45 +94,45 @@ class SnapshotPool:
 
     def own(self) -> Snapshot:
         """A storage of the sender's own (a replacement: receivers get what it holds on the wire)."""
-        return Snapshot(self.session.schema, self.session.piece, self.device)
+        return Snapshot(self.session.schema, self.session.bucket_bytes, self.device)
 
     def clear(self) -> None:
         self.snapshots, self.latest, self.segments = [], None, []
 
     # -- which snapshot a push writes -------------------------------------------------------------------
-    def _wait(self, find: Callable[[], Snapshot | None], limit: float) -> Snapshot | None:
-        """Under the lock: wait up to ``limit`` s for ``find()`` to find a snapshot, and return it (None: none
+    def _wait(self, find: Callable[[], Snapshot | None], timeout: float) -> Snapshot | None:
+        """Under the lock: wait up to ``timeout`` s for ``find()`` to find a snapshot, and return it (None: none
         came in time); raises :class:`UsageError` if the sender is closed meanwhile (by another thread)."""
         came = self.session.cond.wait_for(
-            lambda: self.session.closed or find() is not None, timeout=limit
+            lambda: self.session.closed or find() is not None, timeout=timeout
         )
         if self.session.closed:
             raise UsageError("this WeightSender was closed while a push waited for a free snapshot")
         return find() if came else None
 
-    def sync_target(self, limit: float) -> Snapshot:
+    def sync_target(self, timeout: float) -> Snapshot:
         """Sync mode: the snapshot the next version goes in, the first that no zero-copy receiver holds (waiting
-        up to ``limit`` s for one to let go of one)."""
+        up to ``timeout`` s for one to let go of one)."""
         if self.torn:  # the old storages stay with the parked sends of the dropped receiver
             self.snapshots, self.torn = [self.own()], False
         with self.session.cond:
             self._replenish()
-            target = self._wait(self._unheld, limit)
+            target = self._wait(self._unheld, timeout)
             if target is None:
                 raise WaitTimeout(
-                    f"zero-copy receivers held every shared snapshot for {limit:g} s "
+                    f"zero-copy receivers held every shared snapshot for {timeout:g} s "
                     f"((rank, version): {self.session.held()}; a reading() kept across pushes?)"
                 )
             return target
 
-    def latest_target(self, limit: float) -> Snapshot:
+    def latest_target(self, timeout: float) -> Snapshot:
         """Latest mode: a snapshot that is neither the latest nor being sent, written or held (waiting up to
-        ``limit`` s), marked as being written."""
+        ``timeout`` s), marked as being written."""
         with self.session.cond:
-            target = self._wait(self._free, limit)
+            target = self._wait(self._free, timeout)
             if target is None:
                 raise WaitTimeout(
-                    f"no snapshot buffer of {len(self.snapshots)} was free for {limit:g} s: "
+                    f"no snapshot buffer of {len(self.snapshots)} was free for {timeout:g} s: "
                     f"{self._busy()}"
                 )
             target.writing = True
@@ -238,7 +240,7 @@ class SnapshotPool:
         target.header = PushHeader(
             session.version,
             session.schema.total,
-            session.piece,
+            session.bucket_bytes,
             session.schema.fingerprint,
             digest,
             session.verify,

@@ -90,7 +90,7 @@ HEADER_SIZE = HEADER.size
 class PushHeader:
     version: int
     total: int
-    piece: int
+    bucket_bytes: int
     fingerprint: bytes
     checksum: bytes = bytes(16)
     verify: bool = False
@@ -121,7 +121,7 @@ class PushHeader:
             self.kind,
             self.version,
             self.total,
-            self.piece,
+            self.bucket_bytes,
             self.fingerprint,
             self.checksum,
             self.up,
@@ -140,7 +140,7 @@ class PushHeader:
             kind,
             version,
             total,
-            piece,
+            bucket_bytes,
             fingerprint,
             checksum,
             up,
@@ -151,20 +151,20 @@ class PushHeader:
         ) = HEADER.unpack(raw)
         if (
             fmt != FORMAT
-            or piece <= 0
+            or bucket_bytes <= 0
             or hop < 0
             or kind not in iter(HeaderKind)
             or flags & ~(Flag.VERIFY | Flag.RELAY | Flag.SHARED)
         ):
             raise OutOfStepError(
-                f"a weight-push header of format {fmt}, kind {kind}, flags {flags}, {piece}-byte "
+                f"a weight-push header of format {fmt}, kind {kind}, flags {flags}, {bucket_bytes}-byte "
                 f"messages is not this cudarecv version's: {_OUT_OF_STEP}"
             )
         flags = Flag(flags)
         return cls(
             version,
             total,
-            piece,
+            bucket_bytes,
             fingerprint,
             checksum,
             Flag.VERIFY in flags,
@@ -337,33 +337,37 @@ class Offer:
     and the length of the same-host offer that follows the schema (0: none; :mod:`cudarecv.samehost.shared_memory`)."""
 
     length: int
-    piece: int
+    bucket_bytes: int
     mode: str
     session: int
     shared: int = 0
 
 
-def preamble(schema_bytes: int, piece: int, mode: str, session: int = 0, shared: int = 0) -> bytes:
+def preamble(
+    schema_bytes: int, bucket_bytes: int, mode: str, session: int = 0, shared: int = 0
+) -> bytes:
     """The handshake's first message (see :class:`Offer`)."""
-    return PREAMBLE.pack(PREAMBLE_FORMAT, schema_bytes, piece, MODES.index(mode), session, shared)
+    return PREAMBLE.pack(
+        PREAMBLE_FORMAT, schema_bytes, bucket_bytes, MODES.index(mode), session, shared
+    )
 
 
 def read_preamble(raw: bytes) -> Offer:
     """The :class:`Offer` of a received preamble; raises :class:`OutOfStepError` if the peer is no
     weight sender of this version (the lengths are the receiver's to check: :func:`check_offer`)."""
-    fmt, length, piece, mode, session, shared = PREAMBLE.unpack(raw)
+    fmt, length, bucket_bytes, mode, session, shared = PREAMBLE.unpack(raw)
     if fmt != PREAMBLE_FORMAT or mode >= len(MODES) or session >= SESSIONS:
         raise OutOfStepError(
             f"a weight-sync handshake of format {fmt}, mode {mode}, session {session} is not this "
             f"cudarecv version's: {PREAMBLE.hint}"
         )
-    return Offer(length, piece, MODES[mode], session, shared)
+    return Offer(length, bucket_bytes, MODES[mode], session, shared)
 
 
-def check_offer(length: int, piece: int) -> None:
+def check_offer(length: int, bucket_bytes: int) -> None:
     """The lengths a preamble announces must be plausible before anything is sized from them."""
-    if not 0 < length <= MAX_SCHEMA_BYTES or not 0 < piece <= MAX_BYTES:
+    if not 0 < length <= MAX_SCHEMA_BYTES or not 0 < bucket_bytes <= MAX_BYTES:
         raise SchemaError(
-            f"the handshake announces a schema of {length} bytes and {piece}-byte messages: "
+            f"the handshake announces a schema of {length} bytes and {bucket_bytes}-byte messages: "
             "out of range"
         )

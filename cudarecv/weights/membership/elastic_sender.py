@@ -339,10 +339,10 @@ class ElasticSender(SessionSender):
             raise SenderFenced(self._fence)
         return super().push(wait, timeout, values)
 
-    def _push(self, wait: bool, limit: float, values: Any) -> int | list[Transfer]:
+    def _push(self, wait: bool, timeout: float, values: Any) -> int | list[Transfer]:
         self._prune()
         self._number()
-        return super()._push(wait, limit, values)
+        return super()._push(wait, timeout, values)
 
     def _number(self) -> None:
         """Before a push sends anything: take its version's number from the store (versions strictly increase

@@ -488,15 +488,19 @@ class PieceReceiver(WeightReceiver):
         self._slots.place(spare, retire)
 
     def _own_slots(
-        self, schema: Schema, piece: int, device: torch.device, pin_memory: bool
+        self, schema: Schema, bucket_bytes: int, device: torch.device, pin_memory: bool
     ) -> list[Slot]:
         if (
             not schema.leafwise
         ):  # (a sender rank that cuts evenly: its version lands in own slots, copied out)
-            return super()._own_slots(schema, piece, device, pin_memory)
+            return super()._own_slots(schema, bucket_bytes, device, pin_memory)
         return [
             Slot.placed_at(
-                schema, piece, device, pin_memory, [places[leaf.key] for leaf in schema.leaves]
+                schema,
+                bucket_bytes,
+                device,
+                pin_memory,
+                [places[leaf.key] for leaf in schema.leaves],
             )
             for places in self._places
         ]
