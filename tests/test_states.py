@@ -149,6 +149,18 @@ def test_a_receiver_that_closed_cannot_be_dropped_and_a_dropped_one_stays_failed
         dropped.move(Standing.SERVED)
 
 
+def test_a_receiver_let_go_of_at_the_senders_close_says_so_for_its_lane():
+    member = _member()
+    assert member.lane.link.peer == 3
+    member.sending = SimpleNamespace(what="a push")  # (a stand-in for its last transfer)
+    member.let_go()  # (the sender's close: the process group may go)
+    assert member.sending is None
+    with pytest.raises(
+        cudarecv.UsageError, match=r"the weight sender closed: receiver 3 .* no link"
+    ):
+        _ = member.lane
+
+
 def test_a_receiver_is_served_only_once_enrolled_and_closing_ones_take_no_failure():
     member = _member()
     assert not member.served and member.why is None
