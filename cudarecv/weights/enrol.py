@@ -4,7 +4,7 @@ join through a store (:mod:`cudarecv.weights.membership`)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from . import handshake
 from .serving import start_listening
@@ -13,11 +13,14 @@ from .snapshots import SnapshotPool
 from .transports.registry import WIRE
 from .transports.wire import rules
 
+if TYPE_CHECKING:
+    from ..wire.staging import Lane
+
 
 def enrol(
     session: Session,
     pool: SnapshotPool,
-    lanes: list[Any],
+    lanes: list[Lane],
     raw: bytes,
     session_id: int,
     idents: list[int] | None = None,

@@ -9,7 +9,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable
-from typing import Any
+from datetime import timedelta
 
 from ..core.errors import (
     ChecksumError,
@@ -22,6 +22,7 @@ from ..core.errors import (
     TransferTimeout,
 )
 from ..core.log import logger
+from ..core.protocol import Protocol
 from ..samehost.machine import host_id
 from ..wire.control import read_bytes, wire_bytes
 from ..wire.staging import send_from
@@ -59,7 +60,7 @@ def protocol(
     member: Member,
     snapshot: Snapshot,
     timeout: float,
-) -> tuple[Any, float]:
+) -> tuple[Protocol, float]:
     """The protocol that pushes ``snapshot`` to ``member`` (``chain[hop]``, or by the star if ``hop`` is None), and
     how long it may take: ``timeout``; in a relay chain, as long as the hop after it waits (so a hop that timed out
     on a stopped one before it has ``timeout`` to say so)."""
@@ -68,7 +69,7 @@ def protocol(
     return send(session, member, snapshot, timeout), timeout
 
 
-def send(session: Session, member: Member, snapshot: Snapshot, timeout: float) -> Any:
+def send(session: Session, member: Member, snapshot: Snapshot, timeout: float) -> Protocol:
     """Star: what the receiver's transport sends (the header and the payload on the wire, or, a receiver reading
     the snapshot where it lies, the header alone); then, header alone, the receiver's word: it copied the version
     out, or (zero-copy) published it where it lies and holds it until FREED."""
@@ -85,7 +86,7 @@ def send(session: Session, member: Member, snapshot: Snapshot, timeout: float) -
 
 def _relayed(
     session: Session, chain: list[Member], i: int, snapshot: Snapshot, timeout: float
-) -> Any:
+) -> Protocol:
     """Relay, to ``chain[i]``: its header (naming its hops); the payload and the trailer to the head of the
     chain only; then the receiver's word that it has the version."""
     member, lane = chain[i], chain[i].lane
@@ -109,7 +110,7 @@ def _relayed(
     yield from _confirmed(session, member, header.version, hop_limit(timeout, i + 1))
 
 
-def _confirmed(session: Session, member: Member, version: int, timeout: float) -> Any:
+def _confirmed(session: Session, member: Member, version: int, timeout: float) -> Protocol:
     """Wait for the receiver's word on ``version`` (relay, shared memory): raises if it did not publish it."""
     if member.lane.nccl:  # no listener on NCCL: the word comes here, in order on the pair's stream
         ask = read_ask(
@@ -140,7 +141,7 @@ class Got:
         with self.session.cond:
             return self._said()
 
-    def wait(self, timeout: Any = None) -> bool:
+    def wait(self, timeout: timedelta | None = None) -> bool:
         m = self.member
         with self.session.cond:
             if not self.session.cond.wait_for(

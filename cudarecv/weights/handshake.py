@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Generator, Sequence
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ from torch import Tensor
 from ..core import streams
 from ..core.errors import Error, ReceiverFailed, SchemaError, TransferTimeout
 from ..core.link import Link
+from ..core.protocol import ErrorHook, Protocol, Work
 from ..core.tags import TAG_PREAMBLE, TAG_SCHEMA, TAG_STATUS
 from ..core.transfer import Transfer
 from ..core.transport import park
@@ -61,7 +63,7 @@ def offer(
     it reads the versions where they lie (zero-copy). Raises :class:`SchemaError` or :class:`ReceiverFailed`
     naming a receiver that refused or could not start."""
 
-    def hello(lane: Lane) -> Any:
+    def hello(lane: Lane) -> Protocol:
         extra = shared if transport.offered_on(lane.link.backend) else b""
         head = yield from send_from(
             lane,
@@ -75,12 +77,12 @@ def offer(
         if head:
             yield head
 
-    def reply(lane: Lane) -> Any:
+    def reply(lane: Lane) -> Generator[Sequence[Work], None, bytes]:
         return (
             yield from read_bytes(lane, STATUS_SIZE, TAG_STATUS, "handshake answer", SchemaError)
         )
 
-    def control(protocol: Any, lane: Lane, silent: str, hint: str = "") -> Transfer:
+    def control(protocol: Protocol, lane: Lane, silent: str, hint: str = "") -> Transfer:
         what = "weight-sync handshake"
         return Transfer(
             protocol,
@@ -139,7 +141,7 @@ def _build_hint(link: Link, other_end: str, argument: str) -> str:
     )
 
 
-def _hinted(hook: Any, hint: str) -> Any:
+def _hinted(hook: ErrorHook, hint: str) -> ErrorHook:
     """Error hook ``hook`` whose timeouts end with ``hint`` (what the silent peer must do), when there is one."""
     if not hint:
         return hook

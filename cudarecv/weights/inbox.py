@@ -8,11 +8,12 @@ from __future__ import annotations
 import contextlib
 import enum
 import math
-from typing import Any
+from collections.abc import Generator, Sequence
 
 from ..core.driver import Driver
 from ..core.errors import OutOfStepError, UsageError
 from ..core.lifecycle import Lifecycle
+from ..core.protocol import Work
 from ..core.transfer import Transfer
 from ..wire.control import read_bytes
 from ..wire.staging import Lane
@@ -96,7 +97,7 @@ class Inbox:
             what=f"the next weight-sync header from rank {lane.link.peer}",
         )
 
-    def _next_header(self) -> Any:
+    def _next_header(self) -> Generator[Sequence[Work], None, PushHeader]:
         lane = self.lane  # bound now: close() lets go of it
         raw = yield from read_bytes(
             lane, HEADER_SIZE, self.tags.header, "weight-push header", header_too_long
@@ -124,7 +125,7 @@ class Inbox:
         """Whether the sender answered this receiver's BYE."""
         return self.farewell.state is Farewell.RELEASED
 
-    def header(self) -> Any:
+    def header(self) -> Generator[Sequence[Work], None, PushHeader]:
         """A sub-protocol: the next header (the standing receive's, or one posted now on NCCL)."""
         if self.standing is None:
             raw = yield from read_bytes(

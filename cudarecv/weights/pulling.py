@@ -29,13 +29,13 @@ from ..core.errors import (
     UsageError,
 )
 from ..core.link import Link
-from ..core.protocol import StartClock
+from ..core.protocol import Protocol, StartClock
 from ..core.transfer import Transfer
 from ..wire.control import wire_bytes
 from ..wire.staging import Lane, drain, recv_into, send_from
 from .inbox import Inbox
 from .link import link_error
-from .relay import Hop
+from .relay import Hop, Relaying
 from .schema import Schema
 from .slots import Slot, Slots
 from .transports.base import Transport
@@ -157,7 +157,7 @@ class Puller:
 
         return failed
 
-    def _lost(self, error: BaseException, relaying: Any, index: int) -> RelayLost | None:
+    def _lost(self, error: BaseException, relaying: Relaying, index: int) -> RelayLost | None:
         """A relayed version did not come (``error``): :class:`RelayLost` if a hop before this one failed, this
         receiver staying in step with the sender (each push's hops have tags of their own, so nothing left posted
         takes a later one); None if this receiver is at fault (its own link to the sender, a lie, a deadline that
@@ -183,7 +183,7 @@ class Puller:
         lost.__cause__ = error
         return lost
 
-    def _pull(self, slot: Slot, index: int, timeout: float, floor: int | None = None) -> Any:
+    def _pull(self, slot: Slot, index: int, timeout: float, floor: int | None = None) -> Protocol:
         lane, inbox = self.lane, self.inbox
         asked = self.version if floor is None else floor
         # the words the sender has taken once this pull's push comes: in latest mode those before our ASK (its
@@ -266,7 +266,7 @@ class Puller:
         inbox.tell(header, LANDED)
         return header.version
 
-    def _take_shared(self, header: PushHeader, slot: Slot, problem: str | None) -> Any:
+    def _take_shared(self, header: PushHeader, slot: Slot, problem: str | None) -> Protocol:
         """A sub-protocol: take a shared push's version from the sender's snapshot (the segment the header names,
         checked against the handshake; not when ``problem``: a rejected push) and return the slot to publish:
         ``slot`` with the version copied into it, or (zero-copy) the snapshot itself. Raises if a write of a newer

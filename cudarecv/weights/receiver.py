@@ -44,6 +44,7 @@ from ..core.driver import Driver
 from ..core.errors import ArgumentError, BrokenError, UsageError, WaitTimeout
 from ..core.link import Link, peer_failure, resolve
 from ..core.log import logger
+from ..core.protocol import Protocol
 from ..core.transfer import Transfer
 from ..samehost.policy import allowed
 from ..wire.staging import Lane, drain, lane_for
@@ -377,7 +378,7 @@ class WeightReceiver:
         inbox.forget()
         self._pending = None
 
-    def _farewell(self) -> Any:
+    def _farewell(self) -> Protocol:
         """Take what the sender still sends (a push in flight: drained) until its answer to BYE."""
         lane, inbox = self._lane, self._inbox  # bound now: close() lets go of them
         if self._pending is not None and not self._pending.settled:

@@ -195,7 +195,7 @@ class Hop:
             tuple[str, int], Transfer
         ] = {}  # ("forward" or "receive", rank) -> the last one
         self._forming: list[_Forming] = []  # pairs forming now (joined receivers)
-        self.relaying: _Relaying | None = None
+        self.relaying: Relaying | None = None
         self.lost_at: int | None = None
 
     @property
@@ -216,7 +216,7 @@ class Hop:
             )
         wait = header.wait_ms / 1e3
         self.relaying, self.lost_at = (
-            _Relaying(None, header.up, header.version, time.monotonic(), wait),
+            Relaying(None, header.up, header.version, time.monotonic(), wait),
             None,
         )
         up, down = yield from self._lanes(header, wait)
@@ -387,7 +387,7 @@ class Hop:
             )
         return status, rank
 
-    def broken(self) -> _Relaying | None:
+    def broken(self) -> Relaying | None:
         """A pull failed: if a relayed payload was arriving, tell the next hop who failed (the hop before, unless
         its trailer named another) and return what was arriving (``lost``: the rank that failed), else None."""
         relaying, self.relaying = self.relaying, None
@@ -473,7 +473,7 @@ def _landing(relay: Relay, i: int) -> Landed:
 
 
 @dataclass
-class _Relaying:
+class Relaying:
     """A relayed version on its way in: its relay on (if any), the rank before, since when (monotonic) for how
     long (s) it may take, and (once it broke) the rank that failed."""
 

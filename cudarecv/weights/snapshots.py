@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,6 +23,9 @@ from ..core.host_copy import copy_bytes
 from .schema import Schema
 from .session import Member, Session
 from .wire import PushHeader, checksum
+
+if TYPE_CHECKING:
+    from ..plan.plan import Plan
 
 
 class Snapshot:
@@ -205,7 +208,7 @@ class SnapshotPool:
         return True
 
     # -- writing a version ------------------------------------------------------------------------------
-    def copy_in(self, plan: Any, target: Snapshot, stream: Any) -> None:
+    def copy_in(self, plan: Plan, target: Snapshot, stream: torch.cuda.Stream | None) -> None:
         """Copy the weights (``plan``'s leaves) into ``target`` as the next version (on ``stream`` for GPU
         weights), with its header; the session's version moves on."""
         session = self.session
