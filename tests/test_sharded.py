@@ -533,7 +533,9 @@ def sliced(rank, world, group):
                 )  # the spare buffer, which is then never written again
                 retired = receiver._slots.own[index].storage
                 kept, inner = retired.clone(), receiver._inner[0][2]
-                inner._slots.renew(index, inner.schema, inner._puller.piece, torch.device("cpu"))
+                inner._slots.renew(
+                    index, inner.schema, inner._puller.bucket_bytes, torch.device("cpu")
+                )
             assert receiver.pull() == version
             right.append(
                 all(
