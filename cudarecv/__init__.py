@@ -10,7 +10,7 @@ version) or ``"latest"`` (a push never waits; each pull gets the newest).
   sender's name (no process group shared by all; a restarted trainer is joined again).
 - :class:`ShardedSender` / :class:`ShardedReceiver`: an FSDP2 trainer's DTensor shards, every rank sending what
   it holds, into receivers of any layout (whole, tensor-parallel, or the slices each wants).
-- ``Mode``, ``Fanout``, ``Transport``: the ``Literal`` types of the options ``mode``, ``fanout``, ``transport``.
+- ``Mode``, ``Fanout``, ``TransportPolicy``: the ``Literal`` types of the options ``mode``, ``fanout``, ``transport``.
 - Integrations: a TorchRL weight-sync scheme (:mod:`cudarecv.torchrl`) and a vLLM weight-transfer backend
   (:mod:`cudarecv.vllm`).
 
@@ -62,7 +62,7 @@ _EXPORTS = {
     "ShardedReceiver": ".weights.sharded.sharded_receiver",
     "Mode": ".weights.options",
     "Fanout": ".weights.options",
-    "Transport": ".weights.options",
+    "TransportPolicy": ".weights.options",
     "Error": ".core.errors",
     "ArgumentError": ".core.errors",
     "ArgumentTypeError": ".core.errors",
@@ -114,7 +114,7 @@ __all__ = [
     "StoreRecordError",
     "Transfer",
     "TransferTimeout",
-    "Transport",
+    "TransportPolicy",
     "UsageError",
     "WaitTimeout",
     "WeightReceiver",
@@ -161,7 +161,7 @@ if TYPE_CHECKING:
     from .plan.tags import tag_sequence
     from .weights.membership.elastic_receiver import ElasticReceiver
     from .weights.membership.elastic_sender import ElasticSender
-    from .weights.options import Fanout, Mode, Transport
+    from .weights.options import Fanout, Mode, TransportPolicy
     from .weights.receiver import WeightReceiver
     from .weights.sender import WeightSender
     from .weights.sharded.sharded_receiver import ShardedReceiver

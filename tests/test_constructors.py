@@ -122,18 +122,18 @@ def test_the_elastic_classes_take_store_and_name_the_plain_ones_do_not():
 
 def test_the_literal_options_name_the_values_the_checks_take():
     from cudarecv.samehost.policy import TRANSPORTS
-    from cudarecv.weights.options import Fanout, Mode, Transport
+    from cudarecv.weights.options import Fanout, Mode, TransportPolicy
     from cudarecv.weights.wire import FANOUTS, MODES
 
     assert set(get_args(Mode)) == set(MODES)
     assert set(get_args(Fanout)) == set(FANOUTS)
-    assert set(get_args(Transport)) == set(TRANSPORTS)
+    assert set(get_args(TransportPolicy)) == set(TRANSPORTS)
     for name in SENDERS:
         hints = inspect.signature(getattr(cudarecv, name)).parameters
         assert hints["mode"].annotation == "Mode" and hints["fanout"].annotation == "Fanout", name
     for name in SENDERS + RECEIVERS:
         assert inspect.signature(getattr(cudarecv, name)).parameters["transport"].annotation == (
-            "Transport"
+            "TransportPolicy"
         )
 
 

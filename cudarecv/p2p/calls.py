@@ -28,7 +28,7 @@ from ..core.turns import line
 from ..plan.header import Header, check_pieces
 from ..plan.plan import Plan, forget_plan, plan_for
 from ..plan.walk import unwrap
-from ..samehost.policy import Carried, Transport, allowed
+from ..samehost.policy import Carried, TransportPolicy, allowed
 from ..samehost.sides import receiving_side, sending_side, storage_table
 from ..wire import fast as _fast_wire
 from ..wire import stock as _stock_wire
@@ -424,7 +424,7 @@ def isend(
     bucket_bytes: int | None = None,
     stream: torch.cuda.Stream | None = None,
     timeout: float | None = None,
-    transport: Transport = "auto",
+    transport: TransportPolicy = "auto",
 ) -> Any:
     """Send the leaves of ``td`` to ``dst``, a call's messages posted as one batch.
 
@@ -476,7 +476,7 @@ def irecv(
     bucket_bytes: int | None = None,
     stream: torch.cuda.Stream | None = None,
     timeout: float | None = None,
-    transport: Transport = "auto",
+    transport: TransportPolicy = "auto",
 ) -> Any:
     """Receive into the leaves of ``td`` in place what :func:`isend` or stock tensordict sends.
 
@@ -518,7 +518,7 @@ def send(
     bucket_bytes: int | None = None,
     stream: torch.cuda.Stream | None = None,
     timeout: float | None = None,
-    transport: Transport = "auto",
+    transport: TransportPolicy = "auto",
 ) -> None:
     """Blocking :func:`isend`; same arguments and wire as ``TensorDictBase.send``."""
     isend(
@@ -548,7 +548,7 @@ def recv(
     bucket_bytes: int | None = None,
     stream: torch.cuda.Stream | None = None,
     timeout: float | None = None,
-    transport: Transport = "auto",
+    transport: TransportPolicy = "auto",
 ) -> int | None:
     """Blocking :func:`irecv`; returns the last tag (``None`` when ``consolidated``), as stock."""
     call = call_options(

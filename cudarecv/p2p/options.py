@@ -13,7 +13,7 @@ import torch
 from ..core.checks import check_bucket_bytes, check_timeout
 from ..core.errors import ArgumentError, ArgumentTypeError
 from ..core.tags import check_init_tag
-from ..samehost.policy import Transport, check_transport
+from ..samehost.policy import TransportPolicy, check_transport
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,7 @@ class CallOptions:
     )  # None: the stock wire; else the fast wire in messages of this many bytes
     stream: torch.cuda.Stream | None
     timeout: float | None  # None: the process group's
-    transport: Transport
+    transport: TransportPolicy
 
     @property
     def fast_wire(self) -> bool:
@@ -56,7 +56,7 @@ def call_options(
     )
 
 
-def _transport(transport: object) -> Transport:
+def _transport(transport: object) -> TransportPolicy:
     return check_transport(transport)
 
 

@@ -19,8 +19,8 @@ from . import cuda_ipc
 from .shared_memory import available
 
 #: a call's ``transport``: "auto" lets a same-host transport carry the payload, "wire" never does
-Transport = Literal["auto", "wire"]
-TRANSPORTS: tuple[Transport, ...] = get_args(Transport)
+TransportPolicy = Literal["auto", "wire"]
+TRANSPORTS: tuple[TransportPolicy, ...] = get_args(TransportPolicy)
 #: ``CUDARECV_TRANSPORT=wire`` turns every same-host transport off (the default, ``auto``, allows them)
 ENV = "CUDARECV_TRANSPORT"
 #: a side's channels: the kinds of memory it shares
@@ -32,7 +32,7 @@ Role = Literal["send", "recv"]
 STOP_WAIT = 1.0  # seconds a side's closing waits for its (idle) thread to end
 
 
-def check_transport(transport: object) -> Transport:
+def check_transport(transport: object) -> TransportPolicy:
     """``transport`` is one of :data:`TRANSPORTS`, and the environment's settings are valid (checked here, with
     the arguments: a receiver's refusal then reaches its sender)."""
     known = _known(transport)
@@ -45,12 +45,12 @@ def check_transport(transport: object) -> Transport:
     return known
 
 
-def _known(value: object) -> Transport | None:
+def _known(value: object) -> TransportPolicy | None:
     """``value`` as one of :data:`TRANSPORTS`, or None."""
     return next((t for t in TRANSPORTS if isinstance(value, str) and value == t), None)
 
 
-def _environment() -> Transport:
+def _environment() -> TransportPolicy:
     """:data:`ENV`, checked, and the direct route's variable, ``CUDARECV_DIRECT_READ``, with it."""
     env = os.environ.get(ENV, "auto")
     known = _known(env)

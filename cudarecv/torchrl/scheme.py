@@ -15,7 +15,14 @@ from tensordict import TensorDict, TensorDictBase
 from torch import nn
 from torchrl.weight_update.weight_sync_schemes import WeightSyncScheme, register_weight_sync_backend
 
-from .. import ArgumentError, TransferTimeout, Transport, UsageError, WeightReceiver, WeightSender
+from .. import (
+    ArgumentError,
+    TransferTimeout,
+    TransportPolicy,
+    UsageError,
+    WeightReceiver,
+    WeightSender,
+)
 from .trainer import Trainer, seconds
 from .worker import Worker
 
@@ -76,7 +83,7 @@ class CudarecvWeightSyncScheme(WeightSyncScheme):
         timeout: float = 60.0,
         connect_timeout: float = 120.0,
         host: str = "127.0.0.1",
-        transport: Transport = "auto",
+        transport: TransportPolicy = "auto",
         bucket_bytes: int | None = None,
         verify: bool = False,
         device: Any = None,

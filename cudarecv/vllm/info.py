@@ -14,7 +14,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from .. import ArgumentError, Mode, Transport, WeightSender
+from .. import ArgumentError, Mode, TransportPolicy, WeightSender
 
 #: The name of the backend, on both sides: ``weight_transfer_config={"backend": BACKEND}``.
 BACKEND = "cudarecv"
@@ -49,7 +49,7 @@ class CudarecvTrainerInitInfo(TrainerInitInfo):
     mode: Mode = "sync"
     verify: bool = True
     bucket_bytes: int | None = None
-    transport: Transport = "auto"
+    transport: TransportPolicy = "auto"
     dtype: str | None = None
     rank: int = field(default=0, kw_only=True)
 

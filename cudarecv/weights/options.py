@@ -10,7 +10,9 @@ import torch
 from ..core import streams
 from ..core.checks import check_bucket_bytes, check_timeout
 from ..core.errors import ArgumentError
-from ..samehost.policy import Transport as Transport  # (re-exported: cudarecv.Transport)
+from ..samehost.policy import (
+    TransportPolicy as TransportPolicy,
+)  # (re-exported: cudarecv.TransportPolicy)
 from ..samehost.policy import check_transport
 from .wire import FANOUTS, MODES
 
@@ -19,7 +21,7 @@ Mode = Literal["sync", "latest"]
 #: a sender's fan-out: to every receiver (``"star"``), through a chain of them (``"relay"``), or picked at the
 #: handshake (``"auto"``: relay when a receiver is on another host, in sync mode)
 Fanout = Literal["star", "relay", "auto"]
-# ``Transport`` (what may carry the versions: ``"auto"`` or ``"wire"``) is samehost.policy's, which checks it
+# ``TransportPolicy`` (what may carry the versions: ``"auto"`` or ``"wire"``) is samehost.policy's, which checks it
 
 
 def check_mode(mode: object, buffers: object = None, fanout: object = "auto") -> None:

@@ -51,7 +51,7 @@ from ..wire.staging import Lane, drain, lane_for
 from . import handshake
 from .handshake import expected
 from .inbox import Inbox
-from .options import Transport, check_receiver
+from .options import TransportPolicy, check_receiver
 from .pulling import Puller
 from .relay import Hop
 from .schema import Schema
@@ -107,7 +107,7 @@ class WeightReceiver:
         expect: Any = None,
         timeout: float = 60.0,
         stream: Any = None,
-        transport: Transport = "auto",
+        transport: TransportPolicy = "auto",
         zero_copy: bool = False,
     ) -> None:
         self.timeout = 60.0  # until checked: the time given to answer the sender

@@ -46,7 +46,7 @@ from ..samehost.policy import allowed
 from ..wire.staging import lane_for
 from .enrol import enrol, serve
 from .link import check_peers
-from .options import Fanout, Mode, Transport, check_options, check_sender
+from .options import Fanout, Mode, TransportPolicy, check_options, check_sender
 from .pushes import LatestPushes, SyncPushes
 from .schema import MAX_SCHEMA_BYTES, Schema
 from .serving import last_word
@@ -93,7 +93,7 @@ class SessionSender:
         mode: Mode,
         buffers: int,
         fanout: Fanout,
-        transport: Transport,
+        transport: TransportPolicy,
         elastic: bool = False,
     ) -> None:
         self._begin(
@@ -121,7 +121,7 @@ class SessionSender:
         mode: Mode,
         buffers: int,
         fanout: Fanout,
-        transport: Transport,
+        transport: TransportPolicy,
         elastic: bool = False,
     ) -> None:
         """What a sender is before any receiver: the weights' plan and schema, the session, the snapshots."""
@@ -409,7 +409,7 @@ class WeightSender(SessionSender):
         mode: Mode = "sync",
         buffers: int | None = None,
         fanout: Fanout = "auto",
-        transport: Transport = "auto",
+        transport: TransportPolicy = "auto",
     ) -> None:
         timeout = check_sender(timeout, bucket_bytes, transport, mode, buffers, fanout)
         dsts, group_dsts = check_peers(dst, "dst"), check_peers(group_dst, "group_dst")

@@ -40,7 +40,7 @@ from ...core.groups import store_group
 from ...core.lifecycle import Lifecycle
 from ...core.log import logger
 from ...core.shutdown import start_thread
-from ..options import Transport, check_options
+from ..options import TransportPolicy, check_options
 from ..receiver import WeightReceiver
 from .directory import Directory
 from .edges import Edges
@@ -143,7 +143,7 @@ class ElasticReceiver:
         expect: Any = None,
         timeout: float = 60.0,
         stream: Any = None,
-        transport: Transport = "auto",
+        transport: TransportPolicy = "auto",
         zero_copy: bool = False,
     ) -> None:
         self.timeout: float = check_options(timeout=timeout)["timeout"]

@@ -34,7 +34,7 @@ from ...core.transport import release
 from ...wire.staging import lane_for
 from ..enrol import enrol, serve
 from ..fanout import dropping
-from ..options import Fanout, Mode, Transport, check_sender
+from ..options import Fanout, Mode, TransportPolicy, check_sender
 from ..sender import SessionSender
 from ..session import CLOSED_BY_RECEIVER
 from .directory import Directory, JoinRecord, closing_token
@@ -82,7 +82,7 @@ class ElasticSender(SessionSender):
         mode: Mode = "sync",
         buffers: int | None = None,
         fanout: Fanout = "auto",
-        transport: Transport = "auto",
+        transport: TransportPolicy = "auto",
     ) -> None:
         timeout = check_sender(timeout, bucket_bytes, transport, mode, buffers, fanout)
         self._directory = Directory(store, name, timeout)

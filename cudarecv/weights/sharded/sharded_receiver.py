@@ -41,7 +41,7 @@ from ...core.transfer import Transfer
 from ...plan.boxes import Box
 from ...wire.staging import lane_for
 from ..handshake import expected
-from ..options import Transport, check_receiver
+from ..options import TransportPolicy, check_receiver
 from ..receiver import WeightReceiver
 from ..schema import Schema
 from ..slots import Slot, load_into
@@ -100,7 +100,7 @@ class ShardedReceiver:
         expect: Any = None,
         timeout: float = 60.0,
         stream: Any = None,
-        transport: Transport = "auto",
+        transport: TransportPolicy = "auto",
         zero_copy: bool = False,
         want: dict[str, tuple[slice, ...]] | None = None,
     ) -> None:

@@ -21,7 +21,7 @@ from ...core.transfer import Transfer
 from ...plan.boxes import Box
 from ...plan.walk import unwrap, walk
 from ...wire.staging import lane_for
-from ..options import Fanout, Mode, Transport, check_sender
+from ..options import Fanout, Mode, TransportPolicy, check_sender
 from ..sender import WeightSender
 from . import exchange
 from .layout import held, in_order, piece_views, pieces, sender_layout
@@ -66,7 +66,7 @@ class ShardedSender:
         mode: Mode = "sync",
         buffers: int | None = None,
         fanout: Fanout = "auto",
-        transport: Transport = "auto",
+        transport: TransportPolicy = "auto",
     ) -> None:
         self._closed, self._senders = False, []
         options = dict(
