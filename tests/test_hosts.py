@@ -120,21 +120,28 @@ def test_a_receiver_killed_mid_push_in_a_relay_chain(cluster, tmp_path):
     )  # heard in band from rank 3, whose link to 2 failed
 
 
-def _namespaces() -> set[str]:
+def _namespaces(prefix: str = "") -> set[str]:
+    """The network namespaces whose names start with ``prefix`` (all of them by default)."""
     listed = subprocess.run(
         ["ip", "netns", "list"], capture_output=True, text=True, check=True
     ).stdout
-    return {line.split()[0] for line in listed.splitlines() if line.strip()}
+    names = {line.split()[0] for line in listed.splitlines() if line.strip()}
+    return {name for name in names if name.startswith(prefix)}
+
+
+def _ours() -> set[str]:
+    """This process's namespaces: pytest -n 2 builds hosts in the other worker at the same time."""
+    return _namespaces(f"{sim.PREFIX}{os.getpid()}x")
 
 
 def test_hosts_are_shaped_and_always_torn_down():
-    before = _namespaces()
+    before = _ours()
     try:
         delayed = sim.SimulatedHosts(2, rate="100mbit", delay="1ms")
     except (
         sim.HostsError
     ) as error:  # this machine's kernel has no netem: said so, nothing left behind
-        assert "sch_netem" in str(error) and _namespaces() == before, str(error)
+        assert "sch_netem" in str(error) and _ours() == before, str(error)
     else:
         with delayed:
             uplink = subprocess.run(
