@@ -249,15 +249,15 @@ def dying_sender(rank, world, group, timeout, transport):
 
             staging.Lane.post = post_then_die
         else:
-            copy = snapshots.copy_bytes
+            run = snapshots.CopyTable.run
 
-            def copy_then_die(dst, src):
-                copy(dst, src)
+            def copy_then_die(table, start, stop):
+                run(table, start, min(stop, start + 1))
                 os.kill(
                     os.getpid(), signal.SIGKILL
                 )  # the trainer is killed with one leaf of the snapshot written
 
-            snapshots.copy_bytes = copy_then_die
+            snapshots.CopyTable.run = copy_then_die
         sender.push()
         time.sleep(5)
     receiver = cudarecv.WeightReceiver(src=0, timeout=timeout)

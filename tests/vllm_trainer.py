@@ -85,15 +85,15 @@ def main() -> None:
     )
     trainer.send_weights()
     print("sent 1", flush=True)
-    copy = snapshots.copy_bytes
+    run = snapshots.CopyTable.run
 
-    def copy_then_die(dst: torch.Tensor, src: torch.Tensor) -> None:
-        copy(dst, src)
+    def copy_then_die(table: Any, start: int, stop: int) -> None:
+        run(table, start, min(stop, start + 1))
         os.kill(
             os.getpid(), signal.SIGKILL
         )  # one leaf of version 2 written into the shared snapshot
 
-    snapshots.copy_bytes = copy_then_die
+    snapshots.CopyTable.run = copy_then_die  # type: ignore[method-assign]
     client.die_after_start = when == "after-start"
     with torch.no_grad():
         for p in model.parameters():

@@ -27,13 +27,18 @@ _PRUNE_MIN = 256
 class Deadlines:
     """The thread that fails transfers whose own time ran out, whether or not anyone waits for them.
 
-    It sleeps until the earliest deadline (a ``Condition`` wait: no polling) and holds the
-    transfers weakly. It starts with the first deadline kept, ends once every transfer it
-    watches has ended (told by :meth:`ended`; one collected unended is let go of at its
-    deadline) and ``linger`` seconds passed with nothing new to watch, and starts again at the
-    next deadline kept; it stops for good at exit. Starting and ending are decided under one
-    lock: a deadline kept while the thread is deciding to end is either seen by it (it goes on)
-    or finds it gone (a new one starts).
+    It sleeps until the earliest deadline, or at most ``linger`` seconds (a ``Condition`` wait: no
+    polling), and holds the transfers weakly. It starts with the first deadline kept, ends once every
+    transfer it watches has ended (one collected unended is let go of at its deadline) and ``linger``
+    seconds passed with nothing new to watch, and starts again at the next deadline kept; it stops for
+    good at exit. Starting and ending are decided under one lock: a deadline kept while the thread is
+    deciding to end is either seen by it (it goes on) or finds it gone (a new one starts).
+
+    It is woken only when it must act sooner than it planned: a deadline earlier than the time it
+    sleeps until. A transfer that ends does not wake it (it sees that at its next wake-up, within
+    ``linger``; with ``linger=0`` an end that leaves nothing to watch wakes it, so that it ends at
+    once). A pull or push every few milliseconds, each kept and ended, so costs this thread nothing: it
+    was woken twice per transfer before, a scheduler slice each on a loaded machine.
     """
 
     def __init__(self, linger: float = LINGER) -> None:
@@ -49,6 +54,9 @@ class Deadlines:
             weakref.WeakSet()
         )  # kept transfers that have not ended
         self._stopped = False
+        self._wake_at = (
+            -math.inf
+        )  # when the thread's wait ends (-inf: it is not waiting, it will look)
 
     @property
     def thread(self) -> threading.Thread | None:
@@ -78,16 +86,16 @@ class Deadlines:
                     target=self._run, name="cudarecv-deadlines", daemon=True
                 )
                 self._thread.start()
-            elif self._heap[0][1] == self._count:
-                self._cond.notify()  # the new deadline is the earliest
+            elif deadline < self._wake_at:
+                self._cond.notify()  # the thread sleeps past this deadline
 
     def ended(self, transfer: Transfer) -> None:
         """``transfer`` has ended: its deadline need not be kept; the thread ends if nothing else is watched."""
         with self._cond:
             if transfer in self._watched:
                 self._watched.discard(transfer)
-                if not self._watched:
-                    self._cond.notify()
+                if not self._watched and self.linger <= 0:
+                    self._cond.notify()  # (else it sees that at its next wake-up, within linger)
 
     def _run(self) -> None:
         while (transfer := self._next()) is not None:
@@ -104,16 +112,16 @@ class Deadlines:
             while not self._stopped:
                 if not self._watched:
                     self._heap.clear()  # (entries of ended or collected transfers only)
-                    if self._cond.wait(self.linger) or self._watched or self._stopped:
+                    if self._sleep(self.linger) or self._watched or self._stopped:
                         continue  # (told: a deadline kept, or stopped; a spurious wake-up waits again)
                     break
                 if not self._heap:
-                    self._cond.wait()
+                    self._sleep(math.inf)
                     continue
                 deadline, _, ref = self._heap[0]
                 left = deadline - time.monotonic()
-                if left > 0:
-                    self._cond.wait(left)
+                if left > 0:  # (at most linger: it looks whether it still watches anything)
+                    self._sleep(min(left, self.linger) if self.linger > 0 else left)
                     continue
                 heapq.heappop(self._heap)
                 transfer = ref()
@@ -124,6 +132,14 @@ class Deadlines:
             if self._thread is threading.current_thread():
                 self._thread = None
             return None
+
+    def _sleep(self, seconds: float) -> bool:
+        """Wait (the lock held) up to ``seconds`` for a notify; whether one came."""
+        self._wake_at = time.monotonic() + seconds
+        try:
+            return self._cond.wait(None if seconds == math.inf else seconds)
+        finally:
+            self._wake_at = -math.inf
 
     def stop(self) -> None:
         """End the thread (at exit); later deadlines are not kept."""

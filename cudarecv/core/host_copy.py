@@ -170,6 +170,9 @@ class CopyTable:
             -1, 3
         )  # a copy, rows contiguous
 
+    def __len__(self) -> int:
+        return len(self._table)
+
     def reversed(self) -> CopyTable:
         """The same copies the other way (sources and destinations swapped)."""
         return CopyTable(self._table[:, [1, 0, 2]])

@@ -57,6 +57,7 @@ names its flag.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import math
 import os
@@ -424,7 +425,7 @@ class _CudarecvPush:
             stream=self.pushed.stream,
             mode=cfg.mode,
         )
-        self.in_flight: _Background | None = None
+        self.in_flight: _InFlight | None = None
         self.bytes, self.leaves = self.sender.schema.total, len(self.sender.schema.leaves)
         self.fanout, self.bucket_bytes = self.sender.fanout, self.sender.bucket_bytes
 
@@ -439,7 +440,7 @@ class _CudarecvPush:
             self.sender.push()  # a snapshot: the actors take it when they are ready
         else:
             transfers = cast(list[cudarecv.Transfer], self.sender.push(wait=False))
-            self.in_flight = _pushing(transfers, self.ranks, version, self.cfg.timeout, self.device)
+            self.in_flight = _InFlight(transfers, self.ranks, version, self.cfg.timeout)
         return time.perf_counter() - start
 
     def finish(self, store: Store) -> None:
@@ -528,61 +529,33 @@ def _wait_done(store: Store, cfg: Config, actors: int) -> None:
         time.sleep(0.01)
 
 
-class _Background:
-    """Run ``finish()`` (a push's waits, bounded by ``--timeout``) in a helper thread.
+@dataclass
+class _InFlight:
+    """A push started with ``push(wait=False)``: one transfer per actor, each driven to its end by the sender's
+    own thread for that actor (bounded by ``--timeout``) while the trainer computes the next step. The trainer
+    waits for them, on its own thread, only before the next push: by then they have ended, and a wait that
+    returns at once costs no hand-off between threads."""
 
-    ``WeightSender.push(wait=False)`` posts what it can and returns; the rest
-    happens inside the transfers' ``wait()``: gloo works report completion only
-    there. The trainer finishes each push here while it computes the next step,
-    and touches the transfers again only after :meth:`result` has joined.
-    """
-
-    def __init__(self, finish: Callable[[], object], device: torch.device) -> None:
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(
-            target=self._run, args=(finish, device), daemon=True, name="cudarecv-demo-transfer"
-        )
-        self._thread.start()
-
-    def _run(self, finish: Callable[[], object], device: torch.device) -> None:
-        try:
-            if device.type == "cuda":
-                torch.cuda.set_device(device)  # the current device is per thread
-            finish()
-        except BaseException as error:  # noqa: BLE001 - handed to the caller by result()
-            self.error = error
-
-    def join(self) -> None:
-        """Wait for ``finish()`` (bounded: its waits are)."""
-        self._thread.join()
+    transfers: list[cudarecv.Transfer]
+    ranks: list[int]
+    version: int
+    timeout: float
 
     def result(self) -> None:
-        """Wait for ``finish()``; raises what it raised."""
-        self.join()
-        if self.error is not None:
-            raise self.error
-
-
-def _pushing(
-    transfers: list[cudarecv.Transfer],
-    ranks: list[int],
-    version: int,
-    timeout: float,
-    device: torch.device,
-) -> _Background:
-    """Finish a push to every actor in the background (bounded by ``timeout`` in all)."""
-
-    def finish() -> None:
-        deadline = time.monotonic() + timeout
-        for rank, transfer in zip(ranks, transfers):
+        """Wait for every actor's transfer (bounded by ``timeout`` in all); raises naming the actor that failed."""
+        deadline = time.monotonic() + self.timeout
+        for rank, transfer in zip(self.ranks, self.transfers):
             try:
                 transfer.wait(max(deadline - time.monotonic(), 1e-3))
             except Exception as error:  # re-raised naming the actor
                 raise RuntimeError(
-                    f"the push of version {version} to actor rank {rank} failed: {error}"
+                    f"the push of version {self.version} to actor rank {rank} failed: {error}"
                 ) from error
 
-    return _Background(finish, device)
+    def join(self) -> None:
+        """Wait for the end, whatever it was (before closing the sender)."""
+        with contextlib.suppress(Exception):
+            self.result()
 
 
 def _trainer(cfg: Config, device: torch.device) -> dict[str, Any]:

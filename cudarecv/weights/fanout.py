@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 from ..core.errors import (
@@ -22,7 +22,7 @@ from ..core.errors import (
     TransferTimeout,
 )
 from ..core.log import logger
-from ..core.protocol import Protocol
+from ..core.protocol import Protocol, Work
 from ..samehost.machine import host_id
 from ..wire.control import read_bytes, wire_bytes
 from ..wire.staging import send_from
@@ -79,9 +79,9 @@ def send(session: Session, member: Member, snapshot: Snapshot, timeout: float) -
         with session.cond:
             snapshot.holders += 1
             member.holding[version] = snapshot
-    yield from transport.push(member.lane, snapshot, session.tags)
+    head = yield from transport.push(member.lane, snapshot, session.tags)
     if transport.header_only:
-        yield from _confirmed(session, member, version, timeout)
+        yield from _confirmed(session, member, version, timeout, head or [])
 
 
 def _relayed(
@@ -110,8 +110,12 @@ def _relayed(
     yield from _confirmed(session, member, header.version, hop_limit(timeout, i + 1))
 
 
-def _confirmed(session: Session, member: Member, version: int, timeout: float) -> Protocol:
-    """Wait for the receiver's word on ``version`` (relay, shared memory): raises if it did not publish it."""
+def _confirmed(
+    session: Session, member: Member, version: int, timeout: float, head: Sequence[Work] = ()
+) -> Protocol:
+    """Wait for the receiver's word on ``version`` (relay, shared memory): raises if it did not publish it. Then
+    the header's send works ``head`` (posted, not waited for): the word says the receiver read the header, so they
+    have ended; a wait on the word first is bounded, where a gloo send is not."""
     if member.lane.nccl:  # no listener on NCCL: the word comes here, in order on the pair's stream
         ask = read_ask(
             (
@@ -123,7 +127,7 @@ def _confirmed(session: Session, member: Member, version: int, timeout: float) -
         if ask.kind != GOT:
             raise out_of_step("the receiver sent no acknowledgement")
         member.got = ask
-    yield [Got(session, member, version, time.monotonic() + timeout + 1.0)]
+    yield [Got(session, member, version, time.monotonic() + timeout + 1.0), *head]
 
 
 class Got:

@@ -20,7 +20,7 @@ from ..core.transfer import Transfer
 from .fanout import chain_of, dropping, protocol
 from .serving import serve
 from .session import Member, Session, Standing
-from .snapshots import SnapshotPool
+from .snapshots import Snapshot, SnapshotPool
 
 if TYPE_CHECKING:
     import torch
@@ -80,11 +80,12 @@ class SyncPushes(Pushes):
                 sending, transfer_timeout = protocol(
                     session, chain, hops.get(id(member)), member, target, timeout
                 )
+                here = wait and _answered_here(member, target, hops)
                 member.sending = Transfer(
                     sending,
                     member.lane.stream,
-                    timeout=transfer_timeout,
-                    driver=member.driver.submit,
+                    timeout=None if here else transfer_timeout,
+                    driver=None if here else member.driver.submit,
                     link=member.lane.link,
                     raise_first=False,
                     on_error=dropping(session, pool, member, version, timeout),
@@ -143,6 +144,20 @@ class LatestPushes(Pushes):
                 + "; ".join(f"{m.who}: {m.why}" for m in untold)
             )
         return session.version
+
+
+def _answered_here(member: Member, snapshot: Snapshot, hops: dict[int, int]) -> bool:
+    """Whether a blocking push to ``member`` runs on the caller's thread: a receiver reading the snapshot where it
+    lies (the header alone goes, posted at once; then its word, a bounded wait) takes no thread of its own, and so
+    no hand-off between threads either way (each a scheduler slice on a loaded machine). A payload on the wire is
+    driven on the receiver's own thread, so that none waits for another."""
+    transport = member.transport
+    return (
+        id(member) not in hops
+        and transport.header_only
+        and transport.carries(snapshot)
+        and not member.lane.nccl
+    )
 
 
 def _finish(pushes: list[tuple[Member, Transfer]], version: int, elastic: bool) -> None:

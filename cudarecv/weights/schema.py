@@ -12,6 +12,7 @@ never sent, and ``verify``'s digest is that of the messages' digests, in order.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import struct
@@ -226,8 +227,10 @@ class Schema:
                     )
         return cls(tuple(leaves), total, messages == "leaf"), doc["fingerprint"]
 
-    @property
+    @functools.cached_property
     def fingerprint(self) -> bytes:
+        """A hash of every leaf's key, dtype, shape and offset (computed once: every push's header and every
+        pull's check read it, and at 2000 leaves it takes about 10 ms)."""
         h = hashlib.blake2b(digest_size=16)
         for leaf in self.leaves:
             h.update(json.dumps([leaf.key, str(leaf.dtype), leaf.shape, leaf.offset]).encode())

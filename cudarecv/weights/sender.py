@@ -174,6 +174,9 @@ class SessionSender:
         count = carrier.sync_snapshots if mode == "sync" else buffers
         self._pool = SnapshotPool(self._s, self._device, count)
         self._pushing = False  # a thread's push is under way: another's waits for its turn
+        self._checked: Plan | None = (
+            None  # the plan last found to match the schema (kept while it is reused)
+        )
         self._pushes = (SyncPushes if mode == "sync" else LatestPushes)(self._s, self._pool)
 
     #: check keyword arguments of a sender (or receiver) ahead, without building one (see :func:`check_options`)
@@ -287,6 +290,10 @@ class SessionSender:
         if td is None:
             raise UsageError("this WeightSender is closed")
         plan = plan_for(td)
+        if (
+            plan is self._checked
+        ):  # the same leaves as last push's (a plan is rebuilt when one changes)
+            return plan
         if [tuple(map(str, p)) for p in plan.paths] != [leaf.key for leaf in schema.leaves] or any(
             tuple(t.shape) != leaf.shape or t.dtype != leaf.dtype
             for t, leaf in zip(plan.tensors, schema.leaves)
@@ -304,6 +311,7 @@ class SessionSender:
                 f"`values` are on {plan.device}, the sender's `td` on {self._device}: "
                 f"pass them on {self._device}"
             )
+        self._checked = plan
         return plan
 
     # -- ending ------------------------------------------------------------------------------------------

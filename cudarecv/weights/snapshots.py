@@ -19,7 +19,7 @@ import torch
 
 from ..core import streams
 from ..core.errors import UsageError, WaitTimeout
-from ..core.host_copy import copy_bytes
+from ..core.host_copy import CopyTable
 from .schema import Schema
 from .session import Member, Session
 from .wire import PushHeader, checksum
@@ -57,6 +57,26 @@ class Snapshot:
             0  # zero-copy receivers that may read it where it lies (sent to them, not yet FREED)
         )
         self.retired = False  # a zero-copy receiver that held it is gone: it may read it still, never write it again
+        self._gather: tuple[Plan, CopyTable, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+
+    def gather(self, plan: Plan) -> None:
+        """Copy host leaves (``plan``'s) into this host storage: the contiguous ones in one native call (one
+        thread: the receivers' copies share the cores), the strided ones (a piece of a shard) one by one. The
+        table of copies is kept while the plan is (a plan is rebuilt when a leaf's memory moves)."""
+        if self._gather is None or self._gather[0] is not plan:
+            rows, strided = [], []
+            for view, leaf in zip(self.views, plan.detached):
+                if not leaf.is_contiguous():
+                    strided.append((view, leaf))
+                elif leaf.numel():
+                    rows.append(
+                        (view.data_ptr(), leaf.data_ptr(), view.numel() * view.element_size())
+                    )
+            self._gather = (plan, CopyTable(rows), strided)
+        _, table, strided = self._gather
+        table.run(0, len(table))
+        for view, leaf in strided:
+            view.copy_(leaf)
 
     @property
     def pushed(self) -> PushHeader:
@@ -222,14 +242,8 @@ class SnapshotPool:
             lies_in = session.transport if target.shared is not None else None
             if lies_in is not None:
                 lies_in.before_write(target.shared, session.version + 1)
-            if (
-                lies_in is not None and lies_in.host_memory and plan.device.type == "cpu"
-            ):  # (one thread: the receivers' copies share the cores)
-                for view, leaf in zip(target.views, plan.detached):
-                    if leaf.is_contiguous():
-                        copy_bytes(view, leaf)
-                    else:  # (a strided view, e.g. a piece of a shard for a sharded receiver)
-                        view.copy_(leaf)
+            if plan.device.type == "cpu" and target.storage.device.type == "cpu":
+                target.gather(plan)
             else:
                 torch._foreach_copy_(
                     target.views, plan.detached, non_blocking=True

@@ -107,7 +107,8 @@ class Transport(ABC):
 
     @abstractmethod
     def push(self, lane: Lane, snapshot: Snapshot, tags: SessionTags) -> Protocol:
-        """A sub-protocol: what a push of ``snapshot`` sends on ``lane`` (star fan-out)."""
+        """A sub-protocol: what a push of ``snapshot`` sends on ``lane`` (star fan-out). A header-only transport
+        returns the header's send works, posted and not waited for (the receiver's GOT is waited for first)."""
 
     # -- the receiver --------------------------------------------------------------------------------------------
     def map(self, offer: bytes, total: int, device: torch.device | None) -> list[Any]:
@@ -145,4 +146,8 @@ class HeaderOnly(Transport):
             "a push by a segment of a snapshot in none"
         )  # (carries() said it is in one)
         header = dataclasses.replace(snapshot.pushed, shared=True, segment=segment)
-        yield from send_from(lane, [wire_bytes(lane, header.pack())], [tags.header])
+        # (deferred: the push waits for the receiver's GOT, bounded, before it waits on this send, which has ended
+        # by then; a gloo send is never given a timeout)
+        return (
+            yield from send_from(lane, [wire_bytes(lane, header.pack())], [tags.header], defer=True)
+        )
