@@ -51,27 +51,36 @@ CLOCK = tb.VirtualClock("receiver_clock")
 pytestmark = [pytest.mark.timeout(600), pytest.mark.benchmark(timer=CLOCK)]
 
 
-def _model(total_bytes: int, fill: float) -> TensorDict:
-    per = total_bytes // 100 // 4
+def _model(total_bytes: int, fill: float, leaves: int = 100) -> TensorDict:
+    per = total_bytes // leaves // 4
     return TensorDict(
-        {f"layer{i:03d}": torch.full((per,), fill) for i in range(100)}, batch_size=[]
+        {f"layer{i:04d}": torch.full((per,), fill) for i in range(leaves)}, batch_size=[]
     )
 
 
 def time_weights(
-    rank: int, world: int, group, total_bytes: int, rounds: int, alone: bool = False
+    rank: int,
+    world: int,
+    group,
+    total_bytes: int,
+    rounds: int,
+    alone: bool = False,
+    leaves: int = 100,
+    modes: list[tuple[str, str]] | None = None,
 ) -> dict:
-    """Run every mode ``rounds`` times, alternating; the receiver returns its seconds per mode.
+    """Run every mode (``modes``, default :data:`MODES`) ``rounds`` times, alternating; the receiver returns its
+    seconds per mode.
 
     ``alone``: each mode is set up, run and closed before the next (memory: one mode's at a time, not all
     six modes' models and snapshots at once), its rounds back to back.
     """
     tb.drop_workload(rank, world, group)  # the transfer benches' last tensors
     with tb.one_thread():
-        td = _model(total_bytes, 0.0) if rank == 0 else None  # the trainer's weights
+        td = _model(total_bytes, 0.0, leaves) if rank == 0 else None  # the trainer's weights
     out: dict[str, dict] = {"seconds": {}, "checks": {}, "transports": {}}
-    for modes in [[m] for m in MODES] if alone else [MODES]:
-        _time_modes(rank, td, total_bytes, modes, rounds, out)
+    every = MODES if modes is None else modes
+    for some in [[m] for m in every] if alone else [every]:
+        _time_modes(rank, td, total_bytes, some, rounds, out)
         gc.collect()  # the closed ends' storages, before the next mode allocates its own
     return out
 
@@ -123,10 +132,11 @@ def _time_modes(
             elif impl == "cudarecv":
                 end.pull()
             elif impl == "stock":
+                consolidated = mode != "per-leaf"
                 if rank == 0:
-                    Stock.send(td, dst=1, consolidated=True)
+                    Stock.send(td, dst=1, consolidated=consolidated)
                 else:
-                    Stock.recv(end, src=0, consolidated=True)
+                    Stock.recv(end, src=0, consolidated=consolidated)
             elif rank == 0:
                 dist.send(end, dst=1)
             else:
@@ -188,6 +198,61 @@ def test_weight_sync(benchmark, transfer_cluster, transfer_targets, size, impl, 
         suite_rounds=len(result["seconds"][mode]),
         ok=ok,
         stock_mode="init_remote + consolidated",
+        transport=result["transports"].get(mode, "wire"),
+    )
+    tb.replay(benchmark, CLOCK, result["seconds"][mode])
+    assert ok, f"{mode}: the receiver holds wrong values"
+
+
+# -- every size, one host: push+pull against stock's best way to move the same tensordict -------------------
+SWEEP_MODES = [
+    ("cudarecv", "push/pull"),
+    ("cudarecv", "push/pull zero-copy"),
+    ("cudarecv", "push/pull wire"),
+    ("stock", "init_remote + consolidated"),
+    ("stock", "per-leaf"),
+    ("raw", "flat recv"),
+]
+#: case -> (bytes, leaves, rounds): 64 KiB to 256 MiB, 8 to 2000 leaves (4 MiB in 8: the demo's policy)
+SWEEP = {
+    "64KiB x 8": (64 << 10, 8, 200),
+    "1MiB x 8": (1 << 20, 8, 100),
+    "4MiB x 8": (4 << 20, 8, 60),
+    "16MiB x 2000": (16 << 20, 2000, 30),
+    "256MiB x 100": (256 << 20, 100, 8),
+}
+_SWEPT: dict[str, dict] = {}
+
+
+@pytest.mark.parametrize("impl,mode", SWEEP_MODES, ids=[m for _, m in SWEEP_MODES])
+@pytest.mark.parametrize("case", list(SWEEP))
+def test_weight_sync_sweep(benchmark, transfer_cluster, transfer_targets, case, impl, mode):
+    """Weight sync on one host at every size, side by side with both of stock's ways to move the same tensordict
+    (``init_remote`` once, then ``send(consolidated=True)``, or leaf by leaf) and a raw flat ``dist.send``;
+    ``vs stock`` in the report divides by stock's faster row."""
+    total, leaves, rounds = SWEEP[case]
+    if case not in _SWEPT:
+        _SWEPT[case] = transfer_cluster.get().run(
+            time_weights, args=(total, rounds, False, leaves, SWEEP_MODES), timeout=540
+        )[1]
+        med = {m: statistics.median(v) for m, v in _SWEPT[case]["seconds"].items()}
+        best = min(("init_remote + consolidated", "per-leaf"), key=med.__getitem__)
+        for m in ("push/pull", "push/pull zero-copy", "push/pull wire"):
+            transfer_targets.append(
+                f"weights {case}: cudarecv {m} takes {med[m] / med[best]:.2f}x the time of stock's best, "
+                f"{best} (target <= 0.9x; {med[m] * 1e3:.2f} ms vs {med[best] * 1e3:.2f} ms)"
+            )
+    result = _SWEPT[case]
+    ok = result["checks"][mode]
+    benchmark.extra_info.update(
+        case=f"weight sync {case}",
+        impl=impl,
+        mode=mode,
+        bytes=total,
+        leaves=leaves,
+        backend="gloo",
+        suite_rounds=len(result["seconds"][mode]),
+        ok=ok,
         transport=result["transports"].get(mode, "wire"),
     )
     tb.replay(benchmark, CLOCK, result["seconds"][mode])

@@ -261,9 +261,9 @@ def test_parse_rows_and_ratios():
     assert cr.vs_stock == pytest.approx(2.5)
     assert cr.vs_raw == pytest.approx(1.25)  # first raw row of the case (0.005), not the 0.001 one
     pr = by["test_cudarecv_pseudo_rand"]
-    assert pr.vs_stock == pytest.approx(4.0)  # stock_mode="per-leaf"
+    assert pr.vs_stock == pytest.approx(4.0)  # stock's fastest (its only) row, per-leaf
     assert pr.vs_raw == pytest.approx(2.0)
-    assert by["test_raw_flat"].vs_stock is None  # no stock "flat recv"
+    assert by["test_raw_flat"].vs_stock == pytest.approx(2.0)  # stock's fastest row: per-leaf
     assert by["test_raw_flat"].vs_raw == pytest.approx(1.0)
     assert by["test_stock_per_leaf"].vs_stock == pytest.approx(1.0)
 
@@ -279,6 +279,40 @@ def test_parse_rows_and_ratios():
     assert tags.gbps is None and tags.vs_stock is None and tags.vs_raw is None
     assert not by["test_plain"].categorized
     assert list(_report.group_cases(rows)) == ["2000 x 8KiB", "consolidated 256MiB", "tags 100k"]
+
+
+def test_vs_stock_divides_by_stocks_fastest_mode():
+    """A case with stock per-leaf (100 ms), consolidated (10 ms) and a faster consolidated row checked WRONG
+    (1 ms): every row's vs stock divides the right consolidated row's time, whatever its own stock_mode says."""
+    case = dict(case="2000 x 8KiB", bytes=KIB8_BYTES, leaves=2000)
+    rows = _report.parse_rows(
+        _doc(
+            [
+                _bench("stock-leaf", 0.100, impl="stock", mode="per-leaf", ok=True, **case),
+                _bench("stock-cons", 0.010, impl="stock", mode="consolidated", ok=True, **case),
+                _bench("stock-bad", 0.001, impl="stock", mode="pseudo", ok=False, **case),
+                _bench("raw", 0.008, impl="raw", mode="flat recv", ok=True, **case),
+                _bench(
+                    "ours",
+                    0.020,
+                    impl="cudarecv",
+                    mode="buckets 1MiB",
+                    stock_mode="per-leaf",
+                    ok=True,
+                    **case,
+                ),
+            ]
+        )
+    )
+    _report.compute_ratios(rows)
+    by = {r.name: r for r in rows}
+    assert by["ours"].vs_stock == pytest.approx(0.5)  # not 5.00x against stock's per-leaf
+    assert by["ours"].stock_best == "consolidated"
+    assert by["stock-leaf"].vs_stock == pytest.approx(0.1)
+    assert by["raw"].vs_stock == pytest.approx(1.25)
+    assert _report.summary(rows)[-1] == (
+        "  2000 x 8KiB: 0.50x buckets 1MiB (vs stock consolidated, its fastest)"
+    )
 
 
 def test_panels_group_size_families():
@@ -344,8 +378,8 @@ def test_summary_checks_and_best_ratio():
     assert lines[2].startswith("best cudarecv vs stock per case")
     # pseudo_rand (4.00x) was WRONG: the best right row is per-leaf; tags have no stock row
     assert lines[3:] == [
-        "  2000 x 8KiB: 2.50x per-leaf (vs stock per-leaf)",
-        "  consolidated 256MiB: 4.00x consolidated (vs stock consolidated)",
+        "  2000 x 8KiB: 2.50x per-leaf (vs stock per-leaf, its fastest)",
+        "  consolidated 256MiB: 4.00x consolidated (vs stock consolidated, its fastest)",
     ]
     none = _report.parse_rows(
         _doc([_bench("a", 1.0, case="c", impl="cudarecv", mode="m", bytes=1)])
@@ -372,7 +406,7 @@ def test_format_markdown_structure():
     assert "| per-leaf pseudo_rand | - | 2.50 ms | 6.55 | 4.00x | 2.00x | WRONG |" in md
     assert "| test_plain | 0.50 us |" in md
     assert "rows: 8 in 3 case(s) (+1 other); checked: 4 ok, 1 WRONG, 3 not checked  \n" in md
-    assert "- 2000 x 8KiB: 2.50x per-leaf (vs stock per-leaf)\n" in md
+    assert "- 2000 x 8KiB: 2.50x per-leaf (vs stock per-leaf, its fastest)\n" in md
     assert _report.LEGACY_NOTE.format(n=1) in md
 
 
@@ -436,8 +470,8 @@ def test_cli_text_table_and_png(bench_json: Path):
     ]
     assert _row(out, "stock", "per-leaf")[-5:] == ["10.00 ms", "1.64", "1.00x", "0.50x", "ok"]
     assert _row(out, "cudarecv", "per-leaf pseudo_rand")[-4:] == ["6.55", "4.00x", "2.00x", "WRONG"]
-    assert _row(out, "raw", "flat recv")[-4:] == ["3.28", "-", "1.00x", "ok"]
-    assert _row(out, "raw", "chunks 1MiB")[-4:] == ["16.38", "-", "5.00x", "-"]
+    assert _row(out, "raw", "flat recv")[-4:] == ["3.28", "2.00x", "1.00x", "ok"]
+    assert _row(out, "raw", "chunks 1MiB")[-4:] == ["16.38", "10.00x", "5.00x", "-"]
     assert _row(out, "cudarecv", "consolidated") == [
         "268435456",
         "268.4 MB",
@@ -485,7 +519,7 @@ def test_cli_text_table_and_png(bench_json: Path):
     assert _summary(out) == _report.summary(rows)
     assert (
         out.rstrip().splitlines()[-1]
-        == "#   consolidated 256MiB: 4.00x consolidated (vs stock consolidated)"
+        == "#   consolidated 256MiB: 4.00x consolidated (vs stock consolidated, its fastest)"
     )
 
     png = bench_json.with_suffix(".png")

@@ -455,7 +455,7 @@ def run_standing(
         stream,
         on_error=on_error,
         timeout=math.inf,
-        driver=_here,
+        driver=here,
         link=link,
         raise_first=False,
     )
@@ -463,5 +463,6 @@ def run_standing(
     return transfer.wait()
 
 
-def _here(job: Callable[[], None]) -> None:
-    """The driver of :func:`run_standing`'s transfers: none, the caller drives them itself."""
+def here(job: Callable[[], None]) -> None:
+    """The driver of a transfer that its creator drives itself, on its own thread, with :meth:`Transfer.settle`
+    (:func:`run_standing`'s; a latest-mode reply on its receiver's thread): none is asked to."""

@@ -20,8 +20,9 @@ The same training runs twice on the same ranks:
   finishes it while it computes the next step; each actor plays one episode per
   version, as stock's does, while the next one travels (the same work: actors
   that played more would take the CPU from the trainer). ``--mode latest``:
-  ``push()`` snapshots the weights and returns; each actor takes the newest
-  version when it is ready, playing meanwhile.
+  ``push()`` snapshots the weights and returns; each actor asks for the newest
+  version and plays one episode while it comes (the same work per version as
+  stock's actor; the versions it skips, it never plays).
 - **stock**: tensordict's own way: ``init_remote`` once, then
   ``send(consolidated=True)`` to each actor after every step, and
   ``recv(consolidated=True)`` on the actors (every version, in lockstep).
@@ -138,7 +139,8 @@ TRAINER_NOTES = (
 ACTOR_NOTES = (
     "actor: its rank (* the --slow-actor); pulls: versions it took; episodes: batches of contexts",
     f"  it played, {ENV_SECONDS * 1e3:g} ms each at least (sync and stock: one per version, the same",
-    "  work; cudarecv's while the next version travels, latest: as many as fit meanwhile)",
+    "  work; cudarecv's, in both modes, while the next version travels: actors that played more",
+    "  would take the CPU from the trainer on a shared machine)",
     "p50 / p99 ms: pull latency, from when the version existed and the actor asked (whichever came",
     "  later) to when it landed in the actor's memory",
     "lag avg / max: versions the trainer was ahead at each episode (its latest push minus the one",
@@ -668,7 +670,12 @@ def _cudarecv_actor(
     stats: _ActorStats,
 ) -> tuple[int, int, str]:
     receiver = cudarecv.WeightReceiver(
-        src=0, device=device, expect=weights_td(skeleton, _meta("meta")), timeout=cfg.timeout
+        src=0,
+        device=device,
+        expect=weights_td(skeleton, _meta("meta")),
+        timeout=cfg.timeout,
+        zero_copy=device.type
+        == "cpu",  # on the trainer's host: play with the weights where they lie
     )
     views: dict[
         int, tuple[Any, dict[str, torch.Tensor]]
@@ -680,14 +687,8 @@ def _cudarecv_actor(
             transfer = cast(cudarecv.Transfer, receiver.pull(wait=False))
             landed: list[float] = []
             transfer.add_done_callback(_stamping(landed))  # runs as it is published
-            played = (
-                0  # act with what we have meanwhile: sync, one episode per version as stock's actor
-            )
-            while receiver.version > 0 and (
-                played < 1 if cfg.mode == "sync" else not transfer.done()
-            ):
+            if receiver.version > 0:  # one episode with what it has meanwhile, as stock's actor
                 _episode(receiver, skeleton, env, store, _version_key(cfg), stats, views)
-                played += 1
             try:
                 transfer.wait(cfg.timeout)
             except cudarecv.ChecksumError:
