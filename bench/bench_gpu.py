@@ -257,6 +257,7 @@ SUITES: dict[str, dict[str, Any]] = {
         modes=[
             ("raw", "flat recv", "cpu", "pinned", None),
             ("stock", "per-leaf", "cpu", "cpu", None),
+            ("stock", "consolidated", "cpu", "cpu", None),  # stock's best for this data
             ("cudarecv", "per-leaf", "cpu", "cuda", "per-leaf cpu->cpu"),
             ("cudarecv", "buckets 1MiB", "cpu", "cuda", "per-leaf cpu->cpu"),
             ("cudarecv", "buckets 1MiB", "cuda", "cuda", "per-leaf cpu->cpu"),
@@ -289,6 +290,7 @@ SUITES: dict[str, dict[str, Any]] = {
             ("raw", "flat recv", "cuda", "cuda", None),
             ("raw", "per-leaf dist.irecv", "cuda", "cuda", "per-leaf cuda->cuda"),
             ("stock", "per-leaf", "cuda", "cuda", None),
+            ("stock", "consolidated", "cuda", "cuda", None),  # stock's best for this data
             ("cudarecv", "per-leaf", "cuda", "cuda", "per-leaf cuda->cuda"),
             ("cudarecv", "buckets 1MiB", "cuda", "cuda", "per-leaf cuda->cuda"),
             ("cudarecv", "consolidated", "cuda", "cuda", "per-leaf cuda->cuda"),
@@ -321,10 +323,10 @@ TARGETS = [
         None,
     ),
     (
-        "gloo into CUDA, buckets 1MiB, vs stock per-leaf into host memory",
+        "gloo into CUDA, chunks 1MiB, vs stock consolidated into host memory (its best)",
         "gloo 2000 x 8KiB",
-        ("cudarecv", "buckets 1MiB cpu->cuda"),
-        ("stock", "per-leaf cpu->cpu"),
+        ("cudarecv", "chunks 1MiB cpu->cuda"),
+        ("stock", "consolidated cpu->cpu"),
         None,
     ),
     (
@@ -353,6 +355,13 @@ TARGETS = [
         "nccl 2000 x 8KiB",
         ("cudarecv", "per-leaf cuda->cuda"),
         ("stock", "per-leaf cuda->cuda"),
+        None,
+    ),
+    (
+        "nccl chunks 1MiB vs stock consolidated (its best)",
+        "nccl 2000 x 8KiB",
+        ("cudarecv", "chunks 1MiB cuda->cuda"),
+        ("stock", "consolidated cuda->cuda"),
         None,
     ),
 ]

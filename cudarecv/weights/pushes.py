@@ -16,7 +16,7 @@ import contextlib
 from typing import TYPE_CHECKING
 
 from ..core.errors import MismatchError, PeerError
-from ..core.transfer import Transfer
+from ..core.transfer import Transfer, here
 from .fanout import chain_of, dropping, protocol
 from .serving import serve
 from .session import Member, Session, Standing
@@ -80,12 +80,14 @@ class SyncPushes(Pushes):
                 sending, transfer_timeout = protocol(
                     session, chain, hops.get(id(member)), member, target, timeout
                 )
-                here = wait and _answered_here(member, target, hops)
+                # a header alone: a blocking push drives it here, a non-blocking one its listener (on the word)
+                header_only = _header_only(member, target, hops)
+                member.awaiting = version if header_only and not wait else None
                 member.sending = Transfer(
                     sending,
                     member.lane.stream,
-                    timeout=None if here else transfer_timeout,
-                    driver=None if here else member.driver.submit,
+                    timeout=None if header_only and wait else transfer_timeout,
+                    driver=None if not header_only else here if not wait else None,
                     link=member.lane.link,
                     raise_first=False,
                     on_error=dropping(session, pool, member, version, timeout),
@@ -146,11 +148,13 @@ class LatestPushes(Pushes):
         return session.version
 
 
-def _answered_here(member: Member, snapshot: Snapshot, hops: dict[int, int]) -> bool:
-    """Whether a blocking push to ``member`` runs on the caller's thread: a receiver reading the snapshot where it
-    lies (the header alone goes, posted at once; then its word, a bounded wait) takes no thread of its own, and so
-    no hand-off between threads either way (each a scheduler slice on a loaded machine). A payload on the wire is
-    driven on the receiver's own thread, so that none waits for another."""
+def _header_only(member: Member, snapshot: Snapshot, hops: dict[int, int]) -> bool:
+    """Whether a push to ``member`` is a header alone (a receiver reading the snapshot where it lies: the header
+    goes, posted at once; then its word, a bounded wait). Such a push takes no thread of its own, and so no
+    hand-off between threads (each a scheduler slice on a loaded machine): a blocking push waits for the word on
+    the caller's thread, a non-blocking one is ended by the receiver's listener as the word comes (a deadline
+    fails it if none comes). A payload on the wire is driven on the receiver's own thread, so that none waits
+    for another."""
     transport = member.transport
     return (
         id(member) not in hops

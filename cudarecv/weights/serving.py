@@ -91,6 +91,7 @@ def _listen(session: Session, pool: SnapshotPool, member: Member) -> None:
                 else:
                     member.move_if(Standing.DONE, frm={Standing.CLOSING})
                 session.cond.notify_all()
+            _answered(session, member, None)  # (a push it will never answer ends: it left)
             return
         if kind == GOT:
             with session.cond:
@@ -100,10 +101,23 @@ def _listen(session: Session, pool: SnapshotPool, member: Member) -> None:
                 ):  # a zero-copy receiver did not publish it: it holds nothing of it
                     pool.let_go(member, version)
                 session.cond.notify_all()
+            _answered(session, member, version)
             continue
         with session.cond:
             member.asked = version
             serve(session, pool, member)
+
+
+def _answered(session: Session, member: Member, version: int | None) -> None:
+    """The receiver's word on ``version`` came (None: it left): end the non-blocking push that waits for it, here,
+    on its listener (no other thread is handed it: see :func:`~.pushes._header_only`). Its waits return at once:
+    the word is in, and the header's send ended when the receiver read it."""
+    with session.cond:
+        sending, awaiting = member.sending, member.awaiting
+        if sending is None or awaiting is None or (version is not None and version < awaiting):
+            return
+        member.awaiting = None
+    sending.settle()  # (never raises: the transfer keeps its error)
 
 
 def serve(session: Session, pool: SnapshotPool, member: Member) -> None:

@@ -101,6 +101,9 @@ class Member:
         #: the last transfer of a version to it (a push's or a reply's): failed at once when its listener finds
         #: the link dead, so that no push waits its whole timeout on a send to a dead receiver
         self.sending: Transfer | None = None
+        #: a non-blocking push of this version to it, a header alone, waits for its word: its listener drives that
+        #: transfer to its end on the word (no thread hands it on; see :func:`~.serving.answered`)
+        self.awaiting: int | None = None
 
     @property
     def lane(self) -> Lane:
