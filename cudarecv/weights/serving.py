@@ -117,7 +117,7 @@ def _answered(session: Session, member: Member, version: int | None) -> None:
         if sending is None or awaiting is None or (version is not None and version < awaiting):
             return
         member.awaiting = None
-    sending.settle()  # (never raises: the transfer keeps its error)
+    sending.settle()  # (never raises: the transfer keeps its error; a reply's hook ends the reply)
 
 
 def serve(session: Session, pool: SnapshotPool, member: Member) -> None:
@@ -133,11 +133,63 @@ def serve(session: Session, pool: SnapshotPool, member: Member) -> None:
         and not session.closed
     ):
         member.replying = True
-        member.driver.submit(lambda: _reply(session, pool, member))
+        transport = member.transport
+        if transport.header_only and transport.carries(latest) and not member.lane.nccl:
+            _reply_by_word(session, pool, member)
+        else:
+            member.driver.submit(lambda: _reply(session, pool, member))
+
+
+def _reply_by_word(session: Session, pool: SnapshotPool, member: Member) -> None:
+    """Latest mode, under the lock: send ``member`` the newest snapshot where it lies (its header alone, posted
+    now, on this thread); its listener ends the reply as its word comes (:func:`_answered`), its deadline if none
+    comes. No thread is handed the reply: each hand-off is a wake-up in the trainer's process, while it trains."""
+    snapshot = pool.latest
+    # (a reply is started only once a version is published, and a newer one replaces it)
+    assert snapshot is not None and snapshot.header is not None
+    snapshot.readers += 1
+    member.asked = None
+    version = snapshot.header.version
+    drop = dropping(session, pool, member, version, session.timeout, told=False)
+    ended: list[Transfer] = []
+
+    def end(transfer: Transfer) -> None:
+        """The reply's end, once, however it ended (its word, a failure, its deadline)."""
+        with session.cond:
+            if ended:
+                return
+            ended.append(transfer)
+            snapshot.readers -= 1
+            member.replying = False
+            member.awaiting = None
+            serve(session, pool, member)  # it may have asked again meanwhile
+            session.cond.notify_all()
+
+    def failed(error: BaseException, elapsed: float) -> BaseException:
+        rewritten = drop(error, elapsed)
+        end(
+            transfer
+        )  # (a segment's copy is stamped: a failed one is never published, nothing to replace)
+        return rewritten
+
+    transfer = Transfer(
+        send(session, member, snapshot, session.timeout),
+        member.lane.stream,
+        timeout=session.timeout,
+        driver=here,  # (driven by its listener, on the word)
+        link=member.lane.link,
+        on_error=failed,
+        raise_first=False,
+        what=f"version {version} to {member.who}",
+    )
+    transfer.add_done_callback(lambda _: end(transfer))
+    member.sending, member.awaiting = transfer, version
+    if member.failed:  # (its listener found it dead first)
+        transfer.abort(PeerError(member.why or f"{member.who} is gone"))
 
 
 def _reply(session: Session, pool: SnapshotPool, member: Member) -> None:
-    """Latest mode, on the receiver's driver: send it the newest snapshot."""
+    """Latest mode, on the receiver's driver: send it the newest snapshot (a payload on the wire)."""
     with session.cond:
         snapshot = pool.latest
         # (a reply is started only once a version is published, and a newer one replaces it)
@@ -145,14 +197,10 @@ def _reply(session: Session, pool: SnapshotPool, member: Member) -> None:
         snapshot.readers += 1
         member.asked = None
     version = snapshot.header.version
-    # a header alone (a receiver reading the snapshot where it lies, then its word: a bounded wait) is driven here,
-    # on the receiver's thread; a payload on its own thread, which a wait in gloo past the deadline may keep
-    header_only = member.transport.header_only and member.transport.carries(snapshot)
-    transfer = Transfer(
+    transfer = Transfer(  # (on a thread of its own: a wait in gloo past the deadline may keep it)
         send(session, member, snapshot, session.timeout),
         member.lane.stream,
         timeout=session.timeout,
-        driver=here if header_only and not member.lane.nccl else None,
         link=member.lane.link,
         on_error=dropping(session, pool, member, version, session.timeout, told=False),
         raise_first=False,
@@ -163,8 +211,6 @@ def _reply(session: Session, pool: SnapshotPool, member: Member) -> None:
         gone = member.why if member.failed else None  # (its listener found it dead first)
     if gone is not None:
         transfer.abort(PeerError(gone))
-    if header_only and not member.lane.nccl:
-        transfer.settle()  # (never raises: a failure is the transfer's, and drops the receiver)
     with contextlib.suppress(Exception):  # a failure drops the receiver (its hook)
         transfer.wait()
     with session.cond:
