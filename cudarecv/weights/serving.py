@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 
 from ..core.errors import OutOfStepError, PeerError
 from ..core.log import logger
@@ -151,14 +152,14 @@ def _reply_by_word(session: Session, pool: SnapshotPool, member: Member) -> None
     member.asked = None
     version = snapshot.header.version
     drop = dropping(session, pool, member, version, session.timeout, told=False)
-    ended: list[Transfer] = []
+    ended = threading.Event()
 
-    def end(transfer: Transfer) -> None:
+    def end() -> None:
         """The reply's end, once, however it ended (its word, a failure, its deadline)."""
         with session.cond:
-            if ended:
+            if ended.is_set():
                 return
-            ended.append(transfer)
+            ended.set()
             snapshot.readers -= 1
             member.replying = False
             member.awaiting = None
@@ -167,9 +168,7 @@ def _reply_by_word(session: Session, pool: SnapshotPool, member: Member) -> None
 
     def failed(error: BaseException, elapsed: float) -> BaseException:
         rewritten = drop(error, elapsed)
-        end(
-            transfer
-        )  # (a segment's copy is stamped: a failed one is never published, nothing to replace)
+        end()  # (a segment's copy is stamped: a failed one is never published: nothing to replace)
         return rewritten
 
     transfer = Transfer(
@@ -182,8 +181,11 @@ def _reply_by_word(session: Session, pool: SnapshotPool, member: Member) -> None
         raise_first=False,
         what=f"version {version} to {member.who}",
     )
-    transfer.add_done_callback(lambda _: end(transfer))
-    member.sending, member.awaiting = transfer, version
+    transfer.add_done_callback(lambda _: end())
+    member.sending = transfer
+    if transfer.settled:  # (its header could not be posted: the link is gone, and the reply ended)
+        return
+    member.awaiting = version
     if member.failed:  # (its listener found it dead first)
         transfer.abort(PeerError(member.why or f"{member.who} is gone"))
 
