@@ -17,8 +17,8 @@ and transfers, from rank 0 to rank 1:
 
 One line per mode is printed (on stderr) as it completes, then an nccl-tests
 style table (on stdout): the receiver's median time per transfer, GB/s
-(1 GB = 1e9 B), the ratio to stock (same mode, or its stock counterpart) and to
-raw (the flat buffer), and ``check``: whether the values arrived intact, as
+(1 GB = 1e9 B), the ratio to stock's fastest mode in the case (its best for the
+same data: ``consolidated`` here, never a slower one) and to raw (the flat buffer), and ``check``: whether the values arrived intact, as
 checked after the timed iterations. ``--rounds R`` repeats the whole list of
 modes R times, alternating them, and reports medians over all rounds.
 
