@@ -318,6 +318,19 @@ def test_a_tune_file_an_unprivileged_process_cannot_reach_means_defaults(tmp_pat
         "127.0.0.1", 0, 3, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
     )
     drop = [SETPRIV, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+    reach = subprocess.run(
+        [*drop, sys.executable, "-c", "import torch, cudarecv"],
+        env=environ,
+        cwd="/",
+        capture_output=True,
+        text=True,
+        timeout=HANG,
+    )
+    if reach.returncode != 0:  # (a checkout under a 0700 directory, e.g. one made by mktemp -d)
+        pytest.skip(
+            f"nobody cannot import torch and cudarecv from {sys.executable}: a directory above the "
+            f"checkout or its venv is not searchable ({reach.stderr.strip().splitlines()[-1:]})"
+        )
     ranks = [
         subprocess.Popen(
             [*drop, sys.executable, "-c", UNPRIVILEGED_RANK, str(rank), str(store.port)],
