@@ -154,13 +154,17 @@ def _reply_by_word(session: Session, pool: SnapshotPool, member: Member) -> None
     drop = dropping(session, pool, member, version, session.timeout, told=False)
     ended = threading.Event()
 
-    def end() -> None:
+    def end(failure: bool) -> None:
         """The reply's end, once, however it ended (its word, a failure, its deadline)."""
         with session.cond:
             if ended.is_set():
                 return
             ended.set()
             snapshot.readers -= 1
+            if failure and not member.transport.stamped:
+                # (CUDA IPC: the receiver's copy may still read the buffer: never write it again; a copy out of a
+                # stamped segment that a newer write overtakes is never published, so the segment is reused)
+                pool.replace(snapshot)
             member.replying = False
             member.awaiting = None
             serve(session, pool, member)  # it may have asked again meanwhile
@@ -168,7 +172,7 @@ def _reply_by_word(session: Session, pool: SnapshotPool, member: Member) -> None
 
     def failed(error: BaseException, elapsed: float) -> BaseException:
         rewritten = drop(error, elapsed)
-        end()  # (a segment's copy is stamped: a failed one is never published: nothing to replace)
+        end(True)
         return rewritten
 
     transfer = Transfer(
@@ -181,7 +185,7 @@ def _reply_by_word(session: Session, pool: SnapshotPool, member: Member) -> None
         raise_first=False,
         what=f"version {version} to {member.who}",
     )
-    transfer.add_done_callback(lambda _: end())
+    transfer.add_done_callback(lambda _: end(transfer.failed))
     member.sending = transfer
     if transfer.settled:  # (its header could not be posted: the link is gone, and the reply ended)
         return
