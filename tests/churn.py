@@ -16,6 +16,7 @@ import random
 import signal
 import socket
 import threading
+import time
 from typing import Any
 
 import torch
@@ -162,6 +163,19 @@ class Fleet:
                 f"actor {index} pulled no version within {WAIT:g} s (its exit code: "
                 f"{None if process is None else process.exitcode}; its stats: {stats})"
             ) from error
+
+    def pulled_beyond(self, index: int, version: int) -> None:
+        """Until actor ``index`` pulled a version above ``version`` (bounded by :data:`WAIT` in all): a pull that
+        ends after a ping may still bring an older sender's last reply, sent before it died."""
+        deadline = time.monotonic() + WAIT
+        while True:
+            self.pulled(index, self.ping(index))
+            if json.loads(self.store.get(f"churn/{index}/stats"))["last"] > version:
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"actor {index} pulled nothing above version {version} within {WAIT:g} s"
+                )
 
     def start(self) -> None:
         index = self.count = self.count + 1

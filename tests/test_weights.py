@@ -239,12 +239,16 @@ def dying_sender(rank, world, group, timeout, transport):
             post, posted = staging.Lane.post, []
 
             def post_then_die(lane, sending, tensors, tags):
-                works = post(lane, sending, tensors, tags)
-                posted.extend(t for t in tensors if sending and t.numel() == 1 << 20)
-                if len(posted) >= 8:
-                    os.kill(
-                        os.getpid(), signal.SIGKILL
-                    )  # the trainer is killed with 8 of the push's 128 chunks posted
+                # one message at a time: the trainer is killed with 8 of the push's 128 chunks posted, never more
+                # (posted all at once, then killed, gloo's thread could send all 128 first on a loaded machine,
+                # and the receiver got the version whole: seen once in a CI run)
+                works = []
+                for tensor, tag in zip(tensors, tags):
+                    works += post(lane, sending, [tensor], [tag])
+                    if sending and tensor.numel() == 1 << 20:
+                        posted.append(tensor)
+                        if len(posted) >= 8:
+                            os.kill(os.getpid(), signal.SIGKILL)
                 return works
 
             staging.Lane.post = post_then_die

@@ -112,7 +112,13 @@ class Deadlines:
             while not self._stopped:
                 if not self._watched:
                     self._heap.clear()  # (entries of ended or collected transfers only)
-                    if self._sleep(self.linger) or self._watched or self._stopped:
+                    kept = self._count
+                    if (
+                        self._sleep(self.linger)
+                        or self._watched
+                        or self._stopped
+                        or self._count != kept  # (one kept and ended meanwhile, unwoken: not idle)
+                    ):
                         continue  # (told: a deadline kept, or stopped; a spurious wake-up waits again)
                     break
                 if not self._heap:
