@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import contextlib
 import math
-import threading
 
 from ..core.errors import OutOfStepError, PeerError
 from ..core.log import logger
 from ..core.shutdown import start_thread
-from ..core.transfer import Transfer, here, run_standing
+from ..core.transfer import Transfer, run_standing
 from ..wire.control import read_bytes
 from .fanout import dropping, out_of_step, send
 from .link import naming, run, send_bytes
@@ -118,7 +117,7 @@ def _answered(session: Session, member: Member, version: int | None) -> None:
         if sending is None or awaiting is None or (version is not None and version < awaiting):
             return
         member.awaiting = None
-    sending.settle()  # (never raises: the transfer keeps its error; a reply's hook ends the reply)
+    sending.settle()  # (never raises: the transfer keeps its error)
 
 
 def serve(session: Session, pool: SnapshotPool, member: Member) -> None:
@@ -134,68 +133,11 @@ def serve(session: Session, pool: SnapshotPool, member: Member) -> None:
         and not session.closed
     ):
         member.replying = True
-        transport = member.transport
-        if transport.header_only and transport.carries(latest) and not member.lane.nccl:
-            _reply_by_word(session, pool, member)
-        else:
-            member.driver.submit(lambda: _reply(session, pool, member))
-
-
-def _reply_by_word(session: Session, pool: SnapshotPool, member: Member) -> None:
-    """Latest mode, under the lock: send ``member`` the newest snapshot where it lies (its header alone, posted
-    now, on this thread); its listener ends the reply as its word comes (:func:`_answered`), its deadline if none
-    comes. No thread is handed the reply: each hand-off is a wake-up in the trainer's process, while it trains."""
-    snapshot = pool.latest
-    # (a reply is started only once a version is published, and a newer one replaces it)
-    assert snapshot is not None and snapshot.header is not None
-    snapshot.readers += 1
-    member.asked = None
-    version = snapshot.header.version
-    drop = dropping(session, pool, member, version, session.timeout, told=False)
-    ended = threading.Event()
-
-    def end(failure: bool) -> None:
-        """The reply's end, once, however it ended (its word, a failure, its deadline)."""
-        with session.cond:
-            if ended.is_set():
-                return
-            ended.set()
-            snapshot.readers -= 1
-            if failure and not member.transport.stamped:
-                # (CUDA IPC: the receiver's copy may still read the buffer: never write it again; a copy out of a
-                # stamped segment that a newer write overtakes is never published, so the segment is reused)
-                pool.replace(snapshot)
-            member.replying = False
-            member.awaiting = None
-            serve(session, pool, member)  # it may have asked again meanwhile
-            session.cond.notify_all()
-
-    def failed(error: BaseException, elapsed: float) -> BaseException:
-        rewritten = drop(error, elapsed)
-        end(True)
-        return rewritten
-
-    transfer = Transfer(
-        send(session, member, snapshot, session.timeout),
-        member.lane.stream,
-        timeout=session.timeout,
-        driver=here,  # (driven by its listener, on the word)
-        link=member.lane.link,
-        on_error=failed,
-        raise_first=False,
-        what=f"version {version} to {member.who}",
-    )
-    transfer.add_done_callback(lambda _: end(transfer.failed))
-    member.sending = transfer
-    if transfer.settled:  # (its header could not be posted: the link is gone, and the reply ended)
-        return
-    member.awaiting = version
-    if member.failed:  # (its listener found it dead first)
-        transfer.abort(PeerError(member.why or f"{member.who} is gone"))
+        member.driver.submit(lambda: _reply(session, pool, member))
 
 
 def _reply(session: Session, pool: SnapshotPool, member: Member) -> None:
-    """Latest mode, on the receiver's driver: send it the newest snapshot (a payload on the wire)."""
+    """Latest mode, on the receiver's driver: send it the newest snapshot."""
     with session.cond:
         snapshot = pool.latest
         # (a reply is started only once a version is published, and a newer one replaces it)
@@ -203,7 +145,7 @@ def _reply(session: Session, pool: SnapshotPool, member: Member) -> None:
         snapshot.readers += 1
         member.asked = None
     version = snapshot.header.version
-    transfer = Transfer(  # (on a thread of its own: a wait in gloo past the deadline may keep it)
+    transfer = Transfer(
         send(session, member, snapshot, session.timeout),
         member.lane.stream,
         timeout=session.timeout,
