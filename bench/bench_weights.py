@@ -186,18 +186,23 @@ def test_weight_sync(benchmark, transfer_cluster, transfer_targets, size, impl, 
                 f"{med['flat recv'] / med[m]:.2f}x ({med[m] * 1e3:.1f} ms, "
                 f"{total / med[m] / 1e9:.2f} GB/s)"
             )
-    result = _RESULTS[size]
+    _report(benchmark, _RESULTS[size], f"weight sync {size}", impl, mode, total, 100)
+
+
+def _report(
+    benchmark, result: dict, case: str, impl: str, mode: str, total: int, leaves: int
+) -> None:
+    """One mode's row of a side-by-side run: its extra_info, its rounds replayed, its check asserted."""
     ok = result["checks"][mode]
     benchmark.extra_info.update(
-        case=f"weight sync {size}",
+        case=case,
         impl=impl,
         mode=mode,
         bytes=total,
-        leaves=100,
+        leaves=leaves,
         backend="gloo",
         suite_rounds=len(result["seconds"][mode]),
         ok=ok,
-        stock_mode="init_remote + consolidated",
         transport=result["transports"].get(mode, "wire"),
     )
     tb.replay(benchmark, CLOCK, result["seconds"][mode])
@@ -242,21 +247,7 @@ def test_weight_sync_sweep(benchmark, transfer_cluster, transfer_targets, case, 
                 f"weights {case}: cudarecv {m} takes {med[m] / med[best]:.2f}x the time of stock's best, "
                 f"{best} (target <= 0.9x; {med[m] * 1e3:.2f} ms vs {med[best] * 1e3:.2f} ms)"
             )
-    result = _SWEPT[case]
-    ok = result["checks"][mode]
-    benchmark.extra_info.update(
-        case=f"weight sync {case}",
-        impl=impl,
-        mode=mode,
-        bytes=total,
-        leaves=leaves,
-        backend="gloo",
-        suite_rounds=len(result["seconds"][mode]),
-        ok=ok,
-        transport=result["transports"].get(mode, "wire"),
-    )
-    tb.replay(benchmark, CLOCK, result["seconds"][mode])
-    assert ok, f"{mode}: the receiver holds wrong values"
+    _report(benchmark, _SWEPT[case], f"weight sync {case}", impl, mode, total, leaves)
 
 
 # -- three receivers on this host: push-to-pull latency against one memcpy of the model ------------------
