@@ -278,6 +278,8 @@ def stopped_receiver(rank, world, group, transport, key):
                     failures.append(
                         (version, type(error).__name__, str(error), time.monotonic() - started)
                     )
+                if version == 1:
+                    signals.set(f"{key}_took_1", "1")
             os.kill(pid, signal.SIGCONT)
             return failures, (sender.ranks, sender.dropped)
     # ranks 1 and 3 outwait the sender's 5 s on rank 2; rank 2's close waits its whole timeout for an answer to its
@@ -289,6 +291,9 @@ def stopped_receiver(rank, world, group, transport, key):
             return _pull_all(receiver, STEPS)
         receiver.pull()
         pull = receiver.pull(wait=False)
+        # stopped only once the sender has its word for version 1: gloo writes a small send when the peer's
+        # "ready" arrives, on a thread that SIGSTOP would freeze too (the CI of stop 49's fix lost that race)
+        signals.wait([f"{key}_took_1"])
         signals.set(f"{key}_pid", str(os.getpid()))
         os.kill(os.getpid(), signal.SIGSTOP)  # (until the sender's SIGCONT)
         got = []
