@@ -10,7 +10,7 @@ import math
 from ..core.errors import OutOfStepError, PeerError
 from ..core.log import logger
 from ..core.shutdown import start_thread
-from ..core.transfer import Transfer, run_standing
+from ..core.transfer import Transfer, here, run_standing
 from ..wire.control import read_bytes
 from .fanout import dropping, out_of_step, send
 from .link import naming, run, send_bytes
@@ -145,10 +145,14 @@ def _reply(session: Session, pool: SnapshotPool, member: Member) -> None:
         snapshot.readers += 1
         member.asked = None
     version = snapshot.header.version
+    # a header alone (a receiver reading the snapshot where it lies, then its word: a bounded wait) is driven here,
+    # on the receiver's thread; a payload on its own thread, which a wait in gloo past the deadline may keep
+    header_only = member.transport.header_only and member.transport.carries(snapshot)
     transfer = Transfer(
         send(session, member, snapshot, session.timeout),
         member.lane.stream,
         timeout=session.timeout,
+        driver=here if header_only and not member.lane.nccl else None,
         link=member.lane.link,
         on_error=dropping(session, pool, member, version, session.timeout, told=False),
         raise_first=False,
@@ -159,6 +163,8 @@ def _reply(session: Session, pool: SnapshotPool, member: Member) -> None:
         gone = member.why if member.failed else None  # (its listener found it dead first)
     if gone is not None:
         transfer.abort(PeerError(gone))
+    if header_only and not member.lane.nccl:
+        transfer.settle()  # (never raises: a failure is the transfer's, and drops the receiver)
     with contextlib.suppress(Exception):  # a failure drops the receiver (its hook)
         transfer.wait()
     with session.cond:
