@@ -270,6 +270,11 @@ def test_relay_messages_roundtrip_and_corruption():
     assert wire.read_trailer(wire.trailer_message(8)) == (wire.INTACT, 8, -1)
     ask = wire.ask_message(wire.GOT, 5, wire.LOST, 2)
     assert wire.read_ask(ask) == wire.Ask(wire.GOT, 5, wire.LOST, 2)
+    # a zero-copy receiver's word on version 6 says it let go of version 5's snapshot with it; no other word may
+    freeing = wire.ask_message(wire.GOT, 6, freed=5)
+    assert wire.read_ask(freeing) == wire.Ask(wire.GOT, 6, wire.LANDED, -1, freed=5)
+    with pytest.raises(cudarecv.OutOfStepError, match="freed 5"):
+        wire.read_ask(wire.ask_message(wire.ASK, 6, freed=5))
     header = wire.PushHeader(4, 1024, 256, bytes(16), relayed=True, up=1, down=3)
     assert wire.PushHeader.unpack(header.pack()) == header
     for message, read in (

@@ -144,11 +144,14 @@ class Inbox:
         """Whether this call is the one to send BYE (once: not after the sender's CLOSED, which it answered)."""
         return self.farewell.move_if(Farewell.BYE_SAID, frm={Farewell.OPEN})
 
-    def tell(self, header: PushHeader, status: Got) -> None:
+    def tell(self, header: PushHeader, status: Got, freed: int = 0) -> None:
         """Relay fan-out or shared memory: tell the sender what became of the push (its blocking push waits for
-        every word; a shared snapshot is not written again before it)."""
+        every word; a shared snapshot is not written again before it). ``freed`` (zero-copy): the version whose
+        snapshot this receiver let go of as it published this one, said with that word (or alone, without one)."""
         if header.relayed or header.shared:
-            self.answered = self.asks.post(ask_message(GOT, header.version, status))
+            self.answered = self.asks.post(ask_message(GOT, header.version, status, freed=freed))
+        elif freed:
+            self.freed(freed)
 
     def freed(self, version: int) -> None:
         """(Zero-copy:) this receiver no longer reads the snapshot of ``version``."""

@@ -261,9 +261,9 @@ class Puller:
                     f"version {header.version} arrived corrupted (BLAKE3 {got.hex()} != "
                     f"{header.checksum.hex()}): rejected; version {self.version} stays published"
                 )
-        self.slots.publish(slot, header.version)
+        freed = self.slots.publish(slot, header.version, tell=False)
         self.version = header.version
-        inbox.tell(header, LANDED)
+        inbox.tell(header, LANDED, freed)
         return header.version
 
     def _take_shared(self, header: PushHeader, slot: Slot, problem: str | None) -> Protocol:

@@ -54,19 +54,22 @@ def _listen(session: Session, pool: SnapshotPool, member: Member) -> None:
             if (
                 (kind == ASK and session.mode != "latest")
                 or (kind == GOT and session.fanout == "star" and not member.transport.header_only)
-                or (kind == FREED and not member.alias)
+                or ((kind == FREED or ask.freed) and not member.alias)
             ):
                 raise OutOfStepError(
                     f"the receiver sent a message this {session.mode} {session.fanout} sender "
                     "never asks for: out of step"
                 )
-            if kind == FREED:
+            # a zero-copy receiver let go of a snapshot: FREED, or said with its GOT on the version it published
+            freed = version if kind == FREED else ask.freed
+            if freed:
                 with session.cond:
-                    if not pool.let_go(member, version):
+                    if not pool.let_go(member, freed):
                         raise OutOfStepError(
-                            f"the receiver let go of version {version}, which it does not "
+                            f"the receiver let go of version {freed}, which it does not "
                             "hold: out of step"
                         )
+            if kind == FREED:
                 continue
         except Exception as error:  # noqa: BLE001 - a dead or lying receiver is dropped
             with session.cond:

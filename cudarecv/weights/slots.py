@@ -210,26 +210,32 @@ class Slots:
         if old.placed and self._retire is not None:
             self._retire(index)
 
-    def publish(self, slot: Slot, version: int) -> None:
+    def publish(self, slot: Slot, version: int, tell: bool = True) -> int:
         """Make ``slot`` the published version; a zero-copy snapshot published before is let go of (the sender
-        may write it again) unless a reader still holds it (then once the last one leaves)."""
+        may write it again) unless a reader still holds it (then once the last one leaves). Returns the version
+        of the snapshot let go of now (0: none); ``tell=False``: the caller tells the sender (with its word on
+        the new version), else it is told here."""
         with self.cond:
             previous, self.published = self.published, slot
             slot.version = version
+            freed = 0
             if (
                 previous is not None
                 and previous is not slot
                 and previous.alias
                 and previous.readers == 0
             ):
-                self._free(previous)
+                freed = self._free(previous, tell)
             self.cond.notify_all()
+        return freed
 
-    def _free(self, alias: Slot) -> None:
-        """Under the lock: tell the sender that this receiver no longer reads ``alias`` (its snapshot)."""
+    def _free(self, alias: Slot, tell: bool = True) -> int:
+        """Under the lock: this receiver no longer reads ``alias`` (its snapshot); tell the sender (``tell``), and
+        return its version (0: it held none)."""
         version, alias.version = alias.version, None
-        if version is not None:
+        if version is not None and tell:
             self._freed(version)
+        return version or 0
 
     def keep_own_copy(self, busy: bool) -> None:
         """Zero-copy, on close: copy the published version out of the sender's snapshot into an own slot and let

@@ -191,7 +191,7 @@ def hop_limit(timeout: float, hop: int) -> float:
 
 
 # -- the receiver's messages -----------------------------------------------------------
-ASK_RECORD = Record("receiver message", b"CDRA", "IQii", size=32)
+ASK_RECORD = Record("receiver message", b"CDRA", "IQiiQ", size=40)
 ASK_SIZE = ASK_RECORD.size
 
 
@@ -225,24 +225,30 @@ class Ask:
     version: int = 0
     status: Got = LANDED
     rank: int = -1
+    #: a ``GOT``'s zero-copy receiver let go of the snapshot of this version with it (0: of none), as a ``FREED``
+    #: before it would say: one message, one wake-up of the sender's listener, instead of two
+    freed: int = 0
 
 
-def ask_message(kind: AskKind, version: int = 0, status: Got = LANDED, rank: int = -1) -> bytes:
+def ask_message(
+    kind: AskKind, version: int = 0, status: Got = LANDED, rank: int = -1, freed: int = 0
+) -> bytes:
     """``ASK`` for a version newer than ``version`` (latest mode), ``BYE`` (the receiver closes),
     ``GOT`` (relay fan-out, shared memory: ``version`` landed, was rejected, or was lost because ``rank``
-    upstream failed) or ``FREED`` (a zero-copy receiver let go of the shared snapshot of ``version``)."""
-    return ASK_RECORD.pack(kind, version, status, rank)
+    upstream failed; ``freed``: and the receiver let go of the shared snapshot of that version) or ``FREED`` (a
+    zero-copy receiver let go of the shared snapshot of ``version``)."""
+    return ASK_RECORD.pack(kind, version, status, rank, freed)
 
 
 def read_ask(raw: bytes) -> Ask:
     """The :class:`Ask` of a receiver's message; raises :class:`OutOfStepError` if it is none."""
-    kind, version, status, rank = ASK_RECORD.unpack(raw)
-    if kind not in iter(AskKind) or status not in iter(Got):
+    kind, version, status, rank, freed = ASK_RECORD.unpack(raw)
+    if kind not in iter(AskKind) or status not in iter(Got) or (freed and kind != GOT):
         raise OutOfStepError(
-            f"a receiver message of kind {kind}, status {status} is no cudarecv ask: "
+            f"a receiver message of kind {kind}, status {status}, freed {freed} is no cudarecv ask: "
             "the link is out of step"
         )
-    return Ask(AskKind(kind), version, Got(status), rank)
+    return Ask(AskKind(kind), version, Got(status), rank, freed)
 
 
 # -- relay fan-out: what follows a push's chunks on each hop ---------------------------
