@@ -101,7 +101,7 @@ def test_pack_unpack_roundtrip_any_piece_size():
         p_src, p_dst = plan_for(src), plan_for(dst)
         n = len(p_src.pieces(piece))
         assert n == -(-p_src.total // piece)
-        p_src.pack("cpu")
+        p_src.pack(piece, "cpu")
         p_dst.staging("cpu").copy_(p_src.staging("cpu"))
         for i in range(n):
             p_dst.unpack(piece, i)

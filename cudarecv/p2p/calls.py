@@ -205,7 +205,7 @@ def _begin_send(
 
             def pack() -> None:
                 with lane.on_stream():
-                    plan.pack(place)
+                    plan.pack(bucket_bytes, place)
                 if lane.stream is not None and not lane.nccl:
                     lane.stream.synchronize()  # gloo sends the page-locked copy: it must have landed
 

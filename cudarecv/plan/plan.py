@@ -166,16 +166,21 @@ class Plan:
         """The staging buffer cut into messages of at most ``bucket_bytes`` bytes (cached)."""
         return self._bucket_layout(bucket_bytes, place).pieces
 
-    def pack(self, place: str = "cpu") -> None:
-        """Copy every leaf into the staging buffer on ``place``, in one op.
+    def pack(self, bucket_bytes: int, place: str = "cpu") -> None:
+        """Copy every leaf into the staging buffer on ``place`` (cut into messages of ``bucket_bytes``), in one
+        op: in host memory one native call for every leaf (2000 x 8 KiB: 0.99 ms, a ``cat`` 1.73 ms).
 
         (Packing message by message while earlier ones travel loses on gloo,
-        whose sends write to the socket from the caller's thread.) Off the CPU the
+        whose sends write to the socket from the caller's thread: measured again
+        2026-12-06, 11.7-13.1 ms against 11.3 ms for 2000 x 8 KiB.) Off the CPU the
         copies are queued on the current stream.
         """
         if not self.tensors:
             return
-        if place == "cpu" and self.device.type == "cpu":
+        layout = self._bucket_layout(bucket_bytes, place)
+        if layout.host:
+            layout.packs.run(0, layout.bounds[-1])
+        elif place == "cpu" and self.device.type == "cpu":
             torch.cat(self.byte_views, out=self.staging(place))
         else:
             torch._foreach_copy_(self.staging_parts(place), self.byte_views, non_blocking=True)
