@@ -225,8 +225,8 @@ class Ask:
     version: int = 0
     status: Got = LANDED
     rank: int = -1
-    #: a ``GOT``'s zero-copy receiver let go of the snapshot of this version with it (0: of none), as a ``FREED``
-    #: before it would say: one message, one wake-up of the sender's listener, instead of two
+    #: on a ``GOT``: the version whose snapshot the (zero-copy) receiver let go of as it published this one (0:
+    #: none), what a ``FREED`` before the ``GOT`` would say: one message and one wake-up of the sender's listener
     freed: int = 0
 
 
