@@ -180,9 +180,7 @@ class Plan:
         layout = self._bucket_layout(bucket_bytes, place)
         if layout.host:
             layout.packs.run(0, layout.bounds[-1])
-        elif place == "cpu" and self.device.type == "cpu":
-            torch.cat(self.byte_views, out=self.staging(place))
-        else:
+        else:  # (off the CPU; or no byte to pack)
             torch._foreach_copy_(self.staging_parts(place), self.byte_views, non_blocking=True)
 
     def pack_piece(self, bucket_bytes: int, index: int, place: str) -> None:

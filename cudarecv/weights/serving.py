@@ -150,12 +150,14 @@ def _reply(session: Session, pool: SnapshotPool, member: Member) -> None:
     version = snapshot.header.version
     # a header alone (a receiver reading the snapshot where it lies, then its word: a bounded wait) is driven here,
     # on the receiver's thread; a payload on its own thread, which a wait in gloo past the deadline may keep
-    header_only = member.transport.header_only and member.transport.carries(snapshot)
+    driven_here = (
+        member.transport.header_only and member.transport.carries(snapshot) and not member.lane.nccl
+    )
     transfer = Transfer(
         send(session, member, snapshot, session.timeout),
         member.lane.stream,
         timeout=session.timeout,
-        driver=here if header_only and not member.lane.nccl else None,
+        driver=here if driven_here else None,
         link=member.lane.link,
         on_error=dropping(session, pool, member, version, session.timeout, told=False),
         raise_first=False,
@@ -166,7 +168,7 @@ def _reply(session: Session, pool: SnapshotPool, member: Member) -> None:
         gone = member.why if member.failed else None  # (its listener found it dead first)
     if gone is not None:
         transfer.abort(PeerError(gone))
-    if header_only and not member.lane.nccl:
+    if driven_here:
         transfer.settle()  # (never raises: a failure is the transfer's, and drops the receiver)
     with contextlib.suppress(Exception):  # a failure drops the receiver (its hook)
         transfer.wait()
