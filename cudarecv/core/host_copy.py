@@ -56,6 +56,12 @@ _LIB, WHY_NOT_NATIVE = _load()
 NATIVE = _LIB is not None  # whether the native copies were built
 
 
+def library() -> ctypes.CDLL | None:
+    """The native library (None: not built), for the other native pieces to declare their calls on
+    (:mod:`cudarecv.weights.delta`)."""
+    return _LIB
+
+
 def _native() -> ctypes.CDLL:
     """The native library, for the calls that need :data:`NATIVE` (their callers check it first)."""
     if _LIB is None:

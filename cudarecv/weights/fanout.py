@@ -71,16 +71,27 @@ def protocol(
 
 def send(session: Session, member: Member, snapshot: Snapshot, timeout: float) -> Protocol:
     """Star: what the receiver's transport sends (the header and the payload on the wire, or, a receiver reading
-    the snapshot where it lies, the header alone); then, header alone, the receiver's word: it copied the version
-    out, or (zero-copy) published it where it lies and holds it until FREED."""
+    the snapshot where it lies, the header alone; delta: on the wire, the snapshot's patch if the receiver holds
+    its base); then, header alone or delta, the receiver's word: it copied the version out, or (zero-copy)
+    published it where it lies and holds it until FREED; delta: which version it holds now."""
     transport = member.transport if member.transport.carries(snapshot) else WIRE
     version = snapshot.pushed.version
     if transport.header_only and member.alias:
         with session.cond:
             snapshot.holders += 1
             member.holding[version] = snapshot
-    head = yield from transport.push(member.lane, snapshot, session.tags)
-    if transport.header_only:
+    patch = snapshot.patch if not transport.header_only else None
+    if patch is not None and member.held != patch.base:
+        patch = None  # (it holds another version, or none known: the version whole)
+    member.payload = (
+        patch.storage.numel()
+        if patch is not None
+        else 0
+        if transport.header_only
+        else snapshot.storage.numel()
+    )
+    head = yield from transport.push(member.lane, snapshot, session.tags, patch)
+    if transport.header_only or session.delta:
         yield from _confirmed(session, member, version, timeout, head or [])
 
 

@@ -145,10 +145,10 @@ class Inbox:
         return self.farewell.move_if(Farewell.BYE_SAID, frm={Farewell.OPEN})
 
     def tell(self, header: PushHeader, status: Got, freed: int = 0) -> None:
-        """Relay fan-out or shared memory: tell the sender what became of the push (its blocking push waits for
+        """Relay fan-out, shared memory or delta (a header that asks for it): tell the sender what became of the push (its blocking push waits for
         every word; a shared snapshot is not written again before it). ``freed`` (zero-copy): the version whose
         snapshot this receiver let go of as it published this one, said with that word (or alone, without one)."""
-        if header.relayed or header.shared:
+        if header.relayed or header.shared or header.ack:
             self.answered = self.asks.post(ask_message(GOT, header.version, status, freed=freed))
         elif freed:
             self.freed(freed)

@@ -54,7 +54,7 @@ def check_options(**options: Any) -> dict[str, Any]:
     """Check weight-sync keyword arguments without building a sender or receiver; return them normalized.
 
     Names: any ending in ``timeout`` (seconds), ``bucket_bytes``, ``transport``, ``mode`` (with ``buffers``
-    and ``fanout``), and the flags ``verify`` and ``zero_copy``. Raises :class:`ArgumentError` naming the
+    and ``fanout``), and the flags ``verify``, ``zero_copy`` and ``delta``. Raises :class:`ArgumentError` naming the
     argument and the fix, or one that is none of these.
 
     Example:
@@ -70,12 +70,12 @@ def check_options(**options: Any) -> dict[str, Any]:
             out[name] = value
         elif name == "transport":
             out[name] = check_transport(value)
-        elif name in ("verify", "zero_copy"):
+        elif name in ("verify", "zero_copy", "delta"):
             out[name] = check_flag(value, name)
         elif name not in ("mode", "buffers", "fanout"):
             raise ArgumentError(
                 f"`{name}` is no weight-sync option (timeouts, bucket_bytes, transport, mode, "
-                "buffers, fanout, verify, zero_copy)"
+                "buffers, fanout, verify, zero_copy, delta)"
             )
     if {"mode", "buffers", "fanout"} & set(options):
         check_mode(
@@ -92,10 +92,23 @@ def check_sender(
     mode: object,
     buffers: object,
     fanout: object,
+    delta: object = False,
 ) -> float:
     """A weight sender's options checked together, before it resolves any link: its timeout, in seconds."""
-    checked = check_options(timeout=timeout, transport=transport, bucket_bytes=bucket_bytes)
+    checked = check_options(
+        timeout=timeout, transport=transport, bucket_bytes=bucket_bytes, delta=delta
+    )
     check_mode(mode, buffers, fanout)
+    if delta and mode != "sync":
+        raise ArgumentError(
+            "`delta=True` is for mode='sync' in this version: each receiver of a latest-mode sender "
+            "holds a version of its own; drop `delta` or use mode='sync'"
+        )
+    if delta and fanout == "relay":
+        raise ArgumentError(
+            "`delta=True` sends each receiver its patch by the star in this version (a patch is a few "
+            "percent of the version, so the star's K copies cost little): use fanout='star' or 'auto'"
+        )
     return float(checked["timeout"])
 
 

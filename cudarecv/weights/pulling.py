@@ -31,8 +31,10 @@ from ..core.errors import (
 from ..core.link import Link
 from ..core.protocol import Protocol, StartClock
 from ..core.transfer import Transfer
+from ..plan.header import cut, piece_sizes
 from ..wire.control import wire_bytes
 from ..wire.staging import Lane, drain, recv_into, send_from
+from .delta import PatchError, Patches
 from .inbox import Inbox
 from .link import link_error
 from .relay import Hop, Relaying
@@ -71,6 +73,10 @@ class Puller:
         self.transport, self.driver = transport, driver
         self.version = 0
         self.broken: str | None = None  # why this receiver takes no more pulls
+        #: delta: where patches land and how they apply (its buffer allocated at the first patch)
+        self.patches = Patches(
+            schema, device, slots.own[0].storage.is_pinned() if slots.own else False
+        )
 
     @property
     def lane(self) -> Lane:
@@ -208,11 +214,19 @@ class Puller:
         # a version is arriving: it must land within the pull's timeout (a relay's hop: the time its header gives)
         yield [StartClock(header.wait_ms / 1e3 if header.relayed else timeout)]
         total, bucket_bytes = self.schema.total, self.bucket_bytes
-        # never sized from the header
+        # never sized from the header (a patch: at most the version's bytes)
         if (header.total, header.bucket_bytes) != (total, bucket_bytes):
             raise OutOfStepError(
                 f"a push of {header.total} bytes in {header.bucket_bytes}-byte messages does not match the handshake "
                 f"({total} bytes in {bucket_bytes}-byte messages): not drained, the link is out of step"
+            )
+        if header.patch and (
+            header.patch >= total or header.relayed or header.shared or self.schema.leafwise
+        ):
+            raise OutOfStepError(
+                f"a patch of {header.patch} bytes for a version of {total} (relayed: {header.relayed}, shared: "
+                f"{header.shared}, leafwise: {self.schema.leafwise}) is none this receiver takes: not drained, the "
+                "link is out of step"
             )
         problem = None
         if header.fingerprint != self.schema.fingerprint:
@@ -229,6 +243,11 @@ class Puller:
                 else f"version {header.version} is not newer than {asked}, asked for, or older than the current "
                 f"{self.version}"
             )
+        elif header.patch and header.base != self.version:
+            problem = (
+                f"a patch against version {header.base} came, but this receiver holds version {self.version} "
+                "(the sender sends the next version whole)"
+            )
         if header.shared:
             slot = yield from self._take_shared(header, slot, problem)
         elif header.relayed:
@@ -236,7 +255,16 @@ class Puller:
                 header, slot, index, self.version
             )  # forwarded, published or not
         elif problem:
-            yield from drain(lane, self.schema.message_sizes(bucket_bytes), inbox.tags.payload)
+            sizes = (
+                piece_sizes(header.patch, bucket_bytes)
+                if header.patch
+                else self.schema.message_sizes(bucket_bytes)
+            )
+            yield from drain(lane, sizes, inbox.tags.payload)
+        elif header.patch:
+            patch = self.patches.buffer(header.patch)
+            pieces = cut(patch, bucket_bytes)
+            yield from recv_into(lane, pieces, [inbox.tags.payload] * len(pieces))
         else:
             yield from recv_into(lane, slot.pieces, [inbox.tags.payload] * len(slot.pieces))
         if problem:
@@ -248,6 +276,17 @@ class Puller:
             yield [
                 streams.EventWork(streams.record(lane.stream))
             ]  # verify and publish landed bytes only
+        if (
+            header.patch
+        ):  # the held version, then what changed, into the spare slot (the published one untouched)
+            try:
+                self.patches.apply(patch, slot, self.slots.published, lane.stream)
+            except PatchError as error:
+                inbox.tell(header, REJECTED)
+                raise PatchError(
+                    f"version {header.version} did not apply as a patch of version {header.base}: {error}; "
+                    f"rejected, version {self.version} stays published"
+                ) from error
         if header.verify:
             with (
                 torch.cuda.stream(lane.stream)

@@ -66,6 +66,13 @@ class SyncPushes(Pushes):
         session, pool = self.session, self.pool
         target = pool.sync_target(timeout)
         pool.copy_in(plan, target, stream)
+        if (
+            session.delta
+        ):  # (a receiver reading the snapshot where it lies takes no patch: nothing to diff for it)
+            if any(not (m.transport.header_only and m.transport.carries(target)) for m in live):
+                pool.diff(target, stream)
+            else:
+                pool.forget_base()
         version, pushes = session.version, []
         with (
             session.cond

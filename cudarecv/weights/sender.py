@@ -95,6 +95,7 @@ class SessionSender:
         fanout: Fanout,
         transport: TransportPolicy,
         elastic: bool = False,
+        delta: bool = False,
     ) -> None:
         self._begin(
             td,
@@ -108,6 +109,7 @@ class SessionSender:
             fanout,
             transport,
             elastic,
+            delta,
         )
 
     def _begin(
@@ -123,6 +125,7 @@ class SessionSender:
         fanout: Fanout,
         transport: TransportPolicy,
         elastic: bool = False,
+        delta: bool = False,
     ) -> None:
         """What a sender is before any receiver: the weights' plan and schema, the session, the snapshots."""
         self._td: TensorDictBase | None = unwrap(td)  # (None once closed: let go of)
@@ -139,6 +142,12 @@ class SessionSender:
                 f"the schema of `td` takes {len(self._raw)} bytes of JSON, more than "
                 f"{MAX_SCHEMA_BYTES}: send fewer, larger leaves"
             )
+        if delta and self._leafwise:
+            raise ArgumentError(
+                "`delta=True` diffs a sender's whole storage: a sharded sender's pieces are not one (drop `delta`)"
+            )
+        if delta and fanout == "auto":  # (a patch goes by the star: see check_sender)
+            fanout = "star"
         # a relay moves chunks; "auto" may choose it after the handshake, so it chunks too when it may
         relaying = fanout == "relay" or (fanout == "auto" and mode == "sync")
         bucket_bytes = bucket_bytes or max(
@@ -170,6 +179,7 @@ class SessionSender:
             fanout,
             carrier,
             elastic=elastic,
+            delta=delta,
         )
         count = carrier.sync_snapshots if mode == "sync" else buffers
         self._pool = SnapshotPool(self._s, self._device, count)
@@ -202,6 +212,12 @@ class SessionSender:
         """What carries the pushes to each receiver still served: ``"shared memory"`` (a receiver on this
         machine mapping the sender's host snapshots), ``"cuda ipc"`` (its GPU snapshots) or ``"wire"``."""
         return {m.rank: m.transport.name for m in self._s.members if m.served}
+
+    @property
+    def payload_bytes(self) -> dict[int, int]:
+        """The bytes of the last push's payload to each receiver still served: the version's, a patch's (delta),
+        or 0 (a receiver reading the snapshot where it lies)."""
+        return {m.rank: m.payload for m in self._s.members if m.served}
 
     @property
     def ranks(self) -> list[int]:
@@ -389,6 +405,13 @@ class WeightSender(SessionSender):
             each forwarding the chunks it receives) or ``"auto"`` (relay when a receiver is on another host).
         transport: ``"auto"`` (receivers on this machine map the sender's snapshots: shared memory for host
             weights, CUDA IPC for GPU weights; a push then sends them only its header) or ``"wire"``.
+        delta: each push on the wire sends a receiver only the words that changed since the version it holds
+            (:mod:`~cudarecv.weights.delta`: a patch, chosen per 1 MiB block by size, applied in the receiver's
+            spare buffer and checked with ``verify``), or the version whole where that is smaller or the receiver
+            holds none (new, or after a failure). Sync mode, star fan-out (``"auto"`` picks it); receivers on
+            this machine read the snapshot where it lies and take no patch. The sender keeps two more copies of
+            the weights (the last version, and the buffer a patch is written in); each receiver one, at its first
+            patch.
 
     Construction performs the handshake with every receiver and raises if one rejects the schema
     (:class:`SchemaError`, naming it and the first differing key) or could not start (:class:`ReceiverFailed`).
@@ -418,8 +441,9 @@ class WeightSender(SessionSender):
         buffers: int | None = None,
         fanout: Fanout = "auto",
         transport: TransportPolicy = "auto",
+        delta: bool = False,
     ) -> None:
-        timeout = check_sender(timeout, bucket_bytes, transport, mode, buffers, fanout)
+        timeout = check_sender(timeout, bucket_bytes, transport, mode, buffers, fanout, delta)
         dsts, group_dsts = check_peers(dst, "dst"), check_peers(group_dst, "group_dst")
         if (dsts is None) == (group_dsts is None):
             raise ArgumentError(
@@ -453,10 +477,11 @@ class WeightSender(SessionSender):
             buffers=buffers or len(links) + 2,
             fanout=fanout,
             transport=transport,
+            delta=delta,
         )
         lanes = [lane_for(link, self._device, stream, streams.StagingPool()) for link in links]
         members = enrol(self._s, self._pool, lanes, self._raw, self._session_id)
-        if fanout == "auto":
+        if self._s.fanout == "auto":
             self._s.fanout = (
                 "relay" if mode == "sync" and any(m.host != host_id() for m in members) else "star"
             )

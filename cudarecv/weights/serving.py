@@ -53,7 +53,12 @@ def _listen(session: Session, pool: SnapshotPool, member: Member) -> None:
             kind, version = ask.kind, ask.version
             if (
                 (kind == ASK and session.mode != "latest")
-                or (kind == GOT and session.fanout == "star" and not member.transport.header_only)
+                or (
+                    kind == GOT
+                    and session.fanout == "star"
+                    and not member.transport.header_only
+                    and not session.delta
+                )
                 or ((kind == FREED or ask.freed) and not member.alias)
             ):
                 raise OutOfStepError(
@@ -99,6 +104,7 @@ def _listen(session: Session, pool: SnapshotPool, member: Member) -> None:
         if kind == GOT:
             with session.cond:
                 member.got = ask
+                member.held = version if ask.status == LANDED else None  # (delta: whole next time)
                 if (
                     ask.status != LANDED
                 ):  # a zero-copy receiver did not publish it: it holds nothing of it

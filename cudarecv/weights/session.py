@@ -89,8 +89,12 @@ class Member:
         #: latest mode: a reply to it is on its driver (one at a time; it may ask again meanwhile)
         self.replying = False
         self.listener: threading.Thread | None = None
-        #: relay, shared memory: the receiver's last word on a version (GOT)
+        #: relay, shared memory, delta: the receiver's last word on a version (GOT)
         self.got: Ask | None = None
+        #: delta: the version it said it published last (None: not known, its next push is whole)
+        self.held: int | None = None
+        #: the bytes of the last push's payload to it (a patch's, the version's; 0: a header alone)
+        self.payload = 0
         #: what carries its pushes: the session's transport if it took the offer (and no relay chain needs it on
         #: the wire), else the wire
         self.transport: Transport = WIRE
@@ -190,6 +194,8 @@ class Session:
     #: receivers join and leave through a store: a push never raises for one that failed (it is dropped and
     #: logged), and one with no receiver at all is no error
     elastic: bool = False
+    #: pushes on the wire send what changed since the version each receiver holds (:mod:`.delta`)
+    delta: bool = False
 
     def ranks(self) -> list[int]:
         """The ranks of the receivers still served."""

@@ -12,7 +12,9 @@ writable ones are kept: new ones are the sender's own, sent on the wire).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,12 +22,25 @@ import torch
 from ..core import streams
 from ..core.errors import UsageError, WaitTimeout
 from ..core.host_copy import CopyTable
+from ..plan.header import cut
+from .delta import encode, word_bytes
 from .schema import Schema
 from .session import Member, Session
 from .wire import PushHeader, checksum
 
 if TYPE_CHECKING:
     from ..plan.plan import Plan
+
+
+@dataclass(frozen=True)
+class Patch:
+    """Delta: what turns version ``base`` into a snapshot's version (:mod:`.delta`), as it is sent."""
+
+    base: int
+    #: its bytes, and the messages it is sent in
+    storage: torch.Tensor
+    chunks: list[torch.Tensor]
+    header: PushHeader
 
 
 class Snapshot:
@@ -51,6 +66,8 @@ class Snapshot:
         self.chunks = schema.cut(self.storage, bucket_bytes)  # the messages it is sent in
         self._whole = None if schema.leafwise else self.storage
         self.header: PushHeader | None = None
+        #: delta: the patch from the version pushed before it, if one is smaller than the version
+        self.patch: Patch | None = None
         self.readers = 0  # replies in flight that send from it
         self.writing = False
         self.holders = (
@@ -109,6 +126,8 @@ class SnapshotPool:
         self.torn = (
             False  # sync: a dropped receiver's send may still read the storage: use a new one
         )
+        #: delta: the version pushed last, to diff the next against (allocated at the first push that diffs)
+        self.base: Base | None = None
 
     def close_fds(self) -> None:
         """Every receiver that could map the segments has (or none will): nothing names them now."""
@@ -120,7 +139,7 @@ class SnapshotPool:
         return Snapshot(self.session.schema, self.session.bucket_bytes, self.device)
 
     def clear(self) -> None:
-        self.snapshots, self.latest, self.segments = [], None, []
+        self.snapshots, self.latest, self.segments, self.base = [], None, [], None
 
     # -- which snapshot a push writes -------------------------------------------------------------------
     def _wait(self, find: Callable[[], Snapshot | None], timeout: float) -> Snapshot | None:
@@ -261,4 +280,49 @@ class SnapshotPool:
             session.schema.fingerprint,
             digest,
             session.verify,
+            ack=session.delta,
+        )
+        target.patch = None
+
+    def diff(self, target: Snapshot, stream: torch.cuda.Stream | None) -> None:
+        """Delta, once ``target`` holds the new version: its patch from the version before (``target.patch``; None
+        if the base is not that version or a patch would not be smaller), and the base moves on to it."""
+        if self.base is None:
+            self.base = Base(self.session, self.device)
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            target.patch = self.base.advance(target)
+
+    def forget_base(self) -> None:
+        """Delta: no receiver takes patches now (none on the wire): stop diffing, and let go of the base."""
+        self.base = None
+
+
+class Base:
+    """Delta, a sender's: the version it pushed last (its bytes), and the buffer a patch from it is written in."""
+
+    def __init__(self, session: Session, device: torch.device) -> None:
+        total = session.schema.total
+        self.session, self.word = session, word_bytes(session.schema)
+        self.storage = torch.zeros(total, dtype=torch.uint8, device=device)
+        self.version = 0  # (0: none yet)
+        self._out = torch.empty(total, dtype=torch.uint8, device=device)
+
+    def advance(self, target: Snapshot) -> Patch | None:
+        """``target``'s patch from the base (None: the base holds no version before it, or the patch would not be
+        smaller); the base then holds ``target``'s version. The patch lies in this base's buffer: the push that
+        sends it is over before the next one diffs (sync mode)."""
+        header = target.pushed
+        if self.version != header.version - 1 or self.version == 0:
+            self.storage.copy_(target.storage)
+            self.version = header.version
+            return None
+        patch = encode(target.storage, self.storage, self.word, self._out, advance=True)
+        self.version = header.version
+        if patch is None:
+            return None
+        return Patch(
+            header.version - 1,
+            patch,
+            cut(patch, self.session.bucket_bytes),
+            dataclasses.replace(header, base=header.version - 1, patch=patch.numel()),
         )

@@ -59,15 +59,18 @@ MODES = ("sync", "latest")
 FANOUTS = ("auto", "star", "relay")
 
 # -- per-push header ---------------------------------------------------------------
-FORMAT = 4  # 4: a relayed header names its hop (the receiver's place in the chain)
+FORMAT = 5  # 4: a relayed header names its hop (the receiver's place in the chain); 5: delta pushes
 
 
 class Flag(IntFlag):
-    """A push header's flags: a digest follows the payload; relayed; in a shared segment."""
+    """A push header's flags: a digest follows the payload; relayed; in a shared segment; the payload is a patch
+    against version ``base``; the sender wants the receiver's word on the version (a delta session's)."""
 
     VERIFY = 1
     RELAY = 2
     SHARED = 4
+    PATCH = 8
+    ACK = 16
 
 
 class HeaderKind(IntEnum):
@@ -82,7 +85,7 @@ PUSH, CLOSED, RELEASED = (
     HeaderKind  # (each message's kinds by name at module level too, as ``re`` has its flags)
 )
 _OUT_OF_STEP = "not drained, the link is out of step"
-HEADER = Record("weight-push header", b"CDRS", "HHIQQQ16s16siiiiI", size=96, hint=_OUT_OF_STEP)
+HEADER = Record("weight-push header", b"CDRS", "HHIQQQ16s16siiiiIQQ", size=112, hint=_OUT_OF_STEP)
 HEADER_SIZE = HEADER.size
 
 
@@ -108,12 +111,20 @@ class PushHeader:
     #: same-host transport: the version is in the sender's shared segment ``segment`` (nothing follows)
     shared: bool = False
     segment: int = -1
+    #: delta (:mod:`cudarecv.weights.delta`): the payload is a patch of ``patch`` bytes (in messages of
+    #: ``bucket_bytes``) that turns version ``base``, which the receiver holds, into this one (0: the version
+    #: itself); ``ack``: the receiver says GOT on it (the sender learns which version each receiver holds)
+    base: int = 0
+    patch: int = 0
+    ack: bool = False
 
     def pack(self) -> bytes:
         flags = (
             (Flag.VERIFY if self.verify else 0)
             | (Flag.RELAY if self.relayed else 0)
             | (Flag.SHARED if self.shared else 0)
+            | (Flag.PATCH if self.patch else 0)
+            | (Flag.ACK if self.ack else 0)
         )
         return HEADER.pack(
             FORMAT,
@@ -129,6 +140,8 @@ class PushHeader:
             self.segment,
             self.hop,
             self.wait_ms,
+            self.base,
+            self.patch,
         )
 
     @classmethod
@@ -148,13 +161,17 @@ class PushHeader:
             segment,
             hop,
             wait_ms,
+            base,
+            patch,
         ) = HEADER.unpack(raw)
         if (
             fmt != FORMAT
             or bucket_bytes <= 0
             or hop < 0
             or kind not in iter(HeaderKind)
-            or flags & ~(Flag.VERIFY | Flag.RELAY | Flag.SHARED)
+            or flags & ~(Flag.VERIFY | Flag.RELAY | Flag.SHARED | Flag.PATCH | Flag.ACK)
+            or bool(flags & Flag.PATCH) != (patch > 0)
+            or (base > 0) != (patch > 0)
         ):
             raise OutOfStepError(
                 f"a weight-push header of format {fmt}, kind {kind}, flags {flags}, {bucket_bytes}-byte "
@@ -176,6 +193,9 @@ class PushHeader:
             wait_ms,
             Flag.SHARED in flags,
             segment,
+            base,
+            patch,
+            Flag.ACK in flags,
         )
 
 
@@ -334,7 +354,9 @@ PREAMBLE = Record(
     hint="is the peer a WeightSender of this cudarecv version?",
 )
 PREAMBLE_SIZE = PREAMBLE.size
-PREAMBLE_FORMAT = 6  # 5: the handshake's answer is a record (magic, CRC); 6: push header format 4
+PREAMBLE_FORMAT = (
+    7  # 5: the handshake's answer is a record (magic, CRC); 6: push header format 4; 7: format 5
+)
 
 
 @dataclass(frozen=True)

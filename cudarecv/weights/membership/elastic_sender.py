@@ -59,7 +59,7 @@ class ElasticSender(SessionSender):
         name: the sender's name in the store; one sender (its newest generation) serves under a name.
 
     Keyword Args:
-        bucket_bytes, timeout, verify, stream, mode, buffers, fanout, transport: as
+        bucket_bytes, timeout, verify, stream, mode, buffers, fanout, transport, delta: as
             :class:`~cudarecv.WeightSender`'s; ``buffers`` (latest mode) defaults to 4, receivers coming and going.
 
     Example:
@@ -83,8 +83,9 @@ class ElasticSender(SessionSender):
         buffers: int | None = None,
         fanout: Fanout = "auto",
         transport: TransportPolicy = "auto",
+        delta: bool = False,
     ) -> None:
-        timeout = check_sender(timeout, bucket_bytes, transport, mode, buffers, fanout)
+        timeout = check_sender(timeout, bucket_bytes, transport, mode, buffers, fanout, delta)
         self._directory = Directory(store, name, timeout)
         super().__init__(
             td,
@@ -98,6 +99,7 @@ class ElasticSender(SessionSender):
             fanout=fanout,
             transport=transport,
             elastic=True,
+            delta=delta,
         )
         try:
             self._generation, self._s.version = self._directory.announce(mode, timeout)

@@ -24,7 +24,7 @@ from ...wire.staging import Lane, send_from
 
 if TYPE_CHECKING:
     from ..slots import Slot
-    from ..snapshots import Snapshot
+    from ..snapshots import Patch, Snapshot
     from ..wire import SessionTags
 
 
@@ -106,9 +106,12 @@ class Transport(ABC):
         return True
 
     @abstractmethod
-    def push(self, lane: Lane, snapshot: Snapshot, tags: SessionTags) -> Protocol:
-        """A sub-protocol: what a push of ``snapshot`` sends on ``lane`` (star fan-out). A header-only transport
-        returns the header's send works, posted and not waited for (the receiver's GOT is waited for first)."""
+    def push(
+        self, lane: Lane, snapshot: Snapshot, tags: SessionTags, patch: Patch | None = None
+    ) -> Protocol:
+        """A sub-protocol: what a push of ``snapshot`` sends on ``lane`` (star fan-out): ``patch`` instead of the
+        version where given (delta; the transports that send payloads). A header-only transport returns the
+        header's send works, posted and not waited for (the receiver's GOT is waited for first)."""
 
     # -- the receiver --------------------------------------------------------------------------------------------
     def map(self, offer: bytes, total: int, device: torch.device | None) -> list[Any]:
@@ -140,7 +143,10 @@ class HeaderOnly(Transport):
         # lies in no segment: it goes on the wire
         return snapshot.segment is not None
 
-    def push(self, lane: Lane, snapshot: Snapshot, tags: SessionTags) -> Protocol:
+    def push(
+        self, lane: Lane, snapshot: Snapshot, tags: SessionTags, patch: Patch | None = None
+    ) -> Protocol:
+        assert patch is None, "a header-only transport sends no payload, nor a patch"
         segment = snapshot.segment
         assert segment is not None, (
             "a push by a segment of a snapshot in none"

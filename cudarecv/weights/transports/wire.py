@@ -19,7 +19,7 @@ from ...wire.staging import Lane, send_from
 from .base import Need, Transport
 
 if TYPE_CHECKING:
-    from ..snapshots import Snapshot
+    from ..snapshots import Patch, Snapshot
     from ..wire import SessionTags
 
 
@@ -31,11 +31,16 @@ class Wire(Transport):
     def usable(self, need: Need) -> bool:
         return True
 
-    def push(self, lane: Lane, snapshot: Snapshot, tags: SessionTags) -> Protocol:
-        header = [wire_bytes(lane, snapshot.pushed.pack())]
+    def push(
+        self, lane: Lane, snapshot: Snapshot, tags: SessionTags, patch: Patch | None = None
+    ) -> Protocol:
+        pushed, chunks = (
+            (snapshot.pushed, snapshot.chunks) if patch is None else (patch.header, patch.chunks)
+        )
+        header = [wire_bytes(lane, pushed.pack())]
         # the header's work is waited for after the payload's are posted
         head = yield from send_from(lane, header, [tags.header], defer=True)
-        yield from send_from(lane, snapshot.chunks, [tags.payload] * len(snapshot.chunks))
+        yield from send_from(lane, chunks, [tags.payload] * len(chunks))
         if head:
             yield head
 

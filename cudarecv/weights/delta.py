@@ -1,0 +1,480 @@
+"""Delta pushes' codec: a version as a *patch* against a base version the receiver holds, the words whose bits
+changed, chosen per block by size.
+
+The storage (uint8, laid out as the :class:`~cudarecv.weights.schema.Schema`: every leaf at a 16-byte offset) is
+compared as *words* of ``word`` bytes (:func:`word_bytes`: the item size of the dtype that holds most of the
+bytes, 2 for a bf16 model), and cut into blocks of :data:`BLOCK_BYTES`. Each block is sent the cheapest way for
+the words of it that changed (``c`` of ``n``, ``W`` bytes each):
+
+========  =====================================  ==================================
+kind      what it sends                          bytes
+========  =====================================  ==================================
+SAME      nothing (no word changed)              0
+SPARSE    each changed word's index, its value   ``c * (4 + W)``
+BITMASK   a bit per word, the changed values     ``ceil(n / 8) + c * W``
+FULL      the whole block                        ``n * W``
+========  =====================================  ==================================
+
+so at 1% of bf16 words changed a patch is about 3% of the version, and at 100% the sender sends the version
+itself (:func:`encode` returns None when a patch would not be smaller). A patch is one buffer::
+
+    prefix   32 B   magic b"CDRP", format, word bytes, words per block, blocks (a CRC'd record)
+    kinds    blocks x uint8                       (padded to 8 bytes)
+    counts   blocks x int64: changed words (FULL: the block's words)
+    index    SPARSE blocks' changed words, int32 index in the block, in order      (padded to 8)
+    bits     BITMASK blocks' bits, ceil(n / 8) bytes each, bit i of byte j: word 8j + i   (padded to 8)
+    values   SPARSE blocks' changed words, then BITMASK blocks', in order          (padded to 8 each)
+    full     FULL blocks' words, in order
+
+:func:`apply` checks every field (lengths, kinds, counts, indices, bit counts) before it writes a byte, and writes
+only into the storage it is given: a receiver patches its spare buffer, never the published one. Both run as
+torch operations wherever the storages lie (CPU, or a GPU: no host round trip).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import enum
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from ..core.errors import ChecksumError
+from ..core.host_copy import library
+from ..core.records import Record
+from .schema import Schema
+
+if TYPE_CHECKING:
+    from .slots import Slot
+
+
+class PatchError(ChecksumError):
+    """A patch that does not apply: its fields disagree with each other or with the receiver's storage (corrupted
+    on the way, or a bug). Nothing was published; the receiver keeps its version."""
+
+
+#: the bytes of one block (a kind per block): 1 MiB, so a model of G GiB has 1024 G blocks, 9 bytes each in the
+#: patch, and a block's index fits an int32 whatever the word
+BLOCK_BYTES = 1 << 20
+FORMAT = 1
+PREFIX = Record(
+    "weight patch", b"CDRP", "IIQQ", size=32, error=PatchError, hint="the patch is corrupted"
+)
+WORD_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_SHIFTS = torch.arange(8, dtype=torch.uint8)
+_BITS = 1 << _SHIFTS
+
+
+def _native() -> ctypes.CDLL | None:
+    """The native codec's calls (``native/delta.c``), declared once; None where cudarecv was built without a C
+    compiler (torch does the same work, slower)."""
+    lib = library()
+    if lib is None:
+        return None
+    if not hasattr(lib, "_delta_declared"):
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        lib.cudarecv_delta_counts.argtypes = [ptr, ptr, i64, ctypes.c_int, i64, ptr]
+        lib.cudarecv_delta_counts.restype = None
+        lib.cudarecv_delta_gather.argtypes = [
+            ptr,
+            ptr,
+            ctypes.c_int,
+            i64,
+            ctypes.c_int,
+            i64,
+            ptr,
+            ptr,
+            ptr,
+            ptr,
+            ptr,
+            ptr,
+        ]
+        lib.cudarecv_delta_gather.restype = None
+        lib.cudarecv_delta_check.argtypes = [i64, i64, ptr, ptr, ptr, ptr]
+        lib.cudarecv_delta_check.restype = i64
+        lib.cudarecv_delta_apply.argtypes = [
+            ptr,
+            i64,
+            ctypes.c_int,
+            i64,
+            ptr,
+            ptr,
+            ptr,
+            ptr,
+            ptr,
+            ptr,
+            ptr,
+        ]
+        lib.cudarecv_delta_apply.restype = None
+        lib._delta_declared = True
+    return lib
+
+
+NATIVE = _native()
+
+
+class Block(enum.IntEnum):
+    """How one block travels in a patch (see the module docstring)."""
+
+    SAME = 0
+    SPARSE = 1
+    BITMASK = 2
+    FULL = 3
+
+
+def word_bytes(schema: Schema) -> int:
+    """The word a schema's versions are compared in: the item size (at most 8) of the dtype holding most bytes.
+    Any of 1, 2, 4, 8 is correct for any schema (offsets and the total are multiples of 16); this one makes a
+    changed element one word for most of the model."""
+    by_size: dict[int, int] = {}
+    for leaf in schema.leaves:
+        size = min(leaf.dtype.itemsize, 8)
+        by_size[size] = by_size.get(size, 0) + leaf.nbytes
+    return max(by_size, key=lambda size: (by_size[size], size)) if by_size else 1
+
+
+def _pad(n: int) -> int:
+    return -(-n // 8) * 8
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a patch's sections lie, from its kinds and counts (both ends compute it the same way)."""
+
+    words: int
+    block_words: int
+    kinds: Tensor  # uint8 [blocks]
+    counts: Tensor  # int64 [blocks]
+    sizes: Tensor  # int64 [blocks]: words per block (the last may be short)
+    sparse: int  # changed words of SPARSE blocks
+    bits: int  # bytes of BITMASK blocks' bits
+    marked: int  # changed words of BITMASK blocks
+    full: int  # words of FULL blocks
+
+    @classmethod
+    def of(cls, words: int, block_words: int, kinds: Tensor, counts: Tensor) -> Layout:
+        blocks = kinds.numel()
+        sizes = torch.full((blocks,), block_words, dtype=torch.int64, device=kinds.device)
+        if blocks and words % block_words:
+            sizes[-1] = words % block_words
+        sparse, bitmask, full = (
+            (kinds == Block.SPARSE),
+            (kinds == Block.BITMASK),
+            (kinds == Block.FULL),
+        )
+        totals = torch.stack(
+            [
+                (counts * sparse).sum(),
+                ((sizes + 7) // 8 * bitmask).sum(),
+                (counts * bitmask).sum(),
+                (sizes * full).sum(),
+            ]
+        ).tolist()  # (one read back from a device)
+        return cls(words, block_words, kinds, counts, sizes, *totals)
+
+    def offsets(self, word: int) -> list[int]:
+        """Byte offsets of the sections (kinds, counts, index, bits, sparse values, marked values, full) and the
+        end."""
+        blocks = self.kinds.numel()
+        at, out = PREFIX.size, []
+        for length in (
+            blocks,
+            8 * blocks,
+            4 * self.sparse,
+            self.bits,
+            word * self.sparse,
+            word * self.marked,
+        ):
+            out.append(at)
+            at += _pad(length)
+        out.append(at)
+        return [*out, at + word * self.full]
+
+
+def encode(
+    new: Tensor,
+    base: Tensor,
+    word: int,
+    out: Tensor | None = None,
+    native: bool = True,
+    advance: bool = False,
+) -> Tensor | None:
+    """The patch that turns ``base`` into ``new`` (uint8 storages of the same length, a multiple of ``word``), in
+    ``out`` (uint8, at least as long as ``new``; a new tensor if None), as a view of its first bytes; None when
+    a patch would not be smaller than ``new`` itself (send the version whole). ``advance``: ``base`` then holds
+    ``new`` (the native codec writes only the changed words). Host storages take the native codec where it was
+    built (``native=False``: torch's, as on a device)."""
+    words, block_words = new.numel() // word, BLOCK_BYTES // word
+    blocks = -(-words // block_words)
+    lib = NATIVE if native and new.device.type == "cpu" else None
+    if lib is not None:
+        counts = torch.empty(blocks, dtype=torch.int64)
+        lib.cudarecv_delta_counts(
+            new.data_ptr(), base.data_ptr(), words, word, block_words, counts.data_ptr()
+        )
+        changed = None
+    else:
+        changed = new.view(WORD_DTYPES[word]) != base.view(WORD_DTYPES[word])
+        counts = _block_sums(changed, block_words)
+    kinds = _kinds(counts, words, block_words, word)
+    layout = Layout.of(words, block_words, kinds, counts)
+    at = layout.offsets(word)
+    if at[-1] >= new.numel():
+        if advance:
+            base.copy_(new)
+        return None
+    if out is None:
+        out = torch.empty(new.numel(), dtype=torch.uint8, device=new.device)
+    patch = out[: at[-1]]
+    prefix = PREFIX.pack(FORMAT, word, block_words, blocks)
+    patch[: PREFIX.size].copy_(torch.frombuffer(bytearray(prefix), dtype=torch.uint8))
+    patch[at[0] : at[0] + blocks].copy_(kinds)
+    patch[at[1] : at[1] + 8 * blocks].view(torch.int64).copy_(
+        torch.where(kinds == Block.FULL, layout.sizes, counts)  # (FULL: the block's words)
+    )
+    ends = [at[0] + blocks, at[1] + 8 * blocks, at[2] + 4 * layout.sparse, at[3] + layout.bits]
+    ends += [at[4] + word * layout.sparse, at[5] + word * layout.marked]
+    for end, start in zip(ends, at[1:]):
+        patch[
+            end:start
+        ].zero_()  # (the padding after each section: nothing of the process's memory goes out)
+    if lib is not None:
+        patch[at[3] : at[3] + layout.bits].zero_()
+        lib.cudarecv_delta_gather(
+            new.data_ptr(),
+            base.data_ptr(),
+            advance,
+            words,
+            word,
+            block_words,
+            kinds.data_ptr(),
+            *(patch[a].data_ptr() if a < patch.numel() else 0 for a in at[2:7]),
+        )
+    else:
+        assert changed is not None
+        _gather(new.view(WORD_DTYPES[word]), changed, patch, layout, at, word)
+        if advance:
+            base.copy_(new)
+    return patch
+
+
+def _block_sums(changed: Tensor, block_words: int) -> Tensor:
+    """Each block's count of changed words."""
+    rows = changed.numel() // block_words
+    counts = changed[: rows * block_words].view(rows, block_words).sum(1)
+    if changed.numel() % block_words:
+        counts = torch.cat([counts, changed[rows * block_words :].sum().view(1)])
+    return counts
+
+
+def _gather(
+    new_w: Tensor, changed: Tensor, patch: Tensor, layout: Layout, at: list[int], word: int
+) -> None:
+    """Torch's gather of the patch's sections (what ``cudarecv_delta_gather`` does on host memory)."""
+    kinds, block_words = layout.kinds, layout.block_words
+    rows, tail = divmod(layout.words, block_words)
+    grid = changed[: rows * block_words].view(rows, block_words)
+    full_rows = kinds[:rows] == Block.FULL
+    grid[full_rows] = False  # (changed words of FULL blocks travel as the block)
+    if tail and kinds[-1] == Block.FULL:
+        changed[rows * block_words :] = False
+    where = changed.nonzero().squeeze(1)
+    kind_of = kinds[where // block_words]
+    sparse, marked = where[kind_of == Block.SPARSE], where[kind_of == Block.BITMASK]
+    patch[at[2] : at[2] + 4 * layout.sparse].view(torch.int32).copy_(sparse % block_words)
+    _section(patch, at[4], word, layout.sparse).copy_(new_w[sparse])
+    _section(patch, at[5], word, layout.marked).copy_(new_w[marked])
+    bits = [_pack(grid[kinds[:rows] == Block.BITMASK])]
+    if tail and kinds[-1] == Block.BITMASK:
+        bits.append(_pack(changed[rows * block_words :]))
+    patch[at[3] : at[3] + layout.bits].copy_(torch.cat(bits))
+    full = [new_w[: rows * block_words].view(rows, block_words)[full_rows].reshape(-1)]
+    if tail and kinds[-1] == Block.FULL:
+        full.append(new_w[rows * block_words :])
+    _section(patch, at[6], word, layout.full).copy_(torch.cat(full))
+
+
+def _kinds(counts: Tensor, words: int, block_words: int, word: int) -> Tensor:
+    """Each block's cheapest kind for ``counts`` changed words."""
+    sizes = torch.full_like(counts, block_words)
+    if words % block_words:
+        sizes[-1] = words % block_words
+    costs = torch.stack([counts * (4 + word), (sizes + 7) // 8 + counts * word, sizes * word])
+    kinds = (costs.argmin(0) + 1).to(torch.uint8)
+    return torch.where(counts == 0, int(Block.SAME), kinds).to(torch.uint8)
+
+
+def _pack(mask: Tensor) -> Tensor:
+    """A bool tensor's rows (or one row) as bits, ``ceil(n / 8)`` bytes a row, flattened."""
+    rows = mask if mask.dim() > 1 else mask.view(1, -1)
+    n = rows.shape[1]
+    if rows.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8, device=mask.device)
+    if n % 8:
+        rows = torch.cat([rows, rows.new_zeros(rows.shape[0], 8 - n % 8)], 1)
+    bits = _BITS.to(rows.device)
+    return (
+        (rows.reshape(rows.shape[0], -1, 8).to(torch.uint8) * bits)
+        .sum(-1, dtype=torch.uint8)
+        .reshape(-1)
+    )
+
+
+def _section(patch: Tensor, start: int, word: int, count: int) -> Tensor:
+    return patch[start : start + word * count].view(WORD_DTYPES[word])
+
+
+def apply(patch: Tensor, into: Tensor, word: int, native: bool = True) -> None:
+    """Write ``patch`` (uint8, as :func:`encode` made it) into ``into`` (uint8, the base version, on the same
+    device); raises :class:`PatchError` before writing anything if a field is off. Host storages take the native
+    codec where it was built (``native=False``: torch's, as on a device)."""
+    raw = bytes(patch[: PREFIX.size].cpu().numpy()) if patch.numel() >= PREFIX.size else b""
+    if len(raw) < PREFIX.size:
+        raise PatchError(
+            f"a patch of {patch.numel()} bytes is shorter than its prefix: the patch is corrupted"
+        )
+    fmt, got_word, block_words, blocks = PREFIX.unpack(raw)
+    words = into.numel() // word
+    if (
+        fmt != FORMAT
+        or got_word != word
+        or not 8 <= block_words <= 1 << 31
+        or block_words % 8
+        or blocks != -(-words // block_words)
+    ):
+        raise PatchError(
+            f"a patch of format {fmt} in {got_word}-byte words, {blocks} blocks of {block_words} does not fit "
+            f"{words} words of {word} bytes: the patch is corrupted"
+        )
+    if patch.numel() < PREFIX.size + _pad(blocks) + 8 * blocks:
+        raise PatchError(
+            f"a patch of {patch.numel()} bytes cannot hold {blocks} blocks' kinds and counts"
+        )
+    at = PREFIX.size
+    kinds = patch[at : at + blocks]
+    counts = patch[at + _pad(blocks) : at + _pad(blocks) + 8 * blocks].view(torch.int64)
+    if bool((kinds > Block.FULL).any()):
+        raise PatchError("a patch names a block kind that does not exist: the patch is corrupted")
+    layout = Layout.of(words, block_words, kinds, counts)
+    bad = (
+        (counts < 0)
+        | (counts > layout.sizes)
+        | ((kinds == Block.SAME) & (counts != 0))
+        | ((kinds == Block.FULL) & (counts != layout.sizes))
+        | (((kinds == Block.SPARSE) | (kinds == Block.BITMASK)) & (counts == 0))
+    )
+    at_ = layout.offsets(word)
+    if bool(bad.any()) or at_[-1] != patch.numel():
+        raise PatchError(
+            f"a patch of {patch.numel()} bytes whose blocks' counts say {at_[-1]}: the patch is corrupted"
+        )
+    lib = NATIVE if native and into.device.type == "cpu" else None
+    if lib is None:
+        _apply(patch, into, word, layout, at_)
+        return
+    sections = [patch[a].data_ptr() if a < patch.numel() else 0 for a in at_[2:7]]
+    bad_block = lib.cudarecv_delta_check(
+        words, block_words, kinds.data_ptr(), counts.data_ptr(), sections[0], sections[1]
+    )
+    if bad_block:
+        raise PatchError(
+            f"block {-1 - bad_block} of a patch has an index outside it, indices out of order, or bits that "
+            "disagree with its count: the patch is corrupted"
+        )
+    lib.cudarecv_delta_apply(
+        into.data_ptr(), words, word, block_words, kinds.data_ptr(), counts.data_ptr(), *sections
+    )
+
+
+def _apply(patch: Tensor, into: Tensor, word: int, layout: Layout, at_: list[int]) -> None:
+    """Torch's check and write of a patch whose kinds and counts were checked (``cudarecv_delta_check`` and
+    ``cudarecv_delta_apply`` on host memory)."""
+    kinds, counts, words, block_words = (
+        layout.kinds,
+        layout.counts,
+        layout.words,
+        layout.block_words,
+    )
+    rows = words // block_words
+    # where each SPARSE word goes, checked inside its block
+    sparse_blocks = (kinds == Block.SPARSE).nonzero().squeeze(1)
+    in_block = patch[at_[2] : at_[2] + 4 * layout.sparse].view(torch.int32).to(torch.int64)
+    block_of = sparse_blocks.repeat_interleave(counts[sparse_blocks])
+    if bool(((in_block < 0) | (in_block >= layout.sizes[block_of])).any()):
+        raise PatchError("a patch's index lies outside its block: the patch is corrupted")
+    sparse_at = block_of * block_words + in_block
+    # where each BITMASK word goes: its bits, checked against its count and its block's length
+    marked_blocks = (kinds == Block.BITMASK).nonzero().squeeze(1)
+    bits = patch[at_[3] : at_[3] + layout.bits]
+    lengths = ((layout.sizes[marked_blocks] + 7) // 8).tolist()
+    marked_at, seen = [], []
+    for blocks_, chunk in _bit_runs(marked_blocks, bits, lengths, rows, block_words):
+        mask = ((chunk.view(len(blocks_), -1)[..., None] >> _SHIFTS.to(chunk.device)) & 1).bool()
+        mask = mask.view(len(blocks_), -1)
+        if (
+            int(blocks_[-1]) == rows and mask[-1, words - rows * block_words :].any()
+        ):  # the short last block
+            raise PatchError("a patch marks a word past its block's end: the patch is corrupted")
+        mask = mask[:, :block_words]
+        seen.append(mask.sum(1))
+        local = mask.nonzero()
+        marked_at.append(blocks_[local[:, 0]] * block_words + local[:, 1])
+    if seen and not torch.equal(torch.cat(seen), counts[marked_blocks]):
+        raise PatchError("a patch's bits disagree with its counts: the patch is corrupted")
+    into_w = into.view(WORD_DTYPES[word])
+    into_w[sparse_at] = _section(patch, at_[4], word, layout.sparse)
+    if marked_at:
+        into_w[torch.cat(marked_at)] = _section(patch, at_[5], word, layout.marked)
+    full_rows = (kinds[:rows] == Block.FULL).nonzero().squeeze(1)
+    full = _section(patch, at_[6], word, layout.full)
+    into_w[: rows * block_words].view(rows, block_words)[full_rows] = full[
+        : full_rows.numel() * block_words
+    ].view(-1, block_words)
+    if words % block_words and kinds[-1] == Block.FULL:
+        into_w[rows * block_words :] = full[full_rows.numel() * block_words :]
+
+
+def _bit_runs(
+    blocks: Tensor, bits: Tensor, lengths: list[int], rows: int, block_words: int
+) -> list[tuple[Tensor, Tensor]]:
+    """The BITMASK blocks' bits in runs of equal length: the whole blocks' together, the short last one apart."""
+    if not lengths:
+        return []
+    whole = sum(1 for b in blocks.tolist() if b < rows)
+    runs = [(blocks[:whole], bits[: whole * (block_words // 8)])] if whole else []
+    if whole < len(lengths):
+        runs.append((blocks[whole:], bits[whole * (block_words // 8) :]))
+    return runs
+
+
+class Patches:
+    """Delta, a receiver's: the buffer patches land in (the version's size, allocated at the first patch: a patch
+    is always smaller), and their application into the slot the next version lands in."""
+
+    def __init__(self, schema: Schema, device: torch.device, pin_memory: bool) -> None:
+        self.word, self.total = word_bytes(schema), schema.total
+        self.device, self.pin_memory = device, pin_memory
+        self._buffer: Tensor | None = None
+
+    def buffer(self, nbytes: int) -> Tensor:
+        """Where a patch of ``nbytes`` (less than the version's) lands."""
+        if self._buffer is None:
+            self._buffer = torch.empty(
+                self.total, dtype=torch.uint8, device=self.device, pin_memory=self.pin_memory
+            )
+        return self._buffer[:nbytes]
+
+    def apply(
+        self, patch: Tensor, slot: Slot, published: Slot | None, stream: torch.cuda.Stream | None
+    ) -> None:
+        """Write the ``published`` version (the patch's base, checked by the caller) and then ``patch`` into
+        ``slot``; raises :class:`PatchError` if the patch does not apply (``slot`` is then unpublished rubbish, the
+        published version untouched)."""
+        if published is None:
+            raise PatchError("a patch came before any version was published")
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            slot.fill(published.storage)
+            apply(patch, slot.storage, self.word)
