@@ -43,7 +43,9 @@ def step(td: TensorDict, version: int, fraction: float = FRACTION) -> None:
     for key in ("embed", ("layer", "w"), "norm"):
         leaf = td.get(key).view(-1)
         count = max(1, int(leaf.numel() * fraction))
-        where = torch.randperm(leaf.numel(), generator=gen)[:count]  # (distinct: a repeat's add is racy)
+        where = torch.randperm(leaf.numel(), generator=gen)[
+            :count
+        ]  # (distinct: a repeat's add is racy)
         leaf[where] += torch.randn(count, generator=gen).to(leaf.dtype) * 0.01 + 0.001
     td.set_("steps", torch.full((1,), version, dtype=torch.int64))
 
@@ -162,7 +164,7 @@ def test_the_word_is_the_item_size_of_the_dtype_holding_most_bytes():
 
 
 # -- real ranks ----------------------------------------------------------------------------------------------------
-def deltas(rank, world, group, steps, corrupt, rejects):
+def deltas(rank, world, group, steps, corrupt, fanout="star"):
     """Rank 0 pushes ``steps`` versions with ``delta=True`` (and verify) to every other rank on the wire; version
     ``corrupt`` (if any) has one byte of its patch flipped on the way. Each actor checks each version bit for bit."""
     td = version_td(0)
@@ -175,15 +177,23 @@ def deltas(rank, world, group, steps, corrupt, rejects):
             def corrupting(new, base, word, out=None, native=True, advance=False):
                 patch = encode(new, base, word, out, native, advance)
                 if patch is not None and int(td["steps"]) == corrupt:
-                    patch[_first_value(patch, new.numel() // word)] ^= 1  # (it applies; the digest disagrees)
+                    patch[_first_value(patch, new.numel() // word)] ^= (
+                        1  # (it applies; the digest disagrees)
+                    )
                 return patch
 
             snapshots.encode = corrupting
         sizes, errors = [], []
         with cudarecv.WeightSender(
-            td, dst=list(range(1, world)), delta=True, verify=True, transport="wire", timeout=30
+            td,
+            dst=list(range(1, world)),
+            delta=True,
+            verify=True,
+            transport="wire",
+            timeout=30,
+            fanout=fanout,
         ) as sender:
-            assert sender.fanout == "star"
+            assert sender.fanout == fanout
             for version in range(1, steps + 1):
                 step(td, version)
                 try:
@@ -192,6 +202,7 @@ def deltas(rank, world, group, steps, corrupt, rejects):
                     errors.append((version, str(error)))
                 sizes.append(sender.payload_bytes)
             total = sender.schema.total
+            torch.distributed.barrier()  # (the receivers close after: each is served until then)
         snapshots.encode = encode
         return sizes, errors, total
     with cudarecv.WeightReceiver(src=0, expect=td, timeout=30) as receiver:
@@ -209,6 +220,7 @@ def deltas(rank, world, group, steps, corrupt, rejects):
                 for k in expected.keys(True, True)
             )
             seen.append((version, got, exact))
+        torch.distributed.barrier()
         return seen
 
 
@@ -221,20 +233,28 @@ def _first_value(patch: torch.Tensor, words: int) -> int:
     return delta.Layout.of(words, block_words, kinds, counts).offsets(word)[4]
 
 
-def test_every_version_arrives_bit_exact_as_a_few_percent_of_its_bytes(four):
-    results = four().run(deltas, args=(6, 0, ()), timeout=120)
+@pytest.mark.parametrize("fanout", ["star", "relay"])
+def test_every_version_arrives_bit_exact_as_a_few_percent_of_its_bytes(four, fanout):
+    """Star: each receiver gets its patch from the sender; relay: the head of the chain gets it, and each hop
+    forwards it as it is (the chain holds one base)."""
+    results = four().run(deltas, args=(6, 0, fanout), timeout=120)
     sizes, errors, total = results[0]
     assert errors == []
     for rank in (1, 2, 3):
         assert results[rank] == [(v, v, True) for v in range(1, 7)]
-        assert sizes[0][rank] == total  # the first version goes whole: nobody holds a base
-        assert all(0 < s[rank] < 0.06 * total for s in sizes[1:]), sizes
+        sent = [s.get(rank) for s in sizes]
+        if fanout == "relay" and rank != 1:  # (it got them from the hop before)
+            assert sent == [0] * 6, sizes
+            continue
+        assert sent[0] == total, sizes  # the first version goes whole: nobody holds a base
+        assert all(0 < s < 0.06 * total for s in sent[1:]), sizes
 
 
-def test_a_corrupted_patch_is_rejected_and_the_next_push_repairs_it_whole(four):
+@pytest.mark.parametrize("fanout", ["star", "relay"])
+def test_a_corrupted_patch_is_rejected_and_the_next_push_repairs_it_whole(four, fanout):
     """Version 3's patch is corrupted on the way: every receiver's digest check rejects it (its pull raises, it keeps
     version 2, and the sender's push names them); version 4 goes whole, 5 and 6 as patches again."""
-    results = four().run(deltas, args=(6, 3, ()), timeout=120)
+    results = four().run(deltas, args=(6, 3, fanout), timeout=120)
     sizes, errors, total = results[0]
     assert [v for v, _ in errors] == [3]
     assert "rejected" in errors[0][1]
@@ -243,5 +263,37 @@ def test_a_corrupted_patch_is_rejected_and_the_next_push_repairs_it_whole(four):
         assert seen[:2] == [(1, 1, True), (2, 2, True)]
         assert seen[2][:3] == (3, "rejected", 2)
         assert seen[3:] == [(4, 4, True), (5, 5, True), (6, 6, True)]
-        assert sizes[3][rank] == total
-        assert all(0 < sizes[v][rank] < 0.06 * total for v in (1, 2, 4, 5))
+        if fanout == "star" or rank == 1:
+            assert sizes[3][rank] == total
+            assert all(0 < sizes[v][rank] < 0.06 * total for v in (1, 2, 4, 5))
+
+
+def test_threads_diff_ranges_of_blocks_into_the_same_patch(monkeypatch):
+    """A large host storage is diffed by several threads, each a range of blocks writing its part of every
+    section: the patch is byte for byte the single-threaded one (and torch's)."""
+    monkeypatch.setattr(delta, "THREADS", 3)
+    monkeypatch.setattr(delta.torch, "get_num_threads", lambda: 3)
+    assert delta._parts(40, delta.PARALLEL_BYTES) == [(0, 13), (13, 26), (26, 40)]
+    assert delta._parts(40, delta.PARALLEL_BYTES - 1) == [(0, 40)]
+    gen = torch.Generator().manual_seed(5)
+    base = torch.randint(0, 256, (40 * MIB + 96,), dtype=torch.uint8, generator=gen)
+    new = base.clone()
+    words = new.view(torch.int16)
+    for block, step_ in (
+        (0, 200),
+        (7, 3),
+        (13, 1),
+        (25, 40),
+        (39, 1),
+    ):  # sparse, bitmask, full, sparse, full
+        start = block * MIB // 2
+        words[start : start + MIB // 2 : step_] += 1
+    words[-5:] += 1  # (the short last block)
+    patch = delta.encode(new, base, 2)
+    assert patch is not None
+    kinds = set(patch[delta.PREFIX.size : delta.PREFIX.size + 41].tolist())
+    assert kinds == {delta.Block.SAME, delta.Block.SPARSE, delta.Block.BITMASK, delta.Block.FULL}
+    assert torch.equal(patch, delta.encode(new, base, 2, native=False))
+    moved = base.clone()
+    assert torch.equal(delta.encode(new, moved, 2, advance=True), patch)
+    assert torch.equal(moved, new)

@@ -40,17 +40,17 @@ static int64_t count(const char *x, const char *y, int64_t n, int word) {
     }
 }
 
-/* counts[k]: the words of block k of new that differ from base */
+/* counts[k]: the words of block k of new that differ from base, for blocks first..last - 1 */
 void cudarecv_delta_counts(const char *new_, const char *base, int64_t words, int word, int64_t block_words,
-                           int64_t *counts) {
+                           int64_t first, int64_t last, int64_t *counts) {
     int64_t blocks = (words + block_words - 1) / block_words;
-    for (int64_t k = 0; k < blocks; k++) {
+    for (int64_t k = first; k < last; k++) {
         int64_t at = k * block_words;
         counts[k] = count(new_ + at * word, base + at * word, BLOCK_LEN(k), word);
     }
 }
 
-#define GROUP 32
+#define GROUP 16
 
 /* the changed words of one block into the index (SPARSE) or bits (BITMASK) section, and their values; with
  * advance, each changed word is written into the base too (the base then holds the new version) */
@@ -59,25 +59,24 @@ void cudarecv_delta_counts(const char *new_, const char *base, int64_t words, in
                            uint8_t *bits, T **values) {                                                       \
         T *v = *values;                                                                                       \
         int32_t *ix = sparse ? *index : NULL;                                                                 \
-        for (int64_t i = 0; i < n; i++) {                                                                     \
-            if (i % GROUP == 0 && i + GROUP <= n) { /* a group of equal words is skipped at once */          \
-                T any = 0;                                                                                    \
-                for (int j = 0; j < GROUP; j++)                                                               \
-                    any |= x[i + j] ^ y[i + j];                                                               \
-                if (!any) {                                                                                   \
-                    i += GROUP - 1;                                                                           \
-                    continue;                                                                                 \
-                }                                                                                             \
-            }                                                                                                 \
-            if (x[i] == y[i])                                                                                 \
+        for (int64_t g = 0; g < n; g += GROUP) {                                                              \
+            int64_t end = g + GROUP < n ? g + GROUP : n;                                                      \
+            T any = 0;                                                                                        \
+            for (int64_t i = g; i < end; i++) /* a group of equal words is passed over at once */             \
+                any |= x[i] ^ y[i];                                                                           \
+            if (!any)                                                                                         \
                 continue;                                                                                     \
-            if (sparse)                                                                                       \
-                *ix++ = (int32_t)i;                                                                           \
-            else                                                                                              \
-                bits[i >> 3] |= (uint8_t)(1u << (i & 7));                                                    \
-            *v++ = x[i];                                                                                      \
-            if (advance)                                                                                      \
-                y[i] = x[i];                                                                                  \
+            for (int64_t i = g; i < end; i++) {                                                               \
+                if (x[i] == y[i])                                                                             \
+                    continue;                                                                                 \
+                if (sparse)                                                                                   \
+                    *ix++ = (int32_t)i;                                                                       \
+                else                                                                                          \
+                    bits[i >> 3] |= (uint8_t)(1u << (i & 7));                                                \
+                *v++ = x[i];                                                                                  \
+                if (advance)                                                                                  \
+                    y[i] = x[i];                                                                              \
+            }                                                                                                 \
         }                                                                                                     \
         if (sparse)                                                                                           \
             *index = ix;                                                                                      \
@@ -105,13 +104,13 @@ static void gather(const char *x, char *y, int64_t n, int word, int sparse, int 
     }
 }
 
-/* the patch's sections of new against base, for the kinds given, in the patch's order (bits: zeroed by the
- * caller) */
+/* the patch's sections of new against base for blocks first..last - 1, for the kinds given, each section from
+ * the pointer given (bits: zeroed by the caller) */
 void cudarecv_delta_gather(const char *new_, char *base, int advance, int64_t words, int word, int64_t block_words,
-                           const uint8_t *kinds, int32_t *index, uint8_t *bits, char *sparse_values,
-                           char *marked_values, char *full) {
+                           int64_t first, int64_t last, const uint8_t *kinds, int32_t *index, uint8_t *bits,
+                           char *sparse_values, char *marked_values, char *full) {
     int64_t blocks = (words + block_words - 1) / block_words;
-    for (int64_t k = 0; k < blocks; k++) {
+    for (int64_t k = first; k < last; k++) {
         int64_t at = k * block_words, n = BLOCK_LEN(k);
         const char *x = new_ + at * word;
         char *y = base + at * word;

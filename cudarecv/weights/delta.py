@@ -36,6 +36,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import enum
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -45,10 +47,14 @@ from torch import Tensor
 from ..core.errors import ChecksumError
 from ..core.host_copy import library
 from ..core.records import Record
+from ..plan.header import cut, piece_sizes
+from .relay import PATCH_BUFFER
 from .schema import Schema
 
 if TYPE_CHECKING:
+    from .relay import Hop
     from .slots import Slot
+    from .wire import PushHeader
 
 
 class PatchError(ChecksumError):
@@ -60,6 +66,9 @@ class PatchError(ChecksumError):
 #: patch, and a block's index fits an int32 whatever the word
 BLOCK_BYTES = 1 << 20
 FORMAT = 1
+#: the largest message a patch travels in: a relay chain forwards a message once it has all of it, so a small
+#: patch (a few MiB) in the sender's 1 MiB chunks would wait a chunk's time on each hop
+PATCH_MESSAGE = 256 << 10
 PREFIX = Record(
     "weight patch", b"CDRP", "IIQQ", size=32, error=PatchError, hint="the patch is corrupted"
 )
@@ -69,47 +78,25 @@ _BITS = 1 << _SHIFTS
 
 
 def _native() -> ctypes.CDLL | None:
-    """The native codec's calls (``native/delta.c``), declared once; None where cudarecv was built without a C
-    compiler (torch does the same work, slower)."""
+    """The native codec's calls (``native/delta.c``), declared on the library; None where cudarecv was built
+    without a C compiler (torch does the same work, slower). Called once: :data:`NATIVE`."""
     lib = library()
     if lib is None:
         return None
-    if not hasattr(lib, "_delta_declared"):
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        lib.cudarecv_delta_counts.argtypes = [ptr, ptr, i64, ctypes.c_int, i64, ptr]
-        lib.cudarecv_delta_counts.restype = None
-        lib.cudarecv_delta_gather.argtypes = [
-            ptr,
-            ptr,
-            ctypes.c_int,
-            i64,
-            ctypes.c_int,
-            i64,
-            ptr,
-            ptr,
-            ptr,
-            ptr,
-            ptr,
-            ptr,
-        ]
-        lib.cudarecv_delta_gather.restype = None
-        lib.cudarecv_delta_check.argtypes = [i64, i64, ptr, ptr, ptr, ptr]
-        lib.cudarecv_delta_check.restype = i64
-        lib.cudarecv_delta_apply.argtypes = [
-            ptr,
-            i64,
-            ctypes.c_int,
-            i64,
-            ptr,
-            ptr,
-            ptr,
-            ptr,
-            ptr,
-            ptr,
-            ptr,
-        ]
-        lib.cudarecv_delta_apply.restype = None
-        lib._delta_declared = True
+    i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    calls: dict[str, tuple[list[type], type | None]] = {
+        # (new, base, words, word, block_words, first, last, counts)
+        "cudarecv_delta_counts": ([ptr, ptr, i64, i32, i64, i64, i64, ptr], None),
+        # (new, base, advance, words, word, block_words, first, last, kinds, 5 sections)
+        "cudarecv_delta_gather": ([ptr, ptr, i32, i64, i32, i64, i64, i64, ptr, *[ptr] * 5], None),
+        # (words, block_words, kinds, counts, index, bits)
+        "cudarecv_delta_check": ([i64, i64, ptr, ptr, ptr, ptr], i64),
+        # (into, words, word, block_words, kinds, counts, 5 sections)
+        "cudarecv_delta_apply": ([ptr, i64, i32, i64, ptr, ptr, *[ptr] * 5], None),
+    }
+    for name, (argtypes, restype) in calls.items():
+        function = getattr(lib, name)
+        function.argtypes, function.restype = argtypes, restype
     return lib
 
 
@@ -123,6 +110,11 @@ class Block(enum.IntEnum):
     SPARSE = 1
     BITMASK = 2
     FULL = 3
+
+
+def patch_message(bucket_bytes: int) -> int:
+    """The bytes of a patch's messages for a session of ``bucket_bytes`` (both ends compute it)."""
+    return min(bucket_bytes, PATCH_MESSAGE)
 
 
 def word_bytes(schema: Schema) -> int:
@@ -210,10 +202,21 @@ def encode(
     words, block_words = new.numel() // word, BLOCK_BYTES // word
     blocks = -(-words // block_words)
     lib = NATIVE if native and new.device.type == "cpu" else None
+    parts = _parts(blocks, new.numel())
     if lib is not None:
         counts = torch.empty(blocks, dtype=torch.int64)
-        lib.cudarecv_delta_counts(
-            new.data_ptr(), base.data_ptr(), words, word, block_words, counts.data_ptr()
+        _parallel(
+            lambda first, last: lib.cudarecv_delta_counts(
+                new.data_ptr(),
+                base.data_ptr(),
+                words,
+                word,
+                block_words,
+                first,
+                last,
+                counts.data_ptr(),
+            ),
+            parts,
         )
         changed = None
     else:
@@ -243,15 +246,21 @@ def encode(
         ].zero_()  # (the padding after each section: nothing of the process's memory goes out)
     if lib is not None:
         patch[at[3] : at[3] + layout.bits].zero_()
-        lib.cudarecv_delta_gather(
-            new.data_ptr(),
-            base.data_ptr(),
-            advance,
-            words,
-            word,
-            block_words,
-            kinds.data_ptr(),
-            *(patch[a].data_ptr() if a < patch.numel() else 0 for a in at[2:7]),
+        starts = _section_starts(layout, word, at, parts)
+        _parallel(
+            lambda first, last: lib.cudarecv_delta_gather(
+                new.data_ptr(),
+                base.data_ptr(),
+                advance,
+                words,
+                word,
+                block_words,
+                first,
+                last,
+                kinds.data_ptr(),
+                *(patch.data_ptr() + a if a < patch.numel() else 0 for a in starts[first]),
+            ),
+            parts,
         )
     else:
         assert changed is not None
@@ -259,6 +268,64 @@ def encode(
         if advance:
             base.copy_(new)
     return patch
+
+
+#: host storages at least this large are diffed by several threads (each a range of blocks; the native codec
+#: runs without the GIL)
+PARALLEL_BYTES = 16 << 20
+#: at most this many threads (the caller's, and the rest started and joined within the call)
+THREADS = 4
+
+
+def _parts(blocks: int, nbytes: int) -> list[tuple[int, int]]:
+    """The ranges of blocks the threads of a host diff take, one each."""
+    count = min(THREADS, torch.get_num_threads(), blocks) if nbytes >= PARALLEL_BYTES else 1
+    bounds = [blocks * i // max(count, 1) for i in range(count + 1)]
+    return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a] or [(0, 0)]
+
+
+def _parallel(call: Callable[[int, int], object], parts: list[tuple[int, int]]) -> None:
+    """``call(first, last)`` for every range of ``parts``, the first on this thread, the others on threads of
+    their own (started and joined here; an error on any is raised here)."""
+    errors: list[BaseException] = []
+
+    def run(first: int, last: int) -> None:
+        try:
+            call(first, last)
+        except BaseException as error:  # noqa: BLE001 - raised on the caller's thread below
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=part, daemon=True) for part in parts[1:]]
+    for thread in threads:
+        thread.start()
+    run(*parts[0])
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+
+
+def _section_starts(
+    layout: Layout, word: int, at: list[int], parts: list[tuple[int, int]]
+) -> dict[int, list[int]]:
+    """For the first block of each part: where in the patch its index, bits, values and full words begin (the
+    sections' starts plus what the blocks before it take of each)."""
+    kinds, counts, sizes = layout.kinds, layout.counts, layout.sizes
+    sparse, bitmask, full = (kinds == Block.SPARSE), (kinds == Block.BITMASK), (kinds == Block.FULL)
+    per_block = torch.stack(
+        [
+            4 * counts * sparse,
+            (sizes + 7) // 8 * bitmask,
+            word * counts * sparse,
+            word * counts * bitmask,
+            word * sizes * full,
+        ]
+    )
+    before = torch.cat([torch.zeros(5, 1, dtype=torch.int64), per_block.cumsum(1)], 1)
+    return {
+        first: [a + int(b) for a, b in zip(at[2:7], before[:, first].tolist())]
+        for first, _ in parts
+    }
 
 
 def _block_sums(changed: Tensor, block_words: int) -> Tensor:
@@ -452,29 +519,49 @@ def _bit_runs(
 
 class Patches:
     """Delta, a receiver's: the buffer patches land in (the version's size, allocated at the first patch: a patch
-    is always smaller), and their application into the slot the next version lands in."""
+    is always smaller), and their application into the slot the next version lands in. A relayed patch is
+    forwarded from the buffer: the next one waits for that forward to end before it lands there (and a buffer
+    a failed forward may still read is never written again)."""
 
     def __init__(self, schema: Schema, device: torch.device, pin_memory: bool) -> None:
         self.word, self.total = word_bytes(schema), schema.total
         self.device, self.pin_memory = device, pin_memory
         self._buffer: Tensor | None = None
 
-    def buffer(self, nbytes: int) -> Tensor:
-        """Where a patch of ``nbytes`` (less than the version's) lands."""
+    def sizes(self, header: PushHeader, schema: Schema) -> list[int]:
+        """The byte count of each message of ``header``'s push (a patch's, or the version's), to drain it."""
+        if header.patch:
+            return piece_sizes(header.patch, patch_message(header.bucket_bytes))
+        return schema.message_sizes(header.bucket_bytes)
+
+    def pieces(self, nbytes: int, bucket_bytes: int, hop: Hop) -> list[Tensor]:
+        """The messages a patch of ``nbytes`` (less than the version's) lands in, once the forward of the last
+        relayed patch (``hop``'s) no longer reads them."""
+        forward = hop.forward_of(PATCH_BUFFER)
+        if forward is not None:
+            with contextlib.suppress(Exception):
+                forward.wait()  # bounded by its own timeout
+            if forward.failed:  # its parked send may read the buffer for as long as it likes
+                self.renew()
         if self._buffer is None:
             self._buffer = torch.empty(
                 self.total, dtype=torch.uint8, device=self.device, pin_memory=self.pin_memory
             )
-        return self._buffer[:nbytes]
+        return cut(self._buffer[:nbytes], patch_message(bucket_bytes))
+
+    def renew(self) -> None:
+        """Receives or a forward may still touch the buffer for good: never write it again (the next patch lands
+        in a new one)."""
+        self._buffer = None
 
     def apply(
-        self, patch: Tensor, slot: Slot, published: Slot | None, stream: torch.cuda.Stream | None
+        self, nbytes: int, slot: Slot, published: Slot | None, stream: torch.cuda.Stream | None
     ) -> None:
-        """Write the ``published`` version (the patch's base, checked by the caller) and then ``patch`` into
-        ``slot``; raises :class:`PatchError` if the patch does not apply (``slot`` is then unpublished rubbish, the
-        published version untouched)."""
-        if published is None:
+        """Write the ``published`` version (the patch's base, checked by the caller) and then the patch of
+        ``nbytes`` that landed into ``slot``; raises :class:`PatchError` if the patch does not apply (``slot`` is
+        then unpublished rubbish, the published version untouched)."""
+        if published is None or self._buffer is None:
             raise PatchError("a patch came before any version was published")
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             slot.fill(published.storage)
-            apply(patch, slot.storage, self.word)
+            apply(self._buffer[:nbytes], slot.storage, self.word)

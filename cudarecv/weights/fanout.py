@@ -28,7 +28,7 @@ from ..wire.control import read_bytes, wire_bytes
 from ..wire.staging import send_from
 from .link import link_error, send_bytes
 from .session import OWED, Member, Session, Standing
-from .snapshots import Snapshot, SnapshotPool
+from .snapshots import Patch, Snapshot, SnapshotPool
 from .transports.registry import WIRE
 from .wire import ASK_SIZE, GOT, LOST, MAX_WAIT_MS, REJECTED, hop_limit, read_ask, trailer_message
 
@@ -65,8 +65,18 @@ def protocol(
     how long it may take: ``timeout``; in a relay chain, as long as the hop after it waits (so a hop that timed out
     on a stopped one before it has ``timeout`` to say so)."""
     if hop is not None:
-        return _relayed(session, chain, hop, snapshot, timeout), hop_limit(timeout, hop + 1)
+        patch = chain_patch(chain, snapshot)
+        return _relayed(session, chain, hop, snapshot, timeout, patch), hop_limit(timeout, hop + 1)
     return send(session, member, snapshot, timeout), timeout
+
+
+def chain_patch(chain: list[Member], snapshot: Snapshot) -> Patch | None:
+    """Delta, relay: the patch the chain forwards as it is, if every receiver of it holds the patch's base (else the
+    version goes whole through the chain: a receiver that joined, or failed a push)."""
+    patch = snapshot.patch
+    if patch is None or any(m.held != patch.base for m in chain):
+        return None
+    return patch
 
 
 def send(session: Session, member: Member, snapshot: Snapshot, timeout: float) -> Protocol:
@@ -96,13 +106,20 @@ def send(session: Session, member: Member, snapshot: Snapshot, timeout: float) -
 
 
 def _relayed(
-    session: Session, chain: list[Member], i: int, snapshot: Snapshot, timeout: float
+    session: Session,
+    chain: list[Member],
+    i: int,
+    snapshot: Snapshot,
+    timeout: float,
+    patch: Patch | None,
 ) -> Protocol:
-    """Relay, to ``chain[i]``: its header (naming its hops); the payload and the trailer to the head of the
-    chain only; then the receiver's word that it has the version."""
+    """Relay, to ``chain[i]``: its header (naming its hops); the payload (the version, or ``patch``: delta) and the
+    trailer to the head of the chain only; then the receiver's word that it has the version."""
     member, lane = chain[i], chain[i].lane
+    chunks = snapshot.chunks if patch is None else patch.chunks
+    member.payload = sum(c.numel() for c in chunks) if i == 0 else 0
     header = dataclasses.replace(
-        snapshot.pushed,
+        snapshot.pushed if patch is None else patch.header,
         relayed=True,
         hop=i,
         wait_ms=min(math.ceil(hop_limit(timeout, i) * 1e3), MAX_WAIT_MS),
@@ -114,7 +131,7 @@ def _relayed(
     )
     if i == 0:
         payload, trailer = session.tags.relay(header.version)
-        yield from send_from(lane, snapshot.chunks, [payload] * len(snapshot.chunks))
+        yield from send_from(lane, chunks, [payload] * len(chunks))
         yield from send_bytes(lane, trailer_message(header.version), trailer)
     if head:
         yield head

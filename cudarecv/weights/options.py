@@ -104,11 +104,6 @@ def check_sender(
             "`delta=True` is for mode='sync' in this version: each receiver of a latest-mode sender "
             "holds a version of its own; drop `delta` or use mode='sync'"
         )
-    if delta and fanout == "relay":
-        raise ArgumentError(
-            "`delta=True` sends each receiver its patch by the star in this version (a patch is a few "
-            "percent of the version, so the star's K copies cost little): use fanout='star' or 'auto'"
-        )
     return float(checked["timeout"])
 
 

@@ -31,13 +31,12 @@ from ..core.errors import (
 from ..core.link import Link
 from ..core.protocol import Protocol, StartClock
 from ..core.transfer import Transfer
-from ..plan.header import cut, piece_sizes
 from ..wire.control import wire_bytes
 from ..wire.staging import Lane, drain, recv_into, send_from
 from .delta import PatchError, Patches
 from .inbox import Inbox
 from .link import link_error
-from .relay import Hop, Relaying
+from .relay import PATCH_BUFFER, Hop, Relaying
 from .schema import Schema
 from .slots import Slot, Slots
 from .transports.base import Transport
@@ -178,7 +177,10 @@ class Puller:
             return error
         if not isinstance(error, Error) or (isinstance(error, TimeoutError) and relaying.overdue()):
             return None
-        self.slots.renew(index, self.schema, self.bucket_bytes, self.device)
+        if relaying.index == PATCH_BUFFER:
+            self.patches.renew()
+        else:
+            self.slots.renew(index, self.schema, self.bucket_bytes, self.device)
         if isinstance(error, PeerError):
             self.hop.forget(relaying.up)
         lost = RelayLost(
@@ -220,13 +222,11 @@ class Puller:
                 f"a push of {header.total} bytes in {header.bucket_bytes}-byte messages does not match the handshake "
                 f"({total} bytes in {bucket_bytes}-byte messages): not drained, the link is out of step"
             )
-        if header.patch and (
-            header.patch >= total or header.relayed or header.shared or self.schema.leafwise
-        ):
+        if header.patch and (header.patch >= total or header.shared or self.schema.leafwise):
             raise OutOfStepError(
-                f"a patch of {header.patch} bytes for a version of {total} (relayed: {header.relayed}, shared: "
-                f"{header.shared}, leafwise: {self.schema.leafwise}) is none this receiver takes: not drained, the "
-                "link is out of step"
+                f"a patch of {header.patch} bytes for a version of {total} (shared: {header.shared}, "
+                f"leafwise: {self.schema.leafwise}) is none this receiver takes: not drained, the link "
+                "is out of step"
             )
         problem = None
         if header.fingerprint != self.schema.fingerprint:
@@ -250,20 +250,15 @@ class Puller:
             )
         if header.shared:
             slot = yield from self._take_shared(header, slot, problem)
-        elif header.relayed:
-            yield from self.hop.receive(
-                header, slot, index, self.version
-            )  # forwarded, published or not
+        elif header.relayed and header.patch:  # forwarded, applied or not
+            pieces = self.patches.pieces(header.patch, bucket_bytes, self.hop)
+            yield from self.hop.receive(header, pieces, PATCH_BUFFER, self.version)
+        elif header.relayed:  # forwarded, published or not
+            yield from self.hop.receive(header, slot.pieces, index, self.version)
         elif problem:
-            sizes = (
-                piece_sizes(header.patch, bucket_bytes)
-                if header.patch
-                else self.schema.message_sizes(bucket_bytes)
-            )
-            yield from drain(lane, sizes, inbox.tags.payload)
+            yield from drain(lane, self.patches.sizes(header, self.schema), inbox.tags.payload)
         elif header.patch:
-            patch = self.patches.buffer(header.patch)
-            pieces = cut(patch, bucket_bytes)
+            pieces = self.patches.pieces(header.patch, bucket_bytes, self.hop)
             yield from recv_into(lane, pieces, [inbox.tags.payload] * len(pieces))
         else:
             yield from recv_into(lane, slot.pieces, [inbox.tags.payload] * len(slot.pieces))
@@ -278,9 +273,9 @@ class Puller:
             ]  # verify and publish landed bytes only
         if (
             header.patch
-        ):  # the held version, then what changed, into the spare slot (the published one untouched)
+        ):  # the held version, then what changed, into the spare slot (not the published)
             try:
-                self.patches.apply(patch, slot, self.slots.published, lane.stream)
+                self.patches.apply(header.patch, slot, self.slots.published, lane.stream)
             except PatchError as error:
                 inbox.tell(header, REJECTED)
                 raise PatchError(

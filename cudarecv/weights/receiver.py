@@ -53,7 +53,7 @@ from .handshake import expected
 from .inbox import Inbox
 from .options import TransportPolicy, check_receiver
 from .pulling import Puller
-from .relay import Hop
+from .relay import PATCH_BUFFER, Hop
 from .schema import Schema
 from .sharded.layout import is_sharded
 from .slots import Slot, Slots, load_into
@@ -385,14 +385,16 @@ class WeightReceiver:
             yield [self._pending.ended()]
         while not (inbox.released or inbox.sender_closed or self._puller.broken):
             header = yield from inbox.header()
-            if header.kind == PUSH and header.relayed:  # the hops after this one still need it
+            bucket_bytes, patches = self._puller.bucket_bytes, self._puller.patches
+            if header.kind == PUSH and header.relayed and header.patch:  # (as below: a patch)
+                pieces = patches.pieces(header.patch, bucket_bytes, self._hop)
+                yield from self._hop.receive(header, pieces, PATCH_BUFFER, self.version)
+            elif header.kind == PUSH and header.relayed:  # the hops after this one still need it
                 index = self._slots.spare()
                 slot = self._slots.own[index].writable()
-                yield from self._hop.receive(header, slot, index, self.version)
+                yield from self._hop.receive(header, slot.pieces, index, self.version)
             elif header.kind == PUSH and not header.shared:  # (a shared push sends nothing more)
-                yield from drain(
-                    lane, self.schema.message_sizes(self._puller.bucket_bytes), inbox.tags.payload
-                )
+                yield from drain(lane, patches.sizes(header, self.schema), inbox.tags.payload)
 
     def __enter__(self) -> Self:
         return self

@@ -61,7 +61,10 @@ from .wire import (
 
 if TYPE_CHECKING:
     from ..core.protocol import Protocol, Work
-    from .slots import Slot
+
+
+#: where a relayed patch lands (delta), for :meth:`Hop.receive` and :meth:`Hop.forward_of`: not an own slot
+PATCH_BUFFER = -1
 
 
 class Passage(enum.Enum):
@@ -205,25 +208,28 @@ class Hop:
             raise UsageError("this weight receiver is closed")
         return self._sender_lane
 
-    def receive(self, header: PushHeader, slot: Slot, index: int, version: int) -> Protocol:
-        """A sub-protocol: receive the payload from the hop before this one into ``slot`` (own slot ``index``) and
-        forward each chunk to the hop after it as it lands (within as long as the hop after it waits: the header's
-        ``wait_ms`` is this hop's); raises :class:`RelayLost` naming the rank that failed upstream if the push
-        broke there (``version``: the one this receiver keeps)."""
+    def receive(
+        self, header: PushHeader, pieces: Sequence[Tensor], index: int, version: int
+    ) -> Protocol:
+        """A sub-protocol: receive the payload from the hop before this one into ``pieces`` (the messages of own
+        slot ``index``, or of the patch buffer: :data:`PATCH_BUFFER`) and forward each chunk to the hop after it as
+        it lands (within as long as the hop after it waits: the header's ``wait_ms`` is this hop's); raises
+        :class:`RelayLost` naming the rank that failed upstream if the push broke there (``version``: the one this
+        receiver keeps)."""
         if header.down >= 0 and header.down == header.up:
             raise OutOfStepError(
                 f"a relay header names rank {header.up} as both hops: the link is out of step"
             )
         wait = header.wait_ms / 1e3
         self.relaying, self.lost_at = (
-            Relaying(None, header.up, header.version, time.monotonic(), wait),
+            Relaying(None, header.up, header.version, time.monotonic(), wait, index),
             None,
         )
         up, down = yield from self._lanes(header, wait)
         payload, trailer = self.tags.relay(header.version)
         relay = None
         if down is not None:
-            relay = self.relaying.relay = Relay(down, slot.pieces, payload, trailer, header.version)
+            relay = self.relaying.relay = Relay(down, pieces, payload, trailer, header.version)
             forward = Transfer(
                 relay.forward(),
                 down.stream,
@@ -240,7 +246,7 @@ class Hop:
                 what=f"forward of version {header.version} to rank {header.down}",
             )
             self._forwards[index] = self._last["forward", header.down] = forward
-        receiving = self._receive_from(up, header, slot, relay, payload, trailer)
+        receiving = self._receive_from(up, header, pieces, relay, payload, trailer)
         if (
             up is self.lane or up.nccl
         ):  # the head of the chain (from the sender), or NCCL (a failed peer breaks
@@ -346,15 +352,15 @@ class Hop:
         self,
         up: Lane,
         header: PushHeader,
-        slot: Slot,
+        pieces: Sequence[Tensor],
         relay: Relay | None,
         payload: int,
         trailer: int,
     ) -> Generator[Sequence[Work], None, tuple[Trailer, int]]:
-        """A sub-protocol: the payload from the hop before into ``slot``, each chunk to ``relay`` as it lands;
+        """A sub-protocol: the payload from the hop before into ``pieces``, each chunk to ``relay`` as it lands;
         returns the trailer's (status, the rank that failed). On gloo the trailer's receive is posted first, so
         the hop's forward never waits on a receive this one never posts (if it runs out of time meanwhile)."""
-        tags = [payload] * len(slot.pieces)
+        tags = [payload] * len(pieces)
         early = None
         if (
             not up.nccl
@@ -362,13 +368,13 @@ class Hop:
             early = torch.zeros(TRAILER_SIZE + ROOM, dtype=torch.uint8)
             posted = up.post(False, [early], [trailer])
         if (
-            relay is not None and up.nccl and wire_can_touch(up, slot.pieces)
+            relay is not None and up.nccl and wire_can_touch(up, pieces)
         ):  # one chunk at a time: each forwarded
-            for i, piece in enumerate(slot.pieces):  # once its receive is on the stream
+            for i, piece in enumerate(pieces):  # once its receive is on the stream
                 yield from recv_into(up, [piece], tags[:1], landed=_landing(relay, i))
         else:
             yield from recv_into(
-                up, slot.pieces, tags, landed=relay.landed if relay is not None else None
+                up, pieces, tags, landed=relay.landed if relay is not None else None
             )
         if early is None:
             raw = yield from read_bytes(up, TRAILER_SIZE, trailer, "relay trailer", header_too_long)
@@ -410,7 +416,8 @@ class Hop:
             release(lane.link.pg)
 
     def forward_of(self, index: int) -> Transfer | None:
-        """The forward that may still read own slot ``index`` (let go of here)."""
+        """The forward that may still read own slot ``index`` (or the patch buffer: :data:`PATCH_BUFFER`; let go
+        of here)."""
         return self._forwards.pop(index, None)
 
     def _peer(self, rank: int, what: str) -> Lane:
@@ -482,6 +489,8 @@ class Relaying:
     version: int
     started: float
     wait: float
+    #: where it lands: own slot ``index``, or the patch buffer (:data:`PATCH_BUFFER`)
+    index: int
     lost: int = -1
 
     def overdue(self) -> bool:

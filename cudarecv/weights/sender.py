@@ -146,8 +146,6 @@ class SessionSender:
             raise ArgumentError(
                 "`delta=True` diffs a sender's whole storage: a sharded sender's pieces are not one (drop `delta`)"
             )
-        if delta and fanout == "auto":  # (a patch goes by the star: see check_sender)
-            fanout = "star"
         # a relay moves chunks; "auto" may choose it after the handshake, so it chunks too when it may
         relaying = fanout == "relay" or (fanout == "auto" and mode == "sync")
         bucket_bytes = bucket_bytes or max(
@@ -215,8 +213,9 @@ class SessionSender:
 
     @property
     def payload_bytes(self) -> dict[int, int]:
-        """The bytes of the last push's payload to each receiver still served: the version's, a patch's (delta),
-        or 0 (a receiver reading the snapshot where it lies)."""
+        """The bytes the last push's payload took from the sender to each receiver still served: the version's,
+        a patch's (delta), or 0 (a receiver reading the snapshot where it lies, or one after the head of a relay
+        chain, which gets it from the hop before)."""
         return {m.rank: m.payload for m in self._s.members if m.served}
 
     @property
@@ -408,10 +407,10 @@ class WeightSender(SessionSender):
         delta: each push on the wire sends a receiver only the words that changed since the version it holds
             (:mod:`~cudarecv.weights.delta`: a patch, chosen per 1 MiB block by size, applied in the receiver's
             spare buffer and checked with ``verify``), or the version whole where that is smaller or the receiver
-            holds none (new, or after a failure). Sync mode, star fan-out (``"auto"`` picks it); receivers on
-            this machine read the snapshot where it lies and take no patch. The sender keeps two more copies of
-            the weights (the last version, and the buffer a patch is written in); each receiver one, at its first
-            patch.
+            holds none (new, or after a failure). Sync mode; a relay chain forwards the patch as it is when every
+            receiver of it holds its base; receivers on this machine read the snapshot where it lies and take no
+            patch. The sender keeps two more copies of the weights (the last version, and the buffer a patch is
+            written in); each receiver one more, at its first patch.
 
     Construction performs the handshake with every receiver and raises if one rejects the schema
     (:class:`SchemaError`, naming it and the first differing key) or could not start (:class:`ReceiverFailed`).

@@ -23,7 +23,7 @@ from ..core import streams
 from ..core.errors import UsageError, WaitTimeout
 from ..core.host_copy import CopyTable
 from ..plan.header import cut
-from .delta import encode, word_bytes
+from .delta import encode, patch_message, word_bytes
 from .schema import Schema
 from .session import Member, Session
 from .wire import PushHeader, checksum
@@ -323,6 +323,6 @@ class Base:
         return Patch(
             header.version - 1,
             patch,
-            cut(patch, self.session.bucket_bytes),
+            cut(patch, patch_message(self.session.bucket_bytes)),
             dataclasses.replace(header, base=header.version - 1, patch=patch.numel()),
         )
