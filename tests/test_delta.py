@@ -297,3 +297,70 @@ def test_threads_diff_ranges_of_blocks_into_the_same_patch(monkeypatch):
     moved = base.clone()
     assert torch.equal(delta.encode(new, moved, 2, advance=True), patch)
     assert torch.equal(moved, new)
+
+
+def latest_deltas(rank, world, group, steps):
+    """Latest mode: rank 0 pushes ``steps`` versions; after each, rank 1 pulls it, rank 2 every third, rank 3 the
+    first and the last only. Each receiver gets a patch from the version it holds while a snapshot of the sender
+    still holds that version (5 buffers: the last five versions), else the version whole; every version it
+    publishes is bit-exact."""
+    td = version_td(0)
+    pulls = {1: set(range(1, steps + 1)), 2: set(range(1, steps + 1, 3)), 3: {1, steps}}
+    if rank == 0:
+        from cudarecv.weights.snapshots import SnapshotPool
+
+        made: list[tuple[int, int, bool]] = []
+        patch_from = SnapshotPool.patch_from
+
+        def counting(pool, snapshot, held):
+            patch = patch_from(pool, snapshot, held)
+            made.append((snapshot.pushed.version, held, patch is not None))
+            return patch
+
+        SnapshotPool.patch_from = counting
+        try:
+            with cudarecv.WeightSender(
+                td, dst=[1, 2, 3], mode="latest", delta=True, verify=True, transport="wire"
+            ) as sender:
+                for version in range(1, steps + 1):
+                    step(td, version)
+                    assert sender.push() == version
+                    torch.distributed.barrier()  # the receivers pull it
+                    torch.distributed.barrier()  # they have it
+                torch.distributed.barrier()
+        finally:
+            SnapshotPool.patch_from = patch_from
+        return made
+    with cudarecv.WeightReceiver(src=0, expect=td, timeout=30) as receiver:
+        expected, at, seen = version_td(0), 0, []
+        for version in range(1, steps + 1):
+            torch.distributed.barrier()
+            if version in pulls[rank]:
+                got = receiver.pull()
+                while at < got:
+                    at += 1
+                    step(expected, at)
+                exact = all(
+                    torch.equal(
+                        receiver.td.get(k).view(torch.uint8), expected.get(k).view(torch.uint8)
+                    )
+                    for k in expected.keys(True, True)
+                )
+                seen.append((got, exact))
+            torch.distributed.barrier()
+        torch.distributed.barrier()
+        return seen
+
+
+def test_latest_mode_patches_each_receiver_from_the_version_it_holds(four):
+    results = four().run(latest_deltas, args=(12,), timeout=120)
+    made = results[0]
+    assert results[1] == [(v, True) for v in range(1, 13)]
+    assert results[2] == [(v, True) for v in (1, 4, 7, 10)]
+    assert results[3] == [(1, True), (12, True)]
+    patched = {(version, held) for version, held, ok in made if ok}
+    # rank 1 from the version before, rank 2 from three before (both still in a snapshot)
+    assert {(v, v - 1) for v in range(2, 13)} <= patched
+    assert {(4, 1), (7, 4), (10, 7)} <= patched
+    # rank 3 holds version 1, long overwritten by version 12: no patch, the version whole
+    assert (12, 1) not in patched

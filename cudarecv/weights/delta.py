@@ -195,7 +195,8 @@ def encode(
     advance: bool = False,
 ) -> Tensor | None:
     """The patch that turns ``base`` into ``new`` (uint8 storages of the same length, a multiple of ``word``), in
-    ``out`` (uint8, at least as long as ``new``; a new tensor if None), as a view of its first bytes; None when
+    ``out`` (uint8, at least as long as ``new``; a new tensor of the patch's length if None), as a view of its
+    first bytes; None when
     a patch would not be smaller than ``new`` itself (send the version whole). ``advance``: ``base`` then holds
     ``new`` (the native codec writes only the changed words). Host storages take the native codec where it was
     built (``native=False``: torch's, as on a device)."""
@@ -230,7 +231,7 @@ def encode(
             base.copy_(new)
         return None
     if out is None:
-        out = torch.empty(new.numel(), dtype=torch.uint8, device=new.device)
+        out = torch.empty(at[-1], dtype=torch.uint8, device=new.device)
     patch = out[: at[-1]]
     prefix = PREFIX.pack(FORMAT, word, block_words, blocks)
     patch[: PREFIX.size].copy_(torch.frombuffer(bytearray(prefix), dtype=torch.uint8))

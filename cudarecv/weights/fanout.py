@@ -67,7 +67,7 @@ def protocol(
     if hop is not None:
         patch = chain_patch(chain, snapshot)
         return _relayed(session, chain, hop, snapshot, timeout, patch), hop_limit(timeout, hop + 1)
-    return send(session, member, snapshot, timeout), timeout
+    return send(session, member, snapshot, timeout, snapshot.patch), timeout
 
 
 def chain_patch(chain: list[Member], snapshot: Snapshot) -> Patch | None:
@@ -79,18 +79,25 @@ def chain_patch(chain: list[Member], snapshot: Snapshot) -> Patch | None:
     return patch
 
 
-def send(session: Session, member: Member, snapshot: Snapshot, timeout: float) -> Protocol:
+def send(
+    session: Session,
+    member: Member,
+    snapshot: Snapshot,
+    timeout: float,
+    patch: Patch | None = None,
+) -> Protocol:
     """Star: what the receiver's transport sends (the header and the payload on the wire, or, a receiver reading
-    the snapshot where it lies, the header alone; delta: on the wire, the snapshot's patch if the receiver holds
-    its base); then, header alone or delta, the receiver's word: it copied the version out, or (zero-copy)
-    published it where it lies and holds it until FREED; delta: which version it holds now."""
+    the snapshot where it lies, the header alone; delta: on the wire, ``patch`` if the receiver holds its base);
+    then, header alone or delta, the receiver's word: it copied the version out, or (zero-copy) published it
+    where it lies and holds it until FREED; delta: which version it holds now."""
     transport = member.transport if member.transport.carries(snapshot) else WIRE
     version = snapshot.pushed.version
     if transport.header_only and member.alias:
         with session.cond:
             snapshot.holders += 1
             member.holding[version] = snapshot
-    patch = snapshot.patch if not transport.header_only else None
+    if transport.header_only:
+        patch = None
     if patch is not None and member.held != patch.base:
         patch = None  # (it holds another version, or none known: the version whole)
     member.payload = (

@@ -99,11 +99,6 @@ def check_sender(
         timeout=timeout, transport=transport, bucket_bytes=bucket_bytes, delta=delta
     )
     check_mode(mode, buffers, fanout)
-    if delta and mode != "sync":
-        raise ArgumentError(
-            "`delta=True` is for mode='sync' in this version: each receiver of a latest-mode sender "
-            "holds a version of its own; drop `delta` or use mode='sync'"
-        )
     return float(checked["timeout"])
 
 

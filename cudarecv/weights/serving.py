@@ -159,8 +159,9 @@ def _reply(session: Session, pool: SnapshotPool, member: Member) -> None:
     driven_here = (
         member.transport.header_only and member.transport.carries(snapshot) and not member.lane.nccl
     )
+    patch = pool.patch_from(snapshot, member.held) if session.delta and not driven_here else None
     transfer = Transfer(
-        send(session, member, snapshot, session.timeout),
+        send(session, member, snapshot, session.timeout, patch),
         member.lane.stream,
         timeout=session.timeout,
         driver=here if driven_here else None,

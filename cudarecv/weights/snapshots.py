@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -66,8 +67,12 @@ class Snapshot:
         self.chunks = schema.cut(self.storage, bucket_bytes)  # the messages it is sent in
         self._whole = None if schema.leafwise else self.storage
         self.header: PushHeader | None = None
-        #: delta: the patch from the version pushed before it, if one is smaller than the version
+        #: delta, sync mode: the patch from the version pushed before it, if one is smaller than the version
         self.patch: Patch | None = None
+        #: delta, latest mode: the patches to the version it holds from each base a receiver asked from (None: no
+        #: patch, the version whole), computed once each (under ``diffing``) while it holds this version
+        self.patches: dict[int, Patch | None] = {}
+        self.diffing = threading.Lock()
         self.readers = 0  # replies in flight that send from it
         self.writing = False
         self.holders = (
@@ -184,18 +189,20 @@ class SnapshotPool:
         return next((s for s in self.snapshots if s.holders == 0 and not s.retired), None)
 
     def _free(self) -> Snapshot | None:
+        """Under the lock: the free snapshot that holds the oldest version (or none yet): the others keep recent
+        versions, which delta diffs a receiver's version against."""
         self._replenish()
-        return next(
-            (
-                s
-                for s in self.snapshots
-                if s is not self.latest
-                and s.readers == 0
-                and not s.writing
-                and s.holders == 0
-                and not s.retired
-            ),
-            None,
+        free = [
+            s
+            for s in self.snapshots
+            if s is not self.latest
+            and s.readers == 0
+            and not s.writing
+            and s.holders == 0
+            and not s.retired
+        ]
+        return min(
+            free, key=lambda s: s.header.version if s.header is not None else -1, default=None
         )
 
     def _busy(self) -> str:
@@ -282,7 +289,41 @@ class SnapshotPool:
             session.verify,
             ack=session.delta,
         )
-        target.patch = None
+        target.patch, target.patches = None, {}
+
+    def patch_from(self, snapshot: Snapshot, held: int | None) -> Patch | None:
+        """Delta, latest mode (on a reply's thread): the patch that turns version ``held``, which a receiver holds,
+        into ``snapshot``'s, if a snapshot of the pool still holds ``held`` and the patch is smaller than the
+        version; computed once per base while ``snapshot`` holds its version (replies to receivers on the same
+        base share it). The base's snapshot is read while no push may write it (it counts as being sent)."""
+        header = snapshot.pushed
+        if held is None or held >= header.version:
+            return None
+        with snapshot.diffing:
+            if held in snapshot.patches:
+                return snapshot.patches[held]
+            with self.session.cond:
+                base = next(
+                    (
+                        s
+                        for s in self.snapshots
+                        if s.header is not None and s.header.version == held and not s.writing
+                    ),
+                    None,
+                )
+                if base is None:
+                    return None  # (overwritten since: the version whole)
+                base.readers += 1
+            try:
+                patch = encode(snapshot.storage, base.storage, word_bytes(self.session.schema))
+            finally:
+                with self.session.cond:
+                    base.readers -= 1
+                    self.session.cond.notify_all()
+            snapshot.patches[held] = found = (
+                None if patch is None else _patch(self.session, header, held, patch)
+            )
+            return found
 
     def diff(self, target: Snapshot, stream: torch.cuda.Stream | None) -> None:
         """Delta, once ``target`` holds the new version: its patch from the version before (``target.patch``; None
@@ -318,11 +359,14 @@ class Base:
             return None
         patch = encode(target.storage, self.storage, self.word, self._out, advance=True)
         self.version = header.version
-        if patch is None:
-            return None
-        return Patch(
-            header.version - 1,
-            patch,
-            cut(patch, patch_message(self.session.bucket_bytes)),
-            dataclasses.replace(header, base=header.version - 1, patch=patch.numel()),
-        )
+        return None if patch is None else _patch(self.session, header, header.version - 1, patch)
+
+
+def _patch(session: Session, header: PushHeader, base: int, patch: torch.Tensor) -> Patch:
+    """``patch`` (from version ``base`` to ``header``'s) with its messages and header."""
+    return Patch(
+        base,
+        patch,
+        cut(patch, patch_message(session.bucket_bytes)),
+        dataclasses.replace(header, base=base, patch=patch.numel()),
+    )
