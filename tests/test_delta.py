@@ -164,7 +164,7 @@ def test_the_word_is_the_item_size_of_the_dtype_holding_most_bytes():
 
 
 # -- real ranks ----------------------------------------------------------------------------------------------------
-def deltas(rank, world, group, steps, corrupt, fanout="star"):
+def deltas(rank, world, group, steps, corrupt, fanout="star", lie=0):
     """Rank 0 pushes ``steps`` versions with ``delta=True`` (and verify) to every other rank on the wire; version
     ``corrupt`` (if any) has one byte of its patch flipped on the way. Each actor checks each version bit for bit."""
     td = version_td(0)
@@ -196,6 +196,8 @@ def deltas(rank, world, group, steps, corrupt, fanout="star"):
             assert sender.fanout == fanout
             for version in range(1, steps + 1):
                 step(td, version)
+                if version == lie:  # (the sender wrongly believes rank 1 holds the version before)
+                    next(m for m in sender._s.members if m.rank == 1).held = version - 1
                 try:
                     assert sender.push() == version
                 except cudarecv.ChecksumError as error:
@@ -212,8 +214,8 @@ def deltas(rank, world, group, steps, corrupt, fanout="star"):
             step(expected, version)
             try:
                 got = receiver.pull()
-            except cudarecv.ChecksumError as error:
-                seen.append((version, "rejected", receiver.version, str(error)))
+            except cudarecv.MismatchError as error:  # (a digest's, or a patch's base)
+                seen.append((version, "rejected", receiver.version, type(error).__name__))
                 continue
             exact = all(
                 torch.equal(receiver.td.get(k).view(torch.uint8), expected.get(k).view(torch.uint8))
@@ -261,7 +263,7 @@ def test_a_corrupted_patch_is_rejected_and_the_next_push_repairs_it_whole(four, 
     for rank in (1, 2, 3):
         seen = results[rank]
         assert seen[:2] == [(1, 1, True), (2, 2, True)]
-        assert seen[2][:3] == (3, "rejected", 2)
+        assert seen[2] == (3, "rejected", 2, "ChecksumError")
         assert seen[3:] == [(4, 4, True), (5, 5, True), (6, 6, True)]
         if fanout == "star" or rank == 1:
             assert sizes[3][rank] == total
@@ -364,3 +366,171 @@ def test_latest_mode_patches_each_receiver_from_the_version_it_holds(four):
     assert {(4, 1), (7, 4), (10, 7)} <= patched
     # rank 3 holds version 1, long overwritten by version 12: no patch, the version whole
     assert (12, 1) not in patched
+
+
+def exact(got: TensorDict, want: TensorDict) -> bool:
+    return all(
+        torch.equal(got.get(k).view(torch.uint8), want.get(k).view(torch.uint8))
+        for k in want.keys(True, True)
+    )
+
+
+def delta_actor(conn, port: int, name: str, index: int, die_at: int) -> None:
+    """A receiver that joined through the store: it pulls until the version ``delta/final`` names, saying in the
+    store each version it got and whether it was bit-exact; with ``die_at``, it dies (SIGKILL) once that version's
+    patch has landed, before it applies it."""
+    import json
+    import os
+    import signal
+
+    from churn import store_client
+
+    from cudarecv.weights import delta as codec
+
+    conn.close()
+    store = store_client(port)
+    receiver = cudarecv.ElasticReceiver(store=store, name=name, timeout=8.0)
+    store.set(f"delta/{index}/id", str(receiver.id))
+    if die_at:
+        apply = codec.Patches.apply
+
+        def apply_or_die(self, nbytes, slot, published, stream):
+            if receiver.version + 1 >= die_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            apply(self, nbytes, slot, published, stream)
+
+        codec.Patches.apply = apply_or_die
+    expected, at, seen = version_td(0), 0, []
+    while not (
+        store.check(["delta/final"]) and seen and seen[-1][0] >= int(store.get("delta/final"))
+    ):
+        version = receiver.pull(timeout=120)
+        while at < version:
+            at += 1
+            step(expected, at)
+        with receiver.reading() as td:
+            seen.append([version, exact(td, expected)])
+        store.set(f"delta/{index}/seen", json.dumps(seen))
+    receiver.close()
+
+
+@pytest.mark.timeout(300)
+def test_a_receiver_killed_mid_delta_is_dropped_and_its_restart_gets_the_version_whole_then_patches():
+    """Receivers that join through a store: receiver B dies once version 3's patch has landed in it (before it
+    applies it); no push raises, A gets every version as patches; B restarted joins, gets its first version whole
+    and the next ones as patches, every one bit-exact."""
+    import datetime
+    import json
+    import time
+
+    from churn import fork_process, master_store
+
+    name, wait = "delta", datetime.timedelta(seconds=120)
+    with master_store() as store:
+        td = version_td(0)
+        sender = cudarecv.ElasticSender(
+            td, store=store, name=name, delta=True, verify=True, transport="wire", timeout=8.0
+        )
+        actors, sizes = [], {}
+
+        def joined(count: int) -> None:
+            deadline = time.monotonic() + 120
+            while len(sender.ranks) < count:
+                assert time.monotonic() < deadline, sender.receivers
+                time.sleep(0.01)
+
+        def push(version: int) -> None:
+            step(td, version)
+            assert sender.push() == version
+            sizes[version] = dict(sender.payload_bytes)
+
+        try:
+            actors.append(fork_process(delta_actor, (store.port, name, 1, 0)))
+            actors.append(fork_process(delta_actor, (store.port, name, 2, 3)))
+            store.wait(["delta/1/id", "delta/2/id"], wait)
+            joined(2)
+            for version in range(1, 5):
+                push(version)  # (B dies during version 3's: dropped, logged; the push returns)
+            actors[1].join(120)
+            assert actors[1].exitcode == -9
+            actors.append(fork_process(delta_actor, (store.port, name, 3, 0)))
+            store.wait(["delta/3/id"], wait)
+            joined(2)
+            store.set("delta/final", "8")
+            for version in range(5, 9):
+                push(version)
+            for actor in (actors[0], actors[2]):
+                actor.join(120)
+                assert actor.exitcode == 0
+            ids = {i: int(store.get(f"delta/{i}/id")) for i in (1, 2, 3)}
+            seen = {i: json.loads(store.get(f"delta/{i}/seen")) for i in (1, 2, 3)}
+            total = sender.schema.total
+        finally:
+            sender.close()
+            for actor in actors:
+                actor.kill()
+    assert seen[1] == [[v, True] for v in range(1, 9)]
+    assert seen[2] == [[1, True], [2, True]]  # (it died with version 3's patch landed, unapplied)
+    assert ids[2] not in sizes[4] and ids[2] in sender.dropped
+    assert seen[3] == [[v, True] for v in range(5, 9)]
+    assert sizes[1][ids[1]] == total and all(
+        0 < sizes[v][ids[1]] < 0.06 * total for v in range(2, 9)
+    )
+    assert sizes[5][ids[3]] == total  # the restarted receiver holds nothing: the version whole
+    assert all(0 < sizes[v][ids[3]] < 0.06 * total for v in (6, 7, 8))
+
+
+def test_a_patch_against_a_version_the_receiver_does_not_hold_is_rejected_and_repaired(four):
+    """Version 3's patch is corrupted (every receiver rejects it and keeps version 2); the sender then wrongly
+    believes rank 1 holds version 3 (a lost word, a bug) and sends it version 4's patch against 3: rank 1 rejects
+    it (its base is 2), drained, in step; the others get version 4 whole. Version 5 repairs rank 1, whole."""
+    results = four().run(deltas, args=(6, 3, "star", 4), timeout=120)
+    sizes, errors, total = results[0]
+    assert [v for v, _ in errors] == [3, 4]
+    assert "rank 1" in errors[1][1] and "rank 2" not in errors[1][1]
+    assert results[1][3] == (4, "rejected", 2, "PushHeaderError")
+    assert results[1][4:] == [(5, 5, True), (6, 6, True)]
+    assert sizes[3][1] < 0.06 * total and sizes[4][1] == total and sizes[5][1] < 0.06 * total
+    for rank in (2, 3):
+        assert results[rank][3:] == [(4, 4, True), (5, 5, True), (6, 6, True)]
+        assert sizes[3][rank] == total and sizes[4][rank] < 0.06 * total
+
+
+@pytest.mark.timeout(300)
+def test_a_restarted_sender_sends_its_first_version_whole_then_patches():
+    """A trainer that restarts (a new ElasticSender of the same name) knows no receiver's version: its first push
+    to each is whole, the next ones patches; the receivers follow it and every version is bit-exact."""
+    import datetime
+    import json
+    import time
+
+    from churn import fork_process, master_store
+
+    name, wait = "restart", datetime.timedelta(seconds=120)
+    with master_store() as store:
+        td, sizes = version_td(0), {}
+        actor = fork_process(delta_actor, (store.port, name, 1, 0))
+        try:
+            for first, last in ((1, 3), (4, 6)):
+                with cudarecv.ElasticSender(
+                    td, store=store, name=name, delta=True, transport="wire", timeout=8.0
+                ) as sender:
+                    deadline = time.monotonic() + 120
+                    while not sender.ranks:
+                        assert time.monotonic() < deadline, sender.receivers
+                        time.sleep(0.01)
+                    if first == 4:
+                        store.set("delta/final", "6")
+                    for version in range(first, last + 1):
+                        step(td, version)
+                        assert sender.push() == version
+                        sizes[version] = list(sender.payload_bytes.values())
+                    total = sender.schema.total
+            actor.join(120)
+            assert actor.exitcode == 0
+            seen = json.loads(store.get("delta/1/seen"))
+        finally:
+            actor.kill()
+    assert seen == [[v, True] for v in range(1, 7)]
+    assert sizes[1] == [total] and sizes[4] == [total]  # (each sender's first)
+    assert all(0 < sizes[v][0] < 0.06 * total for v in (2, 3, 5, 6))
