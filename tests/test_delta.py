@@ -8,6 +8,12 @@ version ``k`` of a bf16 model whose steps each change ``FRACTION`` of its elemen
 
 from __future__ import annotations
 
+import datetime
+import json
+import os
+import signal
+import time
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -15,6 +21,7 @@ from hypothesis import strategies as st
 from tensordict import TensorDict
 
 import cudarecv
+from churn import fork_process, master_store, store_client
 from cudarecv.weights import delta
 from cudarecv.weights.delta import PatchError
 
@@ -379,27 +386,19 @@ def delta_actor(conn, port: int, name: str, index: int, die_at: int) -> None:
     """A receiver that joined through the store: it pulls until the version ``delta/final`` names, saying in the
     store each version it got and whether it was bit-exact; with ``die_at``, it dies (SIGKILL) once that version's
     patch has landed, before it applies it."""
-    import json
-    import os
-    import signal
-
-    from churn import store_client
-
-    from cudarecv.weights import delta as codec
-
     conn.close()
     store = store_client(port)
     receiver = cudarecv.ElasticReceiver(store=store, name=name, timeout=8.0)
     store.set(f"delta/{index}/id", str(receiver.id))
     if die_at:
-        apply = codec.Patches.apply
+        apply = delta.Patches.apply
 
         def apply_or_die(self, nbytes, slot, published, stream):
             if receiver.version + 1 >= die_at:
                 os.kill(os.getpid(), signal.SIGKILL)
             apply(self, nbytes, slot, published, stream)
 
-        codec.Patches.apply = apply_or_die
+        delta.Patches.apply = apply_or_die
     expected, at, seen = version_td(0), 0, []
     while not (
         store.check(["delta/final"]) and seen and seen[-1][0] >= int(store.get("delta/final"))
@@ -419,12 +418,6 @@ def test_a_receiver_killed_mid_delta_is_dropped_and_its_restart_gets_the_version
     """Receivers that join through a store: receiver B dies once version 3's patch has landed in it (before it
     applies it); no push raises, A gets every version as patches; B restarted joins, gets its first version whole
     and the next ones as patches, every one bit-exact."""
-    import datetime
-    import json
-    import time
-
-    from churn import fork_process, master_store
-
     name, wait = "delta", datetime.timedelta(seconds=120)
     with master_store() as store:
         td = version_td(0)
@@ -500,12 +493,6 @@ def test_a_patch_against_a_version_the_receiver_does_not_hold_is_rejected_and_re
 def test_a_restarted_sender_sends_its_first_version_whole_then_patches():
     """A trainer that restarts (a new ElasticSender of the same name) knows no receiver's version: its first push
     to each is whole, the next ones patches; the receivers follow it and every version is bit-exact."""
-    import datetime
-    import json
-    import time
-
-    from churn import fork_process, master_store
-
     name, wait = "restart", datetime.timedelta(seconds=120)
     with master_store() as store:
         td, sizes = version_td(0), {}
