@@ -493,7 +493,7 @@ def test_a_patch_against_a_version_the_receiver_does_not_hold_is_rejected_and_re
 def test_a_restarted_sender_sends_its_first_version_whole_then_patches():
     """A trainer that restarts (a new ElasticSender of the same name) knows no receiver's version: its first push
     to each is whole, the next ones patches; the receivers follow it and every version is bit-exact."""
-    name, wait = "restart", datetime.timedelta(seconds=120)
+    name = "restart"
     with master_store() as store:
         td, sizes = version_td(0), {}
         actor = fork_process(delta_actor, (store.port, name, 1, 0))
