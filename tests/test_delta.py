@@ -521,3 +521,65 @@ def test_a_restarted_sender_sends_its_first_version_whole_then_patches():
     assert seen == [[v, True] for v in range(1, 7)]
     assert sizes[1] == [total] and sizes[4] == [total]  # (each sender's first)
     assert all(0 < sizes[v][0] < 0.06 * total for v in (2, 3, 5, 6))
+
+
+def fp32_td() -> TensorDict:
+    """An fp32 trainer's weights (the int64 counter stays an integer on the wire)."""
+    td = base_td()
+    for key in ("embed", ("layer", "w")):
+        td.set(key, td.get(key).float())
+    return td
+
+
+def to_wire(td: TensorDict) -> TensorDict:
+    """What a receiver of ``wire_dtype=torch.bfloat16`` holds of ``td``."""
+    return td.apply(lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t.clone())
+
+
+def wire_dtype_deltas(rank, world, group, steps):
+    """An fp32 trainer sends bf16 (``wire_dtype``) with delta: rank 1 over the wire (patches computed in bf16),
+    rank 2 through shared memory; rank 3 expects fp32 and is refused at the handshake."""
+    td = fp32_td()
+    if rank == 0:
+        with pytest.raises(cudarecv.ArgumentError, match="wire_dtype"):
+            cudarecv.WeightSender(td, dst=[1], wire_dtype=torch.int8)
+        with pytest.raises(cudarecv.SchemaError, match="wire_dtype"):
+            cudarecv.WeightSender(td, dst=[3], wire_dtype=torch.bfloat16, timeout=30)
+        with cudarecv.WeightSender(
+            td, dst=[1, 2], delta=True, verify=True, wire_dtype=torch.bfloat16, timeout=30
+        ) as sender:
+            dtypes = [leaf.dtype for leaf in sender.schema.leaves]
+            assert dtypes == [torch.bfloat16] * 3 + [torch.int64]  # (the counter stays an integer)
+            sizes = []
+            for version in range(1, steps + 1):
+                step(td, version)
+                assert sender.push() == version
+                sizes.append(sender.payload_bytes)
+            transports, total = sender.transports, sender.schema.total
+            torch.distributed.barrier()
+        return sizes, transports, total
+    if rank == 3:
+        with pytest.raises(cudarecv.SchemaError):
+            cudarecv.WeightReceiver(src=0, expect=td, timeout=30)
+        torch.distributed.barrier()
+        return None
+    transport = "wire" if rank == 1 else "auto"
+    with cudarecv.WeightReceiver(
+        src=0, expect=to_wire(td), timeout=30, transport=transport
+    ) as receiver:
+        expected, seen = fp32_td(), []
+        for version in range(1, steps + 1):
+            step(expected, version)
+            seen.append((receiver.pull(), exact(receiver.td, to_wire(expected))))
+        torch.distributed.barrier()
+        return seen
+
+
+def test_an_fp32_trainer_sends_bf16_on_the_wire_and_diffs_in_bf16(four):
+    results = four().run(wire_dtype_deltas, args=(5,), timeout=120)
+    sizes, transports, total = results[0]
+    assert transports == {1: "wire", 2: "shared memory"}
+    for rank in (1, 2):
+        assert results[rank] == [(v, True) for v in range(1, 6)]
+    assert sizes[0][1] == total and all(0 < s[1] < 0.06 * total for s in sizes[1:])
+    assert all(s[2] == 0 for s in sizes)  # (shared memory: the header alone)

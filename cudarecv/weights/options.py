@@ -14,6 +14,7 @@ from ..samehost.policy import (
     TransportPolicy as TransportPolicy,
 )  # (re-exported: cudarecv.TransportPolicy)
 from ..samehost.policy import check_transport
+from .schema import WIRE_DTYPES
 from .wire import FANOUTS, MODES
 
 #: a sender's mode: every receiver gets every version (``"sync"``), or each pull the newest (``"latest"``)
@@ -93,12 +94,18 @@ def check_sender(
     buffers: object,
     fanout: object,
     delta: object = False,
+    wire_dtype: object = None,
 ) -> float:
     """A weight sender's options checked together, before it resolves any link: its timeout, in seconds."""
     checked = check_options(
         timeout=timeout, transport=transport, bucket_bytes=bucket_bytes, delta=delta
     )
     check_mode(mode, buffers, fanout)
+    if wire_dtype is not None and wire_dtype not in WIRE_DTYPES:
+        raise ArgumentError(
+            f"`wire_dtype` must be None or a floating-point dtype ({', '.join(map(str, WIRE_DTYPES))}), "
+            f"got {wire_dtype!r}"
+        )
     return float(checked["timeout"])
 
 

@@ -57,6 +57,16 @@ DTYPES = {
 }
 
 
+#: the dtypes a sender's ``wire_dtype`` may be (a leaf in one of them travels in it when it is another of them)
+WIRE_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
+def on_wire(dtype: torch.dtype, wire_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype a leaf of ``dtype`` travels in: ``wire_dtype`` for a floating-point leaf (of :data:`WIRE_DTYPES`),
+    its own for the others (integers, bools, complex, float8) and without one."""
+    return wire_dtype if wire_dtype is not None and dtype in WIRE_DTYPES else dtype
+
+
 def check_size(value: object, what: str) -> int:
     """A byte count or dimension read from the wire: an int (not a bool or float) in 0..MAX_BYTES."""
     if type(value) is not int or not 0 <= value <= MAX_BYTES:
@@ -116,15 +126,22 @@ class Schema:
 
     @classmethod
     def of(
-        cls, keys: Sequence[tuple[str, ...]], tensors: Sequence[Shaped], leafwise: bool = False
+        cls,
+        keys: Sequence[tuple[str, ...]],
+        tensors: Sequence[Shaped],
+        leafwise: bool = False,
+        wire_dtype: torch.dtype | None = None,
     ) -> Schema:
+        """The schema of ``tensors`` named by ``keys``; ``wire_dtype``: its floating-point leaves travel (and land) in
+        that dtype (:func:`on_wire`)."""
         leaves, offset = [], 0
         for key, t in zip(keys, tensors):
             if str(t.dtype).removeprefix("torch.") not in DTYPES:
                 raise SchemaError(
                     f"leaf {'.'.join(map(str, key))!r} has dtype {t.dtype}, which weight sync does not carry"
                 )
-            leaves.append(Leaf(tuple(str(k) for k in key), t.dtype, tuple(t.shape), offset))
+            dtype = on_wire(t.dtype, wire_dtype)
+            leaves.append(Leaf(tuple(str(k) for k in key), dtype, tuple(t.shape), offset))
             offset += aligned(leaves[-1].nbytes)
         return cls(tuple(leaves), offset, leafwise)
 
@@ -302,5 +319,10 @@ class Schema:
                 return f"key {name!r} is sent but not expected"
             if mine[key] != theirs[key]:
                 (d1, s1), (d2, s2) = theirs[key], mine[key]
-                return f"key {name!r}: the sender sends {d1} {list(s1)}, expected {d2} {list(s2)}"
+                hint = (
+                    " (a sender's `wire_dtype` casts its floating-point leaves: expect them in that dtype)"
+                    if s1 == s2 and d1 in WIRE_DTYPES and d2 in WIRE_DTYPES
+                    else ""
+                )
+                return f"key {name!r}: the sender sends {d1} {list(s1)}, expected {d2} {list(s2)}{hint}"
         return None

@@ -33,6 +33,8 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Literal, overload
 
+import torch
+
 from ..core import streams
 from ..core.checks import check_timeout
 from ..core.errors import ArgumentError, PeerError, SchemaError, UsageError, WaitTimeout
@@ -96,6 +98,7 @@ class SessionSender:
         transport: TransportPolicy,
         elastic: bool = False,
         delta: bool = False,
+        wire_dtype: torch.dtype | None = None,
     ) -> None:
         self._begin(
             td,
@@ -110,6 +113,7 @@ class SessionSender:
             transport,
             elastic,
             delta,
+            wire_dtype,
         )
 
     def _begin(
@@ -126,6 +130,7 @@ class SessionSender:
         transport: TransportPolicy,
         elastic: bool = False,
         delta: bool = False,
+        wire_dtype: torch.dtype | None = None,
     ) -> None:
         """What a sender is before any receiver: the weights' plan and schema, the session, the snapshots."""
         self._td: TensorDictBase | None = unwrap(td)  # (None once closed: let go of)
@@ -135,7 +140,10 @@ class SessionSender:
         )  # (each push copies the leaves into a snapshot: views of a shard may be strided)
         if not plan.tensors:
             raise ArgumentError("`td` has no tensors: weight sync needs at least one leaf to send")
-        schema = Schema.of(plan.paths, plan.tensors, self._leafwise)
+        schema = Schema.of(plan.paths, plan.tensors, self._leafwise, wire_dtype)
+        self._dtypes = [
+            t.dtype for t in plan.tensors
+        ]  # (the leaves' own: pushes check against them)
         self._raw = schema.to_json()
         if len(self._raw) > MAX_SCHEMA_BYTES:
             raise ArgumentError(
@@ -310,8 +318,8 @@ class SessionSender:
         ):  # the same leaves as last push's (a plan is rebuilt when one changes)
             return plan
         if [tuple(map(str, p)) for p in plan.paths] != [leaf.key for leaf in schema.leaves] or any(
-            tuple(t.shape) != leaf.shape or t.dtype != leaf.dtype
-            for t, leaf in zip(plan.tensors, schema.leaves)
+            tuple(t.shape) != leaf.shape or t.dtype != dtype
+            for t, leaf, dtype in zip(plan.tensors, schema.leaves, self._dtypes)
         ):
             if values is not None:
                 raise ArgumentError(
@@ -411,6 +419,11 @@ class WeightSender(SessionSender):
             receiver of it holds its base; receivers on this machine read the snapshot where it lies and take no
             patch. The sender keeps two more copies of the weights (the last version, and the buffer a patch is
             written in); each receiver one more, at its first patch.
+        wire_dtype: a floating-point dtype (e.g. ``torch.bfloat16`` from an fp32 trainer) its floating-point
+            leaves travel and land in: each push casts them into the snapshot on the weights' device (a delta is
+            computed in it, where small updates leave most words unchanged); integer and other leaves go as they
+            are. The receivers' ``expect`` (and ``schema``) hold them in that dtype; one that expects another
+            is refused at the handshake, naming the key.
 
     Construction performs the handshake with every receiver and raises if one rejects the schema
     (:class:`SchemaError`, naming it and the first differing key) or could not start (:class:`ReceiverFailed`).
@@ -441,8 +454,11 @@ class WeightSender(SessionSender):
         fanout: Fanout = "auto",
         transport: TransportPolicy = "auto",
         delta: bool = False,
+        wire_dtype: torch.dtype | None = None,
     ) -> None:
-        timeout = check_sender(timeout, bucket_bytes, transport, mode, buffers, fanout, delta)
+        timeout = check_sender(
+            timeout, bucket_bytes, transport, mode, buffers, fanout, delta, wire_dtype
+        )
         dsts, group_dsts = check_peers(dst, "dst"), check_peers(group_dst, "group_dst")
         if (dsts is None) == (group_dsts is None):
             raise ArgumentError(
@@ -477,6 +493,7 @@ class WeightSender(SessionSender):
             fanout=fanout,
             transport=transport,
             delta=delta,
+            wire_dtype=wire_dtype,
         )
         lanes = [lane_for(link, self._device, stream, streams.StagingPool()) for link in links]
         members = enrol(self._s, self._pool, lanes, self._raw, self._session_id)

@@ -83,12 +83,13 @@ class Snapshot:
 
     def gather(self, plan: Plan) -> None:
         """Copy host leaves (``plan``'s) into this host storage: the contiguous ones in one native call (one
-        thread: the receivers' copies share the cores), the strided ones (a piece of a shard) one by one. The
-        table of copies is kept while the plan is (a plan is rebuilt when a leaf's memory moves)."""
+        thread: the receivers' copies share the cores), the others one by one (a strided piece of a shard, a
+        leaf cast to the sender's ``wire_dtype``). The table of copies is kept while the plan is (a plan is
+        rebuilt when a leaf's memory moves)."""
         if self._gather is None or self._gather[0] is not plan:
             rows, strided = [], []
             for view, leaf in zip(self.views, plan.detached):
-                if not leaf.is_contiguous():
+                if not leaf.is_contiguous() or leaf.dtype != view.dtype:
                     strided.append((view, leaf))
                 elif leaf.numel():
                     rows.append(

@@ -24,6 +24,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Literal, overload
 
+import torch
+
 from ...core.errors import ArgumentError, PeerError, SenderFenced, StoreError, StoreRecordError
 from ...core.groups import store_group
 from ...core.link import resolve
@@ -59,7 +61,7 @@ class ElasticSender(SessionSender):
         name: the sender's name in the store; one sender (its newest generation) serves under a name.
 
     Keyword Args:
-        bucket_bytes, timeout, verify, stream, mode, buffers, fanout, transport, delta: as
+        bucket_bytes, timeout, verify, stream, mode, buffers, fanout, transport, delta, wire_dtype: as
             :class:`~cudarecv.WeightSender`'s; ``buffers`` (latest mode) defaults to 4, receivers coming and going.
 
     Example:
@@ -84,8 +86,11 @@ class ElasticSender(SessionSender):
         fanout: Fanout = "auto",
         transport: TransportPolicy = "auto",
         delta: bool = False,
+        wire_dtype: torch.dtype | None = None,
     ) -> None:
-        timeout = check_sender(timeout, bucket_bytes, transport, mode, buffers, fanout, delta)
+        timeout = check_sender(
+            timeout, bucket_bytes, transport, mode, buffers, fanout, delta, wire_dtype
+        )
         self._directory = Directory(store, name, timeout)
         super().__init__(
             td,
@@ -100,6 +105,7 @@ class ElasticSender(SessionSender):
             transport=transport,
             elastic=True,
             delta=delta,
+            wire_dtype=wire_dtype,
         )
         try:
             self._generation, self._s.version = self._directory.announce(mode, timeout)
