@@ -195,8 +195,8 @@ def encode(
     advance: bool = False,
 ) -> Tensor | None:
     """The patch that turns ``base`` into ``new`` (uint8 storages of the same length, a multiple of ``word``), in
-    ``out`` (uint8, at least as long as ``new``; a new tensor of the patch's length if None), as a view of its
-    first bytes; None when
+    ``out`` (uint8; a new tensor of the patch's length if None or shorter), as a view of its first bytes; None
+    when
     a patch would not be smaller than ``new`` itself (send the version whole). ``advance``: ``base`` then holds
     ``new`` (the native codec writes only the changed words). Host storages take the native codec where it was
     built (``native=False``: torch's, as on a device)."""
@@ -230,7 +230,7 @@ def encode(
         if advance:
             base.copy_(new)
         return None
-    if out is None:
+    if out is None or out.numel() < at[-1]:
         out = torch.empty(at[-1], dtype=torch.uint8, device=new.device)
     patch = out[: at[-1]]
     prefix = PREFIX.pack(FORMAT, word, block_words, blocks)
@@ -519,8 +519,8 @@ def _bit_runs(
 
 
 class Patches:
-    """Delta, a receiver's: the buffer patches land in (the version's size, allocated at the first patch: a patch
-    is always smaller), and their application into the slot the next version lands in. A relayed patch is
+    """Delta, a receiver's: the buffer patches land in (as large as the largest patch so far: a patch is always
+    smaller than the version), and their application into the slot the next version lands in. A relayed patch is
     forwarded from the buffer: the next one waits for that forward to end before it lands there (and a buffer
     a failed forward may still read is never written again)."""
 
@@ -544,9 +544,9 @@ class Patches:
                 forward.wait()  # bounded by its own timeout
             if forward.failed:  # its parked send may read the buffer for as long as it likes
                 self.renew()
-        if self._buffer is None:
+        if self._buffer is None or self._buffer.numel() < nbytes:  # (it grows to the largest patch)
             self._buffer = torch.empty(
-                self.total, dtype=torch.uint8, device=self.device, pin_memory=self.pin_memory
+                nbytes, dtype=torch.uint8, device=self.device, pin_memory=self.pin_memory
             )
         return cut(self._buffer[:nbytes], patch_message(bucket_bytes))
 

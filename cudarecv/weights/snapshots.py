@@ -340,14 +340,17 @@ class SnapshotPool:
 
 
 class Base:
-    """Delta, a sender's: the version it pushed last (its bytes), and the buffer a patch from it is written in."""
+    """Delta, a sender's (sync mode): the version it pushed last (its bytes), and the buffer a patch from it is
+    written in (as large as the largest patch so far)."""
 
     def __init__(self, session: Session, device: torch.device) -> None:
         total = session.schema.total
         self.session, self.word = session, word_bytes(session.schema)
         self.storage = torch.zeros(total, dtype=torch.uint8, device=device)
         self.version = 0  # (0: none yet)
-        self._out = torch.empty(total, dtype=torch.uint8, device=device)
+        self._out: torch.Tensor | None = (
+            None  # the patch's buffer: as large as the largest patch so far
+        )
 
     def advance(self, target: Snapshot) -> Patch | None:
         """``target``'s patch from the base (None: the base holds no version before it, or the patch would not be
@@ -360,6 +363,8 @@ class Base:
             return None
         patch = encode(target.storage, self.storage, self.word, self._out, advance=True)
         self.version = header.version
+        if patch is not None and (self._out is None or patch.data_ptr() != self._out.data_ptr()):
+            self._out = patch  # (a new, larger one)
         return None if patch is None else _patch(self.session, header, header.version - 1, patch)
 
 
