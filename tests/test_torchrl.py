@@ -133,6 +133,25 @@ def test_multisync_workers_act_with_every_version(zero_copy):
         assert markers(next(batches)) | markers(next(batches)) == {20.0}
 
 
+def test_delta_workers_on_the_wire_take_patches_and_act_with_every_version():
+    """``delta=True`` with workers on the wire: a version whose every weight moved goes whole, one that changed
+    little as a patch (here none: a few hundred bytes of a 1 MiB policy); every batch acts with the version."""
+    policy = marker_policy(1 << 20)
+    scheme = CudarecvWeightSyncScheme(timeout=30.0, transport="wire", delta=True)
+    with collector(MultiSyncCollector, policy, scheme) as coll:
+        batches = iter(coll)
+        assert markers(next(batches)) == {0.0}
+        sender = scheme._trainer.sender
+        total = sender.schema.total
+        for i in range(1, 4):
+            update(coll, policy, i / 4)  # (every weight moves: the version whole)
+            assert markers(next(batches)) == {i / 4}
+            assert set(sender.payload_bytes.values()) == {total}
+            update(coll, policy, i / 4)  # (nothing moved: a patch of its fixed part alone)
+            assert markers(next(batches)) == {i / 4}
+            assert all(0 < b < 1024 for b in sender.payload_bytes.values()), sender.payload_bytes
+
+
 @pytest.mark.parametrize("zero_copy", [False, True], ids=["copy", "zero_copy"])
 def test_multiasync_actions_never_see_half_a_version(zero_copy):
     policy = marker_policy(

@@ -114,6 +114,35 @@ def test_each_update_makes_the_engine_generate_as_the_trainers_weights(llm):
         trainer.shutdown()
 
 
+def test_delta_updates_patch_the_engine_and_it_generates_as_the_trainer(llm):
+    """``delta=True`` with the worker on the wire: a step that moved every weight goes whole; one that moved 1% of
+    one matrix goes as a patch of a few percent of the model, which the worker applies to its copy and loads; after
+    each, the engine generates as a transformers forward of the trainer's weights."""
+    model = tiny_llm.model(seed=3)
+    trainer = WeightTransferTrainerFactory.trainer_init(
+        CudarecvTrainerInitInfo(timeout=60.0, transport="wire", delta=True),
+        client=llm,
+        source=ModuleSource(model),
+    )
+    try:
+        total = trainer.sender.schema.total
+        perturbed(model, 5)
+        trainer.send_weights()
+        assert list(trainer.sender.payload_bytes.values()) == [total]
+        assert generate(llm) == tiny_llm.greedy(model, PROMPTS, TOKENS)
+        generator = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            matrix = max(model.parameters(), key=lambda p: p.numel()).view(-1)
+            moved = torch.randperm(matrix.numel(), generator=generator)[: matrix.numel() // 100]
+            matrix[moved] += 0.5
+        trainer.send_weights()
+        (sent,) = trainer.sender.payload_bytes.values()
+        assert 0 < sent < 0.06 * total, (sent, total)
+        assert generate(llm) == tiny_llm.greedy(model, PROMPTS, TOKENS)
+    finally:
+        trainer.shutdown()
+
+
 def test_an_fp32_trainer_feeds_a_bf16_engine_in_bf16(tmp_path):
     """The weights travel cast to the engine's dtype (half the bytes of the trainer's fp32), and the engine then
     generates with them (its tokens change; bf16 kernels differ from a transformers forward, so not compared)."""

@@ -68,6 +68,9 @@ class CudarecvWeightSyncScheme(WeightSyncScheme):
             :class:`~cudarecv.WeightReceiver`). Only for policies whose forward writes none of their
             tensors in place (no ``BatchNorm`` running statistics in training mode): such a write
             kills the worker (SIGSEGV), which the trainer then names.
+        delta: each version goes to a worker on the wire as the words that changed since the one it
+            holds (see :class:`~cudarecv.WeightSender`'s ``delta``); workers on the trainer's machine read the
+            shared snapshot and take none.
 
     Example:
         >>> scheme = WeightSyncScheme.from_backend("cudarecv", timeout=30.0)
@@ -88,6 +91,7 @@ class CudarecvWeightSyncScheme(WeightSyncScheme):
         verify: bool = False,
         device: Any = None,
         zero_copy: bool = False,
+        delta: bool = False,
     ) -> None:
         if strategy != "tensordict":
             raise ArgumentError(
@@ -102,6 +106,7 @@ class CudarecvWeightSyncScheme(WeightSyncScheme):
             transport=transport,
             bucket_bytes=bucket_bytes,
             zero_copy=zero_copy,
+            delta=delta,
         )
         if not isinstance(host, str) or not host:
             raise ArgumentError(
@@ -118,6 +123,7 @@ class CudarecvWeightSyncScheme(WeightSyncScheme):
         self.timeout, self.connect_timeout = checked["timeout"], checked["connect_timeout"]
         self.host, self.transport, self.bucket_bytes = host, transport, bucket_bytes
         self.verify, self.device, self.zero_copy = bool(verify), device, zero_copy
+        self.delta = delta
         self._session = os.urandom(
             6
         ).hex()  # the store's keys of this scheme's group and acknowledgements
@@ -248,6 +254,7 @@ class CudarecvWeightSyncScheme(WeightSyncScheme):
             bucket_bytes=self.bucket_bytes,
             verify=self.verify,
             transport=self.transport,
+            delta=self.delta,
         )
         self._trainer = Trainer(
             sender,

@@ -35,6 +35,9 @@ class CudarecvTrainerInitInfo(TrainerInitInfo):
         bucket_bytes: bytes per payload message on the wire (None: cudarecv's choice).
         transport: ``"auto"`` (shared memory with workers on the trainer's machine) or ``"wire"``.
         dtype: the dtype the weights travel and load in (None: the engine's, which its workers report).
+        delta: each update goes to a worker on the wire as the words that changed since the version it holds
+            (see :class:`~cudarecv.WeightSender`'s ``delta``), diffed in ``dtype``; the worker patches its copy
+            and loads the whole version. Not for a tensor-parallel engine whose workers take slices (yet).
         rank: this trainer rank (vLLM's field); rank 0 sends, the others only take part in the source's collectives.
 
     Example:
@@ -51,6 +54,7 @@ class CudarecvTrainerInitInfo(TrainerInitInfo):
     bucket_bytes: int | None = None
     transport: TransportPolicy = "auto"
     dtype: str | None = None
+    delta: bool = False
     rank: int = field(default=0, kw_only=True)
 
     def __post_init__(self) -> None:
@@ -78,6 +82,7 @@ class CudarecvTrainerInitInfo(TrainerInitInfo):
             mode=self.mode,
             bucket_bytes=self.bucket_bytes,
             verify=self.verify,
+            delta=self.delta,
         )["timeout"]
 
 
