@@ -583,3 +583,67 @@ def test_an_fp32_trainer_sends_bf16_on_the_wire_and_diffs_in_bf16(four):
         assert results[rank] == [(v, True) for v in range(1, 6)]
     assert sizes[0][1] == total and all(0 < s[1] < 0.06 * total for s in sizes[1:])
     assert all(s[2] == 0 for s in sizes)  # (shared memory: the header alone)
+
+
+def sliced_td(version: int) -> TensorDict:
+    """A plain trainer's weights at ``version``: 1% of the elements move per version (as :func:`step`)."""
+    td = TensorDict(
+        {
+            "w": torch.randn(400, 300, generator=torch.Generator().manual_seed(1)),
+            "b": torch.randn(300, generator=torch.Generator().manual_seed(2)),
+        },
+        [],
+    )
+    for v in range(1, version + 1):
+        gen = torch.Generator().manual_seed(v)
+        for leaf in td.values():
+            flat = leaf.view(-1)
+            where = torch.randperm(flat.numel(), generator=gen)[: max(1, flat.numel() // 100)]
+            flat[where] += 0.25
+    return td
+
+
+SLICES = {1: {"w": (slice(0, 100),)}, 2: {"w": (slice(None), slice(50, 250))}, 3: None}
+
+
+def sharded_deltas(rank, world, group, steps):
+    """A ``ShardedSender`` of plain tensors with ``delta=True``: each receiver wants other slices (rows, columns,
+    all), lands them where its leaves lie, and gets each version after the first as patches of its pieces."""
+    if rank == 0:
+        td = sliced_td(1)
+        sizes = []
+        with cudarecv.ShardedSender(
+            td, dst=[1, 2, 3], delta=True, verify=True, transport="wire", timeout=30
+        ) as sender:
+            for version in range(1, steps + 1):
+                td.update_(sliced_td(version))
+                sender.push()
+                sizes.append(sender.payload_bytes)
+            torch.distributed.barrier()
+        return sizes
+    want = SLICES[rank]
+    with cudarecv.ShardedReceiver(src=[0], want=want, timeout=30, transport="wire") as receiver:
+        seen = []
+        for version in range(1, steps + 1):
+            got = receiver.pull()
+            full = sliced_td(version)
+            seen.append(
+                (
+                    got,
+                    all(
+                        torch.equal(receiver.td[k], full[k][(want or {}).get(k, (slice(None),))])
+                        for k in ("w", "b")
+                    ),
+                )
+            )
+        torch.distributed.barrier()
+        return seen
+
+
+def test_a_sharded_sender_sends_each_receivers_pieces_as_patches(four):
+    results = four().run(sharded_deltas, args=(5,), timeout=120)
+    sizes = results[0]
+    for rank in (1, 2, 3):
+        assert results[rank] == [(v, True) for v in range(1, 6)]
+        first = sizes[0][rank]
+        assert all(0 < s[rank] < 0.1 * first for s in sizes[1:]), (rank, sizes)

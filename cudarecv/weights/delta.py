@@ -528,6 +528,8 @@ class Patches:
         self.word, self.total = word_bytes(schema), schema.total
         self.device, self.pin_memory = device, pin_memory
         self._buffer: Tensor | None = None
+        #: a placed slot's version as one storage, to patch (allocated at its first patch)
+        self._whole: Tensor | None = None
 
     def sizes(self, header: PushHeader, schema: Schema) -> list[int]:
         """The byte count of each message of ``header``'s push (a patch's, or the version's), to drain it."""
@@ -563,6 +565,16 @@ class Patches:
         then unpublished rubbish, the published version untouched)."""
         if published is None or self._buffer is None:
             raise PatchError("a patch came before any version was published")
+        patch = self._buffer[:nbytes]
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            slot.fill(published.storage)
-            apply(self._buffer[:nbytes], slot.storage, self.word)
+            if not slot.placed:
+                slot.fill(published.storage)
+                apply(patch, slot.storage, self.word)
+                return
+            # leaves that lie where their owner put them (a sharded receiver's): patched in one storage laid out
+            # as the schema, then copied to their places
+            if self._whole is None:
+                self._whole = torch.zeros(self.total, dtype=torch.uint8, device=self.device)
+            published.copy_to(self._whole)
+            apply(patch, self._whole, self.word)
+            slot.fill(self._whole)

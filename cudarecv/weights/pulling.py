@@ -222,11 +222,10 @@ class Puller:
                 f"a push of {header.total} bytes in {header.bucket_bytes}-byte messages does not match the handshake "
                 f"({total} bytes in {bucket_bytes}-byte messages): not drained, the link is out of step"
             )
-        if header.patch and (header.patch >= total or header.shared or self.schema.leafwise):
+        if header.patch and (header.patch >= total or header.shared):
             raise OutOfStepError(
-                f"a patch of {header.patch} bytes for a version of {total} (shared: {header.shared}, "
-                f"leafwise: {self.schema.leafwise}) is none this receiver takes: not drained, the link "
-                "is out of step"
+                f"a patch of {header.patch} bytes for a version of {total} (shared: {header.shared}) is "
+                "none this receiver takes: not drained, the link is out of step"
             )
         problem = None
         if header.fingerprint != self.schema.fingerprint:

@@ -150,10 +150,6 @@ class SessionSender:
                 f"the schema of `td` takes {len(self._raw)} bytes of JSON, more than "
                 f"{MAX_SCHEMA_BYTES}: send fewer, larger leaves"
             )
-        if delta and self._leafwise:
-            raise ArgumentError(
-                "`delta=True` diffs a sender's whole storage: a sharded sender's pieces are not one (drop `delta`)"
-            )
         # a relay moves chunks; "auto" may choose it after the handshake, so it chunks too when it may
         relaying = fanout == "relay" or (fanout == "auto" and mode == "sync")
         bucket_bytes = bucket_bytes or max(

@@ -129,6 +129,15 @@ class Slot:
         ):  # each message where its leaf lies
             message.copy_(source[start : start + size], non_blocking=True)
 
+    def copy_to(self, storage: Tensor) -> None:
+        """Copy the version this slot holds into ``storage`` (uint8, laid out as the schema: a placed slot's leaves
+        to their offsets, the padding between them left as it is)."""
+        if not self.placed:
+            storage.copy_(self.storage, non_blocking=True)
+            return
+        for (start, size), message in zip(self._messages, self.pieces):
+            storage[start : start + size].copy_(message, non_blocking=True)
+
 
 def _bytes(tensor: Tensor) -> Tensor:
     """A contiguous tensor's bytes, as a 1-d uint8 view."""

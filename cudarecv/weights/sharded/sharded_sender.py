@@ -67,6 +67,7 @@ class ShardedSender:
         buffers: int | None = None,
         fanout: Fanout = "auto",
         transport: TransportPolicy = "auto",
+        delta: bool = False,
     ) -> None:
         self._closed, self._senders = False, []
         options = dict(
@@ -78,8 +79,9 @@ class ShardedSender:
             buffers=buffers,
             fanout=fanout,
             transport=transport,
+            delta=delta,
         )
-        self._timeout = check_sender(timeout, bucket_bytes, transport, mode, buffers, fanout)
+        self._timeout = check_sender(timeout, bucket_bytes, transport, mode, buffers, fanout, delta)
         peers, links, global_ranks = exchange.peer_links(dst, group_dst, group, "dst", "group_dst")
         keys, tensors = walk(unwrap(td))
         self._keys = [tuple(map(str, k)) for k in keys]
@@ -125,6 +127,16 @@ class ShardedSender:
     timeout = property(lambda self: self._timeout, doc="Seconds any wait may take.")
     mode = property(lambda self: self._mode, doc='``"sync"`` or ``"latest"``.')
     version = property(lambda self: self._versions, doc="The last version pushed (0: none yet).")
+
+    @property
+    def payload_bytes(self) -> dict[int, int]:
+        """The bytes the last push's payloads took from this rank to each receiver it serves (its pieces: the
+        versions', or patches with ``delta``; see :attr:`WeightSender.payload_bytes`)."""
+        sent: dict[int, int] = {}
+        for _, sender in self._senders:
+            for rank, nbytes in sender.payload_bytes.items():
+                sent[rank] = sent.get(rank, 0) + nbytes
+        return sent
 
     @property
     def fanout(self) -> str:
