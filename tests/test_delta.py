@@ -410,6 +410,9 @@ def delta_actor(conn, port: int, name: str, index: int, die_at: int) -> None:
         with receiver.reading() as td:
             seen.append([version, exact(td, expected)])
         store.set(f"delta/{index}/seen", json.dumps(seen))
+    store.wait(
+        ["delta/done"], datetime.timedelta(seconds=120)
+    )  # (served until the sender read its sizes)
     receiver.close()
 
 
@@ -452,6 +455,7 @@ def test_a_receiver_killed_mid_delta_is_dropped_and_its_restart_gets_the_version
             store.set("delta/final", "8")
             for version in range(5, 9):
                 push(version)
+            store.set("delta/done", "1")
             for actor in (actors[0], actors[2]):
                 actor.join(120)
                 assert actor.exitcode == 0
@@ -513,6 +517,8 @@ def test_a_restarted_sender_sends_its_first_version_whole_then_patches():
                         assert sender.push() == version
                         sizes[version] = list(sender.payload_bytes.values())
                     total = sender.schema.total
+                    if first == 4:
+                        store.set("delta/done", "1")
             actor.join(120)
             assert actor.exitcode == 0
             seen = json.loads(store.get("delta/1/seen"))

@@ -380,9 +380,10 @@ def test_a_trainer_killed_mid_update_leaves_the_previous_version_and_a_new_train
 
 
 def test_the_rl_example_runs(tmp_path):
-    """examples/vllm_rl.py as a user runs it: a few REINFORCE steps, the engine updated after each."""
+    """examples/vllm_rl.py as a user runs it (with ``--delta``): a few REINFORCE steps, the engine updated after
+    each, over the wire, each update's bytes said (Adam moves every fp32 weight: each goes whole)."""
     done = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "vllm_rl.py"), "--steps", "3"],
+        [sys.executable, str(ROOT / "examples" / "vllm_rl.py"), "--steps", "3", "--delta"],
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -392,6 +393,7 @@ def test_the_rl_example_runs(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     steps = [line for line in done.stdout.splitlines() if line.startswith("step ")]
     assert [line.rsplit(" ", 1)[1] for line in steps] == ["1", "2", "3"], done.stdout
+    assert all("(100% of the model)" in line for line in steps), done.stdout
     assert "done: 3 updates, the engine serves weight version 3" in done.stdout.splitlines(), (
         done.stdout
     )
