@@ -96,10 +96,10 @@ def send(
         with session.cond:
             snapshot.holders += 1
             member.holding[version] = snapshot
-    if transport.header_only:
-        patch = None
-    if patch is not None and member.held != patch.base:
-        patch = None  # (it holds another version, or none known: the version whole)
+    if not transport.patches or (patch is not None and member.held != patch.base):
+        patch = (
+            None  # (it holds another version, or none known, or its transport sends versions whole)
+        )
     member.payload = (
         patch.storage.numel()
         if patch is not None
@@ -107,7 +107,11 @@ def send(
         if transport.header_only
         else snapshot.storage.numel()
     )
-    head = yield from transport.push(member.lane, snapshot, session.tags, patch)
+    head = yield from (
+        transport.push(member.lane, snapshot, session.tags, patch)
+        if patch is not None
+        else transport.push(member.lane, snapshot, session.tags)
+    )
     if transport.header_only or session.delta:
         yield from _confirmed(session, member, version, timeout, head or [])
 

@@ -66,6 +66,8 @@ class Transport(ABC):
     stamped: ClassVar[bool] = False
     #: its snapshots are host memory that receivers copy from while the sender writes: one thread writes them
     host_memory: ClassVar[bool] = False
+    #: delta: :meth:`push` takes a ``patch`` to send instead of the version (the others get the version whole)
+    patches: ClassVar[bool] = False
 
     # -- the choice ----------------------------------------------------------------------------------------------
     @abstractmethod
@@ -110,8 +112,9 @@ class Transport(ABC):
         self, lane: Lane, snapshot: Snapshot, tags: SessionTags, patch: Patch | None = None
     ) -> Protocol:
         """A sub-protocol: what a push of ``snapshot`` sends on ``lane`` (star fan-out): ``patch`` instead of the
-        version where given (delta; the transports that send payloads). A header-only transport returns the
-        header's send works, posted and not waited for (the receiver's GOT is waited for first)."""
+        version where given (delta: only to a transport whose :attr:`patches` says it takes one; the others are
+        called without it). A header-only transport returns the header's send works, posted and not waited for
+        (the receiver's GOT is waited for first)."""
 
     # -- the receiver --------------------------------------------------------------------------------------------
     def map(self, offer: bytes, total: int, device: torch.device | None) -> list[Any]:

@@ -27,6 +27,7 @@ class Wire(Transport):
     """The header, then the payload in the push's messages, on the receiver's link."""
 
     name = WIRE
+    patches = True
 
     def usable(self, need: Need) -> bool:
         return True
