@@ -142,13 +142,16 @@ def test_demo_dead_actor_ends_the_run() -> None:
 )
 @pytest.mark.timeout(300)
 def test_demo_across_simulated_hosts() -> None:
-    """--hosts 3: the same run under torchrun on three simulated hosts; cudarecv relays (auto fan-out)."""
-    proc = _demo("--quick", "--hosts", "3")
-    _check_run(proc, actors=2, checksums="off")
+    """--hosts 3 --delta: the same run under torchrun on three simulated hosts; cudarecv relays (auto fan-out),
+    sending the version once down the chain (half of what stock sends the two actors: Adam moves every float32
+    weight, so no patch is smaller than the version)."""
+    proc = _demo("--quick", "--hosts", "3", "--delta")
+    trainers, _ = _check_run(proc, actors=2, checksums="off")
     assert "# ranks: 3 simulated hosts (1gbit links), launched with torchrun" in proc.stdout, (
         proc.stdout
     )
     assert "fan-out relay" in proc.stdout, proc.stdout
+    assert [t["sent"] for t in trainers] == ["50%", "100%"], proc.stdout
 
 
 def _reader(

@@ -5,7 +5,7 @@ Usage::
 
     python -m cudarecv demo [--actors N] [--steps N] [--hidden N | --model-mib X] [--device cpu|cuda]
                             [--mode sync|latest] [--slow-actor RANK] [--slow-seconds S]
-                            [--bucket-bytes SIZE] [--verify] [--timeout S] [--seed N] [--quick]
+                            [--bucket-bytes SIZE] [--verify] [--delta] [--timeout S] [--seed N] [--quick]
                             [--hosts N [--link RATE]]
 
 Starts one trainer (rank 0) and ``--actors`` actor processes (ranks 1..N) on
@@ -136,6 +136,13 @@ TRAINER_NOTES = (
     "reward first / last: the trainer's mean reward over its first and last 10% of steps",
     f"  (random play {1 / ARMS:.3f}, best 1.000)",
 )
+DELTA_NOTES = (
+    "sent (--delta): the bytes a push took from the trainer, median, as a share of the version",
+    "  to every actor (a patch of what changed to each actor on the wire; 0% for actors reading the",
+    "  trainer's shared memory; stock sends the version to each). Adam moves every float32 weight",
+    "  each step, so here each version goes whole: a patch pays where steps leave most words",
+    "  unchanged (docs/delta.md)",
+)
 ACTOR_NOTES = (
     "actor: its rank (* the --slow-actor); pulls: versions it took; episodes: batches of contexts",
     f"  it played, {ENV_SECONDS * 1e3:g} ms each at least (sync and stock: one per version, the same",
@@ -177,6 +184,7 @@ class Config:
     slow_seconds: float = 2.0
     kill_actor: int | None = None
     network: str = "loopback"  # where the ranks run, for the tables
+    delta: bool = False  # cudarecv sends each actor on the wire what changed (WeightSender's delta)
 
     @property
     def world(self) -> int:
@@ -426,8 +434,11 @@ class _CudarecvPush:
             verify=cfg.verify,
             stream=self.pushed.stream,
             mode=cfg.mode,
+            delta=cfg.delta,
         )
         self.in_flight: _InFlight | None = None
+        #: the bytes each push's payloads took from the trainer (all actors; 0: shared memory, a header alone)
+        self.sent: list[int] = []
         self.bytes, self.leaves = self.sender.schema.total, len(self.sender.schema.leaves)
         self.fanout, self.bucket_bytes = self.sender.fanout, self.sender.bucket_bytes
 
@@ -436,6 +447,8 @@ class _CudarecvPush:
         start = time.perf_counter()
         if self.in_flight is not None:
             self.in_flight.result()  # the previous push must be out before the storage is reused
+        if self.sender.version:
+            self.sent.append(sum(self.sender.payload_bytes.values()))  # (the previous push's)
         version = self.sender.version + 1
         self.pushed.stamp(store, version, step, last)
         if self.cfg.mode == "latest":
@@ -448,6 +461,7 @@ class _CudarecvPush:
     def finish(self, store: Store) -> None:
         if self.in_flight is not None:
             self.in_flight.result()
+        self.sent.append(sum(self.sender.payload_bytes.values()))
         _wait_done(
             store, self.cfg, len(self.ranks)
         )  # latest: the actors take the last version first
@@ -482,6 +496,9 @@ class _StockPush:
             len(list(self.td.keys(True, True))),
         )
         self.fanout, self.bucket_bytes = "star", None  # one send per actor, in turn, of one message
+        self.sent: list[
+            int
+        ] = []  # the bytes each push took from the trainer: the version to each actor
 
     def push(self, store: Store, step: int, last: bool) -> float:
         start = time.perf_counter()
@@ -496,6 +513,7 @@ class _StockPush:
         meta["t_push"].fill_(time.time())
         for rank in self.ranks:  # every actor, in turn: each send waits for its receiver
             self.td.send(dst=rank, consolidated=True)
+        self.sent.append(self.bytes * len(self.ranks))
         return time.perf_counter() - start
 
     def finish(self, store: Store) -> None:
@@ -598,6 +616,7 @@ def _trainer(cfg: Config, device: torch.device) -> dict[str, Any]:
         leaves=sync.leaves,
         fanout=sync.fanout,
         bucket_bytes=sync.bucket_bytes,
+        sent=sync.sent,
         digest=digest(TensorDict_from_module(policy)),
     )
 
@@ -791,7 +810,14 @@ def trainer_cells(cfg: Config, trainer: dict[str, Any], stock: dict[str, Any]) -
         "push max": _fmt(max(pushes) * 1e3, ".2f"),
         "reward first": _fmt(_tenth(trainer["rewards"], last=False), ".3f"),
         "reward last": _fmt(_tenth(trainer["rewards"], last=True), ".3f"),
+        **({"sent": _sent(cfg, trainer)} if cfg.delta else {}),
     }
+
+
+def _sent(cfg: Config, trainer: dict[str, Any]) -> str:
+    """The bytes a push took from the trainer, median, as a share of the version to every actor (stock sends
+    the version to each)."""
+    return f"{percentile(trainer['sent'], 50) / (trainer['bytes'] * cfg.actors):.0%}"
 
 
 def actor_cells(cfg: Config, actor: dict[str, Any], trainer: dict[str, Any]) -> dict[str, str]:
@@ -862,12 +888,13 @@ def report_text(cfg: Config, trainers: list[dict[str, Any]], actors: list[dict[s
     """Both tables with their notes, every line within 100 columns."""
     by_impl = {t["impl"]: t for t in trainers}
     out = table.text(
-        TRAINER_COLUMNS,
+        TRAINER_COLUMNS + (("sent",) if cfg.delta else ()),
         {None: [trainer_cells(cfg, t, by_impl["stock"]) for t in trainers]},
         left=LEFT,
         notes=_describe(cfg, trainers[0]),
     )
-    out += "#\n" + "".join(f"# {note}\n" for note in TRAINER_NOTES)
+    notes = TRAINER_NOTES + (DELTA_NOTES if cfg.delta else ())
+    out += "#\n" + "".join(f"# {note}\n" for note in notes)
     out += table.text(
         ACTOR_COLUMNS, {None: [actor_cells(cfg, a, by_impl[a["impl"]]) for a in actors]}, left=LEFT
     )
@@ -941,6 +968,12 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--verify", action="store_true", help="send and check a checksum with every push"
+    )
+    p.add_argument(
+        "--delta",
+        action="store_true",
+        help="cudarecv sends each actor on the wire only what changed (with --hosts), and the tables "
+        "say how much a push sent",
     )
     p.add_argument(
         "--timeout",
@@ -1061,6 +1094,7 @@ def make_config(args: argparse.Namespace) -> Config:
         slow_seconds=float(args.slow_seconds),
         kill_actor=args.kill_actor,
         network=network,
+        delta=args.delta,
     )
     _check_memory(cfg)
     return cfg
@@ -1283,6 +1317,7 @@ def _run_hosts(args: argparse.Namespace, cfg: Config) -> int:
         str(cfg.slow_seconds),
     ]
     argv += ["--verify"] if cfg.verify else []
+    argv += ["--delta"] if cfg.delta else []
     for flag, value in (("--slow-actor", cfg.slow_actor), ("--kill-actor", cfg.kill_actor)):
         argv += [flag, str(value)] if value is not None else []
     try:
