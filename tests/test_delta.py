@@ -214,6 +214,10 @@ def deltas(rank, world, group, steps, corrupt, fanout="star", lie=0):
             torch.distributed.barrier()  # (the receivers close after: each is served until then)
         snapshots.encode = encode
         return sizes, errors, total
+    from cudarecv.weights import slots
+
+    fills, fill = [], slots.Slot.fill  # (how often the published version is copied before a patch)
+    slots.Slot.fill = lambda self, source: (fills.append(1), fill(self, source))[1]
     with cudarecv.WeightReceiver(src=0, expect=td, timeout=30) as receiver:
         seen = []
         expected = version_td(0)
@@ -230,7 +234,8 @@ def deltas(rank, world, group, steps, corrupt, fanout="star", lie=0):
             )
             seen.append((version, got, exact))
         torch.distributed.barrier()
-        return seen
+    slots.Slot.fill = fill
+    return seen, len(fills)
 
 
 def _first_value(patch: torch.Tensor, words: int) -> int:
@@ -250,7 +255,11 @@ def test_every_version_arrives_bit_exact_as_a_few_percent_of_its_bytes(four, fan
     sizes, errors, total = results[0]
     assert errors == []
     for rank in (1, 2, 3):
-        assert results[rank] == [(v, v, True) for v in range(1, 7)]
+        seen, fills = results[rank]
+        assert seen == [(v, v, True) for v in range(1, 7)]
+        # version 2's patch: onto a copy of version 1; each later one onto the spare buffer's version, after
+        # the patch before it (the spare holds the version before the published one): no copy of the version
+        assert fills == 1
         sent = [s.get(rank) for s in sizes]
         if fanout == "relay" and rank != 1:  # (it got them from the hop before)
             assert sent == [0] * 6, sizes
@@ -268,7 +277,7 @@ def test_a_corrupted_patch_is_rejected_and_the_next_push_repairs_it_whole(four, 
     assert [v for v, _ in errors] == [3]
     assert "rejected" in errors[0][1]
     for rank in (1, 2, 3):
-        seen = results[rank]
+        seen, _ = results[rank]
         assert seen[:2] == [(1, 1, True), (2, 2, True)]
         assert seen[2] == (3, "rejected", 2, "ChecksumError")
         assert seen[3:] == [(4, 4, True), (5, 5, True), (6, 6, True)]
@@ -281,7 +290,7 @@ def test_threads_diff_ranges_of_blocks_into_the_same_patch(monkeypatch):
     """A large host storage is diffed by several threads, each a range of blocks writing its part of every
     section: the patch is byte for byte the single-threaded one (and torch's)."""
     monkeypatch.setattr(delta, "THREADS", 3)
-    monkeypatch.setattr(delta.torch, "get_num_threads", lambda: 3)
+    monkeypatch.setattr(delta.os, "sched_getaffinity", lambda pid: {0, 1, 2})
     assert delta._parts(40, delta.PARALLEL_BYTES) == [(0, 13), (13, 26), (26, 40)]
     assert delta._parts(40, delta.PARALLEL_BYTES - 1) == [(0, 40)]
     gen = torch.Generator().manual_seed(5)
@@ -485,11 +494,11 @@ def test_a_patch_against_a_version_the_receiver_does_not_hold_is_rejected_and_re
     sizes, errors, total = results[0]
     assert [v for v, _ in errors] == [3, 4]
     assert "rank 1" in errors[1][1] and "rank 2" not in errors[1][1]
-    assert results[1][3] == (4, "rejected", 2, "PushHeaderError")
-    assert results[1][4:] == [(5, 5, True), (6, 6, True)]
+    assert results[1][0][3] == (4, "rejected", 2, "PushHeaderError")
+    assert results[1][0][4:] == [(5, 5, True), (6, 6, True)]
     assert sizes[3][1] < 0.06 * total and sizes[4][1] == total and sizes[5][1] < 0.06 * total
     for rank in (2, 3):
-        assert results[rank][3:] == [(4, 4, True), (5, 5, True), (6, 6, True)]
+        assert results[rank][0][3:] == [(4, 4, True), (5, 5, True), (6, 6, True)]
         assert sizes[3][rank] == total and sizes[4][rank] < 0.06 * total
 
 

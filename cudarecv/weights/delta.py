@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import enum
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -279,8 +280,10 @@ THREADS = 4
 
 
 def _parts(blocks: int, nbytes: int) -> list[tuple[int, int]]:
-    """The ranges of blocks the threads of a host diff take, one each."""
-    count = min(THREADS, torch.get_num_threads(), blocks) if nbytes >= PARALLEL_BYTES else 1
+    """The ranges of blocks the threads of a host diff take, one each: as many as the cores this process may run
+    on, at most :data:`THREADS` (not torch's thread count: a rank of several on one machine often sets it to 1,
+    for torch's own pool)."""
+    count = min(THREADS, len(os.sched_getaffinity(0)), blocks) if nbytes >= PARALLEL_BYTES else 1
     bounds = [blocks * i // max(count, 1) for i in range(count + 1)]
     return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a] or [(0, 0)]
 
@@ -518,16 +521,34 @@ def _bit_runs(
     return runs
 
 
+@dataclass(frozen=True)
+class _Applied:
+    """The last patch a receiver applied: from version ``base`` to ``version``, its bytes (kept in its buffer)."""
+
+    base: int
+    version: int
+    patch: Tensor
+
+
 class Patches:
-    """Delta, a receiver's: the buffer patches land in (as large as the largest patch so far: a patch is always
-    smaller than the version), and their application into the slot the next version lands in. A relayed patch is
-    forwarded from the buffer: the next one waits for that forward to end before it lands there (and a buffer
-    a failed forward may still read is never written again)."""
+    """Delta, a receiver's: the two buffers patches land in, in turn (each as large as the largest patch it held:
+    a patch is always smaller than the version), and their application into the slot the next version lands in.
+
+    That slot holds the version before the published one when the pulls before were whole: the last patch (kept
+    in the other buffer) is applied to it first, then the new one, and the version is never copied; else the
+    published version is copied into it first. A relayed patch is forwarded from its buffer: a patch lands only
+    once the last forward no longer reads (and a buffer a failed forward may still read is never written again)."""
 
     def __init__(self, schema: Schema, device: torch.device, pin_memory: bool) -> None:
         self.word, self.total = word_bytes(schema), schema.total
         self.device, self.pin_memory = device, pin_memory
-        self._buffer: Tensor | None = None
+        self._buffers: list[Tensor | None] = [None, None]
+        self._turn = 0  # the buffer the next patch lands in
+        self._applied: _Applied | None = None
+        #: the version each own slot's bytes hold (by id; none while one is being written), and what the slot
+        #: the pull under way writes held before
+        self._holds: dict[int, int] = {}
+        self._was: int | None = None
         #: a placed slot's version as one storage, to patch (allocated at its first patch)
         self._whole: Tensor | None = None
 
@@ -544,37 +565,64 @@ class Patches:
         if forward is not None:
             with contextlib.suppress(Exception):
                 forward.wait()  # bounded by its own timeout
-            if forward.failed:  # its parked send may read the buffer for as long as it likes
+            if forward.failed:  # its parked send may read the buffers for as long as it likes
                 self.renew()
-        if self._buffer is None or self._buffer.numel() < nbytes:  # (it grows to the largest patch)
-            self._buffer = torch.empty(
+        buffer = self._buffers[self._turn]
+        if buffer is None or buffer.numel() < nbytes:  # (it grows to the largest patch)
+            buffer = self._buffers[self._turn] = torch.empty(
                 nbytes, dtype=torch.uint8, device=self.device, pin_memory=self.pin_memory
             )
-        return cut(self._buffer[:nbytes], patch_message(bucket_bytes))
+        return cut(buffer[:nbytes], patch_message(bucket_bytes))
 
     def renew(self) -> None:
-        """Receives or a forward may still touch the buffer for good: never write it again (the next patch lands
-        in a new one)."""
-        self._buffer = None
+        """Receives or a forward may still touch the buffers for good: never write them again (the next patch
+        lands in a new one)."""
+        self._buffers, self._applied = [None, None], None
+
+    def writing(self, slot: Slot) -> None:
+        """A pull starts writing into ``slot``: it holds no version until it is published (what it held, the
+        patch of this pull may start from)."""
+        self._was = self._holds.pop(id(slot), None)
+
+    def rejected(self) -> None:
+        """The version this pull patched was rejected (its digest): its patch is no base for the next one."""
+        self._applied = None
+
+    def published(self, slot: Slot, version: int) -> None:
+        """A pull published ``version`` in ``slot``."""
+        self._holds[id(slot)] = version
 
     def apply(
-        self, nbytes: int, slot: Slot, published: Slot | None, stream: torch.cuda.Stream | None
+        self,
+        header: PushHeader,
+        slot: Slot,
+        published: Slot | None,
+        stream: torch.cuda.Stream | None,
     ) -> None:
-        """Write the ``published`` version (the patch's base, checked by the caller) and then the patch of
-        ``nbytes`` that landed into ``slot``; raises :class:`PatchError` if the patch does not apply (``slot`` is
-        then unpublished rubbish, the published version untouched)."""
-        if published is None or self._buffer is None:
+        """Write version ``header.base`` (``published``'s, checked by the caller) and then ``header``'s patch,
+        which landed, into ``slot``; raises :class:`PatchError` if the patch does not apply (``slot`` is then
+        unpublished rubbish, the published version untouched)."""
+        buffer = self._buffers[self._turn]
+        if published is None or buffer is None:
             raise PatchError("a patch came before any version was published")
-        patch = self._buffer[:nbytes]
+        patch, last = buffer[: header.patch], self._applied
+        self._applied = None  # (until this one applied)
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            if not slot.placed:
+            if slot.placed:
+                # leaves that lie where their owner put them (a sharded receiver's): patched in one storage laid
+                # out as the schema, then copied to their places
+                if self._whole is None:
+                    self._whole = torch.zeros(self.total, dtype=torch.uint8, device=self.device)
+                published.copy_to(self._whole)
+                apply(patch, self._whole, self.word)
+                slot.fill(self._whole)
+            elif last is not None and last.version == header.base and self._was == last.base:
+                apply(
+                    last.patch, slot.storage, self.word
+                )  # (it turned the slot's version into the base)
+                apply(patch, slot.storage, self.word)
+            else:
                 slot.fill(published.storage)
                 apply(patch, slot.storage, self.word)
-                return
-            # leaves that lie where their owner put them (a sharded receiver's): patched in one storage laid out
-            # as the schema, then copied to their places
-            if self._whole is None:
-                self._whole = torch.zeros(self.total, dtype=torch.uint8, device=self.device)
-            published.copy_to(self._whole)
-            apply(patch, self._whole, self.word)
-            slot.fill(self._whole)
+        self._applied = _Applied(header.base, header.version, patch)
+        self._turn ^= 1

@@ -247,6 +247,7 @@ class Puller:
                 f"a patch against version {header.base} came, but this receiver holds version {self.version} "
                 "(the sender sends the next version whole)"
             )
+        self.patches.writing(slot)  # (whatever lands in it, it holds no version until published)
         if header.shared:
             slot = yield from self._take_shared(header, slot, problem)
         elif header.relayed and header.patch:  # forwarded, applied or not
@@ -274,7 +275,7 @@ class Puller:
             header.patch
         ):  # the held version, then what changed, into the spare slot (not the published)
             try:
-                self.patches.apply(header.patch, slot, self.slots.published, lane.stream)
+                self.patches.apply(header, slot, self.slots.published, lane.stream)
             except PatchError as error:
                 inbox.tell(header, REJECTED)
                 raise PatchError(
@@ -289,12 +290,14 @@ class Puller:
             ):
                 got = slot.digest()
             if got != header.checksum:
+                self.patches.rejected()
                 inbox.tell(header, REJECTED)
                 raise ChecksumError(
                     f"version {header.version} arrived corrupted (BLAKE3 {got.hex()} != "
                     f"{header.checksum.hex()}): rejected; version {self.version} stays published"
                 )
         freed = self.slots.publish(slot, header.version, tell=False)
+        self.patches.published(slot, header.version)
         self.version = header.version
         inbox.tell(header, LANDED, freed)
         return header.version
