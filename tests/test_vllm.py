@@ -179,7 +179,8 @@ def test_an_fp32_trainer_feeds_a_bf16_engine_in_bf16(tmp_path):
 def test_a_tensor_parallel_engine_takes_each_version_on_both_workers(tmp_path, monkeypatch):
     """Tensor parallel 2 (vLLM's CPU build: gloo between its workers): both workers join the trainer's group, each
     receives only the slices of the version its weight loaders read (about half of it) and loads them through
-    them; the engine then generates as the trainer's weights (a slice off by one row would not)."""
+    them; the engine then generates as the trainer's weights (a slice off by one row would not). Then a trainer
+    with ``delta=True`` on the wire: after its first version, each worker's slices travel as patches."""
     monkeypatch.setenv(
         "VLLM_CPU_OMP_THREADS_BIND", "nobind"
     )  # (one NUMA node here: vLLM's "auto" refuses)
@@ -216,6 +217,26 @@ def test_a_tensor_parallel_engine_takes_each_version_on_both_workers(tmp_path, m
                 assert generate(engine) == tiny_llm.greedy(model, PROMPTS, TOKENS), (
                     f"update {step + 1}"
                 )
+        finally:
+            trainer.shutdown()
+        # delta, on the wire: each worker's slices as patches once it holds a version
+        trainer = CudarecvTrainerEngine.trainer_init(
+            CudarecvTrainerInitInfo(timeout=60.0, transport="wire", delta=True),
+            client=engine,
+            source=ModuleSource(model),
+        )
+        try:
+            perturbed(model, 7)
+            trainer.send_weights()
+            whole = trainer.sender.payload_bytes
+            assert set(whole) == {1, 2} and all(n > 0.45 * trainer.nbytes for n in whole.values())
+            with torch.no_grad():
+                matrix = max(model.parameters(), key=lambda p: p.numel()).view(-1)
+                matrix[::100] += 0.5  # (1% of its elements, in both workers' slices)
+            trainer.send_weights()
+            patched = trainer.sender.payload_bytes
+            assert all(0 < patched[w] < 0.1 * whole[w] for w in (1, 2)), (patched, whole)
+            assert generate(engine) == tiny_llm.greedy(model, PROMPTS, TOKENS)
         finally:
             trainer.shutdown()
     finally:

@@ -37,7 +37,7 @@ class CudarecvTrainerInitInfo(TrainerInitInfo):
         dtype: the dtype the weights travel and load in (None: the engine's, which its workers report).
         delta: each update goes to a worker on the wire as the words that changed since the version it holds
             (see :class:`~cudarecv.WeightSender`'s ``delta``), diffed in ``dtype``; the worker patches its copy
-            and loads the whole version. Not for a tensor-parallel engine whose workers take slices (yet).
+            and loads the whole version (a tensor-parallel engine's workers: their slices).
         rank: this trainer rank (vLLM's field); rank 0 sends, the others only take part in the source's collectives.
 
     Example:

@@ -132,11 +132,6 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
             )  # a tensor-parallel engine: each worker receives what it loads
             self._td, self.dtype = self._weights(dtype), dtype
             # a tensor-parallel engine's workers each want slices: a sender of each worker's slices
-            if self.sliced and info.delta:
-                raise ArgumentError(
-                    "`delta=True` is not available for a tensor-parallel engine whose workers take "
-                    "slices (yet): drop `delta`"
-                )
             options = dict(
                 group=self._group,
                 group_dst=list(range(1, workers + 1)),
@@ -145,12 +140,11 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
                 verify=info.verify,
                 bucket_bytes=info.bucket_bytes,
                 transport=info.transport,
+                delta=info.delta,
             )
             td = self._td.unflatten_keys(".")
             self.sender = (
-                ShardedSender(td, **options)
-                if self.sliced
-                else WeightSender(td, delta=info.delta, **options)
+                ShardedSender(td, **options) if self.sliced else WeightSender(td, **options)
             )
         log.info(
             "cudarecv weight transfer to %d vLLM worker(s) (%s, %s, %s)",
