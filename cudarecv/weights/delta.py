@@ -197,10 +197,9 @@ def encode(
 ) -> Tensor | None:
     """The patch that turns ``base`` into ``new`` (uint8 storages of the same length, a multiple of ``word``), in
     ``out`` (uint8; a new tensor of the patch's length if None or shorter), as a view of its first bytes; None
-    when
-    a patch would not be smaller than ``new`` itself (send the version whole). ``advance``: ``base`` then holds
-    ``new`` (the native codec writes only the changed words). Host storages take the native codec where it was
-    built (``native=False``: torch's, as on a device)."""
+    when a patch would not be smaller than ``new`` itself (send the version whole). ``advance``: ``base`` then
+    holds ``new`` (the native codec writes only the changed words). Host storages take the native codec where it
+    was built (``native=False``: torch's, as on a device)."""
     words, block_words = new.numel() // word, BLOCK_BYTES // word
     blocks = -(-words // block_words)
     lib = NATIVE if native and new.device.type == "cpu" else None
@@ -242,10 +241,10 @@ def encode(
     )
     ends = [at[0] + blocks, at[1] + 8 * blocks, at[2] + 4 * layout.sparse, at[3] + layout.bits]
     ends += [at[4] + word * layout.sparse, at[5] + word * layout.marked]
-    for end, start in zip(ends, at[1:]):
-        patch[
-            end:start
-        ].zero_()  # (the padding after each section: nothing of the process's memory goes out)
+    for end, start in zip(
+        ends, at[1:]
+    ):  # the padding after each section: none of the process's memory
+        patch[end:start].zero_()
     if lib is not None:
         patch[at[3] : at[3] + layout.bits].zero_()
         starts = _section_starts(layout, word, at, parts)

@@ -96,17 +96,13 @@ def send(
         with session.cond:
             snapshot.holders += 1
             member.holding[version] = snapshot
+    # the version whole if it holds another (or none known), or its transport sends versions whole
     if not transport.patches or (patch is not None and member.held != patch.base):
-        patch = (
-            None  # (it holds another version, or none known, or its transport sends versions whole)
-        )
-    member.payload = (
-        patch.storage.numel()
-        if patch is not None
-        else 0
-        if transport.header_only
-        else snapshot.storage.numel()
-    )
+        patch = None
+    if patch is not None:
+        member.payload = patch.storage.numel()
+    else:
+        member.payload = 0 if transport.header_only else snapshot.storage.numel()
     head = yield from (
         transport.push(member.lane, snapshot, session.tags, patch)
         if patch is not None

@@ -66,9 +66,8 @@ class SyncPushes(Pushes):
         session, pool = self.session, self.pool
         target = pool.sync_target(timeout)
         pool.copy_in(plan, target, stream)
-        if (
-            session.delta
-        ):  # (a receiver reading the snapshot where it lies takes no patch: nothing to diff for it)
+        # delta: a receiver reading the snapshot where it lies takes no patch (nothing to diff for it alone)
+        if session.delta:
             if any(not (m.transport.header_only and m.transport.carries(target)) for m in live):
                 pool.diff(target, stream)
             else:
