@@ -662,3 +662,83 @@ def test_a_sharded_sender_sends_each_receivers_pieces_as_patches(four):
         assert results[rank] == [(v, True) for v in range(1, 6)]
         first = sizes[0][rank]
         assert all(0 < s[rank] < 0.1 * first for s in sizes[1:]), (rank, sizes)
+
+
+def relay_head_dies(rank, world, group, steps, key):
+    """Delta through the chain 1 -> 2 -> 3 (16 KiB messages: a patch is several); the head dies once a message of
+    version 3's patch has landed in it: ranks 2 and 3 lose that patch (``RelayLost``) and keep version 2; the next
+    version goes whole through the chain 2 -> 3 (their word on version 3 said they hold none of the sender's base),
+    and the ones after as patches again."""
+    from cudarecv.weights import relay
+    from rawwire import store
+
+    signals, td = store(), version_td(0)
+    if rank == 0:
+        sizes, failures = [], []
+        with cudarecv.WeightSender(
+            td,
+            dst=[1, 2, 3],
+            fanout="relay",
+            delta=True,
+            verify=True,
+            bucket_bytes=16 << 10,
+            timeout=30,
+        ) as sender:
+            for version in range(1, steps + 1):
+                step(td, version)
+                try:
+                    sender.push()
+                except cudarecv.Error as error:
+                    failures.append((version, type(error).__name__))
+                sizes.append(sender.payload_bytes)
+            total = sender.schema.total
+            signals.set(f"{key}_read", "1")  # ranks 2 and 3 may close now
+            signals.wait([f"{key}_done_2", f"{key}_done_3"])
+        return sizes, failures, total
+    with cudarecv.WeightReceiver(src=0, expect=td, timeout=30) as receiver:
+        if rank == 1:
+            landed = relay.Relay.landed
+
+            def landed_then_die(self, i: int) -> None:
+                landed(self, i)
+                if self.version == 3 and i == 1:  # (mid-patch: message 0 is on its way down)
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+            relay.Relay.landed = landed_then_die
+            while receiver.pull() < 3:
+                pass
+            raise AssertionError("rank 1 pulled version 3 whole")
+        expected, at, seen = version_td(0), 0, []
+        while receiver.version < steps:
+            try:
+                got = receiver.pull()
+            except cudarecv.RelayLost:
+                seen.append(("lost", receiver.version))
+                continue
+            while at < got:
+                at += 1
+                step(expected, at)
+            seen.append((got, exact(receiver.td, expected)))
+        signals.wait([f"{key}_read"])  # (served until the sender has looked)
+        signals.set(f"{key}_done_{rank}", "1")
+        return seen
+
+
+def test_a_patch_lost_in_a_relay_chain_is_repaired_whole_through_the_healed_chain(four):
+    from cudarecv.testing.launch import RankExit
+    from rawwire import unique_key
+
+    try:
+        (sizes, failures, total), head, seen2, seen3 = four().run(
+            relay_head_dies, args=(6, unique_key("delta_relay")), may_die={1}, timeout=120
+        )
+    finally:
+        four().close()  # rank 1 is dead: the next test needs new groups
+    assert isinstance(head, RankExit) and head == -signal.SIGKILL, head
+    assert failures == [(3, "PeerError")], failures
+    for seen in (seen2, seen3):
+        assert seen == [(1, True), (2, True), ("lost", 2), (4, True), (5, True), (6, True)], seen
+    # the head of the chain: rank 1, then rank 2 once 1 is gone; version 4 whole, 5 and 6 patches
+    assert sizes[0] == {1: total, 2: 0, 3: 0} and 0 < sizes[1][1] < 0.06 * total, sizes
+    assert sizes[3] == {2: total, 3: 0}, sizes
+    assert all(0 < s[2] < 0.06 * total and s[3] == 0 for s in sizes[4:]), sizes
