@@ -621,14 +621,22 @@ def sliced_td(version: int) -> TensorDict:
 SLICES = {1: {"w": (slice(0, 100),)}, 2: {"w": (slice(None), slice(50, 250))}, 3: None}
 
 
-def sharded_deltas(rank, world, group, steps):
-    """A ``ShardedSender`` of plain tensors with ``delta=True``: each receiver wants other slices (rows, columns,
-    all), lands them where its leaves lie, and gets each version after the first as patches of its pieces."""
+def sharded_deltas(rank, world, group, steps, wire_dtype):
+    """A ``ShardedSender`` of plain fp32 tensors with ``delta=True`` (and ``wire_dtype``): each receiver wants
+    other slices (rows, columns, all), lands them where its leaves lie, and gets each version after the first as
+    patches of its pieces."""
+    cast = (lambda t: t) if wire_dtype is None else (lambda t: t.to(wire_dtype))
     if rank == 0:
         td = sliced_td(1)
         sizes = []
         with cudarecv.ShardedSender(
-            td, dst=[1, 2, 3], delta=True, verify=True, transport="wire", timeout=30
+            td,
+            dst=[1, 2, 3],
+            delta=True,
+            verify=True,
+            transport="wire",
+            timeout=30,
+            wire_dtype=wire_dtype,
         ) as sender:
             for version in range(1, steps + 1):
                 td.update_(sliced_td(version))
@@ -646,7 +654,9 @@ def sharded_deltas(rank, world, group, steps):
                 (
                     got,
                     all(
-                        torch.equal(receiver.td[k], full[k][(want or {}).get(k, (slice(None),))])
+                        torch.equal(
+                            receiver.td[k], cast(full[k][(want or {}).get(k, (slice(None),))])
+                        )
                         for k in ("w", "b")
                     ),
                 )
@@ -655,8 +665,9 @@ def sharded_deltas(rank, world, group, steps):
         return seen
 
 
-def test_a_sharded_sender_sends_each_receivers_pieces_as_patches(four):
-    results = four().run(sharded_deltas, args=(5,), timeout=120)
+@pytest.mark.parametrize("wire_dtype", [None, torch.bfloat16], ids=["fp32", "bf16_on_the_wire"])
+def test_a_sharded_sender_sends_each_receivers_pieces_as_patches(four, wire_dtype):
+    results = four().run(sharded_deltas, args=(5, wire_dtype), timeout=120)
     sizes = results[0]
     for rank in (1, 2, 3):
         assert results[rank] == [(v, True) for v in range(1, 6)]

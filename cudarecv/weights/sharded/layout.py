@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import operator
 from collections.abc import Mapping, Sequence
@@ -24,7 +25,7 @@ from torch import Tensor
 
 from ...core.errors import ArgumentError, ArgumentTypeError, SchemaError
 from ...plan.boxes import Box, duty, shard_box
-from ..schema import DTYPES, check_size
+from ..schema import DTYPES, check_size, on_wire
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
@@ -189,6 +190,16 @@ def held(tensor: Tensor, name: str) -> tuple[Tensor, Box]:
             f"{tensor.placements} give {list(box.sizes)}: a padded or strided shard"
         )
     return local, box
+
+
+def on_wire_layout(layout: Layout, wire_dtype: torch.dtype | None) -> Layout:
+    """``layout`` with its floating-point leaves in ``wire_dtype`` (a sender's; see
+    :func:`~cudarecv.weights.schema.on_wire`): what its receivers hold."""
+    if wire_dtype is None:
+        return layout
+    return Layout(
+        tuple(dataclasses.replace(p, dtype=on_wire(p.dtype, wire_dtype)) for p in layout.parts)
+    )
 
 
 def sender_layout(keys: Sequence[tuple[str, ...]], tensors: Sequence[Tensor]) -> Layout:

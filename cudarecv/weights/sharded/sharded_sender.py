@@ -14,6 +14,8 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any, Literal, overload
 
+import torch
+
 from ...core import streams
 from ...core.checks import check_timeout
 from ...core.errors import ArgumentError, PeerError, SchemaError, UsageError, WaitTimeout
@@ -24,7 +26,7 @@ from ...wire.staging import lane_for
 from ..options import Fanout, Mode, TransportPolicy, check_sender
 from ..sender import WeightSender
 from . import exchange
-from .layout import held, in_order, piece_views, pieces, sender_layout
+from .layout import held, in_order, on_wire_layout, piece_views, pieces, sender_layout
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -68,6 +70,7 @@ class ShardedSender:
         fanout: Fanout = "auto",
         transport: TransportPolicy = "auto",
         delta: bool = False,
+        wire_dtype: torch.dtype | None = None,
     ) -> None:
         self._closed, self._senders = False, []
         options = dict(
@@ -80,12 +83,15 @@ class ShardedSender:
             fanout=fanout,
             transport=transport,
             delta=delta,
+            wire_dtype=wire_dtype,
         )
-        self._timeout = check_sender(timeout, bucket_bytes, transport, mode, buffers, fanout, delta)
+        self._timeout = check_sender(
+            timeout, bucket_bytes, transport, mode, buffers, fanout, delta, wire_dtype
+        )
         peers, links, global_ranks = exchange.peer_links(dst, group_dst, group, "dst", "group_dst")
         keys, tensors = walk(unwrap(td))
         self._keys = [tuple(map(str, k)) for k in keys]
-        self._layout = sender_layout(keys, tensors)
+        self._layout = on_wire_layout(sender_layout(keys, tensors), wire_dtype)
         locals_ = [held(t, ".".join(k)) for k, t in zip(self._keys, tensors)]
         self._boxes = [box for _, box in locals_]
         device = streams.explicit(locals_[0][0].device)
