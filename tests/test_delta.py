@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import signal
 import time
 
@@ -24,6 +23,7 @@ import cudarecv
 from churn import fork_process, master_store, store_client
 from cudarecv.weights import delta
 from cudarecv.weights.delta import PatchError
+from procs import stop_here
 
 FRACTION = 0.01
 MIB = 1 << 20
@@ -404,7 +404,7 @@ def delta_actor(conn, port: int, name: str, index: int, die_at: int) -> None:
 
         def apply_or_die(self, nbytes, slot, published, stream):
             if receiver.version + 1 >= die_at:
-                os.kill(os.getpid(), signal.SIGKILL)
+                stop_here(signal.SIGKILL)
             apply(self, nbytes, slot, published, stream)
 
         delta.Patches.apply = apply_or_die
@@ -713,7 +713,7 @@ def relay_head_dies(rank, world, group, steps, key):
             def landed_then_die(self, i: int) -> None:
                 landed(self, i)
                 if self.version == 3 and i == 1:  # (mid-patch: message 0 is on its way down)
-                    os.kill(os.getpid(), signal.SIGKILL)
+                    stop_here(signal.SIGKILL)
 
             relay.Relay.landed = landed_then_die
             while receiver.pull() < 3:

@@ -23,6 +23,7 @@ import cudarecv
 from cudarecv.plan.boxes import Box, coordinates, duty, shard_box
 from cudarecv.testing.launch import Cluster, Ranks
 from held import threads
+from procs import stop_here
 from rawwire import store
 
 SHAPES = {
@@ -682,7 +683,7 @@ def dead_trainer(rank, world, group, transport, how):
             if rank == 1:
                 if how == "stop":
                     store().set("stopped_trainer", str(os.getpid()))
-                os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+                stop_here(signal.SIGKILL if how == "kill" else signal.SIGSTOP)
             set_version(td, 3)
             sender.push()  # (rank 0's pieces: the receivers take them, then wait for rank 1's)
             store().set("pushed_3", "1")

@@ -19,7 +19,7 @@ import cudarecv
 from cudarecv.testing.launch import RankExit
 from cudarecv.weights import relay, wire
 from policies import holds_version, policy, set_version
-from procs import wait_stopped
+from procs import stop_here, wait_stopped
 from rawwire import store, unique_key
 
 STEPS = 6
@@ -127,7 +127,7 @@ def head_fails(rank, world, group, key, how):
                     self.version == 2 and i == 1
                 ):  # mid-push by construction: chunk 0 is on its way down
                     signals.set(f"{key}_pid", str(os.getpid()))
-                    os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+                    stop_here(signal.SIGKILL if how == "kill" else signal.SIGSTOP)
 
             relay.Relay.landed = landed_then_fail
             while receiver.pull() < 2:
