@@ -8,6 +8,7 @@ version ``k`` of a bf16 model whose steps each change ``FRACTION`` of its elemen
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import signal
@@ -23,6 +24,7 @@ import cudarecv
 from churn import fork_process, master_store, store_client
 from cudarecv.weights import delta
 from cudarecv.weights.delta import PatchError
+from cudarecv.weights.wire import LANDED
 from procs import stop_here
 
 FRACTION = 0.01
@@ -204,7 +206,8 @@ def deltas(rank, world, group, steps, corrupt, fanout="star", lie=0):
             for version in range(1, steps + 1):
                 step(td, version)
                 if version == lie:  # (the sender wrongly believes rank 1 holds the version before)
-                    next(m for m in sender._s.members if m.rank == 1).held = version - 1
+                    member = next(m for m in sender._s.members if m.rank == 1)
+                    member.got = dataclasses.replace(member.got, version=version - 1, status=LANDED)
                 try:
                     assert sender.push() == version
                 except cudarecv.ChecksumError as error:

@@ -103,8 +103,7 @@ def _listen(session: Session, pool: SnapshotPool, member: Member) -> None:
             return
         if kind == GOT:
             with session.cond:
-                member.got = ask
-                member.held = version if ask.status == LANDED else None  # (delta: whole next time)
+                member.got = ask  # (delta: what it holds, Member.held)
                 if (
                     ask.status != LANDED
                 ):  # a zero-copy receiver did not publish it: it holds nothing of it

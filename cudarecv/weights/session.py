@@ -17,7 +17,7 @@ from .options import Fanout, Mode
 from .schema import Schema
 from .transports.base import Transport
 from .transports.registry import WIRE
-from .wire import Ask, SessionTags
+from .wire import LANDED, Ask, SessionTags
 
 if TYPE_CHECKING:
     from ..core.transfer import Transfer
@@ -91,8 +91,6 @@ class Member:
         self.listener: threading.Thread | None = None
         #: relay, shared memory, delta: the receiver's last word on a version (GOT)
         self.got: Ask | None = None
-        #: delta: the version it said it published last (None: not known, its next push is whole)
-        self.held: int | None = None
         #: the bytes of the last push's payload to it (a patch's, the version's; 0: a header alone)
         self.payload = 0
         #: what carries its pushes: the session's transport if it took the offer (and no relay chain needs it on
@@ -108,6 +106,13 @@ class Member:
         #: a non-blocking push of this version to it, a header alone, waits for its word: its listener drives that
         #: transfer to its end on the word (no thread hands it on; see :func:`~.serving.answered`)
         self.awaiting: int | None = None
+
+    @property
+    def held(self) -> int | None:
+        """Delta: the version its last word said it published (None: none known, or it did not publish the version
+        its word was on: its next push is whole)."""
+        got = self.got
+        return got.version if got is not None and got.status == LANDED else None
 
     @property
     def lane(self) -> Lane:
