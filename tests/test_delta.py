@@ -216,6 +216,7 @@ def deltas(rank, world, group, steps, corrupt, fanout="star", lie=0):
             total = sender.schema.total
             torch.distributed.barrier()  # (the receivers close after: each is served until then)
         snapshots.encode = encode
+        assert sender._pool.base is None  # (closed: the base and its patch buffer let go of)
         return sizes, errors, total
     from cudarecv.weights import slots
 
@@ -238,6 +239,8 @@ def deltas(rank, world, group, steps, corrupt, fanout="star", lie=0):
             seen.append((version, got, exact))
         torch.distributed.barrier()
     slots.Slot.fill = fill
+    patches = receiver._puller.patches  # (closed: its patch buffers let go of)
+    assert patches._buffers == [None, None] and patches._applied is None
     return seen, len(fills)
 
 

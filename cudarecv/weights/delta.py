@@ -578,6 +578,11 @@ class Patches:
         lands in a new one)."""
         self._buffers, self._applied = [None, None], None
 
+    def clear(self) -> None:
+        """The receiver closed: let go of every buffer (a pull still under way keeps what it holds)."""
+        self.renew()
+        self._whole, self._holds = None, {}
+
     def writing(self, slot: Slot) -> None:
         """A pull starts writing into ``slot``: it holds no version until it is published (what it held, the
         patch of this pull may start from)."""
