@@ -111,12 +111,17 @@ class _Timespec(ctypes.Structure):
     _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
 
 
-def _wake(address: int) -> None:
+def futexes() -> bool:
+    """Whether this machine's futexes are known here (x86-64, aarch64)."""
+    return _SYS_FUTEX is not None
+
+
+def wake(address: int) -> None:
     """Wake whoever sleeps on the 32-bit word at ``address`` (a futex; a no-op for nobody: ~3 us)."""
     _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(address), FUTEX_WAKE, 2**31 - 1, None, None, 0)
 
 
-def _sleep_on(address: int, value: int, timeout: float) -> bool:
+def sleep_on(address: int, value: int, timeout: float) -> bool:
     """Sleep in the kernel while the 32-bit word at ``address`` holds ``value``, up to ``timeout`` s; False
     if the time ran out (True: woken, or the word had changed already)."""
     span = _Timespec(int(timeout), int(timeout % 1 * 1e9))
@@ -203,7 +208,7 @@ class Segment:
         if NATIVE:
             publish(self._words + PROGRESS_BYTES, nbytes)
             if _SYS_FUTEX is not None:
-                _wake(self._words + PROGRESS_BYTES)
+                wake(self._words + PROGRESS_BYTES)
 
     def close_fd(self) -> None:
         """Let go of the descriptor (the reader has it mapped): nothing names the memory any more."""
@@ -240,12 +245,16 @@ def _check_sealed(fd: int) -> None:
 
 
 class Mapping:
-    """The reader's read-only view of another process's :class:`Segment`."""
+    """The reader's read-only view of another process's :class:`Segment` (``writable``: read-write, for a segment
+    both processes write, each its own words: :mod:`cudarecv.samehost.doorbell`)."""
 
-    def __init__(self, pid: int, fd: int, capacity: int, nonce: bytes) -> None:
+    def __init__(
+        self, pid: int, fd: int, capacity: int, nonce: bytes, writable: bool = False
+    ) -> None:
         size = _round_up(DATA_OFFSET + capacity)
         try:
-            own = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+            flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC
+            own = os.open(f"/proc/{pid}/fd/{fd}", flags)
         except OSError as error:
             raise MappingError(
                 f"cannot open the peer's segment: {error.strerror}",
@@ -255,7 +264,7 @@ class Mapping:
             _check_sealed(own)
             if os.fstat(own).st_size < size:
                 raise MappingError("the peer's segment is smaller than announced")
-            self._map = _map(own, size, writable=False)
+            self._map = _map(own, size, writable=writable)
         finally:
             os.close(own)  # the mapping keeps the memory
         if ctypes.string_at(self._map, NONCE) != nonce:
@@ -267,8 +276,8 @@ class Mapping:
         self.capacity = capacity
         whole = torch.frombuffer(
             self._map, dtype=torch.uint8
-        )  # read-only pages: nothing here writes them
-        #: the payload bytes, read-only (never write: the pages are mapped PROT_READ)
+        )  # read-only pages (unless ``writable``): nothing here writes them
+        #: the payload bytes, read-only unless ``writable`` (never write otherwise: the pages are mapped PROT_READ)
         self.data: Tensor = whole[DATA_OFFSET : DATA_OFFSET + capacity]
 
     def written(self) -> int:
@@ -288,7 +297,7 @@ class Mapping:
         """Sleep until the writer's count of bytes moves from ``seen`` (in the kernel: a futex on its low 32 bits,
         which the writer wakes after each store); False if it stood still for ``timeout`` s (or, on a machine
         without futexes here, at once)."""
-        return _SYS_FUTEX is not None and _sleep_on(
+        return _SYS_FUTEX is not None and sleep_on(
             self._words + PROGRESS_BYTES, seen & 0xFFFFFFFF, timeout
         )
 

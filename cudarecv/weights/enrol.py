@@ -6,6 +6,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ..core.log import logger
+from ..samehost import doorbell
+from ..samehost.doorbell import Bell
+from ..samehost.shared_memory import MappingError
 from . import handshake
 from .serving import start_listening
 from .session import Member, Session, Standing
@@ -44,13 +48,32 @@ def enrol(
         if not session.elastic:
             pool.close_fds()
     members = []
-    for i, (lane, (host, shared, alias)) in enumerate(zip(lanes, answers)):
-        member = Member(lane, host, idents[i] if idents else None, pids[i] if pids else None)
-        if shared:  # it took the offer
+    for i, (lane, answered) in enumerate(zip(lanes, answers)):
+        member = Member(
+            lane, answered.host, idents[i] if idents else None, pids[i] if pids else None
+        )
+        if answered.shared:  # it took the offer
             member.transport = session.transport
-        member.alias = alias
+            member.bell = _bell(member, answered.bell)
+        member.alias = answered.alias
         members.append(member)
     return members
+
+
+def _bell(member: Member, offer: str) -> Bell | None:
+    """The doorbell ``member`` offers, mapped (None: it offers none, or this process cannot map it: its headers go on
+    the link, logged)."""
+    if not offer or doorbell.available() is not None:
+        return None
+    try:
+        return Bell(offer)
+    except MappingError as error:
+        logger.info(
+            "weight sender: %s's doorbell is not mapped (%s): its headers go on the link",
+            member.who,
+            error,
+        )
+        return None
 
 
 def serve(session: Session, pool: SnapshotPool, members: list[Member]) -> None:
@@ -58,6 +81,7 @@ def serve(session: Session, pool: SnapshotPool, members: list[Member]) -> None:
     for member in members:
         if session.fanout == "relay" and member.transport.header_only:
             member.transport = WIRE  # a relay chain moves payloads
+            member.bell = None
         member.alias = member.alias and member.transport.zero_copy
     if (
         session.mode == "sync"

@@ -23,6 +23,7 @@ from ..core.errors import (
 )
 from ..core.log import logger
 from ..core.protocol import Protocol, Work
+from ..samehost.doorbell import Bell
 from ..samehost.machine import host_id
 from ..wire.control import read_bytes, wire_bytes
 from ..wire.staging import send_from
@@ -30,7 +31,18 @@ from .link import link_error, send_bytes
 from .session import OWED, Member, Session, Standing
 from .snapshots import Patch, Snapshot, SnapshotPool
 from .transports.registry import WIRE
-from .wire import ASK_SIZE, GOT, LOST, MAX_WAIT_MS, REJECTED, hop_limit, read_ask, trailer_message
+from .wire import (
+    ASK_SIZE,
+    GOT,
+    LANDED,
+    LOST,
+    MAX_WAIT_MS,
+    REJECTED,
+    Ask,
+    hop_limit,
+    read_ask,
+    trailer_message,
+)
 
 
 def out_of_step(text: str) -> OutOfStepError:
@@ -55,6 +67,7 @@ def chain_of(session: Session, live: list[Member]) -> list[Member]:
 
 def protocol(
     session: Session,
+    pool: SnapshotPool,
     chain: list[Member],
     hop: int | None,
     member: Member,
@@ -67,7 +80,7 @@ def protocol(
     if hop is not None:
         patch = chain_patch(chain, snapshot)
         return _relayed(session, chain, hop, snapshot, timeout, patch), hop_limit(timeout, hop + 1)
-    return send(session, member, snapshot, timeout, snapshot.patch), timeout
+    return send(session, pool, member, snapshot, timeout, snapshot.patch), timeout
 
 
 def chain_patch(chain: list[Member], snapshot: Snapshot) -> Patch | None:
@@ -81,6 +94,7 @@ def chain_patch(chain: list[Member], snapshot: Snapshot) -> Patch | None:
 
 def send(
     session: Session,
+    pool: SnapshotPool,
     member: Member,
     snapshot: Snapshot,
     timeout: float,
@@ -89,7 +103,8 @@ def send(
     """Star: what the receiver's transport sends (the header and the payload on the wire, or, a receiver reading
     the snapshot where it lies, the header alone; delta: on the wire, ``patch`` if the receiver holds its base);
     then, header alone or delta, the receiver's word: it copied the version out, or (zero-copy) published it
-    where it lies and holds it until FREED; delta: which version it holds now."""
+    where it lies and holds it until FREED; delta: which version it holds now. A receiver with a doorbell gets
+    the header and says its word by it (:mod:`cudarecv.samehost.doorbell`) once a push on the link said so."""
     transport = member.transport if member.transport.carries(snapshot) else WIRE
     version = snapshot.pushed.version
     if transport.header_only and member.alias:
@@ -103,6 +118,22 @@ def send(
         member.payload = patch.storage.numel()
     else:
         member.payload = 0 if transport.header_only else snapshot.storage.numel()
+    bell = member.bell if transport.header_only else None
+    if bell is not None and snapshot.segment is not None:
+        # its doorbell: the first push says on the link that the next ones ring it (and its word comes there)
+        if member.rings:
+            bell.ring(snapshot.rung())
+            yield [Heard(session, pool, member, bell, version, time.monotonic() + timeout + 1.0)]
+            return
+        head = yield from send_from(
+            member.lane,
+            [wire_bytes(member.lane, snapshot.rung())],
+            [session.tags.header],
+            defer=True,
+        )
+        yield from _confirmed(session, member, version, timeout, head or [])
+        member.rings = True
+        return
     head = yield from (
         transport.push(member.lane, snapshot, session.tags, patch)
         if patch is not None
@@ -222,6 +253,68 @@ class Got:
         if failed is not None:
             raise PeerError(failed)
         return True
+
+
+def took_got(session: Session, pool: SnapshotPool, member: Member, ask: Ask) -> None:
+    """Under the lock: ``member``'s GOT ``ask`` came (on the link or by its doorbell): a zero-copy receiver let go of
+    the snapshot it names as freed, and holds the version it published (or nothing of one it did not). Raises
+    :class:`OutOfStepError` if it frees a version it does not hold."""
+    if ask.freed and not pool.let_go(member, ask.freed):
+        raise out_of_step(f"the receiver let go of version {ask.freed}, which it does not hold")
+    member.got = ask  # (delta: what it holds, Member.held)
+    if ask.status != LANDED:  # a zero-copy receiver did not publish it: it holds nothing of it
+        pool.let_go(member, ask.version)
+    session.cond.notify_all()
+
+
+#: how long a push asleep on a doorbell sleeps before it looks again by itself (a word or the listener's finding
+#: wakes it; this bounds a wake-up that crossed its going to sleep)
+NAP = 0.2
+
+
+class Heard(Got):
+    """A :class:`Got` whose word comes by ``member``'s doorbell ``bell``: its wait sleeps there (on this thread,
+    until the deadline) and takes the word as the listener takes one on the link (:func:`took_got`); the listener,
+    which still reads the link, wakes it if the receiver leaves or is found dead."""
+
+    def __init__(
+        self,
+        session: Session,
+        pool: SnapshotPool,
+        member: Member,
+        bell: Bell,
+        version: int,
+        deadline: float,
+    ) -> None:
+        super().__init__(session, member, version, deadline)
+        self.pool, self.bell = pool, bell
+
+    def _take(self) -> None:
+        raw = self.bell.heard()
+        if raw is None:
+            return
+        ask = read_ask(raw[:ASK_SIZE])
+        if ask.kind != GOT or (ask.freed and not self.member.alias):
+            raise out_of_step(f"the receiver's doorbell said {ask.kind.name}, not a GOT it can say")
+        with self.session.cond:
+            took_got(self.session, self.pool, self.member, ask)
+
+    def is_completed(self) -> bool:
+        self._take()
+        return super().is_completed()
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        while True:
+            wakes = self.bell.wakes()
+            self._take()
+            with self.session.cond:
+                if self._said():
+                    break
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                break
+            self.bell.sleep(wakes, min(left, NAP))
+        return super().wait()  # (at once: raises if it did not publish the version, or timed out)
 
 
 def dropping(

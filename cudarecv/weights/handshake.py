@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Generator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,6 +25,8 @@ from ..core.tags import TAG_PREAMBLE, TAG_SCHEMA, TAG_STATUS
 from ..core.transfer import Transfer
 from ..core.transport import park
 from ..plan.walk import unwrap, walk
+from ..samehost import doorbell
+from ..samehost.doorbell import Mailbox
 from ..samehost.machine import host_id
 from ..samehost.shared_memory import MappingError
 from ..wire.control import read_bytes, wire_bytes
@@ -48,6 +51,20 @@ from .wire import (
 )
 
 
+@dataclass(frozen=True)
+class Answered:
+    """What a receiver answered to a sender's handshake (it accepted)."""
+
+    #: its machine (:func:`~cudarecv.samehost.machine.host_id`)
+    host: str
+    #: it mapped the shared segments offered
+    shared: bool
+    #: it reads the versions where they lie in them (zero-copy)
+    alias: bool
+    #: the doorbell page it offers (:mod:`cudarecv.samehost.doorbell`; empty: none)
+    bell: str
+
+
 def offer(
     lanes: list[Lane],
     raw: bytes,
@@ -57,11 +74,10 @@ def offer(
     shared: bytes,
     transport: Transport,
     timeout: float,
-) -> list[tuple[str, bool, bool]]:
+) -> list[Answered]:
     """The sender's end: offer the schema ``raw`` (and where ``transport`` offers on the link, its ``shared``
-    segments) to every receiver at once, then read every answer; return each receiver's host, whether it mapped the segments and whether
-    it reads the versions where they lie (zero-copy). Raises :class:`SchemaError` or :class:`ReceiverFailed`
-    naming a receiver that refused or could not start."""
+    segments) to every receiver at once, then read every answer (:class:`Answered`). Raises :class:`SchemaError`
+    or :class:`ReceiverFailed` naming a receiver that refused or could not start."""
 
     def hello(lane: Lane) -> Protocol:
         extra = shared if transport.offered_on(lane.link.backend) else b""
@@ -118,8 +134,11 @@ def offer(
             raise SchemaError(f"receiver rank {lane.link.peer} rejected the weights: {reason}")
         if status != ACCEPTED:
             raise ReceiverFailed(f"receiver rank {lane.link.peer} could not start: {reason}")
-        host, _, route = reason.partition("\n")
-        hosts.append((host, route in ("shared", "shared zero-copy"), route == "shared zero-copy"))
+        host, route, bell = (reason.split("\n") + ["", ""])[:3]
+        shared_route = route in ("shared", "shared zero-copy")
+        hosts.append(
+            Answered(host, shared_route, route == "shared zero-copy", bell if shared_route else "")
+        )
     return hosts
 
 
@@ -189,14 +208,15 @@ def answer(
     allow: bool = False,
     device: torch.device | None = None,
     zero_copy: bool = False,
-) -> tuple[Schema, int, Offer, list[Any], Transport, list]:
+) -> tuple[Schema, int, Offer, list[Any], Transport, list, Mailbox | None]:
     """Read the sender's offer, check it and allocate; answer the sender either way.
 
     With ``failure`` (this receiver could not start), answer with it and raise it. With ``allow``
     the shared segments the sender offers (same host) are mapped if this process can, by the transport whose
     offer it is; the answer says whether they were, and (``zero_copy``, a transport that can) that versions are
     read where they lie. Returns the schema, the message size, the preamble, the slots, the transport taken (the
-    wire if none) and what it mapped.
+    wire if none), what it mapped, and the doorbell it offers the sender (a transport that sends headers alone,
+    where one can ring here: :mod:`cudarecv.samehost.doorbell`).
     """
     what = "weight-sync handshake"
     started = time.monotonic()
@@ -295,5 +315,16 @@ def answer(
                 if isinstance(error, MappingError)
                 else f"wire: {type(error).__name__}: {error}"
             )
-    answer(ACCEPTED, f"{host_id()}\n{route}")
-    return schema, bucket_bytes, offer, slots, transport, mappings
+    mailbox = None
+    if transport.header_only and doorbell.available() is None:
+        try:
+            mailbox = doorbell.Mailbox()
+        except OSError:  # (descriptors, memory: the headers come on the link)
+            mailbox = None
+    try:
+        answer(ACCEPTED, f"{host_id()}\n{route}" + (f"\n{mailbox.offer()}" if mailbox else ""))
+    except BaseException:
+        if mailbox is not None:
+            mailbox.close()
+        raise
+    return schema, bucket_bytes, offer, slots, transport, mappings, mailbox

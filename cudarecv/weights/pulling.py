@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -90,6 +91,48 @@ class Puller:
         sent: past the version held, to wait for that one, or below it, to take the held version again if the
         sender has none newer (never with ``zero_copy``: that version is held where it lies in the sender's
         snapshot)."""
+        slot, index = self._spare(timeout, floor)
+        link = self.lane.link
+        return Transfer(
+            self._pull(slot, index, timeout, floor),
+            self.lane.stream,
+            timeout=math.inf,
+            driver=self.driver.submit,
+            on_error=self._failing(timeout, link, index),
+            link=link,
+            raise_first=False,
+            what=f"pull of a version newer than {self.version} from rank {link.peer}",
+        )
+
+    def take_rung(self, timeout: float) -> int:
+        """Sync mode, the doorbell rang (:meth:`Inbox.rung`): the whole pull on the caller's thread, with no
+        :class:`Transfer` (no thread, future or deadline to keep): past the header it waits on nothing but this
+        process's copy out of the sender's segment (and, into a GPU, its event) and its word back by the doorbell.
+        Returns the version published; raises what :meth:`start`'s transfer would."""
+        slot, index = self._spare(timeout, None)
+        started = time.monotonic()
+        protocol = self._pull(slot, index, timeout)
+        try:
+            with torch.no_grad():
+                works = next(protocol)
+                while True:
+                    for (
+                        work
+                    ) in works:  # (the doorbell's header came: none of them waits on the link)
+                        work.wait()
+                    works = protocol.send(None)
+        except StopIteration as ended:
+            return int(ended.value)
+        except BaseException as error:
+            failure = self._failing(timeout, self.lane.link, index)(
+                error, time.monotonic() - started
+            )
+            if failure is error:
+                raise
+            raise failure from error
+
+    def _spare(self, timeout: float, floor: int | None) -> tuple[Slot, int]:
+        """Before a pull: the spare own slot to land in (and its index), once nothing reads it any more."""
         if floor is not None and floor < self.version and self.zero_copy:
             raise UsageError(
                 f"a zero-copy receiver holds version {self.version} in the sender's snapshot: it "
@@ -111,17 +154,7 @@ class Puller:
         slot = self.slots.wait_unread(index, timeout)
         if self.lane.stream is not None:
             streams.follow_caller(self.lane.stream)
-        link = self.lane.link
-        return Transfer(
-            self._pull(slot, index, timeout, floor),
-            self.lane.stream,
-            timeout=math.inf,
-            driver=self.driver.submit,
-            on_error=self._failing(timeout, link, index),
-            link=link,
-            raise_first=False,
-            what=f"pull of a version newer than {self.version} from rank {link.peer}",
-        )
+        return slot, index
 
     def _failing(
         self, timeout: float, link: Link, index: int
@@ -210,7 +243,7 @@ class Puller:
             )
         if header.kind == RELEASED:
             raise UsageError("this WeightReceiver closed while the pull waited")
-        taken = inbox.asks.taken(mark)
+        taken = inbox.asks.taken(inbox.taken_mark(mark))
         if taken:
             yield taken  # (returns at once) and lets them go
         # a version is arriving: it must land within the pull's timeout (a relay's hop: the time its header gives)

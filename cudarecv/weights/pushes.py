@@ -25,7 +25,7 @@ from .snapshots import Snapshot, SnapshotPool
 if TYPE_CHECKING:
     import torch
 
-    from ..core.protocol import Protocol
+    from ..core.protocol import Protocol, Submit
     from ..plan.plan import Plan
 
 
@@ -83,17 +83,24 @@ class SyncPushes(Pushes):
             session.chain = [m.rank for m in chain]
             hops = {id(m): i for i, m in enumerate(chain)}
             for member in live:
-                sending, transfer_timeout = protocol(
-                    session, chain, hops.get(id(member)), member, target, timeout
-                )
-                # a header alone: a blocking push drives it here, a non-blocking one its listener (on the word)
+                # a header alone: a blocking push drives it here; a non-blocking one its listener (on the word), or
+                # by a doorbell the receiver's own thread (it sleeps there until the word)
                 header_only = _header_only(member, target, hops)
-                member.awaiting = version if header_only and not wait else None
+                rung = header_only and member.rings
+                sending, transfer_timeout = protocol(
+                    session, pool, chain, hops.get(id(member)), member, target, timeout
+                )
+                member.awaiting = version if header_only and not wait and not rung else None
+                driver: Submit | None = None
+                if rung and not wait:
+                    driver = member.driver.submit
+                elif header_only and not wait:
+                    driver = here
                 member.sending = Transfer(
                     sending,
                     member.lane.stream,
                     timeout=None if header_only and wait else transfer_timeout,
-                    driver=None if not header_only else here if not wait else None,
+                    driver=driver,
                     link=member.lane.link,
                     raise_first=False,
                     on_error=dropping(session, pool, member, version, timeout),

@@ -132,7 +132,7 @@ class WeightReceiver:
         except Exception as error:
             handshake.refuse(link, self.timeout, error)
             raise
-        self.schema, bucket_bytes, offer, own, carrier, mappings = handshake.answer(
+        self.schema, bucket_bytes, offer, own, carrier, mappings, mailbox = handshake.answer(
             lane,
             self.timeout,
             expect,
@@ -164,7 +164,7 @@ class WeightReceiver:
         self._driver = Driver(
             f"cudarecv-pull-{link.peer}"
         )  # drives every receive (the caller keeps the time)
-        self._inbox = Inbox(lane, tags, self._driver)
+        self._inbox = Inbox(lane, tags, self._driver, mailbox)
         self._slots = Slots(own, aliases, self._cond, self._inbox.freed)
         self._hop = Hop(lane, tags, device, self._relay_links())
         self._puller = Puller(
@@ -305,6 +305,14 @@ class WeightReceiver:
         if (
             transfer is None or transfer.settled
         ):  # else: a pull under way (wait=False, or a wait that ran out)
+            if wait and self.mode == "sync" and self._inbox.ringing:
+                # the doorbell: wait for the header here, and if it rang take the version here too (a copy out
+                # of the sender's segment, then a word back by the doorbell: nothing waits on the link), with no
+                # thread between the sender and this one; else the link spoke: the pull's thread takes it
+                if not self._inbox.wait_rung(timeout):
+                    raise self._nothing_came(timeout)
+                if self._inbox.rung():
+                    return self._puller.take_rung(timeout)
             transfer = self._pending = self._puller.start(timeout)
         if not wait:
             return transfer
@@ -313,16 +321,20 @@ class WeightReceiver:
         except WaitTimeout:
             if transfer.timeout != math.inf:  # a version is arriving: its own clock bounds the rest
                 return transfer.wait()
-            hint = (
-                "the sender has pushed nothing newer yet"
-                if self.mode == "latest"
-                else "the sender pushed nothing: is it still pushing, to this rank?"
-            )
-            raise WaitTimeout(
-                f"pull from rank {self._lane.link.peer}: no version newer than {self.version} began "
-                f"to arrive within {timeout:g} s ({hint}); the pull goes on: the next pull() carries "
-                "on waiting"
-            ) from None
+            raise self._nothing_came(timeout) from None
+
+    def _nothing_came(self, timeout: float) -> WaitTimeout:
+        """A pull's wait ran out before any version began to arrive."""
+        hint = (
+            "the sender has pushed nothing newer yet"
+            if self.mode == "latest"
+            else "the sender pushed nothing: is it still pushing, to this rank?"
+        )
+        return WaitTimeout(
+            f"pull from rank {self._lane.link.peer}: no version newer than {self.version} began "
+            f"to arrive within {timeout:g} s ({hint}); the pull goes on: the next pull() carries "
+            "on waiting"
+        )
 
     # -- ending ------------------------------------------------------------------------------------------
     def close(self) -> None:

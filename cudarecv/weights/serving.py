@@ -12,7 +12,7 @@ from ..core.log import logger
 from ..core.shutdown import start_thread
 from ..core.transfer import Transfer, here, run_standing
 from ..wire.control import read_bytes
-from .fanout import dropping, out_of_step, send
+from .fanout import dropping, out_of_step, send, took_got
 from .link import naming, run, send_bytes
 from .session import OWED, Member, Session, Standing
 from .snapshots import SnapshotPool
@@ -22,7 +22,6 @@ from .wire import (
     BYE,
     FREED,
     GOT,
-    LANDED,
     RELEASED,
     HeaderKind,
     PushHeader,
@@ -39,7 +38,8 @@ def start_listening(session: Session, pool: SnapshotPool, member: Member) -> Non
 
 def _listen(session: Session, pool: SnapshotPool, member: Member) -> None:
     """The receiver's words, for as long as it is connected; a dead or lying receiver is dropped."""
-    lane = member.lane
+    lane, bell = member.lane, member.bell
+    words = 0  # (its words on the link but ASK: what its doorbell says the listener took)
     while True:
         try:
             ask = read_ask(
@@ -51,6 +51,9 @@ def _listen(session: Session, pool: SnapshotPool, member: Member) -> None:
                 )
             )
             kind, version = ask.kind, ask.version
+            if bell is not None and kind != ASK:
+                words += 1
+                bell.took(words)
             if (
                 (kind == ASK and session.mode != "latest")
                 or (
@@ -65,17 +68,17 @@ def _listen(session: Session, pool: SnapshotPool, member: Member) -> None:
                     f"the receiver sent a message this {session.mode} {session.fanout} sender "
                     "never asks for: out of step"
                 )
-            # a zero-copy receiver let go of a snapshot: FREED, or said with its GOT on the version it published
-            freed = version if kind == FREED else ask.freed
-            if freed:
+            if kind == FREED:  # a zero-copy receiver let go of a snapshot (or said so with its GOT)
                 with session.cond:
-                    if not pool.let_go(member, freed):
+                    if not pool.let_go(member, version):
                         raise OutOfStepError(
-                            f"the receiver let go of version {freed}, which it does not "
+                            f"the receiver let go of version {version}, which it does not "
                             "hold: out of step"
                         )
-            if kind == FREED:
                 continue
+            if kind == GOT:
+                with session.cond:
+                    took_got(session, pool, member, ask)
         except Exception as error:  # noqa: BLE001 - a dead or lying receiver is dropped
             with session.cond:
                 # (not once the sender's last word is said: the receiver may close its end then)
@@ -85,6 +88,8 @@ def _listen(session: Session, pool: SnapshotPool, member: Member) -> None:
                 pool.retire(member)
                 session.cond.notify_all()
                 sending, gone = member.sending, member.why if member.failed else None
+            if bell is not None:
+                bell.kick()  # a push asleep on its doorbell finds it dropped
             if (
                 sending is not None and gone is not None
             ):  # (its send may wait in gloo for good: it fails now)
@@ -99,16 +104,11 @@ def _listen(session: Session, pool: SnapshotPool, member: Member) -> None:
                 else:
                     member.move_if(Standing.DONE, frm={Standing.CLOSING})
                 session.cond.notify_all()
+            if bell is not None:
+                bell.kick()  # a push asleep on its doorbell ends: it left
             _answered(session, member, None)  # (a push it will never answer ends: it left)
             return
         if kind == GOT:
-            with session.cond:
-                member.got = ask  # (delta: what it holds, Member.held)
-                if (
-                    ask.status != LANDED
-                ):  # a zero-copy receiver did not publish it: it holds nothing of it
-                    pool.let_go(member, version)
-                session.cond.notify_all()
             _answered(session, member, version)
             continue
         with session.cond:
@@ -160,7 +160,7 @@ def _reply(session: Session, pool: SnapshotPool, member: Member) -> None:
     )
     patch = pool.patch_from(snapshot, member.held) if session.delta and not driven_here else None
     transfer = Transfer(
-        send(session, member, snapshot, session.timeout, patch),
+        send(session, pool, member, snapshot, session.timeout, patch),
         member.lane.stream,
         timeout=session.timeout,
         driver=here if driven_here else None,

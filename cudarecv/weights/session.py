@@ -21,6 +21,7 @@ from .wire import LANDED, Ask, SessionTags
 
 if TYPE_CHECKING:
     from ..core.transfer import Transfer
+    from ..samehost.doorbell import Bell
     from .snapshots import Snapshot
 
 
@@ -106,6 +107,10 @@ class Member:
         #: a non-blocking push of this version to it, a header alone, waits for its word: its listener drives that
         #: transfer to its end on the word (no thread hands it on; see :func:`~.serving.answered`)
         self.awaiting: int | None = None
+        #: shared memory: the doorbell it offered, mapped (None: none; :mod:`cudarecv.samehost.doorbell`)
+        self.bell: Bell | None = None
+        #: its doorbell rings: a push's header said so on the link, and its word on that push came
+        self.rings = False
 
     @property
     def held(self) -> int | None:
@@ -125,7 +130,7 @@ class Member:
         """At the sender's close: let go of its lane and last transfer (a process group kept alive past
         destroy_process_group() by objects in reference cycles is destroyed at interpreter exit, where gloo aborts
         the process)."""
-        self._lane, self.sending = None, None
+        self._lane, self.sending, self.bell = None, None, None
 
     # -- its lifecycle -----------------------------------------------------------------------------------
     @property

@@ -80,6 +80,7 @@ class Snapshot:
         )
         self.retired = False  # a zero-copy receiver that held it is gone: it may read it still, never write it again
         self._gather: tuple[Plan, CopyTable, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+        self._rung: tuple[PushHeader, bytes] | None = None  # (:meth:`rung`)
 
     def gather(self, plan: Plan) -> None:
         """Copy host leaves (``plan``'s) into this host storage: the contiguous ones in one native call (one
@@ -106,6 +107,16 @@ class Snapshot:
         """The header of the version it holds: a snapshot goes out only once a version is written in it."""
         assert self.header is not None, "a snapshot is sent before a version is written in it"
         return self.header
+
+    def rung(self) -> bytes:
+        """The header a doorbell rings with for the version it holds (shared, naming its segment): packed once per
+        version, whichever receivers it goes to (:mod:`cudarecv.samehost.doorbell`)."""
+        header = self.pushed
+        if self._rung is None or self._rung[0] is not header:
+            assert self.segment is not None, "a doorbell rings for a snapshot in no segment"
+            raw = dataclasses.replace(header, shared=True, segment=self.segment, bell=True).pack()
+            self._rung = (header, raw)
+        return self._rung[1]
 
     def digest(self) -> bytes:
         """BLAKE3 of the version it holds, as sent: its messages in order (``verify``)."""

@@ -64,13 +64,15 @@ FORMAT = 5  # 4: a relayed header names its hop (the receiver's place in the cha
 
 class Flag(IntFlag):
     """A push header's flags: a digest follows the payload; relayed; in a shared segment; the payload is a patch
-    against version ``base``; the sender wants the receiver's word on the version (a delta session's)."""
+    against version ``base``; the sender wants the receiver's word on the version (a delta session's); the sender
+    rings the receiver's doorbell from the next push on (:mod:`cudarecv.samehost.doorbell`)."""
 
     VERIFY = 1
     RELAY = 2
     SHARED = 4
     PATCH = 8
     ACK = 16
+    BELL = 32
 
 
 class HeaderKind(IntEnum):
@@ -117,14 +119,18 @@ class PushHeader:
     base: int = 0
     patch: int = 0
     ack: bool = False
+    #: shared memory: the next pushes come by this receiver's doorbell, not on the link (the header that says so
+    #: comes on the link; the receiver's word on it too)
+    bell: bool = False
 
     def pack(self) -> bytes:
         flags = (
-            (Flag.VERIFY if self.verify else 0)
-            | (Flag.RELAY if self.relayed else 0)
-            | (Flag.SHARED if self.shared else 0)
-            | (Flag.PATCH if self.patch else 0)
-            | (Flag.ACK if self.ack else 0)
+            (_VERIFY if self.verify else 0)
+            | (_RELAY if self.relayed else 0)
+            | (_SHARED if self.shared else 0)
+            | (_PATCH if self.patch else 0)
+            | (_ACK if self.ack else 0)
+            | (_BELL if self.bell else 0)
         )
         return HEADER.pack(
             FORMAT,
@@ -168,35 +174,42 @@ class PushHeader:
             fmt != FORMAT
             or bucket_bytes <= 0
             or hop < 0
-            or kind not in iter(HeaderKind)
-            or flags & ~(Flag.VERIFY | Flag.RELAY | Flag.SHARED | Flag.PATCH | Flag.ACK)
+            or kind not in _KINDS
+            or flags & ~_FLAGS
             or bool(flags & Flag.PATCH) != (patch > 0)
             or (base > 0) != (patch > 0)
+            or (flags & Flag.BELL and not flags & Flag.SHARED)
         ):
             raise OutOfStepError(
                 f"a weight-push header of format {fmt}, kind {kind}, flags {flags}, {bucket_bytes}-byte "
                 f"messages is not this cudarecv version's: {_OUT_OF_STEP}"
             )
-        flags = Flag(flags)
+        # (plain int tests: an IntFlag's operators cost microseconds each, on every push's path)
         return cls(
             version,
             total,
             bucket_bytes,
             fingerprint,
             checksum,
-            Flag.VERIFY in flags,
-            HeaderKind(kind),
-            Flag.RELAY in flags,
+            bool(flags & _VERIFY),
+            _KINDS[kind],
+            bool(flags & _RELAY),
             up,
             down,
             hop,
             wait_ms,
-            Flag.SHARED in flags,
+            bool(flags & _SHARED),
             segment,
             base,
             patch,
-            Flag.ACK in flags,
+            bool(flags & _ACK),
+            bool(flags & _BELL),
         )
+
+
+_KINDS = {int(k): k for k in HeaderKind}
+_VERIFY, _RELAY, _SHARED, _PATCH, _ACK, _BELL = (int(f) for f in Flag)
+_FLAGS = _VERIFY | _RELAY | _SHARED | _PATCH | _ACK | _BELL
 
 
 MAX_WAIT_MS = 2**32 - 1  # a header's ``wait_ms`` field (about 50 days)
@@ -354,9 +367,7 @@ PREAMBLE = Record(
     hint="is the peer a WeightSender of this cudarecv version?",
 )
 PREAMBLE_SIZE = PREAMBLE.size
-PREAMBLE_FORMAT = (
-    7  # 5: the handshake's answer is a record (magic, CRC); 6: push header format 4; 7: format 5
-)
+PREAMBLE_FORMAT = 8  # 5: the handshake's answer is a record (magic, CRC); 6: push header format 4; 7: format 5; 8: doorbells
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,232 @@
+"""The doorbell of same-host weight sync (:mod:`cudarecv.samehost.doorbell`): its page in one process, and pushes
+between real processes that ring it (blocking or not, sync and latest mode), with the failures around it: a
+receiver killed while the sender sleeps on its doorbell, a sender closing while a pull sleeps there, a garbled
+header."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+import cudarecv
+from cudarecv.core.errors import OutOfStepError
+from cudarecv.samehost import doorbell
+from cudarecv.samehost.doorbell import DOWN_SEQ, Bell, Mailbox
+from cudarecv.samehost.shared_memory import MappingError
+from cudarecv.testing.launch import Cluster
+from cudarecv.weights.wire import GOT, PushHeader, ask_message, read_ask
+from procs import stop_here
+from rawwire import store, unique_key
+
+pytestmark = pytest.mark.skipif(
+    doorbell.available() is not None, reason=f"no doorbell here: {doorbell.available()}"
+)
+
+
+def test_the_page_carries_one_header_and_one_word_each_way_and_wakes_its_sleeper():
+    mailbox = Mailbox()
+    bell = Bell(mailbox.offer())
+    header = PushHeader(3, 100, 64, bytes(16), shared=True, segment=1, bell=True)
+    assert not mailbox.rung() and bell.heard() is None
+    bell.ring(header.pack())
+    assert mailbox.rung()
+    assert PushHeader.unpack(mailbox.take()[: len(header.pack())]) == header
+    assert not mailbox.rung(), "a header is taken once"
+    mailbox.answer(ask_message(GOT, 3))
+    raw = bell.heard()
+    assert raw is not None and read_ask(raw[:40]).version == 3
+    assert bell.heard() is None, "a word is heard once"
+    # a wake that comes between reading the wake word and going to sleep is not lost: the sleep returns at once
+    for sleeper, waker in (
+        (mailbox, mailbox.kick),
+        (mailbox, lambda: bell.ring(header.pack())),
+        (bell, bell.kick),
+        (bell, lambda: mailbox.answer(ask_message(GOT, 4))),
+    ):
+        mark = sleeper.wakes()
+        waker()
+        thread = threading.Thread(target=sleeper.sleep, args=(mark, 60))
+        thread.start()
+        thread.join(30)
+        assert not thread.is_alive(), f"{waker} did not wake the sleeper"
+    # and one asleep is woken
+    mark = mailbox.wakes()
+    done = threading.Event()
+    thread = threading.Thread(target=lambda: (mailbox.sleep(mark, 60), done.set()))
+    thread.start()
+    mailbox.kick()
+    assert done.wait(30)
+    thread.join()
+    mailbox.close()
+
+
+def test_a_malformed_offer_or_header_is_refused():
+    with pytest.raises(MappingError, match="malformed"):
+        Bell("bell 1 2")
+    with pytest.raises(MappingError):
+        Bell(
+            f"bell 1 {2**20} {bytes(16).hex()}"
+        )  # no such descriptor (pid 1's is not ours to open)
+    header = PushHeader(3, 100, 64, bytes(16), bell=True)  # a doorbell without a shared push
+    with pytest.raises(OutOfStepError):
+        PushHeader.unpack(header.pack())
+
+
+def _model() -> TensorDict:
+    return TensorDict(w=torch.zeros(50_000), b=TensorDict(c=torch.zeros(7, dtype=torch.int64)))
+
+
+def _fill(td: TensorDict, version: int) -> None:
+    td["w"].fill_(version)
+    td["b", "c"].fill_(version)
+
+
+def _holds(td: TensorDict, version: int) -> bool:
+    return bool((td["w"] == version).all() and (td["b", "c"] == version).all())
+
+
+def rings(rank, world, group, mode, wait, zero_copy, key):
+    """Versions 1..12, each exact: the first header on the link (it says the doorbell rings), the rest rung."""
+    td = _model()
+    if rank == 0:
+        sender = cudarecv.WeightSender(td, dst=1, mode=mode, timeout=60)
+        for version in range(1, 13):
+            _fill(td, version)
+            if wait:
+                sender.push()
+            else:
+                pushed = sender.push(wait=False)
+                if mode == "sync":
+                    for transfer in pushed:
+                        transfer.wait(60)
+            if mode == "latest":  # the receiver takes every version before the next
+                store().wait([f"{key}_{version}"])
+        [member] = sender._s.members
+        rung = member.rings
+        sender.close()
+        return rung
+    receiver = cudarecv.WeightReceiver(src=0, timeout=60, zero_copy=zero_copy)
+    ok = []
+    for version in range(1, 13):
+        got = receiver.pull() if wait else receiver.pull(wait=False).wait(60)
+        ok.append(got == version and _holds(receiver.td, version))
+        if mode == "latest":
+            store().set(f"{key}_{version}", "1")
+    inbox = receiver._inbox
+    assert inbox.mailbox is not None
+    count = doorbell._Page(inbox.mailbox._segment).load(DOWN_SEQ)
+    receiver.close()
+    return ok, inbox.ringing, count
+
+
+@pytest.mark.parametrize(
+    "mode, wait, zero_copy",
+    [
+        ("sync", True, False),
+        ("sync", False, False),
+        ("sync", True, True),
+        ("latest", True, False),
+        ("latest", False, True),
+    ],
+    ids=[
+        "sync-blocking",
+        "sync-background",
+        "sync-zero_copy",
+        "latest-blocking",
+        "latest-zero_copy",
+    ],
+)
+def test_pushes_after_the_first_ring_the_doorbell(cluster, mode, wait, zero_copy):
+    rung, (ok, ringing, count) = cluster().run(
+        rings, args=(mode, wait, zero_copy, unique_key("bell")), timeout=120
+    )
+    assert all(ok), ok
+    assert rung and ringing
+    assert count == 11, f"{count} of 11 headers after the first came by the doorbell"
+
+
+def killed_unanswered(rank, world, group, key):
+    """The receiver dies having taken a rung header, without a word: the sender's push, asleep on the doorbell,
+    is woken by its listener (the link died) and raises, naming it; it does not wait out its timeout."""
+    td = _model()
+    if rank == 0:
+        sender = cudarecv.WeightSender(td, dst=1, timeout=600)
+        sender.push()
+        sender.push()
+        with pytest.raises(cudarecv.PeerError) as error:
+            sender.push()
+        sender.close()
+        return str(error.value)
+    receiver = cudarecv.WeightReceiver(src=0, timeout=600)
+    receiver.pull()
+    receiver.pull()  # (rung)
+    receiver._inbox.mailbox.answer = lambda raw: stop_here(signal.SIGKILL)
+    receiver.pull()
+
+
+def test_a_receiver_killed_while_the_sender_sleeps_on_its_doorbell_fails_the_push():
+    with Cluster(2, pg_timeout=20.0) as ranks:
+        text, _ = ranks.run(killed_unanswered, args=(unique_key("k"),), may_die={1}, timeout=120)
+    assert "rank 1" in text and "dropped" in text, text
+
+
+def closed_while_asleep(rank, world, group, key):
+    """A blocking pull asleep on the doorbell raises SenderClosed when the sender closes (on the link)."""
+    td = _model()
+    if rank == 0:
+        sender = cudarecv.WeightSender(td, dst=1, timeout=60)
+        sender.push()
+        sender.push()
+        store().wait([f"{key}_pulling"])
+        sender.close()
+        return None
+    receiver = cudarecv.WeightReceiver(src=0, timeout=60)
+    receiver.pull()
+    receiver.pull()
+    assert receiver._inbox.ringing
+    store().set(f"{key}_pulling", "1")
+    with pytest.raises(cudarecv.SenderClosed):
+        receiver.pull(timeout=600)
+    version = receiver.version
+    receiver.close()
+    return version
+
+
+def test_a_sender_closing_wakes_a_pull_asleep_on_the_doorbell(cluster):
+    _, version = cluster().run(closed_while_asleep, args=(unique_key("c"),), timeout=120)
+    assert version == 2
+
+
+def garbled(rank, world, group, key):
+    """A header rung garbled: the receiver's pull refuses it (out of step), and says why."""
+    td = _model()
+    if rank == 0:
+        sender = cudarecv.WeightSender(td, dst=1, timeout=10)
+        for version in (1, 2):
+            _fill(td, version)
+            sender.push()
+        [member] = sender._s.members
+        member.bell.ring(b"\x07" * 112)
+        store().wait([f"{key}_refused"])
+        sender.close()
+        return None
+    receiver = cudarecv.WeightReceiver(src=0, timeout=60)
+    receiver.pull()
+    receiver.pull()
+    with pytest.raises(OutOfStepError) as error:
+        receiver.pull()
+    store().set(f"{key}_refused", "1")
+    with pytest.raises(cudarecv.BrokenError):
+        receiver.pull()
+    receiver.close()
+    return str(error.value), _holds(receiver.td, 2)
+
+
+def test_a_garbled_doorbell_header_is_refused(cluster):
+    _, (text, kept) = cluster().run(garbled, args=(unique_key("g"),), timeout=120)
+    assert "weight-push header" in text or "doorbell" in text, text
+    assert kept, "the published version changed"
