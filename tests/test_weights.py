@@ -176,7 +176,9 @@ def bad_headers(rank, world, group, transport):
         )  # a wrong fingerprint
         told = []  # through shared memory the receiver tells the sender it rejected a version (the wire: not)
         try:
-            Transfer(fanout.send(sender._s, sender._s.members[0], snapshot, 20)).wait(20)
+            Transfer(fanout.send(sender._s, sender._pool, sender._s.members[0], snapshot, 20)).wait(
+                20
+            )
         except cudarecv.MismatchError as error:
             told.append(type(error).__name__)
         sender._s.version = 2  # (that was version 2)

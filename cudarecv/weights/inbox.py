@@ -171,8 +171,10 @@ class Inbox:
         header = standing.wait()  # raises what the standing receive met (a dead sender, a lie)
         if header.kind == PUSH:
             if header.bell and self.mailbox is not None and self._listener is None:
-                # the next headers come by the doorbell: from now on the standing receive has a thread of its own
+                # the next headers come by the doorbell: from now on the standing receive has a thread of its own;
+                # the sender has mapped the page, so its descriptor goes (nothing names the memory any more)
                 self._listener = Driver(f"cudarecv-headers-{self.lane.link.peer}")
+                self.mailbox.close()
             self.standing = self._listen()  # the next one, already
         return header
 
@@ -231,13 +233,14 @@ class Inbox:
         read (a doorbell's count: its words on the link are then never proved taken by a GOT on the link)."""
         return mark if self.mailbox is None else max(mark, self.mailbox.taken())
 
-    def forget(self) -> None:
+    def forget(self, timeout: float) -> None:
         """At the end: let go of the link (what the sender never took stays with the group), the doorbell and the
-        standing receive's thread (one still in gloo ends once that wait returns)."""
+        standing receive's thread (waiting up to ``timeout`` s for it to end: one still in gloo ends once that
+        wait returns)."""
         self.asks.forget()
         self.standing, self._lane = None, None
         if self._listener is not None:
-            self._listener.stop(0.0)
+            self._listener.stop(timeout)
         if self.mailbox is not None:
             self.mailbox.close()
 

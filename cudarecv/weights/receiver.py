@@ -388,7 +388,7 @@ class WeightReceiver:
         self._puller.patches.clear()
         # let go of the process group: a group kept alive past destroy_process_group() by objects in
         # reference cycles is destroyed at interpreter exit, where gloo aborts the process
-        inbox.forget()
+        inbox.forget(0.0 if broken else max(deadline - time.monotonic(), 0.0))
         self._pending = None
 
     def _farewell(self) -> Protocol:
