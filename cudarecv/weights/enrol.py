@@ -63,7 +63,7 @@ def enrol(
 def _bell(member: Member, offer: str) -> Bell | None:
     """The doorbell ``member`` offers, mapped (None: it offers none, or this process cannot map it: its headers go on
     the link, logged)."""
-    if not offer or doorbell.available() is not None:
+    if not offer or member.lane.nccl or doorbell.available() is not None:
         return None
     try:
         return Bell(offer)

@@ -118,7 +118,7 @@ def send(
         member.payload = patch.storage.numel()
     else:
         member.payload = 0 if transport.header_only else snapshot.storage.numel()
-    bell = member.bell if transport.header_only else None
+    bell = member.bell if transport.header_only and not member.lane.nccl else None
     if bell is not None and snapshot.segment is not None:
         # its doorbell: the first push says on the link that the next ones ring it (and its word comes there)
         if member.rings:

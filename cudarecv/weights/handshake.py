@@ -316,7 +316,8 @@ def answer(
                 else f"wire: {type(error).__name__}: {error}"
             )
     mailbox = None
-    if transport.header_only and doorbell.available() is None:
+    # (not on NCCL: a pull there reads its header in turn on the link, never from a page)
+    if transport.header_only and lane.link.backend != "nccl" and doorbell.available() is None:
         try:
             mailbox = doorbell.Mailbox()
         except OSError:  # (descriptors, memory: the headers come on the link)
