@@ -69,6 +69,13 @@ def driving(transfer: Transfer) -> Iterator[bool]:
             del _DRIVEN[transfer]
 
 
+def exiting() -> bool:
+    """Whether the exit hook has looked: from then on nothing may start waiting on a link (a thread that wakes
+    then, e.g. from a doorbell the hook's closing of the links rang, must fail instead of starting a transfer that
+    no driver will run any more)."""
+    return _exiting
+
+
 def in_background(transfer: Transfer) -> None:
     """``transfer`` is handed to a background thread (the hook waits for it at exit)."""
     _BACKGROUND.add(transfer)

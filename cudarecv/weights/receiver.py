@@ -38,10 +38,10 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 import torch
 from tensordict import TensorDict
 
-from ..core import streams
+from ..core import shutdown, streams
 from ..core.checks import check_timeout
 from ..core.driver import Driver
-from ..core.errors import ArgumentError, BrokenError, UsageError, WaitTimeout
+from ..core.errors import ArgumentError, BrokenError, LinkError, UsageError, WaitTimeout
 from ..core.link import Link, peer_failure, resolve
 from ..core.log import logger
 from ..core.protocol import Protocol
@@ -313,6 +313,11 @@ class WeightReceiver:
                     raise self._nothing_came(timeout)
                 if self._inbox.rung():
                     return self._puller.take_rung(timeout)
+                if shutdown.exiting():  # (the exit hook closed the link, which woke this thread)
+                    raise LinkError(
+                        f"pull from rank {self._lane.link.peer}: the process is exiting; version "
+                        f"{self.version} stays readable"
+                    )
             transfer = self._pending = self._puller.start(timeout)
         if not wait:
             return transfer
