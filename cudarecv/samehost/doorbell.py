@@ -174,6 +174,10 @@ class Bell:
         self._page.store(DOWN_SEQ, self._rung)
         self._page.bump(DOWN_WAKE)
 
+    def answered(self) -> bool:
+        """Whether a word came that :meth:`heard` has not returned yet."""
+        return self._page.load(UP_SEQ) != self._seen
+
     def heard(self) -> bytes | None:
         """The receiver's word that came since the last call, or None (once each, whichever thread asks)."""
         with self._lock:

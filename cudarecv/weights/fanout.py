@@ -268,7 +268,7 @@ def took_got(session: Session, pool: SnapshotPool, member: Member, ask: Ask) -> 
 
 
 #: how long a push asleep on a doorbell sleeps before it looks again by itself (a word or the listener's finding
-#: wakes it; this bounds a wake-up that crossed its going to sleep)
+#: wakes it; this bounds the wait when both ends moved the wake word at once and one move was lost)
 NAP = 0.2
 
 
@@ -300,8 +300,8 @@ class Heard(Got):
             took_got(self.session, self.pool, self.member, ask)
 
     def is_completed(self) -> bool:
-        self._take()
-        return super().is_completed()
+        # (a word not taken yet completes it: its wait takes it, and raises if the word is none it may say)
+        return self.bell.answered() or super().is_completed()
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         while True:

@@ -246,7 +246,7 @@ class Inbox:
 
 
 #: how long a thread asleep on a doorbell sleeps before it looks again by itself (it is woken when the doorbell
-#: rings or the link speaks; this bounds a wake-up that crossed its going to sleep)
+#: rings or the link speaks; this bounds the wait when both ends moved the wake word at once and one move was lost)
 NAP = 0.2
 
 
