@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import signal
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -174,20 +175,29 @@ def test_a_receiver_killed_while_the_sender_sleeps_on_its_doorbell_fails_the_pus
     assert "rank 1" in text and "dropped" in text, text
 
 
-def closed_while_asleep(rank, world, group, key):
-    """A blocking pull asleep on the doorbell raises SenderClosed when the sender closes (on the link)."""
-    td = _model()
+def _ringing(rank: int, td: TensorDict, timeout: float) -> Any:
+    """Rank 0: a sender that pushed versions 1 and 2; else a receiver that pulled them: its doorbell rings now."""
     if rank == 0:
-        sender = cudarecv.WeightSender(td, dst=1, timeout=60)
-        sender.push()
-        sender.push()
-        store().wait([f"{key}_pulling"])
-        sender.close()
-        return None
+        sender = cudarecv.WeightSender(td, dst=1, timeout=timeout)
+        for version in (1, 2):
+            _fill(td, version)
+            sender.push()
+        return sender
     receiver = cudarecv.WeightReceiver(src=0, timeout=60)
     receiver.pull()
     receiver.pull()
     assert receiver._inbox.ringing
+    return receiver
+
+
+def closed_while_asleep(rank, world, group, key):
+    """A blocking pull asleep on the doorbell raises SenderClosed when the sender closes (on the link)."""
+    end = _ringing(rank, _model(), 60)
+    if rank == 0:
+        store().wait([f"{key}_pulling"])
+        end.close()
+        return None
+    receiver = end
     store().set(f"{key}_pulling", "1")
     with pytest.raises(cudarecv.SenderClosed):
         receiver.pull(timeout=600)
@@ -203,20 +213,14 @@ def test_a_sender_closing_wakes_a_pull_asleep_on_the_doorbell(cluster):
 
 def garbled(rank, world, group, key):
     """A header rung garbled: the receiver's pull refuses it (out of step), and says why."""
-    td = _model()
+    end = _ringing(rank, _model(), 10)
     if rank == 0:
-        sender = cudarecv.WeightSender(td, dst=1, timeout=10)
-        for version in (1, 2):
-            _fill(td, version)
-            sender.push()
-        [member] = sender._s.members
+        [member] = end._s.members
         member.bell.ring(b"\x07" * 112)
         store().wait([f"{key}_refused"])
-        sender.close()
+        end.close()
         return None
-    receiver = cudarecv.WeightReceiver(src=0, timeout=60)
-    receiver.pull()
-    receiver.pull()
+    receiver = end
     with pytest.raises(OutOfStepError) as error:
         receiver.pull()
     store().set(f"{key}_refused", "1")
