@@ -598,3 +598,46 @@ def test_a_receiver_killed_mid_pull_is_dropped_when_its_link_fails_not_after_the
     assert (
         list(dropped) == [1] and "failed after" in dropped[1] and "did not take" not in dropped[1]
     ), dropped
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["sync", "latest"])
+def test_a_receiver_whose_join_the_sender_gave_up_on_joins_again(mode, monkeypatch):
+    """The sender gives up on a join whose handshake the receiver ended (on a loaded machine its answer came past
+    the sender's timeout; here the sender's side raises once the answer came): the sender says in the store that
+    it dropped it, so the receiver, which would otherwise wait for versions nobody sends it, joins again and
+    pulls whole versions."""
+    from cudarecv.weights import handshake
+
+    real, given_up = handshake.offer, []
+
+    def late(*args, **kwargs):
+        answers = real(*args, **kwargs)
+        if not given_up:
+            given_up.append(answers)
+            raise cudarecv.TransferTimeout("its answer came too late (the test's)")
+        return answers
+
+    monkeypatch.setattr(handshake, "offer", late)
+    name = f"late-{mode}"
+    with master_store() as store:
+        td = weights()
+        sender = cudarecv.ElasticSender(td, store=store, name=name, mode=mode, timeout=TIMEOUT)
+        actor = fork_process(puller, (store.port, store.port, name, name, 60.0))
+        try:
+            push_until(
+                sender,
+                td,
+                lambda: any(whole for _, whole in seen(store, name)),
+                "the receiver given up on did not join again and pull",
+            )
+            got, receivers = seen(store, name), sender.receivers
+            store.set(f"{name}/stop", "1")
+            actor.join(WAIT)
+        finally:
+            sender.close()
+            actor.kill()
+    assert given_up and actor.exitcode == 0, (given_up, actor.exitcode)
+    assert all(whole for _, whole in got), got
+    # its first join (1) never served; its second (2) served
+    assert [r["id"] for r in receivers] == [2] and receivers[0]["state"] == "served", receivers

@@ -349,18 +349,25 @@ class WeightReceiver:
         within ``timeout``); the published version stays readable. A pull still under way ends with
         :class:`UsageError`.
         """
-        if self._closed:
-            return
-        with self._cond:
+        self._close(farewell=True)
+
+    def _close(self, farewell: bool) -> None:
+        """:meth:`close`; without ``farewell`` the sender is not told (it said it dropped this receiver: nobody
+        answers) and nothing waits for its threads."""
+        with self._cond:  # (one close runs: another thread's returns at once)
+            if self._closed:
+                return
             self._closed = True
             self._cond.notify_all()  # a pull waiting for another thread's ends now
-        deadline = time.monotonic() + self.timeout
-        inbox, broken = self._inbox, self._puller.broken
+        inbox = self._inbox
+        # nobody to tell or wait for: the link broke, or the sender let go of this receiver already
+        unheard = bool(self._puller.broken) or not farewell
+        deadline = time.monotonic() + (0.0 if unheard else self.timeout)
         self._slots.keep_own_copy(busy=self._pending is not None and not self._pending.settled)
         bye = None
         if (
             inbox.standing is not None
-            and not broken
+            and not unheard
             and not inbox.sender_closed
             and inbox.claim_bye()
         ):
@@ -388,12 +395,12 @@ class WeightReceiver:
                     bye
                 ):  # (parked, they kept the group's gloo context until exit)
                     work.wait()
-        self._driver.stop(0.0 if broken else max(deadline - time.monotonic(), 0.0))
+        self._driver.stop(max(deadline - time.monotonic(), 0.0))
         self._hop.close(deadline)
         self._puller.patches.clear()
         # let go of the process group: a group kept alive past destroy_process_group() by objects in
         # reference cycles is destroyed at interpreter exit, where gloo aborts the process
-        inbox.forget(0.0 if broken else max(deadline - time.monotonic(), 0.0))
+        inbox.forget(max(deadline - time.monotonic(), 0.0))
         self._pending = None
 
     def _farewell(self) -> Protocol:

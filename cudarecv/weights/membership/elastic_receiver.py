@@ -113,6 +113,11 @@ class JoinedReceiver(WeightReceiver):
     def _relay_links(self) -> Edges:
         return self._edges
 
+    def leave(self, told: bool) -> None:
+        """Close it once another join serves (``told``: the sender said it dropped this one, so nobody answers a
+        farewell: none is said, and nothing waits for its threads)."""
+        self._close(farewell=not told)
+
 
 class ElasticReceiver:
     """A weight receiver that joins the :class:`~cudarecv.ElasticSender` named ``name`` in ``store``, and joins
@@ -162,14 +167,16 @@ class ElasticReceiver:
         )  # (the receiver joined, the join under way, closing: one change at a time)
         self._closing = threading.Event()  # (set with CLOSED: it ends a wait for a sender at once)
         self._membership = Lifecycle(f"receiver of {name!r}", Membership.JOINING, MOVES)
-        self._current: WeightReceiver | None = None
-        self._previous: WeightReceiver | None = (
+        self._current: JoinedReceiver | None = None
+        self._previous: JoinedReceiver | None = (
             None  # the last sender's, readable while it holds the newer version
         )
         #: the generation of the sender joined, and this receiver's number among its joins
         self.generation, self.id = 0, 0
         self._dead = 0  # a generation found dead (it took no join): never joined again
         self._joining: Joining | None = None
+        #: the last join's thread: it closes the receiver it replaced after pulls go on (close() joins it)
+        self._rejoined: threading.Thread | None = None
         self._heartbeat = Heartbeat(self._directory)  # (the sender drops one that stops beating)
         try:
             joining = Joining(None, threading.Event())
@@ -190,7 +197,7 @@ class ElasticReceiver:
             if self._joining is None:
                 self._membership.move_if(Membership.LOST)  # (closed meanwhile: the join sees it)
                 self._joining = Joining(cause, threading.Event())
-                self._joining.thread = start_thread(
+                self._joining.thread = self._rejoined = start_thread(
                     self._join, f"cudarecv-rejoin-{self._directory.name}", (self._joining, again)
                 )
             return self._joining
@@ -198,9 +205,10 @@ class ElasticReceiver:
     def _join(self, joining: Joining, again: bool) -> None:
         """The joining thread: join (see :meth:`_join_newest`); if the generation it tried took no join (it died),
         the next one to come. Its outcome in ``joining``."""
+        left: tuple[JoinedReceiver, bool] | None = None
         try:
             try:
-                self._join_newest(again)
+                left = self._join_newest(again)
             except (
                 TransferTimeout
             ) as error:  # the generation tried took no join: it died; wait for the next one
@@ -213,16 +221,21 @@ class ElasticReceiver:
                     self._directory.name,
                     error,
                 )
-                self._join_newest(False)
+                left = self._join_newest(False)
         except BaseException as error:  # noqa: BLE001 - the pull (or the constructor) that waits raises it
             joining.error = error
             self._membership.move_if(Membership.ORPHANED, frm={Membership.LOST, Membership.WAITING})
         finally:
             joining.done.set()
+        if (
+            left is not None
+        ):  # (once pulls go on from the new join: a farewell may take the timeout)
+            left[0].leave(told=left[1])
 
-    def _join_newest(self, again: bool) -> None:
+    def _join_newest(self, again: bool) -> tuple[JoinedReceiver, bool] | None:
         """Join the newest sender generation above the one joined (``again``: that one included), each step
-        within ``timeout``; then serve from it (under the lock: never after ``close()``)."""
+        within ``timeout``; then serve from it (under the lock: never after ``close()``). Returns the receiver it
+        replaced, for the caller to close, and whether its sender said it dropped that one (None: none left)."""
         directory, timeout = self._directory, self.timeout
         above = self.generation - 1 if again and self.generation != self._dead else self.generation
         generation = directory.current(above, timeout, self._closing)
@@ -253,19 +266,19 @@ class ElasticReceiver:
             self.generation, self.id = generation, k
             if old is not None and old.version > (
                 self._previous.version if self._previous is not None else 0
-            ):
-                old, self._previous = self._previous, old  # (the older of the two is closed below)
+            ):  # (closed too, below: a closed receiver's last version stays readable)
+                self._previous = old
+        told = self._heartbeat.dropped.is_set()  # (of the join followed so far: ``old``'s)
         self._heartbeat.follow(
             generation, k, beat
         )  # (a store call: not under the lock close() takes)
-        if old is not None:
-            old.close()  # (its last version stays readable)
         logger.info(
             "weight receiver: joined sender %r (generation %d) as receiver %d",
             directory.name,
             generation,
             k,
         )
+        return None if old is None else (old, told)  # (its last version stays readable)
 
     # -- what it is --------------------------------------------------------------------------------------
     @property
@@ -421,16 +434,15 @@ class ElasticReceiver:
                 return
             self._membership.move(Membership.CLOSED)
             self._closing.set()
-            joining, current, previous = self._joining, self._current, self._previous
+            rejoined, current, previous = self._rejoined, self._current, self._previous
         self._heartbeat.close(self.timeout)
         if current is not None:
             current.close()
         if previous is not None:
             previous.close()
-        if joining is not None and joining.thread is not None:
-            joining.thread.join(
-                JOIN_STEPS * self.timeout
-            )  # (it sees the close after its step under way)
+        if rejoined is not None:
+            # (a join under way sees the close after its step; one done may still close what it replaced)
+            rejoined.join(JOIN_STEPS * self.timeout)
 
     def __enter__(self) -> Self:
         return self

@@ -213,6 +213,7 @@ class ElasticSender(SessionSender):
         """Join ``k``: its pair, its handshake, then served from the next push on. A failure is logged."""
         who = f"receiver {k} (host {record.host}, pid {record.pid})"
         timeout = self._s.timeout
+        group = None
         try:
             group = store_group(
                 store,
@@ -241,6 +242,20 @@ class ElasticSender(SessionSender):
             if not self._stopping.is_set():
                 logger.warning(
                     "weight sender %r: %s could not join: %s", self._directory.name, who, error
+                )
+            # its side of the handshake may have ended (its answer came too late here): it would wait for
+            # versions this sender never sends it; the pair goes (its link fails there) and, told it is dropped
+            # (should the pair outlive this), it joins again at its next beat
+            if group is not None:
+                release(group)
+            try:
+                self._silence.said(k, store)
+            except Exception as told:  # noqa: BLE001 - the store is gone: nobody joins any more
+                logger.warning(
+                    "weight sender %r: could not tell %s it was dropped: %s",
+                    self._directory.name,
+                    who,
+                    told,
                 )
             return
         logger.info(

@@ -15,10 +15,14 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from ...core.log import logger
 from ...core.shutdown import start_thread
 from .directory import Directory, own_client
+
+if TYPE_CHECKING:
+    from torch.distributed import Store
 
 #: beats per ``timeout``: a receiver is dropped after about this many missed in a row
 BEATS = 4
@@ -125,6 +129,8 @@ class Silence:
         self._heard = {i: h for i, h in self._heard.items() if i in idents}
         return silent
 
-    def said(self, ident: int) -> None:
-        """Tell receiver ``ident`` (at its next beat) that it was dropped."""
-        self.directory.store.set(self.directory.dropped(self.generation, ident), "1")
+    def said(self, ident: int, store: Store | None = None) -> None:
+        """Tell receiver ``ident`` (at its next beat) that it was dropped (through ``store``, a client of the
+        directory's store: a thread's own; None: the directory's)."""
+        store = self.directory.store if store is None else store
+        store.set(self.directory.dropped(self.generation, ident), "1")
