@@ -304,6 +304,7 @@ class Pusher:
     def __init__(self, sender: Any, td: TensorDict, store: Any = None, key: str = "") -> None:
         self.sender, self.td, self.store, self.key = sender, td, store, key
         self.errors: list[BaseException] = []
+        self.pushed = threading.Condition()  # notified after each push (and when the loop ends)
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="churn-pusher")
         self.thread.start()
@@ -317,12 +318,27 @@ class Pusher:
                 assert self.sender.push() == version
             except BaseException as error:  # noqa: BLE001 - the test reports it
                 self.errors.append(error)
+                with self.pushed:
+                    self.pushed.notify_all()
                 return
+            with self.pushed:
+                self.pushed.notify_all()
             if self.store is not None:  # (a trainer of its own: what it pushed, for the test)
                 self.store.set(self.key, str(version))
             self._stop.wait(
                 PACE
             )  # (a trainer's step takes a while: the actors, on 2 cores too, get their turn)
+
+    def next_push(self) -> None:
+        """Until the loop's next push ended (within WAIT); raises if the loop stopped on an error. Nothing else
+        may push meanwhile: the loop's weights are ``sender.version + 1`` when it fills them."""
+        with self.pushed:
+            version = self.sender.version
+            ended = self.pushed.wait_for(
+                lambda: self.errors or self.sender.version > version, timeout=WAIT
+            )
+        assert not self.errors, f"a push raised: {self.errors[0]!r}"
+        assert ended, f"the pusher pushed nothing within {WAIT:g} s"
 
     def stop(self) -> None:
         self._stop.set()

@@ -40,18 +40,24 @@ MEMBER_THREADS = (
 TIMEOUT = 8.0  # the sender's and receivers' timeout: a SIGSTOPped receiver is dropped after it (sync mode)
 
 
-def _settled(sender, td) -> dict:
+def _settled(sender, td, pusher: Pusher | None = None) -> dict:
     """Push until no thread serves a receiver any more (each push lets go of those that left), within WAIT:
-    this process's resources then."""
-    deadline = time.monotonic() + WAIT
-    while any(t.name.startswith(MEMBER_THREADS) for t in threading.enumerate()):
-        assert time.monotonic() < deadline, [t.name for t in threading.enumerate()]
+    this process's resources then. With ``pusher`` running, its pushes: never one of this thread beside them
+    (each fills the weights with its version: two at once would push one version's weights as another's)."""
+
+    def push() -> None:
+        if pusher is not None:
+            pusher.next_push()
+            return
         td["w"].fill_(sender.version + 1)
         td["b"].fill_(-(sender.version + 1))
         sender.push()
-    td["w"].fill_(sender.version + 1)
-    td["b"].fill_(-(sender.version + 1))
-    sender.push()  # (the last of them let go of)
+
+    deadline = time.monotonic() + WAIT
+    while any(t.name.startswith(MEMBER_THREADS) for t in threading.enumerate()):
+        assert time.monotonic() < deadline, [t.name for t in threading.enumerate()]
+        push()
+    push()  # (the last of them let go of)
     return resources()
 
 
@@ -75,7 +81,7 @@ def test_receivers_come_and_go_while_the_trainer_pushes(mode, events, seed):
             try:
                 fleet.start()  # warm: one receiver joined and left, its pair let go of
                 fleet.close(1)
-                baseline = _settled(sender, td)
+                baseline = _settled(sender, td, pusher)
                 for _ in range(events):
                     fleet.event()
                 fleet.end()
