@@ -54,9 +54,7 @@ def enrol(
         )
         if answered.shared:  # it took the offer
             member.transport = session.transport
-            # (not yet for receivers that join through a store: a churn run saw one join whose first version
-            # never came with the doorbell on, unexplained; their headers stay on the link)
-            member.bell = None if session.elastic else _bell(member, answered.bell)
+            member.bell = _bell(member, answered.bell)
         member.alias = answered.alias
         members.append(member)
     return members
