@@ -5,8 +5,10 @@ header."""
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -14,6 +16,7 @@ import torch
 from tensordict import TensorDict
 
 import cudarecv
+from churn import WAIT, fork_process, master_store, store_client
 from cudarecv.core.errors import OutOfStepError
 from cudarecv.samehost import doorbell
 from cudarecv.samehost.doorbell import DOWN_SEQ, Bell, Mailbox
@@ -167,6 +170,55 @@ def killed_unanswered(rank, world, group, key):
     receiver.pull()  # (rung)
     receiver._inbox.mailbox.answer = lambda raw: stop_here(signal.SIGKILL)
     receiver.pull()
+
+
+def joined_puller(conn, port: int, name: str) -> None:
+    """An actor: join ``name`` through the store, pull 12 versions; in the store whether each came whole, and
+    whether the doorbell rang (and how many headers came by it)."""
+    conn.close()
+    names = store_client(port)
+    receiver = cudarecv.ElasticReceiver(store=store_client(port), name=name, timeout=60)
+    seen = []
+    for _ in range(12):
+        version = receiver.pull(timeout=60)
+        with receiver.reading() as td:
+            seen.append([version, _holds(td, version)])
+    inbox = receiver._joined._inbox
+    count = (
+        doorbell._Page(inbox.mailbox._segment).load(DOWN_SEQ) if inbox.mailbox is not None else 0
+    )
+    names.set(f"{name}/result", json.dumps([seen, inbox.ringing, count]))
+    receiver.close()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["sync", "latest"])
+def test_a_receiver_that_joined_through_a_store_has_its_doorbell_rung(mode):
+    """An ElasticSender's same-host receiver: after the first push it serves, the headers come by the doorbell;
+    every version whole, each newer than the last (sync: every one pushed)."""
+    name = f"bell-{mode}"
+    with master_store() as names:
+        td = _model()
+        sender = cudarecv.ElasticSender(td, store=names, name=name, mode=mode, timeout=60)
+        actor = fork_process(joined_puller, (names.port, name))
+        try:
+            deadline = time.monotonic() + WAIT
+            while not names.check([f"{name}/result"]):  # (pushes until it has 12)
+                assert time.monotonic() < deadline, f"no 12 versions taken: {sender.receivers}"
+                _fill(td, sender.version + 1)
+                sender.push()
+            seen, ringing, count = json.loads(names.get(f"{name}/result"))
+            actor.join(WAIT)
+        finally:
+            sender.close()
+            actor.kill()
+    versions = [v for v, _ in seen]
+    assert all(whole for _, whole in seen), seen
+    assert versions == sorted(set(versions)), versions
+    if mode == "sync":
+        assert versions == list(range(versions[0], versions[0] + 12)), versions
+    assert ringing and count >= 11, (ringing, count)
+    assert actor.exitcode == 0, actor.exitcode
 
 
 def test_a_receiver_killed_while_the_sender_sleeps_on_its_doorbell_fails_the_push():

@@ -227,10 +227,17 @@ class ElasticReceiver:
             self._membership.move_if(Membership.ORPHANED, frm={Membership.LOST, Membership.WAITING})
         finally:
             joining.done.set()
-        if (
-            left is not None
-        ):  # (once pulls go on from the new join: a farewell may take the timeout)
+        if left is None:
+            return
+        try:  # (once pulls go on from the new join: a farewell may take the timeout)
             left[0].leave(told=left[1])
+        except Exception as error:  # noqa: BLE001 - its version stays readable; nobody waits for this
+            logger.warning(
+                "weight receiver %d of %r: closing the join it replaced failed: %s",
+                self.id,
+                self._directory.name,
+                error,
+            )
 
     def _join_newest(self, again: bool) -> tuple[JoinedReceiver, bool] | None:
         """Join the newest sender generation above the one joined (``again``: that one included), each step
