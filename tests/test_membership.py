@@ -401,6 +401,12 @@ def test_a_stopped_receiver_that_asks_for_nothing_is_dropped_and_joins_again():
             store.wait(["idle/first"], datetime.timedelta(seconds=WAIT))
             pid, first_id, first_version = json.loads(store.get("idle/first"))
             assert first_version == 1
+            # its word on version 1 reaches the sender a moment after its pull returned (a gloo send, and the
+            # sender's listener): stopped before that, it would be dropped by the reply's timeout instead
+            deadline = time.monotonic() + WAIT
+            while any(m.sending is not None and not m.sending.settled for m in sender._s.members):
+                assert time.monotonic() < deadline, "the reply of version 1 never ended"
+                time.sleep(0.01)
             os.kill(pid, signal.SIGSTOP)
             wait_stopped(pid)
             stopped = time.monotonic()
