@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import signal
+import sys
 import threading
 import time
 from typing import Any
@@ -261,6 +262,53 @@ def closed_while_asleep(rank, world, group, key):
 def test_a_sender_closing_wakes_a_pull_asleep_on_the_doorbell(cluster):
     _, version = cluster().run(closed_while_asleep, args=(unique_key("c"),), timeout=120)
     assert version == 2
+
+
+def _asleep_on_the_doorbell(thread: threading.Thread) -> bool:
+    """Whether ``thread`` is in the doorbell's wait (its stack, read from here)."""
+    frame = sys._current_frames().get(thread.ident or 0)
+    while frame is not None:
+        if frame.f_code.co_name == "wait_for" and frame.f_code.co_filename.endswith("inbox.py"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def receiver_closed_while_asleep(rank, world, group, key):
+    """A blocking pull asleep on the doorbell (on another thread) raises UsageError at once when the receiver
+    closes; version 2 stays readable."""
+    end = _ringing(rank, _model(), 60)
+    if rank == 0:
+        store().wait([f"{key}_done"])
+        end.close()
+        return None
+    receiver, ended = end, []
+
+    def pull() -> None:
+        try:
+            receiver.pull(timeout=600)
+        except BaseException as error:  # noqa: BLE001 - the test looks at it
+            ended.append(error)
+
+    thread = threading.Thread(target=pull)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not _asleep_on_the_doorbell(thread):
+        assert thread.is_alive() and time.monotonic() < deadline, ended
+    receiver.close()
+    thread.join(30)
+    store().set(f"{key}_done", "1")
+    assert not thread.is_alive(), "the pull slept on after close()"
+    assert len(ended) == 1 and isinstance(ended[0], cudarecv.UsageError), ended
+    with receiver.reading() as td:
+        return receiver.version, _holds(td, 2)
+
+
+def test_closing_a_receiver_wakes_a_pull_asleep_on_the_doorbell(cluster):
+    _, (version, whole) = cluster().run(
+        receiver_closed_while_asleep, args=(unique_key("r"),), timeout=120
+    )
+    assert version == 2 and whole
 
 
 def garbled(rank, world, group, key):

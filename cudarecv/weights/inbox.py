@@ -15,7 +15,7 @@ import contextlib
 import enum
 import math
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from datetime import timedelta
 
 from ..core.driver import Driver
@@ -193,9 +193,15 @@ class Inbox:
         self.by_bell = True
         return header
 
-    def wait_rung(self, timeout: float) -> bool:
-        """Wait on this thread, up to ``timeout`` s, until the doorbell rings or the link speaks; whether one did."""
-        return Rung(self).wait_for(timeout)
+    def wait_rung(self, timeout: float, stop: Callable[[], bool]) -> bool:
+        """Wait on this thread, up to ``timeout`` s, until the doorbell rings or the link speaks, or ``stop()``
+        (looked at after each wake: :meth:`wake` wakes it); whether one of them did."""
+        return Rung(self).wait_for(timeout, stop)
+
+    def wake(self) -> None:
+        """Wake a thread asleep in :meth:`wait_rung` (it looks at its ``stop`` again)."""
+        if self.mailbox is not None:
+            self.mailbox.kick()
 
     def rung(self) -> bool:
         """Whether the doorbell rang with a header not taken yet."""
@@ -262,12 +268,12 @@ class Rung:
     def is_completed(self) -> bool:
         return self.mailbox.rung() or self.standing.settled
 
-    def wait_for(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` s; whether it completed."""
+    def wait_for(self, timeout: float, stop: Callable[[], bool] = lambda: False) -> bool:
+        """Wait up to ``timeout`` s, or until ``stop()``; whether it completed (or stopped)."""
         deadline = time.monotonic() + timeout
         while True:
             mark = self.mailbox.wakes()
-            if self.is_completed():
+            if self.is_completed() or stop():
                 return True
             left = deadline - time.monotonic()
             if left <= 0:

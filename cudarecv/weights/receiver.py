@@ -309,8 +309,10 @@ class WeightReceiver:
                 # the doorbell: wait for the header here, and if it rang take the version here too (a copy out
                 # of the sender's segment, then a word back by the doorbell: nothing waits on the link), with no
                 # thread between the sender and this one; else the link spoke: the pull's thread takes it
-                if not self._inbox.wait_rung(timeout):
+                if not self._inbox.wait_rung(timeout, lambda: self._closed):
                     raise self._nothing_came(timeout)
+                if self._closed:  # (close() woke it)
+                    raise UsageError("this WeightReceiver closed while the pull waited")
                 if self._inbox.rung():
                     return self._puller.take_rung(timeout)
                 if shutdown.exiting():  # (the exit hook closed the link, which woke this thread)
@@ -359,6 +361,7 @@ class WeightReceiver:
                 return
             self._closed = True
             self._cond.notify_all()  # a pull waiting for another thread's ends now
+        self._inbox.wake()  # and so does one asleep on the doorbell
         inbox = self._inbox
         # nobody to tell or wait for: the link broke, or the sender let go of this receiver already
         unheard = bool(self._puller.broken) or not farewell
