@@ -293,8 +293,9 @@ def receiver_closed_while_asleep(rank, world, group, key):
     thread = threading.Thread(target=pull)
     thread.start()
     deadline = time.monotonic() + 60
-    while not _asleep_on_the_doorbell(thread):
+    while not _asleep_on_the_doorbell(thread):  # (a poll of its stack: yield the GIL between looks)
         assert thread.is_alive() and time.monotonic() < deadline, ended
+        time.sleep(0.001)
     receiver.close()
     thread.join(30)
     store().set(f"{key}_done", "1")
