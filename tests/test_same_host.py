@@ -486,9 +486,13 @@ def test_a_peer_killed_with_sigkill_leaves_nothing_and_fails_bounded(victim, sto
     )  # (sem.mp-*: multiprocessing's own, of the killed rank)
 
 
-def killed_mid_transfer(rank, world, group):
-    """The sender SIGKILLs itself halfway through its third transfer, once the receiver may have copied half
-    of it (its progress word said so): the receiver's transfer fails, bounded, naming it."""
+def killed_mid_transfer(rank, world, group, key):
+    """The sender SIGKILLs itself halfway through its third transfer, once the receiver has its header and may
+    have copied half of it (its progress word said so): the receiver's transfer fails, bounded, naming it.
+
+    The sender dies only once the receiver reads the progress word (a store key): the header is a gloo send,
+    which may still wait for the receiver's recv when the sender's copies are halfway, and a sender killed
+    then fails the receiver at the header, not the payload this test is about."""
     td = TensorDict(x=torch.zeros(1 << 22)).consolidate(metadata=True)  # 16 MiB in 16 messages
     if rank == 0:
         for _ in range(2):  # the offer, then one through the segments
@@ -498,6 +502,7 @@ def killed_mid_transfer(rank, world, group):
         def dies_halfway(segment, nbytes):
             advance(segment, nbytes)
             if nbytes >= 8 << 20:
+                wait_flag(f"{key}_header_in", 60)
                 os.kill(os.getpid(), signal.SIGKILL)
 
         Segment.advance = dies_halfway
@@ -505,6 +510,13 @@ def killed_mid_transfer(rank, world, group):
         return None
     for _ in range(2):
         cudarecv.recv(td, 0, bucket_bytes=1 << 20, consolidated=True)
+    progress = Mapping.progress
+
+    def reads_progress(mapping, seq):
+        set_flag(f"{key}_header_in")  # (the receiver follows the payload once it has the header)
+        return progress(mapping, seq)
+
+    Mapping.progress = reads_progress
     started = time.monotonic()
     with pytest.raises(cudarecv.LinkError) as error:
         cudarecv.recv(td, 0, bucket_bytes=1 << 20, consolidated=True, timeout=15)
@@ -519,7 +531,9 @@ def killed_mid_transfer(rank, world, group):
 def test_a_sender_killed_mid_transfer_fails_the_receiver_bounded():
     before = set(os.listdir("/dev/shm"))
     with Cluster(2, pg_timeout=20.0) as ranks:
-        results = ranks.run(killed_mid_transfer, may_die={0}, timeout=90)
+        results = ranks.run(
+            killed_mid_transfer, args=(unique_key("killed"),), may_die={0}, timeout=90
+        )
     assert isinstance(results[0], RankExit)
     kind, message, took, causes = results[1]
     assert kind in ("PeerError", "TransferTimeout") and "rank 0" in message and took < 40, results
@@ -1258,8 +1272,11 @@ def sends_to_a_dead_receiver(rank, world, group, key):
 
     pg = _group(rank, world, key)
     if rank == 1:
+        # dies once rank 0 has formed the group too (dead during it, rank 0's connect fails, not its sends)
+        wait_flag(f"{key}_formed", 60)
         store().set(f"{key}_pid", str(os.getpid()))
         os.kill(os.getpid(), signal.SIGKILL)
+    set_flag(f"{key}_formed")
     try:
         pidfd = os.pidfd_open(int(store().get(f"{key}_pid")))
     except ProcessLookupError:  # (gone and reaped already)
