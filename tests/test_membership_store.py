@@ -317,6 +317,9 @@ def closing_puller(conn, port: int, name: str) -> None:
     receiver.close()
     thread.join(WAIT)
     signals.set("close/outcome", json.dumps(outcome[-1][:2] + [outcome[-1][-1] - closed]))
+    signals.wait(
+        ["close/exit"], datetime.timedelta(seconds=WAIT)
+    )  # (alive while the next sender pushes)
 
 
 @pytest.mark.timeout(300)
@@ -336,15 +339,18 @@ def test_close_from_another_thread_ends_a_pull_that_waits_for_the_next_sender():
             )
             first.close()
             store.set("close/now", "1")
+            # the next sender comes once the receiver closed (one made meanwhile may be joined and left at once,
+            # which is right too); the actor lives on until the sender has pushed and counted its receivers
+            store.wait(["close/outcome"], datetime.timedelta(seconds=WAIT))
+            outcome = json.loads(store.get("close/outcome"))
             second = cudarecv.ElasticSender(
                 td, store=store, name="closing", mode="sync", timeout=TIMEOUT
             )
-            push_until(second, td, lambda: store.check(["close/outcome"]), "the pull did not end")
-            outcome = json.loads(store.get("close/outcome"))
             for _ in range(3):
                 fill(td, second.version + 1)
                 second.push()
             receivers = second.receivers
+            store.set("close/exit", "1")
             actor.join(WAIT)
         finally:
             first.close()

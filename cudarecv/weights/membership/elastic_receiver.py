@@ -247,6 +247,8 @@ class ElasticReceiver:
         above = self.generation - 1 if again and self.generation != self._dead else self.generation
         generation = directory.current(above, timeout, self._closing)
         beat = directory.sender(generation).timeout  # (its record came first)
+        if self._closing.is_set():  # (closed as the sender came: no join asked for)
+            raise UsageError("this WeightReceiver was closed while it waited for its sender")
         k = directory.join(generation)
         try:
             group = store_group(
