@@ -137,6 +137,7 @@ def test_demo_dead_actor_ends_the_run() -> None:
     assert not _tables(proc.stdout), out
 
 
+@pytest.mark.long  # (simulated hosts: namespaces and torchrun, 20-30 s; the long runs build hosts too)
 @pytest.mark.skipif(
     hosts.unavailable() is not None, reason=f"simulated hosts: {hosts.unavailable()}"
 )
@@ -207,6 +208,7 @@ def _interruptible() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+@pytest.mark.long  # (simulated hosts: namespaces and torchrun, 20-30 s; the long runs build hosts too)
 @pytest.mark.skipif(
     hosts.unavailable() is not None, reason=f"simulated hosts: {hosts.unavailable()}"
 )

@@ -28,7 +28,8 @@ from cudarecv.weights.schema import MAX_BYTES, MAX_SCHEMA_BYTES, Schema
 
 settings.register_profile(
     "fuzz",
-    max_examples=2000,
+    # (derandomized: the same examples each run; CUDARECV_FUZZ_EXAMPLES=2000 or more for a deeper search)
+    max_examples=int(os.environ.get("CUDARECV_FUZZ_EXAMPLES", "600")),
     deadline=None,
     derandomize=True,
     database=None,

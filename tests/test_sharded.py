@@ -239,6 +239,12 @@ def case(rank: int, world: int, group, name: str, mode: str, transport: str) -> 
             out["transports"] = sender.transports
             dist.barrier()  # (latest mode: the receivers have the last version before the sender closes)
         out["threads_left"] = threads() - before
+        if out["threads_left"]:  # (what each receiver stood at, for the failure's message)
+            out["standings"] = [
+                (m.rank, m.standing.value, m.why, m.failed)
+                for _, s in sender._senders
+                for m in s._s.members
+            ]
         return out
     if rank not in receivers:
         dist.barrier()
@@ -273,6 +279,8 @@ def case(rank: int, world: int, group, name: str, mode: str, transport: str) -> 
         out["transport"] = receiver.transport
         out["staged"] = receiver.staged_bytes
         dist.barrier()
+    # (each sender rank's last words with it, for a failure's message: the receivers' threads, the senders')
+    out["farewells"] = [(peer, r._inbox.farewell.state.value) for peer, _, r in receiver._inner]
     out["threads_left"] = threads() - before
     return out
 
@@ -302,7 +310,8 @@ def test_sharded_trainers_push_every_element_once_into_any_layout(six, name, mod
     for out in results:
         rank = out["rank"]
         assert not out.get("threads_left"), (
-            f"rank {rank}: threads left after close(): {out['threads_left']}"
+            f"rank {rank}: threads left after close(): {out['threads_left']}; its receivers' standings "
+            f"{out.get('standings')}; the receivers' farewells {[o.get('farewells') for o in results]}"
         )
         if rank in trainers:
             assert out["pushed"] == list(range(1, VERSIONS + 1)), out

@@ -209,10 +209,13 @@ def _deadlines_thread() -> threading.Thread | None:
 
 def deadlines_thread_comes_and_goes(rank, world, group, key):
     """Timed transfers (fast wire and stock wire, each way) on a new group, all ended and let go of: the
-    ``cudarecv-deadlines`` thread ends by itself (once it lingered, 5 s). Then rank 1 posts a timed receive nobody answers: the thread
-    starts again, fails it at its time, and ends again."""
+    ``cudarecv-deadlines`` thread ends by itself (once it lingered: 1 s here, 5 s by default). Then rank 1 posts a
+    timed receive nobody answers: the thread starts again, fails it at its time, and ends again."""
     import gc
 
+    from cudarecv.core.deadlines import DEADLINES
+
+    DEADLINES.linger = 1.0  # (the ranks' processes are this test's own: a new Cluster)
     signals = store()
     pg = dist.ProcessGroupGloo(dist.PrefixStore(key, signals), rank, world, timedelta(seconds=30))
     peer = {"group": pg, ("group_dst" if rank == 0 else "group_src"): 1 - rank}
