@@ -24,7 +24,7 @@ from cudarecv.samehost.doorbell import DOWN_SEQ, Bell, Mailbox
 from cudarecv.samehost.shared_memory import MappingError
 from cudarecv.testing.launch import Cluster
 from cudarecv.weights.wire import GOT, PushHeader, ask_message, read_ask
-from procs import stop_here
+from procs import stop_here, wait_stopped
 from rawwire import store, unique_key
 
 pytestmark = pytest.mark.skipif(
@@ -275,10 +275,14 @@ def _asleep_on_the_doorbell(thread: threading.Thread) -> bool:
 
 
 def receiver_closed_while_asleep(rank, world, group, key):
-    """A blocking pull asleep on the doorbell (on another thread) raises UsageError at once when the receiver
-    closes; version 2 stays readable."""
+    """A blocking pull asleep on the doorbell (on another thread) raises UsageError as soon as the receiver
+    closes, while the sender is stopped (SIGSTOP): not once the sender's answer to the receiver's BYE woke it
+    (that close waits for the answer until the sender goes on); version 2 stays readable."""
+    import os
+
     end = _ringing(rank, _model(), 60)
     if rank == 0:
+        store().set(f"{key}_pid", str(os.getpid()))
         store().wait([f"{key}_done"])
         end.close()
         return None
@@ -296,10 +300,21 @@ def receiver_closed_while_asleep(rank, world, group, key):
     while not _asleep_on_the_doorbell(thread):  # (a poll of its stack: yield the GIL between looks)
         assert thread.is_alive() and time.monotonic() < deadline, ended
         time.sleep(0.001)
-    receiver.close()
-    thread.join(30)
+    sender = int(store().get(f"{key}_pid"))
+    os.kill(sender, signal.SIGSTOP)
+    closer = threading.Thread(target=receiver.close)
+    try:
+        wait_stopped(sender)
+        closer.start()
+        thread.join(30)
+        woken = not thread.is_alive()
+        answered = not closer.is_alive()  # (it cannot be: the sender is stopped)
+    finally:
+        os.kill(sender, signal.SIGCONT)
+    closer.join(90)
     store().set(f"{key}_done", "1")
-    assert not thread.is_alive(), "the pull slept on after close()"
+    assert woken, "the pull slept on after close(), until the sender answered"
+    assert not answered, "close() returned while the sender was stopped: the test proved nothing"
     assert len(ended) == 1 and isinstance(ended[0], cudarecv.UsageError), ended
     with receiver.reading() as td:
         return receiver.version, _holds(td, 2)
