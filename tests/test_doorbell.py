@@ -6,6 +6,7 @@ header."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import threading
@@ -278,8 +279,6 @@ def receiver_closed_while_asleep(rank, world, group, key):
     """A blocking pull asleep on the doorbell (on another thread) raises UsageError as soon as the receiver
     closes, while the sender is stopped (SIGSTOP): not once the sender's answer to the receiver's BYE woke it
     (that close waits for the answer until the sender goes on); version 2 stays readable."""
-    import os
-
     end = _ringing(rank, _model(), 60)
     if rank == 0:
         store().set(f"{key}_pid", str(os.getpid()))

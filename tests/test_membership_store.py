@@ -317,9 +317,8 @@ def closing_puller(conn, port: int, name: str) -> None:
     receiver.close()
     thread.join(WAIT)
     signals.set("close/outcome", json.dumps(outcome[-1][:2] + [outcome[-1][-1] - closed]))
-    signals.wait(
-        ["close/exit"], datetime.timedelta(seconds=WAIT)
-    )  # (alive while the next sender pushes)
+    # (alive while the next sender pushes and counts its receivers)
+    signals.wait(["close/exit"], datetime.timedelta(seconds=WAIT))
 
 
 @pytest.mark.timeout(300)
