@@ -5,11 +5,12 @@ Run on a GPU machine (skipped without ``--gpus``, and without CUDA)::
     pytest bench/bench_gpu.py --gpus 1 -p no:cacheprovider --benchmark-json GPU.json
     python -m cudarecv report GPU.json
 
-The NCCL benches need two ranks on GPUs: they are marked ``gpus(2)``, or
-``gpus(1)`` with ``CUDARECV_NCCL_SHARED_GPU=1``, which runs both ranks on one GPU
-with ``NCCL_MULTI_RANK_GPU_ENABLE=1`` (NCCL >= 2.30; skipped, saying so, with an
-older NCCL). ``bench/gpu_check.sh`` sets it by itself on a one-GPU machine whose
-NCCL is new enough.
+The NCCL benches are marked ``gpus(1)``: their ranks come from
+:func:`cudarecv.testing.gpu.nccl_ranks`, one GPU per rank where there are enough, else
+sharing GPU 0 (``NCCL_MULTI_RANK_GPU_ENABLE=1`` with NCCL >= 2.30; with an older NCCL each
+rank its own ``NCCL_HOSTID``, so NCCL's socket transport over loopback carries the bytes:
+then their times are the socket path's, not the GPU's, and the rows say so in
+``extra_info["nccl_mode"]``). ``test_matmul_during_nccl_receive`` needs two real GPUs.
 
 As in ``bench/bench_transfers.py``, each bench times the mode it names: its
 pytest-benchmark rounds are that mode's per-iteration times as the receiver
@@ -55,13 +56,13 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from cudarecv.testing.gpu import nccl_pair_problem
+from cudarecv.testing.gpu import NcclRanks, nccl_ranks_problem
+from cudarecv.testing.gpu import nccl_ranks as start_nccl_ranks
 from cudarecv.testing.launch import RankError, Ranks
 from cudarecv.tools import gpu_ranks as gb
 from cudarecv.tools import transfer_ranks as tb
 
 HAS_CUDA = torch.cuda.is_available()
-NCCL_SHARED = os.environ.get("CUDARECV_NCCL_SHARED_GPU", "") == "1"
 
 # every bench here reports times measured elsewhere (ranks, CUDA events), replayed through this clock
 CLOCK = tb.VirtualClock("receiver_clock")
@@ -74,7 +75,7 @@ pytestmark = [
         reason="torch.cuda.is_available() is False: needs a CUDA build of torch and a visible GPU",
     ),
 ]
-nccl_mark = pytest.mark.gpus(1 if NCCL_SHARED else 2)
+nccl_mark = pytest.mark.gpus(1)  # nccl_ranks shares one GPU where there are fewer than ranks
 
 MiB, GiB = 1 << 20, 1 << 30
 
@@ -182,9 +183,9 @@ if not HAVE_PYTEST_BENCHMARK:
 # --------------------------------------------------------------------------- ranks
 
 
-def nccl_skip_reason() -> str | None:
-    """Why the NCCL ranks cannot run here, or None."""
-    return nccl_pair_problem(NCCL_SHARED)
+def nccl_skip_reason(world: int = 2) -> str | None:
+    """Why ``world`` NCCL ranks cannot run here, or None."""
+    return nccl_ranks_problem(world)
 
 
 @pytest.fixture(scope="module")
@@ -196,15 +197,10 @@ def gloo_ranks():
 
 def _nccl(world: int):
     """``world`` NCCL ranks for a module (skipped, saying why, where NCCL ranks cannot run)."""
-    reason = nccl_skip_reason()
+    reason = nccl_skip_reason(world)
     if reason:
         pytest.skip(reason)
-    ranks = Ranks(
-        world,
-        pg_timeout=120.0,
-        backend="nccl",
-        env={"NCCL_MULTI_RANK_GPU_ENABLE": "1"} if NCCL_SHARED else {},
-    )
+    ranks = start_nccl_ranks(world, pg_timeout=120.0)
     yield ranks
     ranks.close()
 
@@ -456,6 +452,8 @@ def _bench(
     }
     if stock_mode is not None:
         info["stock_mode"] = stock_mode
+    if isinstance(ranks, NcclRanks):  # per_gpu, or sharing a GPU: multi_rank, hostid (sockets)
+        info["nccl_mode"] = ranks.mode
     benchmark.extra_info.update(info)
     tb.replay(benchmark, CLOCK, row["seconds_all"])  # the stats: every timed iteration of this mode
     assert row["ok"], f"{name}: {impl} {gb.label(case)} delivered wrong data: {row['error']}"
@@ -778,7 +776,7 @@ def test_nccl_many_leaves_batched(
 @pytest.mark.parametrize("which", WHICH, ids=[w.replace(" ", "_") for w in WHICH])
 def test_matmul_during_nccl_receive(benchmark, nccl_ranks, transfer_targets, which):
     """Two real GPUs only: with both ranks on one GPU the sender's kernels would share the matmul's GPU."""
-    if NCCL_SHARED or torch.cuda.device_count() < 2:
+    if nccl_ranks.mode != "per_gpu":
         pytest.skip(
             "needs two GPUs: ranks sharing one GPU would put the sender's NCCL kernels on the "
             "matmul's GPU"
@@ -788,7 +786,7 @@ def test_matmul_during_nccl_receive(benchmark, nccl_ranks, transfer_targets, whi
 
 # --------------------------------------------------------------------------- fan-out over NCCL
 
-FANOUT_GPUS = 1 if NCCL_SHARED else 3
+FANOUT_GPUS = 1  # as nccl_mark
 FANOUT_BYTES = 256 * MiB
 _FANOUT: dict[str, dict] = {}
 
@@ -826,6 +824,7 @@ def test_nccl_fanout_to_two(benchmark, nccl_three, transfer_targets, method):
         ok=_FANOUT["ok"][method],
         send_place="cuda",
         recv_place="cuda",
+        nccl_mode=nccl_three.mode,
     )
     tb.replay(benchmark, CLOCK, _FANOUT["seconds"][method])
     assert _FANOUT["ok"][method], f"{method}: a receiver holds wrong values"

@@ -341,7 +341,7 @@ def test_nccl_pair_problem_explains_itself():
         if not dist.is_nccl_available():
             assert problem == "torch.distributed has no NCCL backend in this build"
         elif not shared and torch.cuda.device_count() < 2:
-            assert "2 GPUs" in problem and "CUDARECV_NCCL_SHARED_GPU=1" in problem
+            assert "2 GPUs" in problem and "NCCL_MULTI_RANK_GPU_ENABLE=1" in problem
 
 
 class FakeEvent:
@@ -497,3 +497,144 @@ def test_gpu_bench_rows_record_what_carried_them(cluster):
         (True, "wire"),
         (True, "wire"),
     ], rows
+
+
+# -- issue 47: lanes on background threads, a stream per link (CUDA faked here) ------------------------------
+
+
+class _DeviceStream:
+    """A fake CUDA stream that says its device."""
+
+    def __init__(self, device=None, priority: int = 0) -> None:
+        index = device if isinstance(device, int) else torch.device(device or "cuda:0").index
+        self.device = torch.device("cuda", index or 0)
+
+    def wait_stream(self, other) -> None:
+        pass
+
+
+class _ThreeRanks:
+    """A group object as much as a lane needs: NCCL, three ranks, this one rank 1, lazily initialised."""
+
+    def name(self) -> str:
+        return "NCCL"
+
+    def size(self) -> int:
+        return 3
+
+    def rank(self) -> int:
+        return 1
+
+
+@pytest.fixture
+def device_one(monkeypatch):
+    """CUDA as seen by a process whose main thread made device 1 current: any other thread's is device 0."""
+    import threading
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(
+        torch.cuda,
+        "current_device",
+        lambda: 1 if threading.current_thread() is threading.main_thread() else 0,
+    )
+    monkeypatch.setattr(torch.cuda, "Stream", _DeviceStream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _DeviceStream(device))
+
+
+def _on_a_thread(fn):
+    """``fn()`` on a new thread: its result, or the exception it raised."""
+    import threading
+
+    out = []
+
+    def run():
+        try:
+            out.append(fn())
+        except Exception as error:  # noqa: BLE001 - the test says what it got
+            out.append(error)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(30)
+    return out[0]
+
+
+def test_a_relay_lane_built_on_a_pulls_thread_stages_on_the_receivers_device(device_one):
+    """Issue 47 item 5: a receiver of host memory on NCCL stages through the device current when it was made
+    (1); its relay lanes are made during a pull, maybe on a background thread (whose current device is 0):
+    they stage on the receiver's device, with a stream of that device."""
+    from cudarecv.weights.relay import Hop
+    from cudarecv.wire.staging import lane_for
+
+    pg = _ThreeRanks()
+    to_sender = lane_for(
+        Link(pg, 0, False, "nccl"),
+        torch.device("cpu"),
+        None,
+        _cuda.StagingPool(),
+        peers_at_once=True,
+    )
+    assert to_sender.stream.device == torch.device("cuda", 1)
+    hop = Hop(to_sender, tags=None, device=torch.device("cpu"))
+    lane = _on_a_thread(lambda: hop._lane(2, Link(pg, 2, False, "nccl")))
+    assert not isinstance(lane, Exception), lane
+    assert lane.stream.device == torch.device("cuda", 1)
+    assert lane.stream is not to_sender.stream  # (a stream of the link's own)
+
+
+def test_lane_for_stages_host_memory_on_the_device_it_is_told(device_one):
+    from cudarecv.wire.staging import lane_for
+
+    link = Link(_ThreeRanks(), 2, False, "nccl")
+    told = _on_a_thread(
+        lambda: lane_for(
+            link, torch.device("cpu"), None, _cuda.StagingPool(), cuda=torch.device("cuda", 1)
+        )
+    )
+    assert told.stream.device == torch.device("cuda", 1)
+    mine = _DeviceStream(1)
+    given = _on_a_thread(lambda: lane_for(link, torch.device("cpu"), mine, _cuda.StagingPool()))
+    assert given.stream is mine  # (the caller's stream, on its device)
+    # untold, a thread's current device it is: what a lane built on the caller's own thread wants
+    assert _on_a_thread(
+        lambda: lane_for(link, torch.device("cpu"), None, _cuda.StagingPool())
+    ).stream.device == torch.device("cuda", 0)
+
+
+def test_a_weight_ends_links_each_have_a_stream_of_their_own(device_one):
+    """Issue 47 item 1: one stream per link (per group and peer), reused; p2p calls keep the device's one."""
+    from cudarecv.wire.staging import lane_for
+
+    pg = _ThreeRanks()
+    device = torch.device("cuda", 1)
+
+    def lane(peer, **kw):
+        return lane_for(Link(pg, peer, False, "nccl"), device, None, _cuda.StagingPool(), **kw)
+
+    to0, to2 = lane(0, peers_at_once=True), lane(2, peers_at_once=True)
+    assert to0.stream is not to2.stream
+    assert lane(0, peers_at_once=True).stream is to0.stream
+    assert lane(0).stream is lane(2).stream is _cuda.dedicated_stream(device)
+    copier = _DeviceStream(1)
+    assert lane(0, peers_at_once=True, after=copier).after is copier
+
+
+def test_an_eagerly_initialised_nccl_group_of_three_gets_pairs_of_its_own(monkeypatch):
+    """Issue 47 item 4: on an NCCL group bound to a device (eager init) of 3+ ranks a weight end's messages go
+    on a pair group of the two ends (made once per peer); lazily, or on two ranks, on the group itself."""
+    from cudarecv.wire import staging
+
+    made = []
+    monkeypatch.setattr(staging, "make_pair", lambda link: made.append(link.peer) or object())
+    lazy = _ThreeRanks()
+    assert staging.pair_link(Link(lazy, 2, False, "nccl")).pg is lazy
+    eager = _ThreeRanks()
+    eager.bound_device_id = torch.device("cuda", 1)
+    pair = staging.pair_link(Link(eager, 2, False, "nccl"))
+    assert (
+        pair.pg is not eager and pair.peer == 1 and pair.backend == "nccl"
+    )  # (rank 1 < 2: pair rank 0)
+    assert staging.pair_link(Link(eager, 2, False, "nccl")) is pair and made == [2]
+    assert staging.pair_link(Link(eager, 0, False, "nccl")).peer == 0 and made == [2, 0]
+    gloo = Link(eager, 2, False, "gloo")
+    assert staging.pair_link(gloo) is gloo

@@ -4,14 +4,17 @@ Every test here is marked ``gpus(k)`` and is also skipped when
 ``torch.cuda.is_available()`` is False, so the CPU suite collects and skips
 them. Run them on a GPU machine with::
 
-    pytest --gpus 1 tests/test_gpu.py   # single-GPU tests: in-process, or 2 gloo ranks sharing GPU 0
-    pytest --gpus 2 tests/test_gpu.py   # also the NCCL tests, one GPU per rank
+    pytest --gpus 1 tests/test_gpu.py   # every test, the NCCL ones included
+    pytest --gpus 2 tests/test_gpu.py   # also the two-GPU cases (CUDA IPC across GPUs)
 
-The NCCL tests need two ranks on GPUs and are marked ``gpus(2)``. Opt-in, for a
-machine with one GPU: ``CUDARECV_NCCL_SHARED_GPU=1 pytest --gpus 1 tests/test_gpu.py``
-marks them ``gpus(1)`` and starts both NCCL ranks on GPU 0 with
-``NCCL_MULTI_RANK_GPU_ENABLE=1``, which needs NCCL >= 2.30
-(``torch.cuda.nccl.version()``); with an older NCCL they are skipped, saying so.
+The NCCL tests are marked ``gpus(1)`` too: their ranks come from
+:func:`cudarecv.testing.gpu.nccl_ranks`, which puts rank ``r`` on GPU ``r`` where there
+are enough GPUs and otherwise shares them: with NCCL >= 2.30 (the library loaded, asked
+through ``ncclGetVersion``) by ``NCCL_MULTI_RANK_GPU_ENABLE=1``; with an older NCCL (2.28
+on the lent one-GPU machines) by giving each rank its own ``NCCL_HOSTID``, so NCCL takes
+them for separate nodes talking over sockets on loopback (slow, every NCCL path runs).
+``CUDARECV_NCCL_MODE=per_gpu|multi_rank|hostid`` forces a mode. They are skipped, saying
+why, without NCCL in torch (:func:`cudarecv.testing.gpu.nccl_ranks_problem`).
 
 Transfers run between two spawned ranks (:class:`cudarecv.testing.launch.Cluster`):
 rank 0 sends, rank 1 receives and checks what it got. Every wait is bounded: the
@@ -36,15 +39,14 @@ import cudarecv
 from cudarecv.core import streams as _cuda
 from cudarecv.p2p.stock import Stock
 from cudarecv.plan.walk import unwrap
-from cudarecv.testing.gpu import nccl_pair_problem
+from cudarecv.testing.gpu import nccl_ranks, nccl_ranks_problem
 from cudarecv.testing.launch import Ranks
 from held import many_transfers, weights_and_transfers
 from rawwire import unique_key
 from tdfactory import STRUCTURES, leaves, make
 
 HAS_CUDA = torch.cuda.is_available()
-NCCL_SHARED = os.environ.get("CUDARECV_NCCL_SHARED_GPU", "") == "1"
-NCCL_GPUS = 1 if NCCL_SHARED else 2
+NCCL_GPUS = 1  # nccl_ranks runs any number of NCCL ranks on one GPU (its module docstring)
 PG_TIMEOUT = 60.0
 RUN_TIMEOUT = 90.0
 WAIT = 30.0  # Transfer.wait(timeout=...) inside the ranks
@@ -74,25 +76,24 @@ def gloo():
     ranks.close()
 
 
-def nccl_skip_reason() -> str | None:
-    """Why the NCCL ranks cannot run here, or None."""
-    return nccl_pair_problem(NCCL_SHARED)
+def nccl_skip_reason(world: int = 2) -> str | None:
+    """Why ``world`` NCCL ranks cannot run here, or None."""
+    return nccl_ranks_problem(world)
 
 
 def _nccl(world: int):
-    """``world`` NCCL ranks (a GPU each, or all on GPU 0 with CUDARECV_NCCL_SHARED_GPU=1)."""
-    reason = nccl_skip_reason()
+    """``world`` NCCL ranks: a GPU each where there are enough, else sharing GPU 0 (nccl_ranks)."""
+    reason = nccl_skip_reason(world)
     if reason:
         pytest.skip(reason)
-    env = {"NCCL_MULTI_RANK_GPU_ENABLE": "1"} if NCCL_SHARED else {}
-    ranks = Ranks(world, pg_timeout=PG_TIMEOUT, backend="nccl", env=env)
+    ranks = nccl_ranks(world, pg_timeout=PG_TIMEOUT)
     yield ranks
     ranks.close()
 
 
 @pytest.fixture(scope="module")
 def nccl():
-    """Two NCCL ranks (one GPU each, or both on GPU 0 with CUDARECV_NCCL_SHARED_GPU=1)."""
+    """Two NCCL ranks (one GPU each, or both on GPU 0: see the module docstring)."""
     yield from _nccl(2)
 
 
@@ -1060,7 +1061,7 @@ def test_nccl_weight_sync(nccl, receiver_device, standalone):
 
 # --------------------------------------------------------------------------- relay fan-out on GPUs
 
-RELAY_GPUS = 1 if NCCL_SHARED else 3
+RELAY_GPUS = 1  # as NCCL_GPUS
 
 
 @pytest.fixture(scope="module")
@@ -1073,7 +1074,7 @@ def gloo3():
 
 @pytest.fixture(scope="module")
 def nccl3():
-    """Three NCCL ranks (a GPU each, or all on GPU 0 with CUDARECV_NCCL_SHARED_GPU=1)."""
+    """Three NCCL ranks (a GPU each, or all on GPU 0: see the module docstring)."""
     yield from _nccl(3)
 
 

@@ -10,10 +10,12 @@ The real NCCL tests (``tests/test_gpu.py``) are kept for GPU machines.
 
 from __future__ import annotations
 
+import contextlib
 import linecache
 import sys
 import threading
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -311,3 +313,176 @@ def test_batches_from_two_threads_on_one_group_wait_for_each_other(cluster):
     )
     assert sent == {"first": "ok", "second": "ok"}, sent
     assert got == [[1.0], [2.0]], got
+
+
+# -- NCCL's streams (issue 47: a stream per link, eager initialisation) ---------------------------------------
+# With ``streams=True`` the stand-in runs each op on its communicator's stream after what its posting stream
+# waited for, a send only once its peer's stream reached the receive (a large message), and refuses an op
+# whose stream waits for a pending op with another peer (cudarecv.testing.strict_streams).
+
+STALL = 2 * TIMEOUT  # the longest a stalled receiver waits for the others (then it pulls anyway)
+
+
+@pytest.fixture(scope="module")
+def fresh_three():
+    """Three ranks of their own for the streams tests (none of the other tests' objects in their processes)."""
+    ranks = Ranks(3, pg_timeout=60.0)
+    yield ranks
+    ranks.close()
+
+
+def stalled_sync(rank, world, group, key, fanout, eager, stalled):
+    """A sender (rank 0) pushes one version to ranks 1 and 2 (a star, or a relay 1 -> 2). Rank ``stalled``
+    pulls only once the other receiver has the version (or after ``STALL`` s): a stalled receiver must not
+    stall the other. Each rank says its outcome; the sender also the unneeded waits the stand-in found."""
+    model = policy()
+    with stand_in_cuda("device", streams=True):
+        pg = StrictNccl(store(), rank, world, timeout=TIMEOUT, name=key, streams=True, eager=eager)
+        if rank == 0:
+
+            def push_all():
+                with cudarecv.WeightSender(
+                    TensorDict.from_module(model),
+                    group=pg,
+                    group_dst=[1, 2],
+                    bucket_bytes=256,  # a handful of chunks per version
+                    timeout=TIMEOUT,
+                    fanout=fanout,
+                ) as sender:
+                    for version in (1, 2):
+                        set_version(model, version)
+                        sender.push()
+                    torch.cuda.synchronize()  # (every op posted has run: its failure is raised here)
+                    return sender.fanout
+
+            return _outcome(push_all), pg.violations
+
+        def pull_all():
+            with cudarecv.WeightReceiver(
+                group=pg, group_src=0, expect=model, timeout=TIMEOUT
+            ) as receiver:
+                held = []
+                for step in (1, 2):
+                    if (
+                        rank == stalled
+                    ):  # (the other's signal, bounded: a test of order, not of time)
+                        with contextlib.suppress(Exception):
+                            store().wait([f"{key}/got/{step}"], timedelta(seconds=STALL))
+                    version = receiver.pull()
+                    # (the host reads what the pull received: its stream's work, not the forwards still going)
+                    torch.cuda.current_stream().synchronize()
+                    store().set(f"{key}/got/{step}", "1")
+                    held.append(holds_version(receiver.td, version))
+                return held
+
+        return _outcome(pull_all), pg.violations
+
+
+@pytest.mark.parametrize(
+    "fanout, stalled, eager",
+    [("star", 1, False), ("star", 2, False), ("relay", 2, False), ("star", 1, True)],
+    ids=["star-1", "star-2", "relay-tail", "star-1-eager"],
+)
+def test_a_stalled_receiver_does_not_stall_the_others(fresh_three, fanout, stalled, eager):
+    """Issue 47 item 1: every link of a weight end has a stream of its own, so nothing posted to one receiver
+    waits for what is pending with another. (On one stream per device, shared by every link, the sender's
+    ops to the other receiver were ordered after those to the stalled one: the stand-in refuses that edge.)
+    Initialised eagerly (item 4), the links are pair groups of their own: the same."""
+    results = fresh_three().run(
+        stalled_sync,
+        args=(unique_key(f"stall-{fanout}-{stalled}-{eager}"), fanout, eager, stalled),
+        timeout=6 * TIMEOUT,
+    )
+    assert results[0] == (("ok", fanout), []), results
+    assert [r[0] for r in results[1:]] == [("ok", [True, True])] * 2, results
+    assert all(r[1] == [] for r in results), results
+
+
+def test_a_relay_on_an_eagerly_initialised_group_forms_no_wait_cycle(fresh_three):
+    """Issue 47 item 4: initialised eagerly (``device_id=``), torch runs every op of the group on its one
+    communicator's stream, in posting order; a relay's sender waits there for the first receiver's word
+    ahead of the second's header, which the first's forward waits for. cudarecv's weight ends talk over
+    pair groups of their own there (cudarecv.wire.staging.pair_link): no cycle, every version lands."""
+    results = fresh_three().run(
+        stalled_sync,
+        args=(unique_key("eager-relay"), "relay", True, -1),
+        timeout=6 * TIMEOUT,
+    )
+    assert results[0] == (("ok", "relay"), []), results
+    assert [r[0] for r in results[1:]] == [("ok", [True, True])] * 2, results
+
+
+def stream_rules(rank, world, group, key, shared, eager):
+    """The stand-in itself, on raw ops. Lazily: rank 0 sends to rank 1 (which receives only once told) and,
+    while that is pending, to rank 2 (which receives at once), on one stream (``shared``) or two.
+    Eagerly: a ring, each rank sending to the next and receiving from the one before, large messages on the
+    group's one stream each: a wait cycle."""
+    with stand_in_cuda("device", streams=True):
+        pg = StrictNccl(store(), rank, world, timeout=3.0, name=key, streams=True, eager=eager)
+        data = torch.full((4096,), float(rank))
+        if eager:
+            into = torch.zeros(4096)
+            works = [pg.send([data], (rank + 1) % world), pg.recv([into], (rank - 1) % world)]
+            try:
+                for work in works:
+                    work.wait()
+                torch.cuda.synchronize()
+                return "ok", into.unique().tolist()
+            except NcclRuleError as error:
+                return "NcclRuleError", str(error)
+        if rank > 0:
+            if rank == 1:
+                store().wait([f"{key}/go"], timedelta(seconds=4 * TIMEOUT))
+            into = torch.zeros(4096)
+
+            def received():
+                pg.recv([into], 0).wait()
+                torch.cuda.synchronize()
+                return into.unique().tolist()
+
+            return _outcome(received)
+        first = torch.cuda.Stream()
+        second = first if shared else torch.cuda.Stream()
+        with torch.cuda.stream(first):
+            pg.send([data], 1).wait()  # `first` now waits for it: pending until rank 1 receives
+        assert not first.query()
+        try:
+            with torch.cuda.stream(second):
+                pg.send([data], 2).wait()
+            outcome = ("ok", "")
+        except NcclRuleError as error:
+            outcome = ("NcclRuleError", str(error))
+        finally:
+            store().set(f"{key}/go", "1")
+        torch.cuda.synchronize()
+        return outcome, pg.violations
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["one-stream", "a-stream-each"])
+def test_the_stand_in_refuses_a_wait_for_another_peers_pending_op(fresh_three, shared):
+    out = fresh_three().run(
+        stream_rules, args=(unique_key(f"edges-{shared}"), shared, False), timeout=60
+    )
+    (outcome, violations), one, two = out
+    if shared:
+        assert outcome[0] == "NcclRuleError", out
+        assert "send to rank 2" in outcome[1] and "send to rank 1" in outcome[1], out
+        assert "must not wait for a pending op with another" in outcome[1], out
+        assert violations == [outcome[1]], out
+    else:
+        assert outcome == ("ok", "") and violations == [], out
+    assert one == ("ok", [0.0]), out
+    if shared:  # (refused: never posted, so rank 2's receive times out)
+        assert two[0] == "NcclRuleError" and "did not complete" in two[1], out
+    else:
+        assert two == ("ok", [0.0]), out
+
+
+def test_the_stand_in_names_a_wait_cycle_of_an_eager_group(fresh_three):
+    """Three ranks' rings of large messages on eagerly initialised groups: every rank's one stream waits in its
+    send for the next rank's receive, queued behind that rank's own send. Each fails within the timeout and
+    says where every rank's stream waits."""
+    out = fresh_three().run(stream_rules, args=(unique_key("ring"), False, True), timeout=60)
+    for kind, text in out:
+        assert kind == "NcclRuleError", out
+        assert "group stream" in text and "Where each rank's streams wait" in text, text

@@ -105,7 +105,9 @@ def test_a_receiver_takes_the_offer_of_the_transport_that_made_it():
     segment = host.Segment(64)
     host_offer = host.offer([segment])
     segment.close_fd()
-    device_offer = host.seal_offer(cuda_ipc.OFFER, cuda_ipc.KIND, [(b"h" * 64, b"e" * 64, 64, 0)])
+    device_offer = host.seal_offer(
+        cuda_ipc.OFFER, cuda_ipc.KIND, [(b"h" * 64, b"e" * 64, 64, 0, b"0000:65:00.0")]
+    )
     assert registry.accepting(host_offer).name == "shared memory"
     assert registry.accepting(device_offer).name == "cuda ipc"
     assert registry.most_offer_bytes() >= max(len(host_offer), len(device_offer))

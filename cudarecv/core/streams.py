@@ -7,6 +7,7 @@ transfers that touch a GPU.
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from datetime import timedelta
 
@@ -43,6 +44,44 @@ def copy_stream(device: torch.device) -> torch.cuda.Stream:
     if stream is None:
         stream = _COPY_STREAMS[index] = torch.cuda.Stream(device=index)
     return stream
+
+
+#: per group object: (device index, peer) -> that link's stream (see :func:`link_stream`)
+_LINK_STREAMS: weakref.WeakKeyDictionary[object, dict[tuple[int, int], torch.cuda.Stream]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def link_stream(device: torch.device, pg: object, peer: int) -> torch.cuda.Stream:
+    """cudarecv's own stream on ``device`` for the link to ``peer`` in group ``pg``, created once and reused.
+
+    A weight sender or receiver talks to several peers at once; ProcessGroupNCCL makes each op's NCCL
+    stream wait for the stream current when the op is posted (``syncStream`` in ``pointToPoint``), and
+    ``Work.wait()`` makes that stream wait for the op. On one stream shared by every link, each op would
+    so wait for every op posted before it, whatever its peer: one stalled peer stalls the others, a
+    relay loses its pipelining, and ops that wait on each other across ranks deadlock. A stream per link
+    keeps only the waits a transfer asks for (an event of the chunk it forwards). (torch hands out
+    streams from a pool of 32 per device and priority: past 32 links on a device, two links may share a
+    CUDA stream.)
+
+    Example:
+        >>> s = link_stream(torch.device("cuda", 0), group, 1)
+        >>> s is link_stream(torch.device("cuda:0"), group, 1), s is link_stream(torch.device("cuda:0"), group, 2)
+        (True, False)
+    """
+    index = _index(device)
+    per_group = _LINK_STREAMS.get(pg)
+    if per_group is None:
+        per_group = _LINK_STREAMS[pg] = {}
+    stream = per_group.get((index, peer))
+    if stream is None:
+        stream = per_group[index, peer] = torch.cuda.Stream(device=index)
+    return stream
+
+
+def own_stream(device: torch.device) -> torch.cuda.Stream:
+    """A new stream on ``device`` for one owner's work alone (a weight sender's copy-ins of its versions)."""
+    return torch.cuda.Stream(device=_index(device))
 
 
 def transfer_stream(device: torch.device, stream: torch.cuda.Stream | None) -> torch.cuda.Stream:

@@ -7,7 +7,7 @@ communicator of the pair and a batched (coalesced) one on the group's communicat
 group's coalescing state is one for all threads. So cudarecv posts single ops (the pair's communicator)
 everywhere, except the stock wire's per-leaf messages, which go as one batch where :func:`nccl_batching`
 says so (both ends decide alike from the group and ``CUDARECV_NCCL_BATCH``); batches on one group are
-posted one thread at a time.
+posted one thread at a time, and a single op on an NCCL group waits while another thread posts a batch there.
 
 - NCCL, registered group: :func:`torch.distributed.batch_isend_irecv` (one ``Work`` for the batch).
 - NCCL, standalone group (which ``P2POp`` refuses): the same coalescing on the group object itself
@@ -21,6 +21,7 @@ waits on it, and ``Work.wait()`` orders the current stream after the batch witho
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import weakref
@@ -51,12 +52,16 @@ def post(
     op = link.pg.send if sending else link.pg.recv
     peer = link.peer
     works: list[dist.Work] = []
-    try:
-        for t, tag in zip(tensors, tags):
-            works.append(op([t], peer, tag))
-    except BaseException:
-        park(works)  # posted before the error: let them run out rather than cancel them mid-stream
-        raise
+    # on NCCL a single op posted while another thread coalesces on the group would join that thread's batch
+    # (torch's coalescing state is one per group): it waits for the batch to be posted
+    with _coalescing(link.pg) if link.backend == "nccl" else contextlib.nullcontext():
+        try:
+            for t, tag in zip(tensors, tags):
+                works.append(op([t], peer, tag))
+        except BaseException:
+            # posted before the error: let them run out rather than cancel them mid-stream
+            park(works)
+            raise
     return works
 
 

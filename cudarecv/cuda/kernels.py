@@ -6,7 +6,9 @@ cupy nor a GPU, and :func:`compile_source` needs NVRTC only (no GPU).
 
 from __future__ import annotations
 
+import collections
 import functools
+import threading
 from typing import Any
 
 from ..core.errors import KernelCompileError, UsageError
@@ -101,10 +103,33 @@ def gpu_available() -> bool:
         return False
 
 
+#: the modules compiled and loaded so far, per ``(source name, device)``: each is built once (tests read it)
+loaded: collections.Counter[tuple[str, int]] = collections.Counter()
+_modules: dict[tuple[str, int], Any] = {}
+_loading = threading.Lock()
+
+
+def module(name: str, device: int) -> Any:
+    """``kernels/<name>`` compiled (NVRTC, through cupy, which keeps the binary in its on-disk cache) and loaded on
+    ``device``, once per process (threads that ask at once wait for the first): every kernel of the source
+    comes from this one module."""
+    import cupy
+
+    with _loading:
+        built = _modules.get((name, device))
+        if built is None:
+            with cupy.cuda.Device(device):
+                built = cupy.RawModule(code=kernel_source(name), backend="nvrtc")
+                built.compile()  # (cupy compiles lazily, at the first get_function: here, now)
+            _modules[(name, device)] = built
+            loaded[(name, device)] += 1
+        return built
+
+
 @functools.cache
 def function(name: str, kernel: str, device: int) -> Any:
     """The cupy function ``kernel`` of ``kernels/<name>``, compiled and loaded once per device."""
     import cupy
 
     with cupy.cuda.Device(device):
-        return cupy.RawModule(code=kernel_source(name), backend="nvrtc").get_function(kernel)
+        return module(name, device).get_function(kernel)

@@ -6,6 +6,8 @@ neither cupy nor a GPU. :func:`compile_ptx` only needs NVRTC (no GPU).
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from ..core.errors import ArgumentError
@@ -49,13 +51,37 @@ def _launch(kernel, out) -> None:
     kernel(((n + _BLOCK - 1) // _BLOCK,), (_BLOCK,), (np.uint32(0), out, np.int32(n)))
 
 
-def tag_map_gpu() -> np.ndarray:
-    """``_int_generator(s)`` for ``s in 0..10000`` computed on the current GPU (int64, on host)."""
+#: per device, the non-blocking stream the tag kernel runs on (made once: cupy's memory pool keeps its blocks per
+#: stream, so a later map reuses the first one's)
+_STREAMS: dict[int, Any] = {}
+
+
+def _own_stream() -> Any:
+    """This device's stream for the tag kernel: a cupy stream created non-blocking, used by nothing else."""
     import cupy
 
-    out = cupy.empty(_MAP_SIZE, dtype=cupy.int64)
-    _launch(_range_kernel(), out)
-    return cupy.asnumpy(out)
+    device = cupy.cuda.runtime.getDevice()
+    stream = _STREAMS.get(device)
+    if stream is None:
+        stream = _STREAMS[device] = cupy.cuda.Stream(non_blocking=True)
+    return stream
+
+
+def tag_map_gpu() -> np.ndarray:
+    """``_int_generator(s)`` for ``s in 0..10000`` computed on the current GPU (int64, on host).
+
+    The kernel and its copy back run on a stream of their own, created non-blocking: neither cupy's default
+    (CUDA's legacy default stream, which waits for every blocking stream's work, torch's default stream
+    included) nor torch's current stream (where the caller may have queued a training step), so the host waits
+    for this kernel alone. It reads nothing the caller writes: no order with the caller's streams is needed.
+    """
+    import cupy
+
+    stream = _own_stream()
+    with stream:
+        out = cupy.empty(_MAP_SIZE, dtype=cupy.int64)
+        _launch(_range_kernel(), out)
+        return cupy.asnumpy(out, stream=stream)  # waits for this stream only
 
 
 def time_tag_map_gpu(repeats: int = 100) -> float:
@@ -65,12 +91,15 @@ def time_tag_map_gpu(repeats: int = 100) -> float:
     if repeats < 1:
         raise ArgumentError(f"repeats must be >= 1, got {repeats}")
     kernel = _range_kernel()
-    out = cupy.empty(_MAP_SIZE, dtype=cupy.int64)
-    _launch(kernel, out)
-    start, end = cupy.cuda.Event(), cupy.cuda.Event()
-    start.record()
-    for _ in range(repeats):
+    with cupy.cuda.Stream(
+        non_blocking=True
+    ) as stream:  # (as tag_map_gpu: no legacy default stream)
+        out = cupy.empty(_MAP_SIZE, dtype=cupy.int64)
         _launch(kernel, out)
-    end.record()
-    end.synchronize()
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record(stream)
+        for _ in range(repeats):
+            _launch(kernel, out)
+        end.record(stream)
+        end.synchronize()
     return cupy.cuda.get_elapsed_time(start, end) * 1e3 / repeats

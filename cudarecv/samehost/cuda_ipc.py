@@ -4,10 +4,23 @@ A :class:`DeviceSegment` is a device buffer its writer allocates with
 ``cudaMalloc`` (through cupy's runtime bindings, outside PyTorch's caching
 allocator, so its IPC handle is of this allocation alone and nothing in the
 allocator's pools ever moves or is exported per sync) together with an
-interprocess CUDA event. The reader opens both once (:class:`DeviceMapping`:
-``cudaIpcOpenMemHandle`` with lazy peer access, so a reader on another GPU of
-the node copies over NVLink/PCIe) and keeps them for every later sync: memory
-never grows per sync, which is the most reported bug of per-sync IPC handles.
+interprocess CUDA event. The reader opens both once (:class:`DeviceMapping`) and
+keeps them for every later sync: memory never grows per sync, which is the most
+reported bug of per-sync IPC handles.
+
+Another GPU of the node: the memory stays on the writer's GPU, and CUDA (and torch,
+which places a pointer on the device ``cudaPointerGetAttributes`` names) sees it
+there. So the reader opens the handle on the writer's GPU, as torch's own CUDA
+tensor sharing does (the offer names that GPU by its PCI bus id, the same in every
+process whatever its ``CUDA_VISIBLE_DEVICES``), its view lies on that GPU, and the
+copies into the reader's GPU are device-to-device copies between the two: torch runs
+each on the writer GPU's current stream (cudarecv's dedicated stream there, while
+:meth:`DeviceMapping.reading`) between two event waits with the reader's stream, so
+they stay ordered after the writer's event and before what the reader's stream does
+next. With peer access between the GPUs (NVLink, or PCIe P2P) they go straight
+across; without it the CUDA driver stages them through host memory (slower, still one
+copy for the caller, no socket). A writer's GPU that this process cannot see is refused
+(the wire carries the payload).
 
 Order: the writer records its event on the stream that wrote the buffer, then
 sends the header (host order); the reader's stream waits on that event before
@@ -20,19 +33,22 @@ Needs cupy (the ``gpu`` extra) and a GPU; :func:`available` says why not.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from ..core.log import logger
+from ..core.streams import dedicated_stream
 from .shared_memory import MappingError, offer_kind, offer_table, open_offer, seal_offer
 
 OFFER = offer_table(
-    "CUDA IPC offer", "64s64sQI"
-)  # memory handle, event handle, bytes, the writer's device ordinal
+    "CUDA IPC offer", "64s64sQI32s"
+)  # memory handle, event handle, bytes, the writer's device ordinal (its numbering), its GPU's PCI bus id
 KIND = 2
 
 
@@ -93,9 +109,9 @@ def _release(release: Any, ptr: int, device: torch.device) -> None:
 
 
 def _view(ptr: int, nbytes: int, device: torch.device, release: Any) -> Tensor:
-    """A uint8 tensor over ``nbytes`` at device pointer ``ptr`` on ``device``, never a copy: torch copies memory
-    it finds on another device than the one asked (an IPC pointer of a peer GPU), which would leave the
-    reader with stale bytes; that is refused here (the offer is then declined and the wire carries it)."""
+    """A uint8 tensor over ``nbytes`` at device pointer ``ptr`` on ``device`` (the GPU the memory lies on), never
+    a copy: torch copies memory it finds on another device than the one asked, which would leave the reader
+    with stale bytes; that is refused here (the offer is then declined and the wire carries it)."""
     view = torch.as_tensor(_Pointer(ptr, nbytes, device, release), device=device)
     if view.data_ptr() != ptr or view.device != device:
         raise MappingError(
@@ -109,6 +125,28 @@ def _index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
+def _bus_id(index: int) -> bytes:
+    """The PCI bus id of GPU ``index`` of this process (``0000:65:00.0``): what names it in every process."""
+    from cupy.cuda import runtime
+
+    return str(runtime.deviceGetPCIBusId(index)).encode("ascii")
+
+
+def _index_of_bus(bus_id: bytes, ordinal: int) -> int:
+    """This process's index of the GPU with PCI bus id ``bus_id`` (the writer's GPU ``ordinal``, in its own
+    numbering); raises :class:`MappingError` if this process cannot see it."""
+    from cupy.cuda import runtime
+
+    bus = bus_id.rstrip(b"\0").decode("ascii", "replace")
+    try:
+        return int(runtime.deviceGetByPCIBusId(bus))
+    except Exception as error:  # noqa: BLE001 - cupy's CUDARuntimeError
+        raise MappingError(
+            f"the writer's GPU (its cuda:{ordinal}, PCI bus {bus or '?'}) is not visible to this process "
+            f"(CUDA_VISIBLE_DEVICES?): its memory cannot be opened here ({error})"
+        ) from None
+
+
 class DeviceSegment:
     """``capacity`` bytes of ``device`` memory and an interprocess event, exported once."""
 
@@ -117,6 +155,7 @@ class DeviceSegment:
 
         self.device = torch.device("cuda", _index(device))
         self.capacity = capacity
+        self.bus_id = _bus_id(self.device.index)  # (names the GPU to readers with other numberings)
         with torch.cuda.device(self.device):
             self._ptr = runtime.malloc(max(capacity, 1))
             self.handle = bytes(runtime.ipcGetMemHandle(self._ptr))
@@ -131,25 +170,50 @@ class DeviceSegment:
 
 
 class DeviceMapping:
-    """The reader's view of another process's :class:`DeviceSegment`, opened once."""
+    """The reader's view of another process's :class:`DeviceSegment`, opened once on the GPU it lies on
+    (``owner``), for copies into the reader's ``device`` (the same GPU, or another of the node: see the module
+    docstring)."""
 
     def __init__(
-        self, handle: bytes, event_handle: bytes, capacity: int, device: torch.device
+        self,
+        handle: bytes,
+        event_handle: bytes,
+        capacity: int,
+        device: torch.device,
+        owner: torch.device | None = None,
     ) -> None:
         from cupy.cuda import runtime
 
+        #: where the reader's copies land (its tensordict's or weights' GPU)
         self.device = torch.device("cuda", _index(device))
+        #: where the memory lies: the writer's GPU, in this process's numbering
+        self.owner = self.device if owner is None else torch.device("cuda", _index(owner))
         self.capacity = capacity
-        with torch.cuda.device(self.device):
+        with torch.cuda.device(self.owner):
             try:
                 self._ptr = runtime.ipcOpenMemHandle(handle, runtime.cudaIpcMemLazyEnablePeerAccess)
             except Exception as error:  # noqa: BLE001 - cupy's CUDARuntimeError
                 raise MappingError(
                     f"cannot open the peer's CUDA IPC handle: {error}", lasting=False
                 ) from None
-            self.written = torch.cuda.Event.from_ipc_handle(self.device, event_handle)
-        #: the payload bytes (read them only; the handle is closed with the last view of it)
-        self.data: Tensor = _view(self._ptr, capacity, self.device, runtime.ipcCloseMemHandle)
+            self.written = torch.cuda.Event.from_ipc_handle(self.owner, event_handle)
+        #: the payload bytes, on :attr:`owner` (read them only; the handle is closed with the last view of it)
+        self.data: Tensor = _view(self._ptr, capacity, self.owner, runtime.ipcCloseMemHandle)
+
+    @property
+    def crossing(self) -> str | None:
+        """How the copies cross to the reader's GPU (for the log), or None on the same GPU."""
+        if self.owner == self.device:
+            return None
+        peer = torch.cuda.can_device_access_peer(self.device, self.owner)
+        return (
+            f"the writer's memory is on {self.owner}: device-to-device copies to {self.device}, "
+            + (
+                "peer to peer"
+                if peer
+                else "without peer access between them (the CUDA driver stages them through host memory)"
+            )
+        )
 
     def before_read(self, stream: Any) -> None:
         """Make ``stream`` wait for the writer's last write (recorded before its header was sent); with no
@@ -159,11 +223,27 @@ class DeviceMapping:
         else:
             stream.wait_event(self.written)
 
+    @contextlib.contextmanager
+    def reading(self, stream: Any) -> Iterator[None]:
+        """Copies out of :attr:`data` queued in this context come after the writer's last write (``stream``, the
+        reader's, waits for it; None: the host does). Memory on another GPU than the reader's is copied by torch
+        on the owner GPU's current stream, ordered between the reader's stream's work before and after: here
+        that is cudarecv's dedicated stream there, never the owner GPU's default stream (whatever else this
+        process runs on it). Put the reader's stream current inside this context (``lane.on_stream()``)."""
+        self.before_read(stream)
+        if self.owner == self.device:
+            yield
+            return
+        with torch.cuda.stream(dedicated_stream(self.owner)):
+            yield
+
 
 def offer(segments: list[DeviceSegment]) -> bytes:
     """What a reader needs to open ``segments``."""
     return seal_offer(
-        OFFER, KIND, [(s.handle, s.event_handle, s.capacity, s.device.index) for s in segments]
+        OFFER,
+        KIND,
+        [(s.handle, s.event_handle, s.capacity, s.device.index, s.bus_id) for s in segments],
     )
 
 
@@ -172,10 +252,17 @@ def is_device_offer(raw: bytes) -> bool:
 
 
 def map_offer(raw: bytes, most_bytes: int, device: torch.device) -> list[DeviceMapping]:
-    """Open every segment of a device offer on ``device``; raises :class:`MappingError` with the reason
-    this process cannot (another machine, no CUDA or cupy, a bad handle, ...)."""
+    """Open every segment of a device offer, for copies into ``device``: each on the GPU it lies on (``device``
+    or another of this node); raises :class:`MappingError` with the reason this process cannot (another
+    machine, no CUDA or cupy, the writer's GPU not visible here, a bad handle, ...)."""
     _, entries = open_offer(raw, OFFER, KIND, 2, available(device), most_bytes)
     return [
-        DeviceMapping(handle, event_handle, capacity, device)
-        for handle, event_handle, capacity, _ in entries
+        DeviceMapping(
+            handle,
+            event_handle,
+            capacity,
+            device,
+            torch.device("cuda", _index_of_bus(bus_id, ordinal)),
+        )
+        for handle, event_handle, capacity, ordinal, bus_id in entries
     ]

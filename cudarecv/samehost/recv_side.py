@@ -213,11 +213,12 @@ class RecvSide:
             )
         else:
             ch.move(ChannelState.SHARED, mappings)
+            crossing = mappings[0].crossing if kind == DEVICE else None
             chose(
                 lane.link,
                 "recv",
                 SHARED_MEMORY if kind == HOST else CUDA_IPC,
-                f"took the {kind} offer",
+                f"took the {kind} offer" + (f"; {crossing}" if crossing else ""),
             )
             if kind == HOST:
                 pays = direct_read_pays() if may_read_process(mappings[0].pid) is None else None
@@ -333,9 +334,11 @@ class RecvSide:
         yield [ready]
         read_ready(slot.numpy().tobytes(), header.seq, total)
         if problem is None:
-            with on_stream():
-                if kind == DEVICE:
-                    mapping.before_read(stream)
+            # (a device mapping: after the writer's event; from another GPU, device-to-device: cuda_ipc's docstring)
+            with (
+                mapping.reading(stream) if kind == DEVICE else contextlib.nullcontext(),
+                on_stream(),
+            ):
                 for i in range(done, count):
                     offset = i * bucket_bytes
                     copy(

@@ -21,7 +21,9 @@ imported torch and tensordict once: a rank starts in a fraction of a second inst
 the 4-5 s of CPU an import costs, and still exits as a script does (threads joined,
 ``atexit``, module teardown, C++ destructors), so an abort or a hang at exit is seen.
 A rank gets the environment of its parent at :class:`Cluster` creation, as a spawned
-process would, and talks to it over a socket of its own.
+process would, plus ``env`` (every rank) and ``rank_env(rank)`` (that rank alone, e.g. the
+distinct ``NCCL_HOSTID`` each NCCL rank sharing one GPU needs, :func:`cudarecv.testing.gpu.nccl_ranks`),
+and talks to it over a socket of its own.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import signal
 import socket
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -54,8 +56,15 @@ class RankExit(int):
     """The exit code of a rank that died where :meth:`Cluster.run` allowed it to."""
 
 
+#: a rank's own environment variables, given its rank (see :class:`Cluster`)
+RankEnv = Callable[[int], Mapping[str, str]]
+
+
 class Cluster:
     """``world_size`` spawned ranks with their process groups, reused across calls.
+
+    Each rank's environment is this process's at creation, updated with ``env`` and then
+    with ``rank_env(rank)`` (its own values, e.g. ``{"NCCL_HOSTID": f"host-{rank}"}``).
 
     Example:
         >>> with Cluster(2) as cluster:
@@ -69,9 +78,11 @@ class Cluster:
         pg_timeout: float = 30.0,
         start_timeout: float = 120.0,
         backend: str = "gloo",
-        env: dict[str, str] | None = None,
+        env: Mapping[str, str] | None = None,
+        rank_env: RankEnv | None = None,
         exit_timeout: float = 60.0,
     ) -> None:
+        environs = _rank_environs(world_size, env, rank_env)
         self.world_size = world_size
         self.exit_timeout = exit_timeout  # generous: a rank's shutdown took 9.5 s at load 11 on 2 cores, 20-30+ s at 33
         self._died: set[int] = (
@@ -85,7 +96,6 @@ class Cluster:
             wait_for_workers=False,
             timeout=timedelta(seconds=start_timeout),
         )
-        environ = dict(os.environ, **(env or {}))
         self._conns: list[Connection] = []
         self._procs = []
         self._closed = False
@@ -96,7 +106,7 @@ class Cluster:
                 self._procs.append(
                     zygote().fork(
                         _rank_main,
-                        (rank, world_size, self._store.port, pg_timeout, backend, environ),
+                        (rank, world_size, self._store.port, pg_timeout, backend, environs[rank]),
                         theirs,
                     )
                 )
@@ -251,6 +261,7 @@ class Ranks:
     """A :class:`Cluster` started on first use and restarted after a failure closed it.
 
     For test and bench fixtures: ``ranks()`` (or ``ranks.get()``) is a live cluster.
+    ``cluster_kwargs`` go to each :class:`Cluster` it starts (``env``, ``rank_env``, ``backend``, ...).
 
     Example:
         >>> ranks = Ranks(2, pg_timeout=20.0)
@@ -272,6 +283,37 @@ class Ranks:
     def close(self) -> None:
         if self._cluster is not None:
             self._cluster.close()
+
+
+def _rank_environs(
+    world_size: int, env: Mapping[str, str] | None, rank_env: RankEnv | None
+) -> list[dict[str, str]]:
+    """Each rank's environment: this process's, then ``env``, then ``rank_env(rank)``.
+
+    Raises:
+        TypeError: a name or value in ``env`` or ``rank_env(rank)`` that is not a string
+            (naming the argument and, for ``rank_env``, the rank).
+    """
+    base = dict(os.environ)
+    base.update(_checked_env(env or {}, "env"))
+    out = []
+    for rank in range(world_size):
+        environ = dict(base)
+        if rank_env is not None:
+            environ.update(_checked_env(rank_env(rank), f"rank_env({rank})"))
+        out.append(environ)
+    return out
+
+
+def _checked_env(env: Mapping[str, str], what: str) -> dict[str, str]:
+    if not isinstance(env, Mapping):
+        raise TypeError(f"{what} must be a mapping of str to str, got {type(env).__name__}")
+    for name, value in env.items():
+        if not isinstance(name, str) or not isinstance(value, str):
+            raise TypeError(
+                f"{what}: environment entries must be str to str, got {name!r}: {value!r}"
+            )
+    return dict(env)
 
 
 def _exit_status(code: int | None) -> str:
@@ -314,9 +356,9 @@ def _rank_main(
     try:
         timeout = timedelta(seconds=pg_timeout)
         store = dist.TCPStore(HOST, port, world_size + 1, is_master=False, timeout=timeout)
-        if (
-            backend == "nccl"
-        ):  # one GPU per rank, or ranks sharing GPUs (NCCL_MULTI_RANK_GPU_ENABLE=1)
+        if backend == "nccl":
+            # GPU rank % count: one GPU per rank, or ranks sharing GPUs (each its own NCCL_HOSTID, or
+            # NCCL_MULTI_RANK_GPU_ENABLE=1: cudarecv.testing.gpu.nccl_ranks)
             import torch
 
             torch.cuda.set_device(rank % torch.cuda.device_count())

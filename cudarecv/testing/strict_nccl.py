@@ -14,7 +14,15 @@ it raises :class:`NcclRuleError` naming the rule, within its timeout:
   (before anything is posted, as NCCL makes the communicator inside it);
 - an op or a ``_start_coalescing`` from a second thread while one thread coalesces fails;
 - ``_start_coalescing()`` and ``_end_coalescing()`` take no argument, as a standalone NCCL backend's;
-- every wait ends within the group's timeout.
+- every wait ends within the group's timeout;
+- with ``streams=True`` (and ``stand_in_cuda(streams=True)``), NCCL's streams: each op runs on its
+  communicator's stream after what its posting stream waits for, a send once its peer's receive is reached,
+  and an op that waits for a pending op with another peer (unneeded) is refused; ``eager=True`` puts every op
+  on the group's one communicator, as ``device_id=`` does (:mod:`cudarecv.testing.strict_streams`);
+- with ``sends_done_at_posting=True``, a send completes as NCCL's does (its ``Work`` is done once it is
+  enqueued on the pair's stream; its bytes leave only when the peer posts the matching receive, or never),
+  and :meth:`StrictNccl.abort` ends the group as ``ProcessGroupNCCL.abort()`` does (an op posted after it
+  fails).
 
 :func:`stand_in_cuda` makes the CPU stand in for CUDA in this process (streams and events that are
 done at once), so the NCCL paths run on CPU tensors: with ``memory="device"`` the tensors count as device
@@ -66,6 +74,11 @@ class _Work:
         return all(op.done for op in self._ops)
 
     def wait(self, timeout: timedelta | None = None) -> bool:
+        if self._group.streams:  # the current stream waits for the ops (then, here, the host too)
+            from .strict_streams import ordered_wait
+
+            ordered_wait(self._ops)
+            return True
         for op in self._ops:
             op.finish()
         return True
@@ -94,7 +107,8 @@ class _Op:
             comm,
             index,
         )
-        self.done = False
+        #: whether its Work is complete (NCCL's, with ``sends_done_at_posting``: a send is, once posted)
+        self.done = sending and group.sends_done_at_posting
         self._tag = (_COMMS[comm] << (_SEQ_BITS + 1)) | (index << 1)
         flat = (
             tensor.detach().reshape(-1).view(torch.uint8)
@@ -102,6 +116,15 @@ class _Op:
             else torch.zeros(0, dtype=torch.uint8)
         )
         self._flat = flat
+        #: with ``streams=True``: the pending ops of the stream it was posted under (it starts after them), its
+        #: peer's global rank, and once it ran, whether it failed (its stream's executor runs it)
+        self.deps: list[_Op] = []
+        self.peer_global = group.ranks[peer]
+        self.error: BaseException | None = None
+        self.finished = threading.Event()
+        self._token = torch.zeros(1, dtype=torch.uint8)  # (a receive's "ready", with ``streams``)
+        if group.streams:
+            return  # (posted by its stream's executor, once what it waits for is done: _Streams)
         if sending:
             descriptor = torch.frombuffer(
                 bytearray(_DESCRIPTOR.pack(flat.numel(), tensor.element_size())), dtype=torch.uint8
@@ -110,13 +133,18 @@ class _Op:
                 group.gloo_send(descriptor, peer, self._tag),
                 group.gloo_send(flat, peer, self._tag + 1),
             ]
+            if (
+                self.done
+            ):  # (kept until the group goes: the peer may take the bytes any time, or never)
+                group.posted.extend(self._works)
         else:
             self._descriptor = torch.zeros(_DESCRIPTOR.size, dtype=torch.uint8)
             self._works = [group.gloo_recv(self._descriptor, peer, self._tag)]
 
     def what(self) -> str:
         verb = "send to" if self.sending else "receive from"
-        return f"rank {self.group.rank()}'s {self.comm}-communicator {verb} rank {self.peer} (op #{self.index})"
+        ranks = self.group.ranks  # (a pair group's ends: named by their ranks in the larger group)
+        return f"rank {ranks[self.group.rank()]}'s {self.comm}-communicator {verb} rank {ranks[self.peer]} (op #{self.index})"
 
     def finish(self) -> None:
         if self.done:
@@ -158,11 +186,34 @@ class StrictNccl(dist.ProcessGroupGloo):
     """
 
     def __init__(
-        self, store: dist.Store, rank: int, size: int, timeout: float = 20.0, name: str = "strict"
+        self,
+        store: dist.Store,
+        rank: int,
+        size: int,
+        timeout: float = 20.0,
+        name: str = "strict",
+        sends_done_at_posting: bool = False,
+        streams: bool = False,
+        eager: bool = False,
+        ranks: list[int] | None = None,
     ) -> None:
         super().__init__(
             dist.PrefixStore(f"{name}/data", store), rank, size, timedelta(seconds=timeout)
         )
+        #: NCCL's streams modelled (see :mod:`cudarecv.testing.strict_streams`; needs ``stand_in_cuda(streams=True)``); ``eager``:
+        #: initialised as with ``device_id=`` (every op on the group's one communicator, one stream)
+        self.streams = streams or eager
+        self.eager = eager
+        #: what torch.distributed says of an eagerly initialised group (cudarecv reads it)
+        self.bound_device_id = torch.device("cuda", 0) if eager else None
+        #: each rank's rank in the world (a pair group of two ranks of a larger one: theirs there)
+        self.ranks = list(range(size)) if ranks is None else list(ranks)
+        self._store, self._name = store, name
+        #: the unneeded waits found with ``streams`` (each also raised where its op was posted)
+        self.violations: list[str] = []
+        from .strict_streams import Streams
+
+        self._streams_of = Streams(self) if self.streams else None
         self.timeout = timeout
         self._meta = dist.PrefixStore(f"{name}/meta", store)
         self._lock = threading.Lock()
@@ -171,6 +222,40 @@ class StrictNccl(dist.ProcessGroupGloo):
         self._batch: list[_Op] = []
         self._group_ready = False
         self.ops: list[tuple[str, str, int, int]] = []
+        #: a send's Work is done once posted, as NCCL's (its wait orders the stream, the host never waits)
+        self.sends_done_at_posting = sends_done_at_posting
+        #: the gloo works of the sends posted that way, whether or not their peer ever took them
+        self.posted: list[Any] = []
+        #: :meth:`abort` was called (``ProcessGroupNCCL.abort()``: every communicator of the group ended)
+        self.aborted = False
+
+    def abort(self) -> None:
+        """End the group, as ``ProcessGroupNCCL.abort()`` ends its communicators: an op posted after it fails
+        (what was posted before is never taken; gloo keeps it until the group goes)."""
+        self.aborted = True
+
+    def pair(self, peer: int) -> Any:
+        """A lazily initialised group of this rank and ``peer`` on this group's store (what cudarecv forms on
+        an eagerly initialised group: :func:`cudarecv.wire.staging.pair_link`); each end calls it once. As
+        NCCL's, it is made at once and formed with the peer at its first op (gloo's rendezvous runs on a
+        thread: :class:`cudarecv.testing.strict_streams.LazyPair`)."""
+        from .strict_streams import LazyPair
+
+        low, high = sorted((self.rank(), peer))
+        me = 0 if self.rank() == low else 1
+        return LazyPair(
+            lambda: StrictNccl(
+                self._store,
+                me,
+                2,
+                self.timeout,
+                name=f"{self._name}/pair/{low}-{high}",
+                streams=self.streams,
+                ranks=[self.ranks[low], self.ranks[high]],
+            ),
+            me,
+            self.timeout,
+        )
 
     # -- what torch's ProcessGroupNCCL says of itself ----------------------------------------------------
     def name(self) -> str:
@@ -196,7 +281,7 @@ class StrictNccl(dist.ProcessGroupGloo):
     def _start_coalescing(self) -> None:  # (a backend's takes no device, unlike ProcessGroup's)
         me = threading.current_thread()
         if (
-            not self._group_ready
+            not self._group_ready and not self.eager
         ):  # NCCL makes the communicator inside the first op, before anything is posted
             self._first_batch()
         with self._lock:
@@ -212,19 +297,25 @@ class StrictNccl(dist.ProcessGroupGloo):
             if self._coalescing is not threading.current_thread():
                 raise NcclRuleError("_end_coalescing on a thread that did not start it")
             batch, self._coalescing, self._batch = self._batch, None, []
+        if self._streams_of is not None:
+            self._streams_of.post("group", batch)
         return _Work(self, batch)
 
     def _op(self, sending: bool, tensors: list[torch.Tensor], peer: int) -> Any:
         if len(tensors) != 1:
             raise NcclRuleError(f"one tensor per point-to-point op, got {len(tensors)}")
         me = threading.current_thread()
+        if self.aborted:
+            raise NcclRuleError(
+                f"rank {self.rank()} posts an op on a group whose communicators were aborted"
+            )
         with self._lock:
             if self._coalescing is not None and self._coalescing is not me:
                 raise NcclRuleError(
                     f"{me.name} posts an op while {self._coalescing.name} coalesces on the same "
                     "group: torch puts it in the other thread's batch"
                 )
-            comm = "group" if self._coalescing is me else "pair"
+            comm = "group" if self._coalescing is me or self.eager else "pair"
             key = (comm, sending, peer)
             index = self._next.get(key, 0)
             self._next[key] = index + 1
@@ -239,9 +330,13 @@ class StrictNccl(dist.ProcessGroupGloo):
                     tensors[0].numel() * tensors[0].element_size(),
                 )
             )
-            if comm == "group":
+            if self._streams_of is not None:
+                self._streams_of.posting(op)
+            if self._coalescing is me:
                 self._batch.append(op)
-        return _Work(self, [op]) if comm == "pair" else _Work(self, [])
+            elif self._streams_of is not None:
+                self._streams_of.post(comm if comm == "group" else f"pair:{peer}", [op])
+        return _Work(self, [op]) if self._coalescing is not me else _Work(self, [])
 
     def _first_batch(self) -> None:
         """The group's communicator is made by every rank together: wait for all of theirs (bounded)."""
@@ -305,11 +400,20 @@ class _Event:
 
 
 @contextlib.contextmanager
-def stand_in_cuda(memory: str = "device") -> Iterator[None]:
+def stand_in_cuda(
+    memory: str = "device", pageable: bool = False, streams: bool = False
+) -> Iterator[None]:
     """Let the CPU stand in for CUDA in this process (see the module docstring); ``memory``: whether
-    CPU tensors count as device memory (``"device"``) or as host memory (``"host"``) on an NCCL link."""
+    CPU tensors count as device memory (``"device"``) or as host memory (``"host"``) on an NCCL link;
+    ``pageable`` (host memory only): copies to and from pageable host memory wait for the stream, as
+    CUDA's do (:mod:`cudarecv.testing.strict_pageable`); ``streams``: streams and events record which ops they wait
+    for, for groups made with ``StrictNccl(..., streams=True)`` (:mod:`cudarecv.testing.strict_streams`)."""
     if memory not in ("device", "host"):
         raise ValueError(f"memory must be 'device' or 'host', got {memory!r}")
+    if pageable and memory != "host":
+        raise ValueError(f"pageable=True models host memory: pass memory='host', got {memory!r}")
+    if pageable and streams:
+        raise ValueError("pageable=True and streams=True model the stream apart: pass one of them")
     from cudarecv.wire import staging
 
     stream = _Stream()
@@ -338,11 +442,29 @@ def stand_in_cuda(memory: str = "device") -> Iterator[None]:
         patches[(staging, "wire_can_touch")] = lambda lane, tensors: (
             lane.nccl or real(lane, tensors)
         )
+    pageable_model = None
+    if pageable:
+        from .strict_pageable import PageableModel
+
+        pageable_model = PageableModel()
+        patches.update(pageable_model.patches())
+    from .strict_streams import MODEL, StreamsModel
+
+    model = StreamsModel() if streams else None
+    if model is not None:
+        patches.update(model.patches())
+    # a pair group on an eagerly initialised one (cudarecv.wire.staging.pair_link): the stand-in's own
+    if hasattr(staging, "make_pair"):
+        patches[(staging, "make_pair")] = lambda link: link.pg.pair(link.peer)
     saved = {key: getattr(*key) for key in patches}
     try:
         for (owner, name), value in patches.items():
             setattr(owner, name, value)
+        MODEL[0] = model
         yield
     finally:
+        MODEL[0] = None
+        if pageable_model is not None:
+            pageable_model.close()
         for (owner, name), value in saved.items():
             setattr(owner, name, value)

@@ -1,16 +1,24 @@
 """How a push reaches a receiver: its transfer's protocol (star: the header and the payload, or through a shared
 segment the header alone; relay: the header naming its hops, the payload to the head of the chain only),
-the receiver's word that it has the version (relay, shared memory), and what a failed transfer does to the
-receiver (the drop policy). The fan-out is picked once, at the handshake: :func:`protocol`."""
+the receiver's word that it has the version (relay, shared memory, delta, and every push on NCCL), and what a
+failed transfer does to the receiver (the drop policy; on NCCL, also to its process group: :func:`abort_group`).
+The fan-out is picked once, at the handshake: :func:`protocol`."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from datetime import timedelta
+from typing import Any
 
+import torch
+import torch.distributed as dist
+
+from ..core import streams
 from ..core.errors import (
     ChecksumError,
     Error,
@@ -20,13 +28,14 @@ from ..core.errors import (
     PushHeaderError,
     RelayLost,
     TransferTimeout,
+    UsageError,
 )
 from ..core.log import logger
 from ..core.protocol import Protocol, Work
 from ..samehost.doorbell import Bell
 from ..samehost.machine import host_id
-from ..wire.control import read_bytes, wire_bytes
-from ..wire.staging import send_from
+from ..wire.control import wire_bytes
+from ..wire.staging import Lane, send_from
 from .link import link_error, send_bytes
 from .session import OWED, Member, Session, Standing
 from .snapshots import Patch, Snapshot, SnapshotPool
@@ -104,7 +113,8 @@ def send(
     the snapshot where it lies, the header alone; delta: on the wire, ``patch`` if the receiver holds its base);
     then, header alone or delta, the receiver's word: it copied the version out, or (zero-copy) published it
     where it lies and holds it until FREED; delta: which version it holds now. A receiver with a doorbell gets
-    the header and says its word by it (:mod:`cudarecv.samehost.doorbell`) once a push on the link said so."""
+    the header and says its word by it (:mod:`cudarecv.samehost.doorbell`) once a push on the link said so. On
+    NCCL every push waits for the receiver's word (:func:`_acked`)."""
     transport = member.transport if member.transport.carries(snapshot) else WIRE
     version = snapshot.pushed.version
     if transport.header_only and member.alias:
@@ -134,6 +144,9 @@ def send(
         yield from _confirmed(session, member, version, timeout, head or [])
         member.rings = True
         return
+    if member.lane.nccl and not transport.header_only and not session.delta:
+        yield from _acked(session, member, snapshot, timeout)
+        return
     head = yield from (
         transport.push(member.lane, snapshot, session.tags, patch)
         if patch is not None
@@ -141,6 +154,18 @@ def send(
     )
     if transport.header_only or session.delta:
         yield from _confirmed(session, member, version, timeout, head or [])
+
+
+def _acked(session: Session, member: Member, snapshot: Snapshot, timeout: float) -> Protocol:
+    """Star on NCCL: the header, asking for the receiver's word (``ack``), the payload, then the word. An NCCL send's
+    work is done once it is queued on the pair's stream, never once the receiver has the bytes (nor at all, if it
+    never posts its receives): only the word says the receiver has the version (docs/weight-sync.md, "NCCL failure
+    semantics")."""
+    lane, tags = member.lane, session.tags
+    header = dataclasses.replace(snapshot.pushed, ack=True)
+    yield from send_from(lane, [wire_bytes(lane, header.pack())], [tags.header])
+    yield from send_from(lane, snapshot.chunks, [tags.payload] * len(snapshot.chunks))
+    yield from _confirmed(session, member, header.version, timeout)
 
 
 def _relayed(
@@ -183,17 +208,45 @@ def _confirmed(
     the header's send works ``head`` (posted, not waited for): the word says the receiver read the header, so they
     have ended; a wait on the word first is bounded, where a gloo send is not."""
     if member.lane.nccl:  # no listener on NCCL: the word comes here, in order on the pair's stream
-        ask = read_ask(
-            (
-                yield from read_bytes(
-                    member.lane, ASK_SIZE, session.tags.ask, "acknowledgement", out_of_step
-                )
-            )
-        )
+        word = _Word(member.lane, session.tags.ask)
+        yield [word]
+        ask = read_ask(word.value())
         if ask.kind != GOT:
             raise out_of_step("the receiver sent no acknowledgement")
         member.got = ask
     yield [Got(session, member, version, time.monotonic() + timeout + 1.0), *head]
+
+
+class _Word:
+    """A receiver's word on NCCL, its receive posted on ``lane`` (on ``tag``): a work whose wait orders the lane's
+    stream after the receive, copies the word to the host and waits there for it. The host waits in the transfer's
+    wait, never in the step that posts it, so the transfer's deadline can fail it meanwhile (a receiver that never
+    pulls never says it: the receive stays posted until its group is aborted, :func:`abort_group`)."""
+
+    def __init__(self, lane: Lane, tag: int) -> None:
+        self.lane = lane
+        with lane.on_stream():  # (allocated on the stream whose work writes it)
+            self._raw = torch.empty(ASK_SIZE, dtype=torch.uint8, device=lane.cuda.device)
+            self._posted = lane.post(False, [self._raw], [tag])
+        self._host = lane.pool.buffers("pinned", ASK_SIZE, count=1)[0]
+        self._arrived: torch.cuda.Event | None = None
+
+    def is_completed(self) -> bool:
+        return self._arrived is not None and self._arrived.query()
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        if self._arrived is None:
+            with self.lane.on_stream():
+                for work in self._posted:
+                    work.wait()  # (NCCL: orders the lane's stream after the receive)
+                self._host.copy_(self._raw, non_blocking=True)
+                self._arrived = streams.record(self.lane.cuda)
+        self._arrived.synchronize()
+        return True
+
+    def value(self) -> bytes:
+        """The word's bytes, once waited for."""
+        return self._host.numpy().tobytes()
 
 
 class Got:
@@ -335,8 +388,11 @@ def dropping(
             return error
         if isinstance(error, MismatchError):
             return error
-        seconds = timeout if isinstance(error, TimeoutError) else elapsed
-        if isinstance(error, Error) and not isinstance(error, TimeoutError):
+        group = _nccl_group(member)
+        went = None if group is None else _ABORTED.get(group)
+        if went is not None:  # its group was aborted for another receiver: that is its failure
+            failure: BaseException = PeerError(went)
+        elif isinstance(error, Error) and not isinstance(error, TimeoutError):
             failure = (
                 error  # it names the rank already (a dead one, or one upstream in a relay chain)
             )
@@ -345,12 +401,14 @@ def dropping(
                 member.lane.link,
                 f"push of version {version}",
                 error,
-                seconds,
+                timeout if isinstance(error, TimeoutError) else elapsed,
                 f"did not take version {version}",
             )
         text = str(failure)
         if "is dropped from this sender" not in text:
             text += f"; {member.who} is dropped from this sender"
+        if group is not None and went is None:
+            text += abort_group(session, pool, member, group, text)
         # (once: its listener may have heard it die first, and said so; a push's error names it at once)
         if member.move_if(Standing.NAMED if told else Standing.DROPPED, frm=OWED, why=text):
             logger.warning("weight sender: %s", text)
@@ -364,3 +422,71 @@ def dropping(
         return type(failure)(text)
 
     return dropped
+
+
+#: the NCCL process groups a drop aborted, and why (what each receiver on one is told)
+_ABORTED: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+_ABORTING = threading.Lock()
+
+
+def _nccl_group(member: Member) -> Any:
+    """The process group ``member``'s messages go on, if NCCL's (None: another backend, or the sender let go of
+    it): its link's group, or a pair group of the two ends' own where the lane has one (``Lane.wire``)."""
+    try:
+        lane = member.lane
+    except UsageError:  # (the sender closed)
+        return None
+    link = getattr(lane, "wire", None) or lane.link
+    return link.pg if link.backend == "nccl" else None
+
+
+def abort_group(
+    session: Session, pool: SnapshotPool, member: Member, group: Any, failure: str
+) -> str:
+    """``member`` failed on NCCL (``failure``): end what this sender posted to it, and say how (to add to the error).
+
+    NCCL cannot cancel a posted op: a send (or the receive of the receiver's word) that its peer never matches
+    stays posted, and once the group's timeout has passed torch's watchdog takes the whole process down. torch ends
+    such ops only by aborting a communicator, and only ``ProcessGroupNCCL.abort()``, which aborts every
+    communicator of the group, also stops its watchdog from turning that into a process abort. So the group is
+    aborted, and every other receiver on it is dropped with it (its link is gone). The sender goes on: a receiver
+    on a group of its own (one sender per receiver) costs no other. See docs/weight-sync.md, "NCCL failure
+    semantics"."""
+    with _ABORTING:
+        if group in _ABORTED:
+            return ""
+        others = [m for m in list(session.members) if m is not member and _nccl_group(m) is group]
+        why = (
+            f"the NCCL communicators of its process group were aborted, as {member.who} failed during a "
+            f"push ({failure}): NCCL cannot cancel what was posted to it"
+        )
+        _ABORTED[group] = why
+    dropped = [m for m in others if m.move_if(Standing.DROPPED, frm=OWED, why=f"{m.who}: {why}")]
+    for other in dropped:
+        pool.retire(other)
+        if not other.transport.stamped:
+            pool.torn = True  # (a send to it may still read the snapshot, as to the failed one)
+    backend = group
+    try:
+        if isinstance(group, dist.ProcessGroup):
+            backend = group._get_backend(torch.device("cuda"))
+        backend.abort()
+    except Exception as error:  # noqa: BLE001 - said: what stays posted may then take the process down
+        logger.error(
+            "weight sender: the NCCL group of %s could not be aborted (%s): what was posted to it stays "
+            "posted, and torch's watchdog may take this process down once the group's timeout has passed",
+            member.who,
+            error,
+        )
+        return f"; its NCCL group could not be aborted ({error})"
+    for other in others:  # a push in flight to another receiver on the group: its link is gone now
+        sending = other.sending
+        if sending is not None and not sending.settled:
+            sending.abort(PeerError(f"{other.who}: {why}"))
+    text = "; on NCCL, which cannot cancel what was posted to it, its process group's communicators were aborted"
+    if dropped:
+        text += (
+            f", which drops every other receiver on that group too ({', '.join(m.who for m in dropped)}): "
+            "give each receiver a group of its own to keep the others"
+        )
+    return text

@@ -186,8 +186,12 @@ def _answer_lane(link: Link) -> Lane | None:
         return Lane(link)
     if not torch.cuda.is_available():
         return None  # NCCL without CUDA cannot carry an answer: the sender's timeout tells it
-    return lane_for(
-        link, torch.device("cuda", torch.cuda.current_device()), None, streams.StagingPool()
+    return lane_for(  # (on the link the receiver's own lane would have used: a weight end's)
+        link,
+        torch.device("cuda", torch.cuda.current_device()),
+        None,
+        streams.StagingPool(),
+        peers_at_once=True,
     )
 
 

@@ -77,6 +77,12 @@ class Puller:
         self.patches = Patches(
             schema, device, slots.own[0].storage.is_pinned() if slots.own else False
         )
+        if device.type == "cuda":
+            # a pushed version's digest (verify) is hashed on the receiver's GPU: its kernels are compiled now,
+            # not in the first pull that checks one
+            from ..cuda.digest import prepare
+
+            prepare(device)
 
     @property
     def lane(self) -> Lane:
@@ -321,7 +327,10 @@ class Puller:
                 if lane.stream is not None
                 else contextlib.nullcontext()
             ):
-                got = slot.digest()
+                # every message's digest queued, their results copied back at once
+                pending = slot.digest_pending()
+            yield [pending.work]  # (one event for the whole version, within the pull's deadline)
+            got = pending.value()
             if got != header.checksum:
                 self.patches.rejected()
                 inbox.tell(header, REJECTED)

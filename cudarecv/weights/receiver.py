@@ -128,7 +128,7 @@ class WeightReceiver:
         try:
             if problem is not None:
                 raise problem
-            lane = lane_for(link, device, stream, streams.StagingPool())
+            lane = lane_for(link, device, stream, streams.StagingPool(), peers_at_once=True)
         except Exception as error:
             handshake.refuse(link, self.timeout, error)
             raise

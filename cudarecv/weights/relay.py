@@ -226,6 +226,9 @@ class Hop:
             None,
         )
         up, down = yield from self._lanes(header, wait)
+        if up is not self.lane and up.stream is not None and self.lane.stream is not None:
+            # what the pull queued (the slot's earlier reads, the caller's work) comes before the receive
+            up.cuda.wait_stream(self.lane.cuda)
         payload, trailer = self.tags.relay(header.version)
         relay = None
         if down is not None:
@@ -439,12 +442,13 @@ class Hop:
         return self._lane(rank, Link(link.pg, rank, link.registered, link.backend))
 
     def _lane(self, rank: int, peer: Link) -> Lane:
-        stream = None
-        if (
-            self.lane.stream is not None
-        ):  # forwards run on a stream of their own, next to the receives
-            stream = torch.cuda.Stream(device=self.lane.stream.device)
-        lane = self._peers[rank] = lane_for(peer, self.device, stream, streams.StagingPool())
+        """The lane to receiver ``rank``: a stream of the link's own (a forward never waits for the receives
+        from the sender, nor they for it, but for the chunk it forwards), on this receiver's device (a pull
+        may run on a background thread, whose current device is 0, whatever the receiver's)."""
+        on = self.lane.stream.device if self.lane.stream is not None else None
+        lane = self._peers[rank] = lane_for(
+            peer, self.device, None, streams.StagingPool(), peers_at_once=True, cuda=on
+        )
         return lane
 
     @staticmethod

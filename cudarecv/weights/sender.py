@@ -157,9 +157,15 @@ class SessionSender:
         )
         schema.check_pieces(bucket_bytes)
         self._device = plan.device
-        self._stream = (
-            streams.transfer_stream(plan.device, stream) if plan.device.type == "cuda" else None
-        )  # (no lane)
+        # its copy-ins run on the caller's stream, or on a stream of this sender's own (not the device's shared
+        # one, whose other work, a call's transfer with another peer, the lanes would then wait for too)
+        self._stream = None  # (no lane)
+        if plan.device.type == "cuda":
+            self._stream = (
+                streams.own_stream(plan.device)
+                if stream is None
+                else streams.transfer_stream(plan.device, stream)
+            )
         # where the snapshots lie, offered to every receiver: segments receivers here read, or the sender's own
         carrier = choose(
             Need(
@@ -255,7 +261,10 @@ class SessionSender:
 
         Raises:
             TransferTimeout or PeerError naming the receiver whose link failed: it is dropped (the others
-                got the version, and get the next ones); PeerError if no receiver is left.
+                got the version, and get the next ones); PeerError if no receiver is left. On NCCL, which cannot
+                cancel what was posted to it, the failed receiver's process group is also aborted (else torch's
+                watchdog would take this process down), and every receiver on that group is dropped with it:
+                give each receiver a group of its own (docs/weight-sync.md, "NCCL failure semantics").
             ChecksumError (PushHeaderError without ``verify``) naming a receiver that rejected the version (relay,
                 shared memory: those tell the sender; on the wire's star fan-out its pull raises), or RelayLost
                 one that lost it to a failed hop before it in a relay chain: either stays served.
@@ -299,8 +308,8 @@ class SessionSender:
                 f"no receiver of this WeightSender is left ({self.dropped}): "
                 "connect new receivers with a new WeightSender"
             )
-        stream = live[0].lane.stream if live else self._stream
-        return self._pushes.push(self._plan(values), live, timeout, wait, stream)
+        # the copy-in runs on this sender's stream; each receiver's lane follows it (Lane.after)
+        return self._pushes.push(self._plan(values), live, timeout, wait, self._stream)
 
     def _plan(self, values: Any) -> Plan:
         """The plan of what this push sends, checked against the handshake's schema."""
@@ -491,7 +500,18 @@ class WeightSender(SessionSender):
             delta=delta,
             wire_dtype=wire_dtype,
         )
-        lanes = [lane_for(link, self._device, stream, streams.StagingPool()) for link in links]
+        # a stream per receiver (unless the caller gave one), each step after this sender's copies of a version
+        lanes = [
+            lane_for(
+                link,
+                self._device,
+                stream,
+                streams.StagingPool(),
+                peers_at_once=True,
+                after=self._stream,
+            )
+            for link in links
+        ]
         members = enrol(self._s, self._pool, lanes, self._raw, self._session_id)
         if self._s.fanout == "auto":
             self._s.fanout = (

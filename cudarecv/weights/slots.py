@@ -19,11 +19,13 @@ from torch import Tensor
 from ..core.errors import SchemaError, UsageError, WaitTimeout
 from ..core.host_copy import copy_bytes
 from .schema import Schema, aligned
-from .wire import checksum
+from .wire import checksum, checksum_pending
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.placement_types import Placement
+
+    from ..cuda.digest import Pending
 
 
 class Slot:
@@ -114,6 +116,10 @@ class Slot:
     def digest(self) -> bytes:
         """BLAKE3 of what landed: the messages in order (``verify``)."""
         return checksum(self.pieces, self._whole)
+
+    def digest_pending(self) -> Pending:
+        """:meth:`digest`, started on the current stream (yield its ``work``, then read its ``value()``)."""
+        return checksum_pending(self.pieces, self._whole)
 
     def fill(self, source: Tensor) -> None:
         """Copy a version laid out as the schema (``source``: uint8, a sender's snapshot) into this slot (on the

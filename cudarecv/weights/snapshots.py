@@ -145,6 +145,10 @@ class SnapshotPool:
         )
         #: delta: the version pushed last, to diff the next against (allocated at the first push that diffs)
         self.base: Base | None = None
+        if session.verify and device.type == "cuda":
+            from ..cuda.digest import prepare  # (the digest kernels compiled now, not in a push)
+
+            prepare(device)
 
     def close_fds(self) -> None:
         """Every receiver that could map the segments has (or none will): nothing names them now."""

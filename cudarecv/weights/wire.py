@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum, IntFlag
+from typing import TYPE_CHECKING
 
 from torch import Tensor
 
@@ -30,6 +31,9 @@ from ..core.errors import OutOfStepError, SchemaError
 from ..core.records import Record
 from ..core.tags import SESSIONS, relay_tags, session_tags
 from .schema import MAX_BYTES, MAX_SCHEMA_BYTES
+
+if TYPE_CHECKING:
+    from ..cuda.digest import Pending
 
 
 @dataclass(frozen=True)
@@ -318,9 +322,17 @@ def checksum(messages: Sequence[Tensor], whole: Tensor | None = None) -> bytes:
     """The 16-byte BLAKE3 digest of a version, computed on its device (see :mod:`cudarecv.cuda.digest`): of
     ``whole``, the one storage its messages cut evenly; else (a leafwise schema) of its ``messages``' digests in
     order, each hashed where it landed."""
-    from ..cuda.digest import digest, digest_parts
+    return checksum_pending(messages, whole).value()
 
-    return digest(whole) if whole is not None else digest_parts(messages)
+
+def checksum_pending(messages: Sequence[Tensor], whole: Tensor | None = None) -> Pending:
+    """:func:`checksum`, started on the current stream: yield its ``work`` (the device's results back on the host,
+    one event for every message), then read its ``value()``."""
+    from ..cuda.digest import digest_parts_pending
+
+    return digest_parts_pending(
+        [whole] if whole is not None else [m.contiguous() for m in messages]
+    )
 
 
 class Answer(IntEnum):

@@ -24,12 +24,21 @@ ROOM = 4096  # bytes past the expected size that a control receive still takes (
 
 def wire_bytes(lane: Lane, data: bytes) -> Tensor:
     """``data`` as a tensor the wire can send: host memory for gloo; for NCCL a device
-    copy made on the transfer stream (from page-locked memory, so the host does not wait)."""
+    copy made on the transfer stream (from page-locked memory, so the host does not wait).
+
+    The device tensor is allocated on the transfer stream, the stream that writes it and that NCCL's stream
+    waits for before its send reads it: once the caller drops it (right after posting), the caching allocator
+    hands its block out again only to work queued on the transfer stream after it (and ``Work.wait()`` orders
+    the transfer stream after the send; until then torch's NCCL group keeps the posted tensor). Allocated on
+    the caller's current stream instead, its block went back to that stream at once: a tensor the caller
+    allocated next could take it while the copy and the send were still queued, and have the header written
+    over it (or the send read the caller's bytes).
+    """
     host = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     if not lane.nccl:
         return host
-    device = torch.empty(len(data), dtype=torch.uint8, device=lane.cuda.device)
     with lane.on_stream():
+        device = torch.empty(len(data), dtype=torch.uint8, device=lane.cuda.device)
         device.copy_(host.pin_memory(), non_blocking=True)
     return device
 
@@ -55,7 +64,8 @@ def read_bytes(
                 "protocol or version on this tag"
             )
         return data[:size].tobytes()
-    raw = torch.empty(size, dtype=torch.uint8, device=lane.cuda.device)
+    with lane.on_stream():  # (allocated on the stream whose work writes it, as in wire_bytes)
+        raw = torch.empty(size, dtype=torch.uint8, device=lane.cuda.device)
     host = lane.pool.buffers("pinned", size, count=1)[0]
     yield from recv_into(lane, [raw], [tag])
     with lane.on_stream():

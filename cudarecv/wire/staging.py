@@ -8,7 +8,11 @@ cudarecv's streams:
 - *ring* staging (chunks, consolidated messages): two buffers of one message
   each; the copy of message i overlaps the transfer of message i+1;
 - *full* staging (per-leaf messages, all posted at once; buckets): a buffer
-  holding every message, allocated once per plan.
+  holding every message, allocated once per plan;
+- on NCCL, *pageable* host memory also goes through one pinned buffer holding
+  every message (the owner's, reused): a copy between device memory and
+  pageable memory is synchronous, so in the call that posts it would wait for
+  the wire, i.e. for the peer.
 
 Staging buffers belong to their owner (a tensordict's plan, a weight sender or
 receiver), whose transfers run one at a time, and carry a *fence*: the CUDA
@@ -23,9 +27,13 @@ On NCCL the host never waits for the wire: ``Work.wait()`` orders the stream.
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Callable, Generator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -33,6 +41,7 @@ from torch import Tensor
 
 from ..core import streams as _cuda
 from ..core.errors import ArgumentError, UsageError
+from ..core.host_copy import copy_bytes
 from ..core.link import Link
 from ..core.protocol import Protocol, Work
 from ..core.transport import post
@@ -52,6 +61,12 @@ class Lane:
     #: per-leaf messages, where :func:`~cudarecv.core.transport.nccl_batching` says) or as single ops on the
     #: pair's (everything else): both ends post alike (:mod:`cudarecv.core.transport`)
     batched: bool = False
+    #: the link the messages go on: ``link`` itself (None), or a pair group of the two ends' own (see
+    #: :func:`pair_link`); ``link`` keeps naming the peer by its rank in the group
+    wire: Link | None = None
+    #: a stream that each step of this lane comes after (a weight sender's copy stream, where its lanes have
+    #: streams of their own), or None
+    after: torch.cuda.Stream | None = None
 
     @property
     def nccl(self) -> bool:
@@ -69,18 +84,42 @@ class Lane:
         return self.stream.device if self.stream is not None else torch.device("cpu")
 
     def on_stream(self) -> AbstractContextManager[object]:
-        return torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
+        if self.stream is None:
+            return nullcontext()
+        if self.after is not None and self.after is not self.stream:
+            self.stream.wait_stream(
+                self.after
+            )  # (what the owner queued there: a version's copy-in)
+        return torch.cuda.stream(self.stream)
 
     def post(
         self, sending: bool, tensors: Sequence[Tensor], tags: Sequence[int]
     ) -> list[dist.Work]:
-        return post(self.link, sending, tensors, tags, batch=self.batched)
+        return post(self.wire or self.link, sending, tensors, tags, batch=self.batched)
 
 
 def lane_for(
-    link: Link, device: torch.device, stream: torch.cuda.Stream | None, pool: _cuda.StagingPool
+    link: Link,
+    device: torch.device,
+    stream: torch.cuda.Stream | None,
+    pool: _cuda.StagingPool,
+    *,
+    peers_at_once: bool = False,
+    after: torch.cuda.Stream | None = None,
+    cuda: torch.device | None = None,
 ) -> Lane:
-    """The transfer's lane: a CUDA stream when the memory or the backend is on a GPU."""
+    """The transfer's lane: a CUDA stream when the memory or the backend is on a GPU.
+
+    ``stream``: the caller's, used as it is (a weight sender given one runs every receiver's transfer on
+    it, one after another: a receiver that stalls stalls the others there), or None: cudarecv's own, the
+    device's dedicated stream, or, with ``peers_at_once`` (an owner that talks to several peers at once:
+    the weight ends), a stream of the link's own (:func:`~cudarecv.core.streams.link_stream`), so that a
+    transfer with one peer never waits for another's. ``peers_at_once`` also moves the messages of an NCCL
+    group initialised eagerly onto a pair group of the two ends' own (:func:`pair_link`). ``after``: a
+    stream each step of the lane comes after. ``cuda``: the device a lane of host memory stages through
+    on NCCL (default: the ``stream`` given, else the calling thread's current device; a lane built on a
+    background thread must pass its owner's, since a new thread's current device is 0).
+    """
     if device.type != "cuda" and link.backend != "nccl":
         if stream is not None:
             raise ArgumentError(
@@ -93,13 +132,88 @@ def lane_for(
             f"the {link.backend} backend with a tensordict on {device} needs CUDA, "
             "which this process cannot use"
         )
-    if device.type != "cuda":
-        device = torch.device("cuda", torch.cuda.current_device())
-    lane_stream = _cuda.transfer_stream(device, stream)
-    # what the caller queued on its stream (writes of the values, reads of the
-    # old ones) comes before the transfer; the caller's stream is never blocked
+    if device.type != "cuda":  # host memory staged through a device's buffers
+        if cuda is not None:
+            device = _cuda.explicit(torch.device(cuda))
+        elif stream is not None:
+            device = torch.device(stream.device)
+        else:
+            device = torch.device("cuda", torch.cuda.current_device())
+    wire = pair_link(link) if peers_at_once else link
+    if stream is None and peers_at_once:
+        lane_stream = _cuda.link_stream(device, wire.pg, wire.peer)
+    else:
+        lane_stream = _cuda.transfer_stream(device, stream)
+    # what the caller queued on its stream (writes of the values, reads of the old ones) comes before the
+    # transfer; the caller's stream is never blocked
     _cuda.follow_caller(lane_stream)
-    return Lane(link, lane_stream, pool)
+    return Lane(link, lane_stream, pool, wire=None if wire is link else wire, after=after)
+
+
+#: group object -> peer -> the link over the pair group of this rank and that peer (see :func:`pair_link`)
+_PAIRS: weakref.WeakKeyDictionary[object, dict[int, Link]] = weakref.WeakKeyDictionary()
+_PAIRS_LOCK = threading.Lock()
+PAIR_PREFIX = "cudarecv/pair"
+
+
+def eagerly_initialised(pg: object) -> bool:
+    """Whether ``pg`` was initialised eagerly (``init_process_group(device_id=...)``, which ``new_group``
+    inherits): torch then runs its point-to-point ops on the group's one communicator."""
+    return getattr(pg, "bound_device_id", None) is not None
+
+
+def pair_link(link: Link) -> Link:
+    """The link a weight end's messages to ``link.peer`` go on: ``link`` itself, or, on an NCCL group of
+    three ranks or more initialised eagerly, a link over a pair group of the two ends' own.
+
+    With eager initialisation torch runs every point-to-point op of the group on the group's one
+    communicator, so on its one NCCL stream in posting order, whatever the peer (``pointToPoint`` in
+    ProcessGroupNCCL.cpp: "In eagerInit mode, reuse the parent comm"; torch warns that such ops "are
+    serialized with all other ops on this ProcessGroup, including other P2P ops"). A relay then forms a
+    wait cycle (the sender waits for the first receiver's word before its header reaches the second, which
+    the first's forward waits for) and a stalled receiver stalls every other. Lazily, each pair of ranks
+    gets a two-rank communicator and a stream of its own; so here the two ends form one, a standalone
+    ProcessGroupNCCL on the group's store (prefix ``cudarecv/pair/<low rank>-<high rank>``), made lazily,
+    once per group and peer in each process. Both ends must be cudarecv weight ends (a stock peer posts on
+    the group's communicator). A standalone group (not registered with torch.distributed) has no bound
+    device to tell, and is used as it is.
+    """
+    if link.backend != "nccl" or not eagerly_initialised(link.pg) or link.pg.size() < 3:
+        return link
+    with _PAIRS_LOCK:
+        per_group = _PAIRS.get(link.pg)
+        if per_group is None:
+            per_group = _PAIRS[link.pg] = {}
+        pair = per_group.get(link.peer)
+        if pair is None:
+            me = link.pg.rank()
+            pg = make_pair(link)
+            pair = per_group[link.peer] = Link(pg, 1 if me < link.peer else 0, False, "nccl")
+        return pair
+
+
+def _nccl_pair(link: Link) -> dist.ProcessGroup:
+    """A standalone two-rank ProcessGroupNCCL of this rank and ``link.peer``, on ``link.pg``'s store."""
+    from torch.distributed import distributed_c10d as c10d
+
+    found = c10d._world.pg_map.get(link.pg)
+    if found is None:
+        raise UsageError(
+            "an eagerly initialised NCCL group that torch.distributed does not know: cudarecv cannot form "
+            "a pair group on its store; pass a group made lazily (without device_id)"
+        )
+    me, peer = link.pg.rank(), link.peer
+    low, high = sorted((me, peer))
+    options = dist.ProcessGroupNCCL.Options()
+    timeout = link.group_timeout()
+    if timeout is not None:
+        options._timeout = timedelta(seconds=timeout)
+    store = dist.PrefixStore(f"{PAIR_PREFIX}/{low}-{high}", found[1])
+    return cast(dist.ProcessGroup, dist.ProcessGroupNCCL(store, 0 if me == low else 1, 2, options))
+
+
+#: how :func:`pair_link` makes a pair group (the strict NCCL stand-in makes its own)
+make_pair: Callable[[Link], dist.ProcessGroup] = _nccl_pair
 
 
 def _byte(t: Tensor) -> Tensor:
@@ -241,7 +355,13 @@ def _device_ring(lane: Lane, nbytes: int, count: int) -> tuple[list[Tensor], tor
 def _recv_ring_nccl(
     lane: Lane, dests: Sequence[Tensor], tags: Sequence[int], landed: Landed | None
 ) -> Protocol:
-    """NCCL into host memory: recv into two device buffers, D2H copies on a second stream."""
+    """NCCL into host memory: recv into two device buffers, D2H copies on a second stream.
+
+    Every receive is posted in the first step, which never blocks: into pinned ``dests`` the copies are
+    asynchronous; into pageable ones they go through pinned staging (:func:`_recv_pageable`)."""
+    if not all(d.is_pinned() for d in dests):
+        yield from _recv_pageable(lane, dests, tags, landed)
+        return
     ring, copier = _device_ring(lane, max(_nbytes(d) for d in dests), len(dests))
     for i, dest in enumerate(dests):
         buf = ring[i % 2][: _nbytes(dest)]
@@ -263,6 +383,58 @@ def _recv_ring_nccl(
         if fence is not None:
             lane.cuda.wait_event(fence)
     yield [_cuda.EventWork(_cuda.record(lane.cuda))]  # host memory: the host waits for the bytes
+
+
+def _offsets(tensors: Sequence[Tensor]) -> list[int]:
+    """Where each message starts in a staging buffer that holds them all back to back (and, last, the total)."""
+    offsets = [0]
+    for t in tensors:
+        offsets.append(offsets[-1] + _nbytes(t))
+    return offsets
+
+
+def _recv_pageable(
+    lane: Lane, dests: Sequence[Tensor], tags: Sequence[int], landed: Landed | None
+) -> Protocol:
+    """NCCL into pageable host memory, through one pinned buffer holding every message (the plan's, reused).
+
+    A device-to-host copy into pageable memory returns only once it has run, so it waits for the stream's
+    earlier work: the NCCL receive, i.e. for the peer's send. Done in the first step it blocked the caller's
+    ``irecv`` until the peer sent, and two ranks that each ``irecv`` then ``isend`` never reached their sends.
+    Here the first step posts every receive into the two device buffers and queues each one's copy into its
+    place in the pinned buffer (asynchronous); later steps wait for each copy's event (the transfer's
+    deadline bounds them) and copy the message on the host into ``dests[i]``; ``landed(i)`` then runs on the
+    transfer stream."""
+    offsets = _offsets(dests)
+    ring, copier = _device_ring(lane, max(_nbytes(d) for d in dests), len(dests))
+    pinned = lane.pool.buffers("pinned", offsets[-1], count=1)[0]
+    earlier = lane.pool.fence(pinned)
+    if earlier is not None:
+        copier.wait_event(
+            earlier
+        )  # a stream copy still queued on it (a failed transfer's) goes first
+    copied: list[torch.cuda.Event] = []
+    for i, dest in enumerate(dests):
+        buf = ring[i % 2][: _nbytes(dest)]
+        freed = lane.pool.fence(ring[i % 2])
+        if freed is not None:
+            lane.cuda.wait_event(freed)  # the previous copy out of this buffer is done
+        with lane.on_stream():
+            for work in lane.post(False, [buf], [tags[i]]):
+                work.wait()
+            arrived = _cuda.record(lane.cuda)
+        copier.wait_event(arrived)
+        with torch.cuda.stream(copier):
+            pinned[offsets[i] : offsets[i + 1]].copy_(buf, non_blocking=True)
+            copied.append(_cuda.record(copier))
+        lane.pool.set_fence(ring[i % 2], copied[i])
+    lane.pool.set_fence(pinned, copied[-1])
+    for i, dest in enumerate(dests):
+        yield [_cuda.EventWork(copied[i])]  # message i is in the pinned buffer
+        copy_bytes(_byte(dest), pinned[offsets[i] : offsets[i + 1]])
+        if landed:
+            with lane.on_stream():
+                landed(i)
 
 
 def drain(lane: Lane, sizes: Sequence[int], tag: int) -> Protocol:
@@ -331,7 +503,12 @@ def send_from(
 def _send_ring_nccl(lane: Lane, srcs: Sequence[Tensor], tags: Sequence[int]) -> Protocol:
     """NCCL from host memory: H2D copies into two device buffers on a second stream, then send.
 
-    Ends when the host memory has been read (the caller may then change it)."""
+    Every send is posted in the first step, which never blocks: out of pinned ``srcs`` the copies are
+    asynchronous; out of pageable ones they go through pinned staging (:func:`_send_pageable`). Ends when
+    the host memory has been read (the caller may then change it)."""
+    if not all(t.is_pinned() for t in srcs):
+        yield from _send_pageable(lane, srcs, tags)
+        return
     ring, copier = _device_ring(lane, max(_nbytes(t) for t in srcs), len(srcs))
     copied = None
     for i, src in enumerate(srcs):
@@ -348,4 +525,44 @@ def _send_ring_nccl(lane: Lane, srcs: Sequence[Tensor], tags: Sequence[int]) -> 
                 work.wait()
             lane.pool.set_fence(ring[i % 2], _cuda.record(lane.cuda))
     if copied is not None:
+        yield [_cuda.EventWork(copied)]
+
+
+def _send_pageable(lane: Lane, srcs: Sequence[Tensor], tags: Sequence[int]) -> Protocol:
+    """NCCL from pageable host memory, through one pinned buffer holding every message (the plan's, reused).
+
+    A host-to-device copy out of pageable memory may wait for the stream's earlier work (CUDA stages it
+    through memory of its own), e.g. a receive on the transfer stream or the send two messages back, which
+    wait for the peer: done in the first step it could block the caller's ``isend`` until the peer received.
+    Here the host copies each message into its place in the pinned buffer and the copy stream takes it on
+    from there (asynchronous), so the first step posts every send without waiting for the peer; the
+    transfer ends once the last copy out of the pinned buffer has run (the buffer is free again)."""
+    offsets = _offsets(srcs)
+    ring, copier = _device_ring(lane, max(_nbytes(t) for t in srcs), len(srcs))
+    pinned = lane.pool.buffers("pinned", offsets[-1], count=1)[0]
+    fence = lane.pool.fence(pinned)
+    # free unless a copy out of it is still queued (a failed transfer's; the previous transfer of this owner
+    # waited for its own): the host must not wait for that here, so this transfer stages through its own
+    pooled = fence is None or fence.query()
+    if not pooled:
+        pinned = torch.empty(offsets[-1], dtype=torch.uint8, pin_memory=True)
+    copied = None
+    for i, src in enumerate(srcs):
+        buf = ring[i % 2][: _nbytes(src)]
+        staged = pinned[offsets[i] : offsets[i + 1]]
+        copy_bytes(staged, _byte(src))
+        sent = lane.pool.fence(ring[i % 2])
+        if sent is not None:
+            copier.wait_event(sent)  # the previous send out of this buffer is done
+        with torch.cuda.stream(copier):
+            buf.copy_(staged, non_blocking=True)
+            copied = _cuda.record(copier)
+        lane.cuda.wait_event(copied)
+        with lane.on_stream():
+            for work in lane.post(True, [buf], [tags[i]]):
+                work.wait()
+            lane.pool.set_fence(ring[i % 2], _cuda.record(lane.cuda))
+    if copied is not None:
+        if pooled:
+            lane.pool.set_fence(pinned, copied)
         yield [_cuda.EventWork(copied)]

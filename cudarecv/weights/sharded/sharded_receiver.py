@@ -123,7 +123,10 @@ class ShardedReceiver:
             peers, links, global_ranks = exchange.peer_links(
                 src, group_src, group, "src", "group_src"
             )
-            lanes = [lane_for(link, device, stream, streams.StagingPool()) for link in links]
+            lanes = [
+                lane_for(link, device, stream, streams.StagingPool(), peers_at_once=True)
+                for link in links
+            ]
             #: the layout this receiver holds: each leaf's whole shape and the box wanted of it
             layouts, self.layout = exchange.answer(
                 lanes, self.timeout, lambda found: self._want(found, expect, want, peers, bad_want)
@@ -420,24 +423,42 @@ class ShardedReceiver:
             self._slots.own[index],
             self._buffers.views[index],
         )  # (a new one if a rank's receiver retired it)
-        if self._device.type == "cuda":
-            torch.cuda.synchronize(
-                self._device
-            )  # every piece's copy on its receiver's stream is done
-        for _, moved, receiver in self._inner:
-            with receiver.reading() as td:
-                for leaf, box in moved:
-                    part = self.layout.parts[leaf]
-                    place, piece = views[leaf][box.within(part.known_box)], td[part.key]
-                    if (
-                        piece.data_ptr() != place.data_ptr() or piece.numel() != place.numel()
-                    ):  # (not landed in place)
-                        place.copy_(piece)
-        if self._device.type == "cuda":
-            torch.cuda.synchronize(self._device)
+        # What did not land in place is copied on this receiver's stream, after what each rank's pull queued on its
+        # own (stream waits: never torch.cuda.synchronize, which waits for every stream of the device, the caller's
+        # unrelated work too, nor the default stream); the version is published once the copies ran (the host waits
+        # for that stream's event; the caller's wait keeps the pull's time). Host memory: the ranks' pulls ended
+        # with their bytes in, and the copies are the host's.
+        stream = self._copy_stream()
+        # (each rank's version held until the copies out of it ran)
+        with contextlib.ExitStack() as held:
+            tds = [held.enter_context(receiver.reading()) for _, _, receiver in self._inner]
+            if stream is not None:
+                for _, _, receiver in self._inner:
+                    pulled = receiver._lane.stream
+                    if pulled is not None and pulled != stream:
+                        stream.wait_stream(pulled)
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                for (_, moved, _), td in zip(self._inner, tds):
+                    for leaf, box in moved:
+                        part = self.layout.parts[leaf]
+                        place, piece = views[leaf][box.within(part.known_box)], td[part.key]
+                        if (
+                            piece.data_ptr() != place.data_ptr() or piece.numel() != place.numel()
+                        ):  # (not landed in place)
+                            place.copy_(piece, non_blocking=True)
+            if stream is not None:
+                yield [streams.EventWork(streams.record(stream))]
         self._slots.publish(slot, version)
         self._version = version
         return version
+
+    def _copy_stream(self) -> torch.cuda.Stream | None:
+        """The stream this receiver's own copies into its GPU buffers run on: its lanes' (the ``stream`` given, or
+        cudarecv's dedicated one of the device), where the ranks' pulls ran; None for host buffers."""
+        if self._device.type != "cuda":
+            return None
+        lanes = [r._lane.stream for _, _, r in self._inner if r._lane.stream is not None]
+        return lanes[0] if lanes else streams.dedicated_stream(self._device)
 
     # -- ending ------------------------------------------------------------------------------------------
     def close(self) -> None:

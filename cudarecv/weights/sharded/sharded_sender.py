@@ -95,7 +95,10 @@ class ShardedSender:
         locals_ = [held(t, ".".join(k)) for k, t in zip(self._keys, tensors)]
         self._boxes = [box for _, box in locals_]
         device = streams.explicit(locals_[0][0].device)
-        lanes = [lane_for(link, device, stream, streams.StagingPool()) for link in links]
+        lanes = [
+            lane_for(link, device, stream, streams.StagingPool(), peers_at_once=True)
+            for link in links
+        ]
         wanted = exchange.offer(lanes, self._layout, self._timeout)
         #: receiver (rank as given) -> the pieces this rank sends it: [(leaf index, Box)]
         self._moved: dict[int, list[tuple[int, Box]]] = {}

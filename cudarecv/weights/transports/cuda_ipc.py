@@ -47,8 +47,8 @@ class CudaIpc(HeaderOnly):
     def land(
         self, mapping: Any, slot: Slot, total: int, version: int, lane: Lane, held: int
     ) -> Protocol:
-        mapping.before_read(lane.stream)
-        with lane.on_stream():
+        # (after the writer's event; from another GPU of the node, device-to-device: samehost.cuda_ipc)
+        with mapping.reading(lane.stream), lane.on_stream():
             slot.fill(mapping.data[:total])
         return slot
         yield  # (a generator)
