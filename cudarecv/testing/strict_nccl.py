@@ -53,21 +53,21 @@ from cudarecv import Error
 
 __all__ = ["NcclRuleError", "StrictNccl", "stand_in_cuda"]
 
-_DESCRIPTOR = struct.Struct(
+DESCRIPTOR = struct.Struct(
     "<QQ"
 )  # bytes (what NCCL's count x type size must agree on), element size
 _COMMS = {"group": 0, "pair": 1}
-_SEQ_BITS = 28  # posting indices per (communicator, direction, peer): tags stay below 2**31
+SEQ_BITS = 28  # posting indices per (communicator, direction, peer): tags stay below 2**31
 
 
 class NcclRuleError(Error, RuntimeError):
     """An op broke a rule of NCCL's: on a GPU it would hang, deadlock or move garbage."""
 
 
-class _Work:
+class Work:
     """The ops of one call: waited for within the group's timeout (a timeout says which rule it broke)."""
 
-    def __init__(self, group: StrictNccl, ops: list[_Op]) -> None:
+    def __init__(self, group: StrictNccl, ops: list[Op]) -> None:
         self._group, self._ops = group, ops
 
     def is_completed(self) -> bool:
@@ -87,7 +87,7 @@ class _Work:
         return []
 
 
-class _Op:
+class Op:
     """One NCCL send or receive, as two gloo messages: its descriptor (size) and its payload."""
 
     def __init__(
@@ -109,7 +109,7 @@ class _Op:
         )
         #: whether its Work is complete (NCCL's, with ``sends_done_at_posting``: a send is, once posted)
         self.done = sending and group.sends_done_at_posting
-        self._tag = (_COMMS[comm] << (_SEQ_BITS + 1)) | (index << 1)
+        self._tag = (_COMMS[comm] << (SEQ_BITS + 1)) | (index << 1)
         flat = (
             tensor.detach().reshape(-1).view(torch.uint8)
             if tensor.numel()
@@ -118,7 +118,7 @@ class _Op:
         self._flat = flat
         #: with ``streams=True``: the pending ops of the stream it was posted under (it starts after them), its
         #: peer's global rank, and once it ran, whether it failed (its stream's executor runs it)
-        self.deps: list[_Op] = []
+        self.deps: list[Op] = []
         self.peer_global = group.ranks[peer]
         self.error: BaseException | None = None
         self.finished = threading.Event()
@@ -127,7 +127,7 @@ class _Op:
             return  # (posted by its stream's executor, once what it waits for is done: _Streams)
         if sending:
             descriptor = torch.frombuffer(
-                bytearray(_DESCRIPTOR.pack(flat.numel(), tensor.element_size())), dtype=torch.uint8
+                bytearray(DESCRIPTOR.pack(flat.numel(), tensor.element_size())), dtype=torch.uint8
             )
             self._works = [
                 group.gloo_send(descriptor, peer, self._tag),
@@ -138,7 +138,7 @@ class _Op:
             ):  # (kept until the group goes: the peer may take the bytes any time, or never)
                 group.posted.extend(self._works)
         else:
-            self._descriptor = torch.zeros(_DESCRIPTOR.size, dtype=torch.uint8)
+            self._descriptor = torch.zeros(DESCRIPTOR.size, dtype=torch.uint8)
             self._works = [group.gloo_recv(self._descriptor, peer, self._tag)]
 
     def what(self) -> str:
@@ -151,7 +151,7 @@ class _Op:
             return
         self._wait(self._works[0], "its peer posted no matching op on that communicator")
         if not self.sending:
-            nbytes, _ = _DESCRIPTOR.unpack(self._descriptor.numpy().tobytes())
+            nbytes, _ = DESCRIPTOR.unpack(self._descriptor.numpy().tobytes())
             if (
                 nbytes != self._flat.numel()
             ):  # (NCCL moves count x type size bytes: those must agree)
@@ -219,7 +219,7 @@ class StrictNccl(dist.ProcessGroupGloo):
         self._lock = threading.Lock()
         self._next: dict[tuple[str, bool, int], int] = {}
         self._coalescing: threading.Thread | None = None
-        self._batch: list[_Op] = []
+        self._batch: list[Op] = []
         self._group_ready = False
         self.ops: list[tuple[str, str, int, int]] = []
         #: a send's Work is done once posted, as NCCL's (its wait orders the stream, the host never waits)
@@ -292,14 +292,14 @@ class StrictNccl(dist.ProcessGroupGloo):
                 )
             self._coalescing, self._batch = me, []
 
-    def _end_coalescing(self) -> _Work:
+    def _end_coalescing(self) -> Work:
         with self._lock:
             if self._coalescing is not threading.current_thread():
                 raise NcclRuleError("_end_coalescing on a thread that did not start it")
             batch, self._coalescing, self._batch = self._batch, None, []
         if self._streams_of is not None:
             self._streams_of.post("group", batch)
-        return _Work(self, batch)
+        return Work(self, batch)
 
     def _op(self, sending: bool, tensors: list[torch.Tensor], peer: int) -> Any:
         if len(tensors) != 1:
@@ -319,9 +319,9 @@ class StrictNccl(dist.ProcessGroupGloo):
             key = (comm, sending, peer)
             index = self._next.get(key, 0)
             self._next[key] = index + 1
-            if index >= 1 << _SEQ_BITS:
+            if index >= 1 << SEQ_BITS:
                 raise NcclRuleError("more ops on one communicator than this stand-in counts")
-            op = _Op(self, sending, tensors[0], peer, comm, index)
+            op = Op(self, sending, tensors[0], peer, comm, index)
             self.ops.append(
                 (
                     comm,
@@ -336,7 +336,7 @@ class StrictNccl(dist.ProcessGroupGloo):
                 self._batch.append(op)
             elif self._streams_of is not None:
                 self._streams_of.post(comm if comm == "group" else f"pair:{peer}", [op])
-        return _Work(self, [op]) if self._coalescing is not me else _Work(self, [])
+        return Work(self, [op]) if self._coalescing is not me else Work(self, [])
 
     def _first_batch(self) -> None:
         """The group's communicator is made by every rank together: wait for all of theirs (bounded)."""
@@ -354,7 +354,7 @@ class StrictNccl(dist.ProcessGroupGloo):
         self._group_ready = True
 
 
-class _Stream:
+class Stream:
     """A CUDA stream stood in by the CPU: whatever it was asked to do is done."""
 
     device = torch.device("cpu")
@@ -368,8 +368,8 @@ class _Stream:
     def wait_event(self, event: Any) -> None:
         pass
 
-    def record_event(self, event: Any = None) -> _Event:
-        return event or _Event()
+    def record_event(self, event: Any = None) -> Event:
+        return event or Event()
 
     def synchronize(self) -> None:
         pass
@@ -378,7 +378,7 @@ class _Stream:
         return True
 
 
-class _Event:
+class Event:
     """A CUDA event stood in by the CPU: it has fired."""
 
     def __init__(
@@ -416,7 +416,7 @@ def stand_in_cuda(
         raise ValueError("pageable=True and streams=True model the stream apart: pass one of them")
     from cudarecv.wire import staging
 
-    stream = _Stream()
+    stream = Stream()
     empty, zeros = torch.empty, torch.zeros
 
     def unpinned(make):  # (page-locked memory needs an accelerator: plain host memory stands in)
@@ -430,8 +430,8 @@ def stand_in_cuda(
         (torch.cuda, "is_available"): lambda: True,
         (torch.cuda, "current_device"): lambda: 0,
         (torch.cuda, "device_count"): lambda: 1,
-        (torch.cuda, "Stream"): _Stream,
-        (torch.cuda, "Event"): _Event,
+        (torch.cuda, "Stream"): Stream,
+        (torch.cuda, "Event"): Event,
         (torch.cuda, "current_stream"): lambda device=None: stream,
         (torch.cuda, "stream"): lambda s=None: contextlib.nullcontext(),
         (torch.cuda, "device"): lambda d=None: contextlib.nullcontext(),

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from .strict_nccl import NcclRuleError, StrictNccl, _Event, _Stream, _Work
+from .strict_nccl import Event, NcclRuleError, Stream, StrictNccl, Work
 
 __all__ = ["PageableModel"]
 
@@ -153,7 +153,7 @@ class PageableModel:
         real_copy = torch.Tensor.copy_
         real_gloo_send = StrictNccl.gloo_send
 
-        class Event(_Event):
+        class Event(Event):
             def __init__(self, *args: Any, **kwargs: Any) -> None:
                 self._number = 0
 
@@ -166,8 +166,8 @@ class PageableModel:
             def synchronize(self) -> None:
                 model.wait(self._number)
 
-        class Stream(_Stream):
-            def record_event(self, event: Any = None) -> _Event:
+        class Stream(Stream):
+            def record_event(self, event: Any = None) -> Event:
                 event = event or Event()
                 event.record(self)
                 return event
@@ -199,7 +199,7 @@ class PageableModel:
         def gloo_send(group: StrictNccl, tensor: torch.Tensor, peer: int, tag: int) -> Any:
             return Sent(lambda: real_gloo_send(group, tensor, peer, tag))
 
-        def wait(work: _Work, timeout: timedelta | None = None) -> bool:
+        def wait(work: Work, timeout: timedelta | None = None) -> bool:
             for op in work._ops:
                 model.queue(op.finish)
             return True
@@ -246,6 +246,6 @@ class PageableModel:
             (torch.cuda, "Event"): Event,
             (torch.cuda, "current_stream"): lambda device=None: stream,
             (torch.cuda, "synchronize"): lambda device=None: model.wait(),
-            (_Work, "wait"): wait,
+            (Work, "wait"): wait,
             (StrictNccl, "gloo_send"): gloo_send,
         }

@@ -33,12 +33,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .strict_nccl import _DESCRIPTOR, _SEQ_BITS, NcclRuleError, StrictNccl, _Event, _Op, _Stream
+from .strict_nccl import DESCRIPTOR, SEQ_BITS, Event, NcclRuleError, Op, Stream, StrictNccl
 
 __all__ = ["MODEL", "Streams", "StreamsModel", "ordered_wait"]
 
 
-def ordered_wait(ops: list[_Op]) -> None:
+def ordered_wait(ops: list[Op]) -> None:
     """``Work.wait()`` with NCCL's streams: the current stream waits for ``ops``; the host goes on."""
     model = MODEL[0]
     if model is None:  # (no streams modelled: the host waits)
@@ -48,12 +48,12 @@ def ordered_wait(ops: list[_Op]) -> None:
     model.current().add(ops)
 
 
-def _limit(op: _Op | _Copy) -> float:
+def _limit(op: Op | _Copy) -> float:
     """How long ``op`` (an op or a stream's copy) may take at most."""
     return op.timeout if isinstance(op, _Copy) else op.group.timeout
 
 
-def _finished(op: _Op | _Copy) -> None:
+def _finished(op: Op | _Copy) -> None:
     """The host waits for ``op``'s run (bounded: its executor fails it within the group's timeouts)."""
     if not op.finished.wait(4 * _limit(op) + 5.0):
         raise NcclRuleError(f"{op.what()} never ran (the stand-in's executor is stuck)")
@@ -66,7 +66,7 @@ class _Executor:
 
     def __init__(self, streams: Streams, key: str) -> None:
         self.streams, self.key = streams, key
-        self.queue: queue.SimpleQueue[list[_Op]] = queue.SimpleQueue()
+        self.queue: queue.SimpleQueue[list[Op]] = queue.SimpleQueue()
         group = streams.group
         self.thread = threading.Thread(
             target=self._loop, name=f"strict-nccl-{group.rank()}-{key}", daemon=True
@@ -88,7 +88,7 @@ class _Executor:
                     op.finished.set()
                 self.streams.at(self.key, None)
 
-    def _run(self, unit: list[_Op]) -> None:
+    def _run(self, unit: list[Op]) -> None:
         group = self.streams.group
         for op in unit:
             for dep in op.deps:
@@ -109,23 +109,23 @@ class _Executor:
             _end(op, self.streams)
 
 
-def _begin(op: _Op) -> None:
+def _begin(op: Op) -> None:
     """Start ``op`` on its stream: a receive says it is ready (and takes the descriptor), a send listens."""
     group, peer = op.group, op.peer
-    ready_tag = op._tag + (2 << (_SEQ_BITS + 1))  # (the communicator's bit moves up: its own tags)
+    ready_tag = op._tag + (2 << (SEQ_BITS + 1))  # (the communicator's bit moves up: its own tags)
     if op.sending:
         op._works = [group.gloo_recv(op._token, peer, ready_tag)]
     else:
-        op._descriptor = torch.zeros(_DESCRIPTOR.size, dtype=torch.uint8)
+        op._descriptor = torch.zeros(DESCRIPTOR.size, dtype=torch.uint8)
         op._works = [
             group.gloo_recv(op._descriptor, peer, op._tag),
             group.gloo_send(op._token, peer, ready_tag),
         ]
 
 
-def _end(op: _Op, streams: Streams) -> None:
+def _end(op: Op, streams: Streams) -> None:
     """Finish ``op``: a send once its peer's receive is ready (then its descriptor and payload), a receive
-    as :meth:`_Op.finish` does."""
+    as :meth:`Op.finish` does."""
     group, peer = op.group, op.peer
     if op.sending:
         try:
@@ -136,7 +136,7 @@ def _end(op: _Op, streams: Streams) -> None:
         except NcclRuleError as error:
             raise NcclRuleError(f"{error}. {streams.where()}") from error
         descriptor = torch.frombuffer(
-            bytearray(_DESCRIPTOR.pack(op._flat.numel(), op.tensor.element_size())),
+            bytearray(DESCRIPTOR.pack(op._flat.numel(), op.tensor.element_size())),
             dtype=torch.uint8,
         )
         for work, why in (
@@ -184,7 +184,7 @@ class Streams:
                             said.append(f"rank {rank}'s {key} stream: {what}")
         return "Where each rank's streams wait: " + ("; ".join(said) or "nowhere said")
 
-    def posting(self, op: _Op) -> None:
+    def posting(self, op: Op) -> None:
         """``op`` is posted under the current stream: it starts after that stream's pending ops; lazily, one of
         them with another peer is an unneeded wait unless ``op`` sends what it received."""
         model = MODEL[0]
@@ -208,7 +208,7 @@ class Streams:
         if model is not None:
             model.posted.add([op])
 
-    def post(self, key: str, unit: list[_Op]) -> None:
+    def post(self, key: str, unit: list[Op]) -> None:
         if not unit:
             return
         with self._lock:
@@ -218,7 +218,7 @@ class Streams:
         executor.queue.put(unit)
 
 
-def _other_peer(op: _Op) -> _Op | _Copy | None:
+def _other_peer(op: Op) -> Op | _Copy | None:
     """A pending op with another peer that ``op`` would wait for, through its stream, and need not."""
     seen: set[int] = set()
     stack = list(op.deps)
@@ -236,7 +236,7 @@ def _other_peer(op: _Op) -> _Op | _Copy | None:
     return None
 
 
-class _TrackedStream(_Stream):
+class _TrackedStream(Stream):
     """A stand-in stream that knows which ops its work waits for (the pending ones)."""
 
     def __init__(self, device: Any = None, priority: int = 0) -> None:
@@ -263,7 +263,7 @@ class _TrackedStream(_Stream):
         if isinstance(event, _TrackedEvent):
             self.add(event._ops)
 
-    def record_event(self, event: Any = None) -> _Event:
+    def record_event(self, event: Any = None) -> Event:
         event = event if isinstance(event, _TrackedEvent) else _TrackedEvent()
         event.record(self)
         return event
@@ -276,7 +276,7 @@ class _TrackedStream(_Stream):
         return not self.pending()
 
 
-class _TrackedEvent(_Event):
+class _TrackedEvent(Event):
     """A stand-in event: the ops pending on its stream when it was recorded."""
 
     def __init__(
