@@ -35,7 +35,9 @@ from typing import Any
 
 import torch
 
-from .strict_nccl import Event, NcclRuleError, Stream, StrictNccl, Work
+from .strict_nccl import Event as StandInEvent
+from .strict_nccl import NcclRuleError, StrictNccl, Work
+from .strict_nccl import Stream as StandInStream
 
 __all__ = ["PageableModel"]
 
@@ -153,7 +155,7 @@ class PageableModel:
         real_copy = torch.Tensor.copy_
         real_gloo_send = StrictNccl.gloo_send
 
-        class Event(Event):
+        class Event(StandInEvent):
             def __init__(self, *args: Any, **kwargs: Any) -> None:
                 self._number = 0
 
@@ -166,7 +168,7 @@ class PageableModel:
             def synchronize(self) -> None:
                 model.wait(self._number)
 
-        class Stream(Stream):
+        class Stream(StandInStream):
             def record_event(self, event: Any = None) -> Event:
                 event = event or Event()
                 event.record(self)
