@@ -31,6 +31,21 @@ def threads() -> set[str]:
     }
 
 
+def stacks(names: set[str]) -> dict[str, str]:
+    """Where each thread of ``names`` (as :func:`threads` names them) is now: its Python stack, for a failure's
+    message (a thread left after close() says what it still waits for)."""
+    import sys
+    import traceback
+
+    frames = sys._current_frames()
+    found = {}
+    for t in threading.enumerate():
+        name = f"{t.name}#{t.ident}"
+        if name in names and t.ident in frames:
+            found[name] = "".join(traceback.format_stack(frames[t.ident])[-8:])
+    return found
+
+
 def shared_maps() -> int:
     """This process's shared mappings (segments, mapped storages): the private ones are its allocators' and
     thread stacks', which glibc caches as it likes."""

@@ -24,7 +24,8 @@ from cudarecv.samehost import doorbell
 from cudarecv.samehost.doorbell import DOWN_SEQ, Bell, Mailbox
 from cudarecv.samehost.shared_memory import MappingError
 from cudarecv.testing.launch import Cluster
-from cudarecv.weights.wire import GOT, PushHeader, ask_message, read_ask
+from cudarecv.weights.wire import BYE, GOT, PushHeader, ask_message, read_ask
+from held import threads
 from procs import stop_here, wait_stopped
 from rawwire import store, unique_key
 
@@ -324,6 +325,56 @@ def test_closing_a_receiver_wakes_a_pull_asleep_on_the_doorbell(cluster):
         receiver_closed_while_asleep, args=(unique_key("r"),), timeout=120
     )
     assert version == 2 and whole
+
+
+def closed_between_close_and_bye(rank, world, group, key):
+    """The receiver's close() comes between its standing receive's move to CLOSED (on the doorbell's listener
+    thread: the sender closed) and that receive's BYE: the BYE still goes, so the sender's close() ends its
+    listener at once (before the fix, close() let go of the link first and the BYE was never posted: the sender
+    waited for it its whole timeout, and its listener thread was left running)."""
+    if rank == 0:
+        before = threads()
+        sender = _ringing(rank, _model(), 20.0)
+        store().wait([f"{key}_ready"])
+        start = time.monotonic()
+        sender.close()
+        return time.monotonic() - start, sorted(threads() - before)
+    receiver = _ringing(rank, _model(), 20.0)
+    inbox = receiver._inbox
+    in_window, forgetting, forgot = threading.Event(), threading.Event(), threading.Event()
+    seen: list[str] = []
+    post, forget = inbox.asks.post, inbox.forget
+
+    def held_post(data: bytes) -> int:
+        if data == ask_message(BYE) and threading.current_thread() is not threading.main_thread():
+            seen.append(threading.current_thread().name)
+            in_window.set()  # moved to CLOSED, BYE not posted yet: close() now
+            forgetting.wait(60)
+            forgot.wait(
+                2
+            )  # (fixed: forget waits for this BYE, so this wait runs out; unfixed: it let go first)
+        return post(data)
+
+    def watched_forget(timeout: float) -> None:
+        forgetting.set()
+        forget(timeout)
+        forgot.set()
+
+    inbox.asks.post, inbox.forget = held_post, watched_forget
+    store().set(f"{key}_ready", "1")
+    assert in_window.wait(60), "the sender's CLOSED never reached the standing receive"
+    assert receiver._inbox.sender_closed
+    receiver.close()
+    return seen
+
+
+def test_a_receiver_closing_as_its_listener_answers_closed_still_says_bye(cluster):
+    (took, left), seen = cluster().run(
+        closed_between_close_and_bye, args=(unique_key("b"),), timeout=120
+    )
+    assert len(seen) == 1, seen  # the BYE was held on the standing receive's thread, not close()'s
+    assert not left, f"threads left after the sender's close(): {left} (close took {took:.1f} s)"
+    assert took < 15.0, f"the sender's close() waited {took:.1f} s for a BYE"
 
 
 def garbled(rank, world, group, key):

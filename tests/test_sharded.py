@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from tensordict import TensorDict
 import cudarecv
 from cudarecv.plan.boxes import Box, coordinates, duty, shard_box
 from cudarecv.testing.launch import Cluster, Ranks
-from held import threads
+from held import stacks, threads
 from procs import stop_here
 from rawwire import store
 
@@ -238,8 +239,15 @@ def case(rank: int, world: int, group, name: str, mode: str, transport: str) -> 
             }
             out["transports"] = sender.transports
             dist.barrier()  # (latest mode: the receivers have the last version before the sender closes)
+            closing = time.monotonic()
+        out["close_s"] = round(
+            time.monotonic() - closing, 2
+        )  # (the sender's close(), for a failure's message)
         out["threads_left"] = threads() - before
-        if out["threads_left"]:  # (what each receiver stood at, for the failure's message)
+        if out[
+            "threads_left"
+        ]:  # (what each receiver stood at, and where the threads are, for the failure's message)
+            out["stacks"] = stacks(out["threads_left"])
             out["standings"] = [
                 (m.rank, m.standing.value, m.why, m.failed)
                 for _, s in sender._senders
@@ -282,6 +290,7 @@ def case(rank: int, world: int, group, name: str, mode: str, transport: str) -> 
     # (each sender rank's last words with it, for a failure's message: the receivers' threads, the senders')
     out["farewells"] = [(peer, r._inbox.farewell.state.value) for peer, _, r in receiver._inner]
     out["threads_left"] = threads() - before
+    out["stacks"] = stacks(out["threads_left"])
     return out
 
 
@@ -310,8 +319,10 @@ def test_sharded_trainers_push_every_element_once_into_any_layout(six, name, mod
     for out in results:
         rank = out["rank"]
         assert not out.get("threads_left"), (
-            f"rank {rank}: threads left after close(): {out['threads_left']}; its receivers' standings "
-            f"{out.get('standings')}; the receivers' farewells {[o.get('farewells') for o in results]}"
+            f"rank {rank}: threads left after close() (which took {out.get('close_s')} s): {out['threads_left']}; "
+            f"its receivers' standings "
+            f"{out.get('standings')}; the receivers' farewells {[o.get('farewells') for o in results]}; where "
+            f"the threads left are: {out.get('stacks')}"
         )
         if rank in trainers:
             assert out["pushed"] == list(range(1, VERSIONS + 1)), out

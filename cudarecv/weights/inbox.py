@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import math
+import threading
 import time
 from collections.abc import Callable, Generator, Sequence
 from datetime import timedelta
@@ -90,6 +91,11 @@ class Inbox:
             f"the link to weight sender rank {lane.link.peer}", Farewell.OPEN, MOVES
         )
         self._closed_why = ""  # (CLOSED: why no version comes any more)
+        #: held while the standing receive answers the sender's CLOSED with BYE, and while :meth:`forget` lets go of
+        #: the link: a close() that saw CLOSED (and so says no BYE of its own) cannot let go of the link between the
+        #: standing receive's move to CLOSED and its BYE, which would then never be sent (the sender's listener
+        #: waited for it until its close() timed out, and was left running)
+        self._answering = threading.Lock()
         self.standing = self._listen() if rules(lane.link).standing else None
 
     @property
@@ -134,10 +140,11 @@ class Inbox:
             self._closed_why = (
                 f"the sender (rank {lane.link.peer}) closed after version {header.version}"
             )
-            if self.farewell.move_if(Farewell.CLOSED, frm={Farewell.OPEN}):
-                self.asks.post(ask_message(BYE))  # its listener ends
-            else:  # (it crossed this receiver's BYE)
-                self.farewell.move_if(Farewell.CLOSED)
+            with self._answering:
+                if self.farewell.move_if(Farewell.CLOSED, frm={Farewell.OPEN}):
+                    self.asks.post(ask_message(BYE))  # its listener ends
+                else:  # (it crossed this receiver's BYE)
+                    self.farewell.move_if(Farewell.CLOSED)
         elif header.kind == RELEASED:
             self.farewell.move_if(Farewell.RELEASED)
         return header
@@ -243,7 +250,8 @@ class Inbox:
         """At the end: let go of the link (what the sender never took stays with the group), the doorbell and the
         standing receive's thread (waiting up to ``timeout`` s for it to end: one still in gloo ends once that
         wait returns)."""
-        self.asks.forget()
+        with self._answering:  # (a BYE that answers CLOSED is posted before, or never owed)
+            self.asks.forget()
         self.standing, self._lane = None, None
         if self._listener is not None:
             self._listener.stop(timeout)
