@@ -1,9 +1,16 @@
 #!/usr/bin/env bash
-# GPU check of cudarecv on a lent machine, in one prepared run of at most BUDGET seconds (default 420: a
-# lent machine gives about 15 minutes, its start included, so one run and room to rerun it). Every step is
-# bounded with `timeout` (which signals the step's whole process group, ranks included) by the smaller of
-# its own limit and what is left of BUDGET; a step with under 5 s left is skipped and counted as failed. A
-# failed step does not stop the next ones, but the script then exits 1. In order:
+# GPU check of cudarecv on a lent machine, in one prepared run of at most BUDGET seconds (default 400, probes
+# included: a lent machine gives about 15 minutes of device time, its start included, so one run and room to
+# rerun it; call it with the timeout_s printed at the top). Every step is bounded with
+# `timeout -s INT --kill-after=15` by the smaller of its own limit and what is left of BUDGET; a step with
+# under 5 s left is skipped and counted as failed. SIGINT goes to the step's process group: pytest takes it for
+# a Ctrl-C (it writes its --junitxml and its summary, and its fixtures close their ranks: cudarecv's Cluster
+# kills them); processes in a session of their own (cudarecv's ranks, nccl_smoke.py pair's ranks) are not in
+# that group and are killed by their parent on that signal. (timeout catches SIGINT itself, so the command
+# it runs starts with SIGINT's default disposition even where this script was started with it ignored, as a
+# background job is.) Probes between the steps
+# (the GPU count, vllm, pytest_benchmark, matplotlib) are bounded the same way. A failed step does not stop
+# the next ones, but the script then exits 1. The new GPU tests, which have never run on a GPU, come first:
 #    1. nvidia-smi;
 #    2. wheels:  the carried wheels (gpu-wheels/) and cudarecv itself, built from this checkout with its
 #       native host copies, installed with --no-deps --target into $SITE (the image's torch stays); the
@@ -12,40 +19,51 @@
 #    3. versions: python, torch, CUDA, cupy, NVRTC, tensordict, pytest plugins, cudarecv; NCCL twice: the
 #       library loaded (ncclGetVersion through ctypes, cudarecv.testing.gpu.nccl_runtime_version) and the one
 #       torch was built with (torch.cuda.nccl.version()); how nccl_ranks runs 2 and 3 ranks here;
-#    4. former-failures: the 18 tests that failed on the H200 on 2026-12-04 (docs/gpu.md), named first
-#       (FORMER below: the failed cases' tests, a superset where the record names no case);
+#    4. new-gpu-tests: the new GPU test files without NCCL ranks (-m "not nccl": NEW_GPU below, with
+#       tests/test_tags.py and tests/test_digest.py), --timeout 45;
 #    5. nccl-self: one process, an NCCL group of world 1, then a batch of a send to itself and a receive
 #       from itself (bench/nccl_smoke.py self; NCCL's INIT/NET log in nccl-self.<pid>.log);
 #    6. nccl-pair: two processes on GPU 0, torch only, each its own NCCL_HOSTID, NCCL's socket transport on
-#       loopback (bench/nccl_smoke.py pair): send/recv, batch_isend_irecv, all_reduce, bounded; with
-#       NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET: each rank's log in nccl-pair-rank<r>.log, their NCCL
-#       lines in nccl-pair-init-net.log;
-#    7. nccl-tests: pytest --gpus N tests/test_gpu*.py -k nccl (cudarecv.testing.gpu.nccl_ranks: on one GPU
-#       with NCCL < 2.30, the NCCL_HOSTID mode of step 6), with NCCL_DEBUG=WARN; --maxfail 2 where step 6
-#       failed (then torch alone could not run two NCCL ranks here);
-#    8. gpu-tests: the rest of tests/test_gpu*.py, tests/test_tags.py, tests/test_digest.py (-k "not nccl",
-#       the former failures deselected);
-#    9. gpu-benches: bench/bench_gpu.py -k "$BENCH_K" --benchmark-json gpu-bench.json (default: the NCCL
-#       benches left out where the ranks would share a GPU: their times would be loopback sockets'); where
-#       vLLM is installed, bench/bench_vllm.py -k gpu; then python -m cudarecv report;
-#   10. cpu-tests, only where CPU_TESTS names them (CI runs the CPU suite).
-# Each pytest step writes $OUT/<step>.xml (JUnit) and prints its 30 slowest tests. Results, all under OUT:
-# gpu-check.log, former-failures.xml, nccl-self.*.log, nccl-pair-rank*.log, nccl-pair-init-net.log,
-# nccl-tests.xml, gpu-tests.xml, gpu-benches.xml, gpu-bench.json, gpu-report.txt, gpu-report.png.
+#       loopback (bench/nccl_smoke.py pair): send/recv, batch_isend_irecv, all_reduce, process groups timing
+#       out after 12 s, ranks killed after 30 s (the step's limit: 50 s); with NCCL_DEBUG=INFO
+#       NCCL_DEBUG_SUBSYS=INIT,NET: each rank's log in nccl-pair-rank<r>.log, their NCCL lines in
+#       nccl-pair-init-net.log;
+#    7. new-nccl-tests: the new NCCL test files (-m nccl: NEW_NCCL below), each module's own pytest timeout
+#       (its pytestmark), with NCCL_DEBUG=WARN; skipped where step 6 failed (torch alone could not run two
+#       NCCL ranks here: the log says so);
+#    8. former-failures: the 18 tests that failed on the H200 on 2026-12-04 (docs/gpu.md), named
+#       (FORMER below: the failed cases' tests, a superset where the record names no case);
+#    9. nccl-tests: a representative subset of tests/test_gpu.py's NCCL tests (NCCL_SUBSET below: blocking
+#       roundtrips of two structures, a standalone group, weight sync, relay, staging reuse, per-leaf with a
+#       stock peer; all of them with NCCL_ALL=1), --timeout 45; skipped where step 6 failed;
+#   10. gpu-tests: the rest of tests/test_gpu.py (-m "not nccl", the former failures deselected: about 90
+#       gloo tests, passed on the H200 on 2026-12-04), with what is left;
+#   11. only with BENCH=1: bench/bench_gpu.py -k "$BENCH_K" --benchmark-json gpu-bench.json (default: the
+#       NCCL benches left out where the ranks would share a GPU: their times would be loopback sockets');
+#       where vLLM is installed, bench/bench_vllm.py -k gpu; then python -m cudarecv report;
+#   12. cpu-tests, only where CPU_TESTS names them (CI runs the CPU suite).
+# Each pytest step writes $OUT/<step>.xml (JUnit), its failures, errors and skips (-rfEs) and its 30
+# slowest tests. Results, all under OUT: gpu-check.log, new-gpu-tests.xml, nccl-self.*.log,
+# nccl-pair-rank*.log, nccl-pair-init-net.log, new-nccl-tests.xml, former-failures.xml, nccl-tests.xml,
+# gpu-tests.xml (BENCH=1: gpu-benches.xml, gpu-bench.json, gpu-report.txt, gpu-report.png).
 # Without a GPU every step still runs (quickly): the pytest steps with --gpus 0 (all skipped, their xml
-# written) and every GPU step counted as failed.
+# written) and every GPU step counted as failed; the NCCL test steps are skipped (step 6 failed).
 #
 # The lent machine's image (Python 3.12, torch 2.11+cu130, NCCL 2.28.9, cupy-cuda13x, pytest-benchmark) has
 # no tensordict, pyvers or blake3 and cannot download: fill gpu-wheels/ here first with
 # `bash bench/gpu_wheels.sh`, and carry gpu-wheels/ with the call (it is git-ignored).
 #
-# Usage (from anywhere):  bash bench/gpu_check.sh [OUT]     (bash bench/gpu_check.sh --former: step 4's test ids)
+# Usage (from anywhere):  bash bench/gpu_check.sh [OUT]
+#   bash bench/gpu_check.sh --ids: every test id and file the steps name, one a line (tests/test_gpu_check.py)
+#   bash bench/gpu_check.sh --former: step 8's test ids
 #   OUT               results folder (default: $OUT, else ./gpu-results)
 #   PYTHON=...        the interpreter (default: python3)
 #   WHEELS=...        the carried wheels (default: gpu-wheels); SITE=... where they go (/tmp/cudarecv-site)
-#   BUDGET=...        seconds the whole check may take (default 420)
+#   BUDGET=...        seconds the whole check may take, probes included (default 400; call with BUDGET + 30)
 #   GPUS=N            --gpus for pytest (default: 2 if torch sees 2 GPUs or more, 1 with one, 0 with none)
-#   BENCH_K=...       pytest -k of step 9 (default: "not nccl" where NCCL ranks would share a GPU, else all)
+#   NCCL_ALL=1        step 9 runs every NCCL test of tests/test_gpu.py (default: NCCL_SUBSET)
+#   BENCH=1           run the benches (step 11; default: not run)
+#   BENCH_K=...       pytest -k of step 11 (default: "not nccl" where NCCL ranks would share a GPU, else all)
 #   CPU_TESTS=...     CPU tests run last with what is left of BUDGET (default: none)
 #   CUDARECV_NCCL_MODE=per_gpu|multi_rank|hostid   forces how nccl_ranks runs NCCL ranks (cudarecv.testing.gpu)
 set -uo pipefail
@@ -81,10 +99,31 @@ for id in "${FORMER[@]}"; do
     DESELECT+=(--deselect "$id")
 done
 
-if [ "${1:-}" = "--former" ]; then  # the list of step 4, one test id a line (tests/test_gpu_check.py)
+# the new GPU test files (never run on a GPU yet): steps 4 (-m "not nccl") and 7 (-m nccl)
+NEW_GPU=(tests/test_gpu_digest_tags.py tests/test_gpu_ipc_sharded.py tests/test_gpu_streams.py
+    tests/test_tags.py tests/test_digest.py)
+NEW_NCCL=(tests/test_gpu_fanout.py tests/test_gpu_staging.py tests/test_gpu_streams.py)
+# step 9: tests/test_gpu.py's NCCL tests, a representative few (in hostid mode all 50 would not fit)
+NCCL_SUBSET=(
+    "tests/test_gpu.py::test_nccl_roundtrip[per-leaf-cudarecv_cuda-to-cudarecv_cuda-blocking]"
+    "tests/test_gpu.py::test_nccl_roundtrip[chunks-4096-cudarecv_cuda-to-cudarecv_pinned-blocking]"
+    "tests/test_gpu.py::test_nccl_standalone_group[consolidated-cudarecv_cuda-to-cudarecv_cuda]"
+    "tests/test_gpu.py::test_nccl_weight_sync[cuda-default_group]"
+    "tests/test_gpu.py::test_nccl_relay[cuda]"
+    "tests/test_gpu.py::test_nccl_staging_is_reused[nccl-chunks-to-pinned]"
+    "tests/test_gpu.py::test_nccl_per_leaf_with_a_stock_peer[stock-to-cudarecv]"
+)
+
+case "${1:-}" in
+--former)  # the list of step 8, one test id a line (tests/test_gpu_check.py)
     printf '%s\n' "${FORMER[@]}"
     exit 0
-fi
+    ;;
+--ids)  # every file and test id a step names (tests/test_gpu_check.py: each still collects)
+    printf '%s\n' "${NEW_GPU[@]}" "${NEW_NCCL[@]}" "${FORMER[@]}" "${NCCL_SUBSET[@]}"
+    exit 0
+    ;;
+esac
 
 OUT="${1:-${OUT:-gpu-results}}"
 mkdir -p "$OUT" || exit 2
@@ -92,36 +131,59 @@ OUT="$(cd "$OUT" && pwd)"
 PY="${PYTHON:-python3}"
 WHEELS="${WHEELS:-gpu-wheels}"
 SITE="${SITE:-/tmp/cudarecv-site}"
-BUDGET="${BUDGET:-420}"
+BUDGET="${BUDGET:-400}"
 CPU_TESTS="${CPU_TESTS:-}"
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONSAFEPATH=1  # no `python -m`/`-c` puts the checkout first on sys.path: the installed copy is tested
 export PYTHONUNBUFFERED=1
-# cudarecv from $SITE first; every pytest step: its JUnit xml, its 30 slowest tests, failures and skips said
+# every pytest step: cudarecv from $SITE first, its JUnit xml, its failures, errors and skips said, its 30
+# slowest tests
 PYTEST=("$PY" -m pytest -p no:cacheprovider -p cudarecv.testing.pytest_plugin -q -rfEs --durations=30)
 exec > >(tee -a "$OUT/gpu-check.log") 2>&1
 
+echo "gpu_check: BUDGET ${BUDGET} s, probes and --kill-after included: call it with timeout_s $((BUDGET + 30))" \
+    "(the last listing, the exit); OUT $OUT"
+
 failed=()
 
-# step NAME SECONDS COMMAND...: run COMMAND for at most SECONDS (and what is left of BUDGET); record a
-# failure, never stop. RAN: 1 where it ran, 0 where no time was left.
-step() {
-    local name=$1 limit=$2 start=$SECONDS rc left
-    shift 2
-    left=$((BUDGET - SECONDS - 10))  # (10: timeout's --kill-after)
-    if [ "$left" -lt "$limit" ]; then
-        limit=$left
+# bounded SECONDS: the smaller of SECONDS and what is left of BUDGET (the 15 s of --kill-after kept), in LIMIT
+bounded() {
+    LIMIT=$1
+    local left=$((BUDGET - SECONDS - 15))
+    if [ "$left" -lt "$LIMIT" ]; then
+        LIMIT=$left
     fi
+}
+
+# probe SECONDS COMMAND...: a quick question between the steps (its output on stdout), bounded as a step;
+# fails (1) where no time is left
+probe() {
+    bounded "$1"
+    shift
+    if [ "$LIMIT" -lt 2 ]; then
+        return 1
+    fi
+    timeout -s INT --kill-after=5 "$LIMIT" "$@"
+}
+
+# step NAME SECONDS COMMAND...: run COMMAND for at most SECONDS (and what is left of BUDGET); record a
+# failure, never stop. RAN: 1 where it ran, 0 where no time was left. STEP_RC: its exit code.
+step() {
+    local name=$1 start=$SECONDS rc
+    bounded "$2"
+    shift 2
     RAN=0
-    if [ "$limit" -lt 5 ]; then
+    STEP_RC=1
+    if [ "$LIMIT" -lt 5 ]; then
         echo "=== $name: SKIPPED, $((BUDGET - SECONDS)) s left of the ${BUDGET} s budget" >&2
         failed+=("$name (no time left)")
         return 0
     fi
     RAN=1
-    echo "=== $name (at most ${limit} s, at ${SECONDS} s): $*" >&2
-    timeout --kill-after=10 "$limit" "$@"
+    echo "=== $name (at most ${LIMIT} s, at ${SECONDS} s): $*" >&2
+    timeout -s INT --kill-after=15 "$LIMIT" "$@"
     rc=$?
+    STEP_RC=$rc
     if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
         echo "=== $name: TIMED OUT after $((SECONDS - start)) s" >&2
     else
@@ -201,7 +263,7 @@ if not cudarecv.__file__.startswith(os.environ["PYTHONPATH"].split(":")[0]):
 PYEOF
 
 # GPUs torch sees, and how nccl_ranks would run two ranks here (for BENCH_K)
-read -r NGPU NCCL_MODE < <(timeout 60 "$PY" -c "
+read -r NGPU NCCL_MODE < <(probe 30 "$PY" -c "
 import torch
 try:
     from cudarecv.testing.gpu import current_nccl_mode
@@ -214,26 +276,24 @@ NCCL_MODE="${NCCL_MODE:-unknown}"
 if [ -z "${GPUS:-}" ]; then
     if [ "$NGPU" -ge 2 ]; then GPUS=2; elif [ "$NGPU" -ge 1 ]; then GPUS=1; else GPUS=0; fi
 fi
-if [ -z "${BENCH_K+set}" ]; then
-    if [ "$NCCL_MODE" = per_gpu ]; then BENCH_K=""; else BENCH_K="not nccl"; fi
-fi
-echo "GPUs visible to torch: $NGPU | pytest --gpus $GPUS | nccl_ranks(2): $NCCL_MODE | benches: -k '$BENCH_K'"
+echo "GPUs visible to torch: $NGPU | pytest --gpus $GPUS | nccl_ranks(2): $NCCL_MODE (at ${SECONDS} s)"
 
 # 4. --------------------------------------------------------------------------------------------------
-gpu_step former-failures 75 "${PYTEST[@]}" --gpus "$GPUS" --timeout 60 \
-    --junitxml "$OUT/former-failures.xml" "${FORMER[@]}"
+gpu_step new-gpu-tests 75 "${PYTEST[@]}" --gpus "$GPUS" --timeout 45 \
+    --junitxml "$OUT/new-gpu-tests.xml" -m "not nccl and not long" "${NEW_GPU[@]}"
 
 # 5. --------------------------------------------------------------------------------------------------
-step nccl-self 30 env NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET NCCL_DEBUG_FILE="$OUT/nccl-self.%p.log" \
-    "$PY" bench/nccl_smoke.py self --timeout 20
+step nccl-self 25 env NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET NCCL_DEBUG_FILE="$OUT/nccl-self.%p.log" \
+    "$PY" bench/nccl_smoke.py self --timeout 15
 
 # 6. --------------------------------------------------------------------------------------------------
-before=${#failed[@]}
-step nccl-pair 75 env NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET \
-    "$PY" bench/nccl_smoke.py pair --logs "$OUT" --timeout 30
-MAXFAIL=()
-if [ "${#failed[@]}" -gt "$before" ]; then
-    MAXFAIL=(--maxfail 2)  # torch alone could not run two NCCL ranks here: two failures say enough
+# (its ranks are killed after 30 s, well within the step's 50: where the budget cuts the step shorter,
+# SIGINT makes nccl_smoke.py kill them)
+step nccl-pair 50 env NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET \
+    "$PY" bench/nccl_smoke.py pair --logs "$OUT" --timeout 12 --deadline 30
+PAIR_OK=0
+if [ "$RAN" -eq 1 ] && [ "$STEP_RC" -eq 0 ]; then
+    PAIR_OK=1
 fi
 if compgen -G "$OUT/nccl-pair-rank*.log" > /dev/null; then
     grep -h "NCCL INFO" "$OUT"/nccl-pair-rank*.log > "$OUT/nccl-pair-init-net.log"
@@ -242,61 +302,91 @@ if compgen -G "$OUT/nccl-pair-rank*.log" > /dev/null; then
         "$OUT"/nccl-pair-rank*.log | head -20
 fi
 
+# nccl_step NAME SECONDS COMMAND...: a step of NCCL ranks, run only where torch alone ran two (step 6)
+nccl_step() {
+    if [ "$PAIR_OK" -eq 1 ]; then
+        gpu_step "$@"
+    else
+        echo "=== $1: SKIPPED, nccl-pair (torch alone, two NCCL ranks) did not pass here: cudarecv's NCCL tests" \
+            "would fail the same way (the nccl-pair step above, nccl-pair-rank*.log say why)" >&2
+        failed+=("$1 (skipped: nccl-pair did not pass)")
+    fi
+}
+
 # 7. --------------------------------------------------------------------------------------------------
-gpu_step nccl-tests 150 env NCCL_DEBUG=WARN "${PYTEST[@]}" --gpus "$GPUS" --timeout 120 \
-    ${MAXFAIL[@]+"${MAXFAIL[@]}"} --junitxml "$OUT/nccl-tests.xml" tests/test_gpu*.py -k nccl
+nccl_step new-nccl-tests 170 env NCCL_DEBUG=WARN "${PYTEST[@]}" --gpus "$GPUS" \
+    --junitxml "$OUT/new-nccl-tests.xml" -m nccl "${NEW_NCCL[@]}"
 
 # 8. --------------------------------------------------------------------------------------------------
-gpu_step gpu-tests 150 "${PYTEST[@]}" --gpus "$GPUS" --timeout 60 \
-    --junitxml "$OUT/gpu-tests.xml" tests/test_gpu*.py tests/test_tags.py tests/test_digest.py \
-    -k "not nccl" "${DESELECT[@]}"
+gpu_step former-failures 60 "${PYTEST[@]}" --gpus "$GPUS" --timeout 45 \
+    --junitxml "$OUT/former-failures.xml" "${FORMER[@]}"
 
 # 9. --------------------------------------------------------------------------------------------------
-BENCH_JSON="$OUT/gpu-bench.json"
-rm -f "$BENCH_JSON"
-if timeout 20 "$PY" -c "import pytest_benchmark" 2>/dev/null; then
-    BENCH_ARGS=(--benchmark-json "$BENCH_JSON")
+if [ -n "${NCCL_ALL:-}" ]; then
+    NCCL_IDS=(tests/test_gpu.py -m "nccl")
 else
-    echo "pytest-benchmark is not installed: bench/bench_gpu.py's stand-in fixture writes $BENCH_JSON"
-    export CUDARECV_BENCH_JSON="$BENCH_JSON"
-    BENCH_ARGS=()
+    NCCL_IDS=("${NCCL_SUBSET[@]}")
 fi
-K_ARGS=()
-if [ -n "$BENCH_K" ]; then
-    K_ARGS=(-k "$BENCH_K")
-fi
-gpu_step gpu-benches 110 "${PYTEST[@]}" --gpus "$GPUS" --timeout 100 --junitxml "$OUT/gpu-benches.xml" \
-    bench/bench_gpu.py ${K_ARGS[@]+"${K_ARGS[@]}"} ${BENCH_ARGS[@]+"${BENCH_ARGS[@]}"}
-
-# vLLM's own GPU weight-transfer backends (ipc, nccl) against cudarecv's, updating a running engine (bf16, 200M):
-# only where vLLM is installed (the lent image has none, and a CUDA build of vLLM is far beyond what a call
-# carries)
-if timeout 60 "$PY" -c "import vllm" 2>/dev/null; then
-    gpu_step vllm-bench 300 "${PYTEST[@]}" --gpus "$GPUS" --timeout 280 --junitxml "$OUT/vllm-bench.xml" \
-        bench/bench_vllm.py -k gpu --benchmark-json "$OUT/vllm-gpu-bench.json"
-    [ -s "$OUT/vllm-gpu-bench.json" ] && "$PY" bench/bench_vllm.py "$OUT/vllm-gpu-bench.json"
-else
-    echo "=== vllm-bench: skipped, vllm cannot be imported here (bench/bench_vllm.py -k gpu: cudarecv vs vLLM's ipc and nccl)" >&2
-fi
-
-if [ -s "$BENCH_JSON" ]; then
-    if timeout 20 "$PY" -c "import matplotlib" 2>/dev/null; then
-        PNG=(--png "$OUT/gpu-report.png")
-    else
-        echo "matplotlib is not installed: no plot"
-        PNG=(--no-png)
-    fi
-    step report 15 "$PY" -m cudarecv report "$BENCH_JSON" "${PNG[@]}" > "$OUT/gpu-report.txt"
-    cat "$OUT/gpu-report.txt"
-else
-    echo "=== report: skipped, no $BENCH_JSON" >&2
-    failed+=("report (no $BENCH_JSON)")
-fi
+nccl_step nccl-tests 75 env NCCL_DEBUG=WARN "${PYTEST[@]}" --gpus "$GPUS" --timeout 45 \
+    --junitxml "$OUT/nccl-tests.xml" "${NCCL_IDS[@]}"
 
 # 10. -------------------------------------------------------------------------------------------------
+gpu_step gpu-tests 150 "${PYTEST[@]}" --gpus "$GPUS" --timeout 45 \
+    --junitxml "$OUT/gpu-tests.xml" -m "not nccl and not long" tests/test_gpu.py "${DESELECT[@]}"
+
+# 11. -------------------------------------------------------------------------------------------------
+if [ -n "${BENCH:-}" ]; then
+    if [ -z "${BENCH_K+set}" ]; then
+        if [ "$NCCL_MODE" = per_gpu ]; then BENCH_K=""; else BENCH_K="not nccl"; fi
+    fi
+    BENCH_JSON="$OUT/gpu-bench.json"
+    rm -f "$BENCH_JSON"
+    if probe 20 "$PY" -c "import pytest_benchmark" 2>/dev/null; then
+        BENCH_ARGS=(--benchmark-json "$BENCH_JSON")
+    else
+        echo "pytest-benchmark cannot be imported: bench/bench_gpu.py's stand-in fixture writes $BENCH_JSON"
+        export CUDARECV_BENCH_JSON="$BENCH_JSON"
+        BENCH_ARGS=()
+    fi
+    K_ARGS=()
+    if [ -n "$BENCH_K" ]; then
+        K_ARGS=(-k "$BENCH_K")
+    fi
+    gpu_step gpu-benches 110 "${PYTEST[@]}" --gpus "$GPUS" --timeout 100 --junitxml "$OUT/gpu-benches.xml" \
+        bench/bench_gpu.py ${K_ARGS[@]+"${K_ARGS[@]}"} ${BENCH_ARGS[@]+"${BENCH_ARGS[@]}"}
+
+    # vLLM's own GPU weight-transfer backends (ipc, nccl) against cudarecv's, updating a running engine (bf16,
+    # 200M): only where vLLM is installed (the lent image has none, and a CUDA build of vLLM is far beyond
+    # what a call carries)
+    if probe 60 "$PY" -c "import vllm" 2>/dev/null; then
+        gpu_step vllm-bench 300 "${PYTEST[@]}" --gpus "$GPUS" --timeout 280 --junitxml "$OUT/vllm-bench.xml" \
+            bench/bench_vllm.py -k gpu --benchmark-json "$OUT/vllm-gpu-bench.json"
+        [ -s "$OUT/vllm-gpu-bench.json" ] && probe 30 "$PY" bench/bench_vllm.py "$OUT/vllm-gpu-bench.json"
+    else
+        echo "=== vllm-bench: skipped, vllm cannot be imported here (bench/bench_vllm.py -k gpu: cudarecv vs vLLM's ipc and nccl)" >&2
+    fi
+
+    if [ -s "$BENCH_JSON" ]; then
+        if probe 20 "$PY" -c "import matplotlib" 2>/dev/null; then
+            PNG=(--png "$OUT/gpu-report.png")
+        else
+            echo "matplotlib cannot be imported: no plot"
+            PNG=(--no-png)
+        fi
+        step report 15 "$PY" -m cudarecv report "$BENCH_JSON" "${PNG[@]}" > "$OUT/gpu-report.txt"
+        cat "$OUT/gpu-report.txt"
+    else
+        echo "=== report: skipped, no $BENCH_JSON" >&2
+        failed+=("report (no $BENCH_JSON)")
+    fi
+else
+    echo "=== benches: not run (BENCH=1 runs bench/bench_gpu.py, vLLM's where installed, and the report)" >&2
+fi
+
+# 12. -------------------------------------------------------------------------------------------------
 if [ -n "$CPU_TESTS" ]; then
     XDIST=()
-    if timeout 10 "$PY" -c "import xdist" 2>/dev/null; then
+    if probe 10 "$PY" -c "import xdist" 2>/dev/null; then
         XDIST=(-n 4)
     fi
     # shellcheck disable=SC2086  # CPU_TESTS is a list of paths
@@ -304,7 +394,7 @@ if [ -n "$CPU_TESTS" ]; then
         $CPU_TESTS --ignore=tests/test_gpu.py
 fi
 
-echo "after ${SECONDS} s; results in $OUT:"
+echo "after ${SECONDS} s (budget ${BUDGET} s); results in $OUT:"
 ls -l "$OUT"
 if [ "${#failed[@]}" -gt 0 ]; then
     echo "FAILED steps: ${failed[*]}"

@@ -6,7 +6,7 @@ No cudarecv code runs here: what fails here is NCCL's (or torch's), not cudarecv
     One process, GPU 0: an NCCL group of world 1 (an ``all_reduce``), then one batch holding a send to
     itself and a receive from itself, posted through ``ProcessGroupNCCL``'s coalescing (what cudarecv
     does on a standalone group; ``dist.isend`` refuses a self peer) and checked.
-``python bench/nccl_smoke.py pair [--logs DIR] [--timeout S] [--backend gloo]``
+``python bench/nccl_smoke.py pair [--logs DIR] [--timeout S] [--deadline S] [--backend gloo]``
     Two processes, both on GPU 0, each with its own ``NCCL_HOSTID`` and NCCL's socket transport on
     loopback (:data:`HOSTID_ENV`, the environment ``cudarecv.testing.gpu.nccl_ranks`` gives in its
     ``hostid`` mode): NCCL 2.28 then takes them for two nodes instead of refusing two ranks on one
@@ -14,8 +14,11 @@ No cudarecv code runs here: what fails here is NCCL's (or torch's), not cudarecv
     ``batch_isend_irecv``, then an ``all_reduce``; each rank checks the values. Each rank's output
     (``NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET`` where the caller sets them) goes to
     ``DIR/nccl-pair-rank<r>.log``. Every wait is bounded: the process groups time out after
-    ``--timeout`` s, and a rank still running after twice that is killed. ``--backend gloo`` runs the
-    same over gloo with CPU tensors: this script's own check on a machine without a GPU.
+    ``--timeout`` s, and ranks still running ``--deadline`` s after their start (default: twice the
+    timeout) are killed. The ranks run in a session of their own (a signal to this process's group does
+    not reach them), so this process kills their sessions on every way out: done, past the deadline, an
+    exception, SIGINT or SIGTERM (``timeout -s INT`` in ``bench/gpu_check.sh``). ``--backend gloo`` runs
+    the same over gloo with CPU tensors: this script's own check on a machine without a GPU.
 
 Exit code 0 when every check passed, 1 otherwise (each failure printed), 2 for a bad argument.
 """
@@ -23,9 +26,12 @@ Exit code 0 when every check passed, 1 otherwise (each failure printed), 2 for a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping
 from datetime import timedelta
@@ -184,7 +190,26 @@ def run_rank(rank: int, port: int, timeout: float, backend: str) -> int:
     return 1 if failures else 0
 
 
-def check_pair(logs: Path, timeout: float, backend: str = "nccl") -> int:
+class _Stopped(Exception):
+    """SIGINT or SIGTERM reached the parent of the pair."""
+
+
+def _end_sessions(procs: list[subprocess.Popen]) -> None:
+    """Kill each rank's session (the rank and anything it started), then reap the rank."""
+    for proc in procs:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(
+                    proc.pid, signal.SIGKILL
+                )  # (start_new_session: its pid is its group's id)
+    for proc in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(10)
+
+
+def check_pair(
+    logs: Path, timeout: float, backend: str = "nccl", deadline: float | None = None
+) -> int:
     """Two ranks on GPU 0 in NCCL_HOSTID mode; see the module's docstring."""
     problem = _nccl_problem() if backend == "nccl" else None
     if problem:
@@ -196,41 +221,54 @@ def check_pair(logs: Path, timeout: float, backend: str = "nccl") -> int:
     store = dist.TCPStore(
         HOST, 0, 3, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout)
     )
-    procs = []
+    procs: list[subprocess.Popen] = []
     files = []
-    for rank in range(2):
-        log = open(logs / f"nccl-pair-rank{rank}.log", "w")  # noqa: SIM115 - closed below
-        files.append(log)
-        env = dict(os.environ, **rank_env(rank))
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # (--backend gloo)
-        procs.append(
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    __file__,
-                    "rank",
-                    str(rank),
-                    str(store.port),
-                    str(timeout),
-                    backend,
-                ],
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
+    codes: list[int | None] = []
+
+    def stop(signum: int, _frame: object) -> None:
+        raise _Stopped(signal.Signals(signum).name)
+
+    handlers = {}
+    if threading.current_thread() is threading.main_thread():  # (only it may set handlers)
+        handlers = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for rank in range(2):
+            log = open(logs / f"nccl-pair-rank{rank}.log", "w")  # noqa: SIM115 - closed below
+            files.append(log)
+            env = dict(os.environ, **rank_env(rank))
+            env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # (--backend gloo)
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        __file__,
+                        "rank",
+                        str(rank),
+                        str(store.port),
+                        str(timeout),
+                        backend,
+                    ],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
             )
-        )
-    deadline = time.monotonic() + 2 * timeout
-    codes = []
-    for proc in procs:
-        try:
-            codes.append(proc.wait(max(1.0, deadline - time.monotonic())))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-            codes.append(None)
-    for log in files:
-        log.close()
+        end = time.monotonic() + (2 * timeout if deadline is None else deadline)
+        for proc in procs:
+            try:
+                codes.append(proc.wait(max(1.0, end - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                codes.append(None)
+    except _Stopped as why:
+        print(f"pair: stopped by {why}: the ranks' sessions killed")
+        return 1
+    finally:
+        _end_sessions(procs)
+        for log in files:
+            log.close()
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
     failed = False
     for rank, code in enumerate(codes):
         text = (logs / f"nccl-pair-rank{rank}.log").read_text(errors="replace")
@@ -253,6 +291,12 @@ def main(argv: list[str] | None = None) -> int:
     two = sub.add_parser("pair", help="two ranks on GPU 0, NCCL_HOSTID mode")
     two.add_argument("--logs", type=Path, default=Path("."))
     two.add_argument("--timeout", type=float, default=45.0)
+    two.add_argument(
+        "--deadline",
+        type=float,
+        default=None,
+        help="seconds the ranks may run (default: 2 x timeout)",
+    )
     two.add_argument("--backend", choices=["nccl", "gloo"], default="nccl")
     rank = sub.add_parser("rank", help="(internal) one rank of the pair")
     rank.add_argument("rank", type=int)
@@ -262,10 +306,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if getattr(args, "timeout", 1.0) <= 0:
         parser.error(f"--timeout must be > 0, got {args.timeout}")
+    if getattr(args, "deadline", None) is not None and args.deadline <= args.timeout:
+        parser.error(f"--deadline must be > --timeout ({args.timeout}), got {args.deadline}")
     if args.what == "self":
         return check_self(args.timeout)
     if args.what == "pair":
-        return check_pair(args.logs, args.timeout, args.backend)
+        return check_pair(args.logs, args.timeout, args.backend, args.deadline)
     return run_rank(args.rank, args.port, args.timeout, args.backend)
 
 

@@ -498,6 +498,7 @@ def test_gloo_cuda_roundtrip(gloo, case, blocking):
 
 
 @nccl_mark
+@pytest.mark.nccl
 @pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "async"])
 @pytest.mark.parametrize("case", NCCL_CASES)
 def test_nccl_roundtrip(nccl, case, blocking):
@@ -519,6 +520,7 @@ assert len(STANDALONE_CASES) == len(STANDALONE_IDS), (
 
 
 @nccl_mark
+@pytest.mark.nccl
 @pytest.mark.parametrize("case", STANDALONE_CASES)
 def test_nccl_standalone_group(nccl, case):
     """A ProcessGroupNCCL built on a store, never registered: group + group_src/group_dst."""
@@ -570,6 +572,7 @@ def test_gloo_cuda_header_mismatch_then_next_transfer_works(gloo, consolidated):
 
 
 @nccl_mark
+@pytest.mark.nccl
 @pytest.mark.parametrize(
     "consolidated,place",
     [(False, "cuda"), (False, "cpu"), (True, "cuda"), (True, "pinned")],
@@ -756,6 +759,7 @@ def test_pending_receive_does_not_block_the_current_stream(gloo, mode):
 
 
 @nccl_mark
+@pytest.mark.nccl
 @pytest.mark.parametrize("mode", ["consolidated", "chunks"])
 def test_nccl_pending_receive_does_not_block_the_current_stream(nccl, mode):
     delay = 3.0
@@ -873,6 +877,7 @@ def test_gloo_staging_is_reused(gloo, mode):
 
 
 @nccl_mark
+@pytest.mark.nccl
 @pytest.mark.parametrize("mode", [m for m in STAGING_MODES if m.startswith("nccl")])
 def test_nccl_staging_is_reused(nccl, mode):
     _check_staging(nccl().run(staging_reuse, args=(mode, 5), timeout=RUN_TIMEOUT))
@@ -941,6 +946,7 @@ def test_gloo_back_to_back_receives_into_cuda_keep_each_value(gloo, mode):
 
 
 @nccl_mark
+@pytest.mark.nccl
 @pytest.mark.parametrize("mode", ["consolidated", "chunks"])
 def test_nccl_back_to_back_sends_from_host_keep_each_value(nccl, mode):
     """Sends from pinned host memory go through a ring of device buffers; a send waiting for its
@@ -970,6 +976,7 @@ def nccl_stock_peer(rank, world, group, sender, receiver):
 
 
 @nccl_mark
+@pytest.mark.nccl
 @pytest.mark.parametrize(
     "sender,receiver", [("stock", C), (C, "stock")], ids=["stock-to-cudarecv", "cudarecv-to-stock"]
 )
@@ -1046,6 +1053,7 @@ def test_gloo_weight_sync_into_gpu_or_pinned_memory_is_flat(gloo, receiver_devic
 
 
 @nccl_mark
+@pytest.mark.nccl
 @pytest.mark.parametrize("standalone", [False, True], ids=["default_group", "standalone_group"])
 @pytest.mark.parametrize("receiver_device", ["cuda", "pinned"])
 def test_nccl_weight_sync(nccl, receiver_device, standalone):
@@ -1124,6 +1132,7 @@ def test_gloo_relay_of_gpu_weights(gloo3, receiver_device):
 
 
 @pytest.mark.gpus(RELAY_GPUS)
+@pytest.mark.nccl
 @pytest.mark.parametrize("receiver_device", ["cuda", "pinned"])
 def test_nccl_relay(nccl3, receiver_device):
     """The relay over NCCL point-to-point: each hop forwards chunk i on its own stream while chunk

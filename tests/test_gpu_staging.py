@@ -27,12 +27,15 @@ from cudarecv.testing.gpu import nccl_ranks, nccl_ranks_problem
 from rawwire import set_flag, unique_key, wait_flag
 
 HAS_CUDA = torch.cuda.is_available()
-PG_TIMEOUT = 60.0
-WAIT = 60.0  # each transfer's own timeout, and each wait for the other rank's signal
-RUN_TIMEOUT = 4 * WAIT
+WAIT = 30.0  # each transfer's own timeout, and each wait for the other rank's signal
+PG_TIMEOUT = 2 * WAIT  # longer than an op stays posted while the other rank waits for a signal
+RUN_TIMEOUT = 4 * WAIT  # a warm-up, a wait for the signal, the transfer, its wait
+START = 60.0  # what starting two NCCL ranks (the module's first test) may take
 
 pytestmark = [
     pytest.mark.gpus(1),
+    pytest.mark.nccl,
+    pytest.mark.timeout(RUN_TIMEOUT + START),
     pytest.mark.skipif(
         not HAS_CUDA,
         reason="torch.cuda.is_available() is False: needs a CUDA build of torch and a visible GPU",

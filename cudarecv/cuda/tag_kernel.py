@@ -91,9 +91,10 @@ def time_tag_map_gpu(repeats: int = 100) -> float:
     if repeats < 1:
         raise ArgumentError(f"repeats must be >= 1, got {repeats}")
     kernel = _range_kernel()
-    with cupy.cuda.Stream(
-        non_blocking=True
-    ) as stream:  # (as tag_map_gpu: no legacy default stream)
+    stream = (
+        _own_stream()
+    )  # (as tag_map_gpu: no legacy default stream; one stream per device, made once)
+    with stream:
         out = cupy.empty(_MAP_SIZE, dtype=cupy.int64)
         _launch(kernel, out)
         start, end = cupy.cuda.Event(), cupy.cuda.Event()
