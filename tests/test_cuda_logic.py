@@ -539,6 +539,9 @@ def device_one(monkeypatch):
     )
     monkeypatch.setattr(torch.cuda, "Stream", _DeviceStream)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _DeviceStream(device))
+    monkeypatch.setattr(
+        _cuda, "_CUPY", None
+    )  # (cudarecv's streams from the fake above, never cupy's)
 
 
 def _on_a_thread(fn):
@@ -619,22 +622,201 @@ def test_a_weight_ends_links_each_have_a_stream_of_their_own(device_one):
     assert lane(0, peers_at_once=True, after=copier).after is copier
 
 
-def test_an_eagerly_initialised_nccl_group_of_three_gets_pairs_of_its_own(monkeypatch):
-    """Issue 47 item 4: on an NCCL group bound to a device (eager init) of 3+ ranks a weight end's messages go
-    on a pair group of the two ends (made once per peer); lazily, or on two ranks, on the group itself."""
+def test_a_registered_nccl_group_gets_pairs_of_its_own(monkeypatch):
+    """Issue 47 item 4 (and the review's defect 1): on an NCCL group torch.distributed knows (lazy or eager, any
+    size) a weight end's messages go on a pair group of the two ends (made once per peer while used, each
+    formation under a prefix of its own); on a standalone group, on the group itself, except an eager one of 3+
+    ranks, which cannot be used (UsageError)."""
     from cudarecv.wire import staging
 
+    class Counts:  # (a store's add: what both ends count their formations on)
+        def __init__(self):
+            self.n = {}
+
+        def add(self, key, by):
+            self.n[key] = self.n.get(key, 0) + by
+            return self.n[key]
+
     made = []
-    monkeypatch.setattr(staging, "make_pair", lambda link: made.append(link.peer) or object())
-    lazy = _ThreeRanks()
-    assert staging.pair_link(Link(lazy, 2, False, "nccl")).pg is lazy
-    eager = _ThreeRanks()
-    eager.bound_device_id = torch.device("cuda", 1)
-    pair = staging.pair_link(Link(eager, 2, False, "nccl"))
-    assert (
-        pair.pg is not eager and pair.peer == 1 and pair.backend == "nccl"
-    )  # (rank 1 < 2: pair rank 0)
-    assert staging.pair_link(Link(eager, 2, False, "nccl")) is pair and made == [2]
-    assert staging.pair_link(Link(eager, 0, False, "nccl")).peer == 0 and made == [2, 0]
-    gloo = Link(eager, 2, False, "gloo")
-    assert staging.pair_link(gloo) is gloo
+    registered = set()
+    counts = Counts()
+    monkeypatch.setattr(
+        staging,
+        "make_pair",
+        lambda link, prefix, store: made.append((link.peer, prefix)) or object(),
+    )
+    monkeypatch.setattr(
+        staging, "pair_store", lambda link: counts if id(link.pg) in registered else None
+    )
+    standalone = _ThreeRanks()
+    assert staging.pair_link(Link(standalone, 2, False, "nccl")).pg is standalone
+    eager_standalone = _ThreeRanks()
+    eager_standalone.bound_device_id = torch.device("cuda", 1)
+    with pytest.raises(cudarecv.UsageError, match="registered group"):
+        staging.pair_link(Link(eager_standalone, 2, False, "nccl"))
+    for eager in (False, True):
+        made.clear()
+        group = _ThreeRanks()
+        if eager:
+            group.bound_device_id = torch.device("cuda", 1)
+        registered.add(id(group))
+        pair = staging.pair_link(Link(group, 2, False, "nccl"))
+        assert (
+            pair.pg is not group and pair.peer == 1 and pair.backend == "nccl"
+        )  # (rank 1 < 2: pair rank 0)
+        assert staging.pair_link(Link(group, 2, False, "nccl")) is pair and len(made) == 1
+        assert staging.pair_link(Link(group, 0, False, "nccl")).peer == 0 and len(made) == 2
+        gloo = Link(group, 2, False, "gloo")
+        assert staging.pair_link(gloo) is gloo
+        # the last user's release lets go of it; the next end forms a new one, under a new prefix
+        staging.release_pair(pair)
+        assert staging.is_pair(pair)
+        staging.release_pair(pair)
+        assert not staging.is_pair(pair)
+        again = staging.pair_link(Link(group, 2, False, "nccl"))
+        assert again is not pair and made[-1][1] != made[0][1], made
+        # an aborted pair is evicted at once, whoever still holds it
+        assert staging.evict_pair(again) and not staging.is_pair(again)
+        staging.release_pair(again)  # (a no-op now)
+
+
+class _FakeCupy:
+    """cupy as far as :func:`cudarecv.core.streams.new_stream` uses it: says which device was current when
+    each stream was made, with which flags; each stream a distinct handle."""
+
+    def __init__(self) -> None:
+        import types
+
+        self.current = 0
+        self.made: list[tuple[int, bool]] = []  # (device current, non_blocking) per stream made
+        fake = self
+
+        class Device:
+            def __init__(self, index: int) -> None:
+                self.index = index
+
+            def __enter__(self):
+                self.before, fake.current = fake.current, self.index
+                return self
+
+            def __exit__(self, *exc) -> None:
+                fake.current = self.before
+
+        class Stream:
+            def __init__(self, non_blocking: bool = False) -> None:
+                fake.made.append((fake.current, non_blocking))
+                self.ptr = 0x7000 + len(fake.made)
+
+        self.cuda = types.SimpleNamespace(is_available=lambda: True, Device=Device, Stream=Stream)
+
+
+class _FakeExternal:
+    """``torch.cuda.ExternalStream`` that records the handle and device it wraps."""
+
+    def __init__(self, stream_ptr: int, device=None) -> None:
+        self.cuda_stream, self.device = stream_ptr, torch.device(device)
+
+    def wait_stream(self, other) -> None:
+        pass
+
+
+def _fresh_streams(monkeypatch) -> None:
+    """cudarecv's streams module as in a new process: nothing made, the choice of cupy not yet taken."""
+    import weakref
+
+    monkeypatch.setattr(_cuda, "_CUPY", _cuda._UNDECIDED)
+    monkeypatch.setattr(_cuda, "_STREAMS", {})
+    monkeypatch.setattr(_cuda, "_COPY_STREAMS", {})
+    monkeypatch.setattr(_cuda, "_LINK_STREAMS", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _DeviceStream(device))
+
+
+def test_cudarecvs_streams_are_cupys_own_never_torchs_pool(monkeypatch):
+    """Issue 47 (review, item 1): torch.cuda.Stream() hands out one of 32 pooled streams per device, which
+    NCCL's communicators draw from too; cudarecv's streams (per link, per owner, per device) are each a CUDA
+    stream of cupy's, made non-blocking on the stream's device, wrapped as an ExternalStream that keeps it
+    alive, and released with its owner (a link's with its group)."""
+    import gc
+    import sys
+    import weakref
+
+    from cudarecv.wire.staging import lane_for
+
+    _fresh_streams(monkeypatch)
+    cupy = _FakeCupy()
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setattr(torch.cuda, "ExternalStream", _FakeExternal)
+
+    def pooled(*args, **kwargs):
+        raise AssertionError("a stream drawn from torch's pool")
+
+    monkeypatch.setattr(torch.cuda, "Stream", pooled)
+    device = torch.device("cuda", 1)
+    pg = _ThreeRanks()
+    made = [
+        _cuda.link_stream(device, pg, 0),
+        _cuda.link_stream(device, pg, 2),
+        _cuda.link_copy_stream(device, pg, 0),
+        _cuda.own_stream(device),
+        _cuda.own_stream(device),
+        _cuda.dedicated_stream(device),
+        _cuda.copy_stream(device),
+    ]
+    assert all(isinstance(s, _FakeExternal) for s in made), made
+    assert len({s.cuda_stream for s in made}) == len(made)  # each a CUDA stream of its own
+    assert all(s.device == device and s._cudarecv_owner.ptr == s.cuda_stream for s in made)
+    assert cupy.made == [(1, True)] * len(
+        made
+    )  # non-blocking, made with the stream's device current
+    assert cupy.current == 0  # (the caller's current device is left as it was)
+    # a weight end's lane of host memory on NCCL: its link's stream and its link's copy stream
+    lane = lane_for(
+        Link(pg, 0, False, "nccl"),
+        torch.device("cpu"),
+        None,
+        _cuda.StagingPool(),
+        peers_at_once=True,
+        cuda=device,
+    )
+    assert lane.stream is made[0] and lane.copier is made[2]
+    plain = lane_for(
+        Link(pg, 0, False, "nccl"), torch.device("cpu"), None, _cuda.StagingPool(), cuda=device
+    )
+    assert plain.stream is made[5] and plain.copier is None  # (a plain call: the device's own pair)
+    assert len(cupy.made) == len(made)  # (reused, none made again)
+    # an owner's stream goes with its owner, a link's with its group
+    owner = weakref.ref(made[3]._cudarecv_owner)
+    link = weakref.ref(made[0]._cudarecv_owner)
+    del made, lane, plain
+    gc.collect()
+    assert owner() is None and link() is not None
+    del pg
+    gc.collect()
+    assert link() is None
+
+
+def test_without_cupy_streams_come_from_torchs_pool_and_it_is_said_once(monkeypatch, caplog):
+    """Without cupy, cudarecv's streams are torch's pooled ones, and the cudarecv logger says once that they
+    may alias."""
+    import logging
+    import sys
+
+    _fresh_streams(monkeypatch)
+    monkeypatch.setitem(sys.modules, "cupy", None)  # (import cupy raises ImportError)
+    monkeypatch.setattr(torch.cuda, "Stream", _DeviceStream)
+    pg = _ThreeRanks()
+    with caplog.at_level(logging.WARNING, logger="cudarecv"):
+        made = [
+            _cuda.link_stream(torch.device("cuda", 1), pg, 0),
+            _cuda.link_copy_stream(torch.device("cuda", 1), pg, 0),
+            _cuda.own_stream(torch.device("cuda", 0)),
+            _cuda.dedicated_stream(torch.device("cuda", 0)),
+        ]
+    assert all(type(s) is _DeviceStream for s in made)
+    assert [s.device.index for s in made] == [1, 1, 0, 0]
+    said = [
+        r for r in caplog.records if r.name == "cudarecv" and "may then alias" in r.getMessage()
+    ]
+    assert len(said) == 1 and "cupy cannot be imported" in said[0].getMessage(), caplog.records

@@ -29,15 +29,17 @@ from cudarecv.wire.staging import lane_for
 from rawwire import store, unique_key
 
 HAS_CUDA = torch.cuda.is_available()
-PG_TIMEOUT = 60.0
-RUN_TIMEOUT = 240.0
-WAIT = 60.0  # each pull's and push's own timeout
-STALL = 90.0  # the longest a stalled receiver waits for the other's signal
+WAIT = 30.0  # each pull's and push's own timeout
+STALL = 40.0  # the longest a stalled receiver waits for the other's signal (longer than a pull)
+PG_TIMEOUT = STALL + 20.0  # longer than a send stays posted while its receiver is stalled
+RUN_TIMEOUT = 2 * (STALL + WAIT) + 10.0  # two versions, each a stall and a pull at worst
+START = 60.0  # what starting three NCCL ranks (the module's first test) may take
 LEAF = 4 << 20  # bytes per leaf: a message NCCL holds until its receiver posts the receive
 CHUNK = 1 << 20
 
 pytestmark = [
     pytest.mark.gpus(1),
+    pytest.mark.timeout(RUN_TIMEOUT + START),
     pytest.mark.skipif(
         not HAS_CUDA,
         reason="torch.cuda.is_available() is False: needs a CUDA build of torch and a visible GPU",
@@ -124,6 +126,7 @@ def weight_sync(rank, world, group, key, fanout, eager, stalled, memory):
     [("star", 1), ("relay", 2)],
     ids=["star-first-stalls", "relay-tail-stalls"],
 )
+@pytest.mark.nccl
 def test_a_stalled_receiver_does_not_stall_the_other(three, fanout, stalled):
     """Issue 47 item 1 on NCCL: each link of a weight end has a stream of its own, so the other receiver gets
     every version while one has not posted its receives (with one stream per device it waited for them)."""
@@ -139,6 +142,7 @@ def test_a_stalled_receiver_does_not_stall_the_other(three, fanout, stalled):
         assert not waited_out, out  # (the stalled one was released by the other's signal)
 
 
+@pytest.mark.nccl
 @pytest.mark.parametrize("memory", ["cuda", "cpu"])
 def test_a_relay_of_three_on_an_eagerly_initialised_group(three, memory):
     """Issue 47 item 4 on NCCL: with ``device_id=`` torch runs every op of the group on its one communicator;
@@ -202,3 +206,36 @@ def test_a_lane_made_on_a_thread_is_on_the_owners_device():
     assert host.stream.device == device and on_device.stream.device == device
     assert host.stream != on_device.stream
     assert host.stream != torch.cuda.default_stream(device)
+
+
+def test_cudarecvs_streams_never_alias_torchs_pool():
+    """Review of issue 47, item 1: ``torch.cuda.Stream()`` hands out one of 32 pooled streams per device and
+    priority, round-robin, as ProcessGroupNCCL's communicators get theirs; 40 draws must repeat one. cudarecv's
+    link streams (and copy streams) are made outside that pool (cupy's): 40 links on one device plus 40 draws
+    from the pool are all distinct CUDA streams, and work queued on each runs."""
+    pytest.importorskip(
+        "cupy", reason="cudarecv's own streams need cupy (pip install cudarecv[gpu])"
+    )
+    device = _device()
+    group = _Lazy()
+    links = [_cuda.link_stream(device, group, peer) for peer in range(40)]
+    copies = [_cuda.link_copy_stream(device, group, peer) for peer in range(40)]
+    owners = [_cuda.own_stream(device), _cuda.dedicated_stream(device), _cuda.copy_stream(device)]
+    pooled = [torch.cuda.Stream(device=device) for _ in range(40)]
+    assert (
+        len({s.cuda_stream for s in pooled}) <= 32
+    )  # (the pool wraps: what the links must not share)
+    ours = links + copies + owners
+    assert all(s.device == device for s in ours)
+    handles = [s.cuda_stream for s in ours] + [s.cuda_stream for s in pooled]
+    assert len(set(handles)) == len(ours) + len({s.cuda_stream for s in pooled}), (
+        "a stream of cudarecv's is one of torch's pool"
+    )
+    assert torch.cuda.default_stream(device).cuda_stream not in {s.cuda_stream for s in ours}
+    count = torch.zeros(1, device=device)
+    for stream in ours:
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            count.add_(1)
+        torch.cuda.current_stream(device).wait_stream(stream)
+    assert count.item() == len(ours)

@@ -331,13 +331,25 @@ def fresh_three():
     ranks.close()
 
 
-def stalled_sync(rank, world, group, key, fanout, eager, stalled):
+def stalled_sync(rank, world, group, key, fanout, eager, stalled, memory="device"):
     """A sender (rank 0) pushes one version to ranks 1 and 2 (a star, or a relay 1 -> 2). Rank ``stalled``
     pulls only once the other receiver has the version (or after ``STALL`` s): a stalled receiver must not
-    stall the other. Each rank says its outcome; the sender also the unneeded waits the stand-in found."""
+    stall the other. Each rank says its outcome; the sender also the unneeded waits the stand-in found.
+    ``memory``: every rank's tensors count as device memory, or as host memory (staged through device
+    buffers and copy streams on NCCL)."""
     model = policy()
-    with stand_in_cuda("device", streams=True):
-        pg = StrictNccl(store(), rank, world, timeout=TIMEOUT, name=key, streams=True, eager=eager)
+    with stand_in_cuda(memory, streams=True):
+        # (eagerly: registered, as a group made with device_id= is; cudarecv forms its pair groups on its store)
+        pg = StrictNccl(
+            store(),
+            rank,
+            world,
+            timeout=TIMEOUT,
+            name=key,
+            streams=True,
+            eager=eager,
+            registered=eager,
+        )
         if rank == 0:
 
             def push_all():
@@ -391,6 +403,28 @@ def test_a_stalled_receiver_does_not_stall_the_others(fresh_three, fanout, stall
     results = fresh_three().run(
         stalled_sync,
         args=(unique_key(f"stall-{fanout}-{stalled}-{eager}"), fanout, eager, stalled),
+        timeout=6 * TIMEOUT,
+    )
+    assert results[0] == (("ok", fanout), []), results
+    assert [r[0] for r in results[1:]] == [("ok", [True, True])] * 2, results
+    assert all(r[1] == [] for r in results), results
+
+
+@pytest.mark.parametrize(
+    "fanout, stalled",
+    [("star", 1), ("star", 2), ("relay", 2)],
+    ids=["star-1", "star-2", "relay-tail"],
+)
+def test_a_stalled_receiver_does_not_stall_the_others_through_host_staging(
+    fresh_three, fanout, stalled
+):
+    """Issue 47 item 1 on host memory, which NCCL's ends stage through device buffers and copy streams (the
+    stand-in's device memory, what is allocated with ``device=``, carries the control bytes as a GPU does).
+    (The copy streams' own defect shows in
+    ``test_a_links_staging_copies_do_not_wait_for_another_links_receive``.)"""
+    results = fresh_three().run(
+        stalled_sync,
+        args=(unique_key(f"stall-host-{fanout}-{stalled}"), fanout, False, stalled, "host"),
         timeout=6 * TIMEOUT,
     )
     assert results[0] == (("ok", fanout), []), results
@@ -486,3 +520,61 @@ def test_the_stand_in_names_a_wait_cycle_of_an_eager_group(fresh_three):
     for kind, text in out:
         assert kind == "NcclRuleError", out
         assert "group stream" in text and "Where each rank's streams wait" in text, text
+
+
+def _drive(protocol):
+    """Run a staging sub-protocol to its end: the host waits for what each step yields."""
+    for works in protocol:
+        for work in works:
+            work.wait()
+
+
+def staged_receives(rank, world, group, key):
+    """Host memory on NCCL, through device buffers and a copy stream. Rank 0 posts a receive from rank 1 (which
+    sends only once told), then receives three messages from rank 2 (which sends at once) on a lane of its own:
+    those copies and receives must not wait for the pending receive from rank 1."""
+    from cudarecv.core.streams import StagingPool
+    from cudarecv.wire.staging import lane_for, recv_into
+
+    with stand_in_cuda("host", streams=True):
+        pg = StrictNccl(store(), rank, world, timeout=3.0, name=key, streams=True)
+        if rank > 0:
+            if rank == 1:
+                store().wait([f"{key}/go"], timedelta(seconds=4 * TIMEOUT))
+            tags = [9] if rank == 1 else [1, 2, 3]
+            works = [pg.send([torch.full((4096,), float(tag))], 0, tag) for tag in tags]
+            return _outcome(lambda: [w.wait() for w in works] and torch.cuda.synchronize())
+
+        def lane(peer):  # (a weight end's: a stream and a copy stream of the link's own)
+            link = Link(pg, peer, False, "nccl")
+            return lane_for(link, torch.device("cpu"), None, StagingPool(), peers_at_once=True)
+
+        held = torch.zeros(4096)
+        first = recv_into(lane(1), [held], [9])
+        next(
+            first
+        )  # (every receive is posted in the first step: this one is pending until rank 1 sends)
+        dests = [torch.zeros(4096) for _ in range(3)]
+        try:
+            _drive(recv_into(lane(2), dests, [1, 2, 3]))
+            outcome = ("ok", [d.unique().tolist() for d in dests])
+        except NcclRuleError as error:
+            outcome = ("NcclRuleError", str(error))
+        finally:
+            store().set(f"{key}/go", "1")
+        late = _outcome(lambda: _drive(first) or torch.cuda.synchronize() or held.unique().tolist())
+        return outcome, late, pg.violations
+
+
+def test_a_links_staging_copies_do_not_wait_for_another_links_receive(fresh_three):
+    """Review of issue 47, item 2: host memory on NCCL is staged through device buffers, its copies on a copy
+    stream that waits for the lane's stream. On one copy stream per device, shared by every link, the copies
+    for rank 2 waited for the receive still pending from rank 1, and so did the receives from rank 2 that
+    follow them (a stalled peer stalls the others; a receive never matched, every later staged transfer): the
+    stand-in refuses that edge. A copy stream per link (``Lane.copier``) keeps the links apart."""
+    (outcome, late, violations), one, two = fresh_three().run(
+        staged_receives, args=(unique_key("staged-copies"),), timeout=6 * TIMEOUT
+    )
+    assert outcome == ("ok", [[1.0], [2.0], [3.0]]), (outcome, violations)
+    assert late == ("ok", [9.0]) and violations == [], (late, violations)
+    assert one[0] == "ok" and two[0] == "ok", (one, two)

@@ -7,20 +7,92 @@ transfers that touch a GPU.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections import OrderedDict
 from datetime import timedelta
+from typing import Any
 
 import torch
 
 from .errors import ArgumentError
+from .log import logger
 from .lru import lru_get
+
+#: cupy when it can make CUDA streams here, None when not (:func:`new_stream` decides at its first call)
+_UNDECIDED: Any = object()
+_CUPY: Any = _UNDECIDED
+_LOCK = threading.Lock()
+
+
+def new_stream(device: torch.device) -> torch.cuda.Stream:
+    """A new CUDA stream on ``device`` that is cudarecv's alone: the one place cudarecv makes a stream.
+
+    ``torch.cuda.Stream()`` does not create a stream: it hands out one of a pool of 32 per device and
+    priority, round-robin (``getStreamFromPool`` in c10/cuda/CUDAStream.cpp: ``kStreamsPerPool = 1 <<
+    kStreamsPerPoolBits`` with 5 bits, ``get_idx`` takes a counter modulo that), and ProcessGroupNCCL draws
+    each communicator's NCCL stream from the same pool (``getStreamFromPool`` in ``getNCCLComm``), as do FSDP
+    and other libraries. Once the counter wraps, a stream drawn for one link may be the very CUDA stream of
+    another link, or of an NCCL communicator: its work then waits for theirs, and a stalled peer stalls
+    the others again. So cudarecv's streams are made outside the pool, with cupy (``cudarecv[gpu]``): a
+    non-blocking stream created with ``device`` current, seen by torch as an ``ExternalStream``, which
+    holds the cupy stream (destroyed when the last reference to the returned stream goes: a link's streams
+    live as long as its group object, an owner's as long as the owner). Without cupy (or where it cannot
+    make streams) it falls back to torch's pool, and says once, on the ``cudarecv`` logger, that streams
+    may alias.
+
+    Example:
+        >>> a, b = new_stream(torch.device("cuda", 0)), new_stream(torch.device("cuda", 0))
+        >>> a.cuda_stream != b.cuda_stream
+        True
+    """
+    index = _index(device)
+    cupy = _cupy()
+    if cupy is None:
+        return torch.cuda.Stream(device=index)
+    with cupy.cuda.Device(index):
+        owned = cupy.cuda.Stream(non_blocking=True)
+    stream = torch.cuda.ExternalStream(owned.ptr, device=torch.device("cuda", index))
+    # (torch does not own an external stream: the cupy object, destroying it when collected, goes with it)
+    setattr(stream, "_cudarecv_owner", owned)  # noqa: B010 - an attribute torch's class does not declare
+    return stream
+
+
+def _cupy() -> Any:
+    """cupy if it makes CUDA streams in this process, else None (said once on the logger); decided once."""
+    global _CUPY
+    with _LOCK:
+        if _CUPY is _UNDECIDED:
+            _CUPY, why = _try_cupy()
+            if _CUPY is None:
+                logger.warning(
+                    "cudarecv makes its CUDA streams with torch.cuda.Stream(), i.e. from torch's pool of 32 "
+                    "per device, which ProcessGroupNCCL and other libraries draw from too (%s): a weight "
+                    "end's link streams may then alias each other's or NCCL's, and a stalled peer stall the "
+                    "others; install cudarecv[gpu] (cupy) for streams of cudarecv's own",
+                    why,
+                )
+        return _CUPY
+
+
+def _try_cupy() -> tuple[Any, str]:
+    try:
+        import cupy
+    except ImportError as error:
+        return None, f"cupy cannot be imported: {error}"
+    try:
+        usable = cupy.cuda.is_available()
+    except Exception as error:  # noqa: BLE001 - any failure of cupy's means: not usable here
+        return None, f"cupy cannot use CUDA: {error!r}"
+    return (cupy, "") if usable else (None, "cupy sees no CUDA device")
+
 
 _STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
 def dedicated_stream(device: torch.device) -> torch.cuda.Stream:
-    """cudarecv's own stream on ``device``, created once per device and reused.
+    """cudarecv's own stream on ``device``, created once per device and reused (:func:`new_stream`: a
+    pooled stream could be a communicator's or a link's, and a plain call then wait for their peers).
 
     Example:
         >>> s = dedicated_stream(torch.device("cuda", 0))
@@ -28,9 +100,12 @@ def dedicated_stream(device: torch.device) -> torch.cuda.Stream:
         True
     """
     index = _index(device)
-    stream = _STREAMS.get(index)
+    with _LOCK:
+        stream = _STREAMS.get(index)
     if stream is None:
-        stream = _STREAMS[index] = torch.cuda.Stream(device=index)
+        made = new_stream(torch.device("cuda", index))
+        with _LOCK:
+            stream = _STREAMS.setdefault(index, made)
     return stream
 
 
@@ -38,16 +113,21 @@ _COPY_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
 def copy_stream(device: torch.device) -> torch.cuda.Stream:
-    """cudarecv's second stream on ``device``, for staging copies that overlap the wire."""
+    """cudarecv's second stream on ``device``, for staging copies that overlap the wire, for the lanes of
+    plain calls (one transfer at a time on the device's :func:`dedicated_stream`; a weight end's lanes have a
+    copy stream per link, :func:`link_copy_stream`). Made by :func:`new_stream`, as that one."""
     index = _index(device)
-    stream = _COPY_STREAMS.get(index)
+    with _LOCK:
+        stream = _COPY_STREAMS.get(index)
     if stream is None:
-        stream = _COPY_STREAMS[index] = torch.cuda.Stream(device=index)
+        made = new_stream(torch.device("cuda", index))
+        with _LOCK:
+            stream = _COPY_STREAMS.setdefault(index, made)
     return stream
 
 
-#: per group object: (device index, peer) -> that link's stream (see :func:`link_stream`)
-_LINK_STREAMS: weakref.WeakKeyDictionary[object, dict[tuple[int, int], torch.cuda.Stream]] = (
+#: per group object: (device index, peer, role) -> that link's stream (see :func:`link_stream`)
+_LINK_STREAMS: weakref.WeakKeyDictionary[object, dict[tuple[int, int, str], torch.cuda.Stream]] = (
     weakref.WeakKeyDictionary()
 )
 
@@ -60,28 +140,47 @@ def link_stream(device: torch.device, pg: object, peer: int) -> torch.cuda.Strea
     ``Work.wait()`` makes that stream wait for the op. On one stream shared by every link, each op would
     so wait for every op posted before it, whatever its peer: one stalled peer stalls the others, a
     relay loses its pipelining, and ops that wait on each other across ranks deadlock. A stream per link
-    keeps only the waits a transfer asks for (an event of the chunk it forwards). (torch hands out
-    streams from a pool of 32 per device and priority: past 32 links on a device, two links may share a
-    CUDA stream.)
+    keeps only the waits a transfer asks for (an event of the chunk it forwards). Made by
+    :func:`new_stream`, outside torch's pool (where, past 32 draws on a device, two links or a link and a
+    communicator would share a CUDA stream); it lives as long as ``pg``.
 
     Example:
         >>> s = link_stream(torch.device("cuda", 0), group, 1)
         >>> s is link_stream(torch.device("cuda:0"), group, 1), s is link_stream(torch.device("cuda:0"), group, 2)
         (True, False)
     """
+    return _per_link(device, pg, peer, "wire")
+
+
+def link_copy_stream(device: torch.device, pg: object, peer: int) -> torch.cuda.Stream:
+    """The copy stream of the link to ``peer`` in ``pg`` on ``device`` (host memory staged through device
+    buffers on NCCL), created once and reused, as :func:`link_stream`.
+
+    The copies of a transfer wait for its link stream (:func:`~cudarecv.wire.staging.recv_into`): on one
+    copy stream per device, a link's copies would wait for every other link's backlog, its NCCL receives
+    included, so a stalled peer would stall the others' copies (and the sends that wait for them), and a
+    receive never matched (a failed transfer) every later staged transfer on the device."""
+    return _per_link(device, pg, peer, "copy")
+
+
+def _per_link(device: torch.device, pg: object, peer: int, role: str) -> torch.cuda.Stream:
     index = _index(device)
-    per_group = _LINK_STREAMS.get(pg)
-    if per_group is None:
-        per_group = _LINK_STREAMS[pg] = {}
-    stream = per_group.get((index, peer))
-    if stream is None:
-        stream = per_group[index, peer] = torch.cuda.Stream(device=index)
+    with _LOCK:
+        per_group = _LINK_STREAMS.get(pg)
+        if per_group is None:
+            per_group = _LINK_STREAMS[pg] = {}
+        stream = per_group.get((index, peer, role))
+    if stream is None:  # (made outside the lock: the first call may import cupy)
+        made = new_stream(torch.device("cuda", index))
+        with _LOCK:
+            stream = per_group.setdefault((index, peer, role), made)
     return stream
 
 
 def own_stream(device: torch.device) -> torch.cuda.Stream:
-    """A new stream on ``device`` for one owner's work alone (a weight sender's copy-ins of its versions)."""
-    return torch.cuda.Stream(device=_index(device))
+    """A new stream on ``device`` for one owner's work alone (a weight sender's copy-ins of its versions),
+    made by :func:`new_stream`: it lives as long as its owner holds it."""
+    return new_stream(device)
 
 
 def transfer_stream(device: torch.device, stream: torch.cuda.Stream | None) -> torch.cuda.Stream:

@@ -173,6 +173,12 @@ def _coalescing(pg: dist.ProcessGroup) -> threading.Lock:
         return lock
 
 
+def posting(pg: dist.ProcessGroup) -> threading.Lock:
+    """The lock every cudarecv post on the NCCL group ``pg`` holds (single ops and batches alike): held, no
+    cudarecv op is being posted there, e.g. while the group is aborted (:func:`cudarecv.weights.fanout.abort_group`)."""
+    return _coalescing(pg)
+
+
 def _coalesced(
     link: Link, sending: bool, tensors: Sequence[Tensor], tags: Sequence[int]
 ) -> list[dist.Work]:

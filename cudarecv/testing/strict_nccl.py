@@ -196,6 +196,7 @@ class StrictNccl(dist.ProcessGroupGloo):
         streams: bool = False,
         eager: bool = False,
         ranks: list[int] | None = None,
+        registered: bool = False,
     ) -> None:
         super().__init__(
             dist.PrefixStore(f"{name}/data", store), rank, size, timedelta(seconds=timeout)
@@ -228,34 +229,57 @@ class StrictNccl(dist.ProcessGroupGloo):
         self.posted: list[Any] = []
         #: :meth:`abort` was called (``ProcessGroupNCCL.abort()``: every communicator of the group ended)
         self.aborted = False
+        #: :meth:`shutdown` was called (a pair group cudarecv let go of)
+        self.shut = False
+        #: stands in for a group torch.distributed knows: cudarecv forms pair groups on its store
+        #: (:func:`cudarecv.wire.staging.pair_link`); a standalone one has none
+        self.registered = registered
+        #: the pair groups made on this one (:meth:`pair`), in order
+        self.pairs: list[Any] = []
+        #: tests: run by a pair group's :meth:`abort` before it aborts (a slow abort, or one that fails)
+        self.on_abort: Any = None
 
     def abort(self) -> None:
         """End the group, as ``ProcessGroupNCCL.abort()`` ends its communicators: an op posted after it fails
         (what was posted before is never taken; gloo keeps it until the group goes)."""
         self.aborted = True
 
-    def pair(self, peer: int) -> Any:
-        """A lazily initialised group of this rank and ``peer`` on this group's store (what cudarecv forms on
-        an eagerly initialised group: :func:`cudarecv.wire.staging.pair_link`); each end calls it once. As
-        NCCL's, it is made at once and formed with the peer at its first op (gloo's rendezvous runs on a
-        thread: :class:`cudarecv.testing.strict_streams.LazyPair`)."""
+    def shutdown(self) -> None:
+        """Let go of the group, as ``ProcessGroupNCCL.shutdown()`` (an op posted after it fails)."""
+        self.shut = True
+
+    def pair_store(self) -> dist.Store | None:
+        """The store cudarecv forms pair groups on: this group's, if it stands in for a registered one."""
+        return (
+            dist.PrefixStore(f"{self._name}/registered", self._store) if self.registered else None
+        )
+
+    def pair(self, peer: int, prefix: str, store: dist.Store) -> Any:
+        """A lazily initialised group of this rank and ``peer`` on ``store`` under ``prefix`` (what cudarecv
+        forms on a registered group: :func:`cudarecv.wire.staging.pair_link`). As NCCL's, it is made at once and
+        formed with the peer at its first op (gloo's rendezvous runs on a thread:
+        :class:`cudarecv.testing.strict_streams.LazyPair`). Its ``abort()`` runs :attr:`on_abort` first."""
         from .strict_streams import LazyPair
 
         low, high = sorted((self.rank(), peer))
         me = 0 if self.rank() == low else 1
-        return LazyPair(
+        pair = LazyPair(
             lambda: StrictNccl(
-                self._store,
+                store,
                 me,
                 2,
                 self.timeout,
-                name=f"{self._name}/pair/{low}-{high}",
+                name=prefix,
                 streams=self.streams,
+                sends_done_at_posting=self.sends_done_at_posting,
                 ranks=[self.ranks[low], self.ranks[high]],
             ),
             me,
             self.timeout,
+            before_abort=lambda: self.on_abort() if self.on_abort is not None else None,
         )
+        self.pairs.append(pair)
+        return pair
 
     # -- what torch's ProcessGroupNCCL says of itself ----------------------------------------------------
     def name(self) -> str:
@@ -305,9 +329,10 @@ class StrictNccl(dist.ProcessGroupGloo):
         if len(tensors) != 1:
             raise NcclRuleError(f"one tensor per point-to-point op, got {len(tensors)}")
         me = threading.current_thread()
-        if self.aborted:
+        if self.aborted or self.shut:
             raise NcclRuleError(
-                f"rank {self.rank()} posts an op on a group whose communicators were aborted"
+                f"rank {self.rank()} posts an op on a group whose communicators were "
+                f"{'aborted' if self.aborted else 'shut down'}"
             )
         with self._lock:
             if self._coalescing is not None and self._coalescing is not me:
@@ -414,6 +439,7 @@ def stand_in_cuda(
         raise ValueError(f"pageable=True models host memory: pass memory='host', got {memory!r}")
     if pageable and streams:
         raise ValueError("pageable=True and streams=True model the stream apart: pass one of them")
+    from cudarecv.core import streams as cuda_streams
     from cudarecv.wire import staging
 
     stream = Stream()
@@ -436,6 +462,8 @@ def stand_in_cuda(
         (torch.cuda, "stream"): lambda s=None: contextlib.nullcontext(),
         (torch.cuda, "device"): lambda d=None: contextlib.nullcontext(),
         (torch.cuda, "synchronize"): lambda device=None: None,
+        # cudarecv's streams from the (patched) torch.cuda.Stream, not cupy's: no real stream in the stand-in
+        (cuda_streams, "_CUPY"): None,
     }
     if memory == "device":
         real = staging.wire_can_touch
@@ -453,9 +481,16 @@ def stand_in_cuda(
     model = StreamsModel() if streams else None
     if model is not None:
         patches.update(model.patches())
-    # a pair group on an eagerly initialised one (cudarecv.wire.staging.pair_link): the stand-in's own
-    if hasattr(staging, "make_pair"):
-        patches[(staging, "make_pair")] = lambda link: link.pg.pair(link.peer)
+        if memory == "host":  # (allocated with device=: stand-in device memory)
+            patches.update(model.host_memory(patches[(torch, "empty")], patches[(torch, "zeros")]))
+    # a pair group on a registered one (cudarecv.wire.staging.pair_link): the stand-in's own
+    if hasattr(staging, "pair_store"):
+        patches[(staging, "make_pair")] = lambda link, prefix, store: link.pg.pair(
+            link.peer, prefix, store
+        )
+        patches[(staging, "pair_store")] = lambda link: (
+            link.pg.pair_store() if isinstance(link.pg, StrictNccl) else None
+        )
     saved = {key: getattr(*key) for key in patches}
     try:
         for (owner, name), value in patches.items():

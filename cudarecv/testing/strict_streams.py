@@ -14,6 +14,9 @@ comm"). So here:
   posting stream waited for are done; a send only once its peer's stream reached the matching receive
   (a large message: NCCL keeps it until then), so ranks whose streams wait on each other hang, and the
   executor, within the group's timeout, fails the op naming the rule and where every rank's streams wait;
+- with ``memory="host"``: what is allocated with ``device=`` is device memory, which the wire touches in place
+  (control bytes, staging rings), every other tensor host memory, staged through device buffers and copy
+  streams (:meth:`StreamsModel.host_memory`);
 - ``Work.wait()``: the current stream waits for the ops, then the host (the stand-in's copies run on the
   host at once: its data must be there);
 - (lazily) posting an op whose stream waits for a pending op with another peer fails (:class:`NcclRuleError`,
@@ -27,8 +30,9 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
+import weakref
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -161,7 +165,10 @@ class Streams:
         self.group = group
         self._executors: dict[str, _Executor] = {}
         self._lock = threading.Lock()
-        self._meta = dist.PrefixStore(f"{group._name}/streams", group._store)
+        # (on a connection of its own: a TCPStore client runs one call at a time, so a test's bounded
+        # ``store().wait()`` on the shared one, a stalled receiver's, held the executors' reports here, and
+        # with them the ops they run, until it returned)
+        self._meta = dist.PrefixStore(f"{group._name}/streams", _own_connection(group._store))
 
     def keys(self) -> list[str]:
         return ["group"] + [f"pair:{p}" for p in range(self.group.size())]
@@ -216,6 +223,15 @@ class Streams:
             if executor is None:
                 executor = self._executors[key] = _Executor(self, key)
         executor.queue.put(unit)
+
+
+def _own_connection(store: dist.Store) -> dist.Store:
+    """``store`` on a connection of its own where it can have one (a TCPStore's clone), else ``store``."""
+    clone = getattr(store, "clone", None)  # (torch's type stubs do not declare it)
+    try:
+        return store if clone is None else cast(dist.Store, clone())
+    except (RuntimeError, NotImplementedError):
+        return store
 
 
 def _other_peer(op: Op) -> Op | _Copy | None:
@@ -340,8 +356,10 @@ class LazyPair:
     initialised pair's communicator at its first op, where gloo's constructor waits for the peer's): its ops
     wait until it has formed (bounded)."""
 
-    def __init__(self, make: Any, rank: int, timeout: float) -> None:
-        self._rank, self._timeout = rank, timeout
+    def __init__(self, make: Any, rank: int, timeout: float, before_abort: Any = None) -> None:
+        self._rank, self._timeout, self._before_abort = rank, timeout, before_abort
+        #: abort() / shutdown() were called (whether or not it had formed)
+        self.aborted = self.shut = False
         self._group: StrictNccl | None = None
         self._error: BaseException | None = None
         self._formed = threading.Event()
@@ -369,7 +387,16 @@ class LazyPair:
         return self.group().recv(tensors, src, tag)
 
     def abort(self) -> None:
-        self.group().abort()
+        if self._before_abort is not None:
+            self._before_abort()
+        self.aborted = True
+        if self._formed.wait(2 * self._timeout) and self._group is not None:
+            self._group.abort()
+
+    def shutdown(self) -> None:
+        self.shut = True
+        if self._formed.is_set() and self._group is not None:
+            self._group.shutdown()
 
     def rank(self) -> int:
         return self._rank
@@ -436,6 +463,38 @@ class StreamsModel:
             (torch.cuda, "default_stream"): lambda device=None: self.default,
             (torch.cuda, "stream"): self.using,
             (torch.cuda, "synchronize"): synchronize,
+        }
+
+    def host_memory(self, empty: Any, zeros: Any) -> dict[tuple[Any, str], Any]:
+        """What ``stand_in_cuda(memory="host", streams=True)`` patches over ``empty``/``zeros`` (its own): what is
+        allocated with an explicit ``device=`` is stand-in device memory, which the wire touches in place (as
+        NCCL does a CUDA tensor: control bytes, staging rings); every other tensor is host memory, staged
+        through device buffers. (Counted as host memory, the control bytes went through staging, which a GPU
+        never does, and the handshake's steps split where they do not on a GPU.)"""
+        from cudarecv.wire import staging
+
+        on_device: set[int] = set()
+
+        def allocating(make: Any) -> Any:
+            def allocate(*args: Any, **kwargs: Any) -> torch.Tensor:
+                tensor = make(*args, **kwargs)
+                if kwargs.get("device") is not None:
+                    on_device.add(id(tensor))
+                    weakref.finalize(tensor, on_device.discard, id(tensor))
+                return tensor
+
+            return allocate
+
+        def wire_can_touch(lane: Any, tensors: Any) -> bool:
+            if not tensors:
+                return True
+            base = tensors[0]._base if tensors[0]._base is not None else tensors[0]
+            return (id(base) in on_device) == lane.nccl
+
+        return {
+            (torch, "empty"): allocating(empty),
+            (torch, "zeros"): allocating(zeros),
+            (staging, "wire_can_touch"): wire_can_touch,
         }
 
 

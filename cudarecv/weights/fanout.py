@@ -1,7 +1,7 @@
 """How a push reaches a receiver: its transfer's protocol (star: the header and the payload, or through a shared
 segment the header alone; relay: the header naming its hops, the payload to the head of the chain only),
 the receiver's word that it has the version (relay, shared memory, delta, and every push on NCCL), and what a
-failed transfer does to the receiver (the drop policy; on NCCL, also to its process group: :func:`abort_group`).
+failed transfer does to the receiver (the drop policy; on NCCL, also to its pair group: :func:`abort_group`).
 The fan-out is picked once, at the handshake: :func:`protocol`."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..core import streams
+from ..core import streams, transport
 from ..core.errors import (
     ChecksumError,
     Error,
@@ -30,12 +30,13 @@ from ..core.errors import (
     TransferTimeout,
     UsageError,
 )
+from ..core.link import Link
 from ..core.log import logger
 from ..core.protocol import Protocol, Work
 from ..samehost.doorbell import Bell
 from ..samehost.machine import host_id
 from ..wire.control import wire_bytes
-from ..wire.staging import Lane, send_from
+from ..wire.staging import Lane, evict_pair, is_pair, send_from
 from .link import link_error, send_bytes
 from .session import OWED, Member, Session, Standing
 from .snapshots import Patch, Snapshot, SnapshotPool
@@ -208,7 +209,7 @@ def _confirmed(
     the header's send works ``head`` (posted, not waited for): the word says the receiver read the header, so they
     have ended; a wait on the word first is bounded, where a gloo send is not."""
     if member.lane.nccl:  # no listener on NCCL: the word comes here, in order on the pair's stream
-        word = _Word(member.lane, session.tags.ask)
+        word = _Word(member.lane, session.tags.ask, time.monotonic() + timeout + 1.0, member.who)
         yield [word]
         ask = read_ask(word.value())
         if ask.kind != GOT:
@@ -217,14 +218,21 @@ def _confirmed(
     yield [Got(session, member, version, time.monotonic() + timeout + 1.0), *head]
 
 
+#: the longest sleep between two looks at whether a receiver's word on NCCL has come (:class:`_Word`)
+WORD_POLL = 0.01
+
+
 class _Word:
     """A receiver's word on NCCL, its receive posted on ``lane`` (on ``tag``): a work whose wait orders the lane's
-    stream after the receive, copies the word to the host and waits there for it. The host waits in the transfer's
-    wait, never in the step that posts it, so the transfer's deadline can fail it meanwhile (a receiver that never
-    pulls never says it: the receive stays posted until its group is aborted, :func:`abort_group`)."""
+    stream after the receive, copies the word to the host and waits there for it, until ``deadline`` (the push's,
+    :func:`time.monotonic`) at most. The host waits in the transfer's wait, never in the step that posts it, so the
+    transfer's deadline can fail it meanwhile (a receiver that never pulls never says it: the receive stays posted
+    until its pair group is aborted, :func:`abort_group`). The wait looks at the copy's event (a short sleep
+    between looks) rather than blocking on it: if the abort fails, or the group cannot be aborted, the event never
+    fires, and the driver thread still comes back by the deadline (the sender's close joins it)."""
 
-    def __init__(self, lane: Lane, tag: int) -> None:
-        self.lane = lane
+    def __init__(self, lane: Lane, tag: int, deadline: float, who: str = "the receiver") -> None:
+        self.lane, self.deadline, self.who = lane, deadline, who
         with lane.on_stream():  # (allocated on the stream whose work writes it)
             self._raw = torch.empty(ASK_SIZE, dtype=torch.uint8, device=lane.cuda.device)
             self._posted = lane.post(False, [self._raw], [tag])
@@ -241,7 +249,16 @@ class _Word:
                     work.wait()  # (NCCL: orders the lane's stream after the receive)
                 self._host.copy_(self._raw, non_blocking=True)
                 self._arrived = streams.record(self.lane.cuda)
-        self._arrived.synchronize()
+        limit = self.deadline
+        if timeout is not None:
+            limit = min(limit, time.monotonic() + timeout.total_seconds())
+        nap = 1e-4
+        while not self._arrived.query():
+            left = limit - time.monotonic()
+            if left <= 0:
+                raise TransferTimeout(f"{self.who} did not say it has the version in time")
+            time.sleep(min(nap, left))
+            nap = min(2 * nap, WORD_POLL)
         return True
 
     def value(self) -> bytes:
@@ -388,9 +405,9 @@ def dropping(
             return error
         if isinstance(error, MismatchError):
             return error
-        group = _nccl_group(member)
-        went = None if group is None else _ABORTED.get(group)
-        if went is not None:  # its group was aborted for another receiver: that is its failure
+        wire = _pair_of(member)
+        went = None if wire is None else _ABORTED.get(wire.pg)
+        if went is not None:  # its pair group was aborted for another receiver: that is its failure
             failure: BaseException = PeerError(went)
         elif isinstance(error, Error) and not isinstance(error, TimeoutError):
             failure = (
@@ -407,8 +424,10 @@ def dropping(
         text = str(failure)
         if "is dropped from this sender" not in text:
             text += f"; {member.who} is dropped from this sender"
-        if group is not None and went is None:
-            text += abort_group(session, pool, member, group, text)
+        if wire is not None and went is None:
+            text += abort_group(session, pool, member, wire, text)
+        elif wire is None and _on_nccl(member):
+            text += _standalone(member)
         # (once: its listener may have heard it die first, and said so; a push's error names it at once)
         if member.move_if(Standing.NAMED if told else Standing.DROPPED, frm=OWED, why=text):
             logger.warning("weight sender: %s", text)
@@ -424,41 +443,75 @@ def dropping(
     return dropped
 
 
-#: the NCCL process groups a drop aborted, and why (what each receiver on one is told)
+#: the pair groups a drop aborted, and why (what each receiver on one is told)
 _ABORTED: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 _ABORTING = threading.Lock()
+#: the abort threads a sender started, by the id of its session (:func:`join_aborts` at its close)
+_ABORTS: dict[int, list[threading.Thread]] = {}
 
 
-def _nccl_group(member: Member) -> Any:
-    """The process group ``member``'s messages go on, if NCCL's (None: another backend, or the sender let go of
-    it): its link's group, or a pair group of the two ends' own where the lane has one (``Lane.wire``)."""
+def _on_nccl(member: Member) -> bool:
     try:
-        lane = member.lane
+        return member.lane.nccl
+    except UsageError:  # (the sender closed)
+        return False
+
+
+def _pair_of(member: Member) -> Link | None:
+    """The pair group of cudarecv's own that ``member``'s messages go on (``Lane.wire``), while it is in use:
+    the one kind of NCCL group cudarecv aborts (None: another backend, a standalone group used as it is, or the
+    sender let go of it)."""
+    try:
+        wire = member.lane.wire
     except UsageError:  # (the sender closed)
         return None
-    link = getattr(lane, "wire", None) or lane.link
-    return link.pg if link.backend == "nccl" else None
+    return wire if wire is not None and wire.backend == "nccl" and is_pair(wire) else None
+
+
+def _standalone(member: Member) -> str:
+    """``member`` failed on a standalone NCCL group (the user's, not registered with torch.distributed: no store
+    to form a pair group on): cudarecv does not abort the user's group. Says what happens then."""
+    logger.error(
+        "weight sender: %s failed on a standalone NCCL group, which cudarecv does not abort (it is yours): what "
+        "was posted to it stays posted, and once the group's timeout has passed torch's watchdog takes this "
+        "process down; pass a group registered with torch.distributed (dist.new_group), on which each receiver "
+        "gets a pair group of cudarecv's own that is aborted alone",
+        member.who,
+    )
+    return (
+        "; its NCCL group is standalone, which cudarecv does not abort: what was posted to it stays posted, "
+        "and torch's watchdog takes this process down once the group's timeout has passed (pass a group "
+        "registered with torch.distributed to have a failed receiver cost only itself)"
+    )
 
 
 def abort_group(
-    session: Session, pool: SnapshotPool, member: Member, group: Any, failure: str
+    session: Session, pool: SnapshotPool, member: Member, wire: Link, failure: str
 ) -> str:
     """``member`` failed on NCCL (``failure``): end what this sender posted to it, and say how (to add to the error).
 
     NCCL cannot cancel a posted op: a send (or the receive of the receiver's word) that its peer never matches
     stays posted, and once the group's timeout has passed torch's watchdog takes the whole process down. torch ends
     such ops only by aborting a communicator, and only ``ProcessGroupNCCL.abort()``, which aborts every
-    communicator of the group, also stops its watchdog from turning that into a process abort. So the group is
-    aborted, and every other receiver on it is dropped with it (its link is gone). The sender goes on: a receiver
-    on a group of its own (one sender per receiver) costs no other. See docs/weight-sync.md, "NCCL failure
-    semantics"."""
+    communicator of the group, also stops its watchdog from turning that into a process abort. So the group
+    ``wire`` is on is aborted: always a pair group of cudarecv's own (:func:`cudarecv.wire.staging.pair_link`),
+    never the user's, so the user's collectives and every other receiver go on (another weight end of this
+    process on the same pair, if any, is dropped with it). It is evicted, so a new weight end with that peer
+    forms a new one.
+
+    The abort runs on a thread of its own (``cudarecv-abort-<rank>``; the sender's close joins it,
+    :func:`join_aborts`): ``abort()`` may block for up to the group's timeout, and this runs on the deadlines
+    thread, under the transfer's lock. It holds the group's posting lock
+    (:func:`cudarecv.core.transport.posting`), so no cudarecv post is in flight on the group meanwhile. See
+    docs/weight-sync.md, "NCCL failure semantics"."""
+    group = wire.pg
     with _ABORTING:
         if group in _ABORTED:
             return ""
-        others = [m for m in list(session.members) if m is not member and _nccl_group(m) is group]
+        others = [m for m in list(session.members) if m is not member and _pair_of(m) is wire]
         why = (
-            f"the NCCL communicators of its process group were aborted, as {member.who} failed during a "
-            f"push ({failure}): NCCL cannot cancel what was posted to it"
+            f"its NCCL pair group was aborted, as {member.who} failed during a push on it ({failure}): NCCL "
+            "cannot cancel what was posted to it"
         )
         _ABORTED[group] = why
     dropped = [m for m in others if m.move_if(Standing.DROPPED, frm=OWED, why=f"{m.who}: {why}")]
@@ -466,27 +519,56 @@ def abort_group(
         pool.retire(other)
         if not other.transport.stamped:
             pool.torn = True  # (a send to it may still read the snapshot, as to the failed one)
-    backend = group
+    thread = threading.Thread(
+        target=_abort,
+        args=(member.who, wire, others, why),
+        name=f"cudarecv-abort-{member.rank}",
+        daemon=True,
+    )
+    with _ABORTING:
+        _ABORTS.setdefault(id(session), []).append(thread)
+    thread.start()
+    return (
+        "; on NCCL, which cannot cancel what was posted to it, the communicator of its pair group (cudarecv's "
+        "own, never your process group) is aborted"
+    )
+
+
+def _abort(who: str, wire: Link, others: list[Member], why: str) -> None:
+    """The abort thread of :func:`abort_group`: abort ``wire``'s pair group under its posting lock, evict it."""
+    group = wire.pg
     try:
-        if isinstance(group, dist.ProcessGroup):
-            backend = group._get_backend(torch.device("cuda"))
-        backend.abort()
+        with transport.posting(group):
+            backend: Any = group
+            if isinstance(group, dist.ProcessGroup):
+                backend = group._get_backend(torch.device("cuda"))
+            backend.abort()
     except Exception as error:  # noqa: BLE001 - said: what stays posted may then take the process down
         logger.error(
-            "weight sender: the NCCL group of %s could not be aborted (%s): what was posted to it stays "
+            "weight sender: the NCCL pair group of %s could not be aborted (%s): what was posted to it stays "
             "posted, and torch's watchdog may take this process down once the group's timeout has passed",
-            member.who,
+            who,
             error,
         )
-        return f"; its NCCL group could not be aborted ({error})"
-    for other in others:  # a push in flight to another receiver on the group: its link is gone now
+        return
+    finally:
+        evict_pair(wire)  # (aborted or not, nothing may post on it again)
+    for other in others:  # a push in flight to another receiver on the pair: its link is gone now
         sending = other.sending
         if sending is not None and not sending.settled:
             sending.abort(PeerError(f"{other.who}: {why}"))
-    text = "; on NCCL, which cannot cancel what was posted to it, its process group's communicators were aborted"
-    if dropped:
-        text += (
-            f", which drops every other receiver on that group too ({', '.join(m.who for m in dropped)}): "
-            "give each receiver a group of its own to keep the others"
-        )
-    return text
+
+
+def join_aborts(session: Session, timeout: float) -> None:
+    """At the sender's close: wait for the abort threads its drops started (within ``timeout``; one still running
+    is said, and left: a daemon thread, blocked in NCCL's abort)."""
+    with _ABORTING:
+        threads = _ABORTS.pop(id(session), [])
+    deadline = time.monotonic() + timeout
+    for thread in threads:
+        thread.join(max(deadline - time.monotonic(), 0.0))
+        if thread.is_alive():
+            logger.warning(
+                "weight sender: %s still aborts an NCCL pair group at close (left running)",
+                thread.name,
+            )

@@ -30,7 +30,7 @@ from ..samehost.doorbell import Mailbox
 from ..samehost.machine import host_id
 from ..samehost.shared_memory import MappingError
 from ..wire.control import read_bytes, wire_bytes
-from ..wire.staging import Lane, lane_for, send_from
+from ..wire.staging import Lane, lane_for, release_pair, send_from
 from .link import naming, run, send_bytes
 from .schema import Schema
 from .transports.base import Transport
@@ -199,8 +199,15 @@ def refuse(link: Link, timeout: float, failure: BaseException) -> None:
     """Answer the sender's handshake with the reason this receiver could not start."""
     lane = _answer_lane(link)
     if lane is not None:
-        with contextlib.suppress(Error):  # the reason is this side's error, which the caller raises
-            answer(lane, timeout, None, lambda schema, bucket_bytes: [], failure=failure)
+        try:
+            with contextlib.suppress(
+                Error
+            ):  # the reason is this side's error, which the caller raises
+                answer(lane, timeout, None, lambda schema, bucket_bytes: [], failure=failure)
+        finally:
+            release_pair(
+                lane.wire
+            )  # (as the sender lets go of its end: the pair's formations stay in step)
 
 
 def answer(

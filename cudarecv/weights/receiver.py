@@ -47,7 +47,7 @@ from ..core.log import logger
 from ..core.protocol import Protocol
 from ..core.transfer import Transfer
 from ..samehost.policy import allowed
-from ..wire.staging import Lane, drain, lane_for
+from ..wire.staging import Lane, drain, lane_for, release_pair
 from . import handshake
 from .handshake import expected
 from .inbox import Inbox
@@ -403,7 +403,11 @@ class WeightReceiver:
         self._puller.patches.clear()
         # let go of the process group: a group kept alive past destroy_process_group() by objects in
         # reference cycles is destroyed at interpreter exit, where gloo aborts the process
+        wire = None  # (a pair group of its own, on NCCL)
+        with contextlib.suppress(UsageError):  # (a sender that dropped it: let go of already)
+            wire = inbox.lane.wire
         inbox.forget(max(deadline - time.monotonic(), 0.0))
+        release_pair(wire)  # (the last end on it shuts it down)
         self._pending = None
 
     def _farewell(self) -> Protocol:

@@ -45,7 +45,15 @@ from ..core.shutdown import start_thread
 from ..core.transfer import Transfer
 from ..core.transport import release
 from ..wire.control import ROOM, read_bytes, wire_bytes
-from ..wire.staging import Landed, Lane, lane_for, recv_into, send_from, wire_can_touch
+from ..wire.staging import (
+    Landed,
+    Lane,
+    lane_for,
+    recv_into,
+    release_pair,
+    send_from,
+    wire_can_touch,
+)
 from .inbox import header_too_long
 from .link import naming
 from .wire import (
@@ -417,6 +425,10 @@ class Hop:
         lane = self._peers.pop(rank, None)
         if lane is not None and self.connect is not None:
             release(lane.link.pg)
+        elif lane is not None:
+            release_pair(
+                lane.wire
+            )  # (a pair group of its own, on NCCL: the last end on it shuts it down)
 
     def forward_of(self, index: int) -> Transfer | None:
         """The forward that may still read own slot ``index`` (or the patch buffer: :data:`PATCH_BUFFER`; let go

@@ -45,8 +45,9 @@ from ..plan.plan import Plan, plan_for
 from ..plan.walk import unwrap, walk
 from ..samehost.machine import host_id
 from ..samehost.policy import allowed
-from ..wire.staging import lane_for
+from ..wire.staging import lane_for, release_pair
 from .enrol import enrol, serve
+from .fanout import join_aborts
 from .link import check_peers
 from .options import Fanout, Mode, TransportPolicy, check_options, check_sender
 from .pushes import LatestPushes, SyncPushes
@@ -378,9 +379,14 @@ class SessionSender:
         # let go of the weights, the snapshots and the process group (a group kept alive past
         # destroy_process_group() by objects in reference cycles is destroyed at interpreter exit,
         # where gloo aborts the process)
+        join_aborts(self._s, left())  # (the abort threads its drops started: fanout.abort_group)
         self._td = None
         self._pool.clear()
         for member in members:
+            with contextlib.suppress(
+                UsageError
+            ):  # (its pair group: the last end on it shuts it down)
+                release_pair(member.lane.wire)
             member.let_go()
 
     def __enter__(self) -> Self:

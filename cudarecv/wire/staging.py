@@ -67,6 +67,10 @@ class Lane:
     #: a stream that each step of this lane comes after (a weight sender's copy stream, where its lanes have
     #: streams of their own), or None
     after: torch.cuda.Stream | None = None
+    #: the stream of the copies between host memory and device buffers (host memory on NCCL): the link's own
+    #: (a weight end's, :func:`~cudarecv.core.streams.link_copy_stream`), or None: the device's shared one
+    #: (plain calls, one transfer at a time on the device's dedicated stream)
+    copier: torch.cuda.Stream | None = None
 
     @property
     def nccl(self) -> bool:
@@ -114,8 +118,8 @@ def lane_for(
     it, one after another: a receiver that stalls stalls the others there), or None: cudarecv's own, the
     device's dedicated stream, or, with ``peers_at_once`` (an owner that talks to several peers at once:
     the weight ends), a stream of the link's own (:func:`~cudarecv.core.streams.link_stream`), so that a
-    transfer with one peer never waits for another's. ``peers_at_once`` also moves the messages of an NCCL
-    group initialised eagerly onto a pair group of the two ends' own (:func:`pair_link`). ``after``: a
+    transfer with one peer never waits for another's. ``peers_at_once`` also moves the messages on a registered
+    NCCL group onto a pair group of the two ends' own (:func:`pair_link`; :func:`release_pair`). ``after``: a
     stream each step of the lane comes after. ``cuda``: the device a lane of host memory stages through
     on NCCL (default: the ``stream`` given, else the calling thread's current device; a lane built on a
     background thread must pass its owner's, since a new thread's current device is 0).
@@ -132,7 +136,8 @@ def lane_for(
             f"the {link.backend} backend with a tensordict on {device} needs CUDA, "
             "which this process cannot use"
         )
-    if device.type != "cuda":  # host memory staged through a device's buffers
+    host = device.type != "cuda"
+    if host:  # host memory staged through a device's buffers
         if cuda is not None:
             device = _cuda.explicit(torch.device(cuda))
         elif stream is not None:
@@ -147,11 +152,28 @@ def lane_for(
     # what the caller queued on its stream (writes of the values, reads of the old ones) comes before the
     # transfer; the caller's stream is never blocked
     _cuda.follow_caller(lane_stream)
-    return Lane(link, lane_stream, pool, wire=None if wire is link else wire, after=after)
+    # host memory on NCCL: its copies on a copy stream of the link's own, which waits for this link's stream
+    # alone (on the device's one, a link's copies would queue behind every other link's backlog)
+    copier = (
+        _cuda.link_copy_stream(device, wire.pg, wire.peer)
+        if peers_at_once and host and link.backend == "nccl"
+        else None
+    )
+    return Lane(
+        link, lane_stream, pool, wire=None if wire is link else wire, after=after, copier=copier
+    )
 
 
-#: group object -> peer -> the link over the pair group of this rank and that peer (see :func:`pair_link`)
-_PAIRS: weakref.WeakKeyDictionary[object, dict[int, Link]] = weakref.WeakKeyDictionary()
+@dataclass
+class _Pair:
+    """A pair group this process formed with one peer of a user's group, and how many weight ends use it."""
+
+    link: Link
+    users: int = 0
+
+
+#: user group -> peer -> the pair group of this rank and that peer (see :func:`pair_link`)
+_PAIRS: weakref.WeakKeyDictionary[object, dict[int, _Pair]] = weakref.WeakKeyDictionary()
 _PAIRS_LOCK = threading.Lock()
 PAIR_PREFIX = "cudarecv/pair"
 
@@ -162,23 +184,51 @@ def eagerly_initialised(pg: object) -> bool:
     return getattr(pg, "bound_device_id", None) is not None
 
 
-def pair_link(link: Link) -> Link:
-    """The link a weight end's messages to ``link.peer`` go on: ``link`` itself, or, on an NCCL group of
-    three ranks or more initialised eagerly, a link over a pair group of the two ends' own.
+def _registered_store(link: Link) -> dist.Store | None:
+    """The store of ``link.pg`` if torch.distributed knows the group (None: a standalone group)."""
+    from torch.distributed import distributed_c10d as c10d
 
-    With eager initialisation torch runs every point-to-point op of the group on the group's one
-    communicator, so on its one NCCL stream in posting order, whatever the peer (``pointToPoint`` in
-    ProcessGroupNCCL.cpp: "In eagerInit mode, reuse the parent comm"; torch warns that such ops "are
-    serialized with all other ops on this ProcessGroup, including other P2P ops"). A relay then forms a
-    wait cycle (the sender waits for the first receiver's word before its header reaches the second, which
-    the first's forward waits for) and a stalled receiver stalls every other. Lazily, each pair of ranks
-    gets a two-rank communicator and a stream of its own; so here the two ends form one, a standalone
-    ProcessGroupNCCL on the group's store (prefix ``cudarecv/pair/<low rank>-<high rank>``), made lazily,
-    once per group and peer in each process. Both ends must be cudarecv weight ends (a stock peer posts on
-    the group's communicator). A standalone group (not registered with torch.distributed) has no bound
-    device to tell, and is used as it is.
+    found = c10d._world.pg_map.get(link.pg)
+    return None if found is None else found[1]
+
+
+#: the store a pair group of ``link``'s two ends forms on: a registered group's (the strict NCCL stand-in
+#: names its own); None for a standalone group, whose messages then go on the group itself
+pair_store: Callable[[Link], dist.Store | None] = _registered_store
+
+
+def pair_link(link: Link) -> Link:
+    """The link a weight end's messages to ``link.peer`` go on: ``link`` itself, or, on an NCCL group that
+    torch.distributed knows (any size, initialised lazily or eagerly), a link over a pair group of the two
+    ends' own. Each call takes a reference: give it back with :func:`release_pair`.
+
+    Why a group of the ends' own, even on a group of two: a receiver that fails on NCCL leaves posted ops
+    that NCCL cannot cancel, which only aborting their communicator ends (:func:`cudarecv.weights.fanout.abort_group`),
+    and ``ProcessGroupNCCL.abort()`` aborts every communicator of its group; on the user's group (the default
+    group, whose collectives a trainer's FSDP/DDP use) that would end the user's training. On a pair group of
+    cudarecv's own an abort ends that receiver's link alone. It costs no communicator more: lazily, torch makes
+    one two-rank communicator per peer for point-to-point ops anyway (never made on the user's group now), and
+    its collectives' communicator is another. Eagerly (``device_id=``), torch would run every point-to-point op
+    on the group's one communicator, in posting order whatever the peer (``pointToPoint`` in
+    ProcessGroupNCCL.cpp: "In eagerInit mode, reuse the parent comm"), so a relay would form a wait cycle and a
+    stalled receiver stall every other; a pair group of its own has a stream of its own.
+
+    The pair is a standalone ProcessGroupNCCL on the group's store, made lazily (its communicator at its first
+    op), once per group and peer in this process while some weight end uses it (:func:`_formation` names it).
+    Both ends must be cudarecv weight ends (a stock peer posts on the group's communicator). A standalone group
+    (not registered: no store to form a pair on) is used as it is; initialised eagerly it cannot be (the cycle
+    above): :class:`UsageError`.
     """
-    if link.backend != "nccl" or not eagerly_initialised(link.pg) or link.pg.size() < 3:
+    if link.backend != "nccl":
+        return link
+    store = pair_store(link)
+    if store is None:
+        if eagerly_initialised(link.pg) and link.pg.size() >= 3:
+            raise UsageError(
+                "an eagerly initialised NCCL group that torch.distributed does not know: cudarecv cannot "
+                "form a pair group on its store; pass a registered group (dist.new_group), or one made "
+                "lazily (without device_id)"
+            )
         return link
     with _PAIRS_LOCK:
         per_group = _PAIRS.get(link.pg)
@@ -186,34 +236,114 @@ def pair_link(link: Link) -> Link:
             per_group = _PAIRS[link.pg] = {}
         pair = per_group.get(link.peer)
         if pair is None:
-            me = link.pg.rank()
-            pg = make_pair(link)
-            pair = per_group[link.peer] = Link(pg, 1 if me < link.peer else 0, False, "nccl")
-        return pair
+            pg = make_pair(link, _formation(link, store), store)
+            pair = per_group[link.peer] = _Pair(
+                Link(pg, 1 if link.pg.rank() < link.peer else 0, False, "nccl")
+            )
+        pair.users += 1
+        return pair.link
 
 
-def _nccl_pair(link: Link) -> dist.ProcessGroup:
-    """A standalone two-rank ProcessGroupNCCL of this rank and ``link.peer``, on ``link.pg``'s store."""
-    from torch.distributed import distributed_c10d as c10d
+def _formation(link: Link, store: dist.Store) -> str:
+    """The store prefix of a new pair group of this rank and ``link.peer``: ``cudarecv/pair/<low>-<high>/<n>``,
+    the n-th pair group this end forms with that peer on the group.
 
-    found = c10d._world.pg_map.get(link.pg)
-    if found is None:
-        raise UsageError(
-            "an eagerly initialised NCCL group that torch.distributed does not know: cudarecv cannot form "
-            "a pair group on its store; pass a group made lazily (without device_id)"
-        )
+    Both ends count their own formations on the group's store (``store.add`` on a key of their side: low or
+    high), so each end's n-th formation meets the other's n-th: both ends form one when a weight end is made
+    on each (a sender and its receiver, a relay's neighbours), and each formation is new on both after an
+    abort evicted the pair (:func:`evict_pair`) or its last end let go of it (:func:`release_pair`). No end
+    waits for the other here (the pair's own rendezvous is NCCL's, at its first op), nothing races (a count
+    on the store is atomic), and the prefix is new for each formation, also across a process's restart (the
+    count lives in the store), so a pair never reads the NCCL unique id of an earlier one. One end that keeps
+    an old pair (a weight end still open on it) while the other forms a new one puts them out of step: close
+    a dropped receiver before making a new one with the same sender rank."""
+    me = link.pg.rank()
+    low, high = sorted((me, link.peer))
+    base = f"{PAIR_PREFIX}/{low}-{high}"
+    n = store.add(f"{base}/formed-by-{'low' if me == low else 'high'}", 1)
+    return f"{base}/{n}"
+
+
+def _nccl_pair(link: Link, prefix: str, store: dist.Store) -> dist.ProcessGroup:
+    """A standalone two-rank ProcessGroupNCCL of this rank and ``link.peer`` on ``store``, under ``prefix``."""
     me, peer = link.pg.rank(), link.peer
-    low, high = sorted((me, peer))
     options = dist.ProcessGroupNCCL.Options()
     timeout = link.group_timeout()
     if timeout is not None:
         options._timeout = timedelta(seconds=timeout)
-    store = dist.PrefixStore(f"{PAIR_PREFIX}/{low}-{high}", found[1])
-    return cast(dist.ProcessGroup, dist.ProcessGroupNCCL(store, 0 if me == low else 1, 2, options))
+    pair_store = dist.PrefixStore(prefix, store)
+    return cast(
+        dist.ProcessGroup,
+        dist.ProcessGroupNCCL(pair_store, 0 if me < peer else 1, 2, options),
+    )
 
 
-#: how :func:`pair_link` makes a pair group (the strict NCCL stand-in makes its own)
-make_pair: Callable[[Link], dist.ProcessGroup] = _nccl_pair
+#: how :func:`pair_link` makes a pair group, given its prefix and store (the strict NCCL stand-in makes its own)
+make_pair: Callable[[Link, str, dist.Store], dist.ProcessGroup] = _nccl_pair
+
+
+def _find(wire: Link) -> tuple[dict[int, _Pair], int, _Pair] | None:
+    """Under ``_PAIRS_LOCK``: where the pair group of ``wire`` is kept, if it is."""
+    for per_group in list(_PAIRS.values()):
+        for peer, pair in per_group.items():
+            if pair.link is wire:
+                return per_group, peer, pair
+    return None
+
+
+def release_pair(wire: Link | None) -> None:
+    """A weight end let go of the pair link ``wire`` (``Lane.wire``; None: it had none): the last end's release
+    shuts the pair group down (``shutdown()``: its communicators destroyed; a standalone group has no
+    ``destroy_process_group``). An evicted (aborted) pair is gone already."""
+    if wire is None:
+        return
+    with _PAIRS_LOCK:
+        found = _find(wire)
+        if found is None:
+            return
+        per_group, peer, pair = found
+        pair.users -= 1
+        if pair.users > 0:
+            return
+        del per_group[peer]
+    _shut(wire.pg)
+
+
+def evict_pair(wire: Link) -> bool:
+    """The pair group of ``wire`` was aborted: no end may use it again (a new weight end with that peer forms a
+    new one). Whether it was kept."""
+    with _PAIRS_LOCK:
+        found = _find(wire)
+        if found is None:
+            return False
+        del found[0][found[1]]
+        return True
+
+
+def is_pair(wire: Link | None) -> bool:
+    """Whether ``wire`` is a pair group of cudarecv's own, in use (:func:`pair_link`)."""
+    if wire is None:
+        return False
+    with _PAIRS_LOCK:
+        return _find(wire) is not None
+
+
+def pairs_held() -> int:
+    """How many pair groups this process keeps (tests: none once every weight end closed)."""
+    with _PAIRS_LOCK:
+        return sum(len(per_group) for per_group in _PAIRS.values())
+
+
+def _shut(pg: object) -> None:
+    """Shut a pair group down that nobody uses (nothing is posted on it: every end using it closed)."""
+    shutdown = getattr(pg, "shutdown", None)
+    try:
+        if shutdown is not None:
+            shutdown()
+    except Exception as error:  # noqa: BLE001 - said; the group goes with its last reference
+        from ..core.log import logger
+
+        logger.warning("cudarecv: a pair group could not be shut down (%s)", error)
 
 
 def _byte(t: Tensor) -> Tensor:
@@ -343,11 +473,11 @@ def _recv_ring_gloo(
 
 def _device_ring(lane: Lane, nbytes: int, count: int) -> tuple[list[Tensor], torch.cuda.Stream]:
     """NCCL's ring of device buffers (allocated on the transfer stream, so the caching allocator orders their
-    reuse after it) and the copy stream, ordered after the transfer stream (a buffer's memory may be a block
-    freed there a moment ago)."""
+    reuse after it) and the lane's copy stream (the link's own, else the device's), ordered after the transfer
+    stream (a buffer's memory may be a block freed there a moment ago)."""
     with lane.on_stream():
         ring = lane.pool.buffers(lane.cuda.device, nbytes, count=count)
-    copier = _cuda.copy_stream(lane.cuda.device)
+    copier = lane.copier if lane.copier is not None else _cuda.copy_stream(lane.cuda.device)
     copier.wait_stream(lane.cuda)
     return ring, copier
 

@@ -229,6 +229,7 @@ class ElasticSender(SessionSender):
                 self._device,
                 self._stream,
                 StagingPool(),
+                peers_at_once=True,  # (a stream of its own per receiver: one stalled never stalls another)
             )
             members = enrol(
                 self._s, self._pool, [lane], self._raw, self._session_id, [k], [record.pid]

@@ -39,7 +39,7 @@ from ...core.driver import Driver
 from ...core.errors import ArgumentError, BrokenError, Error, SchemaError, UsageError, WaitTimeout
 from ...core.transfer import Transfer
 from ...plan.boxes import Box
-from ...wire.staging import lane_for
+from ...wire.staging import lane_for, release_pair
 from ..handshake import expected
 from ..options import TransportPolicy, check_receiver
 from ..receiver import WeightReceiver
@@ -189,6 +189,9 @@ class ShardedReceiver:
         except BaseException:
             self.close()
             raise
+        finally:  # the layout exchange's ends let go of their pair groups (NCCL): each receiver holds its own
+            for lane in lanes:
+                release_pair(lane.wire)
         #: the sender's mode, learnt in the handshakes: ``"sync"`` or ``"latest"``
         self.mode = self._inner[0][2].mode
         self.zero_copy = False

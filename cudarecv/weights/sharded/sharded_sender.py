@@ -22,7 +22,7 @@ from ...core.errors import ArgumentError, PeerError, SchemaError, UsageError, Wa
 from ...core.transfer import Transfer
 from ...plan.boxes import Box
 from ...plan.walk import unwrap, walk
-from ...wire.staging import lane_for
+from ...wire.staging import lane_for, release_pair
 from ..options import Fanout, Mode, TransportPolicy, check_sender
 from ..sender import WeightSender
 from . import exchange
@@ -126,6 +126,9 @@ class ShardedSender:
         except BaseException:
             self.close()
             raise
+        finally:  # the layout exchange's ends let go of their pair groups (NCCL): each sender holds its own
+            for lane in lanes:
+                release_pair(lane.wire)
 
     # -- what it is --------------------------------------------------------------------------------------
     layout = property(
