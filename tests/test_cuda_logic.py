@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -820,3 +821,33 @@ def test_without_cupy_streams_come_from_torchs_pool_and_it_is_said_once(monkeypa
         r for r in caplog.records if r.name == "cudarecv" and "may then alias" in r.getMessage()
     ]
     assert len(said) == 1 and "cupy cannot be imported" in said[0].getMessage(), caplog.records
+
+
+def test_a_pair_group_whose_shutdown_waits_on_a_posted_op_is_aborted_within_its_bound(monkeypatch):
+    """The last end's release of a pair group: ``shutdown()`` (which in torch 2.6+ waits for ops still posted, e.g.
+    the header receive of a pull that timed out) is waited for ``SHUTDOWN_WAIT`` s, then the group is aborted,
+    which ends the posted op and so the shutdown; a shutdown that returns is left at that."""
+    import threading
+
+    from cudarecv.wire import staging
+
+    monkeypatch.setattr(staging, "SHUTDOWN_WAIT", 0.2)
+
+    class Stuck:
+        def __init__(self, hangs: bool) -> None:
+            self.hangs, self.aborted = hangs, threading.Event()
+
+        def shutdown(self) -> None:
+            if self.hangs:
+                assert self.aborted.wait(30), "shutdown() was never released by an abort"
+
+        def abort(self) -> None:
+            self.aborted.set()
+
+    for hangs in (True, False):
+        group = Stuck(hangs)
+        start = time.monotonic()
+        staging._shut(group)
+        assert group.aborted.is_set() is hangs
+        assert time.monotonic() - start < 5.0
+        assert not [t for t in threading.enumerate() if t.name == "cudarecv-pair-shutdown"]

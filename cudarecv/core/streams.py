@@ -50,9 +50,18 @@ def new_stream(device: torch.device) -> torch.cuda.Stream:
     cupy = _cupy()
     if cupy is None:
         return torch.cuda.Stream(device=index)
-    with cupy.cuda.Device(index):
-        owned = cupy.cuda.Stream(non_blocking=True)
-    stream = torch.cuda.ExternalStream(owned.ptr, device=torch.device("cuda", index))
+    try:
+        with cupy.cuda.Device(index):
+            owned = cupy.cuda.Stream(non_blocking=True)
+        stream = torch.cuda.ExternalStream(owned.ptr, device=torch.device("cuda", index))
+    except Exception as error:  # noqa: BLE001 - a driver or context error: the pool still gives a stream
+        logger.warning(
+            "cudarecv could not make a CUDA stream of its own on cuda:%d with cupy (%s): this one comes from "
+            "torch's pool, and may alias another link's or NCCL's",
+            index,
+            error,
+        )
+        return torch.cuda.Stream(device=index)
     # (torch does not own an external stream: the cupy object, destroying it when collected, goes with it)
     setattr(stream, "_cudarecv_owner", owned)  # noqa: B010 - an attribute torch's class does not declare
     return stream

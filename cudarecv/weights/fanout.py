@@ -465,7 +465,10 @@ def _pair_of(member: Member) -> Link | None:
         wire = member.lane.wire
     except UsageError:  # (the sender closed)
         return None
-    return wire if wire is not None and wire.backend == "nccl" and is_pair(wire) else None
+    if wire is None or wire.backend != "nccl":
+        return None
+    # (an aborted pair is evicted at once, but stays one for the errors of the ends that were on it)
+    return wire if is_pair(wire) or wire.pg in _ABORTED else None
 
 
 def _standalone(member: Member) -> str:
@@ -514,6 +517,9 @@ def abort_group(
             "cannot cancel what was posted to it"
         )
         _ABORTED[group] = why
+    # evicted now, before the abort thread starts: no release (a close) may shut down, nor a new weight end form
+    # on, a pair that is being aborted
+    evict_pair(wire)
     dropped = [m for m in others if m.move_if(Standing.DROPPED, frm=OWED, why=f"{m.who}: {why}")]
     for other in dropped:
         pool.retire(other)
@@ -551,8 +557,6 @@ def _abort(who: str, wire: Link, others: list[Member], why: str) -> None:
             error,
         )
         return
-    finally:
-        evict_pair(wire)  # (aborted or not, nothing may post on it again)
     for other in others:  # a push in flight to another receiver on the pair: its link is gone now
         sending = other.sending
         if sending is not None and not sending.settled:

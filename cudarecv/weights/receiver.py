@@ -132,15 +132,23 @@ class WeightReceiver:
         except Exception as error:
             handshake.refuse(link, self.timeout, error)
             raise
-        self.schema, bucket_bytes, offer, own, carrier, mappings, mailbox = handshake.answer(
-            lane,
-            self.timeout,
-            expect,
-            lambda schema, bucket_bytes: self._own_slots(schema, bucket_bytes, device, pin_memory),
-            allow=allowed(transport),
-            device=device,
-            zero_copy=zero_copy and device.type == "cpu",
-        )
+        try:
+            self.schema, bucket_bytes, offer, own, carrier, mappings, mailbox = handshake.answer(
+                lane,
+                self.timeout,
+                expect,
+                lambda schema, bucket_bytes: self._own_slots(
+                    schema, bucket_bytes, device, pin_memory
+                ),
+                allow=allowed(transport),
+                device=device,
+                zero_copy=zero_copy and device.type == "cpu",
+            )
+        except (
+            BaseException
+        ):  # (as the sender lets go of its end: the pair's formations stay in step)
+            release_pair(lane.wire)
+            raise
         #: what carries the versions: ``"shared memory"`` (the sender's snapshots, mapped read-only: this
         #: receiver is on the sender's machine), ``"cuda ipc"`` (its GPU snapshots, opened once) or ``"wire"``
         self.transport: str = carrier.name

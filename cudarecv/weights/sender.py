@@ -518,7 +518,14 @@ class WeightSender(SessionSender):
             )
             for link in links
         ]
-        members = enrol(self._s, self._pool, lanes, self._raw, self._session_id)
+        try:
+            members = enrol(self._s, self._pool, lanes, self._raw, self._session_id)
+        except (
+            BaseException
+        ):  # (a receiver refused, or a handshake failed: each end lets go of its pair)
+            for lane in lanes:
+                release_pair(lane.wire)
+            raise
         if self._s.fanout == "auto":
             self._s.fanout = (
                 "relay" if mode == "sync" and any(m.host != host_id() for m in members) else "star"

@@ -334,16 +334,42 @@ def pairs_held() -> int:
         return sum(len(per_group) for per_group in _PAIRS.values())
 
 
-def _shut(pg: object) -> None:
-    """Shut a pair group down that nobody uses (nothing is posted on it: every end using it closed)."""
-    shutdown = getattr(pg, "shutdown", None)
-    try:
-        if shutdown is not None:
-            shutdown()
-    except Exception as error:  # noqa: BLE001 - said; the group goes with its last reference
-        from ..core.log import logger
+#: how long the last end's release waits for a pair group's ``shutdown()`` before it aborts the group instead
+SHUTDOWN_WAIT = 5.0
 
-        logger.warning("cudarecv: a pair group could not be shut down (%s)", error)
+
+def _shut(pg: object) -> None:
+    """Shut a pair group down that nobody uses any more. ``ProcessGroupNCCL.shutdown()`` waits for what is still
+    posted on it (torch 2.6+): a pull that timed out may have left a header receive posted that nothing will ever
+    match. So it runs on a thread of its own, waited for :data:`SHUTDOWN_WAIT` s, after which the group is aborted
+    (local, it waits for nothing; the posted ops end with it) and the thread waited for as long again."""
+    from ..core.log import logger
+
+    shutdown, abort = getattr(pg, "shutdown", None), getattr(pg, "abort", None)
+    if shutdown is None:
+        return
+
+    def run() -> None:
+        try:
+            shutdown()
+        except Exception as error:  # noqa: BLE001 - said; the group goes with its last reference
+            logger.warning("cudarecv: a pair group could not be shut down (%s)", error)
+
+    thread = threading.Thread(target=run, name="cudarecv-pair-shutdown", daemon=True)
+    thread.start()
+    thread.join(SHUTDOWN_WAIT)
+    if not thread.is_alive():
+        return
+    logger.warning(
+        "cudarecv: a pair group's shutdown() waited %.0f s for ops still posted on it: aborted instead",
+        SHUTDOWN_WAIT,
+    )
+    try:
+        if abort is not None:
+            abort()
+    except Exception as error:  # noqa: BLE001 - said; the group goes with its last reference
+        logger.warning("cudarecv: a pair group could not be aborted (%s)", error)
+    thread.join(SHUTDOWN_WAIT)
 
 
 def _byte(t: Tensor) -> Tensor:

@@ -127,10 +127,19 @@ class ShardedReceiver:
                 lane_for(link, device, stream, streams.StagingPool(), peers_at_once=True)
                 for link in links
             ]
-            #: the layout this receiver holds: each leaf's whole shape and the box wanted of it
-            layouts, self.layout = exchange.answer(
-                lanes, self.timeout, lambda found: self._want(found, expect, want, peers, bad_want)
-            )
+            try:
+                #: the layout this receiver holds: each leaf's whole shape and the box wanted of it
+                layouts, self.layout = exchange.answer(
+                    lanes,
+                    self.timeout,
+                    lambda found: self._want(found, expect, want, peers, bad_want),
+                )
+            except (
+                BaseException
+            ):  # the exchange's ends let go of their pair groups (NCCL), as the senders' do
+                for lane in lanes:
+                    release_pair(lane.wire)
+                raise
         except Error as error:
             if (
                 bad_want is not None and error is not bad_want

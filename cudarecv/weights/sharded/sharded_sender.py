@@ -99,16 +99,25 @@ class ShardedSender:
             lane_for(link, device, stream, streams.StagingPool(), peers_at_once=True)
             for link in links
         ]
-        wanted = exchange.offer(lanes, self._layout, self._timeout)
         #: receiver (rank as given) -> the pieces this rank sends it: [(leaf index, Box)]
         self._moved: dict[int, list[tuple[int, Box]]] = {}
-        for peer, want in zip(peers, wanted):
-            problem = self._layout.difference(want)
-            if problem:  # (the receiver checked it: a receiver that lies about it is refused here)
-                raise SchemaError(
-                    f"receiver rank {peer} answered a layout that does not match: {problem}"
-                )
-            self._moved[peer] = pieces(self._layout, in_order(want, self._layout))
+        try:
+            wanted = exchange.offer(lanes, self._layout, self._timeout)
+            for peer, want in zip(peers, wanted):
+                problem = self._layout.difference(want)
+                if (
+                    problem
+                ):  # (the receiver checked it: a receiver that lies about it is refused here)
+                    raise SchemaError(
+                        f"receiver rank {peer} answered a layout that does not match: {problem}"
+                    )
+                self._moved[peer] = pieces(self._layout, in_order(want, self._layout))
+        except (
+            BaseException
+        ):  # the exchange's ends let go of their pair groups (NCCL), as the receivers' do
+            for lane in lanes:
+                release_pair(lane.wire)
+            raise
         # receivers that want the same pieces of this rank share one sender (a relay chain across hosts)
         groups: dict[tuple, list[int]] = {}
         for peer in peers:
