@@ -144,9 +144,8 @@ class WeightReceiver:
                 device=device,
                 zero_copy=zero_copy and device.type == "cpu",
             )
-        except (
-            BaseException
-        ):  # (as the sender lets go of its end: the pair's formations stay in step)
+        # as the sender lets go of its end: the pair's formations stay in step
+        except BaseException:
             release_pair(lane.wire)
             raise
         #: what carries the versions: ``"shared memory"`` (the sender's snapshots, mapped read-only: this

@@ -520,9 +520,8 @@ class WeightSender(SessionSender):
         ]
         try:
             members = enrol(self._s, self._pool, lanes, self._raw, self._session_id)
-        except (
-            BaseException
-        ):  # (a receiver refused, or a handshake failed: each end lets go of its pair)
+        # a receiver refused, or a handshake failed: each end lets go of its pair
+        except BaseException:
             for lane in lanes:
                 release_pair(lane.wire)
             raise

@@ -134,9 +134,8 @@ class ShardedReceiver:
                     self.timeout,
                     lambda found: self._want(found, expect, want, peers, bad_want),
                 )
-            except (
-                BaseException
-            ):  # the exchange's ends let go of their pair groups (NCCL), as the senders' do
+            # the exchange's ends let go of their pair groups (NCCL), as the senders' do
+            except BaseException:
                 for lane in lanes:
                     release_pair(lane.wire)
                 raise

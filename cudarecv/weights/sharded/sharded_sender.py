@@ -105,16 +105,14 @@ class ShardedSender:
             wanted = exchange.offer(lanes, self._layout, self._timeout)
             for peer, want in zip(peers, wanted):
                 problem = self._layout.difference(want)
-                if (
-                    problem
-                ):  # (the receiver checked it: a receiver that lies about it is refused here)
+                # the receiver checked it: a receiver that lies about it is refused here
+                if problem:
                     raise SchemaError(
                         f"receiver rank {peer} answered a layout that does not match: {problem}"
                     )
                 self._moved[peer] = pieces(self._layout, in_order(want, self._layout))
-        except (
-            BaseException
-        ):  # the exchange's ends let go of their pair groups (NCCL), as the receivers' do
+        # the exchange's ends let go of their pair groups (NCCL), as the receivers' do
+        except BaseException:
             for lane in lanes:
                 release_pair(lane.wire)
             raise
