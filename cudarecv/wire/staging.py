@@ -520,15 +520,7 @@ def _recv_ring_nccl(
         return
     ring, copier = _device_ring(lane, max(_nbytes(d) for d in dests), len(dests))
     for i, dest in enumerate(dests):
-        buf = ring[i % 2][: _nbytes(dest)]
-        freed = lane.pool.fence(ring[i % 2])
-        if freed is not None:
-            lane.cuda.wait_event(freed)  # the previous copy out of this buffer is done
-        with lane.on_stream():
-            for work in lane.post(False, [buf], [tags[i]]):
-                work.wait()
-            arrived = _cuda.record(lane.cuda)
-        copier.wait_event(arrived)
+        buf = _receive_into_ring(lane, ring, copier, i, _nbytes(dest), tags[i])
         with torch.cuda.stream(copier):
             _byte(dest).copy_(buf, non_blocking=True)
             if landed:
@@ -539,6 +531,23 @@ def _recv_ring_nccl(
         if fence is not None:
             lane.cuda.wait_event(fence)
     yield [_cuda.EventWork(_cuda.record(lane.cuda))]  # host memory: the host waits for the bytes
+
+
+def _receive_into_ring(
+    lane: Lane, ring: Sequence[Tensor], copier: torch.cuda.Stream, i: int, nbytes: int, tag: int
+) -> Tensor:
+    """Post message ``i``'s receive into its device ring buffer (once the previous copy out of that buffer is
+    done) and order ``copier`` after it: the buffer's first ``nbytes``, for the caller's copy on ``copier``."""
+    buf = ring[i % 2][:nbytes]
+    freed = lane.pool.fence(ring[i % 2])
+    if freed is not None:
+        lane.cuda.wait_event(freed)  # the previous copy out of this buffer is done
+    with lane.on_stream():
+        for work in lane.post(False, [buf], [tag]):
+            work.wait()
+        arrived = _cuda.record(lane.cuda)
+    copier.wait_event(arrived)
+    return buf
 
 
 def _offsets(tensors: Sequence[Tensor]) -> list[int]:
@@ -571,15 +580,7 @@ def _recv_pageable(
         )  # a stream copy still queued on it (a failed transfer's) goes first
     copied: list[torch.cuda.Event] = []
     for i, dest in enumerate(dests):
-        buf = ring[i % 2][: _nbytes(dest)]
-        freed = lane.pool.fence(ring[i % 2])
-        if freed is not None:
-            lane.cuda.wait_event(freed)  # the previous copy out of this buffer is done
-        with lane.on_stream():
-            for work in lane.post(False, [buf], [tags[i]]):
-                work.wait()
-            arrived = _cuda.record(lane.cuda)
-        copier.wait_event(arrived)
+        buf = _receive_into_ring(lane, ring, copier, i, _nbytes(dest), tags[i])
         with torch.cuda.stream(copier):
             pinned[offsets[i] : offsets[i + 1]].copy_(buf, non_blocking=True)
             copied.append(_cuda.record(copier))
