@@ -11,6 +11,7 @@ import signal
 import sys
 import threading
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -20,10 +21,12 @@ from tensordict import TensorDict
 import cudarecv
 from churn import WAIT, fork_process, master_store, store_client
 from cudarecv.core.errors import OutOfStepError
+from cudarecv.core.transfer import Transfer
 from cudarecv.samehost import doorbell
 from cudarecv.samehost.doorbell import DOWN_SEQ, Bell, Mailbox
 from cudarecv.samehost.shared_memory import MappingError
 from cudarecv.testing.launch import Cluster
+from cudarecv.weights.inbox import NAP, Rung
 from cudarecv.weights.wire import BYE, GOT, PushHeader, ask_message, read_ask
 from held import threads
 from procs import stop_here, wait_stopped
@@ -68,6 +71,52 @@ def test_the_page_carries_one_header_and_one_word_each_way_and_wakes_its_sleeper
     mailbox.kick()
     assert done.wait(30)
     thread.join()
+    mailbox.close()
+
+
+class _Gate:
+    """A work that completes once :meth:`open` is called."""
+
+    def __init__(self) -> None:
+        self.opened = threading.Event()
+
+    def is_completed(self) -> bool:
+        return self.opened.is_set()
+
+    def wait(self, timeout: Any = None) -> bool:
+        return self.opened.wait(30)
+
+
+def test_a_pull_asleep_on_the_doorbell_wakes_as_the_standing_receive_ends_not_a_nap_later():
+    """The standing receive's done-callback kicks the doorbell before the transfer is settled: a sleeper woken by
+    that kick must see the receive ended then (it used to look at ``settled``, went back to sleep, and woke only
+    at its next NAP: a receiver's close() took 0.2 s one time in two)."""
+    mailbox = Mailbox()
+    gate = _Gate()
+
+    def protocol() -> Any:
+        yield [gate]
+        return "header"
+
+    standing = Transfer(protocol(), None)
+    kicked, looked = threading.Event(), threading.Event()
+    standing.add_done_callback(lambda _: (mailbox.kick(), kicked.set()))
+    standing.add_done_callback(
+        lambda _: looked.wait(30)
+    )  # holds the window between the kick and settled open
+    rung = Rung(SimpleNamespace(mailbox=mailbox, standing=standing))  # type: ignore[arg-type]
+    ending = threading.Thread(target=lambda: (gate.opened.set(), standing.wait(30)))
+    ending.start()
+    try:
+        assert kicked.wait(30)
+        started = time.monotonic()
+        woke = rung.wait_for(5.0)  # the kick has come: it sees the receive ended at once
+        took = time.monotonic() - started
+    finally:
+        looked.set()
+        ending.join(30)
+    assert woke and took < NAP, f"the sleeper saw the standing receive end after {took:.3f} s"
+    assert standing.settled and standing.wait(1) == "header"
     mailbox.close()
 
 
@@ -400,3 +449,28 @@ def test_a_garbled_doorbell_header_is_refused(cluster):
     _, (text, kept) = cluster().run(garbled, args=(unique_key("g"),), timeout=120)
     assert "weight-push header" in text or "doorbell" in text, text
     assert kept, "the published version changed"
+
+
+def test_two_threads_moving_a_wake_word_at_once_both_count():
+    """A ring and a kick may move the same wake word at once; each adds to it atomically, so no move is lost (a
+    load-then-store lost one, and a sleeper that had read the word between them slept a NAP)."""
+    mailbox = Mailbox()
+    bell = Bell(mailbox.offer())
+    start, each = mailbox.wakes(), 20_000
+    barrier = threading.Barrier(2, timeout=30)
+
+    def kicks(kick: Any) -> None:
+        barrier.wait()
+        for _ in range(each):
+            kick()
+
+    raw = PushHeader(3, 100, 64, bytes(16), shared=True, segment=1, bell=True).pack()
+    movers = [
+        threading.Thread(target=kicks, args=(k,)) for k in (mailbox.kick, lambda: bell.ring(raw))
+    ]
+    for mover in movers:
+        mover.start()
+    for mover in movers:
+        mover.join(60)
+    assert mailbox.wakes() == start + 2 * each
+    mailbox.close()

@@ -49,6 +49,8 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     lib.cudarecv_publish.restype = None
     lib.cudarecv_observe.argtypes = [ctypes.c_void_p]
     lib.cudarecv_observe.restype = ctypes.c_uint64
+    lib.cudarecv_bump.argtypes = [ctypes.c_void_p]
+    lib.cudarecv_bump.restype = ctypes.c_uint64
     return lib, None
 
 
@@ -152,6 +154,13 @@ def publish(address: int, value: int) -> None:
 def observe(address: int) -> int:
     """Load the 8-byte word at ``address``, ordered before every load after it. Needs :data:`NATIVE`."""
     return int(_native().cudarecv_observe(address))
+
+
+def bump(address: int) -> int:
+    """Add one to the 8-byte word at ``address`` atomically (two threads that bump it at once both count), as a
+    full barrier: ordered after every store before it and before every load after it; the new value. Needs
+    :data:`NATIVE`."""
+    return int(_native().cudarecv_bump(address))
 
 
 def copy_bytes(dst: Tensor, src: Tensor) -> None:

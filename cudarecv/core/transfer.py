@@ -297,6 +297,13 @@ class Transfer(torch.futures.Future):
         return self._settled.is_set()
 
     @property
+    def decided(self) -> bool:
+        """Whether the transfer's end is decided (its result or error set), without advancing it. Its
+        done-callbacks run after that and :attr:`settled` after them: a callback that wakes a thread which
+        then looks at the transfer sees it decided, not necessarily settled."""
+        return self._finished
+
+    @property
     def link(self) -> Link | None:
         """The link its works are on (the exit hook closes it if the transfer still waits at exit)."""
         return self._link

@@ -90,6 +90,12 @@ void cudarecv_publish(uint64_t *word, uint64_t value) {
     __atomic_store_n(word, value, __ATOMIC_RELEASE);
 }
 
+/* a wake word moved by one (a futex's word, which two threads may move at once: none of their moves is lost),
+   ordered after every store before it and before every load after it (a full barrier) */
+uint64_t cudarecv_bump(uint64_t *word) {
+    return __atomic_add_fetch(word, 1, __ATOMIC_SEQ_CST);
+}
+
 /* the reader's load of a progress word, before the bytes it counts (acquire: ordered before them) */
 uint64_t cudarecv_observe(const uint64_t *word) {
     return __atomic_load_n(word, __ATOMIC_ACQUIRE);

@@ -27,8 +27,8 @@ word            written by what
 ==============  =========  ==========================================================================
 
 A sleeper reads its wake word, looks whether what it waits for came, and sleeps only while the word still holds
-what it read: a wake that comes in between is never lost. The two writers of a wake word may race (one bump lost):
-the word moves all the same, and a sleeper also looks again by itself every so often.
+what it read: a wake that comes in between is never lost. Both writers of a wake word add to it atomically, so
+neither's move is lost; a sleeper also looks again by itself every so often.
 
 One header is rung at a time: the sender rings the next only once the receiver's word on the last one came (or it
 dropped the receiver), so a slot each way is enough. Both ends check what they read (a header's and a word's
@@ -43,7 +43,7 @@ import ctypes
 import os
 import threading
 
-from ..core.host_copy import NATIVE, observe, publish
+from ..core.host_copy import NATIVE, bump, observe, publish
 from . import shared_memory as host
 
 # (offsets in the segment's payload: each side's words on cache lines of their own)
@@ -91,8 +91,9 @@ class _Page:
         host.sleep_on(self._base + word, seen & _LOW, timeout)
 
     def bump(self, word: int) -> None:
-        """Move wake word ``word`` and wake whoever sleeps on it."""
-        self.store(word, self.load(word) + 1)
+        """Move wake word ``word`` and wake whoever sleeps on it (an atomic add: two ends that move it at once
+        both move it, so a sleeper that read the word after one of them still wakes)."""
+        bump(self._base + word)
         host.wake(self._base + word)
 
 

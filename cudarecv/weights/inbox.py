@@ -274,7 +274,9 @@ class Rung:
         self.mailbox, self.standing = inbox.mailbox, inbox.standing
 
     def is_completed(self) -> bool:
-        return self.mailbox.rung() or self.standing.settled
+        # (decided, not settled: the standing receive's done-callback wakes this before it is settled, and a wake
+        # seen before settled would leave this asleep a NAP)
+        return self.mailbox.rung() or self.standing.decided
 
     def wait_for(self, timeout: float, stop: Callable[[], bool] = lambda: False) -> bool:
         """Wait up to ``timeout`` s, or until ``stop()``; whether it completed (or stopped)."""
