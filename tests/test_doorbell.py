@@ -474,3 +474,81 @@ def test_two_threads_moving_a_wake_word_at_once_both_count():
         mover.join(60)
     assert mailbox.wakes() == start + 2 * each
     mailbox.close()
+
+
+def _switches(prefix: str) -> int:
+    """Voluntary context switches so far of this process's threads named ``prefix``... (each a wake-up)."""
+    total = 0
+    for thread in threading.enumerate():
+        if thread.name.startswith(prefix) and thread.native_id is not None:
+            with open(f"/proc/self/task/{thread.native_id}/status") as status:
+                text = status.read()
+            total += int(text.split("\nvoluntary_ctxt_switches:")[1].split()[0])
+    return total
+
+
+def lazy_pushes(rank, world, group, key):
+    """Background pushes by the doorbell: each waits for the receiver's signal that it has the version before the
+    next (a trainer computing meanwhile)."""
+    td = _model()
+    pushes = 40
+    if rank == 0:
+        sender = cudarecv.WeightSender(td, dst=1, mode="sync", timeout=60)
+        _fill(td, 1)
+        sender.push()  # the first says on the link that the next ones ring the doorbell
+        store().wait([f"{key}_1"])
+        before = _switches("cudarecv-push")
+        for version in range(2, pushes + 2):
+            _fill(td, version)
+            sender.push(wait=False)  # (the next push takes the previous one's word)
+            store().wait([f"{key}_{version}"])
+        woken = _switches("cudarecv-push") - before
+        # a push the receiver answered that nobody waits for ends at its deadline, and keeps the receiver
+        _fill(td, pushes + 2)
+        [late] = sender.push(wait=False, timeout=1.0)
+        store().wait([f"{key}_{pushes + 2}"])
+        deadline = time.monotonic() + 30
+        while not late.settled and time.monotonic() < deadline:
+            time.sleep(0.01)
+        late_settled, late_failed = late.settled, late.failed
+        # a done-callback runs as the push ends, with nobody waiting for it (its deadline is a minute away)
+        _fill(td, pushes + 3)
+        [called] = sender.push(wait=False)
+        ran = threading.Event()
+        called.add_done_callback(lambda _: ran.set())
+        by_itself = ran.wait(30)
+        _fill(td, pushes + 4)
+        sender.push()  # (and the receiver is still served)
+        dropped = sender.dropped
+        sender.close()
+        return dict(
+            woken=woken,
+            late_settled=late_settled,
+            late_failed=late_failed,
+            by_itself=by_itself,
+            dropped=dropped,
+        )
+    receiver = cudarecv.WeightReceiver(src=0, timeout=60, zero_copy=True)
+    held = []
+    for version in range(1, pushes + 5):
+        receiver.pull(timeout=60)
+        held.append(_holds(receiver.td, version))
+        store().set(f"{key}_{version}", "1")
+    receiver.close()
+    return held
+
+
+def test_a_background_push_by_doorbell_wakes_no_sender_thread_and_ends_by_wait_callback_or_deadline(
+    cluster,
+):
+    """A background push to a receiver with a doorbell wakes no thread of the sender while the caller computes:
+    the next push takes the receiver's word on the caller's thread (the driver thread of each receiver woke at
+    least twice a push before: once handed the push, once by the word). A push nobody waits for still ends when
+    it should: by its deadline (the word came: it succeeds, the receiver stays served), or as the word comes
+    once a done-callback waits for it."""
+    sender, held = cluster().run(lazy_pushes, args=(unique_key("lazy"),), timeout=240)
+    assert all(held), f"a version was torn or stale: {held}"
+    assert sender["woken"] < 20, f"the sender's threads woke {sender['woken']} times in 40 pushes"
+    assert sender["late_settled"] and not sender["late_failed"], sender
+    assert sender["by_itself"], "the done-callback did not run until something waited"
+    assert sender["dropped"] == {}, sender["dropped"]

@@ -102,7 +102,13 @@ class Transfer(torch.futures.Future):
         raise_first: bool = True,
         what: str | None = None,
         route: Carrier | None = None,
+        lazy: bool = False,
     ) -> None:
+        """``lazy``: after its first step (run here, as always) nothing drives the transfer until something needs
+        its end: a ``wait()`` or ``done()`` (which finish it on the caller's thread once its works have completed,
+        else hand it to ``driver``), a done-callback or ``then()`` (handed to ``driver`` at once), or its deadline
+        (finished then if its works have completed, else failed). For a transfer whose last step only reads a word
+        that comes by itself (a doorbell's): no thread is woken for it while its caller computes."""
         super().__init__()
         self._route = route  # where the payload went, if a same-host transport may take it (:mod:`cudarecv.samehost.sides`)
         #: what the transfer does, for a caller's :class:`WaitTimeout` (e.g. ``"pull from rank 0"``)
@@ -128,13 +134,16 @@ class Transfer(torch.futures.Future):
         self._state = threading.RLock()  # guards every step and the end
         self._settled = threading.Event()  # set once finished or failed
         self._helped = False  # whether a background thread was asked to drive it
+        self._lazy = lazy  # nothing drives it until its end is needed (see above)
         self._helper: threading.Thread | None = None  # the transfer's own thread, if it has one
         self.started = time.monotonic()
         #: the transfer's own time budget in seconds (None: the process group's timeout)
         self.timeout = timeout
         self.event: torch.cuda.Event | None = None
         self._advance(first=True, raise_error=raise_first)
-        if timeout is not None:
+        if timeout is not None and lazy:
+            DEADLINES.keep(self)  # its clock runs from now: its deadline finishes or fails it
+        elif timeout is not None:
             self.settle_in_background()  # its clock runs from now: so must its progress
 
     def _advance(self, first: bool = False, raise_error: bool = False) -> None:
@@ -197,7 +206,10 @@ class Transfer(torch.futures.Future):
         return math.inf if timeout is None else self.started + timeout
 
     def expire(self) -> None:
-        """Fail the transfer if its own time ran out (unless it ended just now)."""
+        """Fail the transfer if its own time ran out (unless it ended just now); a lazy one whose works have all
+        completed is finished instead (what it waited for came, and nobody asked for its end yet)."""
+        if self._catch_up():
+            return
         with self._state:
             if not self._finished and time.monotonic() >= self.deadline():
                 self._expired = True
@@ -233,6 +245,8 @@ class Transfer(torch.futures.Future):
         ``collect_all`` and ``then`` see it end only once something waits on it."""
         if self._settled.is_set() or self._helped:
             pass  # ended, or driven by the thread it was handed to (which keeps its link's order): never here
+        elif self._lazy:
+            self._catch_up()  # here, if what it waits for came (no thread is asked: a poll stays a poll)
         elif self.timeout is not None:
             self.settle_in_background()  # driven there; the deadline is kept by cudarecv-deadlines
         elif self._driving.acquire(blocking=False):
@@ -256,6 +270,7 @@ class Transfer(torch.futures.Future):
         in call order) is only waited for here, never driven: driven here it would post out of its turn.
         """
         timeout = check_timeout(timeout, or_none=True, or_zero=True)
+        self._catch_up(waiting=timeout is None)
         if not self._settled.is_set():
             if self.timeout is None and timeout is None and not self._helped:
                 self.settle()  # here, bounded by the process group's timeout
@@ -280,6 +295,35 @@ class Transfer(torch.futures.Future):
         if self._error is not None:
             raise again(self._error)
         return super().value()
+
+    def _catch_up(self, waiting: bool = False) -> bool:
+        """A lazy transfer nobody drives yet whose works have all completed: finish it on this thread (its last
+        step only reads what came: it does not block); ``waiting`` (a ``wait()`` for the end, however long): also
+        one still waiting, here rather than on another thread (bounded by its works' own deadline). Whether it
+        drove it."""
+        with self._state:
+            ready = (
+                self._lazy
+                and not self._helped
+                and not self._finished
+                and (waiting or all(w.is_completed() for w in self._works))
+            )
+        if ready:
+            self.settle()
+        return ready
+
+    def add_done_callback(self, callback: Callable[[torch.futures.Future], None]) -> None:
+        """As ``torch.futures.Future``'s; a lazy transfer is then handed to its driver, so the callback runs when
+        it ends, not when something next waits for it."""
+        if self._lazy:
+            self.settle_in_background()
+        super().add_done_callback(callback)
+
+    def then(self, callback: Callable[[torch.futures.Future], Any]) -> torch.futures.Future:
+        """As ``torch.futures.Future``'s (a lazy transfer is handed to its driver, as for a done-callback)."""
+        if self._lazy:
+            self.settle_in_background()
+        return super().then(callback)
 
     def _wait_settled(self, timeout: float | None) -> None:
         """Wait for the end while a background thread drives (its own deadline is kept by

@@ -84,7 +84,8 @@ class SyncPushes(Pushes):
             hops = {id(m): i for i, m in enumerate(chain)}
             for member in live:
                 # a header alone: a blocking push drives it here; a non-blocking one its listener (on the word), or
-                # by a doorbell the receiver's own thread (it sleeps there until the word)
+                # by a doorbell nothing until its end is needed (a lazy transfer: the next push or wait() takes the
+                # word on the caller's thread, so no thread of this sender wakes while the caller computes)
                 header_only = _header_only(member, target, hops)
                 rung = header_only and member.rings
                 sending, transfer_timeout = protocol(
@@ -92,7 +93,7 @@ class SyncPushes(Pushes):
                 )
                 member.awaiting = version if header_only and not wait and not rung else None
                 driver: Submit | None = None
-                if rung and not wait:
+                if rung and not wait:  # (lazy: its driver is asked only if its end is needed first)
                     driver = member.driver.submit
                 elif header_only and not wait:
                     driver = here
@@ -105,6 +106,7 @@ class SyncPushes(Pushes):
                     raise_first=False,
                     on_error=dropping(session, pool, member, version, timeout),
                     what=f"push of version {version} to {member.who}",
+                    lazy=rung and not wait,
                 )
                 pushes.append((member, member.sending))
             for member in (
