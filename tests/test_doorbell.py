@@ -552,3 +552,50 @@ def test_a_background_push_by_doorbell_wakes_no_sender_thread_and_ends_by_wait_c
     assert sender["late_settled"] and not sender["late_failed"], sender
     assert sender["by_itself"], "the done-callback did not run until something waited"
     assert sender["dropped"] == {}, sender["dropped"]
+
+
+def closes_after_its_last_pull(rank, world, group, key):
+    """A zero-copy receiver takes the last version of a background push and closes at once; the sender waits for
+    that push only after the receiver's close has ended (its BYE answered)."""
+    td = _model()
+    if rank == 0:
+        sender = cudarecv.WeightSender(td, dst=1, mode="sync", timeout=60)
+        _fill(td, 1)
+        sender.push()  # (the next ones ring the doorbell)
+        _fill(td, 2)
+        sender.push()
+        _fill(td, 3)
+        [last] = sender.push(wait=False)
+        store().wait([f"{key}_closed"])
+        # and until the sender's answer to its BYE has let go of every snapshot the receiver held (sent before that)
+        [member] = sender._s.members
+        deadline = time.monotonic() + 30
+        while member.holding and time.monotonic() < deadline:
+            time.sleep(0.01)
+        try:
+            last.wait(60)
+            error = None
+        except Exception as failure:  # noqa: BLE001 - returned to the test
+            error = repr(failure)
+        dropped = sender.dropped
+        sender.close()
+        return error, dropped
+    receiver = cudarecv.WeightReceiver(src=0, timeout=60, zero_copy=True)
+    for version in (1, 2, 3):
+        receiver.pull(timeout=60)
+        assert _holds(receiver.td, version)
+    receiver.close()  # (it lets go of version 2 with its word on 3, then of 3 on the link, and says BYE)
+    store().set(f"{key}_closed", "1")
+    return None
+
+
+def test_a_receiver_closing_right_after_a_background_push_leaves_that_push_whole(cluster):
+    """The sender's answer to a receiver's BYE (RELEASED, which lets go of every snapshot the receiver held) comes
+    after the push in flight to it has taken the receiver's word: a background push nothing drove yet took the
+    word only once asked, after that, found the snapshot its word let go of already let go of, and failed the
+    push (out of step) and dropped the receiver."""
+    (error, dropped), _ = cluster().run(
+        closes_after_its_last_pull, args=(unique_key("closes"),), timeout=120
+    )
+    assert error is None, error
+    assert dropped == {1: "closed by its receiver"}, dropped

@@ -100,7 +100,8 @@ def _listen(session: Session, pool: SnapshotPool, member: Member) -> None:
                 # its BYE: it leaves (RELEASED follows what is in flight to it), or answers CLOSED; a receiver
                 # dropped meanwhile (a push to it failed) stays dropped
                 if member.move_if(Standing.LEAVING, frm={Standing.SERVED}):
-                    member.driver.submit(lambda: last_word(session, pool, member, RELEASED))
+                    sending = member.sending
+                    member.driver.submit(lambda: _leaves(session, pool, member, sending))
                 else:
                     member.move_if(Standing.DONE, frm={Standing.CLOSING})
                 session.cond.notify_all()
@@ -114,6 +115,15 @@ def _listen(session: Session, pool: SnapshotPool, member: Member) -> None:
         with session.cond:
             member.asked = version
             serve(session, pool, member)
+
+
+def _leaves(session: Session, pool: SnapshotPool, member: Member, sending: Transfer | None) -> None:
+    """On ``member``'s driver, after its BYE: the push in flight to it ends first (a lazy one, which nothing may
+    have driven yet, takes the receiver's word, said before its BYE, while the receiver still holds what that word
+    names), then RELEASED (which retires what it holds)."""
+    if sending is not None:
+        sending.settle()  # (never raises: the push's error is its own)
+    last_word(session, pool, member, RELEASED)
 
 
 def _answered(session: Session, member: Member, version: int | None) -> None:
