@@ -89,12 +89,13 @@ def _check_run(
         for row in mine:
             assert row["check"] == "ok", out
             assert row["checksum"] == (checksums if impl != "stock" else "-"), out
+            # (each cell is over both passes of its implementation: demo.PASSES)
             if mode == "sync" or impl == "stock":
-                assert int(row["pulls"]) == QUICK_VERSIONS, out  # every version
+                assert int(row["pulls"]) == 2 * QUICK_VERSIONS, out  # every version, each pass
                 # one episode per version held, the same work as stock's (whose version 0 came with init_remote)
-                assert int(row["episodes"]) == QUICK_VERSIONS - (impl != "stock"), out
+                assert int(row["episodes"]) == 2 * (QUICK_VERSIONS - (impl != "stock")), out
             else:
-                assert 1 <= int(row["pulls"]) <= QUICK_VERSIONS, out  # the newest, when ready
+                assert 2 <= int(row["pulls"]) <= 2 * QUICK_VERSIONS, out  # the newest, when ready
             assert float(row["p99 ms"]) >= float(row["p50 ms"]) >= 0, out
             assert row["lag max"] == "-" or int(row["lag max"]) >= 0, out
     assert (
@@ -112,7 +113,7 @@ def test_demo_quick_verified_three_actors() -> None:
     _check_run(
         _demo("--quick", "--verify", "--actors", "3"),
         actors=3,
-        checksums=f"{QUICK_VERSIONS}/{QUICK_VERSIONS}",
+        checksums=f"{2 * QUICK_VERSIONS}/{2 * QUICK_VERSIONS}",  # (both passes)
     )
 
 
@@ -122,7 +123,7 @@ def test_demo_latest_mode_with_a_slow_actor() -> None:
     _, rows = _check_run(proc, actors=2, checksums="off", mode="latest")
     slow = {row["impl"]: row for row in rows if row["actor"] == "2*"}
     assert set(slow) == {"cudarecv latest", "stock"}, rows
-    assert int(slow["stock"]["pulls"]) == QUICK_VERSIONS
+    assert int(slow["stock"]["pulls"]) == 2 * QUICK_VERSIONS  # (both passes)
 
 
 def test_demo_dead_actor_ends_the_run() -> None:
@@ -516,3 +517,68 @@ def test_demo_cuda_without_gpu(capsys) -> None:
         capsys.readouterr().err.strip()
         == "cudarecv demo: error: argument --device: cuda, but no CUDA device is visible: use --device cpu"
     )
+
+
+def test_each_implementation_trains_twice_in_the_order_a_b_b_a_and_its_row_is_over_both() -> None:
+    """A pass's place in the run changes its speed: both get the same places, and a row sums its passes; an actor
+    that missed the trainer's weights in either pass fails its check."""
+    assert demo.PASSES == ("cudarecv", "stock", "stock", "cudarecv")
+    cfg = demo.Config(
+        actors=1,
+        steps=2,
+        hidden=8,
+        device="cpu",
+        backend="gloo",
+        bucket_bytes=None,
+        verify=False,
+        timeout=10.0,
+        seed=0,
+        threads=1,
+    )
+
+    def ranks(impl: str, seconds: float, actor_digest: str) -> list[dict]:
+        trainer = dict(
+            impl=impl,
+            seconds=seconds,
+            pushes=[seconds / 10] * 3,
+            rewards=[0.1, 0.9],
+            versions=3,
+            bytes=1024,
+            digest="d",
+        )
+        actor = dict(
+            impl=impl,
+            rank=1,
+            pulls=3,
+            latencies=[0.001],
+            lags=[0],
+            rewards=[0.5],
+            verified=0,
+            bad=0,
+            version=3,
+            digest=actor_digest,
+        )
+        return [trainer, actor]
+
+    # cudarecv 1 s then 3 s (4 s for 4 steps), stock 1 s and 1 s; stock's actor missed the weights in its 2nd pass
+    trainers, actors = demo.combined(
+        [
+            ranks("cudarecv", 1.0, "d"),
+            ranks("stock", 1.0, "d"),
+            ranks("stock", 1.0, "x"),
+            ranks("cudarecv", 3.0, "d"),
+        ]
+    )
+    assert [(t["impl"], t["seconds"], t["steps"], len(t["pushes"])) for t in trainers] == [
+        ("cudarecv", 4.0, 4, 6),
+        ("stock", 2.0, 4, 6),
+    ]
+    trainer_rows, actor_rows = _tables(demo.report_text(cfg, trainers, actors))
+    assert [(r["impl"], r["steps/s"], r["vs stock"]) for r in trainer_rows] == [
+        ("cudarecv sync", "1.0", "0.50x"),
+        ("stock", "2.0", "1.00x"),
+    ], trainer_rows
+    assert [(r["impl"], r["pulls"], r["check"]) for r in actor_rows] == [
+        ("cudarecv sync", "6", "ok"),
+        ("stock", "6", "FAIL: weights differ"),
+    ], actor_rows

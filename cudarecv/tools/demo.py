@@ -94,6 +94,11 @@ DEFAULTS: dict[str, Any] = dict(
 )
 QUICK: dict[str, int] = dict(steps=40, hidden=64)
 IMPLS: tuple[Impl, ...] = ("cudarecv", "stock")
+#: the passes, in order: each implementation trains twice (A B B A), and each of its cells is over both. A pass's
+#: speed depends on its place in the run (measured: the same two passes in the order cudarecv, stock read 1.00x
+#: three times, in the order stock, cudarecv 1.09x and 1.13x), and the machine's speed drifts; in this order both
+#: implementations get the same places, and a steady drift falls on both alike
+PASSES: tuple[Impl, ...] = IMPLS + IMPLS[::-1]
 OBS, ARMS, RULE_WIDTH = 16, 8, 32  # context size, arms, width of the hidden rule
 BATCH, ACTOR_BATCH = 256, 64  # contexts per training step / per actor episode
 ENV_SECONDS = 0.01  # what an episode waits for its environment, besides the policy's compute
@@ -129,6 +134,8 @@ ACTOR_COLUMNS = (
 )
 LEFT = {"impl", "check"}
 TRAINER_NOTES = (
+    f"each implementation trains twice, in the order {', '.join(PASSES)} (a pass's place",
+    "  in the run changes its speed: each gets the same places); every cell is over both passes",
     "steps/s: training steps per second of wall time, from the first push until every actor holds",
     "  the last version (every push included, the last one's end too); vs stock: steps/s / stock's",
     "push p50 / p99 / max: ms a step spent on weight sync (cudarecv sync: finishing the previous",
@@ -144,8 +151,8 @@ DELTA_NOTES = (
     "  unchanged (docs/delta.md)",
 )
 ACTOR_NOTES = (
-    "actor: its rank (* the --slow-actor); pulls: versions it took; episodes: batches of contexts",
-    f"  it played, {ENV_SECONDS * 1e3:g} ms each at least (sync and stock: one per version, the same",
+    "actor: its rank (* the --slow-actor); pulls: versions it took (both passes); episodes: batches",
+    f"  of contexts it played, {ENV_SECONDS * 1e3:g} ms each at least (sync and stock: one per version, the same",
     "  work; cudarecv's, in both modes, while the next version travels: actors that played more",
     "  would take the CPU from the trainer on a shared machine)",
     "p50 / p99 ms: pull latency, from when the version existed and the actor asked (whichever came",
@@ -185,6 +192,7 @@ class Config:
     kill_actor: int | None = None
     network: str = "loopback"  # where the ranks run, for the tables
     delta: bool = False  # cudarecv sends each actor on the wire what changed (WeightSender's delta)
+    round: int = 0  # which of this implementation's passes this is (PASSES)
 
     @property
     def world(self) -> int:
@@ -530,12 +538,12 @@ def TensorDict_from_module(policy: nn.Module) -> Any:  # noqa: N802 - the tensor
 
 
 def _done_key(cfg: Config) -> str:
-    return f"{DONE_KEY}/{cfg.impl}/{cfg.mode}"
+    return f"{DONE_KEY}/{cfg.impl}/{cfg.mode}/{cfg.round}"
 
 
 def _version_key(cfg: Config) -> str:
     """Where the trainer keeps the version it pushed last (this pass's own key)."""
-    return f"{VERSION_KEY}/{cfg.impl}/{cfg.mode}"
+    return f"{VERSION_KEY}/{cfg.impl}/{cfg.mode}/{cfg.round}"
 
 
 def _wait_done(store: Store, cfg: Config, actors: int) -> None:
@@ -803,7 +811,7 @@ def trainer_cells(cfg: Config, trainer: dict[str, Any], stock: dict[str, Any]) -
     pushes = trainer["pushes"]
     return {
         "impl": _label(cfg, trainer["impl"]),
-        "steps/s": _fmt(cfg.steps / trainer["seconds"], ".1f"),
+        "steps/s": _fmt(trainer.get("steps", cfg.steps) / trainer["seconds"], ".1f"),
         "vs stock": _fmt(stock["seconds"] / trainer["seconds"], ".2f") + "x",
         "push p50": _fmt(percentile(pushes, 50) * 1e3, ".2f"),
         "push p99": _fmt(percentile(pushes, 99) * 1e3, ".2f"),
@@ -1226,20 +1234,71 @@ def _train(cfg: Config, training: threading.Event) -> tuple[list[dict], list[dic
                 pg_timeout=cfg.timeout,
                 start_timeout=max(120.0, cfg.timeout),
             )
-        for impl in IMPLS:
-            progress(f"cudarecv demo: training with {_label(cfg, impl)}")
+        passes = []
+        for impl, turn in _passes():
+            progress(f"cudarecv demo: training with {_label(cfg, impl)}{_pass_of(turn)}")
             training.set()
-            results = cluster.run(
-                demo_rank, args=(replace(cfg, impl=impl),), timeout=_run_timeout(cfg)
+            passes.append(
+                cluster.run(
+                    demo_rank,
+                    args=(replace(cfg, impl=impl, round=turn),),
+                    timeout=_run_timeout(cfg),
+                )
             )
-            trainers.append(results[0])
-            actors += results[1:]
+        trainers, actors = combined(passes)
         with _Heartbeat("stopping the ranks"):
             cluster.close()  # each rank leaves and must exit normally (else RankError)
     except BaseException:
         if cluster is not None:
             cluster.kill()  # (already done by an interrupted or failed call: then nothing is left to do)
         raise
+    return trainers, actors
+
+
+def _passes() -> list[tuple[Impl, int]]:
+    """The passes in :data:`PASSES` order, each with its round: which of its implementation's passes it is."""
+    return [(impl, PASSES[:i].count(impl)) for i, impl in enumerate(PASSES)]
+
+
+def _pass_of(turn: int) -> str:
+    return f" (pass {turn + 1} of 2)"
+
+
+def combined(passes: list[list[dict[str, Any]]]) -> tuple[list[dict], list[dict]]:
+    """Each implementation's passes (in :data:`PASSES` order: each the results of every rank, the trainer's first)
+    as one trainer and one row per actor, in :data:`IMPLS` and rank order: its time the sum of its passes', its
+    pushes, pulls and episodes those of every pass; an actor holds the trainer's weights if it did in every pass."""
+    trainers, actors = [], []
+    for impl in IMPLS:
+        mine = [results for kind, results in zip(PASSES, passes) if kind == impl]
+        first = mine[0][0]
+        trainers.append(
+            {
+                **first,
+                "seconds": sum(results[0]["seconds"] for results in mine),
+                "steps": sum(len(results[0]["rewards"]) for results in mine),
+                "pushes": [p for results in mine for p in results[0]["pushes"]],
+                "sent": [b for results in mine for b in results[0].get("sent", [])],
+            }
+        )
+        for rank in range(1, len(mine[0])):
+            rows = [(results[0], results[rank]) for results in mine]
+            held = all(
+                a["digest"] == t["digest"] and a["version"] == t["versions"] for t, a in rows
+            )
+            actor = rows[0][1]
+            actors.append(
+                {
+                    **actor,
+                    **{
+                        key: [v for _, a in rows for v in a[key]]
+                        for key in ("latencies", "lags", "rewards")
+                    },
+                    **{key: sum(a[key] for _, a in rows) for key in ("pulls", "verified", "bad")},
+                    # (the check compares it with the first pass's trainer: the same weights, if it held them each time)
+                    "digest": actor["digest"] if held else None,
+                }
+            )
     return trainers, actors
 
 
@@ -1277,10 +1336,10 @@ def _run_rank(cfg: Config) -> int:
                 f"cudarecv demo: a trainer and {cfg.actors} actor(s) under torchrun, {cfg.world} ranks"
             )
         mine = []
-        for impl in IMPLS:
+        for impl, turn in _passes():
             if rank == 0:
-                progress(f"cudarecv demo: training with {_label(cfg, impl)}")
-            mine.append(demo_rank(rank, cfg.world, None, replace(cfg, impl=impl)))
+                progress(f"cudarecv demo: training with {_label(cfg, impl)}{_pass_of(turn)}")
+            mine.append(demo_rank(rank, cfg.world, None, replace(cfg, impl=impl, round=turn)))
             dist.barrier()
         every: list[Any] = [None] * cfg.world if rank == 0 else []
         dist.gather_object(mine, every if rank == 0 else None, dst=0)
@@ -1288,8 +1347,9 @@ def _run_rank(cfg: Config) -> int:
         dist.destroy_process_group()
     if rank != 0:
         return 0
-    trainers = [every[0][i] for i in range(len(IMPLS))]
-    actors = [every[r][i] for i in range(len(IMPLS)) for r in range(1, cfg.world)]
+    trainers, actors = combined(
+        [[every[r][i] for r in range(cfg.world)] for i in range(len(PASSES))]
+    )
     return _finish(cfg, trainers, actors, time.perf_counter() - started)
 
 
