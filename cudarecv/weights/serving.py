@@ -5,6 +5,7 @@ newest snapshot when it asks, on its own driver), and the sender's last word to 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 from ..core.errors import OutOfStepError, PeerError
@@ -100,8 +101,9 @@ def _listen(session: Session, pool: SnapshotPool, member: Member) -> None:
                 # its BYE: it leaves (RELEASED follows what is in flight to it), or answers CLOSED; a receiver
                 # dropped meanwhile (a push to it failed) stays dropped
                 if member.move_if(Standing.LEAVING, frm={Standing.SERVED}):
-                    sending = member.sending
-                    member.driver.submit(lambda: _leaves(session, pool, member, sending))
+                    member.driver.submit(
+                        functools.partial(_leaves, session, pool, member, member.sending)
+                    )
                 else:
                     member.move_if(Standing.DONE, frm={Standing.CLOSING})
                 session.cond.notify_all()
