@@ -505,7 +505,7 @@ def lazy_pushes(rank, world, group, key):
         woken = _switches("cudarecv-push") - before
         # a push the receiver answered that nobody waits for ends at its deadline, and keeps the receiver
         _fill(td, pushes + 2)
-        [late] = sender.push(wait=False, timeout=1.0)
+        [late] = sender.push(wait=False, timeout=3.0)
         store().wait([f"{key}_{pushes + 2}"])
         deadline = time.monotonic() + 30
         while not late.settled and time.monotonic() < deadline:

@@ -161,3 +161,21 @@ def test_a_direct_read_stops_at_the_first_region_not_mapped():
 )
 def test_native_copies_are_built_where_a_compiler_is():
     assert _host_copy.NATIVE, _host_copy.WHY_NOT_NATIVE
+
+
+def test_a_native_build_older_than_the_source_is_not_used_and_says_rebuild(monkeypatch):
+    """A build that lacks a function this source calls (the package updated without its build step) falls back
+    to memmove with a reason naming what is missing, instead of failing ``import cudarecv``."""
+    if _host_copy._LIB is None:
+        pytest.skip(f"no native build here: {_host_copy.WHY_NOT_NATIVE}")
+
+    class Older:
+        def __getattr__(self, name: str):
+            if name == "cudarecv_bump":
+                raise AttributeError(name)
+            return getattr(_host_copy._LIB, name)
+
+    monkeypatch.setattr(_host_copy.ctypes, "CDLL", lambda path: Older())
+    lib, why = _host_copy._load()
+    assert lib is None and why is not None
+    assert "cudarecv_bump" in why and "rebuild" in why

@@ -33,12 +33,28 @@ from . import tuned as _tuned
 from .errors import ArgumentError
 from .log import logger
 
+#: the native library's functions this module calls
+_SYMBOLS = (
+    "cudarecv_copy",
+    "cudarecv_copy_many",
+    "cudarecv_copy_streaming",
+    "cudarecv_publish",
+    "cudarecv_observe",
+    "cudarecv_bump",
+)
+
 
 def _load() -> tuple[ctypes.CDLL | None, str | None]:
     spec = importlib.util.find_spec("cudarecv.core.host_copy_native")
     if spec is None or spec.origin is None:
         return None, "cudarecv was installed without a C compiler: host copies use memmove"
     lib = ctypes.CDLL(spec.origin)
+    missing = [name for name in _SYMBOLS if not hasattr(lib, name)]
+    if missing:  # (a build older than this source: the package was updated without its build step)
+        return None, (
+            f"cudarecv's native build lacks {', '.join(missing)}: rebuild it "
+            "(pip install -e . or python setup.py build_ext --inplace); host copies use memmove"
+        )
     lib.cudarecv_copy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
     lib.cudarecv_copy.restype = None
     lib.cudarecv_copy_many.argtypes = [ctypes.c_void_p, ctypes.c_size_t]

@@ -109,6 +109,10 @@ class Transfer(torch.futures.Future):
         else hand it to ``driver``), a done-callback or ``then()`` (handed to ``driver`` at once), or its deadline
         (finished then if its works have completed, else failed). For a transfer whose last step only reads a word
         that comes by itself (a doorbell's): no thread is woken for it while its caller computes."""
+        if lazy and timeout is None:
+            raise ValueError(
+                "a lazy transfer needs a timeout: its deadline ends it if nothing else does"
+            )
         super().__init__()
         self._route = route  # where the payload went, if a same-host transport may take it (:mod:`cudarecv.samehost.sides`)
         #: what the transfer does, for a caller's :class:`WaitTimeout` (e.g. ``"pull from rank 0"``)
@@ -270,7 +274,8 @@ class Transfer(torch.futures.Future):
         in call order) is only waited for here, never driven: driven here it would post out of its turn.
         """
         timeout = check_timeout(timeout, or_none=True, or_zero=True)
-        self._catch_up(waiting=timeout is None)
+        # (a wait that lasts at least until the transfer's own deadline drives it here: bounded by that deadline)
+        self._catch_up(waiting=timeout is None or self.deadline() <= time.monotonic() + timeout)
         if not self._settled.is_set():
             if self.timeout is None and timeout is None and not self._helped:
                 self.settle()  # here, bounded by the process group's timeout
@@ -298,19 +303,30 @@ class Transfer(torch.futures.Future):
 
     def _catch_up(self, waiting: bool = False) -> bool:
         """A lazy transfer nobody drives yet whose works have all completed: finish it on this thread (its last
-        step only reads what came: it does not block); ``waiting`` (a ``wait()`` for the end, however long): also
-        one still waiting, here rather than on another thread (bounded by its works' own deadline). Whether it
-        drove it."""
+        step only reads what came: it does not block); ``waiting`` (a wait that lasts until the transfer's
+        deadline): also one still waiting, here rather than on another thread (bounded by its works' own
+        deadline). Not waiting, it leaves one another thread drives now alone. Whether it drove it."""
+        if not self._lazy:
+            return False
         with self._state:
             ready = (
-                self._lazy
-                and not self._helped
+                not self._helped
                 and not self._finished
                 and (waiting or all(w.is_completed() for w in self._works))
             )
-        if ready:
-            self.settle()
-        return ready
+        if not ready:
+            return False
+        if not waiting:
+            if not self._driving.acquire(blocking=False):
+                return False  # (another thread drives it: its end is that thread's)
+            self._driving.release()
+        self.settle()
+        return True
+
+    def finish_lazy(self) -> None:
+        """A lazy transfer nothing drove yet: drive it to its end on this thread (bounded by its own deadline);
+        any other transfer: nothing (its own driver ends it)."""
+        self._catch_up(waiting=True)
 
     def add_done_callback(self, callback: Callable[[torch.futures.Future], None]) -> None:
         """As ``torch.futures.Future``'s; a lazy transfer is then handed to its driver, so the callback runs when

@@ -559,10 +559,10 @@ def _wait_done(store: Store, cfg: Config, actors: int) -> None:
 
 @dataclass
 class _InFlight:
-    """A push started with ``push(wait=False)``: one transfer per actor, each driven to its end by the sender's
-    own thread for that actor (bounded by ``--timeout``) while the trainer computes the next step. The trainer
-    waits for them, on its own thread, only before the next push: by then they have ended, and a wait that
-    returns at once costs no hand-off between threads."""
+    """A push started with ``push(wait=False)``: one transfer per actor (bounded by ``--timeout``), on its way while
+    the trainer computes the next step. The trainer waits for them, on its own thread, only before the next push:
+    by then the actors have answered, and the wait takes each answer there (an actor reading the trainer's shared
+    memory: nothing of the sender ran meanwhile; on the wire, the sender's thread for that actor drove it)."""
 
     transfers: list[cudarecv.Transfer]
     ranks: list[int]
@@ -1393,7 +1393,7 @@ def _run_hosts(args: argparse.Namespace, cfg: Config) -> int:
                 env={"TORCH_CPP_LOG_LEVEL": "ERROR", "CUDARECV_LINK": args.link},
             )
             hosts.wait(
-                procs, timeout=2 * _run_timeout(cfg) + 120
+                procs, timeout=len(PASSES) * _run_timeout(cfg) + 120
             )  # a failed host ends the run at once
     except sim.HostsError as exc:  # (the others' torchrun would wait 300 s in its exit barrier)
         error("demo", str(exc))

@@ -254,7 +254,11 @@ class SessionSender:
         """Send the current values of ``td`` to every receiver still served, as the next version.
 
         ``sync`` mode: returns the new version number once every receiver has it, or with ``wait=False`` one
-        :class:`~cudarecv.Transfer` per receiver (their ``wait()`` returns ``None``). ``latest`` mode: copies
+        :class:`~cudarecv.Transfer` per receiver (their ``wait()`` returns ``None``). To a receiver reading this
+        host's shared memory such a transfer is lazy: nothing of the sender runs for it until its end is needed,
+        by the next push, its ``wait()`` or ``done()``, a done-callback or ``then()``, or its deadline; so
+        ``torch.futures.wait_all`` and ``collect_all``, which wait in torch's C++ code, see it end only at one of
+        those (wait for each with ``wait()`` instead). ``latest`` mode: copies
         the weights into a free snapshot buffer and returns the version at once; receivers get it when they
         next pull. ``timeout``: seconds each receiver may take (default: the sender's). ``values``: send these
         instead of ``td``'s (``td``'s keys, shapes, dtypes and device; ``td`` is left as it is). Pushes from

@@ -120,11 +120,11 @@ def _listen(session: Session, pool: SnapshotPool, member: Member) -> None:
 
 
 def _leaves(session: Session, pool: SnapshotPool, member: Member, sending: Transfer | None) -> None:
-    """On ``member``'s driver, after its BYE: the push in flight to it ends first (a lazy one, which nothing may
-    have driven yet, takes the receiver's word, said before its BYE, while the receiver still holds what that word
-    names), then RELEASED (which retires what it holds)."""
+    """On ``member``'s driver, after its BYE: a lazy push in flight to it that nothing drove yet ends first (it takes
+    the receiver's word, said before its BYE, while the receiver still holds what that word names), then RELEASED
+    (which retires what it holds). Any other push has a driver of its own, as before."""
     if sending is not None:
-        sending.settle()  # (never raises: the push's error is its own)
+        sending.finish_lazy()  # (never raises: the push's error is its own)
     last_word(session, pool, member, RELEASED)
 
 
