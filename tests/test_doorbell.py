@@ -74,6 +74,54 @@ def test_the_page_carries_one_header_and_one_word_each_way_and_wakes_its_sleeper
     mailbox.close()
 
 
+def test_a_latest_mode_ask_by_the_page_is_owned_by_exactly_one_end():
+    """The receiver's ask stands while the sender has nothing newer, and the next publish takes it (once); asked
+    when a newer version is out, it is withdrawn (the receiver asks on the link); a sharded floor past the version
+    published stays for a later one; a second ask while one stands is out of step."""
+    mailbox = Mailbox()
+    bell = Bell(mailbox.offer())
+    assert bell.published(4) is None, "nobody asked"
+    assert mailbox.ask(4), "nothing newer than 4 is out: the ask stands"
+    with pytest.raises(OutOfStepError):
+        mailbox.ask(4)
+    assert bell.published(5) == 4, "the publish of 5 takes the ask past 4"
+    assert bell.published(6) is None, "an ask is taken once"
+    assert not mailbox.ask(5), "6 is out: the ask past 5 is withdrawn, to go on the link"
+    assert bell.published(7) is None, "a withdrawn ask is nobody's to take"
+    assert mailbox.ask(9) and bell.published(8) is None, "an ask past 9 waits for a version past it"
+    assert bell.published(10) == 9
+    mailbox.close()
+
+
+def test_an_ask_and_a_publish_at_once_are_owned_by_exactly_one_end():
+    """An ask and a publish raced from two threads, many times: each ask is either taken by that publish or
+    withdrawn by its receiver (a newer version is out), never both and never neither."""
+    mailbox = Mailbox()
+    bell = Bell(mailbox.offer())
+    rounds = 3000
+    taken: list[int | None] = [None] * rounds
+    start, end = threading.Barrier(2, timeout=60), threading.Barrier(2, timeout=60)
+
+    def publishes() -> None:
+        for i in range(rounds):
+            start.wait()
+            taken[i] = bell.published(i + 1)  # version i + 1, while the receiver asks past i
+            end.wait()
+
+    thread = threading.Thread(target=publishes)
+    thread.start()
+    for i in range(rounds):
+        start.wait()
+        stood = mailbox.ask(i)
+        end.wait()
+        assert stood == (taken[i] == i), (
+            f"round {i}: the ask stood {stood}, the publish took {taken[i]}"
+        )
+    thread.join(60)
+    assert not thread.is_alive()
+    mailbox.close()
+
+
 class _Gate:
     """A work that completes once :meth:`open` is called."""
 
@@ -599,3 +647,90 @@ def test_a_receiver_closing_right_after_a_background_push_leaves_that_push_whole
     )
     assert error is None, error
     assert dropped == {1: "closed by its receiver"}, dropped
+
+
+def latest_rung(rank, world, group, key):
+    """Latest mode, a zero-copy receiver asking before each push: each ask stands on the doorbell and the push that
+    publishes the next version answers it, on the pushing thread. Then an ask made once a newer version is out
+    goes on the link and is answered at once, with no push after it; and one made while the reply to the last ask
+    has not been ended yet (its word came after the next push) is answered too: the listener ends that reply."""
+    td = _model()
+    pushes = 40
+    if rank == 0:
+        sender = cudarecv.WeightSender(td, dst=1, mode="latest", timeout=60)
+        _fill(td, 1)
+        sender.push()  # (the first reply goes on the link and says the doorbell rings)
+        store().wait([f"{key}_got_1"])
+        store().wait([f"{key}_asked_1"])
+        before = _switches("cudarecv-")
+        for version in range(2, pushes + 2):
+            _fill(td, version)
+            sender.push()
+            store().wait([f"{key}_asked_{version}"])  # it took the version and asked again
+        woken = _switches("cudarecv-") - before
+        # a version pushed before the receiver asks: it asks on the link and gets it with no push after
+        _fill(td, pushes + 2)
+        sender.push()
+        store().set(f"{key}_pushed_{pushes + 2}", "1")
+        store().wait([f"{key}_got_{pushes + 2}"])
+        # the reply to its standing ask is rung, then the next version is pushed before its word comes
+        _fill(td, pushes + 3)
+        sender.push()
+        _fill(td, pushes + 4)
+        sender.push()
+        store().set(f"{key}_pushed_{pushes + 4}", "1")
+        store().wait([f"{key}_got_{pushes + 4}"])
+        dropped = sender.dropped
+        sender.close()
+        return dict(woken=woken, dropped=dropped)
+    receiver = cudarecv.WeightReceiver(src=0, timeout=60, zero_copy=True)
+    held = []
+    receiver.pull(timeout=60)
+    held.append(_holds(receiver.td, 1))
+    store().set(f"{key}_got_1", "1")
+    for version in range(2, pushes + 2):
+        pending = receiver.pull(wait=False)  # (its ask is made before this returns)
+        store().set(f"{key}_asked_{version - 1}", "1")
+        assert pending.wait(60) == version
+        held.append(_holds(receiver.td, version))
+    pending = receiver.pull(wait=False)  # stands: answered by the push of pushes + 2
+    store().set(f"{key}_asked_{pushes + 1}", "1")
+    assert pending.wait(60) == pushes + 2
+    held.append(_holds(receiver.td, pushes + 2))
+    store().wait([f"{key}_pushed_{pushes + 2}"])
+    # its word on the next version waits until the sender has pushed the one after it
+    answer = doorbell.Mailbox.answer
+
+    def late_answer(self: Any, raw: bytes) -> None:
+        store().wait([f"{key}_pushed_{pushes + 4}"])
+        answer(self, raw)
+
+    doorbell.Mailbox.answer = late_answer  # type: ignore[method-assign]
+    try:
+        pending = receiver.pull(
+            wait=False
+        )  # (none newer is out: the ask stands, answered by the next push)
+        store().set(f"{key}_got_{pushes + 2}", "1")
+        held.append(pending.wait(60) == pushes + 3 and _holds(receiver.td, pushes + 3))
+    finally:
+        doorbell.Mailbox.answer = answer  # type: ignore[method-assign]
+    # a newer version is out: asked on the link, the listener ends the reply above first (its word came), then
+    # answers; nothing is pushed after (a reply left to its deadline, 60 s, would time this pull out)
+    held.append(receiver.pull(timeout=20) == pushes + 4 and _holds(receiver.td, pushes + 4))
+    store().set(f"{key}_got_{pushes + 4}", "1")
+    receiver.close()
+    return held
+
+
+def test_a_latest_mode_ask_by_the_doorbell_is_answered_by_the_push_and_wakes_no_sender_thread(
+    cluster,
+):
+    """Latest mode with a doorbell: a receiver's ask stands on the page and the push that publishes a newer version
+    answers it on the pushing thread; no thread of the sender wakes for it (its listener woke for every ask on the
+    link, its driver for every reply and word). An ask made once a newer version is out goes on the link and is
+    answered at once; one made while the reply to the last is still in flight is answered after it ends."""
+    sender, held = cluster().run(latest_rung, args=(unique_key("latest_rung"),), timeout=240)
+    assert all(held), f"a version was torn, stale or late: {held}"
+    print("sender threads woke", sender["woken"], "times")
+    assert sender["woken"] < 20, f"the sender's threads woke {sender['woken']} times in 40 pushes"
+    assert sender["dropped"] == {}, sender["dropped"]

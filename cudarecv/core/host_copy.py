@@ -41,6 +41,7 @@ _SYMBOLS = (
     "cudarecv_publish",
     "cudarecv_observe",
     "cudarecv_bump",
+    "cudarecv_swap_if",
 )
 
 
@@ -67,6 +68,8 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     lib.cudarecv_observe.restype = ctypes.c_uint64
     lib.cudarecv_bump.argtypes = [ctypes.c_void_p]
     lib.cudarecv_bump.restype = ctypes.c_uint64
+    lib.cudarecv_swap_if.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64]
+    lib.cudarecv_swap_if.restype = ctypes.c_uint64
     return lib, None
 
 
@@ -177,6 +180,14 @@ def bump(address: int) -> int:
     full barrier: ordered after every store before it and before every load after it; the new value. Needs
     :data:`NATIVE`."""
     return int(_native().cudarecv_bump(address))
+
+
+def swap_if(address: int, expected: int, desired: int) -> int:
+    """Store ``desired`` in the 8-byte word at ``address`` if it holds ``expected`` (atomically); return what it
+    held (``expected``: replaced). A full barrier either way: ``swap_if(a, x, x)`` is a load ordered after every
+    store before it, so two ends that each store a word and then load the other's never both miss the other's
+    store. Needs :data:`NATIVE`."""
+    return int(_native().cudarecv_swap_if(address, expected, desired))
 
 
 def copy_bytes(dst: Tensor, src: Tensor) -> None:

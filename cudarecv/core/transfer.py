@@ -103,8 +103,12 @@ class Transfer(torch.futures.Future):
         what: str | None = None,
         route: Carrier | None = None,
         lazy: bool = False,
+        on_end: Callable[[Transfer], None] | None = None,
     ) -> None:
-        """``lazy``: after its first step (run here, as always) nothing drives the transfer until something needs
+        """``on_end``: called with the transfer once it has ended (finished or failed), on the thread that ended it,
+        whichever that is; it must not raise.
+
+        ``lazy``: after its first step (run here, as always) nothing drives the transfer until something needs
         its end: a ``wait()`` or ``done()`` (which finish it on the caller's thread once its works have completed,
         else hand it to ``driver``), a done-callback or ``then()`` (handed to ``driver`` at once), or its deadline
         (finished then if its works have completed, else failed). For a transfer whose last step only reads a word
@@ -121,6 +125,7 @@ class Transfer(torch.futures.Future):
         self._link = link  # the link its works are on (to release an abandoned wait at exit)
         self._stream = stream
         self._on_error = on_error
+        self._on_end = on_end
         self._driver = driver
         self._works: Sequence[Work] = ()
         self._finished = False
@@ -203,6 +208,8 @@ class Transfer(torch.futures.Future):
         shutdown.ended(self)
         if self.timeout is not None:
             DEADLINES.ended(self)  # (its thread ends once it watches nothing)
+        if self._on_end is not None:
+            self._on_end(self)
 
     def deadline(self) -> float:
         """When the transfer's own time runs out (``time.monotonic()``; inf without one)."""

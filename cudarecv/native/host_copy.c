@@ -100,3 +100,11 @@ uint64_t cudarecv_bump(uint64_t *word) {
 uint64_t cudarecv_observe(const uint64_t *word) {
     return __atomic_load_n(word, __ATOMIC_ACQUIRE);
 }
+
+/* replace the word with `desired` if it holds `expected`; the value it held (== expected: replaced), as a full
+   barrier either way: two ends that each store one word and then read the other's (a store, then a read, both
+   by this call) never both miss the other's store */
+uint64_t cudarecv_swap_if(uint64_t *word, uint64_t expected, uint64_t desired) {
+    __atomic_compare_exchange_n(word, &expected, desired, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+    return expected;
+}

@@ -43,13 +43,15 @@ import ctypes
 import os
 import threading
 
-from ..core.host_copy import NATIVE, bump, observe, publish
+from ..core.errors import OutOfStepError
+from ..core.host_copy import NATIVE, bump, observe, publish, swap_if
 from . import shared_memory as host
 
 # (offsets in the segment's payload: each side's words on cache lines of their own)
 DOWN_SEQ, DOWN_WAKE, DOWN = 0, 8, 64
 UP_SEQ, UP_WAKE, UP = 192, 200, 256
-TAKEN = 384
+TAKEN, LATEST = 384, 392
+ASKED = 448
 SLOT = 128  # the most bytes a header or a word takes
 CAPACITY = 512
 _LOW = 0xFFFFFFFF  # a futex is the low 32 bits of its 8-byte word (little-endian)
@@ -89,6 +91,10 @@ class _Page:
     def sleep(self, word: int, seen: int, timeout: float) -> None:
         """Sleep while ``word`` holds ``seen``, at most ``timeout`` s."""
         host.sleep_on(self._base + word, seen & _LOW, timeout)
+
+    def swap_if(self, word: int, expected: int, desired: int) -> int:
+        """:func:`~cudarecv.core.host_copy.swap_if` on ``word``: what it held (``expected``: replaced)."""
+        return swap_if(self._base + word, expected, desired)
 
     def bump(self, word: int) -> None:
         """Move wake word ``word`` and wake whoever sleeps on it (an atomic add: two ends that move it at once
@@ -144,6 +150,23 @@ class Mailbox:
     def taken(self) -> int:
         """How many of this receiver's gloo words the sender's listener has read."""
         return self._page.load(TAKEN)
+
+    def ask(self, floor: int) -> bool:
+        """Latest mode: ask by the doorbell for a version newer than ``floor``. Whether the ask stands (the push that
+        publishes such a version rings its header); False: the sender has published one already (``LATEST``), the
+        ask is withdrawn and goes on the link (the sender's listener answers it now). Raises
+        :class:`~cudarecv.core.errors.OutOfStepError` if an earlier ask still stands (one pull at a time asks)."""
+        page, want = self._page, floor + 1
+        held = page.swap_if(ASKED, 0, want)
+        if held != 0:
+            raise OutOfStepError(
+                f"a doorbell ask past version {held - 1} still stands as another is made: out of step"
+            )
+        if page.swap_if(LATEST, 0, 0) <= floor:  # (a full barrier: after the store above)
+            return True
+        return (
+            page.swap_if(ASKED, want, 0) != want
+        )  # withdrawn, unless the sender took it meanwhile
 
     def close(self) -> None:
         """Let go of the page's descriptor (the page is unmapped with the last reference to this mailbox; the
@@ -204,3 +227,14 @@ class Bell:
     def took(self, count: int) -> None:
         """Say that the listener has read ``count`` of the receiver's gloo words."""
         self._page.store(TAKEN, count)
+
+    def published(self, version: int) -> int | None:
+        """Latest mode, under the sender's lock: say that ``version`` is the newest published, then take the
+        receiver's ask if it asked for a version older than it. The floor of the ask taken (the push answers it by
+        this doorbell), or None."""
+        page = self._page
+        page.swap_if(LATEST, page.swap_if(LATEST, 0, 0), version)  # (only this end writes it)
+        asked = page.swap_if(ASKED, 0, 0)  # (a full barrier: after the store above)
+        if asked == 0 or asked - 1 >= version or page.swap_if(ASKED, asked, 0) != asked:
+            return None  # no ask, one past a version not published yet (sharded), or withdrawn just now
+        return asked - 1

@@ -91,8 +91,12 @@ def serve(session: Session, pool: SnapshotPool, members: list[Member]) -> None:
         session.transport.warm(pool.segments, any(m.alias for m in members))
         pool.populated = True
     with session.cond:
+        latest = pool.latest
         for member in members:
             member.move(Standing.SERVED)
+            if member.bell is not None and session.mode == "latest":
+                # its doorbell says the newest version now, then each push's (``ring_replies``, under this lock)
+                member.bell.published(latest.pushed.version if latest is not None else 0)
         session.members.extend(members)
     for member in members:
         # the receiver's asks and BYE (see cudarecv.weights.wire); on NCCL they are read in turn

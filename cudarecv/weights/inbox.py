@@ -210,6 +210,11 @@ class Inbox:
         if self.mailbox is not None:
             self.mailbox.kick()
 
+    def ask_by_bell(self, floor: int) -> bool:
+        """Latest mode: ask by the doorbell for a version newer than ``floor``, if it rings; whether the ask stands
+        (False: ask on the link, the sender has one already, or no doorbell rings; :meth:`Mailbox.ask`)."""
+        return self.ringing and self.mailbox is not None and self.mailbox.ask(floor)
+
     def rung(self) -> bool:
         """Whether the doorbell rang with a header not taken yet."""
         return self.mailbox is not None and self.mailbox.rung()

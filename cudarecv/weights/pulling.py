@@ -233,10 +233,15 @@ class Puller:
     def _pull(self, slot: Slot, index: int, timeout: float, floor: int | None = None) -> Protocol:
         lane, inbox = self.lane, self.inbox
         asked = self.version if floor is None else floor
-        # the words the sender has taken once this pull's push comes: in latest mode those before our ASK (its
-        # listener reads them in order), in sync mode those up to our last GOT (its push waited for it)
+        # the words the sender has taken once this pull's push comes: in latest mode those before our ASK on the link
+        # (its listener reads them in order; asked by the doorbell, none: the doorbell's count says), in sync mode
+        # those up to our last GOT (its push waited for it)
         mark = inbox.asks.mark() if self.mode == "latest" else inbox.answered
-        if self.mode == "latest":  # ask for a version newer than ours (or than the floor)
+        # latest mode: ask for a version newer than ours (or than the floor), by the doorbell if it rings (the push
+        # that publishes one answers, on its own thread), else (or if one is out already) on the link
+        if self.mode == "latest" and inbox.ask_by_bell(asked):
+            mark = 0
+        elif self.mode == "latest":
             sent = yield from send_from(
                 lane, [wire_bytes(lane, ask_message(ASK, asked))], [inbox.tags.ask], defer=True
             )

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from ..core.errors import MismatchError, PeerError
 from ..core.transfer import Transfer, here
 from .fanout import chain_of, dropping, protocol
-from .serving import serve
+from .serving import ring_replies, serve
 from .session import Member, Session, Standing
 from .snapshots import Snapshot, SnapshotPool
 
@@ -44,12 +44,16 @@ class Pushes:
             return [m for m in others if m.move_if(Standing.NAMED, frm={Standing.DROPPED})]
 
     def finish_in_flight(self) -> None:
-        """The push in flight must be out before the storage is reused; its failures were reported on its
-        futures (and their receivers dropped)."""
+        """The push in flight must be out before the storage is reused (and before the sender closes); its failures
+        were reported on its futures (and their receivers dropped)."""
         pending, self._in_flight = self._in_flight, []
         for _, transfer in pending:
             with contextlib.suppress(Exception):
                 transfer.wait()
+
+    def before_push(self) -> None:
+        """What a push does first: sync mode finishes the push in flight (:meth:`finish_in_flight`)."""
+        self.finish_in_flight()
 
 
 class SyncPushes(Pushes):
@@ -133,7 +137,16 @@ class SyncPushes(Pushes):
 
 
 class LatestPushes(Pushes):
-    """Latest mode: the newest version is published; each receiver takes it when it asks."""
+    """Latest mode: the newest version is published; each receiver takes it when it asks (on the link, answered on
+    its driver; or by its doorbell, answered by the push that publishes a newer version: a lazy transfer, kept in
+    flight until its word is taken)."""
+
+    def before_push(self) -> None:
+        """Replies rung by earlier pushes whose words came end here (on this thread); the others stay in flight (a
+        push never waits for a receiver): their deadlines, the listener or :meth:`finish_in_flight` end them."""
+        for _, transfer in self._in_flight:
+            transfer.done()
+        self._in_flight = [(m, t) for m, t in self._in_flight if not t.settled]
 
     def push(
         self,
@@ -154,6 +167,8 @@ class LatestPushes(Pushes):
             pool.latest = target
             for member in live:
                 serve(session, pool, member)
+            # every doorbell hears of it (a receiver joined since `live` was taken too); asks by them are answered
+            self._in_flight += ring_replies(session, pool, session.members, target)
         untold = [] if session.elastic else self.untold(live)
         if untold:
             raise PeerError(

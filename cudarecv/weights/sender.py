@@ -305,7 +305,7 @@ class SessionSender:
 
     def _push(self, wait: bool, timeout: float, values: Any) -> int | list[Transfer]:
         """:meth:`push`, in this thread's turn."""
-        self._pushes.finish_in_flight()  # sync: the storage is reused, the previous push must be out
+        self._pushes.before_push()  # sync: the storage is reused, the previous push must be out
         live = [m for m in self._s.members if m.served]
         if not live and not self._s.elastic:
             self._pushes.untold(live)

@@ -16,7 +16,7 @@ from ..wire.control import read_bytes
 from .fanout import dropping, out_of_step, send, took_got
 from .link import naming, run, send_bytes
 from .session import OWED, Member, Session, Standing
-from .snapshots import SnapshotPool
+from .snapshots import Snapshot, SnapshotPool
 from .wire import (
     ASK,
     ASK_SIZE,
@@ -114,6 +114,11 @@ def _listen(session: Session, pool: SnapshotPool, member: Member) -> None:
         if kind == GOT:
             _answered(session, member, version)
             continue
+        reply = member.sending
+        if (
+            reply is not None
+        ):  # a reply rung by a push, whose word came before this ask: it ends here
+            reply.done()
         with session.cond:
             member.asked = version
             serve(session, pool, member)
@@ -157,7 +162,7 @@ def serve(session: Session, pool: SnapshotPool, member: Member) -> None:
 
 
 def _reply(session: Session, pool: SnapshotPool, member: Member) -> None:
-    """Latest mode, on the receiver's driver: send it the newest snapshot."""
+    """Latest mode, on the receiver's driver: send it the newest snapshot (it asked on the link)."""
     with session.cond:
         snapshot = pool.latest
         # (a reply is started only once a version is published, and a newer one replaces it)
@@ -167,9 +172,7 @@ def _reply(session: Session, pool: SnapshotPool, member: Member) -> None:
     version = snapshot.header.version
     # a header alone (a receiver reading the snapshot where it lies, then its word: a bounded wait) is driven here,
     # on the receiver's thread; a payload on its own thread, which a wait in gloo past the deadline may keep
-    driven_here = (
-        member.transport.header_only and member.transport.carries(snapshot) and not member.lane.nccl
-    )
+    driven_here = _header_only(member, snapshot)
     patch = pool.patch_from(snapshot, member.held) if session.delta and not driven_here else None
     transfer = Transfer(
         send(session, pool, member, snapshot, session.timeout, patch),
@@ -180,6 +183,7 @@ def _reply(session: Session, pool: SnapshotPool, member: Member) -> None:
         on_error=dropping(session, pool, member, version, session.timeout, told=False),
         raise_first=False,
         what=f"version {version} to {member.who}",
+        on_end=functools.partial(_replied, session, pool, member, snapshot),
     )
     with session.cond:
         member.sending = transfer
@@ -190,6 +194,58 @@ def _reply(session: Session, pool: SnapshotPool, member: Member) -> None:
         transfer.settle()  # (never raises: a failure is the transfer's, and drops the receiver)
     with contextlib.suppress(Exception):  # a failure drops the receiver (its hook)
         transfer.wait()
+
+
+def ring_replies(
+    session: Session, pool: SnapshotPool, members: list[Member], snapshot: Snapshot
+) -> list[tuple[Member, Transfer]]:
+    """Latest mode, under the lock, on the pushing thread, once ``snapshot`` is published: say so on every
+    doorbell, and answer each receiver that asked by its doorbell for an older version (:meth:`Bell.published`):
+    its header rung here, the reply a lazy transfer (nothing of the sender wakes for it: its word is taken by the
+    next push, by the listener if the receiver asks on the link next, before the answer to its BYE, or at its
+    deadline). The replies started."""
+    assert snapshot.header is not None
+    version, replies = snapshot.header.version, []
+    for member in members:
+        bell = member.bell
+        if bell is None or not member.served:
+            continue
+        floor = bell.published(version)
+        if floor is None:
+            continue
+        if member.replying or not (member.rings and _header_only(member, snapshot)):
+            member.asked = floor  # (answered as an ask on the link: when its reply in flight ends)
+            serve(session, pool, member)
+            continue
+        snapshot.readers += 1
+        member.replying = True
+        member.sending = Transfer(
+            send(session, pool, member, snapshot, session.timeout),
+            member.lane.stream,
+            timeout=session.timeout,
+            driver=member.driver.submit,
+            link=member.lane.link,
+            on_error=dropping(session, pool, member, version, session.timeout, told=False),
+            raise_first=False,
+            what=f"version {version} to {member.who}",
+            lazy=True,
+            on_end=functools.partial(_replied, session, pool, member, snapshot),
+        )
+        replies.append((member, member.sending))
+    return replies
+
+
+def _header_only(member: Member, snapshot: Snapshot) -> bool:
+    """Whether a reply to ``member`` is a header alone (it reads ``snapshot`` where it lies)."""
+    transport = member.transport
+    return transport.header_only and transport.carries(snapshot) and not member.lane.nccl
+
+
+def _replied(
+    session: Session, pool: SnapshotPool, member: Member, snapshot: Snapshot, transfer: Transfer
+) -> None:
+    """A reply ended (on the thread that ended it): let go of its snapshot, and serve the receiver again (it may
+    have asked on the link meanwhile)."""
     with session.cond:
         snapshot.readers -= 1
         # a failed copy out of a stamped segment is never published: the segment may be written again
@@ -199,7 +255,7 @@ def _reply(session: Session, pool: SnapshotPool, member: Member) -> None:
                 snapshot
             )  # its parked send may still read the buffer: never write it again
         member.replying = False
-        serve(session, pool, member)  # it may have asked again meanwhile
+        serve(session, pool, member)
         session.cond.notify_all()
 
 
