@@ -681,6 +681,7 @@ def latest_rung(rank, world, group, key):
         store().set(f"{key}_pushed_{pushes + 4}", "1")
         store().wait([f"{key}_got_{pushes + 4}"])
         dropped = sender.dropped
+        store().set(f"{key}_checked", "1")  # (the receiver closes after this)
         sender.close()
         return dict(woken=woken, dropped=dropped)
     receiver = cudarecv.WeightReceiver(src=0, timeout=60, zero_copy=True)
@@ -718,6 +719,7 @@ def latest_rung(rank, world, group, key):
     # answers; nothing is pushed after (a reply left to its deadline, 60 s, would time this pull out)
     held.append(receiver.pull(timeout=20) == pushes + 4 and _holds(receiver.td, pushes + 4))
     store().set(f"{key}_got_{pushes + 4}", "1")
+    store().wait([f"{key}_checked"])
     receiver.close()
     return held
 
@@ -731,6 +733,5 @@ def test_a_latest_mode_ask_by_the_doorbell_is_answered_by_the_push_and_wakes_no_
     answered at once; one made while the reply to the last is still in flight is answered after it ends."""
     sender, held = cluster().run(latest_rung, args=(unique_key("latest_rung"),), timeout=240)
     assert all(held), f"a version was torn, stale or late: {held}"
-    print("sender threads woke", sender["woken"], "times")
     assert sender["woken"] < 20, f"the sender's threads woke {sender['woken']} times in 40 pushes"
     assert sender["dropped"] == {}, sender["dropped"]
