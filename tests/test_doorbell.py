@@ -735,3 +735,112 @@ def test_a_latest_mode_ask_by_the_doorbell_is_answered_by_the_push_and_wakes_no_
     assert all(held), f"a version was torn, stale or late: {held}"
     assert sender["woken"] < 20, f"the sender's threads woke {sender['woken']} times in 40 pushes"
     assert sender["dropped"] == {}, sender["dropped"]
+
+
+def latest_late_words(rank, world, group, key):
+    """Two races of a rung reply whose word comes late (each ordered by store keys, through a patched step):
+
+    1. the receiver's word on version 2 comes after push 3 has looked for words, and its next ask is on the page
+       before push 3 publishes: push 3 takes the ask while the reply to the last is still in flight; the ask is
+       answered once that reply ends, which push 3 ends itself (nothing else would before its deadline);
+    2. with two snapshot buffers, push 6 finds none free (5 is the latest, and the reply of 4, its word late, reads
+       the other): the words of replies in flight are taken as they come (on the receivers' drivers), so the push
+       waits for that word, not for its timeout."""
+    from cudarecv.weights import pushes, snapshots
+
+    td = _model()
+    if rank == 0:
+        sender = cudarecv.WeightSender(td, dst=1, mode="latest", timeout=60, buffers=2)
+        _fill(td, 1)
+        sender.push()
+        store().wait([f"{key}_asked_1"])
+        _fill(td, 2)
+        sender.push()  # (the reply rung to its standing ask; its word comes late)
+        before_push = pushes.LatestPushes.before_push
+
+        def then_wait(self: Any) -> None:
+            before_push(self)
+            store().set(f"{key}_looked_3", "1")
+            store().wait([f"{key}_asked_2"])
+
+        pushes.LatestPushes.before_push = then_wait  # type: ignore[method-assign]
+        try:
+            _fill(td, 3)
+            sender.push()
+        finally:
+            pushes.LatestPushes.before_push = before_push  # type: ignore[method-assign]
+        store().wait([f"{key}_asked_3"])
+        _fill(td, 4)
+        sender.push()  # (its reply's word comes once push 6 waits for a snapshot)
+        _fill(td, 5)
+        sender.push()
+        latest_target = snapshots.SnapshotPool.latest_target
+
+        def said(self: Any, timeout: float) -> Any:
+            store().set(f"{key}_waiting_6", "1")
+            return latest_target(self, timeout)
+
+        snapshots.SnapshotPool.latest_target = said  # type: ignore[method-assign]
+        try:
+            _fill(td, 6)
+            sender.push(timeout=20)  # (left to its reply's deadline, the word is taken in 60 s)
+            sixth = "ok"
+        except Exception as error:  # noqa: BLE001 - returned to the test
+            sixth = repr(error)
+        finally:
+            snapshots.SnapshotPool.latest_target = latest_target  # type: ignore[method-assign]
+        store().set(f"{key}_pushed_6", "1")
+        store().wait([f"{key}_got_6"])
+        dropped = sender.dropped
+        store().set(f"{key}_checked", "1")
+        sender.close()
+        return dict(sixth=sixth, dropped=dropped)
+    receiver = cudarecv.WeightReceiver(src=0, timeout=60)
+    held = []
+    receiver.pull(timeout=60)
+    answer = doorbell.Mailbox.answer
+
+    def late_answer(after: str) -> Any:
+        def late(self: Any, raw: bytes) -> None:
+            store().wait([after])
+            answer(self, raw)
+
+        return late
+
+    doorbell.Mailbox.answer = late_answer(f"{key}_looked_3")  # type: ignore[method-assign]
+    try:
+        pending = receiver.pull(wait=False)  # (stands on the page: answered by push 2)
+        store().set(f"{key}_asked_1", "1")
+        held.append(pending.wait(60) == 2 and _holds(receiver.td, 2))
+    finally:
+        doorbell.Mailbox.answer = answer  # type: ignore[method-assign]
+    pending = receiver.pull(
+        wait=False
+    )  # (stands on the page, taken by push 3 while the reply to 2 is in flight)
+    store().set(f"{key}_asked_2", "1")
+    held.append(pending.wait(20) == 3 and _holds(receiver.td, 3))
+    doorbell.Mailbox.answer = late_answer(f"{key}_waiting_6")  # type: ignore[method-assign]
+    try:
+        pending = receiver.pull(wait=False)
+        store().set(f"{key}_asked_3", "1")
+        held.append(pending.wait(60) == 4 and _holds(receiver.td, 4))
+    finally:
+        doorbell.Mailbox.answer = answer  # type: ignore[method-assign]
+    store().wait(
+        [f"{key}_pushed_6"]
+    )  # (no ask meanwhile: its listener would take the word on the way)
+    held.append(receiver.pull(timeout=60) == 6 and _holds(receiver.td, 6))
+    store().set(f"{key}_got_6", "1")
+    store().wait([f"{key}_checked"])
+    receiver.close()
+    return held
+
+
+def test_a_latest_mode_reply_whose_word_comes_late_delays_neither_the_next_ask_nor_a_push(cluster):
+    """A reply rung by a push whose receiver's word comes after the next push looked for words: the receiver's next
+    ask, taken by that push, is answered at once (not when the reply's deadline ends it), and a push that finds no
+    snapshot free waits for that word, not for its own timeout."""
+    sender, held = cluster().run(latest_late_words, args=(unique_key("late_words"),), timeout=240)
+    assert all(held), f"a version was torn, stale or late: {held}"
+    assert sender["sixth"] == "ok", sender["sixth"]
+    assert sender["dropped"] == {}, sender["dropped"]

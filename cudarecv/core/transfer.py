@@ -53,6 +53,7 @@ from .deadlines import DEADLINES
 from .errors import LinkError, TransferTimeout, WaitTimeout
 from .groups import bounded
 from .link import Link
+from .log import logger
 from .protocol import ErrorHook, Protocol, Stage, StartClock, Submit, Work, again, frameless
 from .transport import park
 
@@ -106,7 +107,8 @@ class Transfer(torch.futures.Future):
         on_end: Callable[[Transfer], None] | None = None,
     ) -> None:
         """``on_end``: called with the transfer once it has ended (finished or failed), on the thread that ended it,
-        whichever that is; it must not raise.
+        whichever that is, holding the transfer's own lock (it may take locks that are never held while taking
+        that one); what it raises is logged.
 
         ``lazy``: after its first step (run here, as always) nothing drives the transfer until something needs
         its end: a ``wait()`` or ``done()`` (which finish it on the caller's thread once its works have completed,
@@ -209,7 +211,12 @@ class Transfer(torch.futures.Future):
         if self.timeout is not None:
             DEADLINES.ended(self)  # (its thread ends once it watches nothing)
         if self._on_end is not None:
-            self._on_end(self)
+            try:
+                self._on_end(self)
+            except (
+                Exception
+            ):  # (a bug in the hook: said, never raised into whoever ended the transfer)
+                logger.exception("cudarecv: the end hook of %s failed", self.what)
 
     def deadline(self) -> float:
         """When the transfer's own time runs out (``time.monotonic()``; inf without one)."""

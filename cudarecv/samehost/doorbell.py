@@ -228,12 +228,18 @@ class Bell:
         """Say that the listener has read ``count`` of the receiver's gloo words."""
         self._page.store(TAKEN, count)
 
+    def say_latest(self, version: int) -> None:
+        """Latest mode, under the sender's lock: say that ``version`` is the newest published (a full barrier)."""
+        page = self._page
+        # (only this end changes it: the receiver's look, a swap of 0 for 0, leaves it as it was)
+        page.swap_if(LATEST, page.swap_if(LATEST, 0, 0), version)
+
     def published(self, version: int) -> int | None:
         """Latest mode, under the sender's lock: say that ``version`` is the newest published, then take the
         receiver's ask if it asked for a version older than it. The floor of the ask taken (the push answers it by
         this doorbell), or None."""
+        self.say_latest(version)
         page = self._page
-        page.swap_if(LATEST, page.swap_if(LATEST, 0, 0), version)  # (only this end writes it)
         asked = page.swap_if(ASKED, 0, 0)  # (a full barrier: after the store above)
         if asked == 0 or asked - 1 >= version or page.swap_if(ASKED, asked, 0) != asked:
             return None  # no ask, one past a version not published yet (sharded), or withdrawn just now

@@ -96,7 +96,7 @@ def serve(session: Session, pool: SnapshotPool, members: list[Member]) -> None:
             member.move(Standing.SERVED)
             if member.bell is not None and session.mode == "latest":
                 # its doorbell says the newest version now, then each push's (``ring_replies``, under this lock)
-                member.bell.published(latest.pushed.version if latest is not None else 0)
+                member.bell.say_latest(latest.pushed.version if latest is not None else 0)
         session.members.extend(members)
     for member in members:
         # the receiver's asks and BYE (see cudarecv.weights.wire); on NCCL they are read in turn

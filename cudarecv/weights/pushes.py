@@ -157,6 +157,10 @@ class LatestPushes(Pushes):
         stream: torch.cuda.Stream | None,
     ) -> int:
         session, pool = self.session, self.pool
+        if self._in_flight and not pool.free_now():
+            # the words of replies in flight let go of snapshots: taken as they come, on the receivers' drivers
+            for _, transfer in self._in_flight:
+                transfer.settle_in_background()
         target = pool.latest_target(timeout)
         try:
             pool.copy_in(plan, target, stream)
@@ -168,7 +172,10 @@ class LatestPushes(Pushes):
             for member in live:
                 serve(session, pool, member)
             # every doorbell hears of it (a receiver joined since `live` was taken too); asks by them are answered
-            self._in_flight += ring_replies(session, pool, session.members, target)
+            replies, behind = ring_replies(session, pool, session.members, target)
+            self._in_flight += replies
+        for transfer in behind:  # (its word came: it ends here; the ask is served as it does)
+            transfer.done()
         untold = [] if session.elastic else self.untold(live)
         if untold:
             raise PeerError(

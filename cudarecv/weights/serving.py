@@ -198,14 +198,16 @@ def _reply(session: Session, pool: SnapshotPool, member: Member) -> None:
 
 def ring_replies(
     session: Session, pool: SnapshotPool, members: list[Member], snapshot: Snapshot
-) -> list[tuple[Member, Transfer]]:
+) -> tuple[list[tuple[Member, Transfer]], list[Transfer]]:
     """Latest mode, under the lock, on the pushing thread, once ``snapshot`` is published: say so on every
     doorbell, and answer each receiver that asked by its doorbell for an older version (:meth:`Bell.published`):
     its header rung here, the reply a lazy transfer (nothing of the sender wakes for it: its word is taken by the
     next push, by the listener if the receiver asks on the link next, before the answer to its BYE, or at its
-    deadline). The replies started."""
+    deadline). The replies started, and those in flight to receivers whose ask was taken meanwhile: each such ask
+    is answered as one on the link once that reply ends, which the caller ends at once (:meth:`Transfer.done`,
+    outside the lock: the receiver said its word on that reply before it asked)."""
     assert snapshot.header is not None
-    version, replies = snapshot.header.version, []
+    version, replies, behind = snapshot.header.version, [], []
     for member in members:
         bell = member.bell
         if bell is None or not member.served:
@@ -216,6 +218,8 @@ def ring_replies(
         if member.replying or not (member.rings and _header_only(member, snapshot)):
             member.asked = floor  # (answered as an ask on the link: when its reply in flight ends)
             serve(session, pool, member)
+            if member.replying and member.sending is not None:
+                behind.append(member.sending)
             continue
         snapshot.readers += 1
         member.replying = True
@@ -232,7 +236,7 @@ def ring_replies(
             on_end=functools.partial(_replied, session, pool, member, snapshot),
         )
         replies.append((member, member.sending))
-    return replies
+    return replies, behind
 
 
 def _header_only(member: Member, snapshot: Snapshot) -> bool:
@@ -250,7 +254,7 @@ def _replied(
         snapshot.readers -= 1
         # a failed copy out of a stamped segment is never published: the segment may be written again
         stamped = member.transport.stamped and member.transport.carries(snapshot)
-        if transfer.failed and not stamped:
+        if transfer.failed and not stamped and snapshot in pool.snapshots:
             pool.replace(
                 snapshot
             )  # its parked send may still read the buffer: never write it again

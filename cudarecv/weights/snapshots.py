@@ -188,6 +188,11 @@ class SnapshotPool:
                 )
             return target
 
+    def free_now(self) -> bool:
+        """Latest mode: whether :meth:`latest_target` would find a snapshot without waiting."""
+        with self.session.cond:
+            return self._free() is not None
+
     def latest_target(self, timeout: float) -> Snapshot:
         """Latest mode: a snapshot that is neither the latest nor being sent, written or held (waiting up to
         ``timeout`` s), marked as being written."""
