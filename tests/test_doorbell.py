@@ -5,6 +5,7 @@ header."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -93,32 +94,80 @@ def test_a_latest_mode_ask_by_the_page_is_owned_by_exactly_one_end():
     mailbox.close()
 
 
+#: words of the race below, in a page shared by the two processes: the round to go, the sender's round done, what
+#: it took in it (1 + the floor, or 0), and each side's "I am past my store" flag for the rounds that order it
+_GO, _DONE, _TOOK, _PUBLISHED, _ASKED_FLAG = 0, 64, 128, 192, 256
+
+
+def _spin_until(page: Any, word: int, value: int, deadline: float) -> None:
+    from cudarecv.core.host_copy import observe
+
+    while observe(page + word) != value:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the other process never reached {value} (word {word})")
+
+
 def test_an_ask_and_a_publish_at_once_are_owned_by_exactly_one_end():
-    """An ask and a publish raced from two threads, many times: each ask is either taken by that publish or
-    withdrawn by its receiver (a newer version is out), never both and never neither."""
+    """A receiver's ask and a sender's publish, in two processes on the page, 3000 rounds: a third with the publish
+    first (the ask is withdrawn), a third with the ask first (the publish takes it), a third started together and
+    run free (random spins before each). In every round exactly one end owns the ask; both outcomes occur."""
+    import mmap
+    import random
+
+    from cudarecv.core.host_copy import publish
+
     mailbox = Mailbox()
     bell = Bell(mailbox.offer())
     rounds = 3000
-    taken: list[int | None] = [None] * rounds
-    start, end = threading.Barrier(2, timeout=60), threading.Barrier(2, timeout=60)
+    shared = mmap.mmap(-1, 4096)  # (anonymous and shared: the forked sender sees the same words)
+    page = ctypes.addressof(ctypes.c_char.from_buffer(shared))
+    deadline = time.monotonic() + 120
+    pid = os.fork()
+    if pid == 0:  # the sender
+        code = 1
+        try:
+            spins = random.Random(1)
+            for i in range(rounds):
+                _spin_until(page, _GO, i + 1, deadline)
+                if i % 3 == 1:  # the ask first
+                    _spin_until(page, _ASKED_FLAG, i + 1, deadline)
+                elif i % 3 == 2:
+                    for _ in range(spins.randrange(200)):
+                        pass
+                floor = bell.published(i + 1)  # version i + 1, while the receiver asks past i
+                publish(page + _TOOK, 0 if floor is None else floor + 1)
+                publish(page + _PUBLISHED, i + 1)
+                publish(page + _DONE, i + 1)
+            code = 0
+        finally:
+            os._exit(code)
+    outcomes = {"taken": 0, "withdrawn": 0}
+    try:
+        from cudarecv.core.host_copy import observe
 
-    def publishes() -> None:
+        spins = random.Random(2)
         for i in range(rounds):
-            start.wait()
-            taken[i] = bell.published(i + 1)  # version i + 1, while the receiver asks past i
-            end.wait()
-
-    thread = threading.Thread(target=publishes)
-    thread.start()
-    for i in range(rounds):
-        start.wait()
-        stood = mailbox.ask(i)
-        end.wait()
-        assert stood == (taken[i] == i), (
-            f"round {i}: the ask stood {stood}, the publish took {taken[i]}"
-        )
-    thread.join(60)
-    assert not thread.is_alive()
+            publish(page + _GO, i + 1)
+            if i % 3 == 0:  # the publish first
+                _spin_until(page, _PUBLISHED, i + 1, deadline)
+            elif i % 3 == 2:
+                for _ in range(spins.randrange(200)):
+                    pass
+            stood = mailbox.ask(i)
+            publish(page + _ASKED_FLAG, i + 1)
+            _spin_until(page, _DONE, i + 1, deadline)
+            took = observe(page + _TOOK)
+            assert stood == (took == i + 1), (
+                f"round {i}: the ask stood {stood}, the publish took {took - 1 if took else None}"
+            )
+            outcomes["taken" if stood else "withdrawn"] += 1
+    except BaseException:
+        os.kill(pid, signal.SIGKILL)  # (it would spin until its deadline)
+        raise
+    finally:
+        _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the sender's process failed"
+    assert outcomes["taken"] >= rounds // 3 and outcomes["withdrawn"] >= rounds // 3, outcomes
     mailbox.close()
 
 
@@ -668,7 +717,7 @@ def latest_rung(rank, world, group, key):
             sender.push()
             store().wait([f"{key}_asked_{version}"])  # it took the version and asked again
         woken = _switches("cudarecv-") - before
-        # a version pushed before the receiver asks: it asks on the link and gets it with no push after
+        # the receiver's standing ask is answered by this push; it then waits for the sender before it asks again
         _fill(td, pushes + 2)
         sender.push()
         store().set(f"{key}_pushed_{pushes + 2}", "1")
