@@ -211,11 +211,10 @@ class Transfer(torch.futures.Future):
         if self.timeout is not None:
             DEADLINES.ended(self)  # (its thread ends once it watches nothing)
         if self._on_end is not None:
+            # (a bug in the hook is said, never raised into whoever ended the transfer)
             try:
                 self._on_end(self)
-            except (
-                Exception
-            ):  # (a bug in the hook: said, never raised into whoever ended the transfer)
+            except Exception:
                 logger.exception("cudarecv: the end hook of %s failed", self.what)
 
     def deadline(self) -> float:

@@ -164,9 +164,8 @@ class Mailbox:
             )
         if page.swap_if(LATEST, 0, 0) <= floor:  # (a full barrier: after the store above)
             return True
-        return (
-            page.swap_if(ASKED, want, 0) != want
-        )  # withdrawn, unless the sender took it meanwhile
+        # withdrawn, unless the sender took it meanwhile
+        return page.swap_if(ASKED, want, 0) != want
 
     def close(self) -> None:
         """Let go of the page's descriptor (the page is unmapped with the last reference to this mailbox; the

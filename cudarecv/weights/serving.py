@@ -114,10 +114,9 @@ def _listen(session: Session, pool: SnapshotPool, member: Member) -> None:
         if kind == GOT:
             _answered(session, member, version)
             continue
+        # a reply rung by a push, whose word came before this ask, ends here
         reply = member.sending
-        if (
-            reply is not None
-        ):  # a reply rung by a push, whose word came before this ask: it ends here
+        if reply is not None:
             reply.done()
         with session.cond:
             member.asked = version
