@@ -353,11 +353,11 @@ def test_ctrl_c_stops_the_demo_at_once_in_one_line(when: str, pattern: str) -> N
             demo.wait(10)
 
 
-def test_the_trainer_table_puts_sync_and_stock_side_by_side() -> None:
-    """steps/s of each run and its ratio to stock's, both timed to every actor holding the last version."""
-    cfg = demo.Config(
+def _table_config(steps: int) -> demo.Config:
+    """A one-actor CPU config for the table tests (no rank runs it)."""
+    return demo.Config(
         actors=1,
-        steps=100,
+        steps=steps,
         hidden=8,
         device="cpu",
         backend="gloo",
@@ -367,6 +367,11 @@ def test_the_trainer_table_puts_sync_and_stock_side_by_side() -> None:
         seed=0,
         threads=1,
     )
+
+
+def test_the_trainer_table_puts_sync_and_stock_side_by_side() -> None:
+    """steps/s of each run and its ratio to stock's, both timed to every actor holding the last version."""
+    cfg = _table_config(steps=100)
     trainers = [
         dict(
             impl=impl,
@@ -523,18 +528,7 @@ def test_each_implementation_trains_twice_in_the_order_a_b_b_a_and_its_row_is_ov
     """A pass's place in the run changes its speed: both get the same places, and a row sums its passes; an actor
     that missed the trainer's weights in either pass fails its check."""
     assert demo.PASSES == ("cudarecv", "stock", "stock", "cudarecv")
-    cfg = demo.Config(
-        actors=1,
-        steps=2,
-        hidden=8,
-        device="cpu",
-        backend="gloo",
-        bucket_bytes=None,
-        verify=False,
-        timeout=10.0,
-        seed=0,
-        threads=1,
-    )
+    cfg = _table_config(steps=2)
 
     def ranks(impl: str, seconds: float, actor_digest: str) -> list[dict]:
         trainer = dict(
