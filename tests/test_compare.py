@@ -31,6 +31,7 @@ EXPECTED = {
         ("cudarecv", "consolidated"),
         ("cudarecv", "buckets 16KiB"),
         ("cudarecv", "chunks 16KiB"),
+        ("cudarecv", "chunks 16KiB shared"),
         ("cudarecv", "buckets 16KiB wire"),
         ("cudarecv", "chunks 16KiB wire"),
     ],
@@ -106,11 +107,12 @@ def test_compare_quick() -> None:
         if row["impl"] == "raw" and row["mode"] == "flat recv"
     ]
     assert all(row["vs raw"] == "1.00x" for row in raws)
-    assert "# checks: all 21 modes delivered the right values" in proc.stdout
+    total = sum(map(len, EXPECTED.values()))
+    assert f"# checks: all {total} modes delivered the right values" in proc.stdout
 
     # one progress line per mode, flushed as each completes
-    progress = [line for line in proc.stderr.splitlines() if re.match(r"\[\s*\d+/21\]", line)]
-    assert len(progress) == 21, proc.stderr
+    progress = [line for line in proc.stderr.splitlines() if re.match(rf"\[\s*\d+/{total}\]", line)]
+    assert len(progress) == total, proc.stderr
     assert all(line.rstrip().endswith("ok") for line in progress), proc.stderr
 
 

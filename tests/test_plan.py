@@ -166,6 +166,63 @@ def test_plan_sees_a_new_storage_offset():
     assert plan_for(td) is not plan
 
 
+# -- the same changes once torch's C++ layout check answers for the plan (Plan.unchanged) -----------------
+
+CHANGES = {
+    "resize_": lambda td: td["m"].resize_(3),
+    "t_": lambda td: td["m"].t_(),
+    "unsqueeze_": lambda td: td["m"].unsqueeze_(0),
+    "as_strided_": lambda td: td["m"].as_strided_((6, 2), (2, 1)),
+    "set_ other storage, same shape": lambda td: td["m"].set_(torch.zeros(4, 3)),
+    "set_ other offset": lambda td: td["m"].set_(td["m"].untyped_storage(), 1, (2, 3)),
+    ".data = a dtype view": lambda td: setattr(td["m"], "data", td["m"].data.view(torch.int32)),
+    ".data = a reshaped view": lambda td: setattr(td["m"], "data", td["m"].data.view(3, 4)),
+}
+
+
+@pytest.mark.parametrize("guarded", [True, False], ids=["torch_guard", "python_only"])
+@pytest.mark.parametrize("change", list(CHANGES))
+@pytest.mark.parametrize("locked", [False, True], ids=["unlocked", "locked"])
+def test_a_leaf_changed_in_place_after_the_layout_guard_is_built_gets_a_new_plan(
+    monkeypatch, change, guarded, locked
+):
+    if (
+        not guarded
+    ):  # a torch without TensorGuards (or with other arguments): the Python comparison alone
+        monkeypatch.setattr("cudarecv.plan.plan._layout_guard", lambda tensors: False)
+    td = TensorDict(m=torch.zeros(4, 3), b=torch.zeros(2))
+    if locked:
+        td.lock_()
+    plan = plan_for(td)
+    assert (
+        plan_for(td) is plan and plan_for(td) is plan
+    )  # the second call made the guard, the third used it
+    assert bool(plan._guard) is guarded
+    CHANGES[change](td)
+    fresh = plan_for(td)
+    assert fresh is not plan
+    leaf, i = td["m"], fresh.paths.index(("m",))
+    assert [column[i] for column in fresh.signature] == [
+        leaf.data_ptr(),
+        leaf.is_contiguous(),
+        leaf.dtype,
+        leaf.shape,
+    ]
+
+
+def test_a_change_the_layout_guard_sees_but_the_plan_does_not_keep_the_plan_and_the_python_check():
+    """``requires_grad`` is not part of a plan: the guard fails on it, the plan stays, and the plan asks the
+    Python comparison from then on (a guard that always fails would cost its check on every call)."""
+    td = TensorDict(m=torch.zeros(4, 3), b=torch.zeros(2))
+    plan = plan_for(td)
+    plan_for(td)
+    assert plan._guard
+    td["m"].requires_grad_()
+    assert plan_for(td) is plan and plan._guard is False
+    td["m"].data = torch.zeros(4, 3)  # still seen, by the Python comparison
+    assert plan_for(td) is not plan
+
+
 def shrunk_sender(rank, world, group, bucket_bytes):
     """A sender leaf shrunk in place between two transfers sends its new size, not stale bytes."""
     td = TensorDict(a=torch.arange(8.0), b=torch.ones(2))

@@ -121,8 +121,9 @@ def plan(args: argparse.Namespace) -> list[tuple[str, dict, str | None]]:
 
 def _check_memory(todo: list[tuple[str, dict, str | None]]) -> None:
     """Refuse sizes whose buffers would not fit: each rank holds the tensordict, its
-    consolidated copy (many-leaves case only), a flat buffer and the check pattern."""
-    need = max(tb.payload_bytes(c) * (4 if "leaf_bytes" in c else 3) * 2 for _, c, _ in todo)
+    consolidated copies (private and shared memory, many-leaves case only), a flat buffer and the check
+    pattern."""
+    need = max(tb.payload_bytes(c) * (5 if "leaf_bytes" in c else 3) * 2 for _, c, _ in todo)
     available = available_memory()
     if available is not None and need > 0.8 * available:
         raise OptionError(

@@ -221,6 +221,7 @@ def leaf_modes(bucket: str) -> list[tuple[str, str, str | None]]:
         ("cudarecv", "consolidated", None),
         ("cudarecv", f"buckets {bucket}", "per-leaf"),
         ("cudarecv", f"chunks {bucket}", "consolidated"),
+        ("cudarecv", f"chunks {bucket} shared", "consolidated"),
         ("cudarecv", f"buckets {bucket} wire", "per-leaf"),
         ("cudarecv", f"chunks {bucket} wire", "consolidated"),
     ]
