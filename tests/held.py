@@ -16,9 +16,9 @@ from tensordict import TensorDict
 import cudarecv
 from rawwire import store
 
-SHARED_THREADS = {
-    "cudarecv-deadlines"
-}  # one per process, for every transfer (it holds them weakly)
+#: one per process, for every transfer (the deadlines: it holds them weakly; a large host copy's helper, which
+#: ends when idle: cudarecv.core.host_copy)
+SHARED_THREADS = {"cudarecv-deadlines", "cudarecv-copy"}
 
 
 def threads() -> set[str]:
