@@ -16,9 +16,9 @@ from tensordict import TensorDict
 import cudarecv
 from rawwire import store
 
-#: one per process, for every transfer (the deadlines: it holds them weakly; a large host copy's helper, which
-#: ends when idle: cudarecv.core.host_copy)
-SHARED_THREADS = {"cudarecv-deadlines", "cudarecv-copy"}
+SHARED_THREADS = {
+    "cudarecv-deadlines"
+}  # one per process, for every transfer (it holds them weakly)
 
 
 def threads() -> set[str]:

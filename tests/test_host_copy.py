@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import threading
 
 import numpy as np
 import pytest
@@ -180,99 +179,3 @@ def test_a_native_build_older_than_the_source_is_not_used_and_says_rebuild(monke
     lib, why = _host_copy._load()
     assert lib is None and why is not None
     assert "cudarecv_bump" in why and "rebuild" in why
-
-
-# -- a large copy shared with a second thread (host_copy._Helper) ------------------------------------------
-
-
-@pytest.fixture
-def shared_copies(monkeypatch):
-    """Copies shared from 3 pieces of 64 KiB on, two threads (whatever this machine has), a fresh helper."""
-    if not _host_copy.NATIVE:
-        pytest.skip(_host_copy.WHY_NOT_NATIVE)
-    monkeypatch.setattr(_host_copy, "PIECE", 64 << 10)
-    monkeypatch.setattr(_host_copy, "SHARED_MIN", 3 * (64 << 10))
-    monkeypatch.setenv(_host_copy.THREADS_ENV, "2")
-    helper = _host_copy._Helper()
-    monkeypatch.setattr(_host_copy, "_HELPER", helper)
-    yield helper
-    helper.stop(5.0)
-
-
-def _copied(size: int, shift: int = 0) -> None:
-    src = torch.randint(0, 256, (size + 128,), dtype=torch.uint8)
-    dst = torch.full((size + 128,), 0xAB, dtype=torch.uint8)
-    copy(dst.data_ptr() + 3, src.data_ptr() + shift, size)
-    assert torch.equal(dst[3 : 3 + size], src[shift : shift + size])
-    assert bool((dst[:3] == 0xAB).all() and (dst[3 + size :] == 0xAB).all())
-
-
-@pytest.mark.parametrize("pieces", [3, 7.5, 40])
-def test_a_shared_copy_gives_the_same_bytes_and_nothing_past_them(shared_copies, pieces):
-    for shift in (0, 1, 37):
-        _copied(int(pieces * (64 << 10)) + shift, shift)
-    assert shared_copies._thread is not None and shared_copies._thread.name == "cudarecv-copy"
-
-
-def test_a_shared_copy_never_waits_for_its_helper_to_run(shared_copies, monkeypatch):
-    """A helper that is not scheduled (stalled here on an event) leaves every piece to the caller, who returns
-    with the whole copy made; the helper then finds nothing left to take."""
-    stalled, took = threading.Event(), []
-    loop = shared_copies._loop
-
-    def stalled_loop() -> None:
-        assert stalled.wait(30)
-        loop()
-
-    monkeypatch.setattr(shared_copies, "_loop", stalled_loop)
-    original_take = _host_copy._Pieces.take
-
-    def counted_take(job) -> None:
-        took.append(threading.current_thread().name)
-        original_take(job)
-
-    monkeypatch.setattr(_host_copy._Pieces, "take", counted_take)
-    _copied(40 * (64 << 10))
-    assert took == ["MainThread"]
-    stalled.set()
-
-
-def test_the_copy_helper_ends_when_idle_and_a_later_copy_starts_another(shared_copies, monkeypatch):
-    monkeypatch.setattr(_host_copy, "HELPER_IDLE", 0.05)
-    _copied(8 * (64 << 10))
-    first = shared_copies._thread
-    assert first is not None
-    first.join(10)
-    assert not first.is_alive() and shared_copies._thread is None
-    _copied(8 * (64 << 10))
-    assert shared_copies._thread is not None and shared_copies._thread is not first
-
-
-def test_one_copy_thread_when_told_or_on_one_cpu(shared_copies, monkeypatch):
-    monkeypatch.setenv(_host_copy.THREADS_ENV, "1")
-    _copied(8 * (64 << 10))
-    assert shared_copies._thread is None
-    monkeypatch.setenv(_host_copy.THREADS_ENV, "auto")
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
-    assert _host_copy.copy_threads() == 1
-    monkeypatch.setenv(_host_copy.THREADS_ENV, "3")
-    with pytest.raises(ValueError, match=r"CUDARECV_COPY_THREADS='3' must be one of auto, 1, 2"):
-        _host_copy.copy_threads()
-
-
-def test_a_forked_child_copies_with_a_helper_of_its_own(shared_copies):
-    _copied(8 * (64 << 10))  # the parent's helper runs
-    size = 8 * (64 << 10)
-    src = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8)
-    dst = np.zeros(size, dtype=np.uint8)
-    pid = os.fork()
-    if pid == 0:  # the child: none of the parent's threads (nor torch's, hence numpy here)
-        code = 1
-        try:
-            copy(dst.ctypes.data, src.ctypes.data, size)
-            helper = shared_copies._thread
-            code = 0 if np.array_equal(dst, src) and helper is not None and helper.is_alive() else 2
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0

@@ -223,6 +223,54 @@ def test_a_change_the_layout_guard_sees_but_the_plan_does_not_keep_the_plan_and_
     assert plan_for(td) is not plan
 
 
+def test_a_leaf_changed_while_the_layout_guard_is_made_is_not_what_the_guard_holds(monkeypatch):
+    """Another thread resizes a leaf between the Python comparison and the guard's making (injected here): the
+    guard, which holds the leaves as they are when made, is not kept, and the next call sees the change."""
+    from cudarecv.plan import plan as plan_module
+
+    made = plan_module._layout_guard
+    td = TensorDict(m=torch.zeros(4, 3), b=torch.zeros(2))
+
+    def racing(tensors):
+        td["m"].resize_(3)
+        return made(tensors)
+
+    monkeypatch.setattr(plan_module, "_layout_guard", racing)
+    plan = plan_for(td)
+    plan_for(td)  # compares equal, then makes the guard after the resize
+    assert not plan._guard
+    monkeypatch.setattr(plan_module, "_layout_guard", made)
+    fresh = plan_for(td)
+    assert fresh is not plan and fresh.signature[3][fresh.paths.index(("m",))] == torch.Size([3])
+
+
+def test_a_torch_whose_tensor_guard_misses_a_change_is_not_asked(monkeypatch):
+    """The guard's meaning is checked once per process: one that passes a tensor of another size (made here by
+    leaving every size free, as torch.compile does for dynamic dimensions) leaves plans to the Python check."""
+    from torch._C._dynamo import guards
+
+    from cudarecv.plan import plan as plan_module
+
+    def lax(tensors):
+        return guards.TensorGuards(
+            *tensors,
+            dynamic_dims_sizes=[[None] * t.dim() for t in tensors],
+            dynamic_dims_strides=[[None] * t.dim() for t in tensors],
+        )
+
+    plan_module._guards_work.cache_clear()
+    monkeypatch.setattr(plan_module, "_make_guard", lax)
+    try:
+        assert not plan_module._guards_work()
+        td = TensorDict(m=torch.zeros(4, 3), b=torch.zeros(2))
+        plan = plan_for(td)
+        assert plan_for(td) is plan and plan._guard is False
+        td["m"].resize_(3)
+        assert plan_for(td) is not plan
+    finally:
+        plan_module._guards_work.cache_clear()
+
+
 def shrunk_sender(rank, world, group, bucket_bytes):
     """A sender leaf shrunk in place between two transfers sends its new size, not stale bytes."""
     td = TensorDict(a=torch.arange(8.0), b=torch.ones(2))

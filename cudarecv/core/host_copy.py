@@ -22,7 +22,6 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import os
-import queue
 import threading
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -156,134 +155,13 @@ def set_streaming(on: bool) -> bool:
 
 
 def copy(dst: int, src: int, n: int) -> None:
-    """Copy ``n`` bytes from address ``src`` to ``dst`` (the two do not overlap); the GIL is released. From
-    :data:`SHARED_MIN` bytes on, a second thread takes pieces of it too where this process may run on two CPUs
-    (:func:`copy_threads`)."""
+    """Copy ``n`` bytes from address ``src`` to ``dst`` (the two do not overlap); the GIL is released."""
     if _LIB is None:
         ctypes.memmove(dst, src, n)
         return
     if STREAMING is None and n >= STREAM_MIN:
         _choose()
-    if n >= SHARED_MIN and copy_threads() > 1:
-        _HELPER.copy(_Pieces(_LIB, dst, src, n))
-        return
     _LIB.cudarecv_copy(dst, src, n)
-
-
-THREADS_ENV = "CUDARECV_COPY_THREADS"  # "1", "2", or "auto" (2 where this process may run on 2 CPUs; the default)
-SHARED_MIN = 8 << 20  # bytes: a smaller copy is one thread's
-PIECE = 2 << 20  # bytes a thread takes at a time of a shared copy (1 MiB: 10-20% slower at 16 MB here)
-#: how long the helper waits for another copy before it ends (a later copy starts it again)
-HELPER_IDLE = 10.0
-#: how long a shared copy waits for the helper's last piece: a piece takes well under a millisecond
-PIECE_WAIT = 60.0
-
-
-def copy_threads() -> int:
-    """Threads that copy a large host copy: :data:`THREADS_ENV`, else 2 where this process may run on two or
-    more CPUs (a 16 MB copy out of another process's shared memory took 1.2-1.5 ms on one thread of this 2-core
-    VM, 0.7 ms on two), else 1. The second thread only helps: the caller takes pieces too, so a copy never
-    waits for the helper to be scheduled (under load it is the caller's alone)."""
-    choice = _setting(THREADS_ENV, ("1", "2"))
-    if choice != "auto":
-        return int(choice)
-    return 2 if len(os.sched_getaffinity(0)) > 1 else 1
-
-
-class _Pieces:
-    """One shared copy: its pieces of :data:`PIECE` bytes, taken in turn by the caller and the helper."""
-
-    def __init__(self, lib: ctypes.CDLL, dst: int, src: int, n: int) -> None:
-        self._lib, self._dst, self._src, self._n = lib, dst, src, n
-        self._count = -(-n // PIECE)
-        self._next = 0
-        self._copying = 0  # pieces taken and not yet copied
-        self._state = threading.Condition()
-
-    def take(self) -> None:
-        """Copy pieces until none is left to take (the caller's and the helper's loop)."""
-        while True:
-            with self._state:
-                i = self._next
-                if i >= self._count:
-                    return
-                self._next, self._copying = i + 1, self._copying + 1
-            offset = i * PIECE
-            try:
-                self._lib.cudarecv_copy(
-                    self._dst + offset, self._src + offset, min(PIECE, self._n - offset)
-                )
-            finally:
-                with self._state:
-                    self._copying -= 1
-                    self._state.notify_all()
-
-    def wait(self) -> None:
-        """Once every piece is taken: wait until the helper has copied the ones it took."""
-        with self._state:
-            if not self._state.wait_for(lambda: self._copying == 0, PIECE_WAIT):
-                raise RuntimeError(
-                    f"a host copy's helper thread did not copy its piece in {PIECE_WAIT} s"
-                )
-
-
-class _Helper:
-    """The second thread of shared copies: started at the first, ended after :data:`HELPER_IDLE` s without one
-    (or at exit), so an idle process holds no thread for it."""
-
-    def __init__(self) -> None:
-        self._forked()
-        self._hooked = False  # whether the exit hook stops it
-        os.register_at_fork(after_in_child=self._forked)
-
-    def _forked(self) -> None:
-        """(Also in a forked child, which has none of the parent's threads, and maybe a lock held by one.)"""
-        self._jobs: queue.SimpleQueue[_Pieces | None] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-
-    def copy(self, job: _Pieces) -> None:
-        self._jobs.put(job)
-        with self._lock:
-            if self._thread is None or not self._thread.is_alive():
-                from .shutdown import (
-                    at_exit,
-                    start_thread,
-                )  # (shutdown imports what imports this module)
-
-                self._thread = start_thread(self._loop, "cudarecv-copy")
-                if not self._hooked:
-                    self._hooked = True
-                    at_exit(self.stop)
-        job.take()
-        job.wait()
-
-    def _loop(self) -> None:
-        while True:
-            try:
-                job = self._jobs.get(timeout=HELPER_IDLE)
-            except queue.Empty:
-                with self._lock:
-                    if (
-                        self._jobs.empty()
-                    ):  # (a copy that came meanwhile finds this thread gone, and starts one)
-                        self._thread = None
-                        return
-                continue
-            if job is None:
-                return
-            job.take()  # (a job whose caller took every piece meanwhile costs a look)
-
-    def stop(self, timeout: float) -> None:
-        """End the thread (within ``timeout`` s): the exit hook's."""
-        with self._lock:
-            thread, self._thread = self._thread, None
-        if thread is not None:
-            self._jobs.put(None)
-            thread.join(timeout)
-
-
-_HELPER = _Helper()
 
 
 def publish(address: int, value: int) -> None:

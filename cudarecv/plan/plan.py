@@ -88,15 +88,29 @@ class Plan:
         hold (``requires_grad`` turned on, a call in inference mode) leaves this plan to the Python comparison."""
         guard = self._guard
         if layout and guard:
-            if list(map(Tensor.data_ptr, self.tensors)) != self.signature[0]:
-                return False
-            if guard.check(*self.tensors):
-                return True
+            try:
+                if list(map(Tensor.data_ptr, self.tensors)) != self.signature[0]:
+                    return False
+            except (
+                RuntimeError
+            ):  # a leaf without data pointer: the Python comparison below says how
+                pass
+            else:
+                if guard.check(*self.tensors):
+                    return True
         same = _unchanged(self.tensors, self.signature, layout)
         if same and layout:
-            # None: the leaves were just compared equal to the signature, so the guard made now holds it;
-            # a guard: it sees what does not matter here, no use asking it again
-            self._guard = _layout_guard(self.tensors) if guard is None else False
+            if guard is None:
+                # the leaves were just compared equal to the signature; the guard is kept only if they still
+                # are once it is made (another thread may change a leaf meanwhile, and the guard holds the
+                # leaves as they are when made)
+                made = _layout_guard(self.tensors)
+                if made and _unchanged(self.tensors, self.signature, layout):
+                    self._guard = made
+                elif not made:
+                    self._guard = False
+            else:
+                self._guard = False  # it sees what does not matter here: no use asking it again
         return same
 
     def tags(self, init_tag: int, count: int, pseudo_rand: bool) -> Sequence[int]:
@@ -396,24 +410,53 @@ class _Guard(Protocol):
 def _layout_guard(tensors: list[Tensor]) -> _Guard | Literal[False]:
     """torch's own C++ check that tensors still have the sizes, strides, dtype, device and dispatch keys they have
     now (``torch._C._dynamo.guards.TensorGuards``, with which ``torch.compile`` guards its inputs; every size and
-    stride given, so none is left free), or False where this torch has none that takes these arguments or a leaf
-    is not a plain strided tensor. It does not look at data pointers (:meth:`Plan.unchanged` compares those)."""
-    if not all(t.layout is torch.strided and not t.is_nested for t in tensors):
+    stride given, so none is left free), or False where this torch has none that takes these arguments and tells
+    those changes apart (:func:`_guards_work`), or a leaf is not a plain strided tensor. It does not look at
+    data pointers (:meth:`Plan.unchanged` compares those)."""
+    if not _guards_work() or not all(
+        t.layout is torch.strided and not t.is_nested for t in tensors
+    ):
         return False
     try:
-        from torch._C._dynamo import guards
-
-        make: Any = guards.TensorGuards  # (its stub's types are not the ones it takes here)
-        guard = make(
-            *tensors,
-            dynamic_dims_sizes=[list(t.shape) for t in tensors],
-            dynamic_dims_strides=[list(t.stride()) for t in tensors],
-        )
+        guard = _make_guard(tensors)
         if guard.check(*tensors):
-            return cast(_Guard, guard)
+            return guard
     except Exception:  # noqa: BLE001 - a private API: another torch may lack it or want other arguments
         pass
     return False
+
+
+def _make_guard(tensors: Sequence[Tensor]) -> _Guard:
+    from torch._C._dynamo import guards
+
+    make: Any = guards.TensorGuards  # (its stub's types are not the ones it takes here)
+    return cast(
+        _Guard,
+        make(
+            *tensors,
+            dynamic_dims_sizes=[list(t.shape) for t in tensors],
+            dynamic_dims_strides=[list(t.stride()) for t in tensors],
+        ),
+    )
+
+
+@functools.cache
+def _guards_work() -> bool:
+    """Whether this torch's ``TensorGuards``, made as :func:`_make_guard` makes it, passes a tensor like the one it
+    was made from and fails one with another size, stride or dtype (asked once per process: a private API, whose
+    meaning another torch may change)."""
+    try:
+        base = torch.zeros(4, 2)
+        guard = _make_guard([base])
+        changed = (
+            torch.zeros(4, 3),
+            torch.zeros(2, 4).t(),
+            torch.zeros(8, 2)[::2],
+            torch.zeros(4, 2, dtype=torch.int32),
+        )
+        return bool(guard.check(torch.zeros(4, 2))) and not any(guard.check(t) for t in changed)
+    except Exception:  # noqa: BLE001 - (as in _layout_guard)
+        return False
 
 
 def _leaf_problem(t: Tensor, strided: bool = False) -> str | None:
