@@ -186,17 +186,15 @@ CHANGES = {
 def test_a_leaf_changed_in_place_after_the_layout_guard_is_built_gets_a_new_plan(
     monkeypatch, change, guarded, locked
 ):
-    if (
-        not guarded
-    ):  # a torch without TensorGuards (or with other arguments): the Python comparison alone
+    if not guarded:
+        # a torch without TensorGuards (or with other arguments): the Python comparison alone
         monkeypatch.setattr("cudarecv.plan.plan._layout_guard", lambda tensors: False)
     td = TensorDict(m=torch.zeros(4, 3), b=torch.zeros(2))
     if locked:
         td.lock_()
     plan = plan_for(td)
-    assert (
-        plan_for(td) is plan and plan_for(td) is plan
-    )  # the second call made the guard, the third used it
+    # the second call makes the guard, the third uses it
+    assert plan_for(td) is plan and plan_for(td) is plan
     assert bool(plan._guard) is guarded
     CHANGES[change](td)
     fresh = plan_for(td)

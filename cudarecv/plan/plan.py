@@ -91,10 +91,8 @@ class Plan:
             try:
                 if list(map(Tensor.data_ptr, self.tensors)) != self.signature[0]:
                     return False
-            except (
-                RuntimeError
-            ):  # a leaf without data pointer: the Python comparison below says how
-                pass
+            except RuntimeError:
+                pass  # a leaf without data pointer: the Python comparison below says how
             else:
                 if guard.check(*self.tensors):
                     return True
