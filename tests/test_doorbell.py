@@ -617,6 +617,9 @@ def lazy_pushes(rank, world, group, key):
         _fill(td, pushes + 4)
         sender.push()  # (and the receiver is still served)
         dropped = sender.dropped
+        store().set(
+            f"{key}_looked", "1"
+        )  # (the receiver closes only then: a closed one is not served)
         sender.close()
         return dict(
             woken=woken,
@@ -631,6 +634,7 @@ def lazy_pushes(rank, world, group, key):
         receiver.pull(timeout=60)
         held.append(_holds(receiver.td, version))
         store().set(f"{key}_{version}", "1")
+    store().wait([f"{key}_looked"])
     receiver.close()
     return held
 
@@ -649,6 +653,59 @@ def test_a_background_push_by_doorbell_wakes_no_sender_thread_and_ends_by_wait_c
     assert sender["late_settled"] and not sender["late_failed"], sender
     assert sender["by_itself"], "the done-callback did not run until something waited"
     assert sender["dropped"] == {}, sender["dropped"]
+
+
+def closes_before_its_word_is_taken(rank, world, group, key):
+    """A zero-copy receiver takes the last version of a blocking push and closes at once; the sender's caller takes
+    that version's word (said by the doorbell before the BYE) only after the BYE's RELEASED retired what the
+    receiver held (ordered here: its take waits for the retire)."""
+    from cudarecv.weights import fanout, snapshots
+
+    td = _model()
+    if rank == 0:
+        retired = threading.Event()
+        retire, take = snapshots.SnapshotPool.retire, fanout.Heard._take
+
+        def retiring(self, member):
+            retire(self, member)
+            retired.set()
+
+        def late_take(self):
+            if self.version == 3:
+                retired.wait(30)
+            take(self)
+
+        snapshots.SnapshotPool.retire = retiring
+        fanout.Heard._take = late_take
+        sender = cudarecv.WeightSender(td, dst=1, mode="sync", timeout=60)
+        for version in (1, 2, 3):  # the first on the link, the next two by the doorbell
+            _fill(td, version)
+            try:
+                sender.push()
+                error = None
+            except Exception as failure:  # noqa: BLE001 - returned to the test
+                error = repr(failure)
+        came = retired.is_set()
+        sender.close()
+        return error, came
+    receiver = cudarecv.WeightReceiver(src=0, timeout=60, zero_copy=True)
+    held = []
+    for version in (1, 2, 3):
+        receiver.pull(timeout=60)
+        held.append(_holds(receiver.td, version))
+    receiver.close()
+    return held
+
+
+def test_a_receiver_closing_before_its_last_word_is_taken_fails_no_push(cluster):
+    """The BYE comes on the link and the word by the page: the push that takes the word after the receiver's
+    RELEASED retired its snapshots succeeds (it was out of step: "let go of version 2, which it does not hold")."""
+    (error, came), held = cluster().run(
+        closes_before_its_word_is_taken, args=(unique_key("closing"),), timeout=240
+    )
+    assert came, "the retire never came before the last word was taken"
+    assert error is None, error
+    assert all(held), held
 
 
 def closes_after_its_last_pull(rank, world, group, key):

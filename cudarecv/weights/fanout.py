@@ -328,8 +328,10 @@ class Got:
 def took_got(session: Session, pool: SnapshotPool, member: Member, ask: Ask) -> None:
     """Under the lock: ``member``'s GOT ``ask`` came (on the link or by its doorbell): a zero-copy receiver let go of
     the snapshot it names as freed, and holds the version it published (or nothing of one it did not). Raises
-    :class:`OutOfStepError` if it frees a version it does not hold."""
-    if ask.freed and not pool.let_go(member, ask.freed):
+    :class:`OutOfStepError` if it frees a version it does not hold, unless it has ended: a receiver's word said by
+    its doorbell before its BYE may be taken after the BYE's RELEASED retired what it held (the BYE comes on the
+    link, its listener's; the word by the page, to a push's caller who may take it later)."""
+    if ask.freed and not pool.let_go(member, ask.freed) and not member.ended:
         raise out_of_step(f"the receiver let go of version {ask.freed}, which it does not hold")
     member.got = ask  # (delta: what it holds, Member.held)
     if ask.status != LANDED:  # a zero-copy receiver did not publish it: it holds nothing of it
