@@ -129,7 +129,9 @@ def kill(rank: int, world: int) -> dict:
         _die_mid_push()
     while True:
         try:
-            version = receiver.pull()
+            # the next version may come only once the trainer has named the victim (within TIMEOUT + 10 s of the
+            # kill, what the test allows): a pull waits past that
+            version = receiver.pull(timeout=TIMEOUT + 10 + TIMEOUT)
         except cudarecv.SenderClosed:
             break
         except cudarecv.RelayLost as error:
