@@ -6,7 +6,9 @@ checkpoint with ``weight_transfer_config={"backend": "cudarecv"}``; a trainer (t
 architecture in float32 and changes every weight before each update. The routes:
 
 - ``cudarecv``: ``trainer.send_weights()`` of :class:`cudarecv.vllm.CudarecvTrainerEngine` (built once through
-  vLLM's ``WeightTransferTrainerFactory``; shared memory on one machine, verified);
+  vLLM's ``WeightTransferTrainerFactory``; shared memory on one machine, verified), each version staged beside the
+  served model while the engine generates (:mod:`cudarecv.vllm.staged`): the pause copies it into place;
+- ``cudarecv unstaged``: the same with ``staged=False``: vLLM's in-place reload in the pause;
 - ``safetensors reload``: the trainer saves its state dict (``safetensors.torch.save_file``, to local disk), then
   ``llm.collective_rpc("reload_weights", kwargs={"weights_path": dir})``: vLLM's in-place reload from disk;
 - ``collective_rpc tensors``: the tensors themselves through vLLM's RPC, the way vLLM 0.32 lets them through:
@@ -63,7 +65,7 @@ SIZES = {
         num_key_value_heads=4,
     ),
 }
-ROUTES = ["cudarecv", "safetensors reload", "collective_rpc tensors"]
+ROUTES = ["cudarecv", "cudarecv unstaged", "safetensors reload", "collective_rpc tensors"]
 ROUNDS = 5
 PROMPT, TOKENS = [5, 6, 7, 8], 4
 ENV = dict(
@@ -166,11 +168,15 @@ def engines(tmp_path_factory):
             os.environ[key] = value
 
 
-def _cudarecv(engine: _Engine, folder: Path) -> Callable[[], float]:
-    """cudarecv's route: the update and (returned) the engine's pause, start to finish."""
+def _cudarecv(engine: _Engine, folder: Path, staged: bool = True) -> Callable[[], float]:
+    """cudarecv's route: the update and (returned) the engine's pause, start to finish; ``staged=False``: each
+    version loaded in the pause with vLLM's in-place reload instead of staged beside the served model."""
     from cudarecv.vllm import CudarecvTrainerInitInfo
 
-    return _backend(engine, CudarecvTrainerInitInfo(timeout=300.0), engine.llm)
+    if engine.trainer is not None and engine.trainer.info.staged != staged:
+        engine.trainer.shutdown()
+        engine.trainer = None
+    return _backend(engine, CudarecvTrainerInitInfo(timeout=300.0, staged=staged), engine.llm)
 
 
 def _backend(engine: _Engine, info: Any, client: Any) -> Callable[[], float]:
@@ -242,6 +248,7 @@ def _rpc_tensors(engine: _Engine, folder: Path) -> Callable[[], float]:
 
 _ROUTE = {
     "cudarecv": _cudarecv,
+    "cudarecv unstaged": lambda engine, folder: _cudarecv(engine, folder, staged=False),
     "safetensors reload": _reload_from_disk,
     "collective_rpc tensors": _rpc_tensors,
 }
@@ -270,6 +277,11 @@ def test_update_a_running_engine(benchmark, engines, tmp_path, size, route):
     expected = tiny_llm.greedy(engine.model, [PROMPT], TOKENS)[0]
     got = engine.generate()
     nbytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    loaded = (
+        sorted({how.how for how in engine.trainer.loaded.values()})
+        if route.startswith("cudarecv")
+        else None
+    )
     benchmark.extra_info.update(
         size=size,
         route=route,
@@ -277,9 +289,11 @@ def test_update_a_running_engine(benchmark, engines, tmp_path, size, route):
         bytes=nbytes,
         pause_ms=statistics.median(pauses) * 1e3,
         verified=got == expected,
+        loaded=loaded,
     )
     tb.replay(benchmark, CLOCK, calls)
     assert got == expected, f"{route}: the engine generates {got}, the trainer's weights {expected}"
+    assert loaded in (None, ["staged" if route == "cudarecv" else "reload"]), loaded
 
 
 # -- on a GPU: cudarecv against vLLM's own GPU backends (run by bench/gpu_check.sh where vLLM is installed) -------

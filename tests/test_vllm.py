@@ -39,6 +39,7 @@ ENV = dict(
     HF_HUB_OFFLINE="1",
     TRANSFORMERS_OFFLINE="1",
     VLLM_ENABLE_V1_MULTIPROCESSING="1",
+    VLLM_ALLOW_INSECURE_SERIALIZATION="1",  # (a test's function through collective_rpc)
 )
 
 pytestmark = pytest.mark.timeout(900)  # an engine starts in 30-50 s on 2 quiet cores
@@ -110,8 +111,66 @@ def test_each_update_makes_the_engine_generate_as_the_trainers_weights(llm):
             before = after
         assert versions[1] == versions[0] + 1 and llm.get_weight_version() == str(versions[1])
         assert trainer.sender.transports == {1: "shared memory"}
+        # staged beside the served model: the pause only copied it into place
+        assert [loaded.how for loaded in trainer.loaded.values()] == ["staged"], trainer.loaded
     finally:
         trainer.shutdown()
+
+
+def test_an_unstaged_update_reloads_in_the_pause_and_the_engine_generates_as_the_trainer(llm):
+    """``staged=False``: each worker loads the version with vLLM's in-place reload in the pause (what a version
+    that cannot be staged gets too), and the engine then generates as the trainer's weights; a staged update after
+    it (a new trainer) is staged again."""
+    model = tiny_llm.model(seed=5)
+    for staged in (False, True):
+        trainer = WeightTransferTrainerFactory.trainer_init(
+            CudarecvTrainerInitInfo(timeout=60.0, staged=staged),
+            client=llm,
+            source=ModuleSource(model),
+        )
+        try:
+            perturbed(model, 10 + staged)
+            trainer.send_weights()
+            assert generate(llm) == tiny_llm.greedy(model, PROMPTS, TOKENS), f"staged={staged}"
+            assert [loaded.how for loaded in trainer.loaded.values()] == [
+                "staged" if staged else "reload"
+            ], trainer.loaded
+        finally:
+            trainer.shutdown()
+
+
+def _stage_then_break(worker, seed: int) -> str:
+    """(In the engine's worker:) stage a model's weights, make one processed tensor the wrong shape, apply: what it
+    raised."""
+    from cudarecv.vllm import staged
+
+    model = worker.model_runner.model
+    served = {name: t.detach().clone() for name, t in model.state_dict().items()}
+    weights = [(n, t.detach().clone()) for n, t in tiny_llm.model(seed=seed).state_dict().items()]
+    version = staged.prepare(model, worker.model_config, iter(weights))
+    for name, t in model.state_dict().items():  # staging writes nothing the engine reads
+        if not torch.equal(t, served[name]):
+            return f"staging wrote the served {name}"
+    victim = version.layers[-1].shadow
+    name, tensor = next(iter(staged._tensors(victim).items()))
+    setattr(victim, name, torch.nn.Parameter(tensor.data[:0].clone(), requires_grad=False))
+    try:
+        version.apply()
+    except staged.NotStaged as error:
+        return str(error)
+    return "applied"
+
+
+def test_a_staged_version_that_does_not_fit_is_refused_before_anything_is_written(llm):
+    """Staging a version writes nothing the engine reads (every served tensor the same, bit for bit, after it);
+    a staged version whose processed tensor differs in shape from the served one is refused by ``apply`` with the
+    layer named, before any layer is written: the engine still generates as before."""
+    llm.reset_prefix_cache()  # (a prompt's cached prefix takes another path through the kernels: other ties)
+    before = generate(llm)
+    said = llm.collective_rpc(_stage_then_break, args=(6,))
+    assert all("processed as" in answer for answer in said), said
+    llm.reset_prefix_cache()
+    assert generate(llm) == before
 
 
 def test_delta_updates_patch_the_engine_and_it_generates_as_the_trainer(llm):

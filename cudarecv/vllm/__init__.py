@@ -7,7 +7,9 @@ mis-shaped parameter is refused on both sides with its name, checked against the
 each ``send_weights()`` moves one version, cast to the engine's dtype on the trainer, verified, through shared
 memory on one machine and over the wire otherwise, bounded by ``timeout`` everywhere. A worker loads a version
 only once all of it has arrived: if the trainer dies mid-send, the engine serves the previous version, and a new
-trainer can connect and update it.
+trainer can connect and update it. Each worker then loads and processes the version beside the served model with
+vLLM's own loaders while the engine goes on generating (:mod:`cudarecv.vllm.staged`); the engine pauses only to
+copy the result into place (``CudarecvTrainerEngine.loaded`` says how each worker did and how long it took).
 
 Switch an engine to it with one key; it reaches vLLM's own processes through the ``vllm.general_plugins``
 entry point this package declares (installed with cudarecv)::
@@ -37,10 +39,17 @@ except ImportError as error:
     ) from error
 
 from .client import LLMClient
-from .info import BACKEND, CudarecvTrainerInitInfo
+from .info import BACKEND, CudarecvTrainerInitInfo, Loaded
 from .plugin import register
 from .trainer import CudarecvTrainerEngine
 
 register()
 
-__all__ = ["BACKEND", "CudarecvTrainerEngine", "CudarecvTrainerInitInfo", "LLMClient", "register"]
+__all__ = [
+    "BACKEND",
+    "CudarecvTrainerEngine",
+    "CudarecvTrainerInitInfo",
+    "LLMClient",
+    "Loaded",
+    "register",
+]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from vllm.distributed.weight_transfer.base import (
     TrainerInitInfo,
@@ -38,6 +38,10 @@ class CudarecvTrainerInitInfo(TrainerInitInfo):
         delta: each update goes to a worker on the wire as the words that changed since the version it holds
             (see :class:`~cudarecv.WeightSender`'s ``delta``), diffed in ``dtype``; the worker patches its copy
             and loads the whole version (a tensor-parallel engine's workers: their slices).
+        staged: each worker loads and processes every version beside the served model as soon as it lands, while
+            the engine goes on generating (:mod:`cudarecv.vllm.staged`); the engine then pauses only to copy the
+            result into place. Costs one processed copy of the model per worker; False: vLLM's in-place reload in
+            the pause, as a disk reload.
         rank: this trainer rank (vLLM's field); rank 0 sends, the others only take part in the source's collectives.
 
     Example:
@@ -55,6 +59,7 @@ class CudarecvTrainerInitInfo(TrainerInitInfo):
     transport: TransportPolicy = "auto"
     dtype: str | None = None
     delta: bool = False
+    staged: bool = True
     rank: int = field(default=0, kw_only=True)
 
     def __post_init__(self) -> None:
@@ -76,6 +81,8 @@ class CudarecvTrainerInitInfo(TrainerInitInfo):
             )
         if self.dtype is not None:
             dtype_of(self.dtype, "dtype")
+        if not isinstance(self.staged, bool):
+            raise ArgumentError(f"`staged` must be True or False, got {self.staged!r}")
         self.timeout = WeightSender.check_options(
             timeout=self.timeout,
             transport=self.transport,
@@ -96,10 +103,12 @@ class CudarecvInitInfo(WeightTransferInitInfo):
     session: str
     timeout: float
     transport: str = "auto"
+    staged: bool = True
 
     def __post_init__(self) -> None:
         if (
-            not self.session
+            not isinstance(self.staged, bool)
+            or not self.session
             or not isinstance(self.port, int)
             or not (self.timeout > 0 and math.isfinite(self.timeout))
         ):
@@ -115,6 +124,20 @@ class CudarecvUpdateInfo(WeightTransferUpdateInfo):
     def __post_init__(self) -> None:
         if isinstance(self.version, bool) or not isinstance(self.version, int) or self.version < 1:
             raise ArgumentError(f"malformed cudarecv update info: version {self.version!r}")
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """How a worker put a version in place in the engine's pause (:attr:`CudarecvTrainerEngine.loaded`).
+
+    Args:
+        how: ``"staged"`` (loaded and processed beforehand, copied into place in the pause) or ``"reload"``
+            (vLLM's in-place reload in the pause: ``staged=False``, or the worker logged why it could not stage).
+        seconds: how long the worker's part of the pause took.
+    """
+
+    how: Literal["staged", "reload"]
+    seconds: float
 
 
 def dtype_of(name: str, what: str):

@@ -20,6 +20,17 @@ def member_key(session: str, index: int) -> str:
     return f"cudarecv/vllm/{session}/worker/{index}"
 
 
+def staged_key(session: str, index: int, version: int) -> str:
+    """The store key where worker ``index`` says it has staged ``version`` (or tried: its value says which), so that
+    the trainer asks the engine to pause only once there is nothing left to do in the pause but put it in place."""
+    return f"cudarecv/vllm/{session}/staged/{index}/{version}"
+
+
+def loaded_key(session: str, index: int, version: int) -> str:
+    """The store key where worker ``index`` says how it put ``version`` in place (JSON: a :class:`~.info.Loaded`)."""
+    return f"cudarecv/vllm/{session}/loaded/{index}/{version}"
+
+
 def group_of(
     store: dist.Store, session: str, rank: int, size: int, timeout: float
 ) -> dist.ProcessGroup:

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import asdict
 from types import TracebackType
@@ -19,8 +20,8 @@ from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine, W
 
 from .. import ArgumentError, ShardedSender, TransferTimeout, UsageError, WeightSender
 from .client import as_client
-from .info import CudarecvInitInfo, CudarecvTrainerInitInfo, dtype_of
-from .rendezvous import group_of, member_key, seconds
+from .info import CudarecvInitInfo, CudarecvTrainerInitInfo, Loaded, dtype_of
+from .rendezvous import group_of, loaded_key, member_key, seconds, staged_key
 
 log = logging.getLogger("cudarecv")
 
@@ -61,6 +62,10 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
             None  # what the weights travel and load in (the engine's, unless set)
         )
         self.sliced = False  # whether each worker receives only the slices it loads (a tensor-parallel engine)
+        self._session, self._workers = (
+            "",
+            0,
+        )  # the engine's session with this trainer, and its worker count
 
     @classmethod
     def trainer_init(
@@ -103,6 +108,7 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
             session=session,
             timeout=info.timeout,
             transport=info.transport,
+            staged=info.staged,
         )
         with _Call(
             lambda: self.client.init_weight_transfer_engine(asdict(worker_info)),
@@ -120,6 +126,7 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
                     f"and can it reach {info.host}:{self._store.port}?)"
                 ) from None
             workers = int(first["workers"])
+            self._session, self._workers = session, workers
             self._group = group_of(self._store, session, 0, workers + 1, info.timeout)
             joined = [json.loads(self._store.get(member_key(session, i))) for i in range(workers)]
             if len({(w["workers"], w["dtype"], w.get("sliced", False)) for w in joined}) != 1:
@@ -211,6 +218,8 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
         # (sync mode: returns once every worker holds it, or raises naming one that does not; latest mode: at once,
         # and each worker's update waits, bounded, for it to land)
         version = self.sender.push()
+        if self.info.staged:
+            self._wait_staged(version)
         self._start(version)
         try:  # (the workers load it now: bounded, as every answer of the engine)
             _Call(
@@ -222,7 +231,40 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
             self._close_session(version)
             raise
         self.client.finish_weight_update(str(version))
+        self.loaded = self._loaded(version)
         return version
+
+    def _loaded(self, version: int) -> dict[int, Loaded]:
+        """How each worker put ``version`` in place, as it said in the store (a worker that did not: left out)."""
+        store, said = self._store, {}
+        for index in range(self._workers):
+            key = loaded_key(self._session, index, version)
+            if store is not None and store.check([key]):
+                said[index] = Loaded(**json.loads(store.get(key)))
+        return said
+
+    def _wait_staged(self, version: int) -> None:
+        """Wait (bounded by the timeout) until every worker has staged ``version``, or found it cannot (it then
+        reloads it in the pause), so that the engine pauses only to put it in place. Workers that do not say so in
+        time are logged and the update goes on: each waits in its ``update_weights`` for what is left."""
+        store, session, workers = self._store, self._session, self._workers
+        if store is None:
+            return
+        keys = [staged_key(session, index, version) for index in range(workers)]
+        started = time.monotonic()
+        try:
+            store.wait(keys, seconds(self.info.timeout))
+        except RuntimeError as error:  # (the store's timeout)
+            log.warning(
+                "vLLM workers did not stage version %d within %g s (%s); updating anyway",
+                version,
+                self.info.timeout,
+                str(error).splitlines()[0],
+            )
+            return
+        log.debug(
+            "version %d staged on every worker after %.2f s", version, time.monotonic() - started
+        )
 
     def _close_session(self, version: int) -> None:
         """After a failed update: close the engine's update session if it is still open (best effort, logged),

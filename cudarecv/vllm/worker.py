@@ -2,9 +2,12 @@
 :class:`~cudarecv.WeightReceiver` on a gloo group of its own with the trainer.
 
 A thread of the worker's takes each version the trainer pushes, whole (every leaf, checked), into the receiver's
-own buffers while the engine goes on generating; the model is touched only in ``update_weights``, which the trainer
-calls once the version landed on every worker: the engine pauses to load it (vLLM's layer-wise reload), not to
-receive it. A transfer that fails or times out never reaches the model: the engine serves the previous version."""
+own buffers while the engine goes on generating, then (``staged``, the default) loads and processes it beside the
+served model with vLLM's own loaders (:mod:`cudarecv.vllm.staged`) and says so in the trainer's store. The model is
+touched only in ``update_weights``, which the trainer calls once every worker has staged the version: the engine
+pauses to copy the processed tensors into place, not to receive or load them. A version that cannot be staged (the
+reason is logged) is loaded in the pause with vLLM's in-place reload, as is every version without ``staged``. A
+transfer that fails or times out never reaches the model: the engine serves the previous version."""
 
 from __future__ import annotations
 
@@ -12,9 +15,11 @@ import json
 import logging
 import socket
 import threading
+import time
 from collections.abc import Iterable
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
@@ -23,9 +28,10 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from .. import Error, ShardedReceiver, UsageError, WaitTimeout, WeightReceiver
 from ..core.shutdown import start_thread  # (joined at exit: pyproject.toml's contract allows it)
-from .info import CudarecvInitInfo, CudarecvUpdateInfo
-from .rendezvous import group_of, member_key, seconds
+from .info import CudarecvInitInfo, CudarecvUpdateInfo, Loaded
+from .rendezvous import group_of, loaded_key, member_key, seconds, staged_key
 from .slices import whole_leaves, worker_slices
+from .staged import NotStaged, Staged, prepare
 
 log = logging.getLogger("cudarecv")
 
@@ -52,6 +58,10 @@ class CudarecvWeightTransferEngine(WeightTransferEngine[CudarecvInitInfo, Cudare
         self._want: dict[str, tuple[slice, ...]] | None = (
             None  # the slices this worker loads, if it takes slices
         )
+        self._staging = True  # whether each landed version is staged (the trainer's `staged`)
+        # the last version staged or tried (None: it could not be, loaded in the pause), until an update takes it
+        self._staged: tuple[int, Staged | None] | None = None
+        self._session, self._index = "", 0
 
     # -- the handshake -------------------------------------------------------------------------------------
     def init_transfer_engine(self, init_info: CudarecvInitInfo) -> None:
@@ -109,7 +119,8 @@ class CudarecvWeightTransferEngine(WeightTransferEngine[CudarecvInitInfo, Cudare
         except BaseException:
             self.shutdown()
             raise
-        self._version, self._failure = 0, None
+        self._version, self._failure, self._staged = 0, None, None
+        self._staging, self._session, self._index = init_info.staged, init_info.session, index
         self._taking = start_thread(
             self._take_versions, f"cudarecv-vllm-worker-{index}", (self._receiver,)
         )
@@ -156,6 +167,65 @@ class CudarecvWeightTransferEngine(WeightTransferEngine[CudarecvInitInfo, Cudare
             with self._landed:
                 self._version = version
                 self._landed.notify_all()
+            if self._staging:
+                self._stage(receiver, version)
+
+    def _stage(self, receiver: WeightReceiver | ShardedReceiver, version: int) -> None:
+        """Load and process ``version`` beside the served model (the engine generates meanwhile), then say in the
+        store that it is staged, or that it could not be (why is logged: the update loads it in the pause)."""
+        started = time.perf_counter()
+        staged: Staged | None = None
+        try:
+            with (
+                receiver.reading() as weights
+            ):  # (no pull writes into these buffers while they load)
+                staged = prepare(
+                    self.model,
+                    self.model_config,
+                    whole_leaves(weights.flatten_keys("."), self._shapes, self._want),
+                )
+        except NotStaged as why:
+            log.warning(
+                "vLLM worker %d: version %d is loaded in the pause with vLLM's in-place reload: %s",
+                self._index,
+                version,
+                why,
+            )
+        except Exception:
+            log.exception(
+                "vLLM worker %d: staging version %d failed; it is loaded in the pause with vLLM's in-place "
+                "reload",
+                self._index,
+                version,
+            )
+        else:
+            log.info(
+                "vLLM worker %d staged version %d in %.2f s (%d layers, %.1f MB to copy in the pause)",
+                self._index,
+                version,
+                time.perf_counter() - started,
+                len(staged.layers),
+                staged.nbytes / 1e6,
+            )
+        with self._landed:
+            self._staged = (version, staged)
+            self._landed.notify_all()
+        store = self._store
+        if store is not None:
+            try:
+                store.set(
+                    staged_key(self._session, self._index, version),
+                    "staged" if staged is not None else "reload",
+                )
+                if version > 1:
+                    store.delete_key(staged_key(self._session, self._index, version - 1))
+            except Exception as error:  # noqa: BLE001 - the trainer then waits its bounded time and goes on
+                log.warning(
+                    "vLLM worker %d could not say version %d is staged: %s",
+                    self._index,
+                    version,
+                    error,
+                )
 
     # -- an update -----------------------------------------------------------------------------------------
     def start_weight_update(self) -> None:
@@ -192,11 +262,65 @@ class CudarecvWeightTransferEngine(WeightTransferEngine[CudarecvInitInfo, Cudare
                     f"the trainer announced version {update_info.version}, but version "
                     f"{self._version} landed"
                 )
-        with receiver.reading() as weights:  # (no pull writes into these buffers while they load)
-            load(
-                self.model,
-                self.model_config,
-                whole_leaves(weights.flatten_keys("."), self._shapes, self._want),
+            # (the taking thread stages it next: bounded, it never waits on the engine)
+            self._landed.wait_for(
+                lambda: (
+                    not self._staging
+                    or self._failure is not None
+                    or (self._staged is not None and self._staged[0] >= update_info.version)
+                ),
+                timeout=receiver.timeout,
+            )
+            staged = None
+            if self._staged is not None and self._staged[0] == update_info.version:
+                staged = self._staged[1]
+                self._staged = None  # (taken: its copies are let go once applied)
+        started = time.perf_counter()
+        how: Literal["staged", "reload"] = "reload"
+        if staged is not None:
+            try:
+                took = staged.apply()
+            except NotStaged as why:  # (checked before anything was written)
+                log.warning(
+                    "vLLM worker %d: version %d could not be put in place (%s); reloading it",
+                    self._index,
+                    update_info.version,
+                    why,
+                )
+            else:
+                log.info(
+                    "vLLM worker %d: version %d in place in %.3f s",
+                    self._index,
+                    update_info.version,
+                    took,
+                )
+                how = "staged"
+        if how == "reload":
+            with (
+                receiver.reading() as weights
+            ):  # (no pull writes into these buffers while they load)
+                load(
+                    self.model,
+                    self.model_config,
+                    whole_leaves(weights.flatten_keys("."), self._shapes, self._want),
+                )
+        self._say_loaded(update_info.version, Loaded(how, time.perf_counter() - started))
+
+    def _say_loaded(self, version: int, loaded: Loaded) -> None:
+        """Tell the trainer how ``version`` was put in place (:attr:`CudarecvTrainerEngine.loaded`); best effort."""
+        store = self._store
+        if store is None:
+            return
+        try:
+            store.set(loaded_key(self._session, self._index, version), json.dumps(asdict(loaded)))
+            if version > 1:
+                store.delete_key(loaded_key(self._session, self._index, version - 1))
+        except Exception as error:  # noqa: BLE001 - the update itself is done
+            log.warning(
+                "vLLM worker %d could not say how version %d loaded: %s",
+                self._index,
+                version,
+                error,
             )
 
     def finish_weight_update(self) -> None:
@@ -213,7 +337,7 @@ class CudarecvWeightTransferEngine(WeightTransferEngine[CudarecvInitInfo, Cudare
         finally:
             if taking is not None and receiver is not None:
                 taking.join(receiver.timeout)
-            self._group = self._store = None
+            self._group = self._store = self._staged = None
 
 
 def load(
