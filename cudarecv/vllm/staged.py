@@ -81,8 +81,19 @@ class Staged:
                 for name, value in attributes.items():
                     object.__setattr__(layer.served, name, value)
         self.applied = True
-        self.layers = []  # (the shadows' tensors are let go)
+        self.drop()
         return time.perf_counter() - started
+
+    def drop(self) -> None:
+        """Let go of the shadows, their references to each other undone (a shadow's loaders are bound to it: left
+        to the garbage collector, such cycles would be freed by a full collection, a pause of the engine's
+        process that grows with its heap)."""
+        for layer in self.layers:
+            for tensor in _tensors(layer.shadow).values():
+                tensor.__dict__.clear()
+        for layer in self.layers:
+            vars(layer.shadow).clear()
+        self.layers = []
 
 
 def _placement(

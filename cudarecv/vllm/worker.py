@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 import threading
 import time
@@ -149,6 +150,7 @@ class CudarecvWeightTransferEngine(WeightTransferEngine[CudarecvInitInfo, Cudare
 
     def _take_versions(self, receiver: WeightReceiver | ShardedReceiver) -> None:
         """The taking thread: every version the trainer pushes, as it comes, until the receiver closes or fails."""
+        _off_the_engines_cores(self._index)
         while True:
             try:
                 version = receiver.pull()
@@ -208,6 +210,7 @@ class CudarecvWeightTransferEngine(WeightTransferEngine[CudarecvInitInfo, Cudare
                 staged.nbytes / 1e6,
             )
         with self._landed:
+            self._take_staged()  # (one not put in place: a newer version replaces it)
             self._staged = (version, staged)
             self._landed.notify_all()
         store = self._store
@@ -226,6 +229,14 @@ class CudarecvWeightTransferEngine(WeightTransferEngine[CudarecvInitInfo, Cudare
                     version,
                     error,
                 )
+
+    def _take_staged(self, drop: bool = True) -> Staged | None:
+        """(Holding ``_landed``:) the staged version, no longer held here; ``drop``: let go of it now."""
+        staged = None if self._staged is None else self._staged[1]
+        self._staged = None
+        if drop and staged is not None:
+            staged.drop()
+        return staged
 
     # -- an update -----------------------------------------------------------------------------------------
     def start_weight_update(self) -> None:
@@ -273,14 +284,14 @@ class CudarecvWeightTransferEngine(WeightTransferEngine[CudarecvInitInfo, Cudare
             )
             staged = None
             if self._staged is not None and self._staged[0] == update_info.version:
-                staged = self._staged[1]
-                self._staged = None  # (taken: its copies are let go once applied)
+                staged = self._take_staged(drop=False)
         started = time.perf_counter()
         how: Literal["staged", "reload"] = "reload"
         if staged is not None:
             try:
                 took = staged.apply()
             except NotStaged as why:  # (checked before anything was written)
+                staged.drop()
                 log.warning(
                     "vLLM worker %d: version %d could not be put in place (%s); reloading it",
                     self._index,
@@ -337,7 +348,29 @@ class CudarecvWeightTransferEngine(WeightTransferEngine[CudarecvInitInfo, Cudare
         finally:
             if taking is not None and receiver is not None:
                 taking.join(receiver.timeout)
-            self._group = self._store = self._staged = None
+            with self._landed:
+                self._take_staged()
+            self._group = self._store = None
+
+
+def _off_the_engines_cores(index: int) -> None:
+    """Run this thread (it receives, checks and stages versions while the engine generates) on the cores this
+    process was not bound to, if it was bound to some and others are free to it: vLLM's CPU build binds each
+    worker's inference threads to cores of their own, which a thread of the same process shares by default and
+    would slow (a version's checks and copies stretched the gaps between tokens 3-5x there). A process bound to
+    nothing (a GPU worker) is left as it is."""
+    if not hasattr(os, "sched_setaffinity"):
+        return
+    try:
+        mine = os.sched_getaffinity(0)
+        others = os.sched_getaffinity(os.getppid()) - mine
+        if others:
+            os.sched_setaffinity(0, others)  # (on Linux, 0 is the calling thread)
+            log.info("vLLM worker %d takes versions on cores %s", index, sorted(others))
+    except OSError as error:  # (a parent gone, or a cpuset that forbids it: stay where we are)
+        log.debug(
+            "vLLM worker %d: the taking thread stays on the worker's cores (%s)", index, error
+        )
 
 
 def load(
