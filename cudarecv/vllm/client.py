@@ -45,6 +45,13 @@ class LLMClient:
     def shutdown_weight_transfer_engine(self) -> None:
         self.llm.shutdown_weight_transfer_engine()
 
+    def pause(self, mode: str) -> bool:
+        """Nothing to pause: an ``LLM`` object generates and updates on its caller's thread, never at once."""
+        return False
+
+    def resume(self) -> None:
+        """(Nothing was paused.)"""
+
 
 class SpokenClient:
     """A weight-sync client whose errors say what the engine said: ``HTTPVLLMWeightSyncClient`` raises
@@ -69,6 +76,48 @@ class SpokenClient:
                 raise ReceiverFailed(f"the vLLM engine refused {name}: {said}") from error
 
         return spoken
+
+    def pause(self, mode: str) -> bool:
+        """Pause the engine's scheduler in vLLM's pause ``mode`` (``"keep"``: requests in flight are frozen, none
+        aborted; ``"wait"``: they finish first; ``"abort"``), so that no step runs until :meth:`resume`:
+        ``POST /pause?mode=...`` of ``vllm serve``, ``pause_generation`` of each Ray actor. Whether it paused
+        (False: a client this module does not know how to pause)."""
+        client = self.client
+        base_url = getattr(client, "base_url", None)
+        handles = getattr(client, "handles", None)
+        if isinstance(base_url, str):
+            _post(client, "pause", {"mode": mode})
+            return True
+        if isinstance(handles, list):
+            import ray
+
+            ray.get([h.pause_generation.remote(mode=mode) for h in handles])
+            return True
+        return False
+
+    def resume(self) -> None:
+        """Undo :meth:`pause` (also harmless on an engine that is not paused)."""
+        client = self.client
+        if isinstance(getattr(client, "base_url", None), str):
+            _post(client, "resume", None)
+        elif isinstance(getattr(client, "handles", None), list):
+            import ray
+
+            ray.get([h.resume_generation.remote() for h in client.handles])
+
+
+def _post(client: Any, path: str, params: dict[str, str] | None) -> None:
+    """A POST of ``vllm serve``'s control endpoints (``/pause``, ``/resume``), bounded by the client's timeout; the
+    engine's words on an error, as for the weight-sync calls."""
+    import requests
+
+    answer = requests.post(
+        f"{client.base_url.rstrip('/')}/{path}", params=params, timeout=client.timeout
+    )
+    try:
+        answer.raise_for_status()
+    except requests.HTTPError as error:
+        raise ReceiverFailed(f"the vLLM engine refused {path}: {engine_message(error)}") from error
 
 
 def engine_message(error: BaseException) -> str | None:

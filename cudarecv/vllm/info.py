@@ -16,6 +16,9 @@ from vllm.distributed.weight_transfer.base import (
 
 from .. import ArgumentError, Mode, TransportPolicy, WeightSender
 
+#: vLLM's ``pause_generation`` modes (``vllm.v1.engine.PauseMode``)
+PauseMode = Literal["keep", "wait", "abort"]
+
 #: The name of the backend, on both sides: ``weight_transfer_config={"backend": BACKEND}``.
 BACKEND = "cudarecv"
 
@@ -42,6 +45,13 @@ class CudarecvTrainerInitInfo(TrainerInitInfo):
             the engine goes on generating (:mod:`cudarecv.vllm.staged`); the engine then pauses only to copy the
             result into place. Costs one processed copy of the model per worker; False: vLLM's in-place reload in
             the pause, as a disk reload.
+        pause: how the engine's scheduler is paused around each update (vLLM's ``pause_generation`` mode, for
+            ``vllm serve`` and Ray actors; an ``LLM`` object never generates during an update): ``"keep"`` freezes
+            the requests in flight, which go on with the new weights, and no step runs between the new weights
+            and the new ``weight_version``, so every output carries the version that produced it; ``"wait"``
+            lets them finish with the old weights first (no request spans two versions); ``"abort"`` aborts them;
+            None does not pause (the update runs between two steps, as vLLM's RPCs do, and a step may run
+            between the new weights and their version number).
         rank: this trainer rank (vLLM's field); rank 0 sends, the others only take part in the source's collectives.
 
     Example:
@@ -60,6 +70,7 @@ class CudarecvTrainerInitInfo(TrainerInitInfo):
     dtype: str | None = None
     delta: bool = False
     staged: bool = True
+    pause: PauseMode | None = "keep"
     rank: int = field(default=0, kw_only=True)
 
     def __post_init__(self) -> None:
@@ -83,6 +94,10 @@ class CudarecvTrainerInitInfo(TrainerInitInfo):
             dtype_of(self.dtype, "dtype")
         if not isinstance(self.staged, bool):
             raise ArgumentError(f"`staged` must be True or False, got {self.staged!r}")
+        if self.pause not in (None, "keep", "wait", "abort"):
+            raise ArgumentError(
+                f'`pause` must be "keep", "wait", "abort" (vLLM\'s pause modes) or None, got {self.pause!r}'
+            )
         self.timeout = WeightSender.check_options(
             timeout=self.timeout,
             transport=self.transport,

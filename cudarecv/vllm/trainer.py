@@ -94,6 +94,9 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
     # -- the handshake ---------------------------------------------------------------------------------------
     def _connect(self) -> None:
         info = self.info
+        if info.pause is not None:
+            # a trainer that died during its update left the engine paused: it generates again from here
+            _Call(self.client.resume, "resume", info.timeout).join()
         session = os.urandom(6).hex()
         self._store = dist.TCPStore(
             info.host,
@@ -221,18 +224,50 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
         if self.info.staged:
             self._wait_staged(version)
         self._start(version)
-        try:  # (the workers load it now: bounded, as every answer of the engine)
-            _Call(
-                lambda: self.client.update_weights({"version": version}),
-                "update_weights",
-                self.info.timeout + 30.0,
-            ).join()
+        paused = (
+            self._pause()
+        )  # (after the start, which loads nothing: the pause is as short as it can be)
+        try:
+            try:  # (the workers load it now: bounded, as every answer of the engine)
+                _Call(
+                    lambda: self.client.update_weights({"version": version}),
+                    "update_weights",
+                    self.info.timeout + 30.0,
+                ).join()
+            except BaseException:
+                self._close_session(version)
+                raise
+            self.client.finish_weight_update(str(version))
         except BaseException:
-            self._close_session(version)
+            if paused:
+                self._resume(failed=True)
             raise
-        self.client.finish_weight_update(str(version))
+        if paused:
+            self._resume()
         self.loaded = self._loaded(version)
         return version
+
+    def _pause(self) -> bool:
+        """Pause the engine's scheduler for the update as :attr:`info` says (bounded); whether it paused."""
+        mode = self.info.pause
+        if mode is None:
+            return False
+        answer: list[bool] = []
+        _Call(
+            lambda: answer.append(self.client.pause(mode)), "pause", self.info.timeout + 30.0
+        ).join()
+        return bool(answer and answer[0])
+
+    def _resume(self, failed: bool = False) -> None:
+        """Resume the engine's scheduler (bounded). A failure is raised, or logged after an update that ``failed``
+        (whose own error goes on): an engine left paused generates nothing until it is resumed (``POST /resume``,
+        or the next trainer's ``trainer_init``)."""
+        try:
+            _Call(self.client.resume, "resume", self.info.timeout).join()
+        except Exception:
+            if not failed:
+                raise
+            log.exception("the vLLM engine could not be resumed after an update that failed")
 
     def _loaded(self, version: int) -> dict[int, Loaded]:
         """How each worker put ``version`` in place, as it said in the store (a worker that did not: left out)."""

@@ -353,6 +353,10 @@ class CudarecvWeightTransferEngine(WeightTransferEngine[CudarecvInitInfo, Cudare
             self._group = self._store = None
 
 
+#: the niceness of the taking thread: the engine's own threads and processes win the CPU whenever they want it
+BACKGROUND_NICE = 10
+
+
 def _off_the_engines_cores(index: int) -> None:
     """Run this thread (it receives, checks and stages versions while the engine generates) on the cores this
     process was not bound to, if it was bound to some and others are free to it: vLLM's CPU build binds each
@@ -361,6 +365,11 @@ def _off_the_engines_cores(index: int) -> None:
     nothing (a GPU worker) is left as it is."""
     if not hasattr(os, "sched_setaffinity"):
         return
+    try:
+        # below the engine's threads and processes wherever it runs (a niceness of this thread alone on Linux)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+    except OSError as error:
+        log.debug("vLLM worker %d: the taking thread keeps its priority (%s)", index, error)
     try:
         mine = os.sched_getaffinity(0)
         others = os.sched_getaffinity(os.getppid()) - mine
