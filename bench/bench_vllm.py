@@ -306,7 +306,7 @@ def test_update_a_running_engine(benchmark, engines, tmp_path, size, route):
 #: endpoint, which takes string arguments only)
 STREAM_ROUTES = [
     "cudarecv",
-    "cudarecv pause=None",
+    'cudarecv pause="keep"',
     "cudarecv verify=False",
     "cudarecv unstaged",
     "safetensors reload",
@@ -468,7 +468,7 @@ def _stream_update(route: str, url: str, path: str, folder: Path, held: dict) ->
     settings: dict[str, Any] = dict(
         staged=route != "cudarecv unstaged",
         verify=route != "cudarecv verify=False",
-        pause=None if route == "cudarecv pause=None" else "keep",
+        pause="keep" if route == 'cudarecv pause="keep"' else None,
     )
     trainer = held.get("trainer")
     if trainer is None or any(getattr(trainer.info, k) != v for k, v in settings.items()):

@@ -635,8 +635,8 @@ def test_vllm_serve_is_updated_over_http(served):
 
 
 def test_an_update_of_vllm_serve_runs_paused_in_keep_mode_and_keeps_the_request_in_flight(served):
-    """``pause="keep"`` (the default): the update runs with the engine's scheduler paused in vLLM's keep mode (the
-    update's call sees ``/is_paused``), and resumed after it; a streamed request frozen mid-way (paused here after
+    """``pause="keep"``: the update runs with the engine's scheduler paused in vLLM's keep mode (the update's call
+    sees ``/is_paused``), and resumed after it; a streamed request frozen mid-way (paused here after
     its first token) goes on through the update to its last token, not aborted. A trainer's ``trainer_init``
     resumes an engine a dead trainer left paused."""
     import requests
@@ -653,7 +653,7 @@ def test_an_update_of_vllm_serve_runs_paused_in_keep_mode_and_keeps_the_request_
     assert paused()  # (as a trainer killed mid-update leaves it)
     model = tiny_llm.model(seed=31)
     trainer = WeightTransferTrainerFactory.trainer_init(
-        CudarecvTrainerInitInfo(timeout=60.0),
+        CudarecvTrainerInitInfo(timeout=60.0, pause="keep"),
         client=HTTPVLLMWeightSyncClient(url),
         source=ModuleSource(model),
     )
