@@ -704,3 +704,72 @@ def test_an_update_of_vllm_serve_runs_paused_in_keep_mode_and_keeps_the_request_
         assert http_generate(url, name) == tiny_llm.greedy(model, PROMPTS, TOKENS)
     finally:
         trainer.shutdown()
+
+
+def test_what_staging_refuses_is_refused_before_anything_is_loaded():
+    """``staged._check_stageable``: tied weights (one tensor in two layers), a quantization method that keeps state
+    on itself, and a layer vLLM recorded nothing of are each refused by name, before any loading."""
+    from types import SimpleNamespace
+
+    from cudarecv.vllm import staged
+
+    class StatefulMethod:  # (any method not known to touch only its layer)
+        pass
+
+    def records(model):
+        return {
+            m: SimpleNamespace(restore_metadata=({}, {}))
+            for m in model.modules()
+            if staged._tensors(m)
+        }
+
+    tied = torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.Linear(4, 8, bias=False))
+    tied[1].weight = tied[0].weight
+    with pytest.raises(staged.NotStaged, match=r"1\.weight is 0\.weight \(tied weights\)"):
+        staged._check_stageable(tied, SimpleNamespace(LAYERWISE_INFO=records(tied)))
+    quantized = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    quantized[0].quant_method = StatefulMethod()
+    with pytest.raises(staged.NotStaged, match="0: its quantization method StatefulMethod"):
+        staged._check_stageable(quantized, SimpleNamespace(LAYERWISE_INFO=records(quantized)))
+    unrecorded = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    partial = records(unrecorded)
+    del partial[unrecorded[1]]
+    with pytest.raises(staged.NotStaged, match="1: vLLM recorded no reload metadata"):
+        staged._check_stageable(unrecorded, SimpleNamespace(LAYERWISE_INFO=partial))
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    staged._check_stageable(plain, SimpleNamespace(LAYERWISE_INFO=records(plain)))  # (accepted)
+
+
+def test_applying_copies_into_the_served_tensors_and_moves_what_processing_changed():
+    """``Staged.apply`` on a layer: each processed tensor copied into the served one (the same tensor object, new
+    values), an attribute processing set is set on the served layer, one it deleted is deleted there, one it
+    left alone is left alone; a shape that differs is refused with nothing written."""
+    import copy
+
+    from cudarecv.vllm import staged
+
+    served = torch.nn.Linear(4, 4)
+    served.kernel, served.stale, served.kept = "old kernel", "old", "kept"
+    weight = served.weight
+    shadow = copy.copy(served)
+    object.__setattr__(shadow, "_parameters", dict(served._parameters))
+    before = dict(vars(shadow))
+    shadow.weight = torch.nn.Parameter(torch.full((4, 4), 7.0), requires_grad=False)
+    shadow.bias = torch.nn.Parameter(torch.full((4,), 3.0), requires_grad=False)
+    shadow.kernel = "new kernel"
+    del shadow.stale
+    version = staged.Staged([staged._Layer(served, shadow, "layer", before)], 0.0, 0)
+    version.apply()
+    assert served.weight is weight and torch.equal(weight, torch.full((4, 4), 7.0))
+    assert torch.equal(served.bias, torch.full((4,), 3.0))
+    assert served.kernel == "new kernel" and not hasattr(served, "stale") and served.kept == "kept"
+
+    other = torch.nn.Linear(4, 4)
+    values = other.weight.detach().clone()
+    wrong = copy.copy(other)
+    object.__setattr__(wrong, "_parameters", dict(other._parameters))
+    before = dict(vars(wrong))
+    wrong.weight = torch.nn.Parameter(torch.zeros(2, 4), requires_grad=False)
+    with pytest.raises(staged.NotStaged, match="layer.weight: processed as"):
+        staged.Staged([staged._Layer(other, wrong, "layer", before)], 0.0, 0).apply()
+    assert torch.equal(other.weight, values)

@@ -79,7 +79,10 @@ class Staged:
                 for served, staged in tensors:
                     served.copy_(staged)
                 for name, value in attributes.items():
-                    object.__setattr__(layer.served, name, value)
+                    if value is _MISSING:
+                        vars(layer.served).pop(name, None)
+                    else:
+                        object.__setattr__(layer.served, name, value)
         self.applied = True
         self.drop()
         return time.perf_counter() - started
@@ -88,11 +91,13 @@ class Staged:
         """Let go of the shadows, their references to each other undone (a shadow's loaders are bound to it: left
         to the garbage collector, such cycles would be freed by a full collection, a pause of the engine's
         process that grows with its heap)."""
-        for layer in self.layers:
-            for tensor in _tensors(layer.shadow).values():
-                tensor.__dict__.clear()
-        for layer in self.layers:
-            vars(layer.shadow).clear()
+        from vllm.model_executor.model_loader.reload import layerwise
+
+        _dismantle(
+            [layer.shadow for layer in self.layers],
+            [layer.served for layer in self.layers],
+            layerwise,
+        )
         self.layers = []
 
 
@@ -121,11 +126,20 @@ def _placement(
             )
         if staged is not served:
             pairs.append((served.data, staged.data))
+    shadow_state = vars(layer.shadow)
     attributes = {
         name: value
-        for name, value in vars(layer.shadow).items()
+        for name, value in shadow_state.items()
         if name not in _MODULE_STATE and layer.before.get(name, _MISSING) is not value
     }
+    # (what processing deleted from the shadow is deleted from the served layer too)
+    attributes.update(
+        {
+            name: _MISSING
+            for name in layer.before
+            if name not in shadow_state and name not in _MODULE_STATE
+        }
+    )
     return pairs, attributes
 
 
@@ -140,64 +154,125 @@ def _tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return tensors
 
 
+#: the quantization methods whose processing touches only the layer it is given (the unquantized ones): a layer with
+#: another keeps state on its method object, which the served layer shares with its shadow, so it is not staged
+STATELESS_METHODS = frozenset({"UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"})
+
+#: the share of the GPU's free memory a staged version may take (the rest is the engine's)
+GPU_HEADROOM = 0.8
+
+
 def prepare(
     model: torch.nn.Module, model_config: Any, weights: Iterable[tuple[str, torch.Tensor]]
 ) -> Staged:
     """Load and process ``weights`` (checkpoint names and whole tensors, as ``load_weights`` takes them) into shadows
     of ``model``'s layers without touching the served model (see the module docstring); raises
-    :class:`NotStaged` for what it cannot place. Runs beside the engine's steps (on the worker's taking thread)."""
+    :class:`NotStaged` for what it cannot place, checked before anything is loaded where it can be. Runs beside
+    the engine's steps (on the worker's taking thread); on a GPU it returns once its copies ran."""
     from vllm.model_executor.layers.attention import is_deferred_attention_layer
     from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
     from vllm.model_executor.model_loader.reload import layerwise
 
-    if getattr(model, "_do_torchao_reload", False):
-        raise NotStaged("a torchao model: its reload re-quantizes the served model itself")
+    _check_stageable(model, layerwise)
     started = time.perf_counter()
     shadows: dict[torch.nn.Module, torch.nn.Module] = {}
-    root = _shadow_tree(model, shadows)
-    before = {shadow: dict(vars(shadow)) for shadow in shadows.values()}
-    restored: list[tuple[str, torch.nn.Module, torch.nn.Module]] = []
+    try:
+        root = _shadow_tree(model, shadows)
+        before = {shadow: dict(vars(shadow)) for shadow in shadows.values()}
+        restored: list[tuple[str, torch.nn.Module, torch.nn.Module]] = []
+        for name, served in model.named_modules(remove_duplicate=True):
+            if not _tensors(served):
+                continue  # (a container: its children are restored on their own)
+            info = layerwise.LAYERWISE_INFO[served]  # (every module has one: _check_stageable)
+            shadow = shadows[served]
+            params, buffers = info.restore_metadata
+            _restore_on_meta(shadow, served, params, buffers)
+            layerwise.get_layerwise_info(shadow).restore_device = info.restore_device
+            layerwise.initialize_online_processing(shadow)
+            restored.append((name, served, shadow))
+        with torch.no_grad(), disable_mtp_completeness_check():
+            cast(Any, root).load_weights(
+                weights
+            )  # (vLLM's model class: its own loader, on the shadows)
+        layers = []
+        for name, served, shadow in restored:
+            info = layerwise.get_layerwise_info(shadow)
+            if info.can_load() and info.load_numel == 0:
+                if any(p is not None for p in shadow._parameters.values()):
+                    # (vLLM's reload would keep the served tensors and warn; a version that leaves a layer out is
+                    # not staged, so that a loader this module cannot follow never passes unnoticed)
+                    raise NotStaged(f"{name}: nothing of this version loaded into its parameters")
+                continue  # a layer of buffers that no checkpoint holds (rotary caches): the served layer stays
+            if is_deferred_attention_layer(shadow):
+                raise NotStaged(
+                    f"{name}: an attention layer with weights of its own (vLLM processes those last)"
+                )
+            if info.can_load():
+                # not every element loaded (padding vLLM declares): processed now, as vLLM's reload does
+                with torch.no_grad():
+                    layerwise._layerwise_process(shadow, info)
+            layers.append(_Layer(served, shadow, name, before[shadow]))
+        if not layers:
+            raise NotStaged("load_weights loaded none of the model's layers")
+        staged = Staged(layers, time.perf_counter() - started, 0)
+        staged.nbytes = sum(t.nbytes for layer in layers for _, t in _placement(layer)[0])
+        if any(t.is_cuda for layer in layers for t in _tensors(layer.shadow).values()):
+            torch.cuda.current_stream().synchronize()  # (apply copies on the engine's stream)
+    except BaseException:
+        _dismantle(shadows.values(), shadows, layerwise)
+        raise
+    kept = {layer.shadow for layer in layers}
+    _dismantle([shadow for shadow in shadows.values() if shadow not in kept], shadows, layerwise)
+    return staged
+
+
+def _check_stageable(model: torch.nn.Module, layerwise: Any) -> None:
+    """Raise :class:`NotStaged` for a model this module cannot stage, before anything is loaded."""
+    if getattr(model, "_do_torchao_reload", False):
+        raise NotStaged("a torchao model: its reload re-quantizes the served model itself")
+    owners: dict[int, str] = {}
+    need = 0
     for name, served in model.named_modules(remove_duplicate=True):
+        tensors = _tensors(served)
+        if not tensors:
+            continue
+        label = name or type(model).__name__
         info = layerwise.LAYERWISE_INFO.get(served)
         if info is None:
+            raise NotStaged(f"{label}: vLLM recorded no reload metadata for it")
+        method = getattr(served, "quant_method", None)
+        if method is not None and type(method).__name__ not in STATELESS_METHODS:
             raise NotStaged(
-                f"{name or type(model).__name__}: vLLM recorded no reload metadata for it"
+                f"{label}: its quantization method {type(method).__name__} keeps state that processing changes"
             )
+        for key, tensor in tensors.items():
+            other = owners.setdefault(id(tensor), f"{label}.{key}")
+            if other != f"{label}.{key}":
+                raise NotStaged(f"{label}.{key} is {other} (tied weights)")
         params, buffers = info.restore_metadata
-        if not params and not buffers:
-            continue
-        shadow = shadows[served]
-        _restore_on_meta(shadow, served, params, buffers)
-        layerwise.get_layerwise_info(shadow).restore_device = info.restore_device
-        layerwise.initialize_online_processing(shadow)
-        restored.append((name, served, shadow))
-    with torch.no_grad(), disable_mtp_completeness_check():
-        cast(Any, root).load_weights(
-            weights
-        )  # (vLLM's model class: its own loader, on the shadows)
-    layers = []
-    for name, served, shadow in restored:
-        info = layerwise.get_layerwise_info(shadow)
-        if info.can_load() and info.load_numel == 0:
-            if any(p is not None for p in shadow._parameters.values()):
-                # (vLLM's reload would keep the served tensors and warn; a version that leaves a layer out is
-                # not staged, so that a loader this module cannot follow never passes unnoticed)
-                raise NotStaged(f"{name}: nothing of this version loaded into its parameters")
-            continue  # a layer of buffers that no checkpoint holds (rotary caches): the served layer stays
-        if is_deferred_attention_layer(shadow):
+        need += sum(t.numel() * t.element_size() for t in (*params.values(), *buffers.values()))
+    devices = {t.device for t in model.parameters() if t.is_cuda}
+    for device in devices:
+        free, _ = torch.cuda.mem_get_info(device)
+        if need > GPU_HEADROOM * free:
             raise NotStaged(
-                f"{name}: an attention layer with weights of its own (vLLM processes those last)"
+                f"a staged copy takes about {need / 1e9:.1f} GB, and {device} has {free / 1e9:.1f} GB free"
             )
-        if info.can_load():
-            # not every element loaded (padding vLLM declares): processed now, as vLLM's reload does
-            with torch.no_grad():
-                layerwise._layerwise_process(shadow, info)
-        layers.append(_Layer(served, shadow, name, before[shadow]))
-    if not layers:
-        raise NotStaged("load_weights loaded none of the model's layers")
-    staged = Staged(layers, time.perf_counter() - started, 0)
-    staged.nbytes = sum(staged_t.nbytes for layer in layers for _, staged_t in _placement(layer)[0])
-    return staged
+
+
+def _dismantle(
+    shadows: Iterable[torch.nn.Module], served: Iterable[torch.nn.Module], layerwise: Any
+) -> None:
+    """Let go of ``shadows``: their entries in vLLM's reload state, and the references between them and their
+    tensors' loaders undone (cycles that only a full collection would free); a tensor of a ``served`` module
+    is never touched."""
+    kept = {id(t) for module in served for t in _tensors(module).values()}
+    for shadow in shadows:
+        layerwise.LAYERWISE_INFO.pop(shadow, None)
+        for tensor in _tensors(shadow).values():
+            if id(tensor) not in kept:
+                tensor.__dict__.clear()
+        vars(shadow).clear()
 
 
 def _shadow_tree(
@@ -253,7 +328,10 @@ def _restore_on_meta(
                 record.__dict__[key] = value.__func__.__get__(layer)
         return record
 
-    for name in list(_tensors(shadow)) + list(params) + list(buffers):
+    # (a module vLLM records nothing of, e.g. one of SKIP_MODULES or of SKIP_TENSORS alone, keeps its tensors:
+    # private copies, below)
+    recorded = list(_tensors(shadow)) + list(params) + list(buffers) if params or buffers else []
+    for name in recorded:
         if name not in SKIP_TENSORS and hasattr(shadow, name):
             delattr(shadow, name)
     for name, record in params.items():

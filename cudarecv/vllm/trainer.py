@@ -62,10 +62,11 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
             None  # what the weights travel and load in (the engine's, unless set)
         )
         self.sliced = False  # whether each worker receives only the slices it loads (a tensor-parallel engine)
-        self._session, self._workers = (
-            "",
-            0,
-        )  # the engine's session with this trainer, and its worker count
+        # the engine's session with this trainer, and its worker count
+        self._session, self._workers = "", 0
+        #: worker index -> how it put the last version in place in the engine's pause (staged or reloaded), and
+        #: how long its part of the pause took
+        self.loaded: dict[int, Loaded] = {}
 
     @classmethod
     def trainer_init(
@@ -224,10 +225,11 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
         if self.info.staged:
             self._wait_staged(version)
         self._start(version)
-        paused = (
-            self._pause()
-        )  # (after the start, which loads nothing: the pause is as short as it can be)
+        # (after the start, which loads nothing, so that the pause is as short as it can be; a pause that fails
+        # or times out may still take effect in the engine: it is resumed all the same)
+        paused = self.info.pause is not None
         try:
+            self._pause()
             try:  # (the workers load it now: bounded, as every answer of the engine)
                 _Call(
                     lambda: self.client.update_weights({"version": version}),
@@ -247,16 +249,11 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
         self.loaded = self._loaded(version)
         return version
 
-    def _pause(self) -> bool:
-        """Pause the engine's scheduler for the update as :attr:`info` says (bounded); whether it paused."""
+    def _pause(self) -> None:
+        """Pause the engine's scheduler for the update as :attr:`info` says (bounded)."""
         mode = self.info.pause
-        if mode is None:
-            return False
-        answer: list[bool] = []
-        _Call(
-            lambda: answer.append(self.client.pause(mode)), "pause", self.info.timeout + 30.0
-        ).join()
-        return bool(answer and answer[0])
+        if mode is not None:
+            _Call(lambda: self.client.pause(mode), "pause", self.info.timeout + 30.0).join()
 
     def _resume(self, failed: bool = False) -> None:
         """Resume the engine's scheduler (bounded). A failure is raised, or logged after an update that ``failed``
@@ -270,12 +267,18 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
             log.exception("the vLLM engine could not be resumed after an update that failed")
 
     def _loaded(self, version: int) -> dict[int, Loaded]:
-        """How each worker put ``version`` in place, as it said in the store (a worker that did not: left out)."""
+        """How each worker put ``version`` in place, as it said in the store (a worker that did not, or a store
+        that does not answer: left out; the update itself is done)."""
         store, said = self._store, {}
         for index in range(self._workers):
             key = loaded_key(self._session, index, version)
-            if store is not None and store.check([key]):
-                said[index] = Loaded(**json.loads(store.get(key)))
+            try:
+                if store is not None and store.check([key]):
+                    said[index] = Loaded(**json.loads(store.get(key)))
+            except Exception as error:  # noqa: BLE001 - said, not raised: the version is in place
+                log.warning(
+                    "how worker %d loaded version %d is not known: %s", index, version, error
+                )
         return said
 
     def _wait_staged(self, version: int) -> None:

@@ -11,6 +11,7 @@ transfer that fails or times out never reaches the model: the engine serves the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -63,6 +64,9 @@ class CudarecvWeightTransferEngine(WeightTransferEngine[CudarecvInitInfo, Cudare
         # the last version staged or tried (None: it could not be, loaded in the pause), until an update takes it
         self._staged: tuple[int, Staged | None] | None = None
         self._session, self._index = "", 0
+        # held while a version is staged, and while one is put in place or reloaded: never both at once (vLLM's
+        # reload changes the records staging reads)
+        self._model_lock = threading.Lock()
 
     # -- the handshake -------------------------------------------------------------------------------------
     def init_transfer_engine(self, init_info: CudarecvInitInfo) -> None:
@@ -177,10 +181,15 @@ class CudarecvWeightTransferEngine(WeightTransferEngine[CudarecvInitInfo, Cudare
         store that it is staged, or that it could not be (why is logged: the update loads it in the pause)."""
         started = time.perf_counter()
         staged: Staged | None = None
+        store, session = (
+            self._store,
+            self._session,
+        )  # (this trainer's: a new one may connect meanwhile)
         try:
             with (
-                receiver.reading() as weights
-            ):  # (no pull writes into these buffers while they load)
+                self._model_lock,  # (never beside a reload of the served model in the pause)
+                receiver.reading() as weights,  # (no pull writes into these buffers while they load)
+            ):
                 staged = prepare(
                     self.model,
                     self.model_config,
@@ -210,18 +219,23 @@ class CudarecvWeightTransferEngine(WeightTransferEngine[CudarecvInitInfo, Cudare
                 staged.nbytes / 1e6,
             )
         with self._landed:
+            if (
+                receiver is not self._receiver
+            ):  # (shut down, or another trainer connected, while it staged)
+                if staged is not None:
+                    staged.drop()
+                return
             self._take_staged()  # (one not put in place: a newer version replaces it)
             self._staged = (version, staged)
             self._landed.notify_all()
-        store = self._store
         if store is not None:
             try:
                 store.set(
-                    staged_key(self._session, self._index, version),
+                    staged_key(session, self._index, version),
                     "staged" if staged is not None else "reload",
                 )
                 if version > 1:
-                    store.delete_key(staged_key(self._session, self._index, version - 1))
+                    store.delete_key(staged_key(session, self._index, version - 1))
             except Exception as error:  # noqa: BLE001 - the trainer then waits its bounded time and goes on
                 log.warning(
                     "vLLM worker %d could not say version %d is staged: %s",
@@ -273,20 +287,36 @@ class CudarecvWeightTransferEngine(WeightTransferEngine[CudarecvInitInfo, Cudare
                     f"the trainer announced version {update_info.version}, but version "
                     f"{self._version} landed"
                 )
-            # (the taking thread stages it next: bounded, it never waits on the engine)
+            # (the taking thread stages it next; the trainer waited for that before it asked: a short grace here,
+            # in the engine's pause, and the version is reloaded if it is not staged by then)
             self._landed.wait_for(
                 lambda: (
                     not self._staging
                     or self._failure is not None
                     or (self._staged is not None and self._staged[0] >= update_info.version)
                 ),
-                timeout=receiver.timeout,
+                timeout=min(receiver.timeout, STAGED_GRACE),
             )
             staged = None
             if self._staged is not None and self._staged[0] == update_info.version:
                 staged = self._take_staged(drop=False)
         started = time.perf_counter()
-        how: Literal["staged", "reload"] = "reload"
+        # (a staging still running past the trainer's wait ends first: bounded)
+        if not self._model_lock.acquire(timeout=receiver.timeout):
+            raise UsageError(
+                f"version {update_info.version} could not be put in place: staging a version still ran after "
+                f"{receiver.timeout:g} s"
+            )
+        try:
+            how = self._put_in_place(receiver, update_info.version, staged)
+        finally:
+            self._model_lock.release()
+        self._say_loaded(update_info.version, Loaded(how, time.perf_counter() - started))
+
+    def _put_in_place(
+        self, receiver: WeightReceiver | ShardedReceiver, version: int, staged: Staged | None
+    ) -> Literal["staged", "reload"]:
+        """Apply ``staged``, else reload ``version`` from the receiver's buffers (vLLM's in-place reload); which."""
         if staged is not None:
             try:
                 took = staged.apply()
@@ -295,27 +325,21 @@ class CudarecvWeightTransferEngine(WeightTransferEngine[CudarecvInitInfo, Cudare
                 log.warning(
                     "vLLM worker %d: version %d could not be put in place (%s); reloading it",
                     self._index,
-                    update_info.version,
+                    version,
                     why,
                 )
             else:
                 log.info(
-                    "vLLM worker %d: version %d in place in %.3f s",
-                    self._index,
-                    update_info.version,
-                    took,
+                    "vLLM worker %d: version %d in place in %.3f s", self._index, version, took
                 )
-                how = "staged"
-        if how == "reload":
-            with (
-                receiver.reading() as weights
-            ):  # (no pull writes into these buffers while they load)
-                load(
-                    self.model,
-                    self.model_config,
-                    whole_leaves(weights.flatten_keys("."), self._shapes, self._want),
-                )
-        self._say_loaded(update_info.version, Loaded(how, time.perf_counter() - started))
+                return "staged"
+        with receiver.reading() as weights:  # (no pull writes into these buffers while they load)
+            load(
+                self.model,
+                self.model_config,
+                whole_leaves(weights.flatten_keys("."), self._shapes, self._want),
+            )
+        return "reload"
 
     def _say_loaded(self, version: int, loaded: Loaded) -> None:
         """Tell the trainer how ``version`` was put in place (:attr:`CudarecvTrainerEngine.loaded`); best effort."""
@@ -353,6 +377,9 @@ class CudarecvWeightTransferEngine(WeightTransferEngine[CudarecvInitInfo, Cudare
             self._group = self._store = None
 
 
+#: seconds an update waits in the engine's pause for a version still being staged, before it reloads it
+STAGED_GRACE = 5.0
+
 #: the niceness of the taking thread: the engine's own threads and processes win the CPU whenever they want it
 BACKGROUND_NICE = 10
 
@@ -371,7 +398,12 @@ def _off_the_engines_cores(index: int) -> None:
     except OSError as error:
         log.debug("vLLM worker %d: the taking thread keeps its priority (%s)", index, error)
     try:
-        mine = os.sched_getaffinity(0)
+        mine = set(os.sched_getaffinity(0))
+        for thread in os.listdir(
+            "/proc/self/task"
+        ):  # (the inference threads may each be bound to one core)
+            with contextlib.suppress(OSError, ValueError):
+                mine |= os.sched_getaffinity(int(thread))
         others = os.sched_getaffinity(os.getppid()) - mine
         if others:
             os.sched_setaffinity(0, others)  # (on Linux, 0 is the calling thread)
