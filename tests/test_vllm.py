@@ -277,6 +277,11 @@ def test_a_tensor_parallel_engine_takes_each_version_on_both_workers(tmp_path, m
                 assert generate(engine) == tiny_llm.greedy(model, PROMPTS, TOKENS), (
                     f"update {step + 1}"
                 )
+                # each worker staged its shard beside its served layers (vLLM's loaders cut, its processing packs)
+                assert {w: how.how for w, how in trainer.loaded.items()} == {
+                    0: "staged",
+                    1: "staged",
+                }, trainer.loaded
         finally:
             trainer.shutdown()
         # delta, on the wire: each worker's slices as patches once it holds a version
