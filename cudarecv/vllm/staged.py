@@ -4,8 +4,8 @@ layers while the engine goes on generating, and the engine pauses only to put th
 vLLM's in-place reload (``vllm.model_executor.model_loader.reload``) restores each layer to its checkpoint
 format, loads it with the model's own ``load_weights`` and weight loaders (fused q/k/v and gate/up, tensor-parallel
 slices, padded vocabularies), processes it as loading did (``process_weights_after_loading``: on the CPU build each
-linear layer's weight is repacked into a oneDNN handle, ``layer.cpu_linear``; on a GPU, quantized layers are
-converted) and copies the result into the tensors the kernels read. The engine does none of it while it generates,
+linear layer's weight is repacked into a oneDNN handle, ``layer.cpu_linear``; quantized layers are converted)
+and copies the result into the tensors the kernels read. The engine does none of it while it generates,
 so the whole reload is the pause.
 
 Here the same steps run on a shallow copy of the model (:func:`prepare`): every module copied with its own
@@ -17,10 +17,12 @@ at a step boundary (in ``update_weights``), copies each processed tensor into th
 storage, as vLLM's reload does) and sets the attributes processing made (the CPU build's repacked ``cpu_linear``)
 on the served layer: a memory copy and a pointer swap per layer.
 
-What it cannot place raises :class:`NotStaged` before anything is applied (an attention layer with weights of its
-own, e.g. KV-cache scales, a layer whose processed tensors differ in shape from the served ones, a model vLLM did
-not record, a torchao model): the worker then falls back to vLLM's in-place reload in the pause, and says why.
-A staged version holds one processed copy of every loaded layer until it is applied or dropped.
+What it cannot place raises :class:`NotStaged` before anything is applied, where it can before anything is loaded
+(tied weights, a quantized layer, whose processing may keep state on the method object its shadow shares, a layer
+vLLM did not record, a torchao model, too little free GPU memory), else after loading (an attention layer with
+weights of its own, e.g. KV-cache scales, a layer the version leaves out, processed tensors that differ in shape
+from the served ones): the worker then falls back to vLLM's in-place reload in the pause, and says why. A staged
+version holds one processed copy of every loaded layer until it is applied or dropped.
 """
 
 from __future__ import annotations
@@ -52,9 +54,8 @@ class _Layer:
     served: torch.nn.Module
     shadow: torch.nn.Module
     name: str
-    before: dict[
-        str, Any
-    ]  # the shadow's attributes as copied (the served layer's then), before processing
+    #: the shadow's attributes as copied (the served layer's then), before processing
+    before: dict[str, Any]
 
 
 @dataclass
@@ -191,9 +192,8 @@ def prepare(
             layerwise.initialize_online_processing(shadow)
             restored.append((name, served, shadow))
         with torch.no_grad(), disable_mtp_completeness_check():
-            cast(Any, root).load_weights(
-                weights
-            )  # (vLLM's model class: its own loader, on the shadows)
+            # (vLLM's model class: its own loader, on the shadows)
+            cast(Any, root).load_weights(weights)
         layers = []
         for name, served, shadow in restored:
             info = layerwise.get_layerwise_info(shadow)

@@ -181,10 +181,8 @@ class CudarecvWeightTransferEngine(WeightTransferEngine[CudarecvInitInfo, Cudare
         store that it is staged, or that it could not be (why is logged: the update loads it in the pause)."""
         started = time.perf_counter()
         staged: Staged | None = None
-        store, session = (
-            self._store,
-            self._session,
-        )  # (this trainer's: a new one may connect meanwhile)
+        # (this trainer's: a new one may connect meanwhile)
+        store, session = self._store, self._session
         try:
             with (
                 self._model_lock,  # (never beside a reload of the served model in the pause)
@@ -219,9 +217,8 @@ class CudarecvWeightTransferEngine(WeightTransferEngine[CudarecvInitInfo, Cudare
                 staged.nbytes / 1e6,
             )
         with self._landed:
-            if (
-                receiver is not self._receiver
-            ):  # (shut down, or another trainer connected, while it staged)
+            # (shut down, or another trainer connected, while it staged)
+            if receiver is not self._receiver:
                 if staged is not None:
                     staged.drop()
                 return
@@ -399,9 +396,8 @@ def _off_the_engines_cores(index: int) -> None:
         log.debug("vLLM worker %d: the taking thread keeps its priority (%s)", index, error)
     try:
         mine = set(os.sched_getaffinity(0))
-        for thread in os.listdir(
-            "/proc/self/task"
-        ):  # (the inference threads may each be bound to one core)
+        # (the inference threads may each be bound to one core)
+        for thread in os.listdir("/proc/self/task"):
             with contextlib.suppress(OSError, ValueError):
                 mine |= os.sched_getaffinity(int(thread))
         others = os.sched_getaffinity(os.getppid()) - mine
