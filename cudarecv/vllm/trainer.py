@@ -284,7 +284,8 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
     def _wait_staged(self, version: int) -> None:
         """Wait (bounded by the timeout) until every worker has staged ``version``, or found it cannot (it then
         reloads it in the pause), so that the engine pauses only to put it in place. Workers that do not say so in
-        time are logged and the update goes on: each waits in its ``update_weights`` for what is left."""
+        time are logged and the update goes on: a worker whose staging is not done within a few seconds of its
+        ``update_weights`` reloads the version in the pause instead."""
         store, session, workers = self._store, self._session, self._workers
         if store is None:
             return
