@@ -216,8 +216,10 @@ def prepare(
             raise NotStaged("load_weights loaded none of the model's layers")
         staged = Staged(layers, time.perf_counter() - started, 0)
         staged.nbytes = sum(t.nbytes for layer in layers for _, t in _placement(layer)[0])
-        if any(t.is_cuda for layer in layers for t in _tensors(layer.shadow).values()):
-            torch.cuda.current_stream().synchronize()  # (apply copies on the engine's stream)
+        # (apply copies on the engine's stream: the copies made here, on this thread's, have run first)
+        for device in {t.device for layer in layers for t in _tensors(layer.shadow).values()}:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
     except BaseException:
         _dismantle(shadows.values(), shadows, layerwise)
         raise
