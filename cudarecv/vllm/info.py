@@ -121,10 +121,14 @@ class CudarecvInitInfo(WeightTransferInitInfo):
     timeout: float
     transport: str = "auto"
     staged: bool = True
+    #: the trainer's fleet sender to join through the store (:class:`~cudarecv.ElasticSender`), or "": a group
+    #: of this engine's workers and the trainer alone
+    fleet: str = ""
 
     def __post_init__(self) -> None:
         if (
             not isinstance(self.staged, bool)
+            or not isinstance(self.fleet, str)
             or not self.session
             or not isinstance(self.port, int)
             or not (self.timeout > 0 and math.isfinite(self.timeout))
@@ -167,3 +171,24 @@ def dtype_of(name: str, what: str):
             f'`{what}` must name a floating-point torch dtype ("bfloat16", "float32"), got {name!r}'
         )
     return dtype
+
+
+@dataclass(frozen=True)
+class EngineStatus:
+    """Where one engine of a trainer stands (:attr:`CudarecvTrainerEngine.engines`).
+
+    Args:
+        engine: its name (``vllm serve``'s URL, an ``LLM`` object's model, a Ray client's actor count).
+        state: ``"joined"`` (each ``send_weights`` updates it), ``"joining"`` (its ``init_weight_transfer_engine``
+            is under way), ``"lost"`` (its join, a transfer or its update failed: ``why``; a fleet joins it again
+            at its next ``send_weights``) or ``"closed"``.
+        version: the last version it put in place (0: none yet).
+        loaded: worker index -> how that version went in and how long its part of the pause took.
+        why: why it is lost, if it is.
+    """
+
+    engine: str
+    state: Literal["joining", "joined", "lost", "closed"]
+    version: int
+    loaded: dict[int, Loaded]
+    why: str | None = None

@@ -20,6 +20,12 @@ def member_key(session: str, index: int) -> str:
     return f"cudarecv/vllm/{session}/worker/{index}"
 
 
+def joined_key(session: str, index: int) -> str:
+    """The store key where worker ``index`` of a fleet's engine says which of the fleet sender's receivers it is
+    (JSON: its ``id`` and the sender's ``generation``)."""
+    return f"cudarecv/vllm/{session}/joined/{index}"
+
+
 def staged_key(session: str, index: int, version: int) -> str:
     """The store key where worker ``index`` says it has staged ``version`` (or tried: its value says which), so that
     the trainer asks the engine to pause only once there is nothing left to do in the pause but put it in place."""

@@ -1,5 +1,6 @@
 """The trainer's side: :class:`CudarecvTrainerEngine`, a :class:`~cudarecv.WeightSender` to every worker of a
-vLLM engine, driven through vLLM's weight-sync client (the ``LLM`` object, ``vllm serve`` over HTTP, Ray)."""
+vLLM engine, driven through vLLM's weight-sync client (the ``LLM`` object, ``vllm serve`` over HTTP, Ray); or, given
+a list of clients, an :class:`~cudarecv.ElasticSender` that a fleet of engines joins through the trainer's store."""
 
 from __future__ import annotations
 
@@ -8,9 +9,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import asdict
-from types import TracebackType
 from typing import Any, cast
 
 import torch
@@ -18,12 +18,25 @@ import torch.distributed as dist
 from tensordict import TensorDict
 from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine, WeightSource
 
-from .. import ArgumentError, ShardedSender, TransferTimeout, UsageError, WeightSender
+from .. import (
+    ArgumentError,
+    ElasticSender,
+    ShardedSender,
+    TransferTimeout,
+    UsageError,
+    WeightSender,
+)
 from .client import as_client
-from .info import CudarecvInitInfo, CudarecvTrainerInitInfo, Loaded, dtype_of
-from .rendezvous import group_of, loaded_key, member_key, seconds, staged_key
+from .engines import Call, Engine, EngineState, Joined, label
+from .info import CudarecvInitInfo, CudarecvTrainerInitInfo, EngineStatus, Loaded, dtype_of
+from .rendezvous import group_of, member_key, seconds
 
 log = logging.getLogger("cudarecv")
+
+#: seconds a fleet's ``send_weights`` waits for the joins it started (engines lost, or added) before it pushes: an
+#: engine that is down fails at once, one that is up joins in about a second; a join still under way after this
+#: goes on, and its engine takes the update after it finishes
+JOIN_WAIT = 10.0
 
 
 class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]):
@@ -33,23 +46,41 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
     (or :meth:`trainer_init`): the workers join, the schema is checked both ways, and each
     :meth:`send_weights` moves one version, cast to the engine's dtype on the trainer.
 
+    ``client`` is one engine's client (the ``LLM`` object, ``HTTPVLLMWeightSyncClient``,
+    ``RayVLLMWeightSyncClient``), or a list of them: a **fleet**. A fleet's workers join one
+    :class:`~cudarecv.ElasticSender` through the trainer's store, which reaches them over a relay chain across
+    hosts (sync mode), and each ``send_weights`` updates every engine that has joined, each on a thread of its
+    own. An engine that dies, stops answering or refuses a version is lost (logged, :attr:`engines` says why),
+    never raised: the others' updates go on, and it is joined again at each later ``send_weights`` until it
+    answers (a restarted one takes that very update). :meth:`add_engine` and :meth:`remove_engine` change the
+    fleet. A fleet's workers each receive every tensor whole (a tensor-parallel engine's workers too).
+
     Example:
         >>> trainer = CudarecvTrainerEngine.trainer_init(CudarecvTrainerInitInfo(), client=llm,
         ...                                             source=ModuleSource(model))
         >>> trainer.send_weights()  # the engine generates with the model's weights from here on
         1
+        >>> fleet = CudarecvTrainerEngine.trainer_init(CudarecvTrainerInitInfo(), source=ModuleSource(model),
+        ...     client=[HTTPVLLMWeightSyncClient(url) for url in urls])
     """
 
     init_info_cls = CudarecvTrainerInitInfo
 
     def __init__(self, *, client: Any, source: WeightSource, info: CudarecvTrainerInitInfo) -> None:
+        #: whether ``client`` is a list of engines' clients (a fleet)
+        self.fleet = isinstance(client, Sequence) and not isinstance(client, str)
+        clients = list(client) if self.fleet else [client]
+        if self.fleet and not clients and info.is_sender:
+            raise ArgumentError("`client` is an empty list: give the fleet's engines' clients")
+        if info.is_sender:
+            clients = [as_client(c) for c in clients]
         super().__init__(
-            client=as_client(client) if info.is_sender else client,
+            client=clients if self.fleet else clients[0],
             source=source,
             is_sender=info.is_sender,
         )
         self.info = info
-        self.sender: WeightSender | ShardedSender | None = None
+        self.sender: WeightSender | ShardedSender | ElasticSender | None = None
         self._store: Any = None
         self._group: Any = None
         self._td: TensorDict | None = (
@@ -62,11 +93,12 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
             None  # what the weights travel and load in (the engine's, unless set)
         )
         self.sliced = False  # whether each worker receives only the slices it loads (a tensor-parallel engine)
-        # the engine's session with this trainer, and its worker count
-        self._session, self._workers = "", 0
-        #: worker index -> how it put the last version in place in the engine's pause (staged or reloaded), and
-        #: how long its part of the pause took
-        self.loaded: dict[int, Loaded] = {}
+        self._session = os.urandom(6).hex()  # (this trainer's, in the store's keys)
+        self._engines: list[Engine] = (
+            [Engine(c, label(c), info, i) for i, c in enumerate(clients)] if info.is_sender else []
+        )
+        self._added = len(self._engines)  # (engines ever added: each one's index)
+        self._lock = threading.Lock()  # (the list of engines: added and removed from any thread)
 
     @classmethod
     def trainer_init(
@@ -86,19 +118,66 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
                 pass
             return engine
         try:
-            engine._connect()
+            if engine.fleet:
+                engine._connect_fleet()
+            else:
+                engine._connect()
         except BaseException:
             engine.shutdown()
             raise
         return engine
 
+    # -- the engines -----------------------------------------------------------------------------------------
+    @property
+    def engines(self) -> list[EngineStatus]:
+        """Where each engine stands: joined, joining, lost (and why), its last version and how it loaded."""
+        with self._lock:
+            engines = list(self._engines)
+        return [e.status() for e in engines]
+
+    @property
+    def loaded(self) -> dict[int, Loaded]:
+        """Worker index -> how it put the last version in place in the engine's pause (staged or reloaded), and
+        how long its part of the pause took; a fleet's: each engine's in :attr:`engines`."""
+        if self.fleet:
+            raise UsageError("a fleet's trainer: each engine's `loaded` is in `trainer.engines`")
+        return dict(self._engines[0].loaded) if self._engines else {}
+
+    def add_engine(self, client: Any) -> None:
+        """Add an engine to the fleet (an engine that was started later): it joins at the next
+        :meth:`send_weights`, which brings it the newest version."""
+        if not self.fleet:
+            raise UsageError(
+                "add_engine is a fleet's: build the trainer with `client=[...]`, a list of clients"
+            )
+        if self.sender is None:
+            raise UsageError("this cudarecv trainer engine is shut down")
+        wrapped = as_client(client)
+        with self._lock:
+            self._engines.append(Engine(wrapped, label(wrapped), self.info, self._added))
+            self._added += 1
+
+    def remove_engine(self, client: Any) -> None:
+        """Stop updating an engine of the fleet (its workers let go of this trainer, bounded; the engine keeps
+        serving its last version). ``client``: the one given, or its engine's name in :attr:`engines`."""
+        with self._lock:
+            found = [
+                e
+                for e in self._engines
+                if client
+                in (e.label, getattr(e.client, "client", None), getattr(e.client, "llm", None))
+            ]
+            if not found:
+                raise ArgumentError(
+                    f"`client` is no engine of this fleet: {client!r} (its engines: "
+                    f"{[e.label for e in self._engines]})"
+                )
+            self._engines.remove(found[0])
+        found[0].close(tell=True)
+
     # -- the handshake ---------------------------------------------------------------------------------------
-    def _connect(self) -> None:
+    def _open_store(self) -> None:
         info = self.info
-        if info.pause is not None:
-            # a trainer that died during its update left the engine paused: it generates again from here
-            _Call(self.client.resume, "resume", info.timeout).join()
-        session = os.urandom(6).hex()
         self._store = dist.TCPStore(
             info.host,
             info.port,
@@ -106,6 +185,16 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
             wait_for_workers=False,
             timeout=seconds(info.timeout),
         )
+
+    def _connect(self) -> None:
+        """One engine: its workers and this trainer form a gloo group of their own."""
+        info = self.info
+        engine = self._engines[0]
+        if info.pause is not None:
+            # a trainer that died during its update left the engine paused: it generates again from here
+            engine.resume()
+        session = self._session
+        self._open_store()
         worker_info = CudarecvInitInfo(
             host=info.host,
             port=self._store.port,
@@ -114,23 +203,14 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
             transport=info.transport,
             staged=info.staged,
         )
-        with _Call(
-            lambda: self.client.init_weight_transfer_engine(asdict(worker_info)),
+        engine._move(EngineState.JOINING)
+        with Call(
+            lambda: engine.client.init_weight_transfer_engine(asdict(worker_info)),
             "init_weight_transfer_engine",
             2 * info.timeout,
         ):  # (an error here first; the engine's its context)
-            try:
-                first = json.loads(
-                    self._store.get(member_key(session, 0))
-                )  # (bounded by the store's timeout)
-            except RuntimeError:
-                raise TransferTimeout(
-                    f"cudarecv weight transfer: no vLLM worker joined within {info.timeout:g} s "
-                    f"(is the engine started with weight_transfer_config={{'backend': 'cudarecv'}}, "
-                    f"and can it reach {info.host}:{self._store.port}?)"
-                ) from None
+            first = self._first_worker(session)
             workers = int(first["workers"])
-            self._session, self._workers = session, workers
             self._group = group_of(self._store, session, 0, workers + 1, info.timeout)
             joined = [json.loads(self._store.get(member_key(session, i))) for i in range(workers)]
             if len({(w["workers"], w["dtype"], w.get("sliced", False)) for w in joined}) != 1:
@@ -157,6 +237,8 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
             self.sender = (
                 ShardedSender(td, **options) if self.sliced else WeightSender(td, **options)
             )
+        engine.joined = Joined(session, workers, str(first["dtype"]), self.sliced)
+        engine._move(EngineState.JOINED)
         log.info(
             "cudarecv weight transfer to %d vLLM worker(s) (%s, %s, %s)",
             workers,
@@ -164,6 +246,101 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
             info.mode,
             ", ".join(sorted(set(self.sender.transports.values()))),
         )
+
+    def _first_worker(self, session: str) -> dict[str, Any]:
+        """The first worker's record (bounded by the store's timeout)."""
+        try:
+            return cast(dict[str, Any], json.loads(self._store.get(member_key(session, 0))))
+        except RuntimeError:
+            raise TransferTimeout(
+                f"cudarecv weight transfer: no vLLM worker joined within {self.info.timeout:g} s "
+                "(is the engine started with weight_transfer_config={'backend': 'cudarecv'}, and can it reach "
+                f"{self.info.host}:{self._store.port}?)"
+            ) from None
+
+    def _connect_fleet(self) -> None:
+        """A fleet: the engines join an elastic sender through the store, each on a thread of its own. The sender
+        is built once the first engine says its dtype (``info.dtype`` first, if set); engines that do not join are
+        lost (logged) and joined again at each ``send_weights``. Raises only if none joins."""
+        info = self.info
+        if info.pause is not None:
+            for engine in self._engines:  # (a dead trainer may have left any of them paused)
+                try:
+                    engine.resume()
+                except Exception as error:  # noqa: BLE001 - one that does not answer is lost at its join
+                    log.info("vLLM engine %s did not answer resume: %s", engine.label, error)
+        self._open_store()
+        fleet = self._fleet_name()
+        for engine in self._engines:
+            engine.begin_join(self._store, fleet, self._session, self._served)
+        # (the weights travel in the engines' dtype, which the first worker to join says: the sender waits for it)
+        deadline = time.monotonic() + 2 * info.timeout
+        dtype_name = info.dtype
+        while dtype_name is None:
+            said = [
+                e.joined.dtype if e.joined is not None else self._dtype_said(e)
+                for e in self._engines
+            ]
+            dtype_name = next((d for d in said if d is not None), None)
+            if dtype_name is None and (
+                time.monotonic() > deadline
+                or all(e.state is not EngineState.JOINING for e in self._engines)
+            ):
+                raise TransferTimeout(
+                    "cudarecv weight transfer: no engine of the fleet joined: "
+                    + "; ".join(f"{e.label}: {e.why}" for e in self._engines)
+                )
+            time.sleep(0.02)  # (a poll of the joins' first records, bounded by the deadline)
+        dtype = dtype_of(dtype_name, "dtype")
+        self._td, self.dtype = self._weights(dtype), dtype
+        self.sender = ElasticSender(
+            self._td.unflatten_keys("."),
+            self._store,
+            fleet,
+            timeout=info.timeout,
+            mode=info.mode,
+            verify=info.verify,
+            bucket_bytes=info.bucket_bytes,
+            transport=info.transport,
+            delta=info.delta,
+        )
+        for engine in self._engines:
+            engine.wait_joined(max(deadline - time.monotonic(), 0.0))
+        joined = [e for e in self._engines if e.state is EngineState.JOINED]
+        if not joined:
+            raise TransferTimeout(
+                "cudarecv weight transfer: no engine of the fleet joined: "
+                + "; ".join(f"{e.label}: {e.why}" for e in self._engines)
+            )
+        for engine in joined:
+            if engine.joined is not None and dtype_of(engine.joined.dtype, "dtype") != dtype:
+                engine.lose(UsageError(f"its dtype is {engine.joined.dtype}, the fleet's {dtype}"))
+        log.info(
+            "cudarecv weight transfer to a fleet of %d vLLM engine(s), %d joined (%s, %s)",
+            len(self._engines),
+            len(joined),
+            dtype,
+            info.mode,
+        )
+
+    def _fleet_name(self) -> str:
+        """The fleet sender's name in the store (this trainer's own)."""
+        return f"vllm-fleet-{self._session}"
+
+    def _dtype_said(self, engine: Engine) -> str | None:
+        """The dtype a joining engine's first worker said in the store, if it has yet."""
+        key = member_key(engine.session, 0)
+        if not self._store.check([key]):
+            return None
+        return cast(str, json.loads(self._store.get(key))["dtype"])
+
+    def _served(self, ids: tuple[int, ...]) -> bool:
+        """Whether the fleet's sender serves every receiver of ``ids`` (an engine's workers)."""
+        sender = self.sender
+        if not isinstance(sender, ElasticSender):
+            return False
+        served = {r["id"] for r in sender.receivers if r["state"] == "served"}
+        return set(ids) <= served
 
     def _weights(self, dtype: torch.dtype) -> TensorDict:
         """The tensordict that travels: each source tensor itself where it is already a plain contiguous tensor
@@ -188,19 +365,17 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
         return sum(t.nbytes for t in _leaves(self._td).values()) if self._td is not None else 0
 
     def bytes_to(self) -> dict[int, int]:
-        """Worker (its rank in the trainer's group, 1 on) -> the bytes one version moves to it."""
+        """Worker (its rank in the trainer's group, 1 on; a fleet's: its receiver id) -> the bytes one version
+        moves to it."""
         if self.sender is None:
             return {}
         if not isinstance(self.sender, ShardedSender):
             return {rank: self.nbytes for rank in self.sender.transports}
         assert self._td is not None  # (a sender has its tensordict)
         sizes = {name: t.element_size() for name, t in _leaves(self._td).items()}
-        sharded: Any = (
-            self.sender
-        )  # (sliced: a sharded sender, whose plan says what each worker loads)
         return {
             rank: sum(box.numel * sizes[name] for name, box in pieces)
-            for rank, pieces in sharded.plan.items()
+            for rank, pieces in self.sender.plan.items()
         }
 
     # -- an update -------------------------------------------------------------------------------------------
@@ -210,7 +385,14 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
         The version travels while the engine goes on generating; once it has landed on every worker, whole and
         checked, the engine loads it (its only pause) and stamps it as its ``weight_version``. Returns once every
         worker loaded it, or raises naming the worker that failed, died or timed out: the engine then serves the
-        previous version (a transfer that fails never reaches the engine's model)."""
+        previous version (a transfer that fails never reaches the engine's model).
+
+        A fleet's: first joins the engines that are lost or were added (waiting at most :data:`JOIN_WAIT` s for
+        them), pushes once to every worker that joined, then updates each engine on a thread of its own. Returns
+        once each is updated or lost (:attr:`engines`); an engine that fails is never raised. Engines that missed
+        the version to a hop of the relay chain that failed during the push (sync mode) get the same weights pushed
+        once more, as the next version, through the chain healed around it: the version returned is then that
+        one."""
         td = self._td
         for name, tensor in self.source:  # (every rank: a sharded source gathers collectively)
             if td is not None and self._shared.get(name) != tensor.data_ptr():
@@ -219,141 +401,115 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
             return None
         if self.sender is None:
             raise UsageError("this cudarecv trainer engine is shut down")
-        # (sync mode: returns once every worker holds it, or raises naming one that does not; latest mode: at once,
-        # and each worker's update waits, bounded, for it to land)
-        version = self.sender.push()
-        if self.info.staged:
-            self._wait_staged(version)
-        self._start(version)
-        # (after the start, which loads nothing, so that the pause is as short as it can be; a pause that fails
-        # or times out may still take effect in the engine: it is resumed all the same)
-        paused = self.info.pause is not None
-        try:
-            self._pause()
-            try:  # (the workers load it now: bounded, as every answer of the engine)
-                _Call(
-                    lambda: self.client.update_weights({"version": version}),
-                    "update_weights",
-                    self.info.timeout + 30.0,
-                ).join()
-            except BaseException:
-                self._close_session(version)
-                raise
-            self.client.finish_weight_update(str(version))
-        except BaseException:
-            if paused:
-                self._resume(failed=True)
-            raise
-        if paused:
-            self._resume()
-        self.loaded = self._loaded(version)
+        if not self.fleet:
+            # (sync mode: returns once every worker holds it, or raises naming one that does not; latest mode: at
+            # once, and each worker's update waits, bounded, for it to land)
+            version = self.sender.push()
+            self._engines[0].update(self._store, version)
+            return version
+        self._join_lost()
+        sender = self.sender
+        assert isinstance(sender, ElasticSender)  # (a fleet's)
+        # (a fleet's push: a worker that dies or stops is dropped, never raised)
+        version = sender.push()
+        with self._lock:
+            joined = [e for e in self._engines if e.state is EngineState.JOINED]
+        # (sync mode: who got it; a worker after a failed hop of the relay chain did not, and gets the next)
+        reached = set(sender.reached or ()) if self.info.mode == "sync" else None
+        missed = [e for e in joined if self._missed(e, reached)]
+        if missed:  # (the chain healed around the failed hop: a second push reaches them)
+            log.warning(
+                "vLLM engine(s) %s missed version %d to a hop of the relay chain that failed during the push; "
+                "pushing the same weights again as the next version",
+                ", ".join(e.label for e in missed),
+                version,
+            )
+            version = sender.push()
+            reached = set(sender.reached or ())
+        updates = [
+            threading.Thread(
+                target=self._update_one,
+                args=(engine, version, reached),
+                name=f"cudarecv-vllm-update-{engine.label}",
+                daemon=True,
+            )
+            for engine in joined
+        ]
+        for thread in updates:
+            thread.start()
+        deadline = (
+            time.monotonic() + 3 * self.info.timeout + 120.0
+        )  # (each call of one bounded on its own)
+        for thread in updates:
+            thread.join(max(deadline - time.monotonic(), 0.0))
+        if not any(e.state is EngineState.JOINED and e.version == version for e in joined):
+            log.warning("no vLLM engine of the fleet took version %d", version)
         return version
 
-    def _pause(self) -> None:
-        """Pause the engine's scheduler for the update as :attr:`info` says (bounded)."""
-        mode = self.info.pause
-        if mode is not None:
-            _Call(lambda: self.client.pause(mode), "pause", self.info.timeout + 30.0).join()
+    def _join_lost(self) -> None:
+        """Start joining every engine that is lost (or added), and wait a while (:data:`JOIN_WAIT`) for those."""
+        with self._lock:
+            engines = list(self._engines)
+        fleet = self._fleet_name()
+        started = [
+            e for e in engines if e.begin_join(self._store, fleet, self._session, self._served)
+        ]
+        deadline = time.monotonic() + JOIN_WAIT
+        for engine in started:
+            engine.wait_joined(deadline - time.monotonic())
 
-    def _resume(self, failed: bool = False) -> None:
-        """Resume the engine's scheduler (bounded). A failure is raised, or logged after an update that ``failed``
-        (whose own error goes on): an engine left paused generates nothing until it is resumed (``POST /resume``,
-        or the next trainer's ``trainer_init``)."""
+    def _missed(self, engine: Engine, reached: set[int] | None) -> bool:
+        """Whether ``engine``'s workers are all still served but did not all get the last push (``reached``)."""
+        ids = () if engine.joined is None else engine.joined.ids
+        return reached is not None and self._served(ids) and not set(ids) <= reached
+
+    def _update_one(self, engine: Engine, version: int, reached: set[int] | None) -> None:
+        """One fleet engine's update; a failure loses it (logged), the others go on. An engine whose workers did
+        not all get the version (``reached``, sync mode) but are still served skips it: it keeps its version and
+        takes the next."""
+        joined = engine.joined
+        ids = () if joined is None else joined.ids
         try:
-            _Call(self.client.resume, "resume", self.info.timeout).join()
-        except Exception:
-            if not failed:
-                raise
-            log.exception("the vLLM engine could not be resumed after an update that failed")
-
-    def _loaded(self, version: int) -> dict[int, Loaded]:
-        """How each worker put ``version`` in place, as it said in the store (a worker that did not, or a store
-        that does not answer: left out; the update itself is done)."""
-        store, said = self._store, {}
-        for index in range(self._workers):
-            key = loaded_key(self._session, index, version)
-            try:
-                if store is not None and store.check([key]):
-                    said[index] = Loaded(**json.loads(store.get(key)))
-            except Exception as error:  # noqa: BLE001 - said, not raised: the version is in place
-                log.warning(
-                    "how worker %d loaded version %d is not known: %s", index, version, error
+            if not self._served(ids):
+                raise UsageError(
+                    "its workers were dropped by the push (died, stopped, or their link broke)"
                 )
-        return said
-
-    def _wait_staged(self, version: int) -> None:
-        """Wait (bounded by the timeout) until every worker has staged ``version``, or found it cannot (it then
-        reloads it in the pause), so that the engine pauses only to put it in place. Workers that do not say so in
-        time are logged and the update goes on: a worker whose staging is not done within a few seconds of its
-        ``update_weights`` reloads the version in the pause instead."""
-        store, session, workers = self._store, self._session, self._workers
-        if store is None:
-            return
-        keys = [staged_key(session, index, version) for index in range(workers)]
-        started = time.monotonic()
-        try:
-            store.wait(keys, seconds(self.info.timeout))
-        except RuntimeError as error:  # (the store's timeout)
-            log.warning(
-                "vLLM workers did not stage version %d within %g s (%s); updating anyway",
-                version,
-                self.info.timeout,
-                str(error).splitlines()[0],
-            )
-            return
-        log.debug(
-            "version %d staged on every worker after %.2f s", version, time.monotonic() - started
-        )
-
-    def _close_session(self, version: int) -> None:
-        """After a failed update: close the engine's update session if it is still open (best effort, logged),
-        so that the next ``send_weights`` can start one."""
-        try:
-            self.client.finish_weight_update()
-        except Exception as error:  # noqa: BLE001 - a worker whose update failed closed its session itself
-            log.info(
-                "after the failed update %d, the engine's update session was already closed (%s)",
-                version,
-                type(error).__name__,
-            )
-
-    def _start(self, version: int) -> None:
-        """The engine's ``start_weight_update``. A trainer that died between its start and its update left the
-        engine's update session open, which refuses a new start ("already active"): such a session is closed
-        (it holds nothing of a version: a worker loads only a whole one) and the start made again."""
-        try:
-            self.client.start_weight_update()
-        except Exception as error:  # noqa: BLE001 - what the engine says differs by client (an RPC, an HTTP 500)
-            if "already active" not in str(error):
-                raise
-            log.warning(
-                "the vLLM engine refused to start update %d: an update is already active (a previous "
-                "trainer's, which died); closing it, then starting again",
-                version,
-            )
-            self.client.finish_weight_update()
-            self.client.start_weight_update()
+            if reached is not None and not set(ids) <= reached:
+                log.warning(
+                    "vLLM engine %s missed version %d too (a hop before it in the relay chain failed during "
+                    "the push again); it keeps version %d and takes the next",
+                    engine.label,
+                    version,
+                    engine.version,
+                )
+                return
+            engine.update(self._store, version, alive=lambda: self._served(ids))
+        except Exception as error:  # noqa: BLE001 - one engine's failure is its own: it is lost, said
+            engine.lose(error)
 
     def shutdown(self) -> None:
-        """Close the sender and the engine's side (its workers keep serving), and let the group and store go."""
+        """Close the sender and the engines' side (their workers keep serving), and let the group and store go."""
         sender, self.sender = self.sender, None
+        with self._lock:
+            engines, self._engines = self._engines, []
         try:
-            if sender is not None:
+            if not self.fleet and sender is not None:
                 sender.close()
-            shut = (
-                getattr(self.client, "shutdown_weight_transfer_engine", None)
-                if self.is_sender
-                else None
-            )
-            if shut is not None and self._store is not None:
-                try:  # (bounded: an engine still busy with this trainer's call answers late or never)
-                    _Call(shut, "shutdown_weight_transfer_engine", self.info.timeout).join()
-                except Exception as error:  # noqa: BLE001 - the trainer's side is closed; the engine's is said
-                    log.warning(
-                        "the vLLM engine did not release this trainer's connection: %s: %s",
-                        type(error).__name__,
-                        error,
-                    )
+            closing = [
+                threading.Thread(
+                    target=engine.close,
+                    args=(self.is_sender and self._store is not None,),
+                    name=f"cudarecv-vllm-close-{engine.label}",
+                    daemon=True,
+                )
+                for engine in engines
+            ]
+            for thread in closing:
+                thread.start()
+            for thread in closing:  # (each engine's calls bounded on their own)
+                thread.join(3 * self.info.timeout)
+            if self.fleet and sender is not None:  # (after its receivers said BYE)
+                sender.close()
         finally:
             self._group = self._store = self._td = None
             self._shared.clear()
@@ -362,52 +518,3 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
 def _leaves(td: TensorDict) -> dict[str, torch.Tensor]:
     """The leaves of a flat tensordict of tensors, by name."""
     return {name: cast(torch.Tensor, t) for name, t in td.items()}
-
-
-class _Call:
-    """One call of the engine's client on a thread of its own, so that waiting for its answer is bounded (a client
-    may wait for ever). ``join`` waits for it (bounded) and raises what it raised; as a context manager (while
-    this thread does its part, e.g. the rendezvous during the engine's init) it joins on the way out, and an error
-    of the block wins over the call's (which becomes its context)."""
-
-    def __init__(self, call: Callable[[], object], what: str, timeout: float) -> None:
-        self.what, self.timeout = what, timeout
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(
-            target=self._run, args=(call,), name=f"cudarecv-vllm-{what}", daemon=True
-        )
-        self._thread.start()
-
-    def __enter__(self) -> _Call:
-        return self
-
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        error: BaseException | None,
-        trace: TracebackType | None,
-    ) -> None:
-        if error is None:
-            self.join()
-            return
-        try:
-            self.join()
-        except BaseException as answer:  # noqa: BLE001 - the block's error propagates, this one as its context
-            error.__context__ = answer
-
-    def _run(self, call: Callable[[], object]) -> None:
-        try:
-            call()
-        except BaseException as error:  # noqa: BLE001 - raised by join, on the caller's thread
-            self._error = error
-
-    def join(self) -> None:
-        self._thread.join(self.timeout)
-        if (
-            self._thread.is_alive()
-        ):  # (the thread ends with the engine's answer: it holds nothing of ours)
-            raise TransferTimeout(
-                f"the vLLM engine did not answer {self.what} within {self.timeout:g} s"
-            )
-        if self._error is not None:
-            raise self._error

@@ -28,14 +28,25 @@ import torch.distributed as dist
 from tensordict import TensorDict
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
-from .. import Error, ShardedReceiver, UsageError, WaitTimeout, WeightReceiver
+from .. import (
+    ElasticReceiver,
+    Error,
+    ShardedReceiver,
+    UsageError,
+    WaitTimeout,
+    WeightReceiver,
+)
 from ..core.shutdown import start_thread  # (joined at exit: pyproject.toml's contract allows it)
 from .info import CudarecvInitInfo, CudarecvUpdateInfo, Loaded
-from .rendezvous import group_of, loaded_key, member_key, seconds, staged_key
+from .rendezvous import group_of, joined_key, loaded_key, member_key, seconds, staged_key
 from .slices import whole_leaves, worker_slices
 from .staged import NotStaged, Staged, prepare
 
 log = logging.getLogger("cudarecv")
+
+#: what receives a worker's versions: from the trainer alone on a group (its slices, if tensor-parallel), or as one
+#: of a fleet's engines through the store
+Receiver = WeightReceiver | ShardedReceiver | ElasticReceiver
 
 
 class CudarecvWeightTransferEngine(WeightTransferEngine[CudarecvInitInfo, CudarecvUpdateInfo]):
@@ -47,7 +58,7 @@ class CudarecvWeightTransferEngine(WeightTransferEngine[CudarecvInitInfo, Cudare
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._receiver: WeightReceiver | ShardedReceiver | None = None
+        self._receiver: Receiver | None = None
         self._group: Any = None
         self._store: Any = None
         self._landed = (
@@ -94,7 +105,8 @@ class CudarecvWeightTransferEngine(WeightTransferEngine[CudarecvInitInfo, Cudare
                 if expect is None
                 else {k: tuple(t.shape) for k, t in expect.flatten_keys(".").items()}
             )
-            self._want = self._slices()
+            # (a fleet's workers each receive every tensor whole: a store's receivers take no slices)
+            self._want = None if init_info.fleet else self._slices()
             self._store.set(
                 member_key(init_info.session, index),
                 json.dumps(
@@ -102,25 +114,39 @@ class CudarecvWeightTransferEngine(WeightTransferEngine[CudarecvInitInfo, Cudare
                         "workers": workers,
                         "dtype": str(dtype).removeprefix("torch."),
                         "host": socket.gethostname(),
+                        "pid": os.getpid(),
                         "sliced": self._want is not None,
                     }
                 ),
             )
-            self._group = group_of(
-                self._store, init_info.session, index + 1, workers + 1, init_info.timeout
-            )
             options = dict(
-                group=self._group,
                 device=self.device,
                 expect=expect,
                 timeout=init_info.timeout,
                 transport=init_info.transport,
             )
-            self._receiver = (
-                WeightReceiver(group_src=0, **options)
-                if self._want is None  # (else sliced: the trainer sends each worker what it loads)
-                else ShardedReceiver(group_src=[0], want=self._want, **options)
-            )
+            if (
+                init_info.fleet
+            ):  # (one of the trainer's engines: joins its sender through the store)
+                joined = ElasticReceiver(self._store, init_info.fleet, **options)
+                self._receiver = joined
+                # (the trainer knows this worker among its sender's receivers by this number)
+                self._store.set(
+                    joined_key(init_info.session, index),
+                    json.dumps({"id": joined.id, "generation": joined.generation}),
+                )
+            else:
+                self._group = group_of(
+                    self._store, init_info.session, index + 1, workers + 1, init_info.timeout
+                )
+                self._receiver = (
+                    WeightReceiver(group=self._group, group_src=0, **options)
+                    if self._want
+                    is None  # (else sliced: the trainer sends each worker what it loads)
+                    else ShardedReceiver(
+                        group=self._group, group_src=[0], want=self._want, **options
+                    )
+                )
         except BaseException:
             self.shutdown()
             raise
@@ -152,7 +178,7 @@ class CudarecvWeightTransferEngine(WeightTransferEngine[CudarecvInitInfo, Cudare
             get_tensor_model_parallel_world_size(),
         )
 
-    def _take_versions(self, receiver: WeightReceiver | ShardedReceiver) -> None:
+    def _take_versions(self, receiver: Receiver) -> None:
         """The taking thread: every version the trainer pushes, as it comes, until the receiver closes or fails."""
         _off_the_engines_cores(self._index)
         while True:
@@ -176,7 +202,7 @@ class CudarecvWeightTransferEngine(WeightTransferEngine[CudarecvInitInfo, Cudare
             if self._staging:
                 self._stage(receiver, version)
 
-    def _stage(self, receiver: WeightReceiver | ShardedReceiver, version: int) -> None:
+    def _stage(self, receiver: Receiver, version: int) -> None:
         """Load and process ``version`` beside the served model (the engine generates meanwhile), then say in the
         store that it is staged, or that it could not be (why is logged: the update loads it in the pause)."""
         started = time.perf_counter()
@@ -311,7 +337,7 @@ class CudarecvWeightTransferEngine(WeightTransferEngine[CudarecvInitInfo, Cudare
         self._say_loaded(update_info.version, Loaded(how, time.perf_counter() - started))
 
     def _put_in_place(
-        self, receiver: WeightReceiver | ShardedReceiver, version: int, staged: Staged | None
+        self, receiver: Receiver, version: int, staged: Staged | None
     ) -> Literal["staged", "reload"]:
         """Apply ``staged``, else reload ``version`` from the receiver's buffers (vLLM's in-place reload); which."""
         if staged is not None:

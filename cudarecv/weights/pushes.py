@@ -132,7 +132,7 @@ class SyncPushes(Pushes):
         ):  # each is driven on its receiver's thread from the start: none waits for another
             self._in_flight = pushes
             return [transfer for _, transfer in pushes]
-        _finish(pushes, version, session.elastic)
+        _finish(pushes, version, session)
         return version
 
 
@@ -201,19 +201,22 @@ def _header_only(member: Member, snapshot: Snapshot, hops: dict[int, int]) -> bo
     )
 
 
-def _finish(pushes: list[tuple[Member, Transfer]], version: int, elastic: bool) -> None:
-    """Wait for every receiver's transfer (each bounded by its own timeout, all running at once); then raise the
-    first failure, naming its receiver and who got the version. ``elastic``: a receiver that failed is dropped
-    and logged, never raised; one that rejected the version (its checksum or header) still is."""
+def _finish(pushes: list[tuple[Member, Transfer]], version: int, session: Session) -> None:
+    """Wait for every receiver's transfer (each bounded by its own timeout, all running at once); say who got the
+    version (``session.reached``), then raise the first failure, naming its receiver and who got it. An elastic
+    session's receiver that failed (or lost the version to a hop before it in a relay chain) is logged, never
+    raised; one that rejected the version (its checksum or header) still is."""
     errors = []
     for _, transfer in pushes:
         try:
             transfer.wait()
         except Exception as error:  # noqa: BLE001 - re-raised below, with the ranks reached
-            if not elastic or isinstance(error, MismatchError):
+            if not session.elastic or isinstance(error, MismatchError):
                 errors.append(error)
+    reached = [m.rank for m, t in pushes if not t.failed]
+    with session.cond:
+        session.reached = reached
     if errors:
-        reached = [m.rank for m, t in pushes if not t.failed]
         raise type(errors[0])(
             f"{errors[0]} (version {version} reached ranks {reached})"
         ) from errors[0]

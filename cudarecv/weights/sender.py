@@ -230,6 +230,14 @@ class SessionSender:
         return {m.rank: m.payload for m in self._s.members if m.served}
 
     @property
+    def reached(self) -> list[int] | None:
+        """The receivers (ranks; an :class:`~cudarecv.ElasticSender`'s: receiver ids) that got the last blocking
+        sync push whole and checked; None before the first. A receiver that failed, or lost the version to a hop
+        before it in a relay chain, is not among them (an elastic sender raises for neither)."""
+        with self._s.cond:
+            return None if self._s.reached is None else list(self._s.reached)
+
+    @property
     def ranks(self) -> list[int]:
         """The ranks (in the group) of the receivers still served."""
         return self._s.ranks()

@@ -200,6 +200,8 @@ class Session:
     chain: list[int] = field(
         default_factory=list
     )  # the ranks (ids) of the last push's relay chain, in order
+    #: the ranks (ids) that got the last blocking sync push, whole and checked (None: no such push yet)
+    reached: list[int] | None = None
     closed: bool = False
     #: receivers join and leave through a store: a push never raises for one that failed (it is dropped and
     #: logged), and one with no receiver at all is no error

@@ -1,0 +1,418 @@
+"""The trainer's side of one vLLM engine (:class:`Engine`): its client, its session in the trainer's store, where it
+stands (:class:`EngineState`) and the calls of one update, each bounded (:class:`Call`).
+
+A trainer of one engine runs that engine's update and raises what fails; a trainer of a fleet runs each joined
+engine's update on a thread of its own, and an engine that fails is lost (logged, joined again at a later update)
+while the others go on."""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from types import TracebackType
+from typing import Any, cast
+
+from .. import ReceiverFailed, TransferTimeout, UsageError
+from .info import CudarecvInitInfo, CudarecvTrainerInitInfo, EngineStatus, Loaded
+from .rendezvous import joined_key, loaded_key, member_key, seconds, staged_key
+
+log = logging.getLogger("cudarecv")
+
+#: how often a fleet engine's wait for its workers (staged, served) looks again whether they are still served
+LOOK_EVERY = 0.25
+
+
+class EngineState(enum.Enum):
+    """Where one engine of a trainer stands (a fleet's: each may be lost and join again)."""
+
+    #: its ``init_weight_transfer_engine`` is under way (a thread of its own)
+    JOINING = "joining"
+    #: its workers receive every version, and each ``send_weights`` updates it
+    JOINED = "joined"
+    #: its join, a transfer to it or its update failed (``why``): a fleet joins it again at its next update
+    LOST = "lost"
+    #: the trainer let go of it (``shutdown``, ``remove_engine``)
+    CLOSED = "closed"
+
+
+#: the moves an engine's state may make, in one place
+MOVES: dict[EngineState, frozenset[EngineState]] = {
+    EngineState.JOINING: frozenset({EngineState.JOINED, EngineState.LOST, EngineState.CLOSED}),
+    EngineState.JOINED: frozenset({EngineState.LOST, EngineState.CLOSED}),
+    EngineState.LOST: frozenset({EngineState.JOINING, EngineState.CLOSED}),
+    EngineState.CLOSED: frozenset(),
+}
+
+
+@dataclass(frozen=True)
+class Joined:
+    """What an engine said when it joined: its session, worker count and dtype, and (a fleet's) the fleet sender's
+    receiver id of each worker."""
+
+    session: str
+    workers: int
+    dtype: str
+    sliced: bool
+    ids: tuple[int, ...] = ()
+
+
+class Engine:
+    """One vLLM engine as its trainer sees it: ``client`` (wrapped by :func:`~.client.as_client`), named ``label``
+    in logs and :class:`~.info.EngineStatus`."""
+
+    def __init__(self, client: Any, label: str, info: CudarecvTrainerInitInfo, index: int) -> None:
+        self.client, self.label, self.info, self.index = client, label, info, index
+        self._lock = threading.Lock()  # (the state and what goes with it: one change at a time)
+        self._state = EngineState.LOST
+        self.why: str | None = "not joined yet"
+        self.joined: Joined | None = None
+        #: the last version it put in place (0: none), and how each worker did it
+        self.version = 0
+        self.loaded: dict[int, Loaded] = {}
+        self._joining: threading.Thread | None = None
+        self._attempts = 0  # (the joins tried)
+        #: the session of its last join, in the store's keys (each join its own: what a dead incarnation of the
+        #: engine left there is never read)
+        self.session = ""
+
+    # -- where it stands ---------------------------------------------------------------------------------
+    @property
+    def state(self) -> EngineState:
+        return self._state
+
+    def _move(self, to: EngineState, why: str | None = None) -> bool:
+        """Move to ``to`` (False, and nothing changed, where the table forbids it: a closed engine stays closed);
+        a move to LOST is logged once."""
+        with self._lock:
+            if to not in MOVES[self._state]:
+                return False
+            was, self._state = self._state, to
+            self.why = why
+        if to is EngineState.LOST and was is not EngineState.LOST:
+            log.warning("vLLM engine %s is lost to the trainer: %s", self.label, why)
+        elif to is EngineState.JOINED:
+            log.info("vLLM engine %s joined the trainer's fleet", self.label)
+        return True
+
+    def status(self) -> EngineStatus:
+        with self._lock:
+            state = cast(Any, self._state.value)  # (the enum's values are the Literal's)
+            return EngineStatus(self.label, state, self.version, dict(self.loaded), self.why)
+
+    # -- joining (a fleet's) -----------------------------------------------------------------------------
+    def begin_join(
+        self, store: Any, fleet: str, session: str, served: Callable[[tuple[int, ...]], bool]
+    ) -> bool:
+        """Start joining the fleet sender ``fleet`` of the trainer's ``session`` on a thread of its own, if the
+        engine is lost; whether one started. ``served`` says whether the sender serves receivers of these ids."""
+        if not self._move(EngineState.JOINING):
+            return False
+        self._attempts += 1
+        self.session = f"{session}-{self.index}-{self._attempts}"
+        thread = threading.Thread(
+            target=self._join,
+            args=(store, fleet, self.session, served),
+            name=f"cudarecv-vllm-join-{self.label}",
+            daemon=True,
+        )
+        self._joining = thread
+        thread.start()
+        return True
+
+    def wait_joined(self, timeout: float) -> None:
+        """Wait (at most ``timeout``) for the join under way, if any."""
+        thread = self._joining
+        if thread is not None:
+            thread.join(max(timeout, 0.0))
+
+    def _join(
+        self, store: Any, fleet: str, session: str, served: Callable[[tuple[int, ...]], bool]
+    ) -> None:
+        info = self.info
+        worker_info = CudarecvInitInfo(
+            host=info.host,
+            port=store.port,
+            session=session,
+            timeout=info.timeout,
+            transport=info.transport,
+            staged=info.staged,
+            fleet=fleet,
+        )
+        try:
+            Call(
+                lambda: self.client.init_weight_transfer_engine(asdict(worker_info)),
+                "init_weight_transfer_engine",
+                2 * info.timeout,
+            ).join()
+            first = json.loads(store.get(member_key(session, 0)))
+            workers = int(first["workers"])
+            ids = tuple(
+                int(json.loads(store.get(joined_key(session, i)))["id"]) for i in range(workers)
+            )
+            # (the sender serves a receiver once its side of the handshake is done too: then the next push is its)
+            deadline = time.monotonic() + info.timeout
+            while not served(ids):
+                if time.monotonic() > deadline:
+                    raise TransferTimeout(
+                        f"the trainer's sender did not serve the engine's workers {list(ids)} within "
+                        f"{info.timeout:g} s of their join"
+                    )
+                time.sleep(0.02)  # (a poll of the sender's own state, bounded by the deadline)
+            self.joined = Joined(session, workers, str(first["dtype"]), False, ids)
+        except Exception as error:  # noqa: BLE001 - an engine that cannot join is lost, said; the fleet goes on
+            self._move(EngineState.LOST, f"its join failed: {type(error).__name__}: {error}")
+            return
+        self._move(EngineState.JOINED)
+
+    # -- an update ---------------------------------------------------------------------------------------
+    def update(self, store: Any, version: int, alive: Callable[[], bool] | None = None) -> None:
+        """Put ``version`` in place on this engine: wait (bounded) for its workers to stage it, then the engine's
+        start, pause, update, finish and resume. ``alive`` (a fleet's) says whether its workers are still served: a
+        wait ends at once when they are not. Raises what failed."""
+        joined = self.joined
+        if joined is None:
+            raise UsageError(f"vLLM engine {self.label} never joined")
+        if self.info.staged:
+            self._wait_staged(store, joined, version, alive)
+        self._start(version)
+        # (after the start, which loads nothing, so that the pause is as short as it can be; a pause that fails
+        # or times out may still take effect in the engine: it is resumed all the same)
+        paused = self.info.pause is not None
+        try:
+            self._pause()
+            try:  # (the workers load it now: bounded, as every answer of the engine)
+                Call(
+                    lambda: self.client.update_weights({"version": version}),
+                    "update_weights",
+                    self.info.timeout + 30.0,
+                ).join()
+            except BaseException:
+                self._close_session(version)
+                raise
+            Call(
+                lambda: self.client.finish_weight_update(str(version)),
+                "finish_weight_update",
+                self.info.timeout,
+            ).join()
+        except BaseException:
+            if paused:
+                self._resume(failed=True)
+            raise
+        if paused:
+            self._resume()
+        loaded = self._loaded(store, joined, version)
+        with self._lock:
+            self.version, self.loaded = version, loaded
+
+    def _wait_staged(
+        self, store: Any, joined: Joined, version: int, alive: Callable[[], bool] | None
+    ) -> None:
+        """Wait (bounded by the timeout) until every worker has staged ``version``, or found it cannot (it then
+        reloads it in the pause), so that the engine pauses only to put it in place. Workers that do not say so in
+        time are logged and the update goes on: a worker whose staging is not done within a few seconds of its
+        ``update_weights`` reloads the version in the pause instead. A fleet's engine whose workers are no longer
+        served (``alive``) ends the wait at once: :class:`~cudarecv.PeerError`-like, raised as ReceiverFailed."""
+        keys = [staged_key(joined.session, index, version) for index in range(joined.workers)]
+        started = time.monotonic()
+        deadline = started + self.info.timeout
+        while True:
+            left = deadline - time.monotonic()
+            step = left if alive is None else min(left, LOOK_EVERY)
+            try:
+                store.wait(keys, seconds(max(step, 0.001)))
+                break
+            except RuntimeError as error:  # (the store's timeout)
+                if alive is not None and not alive():
+                    raise ReceiverFailed(
+                        f"vLLM engine {self.label}: its workers are no longer served (died, or dropped) "
+                        f"before they staged version {version}"
+                    ) from None
+                if time.monotonic() < deadline:
+                    continue
+                log.warning(
+                    "vLLM engine %s: workers did not stage version %d within %g s (%s); updating anyway",
+                    self.label,
+                    version,
+                    self.info.timeout,
+                    str(error).splitlines()[0],
+                )
+                return
+        log.debug(
+            "vLLM engine %s: version %d staged on every worker after %.2f s",
+            self.label,
+            version,
+            time.monotonic() - started,
+        )
+
+    def _pause(self) -> None:
+        """Pause the engine's scheduler for the update as :attr:`info` says (bounded)."""
+        mode = self.info.pause
+        if mode is not None:
+            Call(lambda: self.client.pause(mode), "pause", self.info.timeout + 30.0).join()
+
+    def _resume(self, failed: bool = False) -> None:
+        """Resume the engine's scheduler (bounded). A failure is raised, or logged after an update that ``failed``
+        (whose own error goes on): an engine left paused generates nothing until it is resumed (``POST /resume``,
+        or the next trainer's ``trainer_init``)."""
+        try:
+            Call(self.client.resume, "resume", self.info.timeout).join()
+        except Exception:
+            if not failed:
+                raise
+            log.exception(
+                "vLLM engine %s could not be resumed after an update that failed", self.label
+            )
+
+    def resume(self) -> None:
+        """(At a trainer's start:) resume the engine, which a trainer that died during its update left paused."""
+        Call(self.client.resume, "resume", self.info.timeout).join()
+
+    def _loaded(self, store: Any, joined: Joined, version: int) -> dict[int, Loaded]:
+        """How each worker put ``version`` in place, as it said in the store (a worker that did not, or a store
+        that does not answer: left out; the update itself is done)."""
+        said = {}
+        for index in range(joined.workers):
+            key = loaded_key(joined.session, index, version)
+            try:
+                if store is not None and store.check([key]):
+                    said[index] = Loaded(**json.loads(store.get(key)))
+            except Exception as error:  # noqa: BLE001 - said, not raised: the version is in place
+                log.warning(
+                    "how worker %d of vLLM engine %s loaded version %d is not known: %s",
+                    index,
+                    self.label,
+                    version,
+                    error,
+                )
+        return said
+
+    def _close_session(self, version: int) -> None:
+        """After a failed update: close the engine's update session if it is still open (best effort, bounded,
+        logged), so that the next ``send_weights`` can start one."""
+        try:
+            Call(self.client.finish_weight_update, "finish_weight_update", self.info.timeout).join()
+        except Exception as error:  # noqa: BLE001 - a worker whose update failed closed its session itself
+            log.info(
+                "after the failed update %d, vLLM engine %s's update session was already closed (%s)",
+                version,
+                self.label,
+                type(error).__name__,
+            )
+
+    def _start(self, version: int) -> None:
+        """The engine's ``start_weight_update``. A trainer that died between its start and its update left the
+        engine's update session open, which refuses a new start ("already active"): such a session is closed
+        (it holds nothing of a version: a worker loads only a whole one) and the start made again."""
+        start = self.client.start_weight_update
+        try:
+            Call(start, "start_weight_update", self.info.timeout).join()
+        except Exception as error:  # noqa: BLE001 - what the engine says differs by client (an RPC, an HTTP 500)
+            if "already active" not in str(error):
+                raise
+            log.warning(
+                "vLLM engine %s refused to start update %d: an update is already active (a previous "
+                "trainer's, which died); closing it, then starting again",
+                self.label,
+                version,
+            )
+            Call(self.client.finish_weight_update, "finish_weight_update", self.info.timeout).join()
+            Call(start, "start_weight_update", self.info.timeout).join()
+
+    # -- ending ------------------------------------------------------------------------------------------
+    def lose(self, error: BaseException) -> None:
+        """(A fleet's:) its update failed: lost, joined again at a later update."""
+        self._move(EngineState.LOST, f"{type(error).__name__}: {error}")
+
+    def close(self, tell: bool) -> None:
+        """Let go of it; ``tell``: ask the engine to release this trainer's connection (bounded, logged)."""
+        was = self._state
+        if not self._move(EngineState.CLOSED):
+            return
+        shut = getattr(self.client, "shutdown_weight_transfer_engine", None)
+        if tell and shut is not None and was is EngineState.JOINED:
+            try:  # (bounded: an engine still busy with this trainer's call answers late or never)
+                Call(shut, "shutdown_weight_transfer_engine", self.info.timeout).join()
+            except Exception as error:  # noqa: BLE001 - the trainer's side is closed; the engine's is said
+                log.warning(
+                    "vLLM engine %s did not release this trainer's connection: %s: %s",
+                    self.label,
+                    type(error).__name__,
+                    error,
+                )
+        thread = self._joining
+        if thread is not None:
+            thread.join(2 * self.info.timeout)
+
+
+def label(client: Any) -> str:
+    """How logs and :class:`~.info.EngineStatus` name an engine: ``vllm serve``'s URL, an ``LLM`` object's model,
+    a Ray client's actor count."""
+    inner = getattr(client, "client", client)  # (a SpokenClient's)
+    url = getattr(inner, "base_url", None)
+    if isinstance(url, str):
+        return url
+    llm = getattr(inner, "llm", None)
+    if llm is not None:
+        model = getattr(getattr(llm, "llm_engine", None), "model_config", None)
+        return f"LLM({getattr(model, 'model', '?')}) at {id(llm):#x}"
+    handles = getattr(inner, "handles", None)
+    if isinstance(handles, list):
+        return f"Ray engine of {len(handles)} actor(s) at {id(inner):#x}"
+    return f"{type(inner).__name__} at {id(inner):#x}"
+
+
+class Call:
+    """One call of the engine's client on a thread of its own, so that waiting for its answer is bounded (a client
+    may wait for ever). ``join`` waits for it (bounded) and raises what it raised; as a context manager (while
+    this thread does its part, e.g. the rendezvous during the engine's init) it joins on the way out, and an error
+    of the block wins over the call's (which becomes its context)."""
+
+    def __init__(self, call: Callable[[], object], what: str, timeout: float) -> None:
+        self.what, self.timeout = what, timeout
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run, args=(call,), name=f"cudarecv-vllm-{what}", daemon=True
+        )
+        self._thread.start()
+
+    def __enter__(self) -> Call:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
+        if error is None:
+            self.join()
+            return
+        try:
+            self.join()
+        except BaseException as answer:  # noqa: BLE001 - the block's error propagates, this one as its context
+            error.__context__ = answer
+
+    def _run(self, call: Callable[[], object]) -> None:
+        try:
+            call()
+        except BaseException as error:  # noqa: BLE001 - raised by join, on the caller's thread
+            self._error = error
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def join(self) -> None:
+        self._thread.join(self.timeout)
+        if (
+            self._thread.is_alive()
+        ):  # (the thread ends with the engine's answer: it holds nothing of ours)
+            raise TransferTimeout(
+                f"the vLLM engine did not answer {self.what} within {self.timeout:g} s"
+            )
+        if self._error is not None:
+            raise self._error
