@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from multiprocessing.connection import Client, Listener
 from pathlib import Path
 
@@ -705,6 +706,44 @@ def test_applying_copies_into_the_served_tensors_and_moves_what_processing_chang
 # -- a fleet: several engines fed by one trainer ----------------------------------------------------------
 
 
+def test_a_fleet_refuses_bad_input_before_it_connects_and_one_with_no_engine_up_raises_at_once():
+    """An engine named twice, a bad ``join_wait``, ``remove_engine`` on one engine's trainer: refused with the
+    argument named. A fleet none of whose engines answers (a port nobody listens on) raises at ``trainer_init``,
+    naming the engine and why, without waiting out its timeout."""
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+    from cudarecv.testing.vllm_serve import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"  # (nobody listens there)
+    source = ModuleSource(tiny_llm.model(seed=0))
+    with pytest.raises(cudarecv.ArgumentError, match="`client` names an engine twice"):
+        CudarecvTrainerEngine.trainer_init(
+            CudarecvTrainerInitInfo(),
+            client=[HTTPVLLMWeightSyncClient(url), HTTPVLLMWeightSyncClient(url)],
+            source=source,
+        )
+    with pytest.raises(cudarecv.ArgumentError, match="`join_wait`"):
+        CudarecvTrainerInitInfo(join_wait=-1.0)
+    with pytest.raises(cudarecv.ArgumentError, match="`client` is an empty list"):
+        CudarecvTrainerEngine.trainer_init(CudarecvTrainerInitInfo(), client=[], source=source)
+    started = time.monotonic()
+    with pytest.raises(cudarecv.TransferTimeout, match="no engine of the fleet joined") as none:
+        CudarecvTrainerEngine.trainer_init(
+            CudarecvTrainerInitInfo(timeout=300.0),
+            client=[HTTPVLLMWeightSyncClient(url)],
+            source=source,
+        )
+    assert url in str(none.value) and "its join failed" in str(none.value), none.value
+    assert time.monotonic() - started < 300.0  # (refused at once: not twice the timeout's wait)
+    one = CudarecvTrainerEngine(
+        client=HTTPVLLMWeightSyncClient(url), source=source, info=CudarecvTrainerInitInfo()
+    )
+    with pytest.raises(cudarecv.UsageError, match="remove_engine is a fleet's"):
+        one.remove_engine(url)
+    with pytest.raises(cudarecv.UsageError, match="add_engine is a fleet's"):
+        one.add_engine(HTTPVLLMWeightSyncClient(url))
+
+
 def test_a_fleet_of_an_llm_object_and_a_served_engine_takes_engines_added_and_removed(llm, served):
     """A fleet of two kinds of engine on one machine (the ``LLM`` object, ``vllm serve`` over HTTP), both fed by one
     push through shared memory: each update reaches both; an engine removed keeps its last version while the other
@@ -714,7 +753,10 @@ def test_a_fleet_of_an_llm_object_and_a_served_engine_takes_engines_added_and_re
     url, name = served
     model = tiny_llm.model(seed=41)
     trainer = CudarecvTrainerEngine.trainer_init(
-        CudarecvTrainerInitInfo(timeout=60.0), client=[llm], source=ModuleSource(model)
+        # (join_wait: each send_weights waits for the engine added to join, however slow this machine)
+        CudarecvTrainerInitInfo(timeout=60.0, join_wait=60.0),
+        client=[llm],
+        source=ModuleSource(model),
     )
     try:
         assert [s.state for s in trainer.engines] == ["joined"]

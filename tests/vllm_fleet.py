@@ -48,7 +48,7 @@ def main(host: str, urls: list[str], path: str) -> None:
         healthy(url)
     model = tiny_llm.model(seed=31)
     trainer = CudarecvTrainerEngine.trainer_init(
-        CudarecvTrainerInitInfo(host=host, timeout=60.0),
+        CudarecvTrainerInitInfo(host=host, timeout=60.0, join_wait=60.0),
         client=[HTTPVLLMWeightSyncClient(url) for url in urls],
         source=ModuleSource(model),
     )

