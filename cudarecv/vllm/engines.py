@@ -472,14 +472,10 @@ class Call:
         except BaseException as error:  # noqa: BLE001 - raised by join, on the caller's thread
             self._error = error
 
-    def done(self) -> bool:
-        return not self._thread.is_alive()
-
     def join(self) -> None:
         self._thread.join(self.timeout)
-        if (
-            self._thread.is_alive()
-        ):  # (the thread ends with the engine's answer: it holds nothing of ours)
+        # (a thread still waiting ends with the engine's answer: it holds nothing of ours)
+        if self._thread.is_alive():
             raise TransferTimeout(
                 f"the vLLM engine did not answer {self.what} within {self.timeout:g} s"
             )

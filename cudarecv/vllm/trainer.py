@@ -424,9 +424,8 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
         self._join_lost()
         sender = self.sender
         assert isinstance(sender, ElasticSender)  # (a fleet's)
-        with (
-            self._lock
-        ):  # (those that joined before the push: one joining meanwhile takes the next)
+        # (those that joined before the push: one joining meanwhile takes the next)
+        with self._lock:
             joined = [e for e in self._engines if e.state is EngineState.JOINED and not e.busy()]
         version, reached = self._push_fleet(sender)
         missed = [e for e in joined if self._missed(e, reached)]
@@ -449,9 +448,8 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
         for engine, thread in updates:
             if thread is not None:
                 thread.join(max(deadline - time.monotonic(), 0.0))
-                if (
-                    thread.is_alive()
-                ):  # (it goes on, bounded; the engine is joined again once it ended)
+                # (one still running goes on, bounded; the engine is joined again once it ended)
+                if thread.is_alive():
                     engine.lose(
                         TransferTimeout(f"its update of version {version} did not end in time")
                     )
