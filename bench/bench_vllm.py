@@ -640,7 +640,6 @@ def fleet_run(tmp_path_factory):
 
 
 FLEET_ROUTES = [
-    ("cudarecv, 1 engine", 1),
     ("cudarecv fleet", 1),
     ("cudarecv fleet", FLEET_ENGINES),
     ("safetensors reload", FLEET_ENGINES),

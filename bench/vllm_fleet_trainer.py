@@ -5,7 +5,6 @@ hosts, each behind its own shaped link): each route's ``rounds`` updates, timed 
 
 Routes, one after the other on the same engines:
 
-- ``cudarecv, 1 engine``: a trainer of the first engine alone (its workers and the trainer on a group);
 - ``cudarecv fleet, 1 engine`` and ``cudarecv fleet, N engines``: a fleet trainer of the first engine, then of all;
 - ``safetensors reload, N engines``: the trainer saves the model once to a folder every host reads (here a local
   disk; on a cluster, a shared filesystem) and each engine reloads it (``collective_rpc("reload_weights")``), all
@@ -89,7 +88,6 @@ def main(host: str, urls: list[str], path: str, out: str, rounds: int) -> None:
         finally:
             trainer.shutdown()
 
-    cudarecv("cudarecv, 1 engine", HTTPVLLMWeightSyncClient(urls[0]), urls[:1])
     cudarecv("cudarecv fleet", [HTTPVLLMWeightSyncClient(urls[0])], urls[:1])
     cudarecv("cudarecv fleet", [HTTPVLLMWeightSyncClient(url) for url in urls], urls)
 
