@@ -677,10 +677,14 @@ def table(path: str) -> str:
         (b["extra_info"].get("device", "cpu"), b["extra_info"]["size"], b["extra_info"]["route"]): b
         for b in rows
     }
-    out = [
-        "| device | size | route | update (ms) | engine pause (ms) | GB/s | checked |",
-        "|:--|:--|:--|--:|--:|--:|:--|",
-    ]
+    out = (
+        [
+            "| device | size | route | update (ms) | engine pause (ms) | GB/s | checked |",
+            "|:--|:--|:--|--:|--:|--:|:--|",
+        ]
+        if rows
+        else []
+    )
     for (device, size, route), b in of.items():
         e, t = b["extra_info"], b["stats"]["median"]
         out.append(
@@ -688,10 +692,11 @@ def table(path: str) -> str:
             f"{t * 1e3:.1f} | {e['pause_ms']:.1f} | {e['bytes'] / t / 1e9:.2f} | "
             f"{'yes' if e['verified'] else 'NO'} |"
         )
-    out.append(
-        "\n(checked: on a CPU the engine's tokens equal a transformers forward of the trainer's weights; on a "
-        "GPU, bf16, they changed with the updates)"
-    )
+    if rows:
+        out.append(
+            "\n(checked: on a CPU the engine's tokens equal a transformers forward of the trainer's weights; on "
+            "a GPU, bf16, they changed with the updates)"
+        )
     for device, size in dict.fromkeys((d, z) for d, z, _ in of):
         ours = of.get((device, size, "cudarecv"))
         if ours is None:
