@@ -131,7 +131,9 @@ def test_the_nccl_marker_is_registered():
     assert "@pytest.mark.nccl:" in done.stdout, done.stdout[-2000:]
 
 
-def _children(pid: int) -> set[int]:
+def _children(pid: int) -> set[tuple[int, int]]:
+    """The children of ``pid``, each as (pid, start time): a pid the kernel gives again to a new process (this
+    machine's pid_max is 32768) is not the child that died."""
     found = set()
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -139,20 +141,25 @@ def _children(pid: int) -> set[int]:
                 stat = (entry / "stat").read_text()
             except OSError:
                 continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.add(int(entry.name))
+            fields = stat.rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid:
+                found.add((int(entry.name), int(fields[19])))
     return found
 
 
-def _alive(pid: int) -> bool:
+def _alive(child: tuple[int, int]) -> bool:
+    """Whether that very process (its pid and start time) still runs (a zombie does not)."""
+    pid, started = child
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return False
-    return state != "Z"
+    return int(fields[19]) == started and fields[0] != "Z"
 
 
-def smoke_pair_interrupted(script: Path, tmp_path: Path) -> tuple[subprocess.CompletedProcess, set]:
+def smoke_pair_interrupted(
+    script: Path, tmp_path: Path
+) -> tuple[subprocess.CompletedProcess, set[tuple[int, int]]]:
     """Start ``script pair`` over gloo, SIGINT it once both ranks run; its output and its ranks' pids."""
     parent = subprocess.Popen(
         [sys.executable, str(script), "pair", "--backend", "gloo", "--logs", str(tmp_path)],
@@ -162,7 +169,7 @@ def smoke_pair_interrupted(script: Path, tmp_path: Path) -> tuple[subprocess.Com
     )
     try:
         end = time.monotonic() + 60
-        ranks: set[int] = set()
+        ranks: set[tuple[int, int]] = set()
         while len(ranks) < 2 and time.monotonic() < end and parent.poll() is None:
             ranks = _children(parent.pid)
             time.sleep(0.05)
@@ -183,15 +190,15 @@ def test_the_smoke_pair_ends_its_ranks_when_interrupted(tmp_path):
     done, ranks = smoke_pair_interrupted(SMOKE, tmp_path)
     try:
         end = time.monotonic() + 15
-        while any(_alive(pid) for pid in ranks) and time.monotonic() < end:
-            time.sleep(0.1)
-        assert not any(_alive(pid) for pid in ranks), (ranks, done.stdout)
+        while any(_alive(rank) for rank in ranks) and time.monotonic() < end:
+            time.sleep(0.1)  # (a poll of their end, bounded)
+        assert not any(_alive(rank) for rank in ranks), (ranks, done.stdout)
         assert done.returncode == 1, done.stdout
         assert "stopped by SIGINT" in done.stdout, done.stdout
     finally:
-        for pid in ranks:
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        for rank in ranks:
+            if _alive(rank):
+                os.kill(rank[0], signal.SIGKILL)
 
 
 def test_the_nccl_test_modules_bound_each_test_beyond_their_own_waits():
