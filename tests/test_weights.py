@@ -38,10 +38,12 @@ def fan_out(rank, world, group, steps, standalone, fanout):
             fanout=fanout,
             verify=fanout == "relay",
         ) as sender:
+            assert sender.reached is None  # (no blocking push yet)
             for version in range(1, steps + 1):
                 set_version(model, version)
                 if version % 2:
                     assert sender.push() == version
+                    assert sorted(sender.reached or ()) == [1, 2, 3]  # (who got it, whole)
                 else:
                     for transfer in sender.push(wait=False):
                         transfer.wait(20)
