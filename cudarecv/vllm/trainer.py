@@ -243,12 +243,7 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
             options = dict(
                 group=self._group,
                 group_dst=list(range(1, workers + 1)),
-                timeout=info.timeout,
-                mode=info.mode,
-                verify=info.verify,
-                bucket_bytes=info.bucket_bytes,
-                transport=info.transport,
-                delta=info.delta,
+                **self._sender_options(),
             )
             td = self._td.unflatten_keys(".")
             self.sender = (
@@ -292,10 +287,7 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
             )
             if self._first_dtype is None:
                 if time.monotonic() > deadline or not any(e.busy() for e in self._engines):
-                    raise TransferTimeout(
-                        "cudarecv weight transfer: no engine of the fleet joined: "
-                        + "; ".join(f"{e.label}: {e.why}" for e in self._engines)
-                    )
+                    raise self._none_joined()
                 time.sleep(0.02)  # (a poll of the joins' first records, bounded by the deadline)
         dtype = dtype_of(info.dtype or self._first_dtype, "dtype")
         self._td, self.dtype = self._weights(dtype), dtype
@@ -303,20 +295,12 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
             self._td.unflatten_keys("."),
             self._store,
             fleet,
-            timeout=info.timeout,
-            mode=info.mode,
-            verify=info.verify,
-            bucket_bytes=info.bucket_bytes,
-            transport=info.transport,
-            delta=info.delta,
+            **self._sender_options(),
         )
         # (one joined, then the others within join_wait: one that is down or hung holds up nobody for long)
         while not any(e.state is EngineState.JOINED for e in self._engines):
             if time.monotonic() > deadline or not any(e.busy() for e in self._engines):
-                raise TransferTimeout(
-                    "cudarecv weight transfer: no engine of the fleet joined: "
-                    + "; ".join(f"{e.label}: {e.why}" for e in self._engines)
-                )
+                raise self._none_joined()
             time.sleep(0.02)  # (a poll of the joins under way, bounded by the deadline)
         waited = time.monotonic() + info.join_wait
         for engine in self._engines:
@@ -328,6 +312,25 @@ class CudarecvTrainerEngine(TrainerWeightTransferEngine[CudarecvTrainerInitInfo]
             len(joined),
             dtype,
             info.mode,
+        )
+
+    def _sender_options(self) -> dict[str, Any]:
+        """The trainer's settings every sender of it takes."""
+        info = self.info
+        return dict(
+            timeout=info.timeout,
+            mode=info.mode,
+            verify=info.verify,
+            bucket_bytes=info.bucket_bytes,
+            transport=info.transport,
+            delta=info.delta,
+        )
+
+    def _none_joined(self) -> TransferTimeout:
+        """What ``trainer_init`` of a fleet raises when no engine joined: each engine and why."""
+        return TransferTimeout(
+            "cudarecv weight transfer: no engine of the fleet joined: "
+            + "; ".join(f"{e.label}: {e.why}" for e in self._engines)
         )
 
     def _engine_dtype(self) -> str | None:
